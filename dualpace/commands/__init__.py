@@ -1,0 +1,1 @@
+"""Subcommands of the `dualpace` CLI; each module has register(subparsers) and run(args)."""
