@@ -1,0 +1,193 @@
+"""Per-sequence KV block tables on top of the reference-counted allocator.
+
+Pure bookkeeping (no tensors): a sequence's tokens fill its blocks in order,
+``block_size`` tokens per block, so position ``p`` lives in block
+``block_ids[p // block_size]`` at offset ``p % block_size`` — flat slot
+``block_id * block_size + offset`` in the storage layer.
+
+Sharing: ``fork`` lets a child share all of its parent's blocks. Only the last
+block of a table can be partially filled, and only it is ever written again, so
+when an ``append`` would write into a shared, partially filled last block the
+manager gives the writer a private copy (copy-on-write) and reports the
+``(src_block_id, dst_block_id)`` pair for the storage layer to copy.
+
+Every mutating method checks everything (ids, sizes, free blocks) before it
+changes anything: a raised error leaves the manager untouched.
+"""
+
+from collections.abc import Hashable
+from dataclasses import dataclass, field
+
+from dualpace.kv.allocator import BlockAllocator, OutOfBlocks
+
+SeqId = Hashable
+
+
+@dataclass(frozen=True)
+class AppendResult:
+    """What ``KVBlockManager.append`` changed in one table.
+
+    ``new_block_ids``: blocks added to the end of the table (in table order);
+    a copy-on-write destination is the first of them.
+    ``copies``: ``(src_block_id, dst_block_id)`` pairs whose used slots the
+    storage layer must copy before writing the new tokens' KV.
+    """
+
+    new_block_ids: tuple[int, ...] = ()
+    copies: tuple[tuple[int, int], ...] = ()
+
+
+@dataclass
+class _SeqBlocks:
+    """One sequence's block table and how many token slots it has filled."""
+
+    block_ids: list[int] = field(default_factory=list)
+    num_tokens: int = 0
+
+
+class KVBlockManager:
+    """Block tables keyed by a hashable sequence / request id."""
+
+    def __init__(self, num_blocks: int, block_size: int):
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        self.block_size = block_size
+        self._allocator = BlockAllocator(num_blocks)
+        self._seqs: dict[SeqId, _SeqBlocks] = {}
+
+    # -- pool ----------------------------------------------------------------
+
+    @property
+    def num_total_blocks(self) -> int:
+        """All blocks in the pool."""
+        return self._allocator.num_total_blocks
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks no table holds."""
+        return self._allocator.num_free_blocks
+
+    @property
+    def num_used_blocks(self) -> int:
+        """Blocks held by at least one table."""
+        return self._allocator.num_used_blocks
+
+    def refcount(self, block_id: int) -> int:
+        """How many tables hold ``block_id``."""
+        return self._allocator.refcount(block_id)
+
+    def num_blocks_for(self, num_tokens: int) -> int:
+        """Blocks needed to hold ``num_tokens`` tokens (ceil division)."""
+        _check_count("num_tokens", num_tokens)
+        return -(-num_tokens // self.block_size)
+
+    # -- sequences -----------------------------------------------------------
+
+    def has(self, seq_id: SeqId) -> bool:
+        """Whether ``seq_id`` has a block table."""
+        return seq_id in self._seqs
+
+    def seq_ids(self) -> list[SeqId]:
+        """Ids with a block table, in the order they were created."""
+        return list(self._seqs)
+
+    def block_ids(self, seq_id: SeqId) -> list[int]:
+        """A copy of the sequence's block table."""
+        return list(self._get(seq_id).block_ids)
+
+    def num_tokens(self, seq_id: SeqId) -> int:
+        """Token slots the sequence has reserved (prompt + appended)."""
+        return self._get(seq_id).num_tokens
+
+    def slot_ids(self, seq_id: SeqId, start_pos: int, end_pos: int) -> list[int]:
+        """Flat storage slots of positions ``start_pos <= p < end_pos``."""
+        seq = self._get(seq_id)
+        if not 0 <= start_pos <= end_pos <= seq.num_tokens:
+            raise ValueError(
+                f"slot range [{start_pos}, {end_pos}) outside sequence {seq_id!r} "
+                f"with {seq.num_tokens} tokens"
+            )
+        size = self.block_size
+        return [seq.block_ids[p // size] * size + p % size for p in range(start_pos, end_pos)]
+
+    def can_allocate(self, num_tokens: int) -> bool:
+        """Whether a new sequence of ``num_tokens`` tokens fits now."""
+        return self.num_blocks_for(num_tokens) <= self.num_free_blocks
+
+    def allocate(self, seq_id: SeqId, num_tokens: int) -> list[int]:
+        """Create a table for a new sequence holding ``num_tokens`` tokens.
+
+        Raises ValueError if ``seq_id`` exists, OutOfBlocks if it does not fit.
+        """
+        if seq_id in self._seqs:
+            raise ValueError(f"sequence {seq_id!r} already has KV blocks")
+        block_ids = self._allocator.allocate(self.num_blocks_for(num_tokens))
+        self._seqs[seq_id] = _SeqBlocks(block_ids, num_tokens)
+        return list(block_ids)
+
+    def can_append(self, seq_id: SeqId, num_new_tokens: int) -> bool:
+        """Whether ``append(seq_id, num_new_tokens)`` would succeed now."""
+        return self._num_blocks_to_append(self._get(seq_id), num_new_tokens) <= self.num_free_blocks
+
+    def append(self, seq_id: SeqId, num_new_tokens: int) -> AppendResult:
+        """Reserve slots for ``num_new_tokens`` more tokens, copying-on-write if needed.
+
+        Raises KeyError for an unknown id, OutOfBlocks (changing nothing) if the
+        blocks are not free.
+        """
+        seq = self._get(seq_id)
+        num_needed_blocks = self._num_blocks_to_append(seq, num_new_tokens)
+        if num_needed_blocks > self.num_free_blocks:
+            raise OutOfBlocks(num_needed_blocks, self.num_free_blocks, self.num_total_blocks)
+        new_block_ids = self._allocator.allocate(num_needed_blocks)
+        copies: tuple[tuple[int, int], ...] = ()
+        if self._needs_copy_on_write(seq, num_new_tokens):
+            src_block_id = seq.block_ids.pop()
+            self._allocator.free([src_block_id])  # still held by its other owners
+            copies = ((src_block_id, new_block_ids[0]),)
+        seq.block_ids.extend(new_block_ids)
+        seq.num_tokens += num_new_tokens
+        return AppendResult(tuple(new_block_ids), copies)
+
+    def fork(self, parent_id: SeqId, child_id: SeqId) -> None:
+        """Give ``child_id`` a table sharing every block of ``parent_id``."""
+        parent = self._get(parent_id)
+        if child_id in self._seqs:
+            raise ValueError(f"cannot fork into sequence {child_id!r}: it already has KV blocks")
+        self._allocator.incref(parent.block_ids)
+        self._seqs[child_id] = _SeqBlocks(list(parent.block_ids), parent.num_tokens)
+
+    def free(self, seq_id: SeqId) -> None:
+        """Drop the sequence's table; blocks no other table holds become free."""
+        seq = self._get(seq_id)
+        self._allocator.free(seq.block_ids)
+        del self._seqs[seq_id]
+
+    # -- helpers -------------------------------------------------------------
+
+    def _get(self, seq_id: SeqId) -> _SeqBlocks:
+        try:
+            return self._seqs[seq_id]
+        except KeyError:
+            raise KeyError(f"unknown sequence {seq_id!r}: it has no KV blocks") from None
+
+    def _needs_copy_on_write(self, seq: _SeqBlocks, num_new_tokens: int) -> bool:
+        """New tokens would land in a shared, partially filled last block."""
+        return (
+            num_new_tokens > 0
+            and seq.num_tokens % self.block_size != 0
+            and self._allocator.refcount(seq.block_ids[-1]) > 1
+        )
+
+    def _num_blocks_to_append(self, seq: _SeqBlocks, num_new_tokens: int) -> int:
+        _check_count("num_new_tokens", num_new_tokens)
+        num_growth_blocks = self.num_blocks_for(seq.num_tokens + num_new_tokens) - len(seq.block_ids)
+        return num_growth_blocks + int(self._needs_copy_on_write(seq, num_new_tokens))
+
+
+def _check_count(name: str, value: int) -> None:
+    if value < 0:
+        raise ValueError(f"{name} must be >= 0, got {value}")
+
+
+__all__ = ["AppendResult", "KVBlockManager", "OutOfBlocks", "SeqId"]
