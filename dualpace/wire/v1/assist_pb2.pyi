@@ -1,0 +1,72 @@
+from dualpace.wire.v1 import common_pb2 as _common_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class AssistUp(_message.Message):
+    __slots__ = ("begin", "attention_output")
+    BEGIN_FIELD_NUMBER: _ClassVar[int]
+    ATTENTION_OUTPUT_FIELD_NUMBER: _ClassVar[int]
+    begin: AssistBegin
+    attention_output: AssistAttentionOutput
+    def __init__(self, begin: _Optional[_Union[AssistBegin, _Mapping]] = ..., attention_output: _Optional[_Union[AssistAttentionOutput, _Mapping]] = ...) -> None: ...
+
+class AssistBegin(_message.Message):
+    __slots__ = ("iteration_id", "token_ids", "positions", "return_logits", "sampling")
+    ITERATION_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    POSITIONS_FIELD_NUMBER: _ClassVar[int]
+    RETURN_LOGITS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    iteration_id: int
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    positions: _containers.RepeatedScalarFieldContainer[int]
+    return_logits: bool
+    sampling: _containers.RepeatedCompositeFieldContainer[_common_pb2.SamplingParams]
+    def __init__(self, iteration_id: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., positions: _Optional[_Iterable[int]] = ..., return_logits: _Optional[bool] = ..., sampling: _Optional[_Iterable[_Union[_common_pb2.SamplingParams, _Mapping]]] = ...) -> None: ...
+
+class AssistAttentionOutput(_message.Message):
+    __slots__ = ("iteration_id", "layer", "attention_output")
+    ITERATION_ID_FIELD_NUMBER: _ClassVar[int]
+    LAYER_FIELD_NUMBER: _ClassVar[int]
+    ATTENTION_OUTPUT_FIELD_NUMBER: _ClassVar[int]
+    iteration_id: int
+    layer: int
+    attention_output: _common_pb2.Tensor
+    def __init__(self, iteration_id: _Optional[int] = ..., layer: _Optional[int] = ..., attention_output: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ...) -> None: ...
+
+class AssistDown(_message.Message):
+    __slots__ = ("qkv", "result")
+    QKV_FIELD_NUMBER: _ClassVar[int]
+    RESULT_FIELD_NUMBER: _ClassVar[int]
+    qkv: AssistQkv
+    result: AssistResult
+    def __init__(self, qkv: _Optional[_Union[AssistQkv, _Mapping]] = ..., result: _Optional[_Union[AssistResult, _Mapping]] = ...) -> None: ...
+
+class AssistQkv(_message.Message):
+    __slots__ = ("iteration_id", "layer", "q", "k", "v")
+    ITERATION_ID_FIELD_NUMBER: _ClassVar[int]
+    LAYER_FIELD_NUMBER: _ClassVar[int]
+    Q_FIELD_NUMBER: _ClassVar[int]
+    K_FIELD_NUMBER: _ClassVar[int]
+    V_FIELD_NUMBER: _ClassVar[int]
+    iteration_id: int
+    layer: int
+    q: _common_pb2.Tensor
+    k: _common_pb2.Tensor
+    v: _common_pb2.Tensor
+    def __init__(self, iteration_id: _Optional[int] = ..., layer: _Optional[int] = ..., q: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., k: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., v: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ...) -> None: ...
+
+class AssistResult(_message.Message):
+    __slots__ = ("iteration_id", "sampled", "logits")
+    ITERATION_ID_FIELD_NUMBER: _ClassVar[int]
+    SAMPLED_FIELD_NUMBER: _ClassVar[int]
+    LOGITS_FIELD_NUMBER: _ClassVar[int]
+    iteration_id: int
+    sampled: _common_pb2.TokenIds
+    logits: _common_pb2.Tensor
+    def __init__(self, iteration_id: _Optional[int] = ..., sampled: _Optional[_Union[_common_pb2.TokenIds, _Mapping]] = ..., logits: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ...) -> None: ...

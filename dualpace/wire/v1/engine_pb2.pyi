@@ -1,0 +1,286 @@
+from dualpace.wire.v1 import common_pb2 as _common_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class EngineGenerateRequest(_message.Message):
+    __slots__ = ("new_request", "resume")
+    NEW_REQUEST_FIELD_NUMBER: _ClassVar[int]
+    RESUME_FIELD_NUMBER: _ClassVar[int]
+    new_request: NewEngineRequest
+    resume: ResumeEngineRequest
+    def __init__(self, new_request: _Optional[_Union[NewEngineRequest, _Mapping]] = ..., resume: _Optional[_Union[ResumeEngineRequest, _Mapping]] = ...) -> None: ...
+
+class NewEngineRequest(_message.Message):
+    __slots__ = ("request_id", "prompt_token_ids", "sampling")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    sampling: _common_pb2.SamplingParams
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ...) -> None: ...
+
+class ResumeEngineRequest(_message.Message):
+    __slots__ = ("request_id", "from_token_index")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    FROM_TOKEN_INDEX_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    from_token_index: int
+    def __init__(self, request_id: _Optional[str] = ..., from_token_index: _Optional[int] = ...) -> None: ...
+
+class EngineGenerateResponse(_message.Message):
+    __slots__ = ("request_id", "token_ids", "first_token_index", "finish_reason", "usage", "engine", "migrated_to")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    FIRST_TOKEN_INDEX_FIELD_NUMBER: _ClassVar[int]
+    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    USAGE_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_FIELD_NUMBER: _ClassVar[int]
+    MIGRATED_TO_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    first_token_index: int
+    finish_reason: _common_pb2.FinishReason
+    usage: _common_pb2.Usage
+    engine: str
+    migrated_to: str
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., first_token_index: _Optional[int] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., usage: _Optional[_Union[_common_pb2.Usage, _Mapping]] = ..., engine: _Optional[str] = ..., migrated_to: _Optional[str] = ...) -> None: ...
+
+class AbortRequest(_message.Message):
+    __slots__ = ("request_id",)
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    def __init__(self, request_id: _Optional[str] = ...) -> None: ...
+
+class AbortResponse(_message.Message):
+    __slots__ = ("found",)
+    FOUND_FIELD_NUMBER: _ClassVar[int]
+    found: bool
+    def __init__(self, found: _Optional[bool] = ...) -> None: ...
+
+class MigrateOutRequest(_message.Message):
+    __slots__ = ("request_id", "target_address")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    TARGET_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    target_address: str
+    def __init__(self, request_id: _Optional[str] = ..., target_address: _Optional[str] = ...) -> None: ...
+
+class MigrateOutResponse(_message.Message):
+    __slots__ = ("target_engine", "num_chunks", "total_bytes", "duration_ms")
+    TARGET_ENGINE_FIELD_NUMBER: _ClassVar[int]
+    NUM_CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DURATION_MS_FIELD_NUMBER: _ClassVar[int]
+    target_engine: str
+    num_chunks: int
+    total_bytes: int
+    duration_ms: float
+    def __init__(self, target_engine: _Optional[str] = ..., num_chunks: _Optional[int] = ..., total_bytes: _Optional[int] = ..., duration_ms: _Optional[float] = ...) -> None: ...
+
+class ImportKvMessage(_message.Message):
+    __slots__ = ("header", "chunk", "prepare", "commit")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    PREPARE_FIELD_NUMBER: _ClassVar[int]
+    COMMIT_FIELD_NUMBER: _ClassVar[int]
+    header: ImportKvHeader
+    chunk: KvChunk
+    prepare: ImportKvPrepare
+    commit: ImportKvCommit
+    def __init__(self, header: _Optional[_Union[ImportKvHeader, _Mapping]] = ..., chunk: _Optional[_Union[KvChunk, _Mapping]] = ..., prepare: _Optional[_Union[ImportKvPrepare, _Mapping]] = ..., commit: _Optional[_Union[ImportKvCommit, _Mapping]] = ...) -> None: ...
+
+class KvLayout(_message.Message):
+    __slots__ = ("num_layers", "num_kv_heads", "head_dim", "block_size", "dtype")
+    NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    NUM_KV_HEADS_FIELD_NUMBER: _ClassVar[int]
+    HEAD_DIM_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+    dtype: str
+    def __init__(self, num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., block_size: _Optional[int] = ..., dtype: _Optional[str] = ...) -> None: ...
+
+class ImportKvHeader(_message.Message):
+    __slots__ = ("request_id", "prompt_token_ids", "output_token_ids", "sampling", "num_computed_tokens", "num_tokens_emitted", "layout", "total_chunks", "total_bytes", "source_engine")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    NUM_COMPUTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_EMITTED_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_ENGINE_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    output_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    sampling: _common_pb2.SamplingParams
+    num_computed_tokens: int
+    num_tokens_emitted: int
+    layout: KvLayout
+    total_chunks: int
+    total_bytes: int
+    source_engine: str
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., output_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., num_computed_tokens: _Optional[int] = ..., num_tokens_emitted: _Optional[int] = ..., layout: _Optional[_Union[KvLayout, _Mapping]] = ..., total_chunks: _Optional[int] = ..., total_bytes: _Optional[int] = ..., source_engine: _Optional[str] = ...) -> None: ...
+
+class KvChunk(_message.Message):
+    __slots__ = ("seq", "layer", "token_start", "token_end", "k", "v", "crc32")
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    LAYER_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_START_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_END_FIELD_NUMBER: _ClassVar[int]
+    K_FIELD_NUMBER: _ClassVar[int]
+    V_FIELD_NUMBER: _ClassVar[int]
+    CRC32_FIELD_NUMBER: _ClassVar[int]
+    seq: int
+    layer: int
+    token_start: int
+    token_end: int
+    k: bytes
+    v: bytes
+    crc32: int
+    def __init__(self, seq: _Optional[int] = ..., layer: _Optional[int] = ..., token_start: _Optional[int] = ..., token_end: _Optional[int] = ..., k: _Optional[bytes] = ..., v: _Optional[bytes] = ..., crc32: _Optional[int] = ...) -> None: ...
+
+class ImportKvPrepare(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ImportKvCommit(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ImportKvReply(_message.Message):
+    __slots__ = ("prepared", "committed")
+    PREPARED_FIELD_NUMBER: _ClassVar[int]
+    COMMITTED_FIELD_NUMBER: _ClassVar[int]
+    prepared: ImportKvPrepared
+    committed: ImportKvCommitted
+    def __init__(self, prepared: _Optional[_Union[ImportKvPrepared, _Mapping]] = ..., committed: _Optional[_Union[ImportKvCommitted, _Mapping]] = ...) -> None: ...
+
+class ImportKvPrepared(_message.Message):
+    __slots__ = ("num_chunks", "total_bytes", "kv_blocks")
+    NUM_CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    KV_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    num_chunks: int
+    total_bytes: int
+    kv_blocks: int
+    def __init__(self, num_chunks: _Optional[int] = ..., total_bytes: _Optional[int] = ..., kv_blocks: _Optional[int] = ...) -> None: ...
+
+class ImportKvCommitted(_message.Message):
+    __slots__ = ("request_id", "engine")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    engine: str
+    def __init__(self, request_id: _Optional[str] = ..., engine: _Optional[str] = ...) -> None: ...
+
+class GetLoadRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class WatchLoadRequest(_message.Message):
+    __slots__ = ("interval_ms",)
+    INTERVAL_MS_FIELD_NUMBER: _ClassVar[int]
+    interval_ms: int
+    def __init__(self, interval_ms: _Optional[int] = ...) -> None: ...
+
+class LoadSnapshot(_message.Message):
+    __slots__ = ("engine", "kind", "serving", "num_running", "num_waiting", "kv_blocks_total", "kv_blocks_used", "block_size", "itl_p50_ms", "itl_p99_ms", "num_iterations", "timestamp_unix_ms")
+    ENGINE_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    SERVING_FIELD_NUMBER: _ClassVar[int]
+    NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
+    NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
+    KV_BLOCKS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    KV_BLOCKS_USED_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    ITL_P50_MS_FIELD_NUMBER: _ClassVar[int]
+    ITL_P99_MS_FIELD_NUMBER: _ClassVar[int]
+    NUM_ITERATIONS_FIELD_NUMBER: _ClassVar[int]
+    TIMESTAMP_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
+    engine: str
+    kind: _common_pb2.EngineKind
+    serving: bool
+    num_running: int
+    num_waiting: int
+    kv_blocks_total: int
+    kv_blocks_used: int
+    block_size: int
+    itl_p50_ms: float
+    itl_p99_ms: float
+    num_iterations: int
+    timestamp_unix_ms: int
+    def __init__(self, engine: _Optional[str] = ..., kind: _Optional[_Union[_common_pb2.EngineKind, str]] = ..., serving: _Optional[bool] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., block_size: _Optional[int] = ..., itl_p50_ms: _Optional[float] = ..., itl_p99_ms: _Optional[float] = ..., num_iterations: _Optional[int] = ..., timestamp_unix_ms: _Optional[int] = ...) -> None: ...
+
+class ListRequestsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ListRequestsResponse(_message.Message):
+    __slots__ = ("requests",)
+    REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    requests: _containers.RepeatedCompositeFieldContainer[RequestInfo]
+    def __init__(self, requests: _Optional[_Iterable[_Union[RequestInfo, _Mapping]]] = ...) -> None: ...
+
+class RequestInfo(_message.Message):
+    __slots__ = ("request_id", "state", "prompt_tokens", "generated_tokens", "kv_blocks")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    GENERATED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    KV_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    state: _common_pb2.RequestState
+    prompt_tokens: int
+    generated_tokens: int
+    kv_blocks: int
+    def __init__(self, request_id: _Optional[str] = ..., state: _Optional[_Union[_common_pb2.RequestState, str]] = ..., prompt_tokens: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., kv_blocks: _Optional[int] = ...) -> None: ...
+
+class InfoRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class EngineInfo(_message.Message):
+    __slots__ = ("engine", "kind", "model", "architecture", "num_layers", "hidden_size", "num_heads", "num_kv_heads", "head_dim", "vocab_size", "max_context_tokens", "block_size", "dtype", "device", "version")
+    ENGINE_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
+    NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    HIDDEN_SIZE_FIELD_NUMBER: _ClassVar[int]
+    NUM_HEADS_FIELD_NUMBER: _ClassVar[int]
+    NUM_KV_HEADS_FIELD_NUMBER: _ClassVar[int]
+    HEAD_DIM_FIELD_NUMBER: _ClassVar[int]
+    VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
+    MAX_CONTEXT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    engine: str
+    kind: _common_pb2.EngineKind
+    model: str
+    architecture: str
+    num_layers: int
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    max_context_tokens: int
+    block_size: int
+    dtype: str
+    device: str
+    version: str
+    def __init__(self, engine: _Optional[str] = ..., kind: _Optional[_Union[_common_pb2.EngineKind, str]] = ..., model: _Optional[str] = ..., architecture: _Optional[str] = ..., num_layers: _Optional[int] = ..., hidden_size: _Optional[int] = ..., num_heads: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., vocab_size: _Optional[int] = ..., max_context_tokens: _Optional[int] = ..., block_size: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., version: _Optional[str] = ...) -> None: ...

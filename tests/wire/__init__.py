@@ -1,0 +1,1 @@
+"""Tests of the gRPC contracts and the protobuf <-> core conversions."""
