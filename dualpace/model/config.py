@@ -64,6 +64,10 @@ class ModelConfig:
                 f"unsupported architecture {model_type!r} in config.json; "
                 f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
             )
+        if model_type != "qwen2" and hf.get("attention_bias"):
+            raise ModelLoadError(
+                f"{model_type} with attention_bias (biases on the q/k/v/o projections) is not supported"
+            )
         try:
             num_heads = int(hf["num_attention_heads"])
             hidden = int(hf["hidden_size"])
@@ -95,7 +99,7 @@ class ModelConfig:
                 rope_scaling=scaling,
                 max_position_embeddings=int(hf.get("max_position_embeddings", 4096)),
                 tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-                qkv_bias=bool(hf.get("attention_bias", model_type == "qwen2")),
+                qkv_bias=model_type == "qwen2",
                 bos_token_id=hf.get("bos_token_id"),
                 eos_token_ids=eos_ids,
             )
@@ -128,7 +132,7 @@ class ModelConfig:
             "eos_token_id": list(self.eos_token_ids) if len(self.eos_token_ids) != 1 else self.eos_token_ids[0],
         }
         if self.architecture == "llama":
-            hf["attention_bias"] = self.qkv_bias
+            hf["attention_bias"] = False  # Qwen2 has q/k/v biases by definition; Llama's flag would add o_proj too
         if self.architecture == "mistral":
             hf["sliding_window"] = None
         if self.rope_scaling is not None:

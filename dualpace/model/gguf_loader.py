@@ -1,0 +1,133 @@
+"""Load a GGUF file: metadata -> ModelConfig, tensors dequantized with the `gguf` package.
+
+llama.cpp's converter permutes the rows of Q and K for Llama-architecture models
+(its RoPE pairs adjacent dimensions; Hugging Face's pairs the two halves of each
+head), so those two weights are permuted back here. Qwen2 GGUFs are not permuted.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from dualpace.errors import ModelLoadError
+from dualpace.model.config import ModelConfig
+from dualpace.model.transformer import ModelWeights
+from dualpace.model.weights import weights_from_hf_names
+
+_PERMUTED_ARCHITECTURES = ("llama", "mistral")
+
+_LAYER_NAMES = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_q.bias": "self_attn.q_proj.bias",
+    "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.bias": "self_attn.v_proj.bias",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+
+
+def open_gguf(path: Path):
+    import gguf
+
+    try:
+        return gguf.GGUFReader(str(path))
+    except (OSError, ValueError, KeyError, IndexError) as exc:
+        raise ModelLoadError(f"{path} is not a readable GGUF file: {exc}") from exc
+
+
+def _field(reader, key: str, default=None):
+    field = reader.fields.get(key)
+    if field is None:
+        if default is None:
+            raise ModelLoadError(f"GGUF metadata is missing {key}")
+        return default
+    return field.contents()
+
+
+def gguf_hf_name(gguf_name: str) -> str | None:
+    """Hugging Face tensor name for a GGUF tensor name (None when not used)."""
+    if gguf_name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[gguf_name]
+    parts = gguf_name.split(".", 2)
+    if len(parts) == 3 and parts[0] == "blk" and parts[2] in _LAYER_NAMES:
+        return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}"
+    return None
+
+
+def read_gguf_config(reader) -> ModelConfig:
+    arch = _field(reader, "general.architecture")
+    tensor_names = {t.name for t in reader.tensors}
+    if "rope_freqs.weight" in tensor_names:
+        raise ModelLoadError("GGUF with rope_freqs (llama3 rope scaling) is not supported; use the HF folder")
+    token_count = len(reader.fields["tokenizer.ggml.tokens"].data) if "tokenizer.ggml.tokens" in reader.fields else 0
+    num_heads = int(_field(reader, f"{arch}.attention.head_count"))
+    hidden = int(_field(reader, f"{arch}.embedding_length"))
+    eos = _field(reader, "tokenizer.ggml.eos_token_id", -1)
+    bos = _field(reader, "tokenizer.ggml.bos_token_id", -1)
+    return ModelConfig(
+        architecture=arch,
+        vocab_size=int(_field(reader, f"{arch}.vocab_size", token_count or -1)),
+        hidden_size=hidden,
+        intermediate_size=int(_field(reader, f"{arch}.feed_forward_length")),
+        num_layers=int(_field(reader, f"{arch}.block_count")),
+        num_heads=num_heads,
+        num_kv_heads=int(_field(reader, f"{arch}.attention.head_count_kv", num_heads)),
+        head_dim=int(_field(reader, f"{arch}.rope.dimension_count", hidden // num_heads)),
+        rms_norm_eps=float(_field(reader, f"{arch}.attention.layer_norm_rms_epsilon")),
+        rope_theta=float(_field(reader, f"{arch}.rope.freq_base", 10000.0)),
+        max_position_embeddings=int(_field(reader, f"{arch}.context_length")),
+        tie_word_embeddings="output.weight" not in tensor_names,
+        qkv_bias="blk.0.attn_q.bias" in tensor_names,
+        bos_token_id=int(bos) if bos >= 0 else None,
+        eos_token_ids=(int(eos),) if eos >= 0 else (),
+    )
+
+
+def _unpermute_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:
+    """Undo llama.cpp's per-head interleaving of the rotary halves in Q/K rows."""
+    rows = weight.shape[0]
+    return weight.reshape(num_heads, rows // num_heads // 2, 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
+
+
+def load_gguf_weights(reader, config: ModelConfig, dtype: torch.dtype) -> ModelWeights:
+    from gguf.quants import dequantize
+
+    by_hf_name = {}
+    for tensor in reader.tensors:
+        hf_name = gguf_hf_name(tensor.name)
+        if hf_name is not None:
+            by_hf_name[hf_name] = tensor
+    permute = config.architecture in _PERMUTED_ARCHITECTURES
+
+    def get_tensor(name: str) -> torch.Tensor | None:
+        tensor = by_hf_name.get(name)
+        if tensor is None:
+            return None
+        try:
+            values = dequantize(tensor.data, tensor.tensor_type)
+        except (ValueError, NotImplementedError) as exc:
+            raise ModelLoadError(f"cannot dequantize {tensor.name} ({tensor.tensor_type.name}): {exc}") from exc
+        values = np.asarray(values, dtype=np.float32).reshape([int(d) for d in reversed(tensor.shape.tolist())])
+        if permute and name.endswith(("q_proj.weight", "q_proj.bias")):
+            values = _unpermute_rows(values, config.num_heads)
+        elif permute and name.endswith(("k_proj.weight", "k_proj.bias")):
+            values = _unpermute_rows(values, config.num_kv_heads)
+        if not values.flags.writeable:  # F32 tensors are views of the memory-mapped file
+            values = values.copy()
+        return torch.from_numpy(np.ascontiguousarray(values))
+
+    return weights_from_hf_names(config, get_tensor, dtype)

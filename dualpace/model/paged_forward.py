@@ -1,0 +1,138 @@
+"""One forward step over a mixed batch of prefill chunks and decode tokens, on paged KV.
+
+The caller (an engine runner or the offline generator) decides which sequences
+run and which blocks they own; this module turns that into tensors, runs the
+model's stages layer by layer and returns logits. Dense stages run once over all
+of the step's tokens; attention runs batched for the decode tokens and per
+sequence for prefill chunks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from dualpace.kv.storage import KVStorage
+from dualpace.model.attention import decode_attention, prefill_attention
+from dualpace.model.transformer import Transformer
+
+
+@dataclass(frozen=True)
+class SequenceWork:
+    """One sequence's share of a step: new tokens starting at `start_pos`."""
+
+    token_ids: list[int]
+    start_pos: int
+    block_ids: list[int]  # the sequence's block table, covering start_pos + len(token_ids)
+    all_logits: bool = False  # return logits for every new token, not just the last
+
+
+@dataclass
+class StepTensors:
+    """The step's metadata, as tensors on the model's device."""
+
+    token_ids: torch.Tensor  # [T]
+    positions: torch.Tensor  # [T]
+    slot_ids: torch.Tensor  # [T]
+    decode_token_index: torch.Tensor  # [D] index into T of each decode token
+    decode_block_tables: torch.Tensor  # [D, max_blocks]
+    decode_context_lens: torch.Tensor  # [D]
+    prefills: list[tuple[int, int, int, torch.Tensor]]  # (first token index, num tokens, start_pos, block_ids)
+    logit_token_index: torch.Tensor  # [N] rows of hidden whose logits are returned
+
+
+def build_step_tensors(work: list[SequenceWork], block_size: int, device: torch.device) -> StepTensors:
+    token_ids: list[int] = []
+    positions: list[int] = []
+    slot_ids: list[int] = []
+    decode_index: list[int] = []
+    decode_tables: list[list[int]] = []
+    decode_lens: list[int] = []
+    prefills: list[tuple[int, int, int, list[int]]] = []
+    logit_index: list[int] = []
+    for seq in work:
+        first = len(token_ids)
+        num_new = len(seq.token_ids)
+        end_pos = seq.start_pos + num_new
+        if num_new == 0:
+            raise ValueError("a sequence in a step must have at least one new token")
+        if len(seq.block_ids) * block_size < end_pos:
+            raise ValueError(f"block table of {len(seq.block_ids)} blocks cannot hold {end_pos} tokens")
+        token_ids.extend(seq.token_ids)
+        for pos in range(seq.start_pos, end_pos):
+            positions.append(pos)
+            slot_ids.append(seq.block_ids[pos // block_size] * block_size + pos % block_size)
+        if num_new == 1:
+            decode_index.append(first)
+            decode_tables.append(seq.block_ids[: (end_pos + block_size - 1) // block_size])
+            decode_lens.append(end_pos)
+        else:
+            prefills.append((first, num_new, seq.start_pos, seq.block_ids[: (end_pos + block_size - 1) // block_size]))
+        if seq.all_logits:
+            logit_index.extend(range(first, first + num_new))
+        else:
+            logit_index.append(first + num_new - 1)
+    max_blocks = max((len(t) for t in decode_tables), default=0)
+    padded = [t + [t[0]] * (max_blocks - len(t)) for t in decode_tables]
+
+    def as_tensor(values) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.long, device=device)
+
+    return StepTensors(
+        token_ids=as_tensor(token_ids),
+        positions=as_tensor(positions),
+        slot_ids=as_tensor(slot_ids),
+        decode_token_index=as_tensor(decode_index),
+        decode_block_tables=as_tensor(padded).view(len(padded), max_blocks),
+        decode_context_lens=as_tensor(decode_lens),
+        prefills=[(first, n, start, as_tensor(blocks)) for first, n, start, blocks in prefills],
+        logit_token_index=as_tensor(logit_index),
+    )
+
+
+def attend(
+    q: torch.Tensor, layer_index: int, step: StepTensors, kv: KVStorage, scale: float
+) -> torch.Tensor:
+    """Attention output [T, num_heads * head_dim] for all of a step's tokens (K/V already written)."""
+    k_cache, v_cache = kv.k[layer_index], kv.v[layer_index]
+    num_tokens = q.shape[0]
+    if not step.prefills:
+        return decode_attention(q, k_cache, v_cache, step.decode_block_tables, step.decode_context_lens, scale)
+    out = q.new_empty((num_tokens, q.shape[1] * q.shape[2]))
+    if step.decode_token_index.numel():
+        out[step.decode_token_index] = decode_attention(
+            q[step.decode_token_index], k_cache, v_cache, step.decode_block_tables, step.decode_context_lens, scale
+        )
+    for first, num_new, start_pos, block_ids in step.prefills:
+        out[first : first + num_new] = prefill_attention(
+            q[first : first + num_new], k_cache, v_cache, block_ids, start_pos, scale
+        )
+    return out
+
+
+class PagedForward:
+    """Runs a Transformer over paged KV storage on the same device."""
+
+    def __init__(self, model: Transformer, kv: KVStorage):
+        self.model = model
+        self.kv = kv
+        self.scale = model.config.head_dim**-0.5
+
+    @torch.inference_mode()
+    def forward(self, work: list[SequenceWork]) -> torch.Tensor:
+        """Process the step; returns float32 logits, one row per returned token, in `work` order."""
+        step = build_step_tensors(work, self.kv.block_size, self.model.device)
+        return self.forward_tensors(step)
+
+    @torch.inference_mode()
+    def forward_tensors(self, step: StepTensors) -> torch.Tensor:
+        model = self.model
+        hidden = model.embed(step.token_ids)
+        rope = model.rope_angles(step.positions)
+        for layer_index in range(model.config.num_layers):
+            q, k, v = model.pre_attention(layer_index, hidden, rope)
+            self.kv.write(layer_index, step.slot_ids, k, v)
+            attention_out = attend(q, layer_index, step, self.kv, self.scale)
+            hidden = model.post_attention(layer_index, hidden, attention_out)
+        return model.logits(hidden[step.logit_token_index])

@@ -1,0 +1,124 @@
+"""A Llama-family decoder (Llama, Mistral, Qwen2) split into stages.
+
+The forward pass is exposed as stages callable on their own, so that dense
+layers and attention can run in different places (Dense Assist keeps the
+residual stream and the dense weights on the GPU while attention runs on the
+CPU beside its KV):
+
+    embed -> for each layer: pre_attention -> (attention elsewhere) -> post_attention
+          -> final norm + LM head
+
+The model holds weights only; KV storage and attention live in dualpace.kv and
+dualpace.model.attention.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from dualpace.model.config import ModelConfig
+from dualpace.model.rope import RotaryEmbedding, apply_rotary
+
+
+@dataclass
+class LayerWeights:
+    """One decoder layer. Q, K, V are fused into one matrix, as are gate and up."""
+
+    input_norm: torch.Tensor  # [hidden]
+    qkv_proj: torch.Tensor  # [(num_heads + 2 * num_kv_heads) * head_dim, hidden]
+    qkv_bias: torch.Tensor | None  # [(num_heads + 2 * num_kv_heads) * head_dim] (Qwen2)
+    o_proj: torch.Tensor  # [hidden, num_heads * head_dim]
+    post_attention_norm: torch.Tensor  # [hidden]
+    gate_up_proj: torch.Tensor  # [2 * intermediate, hidden]
+    down_proj: torch.Tensor  # [hidden, intermediate]
+
+
+@dataclass
+class ModelWeights:
+    embed_tokens: torch.Tensor  # [vocab, hidden]
+    layers: list[LayerWeights]
+    final_norm: torch.Tensor  # [hidden]
+    lm_head: torch.Tensor  # [vocab, hidden]; the same tensor as embed_tokens when tied
+
+    def to(self, device: torch.device | str, dtype: torch.dtype) -> "ModelWeights":
+        def move(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t.to(device=device, dtype=dtype).contiguous()
+
+        embed = move(self.embed_tokens)
+        tied = self.lm_head is self.embed_tokens
+        return ModelWeights(
+            embed_tokens=embed,
+            layers=[LayerWeights(**{k: move(v) for k, v in vars(layer).items()}) for layer in self.layers],
+            final_norm=move(self.final_norm),
+            lm_head=embed if tied else move(self.lm_head),
+        )
+
+    def num_bytes(self) -> int:
+        tensors = [self.embed_tokens, self.final_norm]
+        if self.lm_head is not self.embed_tokens:
+            tensors.append(self.lm_head)
+        for layer in self.layers:
+            tensors.extend(t for t in vars(layer).values() if t is not None)
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm computed in float32 and cast back, as the reference implementation does."""
+    x32 = x.to(torch.float32)
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(x.dtype)
+
+
+class Transformer:
+    """Weights plus the stage functions of the forward pass. Holds no KV."""
+
+    def __init__(self, config: ModelConfig, weights: ModelWeights):
+        self.config = config
+        self.weights = weights
+        self.device = weights.embed_tokens.device
+        self.dtype = weights.embed_tokens.dtype
+        self.rotary = RotaryEmbedding(config, self.device)
+        self._q_size = config.num_heads * config.head_dim
+        self._kv_size = config.num_kv_heads * config.head_dim
+
+    def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
+        """Token ids [num_tokens] -> hidden states [num_tokens, hidden]."""
+        return F.embedding(token_ids, self.weights.embed_tokens)
+
+    def rope_angles(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin for this step's positions, computed once and shared by all layers."""
+        return self.rotary.cos_sin(positions, self.dtype)
+
+    def pre_attention(
+        self, layer_index: int, hidden: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Norm, fused QKV projection and RoPE.
+
+        Returns q [T, num_heads, head_dim], k and v [T, num_kv_heads, head_dim].
+        """
+        layer = self.weights.layers[layer_index]
+        cfg = self.config
+        x = rms_norm(hidden, layer.input_norm, cfg.rms_norm_eps)
+        qkv = F.linear(x, layer.qkv_proj, layer.qkv_bias)
+        q, k, v = qkv.split((self._q_size, self._kv_size, self._kv_size), dim=-1)
+        num_tokens = hidden.shape[0]
+        cos, sin = rope
+        q = apply_rotary(q.view(num_tokens, cfg.num_heads, cfg.head_dim), cos, sin)
+        k = apply_rotary(k.view(num_tokens, cfg.num_kv_heads, cfg.head_dim), cos, sin)
+        return q, k, v.view(num_tokens, cfg.num_kv_heads, cfg.head_dim)
+
+    def post_attention(self, layer_index: int, hidden: torch.Tensor, attention_out: torch.Tensor) -> torch.Tensor:
+        """O projection + residual, then norm, SwiGLU MLP + residual. attention_out: [T, num_heads * head_dim]."""
+        layer = self.weights.layers[layer_index]
+        hidden = hidden + F.linear(attention_out, layer.o_proj)
+        x = rms_norm(hidden, layer.post_attention_norm, self.config.rms_norm_eps)
+        gate, up = F.linear(x, layer.gate_up_proj).chunk(2, dim=-1)
+        return hidden + F.linear(F.silu(gate) * up, layer.down_proj)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Final norm and LM head: hidden [N, hidden] -> logits [N, vocab] in float32."""
+        x = rms_norm(hidden, self.weights.final_norm, self.config.rms_norm_eps)
+        return F.linear(x, self.weights.lm_head).float()

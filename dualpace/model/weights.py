@@ -1,0 +1,74 @@
+"""Assemble ModelWeights from Hugging Face-named tensors, with shape checks."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from dualpace.errors import ModelLoadError
+from dualpace.model.config import ModelConfig
+from dualpace.model.transformer import LayerWeights, ModelWeights
+
+# get_tensor(name) returns a float tensor, or None when the checkpoint lacks it.
+TensorSource = Callable[[str], "torch.Tensor | None"]
+
+
+def _require(get_tensor: TensorSource, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+    tensor = get_tensor(name)
+    if tensor is None:
+        raise ModelLoadError(f"checkpoint is missing tensor {name}")
+    if tuple(tensor.shape) != shape:
+        raise ModelLoadError(f"tensor {name} has shape {tuple(tensor.shape)}, expected {shape}")
+    return tensor
+
+
+def weights_from_hf_names(config: ModelConfig, get_tensor: TensorSource, dtype: torch.dtype) -> ModelWeights:
+    """Build fused per-layer weights from tensors named as in Hugging Face checkpoints."""
+    hidden, ffn, head_dim = config.hidden_size, config.intermediate_size, config.head_dim
+    q_rows, kv_rows = config.num_heads * head_dim, config.num_kv_heads * head_dim
+
+    def get(name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        return _require(get_tensor, name, shape).to(dtype)
+
+    layers = []
+    for i in range(config.num_layers):
+        p = f"model.layers.{i}."
+        qkv = torch.cat(
+            [
+                get(p + "self_attn.q_proj.weight", (q_rows, hidden)),
+                get(p + "self_attn.k_proj.weight", (kv_rows, hidden)),
+                get(p + "self_attn.v_proj.weight", (kv_rows, hidden)),
+            ]
+        )
+        qkv_bias = None
+        if config.qkv_bias:
+            qkv_bias = torch.cat(
+                [
+                    get(p + "self_attn.q_proj.bias", (q_rows,)),
+                    get(p + "self_attn.k_proj.bias", (kv_rows,)),
+                    get(p + "self_attn.v_proj.bias", (kv_rows,)),
+                ]
+            )
+        gate_up = torch.cat(
+            [get(p + "mlp.gate_proj.weight", (ffn, hidden)), get(p + "mlp.up_proj.weight", (ffn, hidden))]
+        )
+        layers.append(
+            LayerWeights(
+                input_norm=get(p + "input_layernorm.weight", (hidden,)),
+                qkv_proj=qkv,
+                qkv_bias=qkv_bias,
+                o_proj=get(p + "self_attn.o_proj.weight", (hidden, q_rows)),
+                post_attention_norm=get(p + "post_attention_layernorm.weight", (hidden,)),
+                gate_up_proj=gate_up,
+                down_proj=get(p + "mlp.down_proj.weight", (hidden, ffn)),
+            )
+        )
+    embed = get("model.embed_tokens.weight", (config.vocab_size, hidden))
+    if config.tie_word_embeddings:
+        lm_head = embed
+    else:
+        lm_head = get("lm_head.weight", (config.vocab_size, hidden))
+    return ModelWeights(
+        embed_tokens=embed, layers=layers, final_norm=get("model.norm.weight", (hidden,)), lm_head=lm_head
+    )
