@@ -1,0 +1,41 @@
+"""Shared fixtures: synthetic checkpoints (made once per session) and the default model."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dualpace.model.loader import load_model
+from dualpace.model.registry import DEFAULT_MODEL_NAME, resolve_model_path
+
+# Two cores are shared by everything on these machines; one intra-op thread keeps
+# tests predictable when daemons run beside them.
+torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="session")
+def synth_checkpoint(tmp_path_factory):
+    """synth_checkpoint(preset) -> folder of a synthetic HF checkpoint, written once per session."""
+    from dualpace.model.synth import write_synthetic_checkpoint
+
+    made = {}
+
+    def make(preset: str):
+        if preset not in made:
+            out_dir = tmp_path_factory.mktemp(preset)
+            write_synthetic_checkpoint(preset, out_dir, seed=0)
+            made[preset] = out_dir
+        return made[preset]
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def default_model_fp32():
+    """The default model (SmolLM2-135M-Instruct GGUF) loaded in float32."""
+    return load_model(DEFAULT_MODEL_NAME, dtype="fp32")
+
+
+@pytest.fixture(scope="session")
+def default_model_path():
+    return resolve_model_path(DEFAULT_MODEL_NAME)
