@@ -13,7 +13,7 @@ _DTYPE_CHOICES = ("fp32", "bf16")
 def register(subparsers: argparse._SubParsersAction) -> None:
     """Add `model synth` and `model presets` to the top-level parser."""
     parser = subparsers.add_parser("model", help="model utilities (synthetic checkpoints)")
-    actions = parser.add_subparsers(dest="model_command", required=True, metavar="{synth,presets}")
+    actions = parser.add_subparsers(dest="model_command", required=True, metavar="{synth,presets,export}")
 
     synth = actions.add_parser("synth", help="write a random-weight Hugging Face checkpoint of a preset")
     synth.add_argument("--preset", required=True, help="preset name (see `dualpace model presets`)")
@@ -25,11 +25,28 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
     actions.add_parser("presets", help="list the synthetic checkpoint presets")
 
+    export = actions.add_parser("export", help="write a GGUF model (e.g. the default) as a Hugging Face folder")
+    export.add_argument("--model", default="smollm2-135m", help="known name or .gguf file")
+    export.add_argument("--out", required=True, type=Path, help="output folder (created; must be empty)")
+    export.add_argument("--dtype", default="fp32", choices=_DTYPE_CHOICES)
+
 
 def run(args: argparse.Namespace) -> int:
     if args.model_command == "synth":
         return _run_synth(args)
+    if args.model_command == "export":
+        return _run_export(args)
     return _run_presets()
+
+
+def _run_export(args: argparse.Namespace) -> int:
+    import torch
+
+    from dualpace.model.export import export_hf_folder
+
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
+    print(export_hf_folder(args.model, args.out, dtype))
+    return 0
 
 
 def _run_synth(args: argparse.Namespace) -> int:

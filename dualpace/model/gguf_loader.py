@@ -15,7 +15,7 @@ import torch
 from dualpace.errors import ModelLoadError
 from dualpace.model.config import ModelConfig
 from dualpace.model.transformer import ModelWeights
-from dualpace.model.weights import weights_from_hf_names
+from dualpace.model.weights import TensorSource, weights_from_hf_names
 
 _PERMUTED_ARCHITECTURES = ("llama", "mistral")
 
@@ -103,7 +103,8 @@ def _unpermute_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:
     return weight.reshape(num_heads, rows // num_heads // 2, 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
 
 
-def load_gguf_weights(reader, config: ModelConfig, dtype: torch.dtype) -> ModelWeights:
+def gguf_tensor_source(reader, config: ModelConfig) -> TensorSource:
+    """A function from Hugging Face tensor name to the dequantized float32 tensor (or None)."""
     from gguf.quants import dequantize
 
     by_hf_name = {}
@@ -130,4 +131,8 @@ def load_gguf_weights(reader, config: ModelConfig, dtype: torch.dtype) -> ModelW
             values = values.copy()
         return torch.from_numpy(np.ascontiguousarray(values))
 
-    return weights_from_hf_names(config, get_tensor, dtype)
+    return get_tensor
+
+
+def load_gguf_weights(reader, config: ModelConfig, dtype: torch.dtype) -> ModelWeights:
+    return weights_from_hf_names(config, gguf_tensor_source(reader, config), dtype)

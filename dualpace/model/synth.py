@@ -16,7 +16,6 @@ bytes and peak memory stays near one shard.
 from __future__ import annotations
 
 import json
-import math
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,6 +27,7 @@ from safetensors.torch import save_file
 from dualpace.errors import InvalidArgument
 from dualpace.model import synth_tokenizer as stok
 from dualpace.model.config import ModelConfig, RopeScaling
+from dualpace.model.hf_layout import TensorSpec, count_parameters, tensor_specs  # noqa: F401 (re-exported)
 
 DEFAULT_MAX_SHARD_BYTES = 1 << 30
 _RANDOM_CHUNK_NUM_ELEMENTS = 1 << 22
@@ -46,19 +46,6 @@ class Preset:
     norm_noise_std: float
     default_dtype: torch.dtype
     is_large: bool
-
-
-@dataclass(frozen=True)
-class TensorSpec:
-    """One checkpoint tensor: Hugging Face name, shape, and init kind ("linear", "embedding" or "norm")."""
-
-    name: str
-    shape: tuple[int, ...]
-    kind: str
-
-    @property
-    def num_elements(self) -> int:
-        return math.prod(self.shape)
 
 
 # Larger than the linear std so the final logits spread out: greedy margins of ~1.5, not ~0.5.
@@ -128,34 +115,6 @@ def get_preset(name: str) -> Preset:
     if name not in PRESETS:
         raise InvalidArgument("preset", f"unknown preset {name!r}; known: {', '.join(PRESETS)}")
     return PRESETS[name]
-
-
-def tensor_specs(config: ModelConfig) -> list[TensorSpec]:
-    """Every checkpoint tensor of `config`, in Hugging Face names and drawing order."""
-    hidden, q_dim = config.hidden_size, config.num_heads * config.head_dim
-    kv_dim = config.num_kv_heads * config.head_dim
-    specs = [TensorSpec("model.embed_tokens.weight", (config.vocab_size, hidden), "embedding")]
-    for layer in range(config.num_layers):
-        prefix = f"model.layers.{layer}"
-        specs.append(TensorSpec(f"{prefix}.input_layernorm.weight", (hidden,), "norm"))
-        for proj, out_dim in (("q_proj", q_dim), ("k_proj", kv_dim), ("v_proj", kv_dim)):
-            specs.append(TensorSpec(f"{prefix}.self_attn.{proj}.weight", (out_dim, hidden), "linear"))
-            if config.qkv_bias:
-                specs.append(TensorSpec(f"{prefix}.self_attn.{proj}.bias", (out_dim,), "linear"))
-        specs.append(TensorSpec(f"{prefix}.self_attn.o_proj.weight", (hidden, q_dim), "linear"))
-        specs.append(TensorSpec(f"{prefix}.post_attention_layernorm.weight", (hidden,), "norm"))
-        for proj in ("gate_proj", "up_proj"):
-            specs.append(TensorSpec(f"{prefix}.mlp.{proj}.weight", (config.intermediate_size, hidden), "linear"))
-        specs.append(TensorSpec(f"{prefix}.mlp.down_proj.weight", (hidden, config.intermediate_size), "linear"))
-    specs.append(TensorSpec("model.norm.weight", (hidden,), "norm"))
-    if not config.tie_word_embeddings:
-        specs.append(TensorSpec("lm_head.weight", (config.vocab_size, hidden), "embedding"))
-    return specs
-
-
-def count_parameters(config: ModelConfig) -> int:
-    """Number of parameters of `config` (tied embeddings counted once), without allocating."""
-    return sum(spec.num_elements for spec in tensor_specs(config))
 
 
 def _random_tensor(spec: TensorSpec, preset: Preset, dtype: torch.dtype, generator: torch.Generator) -> torch.Tensor:

@@ -1,0 +1,36 @@
+"""`dualpace model export`: the default GGUF as a Hugging Face folder runs identically."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from dualpace.cli import main
+from dualpace.generation import OfflineGenerator
+from dualpace.model.loader import load_model
+from dualpace.sampling import SamplingParams
+from tests.model.hf_reference import hf_greedy
+
+
+@pytest.mark.slow
+def test_exported_default_model_matches_gguf_and_loads_in_transformers(tmp_path, default_model_fp32):
+    out_dir = tmp_path / "smollm2-hf"
+    assert main(["model", "export", "--out", str(out_dir)]) == 0
+    exported = load_model(str(out_dir), dtype="fp32")
+    assert exported.config == default_model_fp32.config
+    prompt_ids = default_model_fp32.tokenizer.encode_chat([{"role": "user", "content": "Name a color."}])
+    assert exported.tokenizer.encode_chat([{"role": "user", "content": "Name a color."}]) == prompt_ids
+
+    params = [SamplingParams(max_tokens=12, ignore_eos=True)]
+    ours = OfflineGenerator(exported).generate([prompt_ids], params)[0].output_token_ids
+    assert ours == OfflineGenerator(default_model_fp32).generate([prompt_ids], params)[0].output_token_ids
+    hf_model = AutoModelForCausalLM.from_pretrained(out_dir, dtype=torch.float32).eval()
+    assert hf_greedy(hf_model, prompt_ids, 12) == ours
+
+
+def test_export_refuses_a_non_empty_folder(tmp_path, capsys):
+    (tmp_path / "x").write_text("keep me")
+    assert main(["model", "export", "--out", str(tmp_path)]) == 2
+    assert "not empty" in capsys.readouterr().err
+    assert (tmp_path / "x").read_text() == "keep me"
