@@ -21,3 +21,19 @@ class InvalidArgument(DualPaceError):
 
 class ModelLoadError(DualPaceError):
     """A checkpoint is missing, corrupt or of an unsupported architecture."""
+
+
+class RequestNotFound(DualPaceError):
+    """No request with this id is known to the engine (gRPC NOT_FOUND)."""
+
+    def __init__(self, request_id: str):
+        super().__init__(f"request_id: no request {request_id!r}")
+        self.request_id = request_id
+
+
+class Overloaded(DualPaceError):
+    """The engine's queue is full; retry later or elsewhere (gRPC RESOURCE_EXHAUSTED)."""
+
+
+class Unavailable(DualPaceError):
+    """The engine cannot serve right now: stopping, failed, or a peer is down (gRPC UNAVAILABLE)."""

@@ -1,0 +1,76 @@
+"""RequestChannel: everything a request has produced, for streams that attach at any time.
+
+A Generate stream follows a channel from a token index, so a stream that attaches
+late (the router resuming a migrated request) sees every token exactly once from
+that index on: nothing missing, nothing repeated.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from dualpace.engine.request import RequestEvent
+from dualpace.sampling import FinishReason
+
+
+@dataclass(frozen=True)
+class ChannelUpdate:
+    first_token_index: int  # index in the request's output of new_token_ids[0]
+    new_token_ids: tuple[int, ...]
+    finish_reason: FinishReason | None
+    migrated_to: str | None
+    error_message: str | None = None
+
+
+class RequestChannel:
+    def __init__(self, request_id: str, num_prompt_tokens: int, output_token_ids: list[int] | None = None):
+        self.request_id = request_id
+        self.num_prompt_tokens = num_prompt_tokens
+        self.output_token_ids: list[int] = list(output_token_ids or [])
+        self.finish_reason: FinishReason | None = None
+        self.migrated_to: str | None = None
+        self.error_message: str | None = None
+        self._changed = asyncio.Condition()
+        self.num_followers = 0
+
+    @property
+    def done(self) -> bool:
+        return self.finish_reason is not None or self.migrated_to is not None
+
+    async def publish(self, event: RequestEvent) -> None:
+        async with self._changed:
+            self.output_token_ids.extend(event.new_token_ids)
+            if event.finish_reason is not None:
+                self.finish_reason = event.finish_reason
+            if event.migrated_to is not None:
+                self.migrated_to = event.migrated_to
+            self._changed.notify_all()
+
+    async def fail(self, message: str) -> None:
+        """End the request with an error the followers report (e.g. the engine failed)."""
+        async with self._changed:
+            self.error_message = message
+            self.finish_reason = self.finish_reason or FinishReason.ERROR
+            self._changed.notify_all()
+
+    async def follow(self, from_token_index: int = 0) -> AsyncIterator[ChannelUpdate]:
+        """Yield new tokens from `from_token_index` on, until the request finishes or moves."""
+        index = from_token_index
+        self.num_followers += 1
+        try:
+            while True:
+                async with self._changed:
+                    await self._changed.wait_for(lambda: len(self.output_token_ids) > index or self.done)
+                    new_ids = tuple(self.output_token_ids[index:])
+                    done = self.done
+                first, index = index, len(self.output_token_ids)
+                if new_ids or done:
+                    yield ChannelUpdate(first, new_ids, self.finish_reason if done else None,
+                                        self.migrated_to if done else None,
+                                        self.error_message if done else None)
+                if done:
+                    return
+        finally:
+            self.num_followers -= 1

@@ -1,0 +1,65 @@
+"""EngineCore: the scheduler and the runner joined into a plain, synchronous engine.
+
+No asyncio, no grpc: the daemon's loop (dualpace.engine.loop) calls `step()` in a
+worker thread and applies commands between steps; tests can drive it directly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from dualpace.engine.request import EngineRequest, RequestEvent
+from dualpace.engine.runner import ModelRunner
+from dualpace.engine.scheduler import Scheduler, SchedulerConfig, StepPlan
+from dualpace.generation import pick_seed
+from dualpace.model.loader import LoadedModel
+from dualpace.sampling import SamplingParams
+from dualpace.validation import validate_request
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    name: str = "engine"
+    kind: str = "gpu"  # "gpu" | "cpu": which role this engine plays in the system
+    num_kv_blocks: int = 1024
+    block_size: int = 16
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+
+
+class EngineCore:
+    def __init__(self, loaded: LoadedModel, config: EngineConfig):
+        self.loaded = loaded
+        self.config = config
+        eos_ids = frozenset(loaded.config.eos_token_ids) | frozenset(loaded.tokenizer.eos_token_ids)
+        self.scheduler = Scheduler(
+            config.scheduler, config.num_kv_blocks, config.block_size, loaded.max_context_tokens, eos_ids
+        )
+        self.runner = ModelRunner(loaded, config.num_kv_blocks, config.block_size)
+        self.num_steps = 0
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> EngineRequest:
+        """Validate and queue a new request (raises InvalidArgument / Overloaded)."""
+        validate_request(prompt_token_ids, params, self.loaded.config.vocab_size, self.loaded.max_context_tokens)
+        request = EngineRequest(request_id, list(prompt_token_ids), params, pick_seed(params))
+        self.scheduler.add(request)
+        return request
+
+    def abort(self, request_id: str) -> RequestEvent:
+        return self.scheduler.abort(request_id)
+
+    @property
+    def has_work(self) -> bool:
+        return self.scheduler.has_work
+
+    def step(self) -> tuple[StepPlan, list[RequestEvent]]:
+        """One iteration: plan, run the model, apply the results."""
+        plan = self.scheduler.schedule()
+        if plan.is_empty:
+            return plan, []
+        result = self.runner.execute(plan)
+        self.num_steps += 1
+        return plan, self.scheduler.apply(plan, result)
+
+    def kv_slot_ids(self, request_id: str, num_tokens: int) -> list[int]:
+        """Flat slots of the request's first `num_tokens` tokens."""
+        return self.scheduler.blocks.slot_ids(request_id, 0, num_tokens)

@@ -1,0 +1,191 @@
+"""EngineLoop: runs an EngineCore on its own clock inside a daemon.
+
+Steps run in one worker thread (torch releases the GIL), so the asyncio event
+loop keeps serving RPCs meanwhile. Commands (add, abort, pause, import...) are
+queued and applied between steps, in the event-loop thread, so the pure
+scheduler is never touched by two threads at once. Each request's output goes
+to its RequestChannel.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import statistics
+import time
+from collections import OrderedDict, deque
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from dualpace.engine.channel import RequestChannel
+from dualpace.engine.core import EngineCore
+from dualpace.engine.request import RequestEvent
+from dualpace.errors import RequestNotFound, Unavailable
+from dualpace.sampling import SamplingParams
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+NUM_RECENT_STEPS = 256  # window of step latencies behind the ITL percentiles
+NUM_FINISHED_CHANNELS_KEPT = 1024  # finished requests a late stream may still read
+
+
+@dataclass(frozen=True)
+class EngineLoad:
+    name: str
+    kind: str
+    serving: bool
+    num_running: int
+    num_waiting: int
+    kv_blocks_total: int
+    kv_blocks_used: int
+    block_size: int
+    itl_p50_ms: float
+    itl_p99_ms: float
+    num_iterations: int
+    num_preemptions: int
+    timestamp_unix_ms: int
+
+
+def percentile(values: list[float], fraction: float) -> float:
+    if not values:
+        return 0.0
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(fraction * len(ordered)))]
+
+
+class EngineLoop:
+    def __init__(self, core: EngineCore, before_step: Callable[[], None] | None = None):
+        self.core = core
+        self.channels: dict[str, RequestChannel] = {}
+        self._finished: OrderedDict[str, RequestChannel] = OrderedDict()
+        self._commands: deque[tuple[Callable[[], Any], asyncio.Future]] = deque()
+        self._wake = asyncio.Event()
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix=f"{core.config.name}-step")
+        self._step_ms: deque[float] = deque(maxlen=NUM_RECENT_STEPS)
+        self._before_step = before_step  # e.g. take the device lock, ping a watchdog
+        self._stopping = False
+        self.serving = True
+        self.fatal_error: BaseException | None = None
+        self.stopped = asyncio.Event()
+
+    # ----------------------------------------------------------------- commands
+
+    async def call(self, command: Callable[[], T]) -> T:
+        """Run `command` in the loop between steps and return its result (or raise its error)."""
+        if self.fatal_error is not None or self._stopping:
+            raise Unavailable(f"engine {self.core.config.name} is not serving")
+        future = asyncio.get_running_loop().create_future()
+        self._commands.append((command, future))
+        self._wake.set()
+        return await future
+
+    async def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> RequestChannel:
+        request = await self.call(lambda: self.core.add_request(request_id, prompt_token_ids, params))
+        channel = RequestChannel(request_id, len(request.prompt_token_ids))
+        self.channels[request_id] = channel
+        return channel
+
+    async def abort(self, request_id: str) -> None:
+        event = await self.call(lambda: self.core.abort(request_id))
+        await self._dispatch([event])
+
+    def channel(self, request_id: str) -> RequestChannel:
+        channel = self.channels.get(request_id) or self._finished.get(request_id)
+        if channel is None:
+            raise RequestNotFound(request_id)
+        return channel
+
+    def add_channel(self, channel: RequestChannel) -> None:
+        """Register the channel of a request that arrived by import."""
+        self.channels[channel.request_id] = channel
+
+    async def dispatch(self, events: list[RequestEvent]) -> None:
+        """Publish events produced by a command (e.g. a release after migration)."""
+        await self._dispatch(events)
+
+    # ----------------------------------------------------------------- the loop
+
+    async def run(self) -> None:
+        loop = asyncio.get_running_loop()
+        try:
+            while not self._stopping:
+                self._run_commands()
+                if not self.core.has_work:
+                    self._wake.clear()
+                    if not self._commands and not self._stopping:
+                        await self._wake.wait()
+                    continue
+                start = time.perf_counter()
+                _, events = await loop.run_in_executor(self._executor, self._step)
+                self._step_ms.append((time.perf_counter() - start) * 1e3)
+                await self._dispatch(events)
+        except Exception as exc:  # the forward pass failed: this engine cannot continue
+            log.exception("engine step failed")
+            self.fatal_error = exc
+            self.serving = False
+            for command, future in self._commands:
+                if not future.done():
+                    future.set_exception(Unavailable(f"engine failed: {exc}"))
+            for channel in list(self.channels.values()):
+                await channel.fail(f"engine {self.core.config.name} failed: {exc}")
+        finally:
+            self.stopped.set()
+
+    def _step(self):
+        if self._before_step is not None:
+            self._before_step()
+        return self.core.step()
+
+    def stop(self) -> None:
+        self._stopping = True
+        self._wake.set()
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=True, cancel_futures=True)
+
+    def _run_commands(self) -> None:
+        while self._commands:
+            command, future = self._commands.popleft()
+            if future.done():
+                continue
+            try:
+                future.set_result(command())
+            except Exception as exc:
+                future.set_exception(exc)
+
+    async def _dispatch(self, events: list[RequestEvent]) -> None:
+        for event in events:
+            channel = self.channels.get(event.request_id)
+            if channel is None:
+                continue
+            await channel.publish(event)
+            if channel.done:
+                del self.channels[event.request_id]
+                self._finished[event.request_id] = channel
+                while len(self._finished) > NUM_FINISHED_CHANNELS_KEPT:
+                    self._finished.popitem(last=False)
+
+    # ----------------------------------------------------------------- load
+
+    def load(self) -> EngineLoad:
+        core = self.core
+        blocks = core.scheduler.blocks
+        recent = list(self._step_ms)
+        return EngineLoad(
+            name=core.config.name,
+            kind=core.config.kind,
+            serving=self.serving and self.fatal_error is None,
+            num_running=core.scheduler.num_running,
+            num_waiting=core.scheduler.num_waiting,
+            kv_blocks_total=blocks.num_total_blocks,
+            kv_blocks_used=blocks.num_used_blocks,
+            block_size=blocks.block_size,
+            itl_p50_ms=round(statistics.median(recent), 3) if recent else 0.0,
+            itl_p99_ms=round(percentile(recent, 0.99), 3),
+            num_iterations=core.num_steps,
+            num_preemptions=core.scheduler.num_preemptions,
+            timestamp_unix_ms=int(time.time() * 1000),
+        )

@@ -1,0 +1,57 @@
+"""A request as an engine holds it: tokens so far, sampling state and KV progress."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from dualpace.sampling import FinishReason, SamplingParams
+
+
+class RequestState(str, enum.Enum):
+    WAITING = "waiting"  # queued, or preempted and waiting to recompute its KV
+    RUNNING = "running"  # scheduled every step until it finishes
+    PAUSED = "paused"  # held at a step boundary (e.g. while its KV is exported); keeps its blocks
+    FINISHED = "finished"
+
+
+@dataclass
+class EngineRequest:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seed: int  # fixed at admission; sampling is a function of (seed, position)
+    output_token_ids: list[int] = field(default_factory=list)
+    state: RequestState = RequestState.WAITING
+    num_computed_tokens: int = 0  # tokens whose K/V are in this engine's cache
+    finish_reason: FinishReason | None = None
+    arrival_index: int = 0  # order of arrival, for first-come first-served and preemption
+    num_preemptions: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_pending_tokens(self) -> int:
+        """Tokens still to run through the model before the next token can be sampled."""
+        return self.num_tokens - self.num_computed_tokens
+
+    def token_ids(self, start: int, end: int) -> list[int]:
+        """Tokens at positions [start, end) of prompt + output."""
+        num_prompt = len(self.prompt_token_ids)
+        if end <= num_prompt:
+            return self.prompt_token_ids[start:end]
+        if start >= num_prompt:
+            return self.output_token_ids[start - num_prompt : end - num_prompt]
+        return self.prompt_token_ids[start:] + self.output_token_ids[: end - num_prompt]
+
+
+@dataclass(frozen=True)
+class RequestEvent:
+    """What one step (or a command) did to a request, for its output stream."""
+
+    request_id: str
+    new_token_ids: tuple[int, ...] = ()
+    finish_reason: FinishReason | None = None
+    migrated_to: str | None = None  # set when the request now lives in another engine

@@ -1,0 +1,320 @@
+"""The engine scheduler: continuous batching with chunked prefill under a token
+budget, admission only while KV suffices, and preemption by recompute.
+
+Pure: no torch, grpc, asyncio or clock reads. The engine loop calls
+`schedule()` -> runs the plan -> `apply(plan, result)`; commands (add, abort,
+pause for migration, import) are applied between steps. The simulator drives
+the same class with a cost model as its clock.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from dualpace.engine.request import EngineRequest, RequestEvent, RequestState
+from dualpace.errors import InvalidArgument, Overloaded, RequestNotFound
+from dualpace.kv.block_table import KVBlockManager
+from dualpace.sampling import FinishReason, SamplingParams, stop_reason
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_batch_tokens: int = 512  # tokens per step: decodes + prefill chunks
+    max_running: int = 64  # sequences per step
+    max_waiting: int = 256  # queued requests before add() raises Overloaded
+
+
+@dataclass(frozen=True)
+class ScheduledSequence:
+    """One sequence's work in a step: compute `token_ids` at positions start_pos...,
+    and when `sample` is set, draw the token at position start_pos + len(token_ids)."""
+
+    request_id: str
+    token_ids: tuple[int, ...]
+    start_pos: int
+    block_ids: tuple[int, ...]
+    sample: bool
+    params: SamplingParams
+    seed: int
+
+    @property
+    def sample_position(self) -> int:
+        return self.start_pos + len(self.token_ids)
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    sequences: tuple[ScheduledSequence, ...]
+    preempted_ids: tuple[str, ...] = ()
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(s.token_ids) for s in self.sequences)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.sequences
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """Sampled token per sequence that had `sample` set; None where its logits were not finite."""
+
+    sampled_token_ids: dict[str, int | None]
+
+
+class Scheduler:
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        num_blocks: int,
+        block_size: int,
+        max_context_tokens: int,
+        eos_token_ids: frozenset[int] = frozenset(),
+    ):
+        self.config = config
+        self.blocks = KVBlockManager(num_blocks, block_size)
+        self.max_context_tokens = max_context_tokens
+        self.eos_token_ids = eos_token_ids
+        self.requests: dict[str, EngineRequest] = {}
+        self.waiting: list[EngineRequest] = []  # arrival order; preempted requests go back in order
+        self.running: list[EngineRequest] = []  # arrival order
+        self._importing: set[str] = set()
+        self._next_arrival_index = 0
+        self.num_preemptions = 0
+
+    # ----------------------------------------------------------------- commands
+
+    def add(self, request: EngineRequest) -> None:
+        """Queue a new request. Raises InvalidArgument if it can never fit, Overloaded if the queue is full."""
+        self._check_new_id(request.request_id)
+        needed = self.blocks.num_blocks_for(request.num_tokens - 1 + request.params.max_tokens)
+        if needed > self.blocks.num_total_blocks:
+            raise InvalidArgument(
+                "max_tokens",
+                f"prompt + max_tokens needs {needed} KV blocks; this engine has {self.blocks.num_total_blocks}",
+            )
+        if len(self.waiting) >= self.config.max_waiting:
+            raise Overloaded(f"the engine's queue is full ({self.config.max_waiting} waiting requests)")
+        request.state = RequestState.WAITING
+        request.num_computed_tokens = 0
+        request.arrival_index = self._take_arrival_index()
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def abort(self, request_id: str) -> RequestEvent:
+        """Drop a request wherever it is and free its blocks."""
+        if request_id in self._importing:
+            self.cancel_import(request_id)
+            return RequestEvent(request_id, finish_reason=FinishReason.ABORT)
+        request = self._get(request_id)
+        self._finish(request, FinishReason.ABORT)
+        return RequestEvent(request_id, finish_reason=FinishReason.ABORT)
+
+    def pause(self, request_id: str) -> EngineRequest:
+        """Hold a decoding request at this step boundary, keeping its blocks (for KV export).
+        Its cache then holds every token but the last sampled one."""
+        request = self._get(request_id)
+        if request.state != RequestState.RUNNING or request.num_pending_tokens != 1:
+            raise InvalidArgument("request_id", f"request {request_id!r} is not decoding (state {request.state.value})")
+        self.running.remove(request)
+        request.state = RequestState.PAUSED
+        return request
+
+    def resume(self, request_id: str) -> None:
+        """Put a paused request back into the running batch (e.g. after a failed export)."""
+        request = self._get(request_id)
+        if request.state != RequestState.PAUSED:
+            raise InvalidArgument("request_id", f"request {request_id!r} is not paused")
+        request.state = RequestState.RUNNING
+        self._insert_running(request)
+
+    def release(self, request_id: str, migrated_to: str) -> RequestEvent:
+        """A paused request now lives elsewhere: free its blocks and forget it."""
+        request = self._get(request_id)
+        if request.state != RequestState.PAUSED:
+            raise InvalidArgument("request_id", f"request {request_id!r} is not paused")
+        self.blocks.free(request_id)
+        request.state = RequestState.FINISHED
+        del self.requests[request_id]
+        return RequestEvent(request_id, migrated_to=migrated_to)
+
+    def reserve_import(self, request_id: str, num_kv_tokens: int) -> list[int]:
+        """Phase one of an import: allocate blocks for `num_kv_tokens` of incoming KV."""
+        self._check_new_id(request_id)
+        if not self.blocks.can_allocate(num_kv_tokens + 1):
+            raise Overloaded(
+                f"not enough free KV blocks to import {num_kv_tokens} tokens "
+                f"({self.blocks.num_free_blocks} of {self.blocks.num_total_blocks} free)"
+            )
+        self._importing.add(request_id)
+        return self.blocks.allocate(request_id, num_kv_tokens)
+
+    def commit_import(self, request: EngineRequest) -> None:
+        """Phase two: the KV is written and verified; the request joins the running batch."""
+        if request.request_id not in self._importing:
+            raise RequestNotFound(request.request_id)
+        if self.blocks.num_tokens(request.request_id) != request.num_tokens - 1:
+            raise InvalidArgument("num_computed_tokens", "imported KV does not cover all tokens but the last")
+        self._importing.discard(request.request_id)
+        request.state = RequestState.RUNNING
+        request.num_computed_tokens = request.num_tokens - 1
+        request.arrival_index = self._take_arrival_index()
+        self.requests[request.request_id] = request
+        self._insert_running(request)
+
+    def cancel_import(self, request_id: str) -> None:
+        if request_id in self._importing:
+            self._importing.discard(request_id)
+            self.blocks.free(request_id)
+
+    # ----------------------------------------------------------------- stepping
+
+    def schedule(self) -> StepPlan:
+        budget = self.config.max_batch_tokens
+        sequences: list[ScheduledSequence] = []
+        preempted: list[str] = []
+        for request in list(self.running):
+            if request.state != RequestState.RUNNING:  # preempted earlier in this loop
+                continue
+            if budget == 0 or len(sequences) >= self.config.max_running:
+                break
+            num_new = min(request.num_pending_tokens, budget)
+            if not self._reserve_kv(request, num_new, preempted):
+                continue
+            sequences.append(self._scheduled(request, num_new))
+            budget -= num_new
+        while self.waiting and budget > 0 and not preempted and len(sequences) < self.config.max_running:
+            request = self.waiting[0]
+            if not self._can_admit(request):
+                break
+            self.waiting.pop(0)
+            self.blocks.allocate(request.request_id, request.num_tokens)
+            request.state = RequestState.RUNNING
+            self._insert_running(request)
+            num_new = min(request.num_pending_tokens, budget)
+            sequences.append(self._scheduled(request, num_new))
+            budget -= num_new
+        return StepPlan(tuple(sequences), tuple(preempted))
+
+    def apply(self, plan: StepPlan, result: StepResult) -> list[RequestEvent]:
+        events = []
+        for seq in plan.sequences:
+            request = self.requests.get(seq.request_id)
+            if request is None or request.state != RequestState.RUNNING:
+                continue
+            request.num_computed_tokens = seq.start_pos + len(seq.token_ids)
+            if not seq.sample:
+                continue
+            token_id = result.sampled_token_ids.get(seq.request_id)
+            if token_id is None:
+                self._finish(request, FinishReason.ERROR)
+                events.append(RequestEvent(seq.request_id, finish_reason=FinishReason.ERROR))
+                continue
+            request.output_token_ids.append(token_id)
+            reason = stop_reason(token_id, len(request.output_token_ids), request.params, self.eos_token_ids)
+            if reason is None and request.num_tokens >= self.max_context_tokens:
+                reason = FinishReason.LENGTH
+            if reason is not None:
+                self._finish(request, reason)
+            events.append(RequestEvent(seq.request_id, (token_id,), reason))
+        return events
+
+    # ----------------------------------------------------------------- queries
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.running or self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    def get(self, request_id: str) -> EngineRequest:
+        return self._get(request_id)
+
+    # ----------------------------------------------------------------- internals
+
+    def _get(self, request_id: str) -> EngineRequest:
+        request = self.requests.get(request_id)
+        if request is None:
+            raise RequestNotFound(request_id)
+        return request
+
+    def _check_new_id(self, request_id: str) -> None:
+        if not request_id:
+            raise InvalidArgument("request_id", "must not be empty")
+        if request_id in self.requests or request_id in self._importing:
+            raise InvalidArgument("request_id", f"a request {request_id!r} already exists in this engine")
+
+    def _take_arrival_index(self) -> int:
+        self._next_arrival_index += 1
+        return self._next_arrival_index
+
+    def _insert_running(self, request: EngineRequest) -> None:
+        index = len(self.running)
+        while index > 0 and self.running[index - 1].arrival_index > request.arrival_index:
+            index -= 1
+        self.running.insert(index, request)
+
+    def _can_admit(self, request: EngineRequest) -> bool:
+        """Admit while KV suffices, keeping a small reserve for the running decodes'
+        next blocks (no reserve when nothing runs, so a request that fits alone runs)."""
+        needed = self.blocks.num_blocks_for(request.num_tokens)
+        reserve = min(len(self.running), max(1, self.blocks.num_total_blocks // 100)) if self.running else 0
+        return self.blocks.num_free_blocks >= needed + reserve
+
+    def _reserve_kv(self, request: EngineRequest, num_new: int, preempted: list[str]) -> bool:
+        """Make room for the request's next `num_new` tokens, preempting the newest
+        running requests if needed. False when the request itself was preempted."""
+        needed = request.num_computed_tokens + num_new - self.blocks.num_tokens(request.request_id)
+        if needed <= 0:
+            return True
+        while not self.blocks.can_append(request.request_id, needed):
+            victim = self.running[-1]
+            self._preempt(victim)
+            preempted.append(victim.request_id)
+            if victim is request:
+                return False
+        self.blocks.append(request.request_id, needed)
+        return True
+
+    def _preempt(self, request: EngineRequest) -> None:
+        """Free the request's KV and queue it to recompute prompt + generated tokens."""
+        self.running.remove(request)
+        self.blocks.free(request.request_id)
+        request.state = RequestState.WAITING
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        index = 0
+        while index < len(self.waiting) and self.waiting[index].arrival_index < request.arrival_index:
+            index += 1
+        self.waiting.insert(index, request)
+
+    def _scheduled(self, request: EngineRequest, num_new: int) -> ScheduledSequence:
+        start = request.num_computed_tokens
+        return ScheduledSequence(
+            request_id=request.request_id,
+            token_ids=tuple(request.token_ids(start, start + num_new)),
+            start_pos=start,
+            block_ids=tuple(self.blocks.block_ids(request.request_id)),
+            sample=start + num_new == request.num_tokens,
+            params=request.params,
+            seed=request.seed,
+        )
+
+    def _finish(self, request: EngineRequest, reason: FinishReason) -> None:
+        if request.state == RequestState.WAITING:
+            self.waiting.remove(request)
+        elif request.state == RequestState.RUNNING:
+            self.running.remove(request)
+        if self.blocks.has(request.request_id):
+            self.blocks.free(request.request_id)
+        request.state = RequestState.FINISHED
+        request.finish_reason = reason
+        self.requests.pop(request.request_id, None)

@@ -1,0 +1,64 @@
+"""EngineLoop: concurrent streams, late followers, aborts between steps."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from dualpace.engine.core import EngineConfig, EngineCore
+from dualpace.engine.loop import EngineLoop
+from dualpace.errors import RequestNotFound
+from dualpace.generation import OfflineGenerator
+from dualpace.model.loader import load_model
+from dualpace.sampling import FinishReason, SamplingParams
+
+
+@pytest.fixture(scope="module")
+def tiny(synth_checkpoint):
+    return load_model(str(synth_checkpoint("tiny-llama")), dtype="fp32")
+
+
+async def collect(channel, from_index: int = 0) -> tuple[list[int], FinishReason | None]:
+    tokens, reason = [], None
+    async for update in channel.follow(from_index):
+        assert update.first_token_index == from_index + len(tokens)
+        tokens.extend(update.new_token_ids)
+        reason = update.finish_reason
+    return tokens, reason
+
+
+async def test_concurrent_streams_and_late_follower(tiny):
+    loop = EngineLoop(EngineCore(tiny, EngineConfig(num_kv_blocks=64, block_size=8)))
+    runner = asyncio.create_task(loop.run())
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    prompts = [[i + 1] * (i + 2) for i in range(8)]
+    channels = [await loop.add_request(f"r{i}", p, params) for i, p in enumerate(prompts)]
+    results = await asyncio.gather(*(collect(c) for c in channels))
+    for prompt, (tokens, reason) in zip(prompts, results):
+        assert tokens == OfflineGenerator(tiny).generate([prompt], [params])[0].output_token_ids
+        assert reason == FinishReason.LENGTH
+    late_tokens, _ = await collect(loop.channel("r3"), from_index=5)
+    assert late_tokens == results[3][0][5:]
+    assert loop.load().kv_blocks_used == 0
+    loop.stop()
+    await runner
+    loop.close()
+
+
+async def test_abort_ends_stream_and_frees_blocks(tiny):
+    loop = EngineLoop(EngineCore(tiny, EngineConfig(num_kv_blocks=64, block_size=8)))
+    runner = asyncio.create_task(loop.run())
+    channel = await loop.add_request("long", [1, 2, 3], SamplingParams(max_tokens=400, ignore_eos=True))
+    async for update in channel.follow():
+        if len(channel.output_token_ids) >= 3:
+            break
+    await loop.abort("long")
+    tokens, reason = await collect(channel)
+    assert reason == FinishReason.ABORT
+    assert loop.load().kv_blocks_used == 0
+    with pytest.raises(RequestNotFound):
+        await loop.abort("long")
+    loop.stop()
+    await runner
+    loop.close()
