@@ -1,0 +1,31 @@
+"""gRPC server plumbing shared by the daemons (gpu_service, cpu_service, router).
+
+- address: parse `--listen HOST:PORT`, `is_loopback`;
+- status: the one exception -> status code mapping (`status_for`);
+- interceptor: applies it to every handler, so servicers stay thin;
+- server: `start_server` (interceptor, health, reflection, bind), `print_listening`;
+- loop: `install_uvloop`, `serve_forever` (SIGINT/SIGTERM -> a stop event);
+- grpcurl: `grpcurl_path` for tests and operators.
+"""
+
+from dualpace.serve.address import ListenAddress, is_loopback, parse_listen
+from dualpace.serve.grpcurl import grpcurl_path
+from dualpace.serve.interceptor import StatusInterceptor
+from dualpace.serve.loop import install_uvloop, serve_forever
+from dualpace.serve.server import DEFAULT_MAX_MESSAGE_BYTES, RunningServer, print_listening, start_server
+from dualpace.serve.status import status_for
+
+__all__ = [
+    "DEFAULT_MAX_MESSAGE_BYTES",
+    "ListenAddress",
+    "RunningServer",
+    "StatusInterceptor",
+    "grpcurl_path",
+    "install_uvloop",
+    "is_loopback",
+    "parse_listen",
+    "print_listening",
+    "serve_forever",
+    "start_server",
+    "status_for",
+]

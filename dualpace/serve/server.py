@@ -1,0 +1,124 @@
+"""Start a daemon's grpc.aio server: interceptor, health, reflection, bind, start.
+
+    running = await start_server("127.0.0.1:0", register, ["dualpace.v1.Engine"])
+    print_listening("gpu_service", running.address)
+    ...
+    await running.stop(grace_s=5.0)
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from dualpace.errors import InvalidArgument
+from dualpace.serve.address import ListenAddress, parse_listen
+from dualpace.serve.interceptor import StatusInterceptor
+
+logger = logging.getLogger(__name__)
+
+# KV chunks and Dense Assist payloads are large; 64 MiB leaves room for both.
+DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+
+OVERALL_HEALTH = ""  # the health service name that stands for the whole server
+
+_SERVING = health_pb2.HealthCheckResponse.SERVING
+_NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+
+
+class RunningServer:
+    """A started server, the address it is bound to, and its health switch."""
+
+    def __init__(
+        self,
+        server: grpc.aio.Server,
+        address: str,
+        listen: ListenAddress,
+        health_servicer: health.aio.HealthServicer,
+        service_names: Sequence[str],
+    ):
+        self.server = server
+        self.address = address  # "host:port" a local client connects to (the real port)
+        self.listen = listen  # what was asked for (port may be 0)
+        self.health_servicer = health_servicer
+        self.service_names = list(service_names)
+
+    @property
+    def port(self) -> int:
+        """The TCP port actually bound."""
+        return int(self.address.rsplit(":", 1)[1])
+
+    async def set_serving(self, serving: bool) -> None:
+        """Sets health of the server ("") and every service to SERVING or NOT_SERVING."""
+        status = _SERVING if serving else _NOT_SERVING
+        for name in [OVERALL_HEALTH, *self.service_names]:
+            await self.health_servicer.set(name, status)
+
+    async def stop(self, grace_s: float | None = None) -> None:
+        """Reports NOT_SERVING for good, then stops; in-flight calls get `grace_s` to finish."""
+        await self.health_servicer.enter_graceful_shutdown()
+        await self.server.stop(grace_s)
+
+    async def wait_for_termination(self) -> None:
+        """Returns when the server has stopped."""
+        await self.server.wait_for_termination()
+
+
+async def start_server(
+    listen: str,
+    register: Callable[[grpc.aio.Server], None],
+    service_names: list[str],
+    *,
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+    listen_field: str = "--listen",
+) -> RunningServer:
+    """Creates, binds and starts a grpc.aio server; returns it SERVING.
+
+    `register(server)` adds the daemon's servicers (e.g. add_EngineServicer_to_server);
+    `service_names` are their full names ("dualpace.v1.Engine"), used for health
+    and reflection. Port 0 binds a free port; `RunningServer.address` has the
+    real one. A malformed or unbindable address raises InvalidArgument(listen_field, ...).
+    """
+    address = parse_listen(listen, listen_field)
+    server = grpc.aio.server(
+        interceptors=[StatusInterceptor()],
+        options=[
+            ("grpc.max_send_message_length", max_message_bytes),
+            ("grpc.max_receive_message_length", max_message_bytes),
+            # Without this a second daemon on the same fixed port binds silently.
+            ("grpc.so_reuseport", 0),
+        ],
+    )
+    register(server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection([*service_names, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
+    port = _bind(server, address, listen_field)
+    await server.start()
+    running = RunningServer(server, address.connect_target(port), address, health_servicer, service_names)
+    await running.set_serving(True)
+    return running
+
+
+def print_listening(name: str, address: str) -> None:
+    """Prints and logs `{name} listening on {address}`; launchers and tests parse this line."""
+    line = f"{name} listening on {address}"
+    print(line, flush=True)
+    logger.info(line)
+
+
+def _bind(server: grpc.aio.Server, address: ListenAddress, listen_field: str) -> int:
+    """Binds an insecure port; returns the port number bound."""
+    target = address.target()
+    problem = f"cannot bind {target}: address in use or not available"
+    try:
+        port = server.add_insecure_port(target)
+    except RuntimeError as exc:
+        raise InvalidArgument(listen_field, problem) from exc
+    if port == 0:  # older grpcio reports a failed bind this way
+        raise InvalidArgument(listen_field, problem)
+    return port

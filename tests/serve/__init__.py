@@ -1,0 +1,1 @@
+"""Tests of dualpace.serve: addresses, status mapping, server plumbing."""
