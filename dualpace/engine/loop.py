@@ -10,8 +10,10 @@ to its RequestChannel.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import statistics
+import threading
 import time
 from collections import OrderedDict, deque
 from collections.abc import Callable
@@ -57,7 +59,7 @@ def percentile(values: list[float], fraction: float) -> float:
 
 
 class EngineLoop:
-    def __init__(self, core: EngineCore, before_step: Callable[[], None] | None = None):
+    def __init__(self, core: EngineCore, step_lock: threading.Lock | None = None):
         self.core = core
         self.channels: dict[str, RequestChannel] = {}
         self._finished: OrderedDict[str, RequestChannel] = OrderedDict()
@@ -65,7 +67,8 @@ class EngineLoop:
         self._wake = asyncio.Event()
         self._executor = ThreadPoolExecutor(1, thread_name_prefix=f"{core.config.name}-step")
         self._step_ms: deque[float] = deque(maxlen=NUM_RECENT_STEPS)
-        self._before_step = before_step  # e.g. take the device lock, ping a watchdog
+        # Held for each step; gpu_service shares it with Dense Assist so both use the device in turn.
+        self._step_lock = step_lock or contextlib.nullcontext()
         self._stopping = False
         self.serving = True
         self.fatal_error: BaseException | None = None
@@ -83,10 +86,14 @@ class EngineLoop:
         return await future
 
     async def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> RequestChannel:
-        request = await self.call(lambda: self.core.add_request(request_id, prompt_token_ids, params))
-        channel = RequestChannel(request_id, len(request.prompt_token_ids))
-        self.channels[request_id] = channel
-        return channel
+        def add() -> RequestChannel:
+            # The channel is registered in the same command, so no step can emit before it exists.
+            request = self.core.add_request(request_id, prompt_token_ids, params)
+            channel = RequestChannel(request_id, len(request.prompt_token_ids))
+            self.channels[request_id] = channel
+            return channel
+
+        return await self.call(add)
 
     async def abort(self, request_id: str) -> None:
         event = await self.call(lambda: self.core.abort(request_id))
@@ -99,7 +106,7 @@ class EngineLoop:
         return channel
 
     def add_channel(self, channel: RequestChannel) -> None:
-        """Register the channel of a request that arrived by import."""
+        """Register the channel of a request that arrived by import (call inside a command)."""
         self.channels[channel.request_id] = channel
 
     async def dispatch(self, events: list[RequestEvent]) -> None:
@@ -135,9 +142,8 @@ class EngineLoop:
             self.stopped.set()
 
     def _step(self):
-        if self._before_step is not None:
-            self._before_step()
-        return self.core.step()
+        with self._step_lock:
+            return self.core.step()
 
     def stop(self) -> None:
         self._stopping = True

@@ -1,0 +1,138 @@
+"""KV transfer between engines: chunking, checksums, and the import bookkeeping.
+
+A request's KV travels as chunks of one layer and a token range each, carrying
+K and V bytes and a CRC32 of both. The target verifies sequence numbers,
+ranges and checksums as chunks arrive, writes them into blocks it reserved
+for the request, and only on commit makes the request live. Torch-free except
+for the byte <-> tensor conversion helpers; no grpc here (see the servicers).
+"""
+
+from __future__ import annotations
+
+import zlib
+from dataclasses import dataclass, field
+
+import torch
+
+from dualpace.errors import InvalidArgument
+from dualpace.sampling import SamplingParams
+
+DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+DTYPES_BY_NAME = {name: dtype for dtype, name in DTYPE_NAMES.items()}
+DEFAULT_CHUNK_BYTES = 4 * 2**20  # K + V bytes per chunk, well under the gRPC message limit
+
+
+@dataclass(frozen=True)
+class KvLayout:
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+    dtype: str  # "float32" | "bfloat16" | "float16"
+
+    @property
+    def bytes_per_token_per_layer(self) -> int:
+        """K or V bytes of one token in one layer."""
+        return self.num_kv_heads * self.head_dim * DTYPES_BY_NAME[self.dtype].itemsize
+
+
+@dataclass(frozen=True)
+class KvTransferHeader:
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    output_token_ids: tuple[int, ...]
+    params: SamplingParams  # seed set: the request's fixed seed
+    num_computed_tokens: int  # tokens whose KV is sent: all but the last
+    layout: KvLayout
+    total_chunks: int
+    total_bytes: int
+    source_engine: str
+
+
+@dataclass(frozen=True)
+class KvChunk:
+    seq: int
+    layer: int
+    token_start: int
+    token_end: int
+    k: bytes
+    v: bytes
+    crc32: int
+
+
+def checksum(k: bytes, v: bytes) -> int:
+    return zlib.crc32(v, zlib.crc32(k))
+
+
+def tensor_bytes(tensor: torch.Tensor) -> bytes:
+    """Raw little-endian bytes of a CPU tensor (16-bit floats through an int16 view)."""
+    tensor = tensor.contiguous().cpu()
+    if tensor.dtype in (torch.bfloat16, torch.float16):
+        tensor = tensor.view(torch.int16)
+    return tensor.numpy().tobytes()
+
+
+def tensor_from_bytes(data: bytes, dtype_name: str, shape: tuple[int, ...]) -> torch.Tensor:
+    dtype = DTYPES_BY_NAME[dtype_name]
+    expected = dtype.itemsize
+    for dim in shape:
+        expected *= dim
+    if len(data) != expected:
+        raise InvalidArgument("chunk", f"holds {len(data)} bytes, expected {expected} for shape {list(shape)}")
+    raw_dtype = torch.int16 if dtype in (torch.bfloat16, torch.float16) else dtype
+    return torch.frombuffer(bytearray(data), dtype=raw_dtype).view(dtype).view(shape)
+
+
+def token_ranges(num_tokens: int, layout: KvLayout, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> list[tuple[int, int]]:
+    """Token ranges of one layer's chunks, each at most `chunk_bytes` of K + V."""
+    tokens_per_chunk = max(1, chunk_bytes // (2 * layout.bytes_per_token_per_layer))
+    return [(start, min(start + tokens_per_chunk, num_tokens)) for start in range(0, num_tokens, tokens_per_chunk)]
+
+
+def plan_chunks(num_tokens: int, layout: KvLayout, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> list[tuple[int, int, int]]:
+    """(layer, token_start, token_end) of every chunk, in sending order."""
+    ranges = token_ranges(num_tokens, layout, chunk_bytes)
+    return [(layer, start, end) for layer in range(layout.num_layers) for start, end in ranges]
+
+
+@dataclass
+class ImportProgress:
+    """Target-side verification of an incoming transfer, chunk by chunk."""
+
+    header: KvTransferHeader
+    next_seq: int = 0
+    num_bytes: int = 0
+    covered: dict[int, int] = field(default_factory=dict)  # layer -> tokens received contiguously
+
+    def check_chunk(self, chunk: KvChunk) -> None:
+        """Raise InvalidArgument naming the problem for an out-of-order, out-of-range or corrupt chunk."""
+        header = self.header
+        if chunk.seq != self.next_seq:
+            raise InvalidArgument("chunk.seq", f"expected chunk {self.next_seq}, got {chunk.seq} (a gap or repeat)")
+        if not 0 <= chunk.layer < header.layout.num_layers:
+            raise InvalidArgument("chunk.layer", f"layer {chunk.layer} out of range")
+        start_expected = self.covered.get(chunk.layer, 0)
+        if chunk.token_start != start_expected or not chunk.token_start < chunk.token_end <= header.num_computed_tokens:
+            raise InvalidArgument(
+                "chunk.token_start",
+                f"chunk covers tokens [{chunk.token_start}, {chunk.token_end}) of layer {chunk.layer}; "
+                f"expected to start at {start_expected} and end by {header.num_computed_tokens}",
+            )
+        if checksum(chunk.k, chunk.v) != chunk.crc32:
+            raise InvalidArgument("chunk.crc32", f"checksum mismatch in chunk {chunk.seq}")
+
+    def accept(self, chunk: KvChunk) -> None:
+        self.covered[chunk.layer] = chunk.token_end
+        self.next_seq += 1
+        self.num_bytes += len(chunk.k) + len(chunk.v)
+
+    def check_complete(self) -> None:
+        header = self.header
+        if self.next_seq != header.total_chunks:
+            raise InvalidArgument("prepare", f"received {self.next_seq} of {header.total_chunks} chunks")
+        for layer in range(header.layout.num_layers):
+            if self.covered.get(layer, 0) != header.num_computed_tokens:
+                raise InvalidArgument("prepare", f"layer {layer} has {self.covered.get(layer, 0)} of "
+                                                 f"{header.num_computed_tokens} tokens")
+        if self.num_bytes != header.total_bytes:
+            raise InvalidArgument("prepare", f"received {self.num_bytes} of {header.total_bytes} bytes")

@@ -1,0 +1,191 @@
+"""Two-phase KV migration between engines, independent of the transport.
+
+Source (`migrate_out`): pause the request at a step boundary, stream its KV to
+the target, and only after the target commits free the blocks and end the
+request here with a `migrated_to` event. Any failure before the commit resumes
+the request on the source; nothing is lost.
+
+Target (`KvImporter`): reserve blocks when the header arrives, verify and write
+each chunk, check completeness on prepare, and make the request live on commit.
+Any failure or a stream that ends before commit frees the reserved blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, replace
+
+from dualpace.engine.channel import RequestChannel
+from dualpace.engine.kv_transfer import (
+    DEFAULT_CHUNK_BYTES,
+    DTYPE_NAMES,
+    ImportProgress,
+    KvChunk,
+    KvLayout,
+    KvTransferHeader,
+    checksum,
+    plan_chunks,
+    tensor_bytes,
+    tensor_from_bytes,
+)
+from dualpace.engine.loop import EngineLoop
+from dualpace.engine.request import EngineRequest, RequestState
+from dualpace.errors import InvalidArgument
+from dualpace.validation import validate_request
+
+# send(header, chunks) streams a transfer to the target and returns the target engine's
+# name once it has committed; it raises if anything fails before that.
+SendTransfer = Callable[[KvTransferHeader, AsyncIterator[KvChunk]], Awaitable[str]]
+
+
+@dataclass(frozen=True)
+class MigrationStats:
+    target_engine: str
+    num_chunks: int
+    total_bytes: int
+    duration_ms: float
+
+
+def engine_kv_layout(loop: EngineLoop) -> KvLayout:
+    kv = loop.core.runner.kv
+    return KvLayout(kv.num_layers, kv.num_kv_heads, kv.head_dim, kv.block_size, DTYPE_NAMES[kv.dtype])
+
+
+async def migrate_out(
+    loop: EngineLoop, request_id: str, send: SendTransfer, chunk_bytes: int = DEFAULT_CHUNK_BYTES
+) -> MigrationStats:
+    start = time.perf_counter()
+    core = loop.core
+    layout = engine_kv_layout(loop)
+
+    def pause() -> tuple[EngineRequest, list[int]]:
+        request = core.scheduler.pause(request_id)
+        return request, core.kv_slot_ids(request_id, request.num_computed_tokens)
+
+    request, slot_ids = await loop.call(pause)
+    chunk_plan = plan_chunks(request.num_computed_tokens, layout, chunk_bytes)
+    total_bytes = 2 * layout.num_layers * request.num_computed_tokens * layout.bytes_per_token_per_layer
+    header = KvTransferHeader(
+        request_id=request.request_id,
+        prompt_token_ids=tuple(request.prompt_token_ids),
+        output_token_ids=tuple(request.output_token_ids),
+        params=replace(request.params, seed=request.seed),
+        num_computed_tokens=request.num_computed_tokens,
+        layout=layout,
+        total_chunks=len(chunk_plan),
+        total_bytes=total_bytes,
+        source_engine=core.config.name,
+    )
+
+    async def chunks() -> AsyncIterator[KvChunk]:
+        for seq, (layer, token_start, token_end) in enumerate(chunk_plan):
+            k, v = await asyncio.to_thread(core.runner.read_kv, slot_ids[token_start:token_end], layer)
+            k_bytes, v_bytes = tensor_bytes(k), tensor_bytes(v)
+            yield KvChunk(seq, layer, token_start, token_end, k_bytes, v_bytes, checksum(k_bytes, v_bytes))
+
+    try:
+        target_engine = await send(header, chunks())
+    except BaseException:
+        await _resume_if_paused(loop, request_id)
+        raise
+    event = await loop.call(lambda: core.scheduler.release(request_id, migrated_to=target_engine))
+    await loop.dispatch([event])
+    return MigrationStats(target_engine, len(chunk_plan), total_bytes, (time.perf_counter() - start) * 1e3)
+
+
+async def _resume_if_paused(loop: EngineLoop, request_id: str) -> None:
+    def resume() -> None:
+        request = loop.core.scheduler.requests.get(request_id)
+        if request is not None and request.state == RequestState.PAUSED:
+            loop.core.scheduler.resume(request_id)
+
+    await loop.call(resume)
+
+
+class KvImporter:
+    """One incoming transfer on the target engine."""
+
+    def __init__(self, loop: EngineLoop):
+        self.loop = loop
+        self.progress: ImportProgress | None = None
+        self._slot_ids: list[int] = []
+        self._reserved = False
+        self._committed = False
+
+    async def begin(self, header: KvTransferHeader) -> None:
+        core = self.loop.core
+        own = engine_kv_layout(self.loop)
+        layout = header.layout
+        if (layout.num_layers, layout.num_kv_heads, layout.head_dim) != (own.num_layers, own.num_kv_heads, own.head_dim):
+            raise InvalidArgument("header.layout", f"KV shape {layout} does not match this engine's model {own}")
+        if layout.dtype not in ("float32", "bfloat16", "float16"):
+            raise InvalidArgument("header.layout.dtype", f"unknown dtype {layout.dtype!r}")
+        num_tokens = len(header.prompt_token_ids) + len(header.output_token_ids)
+        if not header.output_token_ids or header.num_computed_tokens != num_tokens - 1:
+            raise InvalidArgument("header.num_computed_tokens", "must cover every token but the last sampled one")
+        remaining = header.params.max_tokens - len(header.output_token_ids)
+        if remaining < 1:
+            raise InvalidArgument("header.output_token_ids", "the request has already produced max_tokens tokens")
+        # The continuation is valid exactly when the original request was: same total length.
+        validate_request(list(header.prompt_token_ids) + list(header.output_token_ids),
+                         replace(header.params, max_tokens=remaining), core.loaded.config.vocab_size,
+                         core.loaded.max_context_tokens, prompt_field="header.prompt_token_ids")
+
+        def reserve() -> list[int]:
+            core.scheduler.reserve_import(header.request_id, header.num_computed_tokens)
+            return core.kv_slot_ids(header.request_id, header.num_computed_tokens)
+
+        self._slot_ids = await self.loop.call(reserve)
+        self._reserved = True
+        self.progress = ImportProgress(header)
+
+    async def chunk(self, chunk: KvChunk) -> None:
+        progress = self._require_header()
+        progress.check_chunk(chunk)
+        layout = progress.header.layout
+        shape = (chunk.token_end - chunk.token_start, layout.num_kv_heads, layout.head_dim)
+        k = tensor_from_bytes(chunk.k, layout.dtype, shape)
+        v = tensor_from_bytes(chunk.v, layout.dtype, shape)
+        await asyncio.to_thread(self.loop.core.runner.write_kv, self._slot_ids[chunk.token_start:chunk.token_end],
+                                chunk.layer, k, v)
+        progress.accept(chunk)
+
+    async def prepare(self) -> ImportProgress:
+        progress = self._require_header()
+        progress.check_complete()
+        return progress
+
+    async def commit(self) -> str:
+        """Make the request live here; returns this engine's name."""
+        progress = await self.prepare()
+        header = progress.header
+        request = EngineRequest(
+            request_id=header.request_id,
+            prompt_token_ids=list(header.prompt_token_ids),
+            params=header.params,
+            seed=header.params.seed,
+            output_token_ids=list(header.output_token_ids),
+        )
+        channel = RequestChannel(header.request_id, len(header.prompt_token_ids), list(header.output_token_ids))
+
+        def commit() -> None:
+            self.loop.core.scheduler.commit_import(request)
+            self.loop.add_channel(channel)
+
+        await self.loop.call(commit)
+        self._committed = True
+        return self.loop.core.config.name
+
+    async def cancel(self) -> None:
+        """Free the reserved blocks unless the request was committed."""
+        if self._reserved and not self._committed and self.progress is not None:
+            request_id = self.progress.header.request_id
+            await self.loop.call(lambda: self.loop.core.scheduler.cancel_import(request_id))
+            self._reserved = False
+
+    def _require_header(self) -> ImportProgress:
+        if self.progress is None:
+            raise InvalidArgument("header", "the first message of an import must be its header")
+        return self.progress

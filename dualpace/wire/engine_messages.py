@@ -1,0 +1,148 @@
+"""Conversions for the dualpace.v1.Engine service: engine core types <-> protobuf.
+
+Part of the wire layer (with convert.py): servicers and clients of the Engine
+service convert here and nowhere else.
+"""
+
+from __future__ import annotations
+
+from dualpace.engine.channel import ChannelUpdate
+from dualpace.engine.kv_transfer import KvChunk, KvLayout, KvTransferHeader
+from dualpace.engine.loop import EngineLoad
+from dualpace.engine.request import EngineRequest, RequestState
+from dualpace.wire.convert import (
+    finish_reason_from_pb,
+    finish_reason_to_pb,
+    sampling_params_from_pb,
+    sampling_params_to_pb,
+    token_ids_to_list,
+)
+from dualpace.wire.v1 import common_pb2, engine_pb2
+
+ENGINE_KIND_TO_PB = {"gpu": common_pb2.ENGINE_KIND_GPU, "cpu": common_pb2.ENGINE_KIND_CPU}
+ENGINE_KIND_FROM_PB = {value: name for name, value in ENGINE_KIND_TO_PB.items()}
+_STATE_TO_PB = {
+    RequestState.WAITING: common_pb2.REQUEST_STATE_WAITING,
+    RequestState.RUNNING: common_pb2.REQUEST_STATE_RUNNING,
+    RequestState.PAUSED: common_pb2.REQUEST_STATE_PAUSED,
+    RequestState.FINISHED: common_pb2.REQUEST_STATE_FINISHED,
+}
+
+
+def generate_response_to_pb(
+    request_id: str, update: ChannelUpdate, engine_name: str, num_prompt_tokens: int, num_output_tokens: int
+) -> engine_pb2.EngineGenerateResponse:
+    message = engine_pb2.EngineGenerateResponse(
+        request_id=request_id,
+        token_ids=list(update.new_token_ids),
+        first_token_index=update.first_token_index,
+        finish_reason=finish_reason_to_pb(update.finish_reason),
+        engine=engine_name,
+        migrated_to=update.migrated_to or "",
+    )
+    if update.finish_reason is not None:
+        message.usage.prompt_tokens = num_prompt_tokens
+        message.usage.completion_tokens = num_output_tokens
+    return message
+
+
+def generate_update_from_pb(message: engine_pb2.EngineGenerateResponse) -> ChannelUpdate:
+    return ChannelUpdate(
+        first_token_index=message.first_token_index,
+        new_token_ids=tuple(message.token_ids),
+        finish_reason=finish_reason_from_pb(message.finish_reason),
+        migrated_to=message.migrated_to or None,
+    )
+
+
+def new_request_from_pb(message: engine_pb2.NewEngineRequest):
+    """(request_id, prompt_token_ids, SamplingParams) of a new request."""
+    return (
+        message.request_id,
+        token_ids_to_list(message.prompt_token_ids, field="prompt_token_ids"),
+        sampling_params_from_pb(message.sampling),
+    )
+
+
+def new_request_to_pb(request_id: str, prompt_token_ids, params) -> engine_pb2.EngineGenerateRequest:
+    return engine_pb2.EngineGenerateRequest(
+        new_request=engine_pb2.NewEngineRequest(
+            request_id=request_id, prompt_token_ids=list(prompt_token_ids), sampling=sampling_params_to_pb(params)
+        )
+    )
+
+
+def load_to_pb(load: EngineLoad) -> engine_pb2.LoadSnapshot:
+    return engine_pb2.LoadSnapshot(
+        engine=load.name,
+        kind=ENGINE_KIND_TO_PB.get(load.kind, common_pb2.ENGINE_KIND_UNSPECIFIED),
+        serving=load.serving,
+        num_running=load.num_running,
+        num_waiting=load.num_waiting,
+        kv_blocks_total=load.kv_blocks_total,
+        kv_blocks_used=load.kv_blocks_used,
+        block_size=load.block_size,
+        itl_p50_ms=load.itl_p50_ms,
+        itl_p99_ms=load.itl_p99_ms,
+        num_iterations=load.num_iterations,
+        timestamp_unix_ms=load.timestamp_unix_ms,
+    )
+
+
+def request_info_to_pb(request: EngineRequest, num_kv_blocks: int) -> engine_pb2.RequestInfo:
+    return engine_pb2.RequestInfo(
+        request_id=request.request_id,
+        state=_STATE_TO_PB.get(request.state, common_pb2.REQUEST_STATE_UNSPECIFIED),
+        prompt_tokens=len(request.prompt_token_ids),
+        generated_tokens=len(request.output_token_ids),
+        kv_blocks=num_kv_blocks,
+    )
+
+
+def kv_layout_to_pb(layout: KvLayout) -> engine_pb2.KvLayout:
+    return engine_pb2.KvLayout(num_layers=layout.num_layers, num_kv_heads=layout.num_kv_heads,
+                               head_dim=layout.head_dim, block_size=layout.block_size, dtype=layout.dtype)
+
+
+def kv_header_to_pb(header: KvTransferHeader) -> engine_pb2.ImportKvMessage:
+    return engine_pb2.ImportKvMessage(header=engine_pb2.ImportKvHeader(
+        request_id=header.request_id,
+        prompt_token_ids=list(header.prompt_token_ids),
+        output_token_ids=list(header.output_token_ids),
+        sampling=sampling_params_to_pb(header.params),
+        num_computed_tokens=header.num_computed_tokens,
+        num_tokens_emitted=len(header.output_token_ids),
+        layout=kv_layout_to_pb(header.layout),
+        total_chunks=header.total_chunks,
+        total_bytes=header.total_bytes,
+        source_engine=header.source_engine,
+    ))
+
+
+def kv_header_from_pb(message: engine_pb2.ImportKvHeader) -> KvTransferHeader:
+    if not message.HasField("sampling") or not message.sampling.HasField("seed"):
+        raise ValueError("header.sampling: the request's seed must be set")
+    layout = message.layout
+    return KvTransferHeader(
+        request_id=message.request_id,
+        prompt_token_ids=tuple(token_ids_to_list(message.prompt_token_ids, field="header.prompt_token_ids")),
+        output_token_ids=tuple(token_ids_to_list(message.output_token_ids, field="header.output_token_ids")),
+        params=sampling_params_from_pb(message.sampling),
+        num_computed_tokens=message.num_computed_tokens,
+        layout=KvLayout(layout.num_layers, layout.num_kv_heads, layout.head_dim, layout.block_size, layout.dtype),
+        total_chunks=message.total_chunks,
+        total_bytes=message.total_bytes,
+        source_engine=message.source_engine,
+    )
+
+
+def kv_chunk_to_pb(chunk: KvChunk) -> engine_pb2.ImportKvMessage:
+    return engine_pb2.ImportKvMessage(chunk=engine_pb2.KvChunk(
+        seq=chunk.seq, layer=chunk.layer, token_start=chunk.token_start, token_end=chunk.token_end,
+        k=chunk.k, v=chunk.v, crc32=chunk.crc32,
+    ))
+
+
+def kv_chunk_from_pb(message: engine_pb2.KvChunk) -> KvChunk:
+    return KvChunk(seq=message.seq, layer=message.layer, token_start=message.token_start,
+                   token_end=message.token_end, k=message.k, v=message.v, crc32=message.crc32)

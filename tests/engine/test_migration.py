@@ -1,0 +1,111 @@
+"""Two-phase KV migration between two in-process engines, with faults in the transfer."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+
+import pytest
+
+from dualpace.engine.core import EngineConfig, EngineCore
+from dualpace.engine.loop import EngineLoop
+from dualpace.engine.migration import KvImporter, migrate_out
+from dualpace.errors import InvalidArgument
+from dualpace.generation import OfflineGenerator
+from dualpace.model.loader import load_model
+from dualpace.sampling import FinishReason, SamplingParams
+
+NUM_BLOCKS = 64
+
+
+@pytest.fixture(scope="module")
+def tiny(synth_checkpoint):
+    return load_model(str(synth_checkpoint("tiny-llama")), dtype="fp32")
+
+
+def direct_send(target: EngineLoop, fault=None):
+    """A transport that calls the target's importer directly; `fault(chunk)` may alter or drop chunks."""
+
+    async def send(header, chunks) -> str:
+        importer = KvImporter(target)
+        try:
+            await importer.begin(header)
+            async for chunk in chunks:
+                chunk = fault(chunk) if fault else chunk
+                if chunk is not None:
+                    await importer.chunk(chunk)
+            await importer.prepare()
+            return await importer.commit()
+        finally:
+            await importer.cancel()
+
+    return send
+
+
+async def started(tiny, name: str, block_size: int = 8) -> tuple[EngineLoop, asyncio.Task]:
+    loop = EngineLoop(EngineCore(tiny, EngineConfig(name=name, num_kv_blocks=NUM_BLOCKS, block_size=block_size)))
+    return loop, asyncio.create_task(loop.run())
+
+
+async def stop(*pairs) -> None:
+    for loop, task in pairs:
+        loop.stop()
+        await task
+        loop.close()
+
+
+async def wait_tokens(channel, count: int) -> None:
+    async for _ in channel.follow():
+        if len(channel.output_token_ids) >= count:
+            return
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.9])
+async def test_migrated_request_continues_exactly(tiny, temperature):
+    source, target = await started(tiny, "src"), await started(tiny, "dst", block_size=4)
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5]
+    params = SamplingParams(max_tokens=30, ignore_eos=True, temperature=temperature, seed=42)
+    channel = await source[0].add_request("m", prompt, params)
+    await wait_tokens(channel, 5)
+    stats = await migrate_out(source[0], "m", direct_send(target[0]), chunk_bytes=700)
+    assert stats.target_engine == "dst" and stats.num_chunks > tiny.config.num_layers
+    assert channel.migrated_to == "dst"
+    emitted = len(channel.output_token_ids)
+    rest = [t async for update in target[0].channel("m").follow(emitted) for t in update.new_token_ids]
+    expected = OfflineGenerator(tiny).generate([prompt], [params])[0].output_token_ids
+    assert channel.output_token_ids + rest == expected
+    assert target[0].channel("m").finish_reason == FinishReason.LENGTH
+    assert source[0].load().kv_blocks_used == 0 and target[0].load().kv_blocks_used == 0
+    await stop(source, target)
+
+
+def corrupt(chunk):
+    return dataclasses.replace(chunk, k=bytes([chunk.k[0] ^ 1]) + chunk.k[1:]) if chunk.seq == 3 else chunk
+
+
+def skip(chunk):
+    return None if chunk.seq == 2 else chunk
+
+
+def interrupt(chunk):
+    if chunk.seq >= 5:
+        raise ConnectionError("transfer interrupted")
+    return chunk
+
+
+@pytest.mark.parametrize("fault, error", [(corrupt, InvalidArgument), (skip, InvalidArgument),
+                                          (interrupt, ConnectionError)])
+async def test_failed_transfer_leaves_request_on_source(tiny, fault, error):
+    source, target = await started(tiny, "src"), await started(tiny, "dst")
+    prompt = [7, 7, 1, 2]
+    params = SamplingParams(max_tokens=25, ignore_eos=True)
+    channel = await source[0].add_request("f", prompt, params)
+    await wait_tokens(channel, 3)
+    with pytest.raises(error):
+        await migrate_out(source[0], "f", direct_send(target[0], fault), chunk_bytes=700)
+    assert target[0].load().kv_blocks_used == 0
+    tokens = [t async for update in channel.follow() for t in update.new_token_ids]
+    assert tokens == OfflineGenerator(tiny).generate([prompt], [params])[0].output_token_ids
+    assert channel.finish_reason == FinishReason.LENGTH and channel.migrated_to is None
+    assert source[0].load().kv_blocks_used == 0
+    await stop(source, target)
