@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from dualpace.sampling import FinishReason, SamplingParams
-from dualpace.wire.v1 import common_pb2
+from dualpace.wire.v1 import assist_pb2, common_pb2
 
 # ---- sampling parameters -------------------------------------------------
 
@@ -169,3 +170,155 @@ def tensor_from_pb(
     wire_array = np.frombuffer(message.data, dtype=wire_int_dtype)
     native_array = wire_array.astype(wire_array.dtype.newbyteorder("="), copy=True)
     return torch.from_numpy(native_array).view(torch_dtype).reshape(shape)
+
+
+# ---- Dense Assist ---------------------------------------------------------
+# Core-side views of the DenseAssist stream messages (assist.proto): plain
+# values and CPU torch tensors. Conversion checks structure (kinds set, seeds
+# present, tensor encodings); the executor checks values against the model and
+# the iteration in progress.
+
+
+@dataclass(frozen=True)
+class AssistBegin:
+    """Starts an iteration. sampling: one (params, seed) per row, or None to get logits back."""
+
+    iteration_id: int
+    token_ids: list[int]
+    positions: list[int]
+    sampling: list[tuple[SamplingParams, int]] | None
+
+
+@dataclass(frozen=True)
+class AssistAttentionOutput:
+    """The CPU's attention output for one layer, [batch, num_heads * head_dim]."""
+
+    iteration_id: int
+    layer: int
+    attention_output: torch.Tensor
+
+
+@dataclass(frozen=True)
+class AssistQkv:
+    """q [batch, num_heads, head_dim], k and v [batch, num_kv_heads, head_dim] of one layer, RoPE applied."""
+
+    iteration_id: int
+    layer: int
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+
+
+@dataclass(frozen=True)
+class AssistResult:
+    """An iteration's outcome: sampled token ids, or float32 logits [batch, vocab] (exactly one is set)."""
+
+    iteration_id: int
+    token_ids: list[int] | None = None
+    logits: torch.Tensor | None = None
+
+
+def assist_up_to_pb(item: AssistBegin | AssistAttentionOutput) -> assist_pb2.AssistUp:
+    """Core begin / attention output -> AssistUp; each row's seed is written into its SamplingParams."""
+    if isinstance(item, AssistBegin):
+        begin = assist_pb2.AssistBegin(
+            iteration_id=item.iteration_id,
+            token_ids=token_ids_to_list(item.token_ids),
+            positions=token_ids_to_list(item.positions, field="positions"),
+            return_logits=item.sampling is None,
+        )
+        for params, seed in item.sampling or ():
+            row = sampling_params_to_pb(params)
+            row.seed = seed
+            begin.sampling.append(row)
+        return assist_pb2.AssistUp(begin=begin)
+    return assist_pb2.AssistUp(
+        attention_output=assist_pb2.AssistAttentionOutput(
+            iteration_id=item.iteration_id,
+            layer=item.layer,
+            attention_output=tensor_to_pb(item.attention_output),
+        )
+    )
+
+
+def assist_up_from_pb(message: assist_pb2.AssistUp) -> AssistBegin | AssistAttentionOutput:
+    """AssistUp -> core begin / attention output.
+
+    Raises ValueError naming the field when no kind is set, when return_logits
+    is set together with sampling entries, when a sampling entry has no seed,
+    or when the tensor is malformed.
+    """
+    kind = message.WhichOneof("kind")
+    if kind == "begin":
+        begin = message.begin
+        sampling = None
+        if begin.return_logits:
+            if begin.sampling:
+                raise ValueError("begin.sampling: must be empty when return_logits is set")
+        else:
+            sampling = []
+            for row, params in enumerate(begin.sampling):
+                if not params.HasField("seed"):
+                    raise ValueError(f"begin.sampling[{row}].seed: must be set for assisted sampling")
+                sampling.append((sampling_params_from_pb(params), params.seed))
+        return AssistBegin(
+            iteration_id=begin.iteration_id,
+            token_ids=list(begin.token_ids),
+            positions=list(begin.positions),
+            sampling=sampling,
+        )
+    if kind == "attention_output":
+        output = message.attention_output
+        return AssistAttentionOutput(
+            iteration_id=output.iteration_id,
+            layer=output.layer,
+            attention_output=tensor_from_pb(output.attention_output, field="attention_output.attention_output"),
+        )
+    raise ValueError("kind: an AssistUp must set begin or attention_output")
+
+
+def assist_down_to_pb(item: AssistQkv | AssistResult) -> assist_pb2.AssistDown:
+    """Core qkv / result -> AssistDown (tensors are copied to the host if needed)."""
+    if isinstance(item, AssistQkv):
+        return assist_pb2.AssistDown(
+            qkv=assist_pb2.AssistQkv(
+                iteration_id=item.iteration_id,
+                layer=item.layer,
+                q=tensor_to_pb(item.q),
+                k=tensor_to_pb(item.k),
+                v=tensor_to_pb(item.v),
+            )
+        )
+    if (item.token_ids is None) == (item.logits is None):
+        raise ValueError("result: exactly one of token_ids and logits must be set")
+    result = assist_pb2.AssistResult(iteration_id=item.iteration_id)
+    if item.token_ids is not None:
+        result.sampled.CopyFrom(token_ids_to_pb(item.token_ids))
+    else:
+        result.logits.CopyFrom(tensor_to_pb(item.logits))
+    return assist_pb2.AssistDown(result=result)
+
+
+def assist_down_from_pb(message: assist_pb2.AssistDown) -> AssistQkv | AssistResult:
+    """AssistDown -> core qkv / result. Raises ValueError naming the field when malformed."""
+    kind = message.WhichOneof("kind")
+    if kind == "qkv":
+        qkv = message.qkv
+        return AssistQkv(
+            iteration_id=qkv.iteration_id,
+            layer=qkv.layer,
+            q=tensor_from_pb(qkv.q, field="qkv.q"),
+            k=tensor_from_pb(qkv.k, field="qkv.k"),
+            v=tensor_from_pb(qkv.v, field="qkv.v"),
+        )
+    if kind == "result":
+        result = message.result
+        output = result.WhichOneof("output")
+        if output == "sampled":
+            return AssistResult(iteration_id=result.iteration_id, token_ids=token_ids_from_pb(result.sampled))
+        if output == "logits":
+            return AssistResult(
+                iteration_id=result.iteration_id, logits=tensor_from_pb(result.logits, field="result.logits")
+            )
+        raise ValueError("result.output: must set sampled or logits")
+    raise ValueError("kind: an AssistDown must set qkv or result")

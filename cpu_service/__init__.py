@@ -1,0 +1,1 @@
+"""CPU engine daemon: CPU-resident decodes on host KV, run locally or with GPU Dense Assist."""

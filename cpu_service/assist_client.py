@@ -1,0 +1,259 @@
+"""The CPU engine's client for GPU Dense Assist (synchronous, for the engine's worker thread).
+
+    client = AssistClient("127.0.0.1:50051", iteration_timeout_s=2.0)
+    token_ids = client.run_iteration(token_ids, positions, attend, sampling)
+
+`attend(layer, q, k, v)` is called once per layer with that layer's q
+[B, num_heads, head_dim] and k, v [B, num_kv_heads, head_dim] (RoPE applied,
+CPU tensors in the GPU model's dtype). It appends k and v to the host KV and
+returns the attention output [B, num_heads * head_dim]; the client sends it
+back and waits for the next layer.
+
+One bidirectional stream is opened lazily and reused across iterations. When
+the server is unreachable, does not reply in time, ends the stream or sends
+something unexpected, run_iteration raises AssistUnavailable and drops the
+stream; the engine redoes the iteration locally (the KV rows attend appended
+for this iteration are rewritten by the redo: same slots, same positions),
+and the next run_iteration opens a fresh stream. An exception raised by
+`attend` itself also drops the stream and propagates unchanged.
+"""
+
+from __future__ import annotations
+
+import itertools
+import queue
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+
+import grpc
+import torch
+
+from dualpace.errors import Unavailable
+from dualpace.sampling import SamplingParams, sample_next_tokens
+from dualpace.wire import convert
+from dualpace.wire.v1 import assist_pb2, assist_pb2_grpc
+
+# (layer, q, k, v) -> attention output [batch, num_heads * head_dim]
+AttendFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+DEFAULT_ITERATION_TIMEOUT_S = 5.0
+DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+# Reconnect quickly after gpu_service restarts (gRPC's default backoff grows to 120 s).
+_MAX_RECONNECT_BACKOFF_MS = 2000
+
+_END_OF_REQUESTS = object()
+
+
+class AssistUnavailable(Unavailable):
+    """Dense Assist could not finish this iteration; run it locally.
+
+    code is the gRPC status code when the server ended the stream, else None
+    (timeout, protocol error).
+    """
+
+    def __init__(self, message: str, code: grpc.StatusCode | None = None):
+        super().__init__(message)
+        self.code = code
+
+
+class _StreamEnded:
+    """Put on the reply queue when the call ends; error is None for a clean end."""
+
+    def __init__(self, error: grpc.RpcError | None):
+        self.error = error
+
+
+class _AssistStream:
+    """One open Assist call: a queue feeds its requests, a reader thread drains its replies."""
+
+    def __init__(self, stub: assist_pb2_grpc.DenseAssistStub, address: str):
+        self._address = address
+        self._requests: queue.Queue = queue.Queue()
+        self._replies: queue.Queue = queue.Queue()
+        self._call = stub.Assist(self._request_iterator())
+        self._reader = threading.Thread(target=self._read_replies, name="assist-reply-reader", daemon=True)
+        self._reader.start()
+
+    def _request_iterator(self) -> Iterator[assist_pb2.AssistUp]:
+        while True:
+            message = self._requests.get()
+            if message is _END_OF_REQUESTS:
+                return
+            yield message
+
+    def _read_replies(self) -> None:
+        try:
+            for reply in self._call:
+                self._replies.put(reply)
+            self._replies.put(_StreamEnded(None))
+        except grpc.RpcError as exc:
+            self._replies.put(_StreamEnded(exc))
+
+    def send(self, message: assist_pb2.AssistUp) -> None:
+        self._requests.put(message)
+
+    def receive(self, timeout_s: float) -> assist_pb2.AssistDown:
+        """The next reply; AssistUnavailable when none comes within timeout_s or the call ended."""
+        try:
+            reply = self._replies.get(timeout=max(timeout_s, 0.0))
+        except queue.Empty:
+            raise AssistUnavailable(f"dense assist at {self._address}: no reply within the iteration timeout") from None
+        if isinstance(reply, _StreamEnded):
+            if reply.error is None:
+                raise AssistUnavailable(f"dense assist at {self._address}: the server ended the stream")
+            code = reply.error.code() if isinstance(reply.error, grpc.Call) else None
+            details = reply.error.details() if isinstance(reply.error, grpc.Call) else str(reply.error)
+            name = code.name if code is not None else "error"
+            raise AssistUnavailable(f"dense assist at {self._address}: {name}: {details}", code)
+        return reply
+
+    def close(self) -> None:
+        """Half-close (ends the request iterator) and cancel; idempotent."""
+        self._requests.put(_END_OF_REQUESTS)
+        self._call.cancel()
+
+
+class AssistClient:
+    """Runs CPU engine iterations with the dense stages on gpu_service. One iteration at a time."""
+
+    def __init__(
+        self,
+        address: str,
+        iteration_timeout_s: float = DEFAULT_ITERATION_TIMEOUT_S,
+        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+    ):
+        self.address = address
+        self.iteration_timeout_s = iteration_timeout_s
+        self._channel = grpc.insecure_channel(
+            address,
+            options=[
+                ("grpc.max_send_message_length", max_message_bytes),
+                ("grpc.max_receive_message_length", max_message_bytes),
+                ("grpc.max_reconnect_backoff_ms", _MAX_RECONNECT_BACKOFF_MS),
+            ],
+        )
+        self._stub = assist_pb2_grpc.DenseAssistStub(self._channel)
+        self._stream: _AssistStream | None = None
+        self._iteration_ids = itertools.count(1)
+        self._lock = threading.Lock()
+        self._closed = False
+        self.consecutive_failures = 0  # AssistUnavailable raised since the last success
+
+    def run_iteration(
+        self,
+        token_ids: Sequence[int],
+        positions: Sequence[int],
+        attend: AttendFn,
+        sampling: Sequence[tuple[SamplingParams, int]] | None = None,
+    ) -> list[int | None] | torch.Tensor:
+        """One assisted decode iteration over a batch (one token per row).
+
+        positions[i] is the absolute position of token_ids[i]; the sampled token
+        is drawn for position + 1. With sampling (one (params, seed) per row)
+        returns the next token id per row, None where the row's logits were not
+        finite; with sampling None returns float32 logits [batch, vocab].
+        Raises AssistUnavailable (run the iteration locally instead).
+        """
+        with self._lock:
+            if self._closed:
+                raise AssistUnavailable(f"dense assist at {self.address}: the client is closed")
+            begin = convert.AssistBegin(
+                iteration_id=next(self._iteration_ids),
+                token_ids=list(token_ids),
+                positions=list(positions),
+                sampling=None if sampling is None else list(sampling),
+            )
+            request = convert.assist_up_to_pb(begin)
+            try:
+                result = self._exchange(begin, request, attend)
+            except AssistUnavailable:
+                self._drop_stream()
+                self.consecutive_failures += 1
+                raise
+            except BaseException:
+                self._drop_stream()
+                raise
+            self.consecutive_failures = 0
+            return self._output(begin, result)
+
+    def _exchange(
+        self, begin: convert.AssistBegin, request: assist_pb2.AssistUp, attend: AttendFn
+    ) -> convert.AssistResult:
+        """Send begin, answer each layer's qkv with attend, return the result."""
+        if self._stream is None:
+            self._stream = _AssistStream(self._stub, self.address)
+        stream = self._stream
+        batch = len(begin.token_ids)
+        wait_budget_s = self.iteration_timeout_s
+        stream.send(request)
+        for expected_layer in itertools.count():
+            started_s = time.monotonic()
+            reply = self._decode(stream.receive(wait_budget_s))
+            wait_budget_s -= time.monotonic() - started_s
+            if reply.iteration_id != begin.iteration_id:
+                raise self._protocol_error(f"reply for iteration {reply.iteration_id}, expected {begin.iteration_id}")
+            if isinstance(reply, convert.AssistResult):
+                self._check_result(reply, begin)
+                return reply
+            if reply.layer != expected_layer or not reply.q.shape[0] == reply.k.shape[0] == reply.v.shape[0] == batch:
+                raise self._protocol_error(f"unexpected qkv for layer {reply.layer} (expected layer {expected_layer})")
+            attention_output = attend(reply.layer, reply.q, reply.k, reply.v)
+            stream.send(
+                convert.assist_up_to_pb(
+                    convert.AssistAttentionOutput(begin.iteration_id, reply.layer, attention_output)
+                )
+            )
+        raise AssertionError("unreachable")
+
+    def _decode(self, message: assist_pb2.AssistDown) -> convert.AssistQkv | convert.AssistResult:
+        try:
+            return convert.assist_down_from_pb(message)
+        except ValueError as exc:
+            raise self._protocol_error(str(exc)) from None
+
+    def _check_result(self, result: convert.AssistResult, begin: convert.AssistBegin) -> None:
+        batch = len(begin.token_ids)
+        if result.token_ids is not None:
+            if begin.sampling is None or len(result.token_ids) != batch:
+                raise self._protocol_error("unexpected sampled token ids in the result")
+        elif result.logits.dim() != 2 or result.logits.shape[0] != batch:
+            raise self._protocol_error(f"result logits of shape {list(result.logits.shape)} for a batch of {batch}")
+
+    @staticmethod
+    def _output(begin: convert.AssistBegin, result: convert.AssistResult) -> list[int | None] | torch.Tensor:
+        """The caller's view: logits, or token ids. The server returns logits instead of ids
+        when some row's logits are not finite; such rows are sampled here and come back None."""
+        if result.token_ids is not None:
+            return list(result.token_ids)
+        logits = result.logits.float()
+        if begin.sampling is None:
+            return logits
+        sampled = sample_next_tokens(
+            logits,
+            [params for params, _ in begin.sampling],
+            [seed for _, seed in begin.sampling],
+            [position + 1 for position in begin.positions],
+        )
+        return [token_id if finite else None for token_id, finite in zip(sampled.token_ids, sampled.finite)]
+
+    def _protocol_error(self, problem: str) -> AssistUnavailable:
+        return AssistUnavailable(f"dense assist at {self.address}: protocol error: {problem}")
+
+    def _drop_stream(self) -> None:
+        if self._stream is not None:
+            self._stream.close()
+            self._stream = None
+
+    def close(self) -> None:
+        """End the stream and the channel; later run_iteration calls raise AssistUnavailable."""
+        with self._lock:
+            self._closed = True
+            self._drop_stream()
+            self._channel.close()
+
+    def __enter__(self) -> "AssistClient":
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()

@@ -1,0 +1,1 @@
+"""GPU engine daemon: prefills, GPU-resident decodes and Dense Assist for the CPU engine."""

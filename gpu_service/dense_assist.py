@@ -1,0 +1,198 @@
+"""GPU Dense Assist: the dense stages of a CPU engine's iteration, run on the GPU.
+
+One `AssistSession` per stream walks each iteration through its layers:
+
+    begin             -> embed, RoPE angles, pre_attention(0)      -> qkv(0)
+    attention_output 0 -> post_attention(0), pre_attention(1)       -> qkv(1)
+    ...
+    attention_output L -> post_attention(L), logits, sampling       -> result
+
+The residual stream (hidden states) stays on the model's device between
+messages; only q, k, v go down and the attention output comes up. Every
+message is checked against the iteration in progress before any device work,
+and a bad one raises InvalidArgument naming the field.
+
+Device work runs under the lock the daemon passes in (the GPU engine's step
+loop holds the same lock), so an assist step runs between the engine's own
+iterations. Methods are synchronous and meant to be called off the event
+loop; the same code runs on CUDA and on the CPU device.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, replace
+
+import torch
+
+from dualpace.errors import InvalidArgument
+from dualpace.model.transformer import Transformer
+from dualpace.sampling import SamplingParams, sample_next_tokens
+from dualpace.wire.convert import AssistAttentionOutput, AssistBegin, AssistQkv, AssistResult
+
+
+@dataclass
+class _Iteration:
+    """An iteration in progress: its request and the residual stream on the device."""
+
+    begin: AssistBegin
+    hidden: torch.Tensor  # [batch, hidden], model device and dtype
+    rope: tuple[torch.Tensor, torch.Tensor]
+    next_layer: int  # the layer whose attention output is expected next
+
+
+class DenseAssistExecutor:
+    """Holds the model and the device lock; hands out one session per stream."""
+
+    def __init__(self, model: Transformer, device_lock: threading.Lock | None = None):
+        self.model = model
+        self.device_lock = device_lock if device_lock is not None else threading.Lock()
+
+    def new_session(self) -> "AssistSession":
+        return AssistSession(self.model, self.device_lock)
+
+
+class AssistSession:
+    """The state of one DenseAssist stream: at most one iteration in progress.
+
+    Not thread-safe: the caller hands it one message at a time (a stream is
+    sequential). Returned tensors are on the CPU.
+    """
+
+    def __init__(self, model: Transformer, device_lock: threading.Lock):
+        self._model = model
+        self._lock = device_lock
+        self._iteration: _Iteration | None = None
+        self._last_iteration_id: int | None = None
+
+    @property
+    def in_iteration(self) -> bool:
+        """True between a begin and its result."""
+        return self._iteration is not None
+
+    def handle(self, message: AssistBegin | AssistAttentionOutput) -> AssistQkv | AssistResult:
+        """The reply to one upstream message."""
+        if isinstance(message, AssistBegin):
+            return self.begin(message)
+        return self.attention_output(message)
+
+    @torch.inference_mode()
+    def begin(self, begin: AssistBegin) -> AssistQkv:
+        """Start an iteration: embed the batch, compute RoPE once, return layer 0's q, k, v."""
+        self._check_begin(begin)
+        model = self._model
+        with self._lock:
+            token_ids = torch.tensor(begin.token_ids, dtype=torch.long, device=model.device)
+            positions = torch.tensor(begin.positions, dtype=torch.long, device=model.device)
+            hidden = model.embed(token_ids)
+            rope = model.rope_angles(positions)
+            iteration = _Iteration(begin=begin, hidden=hidden, rope=rope, next_layer=0)
+            qkv = self._pre_attention(iteration, 0)
+        self._iteration = iteration
+        self._last_iteration_id = begin.iteration_id
+        return qkv
+
+    @torch.inference_mode()
+    def attention_output(self, message: AssistAttentionOutput) -> AssistQkv | AssistResult:
+        """Finish a layer with the CPU's attention output; return the next layer's qkv or the result."""
+        iteration = self._check_attention_output(message)
+        model = self._model
+        layer = message.layer
+        with self._lock:
+            attention_out = message.attention_output.to(device=model.device, dtype=model.dtype)
+            iteration.hidden = model.post_attention(layer, iteration.hidden, attention_out)
+            if layer + 1 < model.config.num_layers:
+                iteration.next_layer = layer + 1
+                return self._pre_attention(iteration, layer + 1)
+            result = self._finish(iteration)
+        self._iteration = None
+        return result
+
+    def _pre_attention(self, iteration: _Iteration, layer: int) -> AssistQkv:
+        q, k, v = self._model.pre_attention(layer, iteration.hidden, iteration.rope)
+        return AssistQkv(
+            iteration_id=iteration.begin.iteration_id, layer=layer, q=q.cpu(), k=k.cpu(), v=v.cpu()
+        )
+
+    def _finish(self, iteration: _Iteration) -> AssistResult:
+        """Logits, then sampling when asked. A row with non-finite logits cannot be named by a
+        token id, so then the logits are returned instead and the client samples (and sees
+        which rows failed) itself."""
+        begin = iteration.begin
+        logits = self._model.logits(iteration.hidden)
+        if begin.sampling is None:
+            return AssistResult(iteration_id=begin.iteration_id, logits=logits.cpu())
+        params = [params for params, _ in begin.sampling]
+        seeds = [seed for _, seed in begin.sampling]
+        sample_positions = [position + 1 for position in begin.positions]
+        sampled = sample_next_tokens(logits, params, seeds, sample_positions)
+        if not all(sampled.finite):
+            return AssistResult(iteration_id=begin.iteration_id, logits=logits.cpu())
+        return AssistResult(iteration_id=begin.iteration_id, token_ids=sampled.token_ids)
+
+    # ---- validation (before any device work) ----------------------------
+
+    def _check_begin(self, begin: AssistBegin) -> None:
+        if self._iteration is not None:
+            current = self._iteration
+            raise InvalidArgument(
+                "begin",
+                f"iteration {current.begin.iteration_id} is still in progress "
+                f"(expected attention_output for layer {current.next_layer})",
+            )
+        if self._last_iteration_id is not None and begin.iteration_id <= self._last_iteration_id:
+            raise InvalidArgument(
+                "begin.iteration_id",
+                f"{begin.iteration_id} must be greater than the previous iteration's {self._last_iteration_id}",
+            )
+        num_rows = len(begin.token_ids)
+        if num_rows == 0:
+            raise InvalidArgument("begin.token_ids", "must not be empty")
+        if len(begin.positions) != num_rows:
+            raise InvalidArgument(
+                "begin.positions", f"has {len(begin.positions)} entries but token_ids has {num_rows}"
+            )
+        vocab_size = self._model.config.vocab_size
+        for row, token_id in enumerate(begin.token_ids):
+            if not 0 <= token_id < vocab_size:
+                raise InvalidArgument(
+                    f"begin.token_ids[{row}]", f"{token_id} is outside the vocabulary [0, {vocab_size})"
+                )
+        if begin.sampling is not None:
+            self._check_sampling(begin.sampling, num_rows, vocab_size)
+
+    @staticmethod
+    def _check_sampling(sampling: list[tuple[SamplingParams, int]], num_rows: int, vocab_size: int) -> None:
+        if len(sampling) != num_rows:
+            raise InvalidArgument(
+                "begin.sampling",
+                f"has {len(sampling)} entries but the batch has {num_rows} rows (or set return_logits)",
+            )
+        for row, (params, seed) in enumerate(sampling):
+            try:
+                replace(params, seed=seed).validate(vocab_size)
+            except InvalidArgument as exc:
+                raise InvalidArgument(f"begin.sampling[{row}].{exc.field}", exc.problem) from None
+
+    def _check_attention_output(self, message: AssistAttentionOutput) -> _Iteration:
+        iteration = self._iteration
+        if iteration is None:
+            raise InvalidArgument("attention_output", "no iteration is in progress; send begin first")
+        if message.iteration_id != iteration.begin.iteration_id:
+            raise InvalidArgument(
+                "attention_output.iteration_id",
+                f"is {message.iteration_id} but the iteration in progress is {iteration.begin.iteration_id}",
+            )
+        if message.layer != iteration.next_layer:
+            raise InvalidArgument(
+                "attention_output.layer", f"is {message.layer} but layer {iteration.next_layer} is expected next"
+            )
+        config = self._model.config
+        expected_shape = [len(iteration.begin.token_ids), config.num_heads * config.head_dim]
+        actual_shape = list(message.attention_output.shape)
+        if actual_shape != expected_shape:
+            raise InvalidArgument(
+                "attention_output.attention_output",
+                f"shape {actual_shape} does not match the expected [batch, num_heads * head_dim] = {expected_shape}",
+            )
+        return iteration

@@ -1,0 +1,276 @@
+"""GPU Dense Assist over real gRPC: the executor and servicer in a background server, the sync client.
+
+The client keeps its own paged KV (prefilled in-process) and computes decode
+attention there; the assisted logits must equal an in-process PagedForward step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import threading
+import time
+from collections.abc import Iterator
+
+import grpc
+import pytest
+import torch
+
+from cpu_service.assist_client import AssistClient, AssistUnavailable
+from dualpace.kv.storage import KVStorage
+from dualpace.model.attention import decode_attention
+from dualpace.model.loader import LoadedModel, load_model
+from dualpace.model.paged_forward import PagedForward, SequenceWork
+from dualpace.sampling import SamplingParams, sample_next_tokens
+from dualpace.wire import convert
+from dualpace.wire.v1 import assist_pb2, assist_pb2_grpc
+from gpu_service.assist_servicer import add_dense_assist_servicer
+from gpu_service.dense_assist import DenseAssistExecutor
+
+BLOCK_SIZE = 4
+PROMPT_LENGTHS = (3, 9, 17)
+
+
+class _CountingExecutor(DenseAssistExecutor):
+    """Counts sessions, i.e. streams opened."""
+
+    num_sessions = 0
+
+    def new_session(self):
+        self.num_sessions += 1
+        return super().new_session()
+
+
+class _ServerThread:
+    """A grpc.aio server with the DenseAssist servicer, on its own event loop in a thread."""
+
+    def __init__(self, executor: DenseAssistExecutor):
+        self.executor = executor
+        self.port = 0
+        self._started = threading.Event()
+        self._loop = asyncio.new_event_loop()
+        self._stop_event: asyncio.Event | None = None
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        try:
+            self._loop.run_until_complete(self._serve())
+            self._loop.run_until_complete(self._loop.shutdown_default_executor())
+        finally:
+            self._loop.close()
+
+    async def _serve(self) -> None:
+        server = grpc.aio.server()
+        add_dense_assist_servicer(self.executor, server)
+        self.port = server.add_insecure_port("127.0.0.1:0")
+        self._stop_event = asyncio.Event()
+        await server.start()
+        self._started.set()
+        await self._stop_event.wait()
+        await server.stop(grace=None)
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def start(self) -> "_ServerThread":
+        self._thread.start()
+        assert self._started.wait(10)
+        return self
+
+    def stop(self) -> None:
+        if self._thread.is_alive():
+            self._loop.call_soon_threadsafe(self._stop_event.set)
+            self._thread.join(10)
+
+
+@pytest.fixture(scope="module")
+def loaded(synth_checkpoint) -> LoadedModel:
+    return load_model(str(synth_checkpoint("tiny-llama")), dtype="fp32")
+
+
+@pytest.fixture
+def server(loaded) -> Iterator[_ServerThread]:
+    running = _ServerThread(_CountingExecutor(loaded.model)).start()
+    yield running
+    running.stop()
+
+
+class _HostSide:
+    """What the CPU engine holds: paged KV for a batch of sequences and their block tables."""
+
+    def __init__(self, loaded: LoadedModel, prompts: list[list[int]], max_new_tokens: int):
+        cfg = loaded.config
+        max_blocks = -(-(max(map(len, prompts)) + max_new_tokens) // BLOCK_SIZE)
+        self.kv = KVStorage(cfg.num_layers, len(prompts) * max_blocks, BLOCK_SIZE, cfg.num_kv_heads, cfg.head_dim,
+                            loaded.model.dtype)
+        self.block_tables = [list(range(i * max_blocks, (i + 1) * max_blocks)) for i in range(len(prompts))]
+        self.lengths = [len(p) for p in prompts]
+        self.scale = cfg.head_dim**-0.5
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Append this step's k, v (one token per row at position length - 1) and attend."""
+        slots = [table[(n - 1) // BLOCK_SIZE] * BLOCK_SIZE + (n - 1) % BLOCK_SIZE
+                 for table, n in zip(self.block_tables, self.lengths)]
+        self.kv.write(layer, torch.tensor(slots), k, v)
+        tables = torch.tensor(self.block_tables)
+        lens = torch.tensor(self.lengths)
+        return decode_attention(q, self.kv.k[layer], self.kv.v[layer], tables, lens, self.scale)
+
+
+def _prefilled(loaded: LoadedModel, max_new_tokens: int) -> tuple[_HostSide, PagedForward, list[int]]:
+    """Host KV prefilled with three prompts of different lengths, a reference copy, first tokens."""
+    generator = torch.Generator().manual_seed(0)
+    vocab_size = loaded.config.vocab_size
+    prompts = [torch.randint(vocab_size, (n,), generator=generator).tolist() for n in PROMPT_LENGTHS]
+    host = _HostSide(loaded, prompts, max_new_tokens)
+    work = [SequenceWork(p, 0, t) for p, t in zip(prompts, host.block_tables)]
+    logits = PagedForward(loaded.model, host.kv).forward(work)
+    reference_kv = KVStorage(host.kv.num_layers, host.kv.num_blocks, BLOCK_SIZE, host.kv.num_kv_heads,
+                             host.kv.head_dim, host.kv.dtype)
+    reference_kv.k.copy_(host.kv.k)
+    reference_kv.v.copy_(host.kv.v)
+    return host, PagedForward(loaded.model, reference_kv), logits.argmax(dim=1).tolist()
+
+
+def _reference_step(reference: PagedForward, host: _HostSide, token_ids: list[int]) -> torch.Tensor:
+    positions = [n - 1 for n in host.lengths]
+    return reference.forward(
+        [SequenceWork([t], p, table) for t, p, table in zip(token_ids, positions, host.block_tables)]
+    )
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_assisted_decode_matches_in_process_forward(loaded, synth_checkpoint, device) -> None:
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    server_model = loaded.model if device == "cpu" else load_model(
+        str(synth_checkpoint("tiny-llama")), dtype="fp32", device=device).model
+    tolerance = 1e-5 if device == "cpu" else 1e-4
+    running = _ServerThread(_CountingExecutor(server_model)).start()
+    num_logit_steps, num_sampled_steps = 3, 2
+    host, reference, token_ids = _prefilled(loaded, num_logit_steps + num_sampled_steps)
+    try:
+        with AssistClient(running.address, iteration_timeout_s=10.0) as client:
+            for _ in range(num_logit_steps):
+                host.lengths = [n + 1 for n in host.lengths]
+                positions = [n - 1 for n in host.lengths]
+                logits = client.run_iteration(token_ids, positions, host.attend)
+                expected = _reference_step(reference, host, token_ids)
+                assert logits.dtype == torch.float32 and logits.shape == expected.shape
+                assert (logits - expected).abs().max().item() < tolerance
+                token_ids = expected.argmax(dim=1).tolist()
+            # Sampling on the server: greedy rows take the argmax, a seeded row draws what the
+            # in-process sampler draws for the same (seed, position + 1).
+            sampling = [(SamplingParams(), 11), (SamplingParams(temperature=0.8, top_k=50), 12), (SamplingParams(), 13)]
+            for _ in range(num_sampled_steps):
+                host.lengths = [n + 1 for n in host.lengths]
+                positions = [n - 1 for n in host.lengths]
+                sampled = client.run_iteration(token_ids, positions, host.attend, sampling)
+                expected = _reference_step(reference, host, token_ids)
+                want = sample_next_tokens(expected, [p for p, _ in sampling], [s for _, s in sampling],
+                                          [p + 1 for p in positions])
+                assert sampled == want.token_ids
+                argmax = expected.argmax(dim=1).tolist()
+                assert sampled[0] == argmax[0] and sampled[2] == argmax[2]
+                token_ids = sampled
+        assert running.executor.num_sessions == 1  # every iteration ran over one stream
+    finally:
+        running.stop()
+
+
+def _zeros_attend(loaded: LoadedModel):
+    width = loaded.config.num_heads * loaded.config.head_dim
+
+    def attend(layer, q, k, v):
+        return torch.zeros(q.shape[0], width)
+
+    return attend
+
+
+def test_server_stopped_mid_iteration_raises_unavailable(loaded, server) -> None:
+    client = AssistClient(server.address, iteration_timeout_s=5.0)
+
+    def attend(layer, q, k, v):
+        if layer == 1:
+            server.stop()
+        return _zeros_attend(loaded)(layer, q, k, v)
+
+    started_s = time.monotonic()
+    with pytest.raises(AssistUnavailable):
+        client.run_iteration([1, 2], [0, 0], attend)
+    assert time.monotonic() - started_s < 5.0
+    assert client.consecutive_failures == 1
+    with pytest.raises(AssistUnavailable):  # still down: reopening fails cleanly
+        client.run_iteration([1, 2], [0, 0], _zeros_attend(loaded))
+    client.close()
+
+
+def test_busy_server_times_out_then_recovers(loaded, server) -> None:
+    """The GPU engine holding the device lock past the timeout: unavailable, then a fresh stream works."""
+    client = AssistClient(server.address, iteration_timeout_s=0.3)
+    attend = _zeros_attend(loaded)
+    client.run_iteration([1], [0], attend)
+    with server.executor.device_lock:
+        started_s = time.monotonic()
+        with pytest.raises(AssistUnavailable, match="no reply"):
+            client.run_iteration([1], [0], attend)
+        assert time.monotonic() - started_s < 2.0
+    logits = client.run_iteration([1, 2], [0, 3], attend)
+    assert logits.shape == (2, loaded.config.vocab_size)
+    assert client.consecutive_failures == 0
+    client.close()
+
+
+def test_unreachable_server_raises_unavailable() -> None:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    client = AssistClient(f"127.0.0.1:{port}", iteration_timeout_s=5.0)
+    with pytest.raises(AssistUnavailable) as raised:
+        client.run_iteration([1], [0], lambda layer, q, k, v: q.reshape(1, -1))
+    assert raised.value.code == grpc.StatusCode.UNAVAILABLE
+    client.close()
+
+
+def _attention_output(iteration_id: int, layer: int, shape: list[int]) -> assist_pb2.AssistUp:
+    return convert.assist_up_to_pb(convert.AssistAttentionOutput(iteration_id, layer, torch.zeros(shape)))
+
+
+def _begin(iteration_id: int, num_rows: int = 2, sampling=None) -> assist_pb2.AssistUp:
+    return convert.assist_up_to_pb(convert.AssistBegin(iteration_id, [1] * num_rows, [0] * num_rows, sampling))
+
+
+def _stream_status(address: str, messages: list[assist_pb2.AssistUp]) -> tuple[grpc.StatusCode, str]:
+    with grpc.insecure_channel(address) as channel:
+        call = assist_pb2_grpc.DenseAssistStub(channel).Assist(iter(messages), timeout=10)
+        with pytest.raises(grpc.RpcError) as raised:
+            for _ in call:
+                pass
+        return raised.value.code(), raised.value.details()
+
+
+def test_bad_messages_end_the_stream_naming_the_field(loaded, server) -> None:
+    width = loaded.config.num_heads * loaded.config.head_dim
+    whole_iteration_5 = [_begin(5)] + [_attention_output(5, layer, [2, width])
+                                       for layer in range(loaded.config.num_layers)]
+    cases = {
+        "attention_output: no iteration": [_attention_output(1, 0, [2, width])],
+        "attention_output.layer": [_begin(1), _attention_output(1, 1, [2, width])],
+        "attention_output.attention_output": [_begin(1), _attention_output(1, 0, [2, width + 1])],
+        "attention_output.iteration_id": [_begin(1), _attention_output(2, 0, [2, width])],
+        "begin: iteration 1 is still in progress": [_begin(1), _begin(2)],
+        "begin.iteration_id": [*whole_iteration_5, _begin(5)],
+        "begin.sampling[1].top_p": [_begin(1, sampling=[(SamplingParams(), 1), (SamplingParams(top_p=0.0), 2)])],
+        "begin.sampling[0].seed": [assist_pb2.AssistUp(begin=assist_pb2.AssistBegin(
+            iteration_id=1, token_ids=[1], positions=[0], sampling=[convert.sampling_params_to_pb(SamplingParams())]))],
+        "begin.token_ids[0]": [assist_pb2.AssistUp(begin=assist_pb2.AssistBegin(
+            iteration_id=1, token_ids=[loaded.config.vocab_size], positions=[0], return_logits=True))],
+        "kind": [assist_pb2.AssistUp()],
+    }
+    for expected_field, messages in cases.items():
+        code, details = _stream_status(server.address, messages)
+        assert code == grpc.StatusCode.INVALID_ARGUMENT, (expected_field, details)
+        assert details.startswith(expected_field), (expected_field, details)
+    with AssistClient(server.address) as client:  # the server still serves new streams
+        assert client.run_iteration([1], [0], _zeros_attend(loaded)).shape == (1, loaded.config.vocab_size)
