@@ -1,0 +1,145 @@
+"""The dualpace.v1.Engine servicer, shared by gpu_service and cpu_service.
+
+Thin: convert at the wire boundary, call the EngineLoop, convert back. Errors are
+raised as dualpace.errors exceptions; the server's interceptor maps them to
+status codes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+
+from dualpace import __version__
+from dualpace.engine.loop import EngineLoop
+from dualpace.engine.migration import KvImporter, migrate_out
+from dualpace.errors import InvalidArgument, RequestNotFound, Unavailable
+from dualpace.faults import FaultConfig
+from dualpace.serve.kv_transport import GrpcKvSender
+from dualpace.wire import engine_messages as messages
+from dualpace.wire.v1 import engine_pb2, engine_pb2_grpc
+
+MIN_WATCH_INTERVAL_MS = 20
+DEFAULT_WATCH_INTERVAL_MS = 200
+
+
+class EngineServicer(engine_pb2_grpc.EngineServicer):
+    def __init__(self, loop: EngineLoop, faults: FaultConfig | None = None):
+        self.loop = loop
+        self.faults = faults or FaultConfig()
+
+    async def Generate(self, request, context):
+        loop = self.loop
+        kind = request.WhichOneof("kind")
+        if kind == "new_request":
+            request_id, prompt_token_ids, params = messages.new_request_from_pb(request.new_request)
+            channel = await loop.add_request(request_id, prompt_token_ids, params)
+            start = 0
+        elif kind == "resume":
+            request_id = request.resume.request_id
+            channel = loop.channel(request_id)
+            start = request.resume.from_token_index
+            if start > len(channel.output_token_ids):
+                raise InvalidArgument("resume.from_token_index",
+                                      f"{start} is past the {len(channel.output_token_ids)} tokens generated so far")
+        else:
+            raise InvalidArgument("kind", "set new_request or resume")
+        name = loop.core.config.name
+        finished = False
+        try:
+            async for update in channel.follow(start):
+                if update.error_message is not None:
+                    raise Unavailable(update.error_message)
+                yield messages.generate_response_to_pb(
+                    request_id, update, name, channel.num_prompt_tokens, len(channel.output_token_ids)
+                )
+            finished = True
+        finally:
+            if not finished and not channel.done:
+                # The client went away: the request must not keep its KV blocks.
+                await _abort_quietly(loop, request_id)
+
+    async def Abort(self, request, context):
+        await self.loop.abort(request.request_id)
+        return engine_pb2.AbortResponse(found=True)
+
+    async def MigrateOut(self, request, context):
+        if not request.target_address:
+            raise InvalidArgument("target_address", "must be set")
+        stats = await migrate_out(self.loop, request.request_id, GrpcKvSender(request.target_address, self.faults))
+        return engine_pb2.MigrateOutResponse(target_engine=stats.target_engine, num_chunks=stats.num_chunks,
+                                             total_bytes=stats.total_bytes, duration_ms=stats.duration_ms)
+
+    async def ImportKv(self, request_iterator, context):
+        importer = KvImporter(self.loop)
+        try:
+            async for message in request_iterator:
+                kind = message.WhichOneof("kind")
+                if kind == "header":
+                    if importer.progress is not None:
+                        raise InvalidArgument("header", "sent twice")
+                    await importer.begin(messages.kv_header_from_pb(message.header))
+                elif kind == "chunk":
+                    await importer.chunk(messages.kv_chunk_from_pb(message.chunk))
+                elif kind == "prepare":
+                    progress = await importer.prepare()
+                    yield engine_pb2.ImportKvReply(prepared=engine_pb2.ImportKvPrepared(
+                        num_chunks=progress.next_seq, total_bytes=progress.num_bytes,
+                        kv_blocks=len(self.loop.core.scheduler.blocks.block_ids(progress.header.request_id))))
+                elif kind == "commit":
+                    engine_name = await importer.commit()
+                    yield engine_pb2.ImportKvReply(committed=engine_pb2.ImportKvCommitted(
+                        request_id=importer.progress.header.request_id, engine=engine_name))
+                    return
+                else:
+                    raise InvalidArgument("kind", "empty ImportKv message")
+        finally:
+            await importer.cancel()
+
+    async def GetLoad(self, request, context):
+        return messages.load_to_pb(self.loop.load())
+
+    async def WatchLoad(self, request, context):
+        interval_ms = max(request.interval_ms or DEFAULT_WATCH_INTERVAL_MS, MIN_WATCH_INTERVAL_MS)
+        while True:
+            yield messages.load_to_pb(self.loop.load())
+            await asyncio.sleep(interval_ms / 1e3)
+
+    async def ListRequests(self, request, context):
+        scheduler = self.loop.core.scheduler
+        blocks = scheduler.blocks
+        infos = [
+            messages.request_info_to_pb(r, len(blocks.block_ids(r.request_id)) if blocks.has(r.request_id) else 0)
+            for r in list(scheduler.requests.values())
+        ]
+        return engine_pb2.ListRequestsResponse(requests=infos)
+
+    async def Info(self, request, context):
+        core = self.loop.core
+        cfg = core.loaded.config
+        model = core.loaded.model
+        return engine_pb2.EngineInfo(
+            engine=core.config.name,
+            kind=messages.ENGINE_KIND_TO_PB[core.config.kind],
+            model=core.loaded.name,
+            architecture=cfg.architecture,
+            num_layers=cfg.num_layers,
+            hidden_size=cfg.hidden_size,
+            num_heads=cfg.num_heads,
+            num_kv_heads=cfg.num_kv_heads,
+            head_dim=cfg.head_dim,
+            vocab_size=cfg.vocab_size,
+            max_context_tokens=core.loaded.max_context_tokens,
+            block_size=core.config.block_size,
+            dtype=str(model.dtype).removeprefix("torch."),
+            device=str(model.device),
+            version=__version__,
+        )
+
+
+async def _abort_quietly(loop: EngineLoop, request_id: str) -> None:
+    try:
+        await loop.abort(request_id)
+    except (RequestNotFound, Unavailable):
+        pass  # already finished, moved, or the engine is stopping

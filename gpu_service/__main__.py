@@ -1,0 +1,49 @@
+"""`dualpace-gpu` / `python -m gpu_service`: the GPU engine daemon.
+
+Runs prefills and GPU-resident decodes with its own scheduler, device KV cache
+and step loop (dualpace.v1.Engine), and serves Dense Assist to the CPU engine
+(dualpace.v1.DenseAssist) between its own iterations, sharing one device lock.
+On a machine without CUDA the same code runs on the CPU device.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import grpc
+
+from dualpace.model.loader import resolve_device
+from dualpace.serve.engine_daemon import EngineDaemonParts, add_engine_arguments, build_engine, run_engine_daemon
+from gpu_service.assist_servicer import add_dense_assist_servicer
+from gpu_service.dense_assist import DenseAssistExecutor
+
+DEFAULT_KV_BLOCKS = 256  # a small pool: GPU memory is the scarce resource this system works around
+DENSE_ASSIST_SERVICE = "dualpace.v1.DenseAssist"
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="dualpace-gpu", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_engine_arguments(parser, default_name="gpu", default_kv_blocks=DEFAULT_KV_BLOCKS)
+    parser.add_argument("--device", default="auto", help="auto (cuda when available), cuda or cpu")
+    return parser.parse_args(argv)
+
+
+def add_assist(parts: EngineDaemonParts, server: grpc.aio.Server) -> list[str]:
+    add_dense_assist_servicer(DenseAssistExecutor(parts.loaded.model, parts.device_lock), server)
+    return [DENSE_ASSIST_SERVICE]
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+
+    def build() -> EngineDaemonParts:
+        return build_engine(args, kind="gpu", device=str(resolve_device(args.device)),
+                            default_kv_blocks=DEFAULT_KV_BLOCKS)
+
+    return run_engine_daemon(args, "gpu_service", build, add_assist)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
