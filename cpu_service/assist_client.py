@@ -146,6 +146,7 @@ class AssistClient:
         positions: Sequence[int],
         attend: AttendFn,
         sampling: Sequence[tuple[SamplingParams, int]] | None = None,
+        wait_for_engine_iteration: bool = False,
     ) -> list[int | None] | torch.Tensor:
         """One assisted decode iteration over a batch (one token per row).
 
@@ -153,6 +154,8 @@ class AssistClient:
         is drawn for position + 1. With sampling (one (params, seed) per row)
         returns the next token id per row, None where the row's logits were not
         finite; with sampling None returns float32 logits [batch, vocab].
+        wait_for_engine_iteration selects the gated baseline policy (the GPU starts
+        the iteration only at its own engine's iteration boundary).
         Raises AssistUnavailable (run the iteration locally instead).
         """
         with self._lock:
@@ -163,6 +166,7 @@ class AssistClient:
                 token_ids=list(token_ids),
                 positions=list(positions),
                 sampling=None if sampling is None else list(sampling),
+                wait_for_engine_iteration=wait_for_engine_iteration,
             )
             request = convert.assist_up_to_pb(begin)
             try:

@@ -31,7 +31,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def add_assist(parts: EngineDaemonParts, server: grpc.aio.Server) -> list[str]:
-    add_dense_assist_servicer(DenseAssistExecutor(parts.loaded.model, parts.device_lock), server)
+    executor = DenseAssistExecutor(parts.loaded.model, parts.device_lock, parts.loop.gate)
+    add_dense_assist_servicer(executor, server)
     return [DENSE_ASSIST_SERVICE]
 
 

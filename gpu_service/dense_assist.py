@@ -25,10 +25,14 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from dualpace.engine.gate import IterationGate
 from dualpace.errors import InvalidArgument
 from dualpace.model.transformer import Transformer
 from dualpace.sampling import SamplingParams, sample_next_tokens
 from dualpace.wire.convert import AssistAttentionOutput, AssistBegin, AssistQkv, AssistResult
+
+
+GATE_TIMEOUT_S = 60.0  # a gated iteration waits at most this long for the GPU engine's iteration
 
 
 @dataclass
@@ -44,12 +48,14 @@ class _Iteration:
 class DenseAssistExecutor:
     """Holds the model and the device lock; hands out one session per stream."""
 
-    def __init__(self, model: Transformer, device_lock: threading.Lock | None = None):
+    def __init__(self, model: Transformer, device_lock: threading.Lock | None = None,
+                 gate: IterationGate | None = None):
         self.model = model
         self.device_lock = device_lock if device_lock is not None else threading.Lock()
+        self.gate = gate if gate is not None else IterationGate()  # the GPU engine's iteration boundaries
 
     def new_session(self) -> "AssistSession":
-        return AssistSession(self.model, self.device_lock)
+        return AssistSession(self.model, self.device_lock, self.gate)
 
 
 class AssistSession:
@@ -59,9 +65,10 @@ class AssistSession:
     sequential). Returned tensors are on the CPU.
     """
 
-    def __init__(self, model: Transformer, device_lock: threading.Lock):
+    def __init__(self, model: Transformer, device_lock: threading.Lock, gate: IterationGate | None = None):
         self._model = model
         self._lock = device_lock
+        self._gate = gate if gate is not None else IterationGate()
         self._iteration: _Iteration | None = None
         self._last_iteration_id: int | None = None
 
@@ -81,6 +88,8 @@ class AssistSession:
         """Start an iteration: embed the batch, compute RoPE once, return layer 0's q, k, v."""
         self._check_begin(begin)
         model = self._model
+        if begin.wait_for_engine_iteration:  # gated baseline: one CPU iteration per GPU iteration
+            self._gate.wait_turn(GATE_TIMEOUT_S)
         with self._lock:
             token_ids = torch.tensor(begin.token_ids, dtype=torch.long, device=model.device)
             positions = torch.tensor(begin.positions, dtype=torch.long, device=model.device)

@@ -27,14 +27,15 @@ class EngineConfig:
 
 
 class EngineCore:
-    def __init__(self, loaded: LoadedModel, config: EngineConfig):
+    def __init__(self, loaded: LoadedModel, config: EngineConfig, runner: ModelRunner | None = None):
         self.loaded = loaded
         self.config = config
         eos_ids = frozenset(loaded.config.eos_token_ids) | frozenset(loaded.tokenizer.eos_token_ids)
         self.scheduler = Scheduler(
             config.scheduler, config.num_kv_blocks, config.block_size, loaded.max_context_tokens, eos_ids
         )
-        self.runner = ModelRunner(loaded, config.num_kv_blocks, config.block_size)
+        # The CPU engine passes a runner that can also run iterations with Dense Assist.
+        self.runner = runner or ModelRunner(loaded, config.num_kv_blocks, config.block_size)
         self.num_steps = 0
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> EngineRequest:

@@ -23,6 +23,7 @@ from typing import Any, TypeVar
 
 from dualpace.engine.channel import RequestChannel
 from dualpace.engine.core import EngineCore
+from dualpace.engine.gate import IterationGate
 from dualpace.engine.request import RequestEvent
 from dualpace.errors import RequestNotFound, Unavailable
 from dualpace.sampling import SamplingParams
@@ -59,7 +60,8 @@ def percentile(values: list[float], fraction: float) -> float:
 
 
 class EngineLoop:
-    def __init__(self, core: EngineCore, step_lock: threading.Lock | None = None):
+    def __init__(self, core: EngineCore, step_lock: threading.Lock | None = None,
+                 gate: IterationGate | None = None):
         self.core = core
         self.channels: dict[str, RequestChannel] = {}
         self._finished: OrderedDict[str, RequestChannel] = OrderedDict()
@@ -69,6 +71,7 @@ class EngineLoop:
         self._step_ms: deque[float] = deque(maxlen=NUM_RECENT_STEPS)
         # Held for each step; gpu_service shares it with Dense Assist so both use the device in turn.
         self._step_lock = step_lock or contextlib.nullcontext()
+        self.gate = gate or IterationGate()  # iteration boundaries, for the gated baseline policy
         self._stopping = False
         self.serving = True
         self.fatal_error: BaseException | None = None
@@ -142,8 +145,12 @@ class EngineLoop:
             self.stopped.set()
 
     def _step(self):
-        with self._step_lock:
-            return self.core.step()
+        self.gate.step_started()
+        try:
+            with self._step_lock:
+                return self.core.step()
+        finally:
+            self.gate.step_finished()
 
     def stop(self) -> None:
         self._stopping = True

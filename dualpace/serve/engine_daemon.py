@@ -16,6 +16,7 @@ import grpc
 
 from dualpace.engine.core import EngineConfig, EngineCore
 from dualpace.engine.loop import EngineLoop
+from dualpace.engine.runner import ModelRunner
 from dualpace.engine.scheduler import SchedulerConfig
 from dualpace.errors import DualPaceError, InvalidArgument
 from dualpace.faults import FaultConfig
@@ -74,7 +75,13 @@ def check_positive(args: argparse.Namespace, *names: str) -> None:
             raise InvalidArgument(f"--{name}", f"must be >= 1, got {value}")
 
 
-def build_engine(args: argparse.Namespace, kind: str, device: str, default_kv_blocks: int) -> EngineDaemonParts:
+def build_engine(
+    args: argparse.Namespace,
+    kind: str,
+    device: str,
+    default_kv_blocks: int,
+    make_runner: Callable[[LoadedModel, EngineConfig], ModelRunner] | None = None,
+) -> EngineDaemonParts:
     import torch
 
     from dualpace.model.loader import load_model
@@ -92,7 +99,8 @@ def build_engine(args: argparse.Namespace, kind: str, device: str, default_kv_bl
                                   max_waiting=args.max_waiting),
     )
     device_lock = threading.Lock()
-    loop = EngineLoop(EngineCore(loaded, config), step_lock=device_lock)
+    runner = make_runner(loaded, config) if make_runner is not None else None
+    loop = EngineLoop(EngineCore(loaded, config, runner), step_lock=device_lock)
     return EngineDaemonParts(loaded, loop, device_lock)
 
 

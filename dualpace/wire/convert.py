@@ -187,6 +187,7 @@ class AssistBegin:
     token_ids: list[int]
     positions: list[int]
     sampling: list[tuple[SamplingParams, int]] | None
+    wait_for_engine_iteration: bool = False  # the gated (NEO-like) baseline policy
 
 
 @dataclass(frozen=True)
@@ -226,6 +227,7 @@ def assist_up_to_pb(item: AssistBegin | AssistAttentionOutput) -> assist_pb2.Ass
             token_ids=token_ids_to_list(item.token_ids),
             positions=token_ids_to_list(item.positions, field="positions"),
             return_logits=item.sampling is None,
+            wait_for_engine_iteration=item.wait_for_engine_iteration,
         )
         for params, seed in item.sampling or ():
             row = sampling_params_to_pb(params)
@@ -266,6 +268,7 @@ def assist_up_from_pb(message: assist_pb2.AssistUp) -> AssistBegin | AssistAtten
             token_ids=list(begin.token_ids),
             positions=list(begin.positions),
             sampling=sampling,
+            wait_for_engine_iteration=begin.wait_for_engine_iteration,
         )
     if kind == "attention_output":
         output = message.attention_output

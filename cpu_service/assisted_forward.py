@@ -1,0 +1,39 @@
+"""An assisted iteration: dense stages on gpu_service, attention here over host KV."""
+
+from __future__ import annotations
+
+import torch
+
+from cpu_service.assist_client import AssistClient
+from dualpace.engine.scheduler import StepPlan, StepResult
+from dualpace.kv.storage import KVStorage
+from dualpace.model.paged_forward import SequenceWork, attend, build_step_tensors
+
+
+class AssistedForward:
+    def __init__(self, kv: KVStorage, head_dim: int, client: AssistClient, gated: bool = False):
+        self.kv = kv
+        self.scale = head_dim**-0.5
+        self.client = client
+        self.gated = gated  # the NEO-like baseline: wait for the GPU engine's iteration boundary
+
+    @torch.inference_mode()
+    def execute(self, plan: StepPlan) -> StepResult:
+        """Run a decode-only plan (one token per sequence, each sampled). Raises
+        AssistUnavailable if gpu_service fails; the caller then redoes the step locally
+        (the K/V rows written so far sit in the same slots the redo rewrites)."""
+        work = [SequenceWork(list(s.token_ids), s.start_pos, list(s.block_ids)) for s in plan.sequences]
+        step = build_step_tensors(work, self.kv.block_size, self.kv.device)
+
+        def attend_here(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            self.kv.write(layer, step.slot_ids, k, v)
+            return attend(q.to(self.kv.dtype), layer, step, self.kv, self.scale).to(q.dtype)
+
+        token_ids = self.client.run_iteration(
+            [s.token_ids[0] for s in plan.sequences],
+            [s.start_pos for s in plan.sequences],
+            attend_here,
+            [(s.params, s.seed) for s in plan.sequences],
+            wait_for_engine_iteration=self.gated,
+        )
+        return StepResult({s.request_id: token_id for s, token_id in zip(plan.sequences, token_ids)})

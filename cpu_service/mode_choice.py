@@ -1,0 +1,83 @@
+"""Per-iteration choice between Local and Assisted execution on the CPU engine.
+
+Pure (no torch, grpc or clock): the runner reports measured iteration latencies
+and failures; the chooser predicts each mode's latency for a batch size from
+recent measurements and picks the faster one. Until offline profiles feed a cost
+model, these online measurements are the prediction. After a failure of the
+assist path it backs off (exponentially, in iterations) before trying again, and
+it re-probes the slower mode now and then so a change (the GPU getting busy or
+free) is noticed.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+
+class ExecutionMode(str, enum.Enum):
+    LOCAL = "local"  # every stage on the CPU
+    ASSISTED = "assisted"  # dense stages on gpu_service, attention on the CPU
+
+
+class AssistSetting(str, enum.Enum):
+    AUTO = "auto"
+    ALWAYS = "always"
+    NEVER = "never"
+
+
+EMA_WEIGHT = 0.2  # weight of a new measurement in the running latency estimate
+REPROBE_EVERY = 64  # iterations between probes of the mode not currently preferred
+BACKOFF_MIN_ITERATIONS = 8
+BACKOFF_MAX_ITERATIONS = 512
+
+
+def batch_bucket(batch_size: int) -> int:
+    """Batch sizes are grouped by powers of two: 1, 2, 4, 8, ..."""
+    bucket = 1
+    while bucket < batch_size:
+        bucket *= 2
+    return bucket
+
+
+@dataclass
+class ModeChooser:
+    setting: AssistSetting
+    assist_configured: bool  # a gpu_service address was given
+    latency_ms: dict[tuple[ExecutionMode, int], float] = field(default_factory=dict)
+    num_iterations: int = 0
+    backoff_until: int = 0
+    backoff_iterations: int = BACKOFF_MIN_ITERATIONS
+
+    def choose(self, batch_size: int, decode_only: bool) -> ExecutionMode:
+        """Assisted needs a decode-only batch (one token per sequence) and a gpu_service."""
+        self.num_iterations += 1
+        if not decode_only or not self.assist_configured or self.setting == AssistSetting.NEVER:
+            return ExecutionMode.LOCAL
+        if self.num_iterations < self.backoff_until:
+            return ExecutionMode.LOCAL
+        if self.setting == AssistSetting.ALWAYS:
+            return ExecutionMode.ASSISTED
+        bucket = batch_bucket(batch_size)
+        local = self.latency_ms.get((ExecutionMode.LOCAL, bucket))
+        assisted = self.latency_ms.get((ExecutionMode.ASSISTED, bucket))
+        if local is None:
+            return ExecutionMode.LOCAL  # measure each mode once per bucket before comparing
+        if assisted is None:
+            return ExecutionMode.ASSISTED
+        faster = ExecutionMode.ASSISTED if assisted < local else ExecutionMode.LOCAL
+        if self.num_iterations % REPROBE_EVERY == 0:
+            return ExecutionMode.LOCAL if faster == ExecutionMode.ASSISTED else ExecutionMode.ASSISTED
+        return faster
+
+    def record(self, mode: ExecutionMode, batch_size: int, latency_ms: float) -> None:
+        key = (mode, batch_bucket(batch_size))
+        previous = self.latency_ms.get(key)
+        self.latency_ms[key] = latency_ms if previous is None else (1 - EMA_WEIGHT) * previous + EMA_WEIGHT * latency_ms
+        if mode == ExecutionMode.ASSISTED:
+            self.backoff_iterations = BACKOFF_MIN_ITERATIONS
+
+    def record_assist_failure(self) -> None:
+        """The assist path failed mid-iteration: run locally for a while, longer each time."""
+        self.backoff_until = self.num_iterations + self.backoff_iterations
+        self.backoff_iterations = min(2 * self.backoff_iterations, BACKOFF_MAX_ITERATIONS)

@@ -1,0 +1,129 @@
+"""cpu_service with gpu_service as real processes: handoff after a GPU prefill, decode on the
+CPU (Local and Assisted), migrations both ways, and gpu_service killed under assisted load."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from dualpace.generation import OfflineGenerator
+from dualpace.model.loader import load_model
+from dualpace.sampling import FinishReason, SamplingParams
+from tests.daemons import start_daemon
+from tests.engine_client import EngineClient, read_until
+
+ENGINE_FLAGS = ("--dtype", "fp32", "--threads", "1", "--block-size", "8")
+
+
+@pytest.fixture(scope="module")
+def model_folder(synth_checkpoint):
+    return str(synth_checkpoint("tiny-llama"))
+
+
+@pytest.fixture(scope="module")
+def loaded(model_folder):
+    return load_model(model_folder, dtype="fp32")
+
+
+@pytest.fixture(scope="module")
+def gpu(model_folder):
+    daemon = start_daemon("gpu_service", "--model", model_folder, *ENGINE_FLAGS, "--kv-blocks", "64")
+    yield daemon
+    assert daemon.stop() == 0, daemon.log()
+
+
+@pytest.fixture(scope="module", params=["never", "always"])
+def cpu(request, model_folder, gpu):
+    daemon = start_daemon("cpu_service", "--model", model_folder, *ENGINE_FLAGS, "--kv-blocks", "512",
+                          "--assist", request.param, "--gpu-service", gpu.address)
+    yield request.param, daemon
+    assert daemon.stop() == 0, daemon.log()
+    # With a healthy gpu_service every assisted iteration must really have been assisted.
+    assert "redoing it locally" not in daemon.log()
+    if request.param == "always":
+        assert "iterations now run assisted" in daemon.log()
+
+
+def solo(loaded, prompt, params):
+    return OfflineGenerator(loaded).generate([prompt], [params])[0].output_token_ids
+
+
+def handoff(gpu_client, cpu_client, request_id, prompt, params, gpu_tokens: int = 1) -> list[int]:
+    """Prefill (and `gpu_tokens` tokens) on the GPU engine, migrate to the CPU engine, finish there."""
+    tokens: list[int] = []
+    responses = gpu_client.stream(request_id, prompt, params)
+    assert read_until(responses, tokens, stop_after_tokens=gpu_tokens) is None
+    migration = gpu_client.migrate(request_id, cpu_client.address)
+    assert migration.target_engine == "cpu"
+    assert read_until(responses, tokens).migrated_to == "cpu"  # the source stream ends with the move
+    last = read_until(cpu_client.resume(request_id, len(tokens)), tokens)
+    assert last.finish_reason == FinishReason.LENGTH
+    return tokens
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.7])
+def test_handoff_decodes_on_cpu_identically(loaded, gpu, cpu, temperature):
+    mode, cpu_daemon = cpu
+    gpu_client, cpu_client = EngineClient(gpu.address), EngineClient(cpu_daemon.address)
+    prompt = [9, 8, 7, 6, 5, 4, 3, 2, 1, 17, 33]
+    params = SamplingParams(max_tokens=24, ignore_eos=True, temperature=temperature, seed=5)
+    assert handoff(gpu_client, cpu_client, f"h-{mode}-{temperature}", prompt, params) == solo(loaded, prompt, params)
+    assert gpu_client.wait_idle().kv_blocks_used == 0 and cpu_client.wait_idle().kv_blocks_used == 0
+
+
+def test_migrations_both_ways_mid_generation(loaded, gpu, cpu):
+    mode, cpu_daemon = cpu
+    gpu_client, cpu_client = EngineClient(gpu.address), EngineClient(cpu_daemon.address)
+    prompt = [2, 4, 6, 8, 10, 12]
+    params = SamplingParams(max_tokens=30, ignore_eos=True)
+    request_id = f"both-{mode}"
+    tokens: list[int] = []
+    responses = gpu_client.stream(request_id, prompt, params)
+    read_until(responses, tokens, stop_after_tokens=5)
+    gpu_client.migrate(request_id, cpu_client.address)
+    read_until(responses, tokens)
+    responses = cpu_client.resume(request_id, len(tokens))
+    read_until(responses, tokens, stop_after_tokens=15)
+    cpu_client.migrate(request_id, gpu_client.address)
+    assert read_until(responses, tokens).migrated_to == "gpu"
+    assert read_until(gpu_client.resume(request_id, len(tokens)), tokens).finish_reason == FinishReason.LENGTH
+    assert tokens == solo(loaded, prompt, params)
+
+
+def test_gpu_service_killed_during_assisted_decoding(loaded, model_folder):
+    gpu = start_daemon("gpu_service", "--model", model_folder, *ENGINE_FLAGS, "--kv-blocks", "64")
+    cpu = start_daemon("cpu_service", "--model", model_folder, *ENGINE_FLAGS, "--assist", "always",
+                       "--gpu-service", gpu.address, "--assist-timeout-s", "2")
+    gpu_client, cpu_client = EngineClient(gpu.address), EngineClient(cpu.address)
+    params = SamplingParams(max_tokens=120, ignore_eos=True)
+    prompts = {f"k{i}": [i + 3] * (i + 2) for i in range(4)}
+    streams, outputs = {}, {}
+    for request_id, prompt in prompts.items():
+        tokens: list[int] = []
+        responses = gpu_client.stream(request_id, prompt, params)
+        read_until(responses, tokens, stop_after_tokens=1)
+        gpu_client.migrate(request_id, cpu.address)
+        read_until(responses, tokens)
+        outputs[request_id] = tokens
+        streams[request_id] = cpu_client.resume(request_id, len(tokens))
+    # Read a few tokens per request so assisted iterations are under way, then kill the GPU engine.
+    for request_id, responses in streams.items():
+        read_until(responses, outputs[request_id], stop_after_tokens=len(outputs[request_id]) + 3)
+    gpu.kill()
+    finished = {}
+
+    def drain(request_id):
+        finished[request_id] = read_until(streams[request_id], outputs[request_id]).finish_reason
+
+    threads = [threading.Thread(target=drain, args=(rid,)) for rid in streams]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(120)
+    for request_id, prompt in prompts.items():
+        assert finished[request_id] == FinishReason.LENGTH
+        assert outputs[request_id] == solo(loaded, prompt, params), request_id
+    assert cpu_client.wait_idle().kv_blocks_used == 0
+    assert cpu.stop() == 0, cpu.log()
+    assert "redoing it locally" in cpu.log()
