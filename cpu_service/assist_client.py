@@ -147,6 +147,7 @@ class AssistClient:
         attend: AttendFn,
         sampling: Sequence[tuple[SamplingParams, int]] | None = None,
         wait_for_engine_iteration: bool = False,
+        max_device_wait_ms: int = 0,
     ) -> list[int | None] | torch.Tensor:
         """One assisted decode iteration over a batch (one token per row).
 
@@ -155,7 +156,8 @@ class AssistClient:
         returns the next token id per row, None where the row's logits were not
         finite; with sampling None returns float32 logits [batch, vocab].
         wait_for_engine_iteration selects the gated baseline policy (the GPU starts
-        the iteration only at its own engine's iteration boundary).
+        the iteration only at its own engine's iteration boundary); max_device_wait_ms
+        bounds how long the GPU may keep the iteration waiting for its device.
         Raises AssistUnavailable (run the iteration locally instead).
         """
         with self._lock:
@@ -167,6 +169,7 @@ class AssistClient:
                 positions=list(positions),
                 sampling=None if sampling is None else list(sampling),
                 wait_for_engine_iteration=wait_for_engine_iteration,
+                max_device_wait_ms=max_device_wait_ms,
             )
             request = convert.assist_up_to_pb(begin)
             try:

@@ -18,7 +18,7 @@ class AssistedForward:
         self.gated = gated  # the NEO-like baseline: wait for the GPU engine's iteration boundary
 
     @torch.inference_mode()
-    def execute(self, plan: StepPlan) -> StepResult:
+    def execute(self, plan: StepPlan, max_device_wait_ms: int = 0) -> StepResult:
         """Run a decode-only plan (one token per sequence, each sampled). Raises
         AssistUnavailable if gpu_service fails; the caller then redoes the step locally
         (the K/V rows written so far sit in the same slots the redo rewrites)."""
@@ -35,5 +35,6 @@ class AssistedForward:
             attend_here,
             [(s.params, s.seed) for s in plan.sequences],
             wait_for_engine_iteration=self.gated,
+            max_device_wait_ms=max_device_wait_ms,
         )
         return StepResult({s.request_id: token_id for s, token_id in zip(plan.sequences, token_ids)})

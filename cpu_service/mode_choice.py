@@ -30,6 +30,8 @@ EMA_WEIGHT = 0.2  # weight of a new measurement in the running latency estimate
 REPROBE_EVERY = 64  # iterations between probes of the mode not currently preferred
 BACKOFF_MIN_ITERATIONS = 8
 BACKOFF_MAX_ITERATIONS = 512
+MIN_DEVICE_WAIT_MS = 5
+DEFAULT_DEVICE_WAIT_MS = 50
 
 
 def batch_bucket(batch_size: int) -> int:
@@ -69,6 +71,14 @@ class ModeChooser:
         if self.num_iterations % REPROBE_EVERY == 0:
             return ExecutionMode.LOCAL if faster == ExecutionMode.ASSISTED else ExecutionMode.ASSISTED
         return faster
+
+    def max_device_wait_ms(self, batch_size: int) -> int:
+        """How long an assisted iteration may wait for a busy GPU before it is better run
+        locally: about the local iteration's own latency (0 = no bound, for `always`)."""
+        if self.setting != AssistSetting.AUTO:
+            return 0
+        local = self.latency_ms.get((ExecutionMode.LOCAL, batch_bucket(batch_size)))
+        return max(MIN_DEVICE_WAIT_MS, int(local)) if local is not None else DEFAULT_DEVICE_WAIT_MS
 
     def record(self, mode: ExecutionMode, batch_size: int, latency_ms: float) -> None:
         key = (mode, batch_bucket(batch_size))

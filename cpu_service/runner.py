@@ -38,7 +38,7 @@ class CpuRunner(ModelRunner):
         if mode == ExecutionMode.ASSISTED and self.assisted is not None:
             start = time.perf_counter()
             try:
-                result = self.assisted.execute(plan)
+                result = self.assisted.execute(plan, self.chooser.max_device_wait_ms(len(plan.sequences)))
             except AssistUnavailable as exc:
                 self.num_assist_fallbacks += 1
                 self.chooser.record_assist_failure()

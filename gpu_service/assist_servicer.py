@@ -35,6 +35,8 @@ class DenseAssistServicer(assist_pb2_grpc.DenseAssistServicer):
         except (InvalidArgument, ValueError) as exc:
             # Mapped here too so the servicer works without the status interceptor.
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        finally:
+            session.close()  # an unfinished iteration must not keep the device lock
 
 
 def _reply_to(session: AssistSession, message: assist_pb2.AssistUp) -> assist_pb2.AssistDown:

@@ -26,7 +26,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from dualpace.engine.gate import IterationGate
-from dualpace.errors import InvalidArgument
+from dualpace.errors import InvalidArgument, Overloaded
 from dualpace.model.transformer import Transformer
 from dualpace.sampling import SamplingParams, sample_next_tokens
 from dualpace.wire.convert import AssistAttentionOutput, AssistBegin, AssistQkv, AssistResult
@@ -61,8 +61,11 @@ class DenseAssistExecutor:
 class AssistSession:
     """The state of one DenseAssist stream: at most one iteration in progress.
 
-    Not thread-safe: the caller hands it one message at a time (a stream is
-    sequential). Returned tensors are on the CPU.
+    An iteration holds the device lock from its begin to its result, so it runs
+    as one unit between the GPU engine's own iterations: it waits at most for the
+    engine's step in flight, never once per layer. Not thread-safe: the caller hands
+    it one message at a time (a stream is sequential) and calls close() at the end.
+    Returned tensors are on the CPU.
     """
 
     def __init__(self, model: Transformer, device_lock: threading.Lock, gate: IterationGate | None = None):
@@ -71,6 +74,7 @@ class AssistSession:
         self._gate = gate if gate is not None else IterationGate()
         self._iteration: _Iteration | None = None
         self._last_iteration_id: int | None = None
+        self._holding_lock = False
 
     @property
     def in_iteration(self) -> bool:
@@ -90,13 +94,20 @@ class AssistSession:
         model = self._model
         if begin.wait_for_engine_iteration:  # gated baseline: one CPU iteration per GPU iteration
             self._gate.wait_turn(GATE_TIMEOUT_S)
-        with self._lock:
+        wait_s = begin.max_device_wait_ms / 1e3 if begin.max_device_wait_ms else GATE_TIMEOUT_S
+        if not self._lock.acquire(timeout=wait_s):
+            raise Overloaded(f"the device stayed busy with the GPU engine's own step for {wait_s * 1e3:.0f} ms")
+        self._holding_lock = True
+        try:
             token_ids = torch.tensor(begin.token_ids, dtype=torch.long, device=model.device)
             positions = torch.tensor(begin.positions, dtype=torch.long, device=model.device)
             hidden = model.embed(token_ids)
             rope = model.rope_angles(positions)
             iteration = _Iteration(begin=begin, hidden=hidden, rope=rope, next_layer=0)
             qkv = self._pre_attention(iteration, 0)
+        except BaseException:
+            self._release()
+            raise
         self._iteration = iteration
         self._last_iteration_id = begin.iteration_id
         return qkv
@@ -107,15 +118,29 @@ class AssistSession:
         iteration = self._check_attention_output(message)
         model = self._model
         layer = message.layer
-        with self._lock:
+        try:
             attention_out = message.attention_output.to(device=model.device, dtype=model.dtype)
             iteration.hidden = model.post_attention(layer, iteration.hidden, attention_out)
             if layer + 1 < model.config.num_layers:
                 iteration.next_layer = layer + 1
                 return self._pre_attention(iteration, layer + 1)
             result = self._finish(iteration)
+        except BaseException:
+            self.close()
+            raise
         self._iteration = None
+        self._release()
         return result
+
+    def close(self) -> None:
+        """End the stream: drop an unfinished iteration and give the device back."""
+        self._iteration = None
+        self._release()
+
+    def _release(self) -> None:
+        if self._holding_lock:
+            self._holding_lock = False
+            self._lock.release()
 
     def _pre_attention(self, iteration: _Iteration, layer: int) -> AssistQkv:
         q, k, v = self._model.pre_attention(layer, iteration.hidden, iteration.rope)

@@ -188,6 +188,7 @@ class AssistBegin:
     positions: list[int]
     sampling: list[tuple[SamplingParams, int]] | None
     wait_for_engine_iteration: bool = False  # the gated (NEO-like) baseline policy
+    max_device_wait_ms: int = 0  # 0: wait for the device as long as the server allows
 
 
 @dataclass(frozen=True)
@@ -228,6 +229,7 @@ def assist_up_to_pb(item: AssistBegin | AssistAttentionOutput) -> assist_pb2.Ass
             positions=token_ids_to_list(item.positions, field="positions"),
             return_logits=item.sampling is None,
             wait_for_engine_iteration=item.wait_for_engine_iteration,
+            max_device_wait_ms=item.max_device_wait_ms,
         )
         for params, seed in item.sampling or ():
             row = sampling_params_to_pb(params)
@@ -269,6 +271,7 @@ def assist_up_from_pb(message: assist_pb2.AssistUp) -> AssistBegin | AssistAtten
             positions=list(begin.positions),
             sampling=sampling,
             wait_for_engine_iteration=begin.wait_for_engine_iteration,
+            max_device_wait_ms=begin.max_device_wait_ms,
         )
     if kind == "attention_output":
         output = message.attention_output

@@ -11,7 +11,7 @@ from dualpace.generation import OfflineGenerator
 from dualpace.model.loader import load_model
 from dualpace.sampling import FinishReason, SamplingParams
 from tests.daemons import start_daemon
-from tests.engine_client import EngineClient, read_until
+from bench.engine_client import EngineClient, read_until
 
 ENGINE_FLAGS = ("--dtype", "fp32", "--threads", "1", "--block-size", "8")
 
@@ -56,7 +56,7 @@ def handoff(gpu_client, cpu_client, request_id, prompt, params, gpu_tokens: int 
     assert read_until(responses, tokens, stop_after_tokens=gpu_tokens) is None
     migration = gpu_client.migrate(request_id, cpu_client.address)
     assert migration.target_engine == "cpu"
-    assert read_until(responses, tokens).migrated_to == "cpu"  # the source stream ends with the move
+    assert read_until(responses, tokens).migrated_to == cpu_client.address  # where to resume
     last = read_until(cpu_client.resume(request_id, len(tokens)), tokens)
     assert last.finish_reason == FinishReason.LENGTH
     return tokens
@@ -86,7 +86,7 @@ def test_migrations_both_ways_mid_generation(loaded, gpu, cpu):
     responses = cpu_client.resume(request_id, len(tokens))
     read_until(responses, tokens, stop_after_tokens=15)
     cpu_client.migrate(request_id, gpu_client.address)
-    assert read_until(responses, tokens).migrated_to == "gpu"
+    assert read_until(responses, tokens).migrated_to == gpu_client.address
     assert read_until(gpu_client.resume(request_id, len(tokens)), tokens).finish_reason == FinishReason.LENGTH
     assert tokens == solo(loaded, prompt, params)
 

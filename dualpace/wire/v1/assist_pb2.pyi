@@ -16,20 +16,22 @@ class AssistUp(_message.Message):
     def __init__(self, begin: _Optional[_Union[AssistBegin, _Mapping]] = ..., attention_output: _Optional[_Union[AssistAttentionOutput, _Mapping]] = ...) -> None: ...
 
 class AssistBegin(_message.Message):
-    __slots__ = ("iteration_id", "token_ids", "positions", "return_logits", "sampling", "wait_for_engine_iteration")
+    __slots__ = ("iteration_id", "token_ids", "positions", "return_logits", "sampling", "wait_for_engine_iteration", "max_device_wait_ms")
     ITERATION_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     POSITIONS_FIELD_NUMBER: _ClassVar[int]
     RETURN_LOGITS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     WAIT_FOR_ENGINE_ITERATION_FIELD_NUMBER: _ClassVar[int]
+    MAX_DEVICE_WAIT_MS_FIELD_NUMBER: _ClassVar[int]
     iteration_id: int
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     positions: _containers.RepeatedScalarFieldContainer[int]
     return_logits: bool
     sampling: _containers.RepeatedCompositeFieldContainer[_common_pb2.SamplingParams]
     wait_for_engine_iteration: bool
-    def __init__(self, iteration_id: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., positions: _Optional[_Iterable[int]] = ..., return_logits: _Optional[bool] = ..., sampling: _Optional[_Iterable[_Union[_common_pb2.SamplingParams, _Mapping]]] = ..., wait_for_engine_iteration: _Optional[bool] = ...) -> None: ...
+    max_device_wait_ms: int
+    def __init__(self, iteration_id: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., positions: _Optional[_Iterable[int]] = ..., return_logits: _Optional[bool] = ..., sampling: _Optional[_Iterable[_Union[_common_pb2.SamplingParams, _Mapping]]] = ..., wait_for_engine_iteration: _Optional[bool] = ..., max_device_wait_ms: _Optional[int] = ...) -> None: ...
 
 class AssistAttentionOutput(_message.Message):
     __slots__ = ("iteration_id", "layer", "attention_output")

@@ -1,4 +1,4 @@
-"""A small synchronous Engine client for system tests: generate, migrate, resume, load."""
+"""A small synchronous Engine client for benchmarks and system tests: generate, migrate, resume, load."""
 
 from __future__ import annotations
 

@@ -1,0 +1,152 @@
+"""GPU check, run on a machine with CUDA (the `device` tool), in well under 5 minutes:
+
+1. gpu_service on cuda, tiny fp32 model: greedy streams equal the CPU device's
+   `OfflineGenerator` token for token (clear top-1 margins, so this is exact);
+2. a synthetic ~1B checkpoint (llama-3.2-1b shape): fp32 prompt logits on cuda vs
+   the CPU device (max |diff|) and greedy agreement (random weights give near-ties,
+   so agreement is reported, not required);
+3. throughput: gpu_service on cuda, bf16 ~1B model, N concurrent streams.
+
+    python -m bench.device_check --out bench/results/device_check.json
+
+`--device cpu --large-preset tiny-llama` runs the same script here as a dry run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+from bench.processes import start_daemon
+from dualpace.generation import OfflineGenerator
+from dualpace.kv.storage import KVStorage
+from dualpace.model.loader import load_model
+from dualpace.model.paged_forward import PagedForward, SequenceWork
+from dualpace.model.synth import write_synthetic_checkpoint
+from dualpace.sampling import SamplingParams
+from dualpace.wire.engine_messages import new_request_to_pb
+from dualpace.wire.v1 import engine_pb2_grpc
+
+PROMPTS = [[5, 9, 2, 11, 40], [1] * 17, [300, 200, 100, 7, 7, 7, 3], list(range(10, 60))]
+
+
+def stream_tokens(address: str, request_id: str, prompt: list[int], params: SamplingParams) -> tuple[list[int], float]:
+    import grpc
+
+    with grpc.insecure_channel(address) as channel:
+        stub = engine_pb2_grpc.EngineStub(channel)
+        start = time.perf_counter()
+        ttft_s, tokens = None, []
+        for response in stub.Generate(new_request_to_pb(request_id, prompt, params), timeout=300):
+            if ttft_s is None and response.token_ids:
+                ttft_s = time.perf_counter() - start
+            tokens.extend(response.token_ids)
+    return tokens, ttft_s or 0.0
+
+
+def tiny_parity(folder: str, device: str) -> dict:
+    daemon = start_daemon("gpu_service", "--model", folder, "--dtype", "fp32", "--device", device)
+    try:
+        reference = load_model(folder, dtype="fp32", device="cpu")
+        params = SamplingParams(max_tokens=32, ignore_eos=True)
+        matches = []
+        for i, prompt in enumerate(PROMPTS):
+            tokens, _ = stream_tokens(daemon.address, f"p{i}", prompt, params)
+            matches.append(tokens == OfflineGenerator(reference).generate([prompt], [params])[0].output_token_ids)
+    finally:
+        daemon.stop()
+    return {"prompts": len(PROMPTS), "identical": sum(matches), "all_identical": all(matches)}
+
+
+def prompt_logits(folder: str, device: str, prompt: list[int]) -> torch.Tensor:
+    loaded = load_model(folder, dtype="fp32", device=device)
+    cfg = loaded.config
+    kv = KVStorage(cfg.num_layers, 8, 16, cfg.num_kv_heads, cfg.head_dim, torch.float32, loaded.model.device)
+    logits = PagedForward(loaded.model, kv).forward([SequenceWork(prompt, 0, list(range(8)), all_logits=True)])
+    return logits.cpu()
+
+
+def large_logits(folder: str, device: str) -> dict:
+    prompt = PROMPTS[3]
+    on_device, on_cpu = prompt_logits(folder, device, prompt), prompt_logits(folder, "cpu", prompt)
+    return {
+        "max_abs_logit_diff": (on_device - on_cpu).abs().max().item(),
+        "argmax_agreement": (on_device.argmax(-1) == on_cpu.argmax(-1)).float().mean().item(),
+    }
+
+
+def throughput(folder: str, device: str, num_streams: int, prompt_tokens: int, new_tokens: int) -> dict:
+    daemon = start_daemon("gpu_service", "--model", folder, "--dtype", "bf16", "--device", device,
+                          "--kv-blocks", "4096", "--max-batch-tokens", "8192", "--max-running", str(num_streams))
+    try:
+        params = SamplingParams(max_tokens=new_tokens, ignore_eos=True)
+        results: dict[int, tuple[list[int], float]] = {}
+        prompts = [[(i * 7 + j) % 1000 + 10 for j in range(prompt_tokens)] for i in range(num_streams)]
+        stream_tokens(daemon.address, "warmup", prompts[0][:16], SamplingParams(max_tokens=4, ignore_eos=True))
+
+        def run(i: int) -> None:
+            results[i] = stream_tokens(daemon.address, f"t{i}", prompts[i], params)
+
+        start = time.perf_counter()
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(num_streams)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(600)
+        elapsed_s = time.perf_counter() - start
+    finally:
+        daemon.stop()
+    num_tokens = sum(len(tokens) for tokens, _ in results.values())
+    ttfts = sorted(ttft for _, ttft in results.values())
+    return {
+        "streams": num_streams, "prompt_tokens": prompt_tokens, "new_tokens": new_tokens,
+        "completed": len(results), "generated_tokens": num_tokens, "elapsed_s": round(elapsed_s, 2),
+        "tokens_per_s": round(num_tokens / elapsed_s, 1), "ttft_p50_s": round(ttfts[len(ttfts) // 2], 3),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--large-preset", default="llama-3.2-1b")
+    parser.add_argument("--streams", type=int, default=32)
+    parser.add_argument("--prompt-tokens", type=int, default=128)
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args(argv)
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        print("device_check: CUDA is not available on this machine", file=sys.stderr)
+        return 2
+    report: dict = {"device": args.device, "torch": torch.__version__,
+                    "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None}
+    with tempfile.TemporaryDirectory() as workdir:
+        tiny = Path(workdir) / "tiny"
+        write_synthetic_checkpoint("tiny-llama", tiny, seed=0)
+        large = Path(workdir) / "large"
+        write_synthetic_checkpoint(args.large_preset, large, seed=0)
+        for name, step in [
+            ("tiny_parity", lambda: tiny_parity(str(tiny), args.device)),
+            ("large_fp32_logits", lambda: large_logits(str(large), args.device)),
+            ("throughput_bf16", lambda: throughput(str(large), args.device, args.streams, args.prompt_tokens,
+                                                    args.new_tokens)),
+        ]:
+            start = time.perf_counter()
+            report[name] = step()
+            report[name]["seconds"] = round(time.perf_counter() - start, 1)
+            print(name, json.dumps(report[name]), file=sys.stderr, flush=True)
+    text = json.dumps(report, indent=2)
+    print(text)
+    if args.out:
+        Path(args.out).write_text(text + "\n")
+    return 0 if report["tiny_parity"]["all_identical"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

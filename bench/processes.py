@@ -1,0 +1,91 @@
+"""Start DualPace daemons as real subprocesses on 127.0.0.1 ephemeral ports (system tests, benchmarks)."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+LISTENING = re.compile(r"listening on (\S+)")
+START_TIMEOUT_S = 120.0
+
+
+@dataclass
+class Daemon:
+    process: subprocess.Popen
+    address: str
+    output: deque = field(default_factory=lambda: deque(maxlen=400))
+
+    def stop(self, timeout_s: float = 20.0) -> int:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        return self.process.returncode
+
+    def kill(self) -> None:
+        if self.process.poll() is None:
+            self.process.kill()
+            self.process.wait()
+
+    def log(self) -> str:
+        return "".join(self.output)
+
+
+def start_daemon(module: str, *args: str, env: dict[str, str] | None = None, cpu_cores: str | None = None) -> Daemon:
+    """`python -m module args... --listen 127.0.0.1:0`; waits for the address line and health SERVING.
+    cpu_cores (e.g. "0" or "0,1") pins the process with taskset."""
+    pin = ["taskset", "-c", cpu_cores] if cpu_cores is not None else []
+    process = subprocess.Popen(
+        [*pin, sys.executable, "-m", module, *args, "--listen", "127.0.0.1:0"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        env={**os.environ, **(env or {})},
+    )
+    output: deque = deque(maxlen=400)
+    found = threading.Event()
+    address: list[str] = []
+
+    def pump() -> None:
+        for line in process.stdout:
+            output.append(line)
+            match = LISTENING.search(line)
+            if match and not address:
+                address.append(match.group(1))
+                found.set()
+        found.set()
+
+    threading.Thread(target=pump, daemon=True).start()
+    if not found.wait(START_TIMEOUT_S) or not address:
+        process.kill()
+        raise RuntimeError(f"{module} did not start:\n{''.join(output)}")
+    daemon = Daemon(process, address[0], output)
+    wait_serving(daemon.address)
+    return daemon
+
+
+def wait_serving(address: str, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    with grpc.insecure_channel(address) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        while True:
+            try:
+                if stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=2).status == \
+                        health_pb2.HealthCheckResponse.SERVING:
+                    return
+            except grpc.RpcError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{address} never became SERVING")
+            time.sleep(0.1)
