@@ -54,8 +54,11 @@ def engine_kv_layout(loop: EngineLoop) -> KvLayout:
 
 
 async def migrate_out(
-    loop: EngineLoop, request_id: str, send: SendTransfer, chunk_bytes: int = DEFAULT_CHUNK_BYTES
+    loop: EngineLoop, request_id: str, send: SendTransfer, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    migrated_to: str | None = None,
 ) -> MigrationStats:
+    """Move the request; its stream here ends with `migrated_to` (default: the target engine's name),
+    which over gRPC is the target's address, where the client resumes."""
     start = time.perf_counter()
     core = loop.core
     layout = engine_kv_layout(loop)
@@ -90,7 +93,7 @@ async def migrate_out(
     except BaseException:
         await _resume_if_paused(loop, request_id)
         raise
-    event = await loop.call(lambda: core.scheduler.release(request_id, migrated_to=target_engine))
+    event = await loop.call(lambda: core.scheduler.release(request_id, migrated_to=migrated_to or target_engine))
     await loop.dispatch([event])
     return MigrationStats(target_engine, len(chunk_plan), total_bytes, (time.perf_counter() - start) * 1e3)
 
@@ -135,11 +138,12 @@ class KvImporter:
 
         def reserve() -> list[int]:
             core.scheduler.reserve_import(header.request_id, header.num_computed_tokens)
+            # Recorded in the command itself: a caller cancelled while awaiting it must still free the blocks.
+            self._reserved = True
+            self.progress = ImportProgress(header)
             return core.kv_slot_ids(header.request_id, header.num_computed_tokens)
 
         self._slot_ids = await self.loop.call(reserve)
-        self._reserved = True
-        self.progress = ImportProgress(header)
 
     async def chunk(self, chunk: KvChunk) -> None:
         progress = self._require_header()
@@ -179,11 +183,13 @@ class KvImporter:
         return self.loop.core.config.name
 
     async def cancel(self) -> None:
-        """Free the reserved blocks unless the request was committed."""
+        """Free the reserved blocks unless the request was committed. Shielded: when the
+        import's RPC is cancelled (the source went away) this runs in its cleanup, and a
+        cancelled command would be skipped, leaking the blocks."""
         if self._reserved and not self._committed and self.progress is not None:
             request_id = self.progress.header.request_id
-            await self.loop.call(lambda: self.loop.core.scheduler.cancel_import(request_id))
             self._reserved = False
+            await asyncio.shield(self.loop.call(lambda: self.loop.core.scheduler.cancel_import(request_id)))
 
     def _require_header(self) -> ImportProgress:
         if self.progress is None:

@@ -67,7 +67,9 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
     async def MigrateOut(self, request, context):
         if not request.target_address:
             raise InvalidArgument("target_address", "must be set")
-        stats = await migrate_out(self.loop, request.request_id, GrpcKvSender(request.target_address, self.faults))
+        # The stream's migrated_to is the target's address: where the client resumes the request.
+        stats = await migrate_out(self.loop, request.request_id, GrpcKvSender(request.target_address, self.faults),
+                                  migrated_to=request.target_address)
         return engine_pb2.MigrateOutResponse(target_engine=stats.target_engine, num_chunks=stats.num_chunks,
                                              total_bytes=stats.total_bytes, duration_ms=stats.duration_ms)
 

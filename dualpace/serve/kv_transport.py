@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 
 import grpc
@@ -24,7 +25,11 @@ def channel_options() -> list[tuple[str, int]]:
 
 
 class GrpcKvSender:
-    """send(header, chunks) for dualpace.engine.migration.migrate_out, over one ImportKv stream."""
+    """send(header, chunks) for dualpace.engine.migration.migrate_out, over one ImportKv stream.
+
+    Whatever ends the import before the commit (the target rejects a chunk, the link
+    drops) raises Unavailable with the target's status in its message, so MigrateOut
+    fails with one code however the failure was noticed."""
 
     def __init__(self, target_address: str, faults: FaultConfig | None = None, timeout_s: float = TRANSFER_TIMEOUT_S):
         self.target_address = target_address
@@ -35,14 +40,14 @@ class GrpcKvSender:
         async with grpc.aio.insecure_channel(self.target_address, options=channel_options()) as channel:
             call = engine_pb2_grpc.EngineStub(channel).ImportKv(timeout=self.timeout_s)
             try:
-                await call.write(kv_header_to_pb(header))
+                await self._write(call, kv_header_to_pb(header), "the header")
                 async for chunk in chunks:
                     outgoing = self.faults.outgoing_chunk(chunk)
                     if outgoing is not None:
-                        await call.write(kv_chunk_to_pb(outgoing))
-                await call.write(engine_pb2.ImportKvMessage(prepare=engine_pb2.ImportKvPrepare()))
+                        await self._write(call, kv_chunk_to_pb(outgoing), f"chunk {chunk.seq}")
+                await self._write(call, engine_pb2.ImportKvMessage(prepare=engine_pb2.ImportKvPrepare()), "prepare")
                 await self._expect(call, "prepared")
-                await call.write(engine_pb2.ImportKvMessage(commit=engine_pb2.ImportKvCommit()))
+                await self._write(call, engine_pb2.ImportKvMessage(commit=engine_pb2.ImportKvCommit()), "commit")
                 committed = await self._expect(call, "committed")
                 await call.done_writing()
                 return committed.engine
@@ -51,14 +56,31 @@ class GrpcKvSender:
                 raise
 
     @staticmethod
+    async def _write(call, message: engine_pb2.ImportKvMessage, what: str) -> None:
+        try:
+            await call.write(message)
+        except (asyncio.InvalidStateError, grpc.aio.AioRpcError):
+            # The target already ended the stream (e.g. it rejected an earlier chunk): whether
+            # the write notices that is a race, so report it like an early end of the replies.
+            raise await _ended(call, f"while sending {what}") from None
+
+    @staticmethod
     async def _expect(call, kind: str):
-        reply = await call.read()
+        try:
+            reply = await call.read()
+        except grpc.aio.AioRpcError:  # the target ended the stream with an error status
+            raise await _ended(call, f"before '{kind}'") from None
         if reply is grpc.aio.EOF:
             # The target ended the stream: its status says why (e.g. a corrupt chunk).
             await call.wait_for_connection()
-            code = await call.code()
-            details = await call.details()
-            raise Unavailable(f"KV import ended before '{kind}': {code.name if code else 'unknown'}: {details}")
+            raise await _ended(call, f"before '{kind}'")
         if reply.WhichOneof("kind") != kind:
             raise Unavailable(f"KV import replied {reply.WhichOneof('kind')!r}, expected {kind!r}")
         return getattr(reply, kind)
+
+
+async def _ended(call, when: str) -> Unavailable:
+    """The error for an import the target ended early, with the target's status in its message."""
+    code = await call.code()
+    details = await call.details()
+    return Unavailable(f"KV import ended {when}: {code.name if code else 'unknown'}: {details}")

@@ -86,8 +86,8 @@ class EngineServicer:
         KV import), and streams its tokens. The stream ends with a message whose
         finish_reason is set, or whose migrated_to is set when the request moved
         to another engine. Cancelling the call aborts the request within one step.
-        Errors: INVALID_ARGUMENT (bad field, named), ALREADY_EXISTS (new request
-        with a live id), NOT_FOUND (resume of an unknown id), RESOURCE_EXHAUSTED.
+        Errors: INVALID_ARGUMENT (bad field, named; also a new request whose id is
+        live), NOT_FOUND (resume of an unknown id), RESOURCE_EXHAUSTED (queue full).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -95,7 +95,8 @@ class EngineServicer:
 
     def Abort(self, request, context):
         """Aborts a request within one step and frees its KV blocks; its Generate
-        stream ends with FINISH_REASON_ABORT. Idempotent.
+        stream ends with FINISH_REASON_ABORT. NOT_FOUND for an id this engine
+        does not hold (unknown, finished or moved).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -120,10 +121,10 @@ class EngineServicer:
         client then sends commit; the target makes the request live (it decodes
         at once and keeps its output until a Generate resume attaches) and
         replies committed. If the stream ends or fails before commit the target drops
-        everything it allocated. Errors: INVALID_ARGUMENT (header or layout
-        mismatch), DATA_LOSS (missing chunk or bad crc32), RESOURCE_EXHAUSTED (no
-        KV blocks), ALREADY_EXISTS (id already live), FAILED_PRECONDITION
-        (messages out of order).
+        everything it allocated. Errors: INVALID_ARGUMENT naming the field (header
+        or layout mismatch, id already live, a chunk out of sequence or range, a
+        bad crc32, an incomplete transfer at prepare, messages out of order),
+        RESOURCE_EXHAUSTED (no KV blocks).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -144,7 +145,7 @@ class EngineServicer:
         raise NotImplementedError('Method not implemented!')
 
     def ListRequests(self, request, context):
-        """Lists the requests this engine holds (including recently finished ones).
+        """Lists the requests this engine holds now (waiting, running or paused).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
