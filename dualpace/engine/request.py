@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from dualpace.sampling import FinishReason, SamplingParams
+from dualpace.sampling_params import FinishReason, SamplingParams
 
 
 class RequestState(str, enum.Enum):

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from dualpace.engine.request import EngineRequest, RequestEvent, RequestState
 from dualpace.errors import InvalidArgument, Overloaded, RequestNotFound
 from dualpace.kv.block_table import KVBlockManager
-from dualpace.sampling import FinishReason, SamplingParams, stop_reason
+from dualpace.sampling_params import FinishReason, SamplingParams, stop_reason
 
 
 @dataclass(frozen=True)
@@ -88,12 +88,7 @@ class Scheduler:
     def add(self, request: EngineRequest) -> None:
         """Queue a new request. Raises InvalidArgument if it can never fit, Overloaded if the queue is full."""
         self._check_new_id(request.request_id)
-        needed = self.blocks.num_blocks_for(request.num_tokens - 1 + request.params.max_tokens)
-        if needed > self.blocks.num_total_blocks:
-            raise InvalidArgument(
-                "max_tokens",
-                f"prompt + max_tokens needs {needed} KV blocks; this engine has {self.blocks.num_total_blocks}",
-            )
+        self._check_fits(request)
         if len(self.waiting) >= self.config.max_waiting:
             raise Overloaded(f"the engine's queue is full ({self.config.max_waiting} waiting requests)")
         request.state = RequestState.WAITING
@@ -115,7 +110,7 @@ class Scheduler:
         """Hold a decoding request at this step boundary, keeping its blocks (for KV export).
         Its cache then holds every token but the last sampled one."""
         request = self._get(request_id)
-        if request.state != RequestState.RUNNING or request.num_pending_tokens != 1:
+        if request.state != RequestState.RUNNING or request.num_pending_tokens != 1 or not request.output_token_ids:
             raise InvalidArgument("request_id", f"request {request_id!r} is not decoding (state {request.state.value})")
         self.running.remove(request)
         request.state = RequestState.PAUSED
@@ -156,6 +151,7 @@ class Scheduler:
             raise RequestNotFound(request.request_id)
         if self.blocks.num_tokens(request.request_id) != request.num_tokens - 1:
             raise InvalidArgument("num_computed_tokens", "imported KV does not cover all tokens but the last")
+        self._check_fits(request)  # else, once preempted, it could never be readmitted
         self._importing.discard(request.request_id)
         request.state = RequestState.RUNNING
         request.num_computed_tokens = request.num_tokens - 1
@@ -250,6 +246,15 @@ class Scheduler:
             raise InvalidArgument("request_id", "must not be empty")
         if request_id in self.requests or request_id in self._importing:
             raise InvalidArgument("request_id", f"a request {request_id!r} already exists in this engine")
+
+    def _check_fits(self, request: EngineRequest) -> None:
+        """A request must fit the pool alone at its longest (prompt + max_tokens, less the last token)."""
+        needed = self.blocks.num_blocks_for(len(request.prompt_token_ids) - 1 + request.params.max_tokens)
+        if needed > self.blocks.num_total_blocks:
+            raise InvalidArgument(
+                "max_tokens",
+                f"prompt + max_tokens needs {needed} KV blocks; this engine has {self.blocks.num_total_blocks}",
+            )
 
     def _take_arrival_index(self) -> int:
         self._next_arrival_index += 1

@@ -1,0 +1,83 @@
+"""Sampling parameters, finish reasons and stop conditions: plain Python, no torch.
+
+The pure schedulers and the router use these; dualpace.sampling adds the
+(torch) sampler on top and re-exports them.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from collections.abc import Collection
+from dataclasses import dataclass
+
+from dualpace.errors import InvalidArgument
+
+MAX_SEED = 2**63 - 1
+
+
+class FinishReason(str, enum.Enum):
+    """Why a sequence stopped generating."""
+
+    STOP = "stop"  # EOS, a stop token id or a stop string
+    LENGTH = "length"  # max_tokens reached (or the context is full)
+    ABORT = "abort"  # cancelled by the client or an operator
+    ERROR = "error"  # the engine could not continue it (e.g. non-finite logits)
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to choose each next token and when to stop. temperature 0 is greedy."""
+
+    max_tokens: int = 16
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0: off
+    min_p: float = 0.0  # 0: off
+    seed: int | None = None  # None: the engine picks one at admission and keeps it
+    stop: tuple[str, ...] = ()  # stop strings, matched on detokenized text
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def validate(self, vocab_size: int | None = None) -> "SamplingParams":
+        """Raise InvalidArgument naming the first bad field; return self when valid."""
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise InvalidArgument("max_tokens", f"must be an integer >= 1, got {self.max_tokens!r}")
+        if not math.isfinite(self.temperature) or self.temperature < 0:
+            raise InvalidArgument("temperature", f"must be finite and >= 0, got {self.temperature!r}")
+        if not math.isfinite(self.top_p) or not 0.0 < self.top_p <= 1.0:
+            raise InvalidArgument("top_p", f"must be in (0, 1], got {self.top_p!r}")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            raise InvalidArgument("top_k", f"must be an integer >= 0 (0 is off), got {self.top_k!r}")
+        if not math.isfinite(self.min_p) or not 0.0 <= self.min_p <= 1.0:
+            raise InvalidArgument("min_p", f"must be in [0, 1], got {self.min_p!r}")
+        if self.seed is not None and not 0 <= self.seed <= MAX_SEED:
+            raise InvalidArgument("seed", f"must be in [0, 2^63 - 1], got {self.seed!r}")
+        if any(not s for s in self.stop):
+            raise InvalidArgument("stop", "stop strings must be non-empty")
+        if vocab_size is not None:
+            for token_id in self.stop_token_ids:
+                if not 0 <= token_id < vocab_size:
+                    raise InvalidArgument("stop_token_ids", f"id {token_id} is outside the vocabulary [0, {vocab_size})")
+        return self
+
+
+def stop_reason(
+    token_id: int, num_generated: int, params: SamplingParams, eos_token_ids: Collection[int]
+) -> FinishReason | None:
+    """Why generation stops after token_id, or None to go on.
+
+    num_generated counts the generated tokens including token_id. Stop strings
+    are matched elsewhere, on detokenized text.
+    """
+    if token_id in params.stop_token_ids:
+        return FinishReason.STOP
+    if not params.ignore_eos and token_id in eos_token_ids:
+        return FinishReason.STOP
+    if num_generated >= params.max_tokens:
+        return FinishReason.LENGTH
+    return None

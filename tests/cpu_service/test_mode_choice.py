@@ -1,0 +1,163 @@
+"""The pure per-iteration Local / Assisted chooser, driven with made-up latencies."""
+
+from __future__ import annotations
+
+import pytest
+
+from cpu_service.mode_choice import (
+    BACKOFF_MAX_ITERATIONS,
+    BACKOFF_MIN_ITERATIONS,
+    EMA_WEIGHT,
+    REPROBE_EVERY,
+    AssistSetting,
+    ExecutionMode,
+    ModeChooser,
+    batch_bucket,
+)
+
+LOCAL, ASSISTED = ExecutionMode.LOCAL, ExecutionMode.ASSISTED
+
+
+def run(chooser: ModeChooser, latency: dict[ExecutionMode, float], n: int, batch: int = 4) -> list[ExecutionMode]:
+    """n iterations as the runner does them: choose, then record the measured latency."""
+    modes = []
+    for _ in range(n):
+        mode = chooser.choose(batch, decode_only=True)
+        chooser.record(mode, batch, latency[mode])
+        modes.append(mode)
+    return modes
+
+
+def locals_until_assisted(chooser: ModeChooser, limit: int = 10_000) -> int:
+    """Choices of LOCAL before the next ASSISTED (decode-only batches)."""
+    for count in range(limit):
+        if chooser.choose(4, decode_only=True) == ASSISTED:
+            return count
+    raise AssertionError("never assisted again")
+
+
+def test_batch_bucket_powers_of_two():
+    assert [batch_bucket(n) for n in (0, 1, 2, 3, 4, 5, 8, 9, 64, 65)] == [1, 1, 2, 4, 4, 8, 8, 16, 64, 128]
+
+
+@pytest.mark.parametrize("setting", list(AssistSetting))
+def test_local_without_gpu_service_or_for_dense_batches(setting):
+    no_gpu = ModeChooser(setting, assist_configured=False)
+    assert {no_gpu.choose(b, decode_only=True) for b in (1, 4, 100)} == {LOCAL}
+    with_gpu = ModeChooser(setting, assist_configured=True)
+    with_gpu.latency_ms = {(LOCAL, 4): 10.0, (ASSISTED, 4): 1.0}
+    assert with_gpu.choose(4, decode_only=False) == LOCAL  # a prefill chunk in the batch
+    assert no_gpu.num_iterations == 3 and with_gpu.num_iterations == 1  # every iteration counts
+
+
+def test_never_is_always_local():
+    chooser = ModeChooser(AssistSetting.NEVER, assist_configured=True)
+    chooser.latency_ms = {(LOCAL, 4): 10.0, (ASSISTED, 4): 1.0}
+    assert set(run(chooser, {LOCAL: 10.0, ASSISTED: 1.0}, 3 * REPROBE_EVERY)) == {LOCAL}
+
+
+def test_always_is_assisted_for_decode_batches_even_when_slower():
+    chooser = ModeChooser(AssistSetting.ALWAYS, assist_configured=True)
+    assert set(run(chooser, {LOCAL: 1.0, ASSISTED: 50.0}, 2 * REPROBE_EVERY + 1)) == {ASSISTED}
+
+
+def test_auto_measures_each_mode_once_per_bucket_then_picks_the_faster():
+    chooser = ModeChooser(AssistSetting.AUTO, assist_configured=True)
+    latency = {LOCAL: 10.0, ASSISTED: 4.0}
+    assert run(chooser, latency, 5, batch=3) == [LOCAL, ASSISTED, ASSISTED, ASSISTED, ASSISTED]
+    assert run(chooser, latency, 1, batch=4) == [ASSISTED]  # 3 and 4 share a bucket
+    assert run(chooser, latency, 3, batch=5) == [LOCAL, ASSISTED, ASSISTED]  # bucket 8 is measured afresh
+    assert run(chooser, latency, 3, batch=1) == [LOCAL, ASSISTED, ASSISTED]
+    assert set(chooser.latency_ms) == {(m, b) for m in (LOCAL, ASSISTED) for b in (1, 4, 8)}
+
+
+def test_auto_picks_local_when_it_is_faster_or_equal():
+    chooser = ModeChooser(AssistSetting.AUTO, assist_configured=True)
+    assert run(chooser, {LOCAL: 3.0, ASSISTED: 9.0}, 4) == [LOCAL, ASSISTED, LOCAL, LOCAL]
+    tie = ModeChooser(AssistSetting.AUTO, assist_configured=True)
+    assert run(tie, {LOCAL: 5.0, ASSISTED: 5.0}, 4) == [LOCAL, ASSISTED, LOCAL, LOCAL]
+
+
+def test_record_keeps_a_moving_average_per_mode_and_bucket():
+    chooser = ModeChooser(AssistSetting.AUTO, assist_configured=True)
+    chooser.record(LOCAL, 3, 10.0)
+    assert chooser.latency_ms[(LOCAL, 4)] == 10.0
+    chooser.record(LOCAL, 4, 20.0)
+    assert chooser.latency_ms[(LOCAL, 4)] == pytest.approx((1 - EMA_WEIGHT) * 10.0 + EMA_WEIGHT * 20.0)
+    chooser.record(LOCAL, 5, 1.0)
+    assert chooser.latency_ms[(LOCAL, 8)] == 1.0 and chooser.latency_ms[(LOCAL, 4)] != 1.0
+    assert (ASSISTED, 4) not in chooser.latency_ms
+
+
+def test_auto_reprobes_the_slower_mode_every_reprobe_every_iterations():
+    chooser = ModeChooser(AssistSetting.AUTO, assist_configured=True)
+    modes = run(chooser, {LOCAL: 10.0, ASSISTED: 4.0}, 3 * REPROBE_EVERY)
+    probes = [i + 1 for i, mode in enumerate(modes[2:], start=2) if mode == LOCAL]  # 1-based iteration numbers
+    assert probes == [REPROBE_EVERY, 2 * REPROBE_EVERY, 3 * REPROBE_EVERY]
+    slow_assist = ModeChooser(AssistSetting.AUTO, assist_configured=True)
+    modes = run(slow_assist, {LOCAL: 2.0, ASSISTED: 9.0}, 2 * REPROBE_EVERY)
+    assert [i + 1 for i, mode in enumerate(modes) if mode == ASSISTED] == [2, REPROBE_EVERY, 2 * REPROBE_EVERY]
+
+
+def test_reprobes_notice_a_change():
+    """Local is faster at first; then the GPU frees up and assisted becomes much faster."""
+    chooser = ModeChooser(AssistSetting.AUTO, assist_configured=True)
+    assert run(chooser, {LOCAL: 5.0, ASSISTED: 8.0}, REPROBE_EVERY - 1)[2:] == [LOCAL] * (REPROBE_EVERY - 3)
+    modes = run(chooser, {LOCAL: 5.0, ASSISTED: 1.0}, 10 * REPROBE_EVERY)  # modes[j] is iteration REPROBE_EVERY + j
+    probes = [j for j in range(0, len(modes), REPROBE_EVERY)]
+    # before the switch: local, with assisted probes; the moving average catches up within a few probes
+    switch = next(j for j, mode in enumerate(modes) if mode == ASSISTED and j not in probes)
+    assert switch - 1 in probes and 0 < switch < 4 * REPROBE_EVERY
+    assert all(mode == (ASSISTED if j in probes else LOCAL) for j, mode in enumerate(modes[:switch]))
+    # after: assisted, with local probes
+    assert all(mode == (LOCAL if j in probes else ASSISTED) for j, mode in enumerate(modes) if j >= switch)
+
+
+def test_backoff_after_failure_grows_exponentially_to_the_max():
+    chooser = ModeChooser(AssistSetting.ALWAYS, assist_configured=True)
+    assert chooser.choose(4, decode_only=True) == ASSISTED
+    expected = BACKOFF_MIN_ITERATIONS
+    seen = []
+    while True:
+        chooser.record_assist_failure()  # the assisted iteration just chosen failed (and is redone locally)
+        # locally for `expected` iterations counting the failed one, then assisted again
+        assert locals_until_assisted(chooser) == expected - 1
+        seen.append(expected)
+        if expected == BACKOFF_MAX_ITERATIONS and seen.count(expected) == 2:
+            break
+        expected = min(2 * expected, BACKOFF_MAX_ITERATIONS)
+    assert seen[:4] == [BACKOFF_MIN_ITERATIONS * 2**i for i in range(4)]
+    assert seen[-2:] == [BACKOFF_MAX_ITERATIONS] * 2
+
+
+def test_backoff_resets_after_a_successful_assisted_iteration():
+    chooser = ModeChooser(AssistSetting.ALWAYS, assist_configured=True)
+    for _ in range(3):
+        assert chooser.choose(4, decode_only=True) == ASSISTED
+        chooser.record_assist_failure()
+        locals_until_assisted(chooser)
+    chooser.record_assist_failure()
+    assert locals_until_assisted(chooser) == 8 * BACKOFF_MIN_ITERATIONS - 1
+    chooser.record(LOCAL, 4, 1.0)  # a local iteration does not reset it
+    chooser.record(ASSISTED, 4, 1.0)  # the assisted iteration succeeded
+    assert chooser.backoff_iterations == BACKOFF_MIN_ITERATIONS
+    chooser.record_assist_failure()
+    assert locals_until_assisted(chooser) == BACKOFF_MIN_ITERATIONS - 1
+
+
+def test_local_iteration_does_not_reset_backoff():
+    chooser = ModeChooser(AssistSetting.ALWAYS, assist_configured=True)
+    chooser.choose(4, decode_only=True)
+    chooser.record_assist_failure()
+    chooser.record(LOCAL, 4, 1.0)
+    assert chooser.backoff_iterations == 2 * BACKOFF_MIN_ITERATIONS
+
+
+def test_backoff_applies_in_auto_and_counts_dense_iterations():
+    chooser = ModeChooser(AssistSetting.AUTO, assist_configured=True)
+    run(chooser, {LOCAL: 10.0, ASSISTED: 1.0}, 3)
+    assert chooser.choose(4, decode_only=True) == ASSISTED
+    chooser.record_assist_failure()
+    for _ in range(BACKOFF_MIN_ITERATIONS - 1):  # prefill iterations spend the backoff too
+        assert chooser.choose(4, decode_only=False) == LOCAL
+    assert chooser.choose(4, decode_only=True) == ASSISTED
