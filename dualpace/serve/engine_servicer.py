@@ -36,10 +36,12 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
             request_id, prompt_token_ids, params = messages.new_request_from_pb(request.new_request)
             channel = await loop.add_request(request_id, prompt_token_ids, params)
             start = 0
+            abort_on_disconnect = not request.new_request.keep_running_on_disconnect
         elif kind == "resume":
             request_id = request.resume.request_id
             channel = loop.channel(request_id)
             start = request.resume.from_token_index
+            abort_on_disconnect = False  # whoever resumes (the router) aborts explicitly
             if start > len(channel.output_token_ids):
                 raise InvalidArgument("resume.from_token_index",
                                       f"{start} is past the {len(channel.output_token_ids)} tokens generated so far")
@@ -56,7 +58,7 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
                 )
             finished = True
         finally:
-            if not finished and not channel.done:
+            if abort_on_disconnect and not finished and not channel.done:
                 # The client went away: the request must not keep its KV blocks.
                 await _abort_quietly(loop, request_id)
 

@@ -64,12 +64,19 @@ def new_request_from_pb(message: engine_pb2.NewEngineRequest):
     )
 
 
-def new_request_to_pb(request_id: str, prompt_token_ids, params) -> engine_pb2.EngineGenerateRequest:
+def new_request_to_pb(request_id: str, prompt_token_ids, params,
+                      keep_running_on_disconnect: bool = False) -> engine_pb2.EngineGenerateRequest:
     return engine_pb2.EngineGenerateRequest(
         new_request=engine_pb2.NewEngineRequest(
-            request_id=request_id, prompt_token_ids=list(prompt_token_ids), sampling=sampling_params_to_pb(params)
+            request_id=request_id, prompt_token_ids=list(prompt_token_ids), sampling=sampling_params_to_pb(params),
+            keep_running_on_disconnect=keep_running_on_disconnect,
         )
     )
+
+
+def resume_request_to_pb(request_id: str, from_token_index: int) -> engine_pb2.EngineGenerateRequest:
+    return engine_pb2.EngineGenerateRequest(
+        resume=engine_pb2.ResumeEngineRequest(request_id=request_id, from_token_index=from_token_index))
 
 
 def load_to_pb(load: EngineLoad) -> engine_pb2.LoadSnapshot:

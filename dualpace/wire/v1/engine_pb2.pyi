@@ -16,14 +16,16 @@ class EngineGenerateRequest(_message.Message):
     def __init__(self, new_request: _Optional[_Union[NewEngineRequest, _Mapping]] = ..., resume: _Optional[_Union[ResumeEngineRequest, _Mapping]] = ...) -> None: ...
 
 class NewEngineRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "keep_running_on_disconnect")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    KEEP_RUNNING_ON_DISCONNECT_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _common_pb2.SamplingParams
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ...) -> None: ...
+    keep_running_on_disconnect: bool
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., keep_running_on_disconnect: _Optional[bool] = ...) -> None: ...
 
 class ResumeEngineRequest(_message.Message):
     __slots__ = ("request_id", "from_token_index")
