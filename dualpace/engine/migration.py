@@ -65,6 +65,8 @@ async def migrate_out(
 
     def pause() -> tuple[EngineRequest, list[int]]:
         request = core.scheduler.pause(request_id)
+        if request.num_computed_tokens == 0:  # queued or preempted: moves without KV
+            return request, []
         return request, core.kv_slot_ids(request_id, request.num_computed_tokens)
 
     request, slot_ids = await loop.call(pause)
@@ -126,8 +128,10 @@ class KvImporter:
         if layout.dtype not in ("float32", "bfloat16", "float16"):
             raise InvalidArgument("header.layout.dtype", f"unknown dtype {layout.dtype!r}")
         num_tokens = len(header.prompt_token_ids) + len(header.output_token_ids)
-        if not header.output_token_ids or header.num_computed_tokens != num_tokens - 1:
-            raise InvalidArgument("header.num_computed_tokens", "must cover every token but the last sampled one")
+        kv_complete = bool(header.output_token_ids) and header.num_computed_tokens == num_tokens - 1
+        if header.num_computed_tokens != 0 and not kv_complete:
+            raise InvalidArgument("header.num_computed_tokens",
+                                  "must cover every token but the last sampled one, or be 0 (recompute here)")
         remaining = header.params.max_tokens - len(header.output_token_ids)
         if remaining < 1:
             raise InvalidArgument("header.output_token_ids", "the request has already produced max_tokens tokens")

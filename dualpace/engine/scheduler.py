@@ -107,29 +107,38 @@ class Scheduler:
         return RequestEvent(request_id, finish_reason=FinishReason.ABORT)
 
     def pause(self, request_id: str) -> EngineRequest:
-        """Hold a decoding request at this step boundary, keeping its blocks (for KV export).
-        Its cache then holds every token but the last sampled one."""
+        """Hold a request at this step boundary for export, keeping its blocks. A decoding
+        request's cache then holds every token but the last sampled one; a waiting request
+        (queued or preempted) holds no KV and moves without any (the target recomputes it)."""
         request = self._get(request_id)
-        if request.state != RequestState.RUNNING or request.num_pending_tokens != 1 or not request.output_token_ids:
-            raise InvalidArgument("request_id", f"request {request_id!r} is not decoding (state {request.state.value})")
-        self.running.remove(request)
+        if request.state == RequestState.WAITING:
+            self.waiting.remove(request)
+        elif request.state == RequestState.RUNNING and request.num_pending_tokens == 1 and request.output_token_ids:
+            self.running.remove(request)
+        else:
+            raise InvalidArgument("request_id", f"request {request_id!r} is still prefilling (state {request.state.value})")
         request.state = RequestState.PAUSED
         return request
 
     def resume(self, request_id: str) -> None:
-        """Put a paused request back into the running batch (e.g. after a failed export)."""
+        """Put a paused request back where it was (e.g. after a failed export)."""
         request = self._get(request_id)
         if request.state != RequestState.PAUSED:
             raise InvalidArgument("request_id", f"request {request_id!r} is not paused")
-        request.state = RequestState.RUNNING
-        self._insert_running(request)
+        if request.num_computed_tokens == 0:
+            request.state = RequestState.WAITING
+            self._insert_waiting(request)
+        else:
+            request.state = RequestState.RUNNING
+            self._insert_running(request)
 
     def release(self, request_id: str, migrated_to: str) -> RequestEvent:
         """A paused request now lives elsewhere: free its blocks and forget it."""
         request = self._get(request_id)
         if request.state != RequestState.PAUSED:
             raise InvalidArgument("request_id", f"request {request_id!r} is not paused")
-        self.blocks.free(request_id)
+        if self.blocks.has(request_id):
+            self.blocks.free(request_id)
         request.state = RequestState.FINISHED
         del self.requests[request_id]
         return RequestEvent(request_id, migrated_to=migrated_to)
@@ -146,17 +155,25 @@ class Scheduler:
         return self.blocks.allocate(request_id, num_kv_tokens)
 
     def commit_import(self, request: EngineRequest) -> None:
-        """Phase two: the KV is written and verified; the request joins the running batch."""
+        """Phase two: the KV is written and verified; the request joins the running batch.
+        A request imported without KV joins the queue and is prefilled here."""
         if request.request_id not in self._importing:
             raise RequestNotFound(request.request_id)
-        if self.blocks.num_tokens(request.request_id) != request.num_tokens - 1:
-            raise InvalidArgument("num_computed_tokens", "imported KV does not cover all tokens but the last")
+        num_kv_tokens = self.blocks.num_tokens(request.request_id)
+        if num_kv_tokens not in (0, request.num_tokens - 1):
+            raise InvalidArgument("num_computed_tokens", "imported KV must cover all tokens but the last, or none")
         self._check_fits(request)  # else, once preempted, it could never be readmitted
         self._importing.discard(request.request_id)
-        request.state = RequestState.RUNNING
-        request.num_computed_tokens = request.num_tokens - 1
         request.arrival_index = self._take_arrival_index()
         self.requests[request.request_id] = request
+        if num_kv_tokens == 0:
+            self.blocks.free(request.request_id)
+            request.state = RequestState.WAITING
+            request.num_computed_tokens = 0
+            self._insert_waiting(request)
+            return
+        request.state = RequestState.RUNNING
+        request.num_computed_tokens = num_kv_tokens
         self._insert_running(request)
 
     def cancel_import(self, request_id: str) -> None:
@@ -296,6 +313,10 @@ class Scheduler:
         request.num_computed_tokens = 0
         request.num_preemptions += 1
         self.num_preemptions += 1
+        self._insert_waiting(request)
+
+    def _insert_waiting(self, request: EngineRequest) -> None:
+        """Queue in arrival order (a preempted request keeps its place)."""
         index = 0
         while index < len(self.waiting) and self.waiting[index].arrival_index < request.arrival_index:
             index += 1

@@ -109,3 +109,20 @@ async def test_failed_transfer_leaves_request_on_source(tiny, fault, error):
     assert channel.finish_reason == FinishReason.LENGTH and channel.migrated_to is None
     assert source[0].load().kv_blocks_used == 0
     await stop(source, target)
+
+
+async def test_waiting_request_moves_without_kv_and_is_recomputed(tiny):
+    """A request still queued (here: behind a full pool) moves with no KV; the target prefills it."""
+    source = EngineLoop(EngineCore(tiny, EngineConfig(name="src", num_kv_blocks=4, block_size=8)))
+    source_task = asyncio.create_task(source.run())
+    target = await started(tiny, "dst")
+    params = SamplingParams(max_tokens=20, ignore_eos=True)
+    blocker = await source.add_request("blocker", [1] * 8, params)  # fills the 4-block pool
+    queued_prompt = [4, 5, 6, 7, 8, 9, 10, 11, 12, 13]
+    queued = await source.add_request("queued", queued_prompt, params)
+    stats = await migrate_out(source, "queued", direct_send(target[0]))
+    assert stats.num_chunks == 0 and queued.migrated_to == "dst"
+    tokens = [t async for update in target[0].channel("queued").follow() for t in update.new_token_ids]
+    assert tokens == OfflineGenerator(tiny).generate([queued_prompt], [params])[0].output_token_ids
+    await wait_tokens(blocker, 20)
+    await stop((source, source_task), target)

@@ -509,12 +509,14 @@ def test_none_sample_errors_only_that_request():
 # ----------------------------------------------------------------- pause, resume, release
 
 
-def test_pause_only_decoding_requests():
+def test_pause_decoding_or_waiting_requests_not_prefilling_ones():
     d = Driver(make_scheduler(max_batch_tokens=4, max_running=1))
     d.add(make_request("a", prompt_len=6, max_tokens=8))
     d.add(make_request("w", prompt_len=2, max_tokens=2))
-    with pytest.raises(InvalidArgument):
-        d.s.pause("w")  # waiting
+    waiting = d.s.pause("w")  # a queued request moves without KV
+    assert waiting.state == RequestState.PAUSED and waiting.num_computed_tokens == 0 and not d.s.blocks.has("w")
+    d.s.resume("w")
+    assert d.s.get("w").state == RequestState.WAITING and d.s.waiting[-1].request_id == "w"
     d.step()  # a: 4 of 6 prompt tokens
     with pytest.raises(InvalidArgument):
         d.s.pause("a")  # prefilling
