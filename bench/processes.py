@@ -3,19 +3,15 @@
 from __future__ import annotations
 
 import os
-import re
 import signal
 import subprocess
 import sys
 import threading
-import time
 from collections import deque
 from dataclasses import dataclass, field
 
-import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
+from dualpace.serve.readiness import LISTENING, wait_serving
 
-LISTENING = re.compile(r"listening on (\S+)")
 START_TIMEOUT_S = 120.0
 
 
@@ -73,19 +69,3 @@ def start_daemon(module: str, *args: str, env: dict[str, str] | None = None, cpu
     daemon = Daemon(process, address[0], output)
     wait_serving(daemon.address)
     return daemon
-
-
-def wait_serving(address: str, timeout_s: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    with grpc.insecure_channel(address) as channel:
-        stub = health_pb2_grpc.HealthStub(channel)
-        while True:
-            try:
-                if stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=2).status == \
-                        health_pb2.HealthCheckResponse.SERVING:
-                    return
-            except grpc.RpcError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"{address} never became SERVING")
-            time.sleep(0.1)

@@ -71,3 +71,16 @@ def load_model(model: str, dtype: str | torch.dtype = "auto", device: str = "cpu
         weights = load_gguf_weights(reader, config, torch_dtype)
     weights = weights.to(torch_device, torch_dtype)
     return LoadedModel(name=model, path=path, config=config, model=Transformer(config, weights), tokenizer=tokenizer)
+
+
+def load_tokenizer_and_config(model: str) -> tuple[Tokenizer, ModelConfig]:
+    """The tokenizer and shape of a model without its weights (for the router)."""
+    path = resolve_model_path(model)
+    if path.is_dir():
+        from dualpace.model.hf_loader import read_hf_config
+
+        return Tokenizer.from_hf_folder(path), read_hf_config(path)
+    from dualpace.model.gguf_loader import open_gguf, read_gguf_config
+
+    reader = open_gguf(path)
+    return Tokenizer.from_gguf(reader), read_gguf_config(reader)

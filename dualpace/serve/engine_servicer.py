@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 
-import grpc
 
 from dualpace import __version__
 from dualpace.engine.loop import EngineLoop

@@ -1,0 +1,250 @@
+"""`dualpace up`: run gpu_service, cpu_service and the router together on this machine.
+
+    dualpace up                                  # default model, router on a free port
+    dualpace up --port 50051 --policy gated      # NEO-like baseline on a fixed port
+    dualpace up --policy gpu-only                # no cpu_service
+
+Each daemon is a child process listening on 127.0.0.1 (the engines on free ports, the router on
+--port). Their output is relayed with a prefix ("[gpu] ..."). When all three are serving it prints
+their addresses and a ready line. Ctrl-C or SIGTERM stops them all (SIGTERM, then a kill after a
+timeout) and exits 0; if a daemon exits by itself, the others are stopped and `up` exits 1
+naming it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+
+POLICIES = ("dualpace", "gated", "gpu-only")
+START_TIMEOUT_S = 120.0  # loading the weights of a larger model takes a while
+STOP_TIMEOUT_S = 20.0  # each daemon drains for up to 5 s
+POLL_S = 0.1
+FORCE_AFTER_S = 1.0  # a second signal later than this kills the daemons instead of waiting
+
+
+def register(subparsers) -> None:
+    from dualpace.model.registry import DEFAULT_MODEL_NAME
+
+    p = subparsers.add_parser("up", help="run gpu_service, cpu_service and the router on this machine")
+    p.add_argument("--model", default=DEFAULT_MODEL_NAME, help="known name, Hugging Face folder or .gguf file")
+    p.add_argument("--gpu-kv-blocks", type=int, default=None, help="gpu_service KV pool in blocks (default: its own)")
+    p.add_argument("--cpu-kv-blocks", type=int, default=None, help="cpu_service KV pool in blocks (default: its own)")
+    p.add_argument("--policy", default="dualpace", choices=POLICIES,
+                   help="dualpace: independent CPU engine; gated: NEO-like baseline; gpu-only: no cpu_service")
+    p.add_argument("--assist", default="auto", choices=["auto", "always", "never"],
+                   help="cpu_service Dense Assist setting")
+    p.add_argument("--port", type=int, default=0, help="the router's gRPC port on 127.0.0.1 (0: a free one)")
+    p.add_argument("--threads-per-engine", type=int, default=None, help="torch intra-op threads of each engine")
+    p.add_argument("--dtype", default="auto", choices=["auto", "fp32", "bf16"])
+
+
+@dataclass
+class Child:
+    """One daemon: its process, the address it printed, and the thread relaying its output."""
+
+    name: str  # output prefix: gpu, cpu, router
+    module: str  # gpu_service, cpu_service, router: how messages name it
+    process: subprocess.Popen
+    address: str | None = None
+    listening: threading.Event = field(default_factory=threading.Event)
+    relay: threading.Thread | None = None
+
+
+class Console:
+    """Whole lines on stdout from several threads."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+
+    def line(self, text: str, stream=None) -> None:
+        stream = stream or sys.stdout
+        with self.lock:
+            try:
+                stream.write(text + "\n")
+                stream.flush()
+            except (BrokenPipeError, ValueError):  # nobody reads our output any more: keep draining the daemons'
+                pass
+
+
+class Stopping(Exception):
+    """A stop signal arrived while the daemons were starting."""
+
+
+class ChildFailed(Exception):
+    """A daemon did not start."""
+
+    def __init__(self, child: Child, problem: str) -> None:
+        super().__init__(f"{child.module} {problem}")
+        self.child = child
+
+
+class Up:
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.console = Console()
+        self.children: list[Child] = []
+        self.signalled: int | None = None
+        self.signalled_at = 0.0
+        self.force = False  # a second signal: kill instead of waiting for a clean exit
+
+    # ---- signals: the handler only records; the main thread polls ----
+
+    def on_signal(self, signum, frame) -> None:
+        if self.signalled is None:
+            self.signalled, self.signalled_at = signum, time.monotonic()
+        elif time.monotonic() - self.signalled_at > FORCE_AFTER_S:  # not a duplicate of the first one
+            self.force = True
+
+    # ---- starting ----
+
+    def spawn(self, name: str, module: str, *argv: str) -> Child:
+        from dualpace.serve.readiness import LISTENING
+
+        # A process group of its own: a terminal Ctrl-C reaches only `up`, which stops the
+        # daemons in order with one SIGTERM each.
+        process = subprocess.Popen(
+            [sys.executable, "-m", module, *argv], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"}, process_group=0,
+        )
+        child = Child(name, module, process)
+        self.children.append(child)
+
+        def relay() -> None:
+            for raw in process.stdout:
+                line = raw.rstrip("\n")
+                match = LISTENING.search(line)
+                if match and child.address is None:
+                    child.address = match.group(1)
+                    child.listening.set()
+                self.console.line(f"[{name}] {line}")
+
+        child.relay = threading.Thread(target=relay, name=f"relay-{name}", daemon=True)
+        child.relay.start()
+        return child
+
+    def wait_listening(self, child: Child) -> str:
+        from dualpace.serve.readiness import wait_serving
+
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while not child.listening.wait(POLL_S):
+            if self.signalled is not None:
+                raise Stopping
+            if child.process.poll() is not None:
+                raise ChildFailed(child, f"exited with status {child.process.returncode} before listening")
+            if time.monotonic() > deadline:
+                raise ChildFailed(child, f"did not print its address within {START_TIMEOUT_S:.0f} s")
+        try:
+            wait_serving(child.address)
+        except RuntimeError:
+            raise ChildFailed(child, f"listens on {child.address} but never reported SERVING") from None
+        return child.address
+
+    def start(self) -> str:
+        """gpu_service, then cpu_service (it needs gpu_service's address), then the router; its address."""
+        args = self.args
+        engine_flags = ["--model", args.model, "--dtype", args.dtype, "--listen", "127.0.0.1:0"]
+        if args.threads_per_engine is not None:
+            engine_flags += ["--threads", str(args.threads_per_engine)]
+        gpu_flags = engine_flags + (["--kv-blocks", str(args.gpu_kv_blocks)] if args.gpu_kv_blocks else [])
+        gpu = self.wait_listening(self.spawn("gpu", "gpu_service", *gpu_flags, "--name", "gpu"))
+        cpu = None
+        if args.policy != "gpu-only":
+            cpu_flags = engine_flags + (["--kv-blocks", str(args.cpu_kv_blocks)] if args.cpu_kv_blocks else [])
+            cpu = self.wait_listening(self.spawn(
+                "cpu", "cpu_service", *cpu_flags, "--name", "cpu", "--gpu-service", gpu, "--assist", args.assist,
+                "--policy", "gated" if args.policy == "gated" else "dualpace"))
+        router_flags = ["serve", "--gpu", gpu, "--policy", args.policy, "--model", args.model,
+                        "--listen", f"127.0.0.1:{args.port}"]
+        if cpu is not None:
+            router_flags += ["--cpu", cpu]
+        return self.wait_listening(self.spawn("router", "router", *router_flags))
+
+    # ---- running and stopping ----
+
+    def watch(self) -> Child | None:
+        """Until a stop signal (None) or a daemon exits by itself (that daemon)."""
+        while self.signalled is None:
+            for child in self.children:
+                if child.process.poll() is not None:
+                    return child
+            time.sleep(POLL_S)
+        return None
+
+    def stop_all(self) -> list[Child]:
+        """Router first (it stops relaying), then the engines; SIGTERM, wait, kill after the timeout.
+        Returns the daemons that did not exit cleanly (non-zero status or killed)."""
+        unclean: list[Child] = []
+        router = [c for c in self.children if c.module == "router"]
+        engines = [c for c in self.children if c.module != "router"]
+        for group in (router, engines):
+            for child in group:
+                if child.process.poll() is None:
+                    child.process.send_signal(signal.SIGTERM)
+            deadline = time.monotonic() + STOP_TIMEOUT_S
+            while any(c.process.poll() is None for c in group) and time.monotonic() < deadline and not self.force:
+                time.sleep(POLL_S)
+            for child in group:
+                if child.process.poll() is None:
+                    self.console.line(f"dualpace up: {child.module} did not stop; killing it", sys.stderr)
+                    child.process.kill()
+                    child.process.wait()
+                    unclean.append(child)
+                elif child.process.returncode not in (0, -signal.SIGTERM):  # -SIGTERM: still starting up
+                    unclean.append(child)
+        for child in self.children:  # relay their last lines before `up` reports
+            child.relay.join(timeout=2.0)
+        return unclean
+
+
+def check_args(args: argparse.Namespace) -> None:
+    from dualpace.errors import InvalidArgument
+
+    for name in ("gpu_kv_blocks", "cpu_kv_blocks", "threads_per_engine"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            raise InvalidArgument(f"--{name.replace('_', '-')}", f"must be >= 1, got {value}")
+    if not 0 <= args.port <= 65535:
+        raise InvalidArgument("--port", f"must be in 0..65535, got {args.port}")
+
+
+def run(args: argparse.Namespace) -> int:
+    check_args(args)
+    up = Up(args)
+    previous = {signum: signal.signal(signum, up.on_signal) for signum in (signal.SIGINT, signal.SIGTERM)}
+    status = 0
+    try:
+        try:
+            router = up.start()
+        except Stopping:
+            pass
+        except ChildFailed as exc:
+            up.console.line(f"dualpace up: error: {exc}", sys.stderr)
+            status = 1
+        else:
+            for child in up.children:
+                up.console.line(f"dualpace up: {child.module} on {child.address} (pid {child.process.pid})")
+            up.console.line(f"dualpace up: ready; router on {router} "
+                            f"(try: dualpace client --router {router} --chat \"Hello\"; Ctrl-C stops)")
+            exited = up.watch()
+            if exited is not None:
+                up.console.line(f"dualpace up: error: {exited.module} exited unexpectedly with status "
+                                f"{exited.process.returncode}; stopping the others", sys.stderr)
+                status = 1
+    finally:
+        unclean = up.stop_all()
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+    if status == 0 and unclean:
+        names = ", ".join(f"{c.module} (status {c.process.returncode})" for c in unclean)
+        up.console.line(f"dualpace up: error: not stopped cleanly: {names}", sys.stderr)
+        status = 1
+    if status == 0:
+        up.console.line("dualpace up: stopped")
+    return status

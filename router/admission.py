@@ -1,0 +1,139 @@
+"""Admission: where a new request goes — the GPU engine, the CPU engine, the router's
+bounded wait queue, or nowhere (ARCHITECTURE §4). Pure: views in, a decision out."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from enum import Enum
+
+from router.views import (
+    EngineView,
+    Policy,
+    RoutedRequest,
+    blocks_for,
+    count_held,
+    estimated_blocks_used,
+)
+
+__all__ = ["AdmissionConfig", "Placement", "admit", "blocks_for"]
+
+# Guards ceil() against float products such as 300 * 0.1 == 30.000000000000004.
+_EPS = 1e-9
+
+
+class Placement(str, Enum):
+    GPU = "gpu"
+    CPU = "cpu"
+    WAIT = "wait"
+    REJECT = "reject"
+
+
+@dataclass(frozen=True)
+class AdmissionConfig:
+    policy: Policy = Policy.DUALPACE
+    gpu_kv_reserve_fraction: float = 0.1  # keep this share of GPU blocks free for running decodes' growth
+    expected_output_fraction: float = 1.0  # share of max_tokens assumed to be generated when sizing KV
+    itl_target_ms: float | None = None  # when set: an engine whose recent p50 ITL exceeds it takes no new requests
+    cpu_max_running: int = 64  # capacity rule for the CPU engine until profiles predict its ITL
+    max_queue: int = 256  # requests the router may hold waiting
+
+
+def _ceil_share(count: int, fraction: float) -> int:
+    return max(0, math.ceil(count * fraction - _EPS))
+
+
+def _can_place(engine: EngineView) -> bool:
+    return engine.healthy and engine.block_size > 0 and engine.kv_blocks_total > 0
+
+
+def committed_blocks(engine: EngineView, placed: Sequence[RoutedRequest]) -> int:
+    """Blocks the requests placed on `engine` will hold when they finish (prompt + max_tokens)."""
+    return sum(blocks_for(r.num_prompt_tokens + r.max_tokens, engine.block_size)
+               for r in placed if r.engine == engine.name)
+
+
+def _within_itl_target(engine: EngineView, config: AdmissionConfig) -> bool:
+    return config.itl_target_ms is None or engine.itl_p50_ms <= config.itl_target_ms
+
+
+def _free_blocks_if_room(engine: EngineView, num_tokens: int, reserve_fraction: float,
+                         placed: Sequence[RoutedRequest]) -> int | None:
+    """Estimated free blocks on `engine` when it has room for num_tokens beyond the reserve, else None.
+
+    The reserve only applies to an engine holding something: an idle engine takes any
+    request that fits its whole pool, so a large request cannot wait forever. The requests
+    already placed count at their final size (prompt + max_tokens): they will grow into it,
+    and admitting against their current size overcommits the GPU under a burst."""
+    used = max(estimated_blocks_used(engine, placed), committed_blocks(engine, placed))
+    free = engine.kv_blocks_total - used
+    reserve = _ceil_share(engine.kv_blocks_total, reserve_fraction) if used > 0 else 0
+    if blocks_for(num_tokens, engine.block_size) <= free - reserve:
+        return free
+    return None
+
+
+def _pick(candidates: list[tuple[int, str]]) -> str | None:
+    """The engine with the most free blocks; ties by name."""
+    if not candidates:
+        return None
+    return min(candidates, key=lambda c: (-c[0], c[1]))[1]
+
+
+def admit(num_prompt_tokens: int, max_tokens: int, engines: Mapping[str, EngineView],
+          placed: Sequence[RoutedRequest], num_queued: int,
+          config: AdmissionConfig) -> tuple[Placement, str | None]:
+    """(placement, engine name or None) for a new request.
+
+    GPU if a healthy gpu engine has KV room for the prompt plus the expected output
+    (prompt + ceil(max_tokens * expected_output_fraction) tokens) beyond the reserve and,
+    with an ITL target, its p50 ITL is within it; else, unless the policy is gpu-only, CPU
+    if a healthy cpu engine has that KV room, fewer than cpu_max_running requests and an
+    ITL within target; else WAIT while num_queued < max_queue; else REJECT.
+
+    REJECT also when no engine the policy may use is healthy (the service answers
+    UNAVAILABLE) and when prompt + max_tokens exceeds every usable engine's whole pool.
+    KV used and running counts are the larger of the snapshot and the router's own
+    count of `placed` requests on that engine. Several engines of a kind: the one with
+    the most free blocks (ties by name).
+    """
+    kinds = ("gpu",) if config.policy is Policy.GPU_ONLY else ("gpu", "cpu")
+    usable = [e for e in engines.values() if e.kind in kinds]
+    if not any(_can_place(e) for e in usable):
+        return Placement.REJECT, None
+
+    lifetime_tokens = num_prompt_tokens + max_tokens
+    if not any(e.block_size > 0 and blocks_for(lifetime_tokens, e.block_size) <= e.kv_blocks_total
+               for e in usable):
+        return Placement.REJECT, None
+
+    expected_tokens = num_prompt_tokens + _ceil_share(max_tokens, config.expected_output_fraction)
+    ready = sorted((e for e in usable if _can_place(e) and _within_itl_target(e, config)),
+                   key=lambda e: e.name)
+
+    gpu_candidates = []
+    for engine in ready:
+        if engine.kind != "gpu":
+            continue
+        free = _free_blocks_if_room(engine, expected_tokens, config.gpu_kv_reserve_fraction, placed)
+        if free is not None:
+            gpu_candidates.append((free, engine.name))
+    gpu = _pick(gpu_candidates)
+    if gpu is not None:
+        return Placement.GPU, gpu
+
+    cpu_candidates = []
+    for engine in ready:
+        if engine.kind != "cpu" or count_held(engine, placed) >= config.cpu_max_running:
+            continue
+        free = _free_blocks_if_room(engine, expected_tokens, 0.0, placed)
+        if free is not None:
+            cpu_candidates.append((free, engine.name))
+    cpu = _pick(cpu_candidates)
+    if cpu is not None:
+        return Placement.CPU, cpu
+
+    if num_queued < config.max_queue:
+        return Placement.WAIT, None
+    return Placement.REJECT, None

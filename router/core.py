@@ -1,0 +1,153 @@
+"""RouterCore: the router's live state and its migration executor.
+
+It holds only caches: the engines' load views, the requests it is relaying
+(for admission and migration planning) and a log of recent migrations. The
+engines hold the authoritative request state; ListPlacements asks them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+import grpc
+
+from dualpace.model.config import ModelConfig
+from dualpace.model.tokenizer import Tokenizer
+from dualpace.wire.v1 import engine_pb2
+from router.admission import AdmissionConfig
+from router.engines import EngineHandle, EnginePool
+from router.migration_planner import MigrationConfig, plan_migrations
+from router.views import Policy, RoutedRequest
+
+log = logging.getLogger(__name__)
+
+PLANNER_INTERVAL_S = 0.1
+NUM_MIGRATIONS_KEPT = 100
+
+
+@dataclass
+class MigrationRecord:
+    request_id: str
+    source: str
+    target: str
+    outcome: str  # "in_progress" | "committed" | "failed"
+    timestamp_unix_ms: int
+    detail: str = ""
+
+
+@dataclass
+class Tracked:
+    """A request the router relays: where it is and how far it got."""
+
+    request_id: str
+    num_prompt_tokens: int
+    max_tokens: int
+    engine: EngineHandle | None = None
+    num_generated_tokens: int = 0
+    migrating: bool = False
+
+    def routed(self) -> RoutedRequest | None:
+        if self.engine is None:
+            return None
+        return RoutedRequest(self.request_id, self.engine.name, self.num_prompt_tokens, self.num_generated_tokens,
+                             self.max_tokens, self.migrating)
+
+
+@dataclass
+class RouterConfig:
+    policy: Policy = Policy.DUALPACE
+    admission: AdmissionConfig = field(default_factory=AdmissionConfig)
+    migration: MigrationConfig = field(default_factory=MigrationConfig)
+    queue_timeout_s: float = 30.0  # how long a request may wait for room before RESOURCE_EXHAUSTED
+    recovery_timeout_s: float = 30.0  # how long a request may wait for a surviving engine
+    migrate_enabled: bool = True
+
+
+class RouterCore:
+    def __init__(self, pool: EnginePool, tokenizer: Tokenizer, model_config: ModelConfig, config: RouterConfig):
+        self.pool = pool
+        self.tokenizer = tokenizer
+        self.model_config = model_config
+        self.config = config
+        self.tracked: dict[str, Tracked] = {}
+        self.migrations: deque[MigrationRecord] = deque(maxlen=NUM_MIGRATIONS_KEPT)
+        self.num_queued = 0
+        self.changed = asyncio.Event()  # a request finished or moved: room may have appeared
+        self._planner: asyncio.Task | None = None
+
+    @property
+    def max_context_tokens(self) -> int:
+        return self.model_config.max_position_embeddings
+
+    def start(self) -> None:
+        self.pool.start()
+        if self.config.migrate_enabled and self.config.policy != Policy.GPU_ONLY:
+            self._planner = asyncio.create_task(self._plan_forever())
+
+    async def close(self) -> None:
+        if self._planner is not None:
+            self._planner.cancel()
+        await self.pool.close()
+
+    def placed(self) -> list[RoutedRequest]:
+        return [r for r in (t.routed() for t in self.tracked.values()) if r is not None]
+
+    def notify(self) -> None:
+        self.changed.set()
+
+    async def wait_for_change(self, timeout_s: float) -> None:
+        """Until a load update, a finish or a move (or the timeout)."""
+        self.changed.clear()
+        self.pool.changed.clear()
+        waiters = [asyncio.create_task(self.changed.wait()), asyncio.create_task(self.pool.changed.wait())]
+        done, pending = await asyncio.wait(waiters, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
+        for task in pending:
+            task.cancel()
+
+    async def migrate(self, tracked: Tracked, target: EngineHandle, reason: str) -> bool:
+        """Ask the request's engine to move it to `target`; the relay follows the move."""
+        source = tracked.engine
+        if source is None or tracked.migrating:
+            return False
+        tracked.migrating = True
+        record = MigrationRecord(tracked.request_id, source.name, target.name, "in_progress", int(time.time() * 1000),
+                                 reason)
+        self.migrations.append(record)
+        try:
+            await source.stub.MigrateOut(engine_pb2.MigrateOutRequest(request_id=tracked.request_id,
+                                                                      target_address=target.address), timeout=60)
+            record.outcome = "committed"
+            return True
+        except grpc.aio.AioRpcError as exc:
+            record.outcome = "failed"
+            record.detail = f"{reason}: {exc.code().name}: {exc.details()}"
+            log.info("migration of %s %s -> %s failed: %s", tracked.request_id, source.name, target.name,
+                     record.detail)
+            return False
+        finally:
+            tracked.migrating = False
+
+    async def _plan_forever(self) -> None:
+        while True:
+            await asyncio.sleep(PLANNER_INTERVAL_S)
+            try:
+                self._plan_once()
+            except Exception:  # a planning bug must not stop the router
+                log.exception("migration planning failed")
+
+    def _plan_once(self) -> None:
+        planned = plan_migrations(self.placed(), self.pool.views(), self.config.policy, self.config.migration)
+        for move in planned:
+            tracked = self.tracked.get(move.request_id)
+            target = self.pool.by_name(move.target)
+            if tracked is not None and target is not None and not tracked.migrating:
+                tracked.migrating = True  # reserved now; migrate() runs it
+                asyncio.create_task(self._run_planned(tracked, target, move.reason))
+
+    async def _run_planned(self, tracked: Tracked, target: EngineHandle, reason: str) -> None:
+        tracked.migrating = False
+        await self.migrate(tracked, target, reason)

@@ -1,0 +1,244 @@
+"""Relay: one client request from admission to its last token.
+
+Admits it (GPU, CPU via a hand-off after the GPU prefill, wait, or reject),
+follows it across migrations (resuming the stream on the target from the next
+token index), and recovers it when its engine dies (re-submitting prompt +
+generated tokens, with the same seed, to a survivor), so the client sees one
+unbroken stream: no token missing, none repeated. Text is detokenized
+incrementally and stop strings end the request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, replace
+
+import grpc
+
+from dualpace.errors import Overloaded, Unavailable
+from dualpace.model.detokenizer import IncrementalDetokenizer
+from dualpace.sampling_params import FinishReason, SamplingParams
+from dualpace.wire.engine_messages import generate_update_from_pb, new_request_to_pb, resume_request_to_pb
+from dualpace.wire.v1 import engine_pb2
+from router.admission import Placement, admit
+from router.core import RouterCore, Tracked
+from router.engines import EngineHandle
+
+log = logging.getLogger(__name__)
+
+# Codes that mean "this engine is gone or failing", so the request moves to a survivor.
+ENGINE_FAILURE_CODES = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL,
+                        grpc.StatusCode.CANCELLED, grpc.StatusCode.DEADLINE_EXCEEDED}
+
+
+@dataclass(frozen=True)
+class RelayUpdate:
+    token_ids: list[int]
+    text: str
+    engine: str
+    finish_reason: FinishReason | None
+
+
+class StopStringMatcher:
+    """Holds back text that might be the start of a stop string; cuts at a full match."""
+
+    def __init__(self, stop: tuple[str, ...]):
+        self.stop = stop
+        self.hold = max((len(s) for s in stop), default=1) - 1
+        self.pending = ""
+
+    def feed(self, text: str) -> tuple[str, bool]:
+        """(text safe to emit now, whether a stop string was hit)."""
+        self.pending += text
+        if not self.stop:
+            out, self.pending = self.pending, ""
+            return out, False
+        cut = min((i for i in (self.pending.find(s) for s in self.stop) if i >= 0), default=-1)
+        if cut >= 0:
+            out, self.pending = self.pending[:cut], ""
+            return out, True
+        safe = max(0, len(self.pending) - self.hold)
+        out, self.pending = self.pending[:safe], self.pending[safe:]
+        return out, False
+
+    def flush(self) -> str:
+        out, self.pending = self.pending, ""
+        return out
+
+
+class Relay:
+    def __init__(self, core: RouterCore, request_id: str, prompt_token_ids: list[int], params: SamplingParams):
+        self.core = core
+        self.request_id = request_id
+        self.prompt_token_ids = prompt_token_ids
+        self.params = params  # the seed is fixed, so recovery and migration continue the same draws
+        self.output_token_ids: list[int] = []
+        self.tracked = Tracked(request_id, len(prompt_token_ids), params.max_tokens)
+        self.detokenizer = IncrementalDetokenizer(core.tokenizer, prompt_token_ids, skip_special_tokens=True)
+        self.stops = StopStringMatcher(params.stop)
+        self.engine_base = 0  # outputs that are part of the current engine request's prompt
+        self.finished = False
+
+    # ----------------------------------------------------------------- public
+
+    async def run(self) -> AsyncIterator[RelayUpdate]:
+        self.core.tracked[self.request_id] = self.tracked
+        try:
+            engine, handoff_to = await self._admit()
+            call = self._submit(engine)
+            recovered = False
+            while True:
+                try:
+                    async for update in self._follow(engine, call, handoff_to):
+                        yield update
+                        if update.finish_reason is not None:
+                            return
+                    moved_to = self._moved_to
+                    if moved_to is None:
+                        raise Unavailable(f"engine {engine.name} ended the stream without finishing")
+                    engine, handoff_to = moved_to, None
+                    self.tracked.engine = engine
+                    call = engine.stub.Generate(resume_request_to_pb(
+                        self.request_id, len(self.output_token_ids) - self.engine_base))
+                except grpc.aio.AioRpcError as exc:
+                    if exc.code() not in ENGINE_FAILURE_CODES:
+                        if recovered:  # the survivor refused the continuation (e.g. its pool is too small)
+                            raise Unavailable(f"request {self.request_id} cannot continue on {engine.name}: "
+                                              f"{exc.code().name}: {exc.details()}") from None
+                        raise
+                    log.warning("engine %s failed under %s (%s); recovering", engine.name, self.request_id,
+                                exc.code().name)
+                    await engine.mark_unhealthy()
+                    remaining = self.params.max_tokens - len(self.output_token_ids)
+                    if remaining <= 0:
+                        yield self._final(engine, FinishReason.LENGTH)
+                        return
+                    engine, call = await self._recover(engine)
+                    handoff_to, recovered = None, True
+        finally:
+            self.core.tracked.pop(self.request_id, None)
+            self.core.notify()
+            if not self.finished:
+                await self._abort_in_engine()
+
+    # ----------------------------------------------------------------- admission
+
+    async def _admit(self) -> tuple[EngineHandle, EngineHandle | None]:
+        core = self.core
+        deadline = time.monotonic() + core.config.queue_timeout_s
+        queued = False
+        try:
+            while True:
+                placement, name = admit(len(self.prompt_token_ids), self.params.max_tokens, core.pool.views(),
+                                        core.placed(), core.num_queued, core.config.admission)
+                if placement in (Placement.GPU, Placement.CPU):
+                    engine = core.pool.by_name(name)
+                    if placement == Placement.CPU:
+                        gpus = [h for h in core.pool.of_kind("gpu") if h.healthy]
+                        if gpus:  # prefill on the GPU engine, then hand the KV to the CPU engine
+                            self.tracked.engine = gpus[0]
+                            return gpus[0], engine
+                    self.tracked.engine = engine
+                    return engine, None
+                if placement == Placement.REJECT:
+                    if not any(h.healthy for h in core.pool.handles):
+                        raise Unavailable("no engine is available")
+                    raise Overloaded("no engine can take this request now and the router's queue is full")
+                if not queued:
+                    queued = True
+                    core.num_queued += 1
+                remaining_s = deadline - time.monotonic()
+                if remaining_s <= 0:
+                    raise Overloaded(f"no engine had room within {core.config.queue_timeout_s:.0f} s")
+                await core.wait_for_change(min(remaining_s, 0.5))
+        finally:
+            if queued:
+                core.num_queued -= 1
+
+    def _submit(self, engine: EngineHandle, params: SamplingParams | None = None):
+        prompt = self.prompt_token_ids + self.output_token_ids
+        self.engine_base = len(self.output_token_ids)
+        return engine.stub.Generate(new_request_to_pb(self.request_id, prompt, params or self.params,
+                                                      keep_running_on_disconnect=True))
+
+    # ----------------------------------------------------------------- following
+
+    async def _follow(self, engine: EngineHandle, call, handoff_to: EngineHandle | None):
+        self._moved_to = None
+        handoff_started = False
+        async for response in call:
+            update = generate_update_from_pb(response)
+            expected = len(self.output_token_ids) - self.engine_base
+            new_ids = list(update.new_token_ids)
+            if update.first_token_index < expected:  # already relayed (a resume overlapping): skip them
+                new_ids = new_ids[expected - update.first_token_index:]
+            elif update.first_token_index > expected:
+                raise Unavailable(f"engine {engine.name} skipped tokens ({update.first_token_index} > {expected})")
+            if new_ids:
+                self.output_token_ids.extend(new_ids)
+                self.tracked.num_generated_tokens = len(self.output_token_ids)
+                text, stopped = self.stops.feed(self.detokenizer.push(new_ids))
+                if stopped:
+                    yield self._final(engine, FinishReason.STOP, new_ids, text, abort=True)
+                    return
+                reason = update.finish_reason
+                if reason is not None:
+                    text += self.stops.feed(self.detokenizer.flush())[0] + self.stops.flush()
+                    yield self._final(engine, reason, new_ids, text)
+                    return
+                yield RelayUpdate(new_ids, text, engine.name, None)
+                if handoff_to is not None and not handoff_started:
+                    handoff_started = True
+                    asyncio.create_task(self.core.migrate(self.tracked, handoff_to, "handoff"))
+            elif update.finish_reason is not None:
+                text = self.stops.feed(self.detokenizer.flush())[0] + self.stops.flush()
+                yield self._final(engine, update.finish_reason, [], text)
+                return
+            if update.migrated_to is not None:
+                self._moved_to = self.core.pool.by_address(update.migrated_to)
+                if self._moved_to is None:
+                    raise Unavailable(f"request moved to an unknown engine at {update.migrated_to}")
+                self.core.notify()
+                return
+
+    def _final(self, engine: EngineHandle, reason: FinishReason, token_ids: list[int] | None = None,
+               text: str = "", abort: bool = False) -> RelayUpdate:
+        self.finished = not abort  # a stop string still needs the engine request aborted
+        return RelayUpdate(token_ids or [], text, engine.name, reason)
+
+    # ----------------------------------------------------------------- recovery
+
+    async def _recover(self, failed: EngineHandle):
+        """Continue on a surviving engine: resume there if it already holds the request
+        (a migration committed just before the failure), else re-submit prompt + outputs."""
+        core = self.core
+        deadline = time.monotonic() + core.config.recovery_timeout_s
+        while True:
+            survivors = [h for h in core.pool.handles if h is not failed and h.healthy]
+            for engine in survivors:
+                try:
+                    listing = await engine.stub.ListRequests(engine_pb2.ListRequestsRequest(), timeout=5)
+                except grpc.aio.AioRpcError:
+                    continue
+                self.tracked.engine = engine
+                if any(info.request_id == self.request_id for info in listing.requests):
+                    # Same lineage, same outputs: only the stream moves.
+                    return engine, engine.stub.Generate(resume_request_to_pb(
+                        self.request_id, len(self.output_token_ids) - self.engine_base))
+                remaining = self.params.max_tokens - len(self.output_token_ids)
+                return engine, self._submit(engine, replace(self.params, max_tokens=remaining))
+            if time.monotonic() > deadline:
+                raise Unavailable(f"no surviving engine could take request {self.request_id}")
+            await core.wait_for_change(0.5)
+
+    async def _abort_in_engine(self) -> None:
+        engine = self.tracked.engine
+        if engine is None:
+            return
+        try:
+            await engine.stub.Abort(engine_pb2.AbortRequest(request_id=self.request_id), timeout=5)
+        except grpc.aio.AioRpcError:
+            pass  # already finished, moved or gone

@@ -1,0 +1,49 @@
+"""The dualpace.v1.Router servicer: thin, over RouterCore and Relay."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+
+from dualpace.errors import InvalidArgument
+from dualpace.wire import router_messages as messages
+from dualpace.wire.v1 import engine_pb2, router_pb2, router_pb2_grpc
+from router.core import RouterCore
+from router.prompts import prepare_prompt, request_id_for
+from router.relay import Relay
+
+
+class RouterServicer(router_pb2_grpc.RouterServicer):
+    def __init__(self, core: RouterCore):
+        self.core = core
+
+    async def Generate(self, request, context):
+        client = messages.client_request_from_pb(request)
+        request_id = request_id_for(client)
+        if request_id in self.core.tracked:
+            raise InvalidArgument("request_id", f"request {request_id!r} is already running")
+        prompt_ids, params = prepare_prompt(client, self.core.tokenizer, self.core.model_config)
+        relay = Relay(self.core, request_id, prompt_ids, params)
+        async for update in relay.run():
+            yield messages.generate_response_to_pb(
+                request_id, update.token_ids, update.text, update.engine, update.finish_reason,
+                len(prompt_ids), len(relay.output_token_ids))
+
+    async def ListPlacements(self, request, context):
+        pool = self.core.pool
+        engines, requests = [], []
+
+        async def list_requests(handle):
+            try:
+                return handle, await handle.stub.ListRequests(engine_pb2.ListRequestsRequest(), timeout=5)
+            except grpc.aio.AioRpcError:
+                return handle, None
+
+        for handle, listing in await asyncio.gather(*(list_requests(h) for h in pool.handles)):
+            if handle.view is not None:
+                engines.append(messages.engine_placement_to_pb(handle.view, handle.healthy))
+            for info in listing.requests if listing is not None else ():
+                requests.append(messages.request_placement_to_pb(handle.name, info))
+        return router_pb2.Placements(engines=engines, requests=requests,
+                                     migrations=[messages.migration_to_pb(m) for m in self.core.migrations])

@@ -1,0 +1,79 @@
+"""What the router's pure decision code sees: engine load views and the requests it relays.
+
+Plain frozen dataclasses and arithmetic only — no torch, grpc, asyncio or clock reads
+(ARCHITECTURE §5), so the simulator can run the same admission and migration code.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from enum import Enum
+
+
+class Policy(str, Enum):
+    DUALPACE = "dualpace"  # independent CPU engine loop
+    GATED = "gated"        # NEO-like baseline: CPU decodes advance inside GPU iterations
+    GPU_ONLY = "gpu-only"  # vLLM-like baseline: the GPU engine alone
+
+
+@dataclass(frozen=True)
+class EngineView:
+    """The router's latest view of one engine (from its load snapshot stream)."""
+
+    name: str
+    kind: str  # "gpu" | "cpu"
+    healthy: bool
+    kv_blocks_total: int
+    kv_blocks_used: int
+    block_size: int
+    num_running: int
+    num_waiting: int
+    itl_p50_ms: float
+    itl_p99_ms: float
+
+    @property
+    def kv_blocks_free(self) -> int:
+        return max(0, self.kv_blocks_total - self.kv_blocks_used)
+
+
+@dataclass(frozen=True)
+class RoutedRequest:
+    """A request the router is relaying."""
+
+    request_id: str
+    engine: str  # name of the engine holding it now
+    num_prompt_tokens: int
+    num_generated_tokens: int
+    max_tokens: int
+    migrating: bool = False
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_prompt_tokens + self.num_generated_tokens
+
+    @property
+    def remaining_tokens(self) -> int:
+        return max(0, self.max_tokens - self.num_generated_tokens)
+
+
+def blocks_for(num_tokens: int, block_size: int) -> int:
+    """KV blocks holding num_tokens tokens (ceil division; 0 for no tokens)."""
+    if block_size <= 0:
+        raise ValueError(f"block_size must be positive, got {block_size}")
+    if num_tokens <= 0:
+        return 0
+    return -(-num_tokens // block_size)
+
+
+def estimated_blocks_used(engine: EngineView, requests: Iterable[RoutedRequest]) -> int:
+    """KV blocks in use on `engine`: the larger of its snapshot and the current footprint of
+    the requests the router knows it holds (snapshots lag behind fresh admissions)."""
+    own = sum(blocks_for(r.num_tokens, engine.block_size) for r in requests if r.engine == engine.name)
+    return max(engine.kv_blocks_used, own)
+
+
+def count_held(engine: EngineView, requests: Iterable[RoutedRequest]) -> int:
+    """Running requests on `engine`: the larger of its snapshot and the router's own count."""
+    own = sum(1 for r in requests if r.engine == engine.name)
+    return max(engine.num_running, own)

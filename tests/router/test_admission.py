@@ -1,0 +1,182 @@
+"""Admission decisions (router.admission.admit): one table row per branch."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from router.admission import AdmissionConfig, Placement, admit, blocks_for
+from router.views import EngineView, Policy, RoutedRequest
+
+BS = 16  # block size in every case below
+
+
+def gpu(name="gpu", total=100, used=0, healthy=True, running=0, waiting=0, p50=10.0, block_size=BS):
+    return EngineView(name, "gpu", healthy, total, used, block_size, running, waiting, p50, 2 * p50)
+
+
+def cpu(name="cpu", total=1000, used=0, healthy=True, running=0, waiting=0, p50=40.0, block_size=BS):
+    return EngineView(name, "cpu", healthy, total, used, block_size, running, waiting, p50, 2 * p50)
+
+
+def held(engine, count, num_tokens=BS * 16):
+    """`count` placed requests on `engine`, each holding num_tokens tokens (16 blocks by default)."""
+    return [RoutedRequest(f"{engine}-{i}", engine, num_tokens, 0, 64) for i in range(count)]
+
+
+DEFAULT = AdmissionConfig()
+GPU_ONLY = AdmissionConfig(policy=Policy.GPU_ONLY)
+
+# Request: 100 prompt + 100 max tokens = 200 tokens = 13 blocks. GPU reserve: 10 of 100 blocks.
+CASES = [
+    # id, engines, placed, num_queued, config, (prompt, max_tokens), expected
+    ("gpu-room", [gpu(), cpu()], [], 0, DEFAULT, (100, 100), (Placement.GPU, "gpu")),
+    ("gpu-room-exact", [gpu(used=77), cpu()], [], 0, DEFAULT, (100, 100), (Placement.GPU, "gpu")),
+    ("gpu-reserve-spills-to-cpu", [gpu(used=78), cpu()], [], 0, DEFAULT, (100, 100), (Placement.CPU, "cpu")),
+    ("expected-output-fraction", [gpu(used=80), cpu()], [], 0,
+     AdmissionConfig(expected_output_fraction=0.5), (100, 100), (Placement.GPU, "gpu")),
+    ("reserve-float-rounding", [gpu(total=300, used=257), cpu()], [], 0, DEFAULT, (100, 100),
+     (Placement.GPU, "gpu")),
+    ("reserve-float-rounding-full", [gpu(total=300, used=258), cpu()], [], 0, DEFAULT, (100, 100),
+     (Placement.CPU, "cpu")),
+    ("snapshot-lag-counts-placed", [gpu(used=0), cpu()], held("gpu", 5), 0, DEFAULT, (100, 100),
+     (Placement.CPU, "cpu")),
+    ("snapshot-above-placed", [gpu(used=85), cpu()], held("gpu", 1), 0, DEFAULT, (100, 100),
+     (Placement.CPU, "cpu")),
+    ("placed-elsewhere-ignored", [gpu(used=0), cpu()], held("cpu", 5), 0, DEFAULT, (100, 100),
+     (Placement.GPU, "gpu")),
+    ("idle-gpu-skips-reserve", [gpu(used=0), cpu(total=10)], [], 0, DEFAULT, (BS * 90, BS * 5),
+     (Placement.GPU, "gpu")),
+    ("busy-gpu-keeps-reserve", [gpu(used=1), cpu(total=10)], [], 0, DEFAULT, (BS * 90, BS * 5),
+     (Placement.WAIT, None)),
+    ("gpu-only-never-cpu", [gpu(used=95), cpu()], [], 0, GPU_ONLY, (100, 100), (Placement.WAIT, None)),
+    ("gpu-only-cpu-alone-rejects", [gpu(healthy=False), cpu()], [], 0, GPU_ONLY, (100, 100),
+     (Placement.REJECT, None)),
+    ("gated-uses-cpu", [gpu(used=95), cpu()], [], 0, AdmissionConfig(policy=Policy.GATED), (100, 100),
+     (Placement.CPU, "cpu")),
+    ("unhealthy-gpu-skipped", [gpu(healthy=False), cpu()], [], 0, DEFAULT, (100, 100), (Placement.CPU, "cpu")),
+    ("unhealthy-cpu-skipped", [gpu(used=95), cpu(healthy=False)], [], 0, DEFAULT, (100, 100),
+     (Placement.WAIT, None)),
+    ("no-healthy-engine", [gpu(healthy=False), cpu(healthy=False)], [], 0, DEFAULT, (100, 100),
+     (Placement.REJECT, None)),
+    ("no-engine-at-all", [], [], 0, DEFAULT, (100, 100), (Placement.REJECT, None)),
+    ("engine-not-ready-zero-pool", [gpu(total=0), cpu(total=0)], [], 0, DEFAULT, (100, 100),
+     (Placement.REJECT, None)),
+    ("itl-target-gpu-over", [gpu(p50=30.0), cpu(p50=15.0)], [], 0, AdmissionConfig(itl_target_ms=20.0),
+     (100, 100), (Placement.CPU, "cpu")),
+    ("itl-target-at-limit", [gpu(p50=20.0), cpu()], [], 0, AdmissionConfig(itl_target_ms=20.0),
+     (100, 100), (Placement.GPU, "gpu")),
+    ("itl-target-both-over", [gpu(p50=30.0), cpu(p50=25.0)], [], 0, AdmissionConfig(itl_target_ms=20.0),
+     (100, 100), (Placement.WAIT, None)),
+    ("itl-ignored-without-target", [gpu(p50=500.0), cpu()], [], 0, DEFAULT, (100, 100), (Placement.GPU, "gpu")),
+    ("cpu-max-running-snapshot", [gpu(used=95), cpu(running=64)], [], 0, DEFAULT, (100, 100),
+     (Placement.WAIT, None)),
+    ("cpu-max-running-placed", [gpu(used=95), cpu(running=0)], held("cpu", 64, 10), 0, DEFAULT,
+     (100, 100), (Placement.WAIT, None)),
+    ("cpu-below-max-running", [gpu(used=95), cpu(running=63)], [], 0, DEFAULT, (100, 100),
+     (Placement.CPU, "cpu")),
+    ("cpu-kv-full", [gpu(used=95), cpu(total=100, used=90)], [], 0, DEFAULT, (100, 100),
+     (Placement.WAIT, None)),
+    ("cpu-kv-lag", [gpu(used=95), cpu(total=100)], held("cpu", 6), 0, DEFAULT, (100, 100),
+     (Placement.WAIT, None)),
+    ("queue-has-room", [gpu(used=95), cpu(healthy=False)], [], 255, DEFAULT, (100, 100),
+     (Placement.WAIT, None)),
+    ("queue-full", [gpu(used=95), cpu(healthy=False)], [], 256, DEFAULT, (100, 100),
+     (Placement.REJECT, None)),
+    ("custom-queue-bound", [gpu(used=95)], [], 3, AdmissionConfig(max_queue=3), (100, 100),
+     (Placement.REJECT, None)),
+    ("never-fits-anywhere", [gpu(), cpu(total=100)], [], 0, DEFAULT, (BS * 100, 1), (Placement.REJECT, None)),
+    ("fits-cpu-pool-only", [gpu(), cpu()], [], 0, DEFAULT, (BS * 100, 1), (Placement.CPU, "cpu")),
+    ("gpu-only-fits-cpu-pool-only", [gpu(), cpu()], [], 0, GPU_ONLY, (BS * 100, 1), (Placement.REJECT, None)),
+    ("fits-unhealthy-pool-waits", [gpu(healthy=False, total=1000), cpu(total=100)], [], 0, DEFAULT,
+     (BS * 200, 1), (Placement.WAIT, None)),
+    ("whole-pool-exact-fit", [gpu(used=0), cpu(healthy=False)], [], 0, DEFAULT, (BS * 99, BS),
+     (Placement.GPU, "gpu")),
+    ("most-free-gpu", [gpu("g-a", used=50), gpu("g-b", used=20), cpu()], [], 0, DEFAULT, (100, 100),
+     (Placement.GPU, "g-b")),
+    ("most-free-gpu-tie-by-name", [gpu("g-b", used=20), gpu("g-a", used=20), cpu()], [], 0, DEFAULT,
+     (100, 100), (Placement.GPU, "g-a")),
+    ("most-free-counts-placed", [gpu("g-a", used=0), gpu("g-b", used=20), cpu()], held("g-a", 3), 0, DEFAULT,
+     (100, 100), (Placement.GPU, "g-b")),
+    ("most-free-cpu", [gpu(used=95), cpu("c-a", used=500), cpu("c-b", used=100)], [], 0, DEFAULT,
+     (100, 100), (Placement.CPU, "c-b")),
+    ("skips-full-gpu-for-other", [gpu("g-a", used=95), gpu("g-b", used=50), cpu()], [], 0, DEFAULT,
+     (100, 100), (Placement.GPU, "g-b")),
+]
+
+
+@pytest.mark.parametrize(("engines", "placed", "num_queued", "config", "request_tokens", "expected"),
+                         [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+def test_admit(engines, placed, num_queued, config, request_tokens, expected):
+    views = {e.name: e for e in engines}
+    num_prompt_tokens, max_tokens = request_tokens
+    assert admit(num_prompt_tokens, max_tokens, views, placed, num_queued, config) == expected
+
+
+@pytest.mark.parametrize(("num_tokens", "block_size", "blocks"),
+                         [(0, 16, 0), (-3, 16, 0), (1, 16, 1), (16, 16, 1), (17, 16, 2), (200, 16, 13)])
+def test_blocks_for(num_tokens, block_size, blocks):
+    assert blocks_for(num_tokens, block_size) == blocks
+
+
+def test_blocks_for_rejects_zero_block_size():
+    with pytest.raises(ValueError, match="block_size"):
+        blocks_for(10, 0)
+
+
+def test_views_properties():
+    assert gpu(total=100, used=30).kv_blocks_free == 70
+    request = RoutedRequest("r", "gpu", num_prompt_tokens=10, num_generated_tokens=7, max_tokens=5)
+    assert (request.num_tokens, request.remaining_tokens) == (17, 0)
+    assert RoutedRequest("r", "gpu", 10, 2, 5).remaining_tokens == 3
+    assert Policy("gpu-only") is Policy.GPU_ONLY and Placement("wait") is Placement.WAIT
+
+
+# -- purity: no torch / grpc / asyncio / clock in the decision code ---------------------------
+
+ROUTER = Path(__file__).resolve().parents[2] / "router"
+PURE_MODULES = ("router.views", "router.admission", "router.migration_planner")
+FORBIDDEN_PACKAGES = ("torch", "grpc", "asyncio", "time", "datetime", "random", "numpy")
+
+
+def test_pure_modules_import_nothing_heavy():
+    """Importing the decision modules in a fresh interpreter adds none of the forbidden modules.
+
+    `time` is built in and already loaded at interpreter start, so the check is on what the
+    import adds; the source check below covers `time` itself."""
+    code = (
+        "import sys\n"
+        "before = set(sys.modules)\n"
+        f"import {', '.join(PURE_MODULES)}\n"
+        "added = set(sys.modules) - before\n"
+        f"bad = sorted(m for m in added if m.split('.')[0] in {FORBIDDEN_PACKAGES!r})\n"
+        "print(','.join(bad))\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                            cwd=ROUTER.parent, check=True)
+    assert result.stdout.strip() == ""
+
+
+@pytest.mark.parametrize("module", PURE_MODULES)
+def test_pure_module_sources_import_no_clock_or_io(module):
+    path = ROUTER.parent / (module.replace(".", "/") + ".py")
+    imported = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            imported.update(alias.name.split(".")[0] for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            imported.add(node.module.split(".")[0])
+    assert imported.isdisjoint(FORBIDDEN_PACKAGES), imported & set(FORBIDDEN_PACKAGES)
+
+
+def test_placed_requests_count_at_their_final_size():
+    """A burst of short prompts with long outputs: once the GPU's placed requests will fill it
+    when they finish, new ones go to the CPU even though the snapshot still shows room."""
+    engines = {"gpu": gpu(total=100), "cpu": cpu()}
+    placed = [RoutedRequest(f"r{i}", "gpu", BS, 0, BS * 29) for i in range(3)]  # 3 x 30 blocks at the end
+    assert admit(BS, BS * 29, engines, placed[:2], 0, AdmissionConfig())[0] == Placement.GPU
+    assert admit(BS, BS * 29, engines, placed, 0, AdmissionConfig())[0] == Placement.CPU

