@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import torch
 
+from dualpace.model import cpu_kernels
+
 
 class KVStorage:
     def __init__(
@@ -41,6 +43,9 @@ class KVStorage:
 
     def write(self, layer_index: int, slot_ids: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store k, v [num_tokens, num_kv_heads, head_dim] at flat slots [num_tokens]."""
+        kernels = cpu_kernels.usable_for(self.k) if k.device == self.device else None
+        if kernels is not None and kernels.kv_write(self.k[layer_index], self.v[layer_index], slot_ids, k, v):
+            return
         flat_shape = (self.num_blocks * self.block_size, self.num_kv_heads, self.head_dim)
         self.k[layer_index].view(flat_shape).index_copy_(0, slot_ids, k.to(self.dtype))
         self.v[layer_index].view(flat_shape).index_copy_(0, slot_ids, v.to(self.dtype))

@@ -1,14 +1,19 @@
 """Attention over paged KV: batched decode (one query token per sequence) and prefill.
 
-Both gather the sequences' blocks into a dense [context, kv_heads, head_dim]
-view and compute matmul -> float32 softmax -> matmul. On these CPUs that is
-4-5x faster than bf16 scaled_dot_product_attention for single-token queries
+Decode on a CPU with AVX512_BF16 runs dualpace.model.cpu_kernels' decode attention, which
+reads the KV blocks in place (no gathered copy of the context), splits long contexts across
+threads when there are few sequences, and takes a bf16 or fp32 cache. Otherwise (GPU, other
+CPUs, kernels off) both functions gather the sequences' blocks into a dense
+[context, kv_heads, head_dim] view and compute matmul -> float32 softmax -> matmul: on these
+CPUs that is 4-5x faster than bf16 scaled_dot_product_attention for single-token queries
 (ARCHITECTURE.md §7). Query head h reads KV head h // (num_heads / num_kv_heads).
 """
 
 from __future__ import annotations
 
 import torch
+
+from dualpace.model import cpu_kernels
 
 
 def decode_attention(
@@ -25,6 +30,11 @@ def decode_attention(
     block_tables: [B, max_blocks] (padded with any valid id); context_lens: [B] tokens incl. the new one.
     Returns [B, num_heads * head_dim].
     """
+    kernels = cpu_kernels.usable_for(q)
+    if kernels is not None and k_cache.device.type == "cpu":
+        out = kernels.decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale)
+        if out is not None:
+            return out
     batch, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
     group = num_heads // num_kv_heads

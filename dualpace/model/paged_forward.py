@@ -14,7 +14,9 @@ from dataclasses import dataclass
 import torch
 
 from dualpace.kv.storage import KVStorage
+from dualpace.model import cpu_kernels
 from dualpace.model.attention import decode_attention, prefill_attention
+from dualpace.model.rope import HalfAngles
 from dualpace.model.transformer import Transformer
 
 
@@ -118,6 +120,19 @@ class PagedForward:
         self.model = model
         self.kv = kv
         self.scale = model.config.head_dim**-0.5
+        self._fused: cpu_kernels.FusedDecode | None = None
+
+    def _fused_decode(self, step: StepTensors) -> cpu_kernels.FusedDecode | None:
+        """The one-call-per-step CPU path, for decode-only steps of at most LINEAR_MAX_ROWS tokens."""
+        num_tokens = step.token_ids.shape[0]
+        if step.prefills or num_tokens > cpu_kernels.LINEAR_MAX_ROWS or num_tokens == 0:
+            return None
+        kernels = cpu_kernels.get()
+        if kernels is None or not cpu_kernels.FusedDecode.applies(self.model, self.kv):
+            return None
+        if self._fused is None or self._fused.kernels is not kernels:
+            self._fused = cpu_kernels.FusedDecode(kernels, self.model, self.kv)
+        return self._fused
 
     @torch.inference_mode()
     def forward(self, work: list[SequenceWork]) -> torch.Tensor:
@@ -130,6 +145,10 @@ class PagedForward:
         model = self.model
         hidden = model.embed(step.token_ids)
         rope = model.rope_angles(step.positions)
+        fused = self._fused_decode(step)
+        if fused is not None and isinstance(rope, HalfAngles):
+            fused.run(hidden, rope.cos, rope.sin, step.slot_ids, step.decode_block_tables, step.decode_context_lens)
+            return model.logits(hidden[step.logit_token_index])
         for layer_index in range(model.config.num_layers):
             q, k, v = model.pre_attention(layer_index, hidden, rope)
             self.kv.write(layer_index, step.slot_ids, k, v)

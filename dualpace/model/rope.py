@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 
@@ -30,6 +31,20 @@ def inverse_frequencies(config: ModelConfig) -> torch.Tensor:
     return torch.where(is_medium, smoothed, scaled)
 
 
+class HalfAngles(NamedTuple):
+    """cos and sin of a step's angles as float32 [num_tokens, head_dim / 2]: the form the CPU
+    kernels take (the "rotate half" layout repeats each angle in both halves of a head)."""
+
+    cos: torch.Tensor
+    sin: torch.Tensor
+
+    def full(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """The [num_tokens, 1, head_dim] form apply_rotary takes."""
+        cos = torch.cat((self.cos, self.cos), dim=-1)[:, None, :]
+        sin = torch.cat((self.sin, self.sin), dim=-1)[:, None, :]
+        return cos.to(dtype), sin.to(dtype)
+
+
 class RotaryEmbedding:
     """Computes cos/sin for a step's positions once; every layer reuses them."""
 
@@ -41,6 +56,11 @@ class RotaryEmbedding:
         freqs = positions.to(torch.float32)[:, None] * self.inv_freq[None, :]
         angles = torch.cat((freqs, freqs), dim=-1)[:, None, :]
         return angles.cos().to(dtype), angles.sin().to(dtype)
+
+    def half_angles(self, positions: torch.Tensor) -> HalfAngles:
+        """cos and sin [num_tokens, head_dim / 2] in float32, for the CPU kernels."""
+        freqs = positions.to(torch.float32)[:, None] * self.inv_freq[None, :]
+        return HalfAngles(freqs.cos(), freqs.sin())
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -10,6 +10,11 @@ CPU beside its KV):
 
 The model holds weights only; KV storage and attention live in dualpace.kv and
 dualpace.model.attention.
+
+On a CPU with AVX512_BF16 the stages run through dualpace.model.cpu_kernels (a streaming bf16
+GEMV for up to 8 rows, fused RMSNorm / RoPE / SiLU*up, residual adds fused into the output
+projections); elsewhere, or with the kernels turned off, they are plain torch ops. Both paths
+compute the same function; the torch path is the reference.
 """
 
 from __future__ import annotations
@@ -19,8 +24,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from dualpace.model import cpu_kernels
 from dualpace.model.config import ModelConfig
-from dualpace.model.rope import RotaryEmbedding, apply_rotary
+from dualpace.model.rope import HalfAngles, RotaryEmbedding, apply_rotary
 
 
 @dataclass
@@ -83,13 +89,20 @@ class Transformer:
         self.rotary = RotaryEmbedding(config, self.device)
         self._q_size = config.num_heads * config.head_dim
         self._kv_size = config.num_kv_heads * config.head_dim
+        self._kernel_capable = self.device.type == "cpu" and self.dtype in (torch.bfloat16, torch.float32)
+
+    def _kernels(self) -> cpu_kernels.Kernels | None:
+        return cpu_kernels.get() if self._kernel_capable else None
 
     def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
         """Token ids [num_tokens] -> hidden states [num_tokens, hidden]."""
         return F.embedding(token_ids, self.weights.embed_tokens)
 
     def rope_angles(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos/sin for this step's positions, computed once and shared by all layers."""
+        """cos/sin for this step's positions, computed once and shared by all layers (a
+        HalfAngles tuple when the CPU kernels are in use; pass it back to pre_attention as is)."""
+        if self._kernels() is not None:
+            return self.rotary.half_angles(positions)
         return self.rotary.cos_sin(positions, self.dtype)
 
     def pre_attention(
@@ -101,11 +114,20 @@ class Transformer:
         """
         layer = self.weights.layers[layer_index]
         cfg = self.config
+        num_tokens = hidden.shape[0]
+        kernels = self._kernels()
+        if kernels is not None and isinstance(rope, HalfAngles):
+            # q, k, v are views of one qkv buffer, rotated in place
+            x = kernels.rms_norm(hidden, layer.input_norm, cfg.rms_norm_eps)
+            qkv = kernels.linear(x, layer.qkv_proj, layer.qkv_bias)
+            kernels.rotary_(qkv, cfg.num_heads + cfg.num_kv_heads, cfg.head_dim, rope.cos, rope.sin)
+            q, k, v = qkv.split((self._q_size, self._kv_size, self._kv_size), dim=-1)
+            return (q.view(num_tokens, cfg.num_heads, cfg.head_dim), k.view(num_tokens, cfg.num_kv_heads, cfg.head_dim),
+                    v.view(num_tokens, cfg.num_kv_heads, cfg.head_dim))
         x = rms_norm(hidden, layer.input_norm, cfg.rms_norm_eps)
         qkv = F.linear(x, layer.qkv_proj, layer.qkv_bias)
         q, k, v = qkv.split((self._q_size, self._kv_size, self._kv_size), dim=-1)
-        num_tokens = hidden.shape[0]
-        cos, sin = rope
+        cos, sin = rope.full(self.dtype) if isinstance(rope, HalfAngles) else rope
         q = apply_rotary(q.view(num_tokens, cfg.num_heads, cfg.head_dim), cos, sin)
         k = apply_rotary(k.view(num_tokens, cfg.num_kv_heads, cfg.head_dim), cos, sin)
         return q, k, v.view(num_tokens, cfg.num_kv_heads, cfg.head_dim)
@@ -113,6 +135,12 @@ class Transformer:
     def post_attention(self, layer_index: int, hidden: torch.Tensor, attention_out: torch.Tensor) -> torch.Tensor:
         """O projection + residual, then norm, SwiGLU MLP + residual. attention_out: [T, num_heads * head_dim]."""
         layer = self.weights.layers[layer_index]
+        kernels = self._kernels()
+        if kernels is not None:
+            hidden = kernels.linear(attention_out, layer.o_proj, residual=hidden)
+            x = kernels.rms_norm(hidden, layer.post_attention_norm, self.config.rms_norm_eps)
+            gated = kernels.silu_mul(kernels.linear(x, layer.gate_up_proj))
+            return kernels.linear(gated, layer.down_proj, residual=hidden)
         hidden = hidden + F.linear(attention_out, layer.o_proj)
         x = rms_norm(hidden, layer.post_attention_norm, self.config.rms_norm_eps)
         gate, up = F.linear(x, layer.gate_up_proj).chunk(2, dim=-1)
@@ -120,5 +148,9 @@ class Transformer:
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final norm and LM head: hidden [N, hidden] -> logits [N, vocab] in float32."""
+        kernels = self._kernels()
+        if kernels is not None:
+            x = kernels.rms_norm(hidden, self.weights.final_norm, self.config.rms_norm_eps)
+            return kernels.linear(x, self.weights.lm_head, out_dtype=torch.float32)
         x = rms_norm(hidden, self.weights.final_norm, self.config.rms_norm_eps)
         return F.linear(x, self.weights.lm_head).float()

@@ -1,0 +1,146 @@
+"""The CPU kernels (dualpace.model.cpu_kernels) against plain torch on the same inputs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from dualpace.model import cpu_kernels
+from dualpace.model.attention import decode_attention
+from dualpace.model.rope import apply_rotary
+from dualpace.model.transformer import rms_norm
+
+kernels = cpu_kernels.get()
+pytestmark = pytest.mark.skipif(kernels is None, reason="CPU kernels not available here (no AVX512_BF16 or g++)")
+
+
+def _close(actual: torch.Tensor, expected: torch.Tensor, rel: float) -> None:
+    err = (actual.float() - expected.float()).abs().max().item()
+    scale = expected.float().abs().max().item()
+    assert err <= rel * scale, f"max error {err} vs scale {scale}"
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 9, 12, 16])
+@pytest.mark.parametrize("k", [64, 576, 100])
+def test_linear_bf16_matches_fp32_math(rows, k):
+    torch.manual_seed(rows * 1000 + k)
+    x = torch.randn(rows, k).bfloat16()
+    w = torch.randn(37, k).bfloat16()
+    bias = torch.randn(37).bfloat16()
+    residual = torch.randn(rows, 37).bfloat16()
+    expected = x.float() @ w.float().t() + bias.float() + residual.float()
+    # rows above LINEAR_MAX_ROWS go to oneDNN, whose output is bf16
+    fp32_rel = 1e-5 if rows <= cpu_kernels.LINEAR_MAX_ROWS else 1e-2
+    _close(kernels.linear(x, w, bias, residual, out_dtype=torch.float32), expected, fp32_rel)
+    _close(kernels.linear(x, w, bias, residual), expected, 1e-2)
+    _close(kernels.linear(x, w), x.float() @ w.float().t(), 1e-2)
+
+
+def test_linear_strided_input():
+    x = torch.randn(4, 96).bfloat16()[:, :64]
+    w = torch.randn(8, 64).bfloat16()
+    _close(kernels.linear(x, w, out_dtype=torch.float32), x.float() @ w.float().t(), 1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_rotary_silu(dtype):
+    torch.manual_seed(0)
+    rel = 1e-6 if dtype == torch.float32 else 1e-2
+    x = torch.randn(5, 72, dtype=dtype)
+    w = torch.randn(72, dtype=dtype)
+    _close(kernels.rms_norm(x, w, 1e-6), rms_norm(x, w, 1e-6), rel)
+
+    num_heads, head_dim = 5, 24
+    qkv = torch.randn(3, (num_heads + 2) * head_dim, dtype=dtype)
+    angles = torch.rand(3, head_dim // 2) * 6
+    full = torch.cat((angles, angles), dim=-1)[:, None, :]
+    expected = apply_rotary(qkv[:, : 4 * head_dim].float().view(3, 4, head_dim), full.cos(), full.sin())
+    rotated = qkv.clone()
+    kernels.rotary_(rotated, 4, head_dim, angles.cos().contiguous(), angles.sin().contiguous())
+    _close(rotated[:, : 4 * head_dim].view(3, 4, head_dim), expected, rel)
+    assert torch.equal(rotated[:, 4 * head_dim:], qkv[:, 4 * head_dim:])
+
+    gate_up = torch.randn(3, 2 * 40, dtype=dtype) * 4
+    gate, up = gate_up.float().chunk(2, dim=-1)
+    _close(kernels.silu_mul(gate_up), F.silu(gate) * up, rel)
+
+
+@pytest.mark.parametrize("dtype,head_dim", [(torch.float32, 16), (torch.float32, 64), (torch.bfloat16, 64),
+                                            (torch.bfloat16, 128), (torch.float32, 128), (torch.bfloat16, 32)])
+@pytest.mark.parametrize("group", [1, 3, 7])
+def test_decode_attention_matches_torch(dtype, head_dim, group):
+    torch.manual_seed(head_dim + group)
+    num_kv_heads, block_size, num_blocks = 2, 16, 80
+    k_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype)
+    v_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype)
+    lens = torch.tensor([1, 17, 300, 1000, 33])  # a single sequence below exercises context splits
+    tables = torch.stack([torch.randperm(num_blocks)[:64] for _ in lens])
+    q = torch.randn(len(lens), num_kv_heads * group, head_dim, dtype=dtype)
+    scale = head_dim ** -0.5
+    rel = 1e-5 if dtype == torch.float32 else 2e-2
+    ours = kernels.decode_attention(q, k_cache, v_cache, tables, lens, scale)
+    reference = decode_attention_reference(q.float(), k_cache.float(), v_cache.float(), tables, lens, scale)
+    _close(ours, reference, rel)
+    solo = kernels.decode_attention(q[3:4], k_cache, v_cache, tables[3:4], lens[3:4], scale)
+    _close(solo, reference[3:4], rel)
+
+
+def decode_attention_reference(q, k_cache, v_cache, tables, lens, scale):
+    with torch.no_grad():
+        cpu_kernels.set_enabled(False)
+        try:
+            return decode_attention(q, k_cache, v_cache, tables, lens, scale)
+        finally:
+            cpu_kernels.set_enabled(True)
+
+
+def test_kv_write_scatters_rows():
+    k_cache = torch.zeros(4, 2, 3, 8, dtype=torch.bfloat16)
+    v_cache = torch.zeros_like(k_cache)
+    qkv = torch.randn(2, 9 * 8).bfloat16()
+    k = qkv[:, 24:48].view(2, 3, 8)
+    v = qkv[:, 48:].view(2, 3, 8)
+    assert kernels.kv_write(k_cache, v_cache, torch.tensor([5, 2]), k, v)
+    assert torch.equal(k_cache.view(8, 3, 8)[5], k[0]) and torch.equal(v_cache.view(8, 3, 8)[2], v[1])
+
+
+def _decode_logits(loaded, fused: bool, kernels_on: bool) -> torch.Tensor:
+    """Logits of one decode step of 3 sequences (contexts 5, 19, 40) over scattered blocks."""
+    from dualpace.kv.storage import KVStorage
+    from dualpace.model.paged_forward import PagedForward, SequenceWork
+
+    cfg = loaded.config
+    torch.manual_seed(1)
+    kv = KVStorage(cfg.num_layers, 40, 4, cfg.num_kv_heads, cfg.head_dim, loaded.model.dtype)
+    kv.k.copy_(torch.randn_like(kv.k, dtype=torch.float32))
+    kv.v.copy_(torch.randn_like(kv.v, dtype=torch.float32))
+    tables = [list(range(39, 37, -1)), list(range(0, 20, 4)), list(range(1, 40, 4))]
+    work = [SequenceWork([7], 4, tables[0]), SequenceWork([11], 18, tables[1]), SequenceWork([3], 39, tables[2])]
+    cpu_kernels.set_enabled(kernels_on)
+    try:
+        forward = PagedForward(loaded.model, kv)
+        if not fused:
+            forward._fused_decode = lambda step: None  # the per-stage path
+        return forward.forward(work)
+    finally:
+        cpu_kernels.set_enabled(True)
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("preset", ["tiny-llama", "tiny-qwen2", "tiny-mistral"])
+def test_fused_decode_step_matches_stages_and_torch(preset, dtype, synth_checkpoint):
+    from dualpace.model.loader import load_model
+
+    loaded = load_model(str(synth_checkpoint(preset)), dtype=dtype)
+    if not cpu_kernels.FusedDecode.applies(loaded.model, type("KV", (), {"device": torch.device("cpu"),
+                                                                           "dtype": loaded.model.dtype})()):
+        pytest.skip("head_dim not covered by the fused kernels")
+    fused = _decode_logits(loaded, fused=True, kernels_on=True)
+    stages = _decode_logits(loaded, fused=False, kernels_on=True)
+    reference = _decode_logits(loaded, fused=False, kernels_on=False)
+    rel = 1e-5 if dtype == "fp32" else 3e-2
+    _close(fused, reference, rel)
+    _close(stages, reference, rel)
+    if dtype == "fp32":
+        assert torch.equal(fused.argmax(-1), reference.argmax(-1))
