@@ -78,6 +78,7 @@ class RouterCore:
         self.num_queued = 0
         self.changed = asyncio.Event()  # a request finished or moved: room may have appeared
         self._planner: asyncio.Task | None = None
+        self._background: set[asyncio.Task] = set()  # strong references: the loop keeps only weak ones
 
     @property
     def max_context_tokens(self) -> int:
@@ -92,6 +93,13 @@ class RouterCore:
         if self._planner is not None:
             self._planner.cancel()
         await self.pool.close()
+
+    def spawn(self, coroutine) -> asyncio.Task:
+        """Run a background task (a migration) that nothing awaits, keeping it alive until done."""
+        task = asyncio.create_task(coroutine)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+        return task
 
     def placed(self) -> list[RoutedRequest]:
         return [r for r in (t.routed() for t in self.tracked.values()) if r is not None]
@@ -146,7 +154,7 @@ class RouterCore:
             target = self.pool.by_name(move.target)
             if tracked is not None and target is not None and not tracked.migrating:
                 tracked.migrating = True  # reserved now; migrate() runs it
-                asyncio.create_task(self._run_planned(tracked, target, move.reason))
+                self.spawn(self._run_planned(tracked, target, move.reason))
 
     async def _run_planned(self, tracked: Tracked, target: EngineHandle, reason: str) -> None:
         tracked.migrating = False

@@ -192,7 +192,7 @@ class Relay:
                 yield RelayUpdate(new_ids, text, engine.name, None)
                 if handoff_to is not None and not handoff_started:
                     handoff_started = True
-                    asyncio.create_task(self.core.migrate(self.tracked, handoff_to, "handoff"))
+                    self.core.spawn(self.core.migrate(self.tracked, handoff_to, "handoff"))
             elif update.finish_reason is not None:
                 text = self.stops.feed(self.detokenizer.flush())[0] + self.stops.flush()
                 yield self._final(engine, update.finish_reason, [], text)
