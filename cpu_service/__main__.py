@@ -21,6 +21,7 @@ from cpu_service.runner import CpuRunner
 from dualpace.engine.core import EngineConfig
 from dualpace.errors import InvalidArgument
 from dualpace.model.loader import LoadedModel
+from dualpace.serve.auth import read_token_file
 from dualpace.serve.engine_daemon import EngineDaemonParts, add_engine_arguments, build_engine, run_engine_daemon
 
 log = logging.getLogger(__name__)
@@ -65,7 +66,8 @@ def main(argv: list[str] | None = None) -> int:
     def make_runner(loaded: LoadedModel, config: EngineConfig) -> CpuRunner:
         client = None
         if args.gpu_service is not None and setting != AssistSetting.NEVER:
-            client = AssistClient(args.gpu_service, iteration_timeout_s=args.assist_timeout_s)
+            client = AssistClient(args.gpu_service, iteration_timeout_s=args.assist_timeout_s,
+                                  auth_token=read_token_file(args.auth_token_file))
         chooser = ModeChooser(setting, assist_configured=client is not None)
         return CpuRunner(loaded, config.num_kv_blocks, config.block_size, chooser, client, gated=gated)
 

@@ -31,6 +31,7 @@ import torch
 
 from dualpace.errors import Unavailable
 from dualpace.sampling import SamplingParams, sample_next_tokens
+from dualpace.serve.auth import token_metadata
 from dualpace.wire import convert
 from dualpace.wire.v1 import assist_pb2, assist_pb2_grpc
 
@@ -67,11 +68,12 @@ class _StreamEnded:
 class _AssistStream:
     """One open Assist call: a queue feeds its requests, a reader thread drains its replies."""
 
-    def __init__(self, stub: assist_pb2_grpc.DenseAssistStub, address: str):
+    def __init__(self, stub: assist_pb2_grpc.DenseAssistStub, address: str,
+                 metadata: tuple[tuple[str, str], ...] = ()):
         self._address = address
         self._requests: queue.Queue = queue.Queue()
         self._replies: queue.Queue = queue.Queue()
-        self._call = stub.Assist(self._request_iterator())
+        self._call = stub.Assist(self._request_iterator(), metadata=metadata)
         self._reader = threading.Thread(target=self._read_replies, name="assist-reply-reader", daemon=True)
         self._reader.start()
 
@@ -122,9 +124,11 @@ class AssistClient:
         address: str,
         iteration_timeout_s: float = DEFAULT_ITERATION_TIMEOUT_S,
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+        auth_token: str | None = None,
     ):
         self.address = address
         self.iteration_timeout_s = iteration_timeout_s
+        self._metadata = token_metadata(auth_token)  # gpu_service's --auth-token-file token, if it requires one
         self._channel = grpc.insecure_channel(
             address,
             options=[
@@ -189,7 +193,7 @@ class AssistClient:
     ) -> convert.AssistResult:
         """Send begin, answer each layer's qkv with attend, return the result."""
         if self._stream is None:
-            self._stream = _AssistStream(self._stub, self.address)
+            self._stream = _AssistStream(self._stub, self.address, self._metadata)
         stream = self._stream
         batch = len(begin.token_ids)
         wait_budget_s = self.iteration_timeout_s

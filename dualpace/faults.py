@@ -6,6 +6,7 @@ the config to the parts that honour it; nothing reads the environment at import.
     DUALPACE_FAULT_KV_CORRUPT_CHUNK=N   flip a bit in outgoing KV chunk N
     DUALPACE_FAULT_KV_DROP_CHUNK=N      skip outgoing KV chunk N (a sequence gap)
     DUALPACE_FAULT_KV_CUT_AFTER=N       abandon an outgoing transfer after N chunks
+    DUALPACE_FAULT_STEP_DELAY_MS=N      sleep N ms inside every engine step (a stalled step loop)
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ class FaultConfig:
     kv_corrupt_chunk: int | None = None
     kv_drop_chunk: int | None = None
     kv_cut_after: int | None = None
+    step_delay_ms: int | None = None
 
     @classmethod
     def from_environ(cls, environ: Mapping[str, str] | None = None) -> "FaultConfig":
@@ -43,6 +45,10 @@ class FaultConfig:
     @property
     def any(self) -> bool:
         return any(getattr(self, f.name) is not None for f in dataclasses.fields(self))
+
+    @property
+    def step_delay_s(self) -> float:
+        return (self.step_delay_ms or 0) / 1e3
 
     def outgoing_chunk(self, chunk: KvChunk) -> KvChunk | None:
         """The chunk to send (possibly corrupted), None to skip it; raises to cut the transfer."""

@@ -1,6 +1,6 @@
 """`dualpace-router` / `python -m router`: serve the Router API, or show live placement.
 
-    dualpace-router serve --gpu ADDR --cpu ADDR [--policy dualpace|gated|gpu-only] ...
+    dualpace-router serve --gpu ADDR --cpu ADDR [--policy dualpace|gated|gpu-only] [--http-listen HOST:PORT] ...
     dualpace-router placement --router ADDR [--watch] [--json]
 """
 
@@ -14,6 +14,12 @@ import sys
 from dualpace.errors import DualPaceError, InvalidArgument
 from dualpace.model.registry import DEFAULT_MODEL_NAME
 from dualpace.serve.loop import serve_forever
+from dualpace.serve.sd_notify import Notifier, watchdog_interval_s
+from dualpace.serve.security import (
+    add_security_arguments,
+    check_listen_security,
+    security_from_args,
+)
 from dualpace.serve.server import print_listening, start_server
 from dualpace.wire.v1 import router_pb2_grpc
 from router.admission import AdmissionConfig
@@ -25,6 +31,7 @@ from router.views import Policy
 
 ROUTER_SERVICE = "dualpace.v1.Router"
 ENGINE_READY_TIMEOUT_S = 60.0
+DEFAULT_GRACE_S = 30.0
 
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
@@ -37,8 +44,14 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ttft-target-ms", type=float, default=None,
                         help="how long a request may wait for room (default 30 s)")
     parser.add_argument("--no-migrate", action="store_true", help="no load-driven migrations (hand-offs still run)")
-    parser.add_argument("--listen", default="127.0.0.1:0")
+    parser.add_argument("--listen", default="127.0.0.1:0",
+                        help="HOST:PORT; a non-loopback host needs --tls-cert/--tls-key")
+    parser.add_argument("--grace-s", type=float, default=DEFAULT_GRACE_S,
+                        help="on SIGTERM, how long relayed streams may take to finish before they are cancelled")
+    parser.add_argument("--http-listen", default=None, metavar="HOST:PORT",
+                        help="also serve the OpenAI-compatible HTTP API here (absent: no HTTP); same TLS and token rules")
     parser.add_argument("--log-level", default="INFO")
+    add_security_arguments(parser)
 
 
 def router_config(args: argparse.Namespace, kv_bytes_per_token: int) -> RouterConfig:
@@ -67,7 +80,15 @@ def serve(args: argparse.Namespace) -> int:
 
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    notifier = Notifier.from_environ()
     try:
+        security = security_from_args(args)
+        check_listen_security(args.listen, security.tls)
+        if args.http_listen is not None:
+            check_listen_security(args.http_listen, security.tls, "--http-listen")
+        if args.grace_s < 0:
+            raise InvalidArgument("--grace-s", f"must be >= 0, got {args.grace_s}")
+        notifier.status(f"loading the tokenizer of {args.model}")
         tokenizer, model_config = load_tokenizer_and_config(args.model)
         kv_bytes_per_token = 2 * model_config.num_layers * model_config.num_kv_heads * model_config.head_dim * 2
         config = router_config(args, kv_bytes_per_token)
@@ -76,9 +97,11 @@ def serve(args: argparse.Namespace) -> int:
         return 2
 
     async def main(stop: asyncio.Event) -> int:
-        handles = [EngineHandle(args.gpu, "gpu")] if args.gpu else []
+        token = security.auth_token  # the engines require the same shared token
+        handles = [EngineHandle(args.gpu, "gpu", token)] if args.gpu else []
         if args.cpu and config.policy != Policy.GPU_ONLY:
-            handles.append(EngineHandle(args.cpu, "cpu"))
+            handles.append(EngineHandle(args.cpu, "cpu", token))
+        notifier.status("waiting for the engines")
         core = RouterCore(EnginePool(handles), tokenizer, model_config, config)
         core.start()
         if not await core.pool.wait_ready(ENGINE_READY_TIMEOUT_S):
@@ -87,19 +110,54 @@ def serve(args: argparse.Namespace) -> int:
         try:
             running = await start_server(
                 args.listen, lambda server: router_pb2_grpc.add_RouterServicer_to_server(RouterServicer(core), server),
-                [ROUTER_SERVICE])
+                [ROUTER_SERVICE], security=security)
         except DualPaceError as exc:
             print(f"router: error: {exc}", file=sys.stderr)
             await core.close()
             return 2
-        print_listening("router", running.address)
+        http = None
+        if args.http_listen is not None:
+            from router.http_api import HttpFront, start_http
+
+            try:
+                http = await start_http(HttpFront(core, args.model, security.auth_token), args.http_listen,
+                                        args.tls_cert, args.tls_key, args.tls_client_ca, grace_s=args.grace_s)
+            except DualPaceError as exc:
+                print(f"router: error: {exc}", file=sys.stderr)
+                await running.stop(grace_s=0)
+                await core.close()
+                return 2
+        print_listening("router", running.address)  # first: launchers take the first address as gRPC's
+        if http is not None:
+            print_listening("router http", http.address)
+        notifier.ready(f"serving on {running.address}")
+        watchdog = start_watchdog(notifier)
         await stop.wait()
+        notifier.stopping(f"finishing relayed streams (grace {args.grace_s:g} s)")
         await running.set_serving(False)
-        await running.stop(grace_s=5.0)
+        await asyncio.gather(running.stop(grace_s=args.grace_s),  # new calls refused, running streams finish
+                             *([http.stop()] if http is not None else []))
+        if watchdog is not None:
+            watchdog.cancel()
         await core.close()
+        notifier.close()
         return 0
 
     return serve_forever(main)
+
+
+def start_watchdog(notifier: Notifier) -> asyncio.Task | None:
+    """A task sending WATCHDOG=1 every half WatchdogSec while the event loop runs (None: no watchdog)."""
+    interval_s = watchdog_interval_s()
+    if interval_s is None or not notifier.enabled:
+        return None
+
+    async def ping() -> None:
+        while True:
+            notifier.watchdog()
+            await asyncio.sleep(interval_s)
+
+    return asyncio.create_task(ping())
 
 
 def main(argv: list[str] | None = None) -> int:

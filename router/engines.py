@@ -8,6 +8,7 @@ import logging
 
 import grpc
 
+from dualpace.serve.auth import aio_token_interceptors
 from dualpace.serve.kv_transport import channel_options
 from dualpace.wire.engine_messages import ENGINE_KIND_FROM_PB
 from dualpace.wire.v1 import engine_pb2, engine_pb2_grpc
@@ -20,12 +21,14 @@ RECONNECT_DELAY_S = 0.5
 
 
 class EngineHandle:
-    def __init__(self, address: str, expected_kind: str):
+    def __init__(self, address: str, expected_kind: str, auth_token: str | None = None):
         self.address = address
         self.expected_kind = expected_kind
         self.name = expected_kind  # replaced by the engine's own name once Info answers
+        # With a shared token (--auth-token-file) every call on this channel carries it.
         self.channel = grpc.aio.insecure_channel(address, options=[
-            *channel_options(), ("grpc.max_reconnect_backoff_ms", 1000)])
+            *channel_options(), ("grpc.max_reconnect_backoff_ms", 1000)],
+            interceptors=aio_token_interceptors(auth_token))
         self.stub = engine_pb2_grpc.EngineStub(self.channel)
         self.view: EngineView | None = None
         self.changed = asyncio.Condition()
@@ -87,11 +90,12 @@ class EnginePool:
     def __init__(self, handles: list[EngineHandle]):
         self.handles = handles
         self.changed = asyncio.Event()  # set on any load update, for requests waiting for room
+        self._forwarders: list[asyncio.Task] = []
 
     def start(self) -> None:
         for handle in self.handles:
             handle.start()
-            asyncio.create_task(self._forward_changes(handle))
+            self._forwarders.append(asyncio.create_task(self._forward_changes(handle)))
 
     async def _forward_changes(self, handle: EngineHandle) -> None:
         while True:
@@ -100,6 +104,8 @@ class EnginePool:
             self.changed.set()
 
     async def close(self) -> None:
+        for task in self._forwarders:
+            task.cancel()
         for handle in self.handles:
             await handle.close()
 

@@ -3,6 +3,7 @@
     dualpace up                                  # default model, router on a free port
     dualpace up --port 50051 --policy gated      # NEO-like baseline on a fixed port
     dualpace up --policy gpu-only                # no cpu_service
+    dualpace up --http-port 8000                 # the router's OpenAI-compatible HTTP API on a fixed port
 
 Each daemon is a child process listening on 127.0.0.1 (the engines on free ports, the router on
 --port). Their output is relayed with a prefix ("[gpu] ..."). When all three are serving it prints
@@ -24,7 +25,8 @@ from dataclasses import dataclass, field
 
 POLICIES = ("dualpace", "gated", "gpu-only")
 START_TIMEOUT_S = 120.0  # loading the weights of a larger model takes a while
-STOP_TIMEOUT_S = 20.0  # each daemon drains for up to 5 s
+STOP_TIMEOUT_S = 20.0  # each daemon drains for up to DRAIN_GRACE_S, then flushes its streams for up to 5 s
+DRAIN_GRACE_S = 10.0  # --grace-s of every daemon: running requests get this long to finish on Ctrl-C
 POLL_S = 0.1
 FORCE_AFTER_S = 1.0  # a second signal later than this kills the daemons instead of waiting
 
@@ -41,6 +43,8 @@ def register(subparsers) -> None:
     p.add_argument("--assist", default="auto", choices=["auto", "always", "never"],
                    help="cpu_service Dense Assist setting")
     p.add_argument("--port", type=int, default=0, help="the router's gRPC port on 127.0.0.1 (0: a free one)")
+    p.add_argument("--http-port", type=int, default=0,
+                   help="the router's OpenAI-compatible HTTP port on 127.0.0.1 (0: a free one)")
     p.add_argument("--threads-per-engine", type=int, default=None, help="torch intra-op threads of each engine")
     p.add_argument("--dtype", default="auto", choices=["auto", "fp32", "bf16"])
 
@@ -54,6 +58,8 @@ class Child:
     process: subprocess.Popen
     address: str | None = None
     listening: threading.Event = field(default_factory=threading.Event)
+    http_address: str | None = None  # the router's "router http listening on ADDR" line
+    http_listening: threading.Event = field(default_factory=threading.Event)
     relay: threading.Thread | None = None
 
 
@@ -120,7 +126,11 @@ class Up:
             for raw in process.stdout:
                 line = raw.rstrip("\n")
                 match = LISTENING.search(line)
-                if match and child.address is None:
+                if match and " http listening on " in line:
+                    if child.http_address is None:
+                        child.http_address = match.group(1)
+                        child.http_listening.set()
+                elif match and child.address is None:
                     child.address = match.group(1)
                     child.listening.set()
                 self.console.line(f"[{name}] {line}")
@@ -149,7 +159,8 @@ class Up:
     def start(self) -> str:
         """gpu_service, then cpu_service (it needs gpu_service's address), then the router; its address."""
         args = self.args
-        engine_flags = ["--model", args.model, "--dtype", args.dtype, "--listen", "127.0.0.1:0"]
+        engine_flags = ["--model", args.model, "--dtype", args.dtype, "--listen", "127.0.0.1:0",
+                        "--grace-s", str(DRAIN_GRACE_S)]
         if args.threads_per_engine is not None:
             engine_flags += ["--threads", str(args.threads_per_engine)]
         gpu_flags = engine_flags + (["--kv-blocks", str(args.gpu_kv_blocks)] if args.gpu_kv_blocks else [])
@@ -161,10 +172,20 @@ class Up:
                 "cpu", "cpu_service", *cpu_flags, "--name", "cpu", "--gpu-service", gpu, "--assist", args.assist,
                 "--policy", "gated" if args.policy == "gated" else "dualpace"))
         router_flags = ["serve", "--gpu", gpu, "--policy", args.policy, "--model", args.model,
-                        "--listen", f"127.0.0.1:{args.port}"]
+                        "--grace-s", str(DRAIN_GRACE_S),
+                        "--listen", f"127.0.0.1:{args.port}", "--http-listen", f"127.0.0.1:{args.http_port}"]
         if cpu is not None:
             router_flags += ["--cpu", cpu]
-        return self.wait_listening(self.spawn("router", "router", *router_flags))
+        router = self.spawn("router", "router", *router_flags)
+        address = self.wait_listening(router)
+        # The router prints its HTTP line right after the gRPC one.
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while not router.http_listening.wait(POLL_S):
+            if self.signalled is not None:
+                raise Stopping
+            if router.process.poll() is not None or time.monotonic() > deadline:
+                raise ChildFailed(router, "did not start its HTTP API")
+        return address
 
     # ---- running and stopping ----
 
@@ -212,6 +233,8 @@ def check_args(args: argparse.Namespace) -> None:
             raise InvalidArgument(f"--{name.replace('_', '-')}", f"must be >= 1, got {value}")
     if not 0 <= args.port <= 65535:
         raise InvalidArgument("--port", f"must be in 0..65535, got {args.port}")
+    if not 0 <= args.http_port <= 65535:
+        raise InvalidArgument("--http-port", f"must be in 0..65535, got {args.http_port}")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -230,6 +253,8 @@ def run(args: argparse.Namespace) -> int:
         else:
             for child in up.children:
                 up.console.line(f"dualpace up: {child.module} on {child.address} (pid {child.process.pid})")
+                if child.http_address is not None:
+                    up.console.line(f"dualpace up: OpenAI-compatible HTTP API on http://{child.http_address}/v1")
             up.console.line(f"dualpace up: ready; router on {router} "
                             f"(try: dualpace client --router {router} --chat \"Hello\"; Ctrl-C stops)")
             exited = up.watch()

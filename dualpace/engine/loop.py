@@ -5,6 +5,14 @@ loop keeps serving RPCs meanwhile. Commands (add, abort, pause, import...) are
 queued and applied between steps, in the event-loop thread, so the pure
 scheduler is never touched by two threads at once. Each request's output goes
 to its RequestChannel.
+
+Liveness: an optional callback (`set_alive_callback`; the systemd watchdog ping) runs in
+the event-loop thread after a step completes and while idle, at most once per
+interval; a step that never returns stops the calls, which is the point.
+
+Shutdown: `start_draining()` refuses new requests and imports with Unavailable
+while running ones continue; `wait_drained(timeout_s)` waits for them, and
+`abort_all()` ends whatever is left.
 """
 
 from __future__ import annotations
@@ -73,7 +81,12 @@ class EngineLoop:
         self._step_lock = step_lock or contextlib.nullcontext()
         self.gate = gate or IterationGate()  # iteration boundaries, for the gated baseline policy
         self._stopping = False
+        self.draining = False  # new requests refused; running ones continue
         self.serving = True
+        self.step_delay_s = 0.0  # test-only fault: each step sleeps this long (DUALPACE_FAULT_STEP_DELAY_MS)
+        self._on_alive: Callable[[], None] | None = None
+        self._alive_interval_s = 0.0
+        self._last_alive = float("-inf")
         self.fatal_error: BaseException | None = None
         self.stopped = asyncio.Event()
 
@@ -90,6 +103,7 @@ class EngineLoop:
 
     async def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> RequestChannel:
         def add() -> RequestChannel:
+            self.check_accepting()
             # The channel is registered in the same command, so no step can emit before it exists.
             request = self.core.add_request(request_id, prompt_token_ids, params)
             channel = RequestChannel(request_id, len(request.prompt_token_ids))
@@ -97,6 +111,11 @@ class EngineLoop:
             return channel
 
         return await self.call(add)
+
+    def check_accepting(self) -> None:
+        """Raise Unavailable when the engine takes no new work (draining for shutdown)."""
+        if self.draining:
+            raise Unavailable(f"engine {self.core.config.name} is shutting down; send new requests elsewhere")
 
     async def abort(self, request_id: str) -> None:
         event = await self.call(lambda: self.core.abort(request_id))
@@ -126,11 +145,12 @@ class EngineLoop:
                 if not self.core.has_work:
                     self._wake.clear()
                     if not self._commands and not self._stopping:
-                        await self._wake.wait()
+                        await self._idle()
                     continue
                 start = time.perf_counter()
                 _, events = await loop.run_in_executor(self._executor, self._step)
                 self._step_ms.append((time.perf_counter() - start) * 1e3)
+                self._maybe_alive()
                 await self._dispatch(events)
         except Exception as exc:  # the forward pass failed: this engine cannot continue
             log.exception("engine step failed")
@@ -144,10 +164,45 @@ class EngineLoop:
         finally:
             self.stopped.set()
 
+    async def _idle(self) -> None:
+        """Wait for a command; with a liveness callback, wake up to call it every interval."""
+        if self._on_alive is None:
+            await self._wake.wait()
+            return
+        while not self._wake.is_set():
+            self._maybe_alive()
+            try:
+                await asyncio.wait_for(self._wake.wait(), self._alive_interval_s)
+            except TimeoutError:
+                pass
+
+    def set_alive_callback(self, callback: Callable[[], None] | None, interval_s: float) -> None:
+        """Call `callback` after steps and while idle, at most once per `interval_s`."""
+        if callback is not None and interval_s <= 0:
+            raise ValueError(f"interval_s must be positive, got {interval_s}")
+        self._on_alive = callback
+        self._alive_interval_s = interval_s
+        self._last_alive = float("-inf")
+        self._wake.set()  # an idle loop picks up the new interval
+
+    def _maybe_alive(self) -> None:
+        if self._on_alive is None:
+            return
+        now = time.monotonic()
+        if now - self._last_alive < self._alive_interval_s:
+            return
+        self._last_alive = now
+        try:
+            self._on_alive()
+        except Exception:  # a failed ping must not stop the engine
+            log.exception("liveness callback failed")
+
     def _step(self):
         self.gate.step_started()
         try:
             with self._step_lock:
+                if self.step_delay_s > 0:
+                    time.sleep(self.step_delay_s)
                 return self.core.step()
         finally:
             self.gate.step_finished()
@@ -155,6 +210,33 @@ class EngineLoop:
     def stop(self) -> None:
         self._stopping = True
         self._wake.set()
+
+    def start_draining(self) -> None:
+        """Refuse new requests and imports from now on (Unavailable); running ones continue."""
+        self.draining = True
+
+    @property
+    def num_requests(self) -> int:
+        """Requests this engine holds: waiting, running or paused for a migration."""
+        return len(self.core.scheduler.requests)
+
+    async def wait_drained(self, timeout_s: float, poll_s: float = 0.02) -> bool:
+        """Until no request is left (True) or timeout_s passed (False)."""
+        deadline = time.monotonic() + timeout_s
+        while self.num_requests and not self.stopped.is_set():
+            if time.monotonic() >= deadline:
+                return False
+            await asyncio.sleep(poll_s)
+        return True
+
+    async def abort_all(self) -> int:
+        """Abort every request left (their streams end with ABORT); returns how many."""
+        def abort_every() -> list[RequestEvent]:
+            return [self.core.abort(request_id) for request_id in list(self.core.scheduler.requests)]
+
+        events = await self.call(abort_every)
+        await self._dispatch(events)
+        return len(events)
 
     def close(self) -> None:
         self._executor.shutdown(wait=True, cancel_futures=True)
@@ -190,7 +272,7 @@ class EngineLoop:
         return EngineLoad(
             name=core.config.name,
             kind=core.config.kind,
-            serving=self.serving and self.fatal_error is None,
+            serving=self.serving and self.fatal_error is None and not self.draining,
             num_running=core.scheduler.num_running,
             num_waiting=core.scheduler.num_waiting,
             kv_blocks_total=blocks.num_total_blocks,

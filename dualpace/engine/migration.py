@@ -141,6 +141,7 @@ class KvImporter:
                          core.loaded.max_context_tokens, prompt_field="header.prompt_token_ids")
 
         def reserve() -> list[int]:
+            self.loop.check_accepting()  # a draining engine takes no imports; the source keeps the request
             core.scheduler.reserve_import(header.request_id, header.num_computed_tokens)
             # Recorded in the command itself: a caller cancelled while awaiting it must still free the blocks.
             self._reserved = True

@@ -5,7 +5,10 @@
 - interceptor: applies it to every handler, so servicers stay thin;
 - server: `start_server` (interceptor, health, reflection, bind), `print_listening`;
 - loop: `install_uvloop`, `serve_forever` (SIGINT/SIGTERM -> a stop event);
-- grpcurl: `grpcurl_path` for tests and operators.
+- grpcurl: `grpcurl_path` for tests and operators;
+- security: loopback unless TLS (`--tls-cert/--tls-key/--tls-client-ca`); auth: the optional
+  shared bearer token (`--auth-token-file`), server interceptor and client metadata;
+- sd_notify: READY/STATUS/STOPPING/WATCHDOG to systemd, by hand (docs/operations.md).
 """
 
 from dualpace.serve.address import ListenAddress, is_loopback, parse_listen

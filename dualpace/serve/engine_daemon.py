@@ -1,6 +1,15 @@
 """What gpu_service and cpu_service share as daemons: flags, building the engine,
 serving dualpace.v1.Engine (plus any extra services) until SIGINT/SIGTERM, and
-leaving with a non-zero status if the engine's forward pass failed."""
+leaving with a non-zero status if the engine's forward pass failed.
+
+Life cycle, as systemd (Type=notify) sees it through dualpace.serve.sd_notify:
+
+    STATUS=loading model -> load -> warm-up (one short request through the EngineCore,
+    KV blocks back where they started) -> bind -> READY=1 -> WATCHDOG=1 from the step
+    loop (after steps and while idle; a stalled step stops them) -> SIGTERM ->
+    STOPPING=1, health NOT_SERVING, new requests UNAVAILABLE, running ones finish
+    within --grace-s (then the rest are aborted) -> exit 0.
+"""
 
 from __future__ import annotations
 
@@ -18,18 +27,29 @@ from dualpace.engine.core import EngineConfig, EngineCore
 from dualpace.engine.loop import EngineLoop
 from dualpace.engine.runner import ModelRunner
 from dualpace.engine.scheduler import SchedulerConfig
-from dualpace.errors import DualPaceError, InvalidArgument
+from dualpace.errors import DualPaceError, InvalidArgument, ModelLoadError
 from dualpace.faults import FaultConfig
 from dualpace.model.loader import LoadedModel
 from dualpace.model.registry import DEFAULT_MODEL_NAME
+from dualpace.sampling import SamplingParams
 from dualpace.serve.engine_servicer import EngineServicer
 from dualpace.serve.loop import serve_forever
+from dualpace.serve.sd_notify import Notifier, watchdog_interval_s
+from dualpace.serve.security import (
+    add_security_arguments,
+    check_listen_security,
+    security_from_args,
+)
 from dualpace.serve.server import print_listening, start_server
 from dualpace.wire.v1 import engine_pb2_grpc
 
 log = logging.getLogger(__name__)
 ENGINE_SERVICE = "dualpace.v1.Engine"
-STOP_GRACE_S = 5.0
+DEFAULT_GRACE_S = 30.0
+FLUSH_GRACE_S = 5.0  # after the drain: time for the last stream messages to leave
+WARMUP_REQUEST_ID = "dualpace-warmup"
+WARMUP_PROMPT_TOKENS = 4
+WARMUP_MAX_TOKENS = 2
 
 
 def add_engine_arguments(parser: argparse.ArgumentParser, default_name: str, default_kv_blocks: int) -> None:
@@ -44,8 +64,12 @@ def add_engine_arguments(parser: argparse.ArgumentParser, default_name: str, def
     parser.add_argument("--max-running", type=int, default=64, help="sequences per step")
     parser.add_argument("--max-waiting", type=int, default=256, help="queued requests before RESOURCE_EXHAUSTED")
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
-    parser.add_argument("--listen", default="127.0.0.1:0", help="HOST:PORT; port 0 picks a free port")
+    parser.add_argument("--listen", default="127.0.0.1:0",
+                        help="HOST:PORT; port 0 picks a free port; a non-loopback host needs --tls-cert/--tls-key")
+    parser.add_argument("--grace-s", type=float, default=DEFAULT_GRACE_S,
+                        help="on SIGTERM, how long running requests may take to finish before they are aborted")
     parser.add_argument("--log-level", default="INFO")
+    add_security_arguments(parser)
 
 
 @dataclass
@@ -104,52 +128,107 @@ def build_engine(
     return EngineDaemonParts(loaded, loop, device_lock)
 
 
+def warm_up(core: EngineCore) -> None:
+    """Run one short request through the engine before serving: the first forward pass pays
+    for lazy initialisation (kernels, allocator) here rather than in a client's TTFT, and a
+    broken model fails before READY=1. Raises ModelLoadError if KV blocks are not all back."""
+    blocks = core.scheduler.blocks
+    free_before = blocks.num_free_blocks
+    vocab_size = core.loaded.config.vocab_size
+    prompt = [(i + 1) % vocab_size for i in range(WARMUP_PROMPT_TOKENS)]
+    core.add_request(WARMUP_REQUEST_ID, prompt, SamplingParams(max_tokens=WARMUP_MAX_TOKENS, ignore_eos=True))
+    for _ in range(4 * (WARMUP_PROMPT_TOKENS + WARMUP_MAX_TOKENS)):  # bounded: a scheduler bug must not hang start-up
+        if not core.has_work:
+            break
+        core.step()
+    if core.has_work or core.scheduler.requests:
+        raise ModelLoadError("warm-up request did not finish")
+    if blocks.num_free_blocks != free_before:
+        raise ModelLoadError(f"warm-up left {free_before - blocks.num_free_blocks} KV blocks allocated")
+    core.num_steps = 0  # the load report counts served steps only
+
+
 def run_engine_daemon(
     args: argparse.Namespace,
     process_name: str,
     build: Callable[[], EngineDaemonParts],
     extra_services: Callable[[EngineDaemonParts, grpc.aio.Server], list[str]] | None = None,
 ) -> int:
-    """Load, serve until stopped, and return the process exit status (1 if the engine failed)."""
+    """Load, warm up, serve until stopped, drain; return the exit status (2 bad start, 1 engine failed)."""
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    notifier = Notifier.from_environ()
     try:
         faults = FaultConfig.from_environ()
+        security = security_from_args(args)
+        check_listen_security(args.listen, security.tls)  # before the slow model load
+        if args.grace_s < 0:
+            raise InvalidArgument("--grace-s", f"must be >= 0, got {args.grace_s}")
+        notifier.status(f"loading model {args.model}")
         parts = build()
+        notifier.status("warming up")
+        warm_up(parts.loop.core)
     except DualPaceError as exc:
         print(f"{process_name}: error: {exc}", file=sys.stderr)
         return 2
     if faults.any:
         log.warning("fault injection enabled: %s", faults)
+    parts.loop.step_delay_s = faults.step_delay_s
+    interval_s = watchdog_interval_s()
+    if interval_s is not None and notifier.enabled:
+        log.info("systemd watchdog: pinging from the step loop every %.1f s", interval_s)
+        parts.loop.set_alive_callback(notifier.watchdog, interval_s)
 
     async def main(stop: asyncio.Event) -> int:
         service_names = [ENGINE_SERVICE]
 
         def register(server: grpc.aio.Server) -> None:
-            engine_pb2_grpc.add_EngineServicer_to_server(EngineServicer(parts.loop, faults), server)
+            servicer = EngineServicer(parts.loop, faults, auth_token=security.auth_token)
+            engine_pb2_grpc.add_EngineServicer_to_server(servicer, server)
             if extra_services is not None:
                 service_names.extend(extra_services(parts, server))
 
         loop_task = asyncio.create_task(parts.loop.run())
         try:
-            running = await start_server(args.listen, register, service_names)
+            running = await start_server(args.listen, register, service_names, security=security)
         except DualPaceError as exc:
             print(f"{process_name}: error: {exc}", file=sys.stderr)
             parts.loop.stop()
             await loop_task
             return 2
         print_listening(process_name, running.address)
+        notifier.ready(f"serving on {running.address}")
         stopped = asyncio.create_task(stop.wait())
         await asyncio.wait([stopped, loop_task], return_when=asyncio.FIRST_COMPLETED)
-        await running.set_serving(False)
-        parts.loop.stop()
-        await running.stop(grace_s=STOP_GRACE_S)
-        await loop_task
         stopped.cancel()
+        parts.loop.start_draining()  # before health says NOT_SERVING: whoever sees that gets UNAVAILABLE
+        notifier.stopping(f"draining {parts.loop.num_requests} requests (grace {args.grace_s:g} s)")
+        await running.set_serving(False)
+        await drain(parts.loop, args.grace_s)
+        parts.loop.stop()
+        await loop_task
+        await running.stop(grace_s=FLUSH_GRACE_S)
         parts.loop.close()
+        notifier.close()
         if parts.loop.fatal_error is not None:
             print(f"{process_name}: engine failed: {parts.loop.fatal_error}", file=sys.stderr)
             return 1
         return 0
 
     return serve_forever(main)
+
+
+async def drain(loop: EngineLoop, grace_s: float) -> None:
+    """Refuse new work; let running requests finish within grace_s, then abort the rest."""
+    loop.start_draining()
+    if loop.stopped.is_set():
+        return
+    log.info("draining: %d requests, grace %.1f s", loop.num_requests, grace_s)
+    if await loop.wait_drained(grace_s):
+        log.info("drained")
+        return
+    try:
+        num_aborted = await loop.abort_all()
+    except DualPaceError:  # the engine failed meanwhile; its streams already ended with the error
+        return
+    log.warning("grace of %.1f s is over: aborted %d requests", grace_s, num_aborted)

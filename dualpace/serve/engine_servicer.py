@@ -24,9 +24,10 @@ DEFAULT_WATCH_INTERVAL_MS = 200
 
 
 class EngineServicer(engine_pb2_grpc.EngineServicer):
-    def __init__(self, loop: EngineLoop, faults: FaultConfig | None = None):
+    def __init__(self, loop: EngineLoop, faults: FaultConfig | None = None, auth_token: str | None = None):
         self.loop = loop
         self.faults = faults or FaultConfig()
+        self.auth_token = auth_token  # sent on this engine's own calls (KV migration to the target)
 
     async def Generate(self, request, context):
         loop = self.loop
@@ -69,8 +70,8 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
         if not request.target_address:
             raise InvalidArgument("target_address", "must be set")
         # The stream's migrated_to is the target's address: where the client resumes the request.
-        stats = await migrate_out(self.loop, request.request_id, GrpcKvSender(request.target_address, self.faults),
-                                  migrated_to=request.target_address)
+        sender = GrpcKvSender(request.target_address, self.faults, auth_token=self.auth_token)
+        stats = await migrate_out(self.loop, request.request_id, sender, migrated_to=request.target_address)
         return engine_pb2.MigrateOutResponse(target_engine=stats.target_engine, num_chunks=stats.num_chunks,
                                              total_bytes=stats.total_bytes, duration_ms=stats.duration_ms)
 
@@ -105,7 +106,7 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
 
     async def WatchLoad(self, request, context):
         interval_ms = max(request.interval_ms or DEFAULT_WATCH_INTERVAL_MS, MIN_WATCH_INTERVAL_MS)
-        while True:
+        while not self.loop.stopped.is_set():  # ends when the engine stops, so shutdown need not wait for it
             yield messages.load_to_pb(self.loop.load())
             await asyncio.sleep(interval_ms / 1e3)
 

@@ -10,6 +10,7 @@ import grpc
 from dualpace.engine.kv_transfer import KvChunk, KvTransferHeader
 from dualpace.errors import Unavailable
 from dualpace.faults import FaultConfig
+from dualpace.serve.auth import token_metadata
 from dualpace.serve.server import DEFAULT_MAX_MESSAGE_BYTES
 from dualpace.wire.engine_messages import kv_chunk_to_pb, kv_header_to_pb
 from dualpace.wire.v1 import engine_pb2, engine_pb2_grpc
@@ -31,14 +32,17 @@ class GrpcKvSender:
     drops) raises Unavailable with the target's status in its message, so MigrateOut
     fails with one code however the failure was noticed."""
 
-    def __init__(self, target_address: str, faults: FaultConfig | None = None, timeout_s: float = TRANSFER_TIMEOUT_S):
+    def __init__(self, target_address: str, faults: FaultConfig | None = None, timeout_s: float = TRANSFER_TIMEOUT_S,
+                 auth_token: str | None = None):
         self.target_address = target_address
         self.faults = faults or FaultConfig()
         self.timeout_s = timeout_s
+        self.auth_token = auth_token  # the shared --auth-token-file token the target requires, if any
 
     async def __call__(self, header: KvTransferHeader, chunks: AsyncIterator[KvChunk]) -> str:
         async with grpc.aio.insecure_channel(self.target_address, options=channel_options()) as channel:
-            call = engine_pb2_grpc.EngineStub(channel).ImportKv(timeout=self.timeout_s)
+            stub = engine_pb2_grpc.EngineStub(channel)
+            call = stub.ImportKv(timeout=self.timeout_s, metadata=token_metadata(self.auth_token))
             try:
                 await self._write(call, kv_header_to_pb(header), "the header")
                 async for chunk in chunks:

@@ -16,8 +16,10 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from dualpace.errors import InvalidArgument
-from dualpace.serve.address import ListenAddress, parse_listen
+from dualpace.serve.address import ListenAddress
+from dualpace.serve.auth import AuthInterceptor
 from dualpace.serve.interceptor import StatusInterceptor
+from dualpace.serve.security import ServerSecurity, TlsConfig, check_listen_security
 
 logger = logging.getLogger(__name__)
 
@@ -75,6 +77,7 @@ async def start_server(
     *,
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
     listen_field: str = "--listen",
+    security: ServerSecurity | None = None,
 ) -> RunningServer:
     """Creates, binds and starts a grpc.aio server; returns it SERVING.
 
@@ -82,10 +85,19 @@ async def start_server(
     `service_names` are their full names ("dualpace.v1.Engine"), used for health
     and reflection. Port 0 binds a free port; `RunningServer.address` has the
     real one. A malformed or unbindable address raises InvalidArgument(listen_field, ...).
+
+    `security`: with TLS the port is bound with grpc.ssl_server_credentials (mTLS
+    when a client CA is given); without it only a loopback address is accepted
+    (InvalidArgument otherwise). With an auth token every RPC but health must
+    carry it (dualpace.serve.auth).
     """
-    address = parse_listen(listen, listen_field)
+    security = security or ServerSecurity()
+    address = check_listen_security(listen, security.tls, listen_field)
+    interceptors: list[grpc.aio.ServerInterceptor] = [StatusInterceptor()]
+    if security.auth_token is not None:
+        interceptors.insert(0, AuthInterceptor(security.auth_token))  # outermost: nothing runs unauthenticated
     server = grpc.aio.server(
-        interceptors=[StatusInterceptor()],
+        interceptors=interceptors,
         options=[
             ("grpc.max_send_message_length", max_message_bytes),
             ("grpc.max_receive_message_length", max_message_bytes),
@@ -97,7 +109,7 @@ async def start_server(
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection([*service_names, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
-    port = _bind(server, address, listen_field)
+    port = _bind(server, address, listen_field, security.tls)
     await server.start()
     running = RunningServer(server, address.connect_target(port), address, health_servicer, service_names)
     await running.set_serving(True)
@@ -111,12 +123,14 @@ def print_listening(name: str, address: str) -> None:
     logger.info(line)
 
 
-def _bind(server: grpc.aio.Server, address: ListenAddress, listen_field: str) -> int:
-    """Binds an insecure port; returns the port number bound."""
+def _bind(server: grpc.aio.Server, address: ListenAddress, listen_field: str, tls: TlsConfig | None) -> int:
+    """Binds a TLS port when tls is given, else an insecure one; returns the port number bound."""
     target = address.target()
     problem = f"cannot bind {target}: address in use or not available"
+    if tls is not None:
+        problem += " (or the TLS certificate and key do not match)"
     try:
-        port = server.add_insecure_port(target)
+        port = server.add_secure_port(target, tls.server_credentials()) if tls else server.add_insecure_port(target)
     except RuntimeError as exc:
         raise InvalidArgument(listen_field, problem) from exc
     if port == 0:  # older grpcio reports a failed bind this way

@@ -1,0 +1,248 @@
+"""sd_notify by hand: datagrams, the watchdog interval, the step loop's pings, gpu_service under a
+fake NOTIFY_SOCKET (READY after warm-up, STATUS, WATCHDOG, pings stop while a step stalls,
+STOPPING on SIGTERM), and `systemd-analyze verify` on the unit files."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from itertools import pairwise
+from pathlib import Path
+
+import grpc
+import pytest
+
+from dualpace.engine.loop import EngineLoop
+from dualpace.sampling import SamplingParams
+from dualpace.serve.sd_notify import Notifier, socket_address, watchdog_interval_s
+from dualpace.wire.engine_messages import new_request_to_pb
+from dualpace.wire.v1 import engine_pb2_grpc
+from tests.daemons import start_daemon
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+UNIT_DIR = REPO_ROOT / "deploy" / "systemd"
+WATCHDOG_USEC = 400_000  # pings every 0.2 s
+STEP_DELAY_MS = 1200
+
+
+class FakeManager:
+    """A bound AF_UNIX datagram socket standing in for systemd; records (time, lines) per datagram."""
+
+    def __init__(self, path: str):
+        self.path = path
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self.sock.bind(path)
+        self.sock.settimeout(0.1)
+        self.messages: list[tuple[float, list[str]]] = []
+        self._lock = threading.Lock()
+        self._closed = threading.Event()
+        self._thread = threading.Thread(target=self._receive, daemon=True)
+        self._thread.start()
+
+    def _receive(self) -> None:
+        while not self._closed.is_set():
+            try:
+                data = self.sock.recv(4096)
+            except TimeoutError:
+                continue
+            except OSError:
+                return
+            with self._lock:
+                self.messages.append((time.monotonic(), data.decode().split("\n")))
+
+    def snapshot(self) -> list[tuple[float, list[str]]]:
+        with self._lock:
+            return list(self.messages)
+
+    def lines(self) -> list[str]:
+        return [line for _, lines in self.snapshot() for line in lines]
+
+    def watchdog_times(self, since: float = 0.0, until: float = float("inf")) -> list[float]:
+        return [t for t, lines in self.snapshot() if "WATCHDOG=1" in lines and since <= t <= until]
+
+    def wait_for(self, line: str, timeout_s: float = 10.0) -> bool:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if line in self.lines():
+                return True
+            time.sleep(0.02)
+        return False
+
+    def close(self) -> None:
+        self._closed.set()
+        self._thread.join(timeout=2)
+        self.sock.close()
+
+
+@pytest.fixture
+def manager() -> Iterator[FakeManager]:
+    directory = tempfile.mkdtemp(prefix="dp-notify-")  # short: AF_UNIX paths are limited to ~107 bytes
+    fake = FakeManager(os.path.join(directory, "notify.sock"))
+    try:
+        yield fake
+    finally:
+        fake.close()
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+# ---------------------------------------------------------------------- the protocol
+
+
+def test_datagrams_reach_the_socket(manager: FakeManager) -> None:
+    notifier = Notifier.from_environ({"NOTIFY_SOCKET": manager.path})
+    assert notifier.enabled
+    assert notifier.status("loading\nmodel")  # one line: a newline would start a new assignment
+    assert notifier.ready("serving on 127.0.0.1:1")
+    assert notifier.watchdog()
+    assert notifier.stopping()
+    notifier.close()
+    assert manager.wait_for("STOPPING=1")
+    assert [lines for _, lines in manager.snapshot()] == [
+        ["STATUS=loading model"], ["READY=1", "STATUS=serving on 127.0.0.1:1"], ["WATCHDOG=1"], ["STOPPING=1"]]
+
+
+def test_abstract_namespace() -> None:
+    name = f"dualpace-test-{os.getpid()}"
+    receiver = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    receiver.bind(b"\0" + name.encode())
+    receiver.settimeout(5)
+    try:
+        assert Notifier.from_environ({"NOTIFY_SOCKET": "@" + name}).ready()
+        assert receiver.recv(100) == b"READY=1"
+    finally:
+        receiver.close()
+
+
+def test_unset_or_unsupported_socket_is_a_no_op(tmp_path: Path) -> None:
+    assert not Notifier.from_environ({}).ready()
+    assert socket_address("vsock:2:1234") is None and socket_address("") is None
+    # A manager that went away: sending fails quietly.
+    assert not Notifier.from_environ({"NOTIFY_SOCKET": str(tmp_path / "gone.sock")}).watchdog()
+
+
+def test_watchdog_interval() -> None:
+    assert watchdog_interval_s({}) is None
+    assert watchdog_interval_s({"WATCHDOG_USEC": "30000000"}) == 15.0
+    assert watchdog_interval_s({"WATCHDOG_USEC": "0"}) is None
+    assert watchdog_interval_s({"WATCHDOG_USEC": "soon"}) is None
+    assert watchdog_interval_s({"WATCHDOG_USEC": "2000000", "WATCHDOG_PID": str(os.getpid())}) == 1.0
+    assert watchdog_interval_s({"WATCHDOG_USEC": "2000000", "WATCHDOG_PID": "1"}, pid=2) is None
+
+
+class _IdleCore:
+    """Just enough of an EngineCore for an idle EngineLoop."""
+
+    class config:
+        name = "idle"
+
+    has_work = False
+
+
+async def test_step_loop_pings_while_idle() -> None:
+    loop = EngineLoop(_IdleCore())  # type: ignore[arg-type]
+    pings: list[float] = []
+    loop.set_alive_callback(lambda: pings.append(time.monotonic()), 0.05)
+    task = asyncio.create_task(loop.run())
+    await asyncio.sleep(0.32)
+    loop.stop()
+    await task
+    loop.close()
+    assert 4 <= len(pings) <= 8  # every 0.05 s, never more often
+    assert min(b - a for a, b in pairwise(pings)) >= 0.045
+
+
+# ---------------------------------------------------------------------- gpu_service under "systemd"
+
+
+def test_gpu_service_notifies(manager: FakeManager, synth_checkpoint) -> None:
+    folder = str(synth_checkpoint("tiny-llama"))
+    daemon = start_daemon(
+        "gpu_service", "--model", folder, "--dtype", "fp32", "--threads", "1", "--kv-blocks", "64",
+        "--block-size", "8",
+        env={"NOTIFY_SOCKET": manager.path, "WATCHDOG_USEC": str(WATCHDOG_USEC),
+             "DUALPACE_FAULT_STEP_DELAY_MS": str(STEP_DELAY_MS)})
+    try:
+        assert manager.wait_for("READY=1"), daemon.log()
+        lines = manager.lines()
+        # Loading and warm-up come before READY=1; READY=1 names the bound address.
+        assert lines.index("STATUS=loading model " + folder) < lines.index("STATUS=warming up") \
+            < lines.index("READY=1")
+        assert f"STATUS=serving on {daemon.address}" in lines
+
+        # Idle: pings every WATCHDOG_USEC / 2.
+        time.sleep(1.0)
+        idle = manager.watchdog_times()
+        assert len(idle) >= 3, manager.snapshot()
+        assert max(b - a for a, b in pairwise(idle[-4:])) < 0.6
+
+        # A request whose steps each stall for STEP_DELAY_MS: no ping while a step runs.
+        with grpc.insecure_channel(daemon.address) as channel:
+            stub = engine_pb2_grpc.EngineStub(channel)
+            started = time.monotonic()
+            responses = list(stub.Generate(new_request_to_pb(
+                "slow", [5, 9, 2, 11], SamplingParams(max_tokens=2, ignore_eos=True)), timeout=30))
+            ended = time.monotonic()
+        assert sum(len(r.token_ids) for r in responses) == 2
+        during = [started, *manager.watchdog_times(started, ended), ended]
+        assert max(b - a for a, b in pairwise(during)) >= STEP_DELAY_MS / 1e3 * 0.8, during
+    finally:
+        status = daemon.stop()
+    assert status == 0, daemon.log()
+    lines = manager.lines()
+    assert "STOPPING=1" in lines
+    assert lines.index("STOPPING=1") > lines.index("READY=1")
+
+
+def test_router_notifies(manager: FakeManager, synth_checkpoint, tmp_path: Path) -> None:
+    folder = str(synth_checkpoint("tiny-llama"))
+    token = tmp_path / "token"
+    token.write_text("router-test-token")
+    gpu = start_daemon("gpu_service", "--model", folder, "--dtype", "fp32", "--threads", "1", "--kv-blocks", "32",
+                       "--auth-token-file", str(token))
+    try:
+        router = start_daemon("router", "serve", "--gpu", gpu.address, "--model", folder, "--policy", "gpu-only",
+                              "--auth-token-file", str(token),
+                              env={"NOTIFY_SOCKET": manager.path, "WATCHDOG_USEC": str(WATCHDOG_USEC)})
+        try:
+            assert manager.wait_for("READY=1"), router.log()
+            assert f"STATUS=serving on {router.address}" in manager.lines()
+            time.sleep(0.7)
+            assert len(manager.watchdog_times()) >= 3
+            # READY came after the engine answered: with the token, the router sees it.
+            assert "unreachable" not in router.log() and "not every engine answered" not in router.log()
+        finally:
+            assert router.stop() == 0, router.log()
+        assert "STOPPING=1" in manager.lines()
+    finally:
+        assert gpu.stop() == 0, gpu.log()
+
+
+# ---------------------------------------------------------------------- the unit files
+
+
+def test_units_verify(tmp_path: Path) -> None:
+    analyze = shutil.which("systemd-analyze")
+    if analyze is None:
+        pytest.skip("systemd-analyze is not installed")
+    units = sorted(UNIT_DIR.glob("*.service"))
+    assert [u.name for u in units] == ["dualpace-cpu.service", "dualpace-gpu.service", "dualpace-router.service"]
+    # verify checks that ExecStart's binary exists: point it at this venv's entry points.
+    bin_dir = Path(sys.executable).parent
+    for unit in units:
+        text = unit.read_text()
+        assert "Type=notify" in text and "WatchdogSec=30" in text and "NotifyAccess=main" in text
+        (tmp_path / unit.name).write_text(text.replace("/opt/dualpace/venv/bin/", f"{bin_dir}/"))
+    if not all((bin_dir / name).exists() for name in ("dualpace-gpu", "dualpace-cpu", "dualpace-router")):
+        pytest.skip("the dualpace entry points are not installed in this venv")
+    result = subprocess.run([analyze, "verify", *[str(tmp_path / u.name) for u in units]],
+                            capture_output=True, text=True, timeout=60, check=False)
+    ours = [line for line in (result.stdout + result.stderr).splitlines() if "dualpace" in line]
+    assert result.returncode == 0 and not ours, result.stdout + result.stderr
