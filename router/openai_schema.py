@@ -1,0 +1,395 @@
+"""OpenAI-compatible request parsing and response shapes for the router's HTTP front.
+
+Pure: JSON-ready dicts in, a ClientRequest (the same one the gRPC Router API builds) and
+response dicts out; no aiohttp, no sockets. Validation the router already does
+(dualpace.validation via router.prompts.prepare_prompt) is not repeated here; this module
+checks what only the HTTP shape has: JSON types, OpenAI fields DualPace does not support
+(n > 1, logprobs, penalties, ...) and fields nobody defined. Errors are `ApiError`, which
+renders as OpenAI's `{"error": {"message", "type", "param", "code"}}`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+
+from dualpace.errors import DualPaceError, InvalidArgument, Overloaded, Unavailable
+from dualpace.sampling_params import FinishReason, SamplingParams
+from dualpace.serve.status import status_for
+from dualpace.wire.router_messages import ClientRequest
+
+COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+CHAT_DEFAULT_MAX_TOKENS = 1024  # without max_tokens a chat turn runs to EOS, the context end or this cap
+OPENAI_DEFAULT_TEMPERATURE = 1.0  # OpenAI samples by default; send temperature 0 for greedy
+
+# Fields clients commonly send that change nothing here.
+_IGNORED = frozenset({"user", "store", "metadata", "service_tier", "parallel_tool_calls", "prompt_cache_key",
+                      "safety_identifier"})
+
+
+class ApiError(Exception):
+    """An error answer: HTTP status and OpenAI's error object."""
+
+    def __init__(self, status: int, message: str, type: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type
+        self.param = param
+        self.code = code
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def invalid(param: str | None, problem: str, code: str = "invalid_value") -> ApiError:
+    return ApiError(400, f"{param}: {problem}" if param else problem, param=param, code=code)
+
+
+def unsupported(param: str, problem: str = "is not supported by DualPace") -> ApiError:
+    return invalid(param, problem, code="unsupported_parameter")
+
+
+# gRPC codes an engine may answer with (relayed by the router) -> HTTP status.
+_HTTP_STATUS = {
+    grpc.StatusCode.INVALID_ARGUMENT: 400,
+    grpc.StatusCode.FAILED_PRECONDITION: 400,
+    grpc.StatusCode.OUT_OF_RANGE: 400,
+    grpc.StatusCode.NOT_FOUND: 404,
+    grpc.StatusCode.ALREADY_EXISTS: 409,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: 429,
+    grpc.StatusCode.UNAVAILABLE: 503,
+    grpc.StatusCode.DEADLINE_EXCEEDED: 504,
+}
+
+
+def error_for(exc: BaseException, renamed: Mapping[str, str] | None = None) -> ApiError:
+    """The HTTP answer for an exception from parsing, prepare_prompt or the relay.
+
+    InvalidArgument -> 400 with param = its field (renamed to the OpenAI name, e.g. text -> prompt);
+    Overloaded -> 429; Unavailable -> 503; other errors go through the gRPC status table
+    (dualpace.serve.status), so the HTTP and gRPC fronts agree; anything unknown is a 500."""
+    if isinstance(exc, ApiError):
+        return exc
+    if isinstance(exc, InvalidArgument):
+        field = (renamed or {}).get(exc.field, exc.field)
+        return invalid(field, exc.problem)
+    if isinstance(exc, Overloaded):
+        return ApiError(429, str(exc), type="overloaded_error", code="overloaded")
+    if isinstance(exc, Unavailable):
+        return ApiError(503, str(exc), type="unavailable_error", code="unavailable")
+    code, message = status_for(exc)
+    status = _HTTP_STATUS.get(code, 500)
+    if status == 500:
+        return ApiError(500, message, type="server_error", code="internal_error")
+    kind = {429: "overloaded_error", 503: "unavailable_error", 504: "timeout_error"}.get(status, "invalid_request_error")
+    if isinstance(exc, (DualPaceError, grpc.aio.AioRpcError)):
+        return ApiError(status, message, type=kind, code=code.name.lower())
+    return ApiError(status, message, type=kind)
+
+
+# ---------------------------------------------------------------------- requests
+
+
+@dataclass(frozen=True)
+class ParsedRequest:
+    """One /v1/completions or /v1/chat/completions body, checked."""
+
+    chat: bool
+    model: str
+    client: ClientRequest  # max_tokens is final unless default_max_tokens
+    stream: bool
+    include_usage: bool
+    default_max_tokens: bool  # chat without max_tokens: the router fits it to the prompt
+    renamed: Mapping[str, str]  # core field name -> the name the client used
+
+
+class _Body:
+    """Typed reads of a JSON object; remembers which keys were read."""
+
+    def __init__(self, body: Any):
+        if not isinstance(body, dict):
+            raise invalid(None, "the request body must be a JSON object")
+        self.body = body
+        self.read: set[str] = set()
+
+    def has(self, name: str) -> bool:
+        return self.body.get(name) is not None
+
+    def raw(self, name: str) -> Any:
+        self.read.add(name)
+        return self.body.get(name)
+
+    def number(self, name: str, default: float) -> float:
+        value = self.raw(name)
+        if value is None:
+            return default
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise invalid(name, f"must be a number, got {value!r}")
+        return float(value)
+
+    def integer(self, name: str, default: int | None) -> int | None:
+        value = self.raw(name)
+        if value is None:
+            return default
+        if isinstance(value, float) and value.is_integer():
+            value = int(value)
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise invalid(name, f"must be an integer, got {value!r}")
+        return value
+
+    def boolean(self, name: str, default: bool) -> bool:
+        value = self.raw(name)
+        if value is None:
+            return default
+        if not isinstance(value, bool):
+            raise invalid(name, f"must be true or false, got {value!r}")
+        return value
+
+    def string(self, name: str) -> str:
+        value = self.raw(name)
+        if not isinstance(value, str) or not value:
+            raise invalid(name, "is required: a non-empty string" if value is None else f"must be a string, got {value!r}")
+        return value
+
+    def reject_unknown(self) -> None:
+        unknown = sorted(set(self.body) - self.read - _IGNORED)
+        if unknown:
+            raise invalid(unknown[0], "unrecognized request argument", code="unknown_parameter")
+
+
+def _stop(body: _Body) -> tuple[str, ...]:
+    value = body.raw("stop")
+    if value is None:
+        return ()
+    if isinstance(value, str):
+        value = [value]
+    if not isinstance(value, list) or not all(isinstance(s, str) for s in value):
+        raise invalid("stop", "must be a string or a list of strings")
+    return tuple(value)
+
+
+def _unsupported_fields(body: _Body, chat: bool) -> None:
+    """OpenAI fields that would change the answer in ways DualPace cannot produce: a clear 400."""
+    n = body.integer("n", 1)
+    if n != 1:
+        raise unsupported("n", f"only n = 1 is supported (one choice per request), got {n}")
+    if chat:
+        if body.raw("logprobs") not in (None, False):
+            raise unsupported("logprobs", "is not supported: the engines do not produce log-probabilities")
+        if body.raw("top_logprobs") is not None:
+            raise unsupported("top_logprobs", "is not supported: the engines do not produce log-probabilities")
+        for name in ("tools", "functions"):
+            if body.raw(name):
+                raise unsupported(name, "tool calling is not supported")
+        for name in ("tool_choice", "function_call"):
+            if body.raw(name) not in (None, "none"):
+                raise unsupported(name, "tool calling is not supported")
+        response_format = body.raw("response_format")
+        if response_format is not None and response_format != {"type": "text"}:
+            raise unsupported("response_format", "only {\"type\": \"text\"} is supported")
+    else:
+        if body.raw("logprobs") is not None:
+            raise unsupported("logprobs", "is not supported: the engines do not produce log-probabilities")
+        if body.raw("echo") not in (None, False):
+            raise unsupported("echo")
+        if body.raw("suffix") not in (None, ""):
+            raise unsupported("suffix")
+        if body.integer("best_of", 1) != 1:
+            raise unsupported("best_of", "only best_of = 1 is supported")
+    for name in ("presence_penalty", "frequency_penalty"):
+        if body.number(name, 0.0) != 0.0:
+            raise unsupported(name, "penalties are not supported (send 0 or leave it out)")
+    if body.raw("logit_bias"):
+        raise unsupported("logit_bias")
+
+
+def _sampling(body: _Body, max_tokens: int) -> SamplingParams:
+    seed = body.integer("seed", None)
+    return SamplingParams(
+        max_tokens=max_tokens,
+        temperature=body.number("temperature", OPENAI_DEFAULT_TEMPERATURE),
+        top_p=body.number("top_p", 1.0),
+        top_k=body.integer("top_k", 0),  # the rest: not OpenAI fields (vLLM accepts the same names)
+        min_p=body.number("min_p", 0.0),
+        seed=seed,
+        stop=_stop(body),
+        ignore_eos=body.boolean("ignore_eos", False),
+    )
+
+
+def _stream(body: _Body) -> tuple[bool, bool]:
+    stream = body.boolean("stream", False)
+    options = body.raw("stream_options")
+    if options is None:
+        return stream, False
+    if not stream:
+        raise invalid("stream_options", "is only allowed when stream is true")
+    if not isinstance(options, dict):
+        raise invalid("stream_options", "must be an object")
+    include_usage = options.get("include_usage", False)
+    if not isinstance(include_usage, bool):
+        raise invalid("stream_options.include_usage", "must be true or false")
+    return stream, include_usage
+
+
+def _max_tokens(body: _Body, names: tuple[str, ...], default: int | None) -> tuple[int | None, str]:
+    """The first of `names` the client set (and its name), else the default."""
+    for name in names:
+        if body.has(name):
+            value = body.integer(name, None)
+            if value < 1:
+                raise invalid(name, f"must be an integer >= 1, got {value}")
+            for other in names:
+                body.raw(other)
+            return value, name
+        body.raw(name)
+    return default, names[-1]
+
+
+def _request_id(body: _Body) -> str | None:
+    value = body.raw("request_id")  # not an OpenAI field; vLLM takes it too. Checked by request_id_for.
+    if value is not None and not isinstance(value, str):
+        raise invalid("request_id", "must be a string")
+    return value
+
+
+def parse_completion(raw: Any) -> ParsedRequest:
+    """A /v1/completions body: prompt as a string or token ids (one prompt per request)."""
+    body = _Body(raw)
+    model = body.string("model")
+    prompt = body.raw("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]  # ["text"] or [[ids]]: a batch of one
+    text, ids = None, None
+    if isinstance(prompt, str):
+        text = prompt
+    elif isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        ids = list(prompt)
+    elif prompt is None:
+        raise invalid("prompt", "is required: a string or a list of token ids")
+    elif isinstance(prompt, list) and all(isinstance(p, (str, list)) for p in prompt):
+        raise unsupported("prompt", f"holds {len(prompt)} prompts; send one prompt per request")
+    else:
+        raise invalid("prompt", "must be a string or a list of token ids")
+    _unsupported_fields(body, chat=False)
+    stream, include_usage = _stream(body)
+    max_tokens, _ = _max_tokens(body, ("max_tokens",), COMPLETION_DEFAULT_MAX_TOKENS)
+    params = _sampling(body, max_tokens)
+    request_id = _request_id(body)
+    body.reject_unknown()
+    client = ClientRequest(request_id=request_id, text=text, prompt_token_ids=ids, messages=None, params=params)
+    return ParsedRequest(False, model, client, stream, include_usage, False,
+                         {"text": "prompt", "prompt_token_ids": "prompt"})
+
+
+def _message_content(content: Any, index: int) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):  # [{"type": "text", "text": ...}, ...]
+        texts = []
+        for part in content:
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise unsupported(f"messages[{index}].content", "only text parts ({\"type\": \"text\", \"text\": ...}) "
+                                  "are supported")
+            texts.append(part["text"])
+        return "".join(texts)
+    raise invalid(f"messages[{index}].content", "must be a string or a list of text parts")
+
+
+def _messages(body: _Body) -> list[dict[str, str]]:
+    messages = body.raw("messages")
+    if messages is None:
+        raise invalid("messages", "is required: a non-empty list of {role, content} objects")
+    if not isinstance(messages, list) or not messages:
+        raise invalid("messages", "must be a non-empty list of {role, content} objects")
+    checked = []
+    for index, message in enumerate(messages):
+        if not isinstance(message, dict):
+            raise invalid(f"messages[{index}]", "must be an object with role and content")
+        role = message.get("role")
+        if not isinstance(role, str) or not role:
+            raise invalid(f"messages[{index}].role", "must be a non-empty string")
+        if message.get("tool_calls") or role in ("tool", "function"):
+            raise unsupported(f"messages[{index}]", "tool calling is not supported")
+        # OpenAI's "developer" role is the newer name of "system"; chat templates know "system".
+        checked.append({"role": "system" if role == "developer" else role,
+                        "content": _message_content(message.get("content"), index)})
+    return checked
+
+
+def parse_chat(raw: Any) -> ParsedRequest:
+    """A /v1/chat/completions body; the prompt is rendered by the model's chat template."""
+    body = _Body(raw)
+    model = body.string("model")
+    messages = _messages(body)
+    _unsupported_fields(body, chat=True)
+    stream, include_usage = _stream(body)
+    max_tokens, name = _max_tokens(body, ("max_completion_tokens", "max_tokens"), None)
+    params = _sampling(body, max_tokens if max_tokens is not None else 1)
+    request_id = _request_id(body)
+    body.reject_unknown()
+    client = ClientRequest(request_id=request_id, text=None, prompt_token_ids=None, messages=messages, params=params)
+    return ParsedRequest(True, model, client, stream, include_usage, max_tokens is None, {"max_tokens": name})
+
+
+# ---------------------------------------------------------------------- responses
+
+
+def finish_reason_text(reason: FinishReason | None) -> str | None:
+    """OpenAI's names: stop, length; an operator abort shows as "abort"."""
+    return None if reason is None else reason.value
+
+
+def usage(num_prompt_tokens: int, num_completion_tokens: int) -> dict:
+    return {"prompt_tokens": num_prompt_tokens, "completion_tokens": num_completion_tokens,
+            "total_tokens": num_prompt_tokens + num_completion_tokens}
+
+
+def completion(response_id: str, created: int, model: str, text: str, finish_reason: str | None,
+               usage_: dict) -> dict:
+    return {"id": response_id, "object": "text_completion", "created": created, "model": model,
+            "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}],
+            "usage": usage_}
+
+
+def completion_chunk(response_id: str, created: int, model: str, text: str, finish_reason: str | None,
+                     with_usage: bool) -> dict:
+    chunk = {"id": response_id, "object": "text_completion", "created": created, "model": model,
+             "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}]}
+    if with_usage:
+        chunk["usage"] = None
+    return chunk
+
+
+def chat_completion(response_id: str, created: int, model: str, text: str, finish_reason: str | None,
+                    usage_: dict) -> dict:
+    return {"id": response_id, "object": "chat.completion", "created": created, "model": model,
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                         "finish_reason": finish_reason}],
+            "usage": usage_}
+
+
+def chat_chunk(response_id: str, created: int, model: str, delta: dict, finish_reason: str | None,
+               with_usage: bool) -> dict:
+    chunk = {"id": response_id, "object": "chat.completion.chunk", "created": created, "model": model,
+             "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}]}
+    if with_usage:
+        chunk["usage"] = None
+    return chunk
+
+
+def usage_chunk(chat: bool, response_id: str, created: int, model: str, usage_: dict) -> dict:
+    """The last chunk with stream_options.include_usage: no choices, the request's usage."""
+    return {"id": response_id, "object": "chat.completion.chunk" if chat else "text_completion",
+            "created": created, "model": model, "choices": [], "usage": usage_}
+
+
+def model_card(model_id: str, created: int, max_model_len: int) -> dict:
+    return {"id": model_id, "object": "model", "created": created, "owned_by": "dualpace",
+            "max_model_len": max_model_len}

@@ -1,0 +1,210 @@
+"""The router's OpenAI-compatible HTTP API end to end: the official `openai` client against
+`dualpace up` (three real daemons on the tiny model)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+
+import grpc
+import pytest
+
+from dualpace.wire.router_messages import placements_to_dict
+from dualpace.wire.v1 import router_pb2, router_pb2_grpc
+
+openai = pytest.importorskip("openai")
+
+READY = re.compile(r"dualpace up: ready; router on (\S+)")
+HTTP = re.compile(r"dualpace up: OpenAI-compatible HTTP API on (\S+)")
+START_TIMEOUT_S = 60.0
+STEP_DELAY_MS = 10  # slows every engine step, so a long stream outlives the client that drops it
+LONG_MAX_TOKENS = 400  # with the delay: at least 4 s of generation
+
+
+@pytest.fixture(scope="module")
+def model_folder(synth_checkpoint):
+    return str(synth_checkpoint("tiny-llama"))
+
+
+@pytest.fixture(scope="module")
+def up(model_folder):
+    process = subprocess.Popen(
+        [sys.executable, "-m", "dualpace", "up", "--model", model_folder, "--dtype", "fp32",
+         "--threads-per-engine", "1"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        env={**os.environ, "DUALPACE_FAULT_STEP_DELAY_MS": str(STEP_DELAY_MS)})
+    found: dict[str, str] = {}
+    lines: list[str] = []
+    ready = threading.Event()
+
+    def pump() -> None:
+        for line in process.stdout:
+            lines.append(line)
+            if match := HTTP.search(line):
+                found["http"] = match.group(1)
+            if match := READY.search(line):
+                found["router"] = match.group(1)
+                ready.set()
+        ready.set()
+
+    threading.Thread(target=pump, daemon=True).start()
+    if not ready.wait(START_TIMEOUT_S) or "router" not in found or "http" not in found:
+        process.kill()
+        pytest.fail("dualpace up never became ready with an HTTP API:\n" + "".join(lines))
+    yield found
+    process.send_signal(signal.SIGTERM)
+    try:
+        assert process.wait(30) == 0, "".join(lines)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        raise
+
+
+@pytest.fixture(scope="module")
+def client(up):
+    return openai.OpenAI(base_url=up["http"], api_key="any", max_retries=0, timeout=30)
+
+
+def raw(up, method: str, path: str, body: dict | None = None) -> tuple[int, dict | str]:
+    """(status, decoded JSON or text) for a request without the openai client."""
+    base = up["http"].removesuffix("/v1")
+    data = json.dumps(body).encode() if body is not None else None
+    request = urllib.request.Request(base + path, data=data, method=method,
+                                     headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=30) as response:
+            status, payload = response.status, response.read().decode()
+    except urllib.error.HTTPError as exc:
+        status, payload = exc.code, exc.read().decode()
+    try:
+        return status, json.loads(payload)
+    except json.JSONDecodeError:
+        return status, payload
+
+
+def placements(up) -> dict:
+    with grpc.insecure_channel(up["router"]) as channel:
+        reply = router_pb2_grpc.RouterStub(channel).ListPlacements(router_pb2.ListPlacementsRequest(), timeout=5)
+    return placements_to_dict(reply)
+
+
+def test_models_health_and_metrics(up, client, model_folder):
+    assert [m.id for m in client.models.list().data] == [model_folder]
+    status, body = raw(up, "GET", "/health")
+    assert status == 200 and body["status"] == "ok"
+    assert set(body["engines"]) == {"gpu", "cpu"}
+    status, text = raw(up, "GET", "/metrics")
+    assert status == 200 and "dualpace_http_requests_total" in text
+
+
+def test_chat_whole_and_streamed(client, model_folder):
+    messages = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Say hello."}]
+    whole = client.chat.completions.create(model=model_folder, messages=messages, max_tokens=8, temperature=0,
+                                           extra_body={"ignore_eos": True})
+    choice = whole.choices[0]
+    assert choice.message.role == "assistant"
+    assert choice.finish_reason in ("length", "stop")
+    assert whole.usage.completion_tokens >= 1 and whole.usage.prompt_tokens > 0
+    assert whole.id.startswith("chatcmpl-")
+
+    chunks = list(client.chat.completions.create(model=model_folder, messages=messages, max_completion_tokens=8,
+                                                 temperature=0, stream=True, stream_options={"include_usage": True},
+                                                 extra_body={"ignore_eos": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    reasons = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert text == choice.message.content  # greedy: the same answer either way
+    assert reasons == [choice.finish_reason]
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+
+
+def test_completions_greedy_equal_streamed_and_whole(client, model_folder):
+    args = {"model": model_folder, "prompt": "The capital of France is", "max_tokens": 12, "temperature": 0,
+            "extra_body": {"ignore_eos": True}}
+    whole = client.completions.create(**args)
+    assert whole.choices[0].finish_reason == "length"
+    assert whole.usage.completion_tokens == 12
+    assert whole.choices[0].text
+
+    chunks = list(client.completions.create(**args, stream=True))
+    assert len(chunks) >= 2  # streamed, not one message at the end
+    assert "".join(c.choices[0].text for c in chunks) == whole.choices[0].text
+    assert chunks[-1].choices[0].finish_reason == "length"
+
+
+def test_sampling_fields_and_stop(client, model_folder):
+    base = {"model": model_folder, "prompt": "Once upon a time", "max_tokens": 10,
+            "extra_body": {"ignore_eos": True, "top_k": 20, "min_p": 0.01}}
+    first = client.completions.create(**base, temperature=0.8, top_p=0.9, seed=7)
+    again = client.completions.create(**base, temperature=0.8, top_p=0.9, seed=7)
+    assert first.choices[0].text == again.choices[0].text  # seeded sampling is reproducible
+    text = first.choices[0].text
+    if len(text) >= 3:  # stop at a piece of the seeded answer: it ends there, without the stop string
+        stop = text[1:3]
+        stopped = client.completions.create(**base, temperature=0.8, top_p=0.9, seed=7, stop=[stop])
+        assert stopped.choices[0].finish_reason == "stop"
+        assert stopped.choices[0].text == text[:text.index(stop)]
+
+
+@pytest.mark.parametrize(("path", "fields", "param"), [
+    ("/v1/completions", {"temperature": -1}, "temperature"),
+    ("/v1/completions", {"top_p": 2}, "top_p"),
+    ("/v1/completions", {"n": 2}, "n"),
+    ("/v1/completions", {"max_tokens": 0}, "max_tokens"),
+    ("/v1/completions", {"logprobs": 2}, "logprobs"),
+    ("/v1/completions", {"temprature": 0.5}, "temprature"),
+    ("/v1/chat/completions", {"messages": None}, "messages"),
+    ("/v1/chat/completions", {"max_completion_tokens": 0}, "max_completion_tokens"),
+    ("/v1/chat/completions", {"logprobs": True}, "logprobs"),
+])
+def test_bad_fields_are_400_naming_them(up, model_folder, path, fields, param):
+    body = {"model": model_folder, "max_tokens": 4}
+    body |= {"prompt": "hi"} if path == "/v1/completions" else {"messages": [{"role": "user", "content": "hi"}]}
+    body |= fields
+    body = {k: v for k, v in body.items() if v is not None}
+    status, answer = raw(up, "POST", path, body)
+    assert status == 400, answer
+    error = answer["error"]
+    assert error["param"] == param and param in error["message"]
+    assert error["type"] == "invalid_request_error"
+
+
+def test_openai_client_sees_errors(client, model_folder):
+    with pytest.raises(openai.BadRequestError) as bad:
+        client.chat.completions.create(model=model_folder, messages=[{"role": "user", "content": "hi"}], n=2)
+    assert bad.value.status_code == 400 and "n" == bad.value.body["param"]
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="no-such-model", prompt="hi", max_tokens=2)
+
+
+def test_client_closing_a_stream_aborts_the_request(up, client, model_folder):
+    stream = client.completions.create(model=model_folder, prompt="Count with me:", max_tokens=LONG_MAX_TOKENS,
+                                       temperature=0, stream=True, extra_body={"ignore_eos": True})
+    for index, chunk in enumerate(stream):
+        if index == 3:
+            request_id = chunk.id
+            break
+    held = placements(up)
+    assert [r["request_id"] for r in held["requests"]] == [request_id]
+    assert held["requests"][0]["generated_tokens"] < LONG_MAX_TOKENS // 2
+    closed_at = time.monotonic()
+    stream.close()
+
+    deadline = closed_at + 3.0  # far less than the rest of the generation takes (>= 3.5 s)
+    while True:
+        now = placements(up)
+        if not now["requests"] and all(e["kv_blocks_used"] == 0 for e in now["engines"]):
+            break
+        assert time.monotonic() < deadline, f"the dropped request still holds KV: {now}"
+        time.sleep(0.05)
+    status, metrics = raw(up, "GET", "/metrics")
+    assert status == 200
+    assert 'dualpace_http_requests_total{endpoint="/v1/completions",status="client_closed"} 1' in metrics
