@@ -76,7 +76,7 @@ def test_migrations_both_ways_mid_generation(loaded, gpu, cpu):
     mode, cpu_daemon = cpu
     gpu_client, cpu_client = EngineClient(gpu.address), EngineClient(cpu_daemon.address)
     prompt = [2, 4, 6, 8, 10, 12]
-    params = SamplingParams(max_tokens=30, ignore_eos=True)
+    params = SamplingParams(max_tokens=300, ignore_eos=True)  # long enough to still run when moved
     request_id = f"both-{mode}"
     tokens: list[int] = []
     responses = gpu_client.stream(request_id, prompt, params)

@@ -39,11 +39,16 @@ def reference(model_folder):
     return solo
 
 
-def start_system(model_folder: str, gpu_kv_blocks: int = 24):
-    gpu = start_daemon("gpu_service", "--model", model_folder, *ENGINE_FLAGS, "--kv-blocks", str(gpu_kv_blocks))
+def start_system(model_folder: str, gpu_kv_blocks: int = 24, step_delay_ms: int = 0, *router_flags: str):
+    """The three daemons; step_delay_ms slows every engine step (a test-only fault) so that
+    requests are still running when a test acts on them."""
+    env = {"DUALPACE_FAULT_STEP_DELAY_MS": str(step_delay_ms)} if step_delay_ms else None
+    gpu = start_daemon("gpu_service", "--model", model_folder, *ENGINE_FLAGS, "--kv-blocks", str(gpu_kv_blocks),
+                       env=env)
     cpu = start_daemon("cpu_service", "--model", model_folder, *ENGINE_FLAGS, "--kv-blocks", "2048",
-                       "--assist", "never")
-    router = start_daemon("router", "serve", "--gpu", gpu.address, "--cpu", cpu.address, "--model", model_folder)
+                       "--assist", "never", env=env)
+    router = start_daemon("router", "serve", "--gpu", gpu.address, "--cpu", cpu.address, "--model", model_folder,
+                          *router_flags)
     return gpu, cpu, router
 
 
@@ -130,7 +135,8 @@ def test_both_engines_used_with_migrations_and_exact_outputs(model_folder, refer
 
 @pytest.mark.parametrize("victim", ["cpu", "gpu"])
 def test_engine_killed_mid_stream_requests_complete_exactly(model_folder, reference, victim):
-    gpu, cpu, router = start_system(model_folder, gpu_kv_blocks=24)
+    # Slow steps and no load-driven migration: requests stay where admission put them.
+    gpu, cpu, router = start_system(model_folder, 24, 10, "--no-migrate")
     try:
         streams = Streams(router.address)
         requests = prompts(12)
