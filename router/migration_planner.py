@@ -54,6 +54,12 @@ def _movable(request: RoutedRequest) -> bool:
     return not request.migrating and request.remaining_tokens > 1
 
 
+def _movable_to_cpu(request: RoutedRequest) -> bool:
+    """A GPU request that has not produced a token yet was never prefilled: moving it would make
+    the CPU engine prefill it, which is the GPU's job, so it waits for the GPU instead."""
+    return _movable(request) and request.num_generated_tokens > 0
+
+
 def _lifetime_blocks(request: RoutedRequest, engine: EngineView) -> int:
     """Blocks the request needs on a target to run to max_tokens (what admission reserves)."""
     return blocks_for(request.num_tokens + request.remaining_tokens, engine.block_size)
@@ -135,7 +141,7 @@ def plan_migrations(requests: Sequence[RoutedRequest], engines: Mapping[str, Eng
             live[gpu].num_waiting > 0 and fraction > config.gpu_target_watermark)
         if not pressured:
             continue
-        candidates = sorted((r for r in requests if r.engine == gpu and _movable(r)
+        candidates = sorted((r for r in requests if r.engine == gpu and _movable_to_cpu(r)
                              and r.request_id not in planned_ids),
                             key=lambda r: (-r.remaining_tokens, r.request_id))
         for request in candidates:

@@ -28,7 +28,9 @@ def loaded(model_folder):
 
 @pytest.fixture(scope="module")
 def gpu(model_folder):
-    daemon = start_daemon("gpu_service", "--model", model_folder, *ENGINE_FLAGS, "--kv-blocks", "64")
+    # Slowed steps (a test-only fault) so a request is still decoding when it is moved.
+    daemon = start_daemon("gpu_service", "--model", model_folder, *ENGINE_FLAGS, "--kv-blocks", "64",
+                          env={"DUALPACE_FAULT_STEP_DELAY_MS": "3"})
     yield daemon
     assert daemon.stop() == 0, daemon.log()
 
@@ -67,7 +69,7 @@ def test_handoff_decodes_on_cpu_identically(loaded, gpu, cpu, temperature):
     mode, cpu_daemon = cpu
     gpu_client, cpu_client = EngineClient(gpu.address), EngineClient(cpu_daemon.address)
     prompt = [9, 8, 7, 6, 5, 4, 3, 2, 1, 17, 33]
-    params = SamplingParams(max_tokens=24, ignore_eos=True, temperature=temperature, seed=5)
+    params = SamplingParams(max_tokens=120, ignore_eos=True, temperature=temperature, seed=5)
     assert handoff(gpu_client, cpu_client, f"h-{mode}-{temperature}", prompt, params) == solo(loaded, prompt, params)
     assert gpu_client.wait_idle().kv_blocks_used == 0 and cpu_client.wait_idle().kv_blocks_used == 0
 

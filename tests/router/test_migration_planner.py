@@ -26,8 +26,9 @@ def cpu(name="cpu", total=1000, used=0, healthy=True, running=0, p50=50.0):
 
 
 def on_gpu(request_id, remaining, engine="gpu", migrating=False, prompt=BS * 20):
-    """A GPU request holding 20 blocks (320 tokens) with `remaining` tokens still to generate."""
-    return RoutedRequest(request_id, engine, prompt, 0, remaining, migrating)
+    """A decoding GPU request holding 20 blocks (320 tokens: the prompt and its first generated
+    token) with `remaining` tokens still to generate."""
+    return RoutedRequest(request_id, engine, prompt - 1, 1, remaining + 1, migrating)
 
 
 def on_cpu(request_id, prompt, generated, max_tokens, engine="cpu", migrating=False):
@@ -217,3 +218,10 @@ def test_plan_invariants(scenario, rng):
         shuffled = list(requests)
         rng.shuffle(shuffled)
         assert plan_migrations(shuffled, engines, policy, config) == plans
+
+
+def test_requests_never_prefilled_are_not_moved():
+    """Still queued on the GPU (no token yet): the CPU would have to prefill it, so it stays."""
+    queued = RoutedRequest("queued", "gpu", BS * 20, 0, 400)
+    assert plan([queued], gpu(used=95, waiting=1), cpu()) == []
+    assert plan([on_gpu("decoding", 400)], gpu(used=95, waiting=1), cpu())
