@@ -1,0 +1,137 @@
+"""`dualpace sim`: run a workload through the discrete-event simulator (profiles.simulator):
+the real schedulers, admission and migration planner, timed by a profile's cost model."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+
+from dualpace.errors import InvalidArgument
+
+POLICIES = ("dualpace", "gated", "gpu-only")
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser("sim", help="simulate serving a workload on a profiled machine (no GPU needed)")
+    p.add_argument("--profile", required=True, help="profile JSON (e.g. profiles/reference/*.json)")
+    p.add_argument("--policy", default="dualpace",
+                   help="dualpace | gated | gpu-only, or several comma-separated (each is run)")
+    rate = p.add_mutually_exclusive_group()
+    rate.add_argument("--rate", type=float, default=math.inf, help="requests per second (inf: all at once)")
+    rate.add_argument("--rates", help="sweep: comma-separated rates, e.g. 1,2,4,8")
+    p.add_argument("--burstiness", type=float, default=1.0, help="gamma arrivals: 1 is Poisson, >1 burstier")
+    p.add_argument("--num-requests", type=int, default=100)
+    p.add_argument("--input-len", default="512", help="N | LO:HI | lognormal:MEAN:SIGMA")
+    p.add_argument("--output-len", default="128", help="N | LO:HI | lognormal:MEAN:SIGMA")
+    p.add_argument("--trace", help="JSONL trace (input_len or prompt_token_ids, output_len per line)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--itl-target-ms", type=float, default=None,
+                   help="admission: an engine whose predicted ITL with one more request exceeds it takes none")
+    p.add_argument("--gpu-max-batch-tokens", type=int, default=2048)
+    p.add_argument("--gpu-max-running", type=int, default=256)
+    p.add_argument("--cpu-max-running", type=int, default=128)
+    p.add_argument("--assist-device-hold", choices=("iteration", "dense"), default="iteration",
+                   help="an Assisted CPU iteration holds the GPU for the whole iteration (as built) "
+                        "or only for its dense part (what-if)")
+    p.add_argument("--skip-unprefilled-moves", action="store_true",
+                   help="what-if: drop planned moves of requests with no token yet (every prompt prefilled on the GPU)")
+    p.add_argument("--out", help="sweep: write the results JSON here (and a PNG beside it if matplotlib imports)")
+    p.add_argument("--json", action="store_true", help="print one JSON object (a list for several runs)")
+
+
+def _policies(text: str):
+    from router.views import Policy
+
+    names = [part.strip() for part in text.split(",") if part.strip()]
+    if not names or any(name not in POLICIES for name in names):
+        raise InvalidArgument("--policy", f"expected {', '.join(POLICIES)} (comma-separated), got {text!r}")
+    return [Policy(name) for name in names]
+
+
+def _plot(results: list[dict], path: Path) -> Path | None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except Exception:  # noqa: BLE001 - the plot is optional
+        return None
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for policy in dict.fromkeys(r["policy"] for r in results):
+        rows = [r for r in results if r["policy"] == policy and r["p99_itl_ms"] is not None]
+        ax.plot([r["p99_itl_ms"] for r in rows], [r["throughput_tokens_per_s"] for r in rows], marker="o", label=policy)
+    ax.set_xlabel("P99 ITL (ms)")
+    ax.set_ylabel("throughput (tokens/s)")
+    ax.set_title("simulated: throughput vs P99 ITL")
+    ax.legend()
+    fig.tight_layout()
+    png = path.with_suffix(".png")
+    fig.savefig(png, dpi=120)
+    plt.close(fig)
+    return png
+
+
+def run(args: argparse.Namespace) -> int:
+    from bench.load.lengths import (
+        build_requests,
+        load_trace,
+        parse_length_spec,
+        parse_rates,
+    )
+    from dualpace.engine.scheduler import SchedulerConfig
+    from profiles.cost_model import CostModel
+    from profiles.schema import load_profile
+    from profiles.simulator import SimConfig, simulate
+
+    policies = _policies(args.policy)
+    rates = parse_rates(args.rates) if args.rates else [args.rate]
+    for flag, value in (("--gpu-max-batch-tokens", args.gpu_max_batch_tokens),
+                        ("--gpu-max-running", args.gpu_max_running), ("--cpu-max-running", args.cpu_max_running)):
+        if value < 1:
+            raise InvalidArgument(flag, f"must be >= 1, got {value}")
+    profile = load_profile(args.profile)
+    cost = CostModel(profile)
+    trace = load_trace(args.trace) if args.trace else None
+    input_len = None if trace else parse_length_spec(args.input_len, "--input-len")
+    output_len = None if trace else parse_length_spec(args.output_len, "--output-len")
+
+    results = []
+    for policy in policies:
+        config = SimConfig(
+            policy=policy,
+            gpu_scheduler=SchedulerConfig(max_batch_tokens=args.gpu_max_batch_tokens,
+                                          max_running=args.gpu_max_running, max_waiting=1 << 30),
+            cpu_scheduler=SchedulerConfig(max_batch_tokens=512, max_running=args.cpu_max_running, max_waiting=1 << 30),
+            itl_target_ms=args.itl_target_ms,
+            assist_device_hold=args.assist_device_hold,
+            skip_unprefilled_moves=args.skip_unprefilled_moves,
+        )
+        for rate in rates:
+            specs = build_requests(args.num_requests, rate, args.burstiness, args.seed, profile.model.vocab_size,
+                                   input_len, output_len, trace)
+            result = simulate(cost, config, specs, rate).as_dict()
+            results.append(result)
+            if not args.json:
+                print(f"{result['policy']:>9} rate {rate:>7g}/s: {result['throughput_tokens_per_s']:9.1f} tok/s, "
+                      f"{result['requests_completed']}/{result['num_requests']} done, "
+                      f"TTFT p50 {result['p50_ttft_ms']} p99 {result['p99_ttft_ms']} ms, "
+                      f"ITL p50 {result['p50_itl_ms']} p99 {result['p99_itl_ms']} ms, "
+                      f"cpu iters {result['cpu_local_iterations']} local / {result['cpu_assisted_iterations']} assisted",
+                      file=sys.stdout, flush=True)
+    if args.json:
+        print(json.dumps(results[0] if len(results) == 1 else results))
+    if args.out:
+        out = Path(args.out)
+        out.write_text(json.dumps({"profile": str(args.profile), "simulated": True, "seed": args.seed,
+                                   "num_requests": args.num_requests, "input_len": args.input_len,
+                                   "output_len": args.output_len, "burstiness": args.burstiness,
+                                   "itl_target_ms": args.itl_target_ms,
+                                   "assist_device_hold": args.assist_device_hold,
+                                   "skip_unprefilled_moves": args.skip_unprefilled_moves, "results": results}, indent=1) + "\n")
+        png = _plot(results, out)
+        if not args.json:
+            print(f"wrote {out}" + (f" and {png}" if png else " (no PNG: matplotlib does not import)"))
+    return 0

@@ -1,0 +1,176 @@
+"""The cost model: predicted iteration latencies from a profile's tables (ARCHITECTURE §6).
+
+Pure: no torch, grpc, asyncio or clock. Router, cpu_service and the simulator use it.
+
+Interpolation: piecewise linear in 1-D, bilinear in 2-D. Outside a grid the value is
+extrapolated linearly from the nearest segment (the first or last two grid points), so a
+batch twice the largest profiled one costs about what the trend says rather than the
+same as the largest; results are clamped at 0 (extrapolating below the first point must
+not give a negative latency). A grid of a single point gives a constant.
+
+Composition of an iteration (documented approximations):
+
+- GPU iteration with P prefill tokens and a decode batch of B sequences of mean context C:
+  decode only: gpu_decode_ms(B, C); prefill only: gpu_prefill_ms(P); mixed: the dense work
+  is shared, so max(gpu_prefill_ms(P + B), gpu_decode_ms(B, C0)) plus the decode attention
+  on top, gpu_decode_ms(B, C) - gpu_decode_ms(B, C0), where C0 is the first context point.
+  The attention of a prefill chunk over earlier context is not modelled.
+- CPU Local decode iteration: cpu_dense_ms(B) + cpu_attention_ms(B, C) + lm_head_sampling_ms(B).
+- CPU Assisted decode iteration: assist_ms(B) + cpu_attention_ms(B, C) (the attention runs
+  between the per-layer round trips, so the two add up).
+- CPU iteration with prefill tokens (a recompute after preemption): Local only,
+  cpu_dense_ms(P + B) + the decodes' attention + lm_head_sampling_ms(sequences sampling).
+- KV transfer of N tokens: fixed_ms + N * bytes_per_token / bytes_per_s.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from profiles.schema import Profile, Table1D, Table2D
+
+
+def _segment(grid: Sequence[float], x: float) -> tuple[int, float]:
+    """(i, t): x = grid[i] + t * (grid[i+1] - grid[i]); t outside [0, 1] off the ends."""
+    if len(grid) == 1:
+        return 0, 0.0
+    i = bisect.bisect_right(grid, x) - 1
+    i = min(max(i, 0), len(grid) - 2)
+    return i, (x - grid[i]) / (grid[i + 1] - grid[i])
+
+
+def interp1d(grid: Sequence[float], values: Sequence[float], x: float) -> float:
+    """Piecewise-linear interpolation, linear extrapolation off the ends, clamped at 0."""
+    if len(grid) == 1:
+        return max(0.0, values[0])
+    i, t = _segment(grid, x)
+    return max(0.0, values[i] + t * (values[i + 1] - values[i]))
+
+
+def interp2d(grid0: Sequence[float], grid1: Sequence[float], values: Sequence[Sequence[float]],
+             x0: float, x1: float) -> float:
+    """Bilinear interpolation (values[i][j] at grid0[i], grid1[j]); linear extrapolation
+    off the ends along each axis, clamped at 0."""
+    def along1(row: Sequence[float]) -> float:
+        if len(grid1) == 1:
+            return row[0]
+        j, u = _segment(grid1, x1)
+        return row[j] + u * (row[j + 1] - row[j])
+
+    if len(grid0) == 1:
+        return max(0.0, along1(values[0]))
+    i, t = _segment(grid0, x0)
+    low, high = along1(values[i]), along1(values[i + 1])
+    return max(0.0, low + t * (high - low))
+
+
+@dataclass(frozen=True)
+class DecodeBatch:
+    """A decode batch: number of sequences and their mean context (KV tokens read each)."""
+
+    batch: int
+    mean_context_tokens: float
+
+    @classmethod
+    def of(cls, context_tokens: Sequence[int]) -> DecodeBatch:
+        if not context_tokens:
+            return cls(0, 0.0)
+        return cls(len(context_tokens), sum(context_tokens) / len(context_tokens))
+
+
+@dataclass(frozen=True)
+class CpuIterationCost:
+    local_ms: float
+    assisted_ms: float | None  # None when the iteration cannot be assisted (it has prefill tokens)
+
+    @property
+    def best_ms(self) -> float:
+        return self.local_ms if self.assisted_ms is None else min(self.local_ms, self.assisted_ms)
+
+    @property
+    def assisted_is_faster(self) -> bool:
+        return self.assisted_ms is not None and self.assisted_ms < self.local_ms
+
+
+class CostModel:
+    def __init__(self, profile: Profile):
+        self.profile = profile
+        self.kv_bytes_per_token = profile.capacities.bytes_per_block / profile.model.block_size
+
+    # -------------------------------------------------------------- raw tables
+
+    def _t1(self, name: str, x: float) -> float:
+        table: Table1D = self.profile.table1d(name)
+        return interp1d(table.grid, table.ms, x)
+
+    def _t2(self, name: str, x0: float, x1: float) -> float:
+        table: Table2D = self.profile.table2d(name)
+        return interp2d(table.grid0, table.grid1, table.ms, x0, x1)
+
+    def gpu_prefill_ms(self, num_tokens: int) -> float:
+        return self._t1("gpu_prefill_ms", num_tokens) if num_tokens > 0 else 0.0
+
+    def gpu_decode_ms(self, batch: int, mean_context_tokens: float) -> float:
+        return self._t2("gpu_decode_ms", batch, mean_context_tokens) if batch > 0 else 0.0
+
+    def cpu_dense_ms(self, batch: int) -> float:
+        return self._t1("cpu_dense_ms", batch) if batch > 0 else 0.0
+
+    def cpu_attention_ms(self, batch: int, mean_context_tokens: float) -> float:
+        return self._t2("cpu_attention_ms", batch, mean_context_tokens) if batch > 0 else 0.0
+
+    def assist_ms(self, batch: int) -> float:
+        return self._t1("assist_ms", batch) if batch > 0 else 0.0
+
+    def lm_head_sampling_ms(self, batch: int) -> float:
+        return self._t1("lm_head_sampling_ms", batch) if batch > 0 else 0.0
+
+    # -------------------------------------------------------------- predictions
+
+    def gpu_iteration_ms(self, num_prefill_tokens: int, decode: DecodeBatch) -> float:
+        """One GPU engine iteration: prefill tokens plus a decode batch (see the module doc)."""
+        if decode.batch == 0:
+            return self.gpu_prefill_ms(num_prefill_tokens)
+        decode_ms = self.gpu_decode_ms(decode.batch, decode.mean_context_tokens)
+        if num_prefill_tokens == 0:
+            return decode_ms
+        first_context = self.profile.table2d("gpu_decode_ms").grid1[0]
+        base_ms = self.gpu_decode_ms(decode.batch, first_context)
+        dense_ms = max(self.gpu_prefill_ms(num_prefill_tokens + decode.batch), base_ms)
+        return dense_ms + max(0.0, decode_ms - base_ms)
+
+    def cpu_local_ms(self, decode: DecodeBatch, num_prefill_tokens: int = 0, num_sampled: int | None = None) -> float:
+        """A Local CPU iteration (every stage on the CPU)."""
+        sampled = decode.batch if num_sampled is None else num_sampled
+        return (self.cpu_dense_ms(num_prefill_tokens + decode.batch)
+                + self.cpu_attention_ms(decode.batch, decode.mean_context_tokens)
+                + self.lm_head_sampling_ms(sampled))
+
+    def cpu_assisted_ms(self, decode: DecodeBatch) -> float:
+        """An Assisted CPU decode iteration (dense on the GPU, attention on the CPU)."""
+        return self.assist_ms(decode.batch) + self.cpu_attention_ms(decode.batch, decode.mean_context_tokens)
+
+    def cpu_iteration(self, decode: DecodeBatch, num_prefill_tokens: int = 0,
+                      num_sampled: int | None = None) -> CpuIterationCost:
+        """Both modes' predictions; an iteration with prefill tokens can only run Local."""
+        local = self.cpu_local_ms(decode, num_prefill_tokens, num_sampled)
+        if num_prefill_tokens > 0 or decode.batch == 0:
+            return CpuIterationCost(local, None)
+        return CpuIterationCost(local, self.cpu_assisted_ms(decode))
+
+    def cpu_itl_with_one_more_ms(self, context_tokens: Sequence[int], new_context_tokens: int,
+                                 assist_available: bool = True) -> float:
+        """The CPU engine's predicted inter-token latency if one more request of
+        `new_context_tokens` joined its decode batch (one token per iteration, so the ITL
+        is the iteration latency; the faster mode when assist is available)."""
+        decode = DecodeBatch.of([*context_tokens, new_context_tokens])
+        cost = self.cpu_iteration(decode)
+        return cost.best_ms if assist_available else cost.local_ms
+
+    def kv_transfer_ms(self, num_tokens: int) -> float:
+        """Moving num_tokens tokens of KV between the engines."""
+        transfer = self.profile.kv_transfer
+        num_bytes = max(0, num_tokens) * self.kv_bytes_per_token
+        return transfer.fixed_ms + 1000.0 * num_bytes / transfer.bytes_per_s

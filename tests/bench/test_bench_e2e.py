@@ -1,0 +1,82 @@
+"""`dualpace bench` end to end: a real `dualpace up` (tiny model) and 10 requests at a high rate."""
+
+from __future__ import annotations
+
+import json
+import re
+import signal
+import subprocess
+import sys
+import threading
+
+import pytest
+
+READY = re.compile(r"dualpace up: ready; router on (\S+)")
+START_TIMEOUT_S = 60.0
+BENCH_TIMEOUT_S = 60.0
+
+
+@pytest.fixture(scope="module")
+def router(synth_checkpoint):
+    process = subprocess.Popen(
+        [sys.executable, "-m", "dualpace", "up", "--model", str(synth_checkpoint("tiny-llama")), "--dtype", "fp32",
+         "--threads-per-engine", "1"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines: list[str] = []
+    found: list[str] = []
+    ready = threading.Event()
+
+    def pump() -> None:
+        for line in process.stdout:
+            lines.append(line)
+            if not found and (match := READY.search(line)):
+                found.append(match.group(1))
+                ready.set()
+        ready.set()
+
+    threading.Thread(target=pump, daemon=True).start()
+    if not ready.wait(START_TIMEOUT_S) or not found:
+        process.kill()
+        pytest.fail("dualpace up never became ready:\n" + "".join(lines))
+    yield found[0]
+    process.send_signal(signal.SIGTERM)
+    try:
+        process.wait(30)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+
+
+def bench(*argv: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "dualpace", "bench", *argv], capture_output=True, text=True,
+                          timeout=BENCH_TIMEOUT_S, check=False)
+
+
+def test_bench_accounts_for_every_request(router, tmp_path):
+    out = tmp_path / "bench.json"
+    done = bench("--router", router, "--rate", "50", "--num-requests", "10", "--input-len", "4:12",
+                 "--output-len", "3:8", "--seed", "1", "--timeout-s", "45", "--slo-ttft-ms", "60000",
+                 "--slo-itl-ms", "60000", "--out", str(out))
+    assert done.returncode == 0, done.stderr
+    report = json.loads(out.read_text())
+    summary = report["summary"]
+    acc = summary["accounting"]
+    assert (acc["planned"], acc["sent"], acc["completed"], acc["failed"], acc["not_sent"]) == (10, 10, 10, 0, 0)
+    assert "sent 10 = completed 10 + failed 0" in done.stderr
+    for key in ("request_throughput_rps", "output_token_throughput_tps", "goodput_rps", "failures", "duration_s"):
+        assert key in summary
+    for metric in ("ttft", "itl", "tpot", "e2e"):
+        assert set(summary[metric]) >= {"mean_ms", "p50_ms", "p99_ms"}
+        assert summary[metric]["p50_ms"] is not None
+    assert summary["goodput_rps"] == summary["request_throughput_rps"] > 0
+    requests = report["requests"]
+    assert len(requests) == 10 and all(r["status"] == "OK" and r["finish_reason"] == "length" for r in requests)
+    assert all(r["tokens"] == r["output_len"] for r in requests)  # ignore_eos, max_tokens = output length
+    assert summary["output_tokens"] == sum(r["output_len"] for r in requests)
+
+
+def test_bench_flag_errors_name_the_flag(router, tmp_path):
+    done = bench("--router", router, "--rate", "5", "--num-requests", "2", "--input-len", "9:3",
+                 "--output-len", "4", "--out", str(tmp_path / "x.json"))
+    assert done.returncode == 2 and "--input-len" in done.stderr
+    assert not (tmp_path / "x.json").exists()

@@ -1,0 +1,65 @@
+import pytest
+
+from profiles.cost_model import CostModel, DecodeBatch, interp1d, interp2d
+from profiles.schema import parse_profile
+from tests.profiles.tiny import tiny_profile_dict
+
+
+def test_interp1d_inside_and_off_the_ends():
+    grid, values = [1, 3, 5], [10.0, 20.0, 40.0]
+    assert interp1d(grid, values, 1) == 10.0
+    assert interp1d(grid, values, 2) == 15.0
+    assert interp1d(grid, values, 4) == 30.0
+    assert interp1d(grid, values, 7) == 60.0  # last segment's slope (10 per unit)
+    assert interp1d(grid, values, 0) == 5.0  # first segment's slope
+    assert interp1d(grid, values, -10) == 0.0  # clamped at 0
+    assert interp1d([4], [7.0], 100) == 7.0
+
+
+def test_interp2d_bilinear_and_extrapolation():
+    g0, g1 = [0, 10], [0, 100]
+    values = [[0.0, 10.0], [20.0, 40.0]]
+    assert interp2d(g0, g1, values, 0, 0) == 0.0
+    assert interp2d(g0, g1, values, 10, 100) == 40.0
+    assert interp2d(g0, g1, values, 5, 50) == pytest.approx((0 + 10 + 20 + 40) / 4)
+    assert interp2d(g0, g1, values, 20, 100) == pytest.approx(70.0)  # 10 -> 40 -> 70 along batch
+    assert interp2d(g0, g1, values, 10, 200) == pytest.approx(60.0)  # 20 -> 40 -> 60 along context
+    assert interp2d([1], [5], [[3.0]], 9, 9) == 3.0
+
+
+@pytest.fixture
+def model():
+    return CostModel(parse_profile(tiny_profile_dict()))
+
+
+def test_gpu_iteration(model):
+    assert model.gpu_iteration_ms(0, DecodeBatch(0, 0)) == 0.0
+    assert model.gpu_iteration_ms(51, DecodeBatch(0, 0)) == pytest.approx(15.0)
+    assert model.gpu_iteration_ms(0, DecodeBatch(1, 50)) == pytest.approx(15.0)
+    assert model.gpu_iteration_ms(0, DecodeBatch.of([40, 60])) == pytest.approx(16.5)  # batch 2 at context 50: 15 + 0.1 * (30 - 15)
+    # mixed: max(prefill(50 + 1) = 15, decode(1, 0) = 10) + attention extra decode(1,100)-decode(1,0) = 10
+    assert model.gpu_iteration_ms(50, DecodeBatch(1, 100)) == pytest.approx(25.0)
+
+
+def test_cpu_iteration_local_and_assisted(model):
+    decode = DecodeBatch.of([100])
+    cost = model.cpu_iteration(decode)
+    assert cost.local_ms == pytest.approx(30 + 10 + 5)
+    assert cost.assisted_ms == pytest.approx(25 + 10)
+    assert cost.best_ms == pytest.approx(35)
+    assert cost.assisted_is_faster
+    with_prefill = model.cpu_iteration(DecodeBatch(0, 0), num_prefill_tokens=11, num_sampled=1)
+    assert with_prefill.assisted_ms is None
+    assert with_prefill.local_ms == pytest.approx(40 + 0 + 5)
+
+
+def test_cpu_itl_with_one_more(model):
+    # batch 2 of mean context 50: local = 31 + 5.5 + 5 = 41.5, assisted = 25 + 5.5 = 30.5
+    assert model.cpu_itl_with_one_more_ms([100], 0) == pytest.approx(30.5)
+    assert model.cpu_itl_with_one_more_ms([100], 0, assist_available=False) == pytest.approx(41.5)
+
+
+def test_kv_transfer(model):
+    assert model.kv_bytes_per_token == 32
+    assert model.kv_transfer_ms(0) == 2.0
+    assert model.kv_transfer_ms(1000) == pytest.approx(2.0 + 1000.0)  # 32 kB at 32 kB/s

@@ -1,0 +1,134 @@
+import json
+
+import pytest
+
+from bench.load.lengths import RequestSpec, build_requests, parse_length_spec
+from dualpace.cli import main
+from profiles.cost_model import CostModel
+from profiles.schema import parse_profile
+from profiles.simulator import CPU, GPU, SimConfig, Simulator, simulate
+from router.views import Policy
+from tests.profiles.tiny import tiny_profile_dict
+
+REFERENCE = "profiles/reference/h100_sapphire_rapids_llama3_8b.json"
+
+
+def _cost(**capacities) -> CostModel:
+    data = tiny_profile_dict()
+    data["capacities"].update(capacities)
+    return CostModel(parse_profile(data))
+
+
+def _specs(num: int = 20, rate: float = 50.0, seed: int = 0):
+    return build_requests(num, rate, 1.0, seed, 100, parse_length_spec("8", "--input-len"),
+                          parse_length_spec("4:12", "--output-len"))
+
+
+@pytest.mark.parametrize("policy", list(Policy))
+def test_all_requests_complete_and_deterministic(policy):
+    cost = _cost(gpu_kv_blocks=16)  # a small GPU: the CPU engine gets work
+    first = simulate(cost, SimConfig(policy=policy), _specs(), 50.0)
+    again = simulate(cost, SimConfig(policy=policy), _specs(), 50.0)
+    assert first == again
+    assert first.requests_completed == first.num_requests == 20
+    assert first.num_generated_tokens == sum(s.output_len for s in _specs())
+    if policy is not Policy.GPU_ONLY:
+        assert first.requests_touching_cpu > 0
+    other_seed = simulate(cost, SimConfig(policy=policy), _specs(seed=1), 50.0)
+    assert other_seed != first
+
+
+def test_gpu_only_never_uses_a_cpu_engine():
+    sim = Simulator(_cost(gpu_kv_blocks=16), SimConfig(policy=Policy.GPU_ONLY))
+    tracks = sim.run(_specs())
+    assert CPU not in sim.engines
+    assert all(t.engines_seen == [GPU] for t in tracks)
+    result = sim.result(50.0)
+    assert result.cpu_iterations == 0 and result.num_handoffs == 0 and result.num_migrations == 0
+
+
+def test_gpu_only_preempts_by_recompute_and_still_finishes():
+    cost = _cost(gpu_kv_blocks=12)  # 48 KV tokens: 8 requests of up to 20 tokens cannot all run
+    specs = build_requests(8, float("inf"), 1.0, 0, 100, parse_length_spec("8", "i"), parse_length_spec("12", "o"))
+    result = simulate(cost, SimConfig(policy=Policy.GPU_ONLY, itl_target_ms=None), specs)
+    assert result.requests_completed == 8
+
+
+def test_hand_computed_gpu_itl():
+    # one request, prompt of 1 token, 3 tokens out, GPU only:
+    # prefill(1) = 10 ms -> token 1; decode(batch 1, context 2) = 10 + 10 * 2/100 = 10.2; context 3: 10.3
+    sim = Simulator(_cost(), SimConfig(policy=Policy.GPU_ONLY))
+    (track,) = sim.run([RequestSpec(0, 0.0, (5,), 3)])
+    assert track.token_times_ms == pytest.approx([10.0, 20.2, 30.5])
+
+
+def test_hand_computed_cpu_itl_after_handoff():
+    # The GPU holds 1 block (4 tokens): prompt 1 + 4 out needs 2 blocks, so admission places the
+    # request on the CPU. Prefill on the GPU: 10 ms -> token 1. Hand-off of 1 KV token:
+    # 2 ms + 32 B / 32000 B/s = 3 ms. CPU decode at context c: Local 30 + 0.1 c + 5, Assisted
+    # 25 + 0.1 c -> Assisted (the device is free): 25.2, 25.3, 25.4.
+    sim = Simulator(_cost(gpu_kv_blocks=1), SimConfig(policy=Policy.DUALPACE))
+    (track,) = sim.run([RequestSpec(0, 0.0, (5,), 4)])
+    assert track.engines_seen == [GPU, CPU]
+    assert track.token_times_ms == pytest.approx([10.0, 38.2, 63.5, 88.9])
+    assert sim.engines[CPU].num_assisted == 3 and sim.engines[CPU].num_local == 0
+
+
+def test_cli_json_is_deterministic(capsys, tmp_path):
+    argv = ["sim", "--profile", REFERENCE, "--policy", "dualpace", "--rate", "20", "--num-requests", "30",
+            "--input-len", "lognormal:256:0.5", "--output-len", "16:48", "--seed", "3", "--json"]
+    assert main(argv) == 0
+    first = json.loads(capsys.readouterr().out)
+    assert main(argv) == 0
+    assert json.loads(capsys.readouterr().out) == first
+    for key in ("throughput_tokens_per_s", "requests_per_s", "p50_ttft_ms", "p99_ttft_ms", "p50_itl_ms",
+                "p99_itl_ms", "requests_completed"):
+        assert key in first
+    assert first["requests_completed"] == 30
+
+
+def test_cli_sweep_writes_json(tmp_path, capsys):
+    out = tmp_path / "sweep.json"
+    assert main(["sim", "--profile", REFERENCE, "--policy", "gpu-only,gated", "--rates", "5,10",
+                 "--num-requests", "10", "--input-len", "64", "--output-len", "8", "--out", str(out)]) == 0
+    data = json.loads(out.read_text())
+    assert data["simulated"] is True
+    assert [(r["policy"], r["rate"]) for r in data["results"]] == [
+        ("gpu-only", 5.0), ("gpu-only", 10.0), ("gated", 5.0), ("gated", 10.0)]
+
+
+def test_cli_bad_policy(capsys):
+    assert main(["sim", "--profile", REFERENCE, "--policy", "neo"]) == 2
+    assert "--policy" in capsys.readouterr().err
+
+
+def test_dense_hold_what_if_runs():
+    cost = _cost(gpu_kv_blocks=16)
+    result = simulate(cost, SimConfig(policy=Policy.DUALPACE, assist_device_hold="dense"), _specs(), 50.0)
+    assert result.requests_completed == 20
+    with pytest.raises(ValueError, match="assist_device_hold"):
+        Simulator(cost, SimConfig(assist_device_hold="never"))
+
+
+def test_pure_imports():
+    import subprocess
+    import sys
+
+    code = ("import sys, profiles.simulator, profiles.cost_model, profiles.schema; "
+            "print(sorted(m for m in ('torch', 'grpc', 'asyncio') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
+
+
+def test_skip_unprefilled_moves_what_if_completes():
+    result = simulate(_cost(gpu_kv_blocks=16), SimConfig(skip_unprefilled_moves=True), _specs(), 50.0)
+    assert result.requests_completed == 20 and result.num_moves_without_kv == 0
+
+
+def test_cli_trace(tmp_path, capsys):
+    trace = tmp_path / "trace.jsonl"
+    trace.write_text('{"input_len": 100, "output_len": 5}\n{"prompt_token_ids": [1, 2, 3], "output_len": 7}\n')
+    assert main(["sim", "--profile", REFERENCE, "--policy", "gated", "--rate", "10", "--burstiness", "2",
+                 "--num-requests", "4", "--trace", str(trace), "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["requests_completed"] == 4 and result["num_generated_tokens"] == 5 + 7 + 5 + 7
