@@ -49,12 +49,13 @@ class Tracked:
     engine: EngineHandle | None = None
     num_generated_tokens: int = 0
     migrating: bool = False
+    num_migrations: int = 0  # committed moves, the hand-off included
 
     def routed(self) -> RoutedRequest | None:
         if self.engine is None:
             return None
         return RoutedRequest(self.request_id, self.engine.name, self.num_prompt_tokens, self.num_generated_tokens,
-                             self.max_tokens, self.migrating)
+                             self.max_tokens, self.migrating, self.num_migrations)
 
 
 @dataclass
@@ -129,6 +130,7 @@ class RouterCore:
             await source.stub.MigrateOut(engine_pb2.MigrateOutRequest(request_id=tracked.request_id,
                                                                       target_address=target.address), timeout=60)
             record.outcome = "committed"
+            tracked.num_migrations += 1
             return True
         except grpc.aio.AioRpcError as exc:
             record.outcome = "failed"

@@ -30,6 +30,9 @@ class MigrationConfig:
     kv_transfer_fixed_ms: float = 5.0
     migration_overhead_ms: float = 10.0
     max_per_tick: int = 4  # migrations started per planning tick
+    # Moves one request may make in its life (the hand-off counts): without a bound, GPU
+    # pressure and GPU headroom send the same requests back and forth under load.
+    max_migrations_per_request: int = 2
     kv_bytes_per_token: int = 0  # set by the service from the model (2 * layers * kv_heads * head_dim * dtype bytes)
     cpu_max_running: int | None = None  # when set: no move to a CPU engine already holding this many requests
 
@@ -50,14 +53,15 @@ def transfer_ms(num_tokens: int, config: MigrationConfig) -> float:
     return config.kv_transfer_fixed_ms + 1000.0 * num_bytes / config.kv_transfer_bytes_per_s
 
 
-def _movable(request: RoutedRequest) -> bool:
-    return not request.migrating and request.remaining_tokens > 1
+def _movable(request: RoutedRequest, config: MigrationConfig) -> bool:
+    return (not request.migrating and request.remaining_tokens > 1
+            and request.num_migrations < config.max_migrations_per_request)
 
 
-def _movable_to_cpu(request: RoutedRequest) -> bool:
+def _movable_to_cpu(request: RoutedRequest, config: MigrationConfig) -> bool:
     """A GPU request that has not produced a token yet was never prefilled: moving it would make
     the CPU engine prefill it, which is the GPU's job, so it waits for the GPU instead."""
-    return _movable(request) and request.num_generated_tokens > 0
+    return _movable(request, config) and request.num_generated_tokens > 0
 
 
 def _lifetime_blocks(request: RoutedRequest, engine: EngineView) -> int:
@@ -141,7 +145,7 @@ def plan_migrations(requests: Sequence[RoutedRequest], engines: Mapping[str, Eng
             live[gpu].num_waiting > 0 and fraction > config.gpu_target_watermark)
         if not pressured:
             continue
-        candidates = sorted((r for r in requests if r.engine == gpu and _movable_to_cpu(r)
+        candidates = sorted((r for r in requests if r.engine == gpu and _movable_to_cpu(r, config)
                              and r.request_id not in planned_ids),
                             key=lambda r: (-r.remaining_tokens, r.request_id))
         for request in candidates:
@@ -163,7 +167,7 @@ def plan_migrations(requests: Sequence[RoutedRequest], engines: Mapping[str, Eng
             continue
         scored = []
         for request in requests:
-            if request.engine not in cpus or not _movable(request) or request.request_id in planned_ids:
+            if request.engine not in cpus or not _movable(request, config) or request.request_id in planned_ids:
                 continue
             cpu = live[request.engine]
             payoff_ms = (request.remaining_tokens * (cpu.itl_p50_ms - live[gpu].itl_p50_ms)

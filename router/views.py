@@ -47,6 +47,7 @@ class RoutedRequest:
     num_generated_tokens: int
     max_tokens: int
     migrating: bool = False
+    num_migrations: int = 0  # moves so far, the hand-off after the GPU prefill included
 
     @property
     def num_tokens(self) -> int:

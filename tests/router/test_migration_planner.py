@@ -225,3 +225,11 @@ def test_requests_never_prefilled_are_not_moved():
     queued = RoutedRequest("queued", "gpu", BS * 20, 0, 400)
     assert plan([queued], gpu(used=95, waiting=1), cpu()) == []
     assert plan([on_gpu("decoding", 400)], gpu(used=95, waiting=1), cpu())
+
+
+def test_a_request_moves_at_most_max_migrations_per_request_times():
+    """No ping-pong: after its hand-off and one more move, a request stays where it is."""
+    moved_twice = RoutedRequest("x", "cpu", 160, 5, 100, num_migrations=2)
+    moved_once = RoutedRequest("y", "cpu", 160, 5, 100, num_migrations=1)
+    assert plan([moved_twice], gpu(used=10), cpu()) == []
+    assert [m.request_id for m in plan([moved_once], gpu(used=10), cpu())] == ["y"]
