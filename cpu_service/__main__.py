@@ -69,7 +69,8 @@ def main(argv: list[str] | None = None) -> int:
             client = AssistClient(args.gpu_service, iteration_timeout_s=args.assist_timeout_s,
                                   auth_token=read_token_file(args.auth_token_file))
         chooser = ModeChooser(setting, assist_configured=client is not None)
-        return CpuRunner(loaded, config.num_kv_blocks, config.block_size, chooser, client, gated=gated)
+        return CpuRunner(loaded, config.num_kv_blocks, config.block_size, chooser, client, gated=gated,
+                         engine_name=config.name)
 
     def build() -> EngineDaemonParts:
         check_args(args)

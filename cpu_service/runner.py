@@ -15,13 +15,14 @@ from cpu_service.mode_choice import ExecutionMode, ModeChooser
 from dualpace.engine.runner import ModelRunner
 from dualpace.engine.scheduler import StepPlan, StepResult
 from dualpace.model.loader import LoadedModel
+from dualpace.serve.metrics import DENSE_ASSIST_CALLS, DENSE_ASSIST_ROUND_TRIP
 
 log = logging.getLogger(__name__)
 
 
 class CpuRunner(ModelRunner):
     def __init__(self, loaded: LoadedModel, num_blocks: int, block_size: int, chooser: ModeChooser,
-                 client: AssistClient | None = None, gated: bool = False):
+                 client: AssistClient | None = None, gated: bool = False, engine_name: str = "cpu"):
         super().__init__(loaded, num_blocks, block_size)
         self.chooser = chooser
         self.client = client
@@ -29,6 +30,10 @@ class CpuRunner(ModelRunner):
         self.num_steps_by_mode = {mode: 0 for mode in ExecutionMode}
         self.num_assist_fallbacks = 0
         self.last_mode = ExecutionMode.LOCAL
+        # Prometheus: the EngineLoop observes iteration latency by last_mode; Dense Assist is counted here.
+        self._assist_ok = DENSE_ASSIST_CALLS.labels(engine_name, "ok")
+        self._assist_fallback = DENSE_ASSIST_CALLS.labels(engine_name, "fallback")
+        self._assist_round_trip = DENSE_ASSIST_ROUND_TRIP.labels(engine_name)
 
     def execute(self, plan: StepPlan) -> StepResult:
         if plan.is_empty:
@@ -41,9 +46,12 @@ class CpuRunner(ModelRunner):
                 result = self.assisted.execute(plan, self.chooser.max_device_wait_ms(len(plan.sequences)))
             except AssistUnavailable as exc:
                 self.num_assist_fallbacks += 1
+                self._assist_fallback.inc()
                 self.chooser.record_assist_failure()
                 log.warning("assisted iteration failed (%s); redoing it locally", exc)
             else:
+                self._assist_ok.inc()
+                self._assist_round_trip.observe(time.perf_counter() - start)
                 self._record(ExecutionMode.ASSISTED, len(plan.sequences), start)
                 return result
         start = time.perf_counter()

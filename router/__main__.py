@@ -14,6 +14,7 @@ import sys
 from dualpace.errors import DualPaceError, InvalidArgument
 from dualpace.model.registry import DEFAULT_MODEL_NAME
 from dualpace.serve.loop import serve_forever
+from dualpace.serve.metrics import add_metrics_argument, start_from_args
 from dualpace.serve.sd_notify import Notifier, watchdog_interval_s
 from dualpace.serve.security import (
     add_security_arguments,
@@ -51,6 +52,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--http-listen", default=None, metavar="HOST:PORT",
                         help="also serve the OpenAI-compatible HTTP API here (absent: no HTTP); same TLS and token rules")
     parser.add_argument("--log-level", default="INFO")
+    add_metrics_argument(parser)
     add_security_arguments(parser)
 
 
@@ -92,6 +94,7 @@ def serve(args: argparse.Namespace) -> int:
         tokenizer, model_config = load_tokenizer_and_config(args.model)
         kv_bytes_per_token = 2 * model_config.num_layers * model_config.num_kv_heads * model_config.head_dim * 2
         config = router_config(args, kv_bytes_per_token)
+        start_from_args(args, "router")
     except DualPaceError as exc:
         print(f"router: error: {exc}", file=sys.stderr)
         return 2

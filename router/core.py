@@ -17,6 +17,7 @@ import grpc
 
 from dualpace.model.config import ModelConfig
 from dualpace.model.tokenizer import Tokenizer
+from dualpace.serve import metrics
 from dualpace.wire.v1 import engine_pb2
 from router.admission import AdmissionConfig
 from router.engines import EngineHandle, EnginePool
@@ -80,6 +81,13 @@ class RouterCore:
         self.changed = asyncio.Event()  # a request finished or moved: room may have appeared
         self._planner: asyncio.Task | None = None
         self._background: set[asyncio.Task] = set()  # strong references: the loop keeps only weak ones
+        metrics.register_callback_gauges(metrics.CallbackGauges(
+            "dualpace_router_engine_healthy", "Whether the router sees the engine as healthy.", ("engine",),
+            lambda: {(h.name,): float(h.healthy) for h in list(self.pool.handles)}))
+        metrics.register_callback_gauges(metrics.CallbackGauges(
+            "dualpace_router_requests", "Requests the router holds: placed on an engine, or queued for room.",
+            ("state",), lambda: {("placed",): float(len(self.tracked) - self.num_queued),
+                                 ("queued",): float(self.num_queued)}))
 
     @property
     def max_context_tokens(self) -> int:
@@ -131,9 +139,11 @@ class RouterCore:
                                                                       target_address=target.address), timeout=60)
             record.outcome = "committed"
             tracked.num_migrations += 1
+            metrics.migration(source.expected_kind, target.expected_kind, "committed")
             return True
         except grpc.aio.AioRpcError as exc:
             record.outcome = "failed"
+            metrics.migration(source.expected_kind, target.expected_kind, "failed")
             record.detail = f"{reason}: {exc.code().name}: {exc.details()}"
             log.info("migration of %s %s -> %s failed: %s", tracked.request_id, source.name, target.name,
                      record.detail)

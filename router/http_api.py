@@ -27,7 +27,6 @@ import logging
 import ssl
 import time
 import uuid
-from collections import Counter
 from dataclasses import dataclass, replace
 
 import grpc
@@ -35,6 +34,7 @@ from aiohttp import web
 
 from dualpace.errors import DualPaceError, InvalidArgument
 from dualpace.sampling_params import FinishReason
+from dualpace.serve import metrics
 from dualpace.serve.address import parse_listen
 from router import openai_schema as schema
 from router.core import RouterCore
@@ -49,42 +49,6 @@ SHUTDOWN_GRACE_S = 5.0  # in-flight HTTP requests get this long when the router 
 SSE_HEADERS = {"Content-Type": "text/event-stream; charset=utf-8", "Cache-Control": "no-cache",
                "X-Accel-Buffering": "no"}
 CLIENT_CLOSED = "client_closed"  # the status label of a request whose client went away
-
-
-class HttpMetrics:
-    """A few counters, served as Prometheus text exposition (no prometheus-client dependency)."""
-
-    def __init__(self) -> None:
-        self.requests: Counter[tuple[str, str]] = Counter()  # (endpoint, status) -> count
-        self.prompt_tokens = 0
-        self.generation_tokens = 0
-        self.running = 0
-
-    def render(self, core: RouterCore) -> str:
-        lines = [("# HELP dualpace_http_requests_total HTTP requests answered, by endpoint and status "
-                 f"({CLIENT_CLOSED}: the client went away first)."),
-                 "# TYPE dualpace_http_requests_total counter"]
-        for (endpoint, status), count in sorted(self.requests.items()):
-            lines.append(f'dualpace_http_requests_total{{endpoint="{_label(endpoint)}",status="{_label(status)}"}} '
-                         f"{count}")
-        lines += ["# HELP dualpace_http_prompt_tokens_total Prompt tokens of admitted HTTP generation requests.",
-                  "# TYPE dualpace_http_prompt_tokens_total counter",
-                  f"dualpace_http_prompt_tokens_total {self.prompt_tokens}",
-                  "# HELP dualpace_http_generation_tokens_total Tokens generated for HTTP requests.",
-                  "# TYPE dualpace_http_generation_tokens_total counter",
-                  f"dualpace_http_generation_tokens_total {self.generation_tokens}",
-                  "# HELP dualpace_http_requests_running HTTP generation requests in progress.",
-                  "# TYPE dualpace_http_requests_running gauge",
-                  f"dualpace_http_requests_running {self.running}",
-                  "# HELP dualpace_router_engine_healthy Whether the router sees the engine as healthy.",
-                  "# TYPE dualpace_router_engine_healthy gauge"]
-        for handle in core.pool.handles:
-            lines.append(f'dualpace_router_engine_healthy{{engine="{_label(handle.name)}"}} {int(handle.healthy)}')
-        return "\n".join(lines) + "\n"
-
-
-def _label(value: str) -> str:
-    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
 
 
 def _sse(data: dict | str) -> bytes:
@@ -106,7 +70,7 @@ class HttpFront:
         # `Authorization: Bearer TOKEN` (what OpenAI clients send as their API key).
         self._expected = f"Bearer {auth_token}".encode() if auth_token is not None else None
         self.created = int(time.time())
-        self.metrics = HttpMetrics()
+        self.metrics = metrics.http_metrics()  # counters in the process's Prometheus registry
 
     def application(self) -> web.Application:
         app = web.Application(middlewares=[self._answer_errors], client_max_size=MAX_BODY_BYTES)
@@ -155,7 +119,7 @@ class HttpFront:
             status = str(error.status)
             return _json_response(error.body(), error.status)
         finally:
-            self.metrics.requests[(endpoint, status)] += 1
+            self.metrics.requests.labels(endpoint, status).inc()
 
     @staticmethod
     async def _body(request: web.Request):
@@ -181,8 +145,8 @@ class HttpFront:
         return _json_response({"status": "ok" if ok else "unavailable", "engines": engines}, 200 if ok else 503)
 
     async def prometheus(self, request: web.Request) -> web.Response:
-        return web.Response(body=self.metrics.render(self.core).encode(),
-                            headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
+        """The process's whole registry (dualpace.serve.metrics): the same text as --metrics-port."""
+        return web.Response(body=metrics.render(), headers={"Content-Type": metrics.CONTENT_TYPE})
 
     def _check_model(self, model: str) -> None:
         if model != self.model_id:
@@ -215,8 +179,8 @@ class HttpFront:
             params = replace(params, max_tokens=max(1, min(schema.CHAT_DEFAULT_MAX_TOKENS, room)))
         relay = Relay(core, request_id, prompt_ids, params)
         answer = _Answer(parsed, request_id, self.model_id, len(prompt_ids), relay)
-        self.metrics.prompt_tokens += len(prompt_ids)
-        self.metrics.running += 1
+        self.metrics.prompt_tokens.inc(len(prompt_ids))
+        self.metrics.running.inc()
         try:
             # aclosing: however this ends (finished, error, client gone, handler cancelled), the
             # generator is closed, so Relay.run's finally aborts an unfinished request in its engine.
@@ -225,7 +189,7 @@ class HttpFront:
                     return await self._stream(request, answer, updates)
                 return await self._whole(answer, updates)
         finally:
-            self.metrics.running -= 1
+            self.metrics.running.dec()
 
     async def _next(self, answer: _Answer, updates) -> RelayUpdate:
         try:
@@ -235,7 +199,7 @@ class HttpFront:
                            type="unavailable_error", code="unavailable") from None
         except (DualPaceError, grpc.aio.AioRpcError) as exc:
             raise schema.error_for(exc, answer.parsed.renamed) from None
-        self.metrics.generation_tokens += len(update.token_ids)
+        self.metrics.generation_tokens.inc(len(update.token_ids))
         if update.finish_reason == FinishReason.ERROR:
             raise ApiError(500, f"engine {update.engine} could not continue request {answer.request_id} "
                            "(finish reason error)", type="server_error", code="engine_error")

@@ -21,6 +21,7 @@ import grpc
 from dualpace.errors import Overloaded, Unavailable
 from dualpace.model.detokenizer import IncrementalDetokenizer
 from dualpace.sampling_params import FinishReason, SamplingParams
+from dualpace.serve.metrics import RequestClock, engine_metrics
 from dualpace.wire.engine_messages import generate_update_from_pb, new_request_to_pb, resume_request_to_pb
 from dualpace.wire.v1 import engine_pb2
 from router.admission import Placement, admit
@@ -81,6 +82,7 @@ class Relay:
         self.stops = StopStringMatcher(params.stop)
         self.engine_base = 0  # outputs that are part of the current engine request's prompt
         self.finished = False
+        self.clock = RequestClock()  # Prometheus latencies as the client sees them, by serving engine
 
     # ----------------------------------------------------------------- public
 
@@ -88,11 +90,13 @@ class Relay:
         self.core.tracked[self.request_id] = self.tracked
         try:
             engine, handoff_to = await self._admit()
+            engine_metrics(engine.name).prompt_tokens.inc(len(self.prompt_token_ids))
             call = self._submit(engine)
             recovered = False
             while True:
                 try:
                     async for update in self._follow(engine, call, handoff_to):
+                        self._observe(update)
                         yield update
                         if update.finish_reason is not None:
                             return
@@ -114,7 +118,9 @@ class Relay:
                     await engine.mark_unhealthy()
                     remaining = self.params.max_tokens - len(self.output_token_ids)
                     if remaining <= 0:
-                        yield self._final(engine, FinishReason.LENGTH)
+                        update = self._final(engine, FinishReason.LENGTH)
+                        self._observe(update)
+                        yield update
                         return
                     engine, call = await self._recover(engine)
                     handoff_to, recovered = None, True
@@ -123,6 +129,12 @@ class Relay:
             self.core.notify()
             if not self.finished:
                 await self._abort_in_engine()
+
+    def _observe(self, update: RelayUpdate) -> None:
+        metrics = engine_metrics(update.engine)
+        self.clock.tokens(metrics, len(update.token_ids))
+        if update.finish_reason is not None:
+            self.clock.finished(metrics, update.finish_reason.value)
 
     # ----------------------------------------------------------------- admission
 

@@ -35,6 +35,7 @@ from dualpace.engine.gate import IterationGate
 from dualpace.engine.request import RequestEvent
 from dualpace.errors import RequestNotFound, Unavailable
 from dualpace.sampling import SamplingParams
+from dualpace.serve.metrics import EngineMetrics, RequestClock
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -89,6 +90,10 @@ class EngineLoop:
         self._last_alive = float("-inf")
         self.fatal_error: BaseException | None = None
         self.stopped = asyncio.Event()
+        # Prometheus (dualpace.serve.metrics): updated here, after steps and commands, never in the scheduler.
+        self.metrics = EngineMetrics(core.config.name)
+        self._clocks: dict[str, RequestClock] = {}  # per request: TTFT / ITL / E2E
+        self._iteration_s = 0.0  # the last step's model time (inside the step lock)
 
     # ----------------------------------------------------------------- commands
 
@@ -108,6 +113,8 @@ class EngineLoop:
             request = self.core.add_request(request_id, prompt_token_ids, params)
             channel = RequestChannel(request_id, len(request.prompt_token_ids))
             self.channels[request_id] = channel
+            self._clocks[request_id] = RequestClock()
+            self.metrics.prompt_tokens.inc(len(request.prompt_token_ids))
             return channel
 
         return await self.call(add)
@@ -130,6 +137,7 @@ class EngineLoop:
     def add_channel(self, channel: RequestChannel) -> None:
         """Register the channel of a request that arrived by import (call inside a command)."""
         self.channels[channel.request_id] = channel
+        self._clocks[channel.request_id] = RequestClock(arrived=False)
 
     async def dispatch(self, events: list[RequestEvent]) -> None:
         """Publish events produced by a command (e.g. a release after migration)."""
@@ -141,15 +149,20 @@ class EngineLoop:
         loop = asyncio.get_running_loop()
         try:
             while not self._stopping:
-                self._run_commands()
+                if self._commands:
+                    self._run_commands()
+                    self.update_metrics()
                 if not self.core.has_work:
                     self._wake.clear()
                     if not self._commands and not self._stopping:
                         await self._idle()
                     continue
                 start = time.perf_counter()
-                _, events = await loop.run_in_executor(self._executor, self._step)
+                plan, events = await loop.run_in_executor(self._executor, self._step)
                 self._step_ms.append((time.perf_counter() - start) * 1e3)
+                if not plan.is_empty:
+                    self.metrics.iteration(self._iteration_mode(), self._iteration_s)
+                self.update_metrics()
                 self._maybe_alive()
                 await self._dispatch(events)
         except Exception as exc:  # the forward pass failed: this engine cannot continue
@@ -161,6 +174,7 @@ class EngineLoop:
                     future.set_exception(Unavailable(f"engine failed: {exc}"))
             for channel in list(self.channels.values()):
                 await channel.fail(f"engine {self.core.config.name} failed: {exc}")
+            self._clocks.clear()
         finally:
             self.stopped.set()
 
@@ -203,9 +217,26 @@ class EngineLoop:
             with self._step_lock:
                 if self.step_delay_s > 0:
                     time.sleep(self.step_delay_s)
-                return self.core.step()
+                start = time.perf_counter()
+                result = self.core.step()
+                self._iteration_s = time.perf_counter() - start
+                return result
         finally:
             self.gate.step_finished()
+
+    def _iteration_mode(self) -> str:
+        """How the last step ran: gpu (gpu_service), or the CPU runner's local / assisted."""
+        mode = getattr(self.core.runner, "last_mode", None)
+        if mode is not None:
+            return str(getattr(mode, "value", mode))
+        return "gpu" if self.core.config.kind == "gpu" else "local"
+
+    def update_metrics(self) -> None:
+        """Set the Prometheus gauges from the engine's state (cheap: a few attribute reads)."""
+        scheduler = self.core.scheduler
+        blocks = scheduler.blocks
+        self.metrics.set_state(scheduler.num_running, scheduler.num_waiting, blocks.num_used_blocks,
+                               blocks.num_total_blocks, scheduler.num_preemptions)
 
     def stop(self) -> None:
         self._stopping = True
@@ -252,12 +283,19 @@ class EngineLoop:
                 future.set_exception(exc)
 
     async def _dispatch(self, events: list[RequestEvent]) -> None:
+        now_s = time.perf_counter()
         for event in events:
             channel = self.channels.get(event.request_id)
             if channel is None:
                 continue
             await channel.publish(event)
+            clock = self._clocks.get(event.request_id)
+            if clock is not None:
+                clock.tokens(self.metrics, len(event.new_token_ids), now_s)
+                if event.finish_reason is not None:
+                    clock.finished(self.metrics, event.finish_reason.value, now_s)
             if channel.done:
+                self._clocks.pop(event.request_id, None)
                 del self.channels[event.request_id]
                 self._finished[event.request_id] = channel
                 while len(self._finished) > NUM_FINISHED_CHANNELS_KEPT:
@@ -269,6 +307,7 @@ class EngineLoop:
         core = self.core
         blocks = core.scheduler.blocks
         recent = list(self._step_ms)
+        self.update_metrics()
         return EngineLoad(
             name=core.config.name,
             kind=core.config.kind,

@@ -23,6 +23,7 @@ from typing import Any
 import grpc
 
 from dualpace.errors import InvalidArgument
+from dualpace.serve.metrics import error as count_error
 
 AUTHORIZATION = "authorization"  # gRPC metadata keys are lower case
 HEALTH_METHOD_PREFIX = "/grpc.health.v1.Health/"
@@ -87,6 +88,7 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
 
 
 async def _reject(request_or_iterator: Any, context: grpc.aio.ServicerContext) -> None:
+    count_error(grpc.StatusCode.UNAUTHENTICATED.name)
     await context.abort(grpc.StatusCode.UNAUTHENTICATED, UNAUTHENTICATED_MESSAGE)
 
 

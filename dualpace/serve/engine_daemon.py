@@ -34,6 +34,7 @@ from dualpace.model.registry import DEFAULT_MODEL_NAME
 from dualpace.sampling import SamplingParams
 from dualpace.serve.engine_servicer import EngineServicer
 from dualpace.serve.loop import serve_forever
+from dualpace.serve.metrics import add_metrics_argument, start_from_args
 from dualpace.serve.sd_notify import Notifier, watchdog_interval_s
 from dualpace.serve.security import (
     add_security_arguments,
@@ -69,6 +70,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser, default_name: str, def
     parser.add_argument("--grace-s", type=float, default=DEFAULT_GRACE_S,
                         help="on SIGTERM, how long running requests may take to finish before they are aborted")
     parser.add_argument("--log-level", default="INFO")
+    add_metrics_argument(parser)
     add_security_arguments(parser)
 
 
@@ -164,6 +166,7 @@ def run_engine_daemon(
         check_listen_security(args.listen, security.tls)  # before the slow model load
         if args.grace_s < 0:
             raise InvalidArgument("--grace-s", f"must be >= 0, got {args.grace_s}")
+        start_from_args(args, process_name)  # before the slow load: a busy port fails at once
         notifier.status(f"loading model {args.model}")
         parts = build()
         notifier.status("warming up")
@@ -174,6 +177,7 @@ def run_engine_daemon(
     if faults.any:
         log.warning("fault injection enabled: %s", faults)
     parts.loop.step_delay_s = faults.step_delay_s
+    parts.loop.update_metrics()  # the KV pool size is known before the first request
     interval_s = watchdog_interval_s()
     if interval_s is not None and notifier.enabled:
         log.info("systemd watchdog: pinging from the step loop every %.1f s", interval_s)

@@ -20,6 +20,7 @@ from typing import Any
 
 import grpc
 
+from dualpace.serve.metrics import error as count_error
 from dualpace.serve.status import is_internal, status_for
 
 logger = logging.getLogger(__name__)
@@ -102,6 +103,7 @@ def _wrap_async_generator(behavior: Behavior, method: str) -> Behavior:
 async def abort_with_status(exc: Exception, context: grpc.aio.ServicerContext, method: str) -> None:
     """Logs `exc` (with its traceback when it is a server bug) and aborts the call with its status."""
     code, message = status_for(exc)
+    count_error(code.name)
     if is_internal(code):
         logger.error("%s failed: %s", method, message, exc_info=exc)
     else:

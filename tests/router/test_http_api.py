@@ -207,4 +207,4 @@ def test_client_closing_a_stream_aborts_the_request(up, client, model_folder):
         time.sleep(0.05)
     status, metrics = raw(up, "GET", "/metrics")
     assert status == 200
-    assert 'dualpace_http_requests_total{endpoint="/v1/completions",status="client_closed"} 1' in metrics
+    assert 'dualpace_http_requests_total{endpoint="/v1/completions",status="client_closed"} 1.0' in metrics
