@@ -22,6 +22,7 @@ from dualpace.engine.core import EngineConfig
 from dualpace.errors import InvalidArgument
 from dualpace.model.loader import LoadedModel
 from dualpace.serve.auth import read_token_file
+from dualpace.serve.config import parse_with_config
 from dualpace.serve.engine_daemon import EngineDaemonParts, add_engine_arguments, build_engine, run_engine_daemon
 
 log = logging.getLogger(__name__)
@@ -43,7 +44,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="dualpace: independent loop; gated: NEO-like baseline, CPU decodes advance only "
                              "inside GPU iterations with dense work on the GPU")
     parser.add_argument("--profile", default=None, help="hardware profile JSON (not implemented yet)")
-    return parser.parse_args(argv)
+    return parse_with_config(parser, argv)
 
 
 def check_args(args: argparse.Namespace) -> None:

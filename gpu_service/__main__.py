@@ -14,6 +14,7 @@ import sys
 import grpc
 
 from dualpace.model.loader import resolve_device
+from dualpace.serve.config import parse_with_config
 from dualpace.serve.engine_daemon import EngineDaemonParts, add_engine_arguments, build_engine, run_engine_daemon
 from gpu_service.assist_servicer import add_dense_assist_servicer
 from gpu_service.dense_assist import DenseAssistExecutor
@@ -27,7 +28,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     add_engine_arguments(parser, default_name="gpu", default_kv_blocks=DEFAULT_KV_BLOCKS)
     parser.add_argument("--device", default="auto", help="auto (cuda when available), cuda or cpu")
-    return parser.parse_args(argv)
+    return parse_with_config(parser, argv)
 
 
 def add_assist(parts: EngineDaemonParts, server: grpc.aio.Server) -> list[str]:

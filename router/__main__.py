@@ -13,6 +13,8 @@ import sys
 
 from dualpace.errors import DualPaceError, InvalidArgument
 from dualpace.model.registry import DEFAULT_MODEL_NAME
+from dualpace.serve.config import add_config_argument, effective_config, parse_with_config
+from dualpace.serve.logging_setup import configure_logging, get_logger
 from dualpace.serve.loop import serve_forever
 from dualpace.serve.metrics import add_metrics_argument, start_from_args
 from dualpace.serve.sd_notify import Notifier, watchdog_interval_s
@@ -51,7 +53,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                         help="on SIGTERM, how long relayed streams may take to finish before they are cancelled")
     parser.add_argument("--http-listen", default=None, metavar="HOST:PORT",
                         help="also serve the OpenAI-compatible HTTP API here (absent: no HTTP); same TLS and token rules")
-    parser.add_argument("--log-level", default="INFO")
+    parser.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR (JSON lines on stderr)")
+    add_config_argument(parser)
     add_metrics_argument(parser)
     add_security_arguments(parser)
 
@@ -80,8 +83,11 @@ def router_config(args: argparse.Namespace, kv_bytes_per_token: int) -> RouterCo
 def serve(args: argparse.Namespace) -> int:
     from dualpace.model.loader import load_tokenizer_and_config
 
-    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        configure_logging(args.log_level)
+    except DualPaceError as exc:
+        print(f"router: error: {exc}", file=sys.stderr)
+        return 2
     notifier = Notifier.from_environ()
     try:
         security = security_from_args(args)
@@ -98,6 +104,7 @@ def serve(args: argparse.Namespace) -> int:
     except DualPaceError as exc:
         print(f"router: error: {exc}", file=sys.stderr)
         return 2
+    get_logger(__name__).info("effective configuration", daemon="router", config=effective_config(args))
 
     async def main(stop: asyncio.Event) -> int:
         token = security.auth_token  # the engines require the same shared token
@@ -167,15 +174,20 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="dualpace-router", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     commands = parser.add_subparsers(dest="command", required=True)
-    add_serve_arguments(commands.add_parser("serve", help="serve the Router API"))
+    serve_parser = commands.add_parser("serve", help="serve the Router API")
+    add_serve_arguments(serve_parser)
     placement = commands.add_parser("placement", help="show engines and where each request runs")
     placement.add_argument("--router", required=True, help="router address HOST:PORT")
     placement.add_argument("--watch", action="store_true", help="refresh until Ctrl-C")
     placement.add_argument("--json", action="store_true", help="print one JSON object")
     placement.add_argument("--interval-s", type=float, default=1.0)
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = parser.parse_args(argv)
     if args.command == "serve":
-        return serve(args)
+        # flags after `serve`, with DUALPACE_<FLAG> and --config filling what they leave unset
+        serve_args = parse_with_config(serve_parser, argv[argv.index("serve") + 1:])
+        serve_args.command = "serve"
+        return serve(serve_args)
     from router.placement_cli import run_placement
 
     return run_placement(args)

@@ -18,6 +18,7 @@ import grpc
 from dualpace.model.config import ModelConfig
 from dualpace.model.tokenizer import Tokenizer
 from dualpace.serve import metrics
+from dualpace.serve.logging_setup import request_metadata
 from dualpace.wire.v1 import engine_pb2
 from router.admission import AdmissionConfig
 from router.engines import EngineHandle, EnginePool
@@ -136,7 +137,8 @@ class RouterCore:
         self.migrations.append(record)
         try:
             await source.stub.MigrateOut(engine_pb2.MigrateOutRequest(request_id=tracked.request_id,
-                                                                      target_address=target.address), timeout=60)
+                                                                      target_address=target.address), timeout=60,
+                                          metadata=request_metadata(tracked.request_id))
             record.outcome = "committed"
             tracked.num_migrations += 1
             metrics.migration(source.expected_kind, target.expected_kind, "committed")

@@ -10,7 +10,6 @@ incrementally and stop strings end the request.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -21,6 +20,7 @@ import grpc
 from dualpace.errors import Overloaded, Unavailable
 from dualpace.model.detokenizer import IncrementalDetokenizer
 from dualpace.sampling_params import FinishReason, SamplingParams
+from dualpace.serve.logging_setup import bind_request_id, request_metadata, unbind_request_id
 from dualpace.serve.metrics import RequestClock, engine_metrics
 from dualpace.wire.engine_messages import generate_update_from_pb, new_request_to_pb, resume_request_to_pb
 from dualpace.wire.v1 import engine_pb2
@@ -88,8 +88,11 @@ class Relay:
 
     async def run(self) -> AsyncIterator[RelayUpdate]:
         self.core.tracked[self.request_id] = self.tracked
+        bind_request_id(self.request_id)  # on every line logged for this request (and sent to the engines)
         try:
             engine, handoff_to = await self._admit()
+            log.info("admitted on %s%s (%d prompt tokens)", engine.name,
+                     f", hand-off to {handoff_to.name}" if handoff_to is not None else "", len(self.prompt_token_ids))
             engine_metrics(engine.name).prompt_tokens.inc(len(self.prompt_token_ids))
             call = self._submit(engine)
             recovered = False
@@ -106,7 +109,8 @@ class Relay:
                     engine, handoff_to = moved_to, None
                     self.tracked.engine = engine
                     call = engine.stub.Generate(resume_request_to_pb(
-                        self.request_id, len(self.output_token_ids) - self.engine_base))
+                        self.request_id, len(self.output_token_ids) - self.engine_base),
+                        metadata=request_metadata(self.request_id))
                 except grpc.aio.AioRpcError as exc:
                     if exc.code() not in ENGINE_FAILURE_CODES:
                         if recovered:  # the survivor refused the continuation (e.g. its pool is too small)
@@ -129,6 +133,7 @@ class Relay:
             self.core.notify()
             if not self.finished:
                 await self._abort_in_engine()
+            unbind_request_id()
 
     def _observe(self, update: RelayUpdate) -> None:
         metrics = engine_metrics(update.engine)
@@ -174,7 +179,8 @@ class Relay:
         prompt = self.prompt_token_ids + self.output_token_ids
         self.engine_base = len(self.output_token_ids)
         return engine.stub.Generate(new_request_to_pb(self.request_id, prompt, params or self.params,
-                                                      keep_running_on_disconnect=True))
+                                                      keep_running_on_disconnect=True),
+                                    metadata=request_metadata(self.request_id))
 
     # ----------------------------------------------------------------- following
 
@@ -239,7 +245,8 @@ class Relay:
                 if any(info.request_id == self.request_id for info in listing.requests):
                     # Same lineage, same outputs: only the stream moves.
                     return engine, engine.stub.Generate(resume_request_to_pb(
-                        self.request_id, len(self.output_token_ids) - self.engine_base))
+                        self.request_id, len(self.output_token_ids) - self.engine_base),
+                        metadata=request_metadata(self.request_id))
                 remaining = self.params.max_tokens - len(self.output_token_ids)
                 return engine, self._submit(engine, replace(self.params, max_tokens=remaining))
             if time.monotonic() > deadline:
@@ -251,6 +258,7 @@ class Relay:
         if engine is None:
             return
         try:
-            await engine.stub.Abort(engine_pb2.AbortRequest(request_id=self.request_id), timeout=5)
+            await engine.stub.Abort(engine_pb2.AbortRequest(request_id=self.request_id), timeout=5,
+                                    metadata=request_metadata(self.request_id))
         except grpc.aio.AioRpcError:
             pass  # already finished, moved or gone

@@ -32,7 +32,9 @@ from dualpace.faults import FaultConfig
 from dualpace.model.loader import LoadedModel
 from dualpace.model.registry import DEFAULT_MODEL_NAME
 from dualpace.sampling import SamplingParams
+from dualpace.serve.config import add_config_argument, effective_config
 from dualpace.serve.engine_servicer import EngineServicer
+from dualpace.serve.logging_setup import configure_logging, get_logger
 from dualpace.serve.loop import serve_forever
 from dualpace.serve.metrics import add_metrics_argument, start_from_args
 from dualpace.serve.sd_notify import Notifier, watchdog_interval_s
@@ -69,7 +71,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser, default_name: str, def
                         help="HOST:PORT; port 0 picks a free port; a non-loopback host needs --tls-cert/--tls-key")
     parser.add_argument("--grace-s", type=float, default=DEFAULT_GRACE_S,
                         help="on SIGTERM, how long running requests may take to finish before they are aborted")
-    parser.add_argument("--log-level", default="INFO")
+    parser.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR (JSON lines on stderr)")
+    add_config_argument(parser)
     add_metrics_argument(parser)
     add_security_arguments(parser)
 
@@ -157,8 +160,11 @@ def run_engine_daemon(
     extra_services: Callable[[EngineDaemonParts, grpc.aio.Server], list[str]] | None = None,
 ) -> int:
     """Load, warm up, serve until stopped, drain; return the exit status (2 bad start, 1 engine failed)."""
-    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        configure_logging(args.log_level)
+    except DualPaceError as exc:
+        print(f"{process_name}: error: {exc}", file=sys.stderr)
+        return 2
     notifier = Notifier.from_environ()
     try:
         faults = FaultConfig.from_environ()
@@ -173,7 +179,8 @@ def run_engine_daemon(
         warm_up(parts.loop.core)
     except DualPaceError as exc:
         print(f"{process_name}: error: {exc}", file=sys.stderr)
-        return 2
+        return 2  # a refusal is its one line on stderr, nothing else
+    get_logger(__name__).info("effective configuration", daemon=process_name, config=effective_config(args))
     if faults.any:
         log.warning("fault injection enabled: %s", faults)
     parts.loop.step_delay_s = faults.step_delay_s

@@ -9,18 +9,20 @@ from __future__ import annotations
 
 import asyncio
 
-
 from dualpace import __version__
 from dualpace.engine.loop import EngineLoop
 from dualpace.engine.migration import KvImporter, migrate_out
 from dualpace.errors import InvalidArgument, RequestNotFound, Unavailable
 from dualpace.faults import FaultConfig
 from dualpace.serve.kv_transport import GrpcKvSender
+from dualpace.serve.logging_setup import bind_request_id, get_logger, request_id_from_context, unbind_request_id
 from dualpace.wire import engine_messages as messages
 from dualpace.wire.v1 import engine_pb2, engine_pb2_grpc
 
 MIN_WATCH_INTERVAL_MS = 20
 DEFAULT_WATCH_INTERVAL_MS = 200
+
+log = get_logger(__name__)
 
 
 class EngineServicer(engine_pb2_grpc.EngineServicer):
@@ -32,8 +34,11 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
     async def Generate(self, request, context):
         loop = self.loop
         kind = request.WhichOneof("kind")
+        # The caller's x-request-id (the router's), else the request's own id.
+        bind_request_id(request_id_from_context(context) or _generate_request_id(request, kind))
         if kind == "new_request":
             request_id, prompt_token_ids, params = messages.new_request_from_pb(request.new_request)
+            log.info("generate", prompt_tokens=len(prompt_token_ids), max_tokens=params.max_tokens)
             channel = await loop.add_request(request_id, prompt_token_ids, params)
             start = 0
             abort_on_disconnect = not request.new_request.keep_running_on_disconnect
@@ -45,6 +50,7 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
             if start > len(channel.output_token_ids):
                 raise InvalidArgument("resume.from_token_index",
                                       f"{start} is past the {len(channel.output_token_ids)} tokens generated so far")
+            log.info("generate resumed", from_token_index=start)
         else:
             raise InvalidArgument("kind", "set new_request or resume")
         name = loop.core.config.name
@@ -60,15 +66,22 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
         finally:
             if abort_on_disconnect and not finished and not channel.done:
                 # The client went away: the request must not keep its KV blocks.
+                log.info("client went away; aborting")
                 await _abort_quietly(loop, request_id)
+            log.debug("generate stream ended", output_tokens=len(channel.output_token_ids), finished=finished)
+            unbind_request_id()
 
     async def Abort(self, request, context):
+        bind_request_id(request_id_from_context(context) or request.request_id)
+        log.info("abort")
         await self.loop.abort(request.request_id)
         return engine_pb2.AbortResponse(found=True)
 
     async def MigrateOut(self, request, context):
         if not request.target_address:
             raise InvalidArgument("target_address", "must be set")
+        bind_request_id(request_id_from_context(context) or request.request_id)
+        log.info("migrate out", target=request.target_address)
         # The stream's migrated_to is the target's address: where the client resumes the request.
         sender = GrpcKvSender(request.target_address, self.faults, auth_token=self.auth_token)
         stats = await migrate_out(self.loop, request.request_id, sender, migrated_to=request.target_address)
@@ -140,6 +153,14 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
             device=str(model.device),
             version=__version__,
         )
+
+
+def _generate_request_id(request, kind: str | None) -> str | None:
+    if kind == "new_request":
+        return request.new_request.request_id or None
+    if kind == "resume":
+        return request.resume.request_id or None
+    return None
 
 
 async def _abort_quietly(loop: EngineLoop, request_id: str) -> None:
