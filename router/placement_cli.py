@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from datetime import datetime
@@ -102,6 +103,9 @@ def run_placement(args: argparse.Namespace) -> int:
                 return _print_json(stub, args, placements)
             return _print_tables(stub, args, placements)
         except KeyboardInterrupt:
+            return 0
+        except BrokenPipeError:  # the reader went away (e.g. `| head`): not an error
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
             return 0
 
 
