@@ -19,7 +19,7 @@ from dualpace.model.config import ModelConfig
 from dualpace.model.tokenizer import Tokenizer
 from dualpace.serve import metrics
 from dualpace.serve.logging_setup import request_metadata
-from dualpace.wire.v1 import engine_pb2
+from dualpace.wire.engine_messages import migrate_out_request_to_pb
 from router.admission import AdmissionConfig
 from router.engines import EngineHandle, EnginePool
 from router.migration_planner import MigrationConfig, plan_migrations
@@ -136,8 +136,7 @@ class RouterCore:
                                  reason)
         self.migrations.append(record)
         try:
-            await source.stub.MigrateOut(engine_pb2.MigrateOutRequest(request_id=tracked.request_id,
-                                                                      target_address=target.address), timeout=60,
+            await source.stub.MigrateOut(migrate_out_request_to_pb(tracked.request_id, target.address), timeout=60,
                                           metadata=request_metadata(tracked.request_id))
             record.outcome = "committed"
             tracked.num_migrations += 1

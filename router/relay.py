@@ -22,7 +22,12 @@ from dualpace.model.detokenizer import IncrementalDetokenizer
 from dualpace.sampling_params import FinishReason, SamplingParams
 from dualpace.serve.logging_setup import bind_request_id, request_metadata, unbind_request_id
 from dualpace.serve.metrics import RequestClock, engine_metrics
-from dualpace.wire.engine_messages import generate_update_from_pb, new_request_to_pb, resume_request_to_pb
+from dualpace.wire.engine_messages import (
+    abort_request_to_pb,
+    generate_update_from_pb,
+    new_request_to_pb,
+    resume_request_to_pb,
+)
 from dualpace.wire.v1 import engine_pb2
 from router.admission import Placement, admit
 from router.core import RouterCore, Tracked
@@ -258,7 +263,7 @@ class Relay:
         if engine is None:
             return
         try:
-            await engine.stub.Abort(engine_pb2.AbortRequest(request_id=self.request_id), timeout=5,
+            await engine.stub.Abort(abort_request_to_pb(self.request_id), timeout=5,
                                     metadata=request_metadata(self.request_id))
         except grpc.aio.AioRpcError:
             pass  # already finished, moved or gone

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 
-from dualpace import __version__
 from dualpace.engine.loop import EngineLoop
 from dualpace.engine.migration import KvImporter, migrate_out
 from dualpace.errors import InvalidArgument, RequestNotFound, Unavailable
@@ -85,8 +84,7 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
         # The stream's migrated_to is the target's address: where the client resumes the request.
         sender = GrpcKvSender(request.target_address, self.faults, auth_token=self.auth_token)
         stats = await migrate_out(self.loop, request.request_id, sender, migrated_to=request.target_address)
-        return engine_pb2.MigrateOutResponse(target_engine=stats.target_engine, num_chunks=stats.num_chunks,
-                                             total_bytes=stats.total_bytes, duration_ms=stats.duration_ms)
+        return messages.migrate_out_response_to_pb(stats)
 
     async def ImportKv(self, request_iterator, context):
         importer = KvImporter(self.loop)
@@ -101,13 +99,11 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
                     await importer.chunk(messages.kv_chunk_from_pb(message.chunk))
                 elif kind == "prepare":
                     progress = await importer.prepare()
-                    yield engine_pb2.ImportKvReply(prepared=engine_pb2.ImportKvPrepared(
-                        num_chunks=progress.next_seq, total_bytes=progress.num_bytes,
-                        kv_blocks=len(self.loop.core.scheduler.blocks.block_ids(progress.header.request_id))))
+                    num_kv_blocks = len(self.loop.core.scheduler.blocks.block_ids(progress.header.request_id))
+                    yield messages.import_prepared_to_pb(progress, num_kv_blocks)
                 elif kind == "commit":
                     engine_name = await importer.commit()
-                    yield engine_pb2.ImportKvReply(committed=engine_pb2.ImportKvCommitted(
-                        request_id=importer.progress.header.request_id, engine=engine_name))
+                    yield messages.import_committed_to_pb(importer.progress.header.request_id, engine_name)
                     return
                 else:
                     raise InvalidArgument("kind", "empty ImportKv message")
@@ -133,26 +129,7 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
         return engine_pb2.ListRequestsResponse(requests=infos)
 
     async def Info(self, request, context):
-        core = self.loop.core
-        cfg = core.loaded.config
-        model = core.loaded.model
-        return engine_pb2.EngineInfo(
-            engine=core.config.name,
-            kind=messages.ENGINE_KIND_TO_PB[core.config.kind],
-            model=core.loaded.name,
-            architecture=cfg.architecture,
-            num_layers=cfg.num_layers,
-            hidden_size=cfg.hidden_size,
-            num_heads=cfg.num_heads,
-            num_kv_heads=cfg.num_kv_heads,
-            head_dim=cfg.head_dim,
-            vocab_size=cfg.vocab_size,
-            max_context_tokens=core.loaded.max_context_tokens,
-            block_size=core.config.block_size,
-            dtype=str(model.dtype).removeprefix("torch."),
-            device=str(model.device),
-            version=__version__,
-        )
+        return messages.engine_info_to_pb(self.loop.core)
 
 
 def _generate_request_id(request, kind: str | None) -> str | None:

@@ -6,6 +6,7 @@ service convert here and nowhere else.
 
 from __future__ import annotations
 
+from dualpace import __version__
 from dualpace.engine.channel import ChannelUpdate
 from dualpace.engine.kv_transfer import KvChunk, KvLayout, KvTransferHeader
 from dualpace.engine.loop import EngineLoad
@@ -153,3 +154,50 @@ def kv_chunk_to_pb(chunk: KvChunk) -> engine_pb2.ImportKvMessage:
 def kv_chunk_from_pb(message: engine_pb2.KvChunk) -> KvChunk:
     return KvChunk(seq=message.seq, layer=message.layer, token_start=message.token_start,
                    token_end=message.token_end, k=message.k, v=message.v, crc32=message.crc32)
+
+
+def engine_info_to_pb(core) -> engine_pb2.EngineInfo:
+    """The identity and model shape of an EngineCore."""
+    cfg = core.loaded.config
+    model = core.loaded.model
+    return engine_pb2.EngineInfo(
+        engine=core.config.name,
+        kind=ENGINE_KIND_TO_PB[core.config.kind],
+        model=core.loaded.name,
+        architecture=cfg.architecture,
+        num_layers=cfg.num_layers,
+        hidden_size=cfg.hidden_size,
+        num_heads=cfg.num_heads,
+        num_kv_heads=cfg.num_kv_heads,
+        head_dim=cfg.head_dim,
+        vocab_size=cfg.vocab_size,
+        max_context_tokens=core.loaded.max_context_tokens,
+        block_size=core.config.block_size,
+        dtype=str(model.dtype).removeprefix("torch."),
+        device=str(model.device),
+        version=__version__,
+    )
+
+
+def migrate_out_request_to_pb(request_id: str, target_address: str) -> engine_pb2.MigrateOutRequest:
+    return engine_pb2.MigrateOutRequest(request_id=request_id, target_address=target_address)
+
+
+def migrate_out_response_to_pb(stats) -> engine_pb2.MigrateOutResponse:
+    """From dualpace.engine.migration.MigrationStats."""
+    return engine_pb2.MigrateOutResponse(target_engine=stats.target_engine, num_chunks=stats.num_chunks,
+                                         total_bytes=stats.total_bytes, duration_ms=stats.duration_ms)
+
+
+def import_prepared_to_pb(progress, num_kv_blocks: int) -> engine_pb2.ImportKvReply:
+    """From dualpace.engine.kv_transfer.ImportProgress, once every chunk is verified."""
+    return engine_pb2.ImportKvReply(prepared=engine_pb2.ImportKvPrepared(
+        num_chunks=progress.next_seq, total_bytes=progress.num_bytes, kv_blocks=num_kv_blocks))
+
+
+def import_committed_to_pb(request_id: str, engine_name: str) -> engine_pb2.ImportKvReply:
+    return engine_pb2.ImportKvReply(committed=engine_pb2.ImportKvCommitted(request_id=request_id, engine=engine_name))
+
+
+def abort_request_to_pb(request_id: str) -> engine_pb2.AbortRequest:
+    return engine_pb2.AbortRequest(request_id=request_id)
