@@ -35,9 +35,8 @@ class CpuRunner(ModelRunner):
         self._assist_fallback = DENSE_ASSIST_CALLS.labels(engine_name, "fallback")
         self._assist_round_trip = DENSE_ASSIST_ROUND_TRIP.labels(engine_name)
 
-    def execute(self, plan: StepPlan) -> StepResult:
-        if plan.is_empty:
-            return StepResult({})
+    def run_plan(self, plan: StepPlan) -> StepResult:
+        """A non-empty plan, Assisted or Local (ModelRunner.execute counts the step and honours faults)."""
         decode_only = all(len(s.token_ids) == 1 and s.sample for s in plan.sequences)
         mode = self.chooser.choose(len(plan.sequences), decode_only)
         if mode == ExecutionMode.ASSISTED and self.assisted is not None:
@@ -55,7 +54,7 @@ class CpuRunner(ModelRunner):
                 self._record(ExecutionMode.ASSISTED, len(plan.sequences), start)
                 return result
         start = time.perf_counter()
-        result = super().execute(plan)
+        result = super().run_plan(plan)
         self._record(ExecutionMode.LOCAL, len(plan.sequences), start)
         return result
 

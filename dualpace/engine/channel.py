@@ -21,7 +21,8 @@ class ChannelUpdate:
     new_token_ids: tuple[int, ...]
     finish_reason: FinishReason | None
     migrated_to: str | None
-    error_message: str | None = None
+    error_message: str | None = None  # set when the request ended with an error instead of a result
+    engine_failed: bool = False  # with error_message: the whole engine failed, not just this request
 
 
 class RequestChannel:
@@ -32,6 +33,7 @@ class RequestChannel:
         self.finish_reason: FinishReason | None = None
         self.migrated_to: str | None = None
         self.error_message: str | None = None
+        self.engine_failed = False
         self._changed = asyncio.Condition()
         self.num_followers = 0
 
@@ -39,19 +41,24 @@ class RequestChannel:
     def done(self) -> bool:
         return self.finish_reason is not None or self.migrated_to is not None
 
-    async def publish(self, event: RequestEvent) -> None:
+    async def publish(self, event: RequestEvent, error_message: str | None = None) -> None:
+        """Add the event's tokens and outcome; `error_message` explains a FinishReason.ERROR of this
+        request alone (e.g. non-finite logits): followers report it as an error, the engine serves on."""
         async with self._changed:
             self.output_token_ids.extend(event.new_token_ids)
             if event.finish_reason is not None:
                 self.finish_reason = event.finish_reason
+                if error_message is not None and self.error_message is None:
+                    self.error_message = error_message
             if event.migrated_to is not None:
                 self.migrated_to = event.migrated_to
             self._changed.notify_all()
 
     async def fail(self, message: str) -> None:
-        """End the request with an error the followers report (e.g. the engine failed)."""
+        """End the request because the engine failed; followers report the error (UNAVAILABLE)."""
         async with self._changed:
             self.error_message = message
+            self.engine_failed = True
             self.finish_reason = self.finish_reason or FinishReason.ERROR
             self._changed.notify_all()
 
@@ -69,7 +76,8 @@ class RequestChannel:
                 if new_ids or done:
                     yield ChannelUpdate(first, new_ids, self.finish_reason if done else None,
                                         self.migrated_to if done else None,
-                                        self.error_message if done else None)
+                                        self.error_message if done else None,
+                                        self.engine_failed if done else False)
                 if done:
                     return
         finally:

@@ -34,7 +34,7 @@ from dualpace.engine.core import EngineCore
 from dualpace.engine.gate import IterationGate
 from dualpace.engine.request import RequestEvent
 from dualpace.errors import RequestNotFound, Unavailable
-from dualpace.sampling import SamplingParams
+from dualpace.sampling import FinishReason, SamplingParams
 from dualpace.serve.metrics import EngineMetrics, RequestClock
 
 log = logging.getLogger(__name__)
@@ -59,6 +59,11 @@ class EngineLoad:
     num_iterations: int
     num_preemptions: int
     timestamp_unix_ms: int
+
+
+def nonfinite_logits_message(request_id: str, engine_name: str) -> str:
+    return (f"request {request_id!r} failed on engine {engine_name}: non-finite logits (NaN or Inf); "
+            "the request was ended, the engine serves on")
 
 
 def percentile(values: list[float], fraction: float) -> float:
@@ -285,10 +290,17 @@ class EngineLoop:
     async def _dispatch(self, events: list[RequestEvent]) -> None:
         now_s = time.perf_counter()
         for event in events:
+            error_message = None
+            if event.finish_reason == FinishReason.ERROR:
+                # The one error a step ends a request with: its logits were not finite (Scheduler.apply).
+                # Its blocks are already free; the rest of the batch went on; the engine keeps serving.
+                error_message = nonfinite_logits_message(event.request_id, self.core.config.name)
+                self.metrics.nonfinite_logits.inc()
+                log.warning("%s", error_message)
             channel = self.channels.get(event.request_id)
             if channel is None:
                 continue
-            await channel.publish(event)
+            await channel.publish(event, error_message)
             clock = self._clocks.get(event.request_id)
             if clock is not None:
                 clock.tokens(self.metrics, len(event.new_token_ids), now_s)

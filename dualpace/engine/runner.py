@@ -1,10 +1,17 @@
-"""Executes a StepPlan on a device: one paged forward pass, then sampling."""
+"""Executes a StepPlan on a device: one paged forward pass, then sampling.
+
+Non-finite logits are always caught: sampling checks every sampled row with one
+vectorised `isfinite` over the batch, and a row with NaN or Inf comes back as
+None in the StepResult, so the scheduler ends that request alone (with
+FinishReason.ERROR and a message) while the rest of the batch proceeds.
+"""
 
 from __future__ import annotations
 
 import torch
 
 from dualpace.engine.scheduler import StepPlan, StepResult
+from dualpace.faults import FaultConfig
 from dualpace.kv.storage import KVStorage
 from dualpace.model.loader import LoadedModel
 from dualpace.model.paged_forward import PagedForward, SequenceWork
@@ -21,16 +28,31 @@ class ModelRunner:
         self.kv = KVStorage(cfg.num_layers, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim,
                             model.dtype, model.device)
         self.forward = PagedForward(model, self.kv)
+        self.faults = FaultConfig()  # test-only faults (dualpace.faults); the daemon sets them after warm-up
+        self.num_forward_steps = 0  # non-empty plans executed since the faults were set
 
-    @torch.inference_mode()
+    def set_faults(self, faults: FaultConfig) -> None:
+        """Honour `faults` from now on; forward steps are counted from here (1-based)."""
+        self.faults = faults
+        self.num_forward_steps = 0
+
     def execute(self, plan: StepPlan) -> StepResult:
+        """Run one step. Raises when the forward pass fails: the engine cannot continue."""
         if plan.is_empty:
             return StepResult({})
+        self.num_forward_steps += 1
+        self.faults.check_forward(self.num_forward_steps)
+        return self.run_plan(plan)
+
+    @torch.inference_mode()
+    def run_plan(self, plan: StepPlan) -> StepResult:
+        """The forward pass and sampling of a non-empty plan, here (subclasses may run it elsewhere)."""
         work = [SequenceWork(list(s.token_ids), s.start_pos, list(s.block_ids)) for s in plan.sequences]
         logits = self.forward.forward(work)
         rows = [i for i, s in enumerate(plan.sequences) if s.sample]
         if not rows:
             return StepResult({})
+        self._inject_nan_logits(plan, logits)
         sampled = [plan.sequences[i] for i in rows]
         result = sample_next_tokens(
             logits[rows], [s.params for s in sampled], [s.seed for s in sampled], [s.sample_position for s in sampled]
@@ -39,6 +61,15 @@ class ModelRunner:
             s.request_id: (token_id if finite else None)
             for s, token_id, finite in zip(sampled, result.token_ids, result.finite)
         })
+
+    def _inject_nan_logits(self, plan: StepPlan, logits: torch.Tensor) -> None:
+        """DUALPACE_FAULT_NAN_LOGITS_REQUEST: the target's row becomes NaN whenever it is sampled."""
+        target = self.faults.nan_logits_request
+        if target is None:
+            return
+        for row, sequence in enumerate(plan.sequences):
+            if sequence.request_id == target and sequence.sample:
+                logits[row] = float("nan")
 
     # KV transfer: a request's cache as contiguous per-layer tensors, and back.
 

@@ -58,7 +58,8 @@ class StepPlan:
 
 @dataclass(frozen=True)
 class StepResult:
-    """Sampled token per sequence that had `sample` set; None where its logits were not finite."""
+    """Sampled token per sequence that had `sample` set; None where its logits were not finite.
+    `apply` ends such a request alone with FinishReason.ERROR (the only error it produces) and frees its blocks."""
 
     sampled_token_ids: dict[str, int | None]
 

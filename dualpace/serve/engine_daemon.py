@@ -9,6 +9,11 @@ Life cycle, as systemd (Type=notify) sees it through dualpace.serve.sd_notify:
     loop (after steps and while idle; a stalled step stops them) -> SIGTERM ->
     STOPPING=1, health NOT_SERVING, new requests UNAVAILABLE, running ones finish
     within --grace-s (then the rest are aborted) -> exit 0.
+
+If a step raises (the forward pass failed), the engine cannot continue: every stream
+ends with UNAVAILABLE, health turns NOT_SERVING, and the process exits with status 1
+(systemd restarts it). A request whose logits are not finite ends alone (DATA_LOSS on
+its stream) and the engine keeps serving.
 """
 
 from __future__ import annotations
@@ -183,7 +188,9 @@ def run_engine_daemon(
     get_logger(__name__).info("effective configuration", daemon=process_name, config=effective_config(args))
     if faults.any:
         log.warning("fault injection enabled: %s", faults)
+    # Faults are honoured from here on, so the warm-up steps are not counted (FORWARD_RAISE_AT_STEP).
     parts.loop.step_delay_s = faults.step_delay_s
+    parts.loop.core.runner.set_faults(faults)
     parts.loop.update_metrics()  # the KV pool size is known before the first request
     interval_s = watchdog_interval_s()
     if interval_s is not None and notifier.enabled:

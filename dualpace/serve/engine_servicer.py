@@ -2,24 +2,37 @@
 
 Thin: convert at the wire boundary, call the EngineLoop, convert back. Errors are
 raised as dualpace.errors exceptions; the server's interceptor maps them to
-status codes.
+status codes. A Generate stream ends with UNAVAILABLE when the engine failed
+(its forward pass raised) and with DATA_LOSS when only its request failed
+(non-finite logits); tokens produced before either are sent first.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+
+import grpc
 
 from dualpace.engine.loop import EngineLoop
 from dualpace.engine.migration import KvImporter, migrate_out
 from dualpace.errors import InvalidArgument, RequestNotFound, Unavailable
 from dualpace.faults import FaultConfig
 from dualpace.serve.kv_transport import GrpcKvSender
-from dualpace.serve.logging_setup import bind_request_id, get_logger, request_id_from_context, unbind_request_id
+from dualpace.serve.logging_setup import (
+    bind_request_id,
+    get_logger,
+    request_id_from_context,
+    unbind_request_id,
+)
+from dualpace.serve.metrics import error as count_error
 from dualpace.wire import engine_messages as messages
 from dualpace.wire.v1 import engine_pb2, engine_pb2_grpc
 
 MIN_WATCH_INTERVAL_MS = 20
 DEFAULT_WATCH_INTERVAL_MS = 200
+# A Generate stream whose request alone failed (non-finite logits) ends with this code.
+REQUEST_ERROR_CODE = grpc.StatusCode.DATA_LOSS
 
 log = get_logger(__name__)
 
@@ -57,7 +70,14 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
         try:
             async for update in channel.follow(start):
                 if update.error_message is not None:
-                    raise Unavailable(update.error_message)
+                    if update.new_token_ids:  # tokens made before the error reach the client first
+                        yield messages.generate_response_to_pb(
+                            request_id, dataclasses.replace(update, finish_reason=None), name,
+                            channel.num_prompt_tokens, len(channel.output_token_ids))
+                    finished = True
+                    if update.engine_failed:
+                        raise Unavailable(update.error_message)
+                    await _end_with_request_error(context, update.error_message)
                 yield messages.generate_response_to_pb(
                     request_id, update, name, channel.num_prompt_tokens, len(channel.output_token_ids)
                 )
@@ -138,6 +158,15 @@ def _generate_request_id(request, kind: str | None) -> str | None:
     if kind == "resume":
         return request.resume.request_id or None
     return None
+
+
+async def _end_with_request_error(context, message: str) -> None:
+    """End a Generate stream whose request alone failed (non-finite logits) with DATA_LOSS: the
+    request's numbers are corrupt and it cannot continue, but this engine is healthy. Not UNAVAILABLE
+    or INTERNAL, which the router reads as the engine failing (it would mark the engine unhealthy
+    and re-submit a request that fails the same way)."""
+    count_error(REQUEST_ERROR_CODE.name)
+    await context.abort(REQUEST_ERROR_CODE, message)
 
 
 async def _abort_quietly(loop: EngineLoop, request_id: str) -> None:

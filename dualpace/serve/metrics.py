@@ -8,7 +8,8 @@ the engine's own name; in the router it is the engine that produced (or was give
 Who updates what, so the pure scheduler stays free of it:
 - EngineLoop (dualpace.engine.loop): request gauges, KV blocks, preemptions after each step and
   command; iteration latency (mode gpu, or local/assisted on cpu_service); prompt/generation
-  tokens, TTFT, ITL, E2E and finished requests from the events it dispatches.
+  tokens, TTFT, ITL, E2E, finished requests and requests ended by non-finite logits from the
+  events it dispatches.
 - CpuRunner: Dense Assist calls and their round trip.
 - Router: the same request families from the relay, migrations from RouterCore.migrate, and the
   HTTP front's counters.
@@ -81,6 +82,9 @@ REQUESTS = Counter("dualpace_requests_total", "Finished requests, by finish reas
                    registry=REGISTRY)
 PREEMPTIONS = Counter("dualpace_preemptions_total", "Requests preempted (to be recomputed) for lack of KV blocks.",
                       _ENGINE, registry=REGISTRY)
+NONFINITE_LOGITS = Counter("dualpace_nonfinite_logits_total",
+                           "Requests ended because their logits held NaN or Inf (the engine serves on).", _ENGINE,
+                           registry=REGISTRY)
 MIGRATIONS = Counter("dualpace_migrations_total", "Migrations the router asked for (the hand-off included).",
                      ("direction", "outcome"), registry=REGISTRY)
 DENSE_ASSIST_CALLS = Counter("dualpace_dense_assist_calls_total",
@@ -133,6 +137,7 @@ class EngineMetrics:
         self.prompt_tokens = PROMPT_TOKENS.labels(engine)
         self.generation_tokens = GENERATION_TOKENS.labels(engine)
         self._iteration: dict[str, Histogram] = {}
+        self._nonfinite_logits: Counter | None = None
         self._finished: dict[str, Counter] = {}
         self._num_preemptions_seen = 0
 
@@ -142,6 +147,7 @@ class EngineMetrics:
         if self._state is None:
             self._state = tuple(family.labels(self.engine) for family in (
                 NUM_REQUESTS_RUNNING, NUM_REQUESTS_WAITING, KV_BLOCKS_USED, KV_BLOCKS_TOTAL, PREEMPTIONS))
+            _ = self.nonfinite_logits  # an engine exports its count from the start, at 0
         running, waiting, kv_used, kv_total, preemptions = self._state
         running.set(num_running)
         waiting.set(num_waiting)
@@ -150,6 +156,13 @@ class EngineMetrics:
         if num_preemptions > self._num_preemptions_seen:
             preemptions.inc(num_preemptions - self._num_preemptions_seen)
         self._num_preemptions_seen = num_preemptions
+
+    @property
+    def nonfinite_logits(self) -> Counter:
+        """Requests this engine ended for non-finite logits (created on first use, like the state gauges)."""
+        if self._nonfinite_logits is None:
+            self._nonfinite_logits = NONFINITE_LOGITS.labels(self.engine)
+        return self._nonfinite_logits
 
     def iteration(self, mode: str, seconds: float) -> None:
         child = self._iteration.get(mode)

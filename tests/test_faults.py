@@ -1,0 +1,124 @@
+"""FaultConfig: parsing the DUALPACE_FAULT_* variables, and what the faults do."""
+
+from __future__ import annotations
+
+import pytest
+
+from dualpace.engine.core import EngineConfig, EngineCore
+from dualpace.engine.kv_transfer import KvChunk
+from dualpace.errors import InvalidArgument, Unavailable
+from dualpace.faults import FaultConfig, InjectedFault, variable_name
+from dualpace.generation import OfflineGenerator
+from dualpace.model.loader import load_model
+from dualpace.sampling import FinishReason, SamplingParams
+
+
+def test_nothing_set_means_no_faults():
+    faults = FaultConfig.from_environ({"PATH": "/bin", "DUALPACE_OTHER": "1"})
+    assert faults == FaultConfig()
+    assert not faults.any
+    assert faults.step_delay_s == 0.0
+
+
+def test_every_variable_is_read_with_its_type():
+    faults = FaultConfig.from_environ({
+        "DUALPACE_FAULT_KV_CORRUPT_CHUNK": "0",
+        "DUALPACE_FAULT_KV_DROP_CHUNK": "2",
+        "DUALPACE_FAULT_KV_CUT_AFTER": "3",
+        "DUALPACE_FAULT_STEP_DELAY_MS": "25",
+        "DUALPACE_FAULT_FORWARD_RAISE_AT_STEP": "7",
+        "DUALPACE_FAULT_NAN_LOGITS_REQUEST": "victim-1",
+    })
+    assert faults == FaultConfig(kv_corrupt_chunk=0, kv_drop_chunk=2, kv_cut_after=3, step_delay_ms=25,
+                                 forward_raise_at_step=7, nan_logits_request="victim-1")
+    assert faults.any
+    assert faults.step_delay_s == pytest.approx(0.025)
+
+
+def test_a_request_id_is_kept_as_text():
+    faults = FaultConfig.from_environ({"DUALPACE_FAULT_NAN_LOGITS_REQUEST": "123"})
+    assert faults.nan_logits_request == "123" and faults.any
+
+
+@pytest.mark.parametrize("name, text, problem", [
+    ("DUALPACE_FAULT_STEP_DELAY_MS", "fast", "expected an integer >= 0, got 'fast'"),
+    ("DUALPACE_FAULT_STEP_DELAY_MS", "-5", "expected an integer >= 0, got -5"),
+    ("DUALPACE_FAULT_KV_CUT_AFTER", "", "expected an integer >= 0, got ''"),
+    ("DUALPACE_FAULT_FORWARD_RAISE_AT_STEP", "0", "expected an integer >= 1, got 0"),
+    ("DUALPACE_FAULT_FORWARD_RAISE_AT_STEP", "1.5", "expected an integer >= 1, got '1.5'"),
+    ("DUALPACE_FAULT_NAN_LOGITS_REQUEST", "", "expected a request id, got an empty value"),
+    ("DUALPACE_FAULT_NAN_LOGITS_REQUEST", "  ", "expected a request id, got an empty value"),
+])
+def test_a_bad_value_names_the_variable(name, text, problem):
+    with pytest.raises(InvalidArgument) as info:
+        FaultConfig.from_environ({name: text})
+    assert info.value.field == name
+    assert info.value.problem == problem
+    assert str(info.value) == f"{name}: {problem}"
+
+
+def test_variable_names_follow_the_fields():
+    assert variable_name("forward_raise_at_step") == "DUALPACE_FAULT_FORWARD_RAISE_AT_STEP"
+    assert variable_name("nan_logits_request") == "DUALPACE_FAULT_NAN_LOGITS_REQUEST"
+
+
+def test_forward_raises_only_at_the_chosen_step():
+    FaultConfig().check_forward(1)  # off: never raises
+    faults = FaultConfig(forward_raise_at_step=3)
+    faults.check_forward(1)
+    faults.check_forward(2)
+    with pytest.raises(InjectedFault, match="at step 3"):
+        faults.check_forward(3)
+    faults.check_forward(4)
+
+
+def test_outgoing_chunk_faults():
+    chunk = KvChunk(seq=1, layer=0, token_start=0, token_end=1, k=b"\x00\x01", v=b"\x02", crc32=0)
+    assert FaultConfig().outgoing_chunk(chunk) is chunk
+    assert FaultConfig(kv_drop_chunk=1).outgoing_chunk(chunk) is None
+    assert FaultConfig(kv_corrupt_chunk=1).outgoing_chunk(chunk).k == b"\x01\x01"
+    with pytest.raises(Unavailable, match="cut after 1"):
+        FaultConfig(kv_cut_after=1).outgoing_chunk(chunk)
+
+
+# ---------------------------------------------------------------------- the runner honours them
+
+
+@pytest.fixture(scope="module")
+def tiny(synth_checkpoint):
+    return load_model(str(synth_checkpoint("tiny-llama")), dtype="fp32")
+
+
+def test_forward_raise_counts_steps_from_when_the_faults_are_set(tiny):
+    core = EngineCore(tiny, EngineConfig(num_kv_blocks=32, block_size=8))
+    core.add_request("warm", [1, 2, 3], SamplingParams(max_tokens=2, ignore_eos=True))
+    core.step()  # like the daemon's warm-up: not counted
+    core.runner.set_faults(FaultConfig(forward_raise_at_step=2))
+    core.step()  # forward step 1: "warm" finishes
+    assert not core.has_work
+    core.step()  # an empty plan runs no forward pass and is not counted
+    core.add_request("a", [4, 5, 6], SamplingParams(max_tokens=8, ignore_eos=True))
+    with pytest.raises(InjectedFault, match="at step 2"):
+        core.step()
+
+
+def test_nan_logits_end_only_the_target_request(tiny):
+    core = EngineCore(tiny, EngineConfig(num_kv_blocks=32, block_size=8))
+    core.runner.set_faults(FaultConfig(nan_logits_request="bad"))
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    outputs: dict[str, list[int]] = {"good": [], "bad": []}
+    finished = {}
+    core.add_request("good", [9, 8, 7, 6], params)
+    core.add_request("bad", [1, 2, 3], params)
+    for _ in range(20):
+        if not core.has_work:
+            break
+        _, events = core.step()
+        for event in events:
+            outputs[event.request_id].extend(event.new_token_ids)
+            if event.finish_reason is not None:
+                finished[event.request_id] = event.finish_reason
+    assert finished == {"bad": FinishReason.ERROR, "good": FinishReason.LENGTH}
+    assert outputs["bad"] == []
+    assert outputs["good"] == OfflineGenerator(tiny).generate([[9, 8, 7, 6]], [params])[0].output_token_ids
+    assert core.scheduler.blocks.num_free_blocks == 32
