@@ -37,3 +37,8 @@ class Overloaded(DualPaceError):
 
 class Unavailable(DualPaceError):
     """The engine cannot serve right now: stopping, failed, or a peer is down (gRPC UNAVAILABLE)."""
+
+
+class DataLoss(DualPaceError):
+    """This request's numbers are corrupt (e.g. non-finite logits) and it cannot continue; the
+    engine itself is healthy (gRPC DATA_LOSS, which the router does not retry)."""

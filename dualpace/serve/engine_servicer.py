@@ -12,11 +12,9 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 
-import grpc
-
 from dualpace.engine.loop import EngineLoop
 from dualpace.engine.migration import KvImporter, migrate_out
-from dualpace.errors import InvalidArgument, RequestNotFound, Unavailable
+from dualpace.errors import DataLoss, InvalidArgument, RequestNotFound, Unavailable
 from dualpace.faults import FaultConfig
 from dualpace.serve.kv_transport import GrpcKvSender
 from dualpace.serve.logging_setup import (
@@ -25,14 +23,11 @@ from dualpace.serve.logging_setup import (
     request_id_from_context,
     unbind_request_id,
 )
-from dualpace.serve.metrics import error as count_error
 from dualpace.wire import engine_messages as messages
 from dualpace.wire.v1 import engine_pb2, engine_pb2_grpc
 
 MIN_WATCH_INTERVAL_MS = 20
 DEFAULT_WATCH_INTERVAL_MS = 200
-# A Generate stream whose request alone failed (non-finite logits) ends with this code.
-REQUEST_ERROR_CODE = grpc.StatusCode.DATA_LOSS
 
 log = get_logger(__name__)
 
@@ -77,7 +72,7 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
                     finished = True
                     if update.engine_failed:
                         raise Unavailable(update.error_message)
-                    await _end_with_request_error(context, update.error_message)
+                    raise DataLoss(update.error_message)
                 yield messages.generate_response_to_pb(
                     request_id, update, name, channel.num_prompt_tokens, len(channel.output_token_ids)
                 )
@@ -158,15 +153,6 @@ def _generate_request_id(request, kind: str | None) -> str | None:
     if kind == "resume":
         return request.resume.request_id or None
     return None
-
-
-async def _end_with_request_error(context, message: str) -> None:
-    """End a Generate stream whose request alone failed (non-finite logits) with DATA_LOSS: the
-    request's numbers are corrupt and it cannot continue, but this engine is healthy. Not UNAVAILABLE
-    or INTERNAL, which the router reads as the engine failing (it would mark the engine unhealthy
-    and re-submit a request that fails the same way)."""
-    count_error(REQUEST_ERROR_CODE.name)
-    await context.abort(REQUEST_ERROR_CODE, message)
 
 
 async def _abort_quietly(loop: EngineLoop, request_id: str) -> None:
