@@ -20,7 +20,11 @@ import grpc
 from dualpace.errors import Overloaded, Unavailable
 from dualpace.model.detokenizer import IncrementalDetokenizer
 from dualpace.sampling_params import FinishReason, SamplingParams
-from dualpace.serve.logging_setup import bind_request_id, request_metadata, unbind_request_id
+from dualpace.serve.logging_setup import (
+    bind_request_id,
+    request_metadata,
+    unbind_request_id,
+)
 from dualpace.serve.metrics import RequestClock, engine_metrics
 from dualpace.wire.engine_messages import (
     abort_request_to_pb,
@@ -75,9 +79,17 @@ class StopStringMatcher:
         return out
 
 
+# A request that cannot continue is answered UNAVAILABLE this long before its client's
+# deadline, so the client learns why instead of seeing DEADLINE_EXCEEDED.
+DEADLINE_MARGIN_S = 0.25
+
+
 class Relay:
-    def __init__(self, core: RouterCore, request_id: str, prompt_token_ids: list[int], params: SamplingParams):
+    def __init__(self, core: RouterCore, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                 client_deadline: float | None = None):
+        """client_deadline: the client's deadline on the time.monotonic() clock (None: none)."""
         self.core = core
+        self.client_deadline = client_deadline
         self.request_id = request_id
         self.prompt_token_ids = prompt_token_ids
         self.params = params  # the seed is fixed, so recovery and migration continue the same draws
@@ -131,6 +143,17 @@ class Relay:
                         self._observe(update)
                         yield update
                         return
+                    if not self.output_token_ids and not recovered:
+                        # Nothing reached the client yet (the engine refused the request while
+                        # draining, or died before its first token): admit it again as a new
+                        # request, so it waits for room like one, and is refused UNAVAILABLE at
+                        # once when no engine is up instead of waiting for one to come back.
+                        await self._abort_quietly(engine)
+                        engine, handoff_to = await self._admit()
+                        log.info("re-admitted on %s", engine.name)
+                        call = self._submit(engine)
+                        recovered = True
+                        continue
                     engine, call = await self._recover(engine)
                     handoff_to, recovered = None, True
         finally:
@@ -150,7 +173,7 @@ class Relay:
 
     async def _admit(self) -> tuple[EngineHandle, EngineHandle | None]:
         core = self.core
-        deadline = time.monotonic() + core.config.queue_timeout_s
+        deadline = self._bounded(time.monotonic() + core.config.queue_timeout_s)
         queued = False
         try:
             while True:
@@ -174,7 +197,8 @@ class Relay:
                     core.num_queued += 1
                 remaining_s = deadline - time.monotonic()
                 if remaining_s <= 0:
-                    raise Overloaded(f"no engine had room within {core.config.queue_timeout_s:.0f} s")
+                    raise Overloaded(f"no engine had room within {core.config.queue_timeout_s:g} s"
+                                     " (or before the client's deadline)")
                 await core.wait_for_change(min(remaining_s, 0.5))
         finally:
             if queued:
@@ -238,7 +262,7 @@ class Relay:
         """Continue on a surviving engine: resume there if it already holds the request
         (a migration committed just before the failure), else re-submit prompt + outputs."""
         core = self.core
-        deadline = time.monotonic() + core.config.recovery_timeout_s
+        deadline = self._bounded(time.monotonic() + core.config.recovery_timeout_s)
         while True:
             survivors = [h for h in core.pool.handles if h is not failed and h.healthy]
             for engine in survivors:
@@ -254,9 +278,24 @@ class Relay:
                         metadata=request_metadata(self.request_id))
                 remaining = self.params.max_tokens - len(self.output_token_ids)
                 return engine, self._submit(engine, replace(self.params, max_tokens=remaining))
-            if time.monotonic() > deadline:
+            remaining_s = deadline - time.monotonic()
+            if remaining_s <= 0:
                 raise Unavailable(f"no surviving engine could take request {self.request_id}")
-            await core.wait_for_change(0.5)
+            await core.wait_for_change(min(remaining_s, 0.5))
+
+    def _bounded(self, deadline: float) -> float:
+        """`deadline`, or earlier when the client's own deadline comes first (less a margin)."""
+        if self.client_deadline is None:
+            return deadline
+        return min(deadline, self.client_deadline - DEADLINE_MARGIN_S)
+
+    async def _abort_quietly(self, engine: EngineHandle) -> None:
+        """Best effort: a failed engine that is still up must not keep the request."""
+        try:
+            await engine.stub.Abort(abort_request_to_pb(self.request_id), timeout=1,
+                                    metadata=request_metadata(self.request_id))
+        except grpc.aio.AioRpcError:
+            pass  # gone, or never held it
 
     async def _abort_in_engine(self) -> None:
         engine = self.tracked.engine

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 import grpc
 
@@ -24,7 +25,9 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         if request_id in self.core.tracked:
             raise InvalidArgument("request_id", f"request {request_id!r} is already running")
         prompt_ids, params = prepare_prompt(client, self.core.tokenizer, self.core.model_config)
-        relay = Relay(self.core, request_id, prompt_ids, params)
+        remaining_s = context.time_remaining()  # None without a client deadline
+        client_deadline = time.monotonic() + remaining_s if remaining_s is not None else None
+        relay = Relay(self.core, request_id, prompt_ids, params, client_deadline)
         async for update in relay.run():
             yield messages.generate_response_to_pb(
                 request_id, update.token_ids, update.text, update.engine, update.finish_reason,

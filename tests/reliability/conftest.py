@@ -1,0 +1,380 @@
+"""Shared setup of the reliability suite (issue #9): real daemons on 127.0.0.1
+ephemeral ports serving a tiny synthetic model, clients that read whole streams on
+threads, and probes of an engine's KV and request table.
+
+Every daemon runs with `--threads 1`; modules start theirs once (module-scoped
+fixtures, in parallel where several are needed) and stop them at the end. Every
+wait is bounded.
+"""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import threading
+import time
+from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import TypeVar
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from dualpace.generation import OfflineGenerator
+from dualpace.model.loader import load_model
+from dualpace.sampling import FinishReason, SamplingParams
+from dualpace.wire.convert import finish_reason_from_pb
+from dualpace.wire.engine_messages import new_request_to_pb
+from dualpace.wire.v1 import (
+    common_pb2,
+    engine_pb2,
+    engine_pb2_grpc,
+    router_pb2,
+    router_pb2_grpc,
+)
+from tests.daemons import Daemon, start_daemon
+
+T = TypeVar("T")
+
+ENGINE_FLAGS = ("--dtype", "fp32", "--threads", "1")
+RPC_TIMEOUT_S = 120.0
+STOP_TIMEOUT_S = 30.0
+
+
+# ---------------------------------------------------------------------- daemons
+
+
+def start_gpu(folder: str, *flags: str, step_delay_ms: int = 0, env: dict[str, str] | None = None) -> Daemon:
+    env = dict(env or {})
+    if step_delay_ms:
+        env["DUALPACE_FAULT_STEP_DELAY_MS"] = str(step_delay_ms)
+    return start_daemon("gpu_service", "--model", folder, *ENGINE_FLAGS, *flags, env=env)
+
+
+def start_cpu(folder: str, *flags: str, step_delay_ms: int = 0, env: dict[str, str] | None = None) -> Daemon:
+    env = dict(env or {})
+    if step_delay_ms:
+        env["DUALPACE_FAULT_STEP_DELAY_MS"] = str(step_delay_ms)
+    return start_daemon("cpu_service", "--model", folder, *ENGINE_FLAGS, "--assist", "never", *flags, env=env)
+
+
+def start_router(folder: str, gpu: Daemon | None, cpu: Daemon | None, *flags: str) -> Daemon:
+    engines = [*(("--gpu", gpu.address) if gpu else ()), *(("--cpu", cpu.address) if cpu else ())]
+    return start_daemon("router", "serve", *engines, "--model", folder, *flags)
+
+
+def start_all(**starters: Callable[[], Daemon]) -> dict[str, Daemon]:
+    """Start daemons in parallel: name -> daemon. If one fails the others are stopped."""
+    with ThreadPoolExecutor(len(starters)) as pool:
+        futures = {name: pool.submit(start) for name, start in starters.items()}
+    started, errors = {}, []
+    for name, future in futures.items():
+        try:
+            started[name] = future.result()
+        except Exception as exc:  # noqa: BLE001 - report every failed start at once
+            errors.append(f"{name}: {exc}")
+    if errors:
+        stop_all(started.values())
+        raise RuntimeError("daemons did not start:\n" + "\n".join(errors))
+    return started
+
+
+def stop_all(daemons: Iterable[Daemon]) -> dict[int, int | None]:
+    """SIGTERM every live daemon at once, then wait for each (SIGKILL past STOP_TIMEOUT_S);
+    pid -> exit status."""
+    daemons = list(daemons)
+    for daemon in daemons:
+        if daemon.process.poll() is None:
+            daemon.process.send_signal(signal.SIGTERM)
+    codes = {}
+    for daemon in daemons:
+        try:
+            daemon.process.wait(STOP_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            daemon.kill()
+        codes[daemon.process.pid] = daemon.process.returncode
+    return codes
+
+
+def assert_clean_exit(daemons: Iterable[Daemon]) -> None:
+    """Stop them; every one that was still alive must exit 0 on SIGTERM."""
+    daemons = [d for d in daemons if d.process.poll() is None]
+    codes = stop_all(daemons)
+    failed = [(d.log()[-3000:]) for d in daemons if codes[d.process.pid] != 0]
+    assert not failed, f"daemons exited with a non-zero status:\n{failed}"
+
+
+@pytest.fixture(scope="session")
+def tiny_folder(synth_checkpoint) -> str:
+    return str(synth_checkpoint("tiny-llama"))
+
+
+@pytest.fixture(scope="session")
+def reference(tiny_folder) -> Callable[..., list[int]]:
+    """reference(prompt, max_tokens, folder=tiny) -> the greedy output of the request run
+    alone in-process (ignore_eos; cached)."""
+    models: dict[str, object] = {}
+    cache: dict[tuple, list[int]] = {}
+
+    def run(prompt: Iterable[int], max_tokens: int, folder: str | None = None) -> list[int]:
+        folder = folder or tiny_folder
+        key = (folder, tuple(prompt), max_tokens)
+        if key not in cache:
+            if folder not in models:
+                models[folder] = load_model(folder, dtype="fp32")
+            params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+            cache[key] = list(OfflineGenerator(models[folder]).generate([list(prompt)], [params])[0]
+                              .output_token_ids)
+        return cache[key]
+
+    return run
+
+
+SLOW_STEP_DELAY_MS = 30
+
+
+@pytest.fixture(scope="session")
+def slow_gpu_behind_router(tiny_folder):
+    """(engine probe, router stub): one gpu_service whose every step lasts at least
+    SLOW_STEP_DELAY_MS (a test-only fault, so requests are measurably mid-stream), behind a
+    gpu-only router without load-driven migration. Shared by the modules that leave it idle."""
+    gpu = start_gpu(tiny_folder, "--name", "gpu-slow", "--kv-blocks", "256", "--block-size", "8",
+                    step_delay_ms=SLOW_STEP_DELAY_MS)
+    router = None
+    try:
+        router = start_router(tiny_folder, gpu, None, "--policy", "gpu-only", "--no-migrate")
+        probe = EngineProbe(gpu.address)
+        channel = grpc.insecure_channel(router.address)
+        yield probe, router_stub(channel)
+        channel.close()
+        probe.close()
+    finally:
+        assert_clean_exit([d for d in (router, gpu) if d is not None])
+
+
+# ---------------------------------------------------------------------- probes
+
+
+class EngineProbe:
+    """A channel to one engine and the reads the tests assert on."""
+
+    def __init__(self, address: str):
+        self.address = address
+        self.channel = grpc.insecure_channel(address)
+        self.stub = engine_pb2_grpc.EngineStub(self.channel)
+
+    def close(self) -> None:
+        self.channel.close()
+
+    def load(self) -> engine_pb2.LoadSnapshot:
+        return self.stub.GetLoad(engine_pb2.GetLoadRequest(), timeout=10)
+
+    def blocks_used(self) -> int:
+        return self.load().kv_blocks_used
+
+    def requests(self) -> dict[str, engine_pb2.RequestInfo]:
+        listing = self.stub.ListRequests(engine_pb2.ListRequestsRequest(), timeout=10)
+        return {info.request_id: info for info in listing.requests}
+
+    def info(self) -> engine_pb2.EngineInfo:
+        return self.stub.Info(engine_pb2.InfoRequest(), timeout=10)
+
+    def health(self) -> int:
+        return health_pb2_grpc.HealthStub(self.channel).Check(health_pb2.HealthCheckRequest(service=""),
+                                                             timeout=10).status
+
+    def wait_idle(self, timeout_s: float = 10.0) -> engine_pb2.LoadSnapshot:
+        """The load once no request is held and no KV block is used (or when the time is up)."""
+        return wait_for(self.load, lambda s: s.kv_blocks_used == 0 and s.num_running == 0 and s.num_waiting == 0,
+                        timeout_s)
+
+    def assert_serving_and_generates(self, request_id: str, max_tokens: int = 3) -> None:
+        assert self.health() == health_pb2.HealthCheckResponse.SERVING
+        stream = EngineStream.run(self.stub, request_id, [3, 1, 4, 1, 5], max_tokens)
+        assert stream.wait(RPC_TIMEOUT_S)
+        assert stream.error is None, stream.error
+        assert stream.finish_reason == FinishReason.LENGTH and len(stream.tokens) == max_tokens
+
+
+def wait_for(probe: Callable[[], T], done: Callable[[T], bool], timeout_s: float = 10.0,
+             interval_s: float = 0.01) -> T:
+    """Poll `probe` until `done(value)` or the time is up; returns the last value (the caller asserts)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = probe()
+        if done(value) or time.monotonic() > deadline:
+            return value
+        time.sleep(interval_s)
+
+
+# ---------------------------------------------------------------------- streams
+
+
+@dataclass
+class Stream:
+    """One server-streaming call read to its end on a thread."""
+
+    request_id: str
+    tokens: list[int] = field(default_factory=list)
+    finish_reason: FinishReason | None = None
+    migrated_to: str = ""
+    engines: set[str] = field(default_factory=set)
+    error: grpc.RpcError | None = None
+    problems: list[str] = field(default_factory=list)  # gaps, repeats, messages after the last
+    started_s: float = field(default_factory=time.monotonic)
+    ended_s: float | None = None
+    call: object = None
+    first_token: threading.Event = field(default_factory=threading.Event)
+    done: threading.Event = field(default_factory=threading.Event)
+    thread: threading.Thread | None = None
+
+    def wait(self, timeout_s: float = RPC_TIMEOUT_S) -> bool:
+        return self.done.wait(timeout_s)
+
+    def wait_tokens(self, count: int, timeout_s: float = 60.0) -> bool:
+        deadline = time.monotonic() + timeout_s
+        while len(self.tokens) < count and not self.done.is_set() and time.monotonic() < deadline:
+            time.sleep(0.005)
+        return len(self.tokens) >= count
+
+    def cancel(self) -> None:
+        self.call.cancel()
+
+    @property
+    def code(self) -> grpc.StatusCode | None:
+        return None if self.error is None else self.error.code()
+
+    def _read(self, call, check_index: bool) -> None:
+        try:
+            for response in call:
+                if self.finish_reason is not None or self.migrated_to:
+                    self.problems.append("a message came after the last one")
+                if check_index and response.token_ids and response.first_token_index != len(self.tokens):
+                    self.problems.append(f"message starts at {response.first_token_index}, "
+                                         f"expected {len(self.tokens)}")
+                self.tokens.extend(response.token_ids)
+                if response.token_ids:
+                    self.engines.add(response.engine)
+                    self.first_token.set()
+                self.finish_reason = finish_reason_from_pb(response.finish_reason)
+                self.migrated_to = getattr(response, "migrated_to", "")
+        except grpc.RpcError as exc:
+            self.error = exc
+        finally:
+            self.ended_s = time.monotonic()
+            self.first_token.set()
+            self.done.set()
+
+    def _start(self, call, check_index: bool) -> Stream:
+        self.call = call
+        self.thread = threading.Thread(target=self._read, args=(call, check_index), daemon=True)
+        self.thread.start()
+        return self
+
+
+class EngineStream(Stream):
+    @classmethod
+    def run(cls, stub: engine_pb2_grpc.EngineStub, request_id: str, prompt: list[int], max_tokens: int,
+            keep_running: bool = False, timeout_s: float = RPC_TIMEOUT_S, **sampling) -> EngineStream:
+        params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, **sampling)
+        call = stub.Generate(new_request_to_pb(request_id, prompt, params, keep_running_on_disconnect=keep_running),
+                             timeout=timeout_s)
+        return cls(request_id)._start(call, check_index=True)
+
+
+def router_request(prompt: list[int], max_tokens: int, request_id: str | None = None,
+                   **sampling) -> router_pb2.GenerateRequest:
+    message = router_pb2.GenerateRequest(prompt_token_ids=common_pb2.TokenIds(token_ids=prompt),
+                                         sampling=common_pb2.SamplingParams(max_tokens=max_tokens, ignore_eos=True,
+                                                                            **sampling))
+    if request_id is not None:
+        message.request_id = request_id
+    return message
+
+
+class RouterStream(Stream):
+    @classmethod
+    def run(cls, stub: router_pb2_grpc.RouterStub, request_id: str, prompt: list[int], max_tokens: int,
+            timeout_s: float = RPC_TIMEOUT_S) -> RouterStream:
+        call = stub.Generate(router_request(prompt, max_tokens, request_id), timeout=timeout_s)
+        return cls(request_id)._start(call, check_index=False)
+
+
+def router_stub(channel: grpc.Channel) -> router_pb2_grpc.RouterStub:
+    return router_pb2_grpc.RouterStub(channel)
+
+
+def prompt_for(index: int, length: int = 6) -> list[int]:
+    """A distinct small prompt (ids within the tiny models' vocabularies)."""
+    return [(index * 13 + j * 7) % 500 + 1 for j in range(length)]
+
+
+# ---------------------------------------------------------------------- hand-made KV transfers
+
+
+def kv_header(request_id: str, prompt: list[int], outputs: list[int], max_tokens: int, info: engine_pb2.EngineInfo,
+              dtype: str = "float32") -> engine_pb2.ImportKvMessage:
+    """The header of a transfer carrying the KV of every token but the last sampled one,
+    one chunk per layer (what a source would send), for the engine described by `info`."""
+    num_computed = len(prompt) + len(outputs) - 1
+    chunk_bytes = 2 * num_computed * info.num_kv_heads * info.head_dim * DTYPE_SIZES[dtype]
+    return engine_pb2.ImportKvMessage(header=engine_pb2.ImportKvHeader(
+        request_id=request_id, prompt_token_ids=prompt, output_token_ids=outputs,
+        sampling=common_pb2.SamplingParams(max_tokens=max_tokens, ignore_eos=True, seed=7),
+        num_computed_tokens=num_computed, num_tokens_emitted=len(outputs),
+        layout=engine_pb2.KvLayout(num_layers=info.num_layers, num_kv_heads=info.num_kv_heads,
+                                   head_dim=info.head_dim, block_size=info.block_size, dtype=dtype),
+        total_chunks=info.num_layers, total_bytes=chunk_bytes * info.num_layers, source_engine="test"))
+
+
+DTYPE_SIZES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+def kv_chunk(seq: int, layer: int, token_start: int, token_end: int, info: engine_pb2.EngineInfo,
+             dtype: str = "float32", fill: int = 0) -> engine_pb2.ImportKvMessage:
+    """A well-formed chunk (right size, right crc32) of arbitrary KV values."""
+    import zlib
+
+    size = (token_end - token_start) * info.num_kv_heads * info.head_dim * DTYPE_SIZES[dtype]
+    k = bytes((fill + i) % 7 for i in range(size))  # small values in any dtype's bytes
+    v = bytes((fill + 3 * i) % 5 for i in range(size))
+    return engine_pb2.ImportKvMessage(chunk=engine_pb2.KvChunk(
+        seq=seq, layer=layer, token_start=token_start, token_end=token_end, k=k, v=v,
+        crc32=zlib.crc32(v, zlib.crc32(k))))
+
+
+class ImportCall:
+    """An ImportKv stream fed message by message from the test (a hand-made source)."""
+
+    def __init__(self, stub: engine_pb2_grpc.EngineStub, timeout_s: float = 60.0):
+        import queue
+
+        self._queue: queue.Queue = queue.Queue()
+        self.call = stub.ImportKv(iter(self._queue.get, None), timeout=timeout_s)
+        self.replies: list[engine_pb2.ImportKvReply] = []
+        self.error: grpc.RpcError | None = None
+        self.done = threading.Event()
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        try:
+            for reply in self.call:
+                self.replies.append(reply)
+        except grpc.RpcError as exc:
+            self.error = exc
+        finally:
+            self.done.set()
+
+    def send(self, *messages: engine_pb2.ImportKvMessage) -> None:
+        for message in messages:
+            self._queue.put(message)
+
+    def close(self) -> None:
+        """End the client side (the source finished sending)."""
+        self._queue.put(None)
+
+    def cancel(self) -> None:
+        self.call.cancel()
+        self._queue.put(None)

@@ -1,0 +1,110 @@
+"""Issue #9, item 11: graceful drain under load (SIGTERM).
+
+Criteria, for the engine and for the router: once SIGTERM arrives, every in-flight request
+completes (exactly max_tokens tokens, its solo greedy output), new requests are refused with
+UNAVAILABLE, and the process exits 0. Engine steps are slowed (a test-only fault) so the
+requests are reliably mid-stream when the signal arrives.
+"""
+
+from __future__ import annotations
+
+import signal
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from dualpace.sampling import FinishReason
+from tests.reliability.conftest import (
+    EngineProbe,
+    EngineStream,
+    RouterStream,
+    assert_clean_exit,
+    prompt_for,
+    router_stub,
+    start_gpu,
+    start_router,
+    wait_for,
+)
+
+STEP_DELAY_MS = 30
+NUM_IN_FLIGHT = 4
+MAX_TOKENS = 60  # about 2 s of steps: still running when the refusals are tested
+EXIT_TIMEOUT_S = 30
+
+
+@pytest.fixture
+def system(tiny_folder):
+    gpu = start_gpu(tiny_folder, "--name", "gpu-drain", "--kv-blocks", "128", "--block-size", "8",
+                    step_delay_ms=STEP_DELAY_MS)
+    router = None
+    try:
+        router = start_router(tiny_folder, gpu, None, "--policy", "gpu-only", "--no-migrate")
+        yield gpu, router
+    finally:
+        assert_clean_exit([d for d in (router, gpu) if d is not None])
+
+
+def health(channel: grpc.Channel) -> int:
+    return health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=""), timeout=5).status
+
+
+def assert_completed(streams, prompts, reference) -> None:
+    for rid, stream in streams.items():
+        assert stream.wait(60), rid
+    for rid, stream in streams.items():
+        assert stream.error is None, (rid, stream.error)
+        assert stream.finish_reason == FinishReason.LENGTH and len(stream.tokens) == MAX_TOKENS, rid
+        assert stream.tokens == reference(prompts[rid], MAX_TOKENS), rid
+
+
+def test_engine_drains_direct_and_relayed_requests(system, reference):
+    gpu, router_daemon = system
+    probe = EngineProbe(gpu.address)
+    with grpc.insecure_channel(router_daemon.address) as channel:
+        router = router_stub(channel)
+        prompts = {f"e-direct-{i}": prompt_for(i) for i in range(NUM_IN_FLIGHT)}
+        prompts |= {f"e-relayed-{i}": prompt_for(20 + i) for i in range(NUM_IN_FLIGHT)}
+        streams = {rid: (EngineStream.run(probe.stub, rid, p, MAX_TOKENS) if "direct" in rid
+                         else RouterStream.run(router, rid, p, MAX_TOKENS)) for rid, p in prompts.items()}
+        for rid, stream in streams.items():
+            assert stream.wait_tokens(1), (rid, stream.error)
+        gpu.process.send_signal(signal.SIGTERM)
+
+        late = EngineStream.run(probe.stub, "e-late-direct", prompt_for(40), 2)
+        assert late.wait(10) and late.code == grpc.StatusCode.UNAVAILABLE, late.error
+        # The router sees the engine draining (its load stream says not serving, or the engine
+        # refuses): the request is refused as UNAVAILABLE, not queued or lost.
+        late_relayed = RouterStream.run(router, "e-late-relayed", prompt_for(41), 2, timeout_s=30)
+        assert late_relayed.wait(35) and late_relayed.code == grpc.StatusCode.UNAVAILABLE, late_relayed.error
+        assert not any(s.done.is_set() for s in streams.values()), "a request ended before the refusals"
+        assert_completed(streams, prompts, reference)
+    assert gpu.process.wait(EXIT_TIMEOUT_S) == 0, gpu.log()[-3000:]
+    assert "drained" in gpu.log()
+    probe.close()
+
+
+def test_router_drains_relayed_requests(system, reference):
+    gpu, router_daemon = system
+    probe = EngineProbe(gpu.address)
+    with grpc.insecure_channel(router_daemon.address) as channel:
+        router = router_stub(channel)
+        prompts = {f"r-{i}": prompt_for(i) for i in range(NUM_IN_FLIGHT)}
+        streams = {rid: RouterStream.run(router, rid, p, MAX_TOKENS) for rid, p in prompts.items()}
+        for rid, stream in streams.items():
+            assert stream.wait_tokens(1), (rid, stream.error)
+        router_daemon.process.send_signal(signal.SIGTERM)
+        # The signal is handled asynchronously: a request sent before the router flips its
+        # health would be a request sent before the drain.
+        status = wait_for(lambda: health(channel), lambda s: s == health_pb2.HealthCheckResponse.NOT_SERVING,
+                          timeout_s=5)
+        assert status == health_pb2.HealthCheckResponse.NOT_SERVING
+        late = RouterStream.run(router, "r-late", prompt_for(40), 2, timeout_s=10)
+        assert late.wait(15) and late.code == grpc.StatusCode.UNAVAILABLE, late.error
+        assert not any(s.done.is_set() for s in streams.values()), "a request ended before the refusal"
+        assert_completed(streams, prompts, reference)
+    assert router_daemon.process.wait(EXIT_TIMEOUT_S) == 0, router_daemon.log()[-3000:]
+    # The engine kept nothing for the drained router's requests.
+    load = probe.wait_idle()
+    assert (load.kv_blocks_used, load.num_running, load.num_waiting) == (0, 0, 0)
+    probe.close()

@@ -1,0 +1,116 @@
+"""Issue #9, item 7: an engine dies mid-stream.
+
+gpu_service and cpu_service with every step slowed (a test-only fault) and no load-driven
+migration, so requests stay where admission (and the hand-off) put them. After every stream
+has produced tokens one engine is SIGKILLed. Criteria: every request continues on the
+survivor and its client stream equals the solo greedy run (no duplicated or missing
+token, exactly max_tokens tokens, no error), and the survivor ends with no KV block held.
+"""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+
+from dualpace.sampling import FinishReason
+from dualpace.wire.v1 import router_pb2
+from tests.reliability.conftest import (
+    EngineProbe,
+    RouterStream,
+    assert_clean_exit,
+    prompt_for,
+    router_stub,
+    start_all,
+    start_cpu,
+    start_gpu,
+    start_router,
+)
+
+STEP_DELAY_MS = 10
+NUM_REQUESTS = 6
+MAX_TOKENS = 150
+TOKENS_BEFORE_KILL = 5
+NAMES = {"gpu": "gpu-mid", "cpu": "cpu-mid"}
+
+
+@pytest.fixture(params=["gpu", "cpu"])
+def system(request, tiny_folder):
+    flags = ("--block-size", "8")
+    engines = start_all(
+        gpu=lambda: start_gpu(tiny_folder, "--name", NAMES["gpu"], *flags, "--kv-blocks", "48",
+                              step_delay_ms=STEP_DELAY_MS),
+        cpu=lambda: start_cpu(tiny_folder, "--name", NAMES["cpu"], *flags, "--kv-blocks", "1024",
+                              step_delay_ms=STEP_DELAY_MS),
+    )
+    router = None
+    try:
+        router = start_router(tiny_folder, engines["gpu"], engines["cpu"], "--no-migrate")
+        channel = grpc.insecure_channel(router.address)
+        yield request.param, engines, router_stub(channel)
+        channel.close()
+    finally:
+        engines[request.param].kill()
+        assert_clean_exit([d for d in (router, *engines.values()) if d is not None])
+
+
+def test_streams_continue_on_the_survivor_exactly(system, reference):
+    victim, engines, router = system
+    survivor = "cpu" if victim == "gpu" else "gpu"
+    prompts = {f"mid-{i}": prompt_for(i, 3 + i) for i in range(NUM_REQUESTS)}
+    streams = {rid: RouterStream.run(router, rid, prompt, MAX_TOKENS) for rid, prompt in prompts.items()}
+    try:
+        for rid, stream in streams.items():
+            assert stream.wait_tokens(TOKENS_BEFORE_KILL), (rid, stream.error)
+        placed = router.ListPlacements(router_pb2.ListPlacementsRequest(), timeout=10).requests
+        on_victim = {r.request_id for r in placed if r.engine == NAMES[victim]}
+        assert on_victim, "no request was on the engine when it died"
+        assert not any(s.done.is_set() for s in streams.values()), "a request ended before the kill"
+        engines[victim].kill()
+        for rid, stream in streams.items():
+            assert stream.wait(), rid
+    finally:
+        for stream in streams.values():
+            if not stream.done.is_set():
+                stream.cancel()
+    for rid, stream in streams.items():
+        assert stream.error is None, (rid, stream.error)
+        assert stream.finish_reason == FinishReason.LENGTH, rid
+        assert len(stream.tokens) == MAX_TOKENS, rid
+        assert stream.tokens == reference(prompts[rid], MAX_TOKENS), rid
+    for rid in on_victim:
+        assert NAMES[survivor] in streams[rid].engines, rid
+    probe = EngineProbe(engines[survivor].address)
+    load = probe.wait_idle()
+    assert (load.kv_blocks_used, load.num_running, load.num_waiting) == (0, 0, 0)
+    probe.close()
+
+
+CLIENT_DEADLINE_S = 6.0
+
+
+@pytest.fixture
+def lone_engine(tiny_folder):
+    gpu = start_gpu(tiny_folder, "--name", "gpu-lone", "--block-size", "8", "--kv-blocks", "64",
+                    step_delay_ms=STEP_DELAY_MS)
+    router = None
+    try:
+        router = start_router(tiny_folder, gpu, None, "--policy", "gpu-only", "--no-migrate")
+        channel = grpc.insecure_channel(router.address)
+        yield gpu, router_stub(channel)
+        channel.close()
+    finally:
+        gpu.kill()
+        assert_clean_exit([d for d in (router,) if d is not None])
+
+
+def test_no_survivor_is_unavailable_within_the_client_deadline(lone_engine):
+    """Nothing can take the request: the client gets UNAVAILABLE before its own deadline
+    (not DEADLINE_EXCEEDED), with the tokens it already had and none repeated."""
+    gpu, router = lone_engine
+    stream = RouterStream.run(router, "lone", prompt_for(1), MAX_TOKENS, timeout_s=CLIENT_DEADLINE_S)
+    assert stream.wait_tokens(TOKENS_BEFORE_KILL), stream.error
+    gpu.kill()
+    assert stream.wait(CLIENT_DEADLINE_S + 5)
+    assert stream.code == grpc.StatusCode.UNAVAILABLE, stream.error
+    assert stream.ended_s - stream.started_s < CLIENT_DEADLINE_S
+    assert 0 < len(stream.tokens) < MAX_TOKENS
