@@ -130,6 +130,8 @@ class Relay:
                         metadata=request_metadata(self.request_id))
                 except grpc.aio.AioRpcError as exc:
                     if exc.code() not in ENGINE_FAILURE_CODES:
+                        if exc.code() == grpc.StatusCode.DATA_LOSS:  # this request alone failed: say so
+                            raise
                         if recovered:  # the survivor refused the continuation (e.g. its pool is too small)
                             raise Unavailable(f"request {self.request_id} cannot continue on {engine.name}: "
                                               f"{exc.code().name}: {exc.details()}") from None
