@@ -6,6 +6,10 @@ iteration runs Local (all stages here) or Assisted (dense stages on gpu_service
 through Dense Assist, attention here beside the KV), chosen per iteration;
 a failed assisted iteration is redone locally. Requests arrive by KV import
 (handoff after a GPU prefill, or migration) or are prefilled here.
+
+With --profile (a `dualpace profile` JSON for this model), the Local-vs-Assisted choice
+starts from the profile's predicted latencies per batch bucket; measured latencies then
+take over.
 """
 
 from __future__ import annotations
@@ -16,14 +20,19 @@ import sys
 
 from cpu_service.assist_client import AssistClient
 from cpu_service.backend import BACKENDS, select_backend
-from cpu_service.mode_choice import AssistSetting, ModeChooser
+from cpu_service.mode_choice import AssistSetting, ModeChooser, predicted_latencies
 from cpu_service.runner import CpuRunner
 from dualpace.engine.core import EngineConfig
 from dualpace.errors import InvalidArgument
 from dualpace.model.loader import LoadedModel
 from dualpace.serve.auth import read_token_file
 from dualpace.serve.config import parse_with_config
-from dualpace.serve.engine_daemon import EngineDaemonParts, add_engine_arguments, build_engine, run_engine_daemon
+from dualpace.serve.engine_daemon import (
+    EngineDaemonParts,
+    add_engine_arguments,
+    build_engine,
+    run_engine_daemon,
+)
 
 log = logging.getLogger(__name__)
 DEFAULT_KV_BLOCKS = 4096  # host memory is the plentiful resource
@@ -43,20 +52,51 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--policy", default="dualpace", choices=POLICIES,
                         help="dualpace: independent loop; gated: NEO-like baseline, CPU decodes advance only "
                              "inside GPU iterations with dense work on the GPU")
-    parser.add_argument("--profile", default=None, help="hardware profile JSON (not implemented yet)")
+    parser.add_argument("--profile", default=None,
+                        help="hardware profile JSON (`dualpace profile`): seeds the Local/Assisted choice")
+    parser.add_argument("--profile-ignore-fingerprint", action="store_true",
+                        help="use --profile even if it was made for another model")
+    parser.add_argument("--profile-context-tokens", type=int, default=512,
+                        help="mean context assumed when seeding the mode choice from the profile")
     return parse_with_config(parser, argv)
 
 
-def check_args(args: argparse.Namespace) -> None:
+def check_args(args: argparse.Namespace):
+    """Validate the flags; returns the checked profile (or None) before the slow model load."""
     select_backend(args.backend)
-    if args.profile is not None:
-        raise InvalidArgument("--profile", "profiles are not implemented yet; mode choice uses measured latencies")
+    if args.profile_context_tokens < 1:
+        raise InvalidArgument("--profile-context-tokens", f"must be >= 1, got {args.profile_context_tokens}")
     if args.assist == AssistSetting.ALWAYS.value and args.gpu_service is None:
         raise InvalidArgument("--assist", "always needs --gpu-service")
     if args.policy == "gated" and args.gpu_service is None:
         raise InvalidArgument("--policy", "gated needs --gpu-service (dense work always runs on the GPU)")
     if args.assist_timeout_s <= 0:
         raise InvalidArgument("--assist-timeout-s", f"must be positive, got {args.assist_timeout_s}")
+    return None if args.profile is None else load_profile_for(args)
+
+
+def load_profile_for(args: argparse.Namespace):
+    """The --profile file, validated and checked against the model's configuration and dtype."""
+    from dualpace.model.loader import load_tokenizer_and_config, resolve_dtype
+    from profiles.profiler.daemon import load_daemon_profile
+
+    _, model_config = load_tokenizer_and_config(args.model)
+    dtype = str(resolve_dtype(args.dtype)).removeprefix("torch.")
+    return load_daemon_profile(args.profile, model_config, dtype, args.block_size, args.profile_ignore_fingerprint)
+
+
+def seed_chooser(chooser: ModeChooser, profile, assist_available: bool, max_batch_size: int,
+                 context_tokens: int) -> dict:
+    """Seed the mode choice with the profile's predicted Local / Assisted latency per batch bucket."""
+    from profiles.cost_model import CostModel, DecodeBatch
+
+    cost = CostModel(profile, assist_available=assist_available)
+    predicted = predicted_latencies(
+        lambda b: cost.cpu_local_ms(DecodeBatch(b, float(context_tokens))),
+        (lambda b: cost.cpu_assisted_ms(DecodeBatch(b, float(context_tokens)))) if assist_available else None,
+        max_batch_size)
+    chooser.seed(predicted)
+    return predicted
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -64,17 +104,26 @@ def main(argv: list[str] | None = None) -> int:
     gated = args.policy == "gated"
     setting = AssistSetting.ALWAYS if gated else AssistSetting(args.assist)
 
+    profile = None
+
     def make_runner(loaded: LoadedModel, config: EngineConfig) -> CpuRunner:
         client = None
         if args.gpu_service is not None and setting != AssistSetting.NEVER:
             client = AssistClient(args.gpu_service, iteration_timeout_s=args.assist_timeout_s,
                                   auth_token=read_token_file(args.auth_token_file))
         chooser = ModeChooser(setting, assist_configured=client is not None)
+        if profile is not None:
+            predicted = seed_chooser(chooser, profile, client is not None, config.scheduler.max_running,
+                                     args.profile_context_tokens)
+            log.info("mode choice seeded from profile %s: %s", args.profile,
+                     ", ".join(f"{mode.value}@{bucket}={ms:.1f}ms" for (mode, bucket), ms in sorted(
+                         predicted.items(), key=lambda kv: (kv[0][1], kv[0][0].value))))
         return CpuRunner(loaded, config.num_kv_blocks, config.block_size, chooser, client, gated=gated,
                          engine_name=config.name)
 
     def build() -> EngineDaemonParts:
-        check_args(args)
+        nonlocal profile
+        profile = check_args(args)
         return build_engine(args, kind="cpu", device="cpu", default_kv_blocks=DEFAULT_KV_BLOCKS,
                             make_runner=make_runner)
 

@@ -2,8 +2,11 @@
 
 Pure (no torch, grpc or clock): the runner reports measured iteration latencies
 and failures; the chooser predicts each mode's latency for a batch size from
-recent measurements and picks the faster one. Until offline profiles feed a cost
-model, these online measurements are the prediction. After a failure of the
+recent measurements and picks the faster one. A hardware profile can seed it with
+predicted latencies per batch bucket (`seed`, from the profile's cost model); a
+bucket's first measurement of a mode then replaces that mode's prediction, so the
+measurements take over. Without a profile the first iterations of each bucket
+measure both modes before comparing. After a failure of the
 assist path it backs off (exponentially, in iterations) before trying again, and
 it re-probes the slower mode now and then so a change (the GPU getting busy or
 free) is noticed.
@@ -12,6 +15,7 @@ free) is noticed.
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 
@@ -42,11 +46,32 @@ def batch_bucket(batch_size: int) -> int:
     return bucket
 
 
+def batch_buckets(max_batch_size: int) -> list[int]:
+    """Every bucket a batch of 1..max_batch_size falls in: 1, 2, 4, ..., batch_bucket(max)."""
+    buckets = [1]
+    while buckets[-1] < max_batch_size:
+        buckets.append(buckets[-1] * 2)
+    return buckets
+
+
+def predicted_latencies(local_ms: Callable[[int], float], assisted_ms: Callable[[int], float] | None,
+                        max_batch_size: int) -> dict[tuple[ExecutionMode, int], float]:
+    """Seed values for ModeChooser.seed: each mode's predicted latency at each bucket's batch
+    size (e.g. from profiles.cost_model.CostModel.cpu_local_ms / cpu_assisted_ms)."""
+    predicted = {}
+    for bucket in batch_buckets(max_batch_size):
+        predicted[(ExecutionMode.LOCAL, bucket)] = float(local_ms(bucket))
+        if assisted_ms is not None:
+            predicted[(ExecutionMode.ASSISTED, bucket)] = float(assisted_ms(bucket))
+    return predicted
+
+
 @dataclass
 class ModeChooser:
     setting: AssistSetting
     assist_configured: bool  # a gpu_service address was given
-    latency_ms: dict[tuple[ExecutionMode, int], float] = field(default_factory=dict)
+    latency_ms: dict[tuple[ExecutionMode, int], float] = field(default_factory=dict)  # measured (EMA)
+    predicted_ms: dict[tuple[ExecutionMode, int], float] = field(default_factory=dict)  # from a profile
     num_iterations: int = 0
     backoff_until: int = 0
     backoff_iterations: int = BACKOFF_MIN_ITERATIONS
@@ -61,8 +86,8 @@ class ModeChooser:
         if self.setting == AssistSetting.ALWAYS:
             return ExecutionMode.ASSISTED
         bucket = batch_bucket(batch_size)
-        local = self.latency_ms.get((ExecutionMode.LOCAL, bucket))
-        assisted = self.latency_ms.get((ExecutionMode.ASSISTED, bucket))
+        local = self.estimate_ms(ExecutionMode.LOCAL, bucket)
+        assisted = self.estimate_ms(ExecutionMode.ASSISTED, bucket)
         if local is None:
             return ExecutionMode.LOCAL  # measure each mode once per bucket before comparing
         if assisted is None:
@@ -72,12 +97,21 @@ class ModeChooser:
             return ExecutionMode.LOCAL if faster == ExecutionMode.ASSISTED else ExecutionMode.ASSISTED
         return faster
 
+    def seed(self, predicted_ms: dict[tuple[ExecutionMode, int], float]) -> None:
+        """Start from predicted latencies per (mode, bucket); measurements replace them."""
+        self.predicted_ms.update(predicted_ms)
+
+    def estimate_ms(self, mode: ExecutionMode, bucket: int) -> float | None:
+        """The measured latency of `mode` at `bucket`, else the profile's prediction, else None."""
+        measured = self.latency_ms.get((mode, bucket))
+        return measured if measured is not None else self.predicted_ms.get((mode, bucket))
+
     def max_device_wait_ms(self, batch_size: int) -> int:
         """How long an assisted iteration may wait for a busy GPU before it is better run
         locally: about the local iteration's own latency (0 = no bound, for `always`)."""
         if self.setting != AssistSetting.AUTO:
             return 0
-        local = self.latency_ms.get((ExecutionMode.LOCAL, batch_bucket(batch_size)))
+        local = self.estimate_ms(ExecutionMode.LOCAL, batch_bucket(batch_size))
         return max(MIN_DEVICE_WAIT_MS, int(local)) if local is not None else DEFAULT_DEVICE_WAIT_MS
 
     def record(self, mode: ExecutionMode, batch_size: int, latency_ms: float) -> None:

@@ -10,7 +10,7 @@ import sys
 from dualpace.errors import DualPaceError
 
 # Subcommand modules, imported lazily so `dualpace --help` stays fast.
-_COMMAND_MODULES = ("generate", "model", "up", "client", "bench", "sim")
+_COMMAND_MODULES = ("generate", "model", "up", "client", "bench", "sim", "profile")
 
 
 def build_parser() -> tuple[argparse.ArgumentParser, dict]:

@@ -95,8 +95,12 @@ class CpuIterationCost:
 
 
 class CostModel:
-    def __init__(self, profile: Profile):
+    """Predictions from one profile. `assist_available`: whether the CPU engine can run
+    Assisted iterations (a gpu_service is configured); when not, CPU ITLs are Local ones."""
+
+    def __init__(self, profile: Profile, assist_available: bool = True):
         self.profile = profile
+        self.assist_available = assist_available
         self.kv_bytes_per_token = profile.capacities.bytes_per_block / profile.model.block_size
 
     # -------------------------------------------------------------- raw tables
@@ -168,6 +172,21 @@ class CostModel:
         decode = DecodeBatch.of([*context_tokens, new_context_tokens])
         cost = self.cpu_iteration(decode)
         return cost.best_ms if assist_available else cost.local_ms
+
+    def itl_ms(self, kind: str, context_tokens: Sequence[int]) -> float:
+        """Predicted inter-token latency of engine `kind` ("gpu" or "cpu") decoding a batch of
+        sequences with these contexts (one token per sequence per iteration, so the ITL is
+        the iteration latency). The router's admission and migration planner call this
+        (router.views.LatencyPredictor)."""
+        decode = DecodeBatch.of(context_tokens)
+        if decode.batch == 0:
+            return 0.0
+        if kind == "gpu":
+            return self.gpu_decode_ms(decode.batch, decode.mean_context_tokens)
+        if kind == "cpu":
+            cost = self.cpu_iteration(decode)
+            return cost.best_ms if self.assist_available else cost.local_ms
+        raise ValueError(f"engine kind must be 'gpu' or 'cpu', got {kind!r}")
 
     def kv_transfer_ms(self, num_tokens: int) -> float:
         """Moving num_tokens tokens of KV between the engines."""

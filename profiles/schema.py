@@ -7,22 +7,34 @@ Layout (version 1)::
       "version": 1,
       "hardware": {"cpu_model": str, "cpu_cores": int, "memory_bytes": int,
                    "memory_bandwidth_bytes_per_s": float | null,
-                   "gpu_model": str | null, "gpu_memory_bytes": int | null},
+                   "gpu_model": str | null, "gpu_memory_bytes": int | null,
+                   "cpu_threads": int | null, "torch_version": str | null, "device": str | null},
       "model": {"architecture": str, "num_layers": int, "hidden_size": int, "num_heads": int,
                 "num_kv_heads": int, "head_dim": int, "vocab_size": int, "dtype": str,
-                "block_size": int},
+                "block_size": int, "config_hash": str | null},
       "tables": {
         "gpu_prefill_ms":      {"tokens": [...], "ms": [...]},
         "gpu_decode_ms":       {"batch": [...], "context_tokens": [...], "ms": [[...], ...]},
         "cpu_dense_ms":        {"batch": [...], "ms": [...]},
         "cpu_attention_ms":    {"batch": [...], "context_tokens": [...], "ms": [[...], ...]},
         "assist_ms":           {"batch": [...], "ms": [...]},
-        "lm_head_sampling_ms": {"batch": [...], "ms": [...]}
+        "lm_head_sampling_ms": {"batch": [...], "ms": [...]},
+        optional: "gpu_dense_ms": {"batch": [...], "ms": [...]},
+                  "assist_round_trip_ms": {"batch": [...], "ms": [...]}
       },
       "kv_transfer": {"bytes_per_s": float, "fixed_ms": float},
       "capacities": {"gpu_kv_blocks": int, "cpu_kv_blocks": int, "bytes_per_block": int},
-      "notes": str (optional)
+      "notes": str (optional),
+      "profiler": {...} (optional: how the profile was measured — grids, repeats, spread,
+                  the cost model's fit against whole iterations; free-form, not validated)
     }
+
+The fields marked `| null` in the fingerprints are optional (absent = null): profiles
+assembled by hand (profiles/reference/) leave the measurement-environment fields out.
+`cpu_threads` is the torch intra-op thread count the tables were measured with, `device`
+where the "GPU" engine ran ("cuda:0", or "cpu" when this machine has no GPU and the GPU
+engine's tables were measured on the CPU device), `config_hash` a digest of the model's
+full configuration (profiles.profiler.fingerprint.model_config_hash).
 
 What each table means (all latencies in milliseconds, one iteration):
 
@@ -37,6 +49,13 @@ What each table means (all latencies in milliseconds, one iteration):
 - assist_ms(batch): the Dense Assist part of an Assisted CPU iteration: one round trip per
   layer + the GPU's dense stages + LM head and sampling on the GPU (attention excluded);
 - lm_head_sampling_ms(batch): final norm + LM head + sampling on the CPU (Local iterations).
+
+Optional tables (informative; the cost model does not need them):
+
+- gpu_dense_ms(batch): the GPU's share of assist_ms — dense stages of every layer + LM
+  head and sampling on the GPU device, measured in-process;
+- assist_round_trip_ms(batch): assist_ms - gpu_dense_ms, the transport's share (one
+  round trip per layer plus serialisation), which decides whether assist pays off.
 
 A 2-D table's "ms" is indexed [batch index][context index]. Grids must be strictly
 increasing; values finite and >= 0.
@@ -65,6 +84,10 @@ TABLES_2D = {
     "gpu_decode_ms": ("batch", "context_tokens"),
     "cpu_attention_ms": ("batch", "context_tokens"),
 }
+OPTIONAL_TABLES_1D = {
+    "gpu_dense_ms": "batch",
+    "assist_round_trip_ms": "batch",
+}
 
 # Relative tolerance when comparing memory sizes of two fingerprints: the OS reports
 # slightly different totals on the same machine (kernel reservations, firmware).
@@ -83,6 +106,9 @@ class HardwareFingerprint:
     memory_bandwidth_bytes_per_s: float | None = None
     gpu_model: str | None = None
     gpu_memory_bytes: int | None = None
+    cpu_threads: int | None = None
+    torch_version: str | None = None
+    device: str | None = None
 
 
 @dataclass(frozen=True)
@@ -96,6 +122,7 @@ class ModelFingerprint:
     vocab_size: int
     dtype: str
     block_size: int
+    config_hash: str | None = None
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -140,6 +167,7 @@ class Profile:
     kv_transfer: KVTransfer
     capacities: Capacities
     notes: str = ""
+    profiler: Mapping[str, Any] | None = None  # how it was measured (free-form, see the module doc)
 
     def table1d(self, name: str) -> Table1D:
         table = self.tables[name]
@@ -241,13 +269,26 @@ def _parse_hardware(raw: Any) -> HardwareFingerprint:
             bandwidth, "hardware.memory_bandwidth_bytes_per_s", positive=True),
         gpu_model=gpu_model,
         gpu_memory_bytes=None if gpu_memory is None else _int(gpu_memory, "hardware.gpu_memory_bytes"),
+        cpu_threads=None if raw.get("cpu_threads") is None else _int(raw["cpu_threads"], "hardware.cpu_threads"),
+        torch_version=_optional_str(raw, "torch_version", where),
+        device=_optional_str(raw, "device", where),
     )
+
+
+def _optional_str(raw: Mapping[str, Any], key: str, where: str) -> str | None:
+    value = raw.get(key)
+    if value is not None and (not isinstance(value, str) or not value):
+        raise ProfileError(f"{where}.{key}: expected a non-empty string or null")
+    return value
 
 
 def _parse_model(raw: Any) -> ModelFingerprint:
     where = "model"
     values: dict[str, Any] = {}
     for f in fields(ModelFingerprint):
+        if f.name == "config_hash":
+            values[f.name] = _optional_str(raw, f.name, where)
+            continue
         value = _require(raw, f.name, where)
         if f.name in ("architecture", "dtype"):
             if not isinstance(value, str) or not value:
@@ -275,6 +316,9 @@ def parse_profile(data: Any) -> Profile:
         tables[name] = _parse_table1d(name, axis, _require(raw_tables, name, "tables"))
     for name, axes in TABLES_2D.items():
         tables[name] = _parse_table2d(name, axes, _require(raw_tables, name, "tables"))
+    for name, axis in OPTIONAL_TABLES_1D.items():
+        if raw_tables.get(name) is not None:
+            tables[name] = _parse_table1d(name, axis, raw_tables[name])
     raw_transfer = _require(data, "kv_transfer", "profile")
     kv_transfer = KVTransfer(
         bytes_per_s=_number(_require(raw_transfer, "bytes_per_s", "kv_transfer"), "kv_transfer.bytes_per_s", positive=True),
@@ -292,8 +336,11 @@ def parse_profile(data: Any) -> Profile:
             f"capacities.bytes_per_block: {capacities.bytes_per_block} does not match the model "
             f"({model.block_size} tokens x {model.kv_bytes_per_token} KV bytes per token = {expected_block_bytes})")
     notes = data.get("notes", "")
+    profiler = data.get("profiler")
+    if profiler is not None and not isinstance(profiler, Mapping):
+        raise ProfileError("profiler: expected an object or null")
     return Profile(PROFILE_VERSION, hardware, model, tables, kv_transfer, capacities,
-                   notes if isinstance(notes, str) else "")
+                   notes if isinstance(notes, str) else "", profiler)
 
 
 def profile_to_dict(profile: Profile) -> dict[str, Any]:
@@ -307,39 +354,62 @@ def profile_to_dict(profile: Profile) -> dict[str, Any]:
                             "ms": [list(row) for row in table.ms]}
     out = {
         "version": profile.version,
-        "hardware": asdict(profile.hardware),
-        "model": asdict(profile.model),
+        "hardware": _without_nulls(asdict(profile.hardware), _OPTIONAL_HARDWARE),
+        "model": _without_nulls(asdict(profile.model), ("config_hash",)),
         "tables": tables,
         "kv_transfer": asdict(profile.kv_transfer),
         "capacities": asdict(profile.capacities),
     }
     if profile.notes:
         out["notes"] = profile.notes
+    if profile.profiler is not None:
+        out["profiler"] = dict(profile.profiler)
     return out
+
+
+_OPTIONAL_HARDWARE = ("cpu_threads", "torch_version", "device")
+
+
+def _without_nulls(values: dict[str, Any], optional: Sequence[str]) -> dict[str, Any]:
+    """Drop the optional fields that are None (older files never had them)."""
+    return {k: v for k, v in values.items() if v is not None or k not in optional}
 
 
 # ---------------------------------------------------------------------- fingerprints
 
 
 def fingerprint_mismatches(profile: Profile, hardware: HardwareFingerprint | None = None,
-                           model: ModelFingerprint | None = None) -> list[str]:
+                           model: ModelFingerprint | None = None,
+                           ignore: Sequence[str] = ()) -> list[str]:
     """Human-readable differences between the profile's fingerprints and the given ones.
 
-    Model fields must match exactly. Hardware: CPU model, cores and GPU model exactly;
-    memory sizes within MEMORY_TOLERANCE; the measured bandwidth is not compared (it is a
-    measurement, not an identity)."""
+    Model fields must match exactly (config_hash only when both sides have one). Hardware:
+    CPU model, cores and GPU model exactly; memory sizes within MEMORY_TOLERANCE; threads,
+    torch version and device exactly when both sides record them; the measured bandwidth
+    is not compared (it is a measurement, not an identity). `ignore` names fields to skip,
+    as "model.dtype" or "hardware.cpu_threads"."""
     problems = []
     if model is not None:
         for f in fields(ModelFingerprint):
+            if f"model.{f.name}" in ignore:
+                continue
             ours, theirs = getattr(profile.model, f.name), getattr(model, f.name)
+            if f.name == "config_hash" and (ours is None or theirs is None):
+                continue
             if ours != theirs:
                 problems.append(f"model.{f.name}: profile has {ours!r}, this deployment has {theirs!r}")
     if hardware is not None:
-        for name in ("cpu_model", "cpu_cores", "gpu_model"):
+        for name in ("cpu_model", "cpu_cores", "gpu_model", "cpu_threads", "torch_version", "device"):
+            if f"hardware.{name}" in ignore:
+                continue
             ours, theirs = getattr(profile.hardware, name), getattr(hardware, name)
+            if name in _OPTIONAL_HARDWARE and (ours is None or theirs is None):
+                continue
             if ours != theirs:
                 problems.append(f"hardware.{name}: profile has {ours!r}, this machine has {theirs!r}")
         for name in ("memory_bytes", "gpu_memory_bytes"):
+            if f"hardware.{name}" in ignore:
+                continue
             ours, theirs = getattr(profile.hardware, name), getattr(hardware, name)
             if (ours is None) != (theirs is None) or (
                     ours is not None and abs(ours - theirs) > MEMORY_TOLERANCE * max(ours, theirs)):

@@ -13,7 +13,11 @@ import sys
 
 from dualpace.errors import DualPaceError, InvalidArgument
 from dualpace.model.registry import DEFAULT_MODEL_NAME
-from dualpace.serve.config import add_config_argument, effective_config, parse_with_config
+from dualpace.serve.config import (
+    add_config_argument,
+    effective_config,
+    parse_with_config,
+)
 from dualpace.serve.logging_setup import configure_logging, get_logger
 from dualpace.serve.loop import serve_forever
 from dualpace.serve.metrics import add_metrics_argument, start_from_args
@@ -42,8 +46,13 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cpu", help="cpu_service address HOST:PORT (absent: GPU engine only)")
     parser.add_argument("--policy", default="dualpace", choices=[p.value for p in Policy])
     parser.add_argument("--model", default=DEFAULT_MODEL_NAME, help="the engines' model (for its tokenizer)")
-    parser.add_argument("--profile", default=None, help="hardware profile JSON (not implemented yet)")
-    parser.add_argument("--itl-target-ms", type=float, default=None, help="engines above it take no new requests")
+    parser.add_argument("--profile", default=None,
+                        help="hardware profile JSON (`dualpace profile`): admission and migration use its cost model")
+    parser.add_argument("--profile-ignore-fingerprint", action="store_true",
+                        help="use --profile even if it was made for another model")
+    parser.add_argument("--itl-target-ms", type=float, default=None,
+                        help="engines above it take no new requests (with --profile: their predicted ITL with "
+                             "one more request; without: their measured p50 ITL)")
     parser.add_argument("--ttft-target-ms", type=float, default=None,
                         help="how long a request may wait for room (default 30 s)")
     parser.add_argument("--no-migrate", action="store_true", help="no load-driven migrations (hand-offs still run)")
@@ -59,9 +68,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     add_security_arguments(parser)
 
 
-def router_config(args: argparse.Namespace, kv_bytes_per_token: int) -> RouterConfig:
-    if args.profile is not None:
-        raise InvalidArgument("--profile", "profiles are not implemented yet; admission uses capacity rules")
+def router_config(args: argparse.Namespace, kv_bytes_per_token: int, profile=None) -> RouterConfig:
+    """The router's policy configuration; `profile` (already checked against the model) makes
+    admission and migration use its cost model."""
     if args.gpu is None and args.cpu is None:
         raise InvalidArgument("--gpu", "give at least one engine address (--gpu and/or --cpu)")
     policy = Policy(args.policy)
@@ -71,10 +80,17 @@ def router_config(args: argparse.Namespace, kv_bytes_per_token: int) -> RouterCo
         value = getattr(args, name)
         if value is not None and value <= 0:
             raise InvalidArgument(f"--{name.replace('_', '-')}", f"must be positive, got {value}")
+    predictor = None
+    if profile is not None:
+        from profiles.cost_model import CostModel
+
+        # Assisted CPU iterations need both engines; the cost model then predicts the faster mode.
+        predictor = CostModel(profile, assist_available=args.gpu is not None and policy != Policy.GPU_ONLY)
     return RouterConfig(
         policy=policy,
-        admission=AdmissionConfig(policy=policy, itl_target_ms=args.itl_target_ms),
-        migration=MigrationConfig(kv_bytes_per_token=kv_bytes_per_token),
+        admission=AdmissionConfig(policy=policy, itl_target_ms=args.itl_target_ms, predictor=predictor),
+        migration=MigrationConfig(kv_bytes_per_token=kv_bytes_per_token, predictor=predictor,
+                                  cpu_itl_target_ms=args.itl_target_ms if predictor is not None else None),
         queue_timeout_s=args.ttft_target_ms / 1e3 if args.ttft_target_ms else 30.0,
         migrate_enabled=not args.no_migrate,
     )
@@ -99,12 +115,25 @@ def serve(args: argparse.Namespace) -> int:
         notifier.status(f"loading the tokenizer of {args.model}")
         tokenizer, model_config = load_tokenizer_and_config(args.model)
         kv_bytes_per_token = 2 * model_config.num_layers * model_config.num_kv_heads * model_config.head_dim * 2
-        config = router_config(args, kv_bytes_per_token)
+        profile = None
+        if args.profile is not None:
+            from profiles.profiler.daemon import load_daemon_profile
+
+            profile = load_daemon_profile(args.profile, model_config,
+                                          ignore_fingerprint=args.profile_ignore_fingerprint)
+            kv_bytes_per_token = profile.model.kv_bytes_per_token  # the engines' KV dtype, as profiled
+        config = router_config(args, kv_bytes_per_token, profile)
         start_from_args(args, "router")
     except DualPaceError as exc:
         print(f"router: error: {exc}", file=sys.stderr)
         return 2
     get_logger(__name__).info("effective configuration", daemon="router", config=effective_config(args))
+    if args.profile is not None:
+        get_logger(__name__).info(
+            "profile loaded", profile=args.profile,
+            admission="predicted ITL with one more request vs --itl-target-ms" if args.itl_target_ms
+            else "capacity rules (give --itl-target-ms to admit by predicted ITL)",
+            migration="payoff from predicted ITLs and KV transfer time")
 
     async def main(stop: asyncio.Event) -> int:
         token = security.auth_token  # the engines require the same shared token

@@ -1,23 +1,30 @@
 """Admission: where a new request goes — the GPU engine, the CPU engine, the router's
-bounded wait queue, or nowhere (ARCHITECTURE §4). Pure: views in, a decision out."""
+bounded wait queue, or nowhere (ARCHITECTURE §4). Pure: views in, a decision out.
+
+Without a profile, capacity rules decide (KV room, a cap on CPU requests, the engines'
+measured p50 ITL against the target). With a profile (`AdmissionConfig.predictor`, a
+cost model) and an ITL target, an engine takes the request only if its *predicted* ITL
+with one more request of this prompt length stays within the target."""
 
 from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import Enum
 
 from router.views import (
     EngineView,
+    LatencyPredictor,
     Policy,
     RoutedRequest,
     blocks_for,
     count_held,
     estimated_blocks_used,
+    held_contexts,
 )
 
-__all__ = ["AdmissionConfig", "Placement", "admit", "blocks_for"]
+__all__ = ["AdmissionConfig", "Placement", "admit", "blocks_for", "predicted_itl_with_one_more_ms"]
 
 # Guards ceil() against float products such as 300 * 0.1 == 30.000000000000004.
 _EPS = 1e-9
@@ -36,8 +43,11 @@ class AdmissionConfig:
     gpu_kv_reserve_fraction: float = 0.1  # keep this share of GPU blocks free for running decodes' growth
     expected_output_fraction: float = 1.0  # share of max_tokens assumed to be generated when sizing KV
     itl_target_ms: float | None = None  # when set: an engine whose recent p50 ITL exceeds it takes no new requests
-    cpu_max_running: int = 64  # capacity rule for the CPU engine until profiles predict its ITL
+    cpu_max_running: int = 64  # capacity rule for the CPU engine (a hard cap, also with a profile)
     max_queue: int = 256  # requests the router may hold waiting
+    # A profile's cost model: with itl_target_ms set, an engine is within target when its
+    # predicted ITL with one more request is (instead of its measured p50 ITL).
+    predictor: LatencyPredictor | None = field(default=None, compare=False, repr=False)
 
 
 def _ceil_share(count: int, fraction: float) -> int:
@@ -54,8 +64,20 @@ def committed_blocks(engine: EngineView, placed: Sequence[RoutedRequest]) -> int
                for r in placed if r.engine == engine.name)
 
 
-def _within_itl_target(engine: EngineView, config: AdmissionConfig) -> bool:
-    return config.itl_target_ms is None or engine.itl_p50_ms <= config.itl_target_ms
+def predicted_itl_with_one_more_ms(engine: EngineView, placed: Sequence[RoutedRequest], num_prompt_tokens: int,
+                                   predictor: LatencyPredictor) -> float:
+    """The engine's predicted ITL once a request of num_prompt_tokens joins what it holds."""
+    return predictor.itl_ms(engine.kind, [*held_contexts(engine, placed), num_prompt_tokens])
+
+
+def _within_itl_target(engine: EngineView, config: AdmissionConfig, placed: Sequence[RoutedRequest],
+                       num_prompt_tokens: int) -> bool:
+    if config.itl_target_ms is None:
+        return True
+    if config.predictor is not None:
+        predicted = predicted_itl_with_one_more_ms(engine, placed, num_prompt_tokens, config.predictor)
+        return predicted <= config.itl_target_ms
+    return engine.itl_p50_ms <= config.itl_target_ms
 
 
 def _free_blocks_if_room(engine: EngineView, num_tokens: int, reserve_fraction: float,
@@ -88,9 +110,12 @@ def admit(num_prompt_tokens: int, max_tokens: int, engines: Mapping[str, EngineV
 
     GPU if a healthy gpu engine has KV room for the prompt plus the expected output
     (prompt + ceil(max_tokens * expected_output_fraction) tokens) beyond the reserve and,
-    with an ITL target, its p50 ITL is within it; else, unless the policy is gpu-only, CPU
+    with an ITL target, its ITL is within it; else, unless the policy is gpu-only, CPU
     if a healthy cpu engine has that KV room, fewer than cpu_max_running requests and an
-    ITL within target; else WAIT while num_queued < max_queue; else REJECT.
+    ITL within target; else WAIT while num_queued < max_queue; else REJECT. The ITL
+    checked is the engine's measured p50, or with a predictor (a profile's cost model)
+    the predicted ITL with this request added (held requests at their current context,
+    this one at its prompt length).
 
     REJECT also when no engine the policy may use is healthy (the service answers
     UNAVAILABLE) and when prompt + max_tokens exceeds every usable engine's whole pool.
@@ -109,7 +134,7 @@ def admit(num_prompt_tokens: int, max_tokens: int, engines: Mapping[str, EngineV
         return Placement.REJECT, None
 
     expected_tokens = num_prompt_tokens + _ceil_share(max_tokens, config.expected_output_fraction)
-    ready = sorted((e for e in usable if _can_place(e) and _within_itl_target(e, config)),
+    ready = sorted((e for e in usable if _can_place(e) and _within_itl_target(e, config, placed, num_prompt_tokens)),
                    key=lambda e: e.name)
 
     gpu_candidates = []

@@ -1,18 +1,26 @@
 """Migration planning: which requests move between the GPU and CPU engines this tick
-(ARCHITECTURE §4). Pure: views in, a list of planned moves out; the service runs them."""
+(ARCHITECTURE §4). Pure: views in, a list of planned moves out; the service runs them.
+
+With a profile (`MigrationConfig.predictor`, a cost model), the CPU->GPU payoff uses the
+predicted ITLs (the CPU engine's current batch, the GPU engine's batch with the request
+added) and the predicted KV transfer time instead of the measured p50 ITLs and the
+configured bandwidth; with `cpu_itl_target_ms` as well, no request moves to a CPU engine
+whose predicted ITL with it would exceed the target."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from router.views import (
     EngineView,
+    LatencyPredictor,
     Policy,
     RoutedRequest,
     blocks_for,
     count_held,
     estimated_blocks_used,
+    held_contexts,
 )
 
 __all__ = ["MigrationConfig", "PlannedMigration", "plan_migrations", "transfer_ms"]
@@ -35,6 +43,8 @@ class MigrationConfig:
     max_migrations_per_request: int = 2
     kv_bytes_per_token: int = 0  # set by the service from the model (2 * layers * kv_heads * head_dim * dtype bytes)
     cpu_max_running: int | None = None  # when set: no move to a CPU engine already holding this many requests
+    predictor: LatencyPredictor | None = field(default=None, compare=False, repr=False)  # a profile's cost model
+    cpu_itl_target_ms: float | None = None  # with a predictor: no move that takes a CPU engine's predicted ITL above it
 
 
 @dataclass(frozen=True)
@@ -46,7 +56,10 @@ class PlannedMigration:
 
 
 def transfer_ms(num_tokens: int, config: MigrationConfig) -> float:
-    """Predicted time to move num_tokens tokens of KV: a fixed cost plus bytes / bandwidth."""
+    """Predicted time to move num_tokens tokens of KV: the profile's prediction when there is
+    one, else a fixed cost plus bytes / bandwidth from the config."""
+    if config.predictor is not None:
+        return config.predictor.kv_transfer_ms(num_tokens)
     if config.kv_transfer_bytes_per_s <= 0:
         return float("inf")
     num_bytes = max(0, num_tokens) * config.kv_bytes_per_token
@@ -80,7 +93,9 @@ class _Projection:
         self.engines = engines
         self.used: dict[str, int] = {}
         self.held: dict[str, int] = {}
+        self.contexts: dict[str, list[int]] = {}  # per engine: context lengths of what it holds
         for name, engine in engines.items():
+            self.contexts[name] = held_contexts(engine, [r for r in requests if not r.migrating])
             leaving = sum(blocks_for(r.num_tokens, engine.block_size)
                           for r in requests if r.engine == name and r.migrating)
             arriving = sum(_lifetime_blocks(r, engine) for r in requests
@@ -99,6 +114,9 @@ class _Projection:
         self.used[target] += _lifetime_blocks(request, self.engines[target])
         self.held[source] = max(0, self.held[source] - 1)
         self.held[target] += 1
+        if request.num_tokens in self.contexts[source]:
+            self.contexts[source].remove(request.num_tokens)
+        self.contexts[target].append(request.num_tokens)
 
 
 def plan_migrations(requests: Sequence[RoutedRequest], engines: Mapping[str, EngineView],
@@ -113,7 +131,10 @@ def plan_migrations(requests: Sequence[RoutedRequest], engines: Mapping[str, Eng
     watermark with nothing waiting: bring back CPU requests whose payoff
     remaining_tokens * (cpu.itl_p50_ms - gpu.itl_p50_ms) - transfer_ms(num_tokens)
     - migration_overhead_ms is positive, best payoff first, skipping any that would
-    take the GPU above the target watermark. Never a request already migrating, one
+    take the GPU above the target watermark. With a predictor the payoff is
+    remaining_tokens * (predicted CPU ITL now - predicted GPU ITL with the request)
+    - predicted transfer - overhead, and a GPU->CPU move must keep the CPU's predicted
+    ITL within cpu_itl_target_ms (when set). Never a request already migrating, one
     with remaining_tokens <= 1, or a move from or to an unhealthy engine; at most
     max_per_tick; ties broken by request_id.
     """
@@ -155,7 +176,8 @@ def plan_migrations(requests: Sequence[RoutedRequest], engines: Mapping[str, Eng
                 continue
             targets = [(projection.free(cpu), cpu) for cpu in cpus
                        if _lifetime_blocks(request, live[cpu]) <= projection.free(cpu)
-                       and (config.cpu_max_running is None or projection.held[cpu] < config.cpu_max_running)]
+                       and (config.cpu_max_running is None or projection.held[cpu] < config.cpu_max_running)
+                       and _cpu_within_target(projection, cpu, request, config)]
             if targets:
                 plan(request, min(targets, key=lambda t: (-t[0], t[1]))[1], REASON_GPU_KV_PRESSURE)
 
@@ -169,8 +191,7 @@ def plan_migrations(requests: Sequence[RoutedRequest], engines: Mapping[str, Eng
         for request in requests:
             if request.engine not in cpus or not _movable(request, config) or request.request_id in planned_ids:
                 continue
-            cpu = live[request.engine]
-            payoff_ms = (request.remaining_tokens * (cpu.itl_p50_ms - live[gpu].itl_p50_ms)
+            payoff_ms = (request.remaining_tokens * _itl_gain_ms(projection, request, gpu, config)
                          - transfer_ms(request.num_tokens, config) - config.migration_overhead_ms)
             if payoff_ms > 0:
                 scored.append((-payoff_ms, request.request_id, request))
@@ -184,3 +205,20 @@ def plan_migrations(requests: Sequence[RoutedRequest], engines: Mapping[str, Eng
             if projection.fraction(gpu, extra) <= config.gpu_target_watermark:
                 plan(request, gpu, REASON_GPU_HEADROOM)
     return planned
+
+
+def _itl_gain_ms(projection: _Projection, request: RoutedRequest, gpu: str, config: MigrationConfig) -> float:
+    """Per-token latency saved by moving `request` from its CPU engine to `gpu`."""
+    cpu = projection.engines[request.engine]
+    if config.predictor is None:
+        return cpu.itl_p50_ms - projection.engines[gpu].itl_p50_ms
+    cpu_itl = config.predictor.itl_ms("cpu", projection.contexts[request.engine])
+    gpu_itl = config.predictor.itl_ms("gpu", [*projection.contexts[gpu], request.num_tokens])
+    return cpu_itl - gpu_itl
+
+
+def _cpu_within_target(projection: _Projection, cpu: str, request: RoutedRequest, config: MigrationConfig) -> bool:
+    if config.predictor is None or config.cpu_itl_target_ms is None:
+        return True
+    predicted = config.predictor.itl_ms("cpu", [*projection.contexts[cpu], request.num_tokens])
+    return predicted <= config.cpu_itl_target_ms

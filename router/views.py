@@ -6,9 +6,10 @@ Plain frozen dataclasses and arithmetic only — no torch, grpc, asyncio or cloc
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from enum import Enum
+from typing import Protocol
 
 
 class Policy(str, Enum):
@@ -78,3 +79,28 @@ def count_held(engine: EngineView, requests: Iterable[RoutedRequest]) -> int:
     """Running requests on `engine`: the larger of its snapshot and the router's own count."""
     own = sum(1 for r in requests if r.engine == engine.name)
     return max(engine.num_running, own)
+
+
+class LatencyPredictor(Protocol):
+    """What admission and the migration planner ask a profile's cost model
+    (profiles.cost_model.CostModel implements it); plain numbers in and out."""
+
+    def itl_ms(self, kind: str, context_tokens: Sequence[int]) -> float:
+        """Predicted ITL of an engine of `kind` ("gpu" | "cpu") decoding sequences of these contexts."""
+        ...
+
+    def kv_transfer_ms(self, num_tokens: int) -> float:
+        """Predicted time to move num_tokens tokens of KV between the engines."""
+        ...
+
+
+def held_contexts(engine: EngineView, requests: Iterable[RoutedRequest]) -> list[int]:
+    """Context lengths (tokens) of the requests `engine` holds, as far as the router knows:
+    its own relayed requests, padded with their mean (or 0) up to the snapshot's running
+    count when the engine runs requests the router does not relay (e.g. after a restart)."""
+    contexts = [r.num_tokens for r in requests if r.engine == engine.name]
+    missing = engine.num_running - len(contexts)
+    if missing > 0:
+        fill = sum(contexts) // len(contexts) if contexts else 0
+        contexts.extend([fill] * missing)
+    return contexts

@@ -161,3 +161,61 @@ def test_backoff_applies_in_auto_and_counts_dense_iterations():
     for _ in range(BACKOFF_MIN_ITERATIONS - 1):  # prefill iterations spend the backoff too
         assert chooser.choose(4, decode_only=False) == LOCAL
     assert chooser.choose(4, decode_only=True) == ASSISTED
+
+
+# -- seeding from a profile's cost model ---------------------------------------------------------
+
+from cpu_service.mode_choice import batch_buckets, predicted_latencies
+
+
+def test_buckets_cover_the_max_batch():
+    assert batch_buckets(1) == [1]
+    assert batch_buckets(64) == [1, 2, 4, 8, 16, 32, 64]
+    assert batch_buckets(65) == [1, 2, 4, 8, 16, 32, 64, 128]
+
+
+def test_predicted_latencies_per_bucket():
+    predicted = predicted_latencies(lambda b: 10.0 * b, lambda b: 30.0 + b, 8)
+    assert predicted == {(LOCAL, 1): 10.0, (ASSISTED, 1): 31.0, (LOCAL, 2): 20.0, (ASSISTED, 2): 32.0,
+                         (LOCAL, 4): 40.0, (ASSISTED, 4): 34.0, (LOCAL, 8): 80.0, (ASSISTED, 8): 38.0}
+    assert set(predicted_latencies(lambda b: 1.0, None, 2)) == {(LOCAL, 1), (LOCAL, 2)}
+
+
+def seeded(local, assisted, max_batch=16):
+    chooser = ModeChooser(AssistSetting.AUTO, assist_configured=True)
+    chooser.seed(predicted_latencies(local, assisted, max_batch))
+    return chooser
+
+
+def test_seeded_chooser_picks_the_predicted_faster_mode_without_probing_first():
+    # Local grows with the batch, assisted is flat: small batches local, large ones assisted.
+    chooser = seeded(lambda b: 5.0 * b, lambda b: 22.0)
+    assert chooser.choose(2, decode_only=True) == LOCAL  # bucket 2: 10 < 22
+    assert chooser.choose(8, decode_only=True) == ASSISTED  # bucket 8: 40 > 22
+    unseeded = ModeChooser(AssistSetting.AUTO, assist_configured=True)
+    assert unseeded.choose(8, decode_only=True) == LOCAL  # measures local first
+
+
+def test_measurements_take_over_from_the_prediction():
+    chooser = seeded(lambda b: 5.0 * b, lambda b: 22.0)
+    assert chooser.estimate_ms(ASSISTED, 8) == 22.0
+    chooser.record(ASSISTED, 8, 90.0)  # the GPU is busy: assisted is really slow
+    assert chooser.estimate_ms(ASSISTED, 8) == 90.0  # replaced, not averaged with the prediction
+    assert chooser.choose(8, decode_only=True) == LOCAL
+    chooser.record(LOCAL, 8, 41.0)
+    assert chooser.estimate_ms(LOCAL, 8) == 41.0
+    chooser.record(LOCAL, 8, 51.0)
+    assert chooser.estimate_ms(LOCAL, 8) == pytest.approx((1 - EMA_WEIGHT) * 41.0 + EMA_WEIGHT * 51.0)
+
+
+def test_seeded_device_wait_uses_the_predicted_local_latency():
+    chooser = seeded(lambda b: 5.0 * b, lambda b: 22.0)
+    assert chooser.max_device_wait_ms(16) == 80
+
+
+def test_seed_does_not_override_settings_or_prefill():
+    chooser = ModeChooser(AssistSetting.NEVER, assist_configured=True)
+    chooser.seed(predicted_latencies(lambda b: 100.0, lambda b: 1.0, 8))
+    assert chooser.choose(8, decode_only=True) == LOCAL
+    chooser = seeded(lambda b: 100.0, lambda b: 1.0)
+    assert chooser.choose(8, decode_only=False) == LOCAL

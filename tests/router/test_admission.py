@@ -180,3 +180,77 @@ def test_placed_requests_count_at_their_final_size():
     placed = [RoutedRequest(f"r{i}", "gpu", BS, 0, BS * 29) for i in range(3)]  # 3 x 30 blocks at the end
     assert admit(BS, BS * 29, engines, placed[:2], 0, AdmissionConfig())[0] == Placement.GPU
     assert admit(BS, BS * 29, engines, placed, 0, AdmissionConfig())[0] == Placement.CPU
+
+
+# -- with a profile's cost model (a predictor) ---------------------------------------------------
+
+
+class LinearItl:
+    """ITL = base + per_sequence * batch + per_token * mean context; transfer = fixed + per token."""
+
+    def __init__(self, base=5.0, per_sequence=10.0, per_token=0.0, fixed_ms=2.0, per_token_ms=0.01):
+        self.base, self.per_sequence, self.per_token = base, per_sequence, per_token
+        self.fixed_ms, self.per_token_ms = fixed_ms, per_token_ms
+        self.calls = []
+
+    def itl_ms(self, kind, context_tokens):
+        self.calls.append((kind, list(context_tokens)))
+        n = len(context_tokens)
+        mean = sum(context_tokens) / n if n else 0
+        scale = 0.2 if kind == "gpu" else 1.0
+        return scale * (self.base + self.per_sequence * n + self.per_token * mean)
+
+    def kv_transfer_ms(self, num_tokens):
+        return self.fixed_ms + self.per_token_ms * num_tokens
+
+
+def with_predictor(target, predictor=None, **kwargs):
+    return AdmissionConfig(itl_target_ms=target, predictor=predictor or LinearItl(), **kwargs)
+
+
+def test_predicted_cpu_itl_with_one_more_admits_within_target():
+    # GPU full (spills to CPU); CPU holds 3 -> with one more, predicted 5 + 10 * 4 = 45 ms.
+    engines = {e.name: e for e in (gpu(used=95), cpu())}
+    placed = held("cpu", 3)
+    assert admit(100, 100, engines, placed, 0, with_predictor(45.0)) == (Placement.CPU, "cpu")
+    assert admit(100, 100, engines, placed, 0, with_predictor(44.9)) == (Placement.WAIT, None)
+
+
+def test_predictor_replaces_the_measured_p50_check():
+    # Measured p50 far above the target, prediction within it: the prediction decides.
+    engines = {e.name: e for e in (gpu(used=95), cpu(p50=500.0))}
+    assert admit(100, 100, engines, [], 0, with_predictor(20.0)) == (Placement.CPU, "cpu")
+    assert admit(100, 100, engines, [], 0, AdmissionConfig(itl_target_ms=20.0)) == (Placement.WAIT, None)
+
+
+def test_prediction_sees_held_contexts_and_the_new_prompt():
+    predictor = LinearItl(base=0.0, per_sequence=0.0, per_token=0.1)
+    engines = {e.name: e for e in (gpu(used=95), cpu())}
+    placed = [RoutedRequest("a", "cpu", 300, 100, 200)]  # context 400
+    # mean context of [400, 200] = 300 -> 30 ms
+    assert admit(200, 10, engines, placed, 0, with_predictor(30.0, predictor)) == (Placement.CPU, "cpu")
+    assert ("cpu", [400, 200]) in predictor.calls
+    assert admit(200, 10, engines, placed, 0, with_predictor(29.0, predictor)) == (Placement.WAIT, None)
+
+
+def test_snapshot_requests_unknown_to_the_router_count_in_the_prediction():
+    engines = {e.name: e for e in (gpu(used=95), cpu(running=4))}
+    # the router relays none of the 4: ITL with one more = 5 + 10 * 5 = 55
+    assert admit(100, 100, engines, [], 0, with_predictor(55.0)) == (Placement.CPU, "cpu")
+    assert admit(100, 100, engines, [], 0, with_predictor(54.0)) == (Placement.WAIT, None)
+
+
+def test_gpu_is_checked_by_prediction_too():
+    engines = {e.name: e for e in (gpu(), cpu())}
+    # GPU: 0.2 * (5 + 10 * 1) = 3 ms; CPU: 15 ms
+    assert admit(100, 100, engines, [], 0, with_predictor(3.0)) == (Placement.GPU, "gpu")
+    assert admit(100, 100, engines, [], 0, with_predictor(2.9)) == (Placement.WAIT, None)
+
+
+def test_predictor_without_target_keeps_capacity_rules():
+    engines = {e.name: e for e in (gpu(used=95), cpu())}
+    predictor = LinearItl()
+    config = AdmissionConfig(predictor=predictor, cpu_max_running=2)
+    assert admit(100, 100, engines, held("cpu", 1), 0, config) == (Placement.CPU, "cpu")
+    assert admit(100, 100, engines, held("cpu", 2), 0, config) == (Placement.WAIT, None)
+    assert predictor.calls == []

@@ -233,3 +233,54 @@ def test_a_request_moves_at_most_max_migrations_per_request_times():
     moved_once = RoutedRequest("y", "cpu", 160, 5, 100, num_migrations=1)
     assert plan([moved_twice], gpu(used=10), cpu()) == []
     assert [m.request_id for m in plan([moved_once], gpu(used=10), cpu())] == ["y"]
+
+
+# -- with a profile's cost model (a predictor) ---------------------------------------------------
+
+
+class FixedItl:
+    def __init__(self, cpu_ms=50.0, gpu_ms=10.0, per_sequence_ms=0.0, transfer_fixed_ms=0.0, transfer_per_token_ms=0.0):
+        self.cpu_ms, self.gpu_ms, self.per_sequence_ms = cpu_ms, gpu_ms, per_sequence_ms
+        self.transfer_fixed_ms, self.transfer_per_token_ms = transfer_fixed_ms, transfer_per_token_ms
+        self.calls = []
+
+    def itl_ms(self, kind, context_tokens):
+        self.calls.append((kind, sorted(context_tokens)))
+        base = self.cpu_ms if kind == "cpu" else self.gpu_ms
+        return base + self.per_sequence_ms * len(context_tokens)
+
+    def kv_transfer_ms(self, num_tokens):
+        return self.transfer_fixed_ms + self.transfer_per_token_ms * num_tokens
+
+
+def test_predicted_transfer_time_decides_the_payoff():
+    request = on_cpu("r", prompt=100, generated=10, max_tokens=20)  # 10 remaining, 110 tokens of KV
+    # gain 10 tokens * (50 - 10) = 400 ms; overhead 10 ms
+    cheap = FixedItl(transfer_fixed_ms=100.0)
+    assert moved(plan([request], gpu(p50=10.0), cpu(p50=50.0), predictor=cheap)) == headroom("r")
+    costly = FixedItl(transfer_fixed_ms=391.0)
+    assert plan([request], gpu(p50=10.0), cpu(p50=50.0), predictor=costly) == []
+    # the config's bandwidth is not used when a predictor is present
+    assert transfer_ms(110, MigrationConfig(predictor=costly, kv_transfer_bytes_per_s=1e12)) == 391.0
+
+
+def test_predicted_itls_replace_the_measured_ones():
+    request = on_cpu("r", prompt=100, generated=10, max_tokens=20)
+    # measured: CPU no slower than the GPU -> no move; predicted: CPU much slower -> move
+    assert plan([request], gpu(p50=50.0), cpu(p50=50.0)) == []
+    predictor = FixedItl(cpu_ms=60.0, gpu_ms=5.0)
+    assert moved(plan([request], gpu(p50=50.0), cpu(p50=50.0), predictor=predictor)) == headroom("r")
+    # the GPU's ITL is predicted with the request added, the CPU's for what it holds now
+    assert ("gpu", [110]) in predictor.calls and ("cpu", [110]) in predictor.calls
+    # predicted the other way round: no move even though the measurements say it pays
+    assert plan([request], gpu(p50=1.0), cpu(p50=500.0), predictor=FixedItl(cpu_ms=5.0, gpu_ms=60.0)) == []
+
+
+def test_cpu_itl_target_limits_pressure_moves():
+    requests = [on_gpu(f"g{i}", remaining=100 - i) for i in range(5)]  # 100 blocks used of 100
+    predictor = FixedItl(cpu_ms=10.0, per_sequence_ms=10.0)  # CPU ITL = 10 + 10 * sequences
+    unlimited = plan(requests, gpu(), cpu(), predictor=predictor)
+    assert len(unlimited) >= 2
+    limited = plan(requests, gpu(), cpu(), predictor=predictor, cpu_itl_target_ms=20.0)
+    assert moved(limited) == pressure("g0")  # a second request would take the CPU to 30 ms
+    assert plan(requests, gpu(), cpu(running=2), predictor=predictor, cpu_itl_target_ms=20.0) == []

@@ -1,0 +1,60 @@
+"""How the daemons (cpu_service, router) read `--profile`: load and validate the file, check
+it was made for the model being served, and say clearly when not.
+
+One-line errors (ProfileError, printed by the daemons as `NAME: error: ...`): unreadable
+file, wrong version, missing table or field, model fingerprint mismatch (unless
+--profile-ignore-fingerprint). A hardware mismatch is only a warning: a profile from a
+similar machine is still a better guide than none, and the measured latencies correct it.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from dualpace.model.config import ModelConfig
+from profiles.profiler.fingerprint import (
+    cpu_model_name,
+    memory_bytes,
+    model_fingerprint,
+)
+from profiles.schema import (
+    HardwareFingerprint,
+    Profile,
+    ProfileError,
+    fingerprint_mismatches,
+    load_profile,
+)
+
+log = logging.getLogger(__name__)
+IGNORE_FLAG = "--profile-ignore-fingerprint"
+
+
+def load_daemon_profile(path: str, config: ModelConfig, dtype: str | None = None, block_size: int | None = None,
+                        ignore_fingerprint: bool = False) -> Profile:
+    """The profile at `path`, checked against the served model. dtype / block_size None: not
+    compared (the router does not know the engines' dtype)."""
+    try:
+        profile = load_profile(path)
+    except ProfileError as exc:
+        raise ProfileError(f"--profile: {exc}") from None
+    served = model_fingerprint(config, dtype or profile.model.dtype, block_size or profile.model.block_size)
+    ignore = [name for name, value in (("model.dtype", dtype), ("model.block_size", block_size)) if value is None]
+    problems = fingerprint_mismatches(profile, model=served, ignore=ignore)
+    if problems:
+        if not ignore_fingerprint:
+            raise ProfileError(f"--profile {path}: made for another model ({'; '.join(problems)}); "
+                               f"pass {IGNORE_FLAG} to use it anyway")
+        log.warning("profile %s: model fingerprint mismatch ignored (%s)", path, "; ".join(problems))
+    here = HardwareFingerprint(cpu_model=cpu_model_name(), cpu_cores=_cores(), memory_bytes=memory_bytes())
+    hardware_problems = fingerprint_mismatches(profile, hardware=here,
+                                               ignore=("hardware.gpu_model", "hardware.gpu_memory_bytes"))
+    if hardware_problems:
+        log.warning("profile %s was measured on other hardware (%s); its predictions seed decisions until "
+                    "measurements take over", path, "; ".join(hardware_problems))
+    return profile
+
+
+def _cores() -> int:
+    import os
+
+    return os.cpu_count() or 1

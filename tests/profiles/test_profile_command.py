@@ -1,0 +1,56 @@
+"""`dualpace profile --quick` on a tiny synthetic model: a real gpu_service, the real runners,
+a JSON the cost model loads, a PNG beside it, and reuse on the second run."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from dataclasses import replace
+
+from dualpace.model.hf_loader import read_hf_config
+from profiles.cost_model import CostModel, DecodeBatch
+from profiles.profiler.fingerprint import model_config_hash
+from profiles.profiler.run import QUICK_GRIDS, reuse_problems
+from profiles.schema import HardwareFingerprint, load_profile
+
+
+def test_quick_profile_is_written_loaded_and_reused(synth_checkpoint, tmp_path):
+    model = synth_checkpoint("tiny-llama")
+    out = tmp_path / "tiny.json"
+    command = [sys.executable, "-m", "dualpace", "profile", "--model", str(model), "--quick", "--threads", "1",
+               "--out", str(out), "--no-progress", "--notes", "test"]
+    first = subprocess.run(command, check=False, capture_output=True, text=True, timeout=120)
+    assert first.returncode == 0, first.stdout + first.stderr
+    assert f"wrote {out}" in first.stdout
+
+    profile = load_profile(out)
+    assert out.with_suffix(".png").stat().st_size > 1000
+    assert profile.hardware.device == "cpu" and profile.hardware.cpu_threads == 1
+    assert profile.hardware.torch_version
+    assert profile.model.config_hash == model_config_hash(read_hf_config(model))
+    assert profile.model.dtype == "bf16" and profile.notes == "test"
+    assert profile.table1d("assist_ms").grid == (1.0, 4.0)
+    assert profile.profiler["grids"]["batch"] == [1, 4] and profile.profiler["samples"]["assist"]
+    cost = CostModel(profile)
+    assert cost.cpu_local_ms(DecodeBatch(2, 40.0)) > 0 and cost.cpu_assisted_ms(DecodeBatch(2, 40.0)) > 0
+    assert cost.kv_transfer_ms(64) > 0 and profile.capacities.cpu_kv_blocks > 0
+
+    written = out.stat().st_mtime_ns
+    second = subprocess.run(command, check=False, capture_output=True, text=True, timeout=60)
+    assert second.returncode == 0, second.stdout + second.stderr
+    assert "reusing the stored profile" in second.stdout
+    assert out.stat().st_mtime_ns == written
+
+    # Other grids, threads or model: measured again (checked without running the measurement).
+    hardware = profile.hardware
+    assert reuse_problems(profile, hardware, profile.model, QUICK_GRIDS) == []
+    assert reuse_problems(profile, hardware, profile.model, replace(QUICK_GRIDS, repeats=3))
+    assert reuse_problems(profile, replace(hardware, cpu_threads=2), profile.model, QUICK_GRIDS)
+    assert reuse_problems(profile, hardware, replace(profile.model, config_hash="other"), QUICK_GRIDS)
+    assert isinstance(hardware, HardwareFingerprint)
+
+
+def test_bad_grid_is_a_one_line_error():
+    result = subprocess.run([sys.executable, "-m", "dualpace", "profile", "--batch", "4,2"],
+                            check=False, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2 and "--batch" in result.stderr and "Traceback" not in result.stderr
