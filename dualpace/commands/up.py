@@ -47,6 +47,10 @@ def register(subparsers) -> None:
                    help="the router's OpenAI-compatible HTTP port on 127.0.0.1 (0: a free one)")
     p.add_argument("--threads-per-engine", type=int, default=None, help="torch intra-op threads of each engine")
     p.add_argument("--dtype", default="auto", choices=["auto", "fp32", "bf16"])
+    p.add_argument("--profile", default=None,
+                   help="hardware profile JSON (`dualpace profile`) for cpu_service's mode choice and the router")
+    p.add_argument("--itl-target-ms", type=float, default=None,
+                   help="the router's inter-token latency target (with --profile: admission by predicted ITL)")
 
 
 @dataclass
@@ -163,6 +167,7 @@ class Up:
                         "--grace-s", str(DRAIN_GRACE_S)]
         if args.threads_per_engine is not None:
             engine_flags += ["--threads", str(args.threads_per_engine)]
+        profile_flags = ["--profile", args.profile] if args.profile is not None else []
         gpu_flags = engine_flags + (["--kv-blocks", str(args.gpu_kv_blocks)] if args.gpu_kv_blocks else [])
         gpu = self.wait_listening(self.spawn("gpu", "gpu_service", *gpu_flags, "--name", "gpu"))
         cpu = None
@@ -170,12 +175,15 @@ class Up:
             cpu_flags = engine_flags + (["--kv-blocks", str(args.cpu_kv_blocks)] if args.cpu_kv_blocks else [])
             cpu = self.wait_listening(self.spawn(
                 "cpu", "cpu_service", *cpu_flags, "--name", "cpu", "--gpu-service", gpu, "--assist", args.assist,
-                "--policy", "gated" if args.policy == "gated" else "dualpace"))
+                "--policy", "gated" if args.policy == "gated" else "dualpace", *profile_flags))
         router_flags = ["serve", "--gpu", gpu, "--policy", args.policy, "--model", args.model,
                         "--grace-s", str(DRAIN_GRACE_S),
                         "--listen", f"127.0.0.1:{args.port}", "--http-listen", f"127.0.0.1:{args.http_port}"]
         if cpu is not None:
             router_flags += ["--cpu", cpu]
+        router_flags += profile_flags
+        if args.itl_target_ms is not None:
+            router_flags += ["--itl-target-ms", str(args.itl_target_ms)]
         router = self.spawn("router", "router", *router_flags)
         address = self.wait_listening(router)
         # The router prints its HTTP line right after the gRPC one.
