@@ -87,7 +87,10 @@ class EngineServicer:
         finish_reason is set, or whose migrated_to is set when the request moved
         to another engine. Cancelling the call aborts the request within one step.
         Errors: INVALID_ARGUMENT (bad field, named; also a new request whose id is
-        live), NOT_FOUND (resume of an unknown id), RESOURCE_EXHAUSTED (queue full).
+        live), NOT_FOUND (resume of an unknown id), RESOURCE_EXHAUSTED (queue full),
+        UNAVAILABLE (the engine failed or is draining; tokens made before a failure
+        are sent first), DATA_LOSS (this request alone failed, e.g. non-finite
+        logits; the engine serves on).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
