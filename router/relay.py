@@ -184,7 +184,9 @@ class Relay:
                 if placement in (Placement.GPU, Placement.CPU):
                     engine = core.pool.by_name(name)
                     if placement == Placement.CPU:
-                        gpus = [h for h in core.pool.of_kind("gpu") if h.healthy]
+                        final_tokens = len(self.prompt_token_ids) + self.params.max_tokens - 1
+                        gpus = [h for h in core.pool.of_kind("gpu")
+                                if h.healthy and h.view is not None and h.view.could_ever_hold(final_tokens)]
                         if gpus:  # prefill on the GPU engine, then hand the KV to the CPU engine
                             self.tracked.engine = gpus[0]
                             return gpus[0], engine

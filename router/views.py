@@ -37,6 +37,11 @@ class EngineView:
     def kv_blocks_free(self) -> int:
         return max(0, self.kv_blocks_total - self.kv_blocks_used)
 
+    def could_ever_hold(self, num_tokens: int) -> bool:
+        """Whether the whole pool is big enough for a request of this final size (engines refuse
+        one that is not, even for a prefill they would hand off)."""
+        return blocks_for(num_tokens, self.block_size) <= self.kv_blocks_total
+
 
 @dataclass(frozen=True)
 class RoutedRequest:

@@ -136,6 +136,14 @@ def test_views_properties():
     assert Policy("gpu-only") is Policy.GPU_ONLY and Placement("wait") is Placement.WAIT
 
 
+def test_could_ever_hold_compares_the_final_size_with_the_whole_pool():
+    # A CPU-placed request is prefilled on a GPU only if that GPU's whole pool could hold it:
+    # the GPU engine refuses (INVALID_ARGUMENT) a request larger than its pool, even to hand it off.
+    engine = gpu(total=24, used=24)
+    assert engine.could_ever_hold(24 * BS)
+    assert not engine.could_ever_hold(24 * BS + 1)
+
+
 # -- purity: no torch / grpc / asyncio / clock in the decision code ---------------------------
 
 ROUTER = Path(__file__).resolve().parents[2] / "router"
