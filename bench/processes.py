@@ -40,12 +40,14 @@ class Daemon:
         return "".join(self.output)
 
 
-def start_daemon(module: str, *args: str, env: dict[str, str] | None = None, cpu_cores: str | None = None) -> Daemon:
-    """`python -m module args... --listen 127.0.0.1:0`; waits for the address line and health SERVING.
+def start_daemon(module: str, *args: str, env: dict[str, str] | None = None, cpu_cores: str | None = None,
+                 listen: str = "127.0.0.1:0") -> Daemon:
+    """`python -m module args... --listen LISTEN` (an ephemeral port by default, or a fixed address to
+    restart an engine where it was); waits for the address line and health SERVING.
     cpu_cores (e.g. "0" or "0,1") pins the process with taskset."""
     pin = ["taskset", "-c", cpu_cores] if cpu_cores is not None else []
     process = subprocess.Popen(
-        [*pin, sys.executable, "-m", module, *args, "--listen", "127.0.0.1:0"],
+        [*pin, sys.executable, "-m", module, *args, "--listen", listen],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         env={**os.environ, **(env or {})},
     )

@@ -75,6 +75,10 @@ class EngineHandle:
                     ))
             except grpc.aio.AioRpcError as exc:
                 log.info("engine %s at %s unreachable: %s", self.name, self.address, exc.code().name)
+            except Exception:  # anything else must not end the watch: the engine would never come back
+                log.exception("engine %s at %s: load stream failed", self.name, self.address)
+            # An engine restarted on the same address (SIGKILL + start, systemd Restart=) is found
+            # again by the next Info call: the channel reconnects (backoff at most 1 s).
             await self.mark_unhealthy()
             await asyncio.sleep(RECONNECT_DELAY_S)
 

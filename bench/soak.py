@@ -1,0 +1,563 @@
+"""Soak with chaos: gpu_service, cpu_service and the router as real processes on 127.0.0.1, an
+open-loop request stream for a bounded time and count, and faults mixed in:
+
+- about 10% of the requests are cancelled by the client after a random number of tokens,
+- about 5% are invalid (each breaks one field) and must be answered with INVALID_ARGUMENT,
+- migrations: gpu_service gets a small KV pool, so the router hands requests off to
+  cpu_service and its planner moves them (counted from the router's metrics and ListPlacements),
+- one engine restart in the middle: the engine (cpu by default) is SIGKILLed and started again
+  on the same address; the router must reconnect and requests must complete after it.
+
+At the end, once every request has ended: each engine's KV pool must be whole again
+(GetLoad: kv_blocks_used == 0, i.e. free == total), each long-lived daemon's RSS
+(/proc/PID/status VmRSS) must have grown by less than --max-rss-growth-pct between the end of
+the warm-up and the end (the restarted engine: from warm-up after its restart), and every
+request must be classified: completed (exact token count, finish LENGTH), failed with an
+explicit error (by code), cancelled by the client, invalid and rejected, or lost (no terminal
+event, or hung past its deadline) — lost must be 0. Exit status 0 when every check holds.
+
+    python -m bench.soak --duration-s 180                  # tiny synthetic model (default)
+    python -m bench.soak --duration-s 600 --json           # the 10-minute soak, one JSON object on stdout
+    python -m bench.soak --model smollm2-135m --duration-s 120 --rate 0.5 --block-size 16 --gpu-kv-blocks 16 \\
+        --input-len 16:64 --output-len 16:64 --warmup-s 20
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import re
+import shlex
+import shutil
+import signal
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+
+from bench.load.lengths import build_requests, parse_length_spec
+from bench.processes import Daemon, start_daemon
+from bench.soak_client import (
+    CANCELLED,
+    COMPLETED,
+    INVALID_REJECTED,
+    LOST,
+    WRONG,
+    RequestOutcome,
+    Tally,
+    plan_requests,
+    run_chaos_load,
+)
+from dualpace.wire.v1 import engine_pb2, engine_pb2_grpc, router_pb2, router_pb2_grpc
+
+TINY = "tiny"  # --model default: the tiny-llama synthetic checkpoint, written to a temporary folder
+METRICS_LINE = re.compile(r"metrics on (\S+:\d+)")
+MIGRATION_SAMPLE = re.compile(r'^dualpace_migrations_total\{([^}]*)\}\s+([0-9.eE+-]+)$', re.MULTILINE)
+
+
+def log(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+def rss_kib(pid: int) -> int | None:
+    """VmRSS of a live process in KiB (None once it is gone)."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1])
+    except (OSError, ValueError):
+        return None
+    return None
+
+
+def metrics_address(daemon: Daemon, timeout_s: float = 10.0) -> str | None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        for line in list(daemon.output):
+            match = METRICS_LINE.search(line)
+            if match:
+                return match.group(1)
+        time.sleep(0.1)
+    return None
+
+
+def router_migrations_from_metrics(address: str | None) -> dict[str, int] | None:
+    """`dualpace_migrations_total` by "direction/outcome" (hand-offs included), None if unreadable."""
+    if address is None:
+        return None
+    try:
+        with urllib.request.urlopen(f"http://{address}/metrics", timeout=5) as response:
+            text = response.read().decode()
+    except OSError:
+        return None
+    counts: dict[str, int] = {}
+    for labels, value in MIGRATION_SAMPLE.findall(text):
+        parts = dict(re.findall(r'(\w+)="([^"]*)"', labels))
+        counts[f"{parts.get('direction', '?')}/{parts.get('outcome', '?')}"] = int(float(value))
+    return counts
+
+
+@dataclass
+class DaemonSlot:
+    """One role (gpu, cpu, router) and its current process; RSS samples per process generation."""
+    role: str
+    daemon: Daemon
+    rss_start_kib: int | None = None  # after warm-up (of this generation)
+    rss_end_kib: int | None = None
+    restarted_at_s: float | None = None  # soak clock, when the current generation started serving
+    rss_series: list = field(default_factory=list)  # [soak clock s, MiB] at each progress line
+
+
+@dataclass
+class Soak:
+    args: argparse.Namespace
+    model: str
+    slots: dict[str, DaemonSlot] = field(default_factory=dict)
+    outcomes: list[RequestOutcome] = field(default_factory=list)
+    faults: list[dict] = field(default_factory=list)
+    migrations_seen: dict[tuple, str] = field(default_factory=dict)  # (id, from, to, ts) -> outcome
+    migration_failures: dict[tuple, str] = field(default_factory=dict)  # key -> detail
+    placements_errors: Counter = field(default_factory=Counter)
+    load_started: float | None = None  # time.monotonic()
+    restart_done: threading.Event = field(default_factory=threading.Event)
+    restart_serving_s: float | None = None  # soak clock: when the restarted engine was back
+    router_reconnected_s: float | None = None  # soak clock: when the router saw it healthy again
+
+    def clock(self) -> float:
+        return 0.0 if self.load_started is None else time.monotonic() - self.load_started
+
+    # -- daemons ---------------------------------------------------------------------------------
+
+    def engine_args(self, role: str) -> list[str]:
+        a = self.args
+        common = ["--model", self.model, "--dtype", a.dtype, "--threads", str(a.threads),
+                  "--block-size", str(a.block_size), "--name", role]
+        if role == "gpu":
+            return [*common, "--kv-blocks", str(a.gpu_kv_blocks)]
+        return [*common, "--kv-blocks", str(a.cpu_kv_blocks), "--gpu-service", self.slots["gpu"].daemon.address,
+                "--assist", a.assist]
+
+    def engine_env(self) -> dict[str, str]:
+        delay = self.args.step_delay_ms
+        return {"DUALPACE_FAULT_STEP_DELAY_MS": str(delay)} if delay else {}
+
+    def start(self) -> None:
+        log(f"soak: starting gpu_service, cpu_service and the router ({self.model})")
+        gpu = start_daemon("gpu_service", *self.engine_args("gpu"), env=self.engine_env())
+        self.slots["gpu"] = DaemonSlot("gpu", gpu)
+        cpu = start_daemon("cpu_service", *self.engine_args("cpu"), env=self.engine_env())
+        self.slots["cpu"] = DaemonSlot("cpu", cpu)
+        router_flags = ["serve", "--gpu", gpu.address, "--cpu", cpu.address, "--model", self.model,
+                        "--metrics-port", "0"]
+        self.slots["router"] = DaemonSlot("router", start_daemon("router", *router_flags))
+        log("soak: " + ", ".join(f"{r} {s.daemon.address} (pid {s.daemon.process.pid})"
+                                   for r, s in self.slots.items()))
+
+    def stop(self) -> dict[str, int | None]:
+        codes = {}
+        for role in ("router", "cpu", "gpu"):
+            if role in self.slots:
+                codes[role] = self.slots[role].daemon.stop()
+        return codes
+
+    def restart_engine(self, role: str) -> None:
+        """SIGKILL the engine, start it again on the same address, wait until the router sees it."""
+        slot = self.slots[role]
+        address = slot.daemon.address
+        # Kill it while it holds requests (waiting a little for some), so the relay's failover runs too.
+        wait_until = time.monotonic() + self.args.restart_wait_busy_s
+        while True:
+            placed = self.poll_placements_sync()
+            on_victim = None if placed is None else sum(1 for r in placed.requests if r.engine == role)
+            if on_victim or time.monotonic() >= wait_until:
+                break
+            time.sleep(0.05)
+        killed_at = self.clock()
+        log(f"soak: t={killed_at:.1f}s SIGKILL {role} (pid {slot.daemon.process.pid}) at {address}, "
+            f"holding {on_victim} requests")
+        slot.daemon.process.send_signal(signal.SIGKILL)
+        slot.daemon.process.wait(30)
+        time.sleep(self.args.restart_down_s)
+        module = "gpu_service" if role == "gpu" else "cpu_service"
+        fault = {"kind": "sigkill_restart", "engine": role, "address": address, "killed_at_s": round(killed_at, 1),
+                 "requests_on_engine_when_killed": on_victim}
+        self.faults.append(fault)
+        try:
+            slot.daemon = start_daemon(module, *self.engine_args(role), env=self.engine_env(), listen=address)
+        except RuntimeError as exc:
+            fault["restart_error"] = str(exc)[-500:]
+            log(f"soak: {role} did not restart: {str(exc)[-300:]}")
+            self.restart_done.set()
+            return
+        self.restart_serving_s = self.clock()
+        slot.restarted_at_s = self.restart_serving_s
+        slot.rss_start_kib = None
+        fault["serving_again_at_s"] = round(self.restart_serving_s, 1)
+        log(f"soak: t={self.restart_serving_s:.1f}s {role} serving again (pid {slot.daemon.process.pid})")
+        deadline = time.monotonic() + 60
+        with grpc.insecure_channel(self.slots["router"].daemon.address) as channel:
+            stub = router_pb2_grpc.RouterStub(channel)
+            while time.monotonic() < deadline:
+                try:
+                    placed = stub.ListPlacements(router_pb2.ListPlacementsRequest(), timeout=5)
+                    if any(e.name == role and e.healthy for e in placed.engines):
+                        self.router_reconnected_s = self.clock()
+                        break
+                except grpc.RpcError:
+                    pass
+                time.sleep(0.2)
+        if self.router_reconnected_s is None:
+            fault["router_reconnected_at_s"] = None
+            log(f"soak: the router did not see {role} healthy again within 60 s")
+        else:
+            fault["router_reconnected_at_s"] = round(self.router_reconnected_s, 1)
+            log(f"soak: t={self.router_reconnected_s:.1f}s the router sees {role} healthy again")
+        self.restart_done.set()
+
+    # -- observation -----------------------------------------------------------------------------
+
+    def sample_rss(self, which: str) -> None:
+        for slot in self.slots.values():
+            value = rss_kib(slot.daemon.process.pid)
+            if which == "start":
+                slot.rss_start_kib = value
+            else:
+                slot.rss_end_kib = value
+
+    def poll_placements(self, stub) -> router_pb2.Placements | None:
+        try:
+            placed = stub.ListPlacements(router_pb2.ListPlacementsRequest(), timeout=5)
+        except grpc.RpcError as exc:
+            self.placements_errors[exc.code().name] += 1
+            return None
+        for m in placed.migrations:
+            key = (m.request_id, m.from_engine, m.to_engine, m.timestamp_unix_ms)
+            self.migrations_seen[key] = router_pb2.MigrationOutcome.Name(m.outcome).removeprefix("MIGRATION_OUTCOME_")
+            if m.outcome == router_pb2.MIGRATION_OUTCOME_FAILED:
+                self.migration_failures[key] = m.detail
+        return placed
+
+    async def observe(self, stop: asyncio.Event) -> None:
+        """Progress lines, ListPlacements polling (migrations), RSS after warm-up, the restart."""
+        a = self.args
+        last_line = 0.0
+        restart_task = None
+        warmed_up = False
+        try:
+            while not stop.is_set():
+                now = self.clock()
+                placed = await asyncio.to_thread(self.poll_placements_sync)
+                if not warmed_up and now >= a.warmup_s:
+                    warmed_up = True
+                    for slot in self.slots.values():
+                        if slot.restarted_at_s is None:
+                            slot.rss_start_kib = rss_kib(slot.daemon.process.pid)
+                    log(f"soak: t={now:.1f}s warm-up over; RSS baseline " + ", ".join(
+                        f"{r} {(s.rss_start_kib or 0) / 1024:.0f} MiB" for r, s in self.slots.items()))
+                for slot in self.slots.values():
+                    if (slot.restarted_at_s is not None and slot.rss_start_kib is None
+                            and now >= slot.restarted_at_s + a.warmup_s):
+                        slot.rss_start_kib = rss_kib(slot.daemon.process.pid)
+                        log(f"soak: t={now:.1f}s restarted {slot.role} warmed up; RSS baseline "
+                            f"{(slot.rss_start_kib or 0) / 1024:.0f} MiB")
+                if a.restart != "none" and restart_task is None and now >= a.restart_at_s:
+                    restart_task = asyncio.create_task(asyncio.to_thread(self.restart_engine, a.restart))
+                if now - last_line >= a.progress_s:
+                    last_line = now
+                    for slot in self.slots.values():
+                        value = rss_kib(slot.daemon.process.pid)
+                        if value is not None:
+                            slot.rss_series.append([round(now, 1), round(value / 1024, 1)])
+                    log(self.progress_line(now, placed))
+                await asyncio.sleep(1.0)
+        finally:
+            if restart_task is not None:
+                await restart_task
+
+    def poll_placements_sync(self):
+        with grpc.insecure_channel(self.slots["router"].daemon.address) as channel:
+            return self.poll_placements(router_pb2_grpc.RouterStub(channel))
+
+    def progress_line(self, now: float, placed) -> str:
+        tally = Tally.of(self.outcomes)
+        s = tally.by_status
+        engines = ""
+        if placed is not None:
+            engines = " | " + ", ".join(
+                f"{e.name}{'' if e.healthy else '(down)'} kv {e.kv_blocks_used}/{e.kv_blocks_total} "
+                f"run {e.num_running} wait {e.num_waiting}" for e in placed.engines)
+        committed = sum(1 for o in self.migrations_seen.values() if o == "COMMITTED")
+        rss = " ".join(f"{s.role} {s.rss_series[-1][1]:.0f}" for s in self.slots.values() if s.rss_series)
+        return (f"soak: t={now:5.1f}s sent {tally.sent} in flight {tally.sent - tally.done} | "
+                f"completed {s[COMPLETED]} cancelled {s[CANCELLED]} invalid {s[INVALID_REJECTED]} "
+                f"failed {dict(tally.failed_by_code) or 0} lost {s[LOST]} wrong {s[WRONG]} | "
+                f"migrations {committed}{engines} | RSS MiB {rss}")
+
+    def final_loads(self, timeout_s: float) -> dict[str, dict]:
+        """Each engine's load once idle (bounded wait): blocks still used are leaked."""
+        loads = {}
+        for role in ("gpu", "cpu"):
+            daemon = self.slots[role].daemon
+            deadline = time.monotonic() + timeout_s
+            last = None
+            with grpc.insecure_channel(daemon.address) as channel:
+                stub = engine_pb2_grpc.EngineStub(channel)
+                while True:
+                    try:
+                        last = stub.GetLoad(engine_pb2.GetLoadRequest(), timeout=5)
+                    except grpc.RpcError as exc:
+                        loads[role] = {"error": exc.code().name}
+                        break
+                    if (last.kv_blocks_used == 0 and last.num_running == 0 and last.num_waiting == 0) \
+                            or time.monotonic() > deadline:
+                        loads[role] = {"kv_blocks_total": last.kv_blocks_total, "kv_blocks_used": last.kv_blocks_used,
+                                       "num_running": last.num_running, "num_waiting": last.num_waiting}
+                        break
+                    time.sleep(0.2)
+        return loads
+
+
+def report(soak: Soak, window_s: float, wall_s: float, loads: dict, exit_codes: dict, migrations_metric) -> dict:
+    a = soak.args
+    tally = Tally.of(soak.outcomes)
+    s = tally.by_status
+    rss = {}
+    for role, slot in soak.slots.items():
+        start, end = slot.rss_start_kib, slot.rss_end_kib
+        rss[role] = {"start_mib": None if start is None else round(start / 1024, 1),
+                     "end_mib": None if end is None else round(end / 1024, 1),
+                     "growth_pct": None if not start or end is None else round(100 * (end - start) / start, 2),
+                     "since": "restart + warm-up" if slot.restarted_at_s is not None else "warm-up",
+                     "series": slot.rss_series}
+    leaked = {role: load.get("kv_blocks_used") for role, load in loads.items()}
+    committed = sum(1 for o in soak.migrations_seen.values() if o == "COMMITTED")
+    restarted = a.restart
+    after_restart = [o for o in soak.outcomes if soak.restart_serving_s is not None and o.status == COMPLETED
+                     and o.sent_s - soak.load_started >= soak.restart_serving_s]
+    on_restarted = [o for o in after_restart if restarted in o.engines]
+    wrong = [o for o in soak.outcomes if o.status == WRONG]
+    lost = [o for o in soak.outcomes if o.status == LOST]
+    result = {
+        "requests_sent": tally.sent,
+        "completed": s[COMPLETED],
+        "failed_by_code": dict(sorted(tally.failed_by_code.items())),
+        "cancelled": s[CANCELLED],
+        "invalid_rejected": s[INVALID_REJECTED],
+        "lost": s[LOST],
+        "wrong": s[WRONG],
+        "blocks_leaked": leaked,
+        "rss_growth_pct": {role: r["growth_pct"] for role, r in rss.items()},
+        "migrations": {
+            "committed_seen_in_list_placements": committed,
+            "failed_seen_in_list_placements": sum(1 for o in soak.migrations_seen.values() if o == "FAILED"),
+            "router_metric": migrations_metric,
+            "failed_examples": [f"{k[0]} {k[1]}->{k[2]}: {d}" for k, d in list(soak.migration_failures.items())[:5]],
+        },
+        "faults_injected": {
+            "client_cancellations": sum(1 for o in soak.outcomes if o.request.kind == "cancel"),
+            "invalid_requests": sum(1 for o in soak.outcomes if o.request.kind == "invalid"),
+            "engine_restarts": soak.faults,
+        },
+        "completed_after_restart": len(after_restart),
+        "completed_after_restart_on_restarted_engine": len(on_restarted),
+        "duration_s": round(window_s, 1),
+        "wall_s": round(wall_s, 1),
+        "rss_mib": rss,
+        "final_loads": loads,
+        "exit_codes": exit_codes,
+        "examples": {"lost": [_describe(o) for o in lost[:5]], "wrong": [_describe(o) for o in wrong[:5]],
+                     "failed": [_describe(o) for o in soak.outcomes if o.status == "failed"][:5]},
+        "config": {k: v for k, v in vars(a).items() if k != "json"},
+        "command": "python -m bench.soak " + " ".join(shlex.quote(x) for x in (a.argv or [])),
+    }
+    problems = []
+    if result["lost"]:
+        problems.append(f"{result['lost']} requests lost")
+    if result["wrong"]:
+        problems.append(f"{result['wrong']} requests ended wrongly (see examples)")
+    for role, n in leaked.items():
+        if n != 0:
+            problems.append(f"{role}: {n} KV blocks leaked" if n is not None else f"{role}: load unreadable")
+    for role, pct in result["rss_growth_pct"].items():
+        if pct is None:
+            problems.append(f"{role}: RSS growth not measured (too short after warm-up?)")
+        elif pct >= a.max_rss_growth_pct:
+            problems.append(f"{role}: RSS grew {pct}% (limit {a.max_rss_growth_pct}%)")
+    if committed == 0 and not any(k.endswith("/committed") and v for k, v in (migrations_metric or {}).items()):
+        problems.append("no migration committed")
+    if a.restart != "none":
+        if soak.router_reconnected_s is None:
+            problems.append(f"the router did not reconnect to the restarted {a.restart}")
+        if not after_restart:
+            problems.append("no request completed after the restart")
+    if any(code not in (0, None) for code in exit_codes.values()):
+        problems.append(f"daemon exit codes {exit_codes}")
+    result["problems"] = problems
+    result["ok"] = not problems
+    return result
+
+
+def _describe(outcome: RequestOutcome) -> dict:
+    r = outcome.request
+    return {"request_id": r.request_id, "kind": r.kind, "status": outcome.status, "code": outcome.code,
+            "detail": outcome.detail, "tokens": outcome.num_tokens, "expected": r.spec.output_len,
+            "finish": outcome.finish_reason, "engines": outcome.engines}
+
+
+def summary_table(result: dict) -> str:
+    rows = [
+        ("requests sent", result["requests_sent"]),
+        ("completed (exact length)", result["completed"]),
+        ("failed, explicit error", sum(result["failed_by_code"].values())),
+        *((f"  {code}", n) for code, n in result["failed_by_code"].items()),
+        ("cancelled by the client", result["cancelled"]),
+        ("invalid -> INVALID_ARGUMENT", result["invalid_rejected"]),
+        ("lost", result["lost"]),
+        ("wrong (bad length / invalid accepted)", result["wrong"]),
+        *((f"KV blocks leaked: {role}", n) for role, n in result["blocks_leaked"].items()),
+        *((f"RSS growth {role} ({r['since']})", f"{r['growth_pct']}% ({r['start_mib']} -> {r['end_mib']} MiB)")
+          for role, r in result["rss_mib"].items()),
+        ("migrations committed (ListPlacements)", result["migrations"]["committed_seen_in_list_placements"]),
+        ("migrations (router metric)", result["migrations"]["router_metric"]),
+        ("client cancellations injected", result["faults_injected"]["client_cancellations"]),
+        ("invalid requests injected", result["faults_injected"]["invalid_requests"]),
+        ("engine restarts", ", ".join(f"{f['engine']} killed at {f['killed_at_s']} s holding "
+                                      f"{f['requests_on_engine_when_killed']} requests, serving at "
+                                      f"{f.get('serving_again_at_s')} s, router reconnected at "
+                                      f"{f.get('router_reconnected_at_s')} s"
+                                      for f in result["faults_injected"]["engine_restarts"]) or "none"),
+        ("completed after the restart (on the restarted engine)",
+         f"{result['completed_after_restart']} ({result['completed_after_restart_on_restarted_engine']})"),
+        ("load duration / wall (s)", f"{result['duration_s']} / {result['wall_s']}"),
+        ("daemon exit codes", result["exit_codes"]),
+        ("verdict", "OK" if result["ok"] else "FAILED: " + "; ".join(result["problems"])),
+    ]
+    width = max(len(str(k)) for k, _ in rows)
+    return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
+
+
+async def drive(soak: Soak, requests) -> float:
+    a = soak.args
+    stop = asyncio.Event()
+    started = asyncio.Event()
+    soak.load_started = time.monotonic()
+    load = asyncio.create_task(run_chaos_load(
+        soak.slots["router"].daemon.address, requests, seed=a.seed, duration_s=a.duration_s,
+        deadline_s=a.request_deadline_s, outcomes=soak.outcomes, started=started))
+    await started.wait()
+    soak.load_started = time.monotonic()
+    observer = asyncio.create_task(soak.observe(stop))
+    try:
+        window_s = await load
+    finally:
+        stop.set()
+        await observer
+    return window_s
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--duration-s", type=float, default=180.0, help="how long requests are sent")
+    p.add_argument("--max-requests", type=int, default=None, help="bound on requests (default: rate x duration x 1.5)")
+    p.add_argument("--rate", type=float, default=4.0, help="mean arrivals per second (Poisson at burstiness 1)")
+    p.add_argument("--burstiness", type=float, default=1.0)
+    p.add_argument("--model", default=TINY, help=f"'{TINY}' (synthetic tiny-llama), a known name, a folder or .gguf")
+    p.add_argument("--dtype", default="fp32", choices=["auto", "fp32", "bf16"])
+    p.add_argument("--threads", type=int, default=1, help="torch threads per engine")
+    p.add_argument("--input-len", default="8:64")
+    p.add_argument("--output-len", default="32:192",
+                   help="prompt + output must fit gpu_service's pool alone: it prefills every request")
+    p.add_argument("--vocab-size", type=int, default=500, help="prompt ids are drawn below it")
+    p.add_argument("--block-size", type=int, default=8)
+    p.add_argument("--gpu-kv-blocks", type=int, default=40, help="small: the router hands off and migrates")
+    p.add_argument("--cpu-kv-blocks", type=int, default=2048)
+    p.add_argument("--assist", default="never", choices=["auto", "always", "never"], help="cpu_service --assist")
+    p.add_argument("--step-delay-ms", type=int, default=None,
+                   help="DUALPACE_FAULT_STEP_DELAY_MS for the engines: a floor on the step time, so that requests "
+                        "overlap and the pools fill without burning CPU (default 10 with the tiny model, else 0)")
+    p.add_argument("--cancel-frac", type=float, default=0.10)
+    p.add_argument("--invalid-frac", type=float, default=0.05)
+    p.add_argument("--restart", default="cpu", choices=["cpu", "gpu", "none"], help="engine SIGKILLed and restarted")
+    p.add_argument("--restart-at-s", type=float, default=None, help="when (default: half the duration)")
+    p.add_argument("--restart-wait-busy-s", type=float, default=15.0,
+                   help="from --restart-at-s, wait up to this long for the engine to hold a request before the kill")
+    p.add_argument("--restart-down-s", type=float, default=1.0, help="how long the engine stays down")
+    p.add_argument("--warmup-s", type=float, default=None,
+                   help="RSS baseline this long into the load (and after the restart); default min(20, duration/4)")
+    p.add_argument("--request-deadline-s", type=float, default=120.0,
+                   help="each request's gRPC deadline; DEADLINE_EXCEEDED counts as lost (hung)")
+    p.add_argument("--max-rss-growth-pct", type=float, default=10.0)
+    p.add_argument("--progress-s", type=float, default=5.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", action="store_true", help="print one JSON object on stdout (progress stays on stderr)")
+    p.add_argument("--out", default=None, help="also write the JSON object to this file")
+    args = p.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)
+    if args.duration_s <= 0 or args.rate <= 0:
+        p.error("--duration-s and --rate must be positive")
+    if args.restart_at_s is None:
+        args.restart_at_s = args.duration_s / 2
+    if args.warmup_s is None:
+        args.warmup_s = min(20.0, args.duration_s / 4)
+    if args.step_delay_ms is None:
+        args.step_delay_ms = 10 if args.model == TINY else 0
+    if args.max_requests is None:
+        args.max_requests = max(1, int(args.rate * args.duration_s * 1.5) + 10)
+    return args
+
+
+def run_soak(args: argparse.Namespace) -> dict:
+    """Start the daemons, run the chaos load, check the engines; returns the result object."""
+    ins, outs = parse_length_spec(args.input_len, "--input-len"), parse_length_spec(args.output_len, "--output-len")
+    specs = build_requests(args.max_requests, args.rate, args.burstiness, args.seed, args.vocab_size, ins, outs)
+    requests = plan_requests(specs, args.cancel_frac, args.invalid_frac, args.seed)
+    started = time.monotonic()
+    tmp = None
+    model = args.model
+    if model == TINY:
+        from dualpace.model.synth import write_synthetic_checkpoint
+        tmp = tempfile.mkdtemp(prefix="dualpace-soak-")
+        model = str(write_synthetic_checkpoint("tiny-llama", Path(tmp) / "tiny-llama", seed=0))
+    soak = Soak(args, model)
+    try:
+        soak.start()
+        router_metrics = metrics_address(soak.slots["router"].daemon)
+        log(f"soak: {args.duration_s:g} s of load at {args.rate:g} req/s (at most {args.max_requests} requests), "
+            f"cancel {args.cancel_frac:.0%}, invalid {args.invalid_frac:.0%}, restart {args.restart} at "
+            f"{args.restart_at_s:g} s, RSS baseline at {args.warmup_s:g} s, step delay {args.step_delay_ms} ms")
+        window_s = asyncio.run(drive(soak, requests))
+        log(f"soak: t={soak.clock():.1f}s every request ended; checking the engines")
+        soak.poll_placements_sync()
+        loads = soak.final_loads(timeout_s=30.0)
+        soak.sample_rss("end")
+        migrations_metric = router_migrations_from_metrics(router_metrics)
+    finally:
+        exit_codes = soak.stop()
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return report(soak, window_s, time.monotonic() - started, loads, exit_codes, migrations_metric)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    result = run_soak(args)
+    table = summary_table(result)
+    if args.out:
+        Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    if args.json:
+        log(table)
+        print(json.dumps(result))
+    else:
+        print(table)
+    return 0 if result["ok"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
