@@ -160,8 +160,10 @@ class AssistClient:
         returns the next token id per row, None where the row's logits were not
         finite; with sampling None returns float32 logits [batch, vocab].
         wait_for_engine_iteration selects the gated baseline policy (the GPU starts
-        the iteration only at its own engine's iteration boundary); max_device_wait_ms
-        bounds how long the GPU may keep the iteration waiting for its device.
+        the iteration only at its own engine's iteration boundary and keeps its device
+        until the result); max_device_wait_ms bounds how long the GPU may keep the
+        iteration waiting for its device, all layers' waits added up (past it the server
+        answers RESOURCE_EXHAUSTED and this raises AssistUnavailable).
         Raises AssistUnavailable (run the iteration locally instead).
         """
         with self._lock:
@@ -263,7 +265,7 @@ class AssistClient:
             self._drop_stream()
             self._channel.close()
 
-    def __enter__(self) -> "AssistClient":
+    def __enter__(self) -> AssistClient:
         return self
 
     def __exit__(self, *exc_info: object) -> None:

@@ -1,4 +1,7 @@
-"""An assisted iteration: dense stages on gpu_service, attention here over host KV."""
+"""An assisted iteration: dense stages on gpu_service, attention here over host KV.
+
+gpu_service takes its device only for each layer's dense stage, so the GPU engine keeps
+running while this side computes attention (gated: the whole iteration holds the device)."""
 
 from __future__ import annotations
 

@@ -2,7 +2,9 @@
 
 Runs prefills and GPU-resident decodes with its own scheduler, device KV cache
 and step loop (dualpace.v1.Engine), and serves Dense Assist to the CPU engine
-(dualpace.v1.DenseAssist) between its own iterations, sharing one device lock.
+(dualpace.v1.DenseAssist), sharing one device lock: an assist stage takes it per layer's
+dense work, and the engine's forward hands it over between its own layers
+(DeviceHandoff; see gpu_service/dense_assist.py).
 On a machine without CUDA the same code runs on the CPU device.
 """
 
@@ -13,9 +15,15 @@ import sys
 
 import grpc
 
+from dualpace.engine.gate import DeviceHandoff
 from dualpace.model.loader import resolve_device
 from dualpace.serve.config import parse_with_config
-from dualpace.serve.engine_daemon import EngineDaemonParts, add_engine_arguments, build_engine, run_engine_daemon
+from dualpace.serve.engine_daemon import (
+    EngineDaemonParts,
+    add_engine_arguments,
+    build_engine,
+    run_engine_daemon,
+)
 from gpu_service.assist_servicer import add_dense_assist_servicer
 from gpu_service.dense_assist import DenseAssistExecutor
 
@@ -32,7 +40,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def add_assist(parts: EngineDaemonParts, server: grpc.aio.Server) -> list[str]:
-    executor = DenseAssistExecutor(parts.loaded.model, parts.device_lock, parts.loop.gate)
+    handoff = DeviceHandoff(parts.device_lock)
+    # the engine's forward offers the device to waiting assist stages between its layers
+    parts.loop.core.runner.forward.between_layers = handoff.yield_to_waiting
+    executor = DenseAssistExecutor(parts.loaded.model, handoff, parts.loop.gate)
     add_dense_assist_servicer(executor, server)
     return [DENSE_ASSIST_SERVICE]
 

@@ -3,7 +3,9 @@
 Each upstream message is decoded, handed to the session and its reply encoded,
 all in a worker thread (asyncio.to_thread) so device work and tensor
 serialization never block the event loop. A malformed message ends the stream
-with INVALID_ARGUMENT naming the field; the server stays ready for new streams.
+with INVALID_ARGUMENT naming the field; an iteration that waited past its
+max_device_wait_ms budget ends it with RESOURCE_EXHAUSTED (the client redoes the
+iteration locally); the server stays ready for new streams.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from collections.abc import AsyncIterator
 
 import grpc
 
-from dualpace.errors import InvalidArgument
+from dualpace.errors import InvalidArgument, Overloaded
 from dualpace.wire import convert
 from dualpace.wire.v1 import assist_pb2, assist_pb2_grpc
 from gpu_service.dense_assist import AssistSession, DenseAssistExecutor
@@ -35,6 +37,8 @@ class DenseAssistServicer(assist_pb2_grpc.DenseAssistServicer):
         except (InvalidArgument, ValueError) as exc:
             # Mapped here too so the servicer works without the status interceptor.
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except Overloaded as exc:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
         finally:
             session.close()  # an unfinished iteration must not keep the device lock
 

@@ -12,27 +12,49 @@ messages; only q, k, v go down and the attention output comes up. Every
 message is checked against the iteration in progress before any device work,
 and a bad one raises InvalidArgument naming the field.
 
-Device work runs under the lock the daemon passes in (the GPU engine's step
-loop holds the same lock), so an assist step runs between the engine's own
-iterations. Methods are synchronous and meant to be called off the event
-loop; the same code runs on CUDA and on the CPU device.
+Device sharing (DeviceHandoff, dualpace/engine/gate.py). Each message's device work is
+one *stage* that takes the GPU engine's step lock for that stage only: the CPU's
+attention between two messages runs with the device free for the GPU engine. The
+engine's forward offers the device between its layers (PagedForward.between_layers ->
+DeviceHandoff.yield_to_waiting), so a stage waits for at most one engine layer, and the
+engine pays only the assisted dense time. The model weights are the only state the two
+share, read-only: the residual stream lives in the session, the KV on the CPU engine.
+
+Gated baseline (begin.wait_for_engine_iteration, NEO-like): unchanged from the coarse
+design: the iteration waits for the engine's iteration boundary, then holds the device
+lock from its begin to its result, so the GPU and CPU iterations take turns.
+
+Bounded wait (begin.max_device_wait_ms, 0 = unbounded): a budget per iteration: the
+waits of all its stages for the device add up to at most that; past it the stage raises
+Overloaded (RESOURCE_EXHAUSTED) and the CPU engine redoes the iteration locally.
+
+Methods are synchronous and meant to be called off the event loop; the same code runs on
+CUDA and on the CPU device.
 """
 
 from __future__ import annotations
 
 import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 
 import torch
 
-from dualpace.engine.gate import IterationGate
+from dualpace.engine.gate import DeviceHandoff, IterationGate
 from dualpace.errors import InvalidArgument, Overloaded
 from dualpace.model.transformer import Transformer
 from dualpace.sampling import SamplingParams, sample_next_tokens
-from dualpace.wire.convert import AssistAttentionOutput, AssistBegin, AssistQkv, AssistResult
-
+from dualpace.wire.convert import (
+    AssistAttentionOutput,
+    AssistBegin,
+    AssistQkv,
+    AssistResult,
+)
 
 GATE_TIMEOUT_S = 60.0  # a gated iteration waits at most this long for the GPU engine's iteration
+UNBOUNDED_STAGE_WAIT_S = 60.0  # with no max_device_wait_ms, a stage still gives up after this long
 
 
 @dataclass
@@ -45,36 +67,48 @@ class _Iteration:
     next_layer: int  # the layer whose attention output is expected next
 
 
-class DenseAssistExecutor:
-    """Holds the model and the device lock; hands out one session per stream."""
+def _as_handoff(device: DeviceHandoff | threading.Lock | None) -> DeviceHandoff:
+    return device if isinstance(device, DeviceHandoff) else DeviceHandoff(device)
 
-    def __init__(self, model: Transformer, device_lock: threading.Lock | None = None,
+
+class DenseAssistExecutor:
+    """Holds the model and the device handoff; hands out one session per stream.
+
+    `device` is the DeviceHandoff whose yield_to_waiting the GPU engine's forward calls
+    between layers, or a bare lock (then the engine only frees it between iterations).
+    """
+
+    def __init__(self, model: Transformer, device: DeviceHandoff | threading.Lock | None = None,
                  gate: IterationGate | None = None):
         self.model = model
-        self.device_lock = device_lock if device_lock is not None else threading.Lock()
+        self.handoff = _as_handoff(device)
+        self.device_lock = self.handoff.lock
         self.gate = gate if gate is not None else IterationGate()  # the GPU engine's iteration boundaries
 
-    def new_session(self) -> "AssistSession":
-        return AssistSession(self.model, self.device_lock, self.gate)
+    def new_session(self) -> AssistSession:
+        return AssistSession(self.model, self.handoff, self.gate)
 
 
 class AssistSession:
     """The state of one DenseAssist stream: at most one iteration in progress.
 
-    An iteration holds the device lock from its begin to its result, so it runs
-    as one unit between the GPU engine's own iterations: it waits at most for the
-    engine's step in flight, never once per layer. Not thread-safe: the caller hands
-    it one message at a time (a stream is sequential) and calls close() at the end.
-    Returned tensors are on the CPU.
+    Each message's device work takes the device for that stage only (see the module
+    doc); a gated iteration holds it from its begin to its result. Not thread-safe: the
+    caller hands it one message at a time (a stream is sequential) and calls close() at
+    the end. Returned tensors are on the CPU.
     """
 
-    def __init__(self, model: Transformer, device_lock: threading.Lock, gate: IterationGate | None = None):
+    def __init__(self, model: Transformer, device: DeviceHandoff | threading.Lock,
+                 gate: IterationGate | None = None):
         self._model = model
-        self._lock = device_lock
+        self._handoff = _as_handoff(device)
+        self._lock = self._handoff.lock
         self._gate = gate if gate is not None else IterationGate()
         self._iteration: _Iteration | None = None
         self._last_iteration_id: int | None = None
-        self._holding_lock = False
+        self._holding_lock = False  # a gated iteration holds the device across its stages
+        self._wait_budget_s: float | None = None  # device wait left to the iteration (None: unbounded)
+        self.device_wait_s = 0.0  # the current (or last) iteration's total wait for the device
 
     @property
     def in_iteration(self) -> bool:
@@ -92,19 +126,23 @@ class AssistSession:
         """Start an iteration: embed the batch, compute RoPE once, return layer 0's q, k, v."""
         self._check_begin(begin)
         model = self._model
+        self._wait_budget_s = begin.max_device_wait_ms / 1e3 if begin.max_device_wait_ms else None
+        self.device_wait_s = 0.0
         if begin.wait_for_engine_iteration:  # gated baseline: one CPU iteration per GPU iteration
             self._gate.wait_turn(GATE_TIMEOUT_S)
-        wait_s = begin.max_device_wait_ms / 1e3 if begin.max_device_wait_ms else GATE_TIMEOUT_S
-        if not self._lock.acquire(timeout=wait_s):
-            raise Overloaded(f"the device stayed busy with the GPU engine's own step for {wait_s * 1e3:.0f} ms")
-        self._holding_lock = True
+            wait_s = self._wait_budget_s if self._wait_budget_s is not None else GATE_TIMEOUT_S
+            # a plain acquire, not a waiting stage: the engine finishes its iteration first
+            if not self._lock.acquire(timeout=wait_s):
+                raise Overloaded(f"the device stayed busy with the GPU engine's own step for {wait_s * 1e3:.0f} ms")
+            self._holding_lock = True
         try:
-            token_ids = torch.tensor(begin.token_ids, dtype=torch.long, device=model.device)
-            positions = torch.tensor(begin.positions, dtype=torch.long, device=model.device)
-            hidden = model.embed(token_ids)
-            rope = model.rope_angles(positions)
-            iteration = _Iteration(begin=begin, hidden=hidden, rope=rope, next_layer=0)
-            qkv = self._pre_attention(iteration, 0)
+            with self._device_stage():
+                token_ids = torch.tensor(begin.token_ids, dtype=torch.long, device=model.device)
+                positions = torch.tensor(begin.positions, dtype=torch.long, device=model.device)
+                hidden = model.embed(token_ids)
+                rope = model.rope_angles(positions)
+                iteration = _Iteration(begin=begin, hidden=hidden, rope=rope, next_layer=0)
+                qkv = self._pre_attention(iteration, 0)
         except BaseException:
             self._release()
             raise
@@ -119,12 +157,13 @@ class AssistSession:
         model = self._model
         layer = message.layer
         try:
-            attention_out = message.attention_output.to(device=model.device, dtype=model.dtype)
-            iteration.hidden = model.post_attention(layer, iteration.hidden, attention_out)
-            if layer + 1 < model.config.num_layers:
-                iteration.next_layer = layer + 1
-                return self._pre_attention(iteration, layer + 1)
-            result = self._finish(iteration)
+            with self._device_stage():
+                attention_out = message.attention_output.to(device=model.device, dtype=model.dtype)
+                iteration.hidden = model.post_attention(layer, iteration.hidden, attention_out)
+                if layer + 1 < model.config.num_layers:
+                    iteration.next_layer = layer + 1
+                    return self._pre_attention(iteration, layer + 1)
+                result = self._finish(iteration)
         except BaseException:
             self.close()
             raise
@@ -141,6 +180,30 @@ class AssistSession:
         if self._holding_lock:
             self._holding_lock = False
             self._lock.release()
+
+    @contextmanager
+    def _device_stage(self) -> Iterator[None]:
+        """The device for one stage: taken through the handoff (at the engine's next layer
+        boundary) unless a gated iteration already holds it. Its wait is charged to the
+        iteration's budget; Overloaded when the budget runs out."""
+        if self._holding_lock:
+            yield
+            return
+        budget_s = self._wait_budget_s
+        timeout_s = UNBOUNDED_STAGE_WAIT_S if budget_s is None else max(0.0, budget_s)
+        started_s = time.monotonic()
+        acquired = self._handoff.acquire_stage(timeout_s)
+        waited_s = time.monotonic() - started_s
+        self.device_wait_s += waited_s
+        if budget_s is not None:
+            self._wait_budget_s = budget_s - waited_s
+        if not acquired:
+            raise Overloaded(f"the device stayed busy with the GPU engine's own step: this iteration waited "
+                             f"{self.device_wait_s * 1e3:.0f} ms for it in all")
+        try:
+            yield
+        finally:
+            self._handoff.release_stage()
 
     def _pre_attention(self, iteration: _Iteration, layer: int) -> AssistQkv:
         q, k, v = self._model.pre_attention(layer, iteration.hidden, iteration.rope)

@@ -33,11 +33,11 @@ def register(subparsers) -> None:
     p.add_argument("--gpu-max-batch-tokens", type=int, default=2048)
     p.add_argument("--gpu-max-running", type=int, default=256)
     p.add_argument("--cpu-max-running", type=int, default=128)
-    p.add_argument("--assist-device-hold", choices=("iteration", "dense"), default="iteration",
-                   help="an Assisted CPU iteration holds the GPU for the whole iteration (as built) "
-                        "or only for its dense part (what-if)")
+    p.add_argument("--assist-device-hold", choices=("layer", "iteration", "dense"), default="layer",
+                   help="how an Assisted CPU iteration (dualpace) holds the GPU: per layer's dense stage (as built), "
+                        "the whole iteration (before), or only its dense part in one piece (what-if)")
     p.add_argument("--skip-unprefilled-moves", action="store_true",
-                   help="what-if: drop planned moves of requests with no token yet (every prompt prefilled on the GPU)")
+                   help="no effect any more (the planner never moves a request with no token yet); kept for old commands")
     p.add_argument("--out", help="sweep: write the results JSON here (and a PNG beside it if matplotlib imports)")
     p.add_argument("--json", action="store_true", help="print one JSON object (a list for several runs)")
 

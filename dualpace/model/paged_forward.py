@@ -5,10 +5,16 @@ run and which blocks they own; this module turns that into tensors, runs the
 model's stages layer by layer and returns logits. Dense stages run once over all
 of the step's tokens; attention runs batched for the decode tokens and per
 sequence for prefill chunks.
+
+`between_layers`, when set, is called after each layer but the last: gpu_service uses it
+to hand the device to a waiting Dense Assist stage (DeviceHandoff.yield_to_waiting). With
+it set, the one-call fused CPU decode path is not used (it would offer the device only at
+the step's end), so every step runs layer by layer.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -121,11 +127,14 @@ class PagedForward:
         self.kv = kv
         self.scale = model.config.head_dim**-0.5
         self._fused: cpu_kernels.FusedDecode | None = None
+        self.between_layers: Callable[[], None] | None = None  # a yield point, called between layers
 
     def _fused_decode(self, step: StepTensors) -> cpu_kernels.FusedDecode | None:
         """The one-call-per-step CPU path, for decode-only steps of at most LINEAR_MAX_ROWS tokens."""
         num_tokens = step.token_ids.shape[0]
         if step.prefills or num_tokens > cpu_kernels.LINEAR_MAX_ROWS or num_tokens == 0:
+            return None
+        if self.between_layers is not None:  # the fused call has no point between layers to yield at
             return None
         kernels = cpu_kernels.get()
         if kernels is None or not cpu_kernels.FusedDecode.applies(self.model, self.kv):
@@ -149,7 +158,10 @@ class PagedForward:
         if fused is not None and isinstance(rope, HalfAngles):
             fused.run(hidden, rope.cos, rope.sin, step.slot_ids, step.decode_block_tables, step.decode_context_lens)
             return model.logits(hidden[step.logit_token_index])
+        between_layers = self.between_layers
         for layer_index in range(model.config.num_layers):
+            if layer_index > 0 and between_layers is not None:
+                between_layers()
             q, k, v = model.pre_attention(layer_index, hidden, rope)
             self.kv.write(layer_index, step.slot_ids, k, v)
             attention_out = attend(q, layer_index, step, self.kv, self.scale)

@@ -73,7 +73,7 @@ class _ServerThread:
     def address(self) -> str:
         return f"127.0.0.1:{self.port}"
 
-    def start(self) -> "_ServerThread":
+    def start(self) -> _ServerThread:
         self._thread.start()
         assert self._started.wait(10)
         return self
@@ -274,3 +274,30 @@ def test_bad_messages_end_the_stream_naming_the_field(loaded, server) -> None:
         assert details.startswith(expected_field), (expected_field, details)
     with AssistClient(server.address) as client:  # the server still serves new streams
         assert client.run_iteration([1], [0], _zeros_attend(loaded)).shape == (1, loaded.config.vocab_size)
+
+
+def test_device_wait_budget_ends_the_iteration_with_resource_exhausted(loaded, server) -> None:
+    """The GPU engine takes the device while the CPU computes attention and keeps it past the
+    iteration's max_device_wait_ms: RESOURCE_EXHAUSTED (the CPU engine redoes it locally)."""
+    client = AssistClient(server.address, iteration_timeout_s=10.0)
+    lock = server.executor.device_lock
+    released = threading.Event()
+    zeros = _zeros_attend(loaded)
+
+    def attend(layer, q, k, v):
+        if layer == 0:
+            lock.acquire()  # between two stages the device is free: the engine takes it
+
+            def release() -> None:
+                lock.release()
+                released.set()
+
+            threading.Timer(1.5, release).start()
+        return zeros(layer, q, k, v)
+
+    with pytest.raises(AssistUnavailable) as raised:
+        client.run_iteration([1], [0], attend, max_device_wait_ms=200)
+    assert raised.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert released.wait(10)
+    assert client.run_iteration([1], [0], zeros).shape == (1, loaded.config.vocab_size)
+    client.close()

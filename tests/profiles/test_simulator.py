@@ -6,6 +6,7 @@ from bench.load.lengths import RequestSpec, build_requests, parse_length_spec
 from dualpace.cli import main
 from profiles.cost_model import CostModel
 from profiles.schema import parse_profile
+from profiles.sim.device import SharedDevice
 from profiles.simulator import CPU, GPU, SimConfig, Simulator, simulate
 from router.views import Policy
 from tests.profiles.tiny import tiny_profile_dict
@@ -102,12 +103,47 @@ def test_cli_bad_policy(capsys):
     assert "--policy" in capsys.readouterr().err
 
 
-def test_dense_hold_what_if_runs():
+@pytest.mark.parametrize("hold", ["iteration", "dense"])
+def test_earlier_device_holds_still_run(hold):
     cost = _cost(gpu_kv_blocks=16)
-    result = simulate(cost, SimConfig(policy=Policy.DUALPACE, assist_device_hold="dense"), _specs(), 50.0)
+    result = simulate(cost, SimConfig(policy=Policy.DUALPACE, assist_device_hold=hold), _specs(), 50.0)
     assert result.requests_completed == 20
     with pytest.raises(ValueError, match="assist_device_hold"):
-        Simulator(cost, SimConfig(assist_device_hold="never"))
+        SimConfig(assist_device_hold="never")
+
+
+def test_gated_holds_the_device_per_iteration_whatever_the_dualpace_hold():
+    """The NEO-like baseline keeps its turn-taking: per-layer sharing is DualPace's alone."""
+    cost = _cost(gpu_kv_blocks=16)
+    by_hold = [simulate(cost, SimConfig(policy=Policy.GATED, assist_device_hold=hold), _specs(), 50.0)
+               for hold in ("layer", "iteration")]
+    assert by_hold[0] == by_hold[1]
+
+
+def test_stage_goes_at_the_engines_next_layer_boundary():
+    device = SharedDevice(num_layers=4)
+    assert device.start_engine(0.0, 40.0) == 40.0  # 4 layers of 10 ms
+    # asked for mid-layer 1: runs at 20 (end of layer 1) for 2 ms; the engine ends 2 ms later
+    assert device.run_stage(15.0, 2.0) == (22.0, 42.0)
+    # the engine resumed at 22 with 20 ms done: at 25 it is 3 ms into layer 2, which ends at 32
+    assert device.run_stage(25.0, 2.0) == (34.0, 44.0)
+    # during the last layer there is no yield point: the stage goes at the iteration's end
+    assert device.run_stage(41.0, 2.0) == (46.0, None)
+    assert device.stage_wait_ms == pytest.approx(5.0 + 7.0 + 3.0)
+    device.engine_finished()
+    assert device.wait_ms(44.0) == 2.0  # the engine's next iteration waits for that stage
+    assert device.run_stage(50.0, 2.0) == (52.0, None)  # an idle device: at once
+    assert device.book_block(51.0, 5.0) == 52.0  # a block (gated) waits for the device to be free
+
+
+def test_assisted_iterations_leave_the_gpu_engine_its_layers():
+    """With per-layer sharing the GPU engine loses only the stages' device time, so under the
+    same load it finishes at least as much as when assisted iterations held the whole device."""
+    cost = _cost(gpu_kv_blocks=16)
+    by_hold = {hold: simulate(cost, SimConfig(policy=Policy.DUALPACE, assist_device_hold=hold), _specs(40), 50.0)
+               for hold in ("layer", "iteration")}
+    assert by_hold["layer"].requests_completed == by_hold["iteration"].requests_completed == 40
+    assert by_hold["layer"].duration_s <= by_hold["iteration"].duration_s
 
 
 def test_pure_imports():

@@ -1,0 +1,89 @@
+"""What a simulation is given (SimConfig) and what it reports (SimResult)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from dualpace.engine.scheduler import SchedulerConfig
+from dualpace.errors import DualPaceError
+from router.views import Policy
+
+GPU, CPU = "gpu0", "cpu0"  # the simulated engines' names
+
+# How an Assisted CPU iteration (dualpace policy) shares the GPU; see profiles/sim/device.py.
+ASSIST_DEVICE_HOLDS = ("layer", "iteration", "dense")
+
+
+class SimulationError(DualPaceError):
+    """The simulation cannot make progress (e.g. a request that fits no engine)."""
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    policy: Policy = Policy.DUALPACE
+    gpu_scheduler: SchedulerConfig = field(
+        default_factory=lambda: SchedulerConfig(max_batch_tokens=2048, max_running=256, max_waiting=1 << 30))
+    cpu_scheduler: SchedulerConfig = field(
+        default_factory=lambda: SchedulerConfig(max_batch_tokens=512, max_running=128, max_waiting=1 << 30))
+    planner_interval_ms: float = 100.0
+    itl_target_ms: float | None = None  # admission: an engine whose predicted ITL (one more request) exceeds it takes none
+    max_context_tokens: int = 1 << 20
+    migration_overhead_ms: float = 10.0
+    max_queue: int = 1 << 30  # the router's wait queue (a simulation should not reject by default)
+    # How an Assisted CPU iteration of the dualpace policy holds the GPU:
+    # "layer" (as built): each layer's dense stage takes the device at the GPU engine's next
+    #   layer boundary; the CPU's attention runs with the device free;
+    # "iteration": from its start to its result (gpu_service before per-stage sharing);
+    # "dense": only its dense part, in one piece at its start (an earlier what-if).
+    # The gated policy always holds it for the whole iteration ("dense" what-if aside).
+    assist_device_hold: str = "layer"
+    # What-if: drop planned moves of requests that have no token yet. The planner itself now
+    # never plans those (router.migration_planner), so this changes nothing; kept for the CLI.
+    skip_unprefilled_moves: bool = False
+
+    def __post_init__(self) -> None:
+        if self.assist_device_hold not in ASSIST_DEVICE_HOLDS:
+            raise ValueError(f"assist_device_hold must be one of {', '.join(ASSIST_DEVICE_HOLDS)}, "
+                             f"got {self.assist_device_hold!r}")
+
+
+def deterministic_token(request_index: int, position: int, vocab_size: int) -> int:
+    """The fake runner's token: a function of the request and the position only (never EOS:
+    the simulated engines have no EOS ids)."""
+    return 1 + (request_index * 7919 + position * 104729) % max(1, vocab_size - 1)
+
+
+@dataclass(frozen=True)
+class SimResult:
+    policy: str
+    rate: float
+    num_requests: int
+    requests_completed: int
+    requests_rejected: int
+    duration_s: float
+    throughput_tokens_per_s: float
+    requests_per_s: float
+    p50_ttft_ms: float | None
+    p99_ttft_ms: float | None
+    p50_itl_ms: float | None
+    p99_itl_ms: float | None
+    mean_itl_ms: float | None
+    num_generated_tokens: int
+    num_handoffs: int
+    num_migrations: int
+    num_moves_without_kv: int
+    num_preemptions: int
+    gpu_iterations: int
+    cpu_iterations: int
+    cpu_local_iterations: int
+    cpu_assisted_iterations: int
+    requests_touching_cpu: int
+    gpu_busy_fraction: float
+    cpu_busy_fraction: float
+
+    def as_dict(self) -> dict:
+        out = {}
+        for name, value in self.__dict__.items():
+            out[name] = round(value, 3) if isinstance(value, float) and math.isfinite(value) else value
+        return out

@@ -1,0 +1,470 @@
+"""The event loop: requests arrive, engines iterate, the router admits and migrates.
+
+Each engine is a real `Scheduler` whose plans are "run" by a fake runner (deterministic
+tokens, never EOS, so a request ends at its max_tokens) and whose iteration takes the cost
+model's predicted time. New requests go through the real `admit`; every
+`planner_interval_ms` the real `plan_migrations` runs on the views the router builds.
+How the engines share the GPU is profiles/sim/device.py; the policies:
+
+- **dualpace**: the CPU engine runs on its own clock. Per iteration it compares Local
+  (cpu_local_ms) with Assisted (cpu_assisted_ms plus the waits it expects for the device)
+  and takes the faster; Local iterations do not touch the device. An Assisted iteration's
+  dense work goes to the device stage by stage (hold "layer"), interleaved with the GPU
+  engine's layers.
+- **gated** (NEO-like): a CPU iteration starts only at a GPU iteration boundary (or while
+  the GPU engine is idle), is always Assisted and holds the device for the whole iteration,
+  so the engines take turns and a CPU-resident request advances at most once per GPU iteration.
+- **gpu-only** (vLLM-like): no CPU engine; the GPU scheduler preempts by recompute.
+- **hand-off and migrations**: at the source's next step boundary the request is paused
+  (Scheduler.pause), blocks are reserved on the target (reserve_import), the KV crosses one
+  PCIe link (transfers queue on it; kv_transfer_ms each), then the target commits
+  (commit_import) and the source releases. A failed reservation resumes the request.
+
+Commands that touch a scheduler (pause, commit) run only at that engine's step boundary,
+as the real engine loop does.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
+
+from bench.load.lengths import RequestSpec
+from dualpace.engine.request import EngineRequest
+from dualpace.engine.scheduler import Scheduler, StepPlan, StepResult
+from dualpace.errors import InvalidArgument, Overloaded, RequestNotFound
+from dualpace.sampling_params import SamplingParams
+from profiles.cost_model import CostModel, DecodeBatch
+from profiles.sim.config import (
+    CPU,
+    GPU,
+    SimConfig,
+    SimulationError,
+    deterministic_token,
+)
+from profiles.sim.device import SharedDevice
+from router.admission import AdmissionConfig, Placement, admit
+from router.migration_planner import MigrationConfig, plan_migrations
+from router.views import EngineView, Policy, RoutedRequest
+
+MAX_IDLE_PLANNER_TICKS = 10_000  # planner ticks in a row with nothing else happening: stalled
+
+
+@dataclass
+class SimEngine:
+    name: str
+    kind: str
+    scheduler: Scheduler
+    busy: bool = False
+    plan: StepPlan | None = None
+    started_ms: float = 0.0
+    done_version: int = 0  # the GPU engine's end moves when assist stages go inside its iteration
+    commands: list[Callable[[], None]] = field(default_factory=list)
+    num_iterations: int = 0
+    num_local: int = 0
+    num_assisted: int = 0
+    busy_ms: float = 0.0
+
+
+@dataclass
+class Track:
+    """One request as the simulated router sees it."""
+
+    spec: RequestSpec
+    request_id: str
+    engine: str = ""
+    token_times_ms: list[float] = field(default_factory=list)
+    finish_ms: float | None = None
+    handoff_to: str | None = None  # placed on the CPU: prefilled on the GPU, then moved
+    migrating: bool = False
+    num_moves: int = 0  # committed moves, the hand-off included (the planner caps them)
+    engines_seen: list[str] = field(default_factory=list)
+
+
+class Simulator:
+    def __init__(self, cost: CostModel, config: SimConfig):
+        self.cost = cost
+        self.config = config
+        profile = cost.profile
+        self.vocab_size = profile.model.vocab_size
+        self.block_size = profile.model.block_size
+        self.num_layers = profile.model.num_layers
+        self.engines: dict[str, SimEngine] = {
+            GPU: SimEngine(GPU, "gpu", Scheduler(config.gpu_scheduler, profile.capacities.gpu_kv_blocks,
+                                                 self.block_size, config.max_context_tokens)),
+        }
+        if config.policy is not Policy.GPU_ONLY:
+            self.engines[CPU] = SimEngine(CPU, "cpu", Scheduler(config.cpu_scheduler, profile.capacities.cpu_kv_blocks,
+                                                                self.block_size, config.max_context_tokens))
+        self.admission = AdmissionConfig(policy=config.policy, itl_target_ms=config.itl_target_ms,
+                                         cpu_max_running=config.cpu_scheduler.max_running, max_queue=config.max_queue)
+        self.migration = MigrationConfig(
+            kv_transfer_bytes_per_s=profile.kv_transfer.bytes_per_s,
+            kv_transfer_fixed_ms=profile.kv_transfer.fixed_ms,
+            migration_overhead_ms=config.migration_overhead_ms,
+            kv_bytes_per_token=profile.model.kv_bytes_per_token,
+            cpu_max_running=config.cpu_scheduler.max_running,
+        )
+        self._first_context = profile.table2d("gpu_decode_ms").grid1[0]
+        self.device = SharedDevice(self.num_layers)
+        self.now_ms = 0.0
+        self._events: list = []
+        self._seq = itertools.count()
+        self.link_free_at_ms = 0.0
+        self._wake_at: set[float] = set()
+        self.tracks: dict[str, Track] = {}
+        self.index_of: dict[str, int] = {}
+        self.queue: list[str] = []  # the router's wait queue
+        self.num_rejected = 0
+        self.num_handoffs = 0
+        self.num_migrations = 0
+        self.num_moves_without_kv = 0
+        self._planner_armed = False
+        self._idle_ticks = 0
+
+    # ------------------------------------------------------------------ events
+
+    def _push(self, at_ms: float, kind: str, payload=None) -> None:
+        heapq.heappush(self._events, (at_ms, next(self._seq), kind, payload))
+
+    def run(self, specs: Sequence[RequestSpec]) -> list[Track]:
+        for spec in specs:
+            rid = f"req-{spec.index}"
+            self.tracks[rid] = Track(spec, rid)
+            self.index_of[rid] = spec.index
+            self._push(spec.arrival_s * 1000.0, "arrival", rid)
+        while self._events:
+            at_ms, _, kind, payload = heapq.heappop(self._events)
+            self.now_ms = at_ms
+            self._idle_ticks = self._idle_ticks + 1 if kind == "plan" else 0
+            if self._idle_ticks > MAX_IDLE_PLANNER_TICKS:
+                break
+            if kind == "arrival":
+                self.queue.append(payload)
+            elif kind == "done":
+                name, version = payload
+                engine = self.engines[name]
+                if version != engine.done_version:
+                    continue  # this end moved later (assist stages went inside the iteration)
+                self._iteration_done(engine)
+            elif kind == "call":
+                payload()
+            elif kind == "plan":
+                self._planner_armed = False
+                self._plan_tick()
+            elif kind == "wake":
+                self._wake_at.discard(at_ms)
+            self._dispatch()
+        unfinished = [t.request_id for t in self.tracks.values() if t.finish_ms is None]
+        if unfinished:
+            raise SimulationError(f"simulation stalled with {len(unfinished)} unfinished requests "
+                                  f"(first: {unfinished[0]}); check the profile's capacities")
+        return list(self.tracks.values())
+
+    def _wake(self, at_ms: float) -> None:
+        if at_ms not in self._wake_at:
+            self._wake_at.add(at_ms)
+            self._push(at_ms, "wake")
+
+    # ------------------------------------------------------------------ views
+
+    def _contexts(self, engine: SimEngine) -> list[int]:
+        return [r.num_tokens for r in engine.scheduler.running]
+
+    def _gpu_itl_ms(self, extra_context: int | None = None) -> float:
+        contexts = self._contexts(self.engines[GPU])
+        if extra_context is not None:
+            contexts.append(extra_context)
+        return self.cost.gpu_iteration_ms(0, DecodeBatch.of(contexts))
+
+    def _cpu_itl_ms(self, extra_context: int | None = None) -> float:
+        contexts = self._contexts(self.engines[CPU])
+        if extra_context is not None:
+            contexts.append(extra_context)
+        if not contexts:
+            return 0.0
+        decode = DecodeBatch.of(contexts)
+        if self.config.policy is Policy.GATED:  # once per GPU iteration, always assisted
+            return self.cost.cpu_assisted_ms(decode) + self._gpu_itl_ms()
+        return self.cost.cpu_iteration(decode).best_ms
+
+    def _view(self, engine: SimEngine, itl_ms: float) -> EngineView:
+        blocks = engine.scheduler.blocks
+        return EngineView(name=engine.name, kind=engine.kind, healthy=True,
+                          kv_blocks_total=blocks.num_total_blocks, kv_blocks_used=blocks.num_used_blocks,
+                          block_size=self.block_size, num_running=engine.scheduler.num_running,
+                          num_waiting=engine.scheduler.num_waiting, itl_p50_ms=itl_ms, itl_p99_ms=itl_ms)
+
+    def _views(self, new_context: int | None = None) -> dict[str, EngineView]:
+        views = {GPU: self._view(self.engines[GPU], self._gpu_itl_ms(new_context))}
+        if CPU in self.engines:
+            views[CPU] = self._view(self.engines[CPU], self._cpu_itl_ms(new_context))
+        return views
+
+    def _routed(self) -> list[RoutedRequest]:
+        out = []
+        for track in self.tracks.values():
+            if not track.engine or track.finish_ms is not None:
+                continue
+            out.append(RoutedRequest(track.request_id, track.engine, track.spec.input_len,
+                                     len(track.token_times_ms), track.spec.output_len,
+                                     migrating=track.migrating or track.handoff_to is not None,
+                                     num_migrations=track.num_moves))
+        return out
+
+    # ------------------------------------------------------------------ dispatch
+
+    def _dispatch(self) -> None:
+        self._admit_queued()
+        gpu = self.engines[GPU]
+        cpu = self.engines.get(CPU)
+        if cpu is not None and self.config.policy is Policy.GATED:
+            # the gate: the CPU goes at a GPU boundary, then the GPU; they take turns
+            if self.device.last_user != "cpu" or not gpu.scheduler.has_work:
+                self._try_start_cpu(cpu)
+            self._try_start_gpu(gpu)
+            self._try_start_cpu(cpu)
+        else:
+            self._try_start_gpu(gpu)
+            if cpu is not None:
+                self._try_start_cpu(cpu)
+        if (self.config.policy is not Policy.GPU_ONLY and not self._planner_armed
+                and any(t.finish_ms is None and t.engine for t in self.tracks.values())):
+            self._planner_armed = True
+            self._push(self.now_ms + self.config.planner_interval_ms, "plan")
+
+    def _admit_queued(self) -> None:
+        while self.queue:
+            rid = self.queue[0]
+            track = self.tracks[rid]
+            placement, name = admit(track.spec.input_len, track.spec.output_len,
+                                    self._views(track.spec.input_len + 1), self._routed(),
+                                    len(self.queue) - 1, self.admission)
+            if placement is Placement.WAIT:
+                return
+            self.queue.pop(0)
+            if placement is Placement.REJECT:
+                track.finish_ms = self.now_ms
+                self.num_rejected += 1
+                continue
+            request = EngineRequest(rid, list(track.spec.prompt_token_ids),
+                                    SamplingParams(max_tokens=track.spec.output_len, ignore_eos=True),
+                                    seed=track.spec.index)
+            try:
+                self.engines[GPU].scheduler.add(request)  # prefill always runs on the GPU engine
+            except (InvalidArgument, Overloaded):
+                track.finish_ms = self.now_ms
+                self.num_rejected += 1
+                continue
+            track.engine = GPU
+            track.engines_seen.append(GPU)
+            if placement is Placement.CPU:
+                track.handoff_to = name
+
+    @staticmethod
+    def _plan_shape(plan: StepPlan) -> tuple[int, list[int], int]:
+        """(prefill tokens, decode contexts, sequences sampled) of a plan."""
+        prefill_tokens, contexts, sampled = 0, [], 0
+        for seq in plan.sequences:
+            sampled += seq.sample
+            if len(seq.token_ids) == 1 and seq.start_pos > 0 and seq.sample:
+                contexts.append(seq.start_pos + 1)
+            else:
+                prefill_tokens += len(seq.token_ids)
+        return prefill_tokens, contexts, sampled
+
+    def _try_start_gpu(self, gpu: SimEngine) -> None:
+        if gpu.busy or not gpu.scheduler.has_work:
+            return
+        if self.device.wait_ms(self.now_ms) > 0:
+            self._wake(self.device.free_at_ms())
+            return
+        plan = gpu.scheduler.schedule()
+        if plan.is_empty:
+            return
+        prefill_tokens, contexts, _ = self._plan_shape(plan)
+        duration = self.cost.gpu_iteration_ms(prefill_tokens, DecodeBatch.of(contexts))
+        end_ms = self.device.start_engine(self.now_ms, duration)
+        self._start(gpu, plan, end_ms)
+
+    def _assist_device_ms(self, batch: int) -> float:
+        """The device time of an assisted batch's dense work: the GPU decode table at its
+        smallest context (dense work and a negligible attention), at most assist_ms; the rest
+        of assist_ms (round trips, PCIe payload) runs with the device free."""
+        return min(self.cost.assist_ms(batch), self.cost.gpu_decode_ms(batch, self._first_context))
+
+    def _try_start_cpu(self, cpu: SimEngine) -> None:
+        if cpu.busy or not cpu.scheduler.has_work:
+            return
+        gated = self.config.policy is Policy.GATED
+        device = self.device
+        if gated and device.wait_ms(self.now_ms) > 0:  # the gate: wait for the GPU iteration's end
+            self._wake(device.free_at_ms())
+            return
+        plan = cpu.scheduler.schedule()
+        if plan.is_empty:
+            return
+        prefill_tokens, contexts, sampled = self._plan_shape(plan)
+        decode = DecodeBatch.of(contexts)
+        cost = self.cost.cpu_iteration(decode, prefill_tokens, sampled)
+        hold = self.config.assist_device_hold
+        if cost.assisted_ms is None:
+            pass
+        elif hold == "layer" and not gated:
+            # every stage may wait for the rest of an engine layer: half a layer on average
+            expected_wait_ms = (self.num_layers + 1) * device.engine_layer_ms() / 2
+            if cost.assisted_ms + expected_wait_ms < cost.local_ms:
+                self._start_staged(cpu, plan, self._assist_device_ms(decode.batch), cost.assisted_ms)
+                return
+        else:
+            wait = device.wait_ms(self.now_ms)
+            if gated or wait + cost.assisted_ms < cost.local_ms:
+                held_ms = self.cost.assist_ms(decode.batch) if hold == "dense" else cost.assisted_ms
+                device.book_block(self.now_ms, held_ms)
+                cpu.num_assisted += 1
+                self._start(cpu, plan, self.now_ms + wait + cost.assisted_ms)
+                return
+        cpu.num_local += 1
+        self._start(cpu, plan, self.now_ms + cost.local_ms)
+
+    def _start_staged(self, cpu: SimEngine, plan: StepPlan, device_ms: float, assisted_ms: float) -> None:
+        """An assisted iteration as num_layers + 1 device stages (begin, one per layer's
+        attention output) with the CPU's part (attention, round trips) between them."""
+        cpu.busy = True
+        cpu.plan = plan
+        cpu.started_ms = self.now_ms
+        cpu.num_iterations += 1
+        cpu.num_assisted += 1
+        num_stages = self.num_layers + 1
+        stage_ms = device_ms / num_stages
+        between_ms = max(0.0, assisted_ms - device_ms) / self.num_layers
+        self._next_stage(cpu, num_stages, stage_ms, between_ms)
+
+    def _next_stage(self, cpu: SimEngine, stages_left: int, stage_ms: float, between_ms: float) -> None:
+        end_ms, gpu_end_ms = self.device.run_stage(self.now_ms, stage_ms)
+        if gpu_end_ms is not None:
+            gpu = self.engines[GPU]
+            gpu.done_version += 1
+            self._push(gpu_end_ms, "done", (GPU, gpu.done_version))
+        if stages_left == 1:
+            cpu.done_version += 1
+            self._push(end_ms, "done", (cpu.name, cpu.done_version))
+        else:
+            self._push(end_ms + between_ms, "call",
+                       lambda: self._next_stage(cpu, stages_left - 1, stage_ms, between_ms))
+
+    def _start(self, engine: SimEngine, plan: StepPlan, end_ms: float) -> None:
+        engine.busy = True
+        engine.plan = plan
+        engine.started_ms = self.now_ms
+        engine.num_iterations += 1
+        engine.done_version += 1
+        self._push(end_ms, "done", (engine.name, engine.done_version))
+
+    def _iteration_done(self, engine: SimEngine) -> None:
+        if engine.kind == "gpu":
+            self.device.engine_finished()
+        plan = engine.plan
+        sampled = {seq.request_id: deterministic_token(self.index_of[seq.request_id], seq.sample_position,
+                                                       self.vocab_size)
+                   for seq in plan.sequences if seq.sample}
+        events = engine.scheduler.apply(plan, StepResult(sampled))
+        engine.busy = False
+        engine.plan = None
+        engine.busy_ms += self.now_ms - engine.started_ms
+        for event in events:
+            track = self.tracks[event.request_id]
+            for _ in event.new_token_ids:
+                track.token_times_ms.append(self.now_ms)
+            if event.finish_reason is not None:
+                track.finish_ms = self.now_ms
+                continue
+            if track.handoff_to is not None and track.token_times_ms and not track.migrating:
+                target = track.handoff_to
+                self._move(track, engine, self.engines[target], handoff=True)
+        self._run_commands(engine)
+
+    def _run_commands(self, engine: SimEngine) -> None:
+        commands, engine.commands = engine.commands, []
+        for command in commands:
+            command()
+
+    def _at_boundary(self, engine: SimEngine, command: Callable[[], None]) -> None:
+        if engine.busy:
+            engine.commands.append(command)
+        else:
+            command()
+
+    # ------------------------------------------------------------------ moves
+
+    def _move(self, track: Track, source: SimEngine, target: SimEngine, handoff: bool = False) -> None:
+        track.migrating = True
+        self._at_boundary(source, lambda: self._pause_and_send(track, source, target, handoff))
+
+    def _end_move(self, track: Track) -> None:
+        track.migrating = False
+        track.handoff_to = None
+
+    def _pause_and_send(self, track: Track, source: SimEngine, target: SimEngine, handoff: bool) -> None:
+        rid = track.request_id
+        if track.finish_ms is not None:
+            self._end_move(track)
+            return
+        try:
+            request = source.scheduler.pause(rid)
+        except (InvalidArgument, RequestNotFound):
+            self._end_move(track)
+            return
+        kv_tokens = request.num_tokens - 1 if request.num_computed_tokens > 0 else 0
+        if kv_tokens == 0:
+            self.num_moves_without_kv += 1  # a queued or preempted request: the target recomputes it
+        try:
+            target.scheduler.reserve_import(rid, kv_tokens)
+        except (InvalidArgument, Overloaded):
+            source.scheduler.resume(rid)
+            self._end_move(track)
+            return
+        start = max(self.now_ms, self.link_free_at_ms)
+        self.link_free_at_ms = start + self.cost.kv_transfer_ms(kv_tokens)
+        moved = replace(request, output_token_ids=list(request.output_token_ids))
+        self._push(self.link_free_at_ms, "call",
+                   lambda: self._at_boundary(target, lambda: self._commit(track, moved, source, target, handoff)))
+
+    def _commit(self, track: Track, request: EngineRequest, source: SimEngine, target: SimEngine,
+                handoff: bool) -> None:
+        rid = track.request_id
+        try:
+            target.scheduler.commit_import(request)
+        except (InvalidArgument, RequestNotFound):
+            target.scheduler.cancel_import(rid)
+            source.scheduler.resume(rid)
+            self._end_move(track)
+            return
+        source.scheduler.release(rid, target.name)
+        track.engine = target.name
+        track.engines_seen.append(target.name)
+        track.num_moves += 1
+        if handoff:
+            self.num_handoffs += 1
+        else:
+            self.num_migrations += 1
+        self._end_move(track)
+
+    def _plan_tick(self) -> None:
+        views = self._views()
+        for move in plan_migrations(self._routed(), views, self.config.policy, self.migration):
+            track = self.tracks[move.request_id]
+            if track.migrating or track.finish_ms is not None:
+                continue
+            if self.config.skip_unprefilled_moves and not track.token_times_ms:
+                continue
+            self._move(track, self.engines[move.source], self.engines[move.target])
+
+    # ------------------------------------------------------------------ results
+
+    def result(self, rate: float):
+        from profiles.sim.results import summarize
+
+        return summarize(self, rate)
