@@ -18,13 +18,19 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import shlex
 import sys
 import time
 from pathlib import Path
 
 from bench.load.generator import run_load
-from bench.load.lengths import build_requests, parse_length_spec, parse_rates
+from bench.load.lengths import (
+    build_requests,
+    parse_length_spec,
+    parse_rates,
+    write_trace,
+)
 from bench.load.report import (
     comparison_table,
     plot_throughput_vs_itl,
@@ -40,6 +46,7 @@ POLICIES = ("dualpace", "gated", "gpu-only")
 def start_system(args: argparse.Namespace, policy: str) -> list[Daemon]:
     """gpu_service (core 0), cpu_service (core 1; not for gpu-only), router; router last in the list."""
     common = ("--model", args.model, "--dtype", args.dtype, "--threads", str(args.threads))
+    profile = ("--profile", args.profile) if args.profile else ()
     daemons: list[Daemon] = []
     try:
         gpu = start_daemon("gpu_service", *common, "--name", "gpu", "--kv-blocks", str(args.gpu_kv_blocks),
@@ -49,9 +56,12 @@ def start_system(args: argparse.Namespace, policy: str) -> list[Daemon]:
         if policy != "gpu-only":
             cpu = start_daemon("cpu_service", *common, "--name", "cpu", "--kv-blocks", str(args.cpu_kv_blocks),
                                "--gpu-service", gpu.address, "--policy", "gated" if policy == "gated" else "dualpace",
-                               "--assist-timeout-s", "120", cpu_cores="1")
+                               "--assist-timeout-s", "120", "--assist", args.cpu_assist, *profile, cpu_cores="1")
             daemons.append(cpu)
             router_flags += ["--cpu", cpu.address]
+        router_flags += profile
+        if args.admission_itl_target_ms is not None:
+            router_flags += ["--itl-target-ms", str(args.admission_itl_target_ms)]
         daemons.append(start_daemon("router", *router_flags))
     except BaseException:
         stop_system(daemons)
@@ -62,6 +72,35 @@ def start_system(args: argparse.Namespace, policy: str) -> list[Daemon]:
 def stop_system(daemons: list[Daemon]) -> None:
     for daemon in reversed(daemons):  # router first
         daemon.stop()
+
+
+def cpu_seconds(pid: int) -> float | None:
+    """A process's user + system CPU time so far (Linux /proc), None where unreadable."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def largest_gaps(records, count: int = 40) -> list[dict]:
+    """The largest inter-token gaps seen by the client, with where they happened: the request,
+    the token position, the engine path of the request, the gap's start (s after the first send)."""
+    first = min((r.sent_s for r in records if r.sent_s is not None), default=0.0)
+    gaps = []
+    for r in records:
+        last, position = None, 0
+        for at, n in r.messages:
+            if n <= 0:
+                continue
+            if last is not None:
+                gaps.append({"gap_ms": round(1000 * (at - last), 1), "request": r.index, "token": position,
+                             "tokens_in_message": n, "engines": " -> ".join(r.engines),
+                             "at_s": round(last - first, 3)})
+            position += n
+            last = at
+    gaps.sort(key=lambda g: -g["gap_ms"])
+    return gaps[:count]
 
 
 def run_policy(args: argparse.Namespace, policy: str, rates: list[float]) -> dict:
@@ -77,17 +116,34 @@ def run_policy(args: argparse.Namespace, policy: str, rates: list[float]) -> dic
         asyncio.run(run_load(router, warm, seed=args.seed, timeout_s=args.timeout_s, run_tag=f"{policy}-warm"))
         for rate in rates:
             specs = build_requests(args.num_requests, rate, args.burstiness, args.seed, args.vocab_size, ins, outs)
+            if args.trace_dir:  # the exact requests and arrival times, for `dualpace sim --trace`
+                Path(args.trace_dir).mkdir(parents=True, exist_ok=True)
+                write_trace(Path(args.trace_dir) / f"trace_r{rate:g}.jsonl", specs)
+            load_before = os.getloadavg()[0]
+            cpu_before = {d.address: cpu_seconds(d.process.pid) for d in daemons}
+            client_before = time.process_time()
             started = time.monotonic()
             result = asyncio.run(run_load(router, specs, seed=args.seed, timeout_s=args.timeout_s,
                                           run_tag=f"{policy}-{rate:g}"))
             summary = summarize(result.records, len(specs), result.duration_s, args.slo_ttft_ms, args.slo_itl_ms)
             row = sweep_row(rate, summary)
             rows.append(row)
-            summaries.append({"rate_rps": rate, "summary": summary})
+            # CPU seconds each process spent on this rate: the engines (pinned), the router and this
+            # load generator (unpinned: they share the engines' cores)
+            names = ["gpu_service", *(["cpu_service"] if len(daemons) == 3 else []), "router"]
+            cpu_used = {name: (None if cpu_before[d.address] is None or cpu_seconds(d.process.pid) is None
+                               else round(cpu_seconds(d.process.pid) - cpu_before[d.address], 2))
+                        for name, d in zip(names, daemons)}
+            cpu_used["load_generator"] = round(time.process_time() - client_before, 2)
+            summaries.append({"rate_rps": rate, "summary": summary,
+                              "load_average_1m": {"before": round(load_before, 2),
+                                                  "after": round(os.getloadavg()[0], 2)},
+                              "cpu_s": cpu_used, "largest_gaps": largest_gaps(result.records)})
             print(f"   {policy} rate {rate:g}/s ({time.monotonic() - started:.0f} s): {summary['accounting']['line']}; "
                   f"{row['request_throughput_rps']} req/s, {row['output_token_throughput_tps']} tok/s, "
                   f"P99 ITL {row['itl_p99_ms']} ms, P99 TTFT {row['ttft_p99_ms']} ms, engines {summary['engines']}"
-                  + (f", failures {summary['failures']}" if summary["failures"] else ""), file=sys.stderr, flush=True)
+                  + (f", failures {summary['failures']}" if summary["failures"] else "")
+                  + f", load {load_before:.2f} -> {os.getloadavg()[0]:.2f}", file=sys.stderr, flush=True)
             time.sleep(1.0)  # let aborted requests drain before the next rate
     finally:
         stop_system(daemons)
@@ -107,6 +163,129 @@ def write_reports(report: dict, json_path: Path, itl_target_ms: float) -> str:
     md.write_text(f"{report.get('title', '')}\n\n```sh\n{report.get('command', '')}\n```\n\n{table}\n\n{points}\n"
                   + (f"\nNo plot: {problem}\n" if problem else f"\n![plot]({png.name})\n"))
     return table + "\n\n" + points + (f"\n\nno plot: {problem}" if problem else f"\n\nplot: {png}")
+
+
+def sim_config(config: dict, policy: str, engine_overhead_ms: float = 0.0):
+    """The simulator's configuration of the deployment start_system starts: the engine daemons'
+    scheduler defaults (512 tokens, 64 sequences per step), the same KV pools, the router's
+    ITL target."""
+    from dualpace.engine.scheduler import SchedulerConfig
+    from profiles.simulator import SimConfig
+    from router.views import Policy
+
+    step = SchedulerConfig(max_batch_tokens=512, max_running=64, max_waiting=1 << 30)
+    return SimConfig(policy=Policy(policy), gpu_scheduler=step, cpu_scheduler=step,
+                     itl_target_ms=config.get("admission_itl_target_ms"),
+                     gpu_kv_blocks=config["gpu_kv_blocks"], cpu_kv_blocks=config["cpu_kv_blocks"],
+                     engine_overhead_ms=engine_overhead_ms)
+
+
+def _run_specs(config: dict, rate: float, trace_dir: str | None) -> list:
+    """The requests a measured run sent: its trace file when there is one, else rebuilt from the seed."""
+    from bench.load.lengths import load_trace
+
+    path = Path(trace_dir) / f"trace_r{rate:g}.jsonl" if trace_dir else None
+    if path is not None and path.exists():
+        trace = load_trace(path)
+        return build_requests(len(trace), rate, 1.0, 0, config["vocab_size"], trace=trace)
+    return build_requests(config["num_requests"], rate, config["burstiness"], config["seed"], config["vocab_size"],
+                          parse_length_spec(config["input_len"], "--input-len"),
+                          parse_length_spec(config["output_len"], "--output-len"))
+
+
+def measured_engine_overhead_ms(report: dict, profile_path: str, trace_dir: str | None = None) -> list[dict]:
+    """Per gpu-only run: (gpu_service's CPU seconds - the simulated GPU engine's busy time) / its
+    iterations, i.e. the host time per iteration the profile's forward-pass tables do not contain.
+    CPU time counts only when the process ran, so other tenants of the core do not inflate it."""
+    from profiles.cost_model import CostModel
+    from profiles.schema import load_profile
+    from profiles.simulator import GPU, Simulator
+
+    cost = CostModel(load_profile(profile_path))
+    config = report["config"]
+    out = []
+    for row, run in zip(report["policies"].get("gpu-only", {}).get("rows", []),
+                        report["policies"].get("gpu-only", {}).get("runs", [])):
+        cpu_s = (run.get("cpu_s") or {}).get("gpu_service")
+        if cpu_s is None:
+            continue
+        sim = Simulator(cost, sim_config(config, "gpu-only"))
+        sim.run(_run_specs(config, row["rate_rps"], trace_dir or config.get("trace_dir")))
+        engine = sim.engines[GPU]
+        out.append({"rate_rps": row["rate_rps"], "gpu_service_cpu_s": cpu_s,
+                    "simulated_busy_s": round(engine.busy_ms / 1000, 3), "iterations": engine.num_iterations,
+                    "overhead_ms_per_iteration": round((1000 * cpu_s - engine.busy_ms) / engine.num_iterations, 3)})
+    return out
+
+
+def write_sim_comparison(report: dict, json_path: Path, profile_path: str, trace_dir: str | None,
+                         engine_overhead_ms: float = 0.0, suffix: str = "_sim") -> str:
+    rows, table = sim_comparison(report, profile_path, trace_dir, engine_overhead_ms=engine_overhead_ms)
+    out = json_path.with_name(json_path.stem + suffix + ".json")
+    head = f"real: {json_path}, simulated with {profile_path}, engine overhead {engine_overhead_ms:g} ms per iteration"
+    out.write_text(json.dumps({"profile": profile_path, "real": str(json_path), "engine_overhead_ms": engine_overhead_ms,
+                               "rows": rows}, indent=1) + "\n")
+    out.with_suffix(".md").write_text(f"{head}\n\n{table}\n")
+    return table + f"\n\nwrote {out}"
+
+
+def _error_pct(real: float | None, sim: float | None) -> float | None:
+    if real is None or sim is None or real == 0:
+        return None
+    return round(100.0 * (sim - real) / real, 1)
+
+
+def sim_comparison(report: dict, profile_path: str, trace_dir: str | None = None,
+                   tolerance_pct: float = 15.0, engine_overhead_ms: float = 0.0) -> tuple[list[dict], str]:
+    """`dualpace sim` on every measured run's requests (the trace written with --trace-dir when
+    there is one, else the same seeded requests rebuilt): real vs simulated throughput and P99 ITL."""
+    from profiles.cost_model import CostModel
+    from profiles.schema import load_profile
+    from profiles.simulator import simulate
+
+    config = report["config"]
+    cost = CostModel(load_profile(profile_path))
+    trace_dir = trace_dir or config.get("trace_dir")
+    rows = []
+    for policy, data in report["policies"].items():
+        for row, run in zip(data["rows"], data["runs"]):
+            rate = row["rate_rps"]
+            specs = _run_specs(config, rate, trace_dir)
+            sim = simulate(cost, sim_config(config, policy, engine_overhead_ms), specs, rate).as_dict()
+            out = {"policy": policy, "rate_rps": rate, "load_average_1m": run.get("load_average_1m"),
+                   "real_rps": row["request_throughput_rps"], "sim_rps": sim["requests_per_s"],
+                   "real_tps": row["output_token_throughput_tps"], "sim_tps": sim["throughput_tokens_per_s"],
+                   "real_itl_p99_ms": row["itl_p99_ms"], "sim_itl_p99_ms": sim["p99_itl_ms"],
+                   "real_itl_p50_ms": row["itl_p50_ms"], "sim_itl_p50_ms": sim["p50_itl_ms"],
+                   "real_ttft_p50_ms": row["ttft_p50_ms"], "sim_ttft_p50_ms": sim["p50_ttft_ms"],
+                   "sim_cpu_local_assisted": [sim["cpu_local_iterations"], sim["cpu_assisted_iterations"]],
+                   "sim_moves": [sim["num_handoffs"], sim["num_migrations"]]}
+            out["err_tps_pct"] = _error_pct(out["real_tps"], out["sim_tps"])
+            out["err_rps_pct"] = _error_pct(out["real_rps"], out["sim_rps"])
+            out["err_itl_p99_pct"] = _error_pct(out["real_itl_p99_ms"], out["sim_itl_p99_ms"])
+            rows.append(out)
+
+    def ok(err: float | None) -> str:
+        return "-" if err is None else ("yes" if abs(err) <= tolerance_pct else "**no**")
+
+    def f(value, digits=1) -> str:
+        return "-" if value is None else f"{value:.{digits}f}"
+
+    lines = [("| policy | rate req/s | load 1m | req/s real / sim (err %) | tok/s real / sim (err %) | "
+              "P99 ITL ms real / sim (err %) | P50 ITL ms real / sim | P50 TTFT ms real / sim | "
+              f"within {tolerance_pct:g}%: tok/s, P99 ITL |"),
+             "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        load = r["load_average_1m"]
+        load_text = f"{load['before']:.1f}-{load['after']:.1f}" if load else "-"
+        lines.append(f"| {r['policy']} | {r['rate_rps']:g} | {load_text} | "
+                     f"{f(r['real_rps'], 2)} / {f(r['sim_rps'], 2)} ({f(r['err_rps_pct'])}) | "
+                     f"{f(r['real_tps'])} / {f(r['sim_tps'])} ({f(r['err_tps_pct'])}) | "
+                     f"{f(r['real_itl_p99_ms'])} / {f(r['sim_itl_p99_ms'])} ({f(r['err_itl_p99_pct'])}) | "
+                     f"{f(r['real_itl_p50_ms'])} / {f(r['sim_itl_p50_ms'])} | "
+                     f"{f(r['real_ttft_p50_ms'], 0)} / {f(r['sim_ttft_p50_ms'], 0)} | "
+                     f"{ok(r['err_tps_pct'])}, {ok(r['err_itl_p99_pct'])} |")
+    return rows, "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -130,13 +309,40 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--slo-itl-ms", type=float, default=None)
     parser.add_argument("--itl-target-ms", type=float, default=300.0, help="P99 ITL target of the table")
     parser.add_argument("--out-dir", default="bench/results")
+    parser.add_argument("--profile", default=None,
+                        help="profile JSON for cpu_service and the router (their cost model), as `dualpace sim` uses it")
+    parser.add_argument("--admission-itl-target-ms", type=float, default=None,
+                        help="the router's --itl-target-ms (admission and migration ITL target); unset: capacity rules")
+    parser.add_argument("--cpu-assist", default="auto", choices=["auto", "never", "always"],
+                        help="cpu_service --assist (dualpace policy; e.g. never: no Dense Assist probes)")
+    parser.add_argument("--trace-dir", default=None,
+                        help="write each rate's requests (prompts, output lengths, arrival times) here as "
+                             "trace_r<RATE>.jsonl, for `dualpace sim --trace`")
     parser.add_argument("--report-only", default=None, metavar="JSON",
                         help="rebuild the table and plot of an earlier run (e.g. for another --itl-target-ms)")
+    parser.add_argument("--sim-profile", default=None, metavar="JSON",
+                        help="after the runs (or with --report-only), simulate every run's requests with this "
+                             "profile (`dualpace sim`) and write real vs simulated to <json>_sim.{json,md}")
+    parser.add_argument("--sim-engine-overhead-ms", type=float, default=0.0,
+                        help="the simulation's host time per engine iteration (SimConfig.engine_overhead_ms)")
+    parser.add_argument("--sim-suffix", default="_sim", help="file name suffix of the comparison")
+    parser.add_argument("--measure-engine-overhead", action="store_true",
+                        help="with --report-only and --sim-profile: print, per gpu-only run, gpu_service's CPU time "
+                             "minus the simulated busy time, per iteration")
     args = parser.parse_args(argv)
 
     if args.report_only:
         path = Path(args.report_only)
-        print(write_reports(json.loads(path.read_text()), path, args.itl_target_ms))
+        report = json.loads(path.read_text())
+        if args.sim_profile:
+            if args.measure_engine_overhead:
+                for row in measured_engine_overhead_ms(report, args.sim_profile, args.trace_dir):
+                    print(json.dumps(row))
+                return 0
+            print(write_sim_comparison(report, path, args.sim_profile, args.trace_dir, args.sim_engine_overhead_ms,
+                                       args.sim_suffix))
+            return 0
+        print(write_reports(report, path, args.itl_target_ms))
         return 0
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
     unknown = [p for p in policies if p not in POLICIES]
@@ -162,6 +368,9 @@ def main(argv: list[str] | None = None) -> int:
     report["wall_s"] = round(time.monotonic() - started, 1)
     print(write_reports(report, json_path, args.itl_target_ms))
     print(f"wrote {json_path} ({report['wall_s']} s)", file=sys.stderr)
+    if args.sim_profile:
+        print(write_sim_comparison(report, json_path, args.sim_profile, args.trace_dir, args.sim_engine_overhead_ms,
+                                   args.sim_suffix))
     return 0
 
 

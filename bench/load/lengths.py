@@ -104,14 +104,18 @@ def random_prompt(length: int, vocab_size: int, rng: random.Random) -> tuple[int
     return tuple(rng.randrange(1, vocab_size) for _ in range(length))
 
 
-def load_trace(path: str | Path) -> list[tuple[int | tuple[int, ...], int]]:
-    """A JSONL trace -> [(input_len or prompt token ids, output_len)]. Each line has output_len and
-    either input_len or prompt_token_ids; errors name the line."""
+def load_trace(path: str | Path) -> list[tuple]:
+    """A JSONL trace -> [(input_len or prompt token ids, output_len)], or, when its lines give
+    arrival times, [(input_len or prompt token ids, output_len, arrival_s)]. Each line has
+    output_len and either input_len or prompt_token_ids, and optionally arrival_s (seconds after
+    the first request is due; all lines or none, non-decreasing); errors name the line."""
     entries = []
     try:
         lines = Path(path).read_text().splitlines()
     except OSError as exc:
         raise InvalidArgument("--trace", f"cannot read {path}: {exc.strerror}") from None
+    arrivals: list[float | None] = []
+    lines_of: list[int] = []
     for number, line in enumerate(lines, 1):
         if not line.strip():
             continue
@@ -125,6 +129,12 @@ def load_trace(path: str | Path) -> list[tuple[int | tuple[int, ...], int]]:
         output_len = item.get("output_len")
         if not isinstance(output_len, int) or output_len < 1:
             raise InvalidArgument("--trace", f"{where}: output_len must be an integer >= 1")
+        arrival = item.get("arrival_s")
+        if arrival is not None and (isinstance(arrival, bool) or not isinstance(arrival, (int, float))
+                                    or not math.isfinite(arrival) or arrival < 0):
+            raise InvalidArgument("--trace", f"{where}: arrival_s must be a number >= 0")
+        arrivals.append(None if arrival is None else float(arrival))
+        lines_of.append(number)
         if "prompt_token_ids" in item:
             ids = item["prompt_token_ids"]
             if not (isinstance(ids, list) and ids and all(isinstance(t, int) and t >= 0 for t in ids)):
@@ -137,25 +147,56 @@ def load_trace(path: str | Path) -> list[tuple[int | tuple[int, ...], int]]:
             entries.append((input_len, output_len))
     if not entries:
         raise InvalidArgument("--trace", f"{path} has no requests")
+    timed = [arrival is not None for arrival in arrivals]
+    if any(timed):
+        if not all(timed):
+            number = lines_of[timed.index(False)]
+            raise InvalidArgument("--trace", f"{path}:{number}: arrival_s missing (give it on every line or none)")
+        for k in range(1, len(arrivals)):
+            if arrivals[k] < arrivals[k - 1]:
+                raise InvalidArgument("--trace", f"{path}:{lines_of[k]}: arrival_s goes back in time")
+        entries = [(*entry, arrival) for entry, arrival in zip(entries, arrivals)]
     return entries
+
+
+def trace_has_arrivals(trace: list | None) -> bool:
+    return bool(trace) and len(trace[0]) == 3
+
+
+def write_trace(path: str | Path, specs: list[RequestSpec]) -> None:
+    """Write requests as a JSONL trace that load_trace reads back exactly: prompt_token_ids,
+    output_len and arrival_s per line (so a replay, or `dualpace sim --trace`, sees the same
+    requests at the same times)."""
+    Path(path).write_text("".join(json.dumps({"arrival_s": round(s.arrival_s, 9), "output_len": s.output_len,
+                                              "prompt_token_ids": list(s.prompt_token_ids)}) + "\n"
+                                  for s in specs))
 
 
 def build_requests(num_requests: int, rate: float, burstiness: float, seed: int, vocab_size: int,
                    input_len: LengthSpec | None = None, output_len: LengthSpec | None = None,
                    trace: list | None = None) -> list[RequestSpec]:
-    """The benchmark's requests. With a trace, request i is trace line i mod len(trace)."""
+    """The benchmark's requests. With a trace, request i is trace line i mod len(trace); a trace
+    with arrival times (see load_trace) also gives when each request is due, rate and
+    burstiness are then unused, and num_requests may not exceed its lines."""
     if num_requests < 1:
         raise InvalidArgument("--num-requests", f"must be >= 1, got {num_requests}")
     if vocab_size < 2:
         raise InvalidArgument("--vocab-size", f"must be >= 2, got {vocab_size}")
     if trace is None and (input_len is None or output_len is None):
         raise InvalidArgument("--input-len", "give --input-len and --output-len, or --trace")
-    times = arrival_times(num_requests, rate, burstiness, seed)
+    if trace_has_arrivals(trace):
+        if num_requests > len(trace):
+            raise InvalidArgument("--num-requests", f"the trace gives arrival times for {len(trace)} requests, "
+                                  f"got {num_requests}")
+        start = trace[0][2]
+        times = [entry[2] - start for entry in trace[:num_requests]]
+    else:
+        times = arrival_times(num_requests, rate, burstiness, seed)
     in_rng, out_rng, prompt_rng = (_stream(seed, p) for p in (_INPUT_LENGTHS, _OUTPUT_LENGTHS, _PROMPTS))
     requests = []
     for i, at in enumerate(times):
         if trace is not None:
-            prompt, n_out = trace[i % len(trace)]
+            prompt, n_out = trace[i % len(trace)][:2]
             ids = prompt if isinstance(prompt, tuple) else random_prompt(prompt, vocab_size, prompt_rng)
         else:
             ids = random_prompt(input_len.sample(in_rng), vocab_size, prompt_rng)

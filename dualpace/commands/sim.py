@@ -23,16 +23,26 @@ def register(subparsers) -> None:
     rate.add_argument("--rate", type=float, default=math.inf, help="requests per second (inf: all at once)")
     rate.add_argument("--rates", help="sweep: comma-separated rates, e.g. 1,2,4,8")
     p.add_argument("--burstiness", type=float, default=1.0, help="gamma arrivals: 1 is Poisson, >1 burstier")
-    p.add_argument("--num-requests", type=int, default=100)
+    p.add_argument("--num-requests", type=int, default=None,
+                   help="default 100, or every line of a --trace with arrival times")
     p.add_argument("--input-len", default="512", help="N | LO:HI | lognormal:MEAN:SIGMA")
     p.add_argument("--output-len", default="128", help="N | LO:HI | lognormal:MEAN:SIGMA")
-    p.add_argument("--trace", help="JSONL trace (input_len or prompt_token_ids, output_len per line)")
+    p.add_argument("--trace", help="JSONL trace (input_len or prompt_token_ids, output_len per line; with arrival_s "
+                                   "on every line the requests arrive then and --rate/--burstiness are unused)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--itl-target-ms", type=float, default=None,
                    help="admission: an engine whose predicted ITL with one more request exceeds it takes none")
     p.add_argument("--gpu-max-batch-tokens", type=int, default=2048)
     p.add_argument("--gpu-max-running", type=int, default=256)
     p.add_argument("--cpu-max-running", type=int, default=128)
+    p.add_argument("--cpu-max-batch-tokens", type=int, default=512)
+    p.add_argument("--engine-overhead-ms", type=float, default=0.0,
+                   help="host time per engine iteration outside the forward pass (engine loop, streaming), "
+                        "which the profile's tables lack; delays the iteration's tokens, not the GPU (default 0)")
+    p.add_argument("--view-interval-ms", type=float, default=100.0,
+                   help="how old the router's view of an engine's KV use may be (WatchLoad interval; 0: instantaneous)")
+    p.add_argument("--gpu-kv-blocks", type=int, default=None, help="GPU engine's KV pool in blocks (default: the profile's)")
+    p.add_argument("--cpu-kv-blocks", type=int, default=None, help="CPU engine's KV pool in blocks (default: the profile's)")
     p.add_argument("--assist-device-hold", choices=("layer", "iteration", "dense"), default="layer",
                    help="how an Assisted CPU iteration (dualpace) holds the GPU: per layer's dense stage (as built), "
                         "the whole iteration (before), or only its dense part in one piece (what-if)")
@@ -40,6 +50,10 @@ def register(subparsers) -> None:
                    help="no effect any more (the planner never moves a request with no token yet); kept for old commands")
     p.add_argument("--out", help="sweep: write the results JSON here (and a PNG beside it if matplotlib imports)")
     p.add_argument("--json", action="store_true", help="print one JSON object (a list for several runs)")
+    p.add_argument("--itl-targets-ms", default=None,
+                   help="with --out: also write <out>.md, per P99 ITL target (comma-separated) each policy's "
+                        "throughput at that P99 ITL (interpolated along the sweep) and the highest rate meeting it, "
+                        "as bench.compare_policies reports real runs")
 
 
 def _policies(text: str):
@@ -74,12 +88,49 @@ def _plot(results: list[dict], path: Path) -> Path | None:
     return png
 
 
+def _bench_rows(results: list[dict]) -> dict[str, list[dict]]:
+    """Simulated results as bench.load.report's sweep rows, per policy."""
+    rows: dict[str, list[dict]] = {}
+    for r in results:
+        rows.setdefault(r["policy"], []).append({
+            "rate_rps": r["rate"], "request_throughput_rps": r["requests_per_s"],
+            "output_token_throughput_tps": r["throughput_tokens_per_s"], "itl_p99_ms": r["p99_itl_ms"],
+            "failed": r["requests_rejected"]})
+    return rows
+
+
+def _target_tables(results: list[dict], targets: list[float], args: argparse.Namespace) -> str:
+    from bench.load.report import comparison_table, value_at_itl
+
+    rows = _bench_rows(results)
+    parts = [f"Simulated with {args.profile} (`dualpace sim`), {args.num_requests} requests per rate, seed {args.seed}.\n"]
+    for target in targets:
+        parts.append(comparison_table(rows, target))
+        if "dualpace" in rows:
+            base, _ = value_at_itl(rows["dualpace"], target, "output_token_throughput_tps")
+            base_rate, _ = value_at_itl(rows["dualpace"], target, "rate_rps")
+            gains = []
+            for policy, other in rows.items():
+                if policy == "dualpace":
+                    continue
+                tps, _ = value_at_itl(other, target, "output_token_throughput_tps")
+                rate, _ = value_at_itl(other, target, "rate_rps")
+                if base and tps:
+                    gains.append(f"tok/s {100 * (base / tps - 1):+.1f}% vs {policy}")
+                if base_rate and rate:
+                    gains.append(f"rate {100 * (base_rate / rate - 1):+.1f}% vs {policy}")
+            if gains:
+                parts.append(f"dualpace at P99 ITL = {target:g} ms: " + ", ".join(gains))
+    return "\n\n".join(parts) + "\n"
+
+
 def run(args: argparse.Namespace) -> int:
     from bench.load.lengths import (
         build_requests,
         load_trace,
         parse_length_spec,
         parse_rates,
+        trace_has_arrivals,
     )
     from dualpace.engine.scheduler import SchedulerConfig
     from profiles.cost_model import CostModel
@@ -88,13 +139,20 @@ def run(args: argparse.Namespace) -> int:
 
     policies = _policies(args.policy)
     rates = parse_rates(args.rates) if args.rates else [args.rate]
+    for flag, value in (("--engine-overhead-ms", args.engine_overhead_ms), ("--view-interval-ms", args.view_interval_ms)):
+        if not value >= 0:
+            raise InvalidArgument(flag, f"must be >= 0, got {value}")
     for flag, value in (("--gpu-max-batch-tokens", args.gpu_max_batch_tokens),
-                        ("--gpu-max-running", args.gpu_max_running), ("--cpu-max-running", args.cpu_max_running)):
-        if value < 1:
+                        ("--gpu-max-running", args.gpu_max_running), ("--cpu-max-running", args.cpu_max_running),
+                        ("--cpu-max-batch-tokens", args.cpu_max_batch_tokens),
+                        ("--gpu-kv-blocks", args.gpu_kv_blocks), ("--cpu-kv-blocks", args.cpu_kv_blocks)):
+        if value is not None and value < 1:
             raise InvalidArgument(flag, f"must be >= 1, got {value}")
     profile = load_profile(args.profile)
     cost = CostModel(profile)
     trace = load_trace(args.trace) if args.trace else None
+    if args.num_requests is None:
+        args.num_requests = len(trace) if trace_has_arrivals(trace) else 100
     input_len = None if trace else parse_length_spec(args.input_len, "--input-len")
     output_len = None if trace else parse_length_spec(args.output_len, "--output-len")
 
@@ -104,7 +162,12 @@ def run(args: argparse.Namespace) -> int:
             policy=policy,
             gpu_scheduler=SchedulerConfig(max_batch_tokens=args.gpu_max_batch_tokens,
                                           max_running=args.gpu_max_running, max_waiting=1 << 30),
-            cpu_scheduler=SchedulerConfig(max_batch_tokens=512, max_running=args.cpu_max_running, max_waiting=1 << 30),
+            cpu_scheduler=SchedulerConfig(max_batch_tokens=args.cpu_max_batch_tokens, max_running=args.cpu_max_running,
+                                          max_waiting=1 << 30),
+            gpu_kv_blocks=args.gpu_kv_blocks,
+            cpu_kv_blocks=args.cpu_kv_blocks,
+            engine_overhead_ms=args.engine_overhead_ms,
+            view_interval_ms=args.view_interval_ms,
             itl_target_ms=args.itl_target_ms,
             assist_device_hold=args.assist_device_hold,
             skip_unprefilled_moves=args.skip_unprefilled_moves,
@@ -128,10 +191,16 @@ def run(args: argparse.Namespace) -> int:
         out.write_text(json.dumps({"profile": str(args.profile), "simulated": True, "seed": args.seed,
                                    "num_requests": args.num_requests, "input_len": args.input_len,
                                    "output_len": args.output_len, "burstiness": args.burstiness,
-                                   "itl_target_ms": args.itl_target_ms,
+                                   "itl_target_ms": args.itl_target_ms, "trace": args.trace,
+                                   "gpu_kv_blocks": args.gpu_kv_blocks, "cpu_kv_blocks": args.cpu_kv_blocks,
+                                   "engine_overhead_ms": args.engine_overhead_ms,
+                                   "view_interval_ms": args.view_interval_ms,
                                    "assist_device_hold": args.assist_device_hold,
                                    "skip_unprefilled_moves": args.skip_unprefilled_moves, "results": results}, indent=1) + "\n")
         png = _plot(results, out)
+        if args.itl_targets_ms:
+            md = out.with_suffix(".md")
+            md.write_text(_target_tables(results, parse_rates(args.itl_targets_ms, "--itl-targets-ms"), args))
         if not args.json:
             print(f"wrote {out}" + (f" and {png}" if png else " (no PNG: matplotlib does not import)"))
     return 0

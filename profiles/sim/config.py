@@ -27,6 +27,15 @@ class SimConfig:
     cpu_scheduler: SchedulerConfig = field(
         default_factory=lambda: SchedulerConfig(max_batch_tokens=512, max_running=128, max_waiting=1 << 30))
     planner_interval_ms: float = 100.0
+    # The router sees each engine's KV use and running/waiting counts through WatchLoad
+    # snapshots sent every router.engines.WATCH_INTERVAL_MS (100 ms): a view is at most this old.
+    # 0: instantaneous views (the simulator before the validation against real runs).
+    view_interval_ms: float = 100.0
+    # Host time each engine iteration spends outside the model's forward pass, which a
+    # profile's tables (ModelRunner.execute and its parts) do not contain: the engine loop's
+    # schedule/apply, the executor hop, streaming the new tokens to the router. It delays the
+    # iteration's end (and so its tokens) but does not hold the GPU. 0: not modelled.
+    engine_overhead_ms: float = 0.0
     itl_target_ms: float | None = None  # admission: an engine whose predicted ITL (one more request) exceeds it takes none
     max_context_tokens: int = 1 << 20
     migration_overhead_ms: float = 10.0
@@ -41,8 +50,14 @@ class SimConfig:
     # What-if: drop planned moves of requests that have no token yet. The planner itself now
     # never plans those (router.migration_planner), so this changes nothing; kept for the CLI.
     skip_unprefilled_moves: bool = False
+    # KV pool sizes in blocks (None: the profile's capacities), e.g. to replay a deployment
+    # started with --kv-blocks (bench/compare_policies.py's small GPU pool).
+    gpu_kv_blocks: int | None = None
+    cpu_kv_blocks: int | None = None
 
     def __post_init__(self) -> None:
+        if not (self.engine_overhead_ms >= 0 and self.view_interval_ms >= 0):
+            raise ValueError("engine_overhead_ms and view_interval_ms must be >= 0")
         if self.assist_device_hold not in ASSIST_DEVICE_HOLDS:
             raise ValueError(f"assist_device_hold must be one of {', '.join(ASSIST_DEVICE_HOLDS)}, "
                              f"got {self.assist_device_hold!r}")

@@ -91,16 +91,23 @@ class Simulator:
         self.vocab_size = profile.model.vocab_size
         self.block_size = profile.model.block_size
         self.num_layers = profile.model.num_layers
+        gpu_blocks = config.gpu_kv_blocks if config.gpu_kv_blocks is not None else profile.capacities.gpu_kv_blocks
+        cpu_blocks = config.cpu_kv_blocks if config.cpu_kv_blocks is not None else profile.capacities.cpu_kv_blocks
         self.engines: dict[str, SimEngine] = {
-            GPU: SimEngine(GPU, "gpu", Scheduler(config.gpu_scheduler, profile.capacities.gpu_kv_blocks,
+            GPU: SimEngine(GPU, "gpu", Scheduler(config.gpu_scheduler, gpu_blocks,
                                                  self.block_size, config.max_context_tokens)),
         }
         if config.policy is not Policy.GPU_ONLY:
-            self.engines[CPU] = SimEngine(CPU, "cpu", Scheduler(config.cpu_scheduler, profile.capacities.cpu_kv_blocks,
+            self.engines[CPU] = SimEngine(CPU, "cpu", Scheduler(config.cpu_scheduler, cpu_blocks,
                                                                 self.block_size, config.max_context_tokens))
+        # The profile's cost model drives admission and migration exactly as the router's
+        # --profile does (router.__main__.router_config): the predictor is the same CostModel.
         self.admission = AdmissionConfig(policy=config.policy, itl_target_ms=config.itl_target_ms,
-                                         cpu_max_running=config.cpu_scheduler.max_running, max_queue=config.max_queue)
+                                         cpu_max_running=config.cpu_scheduler.max_running, max_queue=config.max_queue,
+                                         predictor=cost)
         self.migration = MigrationConfig(
+            predictor=cost,
+            cpu_itl_target_ms=config.itl_target_ms,
             kv_transfer_bytes_per_s=profile.kv_transfer.bytes_per_s,
             kv_transfer_fixed_ms=profile.kv_transfer.fixed_ms,
             migration_overhead_ms=config.migration_overhead_ms,
@@ -123,6 +130,7 @@ class Simulator:
         self.num_moves_without_kv = 0
         self._planner_armed = False
         self._idle_ticks = 0
+        self._snapshots: dict[str, tuple[float | None, tuple[int, int, int] | None]] = {}
 
     # ------------------------------------------------------------------ events
 
@@ -190,12 +198,23 @@ class Simulator:
             return self.cost.cpu_assisted_ms(decode) + self._gpu_itl_ms()
         return self.cost.cpu_iteration(decode).best_ms
 
+    def _snapshot(self, engine: SimEngine) -> tuple[int, int, int]:
+        """(KV blocks used, running, waiting) as the router last heard them: the engine's state
+        when its last WatchLoad snapshot was taken, one at most every view_interval_ms (the
+        router counts its own placements on top, router.views.estimated_blocks_used)."""
+        taken_ms, state = self._snapshots.get(engine.name, (None, None))
+        if taken_ms is None or self.now_ms - taken_ms >= self.config.view_interval_ms:
+            scheduler = engine.scheduler
+            state = (scheduler.blocks.num_used_blocks, scheduler.num_running, scheduler.num_waiting)
+            self._snapshots[engine.name] = (self.now_ms, state)
+        return state
+
     def _view(self, engine: SimEngine, itl_ms: float) -> EngineView:
-        blocks = engine.scheduler.blocks
+        used, running, waiting = self._snapshot(engine)
         return EngineView(name=engine.name, kind=engine.kind, healthy=True,
-                          kv_blocks_total=blocks.num_total_blocks, kv_blocks_used=blocks.num_used_blocks,
-                          block_size=self.block_size, num_running=engine.scheduler.num_running,
-                          num_waiting=engine.scheduler.num_waiting, itl_p50_ms=itl_ms, itl_p99_ms=itl_ms)
+                          kv_blocks_total=engine.scheduler.blocks.num_total_blocks, kv_blocks_used=used,
+                          block_size=self.block_size, num_running=running,
+                          num_waiting=waiting, itl_p50_ms=itl_ms, itl_p99_ms=itl_ms)
 
     def _views(self, new_context: int | None = None) -> dict[str, EngineView]:
         views = {GPU: self._view(self.engines[GPU], self._gpu_itl_ms(new_context))}
@@ -243,6 +262,11 @@ class Simulator:
                                     self._views(track.spec.input_len + 1), self._routed(),
                                     len(self.queue) - 1, self.admission)
             if placement is Placement.WAIT:
+                # the router looks again when the next snapshot arrives (and on any other event)
+                next_snapshot = [taken + self.config.view_interval_ms for taken, _ in self._snapshots.values()
+                                 if taken is not None and taken + self.config.view_interval_ms > self.now_ms]
+                if next_snapshot:
+                    self._wake(min(next_snapshot))
                 return
             self.queue.pop(0)
             if placement is Placement.REJECT:
@@ -287,7 +311,7 @@ class Simulator:
         prefill_tokens, contexts, _ = self._plan_shape(plan)
         duration = self.cost.gpu_iteration_ms(prefill_tokens, DecodeBatch.of(contexts))
         end_ms = self.device.start_engine(self.now_ms, duration)
-        self._start(gpu, plan, end_ms)
+        self._start(gpu, plan, end_ms + self.config.engine_overhead_ms)
 
     def _assist_device_ms(self, batch: int) -> float:
         """The device time of an assisted batch's dense work: the GPU decode table at its
@@ -324,10 +348,10 @@ class Simulator:
                 held_ms = self.cost.assist_ms(decode.batch) if hold == "dense" else cost.assisted_ms
                 device.book_block(self.now_ms, held_ms)
                 cpu.num_assisted += 1
-                self._start(cpu, plan, self.now_ms + wait + cost.assisted_ms)
+                self._start(cpu, plan, self.now_ms + wait + cost.assisted_ms + self.config.engine_overhead_ms)
                 return
         cpu.num_local += 1
-        self._start(cpu, plan, self.now_ms + cost.local_ms)
+        self._start(cpu, plan, self.now_ms + cost.local_ms + self.config.engine_overhead_ms)
 
     def _start_staged(self, cpu: SimEngine, plan: StepPlan, device_ms: float, assisted_ms: float) -> None:
         """An assisted iteration as num_layers + 1 device stages (begin, one per layer's
@@ -347,10 +371,10 @@ class Simulator:
         if gpu_end_ms is not None:
             gpu = self.engines[GPU]
             gpu.done_version += 1
-            self._push(gpu_end_ms, "done", (GPU, gpu.done_version))
+            self._push(gpu_end_ms + self.config.engine_overhead_ms, "done", (GPU, gpu.done_version))
         if stages_left == 1:
             cpu.done_version += 1
-            self._push(end_ms, "done", (cpu.name, cpu.done_version))
+            self._push(end_ms + self.config.engine_overhead_ms, "done", (cpu.name, cpu.done_version))
         else:
             self._push(end_ms + between_ms, "call",
                        lambda: self._next_stage(cpu, stages_left - 1, stage_ms, between_ms))
