@@ -39,6 +39,9 @@ from router.views import Policy
 ROUTER_SERVICE = "dualpace.v1.Router"
 ENGINE_READY_TIMEOUT_S = 60.0
 DEFAULT_GRACE_S = 30.0
+FLUSH_GRACE_S = 5.0  # after the drain: time for the last stream messages (and statuses) to leave
+
+log = logging.getLogger(__name__)
 
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
@@ -146,9 +149,10 @@ def serve(args: argparse.Namespace) -> int:
         if not await core.pool.wait_ready(ENGINE_READY_TIMEOUT_S):
             logging.getLogger(__name__).warning("not every engine answered within %.0f s; serving anyway",
                                                 ENGINE_READY_TIMEOUT_S)
+        servicer = RouterServicer(core)
         try:
             running = await start_server(
-                args.listen, lambda server: router_pb2_grpc.add_RouterServicer_to_server(RouterServicer(core), server),
+                args.listen, lambda server: router_pb2_grpc.add_RouterServicer_to_server(servicer, server),
                 [ROUTER_SERVICE], security=security)
         except DualPaceError as exc:
             print(f"router: error: {exc}", file=sys.stderr)
@@ -172,10 +176,16 @@ def serve(args: argparse.Namespace) -> int:
         notifier.ready(f"serving on {running.address}")
         watchdog = start_watchdog(notifier)
         await stop.wait()
-        notifier.stopping(f"finishing relayed streams (grace {args.grace_s:g} s)")
+        # The gRPC server keeps running while the streams drain: health answers NOT_SERVING and
+        # new Generate calls UNAVAILABLE (server.stop() would refuse every call, health checks
+        # included, from its first moment). Draining first: whoever sees NOT_SERVING gets UNAVAILABLE.
+        servicer.start_draining()
+        notifier.stopping(f"finishing {servicer.num_streams} relayed streams (grace {args.grace_s:g} s)")
         await running.set_serving(False)
-        await asyncio.gather(running.stop(grace_s=args.grace_s),  # new calls refused, running streams finish
-                             *([http.stop()] if http is not None else []))
+        drained, *_ = await asyncio.gather(drain(servicer, args.grace_s),
+                                           *([http.stop()] if http is not None else []))
+        # Time for the last messages and statuses to leave (any stream still running is cancelled).
+        await running.stop(grace_s=FLUSH_GRACE_S if drained else 0)
         if watchdog is not None:
             watchdog.cancel()
         await core.close()
@@ -183,6 +193,18 @@ def serve(args: argparse.Namespace) -> int:
         return 0
 
     return serve_forever(main)
+
+
+async def drain(servicer: RouterServicer, grace_s: float) -> bool:
+    """Lets the relayed Generate streams finish within grace_s, then ends the rest with
+    UNAVAILABLE (their engine requests aborted); whether every stream has ended."""
+    log.info("draining: %d relayed streams, grace %.1f s", servicer.num_streams, grace_s)
+    if await servicer.wait_drained(grace_s):
+        log.info("drained")
+        return True
+    num_cancelled = servicer.cancel_streams(f"router is shutting down and its grace of {grace_s:g} s is over")
+    log.warning("grace of %.1f s is over: cancelling %d relayed streams", grace_s, num_cancelled)
+    return await servicer.wait_drained(FLUSH_GRACE_S)
 
 
 def start_watchdog(notifier: Notifier) -> asyncio.Task | None:

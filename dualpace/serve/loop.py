@@ -49,7 +49,7 @@ async def _run_until_stopped(main: Callable[[asyncio.Event], Awaitable[int | Non
     loop = asyncio.get_running_loop()
 
     def on_signal(signum: signal.Signals) -> None:
-        logger.info("received %s; stopping", signum.name)
+        logger.info("received %s; stopping (a second SIGINT or SIGTERM ends the process at once)", signum.name)
         stop.set()
         for restored in STOP_SIGNALS:
             loop.remove_signal_handler(restored)

@@ -61,7 +61,12 @@ class RunningServer:
             await self.health_servicer.set(name, status)
 
     async def stop(self, grace_s: float | None = None) -> None:
-        """Reports NOT_SERVING for good, then stops; in-flight calls get `grace_s` to finish."""
+        """Reports NOT_SERVING for good, then stops; in-flight calls get `grace_s` to finish.
+
+        From its first moment the server takes no new call, health checks included (clients
+        see UNAVAILABLE or CANCELLED, not NOT_SERVING). A daemon that drains its own work
+        while still answering health and refusals does so first (set_serving(False), then
+        wait) and calls stop() with a short grace afterwards."""
         await self.health_servicer.enter_graceful_shutdown()
         await self.server.stop(grace_s)
 

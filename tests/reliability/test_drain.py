@@ -101,6 +101,9 @@ def test_router_drains_relayed_requests(system, reference):
         assert status == health_pb2.HealthCheckResponse.NOT_SERVING
         late = RouterStream.run(router, "r-late", prompt_for(40), 2, timeout_s=10)
         assert late.wait(15) and late.code == grpc.StatusCode.UNAVAILABLE, late.error
+        assert "shutting down" in late.error.details(), late.error
+        # Still draining: the router keeps answering health (NOT_SERVING) until the streams end.
+        assert health(channel) == health_pb2.HealthCheckResponse.NOT_SERVING
         assert not any(s.done.is_set() for s in streams.values()), "a request ended before the refusal"
         assert_completed(streams, prompts, reference)
     assert router_daemon.process.wait(EXIT_TIMEOUT_S) == 0, router_daemon.log()[-3000:]

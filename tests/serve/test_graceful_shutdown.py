@@ -1,5 +1,6 @@
-"""SIGTERM under load: health NOT_SERVING, new requests UNAVAILABLE, the running request
-finishes (or, past --grace-s, is aborted), and the daemon exits 0 either way.
+"""SIGTERM under load, for an engine and for the router: health NOT_SERVING (for the whole
+drain), new requests UNAVAILABLE, the running request finishes (or, past --grace-s, is
+aborted; the router ends its streams with UNAVAILABLE), and the daemon exits 0 either way.
 
 gpu_service runs the tiny model with every step slowed to STEP_DELAY_MS (a test-only
 fault), so a request is reliably still running when the signal arrives.
@@ -19,7 +20,13 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from dualpace.sampling import FinishReason, SamplingParams
 from dualpace.wire.convert import finish_reason_from_pb
 from dualpace.wire.engine_messages import new_request_to_pb
-from dualpace.wire.v1 import engine_pb2_grpc
+from dualpace.wire.v1 import (
+    common_pb2,
+    engine_pb2,
+    engine_pb2_grpc,
+    router_pb2,
+    router_pb2_grpc,
+)
 from tests.daemons import Daemon, start_daemon
 
 STEP_DELAY_MS = 40
@@ -115,3 +122,101 @@ def test_past_the_grace_requests_are_aborted_and_exit_is_clean(folder: str) -> N
     finally:
         daemon.kill()
     assert "aborted 1 requests" in daemon.log()
+
+
+# ---------------------------------------------------------------------- the router
+
+
+def router_stream(address: str, request_id: str, max_tokens: int) -> Stream:
+    stream = Stream()
+
+    def read() -> None:
+        try:
+            with grpc.insecure_channel(address) as channel:
+                request = router_pb2.GenerateRequest(
+                    request_id=request_id, prompt_token_ids=common_pb2.TokenIds(token_ids=PROMPT),
+                    sampling=common_pb2.SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+                for response in router_pb2_grpc.RouterStub(channel).Generate(request, timeout=60):
+                    stream.tokens.extend(response.token_ids)
+                    stream.finish_reason = finish_reason_from_pb(response.finish_reason)
+                    if stream.tokens:
+                        stream.first_token.set()
+        except grpc.RpcError as exc:
+            stream.error = exc
+        finally:
+            stream.first_token.set()
+            stream.done.set()
+
+    threading.Thread(target=read, daemon=True).start()
+    return stream
+
+
+def start_router(folder: str, gpu: Daemon, *flags: str) -> Daemon:
+    return start_daemon("router", "serve", "--gpu", gpu.address, "--model", folder, "--policy", "gpu-only",
+                        "--no-migrate", *flags)
+
+
+def test_router_keeps_answering_not_serving_while_it_drains(folder: str) -> None:
+    gpu = start_slow_gpu(folder)
+    router = None
+    try:
+        router = start_router(folder, gpu)  # default --grace-s 30
+        stream = router_stream(router.address, "relayed", max_tokens=40)  # 1.6 s or more
+        assert stream.first_token.wait(30) and stream.error is None, router.log()
+        router.process.send_signal(signal.SIGTERM)
+        with grpc.insecure_channel(router.address) as channel:
+            deadline = time.monotonic() + 5
+            while health(channel) != health_pb2.HealthCheckResponse.NOT_SERVING:
+                assert time.monotonic() < deadline, "health never said NOT_SERVING"
+                time.sleep(0.01)
+            # The whole drain long (not only at its start), health answers NOT_SERVING and new
+            # requests are refused UNAVAILABLE; the relayed stream goes on.
+            for _ in range(3):
+                late = router_stream(router.address, "late", max_tokens=2)
+                assert late.done.wait(10) and late.error is not None, "a late request was served"
+                assert late.error.code() == grpc.StatusCode.UNAVAILABLE, late.error
+                assert "shutting down" in late.error.details()
+                assert health(channel) == health_pb2.HealthCheckResponse.NOT_SERVING
+                time.sleep(0.1)
+            assert not stream.done.is_set(), "the request ended before the refusals were tested"
+        assert stream.done.wait(30)
+        assert stream.error is None, stream.error
+        assert len(stream.tokens) == 40 and stream.finish_reason == FinishReason.LENGTH
+        assert router.process.wait(20) == 0, router.log()
+        assert "drained" in router.log()
+    finally:
+        if router is not None:
+            router.kill()
+        gpu.kill()
+
+
+def test_router_past_the_grace_cancels_streams_and_exits_cleanly(folder: str) -> None:
+    gpu = start_slow_gpu(folder)
+    router = None
+    try:
+        router = start_router(folder, gpu, "--grace-s", "0.5")
+        stream = router_stream(router.address, "endless", max_tokens=400)  # 16 s or more
+        assert stream.first_token.wait(30) and stream.error is None, router.log()
+        signalled = time.monotonic()
+        router.process.send_signal(signal.SIGTERM)
+        assert stream.done.wait(15)
+        # The client learns why its stream ended; the router logs no error about it.
+        assert stream.error is not None, "the stream finished inside a 0.5 s grace"
+        assert stream.error.code() == grpc.StatusCode.UNAVAILABLE, stream.error
+        assert "grace of 0.5 s is over" in stream.error.details()
+        assert 0 < len(stream.tokens) < 400
+        assert router.process.wait(20) == 0, router.log()
+        assert time.monotonic() - signalled < 10
+        assert "grace of 0.5 s is over: cancelling 1 relayed streams" in router.log()
+        assert "Exception not handled" not in router.log(), router.log()
+        # The router aborted the engine request it gave up on.
+        with grpc.insecure_channel(gpu.address) as channel:
+            engine = engine_pb2_grpc.EngineStub(channel)
+            deadline = time.monotonic() + 10
+            while engine.GetLoad(engine_pb2.GetLoadRequest(), timeout=5).num_running:
+                assert time.monotonic() < deadline, "the engine still runs the cancelled request"
+                time.sleep(0.05)
+    finally:
+        if router is not None:
+            router.kill()
+        gpu.kill()
