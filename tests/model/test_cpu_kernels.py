@@ -86,6 +86,52 @@ def test_decode_attention_matches_torch(dtype, head_dim, group):
     _close(solo, reference[3:4], rel)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("block_size", [4, 8, 32])
+def test_decode_attention_block_sizes_ignore_unused_slots(dtype, block_size):
+    """Blocks smaller and larger than the kernel's 16-token chunks; slots past each context hold
+    NaN and must not leak into the output."""
+    torch.manual_seed(block_size)
+    num_kv_heads, group, head_dim, num_blocks = 3, 3, 64, 200
+    k_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype)
+    v_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype)
+    lens = torch.tensor([1, 5, 31, 47, 250, 600])
+    max_blocks = -(-int(lens.max()) // block_size)
+    tables = torch.stack([torch.randperm(num_blocks)[:max_blocks] for _ in lens])
+    q = torch.randn(len(lens), num_kv_heads * group, head_dim, dtype=dtype)
+    scale = head_dim ** -0.5
+    reference = decode_attention_reference(q.float(), k_cache.float(), v_cache.float(), tables, lens, scale)
+    used = torch.zeros(num_blocks * block_size, dtype=torch.bool)
+    for row, n in zip(tables, lens.tolist()):
+        slots = row[:, None] * block_size + torch.arange(block_size)
+        used[slots.flatten()[:n]] = True
+    k_cache.view(-1, num_kv_heads, head_dim)[~used] = float("nan")
+    v_cache.view(-1, num_kv_heads, head_dim)[~used] = float("nan")
+    ours = kernels.decode_attention(q, k_cache, v_cache, tables, lens, scale)
+    assert not ours.isnan().any()
+    _close(ours, reference, 1e-5 if dtype == torch.float32 else 2e-2)
+
+
+@pytest.mark.parametrize("dtype,num_kv_heads,group,head_dim", [(torch.bfloat16, 16, 5, 64),
+                                                               (torch.bfloat16, 8, 7, 128),
+                                                               (torch.float32, 16, 5, 64)])
+def test_decode_attention_many_heads_and_splits(dtype, num_kv_heads, group, head_dim):
+    """More query heads than the kernel's stack buffers hold, and one long context split many ways."""
+    torch.manual_seed(num_kv_heads * group)
+    block_size, num_blocks = 16, 300
+    k_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype)
+    v_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype)
+    lens = torch.tensor([4000, 3])
+    tables = torch.stack([torch.randperm(num_blocks)[:250] for _ in lens])
+    q = torch.randn(len(lens), num_kv_heads * group, head_dim, dtype=dtype) * 2
+    scale = head_dim ** -0.5
+    reference = decode_attention_reference(q.float(), k_cache.float(), v_cache.float(), tables, lens, scale)
+    _close(kernels.decode_attention(q, k_cache, v_cache, tables, lens, scale), reference,
+           1e-5 if dtype == torch.float32 else 2e-2)
+    solo = kernels.decode_attention(q[:1], k_cache, v_cache, tables[:1], lens[:1], scale)
+    _close(solo, reference[:1], 1e-5 if dtype == torch.float32 else 2e-2)
+
+
 def decode_attention_reference(q, k_cache, v_cache, tables, lens, scale):
     with torch.no_grad():
         cpu_kernels.set_enabled(False)
