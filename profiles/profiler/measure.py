@@ -17,13 +17,8 @@ from __future__ import annotations
 import asyncio
 import itertools
 import math
-import os
 import re
-import subprocess
-import sys
-import threading
 import time
-from collections import deque
 from collections.abc import AsyncIterator, Callable
 
 import torch
@@ -42,7 +37,6 @@ from dualpace.engine.scheduler import ScheduledSequence, StepPlan
 from dualpace.model.loader import LoadedModel
 from dualpace.model.paged_forward import SequenceWork, attend, build_step_tensors
 from dualpace.sampling import SamplingParams, sample_next_tokens
-from dualpace.serve.readiness import LISTENING, wait_serving
 from profiles.profiler.timing import Sample, summarize
 
 GREEDY = SamplingParams(max_tokens=1 << 20, ignore_eos=True)
@@ -149,46 +143,13 @@ class RunnerBench:
 # ---------------------------------------------------------------------- gpu_service
 
 
-class GpuServiceProcess:
-    """A real gpu_service (`python -m gpu_service`) on 127.0.0.1, an ephemeral port."""
+def start_gpu_service(model: str, dtype: str, device: str, threads: int, kv_blocks: int, block_size: int):
+    """A real gpu_service (`python -m gpu_service`) on 127.0.0.1, an ephemeral port; `.stop()` ends it."""
+    from bench.processes import start_daemon
 
-    def __init__(self, model: str, dtype: str, device: str, threads: int, kv_blocks: int, block_size: int,
-                 start_timeout_s: float = 180.0):
-        self.output: deque[str] = deque(maxlen=200)
-        self.process = subprocess.Popen(
-            [sys.executable, "-m", "gpu_service", "--model", model, "--dtype", dtype, "--device", device,
-             "--threads", str(threads), "--kv-blocks", str(kv_blocks), "--block-size", str(block_size),
-             "--listen", "127.0.0.1:0", "--log-level", "WARNING"],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-            env={**os.environ, "PYTHONUNBUFFERED": "1"},
-        )
-        found = threading.Event()
-        address: list[str] = []
-
-        def pump() -> None:
-            for line in self.process.stdout:
-                self.output.append(line)
-                match = LISTENING.search(line)
-                if match and not address:
-                    address.append(match.group(1))
-                    found.set()
-            found.set()
-
-        threading.Thread(target=pump, daemon=True).start()
-        if not found.wait(start_timeout_s) or not address:
-            self.stop()
-            raise RuntimeError("gpu_service did not start:\n" + "".join(self.output))
-        self.address = address[0]
-        wait_serving(self.address)
-
-    def stop(self) -> None:
-        if self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(20)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
+    return start_daemon("gpu_service", "--model", model, "--dtype", dtype, "--device", device,
+                        "--threads", str(threads), "--kv-blocks", str(kv_blocks), "--block-size", str(block_size),
+                        "--log-level", "WARNING", env={"PYTHONUNBUFFERED": "1"})
 
 
 def assist_iteration(client, batch: int, num_heads: int, head_dim: int, dtype: torch.dtype,

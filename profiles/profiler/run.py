@@ -199,7 +199,7 @@ def run_profile(request: ProfileRequest) -> tuple[Path, Profile, bool]:
         gpu_bench = m.RunnerBench(load_model(request.model, dtype=torch_dtype, device=device), cpu_blocks,
                                   request.block_size)
     target_blocks = 2 * m.blocks_needed(max(grids.kv_transfer_tokens) + 1, request.block_size) + 16
-    service = m.GpuServiceProcess(request.model, model_fp.dtype, "cpu" if device == "cpu" else "cuda",
+    service = m.start_gpu_service(request.model, model_fp.dtype, "cpu" if device == "cpu" else "cuda",
                                   request.threads, target_blocks, request.block_size)
     samples: dict[str, dict] = {}
 
