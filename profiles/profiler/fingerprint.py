@@ -81,19 +81,10 @@ def memory_bytes() -> int:
 
 def copy_bandwidth_bytes_per_s(num_bytes: int = 256 * 2**20, repeats: int = 3) -> float:
     """Host memory bandwidth from copying a large tensor (bytes read + bytes written, best of
-    `repeats`). A quick indicator, not a STREAM run."""
-    import time
+    `repeats`), the same measurement the benchmarks use. A quick indicator, not a STREAM run."""
+    from bench.memory_bandwidth import copy_bandwidth_bytes_per_s as measure
 
-    import torch
-
-    src = torch.ones(num_bytes // 4, dtype=torch.float32)
-    dst = torch.empty_like(src)
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        dst.copy_(src)
-        best = min(best, time.perf_counter() - start)
-    return 2 * num_bytes / best
+    return measure(num_bytes, repeats)
 
 
 def hardware_fingerprint(threads: int, device: str, bandwidth_bytes_per_s: float | None = None) -> HardwareFingerprint:
