@@ -106,6 +106,11 @@ class ImportProgress:
 
     def check_chunk(self, chunk: KvChunk) -> None:
         """Raise InvalidArgument naming the problem for an out-of-order, out-of-range or corrupt chunk."""
+        self.check_order(chunk)
+        self.check_checksum(chunk)
+
+    def check_order(self, chunk: KvChunk) -> None:
+        """The cheap part of check_chunk: sequence number, layer and token range."""
         header = self.header
         if chunk.seq != self.next_seq:
             raise InvalidArgument("chunk.seq", f"expected chunk {self.next_seq}, got {chunk.seq} (a gap or repeat)")
@@ -118,6 +123,10 @@ class ImportProgress:
                 f"chunk covers tokens [{chunk.token_start}, {chunk.token_end}) of layer {chunk.layer}; "
                 f"expected to start at {start_expected} and end by {header.num_computed_tokens}",
             )
+
+    @staticmethod
+    def check_checksum(chunk: KvChunk) -> None:
+        """The CRC32 of K + V (zlib, in C; it releases the GIL on large buffers)."""
         if checksum(chunk.k, chunk.v) != chunk.crc32:
             raise InvalidArgument("chunk.crc32", f"checksum mismatch in chunk {chunk.seq}")
 

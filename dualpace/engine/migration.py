@@ -1,9 +1,11 @@
 """Two-phase KV migration between engines, independent of the transport.
 
 Source (`migrate_out`): pause the request at a step boundary, stream its KV to
-the target, and only after the target commits free the blocks and end the
-request here with a `migrated_to` event. Any failure before the commit resumes
-the request on the source; nothing is lost.
+the target, and only after the target commits end the request's stream here with
+a `migrated_to` event (at once, without waiting for a step boundary, so the client
+resumes on the target without delay) and free its blocks (at the next boundary,
+before returning). Any failure before the commit resumes the request on the
+source; nothing is lost.
 
 Target (`KvImporter`): reserve blocks when the header arrives, verify and write
 each chunk, check completeness on prepare, and make the request live on commit.
@@ -13,6 +15,7 @@ Any failure or a stream that ends before commit frees the reserved blocks.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, replace
@@ -31,9 +34,11 @@ from dualpace.engine.kv_transfer import (
     tensor_from_bytes,
 )
 from dualpace.engine.loop import EngineLoop
-from dualpace.engine.request import EngineRequest, RequestState
+from dualpace.engine.request import EngineRequest, RequestEvent, RequestState
 from dualpace.errors import InvalidArgument
 from dualpace.validation import validate_request
+
+log = logging.getLogger(__name__)
 
 # send(header, chunks) streams a transfer to the target and returns the target engine's
 # name once it has committed; it raises if anything fails before that.
@@ -70,6 +75,7 @@ async def migrate_out(
         return request, core.kv_slot_ids(request_id, request.num_computed_tokens)
 
     request, slot_ids = await loop.call(pause)
+    paused = time.perf_counter()
     chunk_plan = plan_chunks(request.num_computed_tokens, layout, chunk_bytes)
     total_bytes = 2 * layout.num_layers * request.num_computed_tokens * layout.bytes_per_token_per_layer
     header = KvTransferHeader(
@@ -84,19 +90,39 @@ async def migrate_out(
         source_engine=core.config.name,
     )
 
+    def read_chunk(seq: int, layer: int, token_start: int, token_end: int) -> KvChunk:
+        # In a worker thread, off the event loop (which keeps this engine's steps going), and
+        # without the step lock: the request is paused, so no step writes its slots.
+        k, v = core.runner.read_kv(slot_ids[token_start:token_end], layer)
+        k_bytes, v_bytes = tensor_bytes(k), tensor_bytes(v)
+        return KvChunk(seq, layer, token_start, token_end, k_bytes, v_bytes, checksum(k_bytes, v_bytes))
+
     async def chunks() -> AsyncIterator[KvChunk]:
         for seq, (layer, token_start, token_end) in enumerate(chunk_plan):
-            k, v = await asyncio.to_thread(core.runner.read_kv, slot_ids[token_start:token_end], layer)
-            k_bytes, v_bytes = tensor_bytes(k), tensor_bytes(v)
-            yield KvChunk(seq, layer, token_start, token_end, k_bytes, v_bytes, checksum(k_bytes, v_bytes))
+            yield await asyncio.to_thread(read_chunk, seq, layer, token_start, token_end)
 
     try:
         target_engine = await send(header, chunks())
     except BaseException:
         await _resume_if_paused(loop, request_id)
         raise
-    event = await loop.call(lambda: core.scheduler.release(request_id, migrated_to=migrated_to or target_engine))
-    await loop.dispatch([event])
+    sent = time.perf_counter()
+    destination = migrated_to or target_engine
+    # Committed: the request lives on the target from now on. End its stream here at once, so the
+    # client resumes there without waiting for this engine's step in flight (a long prefill step
+    # would hold the next boundary, and the tokens the target makes meanwhile, for a whole step).
+    # The request stays PAUSED here (no step touches it) until the release below frees its blocks
+    # at the next step boundary; MigrateOut returns after that, as before.
+    await loop.dispatch([RequestEvent(request_id, migrated_to=destination)])
+
+    def release() -> None:
+        if request_id in core.scheduler.requests:  # not aborted in between
+            core.scheduler.release(request_id, migrated_to=destination)  # its event: already sent above
+
+    await loop.call(release)
+    released = time.perf_counter()
+    log.debug("migrate out phases: request %s, pause wait %.1f ms, send %.1f ms, release wait %.1f ms",
+              request_id, (paused - start) * 1e3, (sent - paused) * 1e3, (released - sent) * 1e3)
     return MigrationStats(target_engine, len(chunk_plan), total_bytes, (time.perf_counter() - start) * 1e3)
 
 
@@ -152,13 +178,22 @@ class KvImporter:
 
     async def chunk(self, chunk: KvChunk) -> None:
         progress = self._require_header()
-        progress.check_chunk(chunk)
+        progress.check_order(chunk)
         layout = progress.header.layout
         shape = (chunk.token_end - chunk.token_start, layout.num_kv_heads, layout.head_dim)
-        k = tensor_from_bytes(chunk.k, layout.dtype, shape)
-        v = tensor_from_bytes(chunk.v, layout.dtype, shape)
-        await asyncio.to_thread(self.loop.core.runner.write_kv, self._slot_ids[chunk.token_start:chunk.token_end],
-                                chunk.layer, k, v)
+        slot_ids = self._slot_ids[chunk.token_start:chunk.token_end]
+        runner = self.loop.core.runner
+
+        def verify_and_write() -> None:
+            # One hop to a worker thread per chunk, off the event loop (which runs this engine's
+            # steps and streams): the CRC, bytes -> tensor and one vectorised scatter per K and V
+            # into blocks reserved for this request, which no step reads or writes until the commit.
+            progress.check_checksum(chunk)
+            k = tensor_from_bytes(chunk.k, layout.dtype, shape)
+            v = tensor_from_bytes(chunk.v, layout.dtype, shape)
+            runner.write_kv(slot_ids, chunk.layer, k, v)
+
+        await asyncio.to_thread(verify_and_write)
         progress.accept(chunk)
 
     async def prepare(self) -> ImportProgress:

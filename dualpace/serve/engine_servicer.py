@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import time
 
 from dualpace.engine.loop import EngineLoop
 from dualpace.engine.migration import KvImporter, migrate_out
@@ -103,6 +104,8 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
 
     async def ImportKv(self, request_iterator, context):
         importer = KvImporter(self.loop)
+        started = time.perf_counter()
+        chunk_ms = 0.0
         try:
             async for message in request_iterator:
                 kind = message.WhichOneof("kind")
@@ -111,13 +114,21 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
                         raise InvalidArgument("header", "sent twice")
                     await importer.begin(messages.kv_header_from_pb(message.header))
                 elif kind == "chunk":
+                    chunk_start = time.perf_counter()
                     await importer.chunk(messages.kv_chunk_from_pb(message.chunk))
+                    chunk_ms += (time.perf_counter() - chunk_start) * 1e3
                 elif kind == "prepare":
                     progress = await importer.prepare()
                     num_kv_blocks = len(self.loop.core.scheduler.blocks.block_ids(progress.header.request_id))
                     yield messages.import_prepared_to_pb(progress, num_kv_blocks)
                 elif kind == "commit":
+                    commit_start = time.perf_counter()
                     engine_name = await importer.commit()
+                    log.debug("kv import", request_id=importer.progress.header.request_id,
+                              chunks=importer.progress.next_seq, bytes=importer.progress.num_bytes,
+                              chunk_handling_ms=round(chunk_ms, 2),
+                              commit_ms=round((time.perf_counter() - commit_start) * 1e3, 2),
+                              total_ms=round((time.perf_counter() - started) * 1e3, 2))
                     yield messages.import_committed_to_pb(importer.progress.header.request_id, engine_name)
                     return
                 else:
