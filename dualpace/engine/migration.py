@@ -35,7 +35,7 @@ from dualpace.engine.kv_transfer import (
 )
 from dualpace.engine.loop import EngineLoop
 from dualpace.engine.request import EngineRequest, RequestEvent, RequestState
-from dualpace.errors import InvalidArgument
+from dualpace.errors import InvalidArgument, Unavailable
 from dualpace.validation import validate_request
 
 log = logging.getLogger(__name__)
@@ -119,7 +119,11 @@ async def migrate_out(
         if request_id in core.scheduler.requests:  # not aborted in between
             core.scheduler.release(request_id, migrated_to=destination)  # its event: already sent above
 
-    await loop.call(release)
+    try:
+        await loop.call(release)
+    except Unavailable:  # this engine stopped meanwhile: its blocks go with it; the move itself succeeded
+        log.info("migrate out: %s committed on %s; this engine stopped before freeing its blocks",
+                 request_id, destination)
     released = time.perf_counter()
     log.debug("migrate out phases: request %s, pause wait %.1f ms, send %.1f ms, release wait %.1f ms",
               request_id, (paused - start) * 1e3, (sent - paused) * 1e3, (released - sent) * 1e3)

@@ -79,6 +79,29 @@ async def test_migrated_request_continues_exactly(tiny, temperature):
     await stop(source, target)
 
 
+async def test_source_stopping_after_the_commit_still_reports_the_move(tiny):
+    """The target has committed, then the source stops before freeing its blocks: the move
+    happened (the stream says where to), so migrate_out reports it instead of failing."""
+    source, target = await started(tiny, "src"), await started(tiny, "dst")
+    prompt = [2, 7, 1, 8, 2, 8]
+    params = SamplingParams(max_tokens=20, ignore_eos=True)
+    channel = await source[0].add_request("s", prompt, params)
+    await wait_tokens(channel, 3)
+    send = direct_send(target[0])
+
+    async def send_then_source_stops(header, chunks) -> str:
+        name = await send(header, chunks)
+        source[0].stop()  # as on SIGTERM past its grace, between the commit and the release
+        return name
+
+    stats = await migrate_out(source[0], "s", send_then_source_stops, chunk_bytes=700)
+    assert stats.target_engine == "dst" and channel.migrated_to == "dst"
+    emitted = len(channel.output_token_ids)
+    rest = [t async for update in target[0].channel("s").follow(emitted) for t in update.new_token_ids]
+    assert channel.output_token_ids + rest == OfflineGenerator(tiny).generate([prompt], [params])[0].output_token_ids
+    await stop(source, target)
+
+
 def corrupt(chunk):
     return dataclasses.replace(chunk, k=bytes([chunk.k[0] ^ 1]) + chunk.k[1:]) if chunk.seq == 3 else chunk
 
