@@ -13,8 +13,9 @@ import signal
 import subprocess
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TypeVar
 
@@ -152,6 +153,24 @@ def slow_gpu_behind_router(tiny_folder):
         probe.close()
     finally:
         assert_clean_exit([d for d in (router, gpu) if d is not None])
+
+
+
+@contextmanager
+def lone_gpu_behind_router(tiny_folder: str, name: str, step_delay_ms: int) -> Iterator[tuple[Daemon, object]]:
+    """(gpu daemon, router stub): the only engine, behind a gpu-only router, for tests that kill
+    it and expect the router to refuse what nothing can take. The router must exit cleanly."""
+    gpu = start_gpu(tiny_folder, "--name", name, "--kv-blocks", "64", "--block-size", "8",
+                    step_delay_ms=step_delay_ms)
+    router = None
+    try:
+        router = start_router(tiny_folder, gpu, None, "--policy", "gpu-only", "--no-migrate")
+        channel = grpc.insecure_channel(router.address)
+        yield gpu, router_stub(channel)
+        channel.close()
+    finally:
+        gpu.kill()
+        assert_clean_exit([d for d in (router,) if d is not None])
 
 
 # ---------------------------------------------------------------------- probes

@@ -19,6 +19,7 @@ from tests.reliability.conftest import (
     EngineProbe,
     RouterStream,
     assert_clean_exit,
+    lone_gpu_behind_router,
     prompt_for,
     router_stub,
     start_all,
@@ -76,17 +77,8 @@ def test_router_retries_on_the_survivor_and_the_stream_is_clean(system, referenc
 
 @pytest.fixture
 def lone_engine(tiny_folder):
-    gpu = start_gpu(tiny_folder, "--name", "gpu-lone-slow", "--kv-blocks", "64", "--block-size", "8",
-                    step_delay_ms=STEP_DELAY_MS)
-    router = None
-    try:
-        router = start_router(tiny_folder, gpu, None, "--policy", "gpu-only", "--no-migrate")
-        channel = grpc.insecure_channel(router.address)
-        yield gpu, router_stub(channel)
-        channel.close()
-    finally:
-        gpu.kill()
-        assert_clean_exit([d for d in (router,) if d is not None])
+    with lone_gpu_behind_router(tiny_folder, "gpu-lone-slow", STEP_DELAY_MS) as pair:
+        yield pair
 
 
 def test_no_survivor_before_the_first_token_is_unavailable_at_once(lone_engine):

@@ -18,6 +18,7 @@ from tests.reliability.conftest import (
     EngineProbe,
     RouterStream,
     assert_clean_exit,
+    lone_gpu_behind_router,
     prompt_for,
     router_stub,
     start_all,
@@ -90,17 +91,8 @@ CLIENT_DEADLINE_S = 6.0
 
 @pytest.fixture
 def lone_engine(tiny_folder):
-    gpu = start_gpu(tiny_folder, "--name", "gpu-lone", "--block-size", "8", "--kv-blocks", "64",
-                    step_delay_ms=STEP_DELAY_MS)
-    router = None
-    try:
-        router = start_router(tiny_folder, gpu, None, "--policy", "gpu-only", "--no-migrate")
-        channel = grpc.insecure_channel(router.address)
-        yield gpu, router_stub(channel)
-        channel.close()
-    finally:
-        gpu.kill()
-        assert_clean_exit([d for d in (router,) if d is not None])
+    with lone_gpu_behind_router(tiny_folder, "gpu-lone", STEP_DELAY_MS) as pair:
+        yield pair
 
 
 def test_no_survivor_is_unavailable_within_the_client_deadline(lone_engine):
