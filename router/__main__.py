@@ -179,8 +179,8 @@ def serve(args: argparse.Namespace) -> int:
         # The gRPC server keeps running while the streams drain: health answers NOT_SERVING and
         # new Generate calls UNAVAILABLE (server.stop() would refuse every call, health checks
         # included, from its first moment). Draining first: whoever sees NOT_SERVING gets UNAVAILABLE.
-        servicer.start_draining()
-        notifier.stopping(f"finishing {servicer.num_streams} relayed streams (grace {args.grace_s:g} s)")
+        servicer.drain.start_draining()
+        notifier.stopping(f"finishing {servicer.drain.num_streams} relayed streams (grace {args.grace_s:g} s)")
         await running.set_serving(False)
         drained, *_ = await asyncio.gather(drain(servicer, args.grace_s),
                                            *([http.stop()] if http is not None else []))
@@ -198,13 +198,13 @@ def serve(args: argparse.Namespace) -> int:
 async def drain(servicer: RouterServicer, grace_s: float) -> bool:
     """Lets the relayed Generate streams finish within grace_s, then ends the rest with
     UNAVAILABLE (their engine requests aborted); whether every stream has ended."""
-    log.info("draining: %d relayed streams, grace %.1f s", servicer.num_streams, grace_s)
-    if await servicer.wait_drained(grace_s):
+    log.info("draining: %d relayed streams, grace %.1f s", servicer.drain.num_streams, grace_s)
+    if await servicer.drain.wait_drained(grace_s):
         log.info("drained")
         return True
-    num_cancelled = servicer.cancel_streams(f"router is shutting down and its grace of {grace_s:g} s is over")
+    num_cancelled = servicer.drain.cancel_streams(f"router is shutting down and its grace of {grace_s:g} s is over")
     log.warning("grace of %.1f s is over: cancelling %d relayed streams", grace_s, num_cancelled)
-    return await servicer.wait_drained(FLUSH_GRACE_S)
+    return await servicer.drain.wait_drained(FLUSH_GRACE_S)
 
 
 def start_watchdog(notifier: Notifier) -> asyncio.Task | None:
