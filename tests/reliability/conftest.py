@@ -23,6 +23,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from bench.engine_client import EngineClient
 from dualpace.generation import OfflineGenerator
 from dualpace.model.loader import load_model
 from dualpace.sampling import FinishReason, SamplingParams
@@ -176,19 +177,8 @@ def lone_gpu_behind_router(tiny_folder: str, name: str, step_delay_ms: int) -> I
 # ---------------------------------------------------------------------- probes
 
 
-class EngineProbe:
-    """A channel to one engine and the reads the tests assert on."""
-
-    def __init__(self, address: str):
-        self.address = address
-        self.channel = grpc.insecure_channel(address)
-        self.stub = engine_pb2_grpc.EngineStub(self.channel)
-
-    def close(self) -> None:
-        self.channel.close()
-
-    def load(self) -> engine_pb2.LoadSnapshot:
-        return self.stub.GetLoad(engine_pb2.GetLoadRequest(), timeout=10)
+class EngineProbe(EngineClient):
+    """The benchmarks' engine client plus the reads the tests assert on."""
 
     def blocks_used(self) -> int:
         return self.load().kv_blocks_used
