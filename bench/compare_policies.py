@@ -25,12 +25,6 @@ import time
 from pathlib import Path
 
 from bench.load.generator import run_load
-from bench.load.lengths import (
-    build_requests,
-    parse_length_spec,
-    parse_rates,
-    write_trace,
-)
 from bench.load.report import (
     comparison_table,
     plot_throughput_vs_itl,
@@ -38,7 +32,13 @@ from bench.load.report import (
     sweep_table,
 )
 from bench.load.stats import summarize
-from bench.processes import Daemon, start_daemon
+from toolkit.processes import Daemon, start_daemon
+from toolkit.workload import (
+    build_requests,
+    parse_length_spec,
+    parse_rates,
+    write_trace,
+)
 
 POLICIES = ("dualpace", "gated", "gpu-only")
 
@@ -170,8 +170,8 @@ def sim_config(config: dict, policy: str, engine_overhead_ms: float = 0.0):
     scheduler defaults (512 tokens, 64 sequences per step), the same KV pools, the router's
     ITL target."""
     from dualpace.engine.scheduler import SchedulerConfig
-    from profiles.simulator import SimConfig
-    from router.views import Policy
+    from dualpace.policy.views import Policy
+    from profiles.sim import SimConfig
 
     step = SchedulerConfig(max_batch_tokens=512, max_running=64, max_waiting=1 << 30)
     return SimConfig(policy=Policy(policy), gpu_scheduler=step, cpu_scheduler=step,
@@ -182,7 +182,7 @@ def sim_config(config: dict, policy: str, engine_overhead_ms: float = 0.0):
 
 def _run_specs(config: dict, rate: float, trace_dir: str | None) -> list:
     """The requests a measured run sent: its trace file when there is one, else rebuilt from the seed."""
-    from bench.load.lengths import load_trace
+    from toolkit.workload import load_trace
 
     path = Path(trace_dir) / f"trace_r{rate:g}.jsonl" if trace_dir else None
     if path is not None and path.exists():
@@ -197,9 +197,9 @@ def measured_engine_overhead_ms(report: dict, profile_path: str, trace_dir: str 
     """Per gpu-only run: (gpu_service's CPU seconds - the simulated GPU engine's busy time) / its
     iterations, i.e. the host time per iteration the profile's forward-pass tables do not contain.
     CPU time counts only when the process ran, so other tenants of the core do not inflate it."""
-    from profiles.cost_model import CostModel
-    from profiles.schema import load_profile
-    from profiles.simulator import GPU, Simulator
+    from dualpace.profile.cost_model import CostModel
+    from dualpace.profile.schema import load_profile
+    from profiles.sim import GPU, Simulator
 
     cost = CostModel(load_profile(profile_path))
     config = report["config"]
@@ -239,9 +239,9 @@ def sim_comparison(report: dict, profile_path: str, trace_dir: str | None = None
                    tolerance_pct: float = 15.0, engine_overhead_ms: float = 0.0) -> tuple[list[dict], str]:
     """`dualpace sim` on every measured run's requests (the trace written with --trace-dir when
     there is one, else the same seeded requests rebuilt): real vs simulated throughput and P99 ITL."""
-    from profiles.cost_model import CostModel
-    from profiles.schema import load_profile
-    from profiles.simulator import simulate
+    from dualpace.profile.cost_model import CostModel
+    from dualpace.profile.schema import load_profile
+    from profiles.sim import simulate
 
     config = report["config"]
     cost = CostModel(load_profile(profile_path))

@@ -44,7 +44,7 @@ from pathlib import Path
 
 import torch
 
-from bench.memory_bandwidth import (
+from toolkit.memory_bandwidth import (
     copy_bandwidth_bytes_per_s,
     read_bandwidth_bytes_per_s,
 )

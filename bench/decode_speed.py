@@ -18,10 +18,10 @@ from pathlib import Path
 
 import torch
 
-from bench.memory_bandwidth import copy_bandwidth_bytes_per_s, read_bandwidth_bytes_per_s
 from dualpace.generation import OfflineGenerator
 from dualpace.model.loader import LoadedModel, load_model
 from dualpace.sampling import SamplingParams
+from toolkit.memory_bandwidth import copy_bandwidth_bytes_per_s, read_bandwidth_bytes_per_s
 
 
 def make_prompts(vocab_size: int, batch: int, context_tokens: int, seed: int = 0) -> list[list[int]]:

@@ -24,7 +24,6 @@ from pathlib import Path
 
 import torch
 
-from bench.processes import start_daemon
 from dualpace.generation import OfflineGenerator
 from dualpace.kv.storage import KVStorage
 from dualpace.model.loader import load_model
@@ -33,6 +32,7 @@ from dualpace.model.synth import write_synthetic_checkpoint
 from dualpace.sampling import SamplingParams
 from dualpace.wire.engine_messages import new_request_to_pb
 from dualpace.wire.v1 import engine_pb2_grpc
+from toolkit.processes import start_daemon
 
 PROMPTS = [[5, 9, 2, 11, 40], [1] * 17, [300, 200, 100, 7, 7, 7, 3], list(range(10, 60))]
 

@@ -23,10 +23,10 @@ import threading
 import time
 
 from bench.engine_client import EngineClient
-from bench.processes import start_daemon
 from dualpace.sampling import SamplingParams
 from dualpace.wire.engine_messages import generate_update_from_pb
 from dualpace.wire.v1 import engine_pb2
+from toolkit.processes import start_daemon
 
 
 def follow(responses, times: list[float], tokens: list[int]) -> None:

@@ -22,14 +22,10 @@ import sys
 import threading
 import time
 
-from bench.processes import start_daemon
-from dualpace.sampling import SamplingParams
 from bench.engine_client import EngineClient, read_until
-
-
-def percentile(values: list[float], fraction: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(fraction * len(ordered)))]
+from dualpace.sampling import SamplingParams
+from dualpace.stats import percentile
+from toolkit.processes import start_daemon
 
 
 def hand_off(gpu: EngineClient, cpu: EngineClient, request_id: str, prompt: list[int], params: SamplingParams):
@@ -95,7 +91,7 @@ def run_policy(args: argparse.Namespace, policy: str) -> dict:
         "cpu_requests": args.cpu_requests,
         "itl_samples": len(gaps_ms),
         "itl_p50_ms": round(statistics.median(gaps_ms), 2),
-        "itl_p99_ms": round(percentile(gaps_ms, 0.99), 2),
+        "itl_p99_ms": round(percentile(gaps_ms, 99), 2),
         "itl_max_ms": round(max(gaps_ms), 2),
         "gpu_prefills_served": len(prefill_s),
         "gpu_prefill_mean_s": round(statistics.mean(prefill_s), 3) if prefill_s else None,

@@ -41,8 +41,6 @@ from pathlib import Path
 
 import grpc
 
-from bench.load.lengths import build_requests, parse_length_spec
-from bench.processes import Daemon, start_daemon
 from bench.soak_client import (
     CANCELLED,
     COMPLETED,
@@ -56,6 +54,8 @@ from bench.soak_client import (
 )
 from bench.soak_report import report, summary_table
 from dualpace.wire.v1 import engine_pb2, engine_pb2_grpc, router_pb2, router_pb2_grpc
+from toolkit.processes import Daemon, start_daemon
+from toolkit.workload import build_requests, parse_length_spec
 
 TINY = "tiny"  # --model default: the tiny-llama synthetic checkpoint, written to a temporary folder
 METRICS_LINE = re.compile(r"metrics on (\S+:\d+)")

@@ -23,8 +23,8 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from bench.load.lengths import RequestSpec
 from dualpace.wire.v1 import common_pb2, router_pb2, router_pb2_grpc
+from toolkit.workload import RequestSpec
 
 NORMAL, CANCEL, INVALID = "normal", "cancel", "invalid"
 COMPLETED, CANCELLED, INVALID_REJECTED, FAILED, WRONG, LOST = (

@@ -3,8 +3,9 @@ migrations, problems) and the summary table printed at the end (bench/soak.py ru
 
 from __future__ import annotations
 
+import argparse
 import shlex
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from bench.soak_client import (
     CANCELLED,
@@ -16,11 +17,21 @@ from bench.soak_client import (
     Tally,
 )
 
-if TYPE_CHECKING:
-    from bench.soak import Soak
+class SoakRun(Protocol):
+    """What the verdict reads of a finished soak (bench.soak.Soak has these); a protocol, so
+    the report does not import the driver that imports it."""
+    args: argparse.Namespace
+    slots: dict
+    outcomes: list[RequestOutcome]
+    faults: list[dict]
+    migrations_seen: dict[tuple, str]
+    migration_failures: dict[tuple, str]
+    load_started: float | None
+    restart_serving_s: float | None
+    router_reconnected_s: float | None
 
 
-def report(soak: Soak, window_s: float, wall_s: float, loads: dict, exit_codes: dict, migrations_metric) -> dict:
+def report(soak: SoakRun, window_s: float, wall_s: float, loads: dict, exit_codes: dict, migrations_metric) -> dict:
     a = soak.args
     tally = Tally.of(soak.outcomes)
     s = tally.by_status

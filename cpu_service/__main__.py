@@ -20,7 +20,7 @@ import sys
 
 from cpu_service.assist_client import AssistClient
 from cpu_service.backend import BACKENDS, select_backend
-from cpu_service.mode_choice import AssistSetting, ModeChooser, predicted_latencies
+from dualpace.policy.mode_choice import AssistSetting, ModeChooser, predicted_latencies
 from cpu_service.runner import CpuRunner
 from dualpace.engine.core import EngineConfig
 from dualpace.errors import InvalidArgument
@@ -78,7 +78,7 @@ def check_args(args: argparse.Namespace):
 def load_profile_for(args: argparse.Namespace):
     """The --profile file, validated and checked against the model's configuration and dtype."""
     from dualpace.model.loader import load_tokenizer_and_config, resolve_dtype
-    from profiles.profiler.daemon import load_daemon_profile
+    from dualpace.profile.daemon import load_daemon_profile
 
     _, model_config = load_tokenizer_and_config(args.model)
     dtype = str(resolve_dtype(args.dtype)).removeprefix("torch.")
@@ -88,7 +88,7 @@ def load_profile_for(args: argparse.Namespace):
 def seed_chooser(chooser: ModeChooser, profile, assist_available: bool, max_batch_size: int,
                  context_tokens: int) -> dict:
     """Seed the mode choice with the profile's predicted Local / Assisted latency per batch bucket."""
-    from profiles.cost_model import CostModel, DecodeBatch
+    from dualpace.profile.cost_model import CostModel, DecodeBatch
 
     cost = CostModel(profile, assist_available=assist_available)
     predicted = predicted_latencies(

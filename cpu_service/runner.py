@@ -11,10 +11,10 @@ import time
 
 from cpu_service.assist_client import AssistClient, AssistUnavailable
 from cpu_service.assisted_forward import AssistedForward
-from cpu_service.mode_choice import ExecutionMode, ModeChooser
 from dualpace.engine.runner import ModelRunner
 from dualpace.engine.scheduler import StepPlan, StepResult
 from dualpace.model.loader import LoadedModel
+from dualpace.policy.mode_choice import ExecutionMode, ModeChooser
 from dualpace.serve.metrics import DENSE_ASSIST_CALLS, DENSE_ASSIST_ROUND_TRIP
 
 log = logging.getLogger(__name__)

@@ -1,5 +1,5 @@
 import sys
 
-from dualpace.cli import main
+from dualpace_cli.main import main
 
 sys.exit(main())

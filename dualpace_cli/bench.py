@@ -45,8 +45,8 @@ def register(subparsers) -> None:
 
 
 def build_specs(args: argparse.Namespace, rate: float):
-    from bench.load.lengths import build_requests, load_trace, parse_length_spec
     from dualpace.errors import InvalidArgument
+    from toolkit.workload import build_requests, load_trace, parse_length_spec
 
     if args.trace is not None:
         if args.input_len is not None or args.output_len is not None:
@@ -64,8 +64,8 @@ def build_specs(args: argparse.Namespace, rate: float):
 
 def check_args(args: argparse.Namespace) -> list[float]:
     """The rates to run; InvalidArgument naming the flag for bad values."""
-    from bench.load.lengths import parse_rates
     from dualpace.errors import InvalidArgument
+    from toolkit.workload import parse_rates
 
     rates = parse_rates(args.rates) if args.rates is not None else [args.rate]
     if args.rate is not None and not args.rate > 0:

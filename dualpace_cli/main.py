@@ -1,4 +1,7 @@
-"""The `dualpace` command: dispatches to the subcommand modules in dualpace.commands."""
+"""The `dualpace` command: dispatches to the subcommand modules. The core's own commands
+(generate, model, up, client) live in dualpace.commands; the tools' commands (bench, sim,
+profile) live here on the tools floor, because they import bench/ and profiles/, which the
+core may not."""
 
 from __future__ import annotations
 
@@ -10,7 +13,15 @@ import sys
 from dualpace.errors import DualPaceError
 
 # Subcommand modules, imported lazily so `dualpace --help` stays fast.
-_COMMAND_MODULES = ("generate", "model", "up", "client", "bench", "sim", "profile")
+_COMMAND_MODULES = (
+    "dualpace.commands.generate",
+    "dualpace.commands.model",
+    "dualpace.commands.up",
+    "dualpace.commands.client",
+    "dualpace_cli.bench",
+    "dualpace_cli.sim",
+    "dualpace_cli.profile",
+)
 
 
 def build_parser() -> tuple[argparse.ArgumentParser, dict]:
@@ -18,10 +29,10 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict]:
     parser.add_argument("--traceback", action="store_true", help="show full tracebacks on errors")
     subparsers = parser.add_subparsers(dest="command", required=True)
     modules = {}
-    for name in _COMMAND_MODULES:
-        module = importlib.import_module(f"dualpace.commands.{name}")
+    for module_name in _COMMAND_MODULES:
+        module = importlib.import_module(module_name)
         module.register(subparsers)
-        modules[name] = module
+        modules[module_name.rpartition(".")[2]] = module
     return parser, modules
 
 

@@ -1,4 +1,4 @@
-"""`dualpace profile`: measure this machine for a model (the tables of profiles.schema) and
+"""`dualpace profile`: measure this machine for a model (the tables of dualpace.profile.schema) and
 store the profile under profiles/local/, or reuse a stored one whose fingerprints match."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""`dualpace sim`: run a workload through the discrete-event simulator (profiles.simulator):
+"""`dualpace sim`: run a workload through the discrete-event simulator (profiles.sim):
 the real schedulers, admission and migration planner, timed by a profile's cost model."""
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ def register(subparsers) -> None:
 
 
 def _policies(text: str):
-    from router.views import Policy
+    from dualpace.policy.views import Policy
 
     names = [part.strip() for part in text.split(",") if part.strip()]
     if not names or any(name not in POLICIES for name in names):
@@ -125,17 +125,17 @@ def _target_tables(results: list[dict], targets: list[float], args: argparse.Nam
 
 
 def run(args: argparse.Namespace) -> int:
-    from bench.load.lengths import (
+    from dualpace.engine.scheduler import SchedulerConfig
+    from dualpace.profile.cost_model import CostModel
+    from dualpace.profile.schema import load_profile
+    from profiles.sim import SimConfig, simulate
+    from toolkit.workload import (
         build_requests,
         load_trace,
         parse_length_spec,
         parse_rates,
         trace_has_arrivals,
     )
-    from dualpace.engine.scheduler import SchedulerConfig
-    from profiles.cost_model import CostModel
-    from profiles.schema import load_profile
-    from profiles.simulator import SimConfig, simulate
 
     policies = _policies(args.policy)
     rates = parse_rates(args.rates) if args.rates else [args.rate]

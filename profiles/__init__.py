@@ -1,1 +1,1 @@
-"""Profiles: the schema of a hardware+model profile, the cost model over it, and the simulator that uses it."""
+"""Profiles (tools floor): the offline profiler (profiler/), the stored profiles (reference/, local/) and the simulator (sim/). What the daemons read at run time lives in dualpace.profile."""

@@ -1,1 +1,1 @@
-"""The router: admission and migration planning (pure), the asyncio service, engine clients, CLI."""
+"""The router daemon: the asyncio service, engine handles (typed client methods), relay, HTTP front, CLI. Its pure decisions live in dualpace.policy."""

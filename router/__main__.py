@@ -29,12 +29,12 @@ from dualpace.serve.security import (
 )
 from dualpace.serve.server import print_listening, start_server
 from dualpace.wire.v1 import router_pb2_grpc
-from router.admission import AdmissionConfig
+from dualpace.policy.admission import AdmissionConfig
 from router.core import RouterConfig, RouterCore
 from router.engines import EngineHandle, EnginePool
-from router.migration_planner import MigrationConfig
+from dualpace.policy.migration_planner import MigrationConfig
 from router.service import RouterServicer
-from router.views import Policy
+from dualpace.policy.views import Policy
 
 ROUTER_SERVICE = "dualpace.v1.Router"
 ENGINE_READY_TIMEOUT_S = 60.0
@@ -85,7 +85,7 @@ def router_config(args: argparse.Namespace, kv_bytes_per_token: int, profile=Non
             raise InvalidArgument(f"--{name.replace('_', '-')}", f"must be positive, got {value}")
     predictor = None
     if profile is not None:
-        from profiles.cost_model import CostModel
+        from dualpace.profile.cost_model import CostModel
 
         # Assisted CPU iterations need both engines; the cost model then predicts the faster mode.
         predictor = CostModel(profile, assist_available=args.gpu is not None and policy != Policy.GPU_ONLY)
@@ -120,7 +120,7 @@ def serve(args: argparse.Namespace) -> int:
         kv_bytes_per_token = 2 * model_config.num_layers * model_config.num_kv_heads * model_config.head_dim * 2
         profile = None
         if args.profile is not None:
-            from profiles.profiler.daemon import load_daemon_profile
+            from dualpace.profile.daemon import load_daemon_profile
 
             profile = load_daemon_profile(args.profile, model_config,
                                           ignore_fingerprint=args.profile_ignore_fingerprint)

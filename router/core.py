@@ -17,13 +17,13 @@ import grpc
 
 from dualpace.model.config import ModelConfig
 from dualpace.model.tokenizer import Tokenizer
+from dualpace.policy.admission import AdmissionConfig
+from dualpace.policy.migration_planner import MigrationConfig, plan_migrations
+from dualpace.policy.views import Policy, RoutedRequest
 from dualpace.serve import metrics
 from dualpace.serve.logging_setup import request_metadata
 from dualpace.wire.engine_messages import migrate_out_request_to_pb
-from router.admission import AdmissionConfig
 from router.engines import EngineHandle, EnginePool
-from router.migration_planner import MigrationConfig, plan_migrations
-from router.views import Policy, RoutedRequest
 
 log = logging.getLogger(__name__)
 

@@ -19,6 +19,7 @@ import grpc
 
 from dualpace.errors import Overloaded, Unavailable
 from dualpace.model.detokenizer import IncrementalDetokenizer
+from dualpace.policy.admission import Placement, admit
 from dualpace.sampling_params import FinishReason, SamplingParams
 from dualpace.serve.logging_setup import (
     bind_request_id,
@@ -33,7 +34,6 @@ from dualpace.wire.engine_messages import (
     resume_request_to_pb,
 )
 from dualpace.wire.v1 import engine_pb2
-from router.admission import Placement, admit
 from router.core import RouterCore, Tracked
 from router.engines import EngineHandle
 

@@ -1,3 +1,3 @@
 """System tests start daemons with the same launcher as the benchmarks."""
 
-from bench.processes import Daemon, start_daemon, wait_serving  # noqa: F401
+from toolkit.processes import Daemon, start_daemon, wait_serving  # noqa: F401

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from dualpace.cli import main
+from dualpace_cli.main import main
 
 
 def run_cli(capsys, *args: str) -> tuple[int, str, str]:

@@ -15,12 +15,12 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 PURE_MODULES = (
     "dualpace.engine.scheduler",
-    "cpu_service.mode_choice",
-    "router.views",
-    "router.admission",
-    "router.migration_planner",
-    "profiles.schema",
-    "profiles.cost_model",
+    "dualpace.policy.mode_choice",
+    "dualpace.policy.views",
+    "dualpace.policy.admission",
+    "dualpace.policy.migration_planner",
+    "dualpace.profile.schema",
+    "dualpace.profile.cost_model",
 )
 FORBIDDEN_PACKAGES = ("torch", "grpc", "asyncio", "time", "datetime", "random", "numpy")
 

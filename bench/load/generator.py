@@ -11,7 +11,6 @@ from dataclasses import dataclass
 
 import grpc
 
-from bench.load.lengths import RequestSpec
 from bench.load.stats import OK, RequestRecord
 from dualpace.sampling_params import SamplingParams
 from dualpace.wire.router_messages import (
@@ -20,6 +19,7 @@ from dualpace.wire.router_messages import (
     generate_response_to_dict,
 )
 from dualpace.wire.v1 import router_pb2_grpc
+from toolkit.workload import RequestSpec
 
 DEADLINE_EXCEEDED = grpc.StatusCode.DEADLINE_EXCEEDED.name
 

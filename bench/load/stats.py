@@ -15,9 +15,10 @@ Percentiles interpolate linearly between order statistics (numpy's default).
 
 from __future__ import annotations
 
-import math
 from collections import Counter
 from dataclasses import dataclass, field
+
+from dualpace.stats import percentile
 
 OK = "OK"
 
@@ -70,17 +71,6 @@ class RequestRecord:
         if ttft is None or e2e is None or n < 2:
             return None
         return (e2e - ttft) / (n - 1)
-
-
-def percentile(values: list[float], q: float) -> float:
-    """q in [0, 100]; linear interpolation between order statistics (numpy's default)."""
-    if not values:
-        raise ValueError("percentile of no values")
-    ordered = sorted(values)
-    pos = (len(ordered) - 1) * q / 100.0
-    lo = math.floor(pos)
-    hi = min(lo + 1, len(ordered) - 1)
-    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
 
 
 def distribution_ms(values_s: list[float]) -> dict:

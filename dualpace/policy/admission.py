@@ -13,7 +13,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 
-from router.views import (
+from dualpace.policy.views import (
     EngineView,
     LatencyPredictor,
     Policy,

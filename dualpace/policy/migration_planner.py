@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from router.views import (
+from dualpace.policy.views import (
     EngineView,
     LatencyPredictor,
     Policy,

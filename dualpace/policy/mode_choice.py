@@ -57,7 +57,7 @@ def batch_buckets(max_batch_size: int) -> list[int]:
 def predicted_latencies(local_ms: Callable[[int], float], assisted_ms: Callable[[int], float] | None,
                         max_batch_size: int) -> dict[tuple[ExecutionMode, int], float]:
     """Seed values for ModeChooser.seed: each mode's predicted latency at each bucket's batch
-    size (e.g. from profiles.cost_model.CostModel.cpu_local_ms / cpu_assisted_ms)."""
+    size (e.g. from dualpace.profile.cost_model.CostModel.cpu_local_ms / cpu_assisted_ms)."""
     predicted = {}
     for bucket in batch_buckets(max_batch_size):
         predicted[(ExecutionMode.LOCAL, bucket)] = float(local_ms(bucket))

@@ -88,7 +88,7 @@ def count_held(engine: EngineView, requests: Iterable[RoutedRequest]) -> int:
 
 class LatencyPredictor(Protocol):
     """What admission and the migration planner ask a profile's cost model
-    (profiles.cost_model.CostModel implements it); plain numbers in and out."""
+    (dualpace.profile.cost_model.CostModel implements it); plain numbers in and out."""
 
     def itl_ms(self, kind: str, context_tokens: Sequence[int]) -> float:
         """Predicted ITL of an engine of `kind` ("gpu" | "cpu") decoding sequences of these contexts."""

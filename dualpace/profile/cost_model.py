@@ -29,7 +29,7 @@ import bisect
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from profiles.schema import Profile, Table1D, Table2D
+from dualpace.profile.schema import Profile, Table1D, Table2D
 
 
 def _segment(grid: Sequence[float], x: float) -> tuple[int, float]:
@@ -177,7 +177,7 @@ class CostModel:
         """Predicted inter-token latency of engine `kind` ("gpu" or "cpu") decoding a batch of
         sequences with these contexts (one token per sequence per iteration, so the ITL is
         the iteration latency). The router's admission and migration planner call this
-        (router.views.LatencyPredictor)."""
+        (dualpace.policy.views.LatencyPredictor)."""
         decode = DecodeBatch.of(context_tokens)
         if decode.batch == 0:
             return 0.0

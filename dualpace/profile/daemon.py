@@ -12,12 +12,12 @@ from __future__ import annotations
 import logging
 
 from dualpace.model.config import ModelConfig
-from profiles.profiler.fingerprint import (
+from dualpace.profile.fingerprint import (
     cpu_model_name,
     memory_bytes,
     model_fingerprint,
 )
-from profiles.schema import (
+from dualpace.profile.schema import (
     HardwareFingerprint,
     Profile,
     ProfileError,

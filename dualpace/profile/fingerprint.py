@@ -13,7 +13,7 @@ import platform
 from dataclasses import asdict
 
 from dualpace.model.config import ModelConfig
-from profiles.schema import HardwareFingerprint, ModelFingerprint
+from dualpace.profile.schema import HardwareFingerprint, ModelFingerprint
 
 DTYPE_NAMES = {"float32": "fp32", "fp32": "fp32", "bfloat16": "bf16", "bf16": "bf16", "float16": "fp16",
                "fp16": "fp16"}
@@ -77,14 +77,6 @@ def memory_bytes() -> int:
     if total is not None:
         return total
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-
-
-def copy_bandwidth_bytes_per_s(num_bytes: int = 256 * 2**20, repeats: int = 3) -> float:
-    """Host memory bandwidth from copying a large tensor (bytes read + bytes written, best of
-    `repeats`), the same measurement the benchmarks use. A quick indicator, not a STREAM run."""
-    from bench.memory_bandwidth import copy_bandwidth_bytes_per_s as measure
-
-    return measure(num_bytes, repeats)
 
 
 def hardware_fingerprint(threads: int, device: str, bandwidth_bytes_per_s: float | None = None) -> HardwareFingerprint:

@@ -34,7 +34,7 @@ assembled by hand (profiles/reference/) leave the measurement-environment fields
 `cpu_threads` is the torch intra-op thread count the tables were measured with, `device`
 where the "GPU" engine ran ("cuda:0", or "cpu" when this machine has no GPU and the GPU
 engine's tables were measured on the CPU device), `config_hash` a digest of the model's
-full configuration (profiles.profiler.fingerprint.model_config_hash).
+full configuration (dualpace.profile.fingerprint.model_config_hash).
 
 What each table means (all latencies in milliseconds, one iteration):
 

@@ -1,6 +1,6 @@
-"""The offline profiler (`dualpace profile`): measures the tables of profiles.schema on this
+"""The offline profiler (`dualpace profile`): measures the tables of dualpace.profile.schema on this
 machine's real runners. Not pure — it imports torch, grpc and reads clocks; the pure
-schema and cost model stay in profiles.schema and profiles.cost_model.
+schema and cost model stay in dualpace.profile.schema and dualpace.profile.cost_model.
 
     fingerprint.py  hardware and model fingerprints (also used by the daemons' profile checks)
     timing.py       warm-up + repeats, robust statistics

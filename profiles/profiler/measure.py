@@ -145,7 +145,7 @@ class RunnerBench:
 
 def start_gpu_service(model: str, dtype: str, device: str, threads: int, kv_blocks: int, block_size: int):
     """A real gpu_service (`python -m gpu_service`) on 127.0.0.1, an ephemeral port; `.stop()` ends it."""
-    from bench.processes import start_daemon
+    from toolkit.processes import start_daemon
 
     return start_daemon("gpu_service", "--model", model, "--dtype", dtype, "--device", device,
                         "--threads", str(threads), "--kv-blocks", str(kv_blocks), "--block-size", str(block_size),

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from profiles.cost_model import CostModel, DecodeBatch
-from profiles.schema import Profile
+from dualpace.profile.cost_model import CostModel, DecodeBatch
+from dualpace.profile.schema import Profile
 
 
 def plot_profile(profile: Profile, path: Path, dpi: int = 80) -> Path | None:

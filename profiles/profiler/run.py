@@ -15,8 +15,8 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from profiles.cost_model import CostModel, DecodeBatch
-from profiles.schema import (
+from dualpace.profile.cost_model import CostModel, DecodeBatch
+from dualpace.profile.schema import (
     PROFILE_VERSION,
     Capacities,
     KVTransfer,
@@ -140,15 +140,15 @@ def run_profile(request: ProfileRequest) -> tuple[Path, Profile, bool]:
     import torch
 
     from dualpace.model.loader import load_model, resolve_device, resolve_dtype
-    from profiles.profiler import measure as m
-    from profiles.profiler.fingerprint import (
-        copy_bandwidth_bytes_per_s,
+    from dualpace.profile.fingerprint import (
         hardware_fingerprint,
         meminfo_bytes,
         model_fingerprint,
     )
+    from profiles.profiler import measure as m
     from profiles.profiler.plots import plot_profile
     from profiles.profiler.timing import measure
+    from toolkit.memory_bandwidth import copy_bandwidth_bytes_per_s
 
     grids = request.grids
     torch.set_num_threads(request.threads)
@@ -184,7 +184,8 @@ def run_profile(request: ProfileRequest) -> tuple[Path, Profile, bool]:
             request.log(f"stored profile {path} does not match ({'; '.join(problems)}); measuring again")
 
     started = time.monotonic()
-    bandwidth = copy_bandwidth_bytes_per_s()
+    # A quick indicator, not a STREAM run: a smaller copy and fewer repeats than the benchmarks'.
+    bandwidth = copy_bandwidth_bytes_per_s(num_bytes=256 * 2**20, repeats=3)
     hardware = hardware_fingerprint(request.threads, device, bandwidth)
     request.log(f"profiling {request.model} ({model_fp.dtype}) on {hardware.cpu_model}, {hardware.cpu_cores} cores, "
                 f"{request.threads} threads, GPU engine on {device}")

@@ -15,8 +15,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-from bench.load.lengths import RequestSpec
-from profiles.cost_model import CostModel
+from dualpace.profile.cost_model import CostModel
 from profiles.sim.config import (
     ASSIST_DEVICE_HOLDS,
     CPU,
@@ -26,7 +25,9 @@ from profiles.sim.config import (
     SimulationError,
     deterministic_token,
 )
+from profiles.sim.results import summarize
 from profiles.sim.simulator import Simulator
+from toolkit.workload import RequestSpec
 
 __all__ = ["ASSIST_DEVICE_HOLDS", "CPU", "GPU", "SimConfig", "SimResult", "SimulationError", "Simulator",
            "deterministic_token", "simulate"]
@@ -36,4 +37,4 @@ def simulate(cost: CostModel, config: SimConfig, specs: Sequence[RequestSpec], r
     """Run `specs` through the simulated deployment and summarize."""
     sim = Simulator(cost, config)
     sim.run(specs)
-    return sim.result(rate)
+    return summarize(sim, rate)

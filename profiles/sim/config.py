@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 from dualpace.engine.scheduler import SchedulerConfig
 from dualpace.errors import DualPaceError
-from router.views import Policy
+from dualpace.policy.views import Policy
 
 GPU, CPU = "gpu0", "cpu0"  # the simulated engines' names
 
@@ -48,7 +48,7 @@ class SimConfig:
     # The gated policy always holds it for the whole iteration ("dense" what-if aside).
     assist_device_hold: str = "layer"
     # What-if: drop planned moves of requests that have no token yet. The planner itself now
-    # never plans those (router.migration_planner), so this changes nothing; kept for the CLI.
+    # never plans those (dualpace.policy.migration_planner), so this changes nothing; kept for the CLI.
     skip_unprefilled_moves: bool = False
     # KV pool sizes in blocks (None: the profile's capacities), e.g. to replay a deployment
     # started with --kv-blocks (bench/compare_policies.py's small GPU pool).

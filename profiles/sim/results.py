@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from bench.load.stats import percentile
+from dualpace.stats import percentile
 from profiles.sim.config import CPU, GPU, SimResult
 
 if TYPE_CHECKING:

@@ -31,12 +31,14 @@ import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 
-from bench.load.lengths import RequestSpec
 from dualpace.engine.request import EngineRequest
 from dualpace.engine.scheduler import Scheduler, StepPlan, StepResult
 from dualpace.errors import InvalidArgument, Overloaded, RequestNotFound
+from dualpace.policy.admission import AdmissionConfig, Placement, admit
+from dualpace.policy.migration_planner import MigrationConfig, plan_migrations
+from dualpace.policy.views import EngineView, Policy, RoutedRequest
+from dualpace.profile.cost_model import CostModel, DecodeBatch
 from dualpace.sampling_params import SamplingParams
-from profiles.cost_model import CostModel, DecodeBatch
 from profiles.sim.config import (
     CPU,
     GPU,
@@ -45,9 +47,7 @@ from profiles.sim.config import (
     deterministic_token,
 )
 from profiles.sim.device import SharedDevice
-from router.admission import AdmissionConfig, Placement, admit
-from router.migration_planner import MigrationConfig, plan_migrations
-from router.views import EngineView, Policy, RoutedRequest
+from toolkit.workload import RequestSpec
 
 MAX_IDLE_PLANNER_TICKS = 10_000  # planner ticks in a row with nothing else happening: stalled
 
@@ -201,7 +201,7 @@ class Simulator:
     def _snapshot(self, engine: SimEngine) -> tuple[int, int, int]:
         """(KV blocks used, running, waiting) as the router last heard them: the engine's state
         when its last WatchLoad snapshot was taken, one at most every view_interval_ms (the
-        router counts its own placements on top, router.views.estimated_blocks_used)."""
+        router counts its own placements on top, dualpace.policy.views.estimated_blocks_used)."""
         taken_ms, state = self._snapshots.get(engine.name, (None, None))
         if taken_ms is None or self.now_ms - taken_ms >= self.config.view_interval_ms:
             scheduler = engine.scheduler
@@ -485,10 +485,3 @@ class Simulator:
             if self.config.skip_unprefilled_moves and not track.token_times_ms:
                 continue
             self._move(track, self.engines[move.source], self.engines[move.target])
-
-    # ------------------------------------------------------------------ results
-
-    def result(self, rate: float):
-        from profiles.sim.results import summarize
-
-        return summarize(self, rate)

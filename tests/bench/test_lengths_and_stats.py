@@ -8,7 +8,11 @@ from itertools import pairwise
 
 import pytest
 
-from bench.load.lengths import (
+from bench.load.report import comparison_table, highest_rate_meeting, value_at_itl
+from bench.load.stats import AccountingError, RequestRecord, summarize
+from dualpace.errors import InvalidArgument
+from dualpace.stats import percentile
+from toolkit.workload import (
     LengthSpec,
     arrival_times,
     build_requests,
@@ -16,9 +20,6 @@ from bench.load.lengths import (
     parse_length_spec,
     parse_rates,
 )
-from bench.load.report import comparison_table, highest_rate_meeting, value_at_itl
-from bench.load.stats import AccountingError, RequestRecord, percentile, summarize
-from dualpace.errors import InvalidArgument
 
 # ---- SPECs ----
 
@@ -202,7 +203,7 @@ def test_value_at_equal_itl_and_highest_rate():
 
 
 def test_report_json_is_strict():
-    from dualpace.commands.bench import strict_json
+    from dualpace_cli.bench import strict_json
 
     value = strict_json({"rate": float("inf"), "rows": [{"x": float("nan"), "y": 1.5}], "t": (1, 2)})
     assert json.loads(json.dumps(value, allow_nan=False)) == {"rate": "inf", "rows": [{"x": "nan", "y": 1.5}],

@@ -8,11 +8,11 @@ import sys
 import grpc
 import pytest
 
-from bench.processes import start_daemon
 from dualpace.sampling import SamplingParams
 from dualpace.serve import grpcurl_path
 from dualpace.wire.engine_messages import new_request_to_pb
 from dualpace.wire.v1 import engine_pb2, engine_pb2_grpc
+from toolkit.processes import start_daemon
 
 
 @pytest.fixture(scope="module")

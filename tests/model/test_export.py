@@ -6,10 +6,10 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from dualpace.cli import main
 from dualpace.generation import OfflineGenerator
 from dualpace.model.loader import load_model
 from dualpace.sampling import SamplingParams
+from dualpace_cli.main import main
 from tests.model.hf_reference import hf_greedy
 
 

@@ -10,11 +10,11 @@ import torch
 from safetensors.torch import load_file
 from tokenizers import Tokenizer
 
-from dualpace import cli
 from dualpace.errors import InvalidArgument
 from dualpace.model import synth_tokenizer as stok
 from dualpace.model.config import ModelConfig
 from dualpace.model.synth import PRESETS, count_parameters, get_preset, tensor_specs, write_synthetic_checkpoint
+from dualpace_cli import main as cli
 
 transformers = pytest.importorskip("transformers")
 transformers.utils.logging.set_verbosity_error()
@@ -187,7 +187,7 @@ def test_large_preset_shapes_without_allocating(name, expected_num_params, expec
 @pytest.fixture
 def model_cli(monkeypatch):
     """cli.main with only the `model` command registered, so sibling commands cannot break these tests."""
-    monkeypatch.setattr(cli, "_COMMAND_MODULES", ("model",))
+    monkeypatch.setattr(cli, "_COMMAND_MODULES", ("dualpace.commands.model",))
     return cli.main
 
 

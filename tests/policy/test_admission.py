@@ -1,11 +1,11 @@
-"""Admission decisions (router.admission.admit): one table row per branch."""
+"""Admission decisions (dualpace.policy.admission.admit): one table row per branch."""
 
 from __future__ import annotations
 
 import pytest
 
-from router.admission import AdmissionConfig, Placement, admit, blocks_for
-from router.views import EngineView, Policy, RoutedRequest
+from dualpace.policy.admission import AdmissionConfig, Placement, admit, blocks_for
+from dualpace.policy.views import EngineView, Policy, RoutedRequest
 
 BS = 16  # block size in every case below
 

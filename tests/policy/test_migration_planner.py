@@ -1,4 +1,4 @@
-"""Migration planning (router.migration_planner.plan_migrations): table cases and properties."""
+"""Migration planning (dualpace.policy.migration_planner.plan_migrations): table cases and properties."""
 
 from __future__ import annotations
 
@@ -6,13 +6,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from router.migration_planner import (
+from dualpace.policy.migration_planner import (
     MigrationConfig,
     PlannedMigration,
     plan_migrations,
     transfer_ms,
 )
-from router.views import EngineView, Policy, RoutedRequest
+from dualpace.policy.views import EngineView, Policy, RoutedRequest
 
 BS = 16
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from cpu_service.mode_choice import (
+from dualpace.policy.mode_choice import (
     BACKOFF_MAX_ITERATIONS,
     BACKOFF_MIN_ITERATIONS,
     EMA_WEIGHT,
@@ -165,7 +165,7 @@ def test_backoff_applies_in_auto_and_counts_dense_iterations():
 
 # -- seeding from a profile's cost model ---------------------------------------------------------
 
-from cpu_service.mode_choice import batch_buckets, predicted_latencies
+from dualpace.policy.mode_choice import batch_buckets, predicted_latencies
 
 
 def test_buckets_cover_the_max_batch():

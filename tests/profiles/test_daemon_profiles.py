@@ -9,10 +9,10 @@ import sys
 
 import pytest
 
-from bench.processes import start_daemon
 from dualpace.model.hf_loader import read_hf_config
-from profiles.profiler.fingerprint import model_fingerprint
+from dualpace.profile.fingerprint import model_fingerprint
 from tests.profiles.tiny import tiny_profile_dict
+from toolkit.processes import start_daemon
 
 BLOCK_SIZE = 16
 

@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from profiles.cost_model import CostModel, DecodeBatch
-from profiles.schema import (
+from dualpace.profile.cost_model import CostModel, DecodeBatch
+from dualpace.profile.schema import (
     HardwareFingerprint,
     ModelFingerprint,
     ProfileError,
@@ -113,7 +113,7 @@ def test_itl_ms_without_assist_is_local():
     assert CostModel(profile, assist_available=False).itl_ms("cpu", contexts) == pytest.approx(65.0)
 
 
-# -- profiles.profiler.daemon.load_daemon_profile ------------------------------------------------
+# -- dualpace.profile.daemon.load_daemon_profile ------------------------------------------------
 
 
 @pytest.fixture
@@ -131,8 +131,8 @@ def write(tmp_path, data, name="p.json"):
 
 
 def test_daemon_profile_matches_the_model(tmp_path, tiny_config):
-    from profiles.profiler.daemon import load_daemon_profile
-    from profiles.profiler.fingerprint import model_config_hash
+    from dualpace.profile.daemon import load_daemon_profile
+    from dualpace.profile.fingerprint import model_config_hash
 
     data = tiny_profile_dict()
     data["model"]["config_hash"] = model_config_hash(tiny_config)
@@ -147,7 +147,7 @@ def test_daemon_profile_matches_the_model(tmp_path, tiny_config):
 def test_daemon_profile_other_model(tmp_path, tiny_config):
     from dataclasses import replace
 
-    from profiles.profiler.daemon import load_daemon_profile
+    from dualpace.profile.daemon import load_daemon_profile
 
     path = write(tmp_path, tiny_profile_dict())
     bigger = replace(tiny_config, num_layers=4)
@@ -160,7 +160,7 @@ def test_daemon_profile_other_model(tmp_path, tiny_config):
     (lambda d: d["tables"].pop("assist_ms"), "tables.assist_ms: missing"),
 ])
 def test_daemon_profile_bad_file(tmp_path, tiny_config, mutate, message):
-    from profiles.profiler.daemon import load_daemon_profile
+    from dualpace.profile.daemon import load_daemon_profile
 
     data = tiny_profile_dict()
     mutate(data)

@@ -8,10 +8,10 @@ import sys
 from dataclasses import replace
 
 from dualpace.model.hf_loader import read_hf_config
-from profiles.cost_model import CostModel, DecodeBatch
-from profiles.profiler.fingerprint import model_config_hash
+from dualpace.profile.cost_model import CostModel, DecodeBatch
+from dualpace.profile.fingerprint import model_config_hash
+from dualpace.profile.schema import HardwareFingerprint, load_profile
 from profiles.profiler.run import QUICK_GRIDS, reuse_problems
-from profiles.schema import HardwareFingerprint, load_profile
 
 
 def test_quick_profile_is_written_loaded_and_reused(synth_checkpoint, tmp_path):

@@ -2,7 +2,7 @@ import json
 
 import pytest
 
-from profiles.schema import (
+from dualpace.profile.schema import (
     HardwareFingerprint,
     ModelFingerprint,
     ProfileError,
@@ -108,7 +108,7 @@ def test_fingerprint_mismatch(tmp_path):
 
 
 def test_reference_profile_loads_and_matches_llama3_8b():
-    from profiles.cost_model import CostModel, DecodeBatch
+    from dualpace.profile.cost_model import CostModel, DecodeBatch
 
     profile = load_profile("profiles/reference/h100_sapphire_rapids_llama3_8b.json")
     assert profile.model.kv_bytes_per_token == 128 * 1024

@@ -10,9 +10,9 @@ from bench.compare_policies import (
     sim_comparison,
     sim_config,
 )
-from bench.load.lengths import build_requests, parse_length_spec, write_trace
 from bench.load.stats import RequestRecord
 from tests.profiles.tiny import tiny_profile_dict
+from toolkit.workload import build_requests, parse_length_spec, write_trace
 
 CONFIG = {"gpu_kv_blocks": 8, "cpu_kv_blocks": 64, "admission_itl_target_ms": None, "vocab_size": 100,
           "num_requests": 6, "burstiness": 1.0, "seed": 0, "input_len": "4:8", "output_len": "3:6"}

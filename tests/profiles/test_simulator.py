@@ -2,14 +2,15 @@ import json
 
 import pytest
 
-from bench.load.lengths import RequestSpec, build_requests, parse_length_spec
-from dualpace.cli import main
-from profiles.cost_model import CostModel
-from profiles.schema import parse_profile
+from dualpace.policy.views import Policy
+from dualpace.profile.cost_model import CostModel
+from dualpace.profile.schema import parse_profile
+from dualpace_cli.main import main
+from profiles.sim import CPU, GPU, SimConfig, Simulator, simulate
 from profiles.sim.device import SharedDevice
-from profiles.simulator import CPU, GPU, SimConfig, Simulator, simulate
-from router.views import Policy
+from profiles.sim.results import summarize
 from tests.profiles.tiny import tiny_profile_dict
+from toolkit.workload import RequestSpec, build_requests, parse_length_spec
 
 REFERENCE = "profiles/reference/h100_sapphire_rapids_llama3_8b.json"
 
@@ -44,7 +45,7 @@ def test_gpu_only_never_uses_a_cpu_engine():
     tracks = sim.run(_specs())
     assert CPU not in sim.engines
     assert all(t.engines_seen == [GPU] for t in tracks)
-    result = sim.result(50.0)
+    result = summarize(sim, 50.0)
     assert result.cpu_iterations == 0 and result.num_handoffs == 0 and result.num_migrations == 0
 
 
@@ -150,7 +151,7 @@ def test_pure_imports():
     import subprocess
     import sys
 
-    code = ("import sys, profiles.simulator, profiles.cost_model, profiles.schema; "
+    code = ("import sys, profiles.sim, dualpace.profile.cost_model, dualpace.profile.schema; "
             "print(sorted(m for m in ('torch', 'grpc', 'asyncio') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"

@@ -4,20 +4,20 @@ import json
 
 import pytest
 
-from bench.load.lengths import (
+from dualpace.errors import InvalidArgument
+from dualpace.policy.views import Policy
+from dualpace.profile.cost_model import CostModel
+from dualpace.profile.schema import parse_profile
+from dualpace_cli.main import main
+from profiles.sim import SimConfig, Simulator
+from tests.profiles.tiny import tiny_profile_dict
+from toolkit.workload import (
     build_requests,
     load_trace,
     parse_length_spec,
     trace_has_arrivals,
     write_trace,
 )
-from dualpace.cli import main
-from dualpace.errors import InvalidArgument
-from profiles.cost_model import CostModel
-from profiles.schema import parse_profile
-from profiles.simulator import SimConfig, Simulator
-from router.views import Policy
-from tests.profiles.tiny import tiny_profile_dict
 
 
 def _specs(num=12, rate=5.0, seed=3):
@@ -104,7 +104,7 @@ def test_engine_overhead_delays_each_iteration_end():
     # GPU only, prompt of 1 token, 3 tokens out (test_simulator.test_hand_computed_gpu_itl: 10, 20.2, 30.5 ms);
     # 2 ms of host time per iteration: every iteration ends 2 ms later
     cost = CostModel(parse_profile(tiny_profile_dict()))
-    from bench.load.lengths import RequestSpec
+    from toolkit.workload import RequestSpec
 
     sim = Simulator(cost, SimConfig(policy=Policy.GPU_ONLY, engine_overhead_ms=2.0))
     (track,) = sim.run([RequestSpec(0, 0.0, (5,), 3)])

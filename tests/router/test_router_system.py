@@ -9,11 +9,11 @@ import time
 import grpc
 import pytest
 
-from bench.processes import start_daemon
 from dualpace.generation import OfflineGenerator
 from dualpace.model.loader import load_model
 from dualpace.sampling import SamplingParams
 from dualpace.wire.v1 import common_pb2, router_pb2, router_pb2_grpc
+from toolkit.processes import start_daemon
 
 ENGINE_FLAGS = ("--dtype", "fp32", "--threads", "1", "--block-size", "8")
 STOP = router_pb2.GenerateResponse  # for readability below

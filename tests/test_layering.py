@@ -1,0 +1,154 @@
+"""The house has three floors and imports only run downwards (ARCHITECTURE.md §3, the
+"Floors" section of docs/architecture.md):
+
+    floor 3  tools    profiles/, bench/, toolkit/ (what the tools share), dualpace_cli/
+    floor 2  daemons  gpu_service/, cpu_service/, router/   (never import one another)
+    floor 1  core     dualpace/
+
+Read from the sources with ast (nothing is imported), counting every import: at module
+level, inside functions and under TYPE_CHECKING alike, since each is an edge a reader must
+follow. A re-export is an edge too."""
+
+from __future__ import annotations
+
+import ast
+from functools import cache
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+FLOORS = {
+    "dualpace": 1,
+    "gpu_service": 2, "cpu_service": 2, "router": 2,
+    "toolkit": 3, "profiles": 3, "bench": 3, "dualpace_cli": 3,
+}
+DAEMONS = ("gpu_service", "cpu_service", "router")
+# `python -m dualpace` has to sit in the core's folder, but it only starts the CLI: it belongs
+# to the tools floor (nothing imports it, so it cannot close a loop).
+FLOOR_OF_MODULE = {"dualpace.__main__": 3}
+
+@cache
+def modules() -> dict[str, Path]:
+    found = {}
+    for package in FLOORS:
+        for path in sorted((ROOT / package).rglob("*.py")):
+            parts = list(path.relative_to(ROOT).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts.pop()
+            found[".".join(parts)] = path
+    return found
+
+
+def _in_tree(name: str) -> str | None:
+    """The module of the tree that `import name` loads last (a.b.c -> a.b when c is a name)."""
+    while name and name not in modules():
+        name = name.rpartition(".")[0]
+    return name or None
+
+
+def imported_names(module: str) -> set[str]:
+    """Every dotted name `module` imports (absolute; relative imports resolved)."""
+    path = modules()[module]
+    package = module.split(".") if path.name == "__init__.py" else module.split(".")[:-1]
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                base = ".".join(package[:len(package) - node.level + 1] + ([node.module] if node.module else []))
+            names.add(base)
+            names.update(f"{base}.{alias.name}" for alias in node.names)
+    return names
+
+
+@cache
+def edges() -> dict[str, set[str]]:
+    graph = {}
+    for module in modules():
+        targets = {_in_tree(name) for name in imported_names(module)}
+        graph[module] = {target for target in targets if target and target != module}
+    return graph
+
+
+def floor(module: str) -> int:
+    return FLOOR_OF_MODULE.get(module, FLOORS[module.split(".")[0]])
+
+
+def _matches(module: str, patterns) -> bool:
+    return any(module == p or (p.endswith(".*") and (module + ".").startswith(p[:-1])) for p in patterns)
+
+
+def test_imports_run_only_downwards():
+    upward = sorted(f"{m} (floor {floor(m)}) -> {t} (floor {floor(t)})"
+                    for m, targets in edges().items() for t in targets if floor(t) > floor(m))
+    assert upward == []
+
+
+def test_daemons_never_import_one_another():
+    across = sorted(f"{m} -> {t}" for m, targets in edges().items() for t in targets
+                    if m.split(".")[0] in DAEMONS and t.split(".")[0] in DAEMONS
+                    and m.split(".")[0] != t.split(".")[0])
+    assert across == []
+
+
+def _strongly_connected(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Tarjan's algorithm, iterative; the components with more than one member (the cycles)."""
+    index, low, stack, on_stack, found = {}, {}, [], set(), []
+    for root in graph:
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is not None:
+                if child not in index:
+                    index[child] = low[child] = len(index)
+                    stack.append(child)
+                    on_stack.add(child)
+                    work.append((child, iter(sorted(graph[child]))))
+                elif child in on_stack:
+                    low[node] = min(low[node], index[child])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                component = []
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    component.append(member)
+                    if member == node:
+                        break
+                if len(component) > 1:
+                    found.append(sorted(component))
+    return sorted(found)
+
+
+def test_no_import_cycle_between_modules():
+    assert _strongly_connected(edges()) == []
+
+
+def test_no_import_cycle_between_top_level_packages():
+    def package(module: str) -> str:
+        return module if module in FLOOR_OF_MODULE else module.split(".")[0]
+
+    packages = {}
+    for module, targets in edges().items():
+        packages.setdefault(package(module), set()).update(package(t) for t in targets)
+    for package, targets in packages.items():
+        targets.discard(package)
+    assert _strongly_connected(packages) == []
+
+
+def test_the_checks_see_what_they_should():
+    """The graph is read from the tree, not empty: known edges of each kind are there."""
+    graph = edges()
+    assert "dualpace.engine.core" in graph["dualpace.engine.loop"]
+    assert "dualpace.policy.admission" in graph["router.core"]
+    assert _strongly_connected({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
