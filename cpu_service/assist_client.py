@@ -29,10 +29,11 @@ from collections.abc import Callable, Iterator, Sequence
 import grpc
 import torch
 
+from dualpace.engine import assist_types
 from dualpace.errors import Unavailable
 from dualpace.sampling import SamplingParams, sample_next_tokens
 from dualpace.serve.auth import token_metadata
-from dualpace.wire import convert
+from dualpace.wire import assist_messages
 from dualpace.wire.v1 import assist_pb2, assist_pb2_grpc
 
 # (layer, q, k, v) -> attention output [batch, num_heads * head_dim]
@@ -169,7 +170,7 @@ class AssistClient:
         with self._lock:
             if self._closed:
                 raise AssistUnavailable(f"dense assist at {self.address}: the client is closed")
-            begin = convert.AssistBegin(
+            begin = assist_types.AssistBegin(
                 iteration_id=next(self._iteration_ids),
                 token_ids=list(token_ids),
                 positions=list(positions),
@@ -177,7 +178,7 @@ class AssistClient:
                 wait_for_engine_iteration=wait_for_engine_iteration,
                 max_device_wait_ms=max_device_wait_ms,
             )
-            request = convert.assist_up_to_pb(begin)
+            request = assist_messages.assist_up_to_pb(begin)
             try:
                 result = self._exchange(begin, request, attend)
             except AssistUnavailable:
@@ -191,8 +192,8 @@ class AssistClient:
             return self._output(begin, result)
 
     def _exchange(
-        self, begin: convert.AssistBegin, request: assist_pb2.AssistUp, attend: AttendFn
-    ) -> convert.AssistResult:
+        self, begin: assist_types.AssistBegin, request: assist_pb2.AssistUp, attend: AttendFn
+    ) -> assist_types.AssistResult:
         """Send begin, answer each layer's qkv with attend, return the result."""
         if self._stream is None:
             self._stream = _AssistStream(self._stub, self.address, self._metadata)
@@ -206,26 +207,26 @@ class AssistClient:
             wait_budget_s -= time.monotonic() - started_s
             if reply.iteration_id != begin.iteration_id:
                 raise self._protocol_error(f"reply for iteration {reply.iteration_id}, expected {begin.iteration_id}")
-            if isinstance(reply, convert.AssistResult):
+            if isinstance(reply, assist_types.AssistResult):
                 self._check_result(reply, begin)
                 return reply
             if reply.layer != expected_layer or not reply.q.shape[0] == reply.k.shape[0] == reply.v.shape[0] == batch:
                 raise self._protocol_error(f"unexpected qkv for layer {reply.layer} (expected layer {expected_layer})")
             attention_output = attend(reply.layer, reply.q, reply.k, reply.v)
             stream.send(
-                convert.assist_up_to_pb(
-                    convert.AssistAttentionOutput(begin.iteration_id, reply.layer, attention_output)
+                assist_messages.assist_up_to_pb(
+                    assist_types.AssistAttentionOutput(begin.iteration_id, reply.layer, attention_output)
                 )
             )
         raise AssertionError("unreachable")
 
-    def _decode(self, message: assist_pb2.AssistDown) -> convert.AssistQkv | convert.AssistResult:
+    def _decode(self, message: assist_pb2.AssistDown) -> assist_types.AssistQkv | assist_types.AssistResult:
         try:
-            return convert.assist_down_from_pb(message)
+            return assist_messages.assist_down_from_pb(message)
         except ValueError as exc:
             raise self._protocol_error(str(exc)) from None
 
-    def _check_result(self, result: convert.AssistResult, begin: convert.AssistBegin) -> None:
+    def _check_result(self, result: assist_types.AssistResult, begin: assist_types.AssistBegin) -> None:
         batch = len(begin.token_ids)
         if result.token_ids is not None:
             if begin.sampling is None or len(result.token_ids) != batch:
@@ -234,7 +235,7 @@ class AssistClient:
             raise self._protocol_error(f"result logits of shape {list(result.logits.shape)} for a batch of {batch}")
 
     @staticmethod
-    def _output(begin: convert.AssistBegin, result: convert.AssistResult) -> list[int | None] | torch.Tensor:
+    def _output(begin: assist_types.AssistBegin, result: assist_types.AssistResult) -> list[int | None] | torch.Tensor:
         """The caller's view: logits, or token ids. The server returns logits instead of ids
         when some row's logits are not finite; such rows are sampled here and come back None."""
         if result.token_ids is not None:

@@ -8,7 +8,6 @@ the engine daemons add scheduling, preemption and migration on the same pieces.
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -20,6 +19,7 @@ from dualpace.kv.storage import KVStorage
 from dualpace.model.loader import LoadedModel
 from dualpace.model.paged_forward import PagedForward, SequenceWork
 from dualpace.sampling import FinishReason, SamplingParams, sample_next_tokens, stop_reason
+from dualpace.sampling_params import pick_seed
 from dualpace.validation import validate_request
 
 DEFAULT_BLOCK_SIZE = 16
@@ -53,13 +53,6 @@ class GenerationStats:
         """Generated tokens per second of decode steps (the first token comes from prefill)."""
         decoded = self.num_generated_tokens - self.num_sequences_prefilled
         return decoded / self.decode_s if self.decode_s > 0 else 0.0
-
-
-def pick_seed(params: SamplingParams) -> int:
-    """The request's seed, or a fresh random one kept for the whole request."""
-    if params.seed is not None:
-        return params.seed
-    return int.from_bytes(os.urandom(8), "little") & (2**63 - 1)
 
 
 class OfflineGenerator:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import enum
 import math
+import os
 from collections.abc import Collection
 from dataclasses import dataclass
 
@@ -81,3 +82,10 @@ def stop_reason(
     if num_generated >= params.max_tokens:
         return FinishReason.LENGTH
     return None
+
+
+def pick_seed(params: SamplingParams) -> int:
+    """The request's seed, or a fresh random one kept for the whole request."""
+    if params.seed is not None:
+        return params.seed
+    return int.from_bytes(os.urandom(8), "little") & (2**63 - 1)

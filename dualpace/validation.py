@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from dualpace.errors import InvalidArgument
-from dualpace.sampling import SamplingParams
+from dualpace.sampling_params import SamplingParams
 
 
 def validate_request(

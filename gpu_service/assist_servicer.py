@@ -16,7 +16,7 @@ from collections.abc import AsyncIterator
 import grpc
 
 from dualpace.errors import InvalidArgument, Overloaded
-from dualpace.wire import convert
+from dualpace.wire import assist_messages
 from dualpace.wire.v1 import assist_pb2, assist_pb2_grpc
 from gpu_service.dense_assist import AssistSession, DenseAssistExecutor
 
@@ -45,7 +45,7 @@ class DenseAssistServicer(assist_pb2_grpc.DenseAssistServicer):
 
 def _reply_to(session: AssistSession, message: assist_pb2.AssistUp) -> assist_pb2.AssistDown:
     """Decode, run one step of the session, encode (in a worker thread)."""
-    return convert.assist_down_to_pb(session.handle(convert.assist_up_from_pb(message)))
+    return assist_messages.assist_down_to_pb(session.handle(assist_messages.assist_up_from_pb(message)))
 
 
 def add_dense_assist_servicer(executor: DenseAssistExecutor, server: grpc.aio.Server) -> None:

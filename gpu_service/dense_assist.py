@@ -46,12 +46,7 @@ from dualpace.engine.gate import DeviceHandoff, IterationGate
 from dualpace.errors import InvalidArgument, Overloaded
 from dualpace.model.transformer import Transformer
 from dualpace.sampling import SamplingParams, sample_next_tokens
-from dualpace.wire.convert import (
-    AssistAttentionOutput,
-    AssistBegin,
-    AssistQkv,
-    AssistResult,
-)
+from dualpace.engine.assist_types import AssistAttentionOutput, AssistBegin, AssistQkv, AssistResult
 
 GATE_TIMEOUT_S = 60.0  # a gated iteration waits at most this long for the GPU engine's iteration
 UNBOUNDED_STAGE_WAIT_S = 60.0  # with no max_device_wait_ms, a stage still gives up after this long

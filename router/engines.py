@@ -10,7 +10,7 @@ import grpc
 
 from dualpace.policy.views import EngineView
 from dualpace.serve.auth import aio_token_interceptors
-from dualpace.serve.kv_transport import channel_options
+from dualpace.serve.server import channel_options
 from dualpace.wire.engine_messages import ENGINE_KIND_FROM_PB
 from dualpace.wire.v1 import engine_pb2, engine_pb2_grpc
 

@@ -17,10 +17,10 @@ from typing import Any
 
 import grpc
 
+from dualpace.client_request import ClientRequest
 from dualpace.errors import DualPaceError, InvalidArgument, Overloaded, Unavailable
 from dualpace.sampling_params import FinishReason, SamplingParams
 from dualpace.serve.status import status_for
-from dualpace.wire.router_messages import ClientRequest
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 CHAT_DEFAULT_MAX_TOKENS = 1024  # without max_tokens a chat turn runs to EOS, the context end or this cap

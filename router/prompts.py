@@ -6,13 +6,12 @@ import re
 import uuid
 from dataclasses import replace
 
+from dualpace.client_request import ClientRequest
 from dualpace.errors import InvalidArgument
-from dualpace.generation import pick_seed
 from dualpace.model.config import ModelConfig
 from dualpace.model.tokenizer import Tokenizer
-from dualpace.sampling_params import SamplingParams
+from dualpace.sampling_params import SamplingParams, pick_seed
 from dualpace.validation import validate_request
-from dualpace.wire.router_messages import ClientRequest
 
 REQUEST_ID_PATTERN = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
 

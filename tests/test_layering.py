@@ -25,6 +25,13 @@ DAEMONS = ("gpu_service", "cpu_service", "router")
 # `python -m dualpace` has to sit in the core's folder, but it only starts the CLI: it belongs
 # to the tools floor (nothing imports it, so it cannot close a loop).
 FLOOR_OF_MODULE = {"dualpace.__main__": 3}
+# The router and the pure policy never load torch (the router has no weights).
+TORCH_FREE = ("router.*", "dualpace.policy.*")
+# ...except one edge: the router's entry point reads the model's tokenizer and shape through
+# dualpace.model.loader, whose HF and GGUF config readers share modules with the weight
+# loaders (torch). Splitting those is left for after the CPU-kernel work in dualpace/model/.
+TORCH_EDGES_NOT_FOLLOWED = {("router.__main__", "dualpace.model.loader")}
+
 
 @cache
 def modules() -> dict[str, Path]:
@@ -92,6 +99,25 @@ def test_daemons_never_import_one_another():
     assert across == []
 
 
+def test_router_and_policy_never_import_torch():
+    """Directly or through anything of the tree they import, package __init__ files included
+    (importing a.b.c runs a/__init__ and a/b/__init__ first)."""
+    def reach(start: str) -> set[str]:
+        seen, todo = set(), [start]
+        while todo:
+            module = todo.pop()
+            if module not in seen:
+                seen.add(module)
+                todo.extend(t for t in edges()[module] if (module, t) not in TORCH_EDGES_NOT_FOLLOWED)
+                todo.extend(".".join(module.split(".")[:n]) for n in range(1, module.count(".") + 1))
+        return seen
+
+    offenders = sorted(f"{start}: {m} imports torch" for start in modules() if _matches(start, TORCH_FREE)
+                       for m in reach(start)
+                       if any(name == "torch" or name.startswith("torch.") for name in imported_names(m)))
+    assert offenders == []
+
+
 def _strongly_connected(graph: dict[str, set[str]]) -> list[list[str]]:
     """Tarjan's algorithm, iterative; the components with more than one member (the cycles)."""
     index, low, stack, on_stack, found = {}, {}, [], set(), []
@@ -151,4 +177,5 @@ def test_the_checks_see_what_they_should():
     graph = edges()
     assert "dualpace.engine.core" in graph["dualpace.engine.loop"]
     assert "dualpace.policy.admission" in graph["router.core"]
+    assert _matches("router.relay", TORCH_FREE) and not _matches("routerx", TORCH_FREE)
     assert _strongly_connected({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]

@@ -35,9 +35,9 @@ def register(subparsers) -> None:
 
 
 def build_request(args: argparse.Namespace):
+    from dualpace.client_request import ClientRequest
     from dualpace.commands.generate import parse_prompt_ids
     from dualpace.sampling_params import SamplingParams
-    from dualpace.wire.router_messages import ClientRequest
 
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, seed=args.seed, stop=tuple(args.stop),

@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from dualpace.engine.request import RequestEvent
-from dualpace.sampling import FinishReason
+from dualpace.sampling_params import FinishReason
 
 
 @dataclass(frozen=True)

@@ -11,9 +11,9 @@ from dataclasses import dataclass, field
 from dualpace.engine.request import EngineRequest, RequestEvent
 from dualpace.engine.runner import ModelRunner
 from dualpace.engine.scheduler import Scheduler, SchedulerConfig, StepPlan
-from dualpace.generation import pick_seed
 from dualpace.model.loader import LoadedModel
 from dualpace.sampling import SamplingParams
+from dualpace.sampling_params import pick_seed
 from dualpace.validation import validate_request
 
 

@@ -3,8 +3,9 @@
 A request's KV travels as chunks of one layer and a token range each, carrying
 K and V bytes and a CRC32 of both. The target verifies sequence numbers,
 ranges and checksums as chunks arrive, writes them into blocks it reserved
-for the request, and only on commit makes the request live. Torch-free except
-for the byte <-> tensor conversion helpers; no grpc here (see the servicers).
+for the request, and only on commit makes the request live. Torch-free (the bytes <->
+tensor helpers are in kv_bytes.py, so the wire and the router read these types without
+torch); no grpc here (see the servicers).
 """
 
 from __future__ import annotations
@@ -12,13 +13,10 @@ from __future__ import annotations
 import zlib
 from dataclasses import dataclass, field
 
-import torch
-
 from dualpace.errors import InvalidArgument
-from dualpace.sampling import SamplingParams
+from dualpace.sampling_params import SamplingParams
 
-DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
-DTYPES_BY_NAME = {name: dtype for dtype, name in DTYPE_NAMES.items()}
+ITEMSIZE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}  # the KV dtypes a transfer carries
 DEFAULT_CHUNK_BYTES = 4 * 2**20  # K + V bytes per chunk, well under the gRPC message limit
 
 
@@ -33,7 +31,7 @@ class KvLayout:
     @property
     def bytes_per_token_per_layer(self) -> int:
         """K or V bytes of one token in one layer."""
-        return self.num_kv_heads * self.head_dim * DTYPES_BY_NAME[self.dtype].itemsize
+        return self.num_kv_heads * self.head_dim * ITEMSIZE_BYTES[self.dtype]
 
 
 @dataclass(frozen=True)
@@ -62,25 +60,6 @@ class KvChunk:
 
 def checksum(k: bytes, v: bytes) -> int:
     return zlib.crc32(v, zlib.crc32(k))
-
-
-def tensor_bytes(tensor: torch.Tensor) -> bytes:
-    """Raw little-endian bytes of a CPU tensor (16-bit floats through an int16 view)."""
-    tensor = tensor.contiguous().cpu()
-    if tensor.dtype in (torch.bfloat16, torch.float16):
-        tensor = tensor.view(torch.int16)
-    return tensor.numpy().tobytes()
-
-
-def tensor_from_bytes(data: bytes, dtype_name: str, shape: tuple[int, ...]) -> torch.Tensor:
-    dtype = DTYPES_BY_NAME[dtype_name]
-    expected = dtype.itemsize
-    for dim in shape:
-        expected *= dim
-    if len(data) != expected:
-        raise InvalidArgument("chunk", f"holds {len(data)} bytes, expected {expected} for shape {list(shape)}")
-    raw_dtype = torch.int16 if dtype in (torch.bfloat16, torch.float16) else dtype
-    return torch.frombuffer(bytearray(data), dtype=raw_dtype).view(dtype).view(shape)
 
 
 def token_ranges(num_tokens: int, layout: KvLayout, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> list[tuple[int, int]]:

@@ -32,6 +32,7 @@ from typing import Any, TypeVar
 from dualpace.engine.channel import RequestChannel
 from dualpace.engine.core import EngineCore
 from dualpace.engine.gate import IterationGate
+from dualpace.engine.load import EngineLoad
 from dualpace.engine.request import RequestEvent
 from dualpace.errors import RequestNotFound, Unavailable
 from dualpace.sampling import FinishReason, SamplingParams
@@ -42,23 +43,6 @@ T = TypeVar("T")
 
 NUM_RECENT_STEPS = 256  # window of step latencies behind the ITL percentiles
 NUM_FINISHED_CHANNELS_KEPT = 1024  # finished requests a late stream may still read
-
-
-@dataclass(frozen=True)
-class EngineLoad:
-    name: str
-    kind: str
-    serving: bool
-    num_running: int
-    num_waiting: int
-    kv_blocks_total: int
-    kv_blocks_used: int
-    block_size: int
-    itl_p50_ms: float
-    itl_p99_ms: float
-    num_iterations: int
-    num_preemptions: int
-    timestamp_unix_ms: int
 
 
 def nonfinite_logits_message(request_id: str, engine_name: str) -> str:

@@ -21,17 +21,15 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, replace
 
 from dualpace.engine.channel import RequestChannel
+from dualpace.engine.kv_bytes import DTYPE_NAMES, tensor_bytes, tensor_from_bytes
 from dualpace.engine.kv_transfer import (
     DEFAULT_CHUNK_BYTES,
-    DTYPE_NAMES,
     ImportProgress,
     KvChunk,
     KvLayout,
     KvTransferHeader,
     checksum,
     plan_chunks,
-    tensor_bytes,
-    tensor_from_bytes,
 )
 from dualpace.engine.loop import EngineLoop
 from dualpace.engine.request import EngineRequest, RequestEvent, RequestState

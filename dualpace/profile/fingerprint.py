@@ -1,7 +1,9 @@
 """Fingerprints: which machine and which model a profile describes.
 
 model_fingerprint works from a ModelConfig without weights (the router has no weights);
-hardware_fingerprint reads /proc and asks torch about the device.
+cpu_model_name and memory_bytes read /proc. Torch-free: the daemons' --profile check uses
+it; the profiler's full hardware fingerprint (which asks torch about the device) is
+profiles/profiler/hardware.py.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import platform
 from dataclasses import asdict
 
 from dualpace.model.config import ModelConfig
-from dualpace.profile.schema import HardwareFingerprint, ModelFingerprint
+from dualpace.profile.schema import ModelFingerprint
 
 DTYPE_NAMES = {"float32": "fp32", "fp32": "fp32", "bfloat16": "bf16", "bf16": "bf16", "float16": "fp16",
                "fp16": "fp16"}
@@ -77,25 +79,3 @@ def memory_bytes() -> int:
     if total is not None:
         return total
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-
-
-def hardware_fingerprint(threads: int, device: str, bandwidth_bytes_per_s: float | None = None) -> HardwareFingerprint:
-    """This machine. `device` is where the GPU engine runs ('cuda:0', or 'cpu' when there is no
-    GPU and the GPU engine runs on the CPU device)."""
-    import torch
-
-    gpu_model = gpu_memory = None
-    if device.startswith("cuda"):
-        properties = torch.cuda.get_device_properties(torch.device(device))
-        gpu_model, gpu_memory = properties.name, int(properties.total_memory)
-    return HardwareFingerprint(
-        cpu_model=cpu_model_name(),
-        cpu_cores=os.cpu_count() or 1,
-        memory_bytes=memory_bytes(),
-        memory_bandwidth_bytes_per_s=bandwidth_bytes_per_s,
-        gpu_model=gpu_model,
-        gpu_memory_bytes=gpu_memory,
-        cpu_threads=threads,
-        torch_version=torch.__version__,
-        device=device,
-    )

@@ -11,18 +11,11 @@ from dualpace.engine.kv_transfer import KvChunk, KvTransferHeader
 from dualpace.errors import Unavailable
 from dualpace.faults import FaultConfig
 from dualpace.serve.auth import token_metadata
-from dualpace.serve.server import DEFAULT_MAX_MESSAGE_BYTES
+from dualpace.serve.server import channel_options
 from dualpace.wire.engine_messages import kv_chunk_to_pb, kv_header_to_pb
 from dualpace.wire.v1 import engine_pb2, engine_pb2_grpc
 
 TRANSFER_TIMEOUT_S = 120.0
-
-
-def channel_options() -> list[tuple[str, int]]:
-    return [
-        ("grpc.max_send_message_length", DEFAULT_MAX_MESSAGE_BYTES),
-        ("grpc.max_receive_message_length", DEFAULT_MAX_MESSAGE_BYTES),
-    ]
 
 
 class GrpcKvSender:

@@ -26,6 +26,14 @@ logger = logging.getLogger(__name__)
 # KV chunks and Dense Assist payloads are large; 64 MiB leaves room for both.
 DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 
+
+def channel_options() -> list[tuple[str, int]]:
+    """Client channel options whose message limits match the servers'."""
+    return [
+        ("grpc.max_send_message_length", DEFAULT_MAX_MESSAGE_BYTES),
+        ("grpc.max_receive_message_length", DEFAULT_MAX_MESSAGE_BYTES),
+    ]
+
 OVERALL_HEALTH = ""  # the health service name that stands for the whole server
 
 _SERVING = health_pb2.HealthCheckResponse.SERVING

@@ -31,8 +31,8 @@ _ERROR_CODES: tuple[tuple[str, grpc.StatusCode], ...] = (
 # Any other DualPaceError is a condition the caller can act on, not a bug.
 _OTHER_DUALPACE_CODE = grpc.StatusCode.FAILED_PRECONDITION
 
-# dualpace.wire.convert raises ValueError for malformed messages.
-_CONVERT_MODULE = "dualpace.wire.convert"
+# The wire's conversion modules raise ValueError for malformed messages.
+_CONVERSION_MODULES = ("dualpace.wire.common", "dualpace.wire.tensors", "dualpace.wire.assist_messages")
 
 _MAX_INTERNAL_DETAIL_CHARS = 200
 
@@ -41,7 +41,8 @@ def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
     """Returns the status code and message a client sees for `exc`.
 
     - dualpace.errors classes per the table above, message = str(exc);
-    - ValueError raised inside dualpace.wire.convert -> INVALID_ARGUMENT;
+    - ValueError raised inside the wire's conversion (common, tensors, assist_messages)
+      -> INVALID_ARGUMENT;
     - a failed upstream call (grpc.aio.AioRpcError, e.g. the router relaying an
       engine's answer) -> the upstream code and details, unchanged;
     - anything else -> INTERNAL with a short message (the caller logs the trace).
@@ -52,7 +53,7 @@ def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
             if error_class is not None and isinstance(exc, error_class):
                 return code, str(exc)
         return _OTHER_DUALPACE_CODE, str(exc)
-    if isinstance(exc, ValueError) and raised_in_module(exc, _CONVERT_MODULE):
+    if isinstance(exc, ValueError) and any(raised_in_module(exc, name) for name in _CONVERSION_MODULES):
         return grpc.StatusCode.INVALID_ARGUMENT, str(exc)
     if isinstance(exc, grpc.aio.AioRpcError):
         return exc.code(), exc.details() or ""

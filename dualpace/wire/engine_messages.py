@@ -1,6 +1,6 @@
 """Conversions for the dualpace.v1.Engine service: engine core types <-> protobuf.
 
-Part of the wire layer (with convert.py): servicers and clients of the Engine
+Part of the wire layer (with common.py): servicers and clients of the Engine
 service convert here and nowhere else.
 """
 
@@ -9,9 +9,9 @@ from __future__ import annotations
 from dualpace import __version__
 from dualpace.engine.channel import ChannelUpdate
 from dualpace.engine.kv_transfer import KvChunk, KvLayout, KvTransferHeader
-from dualpace.engine.loop import EngineLoad
+from dualpace.engine.load import EngineLoad
 from dualpace.engine.request import EngineRequest, RequestState
-from dualpace.wire.convert import (
+from dualpace.wire.common import (
     finish_reason_from_pb,
     finish_reason_to_pb,
     sampling_params_from_pb,

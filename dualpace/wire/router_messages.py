@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
+from dualpace.client_request import ClientRequest
 from dualpace.sampling_params import FinishReason, SamplingParams
-from dualpace.wire.convert import (
+from dualpace.wire.common import (
     finish_reason_from_pb,
     finish_reason_to_pb,
     sampling_params_from_pb,
@@ -14,17 +13,6 @@ from dualpace.wire.convert import (
 )
 from dualpace.wire.engine_messages import ENGINE_KIND_FROM_PB, ENGINE_KIND_TO_PB
 from dualpace.wire.v1 import common_pb2, router_pb2
-
-
-@dataclass(frozen=True)
-class ClientRequest:
-    """A Generate request as the router received it, before tokenization."""
-
-    request_id: str | None
-    text: str | None
-    prompt_token_ids: list[int] | None
-    messages: list[dict[str, str]] | None
-    params: SamplingParams
 
 
 def client_request_from_pb(message: router_pb2.GenerateRequest) -> ClientRequest:

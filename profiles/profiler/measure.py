@@ -23,14 +23,13 @@ from collections.abc import AsyncIterator, Callable
 
 import torch
 
+from dualpace.engine.kv_bytes import DTYPE_NAMES, tensor_bytes
 from dualpace.engine.kv_transfer import (
-    DTYPE_NAMES,
     KvChunk,
     KvLayout,
     KvTransferHeader,
     checksum,
     plan_chunks,
-    tensor_bytes,
 )
 from dualpace.engine.runner import ModelRunner
 from dualpace.engine.scheduler import ScheduledSequence, StepPlan

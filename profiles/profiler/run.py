@@ -140,12 +140,9 @@ def run_profile(request: ProfileRequest) -> tuple[Path, Profile, bool]:
     import torch
 
     from dualpace.model.loader import load_model, resolve_device, resolve_dtype
-    from dualpace.profile.fingerprint import (
-        hardware_fingerprint,
-        meminfo_bytes,
-        model_fingerprint,
-    )
+    from dualpace.profile.fingerprint import meminfo_bytes, model_fingerprint
     from profiles.profiler import measure as m
+    from profiles.profiler.hardware import hardware_fingerprint
     from profiles.profiler.plots import plot_profile
     from profiles.profiler.timing import measure
     from toolkit.memory_bandwidth import copy_bandwidth_bytes_per_s

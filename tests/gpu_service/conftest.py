@@ -24,7 +24,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from dualpace.generation import OfflineGenerator
 from dualpace.model.loader import load_model
 from dualpace.sampling import FinishReason, SamplingParams
-from dualpace.wire.convert import finish_reason_from_pb
+from dualpace.wire.common import finish_reason_from_pb
 from dualpace.wire.engine_messages import new_request_to_pb
 from dualpace.wire.v1 import engine_pb2, engine_pb2_grpc
 from tests.daemons import Daemon, start_daemon

@@ -17,12 +17,13 @@ import pytest
 import torch
 
 from cpu_service.assist_client import AssistClient, AssistUnavailable
+from dualpace.engine import assist_types
 from dualpace.kv.storage import KVStorage
 from dualpace.model.attention import decode_attention
 from dualpace.model.loader import LoadedModel, load_model
 from dualpace.model.paged_forward import PagedForward, SequenceWork
 from dualpace.sampling import SamplingParams, sample_next_tokens
-from dualpace.wire import convert
+from dualpace.wire import assist_messages, common
 from dualpace.wire.v1 import assist_pb2, assist_pb2_grpc
 from gpu_service.assist_servicer import add_dense_assist_servicer
 from gpu_service.dense_assist import DenseAssistExecutor
@@ -234,11 +235,11 @@ def test_unreachable_server_raises_unavailable() -> None:
 
 
 def _attention_output(iteration_id: int, layer: int, shape: list[int]) -> assist_pb2.AssistUp:
-    return convert.assist_up_to_pb(convert.AssistAttentionOutput(iteration_id, layer, torch.zeros(shape)))
+    return assist_messages.assist_up_to_pb(assist_types.AssistAttentionOutput(iteration_id, layer, torch.zeros(shape)))
 
 
 def _begin(iteration_id: int, num_rows: int = 2, sampling=None) -> assist_pb2.AssistUp:
-    return convert.assist_up_to_pb(convert.AssistBegin(iteration_id, [1] * num_rows, [0] * num_rows, sampling))
+    return assist_messages.assist_up_to_pb(assist_types.AssistBegin(iteration_id, [1] * num_rows, [0] * num_rows, sampling))
 
 
 def _stream_status(address: str, messages: list[assist_pb2.AssistUp]) -> tuple[grpc.StatusCode, str]:
@@ -263,7 +264,7 @@ def test_bad_messages_end_the_stream_naming_the_field(loaded, server) -> None:
         "begin.iteration_id": [*whole_iteration_5, _begin(5)],
         "begin.sampling[1].top_p": [_begin(1, sampling=[(SamplingParams(), 1), (SamplingParams(top_p=0.0), 2)])],
         "begin.sampling[0].seed": [assist_pb2.AssistUp(begin=assist_pb2.AssistBegin(
-            iteration_id=1, token_ids=[1], positions=[0], sampling=[convert.sampling_params_to_pb(SamplingParams())]))],
+            iteration_id=1, token_ids=[1], positions=[0], sampling=[common.sampling_params_to_pb(SamplingParams())]))],
         "begin.token_ids[0]": [assist_pb2.AssistUp(begin=assist_pb2.AssistBegin(
             iteration_id=1, token_ids=[loaded.config.vocab_size], positions=[0], return_logits=True))],
         "kind": [assist_pb2.AssistUp()],

@@ -14,17 +14,12 @@ import time
 import pytest
 import torch
 
+from dualpace.engine.assist_types import AssistAttentionOutput, AssistBegin, AssistQkv, AssistResult
 from dualpace.engine.gate import DeviceHandoff, IterationGate
 from dualpace.errors import Overloaded
 from dualpace.kv.storage import KVStorage
 from dualpace.model.loader import LoadedModel, load_model
 from dualpace.model.paged_forward import PagedForward, SequenceWork
-from dualpace.wire.convert import (
-    AssistAttentionOutput,
-    AssistBegin,
-    AssistQkv,
-    AssistResult,
-)
 from gpu_service.dense_assist import DenseAssistExecutor
 
 BLOCK_SIZE = 4

@@ -27,7 +27,7 @@ from bench.engine_client import EngineClient
 from dualpace.generation import OfflineGenerator
 from dualpace.model.loader import load_model
 from dualpace.sampling import FinishReason, SamplingParams
-from dualpace.wire.convert import finish_reason_from_pb
+from dualpace.wire.common import finish_reason_from_pb
 from dualpace.wire.engine_messages import new_request_to_pb
 from dualpace.wire.v1 import (
     common_pb2,

@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator
 import grpc
 
 from dualpace.errors import InvalidArgument, Overloaded, RequestNotFound, Unavailable
-from dualpace.wire import convert
+from dualpace.wire import common
 from dualpace.wire.v1 import engine_pb2, engine_pb2_grpc
 
 ENGINE_SERVICE = "dualpace.v1.Engine"
@@ -20,7 +20,7 @@ def raise_for(kind: str) -> None:
     if kind == "invalid":
         raise InvalidArgument("sampling.temperature", "must be >= 0, got -1")
     if kind == "convert":
-        convert.finish_reason_from_pb(999)
+        common.finish_reason_from_pb(999)
     if kind == "value":
         raise ValueError("a bug, not a bad message")
     if kind == "runtime":

@@ -18,7 +18,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from dualpace.sampling import FinishReason, SamplingParams
-from dualpace.wire.convert import finish_reason_from_pb
+from dualpace.wire.common import finish_reason_from_pb
 from dualpace.wire.engine_messages import new_request_to_pb
 from dualpace.wire.v1 import (
     common_pb2,

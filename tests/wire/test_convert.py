@@ -1,4 +1,4 @@
-"""Round trips and malformed-message errors of dualpace.wire.convert."""
+"""Round trips and malformed-message errors of dualpace.wire.common and dualpace.wire.tensors."""
 
 from __future__ import annotations
 
@@ -7,16 +7,16 @@ import torch
 
 from dualpace.errors import InvalidArgument
 from dualpace.sampling import FinishReason, SamplingParams
-from dualpace.wire import convert
+from dualpace.wire import common, tensors
 from dualpace.wire.v1 import common_pb2
 
 # ---- sampling parameters -------------------------------------------------
 
 
 def _through_the_wire(params: SamplingParams) -> SamplingParams:
-    message = convert.sampling_params_to_pb(params)
+    message = common.sampling_params_to_pb(params)
     decoded = common_pb2.SamplingParams.FromString(message.SerializeToString())
-    return convert.sampling_params_from_pb(decoded)
+    return common.sampling_params_from_pb(decoded)
 
 
 def test_sampling_params_round_trip_all_fields() -> None:
@@ -39,23 +39,23 @@ def test_sampling_params_round_trip_defaults() -> None:
 
 
 def test_seed_presence_is_kept() -> None:
-    unseeded = convert.sampling_params_to_pb(SamplingParams(seed=None))
+    unseeded = common.sampling_params_to_pb(SamplingParams(seed=None))
     assert not unseeded.HasField("seed")
-    assert convert.sampling_params_from_pb(unseeded).seed is None
+    assert common.sampling_params_from_pb(unseeded).seed is None
 
-    zero_seed = convert.sampling_params_to_pb(SamplingParams(seed=0))
+    zero_seed = common.sampling_params_to_pb(SamplingParams(seed=0))
     assert zero_seed.HasField("seed")
-    assert convert.sampling_params_from_pb(zero_seed).seed == 0
+    assert common.sampling_params_from_pb(zero_seed).seed == 0
 
 
 def test_empty_message_gives_core_defaults() -> None:
-    params = convert.sampling_params_from_pb(common_pb2.SamplingParams())
+    params = common.sampling_params_from_pb(common_pb2.SamplingParams())
     assert params == SamplingParams()
     assert params.validate() is params
 
 
 def test_explicit_zero_max_tokens_is_kept_and_rejected_by_validate() -> None:
-    params = convert.sampling_params_from_pb(common_pb2.SamplingParams(max_tokens=0))
+    params = common.sampling_params_from_pb(common_pb2.SamplingParams(max_tokens=0))
     assert params.max_tokens == 0
     with pytest.raises(InvalidArgument, match="max_tokens"):
         params.validate()
@@ -66,17 +66,17 @@ def test_explicit_zero_max_tokens_is_kept_and_rejected_by_validate() -> None:
 
 @pytest.mark.parametrize("reason", [None, *FinishReason])
 def test_finish_reason_round_trip(reason: FinishReason | None) -> None:
-    assert convert.finish_reason_from_pb(convert.finish_reason_to_pb(reason)) == reason
+    assert common.finish_reason_from_pb(common.finish_reason_to_pb(reason)) == reason
 
 
 def test_finish_reason_names_match() -> None:
     for reason in FinishReason:
-        assert common_pb2.FinishReason.Name(convert.finish_reason_to_pb(reason)) == f"FINISH_REASON_{reason.name}"
+        assert common_pb2.FinishReason.Name(common.finish_reason_to_pb(reason)) == f"FINISH_REASON_{reason.name}"
 
 
 def test_unknown_finish_reason_value() -> None:
     with pytest.raises(ValueError, match="finish_reason: unknown enum value 99"):
-        convert.finish_reason_from_pb(99)
+        common.finish_reason_from_pb(99)
 
 
 # ---- token ids ------------------------------------------------------------
@@ -84,36 +84,36 @@ def test_unknown_finish_reason_value() -> None:
 
 def test_token_ids_round_trip_from_list_and_tensor() -> None:
     ids = [0, 1, 49151, 2**32 - 1]
-    assert convert.token_ids_from_pb(convert.token_ids_to_pb(ids)) == ids
+    assert common.token_ids_from_pb(common.token_ids_to_pb(ids)) == ids
     tensor_ids = torch.tensor([5, 6, 7], dtype=torch.int64)
-    assert convert.token_ids_from_pb(convert.token_ids_to_pb(tensor_ids)) == [5, 6, 7]
+    assert common.token_ids_from_pb(common.token_ids_to_pb(tensor_ids)) == [5, 6, 7]
 
 
 def test_token_ids_from_repeated_field() -> None:
     message = common_pb2.TokenIds(token_ids=[3, 1, 4])
-    assert convert.token_ids_from_pb(message.token_ids) == [3, 1, 4]
+    assert common.token_ids_from_pb(message.token_ids) == [3, 1, 4]
 
 
 def test_token_ids_out_of_range() -> None:
     with pytest.raises(ValueError, match="token id -1"):
-        convert.token_ids_to_list([1, -1])
+        common.token_ids_to_list([1, -1])
     with pytest.raises(ValueError, match="prompt_token_ids: token id 4294967296"):
-        convert.token_ids_to_list([2**32], field="prompt_token_ids")
+        common.token_ids_to_list([2**32], field="prompt_token_ids")
 
 
 def test_token_ids_rejects_float_or_2d_tensor() -> None:
     with pytest.raises(ValueError, match="1-D integer tensor"):
-        convert.token_ids_to_list(torch.tensor([1.0, 2.0]))
+        common.token_ids_to_list(torch.tensor([1.0, 2.0]))
     with pytest.raises(ValueError, match="1-D integer tensor"):
-        convert.token_ids_to_list(torch.zeros(2, 2, dtype=torch.int64))
+        common.token_ids_to_list(torch.zeros(2, 2, dtype=torch.int64))
 
 
 # ---- tensors --------------------------------------------------------------
 
 
 def _tensor_through_the_wire(tensor: torch.Tensor) -> torch.Tensor:
-    message = convert.tensor_to_pb(tensor)
-    return convert.tensor_from_pb(common_pb2.Tensor.FromString(message.SerializeToString()))
+    message = tensors.tensor_to_pb(tensor)
+    return tensors.tensor_from_pb(common_pb2.Tensor.FromString(message.SerializeToString()))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
@@ -136,7 +136,7 @@ def test_bfloat16_is_bit_exact_including_special_values() -> None:
 
 def test_tensor_bytes_are_little_endian_c_order() -> None:
     tensor = torch.tensor([[1.0, 2.0], [3.0, 4.0]], dtype=torch.float32)
-    message = convert.tensor_to_pb(tensor.t())  # a non-contiguous view is serialized in C order
+    message = tensors.tensor_to_pb(tensor.t())  # a non-contiguous view is serialized in C order
     assert message.dtype == "float32"
     assert list(message.shape) == [2, 2]
     assert message.data[:4] == b"\x00\x00\x80\x3f"  # 1.0
@@ -144,40 +144,40 @@ def test_tensor_bytes_are_little_endian_c_order() -> None:
 
 
 def test_decoded_tensor_owns_writable_memory() -> None:
-    message = convert.tensor_to_pb(torch.ones(4))
-    decoded = convert.tensor_from_pb(message)
+    message = tensors.tensor_to_pb(torch.ones(4))
+    decoded = tensors.tensor_from_pb(message)
     decoded += 1
     assert torch.equal(decoded, torch.full((4,), 2.0))
-    assert convert.tensor_from_pb(message).sum().item() == 4.0
+    assert tensors.tensor_from_pb(message).sum().item() == 4.0
 
 
 def test_tensor_from_pb_expected_shape() -> None:
-    message = convert.tensor_to_pb(torch.zeros(2, 6))
-    assert convert.tensor_from_pb(message, expected_shape=(2, 6)).shape == (2, 6)
+    message = tensors.tensor_to_pb(torch.zeros(2, 6))
+    assert tensors.tensor_from_pb(message, expected_shape=(2, 6)).shape == (2, 6)
     with pytest.raises(ValueError, match=r"attention_output: shape \[2, 6\] does not match the expected \[2, 8\]"):
-        convert.tensor_from_pb(message, field="attention_output", expected_shape=(2, 8))
+        tensors.tensor_from_pb(message, field="attention_output", expected_shape=(2, 8))
 
 
 def test_tensor_data_length_mismatch() -> None:
     message = common_pb2.Tensor(dtype="bfloat16", shape=[2, 3], data=b"\x00" * 10)
     with pytest.raises(ValueError, match=r"q: data is 10 bytes but shape \[2, 3\] of bfloat16 needs 12 bytes"):
-        convert.tensor_from_pb(message, field="q")
+        tensors.tensor_from_pb(message, field="q")
 
 
 def test_tensor_unknown_dtype() -> None:
     message = common_pb2.Tensor(dtype="int8", shape=[4], data=b"\x00" * 4)
     with pytest.raises(ValueError, match="unknown dtype 'int8'"):
-        convert.tensor_from_pb(message)
+        tensors.tensor_from_pb(message)
     with pytest.raises(ValueError, match="unknown dtype ''"):
-        convert.tensor_from_pb(common_pb2.Tensor())
+        tensors.tensor_from_pb(common_pb2.Tensor())
 
 
 def test_tensor_negative_dimension() -> None:
     message = common_pb2.Tensor(dtype="float32", shape=[-1, 4], data=b"")
     with pytest.raises(ValueError, match="negative dimension"):
-        convert.tensor_from_pb(message)
+        tensors.tensor_from_pb(message)
 
 
 def test_unsupported_torch_dtype() -> None:
     with pytest.raises(ValueError, match="not supported"):
-        convert.tensor_to_pb(torch.zeros(3, dtype=torch.float64))
+        tensors.tensor_to_pb(torch.zeros(3, dtype=torch.float64))

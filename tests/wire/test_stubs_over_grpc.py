@@ -8,7 +8,7 @@ import grpc
 import pytest
 
 from dualpace.sampling import FinishReason, SamplingParams
-from dualpace.wire import convert
+from dualpace.wire import common
 from dualpace.wire.v1 import engine_pb2, engine_pb2_grpc
 
 
@@ -26,7 +26,7 @@ class _EchoEngine(engine_pb2_grpc.EngineServicer):
                 request_id=new_request.request_id,
                 token_ids=[token_id],
                 first_token_index=index,
-                finish_reason=convert.finish_reason_to_pb(FinishReason.LENGTH if is_last else None),
+                finish_reason=common.finish_reason_to_pb(FinishReason.LENGTH if is_last else None),
                 engine="echo",
             )
 
@@ -63,12 +63,12 @@ async def test_generate_streams_tokens(engine_stub: engine_pb2_grpc.EngineStub) 
         new_request=engine_pb2.NewEngineRequest(
             request_id="r1",
             prompt_token_ids=[5, 6, 7],
-            sampling=convert.sampling_params_to_pb(SamplingParams(seed=1)),
+            sampling=common.sampling_params_to_pb(SamplingParams(seed=1)),
         )
     )
     responses = [response async for response in engine_stub.Generate(request)]
     assert [list(response.token_ids) for response in responses] == [[5], [6], [7]]
-    assert [convert.finish_reason_from_pb(r.finish_reason) for r in responses] == [None, None, FinishReason.LENGTH]
+    assert [common.finish_reason_from_pb(r.finish_reason) for r in responses] == [None, None, FinishReason.LENGTH]
 
 
 async def test_import_kv_two_phase(engine_stub: engine_pb2_grpc.EngineStub) -> None:

@@ -1,0 +1,53 @@
+"""The Dense Assist stream's messages as core types (assist.proto): plain values and CPU torch
+tensors. The wire (dualpace.wire.assist_messages) converts them and checks structure (kinds
+set, seeds present, tensor encodings); the executor checks values against the model and the
+iteration in progress."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from dualpace.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class AssistBegin:
+    """Starts an iteration. sampling: one (params, seed) per row, or None to get logits back."""
+
+    iteration_id: int
+    token_ids: list[int]
+    positions: list[int]
+    sampling: list[tuple[SamplingParams, int]] | None
+    wait_for_engine_iteration: bool = False  # the gated (NEO-like) baseline policy
+    max_device_wait_ms: int = 0  # 0: wait for the device as long as the server allows
+
+
+@dataclass(frozen=True)
+class AssistAttentionOutput:
+    """The CPU's attention output for one layer, [batch, num_heads * head_dim]."""
+
+    iteration_id: int
+    layer: int
+    attention_output: torch.Tensor
+
+
+@dataclass(frozen=True)
+class AssistQkv:
+    """q [batch, num_heads, head_dim], k and v [batch, num_kv_heads, head_dim] of one layer, RoPE applied."""
+
+    iteration_id: int
+    layer: int
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+
+
+@dataclass(frozen=True)
+class AssistResult:
+    """An iteration's outcome: sampled token ids, or float32 logits [batch, vocab] (exactly one is set)."""
+
+    iteration_id: int
+    token_ids: list[int] | None = None
+    logits: torch.Tensor | None = None
