@@ -20,7 +20,7 @@ import sys
 
 from cpu_service.assist_client import AssistClient
 from cpu_service.backend import BACKENDS, select_backend
-from dualpace.policy.mode_choice import AssistSetting, ModeChooser, predicted_latencies
+from dualpace.policy.mode_choice import AssistSetting, ModeChooser
 from cpu_service.runner import CpuRunner
 from dualpace.engine.core import EngineConfig
 from dualpace.errors import InvalidArgument
@@ -88,13 +88,10 @@ def load_profile_for(args: argparse.Namespace):
 def seed_chooser(chooser: ModeChooser, profile, assist_available: bool, max_batch_size: int,
                  context_tokens: int) -> dict:
     """Seed the mode choice with the profile's predicted Local / Assisted latency per batch bucket."""
-    from dualpace.profile.cost_model import CostModel, DecodeBatch
+    from dualpace.profile.cost_model import CostModel, predicted_mode_latencies
 
     cost = CostModel(profile, assist_available=assist_available)
-    predicted = predicted_latencies(
-        lambda b: cost.cpu_local_ms(DecodeBatch(b, float(context_tokens))),
-        (lambda b: cost.cpu_assisted_ms(DecodeBatch(b, float(context_tokens)))) if assist_available else None,
-        max_batch_size)
+    predicted = predicted_mode_latencies(cost, max_batch_size, context_tokens, assist_available)
     chooser.seed(predicted)
     return predicted
 

@@ -19,7 +19,7 @@ import grpc
 
 from dualpace.errors import Overloaded, Unavailable
 from dualpace.model.detokenizer import IncrementalDetokenizer
-from dualpace.policy.admission import Placement, admit
+from dualpace.policy.admission import Placement, admit, handoff_source
 from dualpace.sampling_params import FinishReason, SamplingParams
 from dualpace.serve.logging_setup import (
     bind_request_id,
@@ -184,12 +184,12 @@ class Relay:
                 if placement in (Placement.GPU, Placement.CPU):
                     engine = core.pool.by_name(name)
                     if placement == Placement.CPU:
-                        final_tokens = len(self.prompt_token_ids) + self.params.max_tokens - 1
-                        gpus = [h for h in core.pool.of_kind("gpu")
-                                if h.healthy and h.view is not None and h.view.could_ever_hold(final_tokens)]
-                        if gpus:  # prefill on the GPU engine, then hand the KV to the CPU engine
-                            self.tracked.engine = gpus[0]
-                            return gpus[0], engine
+                        gpus = [h for h in core.pool.of_kind("gpu") if h.healthy and h.view is not None]
+                        source = handoff_source(len(self.prompt_token_ids), self.params.max_tokens,
+                                                [h.view for h in gpus])
+                        if source is not None:  # prefill on the GPU engine, then hand the KV to the CPU engine
+                            self.tracked.engine = next(h for h in gpus if h.view.name == source)
+                            return self.tracked.engine, engine
                     self.tracked.engine = engine
                     return engine, None
                 if placement == Placement.REJECT:

@@ -162,3 +162,13 @@ def admit(num_prompt_tokens: int, max_tokens: int, engines: Mapping[str, EngineV
     if num_queued < config.max_queue:
         return Placement.WAIT, None
     return Placement.REJECT, None
+
+
+def handoff_source(num_prompt_tokens: int, max_tokens: int, gpu_engines: Sequence[EngineView]) -> str | None:
+    """Where a request placed on the CPU engine is prefilled: the first of `gpu_engines`
+    (healthy ones, in the router's order) whose whole pool could ever hold the request at its
+    final size (prompt + max_tokens - 1 tokens of KV; engines refuse larger ones even for a
+    prefill they would hand off). The GPU engine prefills and samples the first token, then
+    hands the KV to the CPU engine. None: no GPU engine could, the CPU engine prefills itself."""
+    final_tokens = num_prompt_tokens + max_tokens - 1
+    return next((engine.name for engine in gpu_engines if engine.could_ever_hold(final_tokens)), None)

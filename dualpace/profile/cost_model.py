@@ -29,6 +29,7 @@ import bisect
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from dualpace.policy.mode_choice import ExecutionMode, predicted_latencies
 from dualpace.profile.schema import Profile, Table1D, Table2D
 
 
@@ -193,3 +194,14 @@ class CostModel:
         transfer = self.profile.kv_transfer
         num_bytes = max(0, num_tokens) * self.kv_bytes_per_token
         return transfer.fixed_ms + 1000.0 * num_bytes / transfer.bytes_per_s
+
+
+def predicted_mode_latencies(cost: CostModel, max_batch_size: int, context_tokens: int,
+                             assist_available: bool) -> dict[tuple[ExecutionMode, int], float]:
+    """The CPU engine's mode choice seed (ModeChooser.seed): each mode's predicted iteration
+    latency per batch bucket, at a mean context of `context_tokens` (cpu_service --profile and
+    the simulator seed it the same way)."""
+    return predicted_latencies(
+        lambda batch: cost.cpu_local_ms(DecodeBatch(batch, float(context_tokens))),
+        (lambda batch: cost.cpu_assisted_ms(DecodeBatch(batch, float(context_tokens)))) if assist_available else None,
+        max_batch_size)

@@ -34,7 +34,7 @@ from dataclasses import dataclass, field, replace
 from dualpace.engine.request import EngineRequest
 from dualpace.engine.scheduler import Scheduler, StepPlan, StepResult
 from dualpace.errors import InvalidArgument, Overloaded, RequestNotFound
-from dualpace.policy.admission import AdmissionConfig, Placement, admit
+from dualpace.policy.admission import AdmissionConfig, Placement, admit, handoff_source
 from dualpace.policy.migration_planner import MigrationConfig, plan_migrations
 from dualpace.policy.views import EngineView, Policy, RoutedRequest
 from dualpace.profile.cost_model import CostModel, DecodeBatch
@@ -46,6 +46,7 @@ from profiles.sim.config import (
     SimulationError,
     deterministic_token,
 )
+from profiles.sim.cpu_steps import CpuSteps, make_chooser
 from profiles.sim.device import SharedDevice
 from toolkit.workload import RequestSpec
 
@@ -66,6 +67,7 @@ class SimEngine:
     num_local: int = 0
     num_assisted: int = 0
     busy_ms: float = 0.0
+    staged_batch: int | None = None  # a staged Assisted iteration in flight: its batch size
 
 
 @dataclass
@@ -83,7 +85,7 @@ class Track:
     engines_seen: list[str] = field(default_factory=list)
 
 
-class Simulator:
+class Simulator(CpuSteps):
     def __init__(self, cost: CostModel, config: SimConfig):
         self.cost = cost
         self.config = config
@@ -100,6 +102,7 @@ class Simulator:
         if config.policy is not Policy.GPU_ONLY:
             self.engines[CPU] = SimEngine(CPU, "cpu", Scheduler(config.cpu_scheduler, cpu_blocks,
                                                                 self.block_size, config.max_context_tokens))
+        self.chooser = make_chooser(cost, config.policy, config.cpu_scheduler.max_running)
         # The profile's cost model drives admission and migration exactly as the router's
         # --profile does (router.__main__.router_config): the predictor is the same CostModel.
         self.admission = AdmissionConfig(policy=config.policy, itl_target_ms=config.itl_target_ms,
@@ -258,8 +261,8 @@ class Simulator:
         while self.queue:
             rid = self.queue[0]
             track = self.tracks[rid]
-            placement, name = admit(track.spec.input_len, track.spec.output_len,
-                                    self._views(track.spec.input_len + 1), self._routed(),
+            views = self._views(track.spec.input_len + 1)
+            placement, name = admit(track.spec.input_len, track.spec.output_len, views, self._routed(),
                                     len(self.queue) - 1, self.admission)
             if placement is Placement.WAIT:
                 # the router looks again when the next snapshot arrives (and on any other event)
@@ -276,16 +279,20 @@ class Simulator:
             request = EngineRequest(rid, list(track.spec.prompt_token_ids),
                                     SamplingParams(max_tokens=track.spec.output_len, ignore_eos=True),
                                     seed=track.spec.index)
+            first = name
+            if placement is Placement.CPU:  # prefilled on a GPU engine that could hold it, as the relay does
+                source = handoff_source(track.spec.input_len, track.spec.output_len, [views[GPU]])
+                if source is not None:
+                    first, track.handoff_to = source, name
             try:
-                self.engines[GPU].scheduler.add(request)  # prefill always runs on the GPU engine
+                self.engines[first].scheduler.add(request)
             except (InvalidArgument, Overloaded):
                 track.finish_ms = self.now_ms
                 self.num_rejected += 1
+                track.handoff_to = None
                 continue
-            track.engine = GPU
-            track.engines_seen.append(GPU)
-            if placement is Placement.CPU:
-                track.handoff_to = name
+            track.engine = first
+            track.engines_seen.append(first)
 
     @staticmethod
     def _plan_shape(plan: StepPlan) -> tuple[int, list[int], int]:
@@ -319,66 +326,6 @@ class Simulator:
         of assist_ms (round trips, PCIe payload) runs with the device free."""
         return min(self.cost.assist_ms(batch), self.cost.gpu_decode_ms(batch, self._first_context))
 
-    def _try_start_cpu(self, cpu: SimEngine) -> None:
-        if cpu.busy or not cpu.scheduler.has_work:
-            return
-        gated = self.config.policy is Policy.GATED
-        device = self.device
-        if gated and device.wait_ms(self.now_ms) > 0:  # the gate: wait for the GPU iteration's end
-            self._wake(device.free_at_ms())
-            return
-        plan = cpu.scheduler.schedule()
-        if plan.is_empty:
-            return
-        prefill_tokens, contexts, sampled = self._plan_shape(plan)
-        decode = DecodeBatch.of(contexts)
-        cost = self.cost.cpu_iteration(decode, prefill_tokens, sampled)
-        hold = self.config.assist_device_hold
-        if cost.assisted_ms is None:
-            pass
-        elif hold == "layer" and not gated:
-            # every stage may wait for the rest of an engine layer: half a layer on average
-            expected_wait_ms = (self.num_layers + 1) * device.engine_layer_ms() / 2
-            if cost.assisted_ms + expected_wait_ms < cost.local_ms:
-                self._start_staged(cpu, plan, self._assist_device_ms(decode.batch), cost.assisted_ms)
-                return
-        else:
-            wait = device.wait_ms(self.now_ms)
-            if gated or wait + cost.assisted_ms < cost.local_ms:
-                held_ms = self.cost.assist_ms(decode.batch) if hold == "dense" else cost.assisted_ms
-                device.book_block(self.now_ms, held_ms)
-                cpu.num_assisted += 1
-                self._start(cpu, plan, self.now_ms + wait + cost.assisted_ms + self.config.engine_overhead_ms)
-                return
-        cpu.num_local += 1
-        self._start(cpu, plan, self.now_ms + cost.local_ms + self.config.engine_overhead_ms)
-
-    def _start_staged(self, cpu: SimEngine, plan: StepPlan, device_ms: float, assisted_ms: float) -> None:
-        """An assisted iteration as num_layers + 1 device stages (begin, one per layer's
-        attention output) with the CPU's part (attention, round trips) between them."""
-        cpu.busy = True
-        cpu.plan = plan
-        cpu.started_ms = self.now_ms
-        cpu.num_iterations += 1
-        cpu.num_assisted += 1
-        num_stages = self.num_layers + 1
-        stage_ms = device_ms / num_stages
-        between_ms = max(0.0, assisted_ms - device_ms) / self.num_layers
-        self._next_stage(cpu, num_stages, stage_ms, between_ms)
-
-    def _next_stage(self, cpu: SimEngine, stages_left: int, stage_ms: float, between_ms: float) -> None:
-        end_ms, gpu_end_ms = self.device.run_stage(self.now_ms, stage_ms)
-        if gpu_end_ms is not None:
-            gpu = self.engines[GPU]
-            gpu.done_version += 1
-            self._push(gpu_end_ms + self.config.engine_overhead_ms, "done", (GPU, gpu.done_version))
-        if stages_left == 1:
-            cpu.done_version += 1
-            self._push(end_ms + self.config.engine_overhead_ms, "done", (cpu.name, cpu.done_version))
-        else:
-            self._push(end_ms + between_ms, "call",
-                       lambda: self._next_stage(cpu, stages_left - 1, stage_ms, between_ms))
-
     def _start(self, engine: SimEngine, plan: StepPlan, end_ms: float) -> None:
         engine.busy = True
         engine.plan = plan
@@ -390,6 +337,8 @@ class Simulator:
     def _iteration_done(self, engine: SimEngine) -> None:
         if engine.kind == "gpu":
             self.device.engine_finished()
+        else:
+            self._staged_done(engine)
         plan = engine.plan
         sampled = {seq.request_id: deterministic_token(self.index_of[seq.request_id], seq.sample_position,
                                                        self.vocab_size)

@@ -1,0 +1,110 @@
+"""The simulated CPU engine's iterations, Local or Assisted, chosen by the real ModeChooser
+(dualpace.policy.mode_choice) as cpu_service's runner chooses them: seeded from the profile's
+cost model like `dualpace-cpu --profile`, then fed each simulated iteration's latency as the
+runner feeds it measured ones (an Assisted latency includes its waits for the shared GPU).
+
+An Assisted iteration that would wait for the GPU longer than the chooser's bound
+(`max_device_wait_ms`, as the client sends it) is refused by gpu_service and redone locally
+after that wait, and the chooser backs off (`record_assist_failure`), as in cpu_service. With
+per-layer sharing ("layer") the waits are only known stage by stage, so there is no refusal:
+the measured latency carries them into the next choices.
+
+A part of profiles.sim.simulator.Simulator (it uses the simulator's clock, device and event
+queue); kept apart so each file reads on its own.
+"""
+
+from __future__ import annotations
+
+from dualpace.engine.scheduler import StepPlan
+from dualpace.policy.mode_choice import AssistSetting, ExecutionMode, ModeChooser
+from dualpace.policy.views import Policy
+from dualpace.profile.cost_model import CostModel, DecodeBatch, predicted_mode_latencies
+from profiles.sim.config import GPU
+
+SEED_CONTEXT_TOKENS = 512  # cpu_service's --profile-context-tokens default
+
+
+def make_chooser(cost: CostModel, policy: Policy, max_batch_size: int) -> ModeChooser:
+    """The CPU engine's chooser: `always` under the gated policy (cpu_service --policy gated),
+    else `auto`; assist is configured when the cost model has it."""
+    setting = AssistSetting.ALWAYS if policy is Policy.GATED else AssistSetting.AUTO
+    chooser = ModeChooser(setting, assist_configured=cost.assist_available)
+    chooser.seed(predicted_mode_latencies(cost, max_batch_size, SEED_CONTEXT_TOKENS, cost.assist_available))
+    return chooser
+
+
+class CpuSteps:
+    """Simulator methods that start the CPU engine's iterations (mixed into Simulator)."""
+
+    def _try_start_cpu(self, cpu) -> None:
+        if cpu.busy or not cpu.scheduler.has_work:
+            return
+        gated = self.config.policy is Policy.GATED
+        device = self.device
+        if gated and device.wait_ms(self.now_ms) > 0:  # the gate: wait for the GPU iteration's end
+            self._wake(device.free_at_ms())
+            return
+        plan = cpu.scheduler.schedule()
+        if plan.is_empty:
+            return
+        prefill_tokens, contexts, sampled = self._plan_shape(plan)
+        decode = DecodeBatch.of(contexts)
+        cost = self.cost.cpu_iteration(decode, prefill_tokens, sampled)
+        batch = len(plan.sequences)
+        decode_only = all(len(seq.token_ids) == 1 and seq.sample for seq in plan.sequences)  # as the runner asks
+        mode = self.chooser.choose(batch, decode_only)
+        local_start_ms = self.now_ms
+        if mode is ExecutionMode.ASSISTED and cost.assisted_ms is not None:
+            hold = self.config.assist_device_hold
+            if hold == "layer" and not gated:
+                cpu.staged_batch = batch  # its latency is recorded when it ends
+                self._start_staged(cpu, plan, self._assist_device_ms(decode.batch), cost.assisted_ms)
+                return
+            wait = device.wait_ms(self.now_ms)
+            bound_ms = self.chooser.max_device_wait_ms(batch)
+            if bound_ms and wait > bound_ms:
+                self.chooser.record_assist_failure()  # refused after bound_ms, redone locally
+                local_start_ms = self.now_ms + bound_ms
+            else:
+                held_ms = self.cost.assist_ms(decode.batch) if hold == "dense" else cost.assisted_ms
+                device.book_block(self.now_ms, held_ms)
+                cpu.num_assisted += 1
+                self.chooser.record(ExecutionMode.ASSISTED, batch, wait + cost.assisted_ms)
+                self._start(cpu, plan, self.now_ms + wait + cost.assisted_ms + self.config.engine_overhead_ms)
+                return
+        cpu.num_local += 1
+        self.chooser.record(ExecutionMode.LOCAL, batch, cost.local_ms)
+        self._start(cpu, plan, local_start_ms + cost.local_ms + self.config.engine_overhead_ms)
+
+    def _staged_done(self, cpu) -> None:
+        """A staged Assisted iteration ended: its latency, device waits included, is measured."""
+        if cpu.staged_batch is not None:
+            latency_ms = self.now_ms - cpu.started_ms - self.config.engine_overhead_ms
+            self.chooser.record(ExecutionMode.ASSISTED, cpu.staged_batch, latency_ms)
+            cpu.staged_batch = None
+
+    def _start_staged(self, cpu, plan: StepPlan, device_ms: float, assisted_ms: float) -> None:
+        """An assisted iteration as num_layers + 1 device stages (begin, one per layer's
+        attention output) with the CPU's part (attention, round trips) between them."""
+        cpu.busy = True
+        cpu.plan = plan
+        cpu.started_ms = self.now_ms
+        cpu.num_iterations += 1
+        cpu.num_assisted += 1
+        num_stages = self.num_layers + 1
+        stage_ms = device_ms / num_stages
+        between_ms = max(0.0, assisted_ms - device_ms) / self.num_layers
+        self._next_stage(cpu, num_stages, stage_ms, between_ms)
+
+    def _next_stage(self, cpu, stages_left: int, stage_ms: float, between_ms: float) -> None:
+        end_ms, gpu_end_ms = self.device.run_stage(self.now_ms, stage_ms)
+        if gpu_end_ms is not None:
+            gpu = self.engines[GPU]
+            gpu.done_version += 1
+            self._push(gpu_end_ms + self.config.engine_overhead_ms, "done", (GPU, gpu.done_version))
+        if stages_left == 1:
+            cpu.done_version += 1
+            self._push(end_ms + self.config.engine_overhead_ms, "done", (cpu.name, cpu.done_version))
+        else:
+            self._push(end_ms + between_ms, "call",
+                       lambda: self._next_stage(cpu, stages_left - 1, stage_ms, between_ms))
