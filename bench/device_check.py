@@ -24,30 +24,29 @@ from pathlib import Path
 
 import torch
 
+from bench.engine_client import EngineClient
 from dualpace.generation import OfflineGenerator
 from dualpace.kv.storage import KVStorage
 from dualpace.model.loader import load_model
 from dualpace.model.paged_forward import PagedForward, SequenceWork
 from dualpace.model.synth import write_synthetic_checkpoint
 from dualpace.sampling import SamplingParams
-from dualpace.wire.engine_messages import new_request_to_pb
-from dualpace.wire.v1 import engine_pb2_grpc
 from toolkit.processes import start_daemon
 
 PROMPTS = [[5, 9, 2, 11, 40], [1] * 17, [300, 200, 100, 7, 7, 7, 3], list(range(10, 60))]
 
 
 def stream_tokens(address: str, request_id: str, prompt: list[int], params: SamplingParams) -> tuple[list[int], float]:
-    import grpc
-
-    with grpc.insecure_channel(address) as channel:
-        stub = engine_pb2_grpc.EngineStub(channel)
+    client = EngineClient(address)
+    try:
         start = time.perf_counter()
         ttft_s, tokens = None, []
-        for response in stub.Generate(new_request_to_pb(request_id, prompt, params), timeout=300):
+        for response in client.stream(request_id, prompt, params, timeout_s=300):
             if ttft_s is None and response.token_ids:
                 ttft_s = time.perf_counter() - start
             tokens.extend(response.token_ids)
+    finally:
+        client.close()
     return tokens, ttft_s or 0.0
 
 

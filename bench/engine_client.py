@@ -1,4 +1,5 @@
-"""A small synchronous Engine client for benchmarks and system tests: generate, migrate, resume, load."""
+"""The tools' synchronous Engine client (benchmarks and system tests): generate, resume, abort,
+migrate, load. Replies are the protobuf messages; read streams with read_until."""
 
 from __future__ import annotations
 
@@ -7,7 +8,12 @@ import time
 import grpc
 
 from dualpace.sampling import FinishReason, SamplingParams
-from dualpace.wire.engine_messages import generate_update_from_pb, new_request_to_pb
+from dualpace.wire.engine_messages import (
+    abort_request_to_pb,
+    generate_update_from_pb,
+    new_request_to_pb,
+    resume_request_to_pb,
+)
 from dualpace.wire.v1 import engine_pb2, engine_pb2_grpc
 
 
@@ -24,16 +30,17 @@ class EngineClient:
         return self.stub.Generate(new_request_to_pb(request_id, prompt, params), timeout=timeout_s)
 
     def resume(self, request_id: str, from_token_index: int, timeout_s: float = 120):
-        request = engine_pb2.EngineGenerateRequest(
-            resume=engine_pb2.ResumeEngineRequest(request_id=request_id, from_token_index=from_token_index))
-        return self.stub.Generate(request, timeout=timeout_s)
+        return self.stub.Generate(resume_request_to_pb(request_id, from_token_index), timeout=timeout_s)
+
+    def abort(self, request_id: str, timeout_s: float = 10):
+        return self.stub.Abort(abort_request_to_pb(request_id), timeout=timeout_s)
 
     def migrate(self, request_id: str, target_address: str):
         return self.stub.MigrateOut(engine_pb2.MigrateOutRequest(request_id=request_id,
                                                                  target_address=target_address), timeout=60)
 
-    def load(self):
-        return self.stub.GetLoad(engine_pb2.GetLoadRequest(), timeout=10)
+    def load(self, timeout_s: float = 10):
+        return self.stub.GetLoad(engine_pb2.GetLoadRequest(), timeout=timeout_s)
 
     def wait_idle(self, timeout_s: float = 10.0):
         """The load once nothing runs or waits (bounded)."""

@@ -25,7 +25,6 @@ import time
 from bench.engine_client import EngineClient
 from dualpace.sampling import SamplingParams
 from dualpace.wire.engine_messages import generate_update_from_pb
-from dualpace.wire.v1 import engine_pb2
 from toolkit.processes import start_daemon
 
 
@@ -92,7 +91,7 @@ def main() -> None:
                             "first_tokens": len(first.new_token_ids)})
             time.sleep(args.interval_s)
         for i in range(args.num_cpu):
-            cpu_client.stub.Abort(engine_pb2.AbortRequest(request_id=f"cpu-{i}"), timeout=10)
+            cpu_client.abort(f"cpu-{i}", timeout_s=10)
         for thread in threads:
             thread.join(timeout=30)
 

@@ -41,6 +41,7 @@ from pathlib import Path
 
 import grpc
 
+from bench.engine_client import EngineClient
 from bench.soak_client import (
     CANCELLED,
     COMPLETED,
@@ -53,7 +54,7 @@ from bench.soak_client import (
     run_chaos_load,
 )
 from bench.soak_report import report, summary_table
-from dualpace.wire.v1 import engine_pb2, engine_pb2_grpc, router_pb2, router_pb2_grpc
+from dualpace.wire.v1 import router_pb2, router_pb2_grpc
 from toolkit.processes import Daemon, start_daemon
 from toolkit.workload import build_requests, parse_length_spec
 
@@ -307,11 +308,11 @@ class Soak:
             daemon = self.slots[role].daemon
             deadline = time.monotonic() + timeout_s
             last = None
-            with grpc.insecure_channel(daemon.address) as channel:
-                stub = engine_pb2_grpc.EngineStub(channel)
+            client = EngineClient(daemon.address)
+            try:
                 while True:
                     try:
-                        last = stub.GetLoad(engine_pb2.GetLoadRequest(), timeout=5)
+                        last = client.load(timeout_s=5)
                     except grpc.RpcError as exc:
                         loads[role] = {"error": exc.code().name}
                         break
@@ -321,6 +322,8 @@ class Soak:
                                        "num_running": last.num_running, "num_waiting": last.num_waiting}
                         break
                     time.sleep(0.2)
+            finally:
+                client.close()
         return loads
 
 

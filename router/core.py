@@ -21,8 +21,6 @@ from dualpace.policy.admission import AdmissionConfig
 from dualpace.policy.migration_planner import MigrationConfig, plan_migrations
 from dualpace.policy.views import Policy, RoutedRequest
 from dualpace.serve import metrics
-from dualpace.serve.logging_setup import request_metadata
-from dualpace.wire.engine_messages import migrate_out_request_to_pb
 from router.engines import EngineHandle, EnginePool
 
 log = logging.getLogger(__name__)
@@ -136,8 +134,7 @@ class RouterCore:
                                  reason)
         self.migrations.append(record)
         try:
-            await source.stub.MigrateOut(migrate_out_request_to_pb(tracked.request_id, target.address), timeout=60,
-                                          metadata=request_metadata(tracked.request_id))
+            await source.migrate_out(tracked.request_id, target.address, timeout_s=60)
             record.outcome = "committed"
             tracked.num_migrations += 1
             metrics.migration(source.expected_kind, target.expected_kind, "committed")

@@ -5,14 +5,30 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import AsyncIterator
 
 import grpc
 
+from dualpace.engine.channel import ChannelUpdate
+from dualpace.engine.load import RequestSummary
 from dualpace.policy.views import EngineView
+from dualpace.sampling_params import SamplingParams
 from dualpace.serve.auth import aio_token_interceptors
+from dualpace.serve.logging_setup import request_metadata
 from dualpace.serve.server import channel_options
-from dualpace.wire.engine_messages import ENGINE_KIND_FROM_PB
-from dualpace.wire.v1 import engine_pb2, engine_pb2_grpc
+from dualpace.wire.engine_messages import (
+    abort_request_to_pb,
+    engine_view_from_pb,
+    generate_update_from_pb,
+    info_request_to_pb,
+    list_requests_to_pb,
+    migrate_out_request_to_pb,
+    new_request_to_pb,
+    request_summary_from_pb,
+    resume_request_to_pb,
+    watch_load_request_to_pb,
+)
+from dualpace.wire.v1 import engine_pb2_grpc
 
 log = logging.getLogger(__name__)
 
@@ -20,7 +36,21 @@ WATCH_INTERVAL_MS = 100
 RECONNECT_DELAY_S = 0.5
 
 
+class EngineStream:
+    """An engine's Generate stream as core updates. The call starts when the stream is made;
+    errors are grpc.aio.AioRpcError, as from the call itself."""
+
+    def __init__(self, call):
+        self._call = call
+
+    async def __aiter__(self) -> AsyncIterator[ChannelUpdate]:
+        async for response in self._call:
+            yield generate_update_from_pb(response)
+
+
 class EngineHandle:
+    """One engine as the router sees it: its latest load view (watched) and typed calls."""
+
     def __init__(self, address: str, expected_kind: str, auth_token: str | None = None):
         self.address = address
         self.expected_kind = expected_kind
@@ -50,6 +80,32 @@ class EngineHandle:
                 pass
         await self.channel.close()
 
+    # -- calls (the router's only way to talk to an engine) ---------------------------------
+
+    def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> EngineStream:
+        """A new request that keeps running when the router's stream drops (the router resumes it)."""
+        return EngineStream(self.stub.Generate(
+            new_request_to_pb(request_id, prompt_token_ids, params, keep_running_on_disconnect=True),
+            metadata=request_metadata(request_id)))
+
+    def resume(self, request_id: str, from_token_index: int) -> EngineStream:
+        """Follow a request the engine holds, from its output token `from_token_index` on."""
+        return EngineStream(self.stub.Generate(resume_request_to_pb(request_id, from_token_index),
+                                               metadata=request_metadata(request_id)))
+
+    async def abort(self, request_id: str, timeout_s: float) -> None:
+        await self.stub.Abort(abort_request_to_pb(request_id), timeout=timeout_s,
+                              metadata=request_metadata(request_id))
+
+    async def list_requests(self, timeout_s: float = 5) -> list[RequestSummary]:
+        listing = await self.stub.ListRequests(list_requests_to_pb(), timeout=timeout_s)
+        return [request_summary_from_pb(info) for info in listing.requests]
+
+    async def migrate_out(self, request_id: str, target_address: str, timeout_s: float = 60) -> None:
+        """Move the request to the engine at `target_address` (two-phase; returns once committed)."""
+        await self.stub.MigrateOut(migrate_out_request_to_pb(request_id, target_address), timeout=timeout_s,
+                                   metadata=request_metadata(request_id))
+
     async def mark_unhealthy(self) -> None:
         """A call to the engine failed: stop placing work there until its load stream is back."""
         if self.view is not None:
@@ -58,21 +114,10 @@ class EngineHandle:
     async def _watch(self) -> None:
         while True:
             try:
-                info = await self.stub.Info(engine_pb2.InfoRequest(), timeout=5)
+                info = await self.stub.Info(info_request_to_pb(), timeout=5)
                 self.name = info.engine
-                async for snapshot in self.stub.WatchLoad(engine_pb2.WatchLoadRequest(interval_ms=WATCH_INTERVAL_MS)):
-                    await self._publish(EngineView(
-                        name=snapshot.engine,
-                        kind=ENGINE_KIND_FROM_PB.get(snapshot.kind, self.expected_kind),
-                        healthy=snapshot.serving,
-                        kv_blocks_total=snapshot.kv_blocks_total,
-                        kv_blocks_used=snapshot.kv_blocks_used,
-                        block_size=snapshot.block_size,
-                        num_running=snapshot.num_running,
-                        num_waiting=snapshot.num_waiting,
-                        itl_p50_ms=snapshot.itl_p50_ms,
-                        itl_p99_ms=snapshot.itl_p99_ms,
-                    ))
+                async for snapshot in self.stub.WatchLoad(watch_load_request_to_pb(WATCH_INTERVAL_MS)):
+                    await self._publish(engine_view_from_pb(snapshot, self.expected_kind))
             except grpc.aio.AioRpcError as exc:
                 log.info("engine %s at %s unreachable: %s", self.name, self.address, exc.code().name)
             except Exception:  # anything else must not end the watch: the engine would never come back

@@ -21,21 +21,10 @@ from dualpace.errors import Overloaded, Unavailable
 from dualpace.model.detokenizer import IncrementalDetokenizer
 from dualpace.policy.admission import Placement, admit, handoff_source
 from dualpace.sampling_params import FinishReason, SamplingParams
-from dualpace.serve.logging_setup import (
-    bind_request_id,
-    request_metadata,
-    unbind_request_id,
-)
+from dualpace.serve.logging_setup import bind_request_id, unbind_request_id
 from dualpace.serve.metrics import RequestClock, engine_metrics
-from dualpace.wire.engine_messages import (
-    abort_request_to_pb,
-    generate_update_from_pb,
-    new_request_to_pb,
-    resume_request_to_pb,
-)
-from dualpace.wire.v1 import engine_pb2
 from router.core import RouterCore, Tracked
-from router.engines import EngineHandle
+from router.engines import EngineHandle, EngineStream
 
 log = logging.getLogger(__name__)
 
@@ -125,9 +114,7 @@ class Relay:
                         raise Unavailable(f"engine {engine.name} ended the stream without finishing")
                     engine, handoff_to = moved_to, None
                     self.tracked.engine = engine
-                    call = engine.stub.Generate(resume_request_to_pb(
-                        self.request_id, len(self.output_token_ids) - self.engine_base),
-                        metadata=request_metadata(self.request_id))
+                    call = self._resume(engine)
                 except grpc.aio.AioRpcError as exc:
                     if exc.code() not in ENGINE_FAILURE_CODES:
                         if exc.code() == grpc.StatusCode.DATA_LOSS:  # this request alone failed: say so
@@ -208,20 +195,22 @@ class Relay:
             if queued:
                 core.num_queued -= 1
 
-    def _submit(self, engine: EngineHandle, params: SamplingParams | None = None):
+    def _submit(self, engine: EngineHandle, params: SamplingParams | None = None) -> EngineStream:
+        """A new engine request: the prompt plus what was relayed so far (after a failure)."""
         prompt = self.prompt_token_ids + self.output_token_ids
         self.engine_base = len(self.output_token_ids)
-        return engine.stub.Generate(new_request_to_pb(self.request_id, prompt, params or self.params,
-                                                      keep_running_on_disconnect=True),
-                                    metadata=request_metadata(self.request_id))
+        return engine.generate(self.request_id, prompt, params or self.params)
+
+    def _resume(self, engine: EngineHandle) -> EngineStream:
+        """Follow the same engine request on `engine` from the first output not yet relayed."""
+        return engine.resume(self.request_id, len(self.output_token_ids) - self.engine_base)
 
     # ----------------------------------------------------------------- following
 
     async def _follow(self, engine: EngineHandle, call, handoff_to: EngineHandle | None):
         self._moved_to = None
         handoff_started = False
-        async for response in call:
-            update = generate_update_from_pb(response)
+        async for update in call:
             expected = len(self.output_token_ids) - self.engine_base
             new_ids = list(update.new_token_ids)
             if update.first_token_index < expected:  # already relayed (a resume overlapping): skip them
@@ -271,15 +260,13 @@ class Relay:
             survivors = [h for h in core.pool.handles if h is not failed and h.healthy]
             for engine in survivors:
                 try:
-                    listing = await engine.stub.ListRequests(engine_pb2.ListRequestsRequest(), timeout=5)
+                    held = await engine.list_requests(timeout_s=5)
                 except grpc.aio.AioRpcError:
                     continue
                 self.tracked.engine = engine
-                if any(info.request_id == self.request_id for info in listing.requests):
+                if any(info.request_id == self.request_id for info in held):
                     # Same lineage, same outputs: only the stream moves.
-                    return engine, engine.stub.Generate(resume_request_to_pb(
-                        self.request_id, len(self.output_token_ids) - self.engine_base),
-                        metadata=request_metadata(self.request_id))
+                    return engine, self._resume(engine)
                 remaining = self.params.max_tokens - len(self.output_token_ids)
                 return engine, self._submit(engine, replace(self.params, max_tokens=remaining))
             remaining_s = deadline - time.monotonic()
@@ -296,8 +283,7 @@ class Relay:
     async def _abort_quietly(self, engine: EngineHandle) -> None:
         """Best effort: a failed engine that is still up must not keep the request."""
         try:
-            await engine.stub.Abort(abort_request_to_pb(self.request_id), timeout=1,
-                                    metadata=request_metadata(self.request_id))
+            await engine.abort(self.request_id, timeout_s=1)
         except grpc.aio.AioRpcError:
             pass  # gone, or never held it
 
@@ -306,7 +292,6 @@ class Relay:
         if engine is None:
             return
         try:
-            await engine.stub.Abort(abort_request_to_pb(self.request_id), timeout=5,
-                                    metadata=request_metadata(self.request_id))
+            await engine.abort(self.request_id, timeout_s=5)
         except grpc.aio.AioRpcError:
             pass  # already finished, moved or gone

@@ -10,7 +10,7 @@ import grpc
 
 from dualpace.errors import InvalidArgument
 from dualpace.wire import router_messages as messages
-from dualpace.wire.v1 import engine_pb2, router_pb2, router_pb2_grpc
+from dualpace.wire.v1 import router_pb2, router_pb2_grpc
 from router.core import RouterCore
 from router.draining import StreamDrain
 from router.prompts import prepare_prompt, request_id_for
@@ -43,14 +43,14 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
 
         async def list_requests(handle):
             try:
-                return handle, await handle.stub.ListRequests(engine_pb2.ListRequestsRequest(), timeout=5)
+                return handle, await handle.list_requests(timeout_s=5)
             except grpc.aio.AioRpcError:
                 return handle, None
 
         for handle, listing in await asyncio.gather(*(list_requests(h) for h in pool.handles)):
             if handle.view is not None:
                 engines.append(messages.engine_placement_to_pb(handle.view, handle.healthy))
-            for info in listing.requests if listing is not None else ():
+            for info in listing or ():
                 requests.append(messages.request_placement_to_pb(handle.name, info))
         return router_pb2.Placements(engines=engines, requests=requests,
                                      migrations=[messages.migration_to_pb(m) for m in self.core.migrations])

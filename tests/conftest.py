@@ -1,4 +1,5 @@
-"""Shared fixtures: synthetic checkpoints (made once per session) and the default model."""
+"""Shared fixtures: synthetic checkpoints (made once per session), the tiny synthetic model and
+the default model."""
 
 from __future__ import annotations
 
@@ -28,6 +29,12 @@ def synth_checkpoint(tmp_path_factory):
         return made[preset]
 
     return make
+
+
+@pytest.fixture(scope="module")
+def tiny(synth_checkpoint):
+    """The tiny synthetic Llama (tiny-llama preset) loaded in float32, once per test module."""
+    return load_model(str(synth_checkpoint("tiny-llama")), dtype="fp32")
 
 
 @pytest.fixture(scope="session")

@@ -9,7 +9,6 @@ from dualpace.engine.kv_transfer import KvChunk
 from dualpace.errors import InvalidArgument, Unavailable
 from dualpace.faults import FaultConfig, InjectedFault, variable_name
 from dualpace.generation import OfflineGenerator
-from dualpace.model.loader import load_model
 from dualpace.sampling import FinishReason, SamplingParams
 
 
@@ -82,11 +81,6 @@ def test_outgoing_chunk_faults():
 
 
 # ---------------------------------------------------------------------- the runner honours them
-
-
-@pytest.fixture(scope="module")
-def tiny(synth_checkpoint):
-    return load_model(str(synth_checkpoint("tiny-llama")), dtype="fp32")
 
 
 def test_forward_raise_counts_steps_from_when_the_faults_are_set(tiny):

@@ -4,19 +4,12 @@ from __future__ import annotations
 
 import random
 
-import pytest
 import torch
 
 from dualpace.generation import OfflineGenerator
 from dualpace.kv.storage import KVStorage
-from dualpace.model.loader import load_model
 from dualpace.model.paged_forward import PagedForward, SequenceWork
 from dualpace.sampling import FinishReason, SamplingParams
-
-
-@pytest.fixture(scope="module")
-def tiny(synth_checkpoint):
-    return load_model(str(synth_checkpoint("tiny-llama")), dtype="fp32")
 
 
 def random_prompts(vocab_size: int, lengths: list[int], seed: int = 0) -> list[list[int]]:

@@ -7,7 +7,9 @@
 
 Read from the sources with ast (nothing is imported), counting every import: at module
 level, inside functions and under TYPE_CHECKING alike, since each is an edge a reader must
-follow. A re-export is an edge too."""
+follow. A re-export is an edge too. Besides the floors: no import cycles (between modules,
+and between top-level packages), no protobuf module outside the wire, the servicers, the
+client handles and the entry points, and no torch in the router or the policy."""
 
 from __future__ import annotations
 
@@ -25,6 +27,28 @@ DAEMONS = ("gpu_service", "cpu_service", "router")
 # `python -m dualpace` has to sit in the core's folder, but it only starts the CLI: it belongs
 # to the tools floor (nothing imports it, so it cannot close a loop).
 FLOOR_OF_MODULE = {"dualpace.__main__": 3}
+# The project's protobuf modules (dualpace.wire.v1.*_pb2, *_pb2_grpc) stay behind the wire:
+PROTOBUF_PACKAGE = "dualpace.wire.v1"
+PROTOBUF_ALLOWED = (
+    "dualpace.wire.*",                    # conversion protobuf <-> core types
+    "dualpace.serve.engine_servicer",     # servicers
+    "gpu_service.assist_servicer",
+    "router.service",
+    "router.engines",                     # client handles. Engine: the router's (typed, async),
+    "bench.engine_client",                # the tools' (sync),
+    "dualpace.serve.kv_transport",        # an engine's ImportKv stream to another;
+    "cpu_service.assist_client",          # Assist;
+    "dualpace.commands.client",           # Router: `dualpace client`, `dualpace-router placement`,
+    "router.placement_cli",
+    "bench.load.generator",               # the load generator, and the soak, whose client sends
+    "bench.soak_client",                  # malformed requests on purpose
+    "bench.soak",
+    "dualpace.serve.engine_daemon",       # daemon entry points (the two engines share one)
+    "gpu_service.__main__",
+    "cpu_service.__main__",
+    "router.__main__",
+)
+
 # The router and the pure policy never load torch (the router has no weights).
 TORCH_FREE = ("router.*", "dualpace.policy.*")
 # ...except one edge: the router's entry point reads the model's tokenizer and shape through
@@ -97,6 +121,13 @@ def test_daemons_never_import_one_another():
                     if m.split(".")[0] in DAEMONS and t.split(".")[0] in DAEMONS
                     and m.split(".")[0] != t.split(".")[0])
     assert across == []
+
+
+def test_protobuf_modules_stay_behind_the_wire():
+    leaks = sorted(f"{m} imports {name}" for m in modules() if not _matches(m, PROTOBUF_ALLOWED)
+                   for name in imported_names(m)
+                   if name.startswith(PROTOBUF_PACKAGE + ".") and "_pb2" in name)
+    assert leaks == []
 
 
 def test_router_and_policy_never_import_torch():

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import torch
 
-from dualpace.engine.kv_transfer import ITEMSIZE_BYTES
 from dualpace.errors import InvalidArgument
 
 DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}

@@ -1,9 +1,12 @@
-"""An engine's load snapshot: what it reports to the router (LoadSnapshot on the wire).
-Plain data, so the wire and the router read it without the asyncio loop that makes it."""
+"""What an engine reports about itself: its load snapshot (LoadSnapshot on the wire) and a
+summary of each request it holds (RequestInfo). Plain data, so the wire and the router read
+it without the asyncio loop that makes it."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from dualpace.engine.request import RequestState
 
 
 @dataclass(frozen=True)
@@ -21,3 +24,14 @@ class EngineLoad:
     num_iterations: int
     num_preemptions: int
     timestamp_unix_ms: int
+
+
+@dataclass(frozen=True)
+class RequestSummary:
+    """One request an engine holds, as ListRequests reports it (state None: not one we know)."""
+
+    request_id: str
+    state: RequestState | None
+    prompt_tokens: int
+    generated_tokens: int
+    kv_blocks: int

@@ -9,8 +9,9 @@ from __future__ import annotations
 from dualpace import __version__
 from dualpace.engine.channel import ChannelUpdate
 from dualpace.engine.kv_transfer import KvChunk, KvLayout, KvTransferHeader
-from dualpace.engine.load import EngineLoad
+from dualpace.engine.load import EngineLoad, RequestSummary
 from dualpace.engine.request import EngineRequest, RequestState
+from dualpace.policy.views import EngineView
 from dualpace.wire.common import (
     finish_reason_from_pb,
     finish_reason_to_pb,
@@ -28,6 +29,7 @@ _STATE_TO_PB = {
     RequestState.PAUSED: common_pb2.REQUEST_STATE_PAUSED,
     RequestState.FINISHED: common_pb2.REQUEST_STATE_FINISHED,
 }
+_STATE_FROM_PB = {value: state for state, value in _STATE_TO_PB.items()}
 
 
 def generate_response_to_pb(
@@ -100,10 +102,36 @@ def load_to_pb(load: EngineLoad) -> engine_pb2.LoadSnapshot:
 def request_info_to_pb(request: EngineRequest, num_kv_blocks: int) -> engine_pb2.RequestInfo:
     return engine_pb2.RequestInfo(
         request_id=request.request_id,
-        state=_STATE_TO_PB.get(request.state, common_pb2.REQUEST_STATE_UNSPECIFIED),
+        state=request_state_to_pb(request.state),
         prompt_tokens=len(request.prompt_token_ids),
         generated_tokens=len(request.output_token_ids),
         kv_blocks=num_kv_blocks,
+    )
+
+
+def request_summary_from_pb(message: engine_pb2.RequestInfo) -> RequestSummary:
+    return RequestSummary(request_id=message.request_id, state=_STATE_FROM_PB.get(message.state),
+                          prompt_tokens=message.prompt_tokens, generated_tokens=message.generated_tokens,
+                          kv_blocks=message.kv_blocks)
+
+
+def request_state_to_pb(state: RequestState | None) -> int:
+    return _STATE_TO_PB.get(state, common_pb2.REQUEST_STATE_UNSPECIFIED)
+
+
+def engine_view_from_pb(snapshot: engine_pb2.LoadSnapshot, expected_kind: str) -> EngineView:
+    """The router's view of an engine from its load snapshot (`expected_kind` when it names none)."""
+    return EngineView(
+        name=snapshot.engine,
+        kind=ENGINE_KIND_FROM_PB.get(snapshot.kind, expected_kind),
+        healthy=snapshot.serving,
+        kv_blocks_total=snapshot.kv_blocks_total,
+        kv_blocks_used=snapshot.kv_blocks_used,
+        block_size=snapshot.block_size,
+        num_running=snapshot.num_running,
+        num_waiting=snapshot.num_waiting,
+        itl_p50_ms=snapshot.itl_p50_ms,
+        itl_p99_ms=snapshot.itl_p99_ms,
     )
 
 
@@ -201,3 +229,15 @@ def import_committed_to_pb(request_id: str, engine_name: str) -> engine_pb2.Impo
 
 def abort_request_to_pb(request_id: str) -> engine_pb2.AbortRequest:
     return engine_pb2.AbortRequest(request_id=request_id)
+
+
+def list_requests_to_pb() -> engine_pb2.ListRequestsRequest:
+    return engine_pb2.ListRequestsRequest()
+
+
+def info_request_to_pb() -> engine_pb2.InfoRequest:
+    return engine_pb2.InfoRequest()
+
+
+def watch_load_request_to_pb(interval_ms: int) -> engine_pb2.WatchLoadRequest:
+    return engine_pb2.WatchLoadRequest(interval_ms=interval_ms)

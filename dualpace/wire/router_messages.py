@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from dualpace.client_request import ClientRequest
-from dualpace.sampling_params import FinishReason, SamplingParams
+from dualpace.engine.load import RequestSummary
+from dualpace.sampling_params import FinishReason
 from dualpace.wire.common import (
     finish_reason_from_pb,
     finish_reason_to_pb,
@@ -11,7 +12,7 @@ from dualpace.wire.common import (
     sampling_params_to_pb,
     token_ids_to_list,
 )
-from dualpace.wire.engine_messages import ENGINE_KIND_FROM_PB, ENGINE_KIND_TO_PB
+from dualpace.wire.engine_messages import ENGINE_KIND_FROM_PB, ENGINE_KIND_TO_PB, request_state_to_pb
 from dualpace.wire.v1 import common_pb2, router_pb2
 
 
@@ -47,9 +48,9 @@ def engine_placement_to_pb(view, healthy: bool) -> router_pb2.EnginePlacement:
     )
 
 
-def request_placement_to_pb(engine: str, info) -> router_pb2.RequestPlacement:
-    """From an engine's RequestInfo message."""
-    return router_pb2.RequestPlacement(request_id=info.request_id, engine=engine, state=info.state,
+def request_placement_to_pb(engine: str, info: RequestSummary) -> router_pb2.RequestPlacement:
+    """From an engine's summary of one request it holds."""
+    return router_pb2.RequestPlacement(request_id=info.request_id, engine=engine, state=request_state_to_pb(info.state),
                                        prompt_tokens=info.prompt_tokens, generated_tokens=info.generated_tokens,
                                        kv_blocks=info.kv_blocks)
 

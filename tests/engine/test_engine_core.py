@@ -10,13 +10,7 @@ from dualpace.engine.core import EngineConfig, EngineCore
 from dualpace.engine.scheduler import SchedulerConfig
 from dualpace.errors import InvalidArgument, Overloaded, RequestNotFound
 from dualpace.generation import OfflineGenerator
-from dualpace.model.loader import load_model
 from dualpace.sampling import FinishReason, SamplingParams
-
-
-@pytest.fixture(scope="module")
-def tiny(synth_checkpoint):
-    return load_model(str(synth_checkpoint("tiny-llama")), dtype="fp32")
 
 
 def run_to_completion(core: EngineCore, max_steps: int = 5000) -> dict[str, list[int]]:

@@ -10,13 +10,7 @@ from dualpace.engine.core import EngineConfig, EngineCore
 from dualpace.engine.loop import EngineLoop
 from dualpace.errors import RequestNotFound
 from dualpace.generation import OfflineGenerator
-from dualpace.model.loader import load_model
 from dualpace.sampling import FinishReason, SamplingParams
-
-
-@pytest.fixture(scope="module")
-def tiny(synth_checkpoint):
-    return load_model(str(synth_checkpoint("tiny-llama")), dtype="fp32")
 
 
 async def collect(channel, from_index: int = 0) -> tuple[list[int], FinishReason | None]:

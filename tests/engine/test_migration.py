@@ -12,15 +12,9 @@ from dualpace.engine.loop import EngineLoop
 from dualpace.engine.migration import KvImporter, migrate_out
 from dualpace.errors import InvalidArgument
 from dualpace.generation import OfflineGenerator
-from dualpace.model.loader import load_model
 from dualpace.sampling import FinishReason, SamplingParams
 
 NUM_BLOCKS = 64
-
-
-@pytest.fixture(scope="module")
-def tiny(synth_checkpoint):
-    return load_model(str(synth_checkpoint("tiny-llama")), dtype="fp32")
 
 
 def direct_send(target: EngineLoop, fault=None):

@@ -13,14 +13,11 @@ from __future__ import annotations
 import asyncio
 import threading
 
-import pytest
-
 from dualpace.engine.core import EngineConfig, EngineCore
 from dualpace.engine.kv_transfer import ImportProgress
 from dualpace.engine.loop import EngineLoop
 from dualpace.engine.migration import migrate_out
 from dualpace.generation import OfflineGenerator
-from dualpace.model.loader import load_model
 from dualpace.sampling import SamplingParams
 from tests.engine.test_migration import (
     NUM_BLOCKS,
@@ -31,11 +28,6 @@ from tests.engine.test_migration import (
 )
 
 PROMPT = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5]
-
-
-@pytest.fixture(scope="module")
-def tiny(synth_checkpoint):
-    return load_model(str(synth_checkpoint("tiny-llama")), dtype="fp32")
 
 
 async def until_moved(channel) -> None:

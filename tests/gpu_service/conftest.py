@@ -27,7 +27,7 @@ from dualpace.sampling import FinishReason, SamplingParams
 from dualpace.wire.common import finish_reason_from_pb
 from dualpace.wire.engine_messages import new_request_to_pb
 from dualpace.wire.v1 import engine_pb2, engine_pb2_grpc
-from tests.daemons import Daemon, start_daemon
+from toolkit.processes import Daemon, start_daemon
 
 T = TypeVar("T")
 

@@ -27,7 +27,7 @@ from dualpace.wire.v1 import (
     router_pb2,
     router_pb2_grpc,
 )
-from tests.daemons import Daemon, start_daemon
+from toolkit.processes import Daemon, start_daemon
 
 STEP_DELAY_MS = 40
 PROMPT = [5, 9, 2, 11]

@@ -14,7 +14,7 @@ from dualpace.sampling import SamplingParams
 from dualpace.serve import metrics
 from dualpace.wire.engine_messages import new_request_to_pb
 from dualpace.wire.v1 import common_pb2, engine_pb2_grpc, router_pb2, router_pb2_grpc
-from tests.daemons import start_daemon
+from toolkit.processes import start_daemon
 
 ENGINE_FAMILIES = [
     "dualpace_num_requests_running", "dualpace_num_requests_waiting", "dualpace_kv_blocks_used",

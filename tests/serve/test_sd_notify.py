@@ -25,7 +25,7 @@ from dualpace.sampling import SamplingParams
 from dualpace.serve.sd_notify import Notifier, socket_address, watchdog_interval_s
 from dualpace.wire.engine_messages import new_request_to_pb
 from dualpace.wire.v1 import engine_pb2_grpc
-from tests.daemons import start_daemon
+from toolkit.processes import start_daemon
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 UNIT_DIR = REPO_ROOT / "deploy" / "systemd"

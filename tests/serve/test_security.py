@@ -28,13 +28,13 @@ from dualpace.serve.server import start_server
 from dualpace.wire.engine_messages import new_request_to_pb
 from dualpace.wire.v1 import engine_pb2, engine_pb2_grpc
 from router.engines import EngineHandle
-from tests.daemons import start_daemon
 from tests.serve.fake_services import (
     ENGINE_SERVICE,
     PROBE_SERVICE,
     FailingEngine,
     register_all,
 )
+from toolkit.processes import start_daemon
 
 TOKEN = "s3cret-token"
 HEALTH_REQUEST = health_pb2.HealthCheckRequest(service="")
