@@ -27,7 +27,7 @@ import logging
 import ssl
 import time
 import uuid
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import grpc
 from aiohttp import web
@@ -39,8 +39,8 @@ from dualpace.serve.address import parse_listen
 from router import openai_schema as schema
 from router.core import RouterCore
 from router.openai_schema import ApiError, ParsedRequest
-from router.prompts import prepare_prompt, request_id_for
-from router.relay import Relay, RelayUpdate
+from router.prompts import request_id_for
+from router.relay import Relay, RelayUpdate, open_request
 
 log = logging.getLogger(__name__)
 
@@ -169,15 +169,11 @@ class HttpFront:
                 request_id = request_id_for(parsed.client)
             else:
                 request_id = f"{id_prefix}-{uuid.uuid4().hex}"
-            if request_id in core.tracked:
-                raise InvalidArgument("request_id", f"request {request_id!r} is already running")
-            prompt_ids, params = prepare_prompt(parsed.client, core.tokenizer, core.model_config)
+            relay = open_request(core, parsed.client, request_id, default_max_tokens=(
+                schema.CHAT_DEFAULT_MAX_TOKENS if parsed.default_max_tokens else None))
         except DualPaceError as exc:
             raise schema.error_for(exc, parsed.renamed) from None
-        if parsed.default_max_tokens:  # fit the default to the room the prompt leaves in the context
-            room = core.max_context_tokens - len(prompt_ids)
-            params = replace(params, max_tokens=max(1, min(schema.CHAT_DEFAULT_MAX_TOKENS, room)))
-        relay = Relay(core, request_id, prompt_ids, params)
+        prompt_ids = relay.prompt_token_ids
         answer = _Answer(parsed, request_id, self.model_id, len(prompt_ids), relay)
         self.metrics.prompt_tokens.inc(len(prompt_ids))
         self.metrics.running.inc()

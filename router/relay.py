@@ -5,7 +5,8 @@ follows it across migrations (resuming the stream on the target from the next
 token index), and recovers it when its engine dies (re-submitting prompt +
 generated tokens, with the same seed, to a survivor), so the client sees one
 unbroken stream: no token missing, none repeated. Text is detokenized
-incrementally and stop strings end the request.
+incrementally and stop strings end the request (router/text_stream.py).
+`open_request` is the start both front doors (gRPC, HTTP) share.
 """
 
 from __future__ import annotations
@@ -17,14 +18,16 @@ from dataclasses import dataclass, replace
 
 import grpc
 
-from dualpace.errors import Overloaded, Unavailable
-from dualpace.model.detokenizer import IncrementalDetokenizer
+from dualpace.client_request import ClientRequest
+from dualpace.errors import InvalidArgument, Overloaded, Unavailable
 from dualpace.policy.admission import Placement, admit, handoff_source
 from dualpace.sampling_params import FinishReason, SamplingParams
 from dualpace.serve.logging_setup import bind_request_id, unbind_request_id
 from dualpace.serve.metrics import RequestClock, engine_metrics
 from router.core import RouterCore, Tracked
 from router.engines import EngineHandle, EngineStream
+from router.prompts import prepare_prompt
+from router.text_stream import TextStream
 
 log = logging.getLogger(__name__)
 
@@ -41,31 +44,11 @@ class RelayUpdate:
     finish_reason: FinishReason | None
 
 
-class StopStringMatcher:
-    """Holds back text that might be the start of a stop string; cuts at a full match."""
+@dataclass(frozen=True)
+class Moved:
+    """How following an engine's stream ended when it did not finish: the request moved there."""
 
-    def __init__(self, stop: tuple[str, ...]):
-        self.stop = stop
-        self.hold = max((len(s) for s in stop), default=1) - 1
-        self.pending = ""
-
-    def feed(self, text: str) -> tuple[str, bool]:
-        """(text safe to emit now, whether a stop string was hit)."""
-        self.pending += text
-        if not self.stop:
-            out, self.pending = self.pending, ""
-            return out, False
-        cut = min((i for i in (self.pending.find(s) for s in self.stop) if i >= 0), default=-1)
-        if cut >= 0:
-            out, self.pending = self.pending[:cut], ""
-            return out, True
-        safe = max(0, len(self.pending) - self.hold)
-        out, self.pending = self.pending[:safe], self.pending[safe:]
-        return out, False
-
-    def flush(self) -> str:
-        out, self.pending = self.pending, ""
-        return out
+    target: EngineHandle
 
 
 # A request that cannot continue is answered UNAVAILABLE this long before its client's
@@ -84,8 +67,7 @@ class Relay:
         self.params = params  # the seed is fixed, so recovery and migration continue the same draws
         self.output_token_ids: list[int] = []
         self.tracked = Tracked(request_id, len(prompt_token_ids), params.max_tokens)
-        self.detokenizer = IncrementalDetokenizer(core.tokenizer, prompt_token_ids, skip_special_tokens=True)
-        self.stops = StopStringMatcher(params.stop)
+        self.text = TextStream(core.tokenizer, prompt_token_ids, params.stop)
         self.engine_base = 0  # outputs that are part of the current engine request's prompt
         self.finished = False
         self.clock = RequestClock()  # Prometheus latencies as the client sees them, by serving engine
@@ -104,15 +86,16 @@ class Relay:
             recovered = False
             while True:
                 try:
-                    async for update in self._follow(engine, call, handoff_to):
-                        self._observe(update)
-                        yield update
-                        if update.finish_reason is not None:
+                    async for item in self._follow(engine, call, handoff_to):
+                        if isinstance(item, Moved):
+                            break
+                        self._observe(item)
+                        yield item
+                        if item.finish_reason is not None:
                             return
-                    moved_to = self._moved_to
-                    if moved_to is None:
+                    else:
                         raise Unavailable(f"engine {engine.name} ended the stream without finishing")
-                    engine, handoff_to = moved_to, None
+                    engine, handoff_to = item.target, None
                     self.tracked.engine = engine
                     call = self._resume(engine)
                 except grpc.aio.AioRpcError as exc:
@@ -207,8 +190,10 @@ class Relay:
 
     # ----------------------------------------------------------------- following
 
-    async def _follow(self, engine: EngineHandle, call, handoff_to: EngineHandle | None):
-        self._moved_to = None
+    async def _follow(self, engine: EngineHandle, call: EngineStream,
+                      handoff_to: EngineHandle | None) -> AsyncIterator[RelayUpdate | Moved]:
+        """The client's updates from one engine stream, ending with a finished update, or with
+        Moved(target) when the engine handed the request on; a stream that just ends is neither."""
         handoff_started = False
         async for update in call:
             expected = len(self.output_token_ids) - self.engine_base
@@ -220,13 +205,13 @@ class Relay:
             if new_ids:
                 self.output_token_ids.extend(new_ids)
                 self.tracked.num_generated_tokens = len(self.output_token_ids)
-                text, stopped = self.stops.feed(self.detokenizer.push(new_ids))
+                text, stopped = self.text.push(new_ids)
                 if stopped:
                     yield self._final(engine, FinishReason.STOP, new_ids, text, abort=True)
                     return
                 reason = update.finish_reason
                 if reason is not None:
-                    text += self.stops.feed(self.detokenizer.flush())[0] + self.stops.flush()
+                    text += self.text.finish()
                     yield self._final(engine, reason, new_ids, text)
                     return
                 yield RelayUpdate(new_ids, text, engine.name, None)
@@ -234,14 +219,15 @@ class Relay:
                     handoff_started = True
                     self.core.spawn(self.core.migrate(self.tracked, handoff_to, "handoff"))
             elif update.finish_reason is not None:
-                text = self.stops.feed(self.detokenizer.flush())[0] + self.stops.flush()
+                text = self.text.finish()
                 yield self._final(engine, update.finish_reason, [], text)
                 return
             if update.migrated_to is not None:
-                self._moved_to = self.core.pool.by_address(update.migrated_to)
-                if self._moved_to is None:
+                target = self.core.pool.by_address(update.migrated_to)
+                if target is None:
                     raise Unavailable(f"request moved to an unknown engine at {update.migrated_to}")
                 self.core.notify()
+                yield Moved(target)
                 return
 
     def _final(self, engine: EngineHandle, reason: FinishReason, token_ids: list[int] | None = None,
@@ -295,3 +281,17 @@ class Relay:
             await engine.abort(self.request_id, timeout_s=5)
         except grpc.aio.AioRpcError:
             pass  # already finished, moved or gone
+
+
+def open_request(core: RouterCore, client: ClientRequest, request_id: str, client_deadline: float | None = None,
+                 default_max_tokens: int | None = None) -> Relay:
+    """What every front door does before relaying: refuse a request id that is already
+    running, tokenize and validate the prompt (prepare_prompt), and with `default_max_tokens`
+    (the client set none) fit that default to the room the prompt leaves in the context."""
+    if request_id in core.tracked:
+        raise InvalidArgument("request_id", f"request {request_id!r} is already running")
+    prompt_ids, params = prepare_prompt(client, core.tokenizer, core.model_config)
+    if default_max_tokens:
+        room = core.max_context_tokens - len(prompt_ids)
+        params = replace(params, max_tokens=max(1, min(default_max_tokens, room)))
+    return Relay(core, request_id, prompt_ids, params, client_deadline)

@@ -8,13 +8,12 @@ import time
 
 import grpc
 
-from dualpace.errors import InvalidArgument
 from dualpace.wire import router_messages as messages
 from dualpace.wire.v1 import router_pb2, router_pb2_grpc
 from router.core import RouterCore
 from router.draining import StreamDrain
-from router.prompts import prepare_prompt, request_id_for
-from router.relay import Relay
+from router.prompts import request_id_for
+from router.relay import open_request
 
 
 class RouterServicer(router_pb2_grpc.RouterServicer):
@@ -26,16 +25,13 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         with self.drain.stream():
             client = messages.client_request_from_pb(request)
             request_id = request_id_for(client)
-            if request_id in self.core.tracked:
-                raise InvalidArgument("request_id", f"request {request_id!r} is already running")
-            prompt_ids, params = prepare_prompt(client, self.core.tokenizer, self.core.model_config)
             remaining_s = context.time_remaining()  # None without a client deadline
             client_deadline = time.monotonic() + remaining_s if remaining_s is not None else None
-            relay = Relay(self.core, request_id, prompt_ids, params, client_deadline)
+            relay = open_request(self.core, client, request_id, client_deadline)
             async for update in relay.run():
                 yield messages.generate_response_to_pb(
                     request_id, update.token_ids, update.text, update.engine, update.finish_reason,
-                    len(prompt_ids), len(relay.output_token_ids))
+                    len(relay.prompt_token_ids), len(relay.output_token_ids))
 
     async def ListPlacements(self, request, context):
         pool = self.core.pool
