@@ -198,7 +198,7 @@ def measured_engine_overhead_ms(report: dict, profile_path: str, trace_dir: str 
     iterations, i.e. the host time per iteration the profile's forward-pass tables do not contain.
     CPU time counts only when the process ran, so other tenants of the core do not inflate it."""
     from dualpace.profile.cost_model import CostModel
-    from dualpace.profile.schema import load_profile
+    from dualpace.profile.files import load_profile
     from profiles.sim import GPU, Simulator
 
     cost = CostModel(load_profile(profile_path))
@@ -240,7 +240,7 @@ def sim_comparison(report: dict, profile_path: str, trace_dir: str | None = None
     """`dualpace sim` on every measured run's requests (the trace written with --trace-dir when
     there is one, else the same seeded requests rebuilt): real vs simulated throughput and P99 ITL."""
     from dualpace.profile.cost_model import CostModel
-    from dualpace.profile.schema import load_profile
+    from dualpace.profile.files import load_profile
     from profiles.sim import simulate
 
     config = report["config"]

@@ -127,7 +127,7 @@ def _target_tables(results: list[dict], targets: list[float], args: argparse.Nam
 def run(args: argparse.Namespace) -> int:
     from dualpace.engine.scheduler import SchedulerConfig
     from dualpace.profile.cost_model import CostModel
-    from dualpace.profile.schema import load_profile
+    from dualpace.profile.files import load_profile
     from profiles.sim import SimConfig, simulate
     from toolkit.workload import (
         build_requests,

@@ -12,18 +12,13 @@ from __future__ import annotations
 import logging
 
 from dualpace.model.config import ModelConfig
+from dualpace.profile.files import load_profile
 from dualpace.profile.fingerprint import (
     cpu_model_name,
     memory_bytes,
     model_fingerprint,
 )
-from dualpace.profile.schema import (
-    HardwareFingerprint,
-    Profile,
-    ProfileError,
-    fingerprint_mismatches,
-    load_profile,
-)
+from dualpace.profile.schema import HardwareFingerprint, Profile, ProfileError, fingerprint_mismatches
 
 log = logging.getLogger(__name__)
 IGNORE_FLAG = "--profile-ignore-fingerprint"

@@ -16,6 +16,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from dualpace.profile.cost_model import CostModel, DecodeBatch
+from dualpace.profile.files import load_profile, save_profile
 from dualpace.profile.schema import (
     PROFILE_VERSION,
     Capacities,
@@ -25,8 +26,6 @@ from dualpace.profile.schema import (
     Table1D,
     Table2D,
     fingerprint_mismatches,
-    load_profile,
-    save_profile,
 )
 
 LOCAL_DIR = Path(__file__).resolve().parent.parent / "local"

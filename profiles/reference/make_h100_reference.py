@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from dualpace.profile.schema import parse_profile, save_profile
+from dualpace.profile.files import parse_profile, save_profile
 
 # ---- model: Llama-3-8B (Meta Llama 3 model card / config.json)
 LAYERS, HIDDEN, HEADS, KV_HEADS, HEAD_DIM, VOCAB, FFN = 32, 4096, 32, 8, 128, 128256, 14336

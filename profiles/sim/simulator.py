@@ -6,19 +6,18 @@ model's predicted time. New requests go through the real `admit`; every
 `planner_interval_ms` the real `plan_migrations` runs on the views the router builds.
 How the engines share the GPU is profiles/sim/device.py; the policies:
 
-- **dualpace**: the CPU engine runs on its own clock. Per iteration it compares Local
-  (cpu_local_ms) with Assisted (cpu_assisted_ms plus the waits it expects for the device)
-  and takes the faster; Local iterations do not touch the device. An Assisted iteration's
-  dense work goes to the device stage by stage (hold "layer"), interleaved with the GPU
-  engine's layers.
+- **dualpace**: the CPU engine runs on its own clock. Per iteration cpu_service's own
+  ModeChooser picks Local or Assisted from the latencies it has seen (profiles/sim/cpu_steps.py);
+  Local iterations do not touch the device. An Assisted iteration's dense work goes to the
+  device stage by stage (hold "layer"), interleaved with the GPU engine's layers.
 - **gated** (NEO-like): a CPU iteration starts only at a GPU iteration boundary (or while
   the GPU engine is idle), is always Assisted and holds the device for the whole iteration,
   so the engines take turns and a CPU-resident request advances at most once per GPU iteration.
 - **gpu-only** (vLLM-like): no CPU engine; the GPU scheduler preempts by recompute.
-- **hand-off and migrations**: at the source's next step boundary the request is paused
-  (Scheduler.pause), blocks are reserved on the target (reserve_import), the KV crosses one
-  PCIe link (transfers queue on it; kv_transfer_ms each), then the target commits
-  (commit_import) and the source releases. A failed reservation resumes the request.
+- **hand-off and migrations** (profiles/sim/moves.py): paused at the source's step boundary,
+  reserved on the target, the KV over one PCIe link (transfers queue on it), committed on
+  the target, released by the source. A request placed on the CPU is prefilled on the GPU
+  when the GPU could ever hold it (handoff_source, as the relay decides), else on the CPU.
 
 Commands that touch a scheduler (pause, commit) run only at that engine's step boundary,
 as the real engine loop does.
@@ -29,11 +28,11 @@ from __future__ import annotations
 import heapq
 import itertools
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 from dualpace.engine.request import EngineRequest
 from dualpace.engine.scheduler import Scheduler, StepPlan, StepResult
-from dualpace.errors import InvalidArgument, Overloaded, RequestNotFound
+from dualpace.errors import InvalidArgument, Overloaded
 from dualpace.policy.admission import AdmissionConfig, Placement, admit, handoff_source
 from dualpace.policy.migration_planner import MigrationConfig, plan_migrations
 from dualpace.policy.views import EngineView, Policy, RoutedRequest
@@ -48,6 +47,7 @@ from profiles.sim.config import (
 )
 from profiles.sim.cpu_steps import CpuSteps, make_chooser
 from profiles.sim.device import SharedDevice
+from profiles.sim.moves import Moves
 from toolkit.workload import RequestSpec
 
 MAX_IDLE_PLANNER_TICKS = 10_000  # planner ticks in a row with nothing else happening: stalled
@@ -85,7 +85,7 @@ class Track:
     engines_seen: list[str] = field(default_factory=list)
 
 
-class Simulator(CpuSteps):
+class Simulator(CpuSteps, Moves):
     def __init__(self, cost: CostModel, config: SimConfig):
         self.cost = cost
         self.config = config
@@ -369,61 +369,6 @@ class Simulator(CpuSteps):
             engine.commands.append(command)
         else:
             command()
-
-    # ------------------------------------------------------------------ moves
-
-    def _move(self, track: Track, source: SimEngine, target: SimEngine, handoff: bool = False) -> None:
-        track.migrating = True
-        self._at_boundary(source, lambda: self._pause_and_send(track, source, target, handoff))
-
-    def _end_move(self, track: Track) -> None:
-        track.migrating = False
-        track.handoff_to = None
-
-    def _pause_and_send(self, track: Track, source: SimEngine, target: SimEngine, handoff: bool) -> None:
-        rid = track.request_id
-        if track.finish_ms is not None:
-            self._end_move(track)
-            return
-        try:
-            request = source.scheduler.pause(rid)
-        except (InvalidArgument, RequestNotFound):
-            self._end_move(track)
-            return
-        kv_tokens = request.num_tokens - 1 if request.num_computed_tokens > 0 else 0
-        if kv_tokens == 0:
-            self.num_moves_without_kv += 1  # a queued or preempted request: the target recomputes it
-        try:
-            target.scheduler.reserve_import(rid, kv_tokens)
-        except (InvalidArgument, Overloaded):
-            source.scheduler.resume(rid)
-            self._end_move(track)
-            return
-        start = max(self.now_ms, self.link_free_at_ms)
-        self.link_free_at_ms = start + self.cost.kv_transfer_ms(kv_tokens)
-        moved = replace(request, output_token_ids=list(request.output_token_ids))
-        self._push(self.link_free_at_ms, "call",
-                   lambda: self._at_boundary(target, lambda: self._commit(track, moved, source, target, handoff)))
-
-    def _commit(self, track: Track, request: EngineRequest, source: SimEngine, target: SimEngine,
-                handoff: bool) -> None:
-        rid = track.request_id
-        try:
-            target.scheduler.commit_import(request)
-        except (InvalidArgument, RequestNotFound):
-            target.scheduler.cancel_import(rid)
-            source.scheduler.resume(rid)
-            self._end_move(track)
-            return
-        source.scheduler.release(rid, target.name)
-        track.engine = target.name
-        track.engines_seen.append(target.name)
-        track.num_moves += 1
-        if handoff:
-            self.num_handoffs += 1
-        else:
-            self.num_migrations += 1
-        self._end_move(track)
 
     def _plan_tick(self) -> None:
         views = self._views()

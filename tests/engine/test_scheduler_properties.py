@@ -11,7 +11,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from dualpace.engine.request import RequestState
 from dualpace.errors import InvalidArgument, Overloaded
 from dualpace.sampling import FinishReason
-from tests.engine.test_scheduler import EOS, Driver, assert_all_free, make_request, make_scheduler
+from tests.engine.scheduler_driver import EOS, Driver, assert_all_free, make_request, make_scheduler
 
 DRAIN_STEPS = 2000
 

@@ -1,7 +1,7 @@
 import pytest
 
 from dualpace.profile.cost_model import CostModel, DecodeBatch, interp1d, interp2d
-from dualpace.profile.schema import parse_profile
+from dualpace.profile.files import parse_profile
 from tests.profiles.tiny import tiny_profile_dict
 
 

@@ -8,14 +8,12 @@ import json
 import pytest
 
 from dualpace.profile.cost_model import CostModel, DecodeBatch
+from dualpace.profile.files import load_profile, parse_profile, profile_to_dict
 from dualpace.profile.schema import (
     HardwareFingerprint,
     ModelFingerprint,
     ProfileError,
     fingerprint_mismatches,
-    load_profile,
-    parse_profile,
-    profile_to_dict,
 )
 from tests.profiles.tiny import tiny_profile_dict
 

@@ -9,8 +9,9 @@ from dataclasses import replace
 
 from dualpace.model.hf_loader import read_hf_config
 from dualpace.profile.cost_model import CostModel, DecodeBatch
+from dualpace.profile.files import load_profile
 from dualpace.profile.fingerprint import model_config_hash
-from dualpace.profile.schema import HardwareFingerprint, load_profile
+from dualpace.profile.schema import HardwareFingerprint
 from profiles.profiler.run import QUICK_GRIDS, reuse_problems
 
 

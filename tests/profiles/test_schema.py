@@ -2,16 +2,8 @@ import json
 
 import pytest
 
-from dualpace.profile.schema import (
-    HardwareFingerprint,
-    ModelFingerprint,
-    ProfileError,
-    check_fingerprints,
-    load_profile,
-    parse_profile,
-    profile_to_dict,
-    save_profile,
-)
+from dualpace.profile.files import load_profile, parse_profile, profile_to_dict, save_profile
+from dualpace.profile.schema import HardwareFingerprint, ModelFingerprint, ProfileError, check_fingerprints
 from tests.profiles.tiny import tiny_profile_dict
 
 

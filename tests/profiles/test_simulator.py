@@ -4,7 +4,7 @@ import pytest
 
 from dualpace.policy.views import Policy
 from dualpace.profile.cost_model import CostModel
-from dualpace.profile.schema import parse_profile
+from dualpace.profile.files import parse_profile
 from dualpace_cli.main import main
 from profiles.sim import CPU, GPU, SimConfig, Simulator, simulate
 from profiles.sim.device import SharedDevice

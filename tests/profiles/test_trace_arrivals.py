@@ -7,7 +7,7 @@ import pytest
 from dualpace.errors import InvalidArgument
 from dualpace.policy.views import Policy
 from dualpace.profile.cost_model import CostModel
-from dualpace.profile.schema import parse_profile
+from dualpace.profile.files import parse_profile
 from dualpace_cli.main import main
 from profiles.sim import SimConfig, Simulator
 from tests.profiles.tiny import tiny_profile_dict
