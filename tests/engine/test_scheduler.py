@@ -1,13 +1,6 @@
-"""The pure scheduler driven by a fake model: no torch, no weights.
-
-The fake model keeps its own copy of every sequence's "KV" (the tokens it was
-fed, position by position) and checks each plan against it: chunks continue
-where the cache ends, every token fed is the request's prompt + output token at
-that position, block tables cover the tokens, and no two sequences share a
-block. A sampled token is a hash of (request id, position, the cached tokens),
-so a recompute that fed wrong tokens or sampled at a wrong position would change
-the outputs.
-"""
+"""The pure scheduler driven by a fake model (tests/engine/scheduler_driver.py, which checks
+every plan against the tokens it was fed): admission, chunked prefill, preemption, aborts,
+stop conditions. No torch, no weights."""
 
 from __future__ import annotations
 
