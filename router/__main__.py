@@ -19,7 +19,7 @@ from dualpace.serve.config import (
     parse_with_config,
 )
 from dualpace.serve.logging_setup import configure_logging, get_logger
-from dualpace.serve.loop import serve_forever
+from dualpace.serve.event_loop import serve_forever
 from dualpace.serve.metrics import add_metrics_argument, start_from_args
 from dualpace.serve.sd_notify import Notifier, watchdog_interval_s
 from dualpace.serve.security import (
@@ -30,7 +30,7 @@ from dualpace.serve.security import (
 from dualpace.serve.server import print_listening, start_server
 from dualpace.wire.v1 import router_pb2_grpc
 from dualpace.policy.admission import AdmissionConfig
-from router.core import RouterConfig, RouterCore
+from router.router_core import RouterConfig, RouterCore
 from router.engines import EngineHandle, EnginePool
 from dualpace.policy.migration_planner import MigrationConfig
 from router.service import RouterServicer

@@ -37,10 +37,10 @@ from dualpace.sampling_params import FinishReason
 from dualpace.serve import metrics
 from dualpace.serve.address import parse_listen
 from router import openai_schema as schema
-from router.core import RouterCore
 from router.openai_schema import ApiError, ParsedRequest
 from router.prompts import request_id_for
 from router.relay import Relay, RelayUpdate, open_request
+from router.router_core import RouterCore
 
 log = logging.getLogger(__name__)
 

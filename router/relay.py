@@ -24,9 +24,9 @@ from dualpace.policy.admission import Placement, admit, handoff_source
 from dualpace.sampling_params import FinishReason, SamplingParams
 from dualpace.serve.logging_setup import bind_request_id, unbind_request_id
 from dualpace.serve.metrics import RequestClock, engine_metrics
-from router.core import RouterCore, Tracked
 from router.engines import EngineHandle, EngineStream
 from router.prompts import prepare_prompt
+from router.router_core import RouterCore, Tracked
 from router.text_stream import TextStream
 
 log = logging.getLogger(__name__)

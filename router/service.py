@@ -10,10 +10,10 @@ import grpc
 
 from dualpace.wire import router_messages as messages
 from dualpace.wire.v1 import router_pb2, router_pb2_grpc
-from router.core import RouterCore
 from router.draining import StreamDrain
 from router.prompts import request_id_for
 from router.relay import open_request
+from router.router_core import RouterCore
 
 
 class RouterServicer(router_pb2_grpc.RouterServicer):

@@ -207,6 +207,6 @@ def test_the_checks_see_what_they_should():
     """The graph is read from the tree, not empty: known edges of each kind are there."""
     graph = edges()
     assert "dualpace.engine.core" in graph["dualpace.engine.loop"]
-    assert "dualpace.policy.admission" in graph["router.core"]
+    assert "dualpace.policy.admission" in graph["router.router_core"]
     assert _matches("router.relay", TORCH_FREE) and not _matches("routerx", TORCH_FREE)
     assert _strongly_connected({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]

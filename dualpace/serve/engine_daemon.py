@@ -39,8 +39,8 @@ from dualpace.model.registry import DEFAULT_MODEL_NAME
 from dualpace.sampling import SamplingParams
 from dualpace.serve.config import add_config_argument, effective_config
 from dualpace.serve.engine_servicer import EngineServicer
+from dualpace.serve.event_loop import serve_forever
 from dualpace.serve.logging_setup import configure_logging, get_logger
-from dualpace.serve.loop import serve_forever
 from dualpace.serve.metrics import add_metrics_argument, start_from_args
 from dualpace.serve.sd_notify import Notifier, watchdog_interval_s
 from dualpace.serve.security import (
