@@ -9,8 +9,8 @@ import pytest
 from dualpace.engine.core import EngineConfig, EngineCore
 from dualpace.engine.scheduler import SchedulerConfig
 from dualpace.errors import InvalidArgument, Overloaded, RequestNotFound
-from dualpace.generation import OfflineGenerator
 from dualpace.sampling import FinishReason, SamplingParams
+from tests.helpers import reference_tokens
 
 
 def run_to_completion(core: EngineCore, max_steps: int = 5000) -> dict[str, list[int]]:
@@ -29,7 +29,7 @@ def run_to_completion(core: EngineCore, max_steps: int = 5000) -> dict[str, list
 
 
 def solo(tiny, prompt: list[int], params: SamplingParams) -> list[int]:
-    return OfflineGenerator(tiny).generate([prompt], [params])[0].output_token_ids
+    return reference_tokens(tiny, prompt, params)
 
 
 def make_requests(vocab_size: int, count: int, seed: int = 0):

@@ -13,11 +13,11 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from dualpace.generation import OfflineGenerator
+from dualpace.kv.storage import KVStorage
 from dualpace.model.loader import load_model
 from dualpace.model.paged_forward import PagedForward, SequenceWork
-from dualpace.kv.storage import KVStorage
 from dualpace.sampling import SamplingParams
+from tests.helpers import reference_tokens
 from tests.model.hf_reference import hf_greedy, hf_prompt_logits
 
 NUM_NEW_TOKENS = 32
@@ -38,7 +38,7 @@ def prompt_logits(loaded, prompt_ids: list[int], block_size: int = 4) -> torch.T
 
 def our_greedy(loaded, prompt_ids: list[int], num_new_tokens: int) -> list[int]:
     params = SamplingParams(max_tokens=num_new_tokens, ignore_eos=True)
-    return OfflineGenerator(loaded, block_size=4).generate([prompt_ids], [params])[0].output_token_ids
+    return reference_tokens(loaded, prompt_ids, params, block_size=4)
 
 
 @pytest.mark.parametrize("preset", TINY_PRESETS)

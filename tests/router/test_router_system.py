@@ -9,10 +9,10 @@ import time
 import grpc
 import pytest
 
-from dualpace.generation import OfflineGenerator
 from dualpace.model.loader import load_model
 from dualpace.sampling import SamplingParams
 from dualpace.wire.v1 import common_pb2, router_pb2, router_pb2_grpc
+from tests.helpers import reference_tokens
 from toolkit.processes import start_daemon
 
 ENGINE_FLAGS = ("--dtype", "fp32", "--threads", "1", "--block-size", "8")
@@ -33,7 +33,7 @@ def reference(model_folder):
         key = (prompt, max_tokens)
         if key not in cache:
             params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
-            cache[key] = OfflineGenerator(loaded).generate([list(prompt)], [params])[0].output_token_ids
+            cache[key] = reference_tokens(loaded, list(prompt), params)
         return cache[key]
 
     return solo
