@@ -8,8 +8,11 @@
 Each daemon is a child process listening on 127.0.0.1 (the engines on free ports, the router on
 --port). Their output is relayed with a prefix ("[gpu] ..."). When all three are serving it prints
 their addresses and a ready line. Ctrl-C or SIGTERM stops them all (SIGTERM, then a kill after a
-timeout) and exits 0; if a daemon exits by itself, the others are stopped and `up` exits 1
-naming it.
+timeout) and exits 0. A daemon that exits by itself is restarted on the same address, as systemd's
+Restart=on-failure would, after a backoff that doubles with each recent restart, while the others keep
+running (the router continues an engine's requests on the other one and reconnects when it is back);
+after --max-restarts restarts of one daemon within --restart-window-s, `up` stops the others and
+exits 1 naming it.
 """
 
 from __future__ import annotations
@@ -22,6 +25,8 @@ import sys
 import threading
 import time
 from dataclasses import dataclass, field
+
+from dualpace.commands.restart_budget import DEFAULT_MAX_RESTARTS, DEFAULT_WINDOW_S, RestartBudget
 
 POLICIES = ("dualpace", "gated", "gpu-only")
 START_TIMEOUT_S = 120.0  # loading the weights of a larger model takes a while
@@ -51,6 +56,11 @@ def register(subparsers) -> None:
                    help="hardware profile JSON (`dualpace profile`) for cpu_service's mode choice and the router")
     p.add_argument("--itl-target-ms", type=float, default=None,
                    help="the router's inter-token latency target (with --profile: admission by predicted ITL)")
+    p.add_argument("--max-restarts", type=int, default=DEFAULT_MAX_RESTARTS,
+                   help="restarts of one daemon that exits by itself allowed within --restart-window-s, "
+                        "then `up` gives up and exits 1 (0: never restart)")
+    p.add_argument("--restart-window-s", type=float, default=DEFAULT_WINDOW_S,
+                   help="the window --max-restarts counts in, in seconds")
 
 
 @dataclass
@@ -59,12 +69,18 @@ class Child:
 
     name: str  # output prefix: gpu, cpu, router
     module: str  # gpu_service, cpu_service, router: how messages name it
-    process: subprocess.Popen
+    argv: list[str]
+    budget: RestartBudget
+    process: subprocess.Popen | None = None
     address: str | None = None
     listening: threading.Event = field(default_factory=threading.Event)
     http_address: str | None = None  # the router's "router http listening on ADDR" line
     http_listening: threading.Event = field(default_factory=threading.Event)
     relay: threading.Thread | None = None
+    exit_handled: bool = False  # its unexpected exit is logged and a restart (or giving up) decided
+    restart_at_s: float | None = None  # monotonic time of the pending restart
+    restarting: bool = False  # relaunched, not listening yet
+
 
 
 class Console:
@@ -115,33 +131,39 @@ class Up:
     # ---- starting ----
 
     def spawn(self, name: str, module: str, *argv: str) -> Child:
+        budget = RestartBudget(max_restarts=self.args.max_restarts, window_s=self.args.restart_window_s)
+        child = Child(name, module, list(argv), budget)
+        self.children.append(child)
+        self.launch(child)
+        return child
+
+    def launch(self, child: Child) -> None:
         from dualpace.serve.readiness import LISTENING
 
         # A process group of its own: a terminal Ctrl-C reaches only `up`, which stops the
         # daemons in order with one SIGTERM each.
         process = subprocess.Popen(
-            [sys.executable, "-m", module, *argv], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-            env={**os.environ, "PYTHONUNBUFFERED": "1"}, process_group=0,
+            [sys.executable, "-m", child.module, *child.argv], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+            text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"}, process_group=0,
         )
-        child = Child(name, module, process)
-        self.children.append(child)
+        child.process = process
+        child.listening.clear()
+        child.http_listening.clear()
 
         def relay() -> None:
             for raw in process.stdout:
                 line = raw.rstrip("\n")
                 match = LISTENING.search(line)
                 if match and " http listening on " in line:
-                    if child.http_address is None:
-                        child.http_address = match.group(1)
-                        child.http_listening.set()
-                elif match and child.address is None:
+                    child.http_address = match.group(1)
+                    child.http_listening.set()
+                elif match and not child.listening.is_set():
                     child.address = match.group(1)
                     child.listening.set()
-                self.console.line(f"[{name}] {line}")
+                self.console.line(f"[{child.name}] {line}")
 
-        child.relay = threading.Thread(target=relay, name=f"relay-{name}", daemon=True)
+        child.relay = threading.Thread(target=relay, name=f"relay-{child.name}", daemon=True)
         child.relay.start()
-        return child
 
     def wait_listening(self, child: Child) -> str:
         from dualpace.serve.readiness import wait_serving
@@ -198,11 +220,13 @@ class Up:
     # ---- running and stopping ----
 
     def watch(self) -> Child | None:
-        """Until a stop signal (None) or a daemon exits by itself (that daemon)."""
+        """Supervise until a stop signal (None) or a daemon has spent its restart budget (that daemon)."""
+        from dualpace.commands.supervise import supervise_once
+
         while self.signalled is None:
-            for child in self.children:
-                if child.process.poll() is not None:
-                    return child
+            gave_up = supervise_once(self, time.monotonic())
+            if gave_up is not None:
+                return gave_up
             time.sleep(POLL_S)
         return None
 
@@ -225,8 +249,8 @@ class Up:
                     child.process.kill()
                     child.process.wait()
                     unclean.append(child)
-                elif child.process.returncode not in (0, -signal.SIGTERM):  # -SIGTERM: still starting up
-                    unclean.append(child)
+                elif child.process.returncode not in (0, -signal.SIGTERM) and not child.exit_handled:
+                    unclean.append(child)  # -SIGTERM: still starting up; exit_handled: reported already
         for child in self.children:  # relay their last lines before `up` reports
             child.relay.join(timeout=2.0)
         return unclean
@@ -243,6 +267,10 @@ def check_args(args: argparse.Namespace) -> None:
         raise InvalidArgument("--port", f"must be in 0..65535, got {args.port}")
     if not 0 <= args.http_port <= 65535:
         raise InvalidArgument("--http-port", f"must be in 0..65535, got {args.http_port}")
+    if args.max_restarts < 0:
+        raise InvalidArgument("--max-restarts", f"must be >= 0, got {args.max_restarts}")
+    if not args.restart_window_s > 0:
+        raise InvalidArgument("--restart-window-s", f"must be > 0, got {args.restart_window_s}")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -268,7 +296,8 @@ def run(args: argparse.Namespace) -> int:
             exited = up.watch()
             if exited is not None:
                 up.console.line(f"dualpace up: error: {exited.module} exited unexpectedly with status "
-                                f"{exited.process.returncode}; stopping the others", sys.stderr)
+                                f"{exited.process.returncode} after {exited.budget.num_recent} restarts within "
+                                f"{exited.budget.window_s:g} s; giving up and stopping the others", sys.stderr)
                 status = 1
     finally:
         unclean = up.stop_all()
