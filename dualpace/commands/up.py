@@ -56,6 +56,9 @@ def register(subparsers) -> None:
                    help="hardware profile JSON (`dualpace profile`) for cpu_service's mode choice and the router")
     p.add_argument("--itl-target-ms", type=float, default=None,
                    help="the router's inter-token latency target (with --profile: admission by predicted ITL)")
+    p.add_argument("--orphan-timeout-s", type=float, default=None,
+                   help="both engines: abort a request whose reader (the router) went away unless a stream "
+                        "re-attaches within this many seconds (default: the engines' own, 30)")
     p.add_argument("--max-restarts", type=int, default=DEFAULT_MAX_RESTARTS,
                    help="restarts of one daemon that exits by itself allowed within --restart-window-s, "
                         "then `up` gives up and exits 1 (0: never restart)")
@@ -189,6 +192,8 @@ class Up:
                         "--grace-s", str(DRAIN_GRACE_S)]
         if args.threads_per_engine is not None:
             engine_flags += ["--threads", str(args.threads_per_engine)]
+        if args.orphan_timeout_s is not None:
+            engine_flags += ["--orphan-timeout-s", str(args.orphan_timeout_s)]
         profile_flags = ["--profile", args.profile] if args.profile is not None else []
         gpu_flags = engine_flags + (["--kv-blocks", str(args.gpu_kv_blocks)] if args.gpu_kv_blocks else [])
         gpu = self.wait_listening(self.spawn("gpu", "gpu_service", *gpu_flags, "--name", "gpu"))
@@ -267,6 +272,8 @@ def check_args(args: argparse.Namespace) -> None:
         raise InvalidArgument("--port", f"must be in 0..65535, got {args.port}")
     if not 0 <= args.http_port <= 65535:
         raise InvalidArgument("--http-port", f"must be in 0..65535, got {args.http_port}")
+    if args.orphan_timeout_s is not None and not args.orphan_timeout_s > 0:
+        raise InvalidArgument("--orphan-timeout-s", f"must be > 0, got {args.orphan_timeout_s}")
     if args.max_restarts < 0:
         raise InvalidArgument("--max-restarts", f"must be >= 0, got {args.max_restarts}")
     if not args.restart_window_s > 0:
