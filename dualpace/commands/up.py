@@ -158,8 +158,9 @@ class Up:
                 line = raw.rstrip("\n")
                 match = LISTENING.search(line)
                 if match and " http listening on " in line:
-                    child.http_address = match.group(1)
-                    child.http_listening.set()
+                    if not child.http_listening.is_set():  # the first such line of this launch
+                        child.http_address = match.group(1)
+                        child.http_listening.set()
                 elif match and not child.listening.is_set():
                     child.address = match.group(1)
                     child.listening.set()
