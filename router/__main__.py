@@ -33,6 +33,7 @@ from router.admission import AdmissionConfig
 from router.core import RouterConfig, RouterCore
 from router.engines import EngineHandle, EnginePool
 from router.migration_planner import MigrationConfig
+from router.prompt_work import PromptLimits, add_prompt_arguments, configure as configure_prompt_work
 from router.service import RouterServicer
 from router.views import Policy
 
@@ -66,6 +67,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--http-listen", default=None, metavar="HOST:PORT",
                         help="also serve the OpenAI-compatible HTTP API here (absent: no HTTP); same TLS and token rules")
     parser.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR (JSON lines on stderr)")
+    add_prompt_arguments(parser)
     add_config_argument(parser)
     add_metrics_argument(parser)
     add_security_arguments(parser)
@@ -126,6 +128,7 @@ def serve(args: argparse.Namespace) -> int:
                                           ignore_fingerprint=args.profile_ignore_fingerprint)
             kv_bytes_per_token = profile.model.kv_bytes_per_token  # the engines' KV dtype, as profiled
         config = router_config(args, kv_bytes_per_token, profile)
+        configure_prompt_work(PromptLimits(args.max_prompt_chars, args.prompt_workers))
         start_from_args(args, "router")
     except DualPaceError as exc:
         print(f"router: error: {exc}", file=sys.stderr)

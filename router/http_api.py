@@ -2,9 +2,9 @@
 /health and /metrics.
 
 It is a second door into the same router: every generation request goes through
-router.prompts.prepare_prompt and a router.relay.Relay on the RouterCore the gRPC servicer uses,
-in the same asyncio event loop, so admission, migration, recovery and stop strings behave
-exactly as for gRPC clients.
+router.prompts.prepare_prompt (in the prompt pool, router/prompt_work.py) and a
+router.relay.Relay on the RouterCore the gRPC servicer uses, in the same asyncio event loop,
+so admission, migration, recovery and stop strings behave exactly as for gRPC clients.
 
 Why aiohttp: it is a plain asyncio server that runs as one more task in the loop that already
 runs grpc.aio (no second loop, no thread, no ASGI server process to manage), streams with
@@ -39,7 +39,8 @@ from dualpace.serve.address import parse_listen
 from router import openai_schema as schema
 from router.core import RouterCore
 from router.openai_schema import ApiError, ParsedRequest
-from router.prompts import prepare_prompt, request_id_for
+from router.prompt_work import prepare_off_loop
+from router.prompts import request_id_for
 from router.relay import Relay, RelayUpdate
 
 log = logging.getLogger(__name__)
@@ -171,7 +172,7 @@ class HttpFront:
                 request_id = f"{id_prefix}-{uuid.uuid4().hex}"
             if request_id in core.tracked:
                 raise InvalidArgument("request_id", f"request {request_id!r} is already running")
-            prompt_ids, params = prepare_prompt(parsed.client, core.tokenizer, core.model_config)
+            prompt_ids, params = await prepare_off_loop(parsed.client, core.tokenizer, core.model_config)
         except DualPaceError as exc:
             raise schema.error_for(exc, parsed.renamed) from None
         if parsed.default_max_tokens:  # fit the default to the room the prompt leaves in the context

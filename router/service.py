@@ -13,7 +13,8 @@ from dualpace.wire import router_messages as messages
 from dualpace.wire.v1 import engine_pb2, router_pb2, router_pb2_grpc
 from router.core import RouterCore
 from router.draining import StreamDrain
-from router.prompts import prepare_prompt, request_id_for
+from router.prompt_work import prepare_off_loop
+from router.prompts import request_id_for
 from router.relay import Relay
 
 
@@ -28,7 +29,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             request_id = request_id_for(client)
             if request_id in self.core.tracked:
                 raise InvalidArgument("request_id", f"request {request_id!r} is already running")
-            prompt_ids, params = prepare_prompt(client, self.core.tokenizer, self.core.model_config)
+            prompt_ids, params = await prepare_off_loop(client, self.core.tokenizer, self.core.model_config)
             remaining_s = context.time_remaining()  # None without a client deadline
             client_deadline = time.monotonic() + remaining_s if remaining_s is not None else None
             relay = Relay(self.core, request_id, prompt_ids, params, client_deadline)

@@ -36,6 +36,7 @@ from tests.reliability.conftest import (
 
 HTTP = re.compile(r"http listening on (\S+)")
 HANG_GUARD_S = 60.0
+MAX_PROMPT_CHARS = 100_000
 GENERATE = "/dualpace.v1.Router/Generate"
 FIELD = re.compile(r"^[A-Za-z_][A-Za-z0-9_.\[\]]*: ")  # "field: problem", as every InvalidArgument reads
 CLIENT_CODES = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.NOT_FOUND,
@@ -48,7 +49,7 @@ def system(tiny_folder):
     router = None
     try:
         router = start_router(tiny_folder, gpu, None, "--policy", "gpu-only", "--no-migrate",
-                              "--http-listen", "127.0.0.1:0")
+                              "--http-listen", "127.0.0.1:0", "--max-prompt-chars", str(MAX_PROMPT_CHARS))
         found = wait_for(lambda: HTTP.search(router.log()), bool, HANG_GUARD_S, interval_s=0.05)
         assert found, router.log()  # printed right after the gRPC line
         http = "http://" + found.group(1)
@@ -142,6 +143,19 @@ def test_grpc_front_names_the_same_fields(system):
     # Not a message at all: INVALID_ARGUMENT naming the request, not INTERNAL.
     error = grpc_raw(channel, b"\x12\xff\xff\xff\xff\x0f")
     assert error is not None and error.code() == grpc.StatusCode.INVALID_ARGUMENT, error
+
+
+def test_oversized_prompt_is_refused_naming_the_limit(system):
+    """Refused before tokenizing (router/prompt_work.py), on both fronts."""
+    channel, http, model = system
+    error = grpc_generate(channel, router_pb2.GenerateRequest(text="word " * (MAX_PROMPT_CHARS // 4),
+                                                              sampling=SAMPLING))
+    assert error is not None and error.code() == grpc.StatusCode.INVALID_ARGUMENT, error
+    assert error.details().startswith("text: ") and "--max-prompt-chars" in error.details(), error.details()
+    status, answer = post_json(http, "/v1/completions", {"model": model, "prompt": "w" * (MAX_PROMPT_CHARS + 1),
+                                                         "max_tokens": 2})
+    assert status == 400 and answer["error"]["param"] == "prompt", answer
+    assert f"at most {MAX_PROMPT_CHARS}" in answer["error"]["message"]
 
 
 # ---------------------------------------------------------------------- the fuzz
