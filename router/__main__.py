@@ -61,7 +61,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                         help="how long a request may wait for room (default 30 s)")
     parser.add_argument("--no-migrate", action="store_true", help="no load-driven migrations (hand-offs still run)")
     parser.add_argument("--listen", default="127.0.0.1:0",
-                        help="HOST:PORT; a non-loopback host needs --tls-cert/--tls-key")
+                        help="HOST:PORT, or unix:PATH (a socket only this user can reach); a non-loopback host "
+                             "needs --tls-cert/--tls-key")
     parser.add_argument("--grace-s", type=float, default=DEFAULT_GRACE_S,
                         help="on SIGTERM, how long relayed streams may take to finish before they are cancelled")
     parser.add_argument("--http-listen", default=None, metavar="HOST:PORT",
@@ -114,7 +115,7 @@ def serve(args: argparse.Namespace) -> int:
         security = security_from_args(args)
         check_listen_security(args.listen, security.tls)
         if args.http_listen is not None:
-            check_listen_security(args.http_listen, security.tls, "--http-listen")
+            check_listen_security(args.http_listen, security.tls, "--http-listen", allow_unix=False)
         if args.grace_s < 0:
             raise InvalidArgument("--grace-s", f"must be >= 0, got {args.grace_s}")
         notifier.status(f"loading the tokenizer of {args.model}")
