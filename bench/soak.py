@@ -54,6 +54,7 @@ from bench.soak_client import (
     plan_requests,
     run_chaos_load,
 )
+from bench.soak_chaos import Chaos
 from bench.soak_report import report, summary_table
 from dualpace.wire.v1 import engine_pb2, engine_pb2_grpc, router_pb2, router_pb2_grpc
 
@@ -129,6 +130,7 @@ class Soak:
     restart_done: threading.Event = field(default_factory=threading.Event)
     restart_serving_s: float | None = None  # soak clock: when the restarted engine was back
     router_reconnected_s: float | None = None  # soak clock: when the router saw it healthy again
+    chaos: object = None  # bench.soak_chaos.Chaos, unless --no-chaos-extra
 
     def clock(self) -> float:
         return 0.0 if self.load_started is None else time.monotonic() - self.load_started
@@ -138,7 +140,7 @@ class Soak:
     def engine_args(self, role: str) -> list[str]:
         a = self.args
         common = ["--model", self.model, "--dtype", a.dtype, "--threads", str(a.threads),
-                  "--block-size", str(a.block_size), "--name", role]
+                  "--block-size", str(a.block_size), "--name", role, "--orphan-timeout-s", str(a.orphan_timeout_s)]
         if role == "gpu":
             return [*common, "--kv-blocks", str(a.gpu_kv_blocks)]
         return [*common, "--kv-blocks", str(a.cpu_kv_blocks), "--gpu-service", self.slots["gpu"].daemon.address,
@@ -335,11 +337,16 @@ async def drive(soak: Soak, requests) -> float:
     await started.wait()
     soak.load_started = time.monotonic()
     observer = asyncio.create_task(soak.observe(stop))
+    chaos_stop = threading.Event()
+    chaos = asyncio.create_task(asyncio.to_thread(soak.chaos.run, chaos_stop)) if soak.chaos else None
     try:
         window_s = await load
     finally:
         stop.set()
+        chaos_stop.set()
         await observer
+        if chaos is not None:
+            await chaos
     return window_s
 
 
@@ -375,6 +382,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--request-deadline-s", type=float, default=120.0,
                    help="each request's gRPC deadline; DEADLINE_EXCEEDED counts as lost (hung)")
     p.add_argument("--max-rss-growth-pct", type=float, default=10.0)
+    p.add_argument("--orphan-timeout-s", type=float, default=3.0, help="the engines' lease for unread requests")
+    p.add_argument("--no-chaos-extra", action="store_true",
+                   help="without the orphaned requests, stalled assist session and 10 MB prompt (bench/soak_chaos.py)")
     p.add_argument("--progress-s", type=float, default=5.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout (progress stays on stderr)")
@@ -407,6 +417,7 @@ def run_soak(args: argparse.Namespace) -> dict:
         tmp = tempfile.mkdtemp(prefix="dualpace-soak-")
         model = str(write_synthetic_checkpoint("tiny-llama", Path(tmp) / "tiny-llama", seed=0))
     soak = Soak(args, model)
+    soak.chaos = None if args.no_chaos_extra else Chaos(soak)
     try:
         soak.start()
         router_metrics = metrics_address(soak.slots["router"].daemon)
@@ -418,12 +429,20 @@ def run_soak(args: argparse.Namespace) -> dict:
         soak.poll_placements_sync()
         loads = soak.final_loads(timeout_s=30.0)
         soak.sample_rss("end")
+        if soak.chaos is not None:
+            soak.chaos.sample("end")
+            soak.chaos.verify(args.orphan_timeout_s)
         migrations_metric = router_migrations_from_metrics(router_metrics)
     finally:
         exit_codes = soak.stop()
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)
-    return report(soak, window_s, time.monotonic() - started, loads, exit_codes, migrations_metric)
+    result = report(soak, window_s, time.monotonic() - started, loads, exit_codes, migrations_metric)
+    if soak.chaos is not None:
+        result["chaos"] = soak.chaos.summary()
+        result["problems"] += soak.chaos.problems
+        result["ok"] = not result["problems"]
+    return result
 
 
 def main(argv: list[str] | None = None) -> int:
