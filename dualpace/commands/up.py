@@ -5,8 +5,9 @@
     dualpace up --policy gpu-only                # no cpu_service
     dualpace up --http-port 8000                 # the router's OpenAI-compatible HTTP API on a fixed port
 
-Each daemon is a child process listening on 127.0.0.1 (the engines on free ports, the router on
---port). Their output is relayed with a prefix ("[gpu] ..."). When all three are serving it prints
+Each daemon is a child process. The engines listen on Unix sockets in a private folder (mode
+0700, sockets 0600: only this user reaches them; `--engine-listen tcp`: on free 127.0.0.1 ports
+instead), the router on 127.0.0.1 (--port, --http-port). Their output is relayed with a prefix ("[gpu] ..."). When all three are serving it prints
 their addresses and a ready line. Ctrl-C or SIGTERM stops them all (SIGTERM, then a kill after a
 timeout) and exits 0. A daemon that exits by itself is restarted on the same address, as systemd's
 Restart=on-failure would, after a backoff that doubles with each recent restart, while the others keep
@@ -59,6 +60,9 @@ def register(subparsers) -> None:
     p.add_argument("--orphan-timeout-s", type=float, default=None,
                    help="both engines: abort a request whose reader (the router) went away unless a stream "
                         "re-attaches within this many seconds (default: the engines' own, 30)")
+    p.add_argument("--engine-listen", default="unix", choices=["unix", "tcp"],
+                   help="unix: the engines on Unix sockets only this user can reach (default); "
+                        "tcp: on free 127.0.0.1 ports, reachable by every local user")
     p.add_argument("--max-restarts", type=int, default=DEFAULT_MAX_RESTARTS,
                    help="restarts of one daemon that exits by itself allowed within --restart-window-s, "
                         "then `up` gives up and exits 1 (0: never restart)")
@@ -122,6 +126,7 @@ class Up:
         self.signalled: int | None = None
         self.signalled_at = 0.0
         self.force = False  # a second signal: kill instead of waiting for a clean exit
+        self.socket_folder: str | None = None  # the engines' Unix sockets (--engine-listen unix)
 
     # ---- signals: the handler only records; the main thread polls ----
 
@@ -189,20 +194,21 @@ class Up:
     def start(self) -> str:
         """gpu_service, then cpu_service (it needs gpu_service's address), then the router; its address."""
         args = self.args
-        engine_flags = ["--model", args.model, "--dtype", args.dtype, "--listen", "127.0.0.1:0",
-                        "--grace-s", str(DRAIN_GRACE_S)]
+        engine_flags = ["--model", args.model, "--dtype", args.dtype, "--grace-s", str(DRAIN_GRACE_S)]
         if args.threads_per_engine is not None:
             engine_flags += ["--threads", str(args.threads_per_engine)]
         if args.orphan_timeout_s is not None:
             engine_flags += ["--orphan-timeout-s", str(args.orphan_timeout_s)]
         profile_flags = ["--profile", args.profile] if args.profile is not None else []
         gpu_flags = engine_flags + (["--kv-blocks", str(args.gpu_kv_blocks)] if args.gpu_kv_blocks else [])
-        gpu = self.wait_listening(self.spawn("gpu", "gpu_service", *gpu_flags, "--name", "gpu"))
+        gpu = self.wait_listening(self.spawn("gpu", "gpu_service", *gpu_flags, "--name", "gpu",
+                                             "--listen", self.engine_listen("gpu")))
         cpu = None
         if args.policy != "gpu-only":
             cpu_flags = engine_flags + (["--kv-blocks", str(args.cpu_kv_blocks)] if args.cpu_kv_blocks else [])
             cpu = self.wait_listening(self.spawn(
-                "cpu", "cpu_service", *cpu_flags, "--name", "cpu", "--gpu-service", gpu, "--assist", args.assist,
+                "cpu", "cpu_service", *cpu_flags, "--name", "cpu", "--listen", self.engine_listen("cpu"),
+                "--gpu-service", gpu, "--assist", args.assist,
                 "--policy", "gated" if args.policy == "gated" else "dualpace", *profile_flags))
         router_flags = ["serve", "--gpu", gpu, "--policy", args.policy, "--model", args.model,
                         "--grace-s", str(DRAIN_GRACE_S),
@@ -222,6 +228,21 @@ class Up:
             if router.process.poll() is not None or time.monotonic() > deadline:
                 raise ChildFailed(router, "did not start its HTTP API")
         return address
+
+    def engine_listen(self, name: str) -> str:
+        if self.args.engine_listen == "tcp":
+            return "127.0.0.1:0"
+        if self.socket_folder is None:
+            import tempfile
+
+            self.socket_folder = tempfile.mkdtemp(prefix="dualpace-up-")  # mode 0700
+        return f"unix:{os.path.join(self.socket_folder, name + '.sock')}"
+
+    def remove_socket_folder(self) -> None:
+        if self.socket_folder is not None:
+            import shutil
+
+            shutil.rmtree(self.socket_folder, ignore_errors=True)
 
     # ---- running and stopping ----
 
@@ -309,6 +330,7 @@ def run(args: argparse.Namespace) -> int:
                 status = 1
     finally:
         unclean = up.stop_all()
+        up.remove_socket_folder()
         for signum, handler in previous.items():
             signal.signal(signum, handler)
     if status == 0 and unclean:

@@ -1,8 +1,9 @@
 """Issue #20, item 0: `dualpace up` supervises its daemons like systemd's Restart=on-failure.
 
 One `dualpace up` on the tiny model (every engine step slowed by a test-only fault so that
-requests overlap). With concurrent requests in flight cpu_service is SIGKILLed, then, with a
-new batch in flight, gpu_service. Criteria each time: every request completes greedy-identical
+requests overlap; the engines on Unix sockets, as `up` starts them). With concurrent requests
+in flight cpu_service is SIGKILLed, then, with a new batch in flight, gpu_service. Criteria each
+time: every request completes greedy-identical
 to its solo run (the router continues the victim's requests on the survivor), `up` logs the
 exit and the restart and keeps the others running, the engine comes back on the same address
 with a new pid, the router's placement view shows it healthy again, and its KV accounting
@@ -15,6 +16,7 @@ from __future__ import annotations
 import os
 import re
 import signal
+import stat
 import subprocess
 import sys
 import threading
@@ -67,7 +69,12 @@ class RunningUp:
                 and condition()
 
     def log(self) -> str:
+        """The last part of the output, for failure messages."""
         return "".join(self.lines)[-6000:]
+
+    def up_lines(self) -> str:
+        """Every line `up` itself wrote (not the daemons' relayed output)."""
+        return "".join(line for line in self.lines if line.startswith("dualpace up:"))
 
 
 @pytest.fixture(scope="module")
@@ -122,7 +129,7 @@ def test_killed_engine_is_restarted_and_requests_complete_exactly(up, victim, re
         assert stream.tokens == reference(prompts[rid], MAX_TOKENS), rid
 
     assert up.wait_until(lambda: up.pids[victim] != old_pid), f"{victim} was not restarted:\n{up.log()}"
-    log = up.log()
+    log = up.up_lines()
     assert f"{victim} exited unexpectedly with status -9; restarting it on {address}" in log
     assert re.search(rf"{victim} on {re.escape(address)} \(pid {up.pids[victim]}\) restarted \(1 of 3", log)
     assert up.addresses[victim] == address
@@ -145,10 +152,16 @@ def test_killed_engine_is_restarted_and_requests_complete_exactly(up, victim, re
 def test_sigterm_still_stops_all_three(up):
     """Last in this module: after the restarts, SIGTERM stops every daemon and `up` exits 0."""
     pids = dict(up.pids)
+    # The engines are on Unix sockets in a private folder (only this user reaches them); up removes it.
+    sockets = {name: address for name, address in up.addresses.items() if name != "router"}
+    assert all(address.startswith("unix:") for address in sockets.values()), sockets
+    folder = os.path.dirname(sockets["gpu_service"].removeprefix("unix:"))
+    assert stat.S_IMODE(os.stat(folder).st_mode) == 0o700
     up.process.send_signal(signal.SIGTERM)
     assert up.process.wait(HANG_GUARD_S) == 0, up.log()
     up.pump.join(10)
     assert "dualpace up: stopped" in up.log()
+    assert not os.path.exists(folder)
     for pid in pids.values():
         assert not _alive(pid), f"child {pid} outlived dualpace up"
 
