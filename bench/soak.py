@@ -51,13 +51,14 @@ from bench.soak_client import (
     plan_requests,
     run_chaos_load,
 )
+from bench.soak_args import TINY, parse_soak_args
+from bench.soak_chaos import Chaos
 from bench.soak_daemons import DaemonSlot, metrics_address, router_migrations_from_metrics, rss_kib
 from bench.soak_report import report, summary_table
 from dualpace.wire.v1 import router_pb2, router_pb2_grpc
 from toolkit.processes import start_daemon
 from toolkit.workload import build_requests, parse_length_spec
 
-TINY = "tiny"  # --model default: the tiny-llama synthetic checkpoint, written to a temporary folder
 
 
 def log(line: str) -> None:
@@ -78,6 +79,7 @@ class Soak:
     restart_done: threading.Event = field(default_factory=threading.Event)
     restart_serving_s: float | None = None  # soak clock: when the restarted engine was back
     router_reconnected_s: float | None = None  # soak clock: when the router saw it healthy again
+    chaos: object = None  # bench.soak_chaos.Chaos, unless --no-chaos-extra
 
     def clock(self) -> float:
         return 0.0 if self.load_started is None else time.monotonic() - self.load_started
@@ -87,7 +89,7 @@ class Soak:
     def engine_args(self, role: str) -> list[str]:
         a = self.args
         common = ["--model", self.model, "--dtype", a.dtype, "--threads", str(a.threads),
-                  "--block-size", str(a.block_size), "--name", role]
+                  "--block-size", str(a.block_size), "--name", role, "--orphan-timeout-s", str(a.orphan_timeout_s)]
         if role == "gpu":
             return [*common, "--kv-blocks", str(a.gpu_kv_blocks)]
         return [*common, "--kv-blocks", str(a.cpu_kv_blocks), "--gpu-service", self.slots["gpu"].daemon.address,
@@ -286,63 +288,21 @@ async def drive(soak: Soak, requests) -> float:
     await started.wait()
     soak.load_started = time.monotonic()
     observer = asyncio.create_task(soak.observe(stop))
+    chaos_stop = threading.Event()
+    chaos = asyncio.create_task(asyncio.to_thread(soak.chaos.run, chaos_stop)) if soak.chaos else None
     try:
         window_s = await load
     finally:
         stop.set()
+        chaos_stop.set()
         await observer
+        if chaos is not None:
+            await chaos
     return window_s
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--duration-s", type=float, default=180.0, help="how long requests are sent")
-    p.add_argument("--max-requests", type=int, default=None, help="bound on requests (default: rate x duration x 1.5)")
-    p.add_argument("--rate", type=float, default=4.0, help="mean arrivals per second (Poisson at burstiness 1)")
-    p.add_argument("--burstiness", type=float, default=1.0)
-    p.add_argument("--model", default=TINY, help=f"'{TINY}' (synthetic tiny-llama), a known name, a folder or .gguf")
-    p.add_argument("--dtype", default="fp32", choices=["auto", "fp32", "bf16"])
-    p.add_argument("--threads", type=int, default=1, help="torch threads per engine")
-    p.add_argument("--input-len", default="8:64")
-    p.add_argument("--output-len", default="32:192",
-                   help="prompt + output must fit gpu_service's pool alone: it prefills every request")
-    p.add_argument("--vocab-size", type=int, default=500, help="prompt ids are drawn below it")
-    p.add_argument("--block-size", type=int, default=8)
-    p.add_argument("--gpu-kv-blocks", type=int, default=40, help="small: the router hands off and migrates")
-    p.add_argument("--cpu-kv-blocks", type=int, default=2048)
-    p.add_argument("--assist", default="never", choices=["auto", "always", "never"], help="cpu_service --assist")
-    p.add_argument("--step-delay-ms", type=int, default=None,
-                   help="DUALPACE_FAULT_STEP_DELAY_MS for the engines: a floor on the step time, so that requests "
-                        "overlap and the pools fill without burning CPU (default 10 with the tiny model, else 0)")
-    p.add_argument("--cancel-frac", type=float, default=0.10)
-    p.add_argument("--invalid-frac", type=float, default=0.05)
-    p.add_argument("--restart", default="cpu", choices=["cpu", "gpu", "none"], help="engine SIGKILLed and restarted")
-    p.add_argument("--restart-at-s", type=float, default=None, help="when (default: half the duration)")
-    p.add_argument("--restart-wait-busy-s", type=float, default=15.0,
-                   help="from --restart-at-s, wait up to this long for the engine to hold a request before the kill")
-    p.add_argument("--restart-down-s", type=float, default=1.0, help="how long the engine stays down")
-    p.add_argument("--warmup-s", type=float, default=None,
-                   help="RSS baseline this long into the load (and after the restart); default min(20, duration/4)")
-    p.add_argument("--request-deadline-s", type=float, default=120.0,
-                   help="each request's gRPC deadline; DEADLINE_EXCEEDED counts as lost (hung)")
-    p.add_argument("--max-rss-growth-pct", type=float, default=10.0)
-    p.add_argument("--progress-s", type=float, default=5.0)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--json", action="store_true", help="print one JSON object on stdout (progress stays on stderr)")
-    p.add_argument("--out", default=None, help="also write the JSON object to this file")
-    args = p.parse_args(argv)
-    args.argv = list(sys.argv[1:] if argv is None else argv)
-    if args.duration_s <= 0 or args.rate <= 0:
-        p.error("--duration-s and --rate must be positive")
-    if args.restart_at_s is None:
-        args.restart_at_s = args.duration_s / 2
-    if args.warmup_s is None:
-        args.warmup_s = min(20.0, args.duration_s / 4)
-    if args.step_delay_ms is None:
-        args.step_delay_ms = 10 if args.model == TINY else 0
-    if args.max_requests is None:
-        args.max_requests = max(1, int(args.rate * args.duration_s * 1.5) + 10)
-    return args
+    return parse_soak_args(argv, __doc__)
 
 
 def run_soak(args: argparse.Namespace) -> dict:
@@ -358,6 +318,7 @@ def run_soak(args: argparse.Namespace) -> dict:
         tmp = tempfile.mkdtemp(prefix="dualpace-soak-")
         model = str(write_synthetic_checkpoint("tiny-llama", Path(tmp) / "tiny-llama", seed=0))
     soak = Soak(args, model)
+    soak.chaos = None if args.no_chaos_extra else Chaos(soak)
     try:
         soak.start()
         router_metrics = metrics_address(soak.slots["router"].daemon)
@@ -369,12 +330,20 @@ def run_soak(args: argparse.Namespace) -> dict:
         soak.poll_placements_sync()
         loads = soak.final_loads(timeout_s=30.0)
         soak.sample_rss("end")
+        if soak.chaos is not None:
+            soak.chaos.sample("end")
+            soak.chaos.verify(args.orphan_timeout_s)
         migrations_metric = router_migrations_from_metrics(router_metrics)
     finally:
         exit_codes = soak.stop()
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)
-    return report(soak, window_s, time.monotonic() - started, loads, exit_codes, migrations_metric)
+    result = report(soak, window_s, time.monotonic() - started, loads, exit_codes, migrations_metric)
+    if soak.chaos is not None:
+        result["chaos"] = soak.chaos.summary()
+        result["problems"] += soak.chaos.problems
+        result["ok"] = not result["problems"]
+    return result
 
 
 def main(argv: list[str] | None = None) -> int:

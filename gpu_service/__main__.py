@@ -16,6 +16,7 @@ import sys
 import grpc
 
 from dualpace.engine.gate import DeviceHandoff
+from dualpace.errors import InvalidArgument
 from dualpace.model.loader import resolve_device
 from dualpace.serve.config import parse_with_config
 from dualpace.serve.engine_daemon import (
@@ -24,6 +25,7 @@ from dualpace.serve.engine_daemon import (
     build_engine,
     run_engine_daemon,
 )
+from gpu_service.assist_limits import add_assist_limit_arguments, limits_from_args
 from gpu_service.assist_servicer import add_dense_assist_servicer
 from gpu_service.dense_assist import DenseAssistExecutor
 
@@ -36,20 +38,31 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     add_engine_arguments(parser, default_name="gpu", default_kv_blocks=DEFAULT_KV_BLOCKS)
     parser.add_argument("--device", default="auto", help="auto (cuda when available), cuda or cpu")
+    add_assist_limit_arguments(parser)
     return parse_with_config(parser, argv)
 
 
-def add_assist(parts: EngineDaemonParts, server: grpc.aio.Server) -> list[str]:
-    handoff = DeviceHandoff(parts.device_lock)
-    # the engine's forward offers the device to waiting assist stages between its layers
-    parts.loop.core.runner.forward.between_layers = handoff.yield_to_waiting
-    executor = DenseAssistExecutor(parts.loaded.model, handoff, parts.loop.gate)
-    add_dense_assist_servicer(executor, server)
-    return [DENSE_ASSIST_SERVICE]
+def assist_services(args: argparse.Namespace):
+    limits = limits_from_args(args)  # checked before the model loads: a bad value refuses to start
+
+    def add_assist(parts: EngineDaemonParts, server: grpc.aio.Server) -> list[str]:
+        handoff = DeviceHandoff(parts.device_lock)
+        # the engine's forward offers the device to waiting assist stages between its layers
+        parts.loop.core.runner.forward.between_layers = handoff.yield_to_waiting
+        executor = DenseAssistExecutor(parts.loaded.model, handoff, parts.loop.gate, limits.stage_timeout_s)
+        add_dense_assist_servicer(executor, server, limits)
+        return [DENSE_ASSIST_SERVICE]
+
+    return add_assist
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    try:
+        add_assist = assist_services(args)
+    except InvalidArgument as exc:
+        print(f"gpu_service: error: {exc}", file=sys.stderr)
+        return 2
 
     def build() -> EngineDaemonParts:
         return build_engine(args, kind="gpu", device=str(resolve_device(args.device)),

@@ -24,9 +24,11 @@ Gated baseline (begin.wait_for_engine_iteration, NEO-like): unchanged from the c
 design: the iteration waits for the engine's iteration boundary, then holds the device
 lock from its begin to its result, so the GPU and CPU iterations take turns.
 
-Bounded wait (begin.max_device_wait_ms, 0 = unbounded): a budget per iteration: the
-waits of all its stages for the device add up to at most that; past it the stage raises
-Overloaded (RESOURCE_EXHAUSTED) and the CPU engine redoes the iteration locally.
+Bounded wait (begin.max_device_wait_ms): a budget per iteration: the waits of all its
+stages for the device add up to at most that; past it the stage raises Overloaded
+(RESOURCE_EXHAUSTED) and the CPU engine redoes the iteration locally. Without a budget (0)
+each wait is still bounded by the server's stage timeout (`--assist-stage-timeout-s`), past
+which the stage raises AssistExpired (DEADLINE_EXCEEDED); see gpu_service/assist_limits.py.
 
 Methods are synchronous and meant to be called off the event loop; the same code runs on
 CUDA and on the CPU device.
@@ -47,9 +49,7 @@ from dualpace.errors import InvalidArgument, Overloaded
 from dualpace.model.transformer import Transformer
 from dualpace.sampling import SamplingParams, sample_next_tokens
 from dualpace.engine.assist_types import AssistAttentionOutput, AssistBegin, AssistQkv, AssistResult
-
-GATE_TIMEOUT_S = 60.0  # a gated iteration waits at most this long for the GPU engine's iteration
-UNBOUNDED_STAGE_WAIT_S = 60.0  # with no max_device_wait_ms, a stage still gives up after this long
+from gpu_service.assist_limits import DEFAULT_STAGE_TIMEOUT_S, AssistExpired
 
 
 @dataclass
@@ -74,14 +74,15 @@ class DenseAssistExecutor:
     """
 
     def __init__(self, model: Transformer, device: DeviceHandoff | threading.Lock | None = None,
-                 gate: IterationGate | None = None):
+                 gate: IterationGate | None = None, stage_timeout_s: float = DEFAULT_STAGE_TIMEOUT_S):
         self.model = model
         self.handoff = _as_handoff(device)
         self.device_lock = self.handoff.lock
         self.gate = gate if gate is not None else IterationGate()  # the GPU engine's iteration boundaries
+        self.stage_timeout_s = stage_timeout_s
 
     def new_session(self) -> AssistSession:
-        return AssistSession(self.model, self.handoff, self.gate)
+        return AssistSession(self.model, self.handoff, self.gate, self.stage_timeout_s)
 
 
 class AssistSession:
@@ -94,8 +95,9 @@ class AssistSession:
     """
 
     def __init__(self, model: Transformer, device: DeviceHandoff | threading.Lock,
-                 gate: IterationGate | None = None):
+                 gate: IterationGate | None = None, stage_timeout_s: float = DEFAULT_STAGE_TIMEOUT_S):
         self._model = model
+        self._stage_timeout_s = stage_timeout_s  # a device wait's bound when the client set no budget
         self._handoff = _as_handoff(device)
         self._lock = self._handoff.lock
         self._gate = gate if gate is not None else IterationGate()
@@ -124,11 +126,11 @@ class AssistSession:
         self._wait_budget_s = begin.max_device_wait_ms / 1e3 if begin.max_device_wait_ms else None
         self.device_wait_s = 0.0
         if begin.wait_for_engine_iteration:  # gated baseline: one CPU iteration per GPU iteration
-            self._gate.wait_turn(GATE_TIMEOUT_S)
-            wait_s = self._wait_budget_s if self._wait_budget_s is not None else GATE_TIMEOUT_S
+            wait_s = self._wait_budget_s if self._wait_budget_s is not None else self._stage_timeout_s
+            self._gate.wait_turn(wait_s)
             # a plain acquire, not a waiting stage: the engine finishes its iteration first
             if not self._lock.acquire(timeout=wait_s):
-                raise Overloaded(f"the device stayed busy with the GPU engine's own step for {wait_s * 1e3:.0f} ms")
+                raise self._busy(f"the device stayed busy with the GPU engine's own step for {wait_s * 1e3:.0f} ms")
             self._holding_lock = True
         try:
             with self._device_stage():
@@ -185,7 +187,7 @@ class AssistSession:
             yield
             return
         budget_s = self._wait_budget_s
-        timeout_s = UNBOUNDED_STAGE_WAIT_S if budget_s is None else max(0.0, budget_s)
+        timeout_s = self._stage_timeout_s if budget_s is None else max(0.0, budget_s)
         started_s = time.monotonic()
         acquired = self._handoff.acquire_stage(timeout_s)
         waited_s = time.monotonic() - started_s
@@ -193,12 +195,18 @@ class AssistSession:
         if budget_s is not None:
             self._wait_budget_s = budget_s - waited_s
         if not acquired:
-            raise Overloaded(f"the device stayed busy with the GPU engine's own step: this iteration waited "
+            raise self._busy(f"the device stayed busy with the GPU engine's own step: this iteration waited "
                              f"{self.device_wait_s * 1e3:.0f} ms for it in all")
         try:
             yield
         finally:
             self._handoff.release_stage()
+
+    def _busy(self, message: str) -> Overloaded | AssistExpired:
+        """The client's budget ran out (it redoes the iteration locally), or the server's stage timeout."""
+        if self._wait_budget_s is not None:
+            return Overloaded(message)
+        return AssistExpired(f"{message} (past the server's stage timeout of {self._stage_timeout_s:g} s)")
 
     def _pre_attention(self, iteration: _Iteration, layer: int) -> AssistQkv:
         q, k, v = self._model.pre_attention(layer, iteration.hidden, iteration.rope)

@@ -33,6 +33,7 @@ from dualpace.policy.admission import AdmissionConfig
 from router.router_core import RouterConfig, RouterCore
 from router.engines import EngineHandle, EnginePool
 from dualpace.policy.migration_planner import MigrationConfig
+from router.prompt_work import PromptLimits, add_prompt_arguments, configure as configure_prompt_work
 from router.service import RouterServicer
 from dualpace.policy.views import Policy
 
@@ -60,12 +61,14 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                         help="how long a request may wait for room (default 30 s)")
     parser.add_argument("--no-migrate", action="store_true", help="no load-driven migrations (hand-offs still run)")
     parser.add_argument("--listen", default="127.0.0.1:0",
-                        help="HOST:PORT; a non-loopback host needs --tls-cert/--tls-key")
+                        help="HOST:PORT, or unix:PATH (a socket only this user can reach); a non-loopback host "
+                             "needs --tls-cert/--tls-key")
     parser.add_argument("--grace-s", type=float, default=DEFAULT_GRACE_S,
                         help="on SIGTERM, how long relayed streams may take to finish before they are cancelled")
     parser.add_argument("--http-listen", default=None, metavar="HOST:PORT",
                         help="also serve the OpenAI-compatible HTTP API here (absent: no HTTP); same TLS and token rules")
     parser.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR (JSON lines on stderr)")
+    add_prompt_arguments(parser)
     add_config_argument(parser)
     add_metrics_argument(parser)
     add_security_arguments(parser)
@@ -112,7 +115,7 @@ def serve(args: argparse.Namespace) -> int:
         security = security_from_args(args)
         check_listen_security(args.listen, security.tls)
         if args.http_listen is not None:
-            check_listen_security(args.http_listen, security.tls, "--http-listen")
+            check_listen_security(args.http_listen, security.tls, "--http-listen", allow_unix=False)
         if args.grace_s < 0:
             raise InvalidArgument("--grace-s", f"must be >= 0, got {args.grace_s}")
         notifier.status(f"loading the tokenizer of {args.model}")
@@ -126,6 +129,7 @@ def serve(args: argparse.Namespace) -> int:
                                           ignore_fingerprint=args.profile_ignore_fingerprint)
             kv_bytes_per_token = profile.model.kv_bytes_per_token  # the engines' KV dtype, as profiled
         config = router_config(args, kv_bytes_per_token, profile)
+        configure_prompt_work(PromptLimits(args.max_prompt_chars, args.prompt_workers))
         start_from_args(args, "router")
     except DualPaceError as exc:
         print(f"router: error: {exc}", file=sys.stderr)

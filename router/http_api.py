@@ -2,9 +2,9 @@
 /health and /metrics.
 
 It is a second door into the same router: every generation request goes through
-router.prompts.prepare_prompt and a router.relay.Relay on the RouterCore the gRPC servicer uses,
-in the same asyncio event loop, so admission, migration, recovery and stop strings behave
-exactly as for gRPC clients.
+router.prompts.prepare_prompt (in the prompt pool, router/prompt_work.py) and a
+router.relay.Relay on the RouterCore the gRPC servicer uses, in the same asyncio event loop,
+so admission, migration, recovery and stop strings behave exactly as for gRPC clients.
 
 Why aiohttp: it is a plain asyncio server that runs as one more task in the loop that already
 runs grpc.aio (no second loop, no thread, no ASGI server process to manage), streams with
@@ -169,7 +169,7 @@ class HttpFront:
                 request_id = request_id_for(parsed.client)
             else:
                 request_id = f"{id_prefix}-{uuid.uuid4().hex}"
-            relay = open_request(core, parsed.client, request_id, default_max_tokens=(
+            relay = await open_request(core, parsed.client, request_id, default_max_tokens=(
                 schema.CHAT_DEFAULT_MAX_TOKENS if parsed.default_max_tokens else None))
         except DualPaceError as exc:
             raise schema.error_for(exc, parsed.renamed) from None

@@ -12,6 +12,7 @@ from dualpace.model.config import ModelConfig
 from dualpace.model.tokenizer import Tokenizer
 from dualpace.sampling_params import SamplingParams, pick_seed
 from dualpace.validation import validate_request
+from router.prompt_checks import check_messages, check_text
 
 REQUEST_ID_PATTERN = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
 
@@ -30,12 +31,14 @@ def prepare_prompt(client: ClientRequest, tokenizer: Tokenizer, config: ModelCon
     if client.text is not None:
         if not client.text:
             raise InvalidArgument("text", "the prompt is empty")
+        check_text(client.text, "text")
         prompt_ids, field = tokenizer.encode(client.text, add_special_tokens=True), "text"
     elif client.prompt_token_ids is not None:
         prompt_ids, field = client.prompt_token_ids, "prompt_token_ids"
     elif client.messages is not None:
         if not client.messages:
             raise InvalidArgument("messages", "no messages")
+        check_messages(client.messages)
         prompt_ids, field = tokenizer.encode_chat(client.messages), "messages"
         # A chat turn ends at the template's end-of-turn token.
         params = replace(params, stop_token_ids=tuple(dict.fromkeys(params.stop_token_ids + tokenizer.chat_stop_token_ids)))

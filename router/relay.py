@@ -25,7 +25,7 @@ from dualpace.sampling_params import FinishReason, SamplingParams
 from dualpace.serve.logging_setup import bind_request_id, unbind_request_id
 from dualpace.serve.metrics import RequestClock, engine_metrics
 from router.engines import EngineHandle, EngineStream
-from router.prompts import prepare_prompt
+from router.prompt_work import prepare_off_loop
 from router.router_core import RouterCore, Tracked
 from router.text_stream import TextStream
 
@@ -283,14 +283,14 @@ class Relay:
             pass  # already finished, moved or gone
 
 
-def open_request(core: RouterCore, client: ClientRequest, request_id: str, client_deadline: float | None = None,
+async def open_request(core: RouterCore, client: ClientRequest, request_id: str, client_deadline: float | None = None,
                  default_max_tokens: int | None = None) -> Relay:
     """What every front door does before relaying: refuse a request id that is already
-    running, tokenize and validate the prompt (prepare_prompt), and with `default_max_tokens`
+    running, tokenize and validate the prompt off the event loop (router.prompt_work), and with `default_max_tokens`
     (the client set none) fit that default to the room the prompt leaves in the context."""
     if request_id in core.tracked:
         raise InvalidArgument("request_id", f"request {request_id!r} is already running")
-    prompt_ids, params = prepare_prompt(client, core.tokenizer, core.model_config)
+    prompt_ids, params = await prepare_off_loop(client, core.tokenizer, core.model_config)
     if default_max_tokens:
         room = core.max_context_tokens - len(prompt_ids)
         params = replace(params, max_tokens=max(1, min(default_max_tokens, room)))

@@ -27,7 +27,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             request_id = request_id_for(client)
             remaining_s = context.time_remaining()  # None without a client deadline
             client_deadline = time.monotonic() + remaining_s if remaining_s is not None else None
-            relay = open_request(self.core, client, request_id, client_deadline)
+            relay = await open_request(self.core, client, request_id, client_deadline)
             async for update in relay.run():
                 yield messages.generate_response_to_pb(
                     request_id, update.token_ids, update.text, update.engine, update.finish_reason,

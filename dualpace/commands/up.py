@@ -5,11 +5,15 @@
     dualpace up --policy gpu-only                # no cpu_service
     dualpace up --http-port 8000                 # the router's OpenAI-compatible HTTP API on a fixed port
 
-Each daemon is a child process listening on 127.0.0.1 (the engines on free ports, the router on
---port). Their output is relayed with a prefix ("[gpu] ..."). When all three are serving it prints
+Each daemon is a child process. The engines listen on Unix sockets in a private folder (mode
+0700, sockets 0600: only this user reaches them; `--engine-listen tcp`: on free 127.0.0.1 ports
+instead), the router on 127.0.0.1 (--port, --http-port). Their output is relayed with a prefix ("[gpu] ..."). When all three are serving it prints
 their addresses and a ready line. Ctrl-C or SIGTERM stops them all (SIGTERM, then a kill after a
-timeout) and exits 0; if a daemon exits by itself, the others are stopped and `up` exits 1
-naming it.
+timeout) and exits 0. A daemon that exits by itself is restarted on the same address, as systemd's
+Restart=on-failure would, after a backoff that doubles with each recent restart, while the others keep
+running (the router continues an engine's requests on the other one and reconnects when it is back);
+after --max-restarts restarts of one daemon within --restart-window-s, `up` stops the others and
+exits 1 naming it.
 """
 
 from __future__ import annotations
@@ -21,7 +25,9 @@ import subprocess
 import sys
 import threading
 import time
-from dataclasses import dataclass, field
+
+from dualpace.commands.restart_budget import DEFAULT_MAX_RESTARTS, DEFAULT_WINDOW_S, RestartBudget
+from dualpace.commands.supervise import Child, supervise_once
 
 POLICIES = ("dualpace", "gated", "gpu-only")
 START_TIMEOUT_S = 120.0  # loading the weights of a larger model takes a while
@@ -51,20 +57,17 @@ def register(subparsers) -> None:
                    help="hardware profile JSON (`dualpace profile`) for cpu_service's mode choice and the router")
     p.add_argument("--itl-target-ms", type=float, default=None,
                    help="the router's inter-token latency target (with --profile: admission by predicted ITL)")
-
-
-@dataclass
-class Child:
-    """One daemon: its process, the address it printed, and the thread relaying its output."""
-
-    name: str  # output prefix: gpu, cpu, router
-    module: str  # gpu_service, cpu_service, router: how messages name it
-    process: subprocess.Popen
-    address: str | None = None
-    listening: threading.Event = field(default_factory=threading.Event)
-    http_address: str | None = None  # the router's "router http listening on ADDR" line
-    http_listening: threading.Event = field(default_factory=threading.Event)
-    relay: threading.Thread | None = None
+    p.add_argument("--orphan-timeout-s", type=float, default=None,
+                   help="both engines: abort a request whose reader (the router) went away unless a stream "
+                        "re-attaches within this many seconds (default: the engines' own, 30)")
+    p.add_argument("--engine-listen", default="unix", choices=["unix", "tcp"],
+                   help="unix: the engines on Unix sockets only this user can reach (default); "
+                        "tcp: on free 127.0.0.1 ports, reachable by every local user")
+    p.add_argument("--max-restarts", type=int, default=DEFAULT_MAX_RESTARTS,
+                   help="restarts of one daemon that exits by itself allowed within --restart-window-s, "
+                        "then `up` gives up and exits 1 (0: never restart)")
+    p.add_argument("--restart-window-s", type=float, default=DEFAULT_WINDOW_S,
+                   help="the window --max-restarts counts in, in seconds")
 
 
 class Console:
@@ -103,6 +106,7 @@ class Up:
         self.signalled: int | None = None
         self.signalled_at = 0.0
         self.force = False  # a second signal: kill instead of waiting for a clean exit
+        self.socket_folder: str | None = None  # the engines' Unix sockets (--engine-listen unix)
 
     # ---- signals: the handler only records; the main thread polls ----
 
@@ -115,33 +119,40 @@ class Up:
     # ---- starting ----
 
     def spawn(self, name: str, module: str, *argv: str) -> Child:
+        budget = RestartBudget(max_restarts=self.args.max_restarts, window_s=self.args.restart_window_s)
+        child = Child(name, module, list(argv), budget)
+        self.children.append(child)
+        self.launch(child)
+        return child
+
+    def launch(self, child: Child) -> None:
         from dualpace.serve.readiness import LISTENING
 
         # A process group of its own: a terminal Ctrl-C reaches only `up`, which stops the
         # daemons in order with one SIGTERM each.
         process = subprocess.Popen(
-            [sys.executable, "-m", module, *argv], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-            env={**os.environ, "PYTHONUNBUFFERED": "1"}, process_group=0,
+            [sys.executable, "-m", child.module, *child.argv], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+            text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"}, process_group=0,
         )
-        child = Child(name, module, process)
-        self.children.append(child)
+        child.process = process
+        child.listening.clear()
+        child.http_listening.clear()
 
         def relay() -> None:
             for raw in process.stdout:
                 line = raw.rstrip("\n")
                 match = LISTENING.search(line)
                 if match and " http listening on " in line:
-                    if child.http_address is None:
+                    if not child.http_listening.is_set():  # the first such line of this launch
                         child.http_address = match.group(1)
                         child.http_listening.set()
-                elif match and child.address is None:
+                elif match and not child.listening.is_set():
                     child.address = match.group(1)
                     child.listening.set()
-                self.console.line(f"[{name}] {line}")
+                self.console.line(f"[{child.name}] {line}")
 
-        child.relay = threading.Thread(target=relay, name=f"relay-{name}", daemon=True)
+        child.relay = threading.Thread(target=relay, name=f"relay-{child.name}", daemon=True)
         child.relay.start()
-        return child
 
     def wait_listening(self, child: Child) -> str:
         from dualpace.serve.readiness import wait_serving
@@ -163,18 +174,21 @@ class Up:
     def start(self) -> str:
         """gpu_service, then cpu_service (it needs gpu_service's address), then the router; its address."""
         args = self.args
-        engine_flags = ["--model", args.model, "--dtype", args.dtype, "--listen", "127.0.0.1:0",
-                        "--grace-s", str(DRAIN_GRACE_S)]
+        engine_flags = ["--model", args.model, "--dtype", args.dtype, "--grace-s", str(DRAIN_GRACE_S)]
         if args.threads_per_engine is not None:
             engine_flags += ["--threads", str(args.threads_per_engine)]
+        if args.orphan_timeout_s is not None:
+            engine_flags += ["--orphan-timeout-s", str(args.orphan_timeout_s)]
         profile_flags = ["--profile", args.profile] if args.profile is not None else []
         gpu_flags = engine_flags + (["--kv-blocks", str(args.gpu_kv_blocks)] if args.gpu_kv_blocks else [])
-        gpu = self.wait_listening(self.spawn("gpu", "gpu_service", *gpu_flags, "--name", "gpu"))
+        gpu = self.wait_listening(self.spawn("gpu", "gpu_service", *gpu_flags, "--name", "gpu",
+                                             "--listen", self.engine_listen("gpu")))
         cpu = None
         if args.policy != "gpu-only":
             cpu_flags = engine_flags + (["--kv-blocks", str(args.cpu_kv_blocks)] if args.cpu_kv_blocks else [])
             cpu = self.wait_listening(self.spawn(
-                "cpu", "cpu_service", *cpu_flags, "--name", "cpu", "--gpu-service", gpu, "--assist", args.assist,
+                "cpu", "cpu_service", *cpu_flags, "--name", "cpu", "--listen", self.engine_listen("cpu"),
+                "--gpu-service", gpu, "--assist", args.assist,
                 "--policy", "gated" if args.policy == "gated" else "dualpace", *profile_flags))
         router_flags = ["serve", "--gpu", gpu, "--policy", args.policy, "--model", args.model,
                         "--grace-s", str(DRAIN_GRACE_S),
@@ -195,14 +209,29 @@ class Up:
                 raise ChildFailed(router, "did not start its HTTP API")
         return address
 
+    def engine_listen(self, name: str) -> str:
+        if self.args.engine_listen == "tcp":
+            return "127.0.0.1:0"
+        if self.socket_folder is None:
+            import tempfile
+
+            self.socket_folder = tempfile.mkdtemp(prefix="dualpace-up-")  # mode 0700
+        return f"unix:{os.path.join(self.socket_folder, name + '.sock')}"
+
+    def remove_socket_folder(self) -> None:
+        if self.socket_folder is not None:
+            import shutil
+
+            shutil.rmtree(self.socket_folder, ignore_errors=True)
+
     # ---- running and stopping ----
 
     def watch(self) -> Child | None:
-        """Until a stop signal (None) or a daemon exits by itself (that daemon)."""
+        """Supervise until a stop signal (None) or a daemon has spent its restart budget (that daemon)."""
         while self.signalled is None:
-            for child in self.children:
-                if child.process.poll() is not None:
-                    return child
+            gave_up = supervise_once(self, time.monotonic())
+            if gave_up is not None:
+                return gave_up
             time.sleep(POLL_S)
         return None
 
@@ -225,8 +254,8 @@ class Up:
                     child.process.kill()
                     child.process.wait()
                     unclean.append(child)
-                elif child.process.returncode not in (0, -signal.SIGTERM):  # -SIGTERM: still starting up
-                    unclean.append(child)
+                elif child.process.returncode not in (0, -signal.SIGTERM) and not child.exit_handled:
+                    unclean.append(child)  # -SIGTERM: still starting up; exit_handled: reported already
         for child in self.children:  # relay their last lines before `up` reports
             child.relay.join(timeout=2.0)
         return unclean
@@ -243,6 +272,12 @@ def check_args(args: argparse.Namespace) -> None:
         raise InvalidArgument("--port", f"must be in 0..65535, got {args.port}")
     if not 0 <= args.http_port <= 65535:
         raise InvalidArgument("--http-port", f"must be in 0..65535, got {args.http_port}")
+    if args.orphan_timeout_s is not None and not args.orphan_timeout_s > 0:
+        raise InvalidArgument("--orphan-timeout-s", f"must be > 0, got {args.orphan_timeout_s}")
+    if args.max_restarts < 0:
+        raise InvalidArgument("--max-restarts", f"must be >= 0, got {args.max_restarts}")
+    if not args.restart_window_s > 0:
+        raise InvalidArgument("--restart-window-s", f"must be > 0, got {args.restart_window_s}")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -268,10 +303,12 @@ def run(args: argparse.Namespace) -> int:
             exited = up.watch()
             if exited is not None:
                 up.console.line(f"dualpace up: error: {exited.module} exited unexpectedly with status "
-                                f"{exited.process.returncode}; stopping the others", sys.stderr)
+                                f"{exited.process.returncode} after {exited.budget.num_recent} restarts within "
+                                f"{exited.budget.window_s:g} s; giving up and stopping the others", sys.stderr)
                 status = 1
     finally:
         unclean = up.stop_all()
+        up.remove_socket_folder()
         for signum, handler in previous.items():
             signal.signal(signum, handler)
     if status == 0 and unclean:

@@ -20,7 +20,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import statistics
 import threading
 import time
 from collections import OrderedDict, deque
@@ -33,6 +32,7 @@ from dualpace.engine.core import EngineCore
 from dualpace.engine.gate import IterationGate
 from dualpace.engine.load import EngineLoad
 from dualpace.engine.request import RequestEvent
+from dualpace.engine.step_window import StepLatencyWindow
 from dualpace.errors import RequestNotFound, Unavailable
 from dualpace.sampling import FinishReason, SamplingParams
 from dualpace.serve.metrics import EngineMetrics, RequestClock
@@ -40,20 +40,12 @@ from dualpace.serve.metrics import EngineMetrics, RequestClock
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
-NUM_RECENT_STEPS = 256  # window of step latencies behind the ITL percentiles
 NUM_FINISHED_CHANNELS_KEPT = 1024  # finished requests a late stream may still read
 
 
 def nonfinite_logits_message(request_id: str, engine_name: str) -> str:
     return (f"request {request_id!r} failed on engine {engine_name}: non-finite logits (NaN or Inf); "
             "the request was ended, the engine serves on")
-
-
-def percentile(values: list[float], fraction: float) -> float:
-    if not values:
-        return 0.0
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(fraction * len(ordered)))]
 
 
 class EngineLoop:
@@ -65,7 +57,7 @@ class EngineLoop:
         self._commands: deque[tuple[Callable[[], Any], asyncio.Future]] = deque()
         self._wake = asyncio.Event()
         self._executor = ThreadPoolExecutor(1, thread_name_prefix=f"{core.config.name}-step")
-        self._step_ms: deque[float] = deque(maxlen=NUM_RECENT_STEPS)
+        self._step_ms = StepLatencyWindow()  # steps that did work only
         # Held for each step; gpu_service shares it with Dense Assist so both use the device in turn.
         self._step_lock = step_lock or contextlib.nullcontext()
         self.gate = gate or IterationGate()  # iteration boundaries, for the gated baseline policy
@@ -147,7 +139,7 @@ class EngineLoop:
                     continue
                 start = time.perf_counter()
                 plan, events = await loop.run_in_executor(self._executor, self._step)
-                self._step_ms.append((time.perf_counter() - start) * 1e3)
+                self._step_ms.record((time.perf_counter() - start) * 1e3, plan.is_empty)
                 if not plan.is_empty:
                     self.metrics.iteration(self._iteration_mode(), self._iteration_s)
                 self.update_metrics()
@@ -301,7 +293,6 @@ class EngineLoop:
     def load(self) -> EngineLoad:
         core = self.core
         blocks = core.scheduler.blocks
-        recent = list(self._step_ms)
         self.update_metrics()
         return EngineLoad(
             name=core.config.name,
@@ -312,8 +303,8 @@ class EngineLoop:
             kv_blocks_total=blocks.num_total_blocks,
             kv_blocks_used=blocks.num_used_blocks,
             block_size=blocks.block_size,
-            itl_p50_ms=round(statistics.median(recent), 3) if recent else 0.0,
-            itl_p99_ms=round(percentile(recent, 0.99), 3),
+            itl_p50_ms=self._step_ms.p50_ms,
+            itl_p99_ms=self._step_ms.p99_ms,
             num_iterations=core.num_steps,
             num_preemptions=core.scheduler.num_preemptions,
             timestamp_unix_ms=int(time.time() * 1000),

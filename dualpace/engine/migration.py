@@ -33,6 +33,7 @@ from dualpace.engine.kv_transfer import (
 )
 from dualpace.engine.loop import EngineLoop
 from dualpace.engine.request import EngineRequest, RequestEvent, RequestState
+from dualpace.engine.worker_pools import run_in_pool
 from dualpace.errors import InvalidArgument, Unavailable
 from dualpace.validation import validate_request
 
@@ -97,7 +98,7 @@ async def migrate_out(
 
     async def chunks() -> AsyncIterator[KvChunk]:
         for seq, (layer, token_start, token_end) in enumerate(chunk_plan):
-            yield await asyncio.to_thread(read_chunk, seq, layer, token_start, token_end)
+            yield await run_in_pool("kv-export", read_chunk, seq, layer, token_start, token_end)
 
     try:
         target_engine = await send(header, chunks())
@@ -195,7 +196,7 @@ class KvImporter:
             v = tensor_from_bytes(chunk.v, layout.dtype, shape)
             runner.write_kv(slot_ids, chunk.layer, k, v)
 
-        await asyncio.to_thread(verify_and_write)
+        await run_in_pool("kv-import", verify_and_write)
         progress.accept(chunk)
 
     async def prepare(self) -> ImportProgress:

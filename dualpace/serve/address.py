@@ -2,7 +2,10 @@
 
 Accepted forms: an IPv4 literal (`127.0.0.1:50051`), a bracketed IPv6 literal
 (`[::1]:50051`) or a host name (`localhost:50051`). Port 0 asks the kernel for
-a free port when the server binds. Anything else raises InvalidArgument naming
+a free port when the server binds. Where the caller allows it (the daemons' gRPC
+`--listen`), also `unix:PATH`: a Unix domain socket, which only processes on this
+machine can reach and whose file permissions (0600: the daemon's user alone) decide who
+may connect (dualpace.serve.server). Anything else raises InvalidArgument naming
 the field, so a daemon's CLI prints one clear line.
 """
 
@@ -17,6 +20,8 @@ from dualpace.errors import InvalidArgument
 _HOSTNAME_LABEL = re.compile(r"^[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?$")
 _PORT_DIGITS = re.compile(r"^[0-9]{1,5}$")
 _MAX_PORT = 65535
+UNIX_PREFIX = "unix:"
+MAX_UNIX_PATH_BYTES = 107  # sun_path holds 108 bytes with its terminating NUL (Linux)
 
 
 @dataclass(frozen=True)
@@ -25,22 +30,31 @@ class ListenAddress:
 
     host: str
     port: int
+    unix_path: str | None = None  # set for unix:PATH (then host is "" and port 0)
 
     @property
     def is_ipv6(self) -> bool:
         """True for an IPv6 literal host."""
         return ":" in self.host
 
+    @property
+    def is_unix(self) -> bool:
+        return self.unix_path is not None
+
     def target(self, port: int | None = None) -> str:
-        """`host:port` as gRPC expects it (IPv6 in brackets); `port` overrides self.port."""
+        """`host:port` as gRPC expects it (IPv6 in brackets), or `unix:PATH`; `port` overrides self.port."""
+        if self.unix_path is not None:
+            return UNIX_PREFIX + self.unix_path
         return format_host_port(self.host, self.port if port is None else port)
 
     def connect_target(self, port: int | None = None) -> str:
         """Where a client on this machine reaches the server: wildcards become loopback.
 
         `localhost` becomes 127.0.0.1 so the printed address is an IP literal
-        that every client resolves the same way.
+        that every client resolves the same way. A Unix socket is reached at its path.
         """
+        if self.unix_path is not None:
+            return self.target()
         host = self.host
         if host == "0.0.0.0" or host.lower().rstrip(".") == "localhost":
             host = "127.0.0.1"
@@ -57,11 +71,15 @@ def format_host_port(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
-def parse_listen(text: str, field: str = "--listen") -> ListenAddress:
-    """Parses HOST:PORT; raises InvalidArgument(field, ...) when it is malformed."""
+def parse_listen(text: str, field: str = "--listen", allow_unix: bool = False) -> ListenAddress:
+    """Parses HOST:PORT (or unix:PATH when allow_unix); raises InvalidArgument(field, ...) when it is malformed."""
     text = text.strip()
     if not text:
         raise InvalidArgument(field, "is empty; expected HOST:PORT such as 127.0.0.1:50051")
+    if text.startswith(UNIX_PREFIX):
+        if not allow_unix:
+            raise InvalidArgument(field, f"{text!r}: a Unix socket is not supported here; expected HOST:PORT")
+        return ListenAddress(host="", port=0, unix_path=_check_unix_path(text[len(UNIX_PREFIX):], text, field))
     host, port_text = _split_host_port(text, field)
     return ListenAddress(host=_check_host(host, text, field), port=_parse_port(port_text, text, field))
 
@@ -77,6 +95,18 @@ def is_loopback(host: str) -> bool:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
         return False
+
+
+def _check_unix_path(path: str, text: str, field: str) -> str:
+    if path.startswith("//"):  # unix:///abs/path, as gRPC also writes it
+        path = path[2:]
+    if not path.startswith("/"):
+        raise InvalidArgument(field, f"{text!r}: give an absolute path, e.g. unix:/run/dualpace/gpu.sock "
+                                     "(the other daemons connect to the same path)")
+    if len(path.encode()) > MAX_UNIX_PATH_BYTES:
+        raise InvalidArgument(field, f"{text!r}: the path is longer than a Unix socket allows "
+                                     f"({MAX_UNIX_PATH_BYTES} bytes)")
+    return path
 
 
 def _split_host_port(text: str, field: str) -> tuple[str, str]:

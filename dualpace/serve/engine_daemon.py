@@ -42,6 +42,7 @@ from dualpace.serve.engine_servicer import EngineServicer
 from dualpace.serve.event_loop import serve_forever
 from dualpace.serve.logging_setup import configure_logging, get_logger
 from dualpace.serve.metrics import add_metrics_argument, start_from_args
+from dualpace.serve.orphan_lease import DEFAULT_ORPHAN_TIMEOUT_S
 from dualpace.serve.sd_notify import Notifier, watchdog_interval_s
 from dualpace.serve.security import (
     add_security_arguments,
@@ -76,6 +77,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser, default_name: str, def
                         help="HOST:PORT; port 0 picks a free port; a non-loopback host needs --tls-cert/--tls-key")
     parser.add_argument("--grace-s", type=float, default=DEFAULT_GRACE_S,
                         help="on SIGTERM, how long running requests may take to finish before they are aborted")
+    parser.add_argument("--orphan-timeout-s", type=float, default=DEFAULT_ORPHAN_TIMEOUT_S,
+                        help="a request kept running for a reader that went away (the router) is aborted "
+                             "unless a stream re-attaches within this many seconds")
     parser.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR (JSON lines on stderr)")
     add_config_argument(parser)
     add_metrics_argument(parser)
@@ -177,6 +181,8 @@ def run_engine_daemon(
         check_listen_security(args.listen, security.tls)  # before the slow model load
         if args.grace_s < 0:
             raise InvalidArgument("--grace-s", f"must be >= 0, got {args.grace_s}")
+        if not args.orphan_timeout_s > 0:
+            raise InvalidArgument("--orphan-timeout-s", f"must be > 0, got {args.orphan_timeout_s}")
         start_from_args(args, process_name)  # before the slow load: a busy port fails at once
         notifier.status(f"loading model {args.model}")
         parts = build()
@@ -201,7 +207,8 @@ def run_engine_daemon(
         service_names = [ENGINE_SERVICE]
 
         def register(server: grpc.aio.Server) -> None:
-            servicer = EngineServicer(parts.loop, faults, auth_token=security.auth_token)
+            servicer = EngineServicer(parts.loop, faults, auth_token=security.auth_token,
+                                      orphan_timeout_s=args.orphan_timeout_s)
             engine_pb2_grpc.add_EngineServicer_to_server(servicer, server)
             if extra_services is not None:
                 service_names.extend(extra_services(parts, server))

@@ -24,6 +24,7 @@ from dualpace.serve.logging_setup import (
     request_id_from_context,
     unbind_request_id,
 )
+from dualpace.serve.orphan_lease import DEFAULT_ORPHAN_TIMEOUT_S, OrphanLeases
 from dualpace.wire import engine_messages as messages
 from dualpace.wire.v1 import engine_pb2, engine_pb2_grpc
 
@@ -34,8 +35,10 @@ log = get_logger(__name__)
 
 
 class EngineServicer(engine_pb2_grpc.EngineServicer):
-    def __init__(self, loop: EngineLoop, faults: FaultConfig | None = None, auth_token: str | None = None):
+    def __init__(self, loop: EngineLoop, faults: FaultConfig | None = None, auth_token: str | None = None,
+                 orphan_timeout_s: float = DEFAULT_ORPHAN_TIMEOUT_S):
         self.loop = loop
+        self.leases = OrphanLeases(loop, orphan_timeout_s)  # keep-running requests nobody reads
         self.faults = faults or FaultConfig()
         self.auth_token = auth_token  # sent on this engine's own calls (KV migration to the target)
 
@@ -63,6 +66,7 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
             raise InvalidArgument("kind", "set new_request or resume")
         name = loop.core.config.name
         finished = False
+        self.leases.attach(request_id)
         try:
             async for update in channel.follow(start):
                 if update.error_message is not None:
@@ -83,6 +87,7 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
                 # The client went away: the request must not keep its KV blocks.
                 log.info("client went away; aborting")
                 await _abort_quietly(loop, request_id)
+            self.leases.detach(request_id, left_running=not abort_on_disconnect and not finished and not channel.done)
             log.debug("generate stream ended", output_tokens=len(channel.output_token_ids), finished=finished)
             unbind_request_id()
 
@@ -129,6 +134,7 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
                               chunk_handling_ms=round(chunk_ms, 2),
                               commit_ms=round((time.perf_counter() - commit_start) * 1e3, 2),
                               total_ms=round((time.perf_counter() - started) * 1e3, 2))
+                    self.leases.start(importer.progress.header.request_id)  # until the router resumes it here
                     yield messages.import_committed_to_pb(importer.progress.header.request_id, engine_name)
                     return
                 else:

@@ -8,6 +8,10 @@ ends the stream with its status. The mapping itself is `status_for`.
 What passes through untouched: `context.abort` from the servicer (its own
 status stands), cancellation (asyncio.CancelledError, GeneratorExit) and
 synchronous handlers (servicers here are async).
+
+A unary request that protobuf cannot parse (a string field that is not UTF-8) reaches no
+servicer: it is answered INVALID_ARGUMENT naming the field (dualpace.wire.undecodable), not
+grpc's INTERNAL "Exception deserializing request!".
 """
 
 from __future__ import annotations
@@ -20,8 +24,10 @@ from typing import Any
 
 import grpc
 
+from dualpace.errors import InvalidArgument
 from dualpace.serve.metrics import error as count_error
 from dualpace.serve.status import is_internal, status_for
+from dualpace.wire.undecodable import UndecodableRequest, lenient_deserializer
 
 logger = logging.getLogger(__name__)
 
@@ -52,11 +58,19 @@ def wrap_handler(handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodH
         factory, behavior = grpc.unary_stream_rpc_method_handler, handler.unary_stream
     else:
         factory, behavior = grpc.unary_unary_rpc_method_handler, handler.unary_unary
+    deserializer = handler.request_deserializer
+    if not handler.request_streaming:  # a stream's messages reach the servicer's own loop: left as they are
+        deserializer = lenient_deserializer(deserializer)
     return factory(
         _wrap_behavior(behavior, method),
-        request_deserializer=handler.request_deserializer,
+        request_deserializer=deserializer,
         response_serializer=handler.response_serializer,
     )
+
+
+def _check_decoded(request: Any) -> None:
+    if isinstance(request, UndecodableRequest):
+        raise InvalidArgument(request.field, request.problem)
 
 
 def _wrap_behavior(behavior: Behavior, method: str) -> Behavior:
@@ -75,6 +89,7 @@ def _wrap_behavior(behavior: Behavior, method: str) -> Behavior:
 def _wrap_coroutine(behavior: Behavior, method: str) -> Behavior:
     async def call(request: Any, context: grpc.aio.ServicerContext) -> Any:
         try:
+            _check_decoded(request)
             return await behavior(request, context)
         except grpc.aio.AbortError:
             raise
@@ -89,6 +104,7 @@ def _wrap_async_generator(behavior: Behavior, method: str) -> Behavior:
         # aclosing: a cancelled client closes the servicer's generator at once,
         # so its finally blocks (abort the request, free KV) run promptly.
         try:
+            _check_decoded(request)
             async with aclosing(behavior(request, context)) as responses:
                 async for response in responses:
                     yield response

@@ -10,6 +10,7 @@ Who updates what, so the pure scheduler stays free of it:
   command; iteration latency (mode gpu, or local/assisted on cpu_service); prompt/generation
   tokens, TTFT, ITL, E2E, finished requests and requests ended by non-finite logits from the
   events it dispatches.
+- OrphanLeases (dualpace.serve.orphan_lease): requests aborted for want of a reader.
 - CpuRunner: Dense Assist calls and their round trip.
 - Router: the same request families from the relay, migrations from RouterCore.migrate, and the
   HTTP front's counters.
@@ -85,6 +86,9 @@ PREEMPTIONS = Counter("dualpace_preemptions_total", "Requests preempted (to be r
 NONFINITE_LOGITS = Counter("dualpace_nonfinite_logits_total",
                            "Requests ended because their logits held NaN or Inf (the engine serves on).", _ENGINE,
                            registry=REGISTRY)
+ORPHANED_REQUESTS = Counter("dualpace_orphaned_requests_total",
+                            "Requests aborted because no stream re-attached within --orphan-timeout-s after "
+                            "their reader (the router) went away.", _ENGINE, registry=REGISTRY)
 MIGRATIONS = Counter("dualpace_migrations_total", "Migrations the router asked for (the hand-off included).",
                      ("direction", "outcome"), registry=REGISTRY)
 DENSE_ASSIST_CALLS = Counter("dualpace_dense_assist_calls_total",
@@ -147,7 +151,8 @@ class EngineMetrics:
         if self._state is None:
             self._state = tuple(family.labels(self.engine) for family in (
                 NUM_REQUESTS_RUNNING, NUM_REQUESTS_WAITING, KV_BLOCKS_USED, KV_BLOCKS_TOTAL, PREEMPTIONS))
-            _ = self.nonfinite_logits  # an engine exports its count from the start, at 0
+            _ = self.nonfinite_logits  # an engine exports its counts from the start, at 0
+            _ = self.orphaned_requests
         running, waiting, kv_used, kv_total, preemptions = self._state
         running.set(num_running)
         waiting.set(num_waiting)
@@ -163,6 +168,11 @@ class EngineMetrics:
         if self._nonfinite_logits is None:
             self._nonfinite_logits = NONFINITE_LOGITS.labels(self.engine)
         return self._nonfinite_logits
+
+    @property
+    def orphaned_requests(self) -> Counter:
+        """Requests this engine aborted when their orphan lease expired (dualpace.serve.orphan_lease)."""
+        return ORPHANED_REQUESTS.labels(self.engine)
 
     def iteration(self, mode: str, seconds: float) -> None:
         child = self._iteration.get(mode)

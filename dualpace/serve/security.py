@@ -81,9 +81,12 @@ def load_tls(cert_path: str | None, key_path: str | None, client_ca_path: str | 
     )
 
 
-def check_listen_security(listen: str | ListenAddress, tls: TlsConfig | None, field: str = "--listen") -> ListenAddress:
-    """The parsed address; InvalidArgument when it is not loopback and there is no TLS."""
-    address = parse_listen(listen, field) if isinstance(listen, str) else listen
+def check_listen_security(listen: str | ListenAddress, tls: TlsConfig | None, field: str = "--listen",
+                          allow_unix: bool = True) -> ListenAddress:
+    """The parsed address; InvalidArgument when it is not loopback (nor a Unix socket) and there is no TLS."""
+    address = parse_listen(listen, field, allow_unix=allow_unix) if isinstance(listen, str) else listen
+    if address.is_unix:
+        return address  # this machine only; the socket file's permissions decide who connects
     if tls is None and not is_loopback(address.host):
         raise InvalidArgument(
             field,

@@ -20,6 +20,7 @@ from dualpace.serve.address import ListenAddress
 from dualpace.serve.auth import AuthInterceptor
 from dualpace.serve.interceptor import StatusInterceptor
 from dualpace.serve.security import ServerSecurity, TlsConfig, check_listen_security
+from dualpace.serve.unix_socket import bind_private, prepare_path
 
 logger = logging.getLogger(__name__)
 
@@ -142,8 +143,16 @@ def _bind(server: grpc.aio.Server, address: ListenAddress, listen_field: str, tl
     problem = f"cannot bind {target}: address in use or not available"
     if tls is not None:
         problem += " (or the TLS certificate and key do not match)"
+
+    def bind() -> int:
+        return server.add_secure_port(target, tls.server_credentials()) if tls else server.add_insecure_port(target)
+
     try:
-        port = server.add_secure_port(target, tls.server_credentials()) if tls else server.add_insecure_port(target)
+        if address.is_unix:  # private to this user (0600); grpc reports port 1 for a bound socket
+            prepare_path(address.unix_path, listen_field)
+            port = bind_private(bind, address.unix_path)
+        else:
+            port = bind()
     except RuntimeError as exc:
         raise InvalidArgument(listen_field, problem) from exc
     if port == 0:  # older grpcio reports a failed bind this way

@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import socket
 import threading
-import time
 from collections.abc import Iterator
 
 import grpc
@@ -29,6 +28,7 @@ from gpu_service.assist_servicer import add_dense_assist_servicer
 from gpu_service.dense_assist import DenseAssistExecutor
 
 BLOCK_SIZE = 4
+HANG_GUARD_S = 60.0  # the longest a client waits for a reply here: a hang guard, never a criterion
 PROMPT_LENGTHS = (3, 9, 17)
 
 
@@ -190,17 +190,18 @@ def _zeros_attend(loaded: LoadedModel):
 
 
 def test_server_stopped_mid_iteration_raises_unavailable(loaded, server) -> None:
-    client = AssistClient(server.address, iteration_timeout_s=5.0)
+    """The stream's end is noticed as such, not by waiting out the client's iteration timeout
+    (a hang guard here: the error names the end of the stream, not a missing reply)."""
+    client = AssistClient(server.address, iteration_timeout_s=HANG_GUARD_S)
 
     def attend(layer, q, k, v):
         if layer == 1:
             server.stop()
         return _zeros_attend(loaded)(layer, q, k, v)
 
-    started_s = time.monotonic()
-    with pytest.raises(AssistUnavailable):
+    with pytest.raises(AssistUnavailable) as raised:
         client.run_iteration([1, 2], [0, 0], attend)
-    assert time.monotonic() - started_s < 5.0
+    assert "no reply" not in str(raised.value), raised.value
     assert client.consecutive_failures == 1
     with pytest.raises(AssistUnavailable):  # still down: reopening fails cleanly
         client.run_iteration([1, 2], [0, 0], _zeros_attend(loaded))
@@ -213,10 +214,8 @@ def test_busy_server_times_out_then_recovers(loaded, server) -> None:
     attend = _zeros_attend(loaded)
     client.run_iteration([1], [0], attend)
     with server.executor.device_lock:
-        started_s = time.monotonic()
-        with pytest.raises(AssistUnavailable, match="no reply"):
+        with pytest.raises(AssistUnavailable, match="no reply"):  # the client's own timeout, not a server error
             client.run_iteration([1], [0], attend)
-        assert time.monotonic() - started_s < 2.0
     logits = client.run_iteration([1, 2], [0, 3], attend)
     assert logits.shape == (2, loaded.config.vocab_size)
     assert client.consecutive_failures == 0
@@ -280,25 +279,21 @@ def test_bad_messages_end_the_stream_naming_the_field(loaded, server) -> None:
 def test_device_wait_budget_ends_the_iteration_with_resource_exhausted(loaded, server) -> None:
     """The GPU engine takes the device while the CPU computes attention and keeps it past the
     iteration's max_device_wait_ms: RESOURCE_EXHAUSTED (the CPU engine redoes it locally)."""
-    client = AssistClient(server.address, iteration_timeout_s=10.0)
+    client = AssistClient(server.address, iteration_timeout_s=HANG_GUARD_S)
     lock = server.executor.device_lock
-    released = threading.Event()
     zeros = _zeros_attend(loaded)
 
     def attend(layer, q, k, v):
         if layer == 0:
-            lock.acquire()  # between two stages the device is free: the engine takes it
-
-            def release() -> None:
-                lock.release()
-                released.set()
-
-            threading.Timer(1.5, release).start()
+            lock.acquire()  # between two stages the device is free: the engine takes it, until the test frees it
         return zeros(layer, q, k, v)
 
-    with pytest.raises(AssistUnavailable) as raised:
-        client.run_iteration([1], [0], attend, max_device_wait_ms=200)
+    try:
+        with pytest.raises(AssistUnavailable) as raised:
+            client.run_iteration([1], [0], attend, max_device_wait_ms=200)
+        assert lock.locked()  # the iteration gave up while the engine still held the device
+    finally:
+        lock.release()
     assert raised.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
-    assert released.wait(10)
     assert client.run_iteration([1], [0], zeros).shape == (1, loaded.config.vocab_size)
     client.close()

@@ -144,13 +144,18 @@ def test_engine_killed_mid_stream_requests_complete_exactly(model_folder, refere
             streams.start(request_id, prompt, 150)  # prompt + 150 fits either engine alone
         for request_id in requests:
             streams.wait_tokens(request_id, 5)
+        # Say which precondition failed, with the logs, rather than a bare token mismatch later.
+        short = {rid: len(tokens) for rid, tokens in streams.tokens.items() if len(tokens) < 5}
+        assert not short, (f"requests without 5 tokens before the kill: {short}", router.log()[-4000:])
         victim_name = victim
         on_victim = {r.request_id for r in streams.placements().requests if r.engine == victim_name}
         (cpu if victim == "cpu" else gpu).kill()
         streams.join()
+        unfinished = [rid for rid, thread in zip(streams.tokens, streams.threads) if thread.is_alive()]
+        assert not unfinished, (f"streams still open after the hang guard: {unfinished}", router.log()[-4000:])
         assert not streams.errors, {k: (e.code(), e.details()) for k, e in streams.errors.items()}
         for request_id, prompt in requests.items():
-            assert streams.tokens[request_id] == reference(tuple(prompt), 150), request_id
+            assert streams.tokens[request_id] == reference(tuple(prompt), 150), (request_id, router.log()[-4000:])
         assert on_victim, "no request was on the killed engine when it died"
     finally:
         for daemon in (router, cpu, gpu):

@@ -75,3 +75,22 @@ def test_targets_bracket_ipv6_and_connect_to_loopback() -> None:
 )
 def test_is_loopback(host: str, expected: bool) -> None:
     assert is_loopback(host) is expected
+
+
+def test_unix_socket_addresses_where_allowed() -> None:
+    address = parse_listen("unix:/run/dualpace/gpu.sock", allow_unix=True)
+    assert address.is_unix and address.unix_path == "/run/dualpace/gpu.sock"
+    assert address.target() == address.connect_target() == "unix:/run/dualpace/gpu.sock"
+    assert parse_listen("unix:///run/x.sock", allow_unix=True).unix_path == "/run/x.sock"
+    assert not parse_listen("127.0.0.1:1").is_unix
+
+
+@pytest.mark.parametrize(("text", "allow_unix", "fragment"), [
+    ("unix:/run/x.sock", False, "not supported here"),
+    ("unix:relative.sock", True, "absolute path"),
+    ("unix:/" + "d" * 120, True, "longer than a Unix socket allows"),
+])
+def test_unix_socket_refusals_name_the_field(text: str, allow_unix: bool, fragment: str) -> None:
+    with pytest.raises(InvalidArgument) as raised:
+        parse_listen(text, "--listen", allow_unix=allow_unix)
+    assert raised.value.field == "--listen" and fragment in raised.value.problem

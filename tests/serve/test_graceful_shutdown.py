@@ -3,7 +3,9 @@ drain), new requests UNAVAILABLE, the running request finishes (or, past --grace
 aborted; the router ends its streams with UNAVAILABLE), and the daemon exits 0 either way.
 
 gpu_service runs the tiny model with every step slowed to STEP_DELAY_MS (a test-only
-fault), so a request is reliably still running when the signal arrives.
+fault), so a request is reliably still running when the signal arrives. The tests assert the
+order of events and their outcomes; every wait is a hang guard (HANG_GUARD_S), never a
+criterion.
 """
 
 from __future__ import annotations
@@ -30,6 +32,8 @@ from dualpace.wire.v1 import (
 from toolkit.processes import Daemon, start_daemon
 
 STEP_DELAY_MS = 40
+HANG_GUARD_S = 60.0
+DRAINED_MAX_TOKENS = 100  # about 100 steps, 4 s or more: still running while the refusals are tested
 PROMPT = [5, 9, 2, 11]
 
 
@@ -83,11 +87,11 @@ def folder(synth_checkpoint) -> str:
 def test_sigterm_drains_running_requests(folder: str) -> None:
     daemon = start_slow_gpu(folder)  # default --grace-s 30
     try:
-        stream = start_stream(daemon.address, "long", max_tokens=40)  # about 40 steps: 1.6 s or more
-        assert stream.first_token.wait(30) and stream.error is None, daemon.log()
+        stream = start_stream(daemon.address, "long", max_tokens=DRAINED_MAX_TOKENS)
+        assert stream.first_token.wait(HANG_GUARD_S) and stream.error is None, daemon.log()
         daemon.process.send_signal(signal.SIGTERM)
         with grpc.insecure_channel(daemon.address) as channel:
-            deadline = time.monotonic() + 5
+            deadline = time.monotonic() + HANG_GUARD_S
             while health(channel) != health_pb2.HealthCheckResponse.NOT_SERVING:
                 assert time.monotonic() < deadline, "health never said NOT_SERVING"
                 time.sleep(0.01)
@@ -98,10 +102,10 @@ def test_sigterm_drains_running_requests(folder: str) -> None:
             assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
             assert "shutting down" in refused.value.details()
             assert not stream.done.is_set(), "the request ended before the refusal was tested"
-        assert stream.done.wait(30)
+        assert stream.done.wait(HANG_GUARD_S)
         assert stream.error is None, stream.error
-        assert len(stream.tokens) == 40 and stream.finish_reason == FinishReason.LENGTH
-        assert daemon.process.wait(20) == 0, daemon.log()
+        assert len(stream.tokens) == DRAINED_MAX_TOKENS and stream.finish_reason == FinishReason.LENGTH
+        assert daemon.process.wait(HANG_GUARD_S) == 0, daemon.log()
     finally:
         daemon.kill()
     assert "drained" in daemon.log()
@@ -111,14 +115,13 @@ def test_past_the_grace_requests_are_aborted_and_exit_is_clean(folder: str) -> N
     daemon = start_slow_gpu(folder, "--grace-s", "0.5")
     try:
         stream = start_stream(daemon.address, "endless", max_tokens=400)  # 16 s or more
-        assert stream.first_token.wait(30) and stream.error is None, daemon.log()
-        signalled = time.monotonic()
+        assert stream.first_token.wait(HANG_GUARD_S) and stream.error is None, daemon.log()
         daemon.process.send_signal(signal.SIGTERM)
-        assert stream.done.wait(15)
+        assert stream.done.wait(HANG_GUARD_S)
         assert stream.error is None, stream.error
+        # Ended by the grace, not by running to its end.
         assert stream.finish_reason == FinishReason.ABORT and 0 < len(stream.tokens) < 400
-        assert daemon.process.wait(20) == 0, daemon.log()
-        assert time.monotonic() - signalled < 10
+        assert daemon.process.wait(HANG_GUARD_S) == 0, daemon.log()
     finally:
         daemon.kill()
     assert "aborted 1 requests" in daemon.log()
@@ -136,7 +139,7 @@ def router_stream(address: str, request_id: str, max_tokens: int) -> Stream:
                 request = router_pb2.GenerateRequest(
                     request_id=request_id, prompt_token_ids=common_pb2.TokenIds(token_ids=PROMPT),
                     sampling=common_pb2.SamplingParams(max_tokens=max_tokens, ignore_eos=True))
-                for response in router_pb2_grpc.RouterStub(channel).Generate(request, timeout=60):
+                for response in router_pb2_grpc.RouterStub(channel).Generate(request, timeout=HANG_GUARD_S):
                     stream.tokens.extend(response.token_ids)
                     stream.finish_reason = finish_reason_from_pb(response.finish_reason)
                     if stream.tokens:
@@ -161,11 +164,11 @@ def test_router_keeps_answering_not_serving_while_it_drains(folder: str) -> None
     router = None
     try:
         router = start_router(folder, gpu)  # default --grace-s 30
-        stream = router_stream(router.address, "relayed", max_tokens=40)  # 1.6 s or more
-        assert stream.first_token.wait(30) and stream.error is None, router.log()
+        stream = router_stream(router.address, "relayed", max_tokens=DRAINED_MAX_TOKENS)
+        assert stream.first_token.wait(HANG_GUARD_S) and stream.error is None, router.log()
         router.process.send_signal(signal.SIGTERM)
         with grpc.insecure_channel(router.address) as channel:
-            deadline = time.monotonic() + 5
+            deadline = time.monotonic() + HANG_GUARD_S
             while health(channel) != health_pb2.HealthCheckResponse.NOT_SERVING:
                 assert time.monotonic() < deadline, "health never said NOT_SERVING"
                 time.sleep(0.01)
@@ -173,16 +176,16 @@ def test_router_keeps_answering_not_serving_while_it_drains(folder: str) -> None
             # requests are refused UNAVAILABLE; the relayed stream goes on.
             for _ in range(3):
                 late = router_stream(router.address, "late", max_tokens=2)
-                assert late.done.wait(10) and late.error is not None, "a late request was served"
+                assert late.done.wait(HANG_GUARD_S) and late.error is not None, "a late request was served"
                 assert late.error.code() == grpc.StatusCode.UNAVAILABLE, late.error
                 assert "shutting down" in late.error.details()
                 assert health(channel) == health_pb2.HealthCheckResponse.NOT_SERVING
                 time.sleep(0.1)
             assert not stream.done.is_set(), "the request ended before the refusals were tested"
-        assert stream.done.wait(30)
+        assert stream.done.wait(HANG_GUARD_S)
         assert stream.error is None, stream.error
-        assert len(stream.tokens) == 40 and stream.finish_reason == FinishReason.LENGTH
-        assert router.process.wait(20) == 0, router.log()
+        assert len(stream.tokens) == DRAINED_MAX_TOKENS and stream.finish_reason == FinishReason.LENGTH
+        assert router.process.wait(HANG_GUARD_S) == 0, router.log()
         assert "drained" in router.log()
     finally:
         if router is not None:
@@ -196,23 +199,21 @@ def test_router_past_the_grace_cancels_streams_and_exits_cleanly(folder: str) ->
     try:
         router = start_router(folder, gpu, "--grace-s", "0.5")
         stream = router_stream(router.address, "endless", max_tokens=400)  # 16 s or more
-        assert stream.first_token.wait(30) and stream.error is None, router.log()
-        signalled = time.monotonic()
+        assert stream.first_token.wait(HANG_GUARD_S) and stream.error is None, router.log()
         router.process.send_signal(signal.SIGTERM)
-        assert stream.done.wait(15)
+        assert stream.done.wait(HANG_GUARD_S)
         # The client learns why its stream ended; the router logs no error about it.
         assert stream.error is not None, "the stream finished inside a 0.5 s grace"
         assert stream.error.code() == grpc.StatusCode.UNAVAILABLE, stream.error
         assert "grace of 0.5 s is over" in stream.error.details()
         assert 0 < len(stream.tokens) < 400
-        assert router.process.wait(20) == 0, router.log()
-        assert time.monotonic() - signalled < 10
+        assert router.process.wait(HANG_GUARD_S) == 0, router.log()
         assert "grace of 0.5 s is over: cancelling 1 relayed streams" in router.log()
         assert "Exception not handled" not in router.log(), router.log()
         # The router aborted the engine request it gave up on.
         with grpc.insecure_channel(gpu.address) as channel:
             engine = engine_pb2_grpc.EngineStub(channel)
-            deadline = time.monotonic() + 10
+            deadline = time.monotonic() + HANG_GUARD_S
             while engine.GetLoad(engine_pb2.GetLoadRequest(), timeout=5).num_running:
                 assert time.monotonic() < deadline, "the engine still runs the cancelled request"
                 time.sleep(0.05)

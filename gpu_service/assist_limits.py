@@ -1,0 +1,63 @@
+"""Server-side bounds on Dense Assist sessions, so that a stalled or slow CPU engine cannot
+stall gpu_service.
+
+- idle timeout (`--assist-idle-timeout-s`): the longest the server waits for the client's next
+  message while an iteration is in progress. The session holds the iteration's residual stream
+  then, and a gated iteration (the NEO-like baseline) holds the device lock from its begin to
+  its result, so a client that stops sending mid-iteration would otherwise keep the engine's
+  steps from running. On expiry the stream ends with DEADLINE_EXCEEDED and the session is closed
+  (the lock released). Between iterations a stream may idle as long as it likes: it holds nothing.
+- stage timeout (`--assist-stage-timeout-s`): the longest one stage may take, its waits for the
+  device (the engine's iteration boundary for a gated begin, the engine's next layer otherwise)
+  included, when the client set no budget of its own (max_device_wait_ms). On expiry:
+  DEADLINE_EXCEEDED; the client redoes the iteration locally.
+- stage workers (`--assist-workers`): the bounded pool that runs the stages (device work and
+  tensor (de)serialisation), apart from asyncio's default pool and from the KV transfer pools
+  (dualpace.engine.worker_pools), so a burst of waiting stages delays neither.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+
+from dualpace.errors import DualPaceError, InvalidArgument
+
+DEFAULT_IDLE_TIMEOUT_S = 5.0
+DEFAULT_STAGE_TIMEOUT_S = 5.0
+DEFAULT_STAGE_WORKERS = 4
+STAGE_POOL = "assist-stage"
+
+
+class AssistExpired(DualPaceError):
+    """A session or stage ran past its server-side timeout (gRPC DEADLINE_EXCEEDED)."""
+
+
+@dataclass(frozen=True)
+class AssistLimits:
+    idle_timeout_s: float = DEFAULT_IDLE_TIMEOUT_S
+    stage_timeout_s: float = DEFAULT_STAGE_TIMEOUT_S
+    num_stage_workers: int = DEFAULT_STAGE_WORKERS
+
+    def __post_init__(self) -> None:
+        for flag, value in (("--assist-idle-timeout-s", self.idle_timeout_s),
+                            ("--assist-stage-timeout-s", self.stage_timeout_s)):
+            if not value > 0:
+                raise InvalidArgument(flag, f"must be > 0, got {value}")
+        if self.num_stage_workers < 1:
+            raise InvalidArgument("--assist-workers", f"must be >= 1, got {self.num_stage_workers}")
+
+
+def add_assist_limit_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--assist-idle-timeout-s", type=float, default=DEFAULT_IDLE_TIMEOUT_S,
+                        help="Dense Assist: end a session (DEADLINE_EXCEEDED, device lock released) whose client "
+                             "sends nothing for this long in the middle of an iteration")
+    parser.add_argument("--assist-stage-timeout-s", type=float, default=DEFAULT_STAGE_TIMEOUT_S,
+                        help="Dense Assist: the longest one stage may wait for the device and run, when the "
+                             "client set no max_device_wait_ms (then DEADLINE_EXCEEDED)")
+    parser.add_argument("--assist-workers", type=int, default=DEFAULT_STAGE_WORKERS,
+                        help="Dense Assist: threads running the sessions' stages (a pool of its own)")
+
+
+def limits_from_args(args: argparse.Namespace) -> AssistLimits:
+    return AssistLimits(args.assist_idle_timeout_s, args.assist_stage_timeout_s, args.assist_workers)

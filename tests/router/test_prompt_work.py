@@ -1,0 +1,97 @@
+"""Prompt work off the router's event loop (issue #20, item 2): an oversized prompt is refused
+before any tokenizing, naming the limit; tokenizing runs in the bounded prompt pool, and the
+event loop keeps running other work while a slow one is in progress (order, not time)."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import pytest
+
+from dualpace.errors import InvalidArgument
+from dualpace.model.loader import load_tokenizer_and_config
+from dualpace.sampling_params import SamplingParams
+from dualpace.client_request import ClientRequest
+from router.prompt_work import PromptLimits, PromptWork
+
+HANG_GUARD_S = 60.0
+
+
+def client(text=None, messages=None) -> ClientRequest:
+    return ClientRequest(request_id=None, text=text, prompt_token_ids=None, messages=messages,
+                         params=SamplingParams(max_tokens=4))
+
+
+class RecordingTokenizer:
+    """Wraps a real tokenizer: records the thread each encode runs on; can hold encodes until released."""
+
+    def __init__(self, tokenizer, hold: bool = False):
+        self._tokenizer = tokenizer
+        self.threads: list[str] = []
+        self.entered = threading.Event()
+        self.release = threading.Event()
+        if not hold:
+            self.release.set()
+
+    def encode(self, text, add_special_tokens=True):
+        self.threads.append(threading.current_thread().name)
+        self.entered.set()
+        assert self.release.wait(HANG_GUARD_S)
+        return self._tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+    def __getattr__(self, name):
+        return getattr(self._tokenizer, name)
+
+
+@pytest.fixture(scope="module")
+def tiny(synth_checkpoint):
+    return load_tokenizer_and_config(str(synth_checkpoint("tiny-llama")))
+
+
+async def test_an_oversized_prompt_is_refused_naming_the_limit_without_tokenizing(tiny):
+    tokenizer, config = tiny
+    recording = RecordingTokenizer(tokenizer)
+    work = PromptWork(PromptLimits(max_prompt_chars=100))
+    try:
+        with pytest.raises(InvalidArgument) as raised:
+            await work.prepare(client(text="x" * 101), recording, config)
+        assert raised.value.field == "text" and "--max-prompt-chars" in raised.value.problem
+        assert "at most 100" in raised.value.problem
+        with pytest.raises(InvalidArgument) as raised:
+            await work.prepare(client(messages=[{"role": "user", "content": "y" * 60}] * 2), recording, config)
+        assert raised.value.field == "messages"
+        assert recording.threads == []  # nothing was tokenized
+        ids, _ = await work.prepare(client(text="x" * 100), recording, config)  # at the limit: taken
+        assert ids == tokenizer.encode("x" * 100, add_special_tokens=True)
+    finally:
+        work.close()
+
+
+async def test_tokenizing_runs_in_the_pool_and_the_loop_keeps_running(tiny):
+    tokenizer, config = tiny
+    recording = RecordingTokenizer(tokenizer, hold=True)
+    work = PromptWork(PromptLimits(num_workers=1))
+    try:
+        prepared = asyncio.ensure_future(work.prepare(client(text="hello there"), recording, config))
+        assert await asyncio.to_thread(recording.entered.wait, HANG_GUARD_S)
+        ticks = 0
+        for _ in range(5):  # the event loop runs other work while the prompt is being tokenized
+            await asyncio.sleep(0)
+            ticks += 1
+        assert ticks == 5 and not prepared.done()
+        recording.release.set()
+        ids, params = await asyncio.wait_for(prepared, HANG_GUARD_S)
+        assert ids == tokenizer.encode("hello there", add_special_tokens=True)
+        assert params.seed is not None
+        assert recording.threads and all(name.startswith("router-prompt") for name in recording.threads)
+    finally:
+        recording.release.set()
+        work.close()
+
+
+def test_limits_must_be_positive():
+    with pytest.raises(InvalidArgument, match="--max-prompt-chars"):
+        PromptLimits(max_prompt_chars=0)
+    with pytest.raises(InvalidArgument, match="--prompt-workers"):
+        PromptLimits(num_workers=0)
