@@ -24,13 +24,13 @@ from pathlib import Path
 
 import torch
 
-from bench.engine_client import EngineClient
 from dualpace.generation import OfflineGenerator
 from dualpace.kv.storage import KVStorage
 from dualpace.model.loader import load_model
 from dualpace.model.paged_forward import PagedForward, SequenceWork
 from dualpace.model.synth import write_synthetic_checkpoint
 from dualpace.sampling import SamplingParams
+from toolkit.engine_client import EngineClient
 from toolkit.processes import start_daemon
 
 PROMPTS = [[5, 9, 2, 11, 40], [1] * 17, [300, 200, 100, 7, 7, 7, 3], list(range(10, 60))]

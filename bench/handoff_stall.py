@@ -22,9 +22,9 @@ import statistics
 import threading
 import time
 
-from bench.engine_client import EngineClient
 from dualpace.sampling import SamplingParams
 from dualpace.wire.engine_messages import generate_update_from_pb
+from toolkit.engine_client import EngineClient
 from toolkit.processes import start_daemon
 
 

@@ -22,9 +22,9 @@ import sys
 import threading
 import time
 
-from bench.engine_client import EngineClient, read_until
 from dualpace.sampling import SamplingParams
 from dualpace.stats import percentile
+from toolkit.engine_client import EngineClient, read_until
 from toolkit.processes import start_daemon
 
 

@@ -39,7 +39,6 @@ from pathlib import Path
 
 import grpc
 
-from bench.engine_client import EngineClient
 from bench.soak_client import (
     CANCELLED,
     COMPLETED,
@@ -56,6 +55,7 @@ from bench.soak_chaos import Chaos
 from bench.soak_daemons import DaemonSlot, metrics_address, router_migrations_from_metrics, rss_kib
 from bench.soak_report import report, summary_table
 from dualpace.wire.v1 import router_pb2, router_pb2_grpc
+from toolkit.engine_client import EngineClient
 from toolkit.processes import start_daemon
 from toolkit.workload import build_requests, parse_length_spec
 

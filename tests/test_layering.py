@@ -35,7 +35,7 @@ PROTOBUF_ALLOWED = (
     "gpu_service.assist_servicer",
     "router.service",
     "router.engines",                     # client handles. Engine: the router's (typed, async),
-    "bench.engine_client",                # the tools' (sync),
+    "toolkit.engine_client",              # the tools' and tests' (sync),
     "dualpace.serve.kv_transport",        # an engine's ImportKv stream to another;
     "cpu_service.assist_client",          # Assist;
     "dualpace.commands.client",           # Router: `dualpace client`, `dualpace-router placement`,

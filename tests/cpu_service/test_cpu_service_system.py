@@ -7,10 +7,10 @@ import threading
 
 import pytest
 
-from bench.engine_client import EngineClient, read_until
 from dualpace.generation import OfflineGenerator
 from dualpace.model.loader import load_model
 from dualpace.sampling import FinishReason, SamplingParams
+from toolkit.engine_client import EngineClient, read_until
 from toolkit.processes import start_daemon
 
 ENGINE_FLAGS = ("--dtype", "fp32", "--threads", "1", "--block-size", "8")

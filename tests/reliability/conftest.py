@@ -23,7 +23,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from bench.engine_client import EngineClient
+from toolkit.engine_client import EngineClient
 from dualpace.generation import OfflineGenerator
 from dualpace.model.loader import load_model
 from dualpace.sampling import FinishReason, SamplingParams
