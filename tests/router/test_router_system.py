@@ -166,7 +166,9 @@ def test_engine_killed_mid_stream_requests_complete_exactly(model_folder, refere
 def test_router_restart_keeps_engine_requests_and_rebuilds_placement():
     """The default model (long-running requests): kill the router mid-stream, start a new one;
     the engines kept running the requests and the new router's placement view shows them."""
-    flags = ("--threads", "1", "--block-size", "16")
+    # The lease outlives any router start-up on a loaded machine: this test is about re-attaching
+    # within it (test_orphan_lease covers its expiry).
+    flags = ("--threads", "1", "--block-size", "16", "--orphan-timeout-s", "600")
     gpu = start_daemon("gpu_service", *flags, "--kv-blocks", "64")
     cpu = start_daemon("cpu_service", *flags, "--kv-blocks", "1024", "--assist", "never")
     router = start_daemon("router", "serve", "--gpu", gpu.address, "--cpu", cpu.address)
@@ -183,8 +185,11 @@ def test_router_restart_keeps_engine_requests_and_rebuilds_placement():
         assert {r.request_id for r in placed.requests} == set(streams.tokens)
         assert {e.name for e in placed.engines} == {"gpu", "cpu"}
         progress = {r.request_id: r.generated_tokens for r in placed.requests}
-        time.sleep(1.0)
-        later = {r.request_id: r.generated_tokens for r in Streams(router.address).placements().requests}
+        later = dict(progress)
+        hang_guard = time.monotonic() + 120.0  # only against a hang: each request must advance, however slowly
+        while time.monotonic() < hang_guard and not all(later.get(rid, 600) > n for rid, n in progress.items()):
+            time.sleep(0.5)
+            later = {r.request_id: r.generated_tokens for r in Streams(router.address).placements().requests}
         assert all(later.get(rid, 600) > count for rid, count in progress.items()), (progress, later)
     finally:
         for daemon in (router, cpu, gpu):
