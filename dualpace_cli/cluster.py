@@ -9,8 +9,9 @@ router; the frontend (`python -m dynamo.frontend`) finds the workers through Dyn
 discovery in a private folder and serves the OpenAI API. For a GGUF model the frontend's
 tokenizer folder is written first (`dualpace model export --tokenizer-only`). When every worker
 is registered it prints one line per node and a ready line with the frontend's URL. Ctrl-C or
-SIGTERM stops everything (frontend, workers, nodes) and exits 0; if a process exits by itself,
-the rest are stopped and it exits 1 naming it. For trying it out and for tests; several hosts:
+SIGTERM stops everything (frontend, workers, nodes) and exits 0. A node that dies is reported and
+the others go on serving; when the frontend or the last node exits, the rest are stopped and it
+exits 1 naming it. For trying it out and for tests; several hosts:
 docs/scale-out.md.
 """
 
@@ -169,11 +170,23 @@ class Cluster:
         folder = self.discovery_dir / "v1" / "instances"
         return sum(1 for p in folder.glob("*") if "dualpace%2Fgenerate" in p.name) if folder.is_dir() else 0
 
-    def watch(self) -> Proc | None:
+    def watch(self, nodes: list[Node]) -> Proc | None:
+        """Until a stop signal (None), the frontend's exit or the last node's (that process). A node
+        that dies (its `dualpace up` or its worker) is reported and the others go on serving: its
+        worker unregisters from discovery once its router is gone, so the frontend stops routing there."""
+        frontend = next(p for p in self.procs if p.name == "frontend")
+        alive = {node.index: node for node in nodes}
         while not self.signalled:
-            for proc in self.procs:
-                if proc.process.poll() is not None:
-                    return proc
+            if frontend.process.poll() is not None:
+                return frontend
+            for index, node in list(alive.items()):
+                exited = next((p for p in (node.up, node.worker) if p.process.poll() is not None), None)
+                if exited is not None:
+                    del alive[index]
+                    self.say(f"dualpace cluster: node {index} lost ({exited.name} exited with status "
+                             f"{exited.process.returncode}); {len(alive)} node(s) left", sys.stderr)
+                    if not alive:
+                        return exited
             time.sleep(POLL_S)
         return None
 
@@ -258,10 +271,10 @@ def run(args: argparse.Namespace) -> int:
         cluster.say(f"dualpace cluster: ready; {len(nodes)} nodes behind {url}/v1 (model {served}; try: curl "
                     f"{url}/v1/completions -H 'Content-Type: application/json' -d '{{\"model\": \"{served}\", "
                     f"\"prompt\": \"Hello\", \"max_tokens\": 16}}'; Ctrl-C stops)")
-        exited = cluster.watch()
+        exited = cluster.watch(nodes)
         if exited is not None:
-            cluster.say(f"dualpace cluster: error: {exited.name} exited with status {exited.process.returncode}; "
-                        "stopping the rest", sys.stderr)
+            cluster.say(f"dualpace cluster: error: {exited.name} exited with status {exited.process.returncode} "
+                        "and nothing can serve; stopping the rest", sys.stderr)
             status = 1
     except Failed as exc:
         if str(exc):
