@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import random
 import re
 import shutil
 import signal
@@ -38,6 +39,7 @@ POLL_S = 0.2
 # Dynamo binds its request plane to the host's address unless told otherwise: keep it on loopback.
 LOOPBACK_ENV = {"DYN_TCP_RPC_HOST": "127.0.0.1", "DYN_TCP_RESPONSE_STREAM_HOST": "127.0.0.1",
                 "DYN_EVENT_PLANE_HOST": "127.0.0.1", "DYN_SYSTEM_HOST": "127.0.0.1"}
+DYN_SYSTEM_PORT_LIMIT = 32768  # Dynamo 1.6.1 parses DYN_SYSTEM_PORT as a signed 16-bit number
 NODE_READY = re.compile(r"dualpace up: ready; router on (\S+)")
 NODE_HTTP = re.compile(r"dualpace up: OpenAI-compatible HTTP API on http://(\S+)/v1")
 DAEMON_PID = re.compile(r"dualpace up: (gpu_service|cpu_service|router) on \S+ \(pid (\d+)\)")
@@ -76,6 +78,7 @@ class Node:
     router_http: str | None = None
     daemon_pids: dict[str, int] = field(default_factory=dict)
     worker: Proc | None = None
+    metrics_port: int | None = None
 
 
 class Failed(Exception):
@@ -102,9 +105,9 @@ class Cluster:
             except (BrokenPipeError, ValueError):
                 pass
 
-    def spawn(self, name: str, argv: list[str]) -> Proc:
-        process = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=self.env,
-                                   process_group=0)  # Ctrl-C reaches only `cluster`, which stops them in order
+    def spawn(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> Proc:
+        process = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                   env={**self.env, **(env or {})}, process_group=0)  # Ctrl-C reaches only `cluster`, which stops them in order
         proc = Proc(name, process)
         self.procs.append(proc)
 
@@ -153,9 +156,11 @@ class Cluster:
             node.router_http = self.wait_for(node.up, NODE_HTTP, deadline).group(1)
             node.router = self.wait_for(node.up, NODE_READY, deadline).group(1)
             node.daemon_pids = {m.group(1): int(m.group(2)) for line in node.up.lines if (m := DAEMON_PID.search(line))}
+            node.metrics_port = _free_port(below=DYN_SYSTEM_PORT_LIMIT)  # the worker's status server: /metrics (load signals), /health
             node.worker = self.spawn(f"worker{node.index}", [
                 python, "-m", "dynamo_worker", "--router", node.router, "--model-path", str(model_path),
-                "--served-model-name", served_name, "--discovery-backend", "file"])
+                "--served-model-name", served_name, "--discovery-backend", "file"],
+                env={"DYN_SYSTEM_PORT": str(node.metrics_port)})
         frontend = self.spawn("frontend", [
             python, "-m", "dynamo.frontend", "--discovery-backend", "file", "--http-host", "127.0.0.1",
             "--http-port", str(args.http_port), "--router-mode", args.router_mode])
@@ -216,10 +221,20 @@ def _lists_model(url: str, name: str) -> bool:
         return False
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _free_port(below: int = 65536) -> int:
+    """A port free on 127.0.0.1 now; `below` for Dynamo's DYN_SYSTEM_PORT, which it reads as an i16."""
+    if below >= 65536:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            return s.getsockname()[1]
+    for port in random.sample(range(20000, below), 200):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise OSError(f"no free port below {below} on 127.0.0.1")
 
 
 def tokenizer_folder(model: str, scratch: Path) -> Path:
@@ -267,6 +282,7 @@ def run(args: argparse.Namespace) -> int:
         for node in nodes:
             pids = " ".join(f"{name}={pid}" for name, pid in sorted(node.daemon_pids.items()))
             cluster.say(f"dualpace cluster: node {node.index}: router {node.router} (http {node.router_http}), "
+                        f"worker metrics http://127.0.0.1:{node.metrics_port}/metrics, "
                         f"pids {pids} worker={node.worker.process.pid}")
         cluster.say(f"dualpace cluster: ready; {len(nodes)} nodes behind {url}/v1 (model {served}; try: curl "
                     f"{url}/v1/completions -H 'Content-Type: application/json' -d '{{\"model\": \"{served}\", "

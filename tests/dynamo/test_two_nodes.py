@@ -33,7 +33,7 @@ import openai
 from dualpace_cli.cluster import _free_port
 
 READY = re.compile(r"dualpace cluster: ready; \d+ nodes behind (\S+)/v1 \(model (\S+);")
-NODE = re.compile(r"dualpace cluster: node (\d+): router (\S+) \(http (\S+)\), pids (.*)")
+NODE = re.compile(r"dualpace cluster: node (\d+): router (\S+) \(http (\S+)\), worker metrics (\S+), pids (.*)")
 START_TIMEOUT_S = 400.0
 REQUEST_TIMEOUT_S = 120.0  # the bound on every request: a hang fails the test instead of blocking it
 PROMPTS = ["hello world", "The capital of France", "one two three four", "a b c", "tiny models say", "why"]
@@ -58,8 +58,9 @@ class Cluster:
         for line in self.process.stdout:
             self.output.append(line)
             if match := NODE.search(line):
-                pids = dict(item.split("=") for item in match.group(4).split())
+                pids = dict(item.split("=") for item in match.group(5).split())
                 self.nodes[int(match.group(1))] = {"router": match.group(2), "http": match.group(3),
+                                                   "worker_metrics": match.group(4),
                                                    "pids": {name: int(pid) for name, pid in pids.items()}}
             elif match := READY.search(line):
                 self.url, self.model = match.group(1), match.group(2)
@@ -151,6 +152,47 @@ def test_bad_input_is_a_clear_400_and_the_workers_stay_up(cluster, client):
         client.completions.create(model=cluster.model, prompt="hello", max_tokens=4, extra_body={"min_tokens": 3})
     for _ in range(2):  # one per node with round-robin: both still answer
         assert client.completions.create(model=cluster.model, prompt="hello", max_tokens=3, temperature=0).choices
+
+
+def _worker_gauges(cluster, index: int) -> dict[str, float]:
+    """The worker's /metrics (Dynamo's status server) as {name{selected labels}: value}."""
+    with urllib.request.urlopen(cluster.nodes[index]["worker_metrics"], timeout=10) as reply:
+        text = reply.read().decode()
+    values = {}
+    for line in text.splitlines():
+        if match := re.match(r'^([a-z_:]+)\{(.*)\} (\S+)$', line):
+            keep = ",".join(label for label in match.group(2).split(",") if label.startswith(("state=", "tier=")))
+            values[f"{match.group(1)}{{{keep}}}" if keep else match.group(1)] = float(match.group(3))
+    return values
+
+
+def test_workers_publish_the_node_load_where_dynamo_reads_it(cluster, client):
+    """Dynamo's per-worker gauges (from the snapshot publisher: the GPU tier's blocks) and the
+    node's load under dualpace_ and vLLM names, while long requests run (four, so that they outlast
+    a few of the worker's load polls on any machine)."""
+    def long_request() -> None:
+        client.completions.create(model=cluster.model, prompt="hello", max_tokens=450, temperature=0,
+                                  extra_body={"ignore_eos": True})
+
+    threads = [threading.Thread(target=long_request, daemon=True) for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    seen = None
+    deadline = time.monotonic() + REQUEST_TIMEOUT_S
+    while seen is None and any(t.is_alive() for t in threads) and time.monotonic() < deadline:
+        for index in (0, 1):
+            gauges = _worker_gauges(cluster, index)
+            if gauges.get('dualpace_node_requests{state="running"}', 0) >= 1:
+                seen = gauges
+        time.sleep(0.1)
+    for thread in threads:
+        thread.join(REQUEST_TIMEOUT_S)
+    assert seen is not None, "no worker reported the running request"
+    assert seen["vllm:num_requests_running"] >= 1
+    assert seen["dynamo_component_total_blocks"] > 0
+    assert 0.0 < seen['dualpace_node_kv_usage_ratio{tier="gpu"}'] <= 1.0 or \
+        0.0 < seen['dualpace_node_kv_usage_ratio{tier="host"}'] <= 1.0
+    assert seen["vllm:kv_cache_usage_perc"] == seen['dualpace_node_kv_usage_ratio{tier="gpu"}']
 
 
 def test_a_node_killed_mid_stream_never_hangs_a_request_and_new_ones_go_to_the_survivor(cluster, client):
