@@ -59,6 +59,9 @@ def register(subparsers) -> None:
     up.add_argument("--router-mode", default="round-robin",
                     choices=["round-robin", "random", "power-of-two", "kv", "least-loaded"],
                     help="how the frontend picks a worker (kv: Dynamo's KV-aware router)")
+    up.add_argument("--migration-limit", type=int, default=3,
+                    help="how often the frontend may move a request to another worker when its node fails "
+                         "(Dynamo's --migration-limit; 0: never, the client gets the error)")
     up.add_argument("--node-args", default="", help="extra flags for each node's `dualpace up`, one string")
 
 
@@ -163,7 +166,8 @@ class Cluster:
                 env={"DYN_SYSTEM_PORT": str(node.metrics_port)})
         frontend = self.spawn("frontend", [
             python, "-m", "dynamo.frontend", "--discovery-backend", "file", "--http-host", "127.0.0.1",
-            "--http-port", str(args.http_port), "--router-mode", args.router_mode])
+            "--http-port", str(args.http_port), "--router-mode", args.router_mode,
+            "--migration-limit", str(args.migration_limit)])
         url = f"http://127.0.0.1:{args.http_port}"
         while not (self.num_registered() >= args.nodes and _lists_model(url, served_name)):
             self.check(deadline, frontend, *(n.worker for n in nodes))
@@ -254,6 +258,8 @@ def check_args(args: argparse.Namespace) -> None:
 
     if args.nodes < 1:
         raise InvalidArgument("--nodes", f"must be >= 1, got {args.nodes}")
+    if args.migration_limit < 0:
+        raise InvalidArgument("--migration-limit", f"must be >= 0, got {args.migration_limit}")
     if args.threads_per_engine < 1:
         raise InvalidArgument("--threads-per-engine", f"must be >= 1, got {args.threads_per_engine}")
     if not 0 <= args.http_port <= 65535:

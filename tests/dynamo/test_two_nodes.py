@@ -154,6 +154,21 @@ def test_bad_input_is_a_clear_400_and_the_workers_stay_up(cluster, client):
         assert client.completions.create(model=cluster.model, prompt="hello", max_tokens=3, temperature=0).choices
 
 
+def test_a_client_that_goes_away_aborts_the_request_in_its_engine(cluster, client):
+    """Closing the stream early: Dynamo calls the worker's abort, the router call is cancelled, and
+    the engine logs the abort of that very request (the completion id carries Dynamo's request id)."""
+    stream = client.completions.create(model=cluster.model, prompt="hello", max_tokens=450, temperature=0,
+                                       stream=True, extra_body={"ignore_eos": True})
+    first = next(iter(stream))
+    request_id = first.id.removeprefix("cmpl-")
+    stream.close()
+    wanted = f'"event": "abort", "request_id": "{request_id}"'
+    deadline = time.monotonic() + REQUEST_TIMEOUT_S
+    while not any(wanted in line for line in list(cluster.output)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert any(wanted in line for line in list(cluster.output)), f"no abort of {request_id} in the engines' logs"
+
+
 def _worker_gauges(cluster, index: int) -> dict[str, float]:
     """The worker's /metrics (Dynamo's status server) as {name{selected labels}: value}."""
     with urllib.request.urlopen(cluster.nodes[index]["worker_metrics"], timeout=10) as reply:
