@@ -254,7 +254,7 @@ def tokenizer_folder(model: str, scratch: Path) -> Path:
 
 
 def check_args(args: argparse.Namespace) -> None:
-    from dualpace.errors import InvalidArgument
+    from dualpace.errors import DualPaceError, InvalidArgument
 
     if args.nodes < 1:
         raise InvalidArgument("--nodes", f"must be >= 1, got {args.nodes}")
@@ -268,8 +268,8 @@ def check_args(args: argparse.Namespace) -> None:
         import dynamo.frontend  # noqa: F401
         import dynamo.common.backend  # noqa: F401
     except ImportError as exc:
-        raise InvalidArgument("cluster", f"NVIDIA Dynamo is not installed ({exc}): run `make venv`, "
-                              "or see docs/scale-out.md for the install") from None
+        raise DualPaceError(f"NVIDIA Dynamo is not installed ({exc}): run `make venv`, "
+                            "or see docs/scale-out.md for the install") from None
 
 
 def run(args: argparse.Namespace) -> int:
