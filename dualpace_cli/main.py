@@ -21,6 +21,7 @@ _COMMAND_MODULES = (
     "dualpace_cli.bench",
     "dualpace_cli.sim",
     "dualpace_cli.profile",
+    "dualpace_cli.cluster",
 )
 
 

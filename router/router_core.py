@@ -19,7 +19,7 @@ from dualpace.model.config import ModelConfig
 from dualpace.model.tokenizer import Tokenizer
 from dualpace.policy.admission import AdmissionConfig
 from dualpace.policy.migration_planner import MigrationConfig, plan_migrations
-from dualpace.policy.views import Policy, RoutedRequest
+from dualpace.policy.views import EngineView, Policy, RoutedRequest
 from dualpace.serve import metrics
 from router.engines import EngineHandle, EnginePool
 
@@ -58,6 +58,11 @@ class Tracked:
                              self.max_tokens, self.migrating, self.num_migrations)
 
 
+def _used_share(views: list[EngineView]) -> float:
+    total = sum(v.kv_blocks_total for v in views)
+    return sum(v.kv_blocks_used for v in views) / total if total else 0.0
+
+
 @dataclass
 class RouterConfig:
     policy: Policy = Policy.DUALPACE
@@ -87,6 +92,21 @@ class RouterCore:
             "dualpace_router_requests", "Requests the router holds: placed on an engine, or queued for room.",
             ("state",), lambda: {("placed",): float(len(self.tracked) - self.num_queued),
                                  ("queued",): float(self.num_queued)}))
+        # The names llm-d's endpoint picker scrapes from vLLM, so a node can stand behind it:
+        # running and waiting over the healthy engines (waiting includes the router's own queue);
+        # KV usage is the GPU tier (where requests are admitted), a fraction in [0, 1] like vLLM's.
+        for name, documentation, read in (
+                ("vllm:num_requests_running", "Requests in the engines' step loops.",
+                 lambda views: sum(v.num_running for v in views)),
+                ("vllm:num_requests_waiting", "Requests waiting in an engine or in the router's queue.",
+                 lambda views: sum(v.num_waiting for v in views) + self.num_queued),
+                ("vllm:kv_cache_usage_perc", "Share of the GPU engines' KV blocks in use (GPU tier).",
+                 lambda views: _used_share([v for v in views if v.kind == "gpu"]))):
+            metrics.register_callback_gauges(metrics.CallbackGauges(
+                name, documentation, (), lambda read=read: {(): float(read(self._healthy_views()))}))
+
+    def _healthy_views(self) -> list[EngineView]:
+        return [view for view in self.pool.views().values() if view.healthy]
 
     @property
     def max_context_tokens(self) -> int:

@@ -3,6 +3,7 @@
 
     floor 3  tools    profiles/, bench/, toolkit/ (what the tools share), dualpace_cli/
     floor 2  daemons  gpu_service/, cpu_service/, router/   (never import one another)
+                      dynamo_worker/ (a node as a Dynamo worker; a shell like them)
     floor 1  core     dualpace/
 
 Read from the sources with ast (nothing is imported), counting every import: at module
@@ -20,10 +21,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 FLOORS = {
     "dualpace": 1,
-    "gpu_service": 2, "cpu_service": 2, "router": 2,
+    "gpu_service": 2, "cpu_service": 2, "router": 2, "dynamo_worker": 2,
     "toolkit": 3, "profiles": 3, "bench": 3, "dualpace_cli": 3,
 }
-DAEMONS = ("gpu_service", "cpu_service", "router")
+DAEMONS = ("gpu_service", "cpu_service", "router", "dynamo_worker")
 # `python -m dualpace` has to sit in the core's folder, but it only starts the CLI: it belongs
 # to the tools floor (nothing imports it, so it cannot close a loop).
 FLOOR_OF_MODULE = {"dualpace.__main__": 3}
@@ -40,6 +41,7 @@ PROTOBUF_ALLOWED = (
     "cpu_service.assist_client",          # Assist;
     "dualpace.commands.client",           # Router: `dualpace client`, `dualpace-router placement`,
     "router.placement_cli",
+    "dynamo_worker.router_client",        # the Dynamo worker's (typed, async),
     "bench.load.generator",               # the load generator, and the soak, whose client sends
     "bench.soak_client",                  # malformed requests on purpose
     "bench.soak",
@@ -50,8 +52,8 @@ PROTOBUF_ALLOWED = (
     "router.__main__",
 )
 
-# The router and the pure policy never load torch (the router has no weights).
-TORCH_FREE = ("router.*", "dualpace.policy.*")
+# The router, the pure policy and the Dynamo worker never load torch (they hold no weights).
+TORCH_FREE = ("router.*", "dualpace.policy.*", "dynamo_worker.*")
 # ...except one edge: the router's entry point reads the model's tokenizer and shape through
 # dualpace.model.loader, whose HF and GGUF config readers share modules with the weight
 # loaders (torch). Splitting those is left for after the CPU-kernel work in dualpace/model/.

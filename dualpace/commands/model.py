@@ -29,6 +29,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     export.add_argument("--model", default="smollm2-135m", help="known name or .gguf file")
     export.add_argument("--out", required=True, type=Path, help="output folder (created; must be empty)")
     export.add_argument("--dtype", default="fp32", choices=_DTYPE_CHOICES)
+    export.add_argument("--tokenizer-only", action="store_true",
+                        help="no weights: tokenizer.json, tokenizer_config.json (chat template), config.json — "
+                             "the folder Dynamo's frontend tokenizes from (docs/scale-out.md)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -45,7 +48,7 @@ def _run_export(args: argparse.Namespace) -> int:
     from dualpace.model.export import export_hf_folder
 
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
-    print(export_hf_folder(args.model, args.out, dtype))
+    print(export_hf_folder(args.model, args.out, dtype, tokenizer_only=args.tokenizer_only))
     return 0
 
 

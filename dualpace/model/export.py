@@ -20,8 +20,11 @@ from dualpace.model.registry import resolve_model_path
 from dualpace.model.tokenizer import Tokenizer
 
 
-def export_hf_folder(model: str, out_dir: Path, dtype: torch.dtype = torch.float32) -> Path:
-    """Export a GGUF model to `out_dir` (config.json, model.safetensors, tokenizer files)."""
+def export_hf_folder(model: str, out_dir: Path, dtype: torch.dtype = torch.float32,
+                     tokenizer_only: bool = False) -> Path:
+    """Export a GGUF model to `out_dir` (config.json, model.safetensors, tokenizer files).
+    tokenizer_only: no weights — the folder a tokenizing front (Dynamo's frontend) reads: tokenizer.json,
+    tokenizer_config.json with the chat template, config.json."""
     path = resolve_model_path(model)
     if path.is_dir():
         raise InvalidArgument("--model", f"{path} is already a Hugging Face folder")
@@ -31,9 +34,10 @@ def export_hf_folder(model: str, out_dir: Path, dtype: torch.dtype = torch.float
     out_dir.mkdir(parents=True, exist_ok=True)
     reader = open_gguf(path)
     config = read_gguf_config(reader)
-    get_tensor = gguf_tensor_source(reader, config)
-    tensors = {spec.name: get_tensor(spec.name).to(dtype).contiguous() for spec in tensor_specs(config)}
-    save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+    if not tokenizer_only:
+        get_tensor = gguf_tensor_source(reader, config)
+        tensors = {spec.name: get_tensor(spec.name).to(dtype).contiguous() for spec in tensor_specs(config)}
+        save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
 
     hf_config = config.to_hf_dict()
     hf_config["torch_dtype"] = str(dtype).removeprefix("torch.")

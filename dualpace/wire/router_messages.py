@@ -45,6 +45,7 @@ def engine_placement_to_pb(view, healthy: bool) -> router_pb2.EnginePlacement:
         name=view.name, kind=ENGINE_KIND_TO_PB.get(view.kind, common_pb2.ENGINE_KIND_UNSPECIFIED), healthy=healthy,
         kv_blocks_total=view.kv_blocks_total, kv_blocks_used=view.kv_blocks_used, num_running=view.num_running,
         num_waiting=view.num_waiting, itl_p50_ms=view.itl_p50_ms, itl_p99_ms=view.itl_p99_ms,
+        block_size=view.block_size,
     )
 
 
@@ -129,6 +130,7 @@ def placements_to_dict(message: router_pb2.Placements) -> dict:
                 "waiting": engine.num_waiting,
                 "itl_p50_ms": engine.itl_p50_ms,
                 "itl_p99_ms": engine.itl_p99_ms,
+                "block_size": engine.block_size,
             }
             for engine in message.engines
         ],

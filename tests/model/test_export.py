@@ -34,3 +34,20 @@ def test_export_refuses_a_non_empty_folder(tmp_path, capsys):
     assert main(["model", "export", "--out", str(tmp_path)]) == 2
     assert "not empty" in capsys.readouterr().err
     assert (tmp_path / "x").read_text() == "keep me"
+
+
+def test_tokenizer_only_folder_tokenizes_and_renders_chat_like_dualpace(tmp_path, default_model_fp32):
+    """The folder Dynamo's frontend reads: Hugging Face's tokenizer built from it gives the ids
+    DualPace gives, for text and for the chat template."""
+    from transformers import AutoTokenizer
+
+    out_dir = tmp_path / "smollm2-tokenizer"
+    assert main(["model", "export", "--tokenizer-only", "--out", str(out_dir)]) == 0
+    assert sorted(p.name for p in out_dir.iterdir()) == ["config.json", "tokenizer.json", "tokenizer_config.json"]
+    hf = AutoTokenizer.from_pretrained(out_dir)
+    ours = default_model_fp32.tokenizer
+    messages = [{"role": "user", "content": "Name a color."}]
+    rendered = hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    assert rendered == ours.apply_chat_template(messages)
+    assert hf.encode(rendered, add_special_tokens=False) == ours.encode_chat(messages)
+    assert hf.encode("The capital of France", add_special_tokens=True) == ours.encode("The capital of France")

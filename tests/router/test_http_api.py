@@ -103,6 +103,10 @@ def test_models_health_and_metrics(up, client, model_folder):
     assert set(body["engines"]) == {"gpu", "cpu"}
     status, text = raw(up, "GET", "/metrics")
     assert status == 200 and "dualpace_http_requests_total" in text
+    # The names llm-d's endpoint picker scrapes, beside the dualpace_ ones (idle node: nothing running).
+    values = {line.split()[0]: float(line.split()[1]) for line in text.splitlines() if line.startswith("vllm:")}
+    assert values["vllm:num_requests_running"] == 0 and values["vllm:num_requests_waiting"] == 0
+    assert 0.0 <= values["vllm:kv_cache_usage_perc"] <= 1.0
 
 
 def test_chat_whole_and_streamed(client, model_folder):
