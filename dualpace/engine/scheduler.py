@@ -5,6 +5,13 @@ Pure: no torch, grpc, asyncio or clock reads. The engine loop calls
 `schedule()` -> runs the plan -> `apply(plan, result)`; commands (add, abort,
 pause for migration, import) are applied between steps. The simulator drives
 the same class with a cost model as its clock.
+
+Prefix caching (when built with a BlockHasher): a new or preempted request is admitted
+on the longest run of cached full blocks matching its tokens, at most all but its last
+token (so the first sampled token's logits are computed), and its prefill starts at the
+end of that run. Each block a request fills is registered in the cache as soon as its
+KV is computed. Cached blocks count as available: they are evicted before any running
+request is preempted.
 """
 
 from __future__ import annotations
@@ -14,6 +21,7 @@ from dataclasses import dataclass
 from dualpace.engine.request import EngineRequest, RequestEvent, RequestState
 from dualpace.errors import InvalidArgument, Overloaded, RequestNotFound
 from dualpace.kv.block_table import KVBlockManager
+from dualpace.kv.prefix_hash import BlockHasher
 from dualpace.sampling_params import FinishReason, SamplingParams, stop_reason
 
 
@@ -72,6 +80,7 @@ class Scheduler:
         block_size: int,
         max_context_tokens: int,
         eos_token_ids: frozenset[int] = frozenset(),
+        block_hasher: BlockHasher | None = None,
     ):
         self.config = config
         self.blocks = KVBlockManager(num_blocks, block_size)
@@ -83,6 +92,11 @@ class Scheduler:
         self._importing: set[str] = set()
         self._next_arrival_index = 0
         self.num_preemptions = 0
+        if block_hasher is not None and block_hasher.block_size != block_size:
+            raise ValueError(f"block hasher's block size {block_hasher.block_size} != {block_size}")
+        self.block_hasher = block_hasher  # None: prefix caching off
+        self.num_prefix_query_tokens = 0  # tokens of admitted requests looked up in the prefix cache
+        self.num_prefix_hit_tokens = 0  # of those, tokens whose KV the cache held
 
     # ----------------------------------------------------------------- commands
 
@@ -150,7 +164,7 @@ class Scheduler:
         if not self.blocks.can_allocate(num_kv_tokens + 1):
             raise Overloaded(
                 f"not enough free KV blocks to import {num_kv_tokens} tokens "
-                f"({self.blocks.num_free_blocks} of {self.blocks.num_total_blocks} free)"
+                f"({self.blocks.num_available_blocks} of {self.blocks.num_total_blocks} free or cached)"
             )
         self._importing.add(request_id)
         return self.blocks.allocate(request_id, num_kv_tokens)
@@ -175,6 +189,7 @@ class Scheduler:
             return
         request.state = RequestState.RUNNING
         request.num_computed_tokens = num_kv_tokens
+        self._cache_full_blocks(request)
         self._insert_running(request)
 
     def cancel_import(self, request_id: str) -> None:
@@ -200,10 +215,12 @@ class Scheduler:
             budget -= num_new
         while self.waiting and budget > 0 and not preempted and len(sequences) < self.config.max_running:
             request = self.waiting[0]
-            if not self._can_admit(request):
+            cached_block_ids = self._match_prefix(request)
+            if not self._can_admit(request, cached_block_ids):
                 break
             self.waiting.pop(0)
-            self.blocks.allocate(request.request_id, request.num_tokens)
+            self.blocks.allocate(request.request_id, request.num_tokens, cached_block_ids)
+            self._count_prefix_lookup(request, len(cached_block_ids) * self.blocks.block_size)
             request.state = RequestState.RUNNING
             self._insert_running(request)
             num_new = min(request.num_pending_tokens, budget)
@@ -218,6 +235,7 @@ class Scheduler:
             if request is None or request.state != RequestState.RUNNING:
                 continue
             request.num_computed_tokens = seq.start_pos + len(seq.token_ids)
+            self._cache_full_blocks(request)
             if not seq.sample:
                 continue
             token_id = result.sampled_token_ids.get(seq.request_id)
@@ -231,7 +249,7 @@ class Scheduler:
                 reason = FinishReason.LENGTH
             if reason is not None:
                 self._finish(request, reason)
-            events.append(RequestEvent(seq.request_id, (token_id,), reason))
+            events.append(RequestEvent(seq.request_id, (token_id,), reason, num_cached_tokens=request.num_cached_tokens))
         return events
 
     # ----------------------------------------------------------------- queries
@@ -284,12 +302,37 @@ class Scheduler:
             index -= 1
         self.running.insert(index, request)
 
-    def _can_admit(self, request: EngineRequest) -> bool:
+    def _can_admit(self, request: EngineRequest, cached_block_ids: list[int]) -> bool:
         """Admit while KV suffices, keeping a small reserve for the running decodes'
         next blocks (no reserve when nothing runs, so a request that fits alone runs)."""
-        needed = self.blocks.num_blocks_for(request.num_tokens)
+        needed = self.blocks.num_blocks_to_take(request.num_tokens, cached_block_ids)
         reserve = min(len(self.running), max(1, self.blocks.num_total_blocks // 100)) if self.running else 0
-        return self.blocks.num_free_blocks >= needed + reserve
+        return self.blocks.num_available_blocks >= needed + reserve
+
+    def _match_prefix(self, request: EngineRequest) -> list[int]:
+        """Cached blocks holding the request's leading tokens, all but its last token at most."""
+        if self.block_hasher is None:
+            return []
+        self.block_hasher.extend(request.block_hashes, request.token_ids(0, request.num_tokens))
+        num_matchable = (request.num_tokens - 1) // self.blocks.block_size
+        return self.blocks.match_prefix(request.block_hashes[:num_matchable])
+
+    def _count_prefix_lookup(self, request: EngineRequest, num_hit_tokens: int) -> None:
+        request.num_computed_tokens = num_hit_tokens
+        if request.num_cached_tokens is None:  # the first admission is the one the client's usage reports
+            request.num_cached_tokens = min(num_hit_tokens, len(request.prompt_token_ids))
+        if self.block_hasher is not None:
+            self.num_prefix_query_tokens += request.num_tokens
+            self.num_prefix_hit_tokens += num_hit_tokens
+
+    def _cache_full_blocks(self, request: EngineRequest) -> None:
+        """Register the request's blocks whose KV is now computed in full."""
+        if self.block_hasher is None:
+            return
+        num_full_blocks = request.num_computed_tokens // self.blocks.block_size
+        if num_full_blocks > len(request.block_hashes):
+            self.block_hasher.extend(request.block_hashes, request.token_ids(0, request.num_computed_tokens))
+        self.blocks.register_full_blocks(request.request_id, request.block_hashes, num_full_blocks)
 
     def _reserve_kv(self, request: EngineRequest, num_new: int, preempted: list[str]) -> bool:
         """Make room for the request's next `num_new` tokens, preempting the newest
