@@ -100,6 +100,7 @@ class Relay:
         self.engine_base = 0  # outputs that are part of the current engine request's prompt
         self.finished = False
         self.clock = RequestClock()  # Prometheus latencies as the client sees them, by serving engine
+        self.num_cached_tokens = 0  # prompt tokens an engine served from its prefix cache (its final usage)
 
     # ----------------------------------------------------------------- public
 
@@ -222,6 +223,8 @@ class Relay:
         handoff_started = False
         async for response in call:
             update = generate_update_from_pb(response)
+            if update.num_cached_tokens is not None:  # a re-submission's prompt includes outputs: cap it
+                self.num_cached_tokens = min(update.num_cached_tokens, len(self.prompt_token_ids))
             expected = len(self.output_token_ids) - self.engine_base
             new_ids = list(update.new_token_ids)
             if update.first_token_index < expected:  # already relayed (a resume overlapping): skip them

@@ -12,6 +12,7 @@ from dualpace.engine.request import EngineRequest, RequestEvent
 from dualpace.engine.runner import ModelRunner
 from dualpace.engine.scheduler import Scheduler, SchedulerConfig, StepPlan
 from dualpace.generation import pick_seed
+from dualpace.kv.prefix_hash import BlockHasher
 from dualpace.model.loader import LoadedModel
 from dualpace.sampling import SamplingParams
 from dualpace.validation import validate_request
@@ -24,6 +25,12 @@ class EngineConfig:
     num_kv_blocks: int = 1024
     block_size: int = 16
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    prefix_caching: bool = True  # reuse the KV of full blocks whose prefix was computed before
+
+
+def prefix_cache_salt(loaded: LoadedModel) -> str:
+    """Names the model and its weights format, so KV is only reused under the same weights."""
+    return f"{loaded.name}|{loaded.path.name}|{loaded.config.architecture}|{loaded.model.dtype}"
 
 
 class EngineCore:
@@ -31,8 +38,9 @@ class EngineCore:
         self.loaded = loaded
         self.config = config
         eos_ids = frozenset(loaded.config.eos_token_ids) | frozenset(loaded.tokenizer.eos_token_ids)
+        hasher = BlockHasher(config.block_size, prefix_cache_salt(loaded)) if config.prefix_caching else None
         self.scheduler = Scheduler(
-            config.scheduler, config.num_kv_blocks, config.block_size, loaded.max_context_tokens, eos_ids
+            config.scheduler, config.num_kv_blocks, config.block_size, loaded.max_context_tokens, eos_ids, hasher
         )
         # The CPU engine passes a runner that can also run iterations with Dense Assist.
         self.runner = runner or ModelRunner(loaded, config.num_kv_blocks, config.block_size)

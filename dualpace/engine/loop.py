@@ -59,6 +59,7 @@ class EngineLoad:
     num_iterations: int
     num_preemptions: int
     timestamp_unix_ms: int
+    kv_blocks_cached: int = 0  # unowned blocks holding prefix-cache content (evicted before preempting)
 
 
 def nonfinite_logits_message(request_id: str, engine_name: str) -> str:
@@ -242,6 +243,9 @@ class EngineLoop:
         blocks = scheduler.blocks
         self.metrics.set_state(scheduler.num_running, scheduler.num_waiting, blocks.num_used_blocks,
                                blocks.num_total_blocks, scheduler.num_preemptions)
+        if scheduler.block_hasher is not None:
+            self.metrics.set_prefix_cache(self.core.config.kind, scheduler.num_prefix_query_tokens,
+                                          scheduler.num_prefix_hit_tokens, blocks.num_cached_blocks)
 
     def stop(self) -> None:
         self._stopping = True
@@ -334,4 +338,5 @@ class EngineLoop:
             num_iterations=core.num_steps,
             num_preemptions=core.scheduler.num_preemptions,
             timestamp_unix_ms=int(time.time() * 1000),
+            kv_blocks_cached=blocks.num_cached_blocks,
         )

@@ -69,14 +69,14 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
                     if update.new_token_ids:  # tokens made before the error reach the client first
                         yield messages.generate_response_to_pb(
                             request_id, dataclasses.replace(update, finish_reason=None), name,
-                            channel.num_prompt_tokens, len(channel.output_token_ids))
+                            channel.num_prompt_tokens, len(channel.output_token_ids), channel.num_cached_tokens)
                     finished = True
                     if update.engine_failed:
                         raise Unavailable(update.error_message)
                     raise DataLoss(update.error_message)
                 yield messages.generate_response_to_pb(
-                    request_id, update, name, channel.num_prompt_tokens, len(channel.output_token_ids)
-                )
+                    request_id, update, name, channel.num_prompt_tokens, len(channel.output_token_ids),
+                    channel.num_cached_tokens)
             finished = True
         finally:
             if abort_on_disconnect and not finished and not channel.done:
