@@ -80,3 +80,26 @@ def test_bench_flag_errors_name_the_flag(router, tmp_path):
                  "--output-len", "4", "--out", str(tmp_path / "x.json"))
     assert done.returncode == 2 and "--input-len" in done.stderr
     assert not (tmp_path / "x.json").exists()
+
+
+def test_shared_prefix_and_multi_turn_workloads_hit_the_prefix_cache(router, tmp_path):
+    out = tmp_path / "shared.json"
+    done = bench("--router", router, "--workload", "shared-prefix", "--system-len", "40", "--question-len", "3:9",
+                 "--rate", "inf", "--num-requests", "6", "--output-len", "4", "--timeout-s", "45", "--out", str(out))
+    assert done.returncode == 0, done.stderr
+    summary = json.loads(out.read_text())["summary"]
+    assert summary["accounting"]["completed"] == 6 and summary["workload"] == "shared-prefix"
+    assert summary["prefix_cache_hit_rate"] > 0  # requests after the first reuse the system prompt's blocks
+    assert "prefix-cache hit rate" in done.stderr
+
+    out = tmp_path / "turns.json"
+    done = bench("--router", router, "--workload", "multi-turn", "--system-len", "24", "--question-len", "5",
+                 "--num-turns", "3", "--rate", "inf", "--num-requests", "6", "--output-len", "6",
+                 "--timeout-s", "45", "--out", str(out))
+    assert done.returncode == 0, done.stderr
+    report = json.loads(out.read_text())
+    rows = report["requests"]
+    assert report["summary"]["accounting"]["completed"] == 6
+    assert [r["input_len"] for r in rows[:3]] == [24 + 5, 24 + 5 + 6 + 5, 24 + 2 * (5 + 6) + 5]  # history resent
+    assert all(r["cached_tokens"] > 0 for r in rows if r["index"] % 3 > 0)
+    assert len(report["summary"]["ttft_p50_ms_by_turn"]) == 3
