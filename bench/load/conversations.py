@@ -46,24 +46,35 @@ async def run_conversations(router: str, conversations: list[Conversation], *, s
     return run_result(records, start)
 
 
-def run_workload(args, rate: float, run_tag: str) -> dict:
-    """One run of a chat workload (bench.load.workloads) -> {"rate_rps", "summary", "requests"}, the
-    summary with the prefix-cache hit rate and, for multi-turn, the median TTFT of each turn."""
+def run_workload_records(args, rate: float, run_tag: str) -> tuple[RunResult, int]:
+    """One run of a chat workload (bench.load.workloads): its records and how many requests it planned."""
     from bench.load.generator import run_load
-    from bench.load.stats import request_rows, summarize
-    from bench.load.workloads import ttft_by_turn_ms, workload_plan
+    from bench.load.workloads import workload_plan
 
     plan = workload_plan(args, rate)
     if args.workload == "shared-prefix":
-        result = asyncio.run(run_load(args.router, plan, seed=args.seed, timeout_s=args.timeout_s,
-                                      max_concurrency=args.max_concurrency, run_tag=run_tag))
-        num_planned = len(plan)
-    else:
-        result = asyncio.run(run_conversations(args.router, plan, seed=args.seed, timeout_s=args.timeout_s,
-                                               run_tag=run_tag))
-        num_planned = sum(len(c.turns) for c in plan)
+        return asyncio.run(run_load(args.router, plan, seed=args.seed, timeout_s=args.timeout_s,
+                                    max_concurrency=args.max_concurrency, run_tag=run_tag)), len(plan)
+    return (asyncio.run(run_conversations(args.router, plan, seed=args.seed, timeout_s=args.timeout_s,
+                                          run_tag=run_tag)), sum(len(c.turns) for c in plan))
+
+
+def workload_summary(args, result: RunResult, num_planned: int) -> dict:
+    """The bench summary, with the workload's name and, for multi-turn, the median TTFT of each turn."""
+    from bench.load.stats import summarize
+    from bench.load.workloads import ttft_by_turn_ms
+
     summary = summarize(result.records, num_planned, result.duration_s, args.slo_ttft_ms, args.slo_itl_ms)
     summary["workload"] = args.workload
     if args.workload == "multi-turn":
         summary["ttft_p50_ms_by_turn"] = ttft_by_turn_ms(result.records, args.num_turns)
-    return {"rate_rps": rate, "summary": summary, "requests": request_rows(result.records)}
+    return summary
+
+
+def run_workload(args, rate: float, run_tag: str) -> dict:
+    """One run of a chat workload -> {"rate_rps", "summary", "requests"}, like a plain bench run."""
+    from bench.load.stats import request_rows
+
+    result, num_planned = run_workload_records(args, rate, run_tag)
+    return {"rate_rps": rate, "summary": workload_summary(args, result, num_planned),
+            "requests": request_rows(result.records)}

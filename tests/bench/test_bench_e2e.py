@@ -3,48 +3,26 @@
 from __future__ import annotations
 
 import json
-import re
-import signal
 import subprocess
 import sys
-import threading
 
 import pytest
 
-READY = re.compile(r"dualpace up: ready; router on (\S+)")
+from bench.processes import start_up
+
 START_TIMEOUT_S = 60.0
 BENCH_TIMEOUT_S = 60.0
 
 
 @pytest.fixture(scope="module")
 def router(synth_checkpoint):
-    process = subprocess.Popen(
-        [sys.executable, "-m", "dualpace", "up", "--model", str(synth_checkpoint("tiny-llama")), "--dtype", "fp32",
-         "--threads-per-engine", "1"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    lines: list[str] = []
-    found: list[str] = []
-    ready = threading.Event()
-
-    def pump() -> None:
-        for line in process.stdout:
-            lines.append(line)
-            if not found and (match := READY.search(line)):
-                found.append(match.group(1))
-                ready.set()
-        ready.set()
-
-    threading.Thread(target=pump, daemon=True).start()
-    if not ready.wait(START_TIMEOUT_S) or not found:
-        process.kill()
-        pytest.fail("dualpace up never became ready:\n" + "".join(lines))
-    yield found[0]
-    process.send_signal(signal.SIGTERM)
     try:
-        process.wait(30)
-    except subprocess.TimeoutExpired:
-        process.kill()
-        process.wait()
+        up = start_up("--model", str(synth_checkpoint("tiny-llama")), "--dtype", "fp32", "--threads-per-engine", "1",
+                      timeout_s=START_TIMEOUT_S)
+    except RuntimeError as exc:
+        pytest.fail(str(exc))
+    yield up.address
+    up.stop(timeout_s=30)
 
 
 def bench(*argv: str) -> subprocess.CompletedProcess:
