@@ -8,10 +8,12 @@ import logging
 
 import grpc
 
+from dualpace.kv.prefix_index import PrefixIndex
 from dualpace.serve.auth import aio_token_interceptors
 from dualpace.serve.kv_transport import channel_options
 from dualpace.wire.engine_messages import ENGINE_KIND_FROM_PB
 from dualpace.wire.v1 import engine_pb2, engine_pb2_grpc
+from router.kv_index_watch import follow_kv_events
 from router.views import EngineView
 
 log = logging.getLogger(__name__)
@@ -72,6 +74,7 @@ class EngineHandle:
                         num_waiting=snapshot.num_waiting,
                         itl_p50_ms=snapshot.itl_p50_ms,
                         itl_p99_ms=snapshot.itl_p99_ms,
+                        kv_blocks_cached=snapshot.kv_blocks_cached,
                     ))
             except grpc.aio.AioRpcError as exc:
                 log.info("engine %s at %s unreachable: %s", self.name, self.address, exc.code().name)
@@ -95,11 +98,13 @@ class EnginePool:
         self.handles = handles
         self.changed = asyncio.Event()  # set on any load update, for requests waiting for room
         self._forwarders: list[asyncio.Task] = []
+        self.prefix_index = PrefixIndex()  # which engine caches which prefix (router.kv_index_watch)
 
     def start(self) -> None:
         for handle in self.handles:
             handle.start()
             self._forwarders.append(asyncio.create_task(self._forward_changes(handle)))
+            self._forwarders.append(asyncio.create_task(follow_kv_events(handle, self.prefix_index)))
 
     async def _forward_changes(self, handle: EngineHandle) -> None:
         while True:

@@ -18,6 +18,7 @@ from dataclasses import dataclass, replace
 import grpc
 
 from dualpace.errors import Overloaded, Unavailable
+from dualpace.kv.prefix_index import longest_cached_prefix
 from dualpace.model.detokenizer import IncrementalDetokenizer
 from dualpace.sampling_params import FinishReason, SamplingParams
 from dualpace.serve.logging_setup import (
@@ -180,8 +181,10 @@ class Relay:
         queued = False
         try:
             while True:
-                placement, name = admit(len(self.prompt_token_ids), self.params.max_tokens, core.pool.views(),
-                                        core.placed(), core.num_queued, core.config.admission)
+                views = core.pool.views()
+                cached = longest_cached_prefix(core.pool.prefix_index, list(views), self.prompt_token_ids)
+                placement, name = admit(len(self.prompt_token_ids), self.params.max_tokens, views,
+                                        core.placed(), core.num_queued, core.config.admission, cached)
                 if placement in (Placement.GPU, Placement.CPU):
                     engine = core.pool.by_name(name)
                     if placement == Placement.CPU:

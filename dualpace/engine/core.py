@@ -12,6 +12,7 @@ from dualpace.engine.request import EngineRequest, RequestEvent
 from dualpace.engine.runner import ModelRunner
 from dualpace.engine.scheduler import Scheduler, SchedulerConfig, StepPlan
 from dualpace.generation import pick_seed
+from dualpace.kv.events import KvEventLog
 from dualpace.kv.prefix_hash import BlockHasher
 from dualpace.model.loader import LoadedModel
 from dualpace.sampling import SamplingParams
@@ -39,8 +40,10 @@ class EngineCore:
         self.config = config
         eos_ids = frozenset(loaded.config.eos_token_ids) | frozenset(loaded.tokenizer.eos_token_ids)
         hasher = BlockHasher(config.block_size, prefix_cache_salt(loaded)) if config.prefix_caching else None
+        events = KvEventLog(config.kind, config.block_size) if config.prefix_caching else None
         self.scheduler = Scheduler(
-            config.scheduler, config.num_kv_blocks, config.block_size, loaded.max_context_tokens, eos_ids, hasher
+            config.scheduler, config.num_kv_blocks, config.block_size, loaded.max_context_tokens, eos_ids, hasher,
+            events,
         )
         # The CPU engine passes a runner that can also run iterations with Dense Assist.
         self.runner = runner or ModelRunner(loaded, config.num_kv_blocks, config.block_size)

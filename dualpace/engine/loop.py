@@ -243,9 +243,9 @@ class EngineLoop:
         blocks = scheduler.blocks
         self.metrics.set_state(scheduler.num_running, scheduler.num_waiting, blocks.num_used_blocks,
                                blocks.num_total_blocks, scheduler.num_preemptions)
-        if scheduler.block_hasher is not None:
-            self.metrics.set_prefix_cache(self.core.config.kind, scheduler.num_prefix_query_tokens,
-                                          scheduler.num_prefix_hit_tokens, blocks.num_cached_blocks)
+        if (prefix_cache := scheduler.prefix_cache) is not None:
+            self.metrics.set_prefix_cache(self.core.config.kind, prefix_cache.num_query_tokens,
+                                          prefix_cache.num_hit_tokens, blocks.num_cached_blocks)
 
     def stop(self) -> None:
         self._stopping = True

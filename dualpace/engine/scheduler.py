@@ -18,9 +18,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from dualpace.engine.prefix_cache import PrefixCache
 from dualpace.engine.request import EngineRequest, RequestEvent, RequestState
 from dualpace.errors import InvalidArgument, Overloaded, RequestNotFound
 from dualpace.kv.block_table import KVBlockManager
+from dualpace.kv.events import KvEventLog
 from dualpace.kv.prefix_hash import BlockHasher
 from dualpace.sampling_params import FinishReason, SamplingParams, stop_reason
 
@@ -81,6 +83,7 @@ class Scheduler:
         max_context_tokens: int,
         eos_token_ids: frozenset[int] = frozenset(),
         block_hasher: BlockHasher | None = None,
+        kv_events: KvEventLog | None = None,
     ):
         self.config = config
         self.blocks = KVBlockManager(num_blocks, block_size)
@@ -92,11 +95,8 @@ class Scheduler:
         self._importing: set[str] = set()
         self._next_arrival_index = 0
         self.num_preemptions = 0
-        if block_hasher is not None and block_hasher.block_size != block_size:
-            raise ValueError(f"block hasher's block size {block_hasher.block_size} != {block_size}")
-        self.block_hasher = block_hasher  # None: prefix caching off
-        self.num_prefix_query_tokens = 0  # tokens of admitted requests looked up in the prefix cache
-        self.num_prefix_hit_tokens = 0  # of those, tokens whose KV the cache held
+        # None: prefix caching off.
+        self.prefix_cache = None if block_hasher is None else PrefixCache(self.blocks, block_hasher, kv_events)
 
     # ----------------------------------------------------------------- commands
 
@@ -266,6 +266,16 @@ class Scheduler:
     def num_waiting(self) -> int:
         return len(self.waiting)
 
+    @property
+    def num_prefix_query_tokens(self) -> int:
+        """Tokens of admitted requests looked up in the prefix cache (0 with caching off)."""
+        return 0 if self.prefix_cache is None else self.prefix_cache.num_query_tokens
+
+    @property
+    def num_prefix_hit_tokens(self) -> int:
+        """Of those, tokens whose KV the cache held."""
+        return 0 if self.prefix_cache is None else self.prefix_cache.num_hit_tokens
+
     def get(self, request_id: str) -> EngineRequest:
         return self._get(request_id)
 
@@ -310,29 +320,18 @@ class Scheduler:
         return self.blocks.num_available_blocks >= needed + reserve
 
     def _match_prefix(self, request: EngineRequest) -> list[int]:
-        """Cached blocks holding the request's leading tokens, all but its last token at most."""
-        if self.block_hasher is None:
-            return []
-        self.block_hasher.extend(request.block_hashes, request.token_ids(0, request.num_tokens))
-        num_matchable = (request.num_tokens - 1) // self.blocks.block_size
-        return self.blocks.match_prefix(request.block_hashes[:num_matchable])
+        return [] if self.prefix_cache is None else self.prefix_cache.match(request)
 
     def _count_prefix_lookup(self, request: EngineRequest, num_hit_tokens: int) -> None:
         request.num_computed_tokens = num_hit_tokens
         if request.num_cached_tokens is None:  # the first admission is the one the client's usage reports
             request.num_cached_tokens = min(num_hit_tokens, len(request.prompt_token_ids))
-        if self.block_hasher is not None:
-            self.num_prefix_query_tokens += request.num_tokens
-            self.num_prefix_hit_tokens += num_hit_tokens
+        if self.prefix_cache is not None:
+            self.prefix_cache.count_lookup(request, num_hit_tokens)
 
     def _cache_full_blocks(self, request: EngineRequest) -> None:
-        """Register the request's blocks whose KV is now computed in full."""
-        if self.block_hasher is None:
-            return
-        num_full_blocks = request.num_computed_tokens // self.blocks.block_size
-        if num_full_blocks > len(request.block_hashes):
-            self.block_hasher.extend(request.block_hashes, request.token_ids(0, request.num_computed_tokens))
-        self.blocks.register_full_blocks(request.request_id, request.block_hashes, num_full_blocks)
+        if self.prefix_cache is not None:
+            self.prefix_cache.cache_full_blocks(request)
 
     def _reserve_kv(self, request: EngineRequest, num_new: int, preempted: list[str]) -> bool:
         """Make room for the request's next `num_new` tokens, preempting the newest

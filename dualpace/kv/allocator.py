@@ -24,7 +24,7 @@ changing anything, so a raised error leaves the allocator untouched.
 """
 
 from collections import Counter, OrderedDict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from dualpace.errors import DualPaceError
 
@@ -58,6 +58,7 @@ class BlockAllocator:
         # Unreferenced blocks with a hash, least recently freed first (evicted first).
         self._evictable_block_ids: OrderedDict[int, None] = OrderedDict()
         self.num_evictions = 0  # cached blocks taken back for new content
+        self.on_forget: Callable[[BlockHash], None] | None = None  # told each hash that leaves the cache
 
     @property
     def num_total_blocks(self) -> int:
@@ -193,6 +194,8 @@ class BlockAllocator:
     def _forget_hash(self, block_id: int) -> BlockHash:
         block_hash = self._hash_of_block.pop(block_id)
         del self._block_of_hash[block_hash]
+        if self.on_forget is not None:
+            self.on_forget(block_hash)
         return block_hash
 
     def _check_id(self, block_id: int) -> None:

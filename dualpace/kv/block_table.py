@@ -21,7 +21,7 @@ Every mutating method checks everything (ids, sizes, free blocks) before it
 changes anything: a raised error leaves the manager untouched.
 """
 
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 
 from dualpace.kv.allocator import BlockAllocator, BlockHash, OutOfBlocks
@@ -179,22 +179,27 @@ class KVBlockManager:
         self._seqs[seq_id] = _SeqBlocks(block_ids, num_tokens, len(cached_block_ids))
         return list(block_ids)
 
-    def register_full_blocks(self, seq_id: SeqId, block_hashes: list[BlockHash], num_full_blocks: int) -> int:
+    def register_full_blocks(self, seq_id: SeqId, block_hashes: list[BlockHash], num_full_blocks: int) -> list[int]:
         """Offer the sequence's first ``num_full_blocks`` blocks (full, their KV written), whose
-        content hashes lead ``block_hashes``, to the prefix cache; returns how many were new."""
+        content hashes lead ``block_hashes``, to the prefix cache; returns the table indexes of
+        the blocks that entered it (not those it already held)."""
         seq = self._get(seq_id)
         if num_full_blocks <= seq.num_hashed_blocks:
-            return 0
+            return []
         if not num_full_blocks <= len(block_hashes) or num_full_blocks * self.block_size > seq.num_tokens:
             raise ValueError(f"{num_full_blocks} full blocks ({len(block_hashes)} hashes) "
                              f"in a sequence of {seq.num_tokens} tokens")
-        num_registered = 0
+        registered = []
         for index in range(seq.num_hashed_blocks, num_full_blocks):
             block_id = seq.block_ids[index]
-            if self._allocator.block_hash(block_id) is None:
-                num_registered += self._allocator.register(block_id, block_hashes[index])
+            if self._allocator.block_hash(block_id) is None and self._allocator.register(block_id, block_hashes[index]):
+                registered.append(index)
         seq.num_hashed_blocks = num_full_blocks
-        return num_registered
+        return registered
+
+    def set_forget_listener(self, listener: Callable[[BlockHash], None] | None) -> None:
+        """Call ``listener(hash)`` whenever a block's content leaves the cache (evicted or cleared)."""
+        self._allocator.on_forget = listener
 
     def clear_cache(self) -> int:
         """Forget every cached block no table holds; how many."""

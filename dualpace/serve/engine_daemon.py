@@ -159,7 +159,8 @@ def warm_up(core: EngineCore) -> None:
     if blocks.num_used_blocks != 0:
         raise ModelLoadError(f"warm-up left {blocks.num_used_blocks} KV blocks allocated")
     blocks.clear_cache()
-    core.scheduler.num_prefix_query_tokens = core.scheduler.num_prefix_hit_tokens = 0
+    if core.scheduler.prefix_cache is not None:
+        core.scheduler.prefix_cache.reset_counts()
     core.num_steps = 0  # the load report counts served steps only
 
 

@@ -17,6 +17,7 @@ from dualpace.engine.loop import EngineLoop
 from dualpace.engine.migration import KvImporter, migrate_out
 from dualpace.errors import DataLoss, InvalidArgument, RequestNotFound, Unavailable
 from dualpace.faults import FaultConfig
+from dualpace.serve.kv_events_stream import watch_kv_events
 from dualpace.serve.kv_transport import GrpcKvSender
 from dualpace.serve.logging_setup import (
     bind_request_id,
@@ -156,6 +157,10 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
 
     async def Info(self, request, context):
         return messages.engine_info_to_pb(self.loop.core)
+
+    async def WatchKvEvents(self, request, context):
+        async for batch in watch_kv_events(self.loop):
+            yield batch
 
 
 def _generate_request_id(request, kind: str | None) -> str | None:

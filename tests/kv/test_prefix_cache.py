@@ -28,7 +28,7 @@ def test_freed_registered_blocks_stay_cached_and_are_shared():
     manager = KVBlockManager(6, 2)
     tokens = [1, 2, 3, 4, 5]
     first = manager.allocate("a", 5)
-    assert manager.register_full_blocks("a", hasher.chain(tokens), 2) == 2
+    assert manager.register_full_blocks("a", hasher.chain(tokens), 2) == [0, 1]
     assert manager.match_prefix(hasher.chain(tokens)) == first[:2]
     manager.free("a")
     assert (manager.num_used_blocks, manager.num_cached_blocks, manager.num_free_blocks) == (0, 2, 4)
@@ -48,8 +48,8 @@ def test_a_duplicate_content_block_is_not_cached_twice():
     manager = KVBlockManager(4, 2)
     manager.allocate("a", 2)
     manager.allocate("b", 2)
-    assert manager.register_full_blocks("a", hasher.chain([1, 2]), 1) == 1
-    assert manager.register_full_blocks("b", hasher.chain([1, 2]), 1) == 0
+    assert manager.register_full_blocks("a", hasher.chain([1, 2]), 1) == [0]
+    assert manager.register_full_blocks("b", hasher.chain([1, 2]), 1) == []
     manager.free("b")
     manager.free("a")
     assert (manager.num_cached_blocks, manager.num_free_blocks) == (1, 3)

@@ -122,8 +122,8 @@ def test_placement_json(up):
     assert set(placements) == {"engines", "requests", "migrations"}
     assert sorted(e["kind"] for e in placements["engines"]) == ["cpu", "gpu"]
     for engine in placements["engines"]:
-        assert {"name", "kind", "kv_blocks_total", "kv_blocks_used", "running", "waiting", "healthy",
-                "itl_p50_ms", "itl_p99_ms"} <= set(engine)
+        assert {"name", "kind", "kv_blocks_total", "kv_blocks_used", "kv_blocks_cached", "running", "waiting",
+                "healthy", "itl_p50_ms", "itl_p99_ms"} <= set(engine)
         assert engine["healthy"]
     assert {e["name"]: e["kv_blocks_total"] for e in placements["engines"]}["gpu"] == 16
 
@@ -149,7 +149,7 @@ def test_placements_to_dict():
     message = router_pb2.Placements(
         engines=[router_pb2.EnginePlacement(name="g", kind=common_pb2.ENGINE_KIND_GPU, healthy=True,
                                             kv_blocks_total=8, kv_blocks_used=3, num_running=1, num_waiting=2,
-                                            itl_p50_ms=1.5, itl_p99_ms=4.0)],
+                                            itl_p50_ms=1.5, itl_p99_ms=4.0, kv_blocks_cached=4)],
         requests=[router_pb2.RequestPlacement(request_id="r1", engine="g", state=common_pb2.REQUEST_STATE_PAUSED,
                                               prompt_tokens=5, generated_tokens=7, kv_blocks=2)],
         migrations=[router_pb2.Migration(request_id="r1", from_engine="g", to_engine="c",
@@ -157,7 +157,7 @@ def test_placements_to_dict():
                                          detail="target full")])
     assert placements_to_dict(message) == {
         "engines": [{"name": "g", "kind": "gpu", "healthy": True, "kv_blocks_total": 8, "kv_blocks_used": 3,
-                     "running": 1, "waiting": 2, "itl_p50_ms": 1.5, "itl_p99_ms": 4.0}],
+                     "kv_blocks_cached": 4, "running": 1, "waiting": 2, "itl_p50_ms": 1.5, "itl_p99_ms": 4.0}],
         "requests": [{"request_id": "r1", "engine": "g", "state": "paused", "prompt_tokens": 5,
                       "generated_tokens": 7, "kv_blocks": 2}],
         "migrations": [{"request_id": "r1", "from_engine": "g", "to_engine": "c", "outcome": "failed",

@@ -290,3 +290,55 @@ class EngineInfo(_message.Message):
     device: str
     version: str
     def __init__(self, engine: _Optional[str] = ..., kind: _Optional[_Union[_common_pb2.EngineKind, str]] = ..., model: _Optional[str] = ..., architecture: _Optional[str] = ..., num_layers: _Optional[int] = ..., hidden_size: _Optional[int] = ..., num_heads: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., vocab_size: _Optional[int] = ..., max_context_tokens: _Optional[int] = ..., block_size: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., version: _Optional[str] = ...) -> None: ...
+
+class WatchKvEventsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class KvEventBatch(_message.Message):
+    __slots__ = ("events", "engine")
+    EVENTS_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_FIELD_NUMBER: _ClassVar[int]
+    events: _containers.RepeatedCompositeFieldContainer[KvEvent]
+    engine: str
+    def __init__(self, events: _Optional[_Iterable[_Union[KvEvent, _Mapping]]] = ..., engine: _Optional[str] = ...) -> None: ...
+
+class KvEvent(_message.Message):
+    __slots__ = ("event_id", "stored", "removed", "all_cleared")
+    EVENT_ID_FIELD_NUMBER: _ClassVar[int]
+    STORED_FIELD_NUMBER: _ClassVar[int]
+    REMOVED_FIELD_NUMBER: _ClassVar[int]
+    ALL_CLEARED_FIELD_NUMBER: _ClassVar[int]
+    event_id: int
+    stored: KvBlockStored
+    removed: KvBlockRemoved
+    all_cleared: KvAllBlocksCleared
+    def __init__(self, event_id: _Optional[int] = ..., stored: _Optional[_Union[KvBlockStored, _Mapping]] = ..., removed: _Optional[_Union[KvBlockRemoved, _Mapping]] = ..., all_cleared: _Optional[_Union[KvAllBlocksCleared, _Mapping]] = ...) -> None: ...
+
+class KvBlockStored(_message.Message):
+    __slots__ = ("block_hashes", "parent_block_hash", "token_ids", "block_size", "medium")
+    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    PARENT_BLOCK_HASH_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    MEDIUM_FIELD_NUMBER: _ClassVar[int]
+    block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    parent_block_hash: bytes
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    block_size: int
+    medium: str
+    def __init__(self, block_hashes: _Optional[_Iterable[bytes]] = ..., parent_block_hash: _Optional[bytes] = ..., token_ids: _Optional[_Iterable[int]] = ..., block_size: _Optional[int] = ..., medium: _Optional[str] = ...) -> None: ...
+
+class KvBlockRemoved(_message.Message):
+    __slots__ = ("block_hashes", "medium")
+    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    MEDIUM_FIELD_NUMBER: _ClassVar[int]
+    block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    medium: str
+    def __init__(self, block_hashes: _Optional[_Iterable[bytes]] = ..., medium: _Optional[str] = ...) -> None: ...
+
+class KvAllBlocksCleared(_message.Message):
+    __slots__ = ("medium",)
+    MEDIUM_FIELD_NUMBER: _ClassVar[int]
+    medium: str
+    def __init__(self, medium: _Optional[str] = ...) -> None: ...
