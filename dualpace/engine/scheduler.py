@@ -220,7 +220,7 @@ class Scheduler:
                 break
             self.waiting.pop(0)
             self.blocks.allocate(request.request_id, request.num_tokens, cached_block_ids)
-            self._count_prefix_lookup(request, len(cached_block_ids) * self.blocks.block_size)
+            self._start_after_cached_prefix(request, len(cached_block_ids) * self.blocks.block_size)
             request.state = RequestState.RUNNING
             self._insert_running(request)
             num_new = min(request.num_pending_tokens, budget)
@@ -322,7 +322,7 @@ class Scheduler:
     def _match_prefix(self, request: EngineRequest) -> list[int]:
         return [] if self.prefix_cache is None else self.prefix_cache.match(request)
 
-    def _count_prefix_lookup(self, request: EngineRequest, num_hit_tokens: int) -> None:
+    def _start_after_cached_prefix(self, request: EngineRequest, num_hit_tokens: int) -> None:
         request.num_computed_tokens = num_hit_tokens
         if request.num_cached_tokens is None:  # the first admission is the one the client's usage reports
             request.num_cached_tokens = min(num_hit_tokens, len(request.prompt_token_ids))
