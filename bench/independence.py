@@ -39,8 +39,9 @@ def hand_off(gpu: EngineClient, cpu: EngineClient, request_id: str, prompt: list
 
 def run_policy(args: argparse.Namespace, policy: str) -> dict:
     common = ("--model", args.model, "--threads", "1", "--dtype", args.dtype)
+    # The load is one prompt prefilled again and again: with a prefix cache it would cost nothing.
     gpu_daemon = start_daemon("gpu_service", *common, "--kv-blocks", "512", "--max-batch-tokens",
-                              str(args.prefill_tokens), cpu_cores="0")
+                              str(args.prefill_tokens), "--prefix-caching", "off", cpu_cores="0")
     cpu_flags = ["--policy", policy, "--gpu-service", gpu_daemon.address, "--assist-timeout-s", "120"]
     cpu_daemon = start_daemon("cpu_service", *common, *cpu_flags, cpu_cores="1")
     gpu, cpu = EngineClient(gpu_daemon.address), EngineClient(cpu_daemon.address)

@@ -42,3 +42,7 @@ class Unavailable(DualPaceError):
 class DataLoss(DualPaceError):
     """This request's numbers are corrupt (e.g. non-finite logits) and it cannot continue; the
     engine itself is healthy (gRPC DATA_LOSS, which the router does not retry)."""
+
+
+class FailedPrecondition(DualPaceError):
+    """The engine is not in a state (or configuration) that allows this call (gRPC FAILED_PRECONDITION)."""

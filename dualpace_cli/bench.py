@@ -10,7 +10,8 @@ A length SPEC is N, LO:HI (uniform, inclusive) or lognormal:MEAN:SIGMA; --trace 
 with input_len (or prompt_token_ids) and output_len per line instead. The run is bounded by
 --num-requests and --timeout-s (requests still running then are cancelled and count as failed,
 DEADLINE_EXCEEDED). --rates sweeps: the same seeded requests at each rate, one JSON with a row per
-rate and a PNG (throughput vs P99 ITL) beside it.
+rate and a PNG (throughput vs P99 ITL) beside it. --workload shared-prefix / multi-turn send chat
+traffic for the prefix cache instead (bench/load/workloads.py), and report its hit rate.
 """
 
 from __future__ import annotations
@@ -42,12 +43,17 @@ def register(subparsers) -> None:
     p.add_argument("--slo-ttft-ms", type=float, default=None, help="goodput: TTFT at most this")
     p.add_argument("--slo-itl-ms", type=float, default=None, help="goodput: the request's P99 ITL at most this")
     p.add_argument("--out", required=True, help="report JSON (sweeps also write FILE.png)")
+    from bench.load.workloads import add_workload_arguments
+    add_workload_arguments(p)
 
 
 def build_specs(args: argparse.Namespace, rate: float):
     from dualpace.errors import InvalidArgument
     from toolkit.workload import build_requests, load_trace, parse_length_spec
 
+    if args.workload != "random":
+        from bench.load.workloads import workload_plan
+        return workload_plan(args, rate)
     if args.trace is not None:
         if args.input_len is not None or args.output_len is not None:
             raise InvalidArgument("--trace", "give either --trace or --input-len/--output-len, not both")
@@ -90,6 +96,9 @@ def run_one(args: argparse.Namespace, rate: float, run_tag: str) -> dict:
     from bench.load.generator import run_load
     from bench.load.stats import request_rows, summarize
 
+    if args.workload != "random":
+        from bench.load.conversations import run_workload
+        return run_workload(args, rate, run_tag)
     specs = build_specs(args, rate)
     result = asyncio.run(run_load(args.router, specs, seed=args.seed, timeout_s=args.timeout_s,
                                   max_concurrency=args.max_concurrency, run_tag=run_tag))
@@ -103,6 +112,7 @@ def one_line(rate: float, summary: dict) -> str:
             f"{summary['output_token_throughput_tps']:.1f} tok/s, goodput {summary['goodput_rps']:.3f} req/s; "
             f"TTFT P50/P99 {summary['ttft']['p50_ms']}/{summary['ttft']['p99_ms']} ms; "
             f"ITL P50/P99 {summary['itl']['p50_ms']}/{summary['itl']['p99_ms']} ms"
+            + (f"; prefix-cache hit rate {summary['prefix_cache_hit_rate']}" if summary["cached_prompt_tokens"] else "")
             + (f"; failures {summary['failures']}" if summary["failures"] else ""))
 
 

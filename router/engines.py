@@ -11,6 +11,8 @@ import grpc
 
 from dualpace.engine.channel import ChannelUpdate
 from dualpace.engine.load import RequestSummary
+from dualpace.kv.events import KvEvent
+from dualpace.kv.prefix_index import PrefixIndex
 from dualpace.policy.views import EngineView
 from dualpace.sampling_params import SamplingParams
 from dualpace.serve.auth import aio_token_interceptors
@@ -28,7 +30,9 @@ from dualpace.wire.engine_messages import (
     resume_request_to_pb,
     watch_load_request_to_pb,
 )
+from dualpace.wire.kv_events import kv_event_batch_from_pb, watch_kv_events_request_to_pb
 from dualpace.wire.v1 import engine_pb2_grpc
+from router.kv_index_watch import follow_kv_events
 
 log = logging.getLogger(__name__)
 
@@ -106,6 +110,11 @@ class EngineHandle:
         await self.stub.MigrateOut(migrate_out_request_to_pb(request_id, target_address), timeout=timeout_s,
                                    metadata=request_metadata(request_id))
 
+    async def watch_kv_events(self) -> AsyncIterator[tuple[str, list[KvEvent]]]:
+        """The engine's KV events, batch by batch: (engine name, events); starts with its snapshot."""
+        async for batch in self.stub.WatchKvEvents(watch_kv_events_request_to_pb()):
+            yield kv_event_batch_from_pb(batch, self.name)
+
     async def mark_unhealthy(self) -> None:
         """A call to the engine failed: stop placing work there until its load stream is back."""
         if self.view is not None:
@@ -140,11 +149,13 @@ class EnginePool:
         self.handles = handles
         self.changed = asyncio.Event()  # set on any load update, for requests waiting for room
         self._forwarders: list[asyncio.Task] = []
+        self.prefix_index = PrefixIndex()  # which engine caches which prefix (router.kv_index_watch)
 
     def start(self) -> None:
         for handle in self.handles:
             handle.start()
             self._forwarders.append(asyncio.create_task(self._forward_changes(handle)))
+            self._forwarders.append(asyncio.create_task(follow_kv_events(handle, self.prefix_index)))
 
     async def _forward_changes(self, handle: EngineHandle) -> None:
         while True:

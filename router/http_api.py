@@ -256,7 +256,7 @@ class _Answer:
         self.created = int(time.time())
 
     def _usage(self) -> dict:
-        return schema.usage(self.num_prompt_tokens, len(self.relay.output_token_ids))
+        return schema.usage(self.num_prompt_tokens, len(self.relay.output_token_ids), self.relay.num_cached_tokens)
 
     def whole(self, text: str, reason: FinishReason) -> dict:
         shape = schema.chat_completion if self.parsed.chat else schema.completion

@@ -21,6 +21,7 @@ import grpc
 from dualpace.client_request import ClientRequest
 from dualpace.errors import InvalidArgument, Overloaded, Unavailable
 from dualpace.policy.admission import Placement, admit, handoff_source
+from dualpace.kv.prefix_index import longest_cached_prefix
 from dualpace.sampling_params import FinishReason, SamplingParams
 from dualpace.serve.logging_setup import bind_request_id, unbind_request_id
 from dualpace.serve.metrics import RequestClock, engine_metrics
@@ -71,6 +72,7 @@ class Relay:
         self.engine_base = 0  # outputs that are part of the current engine request's prompt
         self.finished = False
         self.clock = RequestClock()  # Prometheus latencies as the client sees them, by serving engine
+        self.num_cached_tokens = 0  # prompt tokens an engine served from its prefix cache (its final usage)
 
     # ----------------------------------------------------------------- public
 
@@ -149,8 +151,10 @@ class Relay:
         queued = False
         try:
             while True:
-                placement, name = admit(len(self.prompt_token_ids), self.params.max_tokens, core.pool.views(),
-                                        core.placed(), core.num_queued, core.config.admission)
+                views = core.pool.views()
+                cached = longest_cached_prefix(core.pool.prefix_index, list(views), self.prompt_token_ids)
+                placement, name = admit(len(self.prompt_token_ids), self.params.max_tokens, views,
+                                        core.placed(), core.num_queued, core.config.admission, cached)
                 if placement in (Placement.GPU, Placement.CPU):
                     engine = core.pool.by_name(name)
                     if placement == Placement.CPU:
@@ -196,6 +200,8 @@ class Relay:
         Moved(target) when the engine handed the request on; a stream that just ends is neither."""
         handoff_started = False
         async for update in call:
+            if update.num_cached_tokens is not None:  # a re-submission's prompt includes outputs: cap it
+                self.num_cached_tokens = min(update.num_cached_tokens, len(self.prompt_token_ids))
             expected = len(self.output_token_ids) - self.engine_base
             new_ids = list(update.new_token_ids)
             if update.first_token_index < expected:  # already relayed (a resume overlapping): skip them

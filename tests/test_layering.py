@@ -32,7 +32,8 @@ FLOOR_OF_MODULE = {"dualpace.__main__": 3}
 PROTOBUF_PACKAGE = "dualpace.wire.v1"
 PROTOBUF_ALLOWED = (
     "dualpace.wire.*",                    # conversion protobuf <-> core types
-    "dualpace.serve.engine_servicer",     # servicers
+    "dualpace.serve.engine_servicer",     # servicers (and the Engine servicer's WatchKvEvents stream)
+    "dualpace.serve.kv_events_stream",
     "gpu_service.assist_servicer",
     "router.service",
     "router.engines",                     # client handles. Engine: the router's (typed, async),
@@ -42,7 +43,8 @@ PROTOBUF_ALLOWED = (
     "dualpace.commands.client",           # Router: `dualpace client`, `dualpace-router placement`,
     "router.placement_cli",
     "dynamo_worker.router_client",        # the Dynamo worker's (typed, async),
-    "bench.load.generator",               # the load generator, and the soak, whose client sends
+    "bench.load.generator",               # the load generator (and its conversation driver),
+    "bench.load.conversations",           # and the soak, whose client sends
     "bench.soak_client",                  # malformed requests on purpose
     "bench.soak",
     "bench.soak_chaos",                   # and its chaos: a stalled raw Assist stream, an oversized raw prompt

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -71,3 +72,31 @@ def start_daemon(module: str, *args: str, env: dict[str, str] | None = None, cpu
     daemon = Daemon(process, address[0], output)
     wait_serving(daemon.address)
     return daemon
+
+
+UP_READY = re.compile(r"dualpace up: ready; router on (\S+)")
+
+
+def start_up(*flags: str, env: dict[str, str] | None = None, timeout_s: float = START_TIMEOUT_S) -> Daemon:
+    """`python -m dualpace up flags...`; waits for its ready line. The Daemon's address is the
+    router's; SIGTERM (Daemon.stop) stops all three processes."""
+    process = subprocess.Popen([sys.executable, "-m", "dualpace", "up", *flags], stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, text=True, env={**os.environ, **(env or {})})
+    output: deque = deque(maxlen=400)
+    found = threading.Event()
+    router: list[str] = []
+
+    def pump() -> None:
+        for line in process.stdout:
+            output.append(line)
+            if not router and (match := UP_READY.search(line)):
+                router.append(match.group(1))
+                found.set()
+        found.set()
+
+    threading.Thread(target=pump, daemon=True).start()
+    if not found.wait(timeout_s) or not router:
+        process.kill()
+        process.wait()
+        raise RuntimeError("dualpace up never became ready:\n" + "".join(output))
+    return Daemon(process, router[0], output)

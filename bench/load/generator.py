@@ -49,6 +49,9 @@ async def _one(stub, spec: RequestSpec, record: RequestRecord, seed: int, run_ta
             now = time.perf_counter()
             piece = generate_response_to_dict(message)
             record.messages.append((now, len(piece["token_ids"])))
+            record.output_token_ids.extend(piece["token_ids"])
+            if piece["usage"] is not None:
+                record.num_cached_tokens = piece["usage"]["cached_tokens"]
             if piece["engine"] and (not record.engines or record.engines[-1] != piece["engine"]):
                 record.engines.append(piece["engine"])
             if piece["finish_reason"]:
@@ -103,7 +106,12 @@ async def run_load(router: str, specs: list[RequestSpec], *, seed: int = 0, time
             for task in pending:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
+    return run_result(records, start)
+
+
+def run_result(records: list[RequestRecord], start_s: float) -> RunResult:
+    """The records, and the run's duration from the first send to the last end."""
     sent = [r for r in records if r.sent_s is not None]
-    first = min((r.sent_s for r in sent), default=start)
+    first = min((r.sent_s for r in sent), default=start_s)
     last = max((r.end_s for r in sent if r.end_s is not None), default=first)
     return RunResult(records, last - first)

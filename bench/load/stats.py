@@ -8,6 +8,8 @@ Definitions (all times from the same monotonic clock, in seconds in, millisecond
 - E2E: end of the stream - sent;
 - a request is *completed* when its stream ended OK with a finish reason; anything else is
   *failed* under its gRPC code (DEADLINE_EXCEEDED: still running at the benchmark's timeout);
+- prefix-cache hit rate: cached prompt tokens (usage.cached_tokens) / prompt tokens, over
+  completed requests (tokens, as vLLM counts them);
 - goodput: completed requests per second whose TTFT <= the TTFT SLO and whose own P99
   inter-token gap <= the ITL SLO (an SLO not given is not checked).
 Percentiles interpolate linearly between order statistics (numpy's default).
@@ -38,6 +40,8 @@ class RequestRecord:
     finish_reason: str | None = None
     detail: str = ""
     engines: list[str] = field(default_factory=list)
+    num_cached_tokens: int = 0  # prompt tokens served from a prefix cache (the final usage)
+    output_token_ids: list[int] = field(default_factory=list)  # what it generated (multi-turn history)
 
     @property
     def completed(self) -> bool:
@@ -141,6 +145,8 @@ def summarize(records: list[RequestRecord], num_requests: int, duration_s: float
         "slo": {"ttft_ms": slo_ttft_ms, "itl_ms": slo_itl_ms, "requests_meeting": len(good)},
         "input_tokens": input_tokens,
         "output_tokens": output_tokens,
+        "cached_prompt_tokens": (cached := sum(r.num_cached_tokens for r in completed)),
+        "prefix_cache_hit_rate": round(cached / input_tokens, 4) if input_tokens else None,
         "short_outputs": sum(1 for r in completed if r.num_tokens < r.output_len),
         "ttft": distribution_ms([t for r in completed if (t := r.ttft_s()) is not None]),
         "itl": distribution_ms([g for r in completed for g in r.itl_s()]),
@@ -167,6 +173,7 @@ def request_rows(records: list[RequestRecord]) -> list[dict]:
         "status": r.status if r.sent_s is not None else "NOT_SENT",
         "finish_reason": r.finish_reason,
         "tokens": r.num_tokens,
+        "cached_tokens": r.num_cached_tokens,
         "ttft_ms": ms(r.ttft_s()) if r.sent_s is not None else None,
         "e2e_ms": ms(r.e2e_s()),
         "itl_ms": [round(g * 1e3, 2) for g in r.itl_s()],

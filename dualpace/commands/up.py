@@ -53,6 +53,8 @@ def register(subparsers) -> None:
                    help="the router's OpenAI-compatible HTTP port on 127.0.0.1 (0: a free one)")
     p.add_argument("--threads-per-engine", type=int, default=None, help="torch intra-op threads of each engine")
     p.add_argument("--dtype", default="auto", choices=["auto", "fp32", "bf16"])
+    p.add_argument("--prefix-caching", default="on", choices=["on", "off"],
+                   help="both engines reuse the KV of prompt prefixes computed before")
     p.add_argument("--profile", default=None,
                    help="hardware profile JSON (`dualpace profile`) for cpu_service's mode choice and the router")
     p.add_argument("--itl-target-ms", type=float, default=None,
@@ -174,7 +176,8 @@ class Up:
     def start(self) -> str:
         """gpu_service, then cpu_service (it needs gpu_service's address), then the router; its address."""
         args = self.args
-        engine_flags = ["--model", args.model, "--dtype", args.dtype, "--grace-s", str(DRAIN_GRACE_S)]
+        engine_flags = ["--model", args.model, "--dtype", args.dtype, "--grace-s", str(DRAIN_GRACE_S),
+                        "--prefix-caching", args.prefix_caching]
         if args.threads_per_engine is not None:
             engine_flags += ["--threads", str(args.threads_per_engine)]
         if args.orphan_timeout_s is not None:

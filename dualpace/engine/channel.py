@@ -23,6 +23,7 @@ class ChannelUpdate:
     migrated_to: str | None
     error_message: str | None = None  # set when the request ended with an error instead of a result
     engine_failed: bool = False  # with error_message: the whole engine failed, not just this request
+    num_cached_tokens: int | None = None  # read from a Generate response's usage (the router's side)
 
 
 class RequestChannel:
@@ -34,6 +35,7 @@ class RequestChannel:
         self.migrated_to: str | None = None
         self.error_message: str | None = None
         self.engine_failed = False
+        self.num_cached_tokens = 0  # prompt tokens served from the prefix cache
         self._changed = asyncio.Condition()
         self.num_followers = 0
 
@@ -46,6 +48,8 @@ class RequestChannel:
         request alone (e.g. non-finite logits): followers report it as an error, the engine serves on."""
         async with self._changed:
             self.output_token_ids.extend(event.new_token_ids)
+            if event.num_cached_tokens is not None:
+                self.num_cached_tokens = event.num_cached_tokens
             if event.finish_reason is not None:
                 self.finish_reason = event.finish_reason
                 if error_message is not None and self.error_message is None:

@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 from dualpace.engine.request import EngineRequest, RequestEvent
 from dualpace.engine.runner import ModelRunner
 from dualpace.engine.scheduler import Scheduler, SchedulerConfig, StepPlan
+from dualpace.kv.events import KvEventLog
+from dualpace.kv.prefix_hash import BlockHasher
 from dualpace.model.loader import LoadedModel
 from dualpace.sampling import SamplingParams
 from dualpace.sampling_params import pick_seed
@@ -24,6 +26,12 @@ class EngineConfig:
     num_kv_blocks: int = 1024
     block_size: int = 16
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    prefix_caching: bool = True  # reuse the KV of full blocks whose prefix was computed before
+
+
+def prefix_cache_salt(loaded: LoadedModel) -> str:
+    """Names the model and its weights format, so KV is only reused under the same weights."""
+    return f"{loaded.name}|{loaded.path.name}|{loaded.config.architecture}|{loaded.model.dtype}"
 
 
 class EngineCore:
@@ -31,8 +39,11 @@ class EngineCore:
         self.loaded = loaded
         self.config = config
         eos_ids = frozenset(loaded.config.eos_token_ids) | frozenset(loaded.tokenizer.eos_token_ids)
+        hasher = BlockHasher(config.block_size, prefix_cache_salt(loaded)) if config.prefix_caching else None
+        events = KvEventLog(config.kind, config.block_size) if config.prefix_caching else None
         self.scheduler = Scheduler(
-            config.scheduler, config.num_kv_blocks, config.block_size, loaded.max_context_tokens, eos_ids
+            config.scheduler, config.num_kv_blocks, config.block_size, loaded.max_context_tokens, eos_ids, hasher,
+            events,
         )
         # The CPU engine passes a runner that can also run iterations with Dense Assist.
         self.runner = runner or ModelRunner(loaded, config.num_kv_blocks, config.block_size)

@@ -45,6 +45,7 @@ class KvTransferHeader:
     total_chunks: int
     total_bytes: int
     source_engine: str
+    num_cached_tokens: int = 0  # prompt tokens the source served from its prefix cache
 
 
 @dataclass(frozen=True)

@@ -24,6 +24,7 @@ class EngineLoad:
     num_iterations: int
     num_preemptions: int
     timestamp_unix_ms: int
+    kv_blocks_cached: int = 0  # unowned blocks holding prefix-cache content (evicted before preempting)
 
 
 @dataclass(frozen=True)

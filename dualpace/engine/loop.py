@@ -217,6 +217,9 @@ class EngineLoop:
         blocks = scheduler.blocks
         self.metrics.set_state(scheduler.num_running, scheduler.num_waiting, blocks.num_used_blocks,
                                blocks.num_total_blocks, scheduler.num_preemptions)
+        if (prefix_cache := scheduler.prefix_cache) is not None:
+            self.metrics.set_prefix_cache(self.core.config.kind, prefix_cache.num_query_tokens,
+                                          prefix_cache.num_hit_tokens, blocks.num_cached_blocks)
 
     def stop(self) -> None:
         self._stopping = True
@@ -308,4 +311,5 @@ class EngineLoop:
             num_iterations=core.num_steps,
             num_preemptions=core.scheduler.num_preemptions,
             timestamp_unix_ms=int(time.time() * 1000),
+            kv_blocks_cached=blocks.num_cached_blocks,
         )

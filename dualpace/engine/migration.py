@@ -87,6 +87,7 @@ async def migrate_out(
         total_chunks=len(chunk_plan),
         total_bytes=total_bytes,
         source_engine=core.config.name,
+        num_cached_tokens=request.num_cached_tokens or 0,
     )
 
     def read_chunk(seq: int, layer: int, token_start: int, token_end: int) -> KvChunk:
@@ -214,8 +215,11 @@ class KvImporter:
             params=header.params,
             seed=header.params.seed,
             output_token_ids=list(header.output_token_ids),
+            # Without KV the request is prefilled here, and looks up this engine's cache then.
+            num_cached_tokens=header.num_cached_tokens if header.num_computed_tokens else None,
         )
         channel = RequestChannel(header.request_id, len(header.prompt_token_ids), list(header.output_token_ids))
+        channel.num_cached_tokens = request.num_cached_tokens or 0
 
         def commit() -> None:
             self.loop.core.scheduler.commit_import(request)

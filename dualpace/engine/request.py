@@ -27,6 +27,8 @@ class EngineRequest:
     finish_reason: FinishReason | None = None
     arrival_index: int = 0  # order of arrival, for first-come first-served and preemption
     num_preemptions: int = 0
+    num_cached_tokens: int | None = None  # prompt tokens whose KV came from the prefix cache, set at admission
+    block_hashes: list[bytes] = field(default_factory=list)  # prefix-cache hashes of its full blocks so far
 
     @property
     def num_tokens(self) -> int:
@@ -55,3 +57,4 @@ class RequestEvent:
     new_token_ids: tuple[int, ...] = ()
     finish_reason: FinishReason | None = None
     migrated_to: str | None = None  # set when the request now lives in another engine
+    num_cached_tokens: int | None = None  # with new tokens: prompt tokens served from the prefix cache

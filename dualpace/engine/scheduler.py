@@ -5,15 +5,25 @@ Pure: no torch, grpc, asyncio or clock reads. The engine loop calls
 `schedule()` -> runs the plan -> `apply(plan, result)`; commands (add, abort,
 pause for migration, import) are applied between steps. The simulator drives
 the same class with a cost model as its clock.
+
+Prefix caching (when built with a BlockHasher): a new or preempted request is admitted
+on the longest run of cached full blocks matching its tokens, at most all but its last
+token (so the first sampled token's logits are computed), and its prefill starts at the
+end of that run. Each block a request fills is registered in the cache as soon as its
+KV is computed. Cached blocks count as available: they are evicted before any running
+request is preempted.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from dualpace.engine.prefix_cache import PrefixCache
 from dualpace.engine.request import EngineRequest, RequestEvent, RequestState
 from dualpace.errors import InvalidArgument, Overloaded, RequestNotFound
 from dualpace.kv.block_table import KVBlockManager
+from dualpace.kv.events import KvEventLog
+from dualpace.kv.prefix_hash import BlockHasher
 from dualpace.sampling_params import FinishReason, SamplingParams, stop_reason
 
 
@@ -72,6 +82,8 @@ class Scheduler:
         block_size: int,
         max_context_tokens: int,
         eos_token_ids: frozenset[int] = frozenset(),
+        block_hasher: BlockHasher | None = None,
+        kv_events: KvEventLog | None = None,
     ):
         self.config = config
         self.blocks = KVBlockManager(num_blocks, block_size)
@@ -83,6 +95,8 @@ class Scheduler:
         self._importing: set[str] = set()
         self._next_arrival_index = 0
         self.num_preemptions = 0
+        # None: prefix caching off.
+        self.prefix_cache = None if block_hasher is None else PrefixCache(self.blocks, block_hasher, kv_events)
 
     # ----------------------------------------------------------------- commands
 
@@ -150,7 +164,7 @@ class Scheduler:
         if not self.blocks.can_allocate(num_kv_tokens + 1):
             raise Overloaded(
                 f"not enough free KV blocks to import {num_kv_tokens} tokens "
-                f"({self.blocks.num_free_blocks} of {self.blocks.num_total_blocks} free)"
+                f"({self.blocks.num_available_blocks} of {self.blocks.num_total_blocks} free or cached)"
             )
         self._importing.add(request_id)
         return self.blocks.allocate(request_id, num_kv_tokens)
@@ -175,6 +189,7 @@ class Scheduler:
             return
         request.state = RequestState.RUNNING
         request.num_computed_tokens = num_kv_tokens
+        self._cache_full_blocks(request)
         self._insert_running(request)
 
     def cancel_import(self, request_id: str) -> None:
@@ -200,10 +215,12 @@ class Scheduler:
             budget -= num_new
         while self.waiting and budget > 0 and not preempted and len(sequences) < self.config.max_running:
             request = self.waiting[0]
-            if not self._can_admit(request):
+            cached_block_ids = self._match_prefix(request)
+            if not self._can_admit(request, cached_block_ids):
                 break
             self.waiting.pop(0)
-            self.blocks.allocate(request.request_id, request.num_tokens)
+            self.blocks.allocate(request.request_id, request.num_tokens, cached_block_ids)
+            self._start_after_cached_prefix(request, len(cached_block_ids) * self.blocks.block_size)
             request.state = RequestState.RUNNING
             self._insert_running(request)
             num_new = min(request.num_pending_tokens, budget)
@@ -218,6 +235,7 @@ class Scheduler:
             if request is None or request.state != RequestState.RUNNING:
                 continue
             request.num_computed_tokens = seq.start_pos + len(seq.token_ids)
+            self._cache_full_blocks(request)
             if not seq.sample:
                 continue
             token_id = result.sampled_token_ids.get(seq.request_id)
@@ -231,7 +249,7 @@ class Scheduler:
                 reason = FinishReason.LENGTH
             if reason is not None:
                 self._finish(request, reason)
-            events.append(RequestEvent(seq.request_id, (token_id,), reason))
+            events.append(RequestEvent(seq.request_id, (token_id,), reason, num_cached_tokens=request.num_cached_tokens))
         return events
 
     # ----------------------------------------------------------------- queries
@@ -247,6 +265,16 @@ class Scheduler:
     @property
     def num_waiting(self) -> int:
         return len(self.waiting)
+
+    @property
+    def num_prefix_query_tokens(self) -> int:
+        """Tokens of admitted requests looked up in the prefix cache (0 with caching off)."""
+        return 0 if self.prefix_cache is None else self.prefix_cache.num_query_tokens
+
+    @property
+    def num_prefix_hit_tokens(self) -> int:
+        """Of those, tokens whose KV the cache held."""
+        return 0 if self.prefix_cache is None else self.prefix_cache.num_hit_tokens
 
     def get(self, request_id: str) -> EngineRequest:
         return self._get(request_id)
@@ -284,12 +312,26 @@ class Scheduler:
             index -= 1
         self.running.insert(index, request)
 
-    def _can_admit(self, request: EngineRequest) -> bool:
+    def _can_admit(self, request: EngineRequest, cached_block_ids: list[int]) -> bool:
         """Admit while KV suffices, keeping a small reserve for the running decodes'
         next blocks (no reserve when nothing runs, so a request that fits alone runs)."""
-        needed = self.blocks.num_blocks_for(request.num_tokens)
+        needed = self.blocks.num_blocks_to_take(request.num_tokens, cached_block_ids)
         reserve = min(len(self.running), max(1, self.blocks.num_total_blocks // 100)) if self.running else 0
-        return self.blocks.num_free_blocks >= needed + reserve
+        return self.blocks.num_available_blocks >= needed + reserve
+
+    def _match_prefix(self, request: EngineRequest) -> list[int]:
+        return [] if self.prefix_cache is None else self.prefix_cache.match(request)
+
+    def _start_after_cached_prefix(self, request: EngineRequest, num_hit_tokens: int) -> None:
+        request.num_computed_tokens = num_hit_tokens
+        if request.num_cached_tokens is None:  # the first admission is the one the client's usage reports
+            request.num_cached_tokens = min(num_hit_tokens, len(request.prompt_token_ids))
+        if self.prefix_cache is not None:
+            self.prefix_cache.count_lookup(request, num_hit_tokens)
+
+    def _cache_full_blocks(self, request: EngineRequest) -> None:
+        if self.prefix_cache is not None:
+            self.prefix_cache.cache_full_blocks(request)
 
     def _reserve_kv(self, request: EngineRequest, num_new: int, preempted: list[str]) -> bool:
         """Make room for the request's next `num_new` tokens, preempting the newest

@@ -11,14 +11,20 @@ when an ``append`` would write into a shared, partially filled last block the
 manager gives the writer a private copy (copy-on-write) and reports the
 ``(src_block_id, dst_block_id)`` pair for the storage layer to copy.
 
+Prefix cache: ``register_full_blocks`` records the content hash (dualpace.kv.prefix_hash)
+of each block a sequence has filled; ``match_prefix`` finds the longest run of cached
+blocks for a chain of hashes, and ``allocate(..., cached_block_ids)`` starts a new table
+with them, shared (refcounted). Cached blocks are always full, so they are never written
+again; a freed one stays cached until an allocation evicts it.
+
 Every mutating method checks everything (ids, sizes, free blocks) before it
 changes anything: a raised error leaves the manager untouched.
 """
 
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 
-from dualpace.kv.allocator import BlockAllocator, OutOfBlocks
+from dualpace.kv.allocator import BlockAllocator, BlockHash, OutOfBlocks
 
 SeqId = Hashable
 
@@ -43,6 +49,7 @@ class _SeqBlocks:
 
     block_ids: list[int] = field(default_factory=list)
     num_tokens: int = 0
+    num_hashed_blocks: int = 0  # leading blocks already offered to the prefix cache
 
 
 class KVBlockManager:
@@ -64,13 +71,32 @@ class KVBlockManager:
 
     @property
     def num_free_blocks(self) -> int:
-        """Blocks no table holds."""
+        """Blocks no table holds and no cached content fills."""
         return self._allocator.num_free_blocks
 
     @property
     def num_used_blocks(self) -> int:
         """Blocks held by at least one table."""
         return self._allocator.num_used_blocks
+
+    @property
+    def num_cached_blocks(self) -> int:
+        """Blocks no table holds whose content stays cached until evicted."""
+        return self._allocator.num_cached_blocks
+
+    @property
+    def num_available_blocks(self) -> int:
+        """Blocks a new allocation may take: free, then evicted cached ones."""
+        return self._allocator.num_available_blocks
+
+    @property
+    def num_evictions(self) -> int:
+        """Cached blocks evicted so far."""
+        return self._allocator.num_evictions
+
+    def block_hash(self, block_id: int) -> BlockHash | None:
+        """The content hash of a cached-content block, else None."""
+        return self._allocator.block_hash(block_id)
 
     def refcount(self, block_id: int) -> int:
         """How many tables hold ``block_id``."""
@@ -110,24 +136,78 @@ class KVBlockManager:
         size = self.block_size
         return [seq.block_ids[p // size] * size + p % size for p in range(start_pos, end_pos)]
 
-    def can_allocate(self, num_tokens: int) -> bool:
+    def match_prefix(self, block_hashes: list[BlockHash]) -> list[int]:
+        """Blocks holding the longest cached run of ``block_hashes`` from the first."""
+        block_ids = []
+        for block_hash in block_hashes:
+            block_id = self._allocator.lookup(block_hash)
+            if block_id is None:
+                break
+            block_ids.append(block_id)
+        return block_ids
+
+    def num_blocks_to_take(self, num_tokens: int, cached_block_ids: list[int] = ()) -> int:
+        """Available blocks ``allocate(_, num_tokens, cached_block_ids)`` consumes: the new
+        blocks plus the cached blocks it takes back from the evictable pool."""
+        num_new = self.num_blocks_for(num_tokens) - len(cached_block_ids)
+        return max(num_new, 0) + sum(self._allocator.refcount(b) == 0 for b in cached_block_ids)
+
+    def can_allocate(self, num_tokens: int, cached_block_ids: list[int] = ()) -> bool:
         """Whether a new sequence of ``num_tokens`` tokens fits now."""
-        return self.num_blocks_for(num_tokens) <= self.num_free_blocks
+        return self.num_blocks_to_take(num_tokens, cached_block_ids) <= self.num_available_blocks
 
-    def allocate(self, seq_id: SeqId, num_tokens: int) -> list[int]:
-        """Create a table for a new sequence holding ``num_tokens`` tokens.
+    def allocate(self, seq_id: SeqId, num_tokens: int, cached_block_ids: list[int] = ()) -> list[int]:
+        """Create a table for a new sequence holding ``num_tokens`` tokens, whose leading
+        blocks are ``cached_block_ids`` (shared, from ``match_prefix``) and the rest new.
 
-        Raises ValueError if ``seq_id`` exists, OutOfBlocks if it does not fit.
+        Raises ValueError if ``seq_id`` exists or the cached blocks are not cached content
+        that fits, OutOfBlocks if it does not fit.
         """
         if seq_id in self._seqs:
             raise ValueError(f"sequence {seq_id!r} already has KV blocks")
-        block_ids = self._allocator.allocate(self.num_blocks_for(num_tokens))
-        self._seqs[seq_id] = _SeqBlocks(block_ids, num_tokens)
+        cached_block_ids = list(cached_block_ids)
+        if len(cached_block_ids) * self.block_size > num_tokens:
+            raise ValueError(f"{len(cached_block_ids)} cached blocks hold more than {num_tokens} tokens")
+        if any(self._allocator.block_hash(b) is None for b in cached_block_ids):
+            raise ValueError("a block passed as cached holds no cached content")
+        needed = self.num_blocks_to_take(num_tokens, cached_block_ids)
+        if needed > self.num_available_blocks:
+            raise OutOfBlocks(needed, self.num_available_blocks, self.num_total_blocks)
+        self._allocator.share(cached_block_ids)
+        new_block_ids = self._allocator.allocate(self.num_blocks_for(num_tokens) - len(cached_block_ids))
+        block_ids = cached_block_ids + new_block_ids
+        self._seqs[seq_id] = _SeqBlocks(block_ids, num_tokens, len(cached_block_ids))
         return list(block_ids)
+
+    def register_full_blocks(self, seq_id: SeqId, block_hashes: list[BlockHash], num_full_blocks: int) -> list[int]:
+        """Offer the sequence's first ``num_full_blocks`` blocks (full, their KV written), whose
+        content hashes lead ``block_hashes``, to the prefix cache; returns the table indexes of
+        the blocks that entered it (not those it already held)."""
+        seq = self._get(seq_id)
+        if num_full_blocks <= seq.num_hashed_blocks:
+            return []
+        if not num_full_blocks <= len(block_hashes) or num_full_blocks * self.block_size > seq.num_tokens:
+            raise ValueError(f"{num_full_blocks} full blocks ({len(block_hashes)} hashes) "
+                             f"in a sequence of {seq.num_tokens} tokens")
+        registered = []
+        for index in range(seq.num_hashed_blocks, num_full_blocks):
+            block_id = seq.block_ids[index]
+            if self._allocator.block_hash(block_id) is None and self._allocator.register(block_id, block_hashes[index]):
+                registered.append(index)
+        seq.num_hashed_blocks = num_full_blocks
+        return registered
+
+    def set_forget_listener(self, listener: Callable[[BlockHash], None] | None) -> None:
+        """Call ``listener(hash)`` whenever a block's content leaves the cache (evicted or cleared)."""
+        self._allocator.on_forget = listener
+
+    def clear_cache(self) -> int:
+        """Forget every cached block no table holds; how many."""
+        return len(self._allocator.clear_cache())
 
     def can_append(self, seq_id: SeqId, num_new_tokens: int) -> bool:
         """Whether ``append(seq_id, num_new_tokens)`` would succeed now."""
-        return self._num_blocks_to_append(self._get(seq_id), num_new_tokens) <= self.num_free_blocks
+        return self._num_blocks_to_append(self._get(seq_id), num_new_tokens) <= self.num_available_blocks
 
     def append(self, seq_id: SeqId, num_new_tokens: int) -> AppendResult:
         """Reserve slots for ``num_new_tokens`` more tokens, copying-on-write if needed.
@@ -137,8 +217,8 @@ class KVBlockManager:
         """
         seq = self._get(seq_id)
         num_needed_blocks = self._num_blocks_to_append(seq, num_new_tokens)
-        if num_needed_blocks > self.num_free_blocks:
-            raise OutOfBlocks(num_needed_blocks, self.num_free_blocks, self.num_total_blocks)
+        if num_needed_blocks > self.num_available_blocks:
+            raise OutOfBlocks(num_needed_blocks, self.num_available_blocks, self.num_total_blocks)
         new_block_ids = self._allocator.allocate(num_needed_blocks)
         copies: tuple[tuple[int, int], ...] = ()
         if self._needs_copy_on_write(seq, num_new_tokens):
@@ -155,10 +235,10 @@ class KVBlockManager:
         if child_id in self._seqs:
             raise ValueError(f"cannot fork into sequence {child_id!r}: it already has KV blocks")
         self._allocator.incref(parent.block_ids)
-        self._seqs[child_id] = _SeqBlocks(list(parent.block_ids), parent.num_tokens)
+        self._seqs[child_id] = _SeqBlocks(list(parent.block_ids), parent.num_tokens, parent.num_hashed_blocks)
 
     def free(self, seq_id: SeqId) -> None:
-        """Drop the sequence's table; blocks no other table holds become free."""
+        """Drop the sequence's table; blocks no other table holds become free (or cached)."""
         seq = self._get(seq_id)
         self._allocator.free(seq.block_ids)
         del self._seqs[seq_id]

@@ -96,16 +96,17 @@ def _free_blocks_if_room(engine: EngineView, num_tokens: int, reserve_fraction: 
     return None
 
 
-def _pick(candidates: list[tuple[int, str]]) -> str | None:
-    """The engine with the most free blocks; ties by name."""
+def _pick(candidates: list[tuple[int, str]], cached_prefix_tokens: Mapping[str, int]) -> str | None:
+    """The engine holding the longest cached prefix of the request, then the most free blocks; ties by name."""
     if not candidates:
         return None
-    return min(candidates, key=lambda c: (-c[0], c[1]))[1]
+    return min(candidates, key=lambda c: (-cached_prefix_tokens.get(c[1], 0), -c[0], c[1]))[1]
 
 
 def admit(num_prompt_tokens: int, max_tokens: int, engines: Mapping[str, EngineView],
           placed: Sequence[RoutedRequest], num_queued: int,
-          config: AdmissionConfig) -> tuple[Placement, str | None]:
+          config: AdmissionConfig,
+          cached_prefix_tokens: Mapping[str, int] | None = None) -> tuple[Placement, str | None]:
     """(placement, engine name or None) for a new request.
 
     GPU if a healthy gpu engine has KV room for the prompt plus the expected output
@@ -120,9 +121,11 @@ def admit(num_prompt_tokens: int, max_tokens: int, engines: Mapping[str, EngineV
     REJECT also when no engine the policy may use is healthy (the service answers
     UNAVAILABLE) and when prompt + max_tokens exceeds every usable engine's whole pool.
     KV used and running counts are the larger of the snapshot and the router's own
-    count of `placed` requests on that engine. Several engines of a kind: the one with
-    the most free blocks (ties by name).
+    count of `placed` requests on that engine. Several engines of a kind: the one holding
+    the longest cached prefix of the request (`cached_prefix_tokens`, from the engines' KV
+    events), then the one with the most free blocks (ties by name).
     """
+    cached_prefix_tokens = cached_prefix_tokens or {}
     kinds = ("gpu",) if config.policy is Policy.GPU_ONLY else ("gpu", "cpu")
     usable = [e for e in engines.values() if e.kind in kinds]
     if not any(_can_place(e) for e in usable):
@@ -144,7 +147,7 @@ def admit(num_prompt_tokens: int, max_tokens: int, engines: Mapping[str, EngineV
         free = _free_blocks_if_room(engine, expected_tokens, config.gpu_kv_reserve_fraction, placed)
         if free is not None:
             gpu_candidates.append((free, engine.name))
-    gpu = _pick(gpu_candidates)
+    gpu = _pick(gpu_candidates, cached_prefix_tokens)
     if gpu is not None:
         return Placement.GPU, gpu
 
@@ -155,7 +158,7 @@ def admit(num_prompt_tokens: int, max_tokens: int, engines: Mapping[str, EngineV
         free = _free_blocks_if_room(engine, expected_tokens, 0.0, placed)
         if free is not None:
             cpu_candidates.append((free, engine.name))
-    cpu = _pick(cpu_candidates)
+    cpu = _pick(cpu_candidates, cached_prefix_tokens)
     if cpu is not None:
         return Placement.CPU, cpu
 

@@ -32,6 +32,7 @@ class EngineView:
     num_waiting: int
     itl_p50_ms: float
     itl_p99_ms: float
+    kv_blocks_cached: int = 0  # unowned blocks holding prefix-cache content; free space for placement
 
     @property
     def kv_blocks_free(self) -> int:

@@ -73,6 +73,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser, default_name: str, def
     parser.add_argument("--max-running", type=int, default=64, help="sequences per step")
     parser.add_argument("--max-waiting", type=int, default=256, help="queued requests before RESOURCE_EXHAUSTED")
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
+    parser.add_argument("--prefix-caching", default="on", choices=["on", "off"],
+                        help="reuse the KV of prompt prefixes computed before (automatic prefix caching)")
     parser.add_argument("--listen", default="127.0.0.1:0",
                         help="HOST:PORT; port 0 picks a free port; a non-loopback host needs --tls-cert/--tls-key")
     parser.add_argument("--grace-s", type=float, default=DEFAULT_GRACE_S,
@@ -135,6 +137,7 @@ def build_engine(
         block_size=args.block_size,
         scheduler=SchedulerConfig(max_batch_tokens=args.max_batch_tokens, max_running=args.max_running,
                                   max_waiting=args.max_waiting),
+        prefix_caching=args.prefix_caching == "on",
     )
     device_lock = threading.Lock()
     runner = make_runner(loaded, config) if make_runner is not None else None
@@ -145,9 +148,9 @@ def build_engine(
 def warm_up(core: EngineCore) -> None:
     """Run one short request through the engine before serving: the first forward pass pays
     for lazy initialisation (kernels, allocator) here rather than in a client's TTFT, and a
-    broken model fails before READY=1. Raises ModelLoadError if KV blocks are not all back."""
+    broken model fails before READY=1. Raises ModelLoadError if KV blocks are not all back.
+    The warm-up prompt's cached blocks are dropped: no client sent it."""
     blocks = core.scheduler.blocks
-    free_before = blocks.num_free_blocks
     vocab_size = core.loaded.config.vocab_size
     prompt = [(i + 1) % vocab_size for i in range(WARMUP_PROMPT_TOKENS)]
     core.add_request(WARMUP_REQUEST_ID, prompt, SamplingParams(max_tokens=WARMUP_MAX_TOKENS, ignore_eos=True))
@@ -157,8 +160,11 @@ def warm_up(core: EngineCore) -> None:
         core.step()
     if core.has_work or core.scheduler.requests:
         raise ModelLoadError("warm-up request did not finish")
-    if blocks.num_free_blocks != free_before:
-        raise ModelLoadError(f"warm-up left {free_before - blocks.num_free_blocks} KV blocks allocated")
+    if blocks.num_used_blocks != 0:
+        raise ModelLoadError(f"warm-up left {blocks.num_used_blocks} KV blocks allocated")
+    blocks.clear_cache()
+    if core.scheduler.prefix_cache is not None:
+        core.scheduler.prefix_cache.reset_counts()
     core.num_steps = 0  # the load report counts served steps only
 
 

@@ -17,6 +17,7 @@ from dualpace.engine.loop import EngineLoop
 from dualpace.engine.migration import KvImporter, migrate_out
 from dualpace.errors import DataLoss, InvalidArgument, RequestNotFound, Unavailable
 from dualpace.faults import FaultConfig
+from dualpace.serve.kv_events_stream import watch_kv_events
 from dualpace.serve.kv_transport import GrpcKvSender
 from dualpace.serve.logging_setup import (
     bind_request_id,
@@ -73,14 +74,14 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
                     if update.new_token_ids:  # tokens made before the error reach the client first
                         yield messages.generate_response_to_pb(
                             request_id, dataclasses.replace(update, finish_reason=None), name,
-                            channel.num_prompt_tokens, len(channel.output_token_ids))
+                            channel.num_prompt_tokens, len(channel.output_token_ids), channel.num_cached_tokens)
                     finished = True
                     if update.engine_failed:
                         raise Unavailable(update.error_message)
                     raise DataLoss(update.error_message)
                 yield messages.generate_response_to_pb(
-                    request_id, update, name, channel.num_prompt_tokens, len(channel.output_token_ids)
-                )
+                    request_id, update, name, channel.num_prompt_tokens, len(channel.output_token_ids),
+                    channel.num_cached_tokens)
             finished = True
         finally:
             if abort_on_disconnect and not finished and not channel.done:
@@ -162,6 +163,10 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
 
     async def Info(self, request, context):
         return messages.engine_info_to_pb(self.loop.core)
+
+    async def WatchKvEvents(self, request, context):
+        async for batch in watch_kv_events(self.loop):
+            yield batch
 
 
 def _generate_request_id(request, kind: str | None) -> str | None:

@@ -64,6 +64,16 @@ NUM_REQUESTS_WAITING = Gauge("dualpace_num_requests_waiting",
                              registry=REGISTRY)
 KV_BLOCKS_USED = Gauge("dualpace_kv_blocks_used", "KV cache blocks in use.", _ENGINE, registry=REGISTRY)
 KV_BLOCKS_TOTAL = Gauge("dualpace_kv_blocks_total", "KV cache blocks in the pool.", _ENGINE, registry=REGISTRY)
+KV_BLOCKS_CACHED = Gauge("dualpace_kv_blocks_cached",
+                         "KV cache blocks no request holds that keep prefix content until evicted.", _ENGINE,
+                         registry=REGISTRY)
+# Counted in tokens, as vLLM counts them: each admission looks up all of its tokens.
+PREFIX_CACHE_QUERIES = Counter("dualpace_prefix_cache_queries_total",
+                               "Tokens of admitted requests looked up in the prefix cache, by medium (gpu, cpu).",
+                               ("engine", "medium"), registry=REGISTRY)
+PREFIX_CACHE_HITS = Counter("dualpace_prefix_cache_hits_total",
+                            "Of the looked-up tokens, those whose KV the prefix cache held, by medium (gpu, cpu).",
+                            ("engine", "medium"), registry=REGISTRY)
 TIME_TO_FIRST_TOKEN = Histogram("dualpace_time_to_first_token_seconds",
                                 "From a request's arrival to its first generated token.", _ENGINE,
                                 buckets=TTFT_BUCKETS, registry=REGISTRY)
@@ -144,6 +154,8 @@ class EngineMetrics:
         self._nonfinite_logits: Counter | None = None
         self._finished: dict[str, Counter] = {}
         self._num_preemptions_seen = 0
+        self._prefix_cache: tuple[Counter, Counter, Gauge] | None = None
+        self._prefix_tokens_seen = (0, 0)  # (queries, hits) already added to the counters
 
     def set_state(self, num_running: int, num_waiting: int, kv_blocks_used: int, kv_blocks_total: int,
                   num_preemptions: int) -> None:
@@ -161,6 +173,21 @@ class EngineMetrics:
         if num_preemptions > self._num_preemptions_seen:
             preemptions.inc(num_preemptions - self._num_preemptions_seen)
         self._num_preemptions_seen = num_preemptions
+
+    def set_prefix_cache(self, medium: str, num_query_tokens: int, num_hit_tokens: int,
+                         num_cached_blocks: int) -> None:
+        """The prefix cache's running token totals (queries, hits) and its cached blocks now."""
+        if self._prefix_cache is None:
+            self._prefix_cache = (PREFIX_CACHE_QUERIES.labels(self.engine, medium),
+                                  PREFIX_CACHE_HITS.labels(self.engine, medium), KV_BLOCKS_CACHED.labels(self.engine))
+        queries, hits, cached = self._prefix_cache
+        seen_queries, seen_hits = self._prefix_tokens_seen
+        if num_query_tokens > seen_queries:
+            queries.inc(num_query_tokens - seen_queries)
+        if num_hit_tokens > seen_hits:
+            hits.inc(num_hit_tokens - seen_hits)
+        self._prefix_tokens_seen = (num_query_tokens, num_hit_tokens)
+        cached.set(num_cached_blocks)
 
     @property
     def nonfinite_logits(self) -> Counter:

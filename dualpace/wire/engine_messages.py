@@ -33,7 +33,8 @@ _STATE_FROM_PB = {value: state for state, value in _STATE_TO_PB.items()}
 
 
 def generate_response_to_pb(
-    request_id: str, update: ChannelUpdate, engine_name: str, num_prompt_tokens: int, num_output_tokens: int
+    request_id: str, update: ChannelUpdate, engine_name: str, num_prompt_tokens: int, num_output_tokens: int,
+    num_cached_tokens: int = 0,
 ) -> engine_pb2.EngineGenerateResponse:
     message = engine_pb2.EngineGenerateResponse(
         request_id=request_id,
@@ -46,6 +47,7 @@ def generate_response_to_pb(
     if update.finish_reason is not None:
         message.usage.prompt_tokens = num_prompt_tokens
         message.usage.completion_tokens = num_output_tokens
+        message.usage.cached_tokens = num_cached_tokens
     return message
 
 
@@ -55,6 +57,7 @@ def generate_update_from_pb(message: engine_pb2.EngineGenerateResponse) -> Chann
         new_token_ids=tuple(message.token_ids),
         finish_reason=finish_reason_from_pb(message.finish_reason),
         migrated_to=message.migrated_to or None,
+        num_cached_tokens=message.usage.cached_tokens if message.HasField("usage") else None,
     )
 
 
@@ -96,6 +99,7 @@ def load_to_pb(load: EngineLoad) -> engine_pb2.LoadSnapshot:
         itl_p99_ms=load.itl_p99_ms,
         num_iterations=load.num_iterations,
         timestamp_unix_ms=load.timestamp_unix_ms,
+        kv_blocks_cached=load.kv_blocks_cached,
     )
 
 
@@ -132,6 +136,7 @@ def engine_view_from_pb(snapshot: engine_pb2.LoadSnapshot, expected_kind: str) -
         num_waiting=snapshot.num_waiting,
         itl_p50_ms=snapshot.itl_p50_ms,
         itl_p99_ms=snapshot.itl_p99_ms,
+        kv_blocks_cached=snapshot.kv_blocks_cached,
     )
 
 
@@ -152,6 +157,7 @@ def kv_header_to_pb(header: KvTransferHeader) -> engine_pb2.ImportKvMessage:
         total_chunks=header.total_chunks,
         total_bytes=header.total_bytes,
         source_engine=header.source_engine,
+        num_cached_tokens=header.num_cached_tokens,
     ))
 
 
@@ -169,6 +175,7 @@ def kv_header_from_pb(message: engine_pb2.ImportKvHeader) -> KvTransferHeader:
         total_chunks=message.total_chunks,
         total_bytes=message.total_bytes,
         source_engine=message.source_engine,
+        num_cached_tokens=message.num_cached_tokens,
     )
 
 

@@ -31,12 +31,13 @@ def client_request_from_pb(message: router_pb2.GenerateRequest) -> ClientRequest
 
 def generate_response_to_pb(request_id: str, token_ids: list[int], text: str, engine: str,
                             finish_reason: FinishReason | None, num_prompt_tokens: int,
-                            num_completion_tokens: int) -> router_pb2.GenerateResponse:
+                            num_completion_tokens: int, num_cached_tokens: int = 0) -> router_pb2.GenerateResponse:
     message = router_pb2.GenerateResponse(request_id=request_id, token_ids=token_ids, text=text, engine=engine,
                                           finish_reason=finish_reason_to_pb(finish_reason))
     if finish_reason is not None:
         message.usage.prompt_tokens = num_prompt_tokens
         message.usage.completion_tokens = num_completion_tokens
+        message.usage.cached_tokens = num_cached_tokens
     return message
 
 
@@ -46,6 +47,7 @@ def engine_placement_to_pb(view, healthy: bool) -> router_pb2.EnginePlacement:
         kv_blocks_total=view.kv_blocks_total, kv_blocks_used=view.kv_blocks_used, num_running=view.num_running,
         num_waiting=view.num_waiting, itl_p50_ms=view.itl_p50_ms, itl_p99_ms=view.itl_p99_ms,
         block_size=view.block_size,
+        kv_blocks_cached=view.kv_blocks_cached,
     )
 
 
@@ -100,7 +102,8 @@ def generate_response_to_dict(message: router_pb2.GenerateResponse) -> dict:
         "engine": message.engine,
         "finish_reason": reason.value if reason is not None else None,
         "usage": {"prompt_tokens": message.usage.prompt_tokens,
-                  "completion_tokens": message.usage.completion_tokens}
+                  "completion_tokens": message.usage.completion_tokens,
+                  "cached_tokens": message.usage.cached_tokens}
         if message.HasField("usage") else None,
     }
 
@@ -126,6 +129,7 @@ def placements_to_dict(message: router_pb2.Placements) -> dict:
                 "healthy": engine.healthy,
                 "kv_blocks_total": engine.kv_blocks_total,
                 "kv_blocks_used": engine.kv_blocks_used,
+                "kv_blocks_cached": engine.kv_blocks_cached,
                 "running": engine.num_running,
                 "waiting": engine.num_waiting,
                 "itl_p50_ms": engine.itl_p50_ms,

@@ -3,48 +3,26 @@
 from __future__ import annotations
 
 import json
-import re
-import signal
 import subprocess
 import sys
-import threading
 
 import pytest
 
-READY = re.compile(r"dualpace up: ready; router on (\S+)")
+from toolkit.processes import start_up
+
 START_TIMEOUT_S = 60.0
 BENCH_TIMEOUT_S = 60.0
 
 
 @pytest.fixture(scope="module")
 def router(synth_checkpoint):
-    process = subprocess.Popen(
-        [sys.executable, "-m", "dualpace", "up", "--model", str(synth_checkpoint("tiny-llama")), "--dtype", "fp32",
-         "--threads-per-engine", "1"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    lines: list[str] = []
-    found: list[str] = []
-    ready = threading.Event()
-
-    def pump() -> None:
-        for line in process.stdout:
-            lines.append(line)
-            if not found and (match := READY.search(line)):
-                found.append(match.group(1))
-                ready.set()
-        ready.set()
-
-    threading.Thread(target=pump, daemon=True).start()
-    if not ready.wait(START_TIMEOUT_S) or not found:
-        process.kill()
-        pytest.fail("dualpace up never became ready:\n" + "".join(lines))
-    yield found[0]
-    process.send_signal(signal.SIGTERM)
     try:
-        process.wait(30)
-    except subprocess.TimeoutExpired:
-        process.kill()
-        process.wait()
+        up = start_up("--model", str(synth_checkpoint("tiny-llama")), "--dtype", "fp32", "--threads-per-engine", "1",
+                      timeout_s=START_TIMEOUT_S)
+    except RuntimeError as exc:
+        pytest.fail(str(exc))
+    yield up.address
+    up.stop(timeout_s=30)
 
 
 def bench(*argv: str) -> subprocess.CompletedProcess:
@@ -80,3 +58,26 @@ def test_bench_flag_errors_name_the_flag(router, tmp_path):
                  "--output-len", "4", "--out", str(tmp_path / "x.json"))
     assert done.returncode == 2 and "--input-len" in done.stderr
     assert not (tmp_path / "x.json").exists()
+
+
+def test_shared_prefix_and_multi_turn_workloads_hit_the_prefix_cache(router, tmp_path):
+    out = tmp_path / "shared.json"
+    done = bench("--router", router, "--workload", "shared-prefix", "--system-len", "40", "--question-len", "3:9",
+                 "--rate", "inf", "--num-requests", "6", "--output-len", "4", "--timeout-s", "45", "--out", str(out))
+    assert done.returncode == 0, done.stderr
+    summary = json.loads(out.read_text())["summary"]
+    assert summary["accounting"]["completed"] == 6 and summary["workload"] == "shared-prefix"
+    assert summary["prefix_cache_hit_rate"] > 0  # requests after the first reuse the system prompt's blocks
+    assert "prefix-cache hit rate" in done.stderr
+
+    out = tmp_path / "turns.json"
+    done = bench("--router", router, "--workload", "multi-turn", "--system-len", "24", "--question-len", "5",
+                 "--num-turns", "3", "--rate", "inf", "--num-requests", "6", "--output-len", "6",
+                 "--timeout-s", "45", "--out", str(out))
+    assert done.returncode == 0, done.stderr
+    report = json.loads(out.read_text())
+    rows = report["requests"]
+    assert report["summary"]["accounting"]["completed"] == 6
+    assert [r["input_len"] for r in rows[:3]] == [24 + 5, 24 + 5 + 6 + 5, 24 + 2 * (5 + 6) + 5]  # history resent
+    assert all(r["cached_tokens"] > 0 for r in rows if r["index"] % 3 > 0)
+    assert len(report["summary"]["ttft_p50_ms_by_turn"]) == 3

@@ -7,23 +7,10 @@ import threading
 
 import pytest
 
-from dualpace.generation import OfflineGenerator
-from dualpace.model.loader import load_model
 from dualpace.sampling import FinishReason, SamplingParams
+from tests.cpu_service.conftest import ENGINE_FLAGS, solo
 from toolkit.engine_client import EngineClient, read_until
 from toolkit.processes import start_daemon
-
-ENGINE_FLAGS = ("--dtype", "fp32", "--threads", "1", "--block-size", "8")
-
-
-@pytest.fixture(scope="module")
-def model_folder(synth_checkpoint):
-    return str(synth_checkpoint("tiny-llama"))
-
-
-@pytest.fixture(scope="module")
-def loaded(model_folder):
-    return load_model(model_folder, dtype="fp32")
 
 
 @pytest.fixture(scope="module")
@@ -45,10 +32,6 @@ def cpu(request, model_folder, gpu):
     assert "redoing it locally" not in daemon.log()
     if request.param == "always":
         assert "iterations now run assisted" in daemon.log()
-
-
-def solo(loaded, prompt, params):
-    return OfflineGenerator(loaded).generate([prompt], [params])[0].output_token_ids
 
 
 def handoff(gpu_client, cpu_client, request_id, prompt, params, gpu_tokens: int = 1) -> list[int]:

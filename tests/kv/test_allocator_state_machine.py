@@ -1,9 +1,11 @@
-"""Hypothesis state machine over KVBlockManager: allocate, append, fork, free.
+"""Hypothesis state machine over KVBlockManager: allocate, append, fork, free, and the
+prefix cache (register full blocks, allocate on a matched prefix, evict).
 
 Besides the bookkeeping invariants, a fake slot store records which token
 each slot holds; after every step each sequence must read back exactly its own
 tokens through ``slot_ids``, which catches a write into a block another
-sequence still shares (a missing or wrong copy-on-write).
+sequence still shares (a missing or wrong copy-on-write), a cached block handed
+out while referenced, or a matched block whose content is not what its hash says.
 """
 
 import itertools
@@ -14,6 +16,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from dualpace.kv.allocator import OutOfBlocks
 from dualpace.kv.block_table import KVBlockManager
+from dualpace.kv.prefix_hash import BlockHasher
 
 
 class KVBlockManagerMachine(RuleBasedStateMachine):
@@ -22,6 +25,8 @@ class KVBlockManagerMachine(RuleBasedStateMachine):
     @initialize(num_blocks=st.integers(0, 12), block_size=st.integers(1, 4))
     def make_manager(self, num_blocks: int, block_size: int) -> None:
         self.manager = KVBlockManager(num_blocks, block_size)
+        self.hasher = BlockHasher(block_size, "state-machine")
+        self.registered_token_lists: list[list[int]] = []  # contents offered to the cache, for later matches
         self.expected_tokens: dict[int, list[int]] = {}  # seq id -> token values in order
         self.slot_values: dict[int, int] = {}  # flat slot -> token value stored there
         self.next_seq_id = itertools.count()
@@ -103,6 +108,41 @@ class KVBlockManagerMachine(RuleBasedStateMachine):
 
     @precondition(lambda self: self.manager.seq_ids())
     @rule(index=st.integers(0, 100))
+    def register(self, index: int) -> None:
+        seq_id = self._pick(index)
+        tokens = self.expected_tokens[seq_id]
+        block_hashes = self.hasher.chain(tokens)
+        used_before = self.manager.num_used_blocks
+        self.manager.register_full_blocks(seq_id, block_hashes, len(block_hashes))
+        assert self.manager.num_used_blocks == used_before
+        self.registered_token_lists.append(list(tokens))
+
+    @precondition(lambda self: self.registered_token_lists)
+    @rule(index=st.integers(0, 100), num_prefix_blocks=st.integers(0, 5), num_new_tokens=st.integers(0, 9))
+    def allocate_on_prefix(self, index: int, num_prefix_blocks: int, num_new_tokens: int) -> None:
+        donor = self.registered_token_lists[index % len(self.registered_token_lists)]
+        size = self.manager.block_size
+        prefix = donor[: min(num_prefix_blocks, len(donor) // size) * size]
+        cached_block_ids = self.manager.match_prefix(self.hasher.chain(prefix))
+        num_cached_tokens = len(cached_block_ids) * size
+        num_tokens = num_cached_tokens + num_new_tokens
+        seq_id = next(self.next_seq_id)
+        fits = self.manager.can_allocate(num_tokens, cached_block_ids)
+        before = self._snapshot()
+        try:
+            block_ids = self.manager.allocate(seq_id, num_tokens, cached_block_ids)
+        except OutOfBlocks:
+            assert not fits
+            assert self._snapshot() == before
+            return
+        assert fits
+        assert block_ids[: len(cached_block_ids)] == cached_block_ids
+        # The matched blocks must already hold the donor's tokens: nothing overwrote them.
+        self.expected_tokens[seq_id] = list(prefix[:num_cached_tokens])
+        self._write_tokens(seq_id, num_cached_tokens, num_tokens)
+
+    @precondition(lambda self: self.manager.seq_ids())
+    @rule(index=st.integers(0, 100))
     def free(self, index: int) -> None:
         seq_id = self._pick(index)
         self.manager.free(seq_id)
@@ -114,9 +154,13 @@ class KVBlockManagerMachine(RuleBasedStateMachine):
     @invariant()
     def counts_add_up(self) -> None:
         manager = self.manager
-        assert manager.num_free_blocks + manager.num_used_blocks == manager.num_total_blocks
-        num_nonzero = sum(manager.refcount(b) > 0 for b in range(manager.num_total_blocks))
+        total = manager.num_total_blocks
+        assert manager.num_free_blocks + manager.num_cached_blocks + manager.num_used_blocks == total
+        assert manager.num_available_blocks == manager.num_free_blocks + manager.num_cached_blocks
+        num_nonzero = sum(manager.refcount(b) > 0 for b in range(total))
         assert num_nonzero == manager.num_used_blocks
+        num_cached = sum(manager.refcount(b) == 0 and manager.block_hash(b) is not None for b in range(total))
+        assert num_cached == manager.num_cached_blocks
 
     @invariant()
     def refcounts_match_tables(self) -> None:

@@ -220,3 +220,13 @@ def test_predictor_without_target_keeps_capacity_rules():
     assert admit(100, 100, engines, held("cpu", 1), 0, config) == (Placement.CPU, "cpu")
     assert admit(100, 100, engines, held("cpu", 2), 0, config) == (Placement.WAIT, None)
     assert predictor.calls == []
+
+
+def test_the_engine_holding_the_longest_cached_prefix_is_preferred_within_its_limits():
+    engines = {e.name: e for e in (gpu("g1", used=0), gpu("g2", used=50), cpu())}
+    assert admit(100, 100, engines, [], 0, DEFAULT) == (Placement.GPU, "g1")  # most free blocks
+    assert admit(100, 100, engines, [], 0, DEFAULT, {"g1": 16, "g2": 96}) == (Placement.GPU, "g2")
+    full = {**engines, "g2": gpu("g2", used=90)}  # the cached engine has no room: limits come first
+    assert admit(100, 100, full, [], 0, DEFAULT, {"g2": 96}) == (Placement.GPU, "g1")
+    slow = {**engines, "g2": gpu("g2", used=50, p50=500.0)}
+    assert admit(100, 100, slow, [], 0, AdmissionConfig(itl_target_ms=100.0), {"g2": 96}) == (Placement.GPU, "g1")

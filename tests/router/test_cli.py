@@ -97,7 +97,9 @@ def test_client_json_streams_the_reference_tokens(up, model_folder):
     assert tokens == expected.output_token_ids
     assert all(p["finish_reason"] is None for p in pieces[:-1])
     assert pieces[-1]["finish_reason"] == "length"
-    assert pieces[-1]["usage"] == {"prompt_tokens": len(PROMPT), "completion_tokens": 12}
+    usage = pieces[-1]["usage"]
+    assert (usage["prompt_tokens"], usage["completion_tokens"]) == (len(PROMPT), 12)
+    assert 0 <= usage["cached_tokens"] < len(PROMPT)
     assert {p["engine"] for p in pieces} <= {"gpu", "cpu"}
     assert "finish length" in done.stderr and "TTFT" in done.stderr
 
@@ -120,8 +122,8 @@ def test_placement_json(up):
     assert set(placements) == {"engines", "requests", "migrations"}
     assert sorted(e["kind"] for e in placements["engines"]) == ["cpu", "gpu"]
     for engine in placements["engines"]:
-        assert {"name", "kind", "kv_blocks_total", "kv_blocks_used", "running", "waiting", "healthy",
-                "itl_p50_ms", "itl_p99_ms"} <= set(engine)
+        assert {"name", "kind", "kv_blocks_total", "kv_blocks_used", "kv_blocks_cached", "running", "waiting",
+                "healthy", "itl_p50_ms", "itl_p99_ms"} <= set(engine)
         assert engine["healthy"]
     assert {e["name"]: e["kv_blocks_total"] for e in placements["engines"]}["gpu"] == 16
 
@@ -147,7 +149,8 @@ def test_placements_to_dict():
     message = router_pb2.Placements(
         engines=[router_pb2.EnginePlacement(name="g", kind=common_pb2.ENGINE_KIND_GPU, healthy=True,
                                             kv_blocks_total=8, kv_blocks_used=3, num_running=1, num_waiting=2,
-                                            itl_p50_ms=1.5, itl_p99_ms=4.0, block_size=16)],
+                                            itl_p50_ms=1.5, itl_p99_ms=4.0, block_size=16,
+                                            kv_blocks_cached=4)],
         requests=[router_pb2.RequestPlacement(request_id="r1", engine="g", state=common_pb2.REQUEST_STATE_PAUSED,
                                               prompt_tokens=5, generated_tokens=7, kv_blocks=2)],
         migrations=[router_pb2.Migration(request_id="r1", from_engine="g", to_engine="c",
@@ -155,7 +158,8 @@ def test_placements_to_dict():
                                          detail="target full")])
     assert placements_to_dict(message) == {
         "engines": [{"name": "g", "kind": "gpu", "healthy": True, "kv_blocks_total": 8, "kv_blocks_used": 3,
-                     "running": 1, "waiting": 2, "itl_p50_ms": 1.5, "itl_p99_ms": 4.0, "block_size": 16}],
+                     "running": 1, "waiting": 2, "itl_p50_ms": 1.5, "itl_p99_ms": 4.0, "block_size": 16,
+                     "kv_blocks_cached": 4}],
         "requests": [{"request_id": "r1", "engine": "g", "state": "paused", "prompt_tokens": 5,
                       "generated_tokens": 7, "kv_blocks": 2}],
         "migrations": [{"request_id": "r1", "from_engine": "g", "to_engine": "c", "outcome": "failed",

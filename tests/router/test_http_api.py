@@ -130,6 +130,18 @@ def test_chat_whole_and_streamed(client, model_folder):
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
 
 
+def test_a_resent_prompt_reports_cached_tokens_and_the_same_answer(client, model_folder):
+    system = "You answer in one short sentence, politely and without any lists. " * 3
+    messages = [{"role": "system", "content": system}, {"role": "user", "content": "Name a colour."}]
+    answers = [client.chat.completions.create(model=model_folder, messages=messages, max_tokens=6, temperature=0,
+                                              extra_body={"ignore_eos": True}) for _ in range(2)]
+    assert answers[0].usage.prompt_tokens > 32
+    first, second = (a.usage.prompt_tokens_details.cached_tokens for a in answers)
+    assert first == 0 or first == second  # the module's earlier requests do not share this prefix
+    assert 0 < second < answers[1].usage.prompt_tokens and second % 16 == 0  # whole blocks of 16
+    assert answers[1].choices[0].message.content == answers[0].choices[0].message.content
+
+
 def test_completions_greedy_equal_streamed_and_whole(client, model_folder):
     args = {"model": model_folder, "prompt": "The capital of France is", "max_tokens": 12, "temperature": 0,
             "extra_body": {"ignore_eos": True}}

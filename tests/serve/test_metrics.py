@@ -13,7 +13,7 @@ from dualpace.errors import InvalidArgument
 from dualpace.sampling import SamplingParams
 from dualpace.serve import metrics
 from dualpace.wire.engine_messages import new_request_to_pb
-from dualpace.wire.v1 import common_pb2, engine_pb2_grpc, router_pb2, router_pb2_grpc
+from dualpace.wire.v1 import common_pb2, engine_pb2, engine_pb2_grpc, router_pb2, router_pb2_grpc
 from toolkit.processes import start_daemon
 
 ENGINE_FAMILIES = [
@@ -22,7 +22,8 @@ ENGINE_FAMILIES = [
     "dualpace_e2e_request_latency_seconds", "dualpace_iteration_latency_seconds", "dualpace_prompt_tokens_total",
     "dualpace_generation_tokens_total", "dualpace_requests_total", "dualpace_preemptions_total",
     "dualpace_migrations_total", "dualpace_dense_assist_calls_total", "dualpace_dense_assist_round_trip_seconds",
-    "dualpace_errors_total",
+    "dualpace_errors_total", "dualpace_kv_blocks_cached", "dualpace_prefix_cache_queries_total",
+    "dualpace_prefix_cache_hits_total",
 ]
 
 
@@ -133,22 +134,33 @@ def test_gpu_service_exposes_metrics(synth_checkpoint):
     try:
         match = re.search(r"gpu_service metrics on (\S+)", daemon.log())
         assert match, daemon.log()
-        prompt, params = [5, 9, 2, 11, 40], SamplingParams(max_tokens=7, ignore_eos=True)
+        # 20 tokens: the second time, its first two blocks of 8 come from the prefix cache.
+        prompt, params = [5, 9, 2, 11, 40] * 4, SamplingParams(max_tokens=7, ignore_eos=True)
+        outputs, usages = [], []
         with grpc.insecure_channel(daemon.address) as channel:
-            tokens = [t for r in engine_pb2_grpc.EngineStub(channel).Generate(
-                new_request_to_pb("m", prompt, params), timeout=60) for t in r.token_ids]
-        assert len(tokens) == 7
+            stub = engine_pb2_grpc.EngineStub(channel)
+            for request_id in ("m", "m2"):
+                responses = list(stub.Generate(new_request_to_pb(request_id, prompt, params), timeout=60))
+                outputs.append([t for r in responses for t in r.token_ids])
+                usages.append(responses[-1].usage)
+            load = stub.GetLoad(engine_pb2.GetLoadRequest(), timeout=10)
+        assert len(outputs[0]) == 7 and outputs[1] == outputs[0]
+        assert [u.cached_tokens for u in usages] == [0, 16]
+        assert (load.kv_blocks_used, load.kv_blocks_cached) == (0, 3)  # two prompt blocks and one decoded
         with urllib.request.urlopen(f"http://{match.group(1)}/metrics", timeout=5) as response:
             text = response.read().decode()
     finally:
         assert daemon.stop() == 0, daemon.log()
     assert [name for name in ENGINE_FAMILIES if f"# TYPE {name} " not in text] == []
     scraped = samples(text)
-    assert value(scraped, "dualpace_generation_tokens_total", engine="gpu") == 7  # warm-up is not counted
-    assert value(scraped, "dualpace_prompt_tokens_total", engine="gpu") == len(prompt)
-    assert value(scraped, "dualpace_requests_total", engine="gpu", finish_reason="length") == 1
-    assert value(scraped, "dualpace_time_to_first_token_seconds_count", engine="gpu") == 1
-    assert value(scraped, "dualpace_inter_token_latency_seconds_count", engine="gpu") == 6
+    assert value(scraped, "dualpace_generation_tokens_total", engine="gpu") == 14  # warm-up is not counted
+    assert value(scraped, "dualpace_prompt_tokens_total", engine="gpu") == 2 * len(prompt)
+    assert value(scraped, "dualpace_prefix_cache_queries_total", engine="gpu", medium="gpu") == 2 * len(prompt)
+    assert value(scraped, "dualpace_prefix_cache_hits_total", engine="gpu", medium="gpu") == 16
+    assert value(scraped, "dualpace_kv_blocks_cached", engine="gpu") == 3
+    assert value(scraped, "dualpace_requests_total", engine="gpu", finish_reason="length") == 2
+    assert value(scraped, "dualpace_time_to_first_token_seconds_count", engine="gpu") == 2
+    assert value(scraped, "dualpace_inter_token_latency_seconds_count", engine="gpu") == 12
     assert value(scraped, "dualpace_iteration_latency_seconds_count", engine="gpu", mode="gpu") >= 7
     assert value(scraped, "dualpace_kv_blocks_total", engine="gpu") == 64
     assert value(scraped, "dualpace_kv_blocks_used", engine="gpu") == 0

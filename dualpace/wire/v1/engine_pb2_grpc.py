@@ -75,6 +75,11 @@ class EngineStub:
                 request_serializer=dualpace_dot_v1_dot_engine__pb2.InfoRequest.SerializeToString,
                 response_deserializer=dualpace_dot_v1_dot_engine__pb2.EngineInfo.FromString,
                 _registered_method=True)
+        self.WatchKvEvents = channel.unary_stream(
+                '/dualpace.v1.Engine/WatchKvEvents',
+                request_serializer=dualpace_dot_v1_dot_engine__pb2.WatchKvEventsRequest.SerializeToString,
+                response_deserializer=dualpace_dot_v1_dot_engine__pb2.KvEventBatch.FromString,
+                _registered_method=True)
 
 
 class EngineServicer:
@@ -161,6 +166,18 @@ class EngineServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def WatchKvEvents(self, request, context):
+        """Streams the prefix cache's KV events (vLLM's and NVIDIA Dynamo's field
+        set), so a KV-aware router can index where each prefix lives. The first
+        batch is a snapshot: all_cleared, then one stored event per block cached
+        now; later batches carry the events as they happen. A watcher that falls
+        too far behind gets a fresh snapshot. Ends when the engine stops.
+        FAILED_PRECONDITION when prefix caching is off.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_EngineServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -203,6 +220,11 @@ def add_EngineServicer_to_server(servicer, server):
                     servicer.Info,
                     request_deserializer=dualpace_dot_v1_dot_engine__pb2.InfoRequest.FromString,
                     response_serializer=dualpace_dot_v1_dot_engine__pb2.EngineInfo.SerializeToString,
+            ),
+            'WatchKvEvents': grpc.unary_stream_rpc_method_handler(
+                    servicer.WatchKvEvents,
+                    request_deserializer=dualpace_dot_v1_dot_engine__pb2.WatchKvEventsRequest.FromString,
+                    response_serializer=dualpace_dot_v1_dot_engine__pb2.KvEventBatch.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -422,6 +444,33 @@ class Engine:
             '/dualpace.v1.Engine/Info',
             dualpace_dot_v1_dot_engine__pb2.InfoRequest.SerializeToString,
             dualpace_dot_v1_dot_engine__pb2.EngineInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def WatchKvEvents(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/dualpace.v1.Engine/WatchKvEvents',
+            dualpace_dot_v1_dot_engine__pb2.WatchKvEventsRequest.SerializeToString,
+            dualpace_dot_v1_dot_engine__pb2.KvEventBatch.FromString,
             options,
             channel_credentials,
             insecure,

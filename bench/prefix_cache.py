@@ -1,0 +1,123 @@
+"""Prefix caching on vs off: the same seeded chat traces through `dualpace up`, in one run.
+
+For each setting (off first, then on) a fresh `dualpace up --prefix-caching SETTING` is started
+(gpu_service, cpu_service and the router as real processes on 127.0.0.1), and the two chat
+workloads of bench.load.workloads run against it: shared-prefix (one system prompt, many
+questions) and multi-turn (conversations resending their history). Greedy outputs must be
+identical between the settings (checked and reported). Writes bench/results/prefix_cache_<tag>.json
+and a markdown table: TTFT, ITL, throughput, hit rate, and the ratios on / off.
+
+    python -m bench.prefix_cache --model smollm2-135m --dtype fp32 --tag smollm2-135m
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+import time
+from pathlib import Path
+
+from bench.load.conversations import run_workload_records, workload_summary
+from toolkit.processes import start_up
+
+SETTINGS = ("off", "on")
+
+
+def workload_args(args: argparse.Namespace, router: str, workload: str) -> argparse.Namespace:
+    shared = workload == "shared-prefix"
+    return argparse.Namespace(
+        router=router, workload=workload, seed=args.seed, vocab_size=args.vocab_size, burstiness=1.0,
+        num_requests=args.num_requests if shared else args.num_conversations * args.num_turns,
+        system_len=args.system_len if shared else args.opening_len, question_len=args.question_len,
+        output_len=args.output_len, num_turns=args.num_turns, trace=None, input_len=None,
+        max_concurrency=None, timeout_s=args.timeout_s, slo_ttft_ms=None, slo_itl_ms=None)
+
+
+def run_setting(args: argparse.Namespace, setting: str) -> dict:
+    up = start_up("--model", args.model, "--dtype", args.dtype, "--prefix-caching", setting,
+                  "--threads-per-engine", str(args.threads), timeout_s=300.0)
+    router = up.address
+    try:
+        out = {}
+        for workload, rate in (("shared-prefix", args.rate), ("multi-turn", args.conversation_rate)):
+            wargs = workload_args(args, router, workload)
+            result, planned = run_workload_records(wargs, rate, run_tag=f"{setting}-{int(time.time())}")
+            summary = workload_summary(wargs, result, planned)
+            out[workload] = {"summary": summary,
+                             "outputs": {r.index: r.output_token_ids for r in result.records if r.completed}}
+            print(f"prefix caching {setting}, {workload}: TTFT P50 {summary['ttft']['p50_ms']} ms, "
+                  f"hit rate {summary['prefix_cache_hit_rate']}, {summary['accounting']['line']}",
+                  file=sys.stderr, flush=True)
+        return out
+    finally:
+        up.stop(timeout_s=60.0)
+
+
+def ratio(on, off) -> float | None:
+    return None if on is None or not off else round(on / off, 3)
+
+
+def markdown(report: dict) -> str:
+    lines = [f"Prefix caching on vs off — {report['config']['model']} ({report['config']['dtype']}), "
+             f"CPU {report['cpu']}, load before {report['load_before']}", "",
+             "| workload | caching | TTFT P50 ms | TTFT P99 ms | ITL P50 ms | ITL P99 ms | output tok/s "
+             "| req/s | hit rate | TTFT P50 by turn (ms) |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for workload, by_setting in report["runs"].items():
+        for setting in SETTINGS:
+            s = by_setting[setting]["summary"]
+            turns = s.get("ttft_p50_ms_by_turn", "")
+            lines.append(f"| {workload} | {setting} | {s['ttft']['p50_ms']} | {s['ttft']['p99_ms']} | "
+                         f"{s['itl']['p50_ms']} | {s['itl']['p99_ms']} | {s['output_token_throughput_tps']} | "
+                         f"{s['request_throughput_rps']} | {s['prefix_cache_hit_rate']} | {turns} |")
+    lines += ["", "| workload | TTFT P50 on/off | output throughput on/off | outputs identical |", "|---|---|---|---|"]
+    for workload, ratios in report["ratios"].items():
+        lines.append(f"| {workload} | {ratios['ttft_p50']} | {ratios['output_throughput']} | "
+                     f"{ratios['outputs_identical']} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--dtype", default="fp32", choices=["auto", "fp32", "bf16"])
+    p.add_argument("--threads", type=int, default=1, help="torch threads per engine")
+    p.add_argument("--num-requests", type=int, default=8, help="shared-prefix requests")
+    p.add_argument("--rate", type=float, default=0.5, help="shared-prefix arrivals per second")
+    p.add_argument("--system-len", type=int, default=1000, help="shared-prefix: the shared system prompt")
+    p.add_argument("--num-conversations", type=int, default=3)
+    p.add_argument("--num-turns", type=int, default=3)
+    p.add_argument("--conversation-rate", type=float, default=0.2, help="multi-turn: conversation starts per second")
+    p.add_argument("--opening-len", type=int, default=400, help="multi-turn: each conversation's first message")
+    p.add_argument("--question-len", default="16:48")
+    p.add_argument("--output-len", default="16")
+    p.add_argument("--vocab-size", type=int, default=500)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--timeout-s", type=float, default=900.0, help="per workload and setting")
+    p.add_argument("--tag", default="smollm2-135m")
+    args = p.parse_args(argv)
+    cpu = " ".join(sorted(set(re.findall(r"avx512[a-z_0-9]*|avx2|amx[a-z_0-9]*", Path("/proc/cpuinfo").read_text()))))
+    load_before = Path("/proc/loadavg").read_text().split()[:3]
+    runs_by_setting = {setting: run_setting(args, setting) for setting in SETTINGS}
+    runs, ratios = {}, {}
+    for workload in ("shared-prefix", "multi-turn"):
+        off, on = (runs_by_setting[s][workload] for s in SETTINGS)
+        runs[workload] = {s: {"summary": runs_by_setting[s][workload]["summary"]} for s in SETTINGS}
+        ratios[workload] = {
+            "ttft_p50": ratio(on["summary"]["ttft"]["p50_ms"], off["summary"]["ttft"]["p50_ms"]),
+            "output_throughput": ratio(on["summary"]["output_token_throughput_tps"],
+                                       off["summary"]["output_token_throughput_tps"]),
+            "outputs_identical": on["outputs"] == off["outputs"] and len(on["outputs"]) > 0,
+        }
+    report = {"config": vars(args), "cpu": cpu, "load_before": load_before,
+              "load_after": Path("/proc/loadavg").read_text().split()[:3], "runs": runs, "ratios": ratios}
+    out = Path("bench/results") / f"prefix_cache_{args.tag}.json"
+    out.write_text(json.dumps(report, indent=2) + "\n")
+    out.with_suffix(".md").write_text(markdown(report))
+    print(markdown(report))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

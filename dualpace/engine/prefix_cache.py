@@ -1,0 +1,61 @@
+"""The scheduler's side of the prefix cache: look a request up on admission, register the
+blocks it fills, count hits, publish KV events. Pure: no torch, grpc, asyncio or clock.
+
+A request keeps the chain of its full blocks' hashes (``block_hashes``), extended as its
+tokens grow; its tokens never change, so a preempted or migrated request reuses the chain.
+"""
+
+from __future__ import annotations
+
+from dualpace.engine.request import EngineRequest
+from dualpace.kv.block_table import KVBlockManager
+from dualpace.kv.events import KvEventLog
+from dualpace.kv.prefix_hash import BlockHasher
+
+
+class PrefixCache:
+    def __init__(self, blocks: KVBlockManager, hasher: BlockHasher, events: KvEventLog | None = None):
+        if hasher.block_size != blocks.block_size:
+            raise ValueError(f"block hasher's block size {hasher.block_size} != {blocks.block_size}")
+        self.blocks = blocks
+        self.hasher = hasher
+        self.events = events  # stored / removed events, for WatchKvEvents
+        if events is not None:
+            blocks.set_forget_listener(events.removed)
+        self.num_query_tokens = 0  # tokens of admitted requests looked up
+        self.num_hit_tokens = 0  # of those, tokens whose KV the cache held
+
+    def match(self, request: EngineRequest) -> list[int]:
+        """Cached blocks holding the request's leading tokens, all but its last token at most
+        (so the first sampled token's logits are computed, and no shared block is written)."""
+        self.hasher.extend(request.block_hashes, request.token_ids(0, request.num_tokens))
+        num_matchable = (request.num_tokens - 1) // self.blocks.block_size
+        return self.blocks.match_prefix(request.block_hashes[:num_matchable])
+
+    def count_lookup(self, request: EngineRequest, num_hit_tokens: int) -> None:
+        self.num_query_tokens += request.num_tokens
+        self.num_hit_tokens += num_hit_tokens
+
+    def reset_counts(self) -> None:
+        self.num_query_tokens = self.num_hit_tokens = 0
+
+    def cache_full_blocks(self, request: EngineRequest) -> None:
+        """Register the request's blocks whose KV is now computed in full."""
+        num_full_blocks = request.num_computed_tokens // self.blocks.block_size
+        if num_full_blocks > len(request.block_hashes):
+            self.hasher.extend(request.block_hashes, request.token_ids(0, request.num_computed_tokens))
+        registered = self.blocks.register_full_blocks(request.request_id, request.block_hashes, num_full_blocks)
+        if self.events is not None and registered:
+            self._publish_stored(request, registered)
+
+    def _publish_stored(self, request: EngineRequest, indexes: list[int]) -> None:
+        """One stored event per run of consecutive newly cached blocks."""
+        size = self.blocks.block_size
+        hashes = request.block_hashes
+        start = 0
+        for end in range(1, len(indexes) + 1):
+            if end == len(indexes) or indexes[end] != indexes[end - 1] + 1:
+                first, last = indexes[start], indexes[end - 1]
+                self.events.stored(hashes[first:last + 1], hashes[first - 1] if first else None,
+                                   request.token_ids(first * size, (last + 1) * size))
+                start = end
