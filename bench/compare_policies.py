@@ -32,6 +32,7 @@ from bench.load.report import (
     sweep_table,
 )
 from bench.load.stats import summarize
+from bench.soak_daemons import counter_total_from_metrics, metrics_address
 from toolkit.processes import Daemon, start_daemon
 from toolkit.workload import (
     build_requests,
@@ -49,14 +50,16 @@ def start_system(args: argparse.Namespace, policy: str) -> list[Daemon]:
     profile = ("--profile", args.profile) if args.profile else ()
     daemons: list[Daemon] = []
     try:
-        gpu = start_daemon("gpu_service", *common, "--name", "gpu", "--kv-blocks", str(args.gpu_kv_blocks),
+        metrics = ("--metrics-port", "0")  # their preemption counters, scraped per rate
+        gpu = start_daemon("gpu_service", *common, *metrics, "--name", "gpu", "--kv-blocks", str(args.gpu_kv_blocks),
                            cpu_cores="0")
         daemons.append(gpu)
         router_flags = ["serve", "--gpu", gpu.address, "--policy", policy, "--model", args.model]
         if policy != "gpu-only":
             cpu = start_daemon("cpu_service", *common, "--name", "cpu", "--kv-blocks", str(args.cpu_kv_blocks),
                                "--gpu-service", gpu.address, "--policy", "gated" if policy == "gated" else "dualpace",
-                               "--assist-timeout-s", "120", "--assist", args.cpu_assist, *profile, cpu_cores="1")
+                               "--assist-timeout-s", "120", "--assist", args.cpu_assist, *profile, *metrics,
+                               cpu_cores="1")
             daemons.append(cpu)
             router_flags += ["--cpu", cpu.address]
         router_flags += profile
@@ -110,6 +113,11 @@ def run_policy(args: argparse.Namespace, policy: str, rates: list[float]) -> dic
     ins = parse_length_spec(args.input_len, "--input-len")
     outs = parse_length_spec(args.output_len, "--output-len")
     rows, summaries = [], []
+    engine_metrics = {name: metrics_address(d) for name, d in zip(("gpu_service", "cpu_service"), daemons[:-1])}
+
+    def preemptions() -> dict[str, int | None]:
+        return {name: counter_total_from_metrics(address, "dualpace_preemptions_total")
+                for name, address in engine_metrics.items()}
     try:
         # Warm-up (not measured): first requests pay for kernel builds and allocations.
         warm = build_requests(2, float("inf"), 1.0, args.seed + 999, args.vocab_size, ins, outs)
@@ -121,6 +129,7 @@ def run_policy(args: argparse.Namespace, policy: str, rates: list[float]) -> dic
                 write_trace(Path(args.trace_dir) / f"trace_r{rate:g}.jsonl", specs)
             load_before = os.getloadavg()[0]
             cpu_before = {d.address: cpu_seconds(d.process.pid) for d in daemons}
+            preempted_before = preemptions()
             client_before = time.process_time()
             started = time.monotonic()
             result = asyncio.run(run_load(router, specs, seed=args.seed, timeout_s=args.timeout_s,
@@ -135,13 +144,17 @@ def run_policy(args: argparse.Namespace, policy: str, rates: list[float]) -> dic
                                else round(cpu_seconds(d.process.pid) - cpu_before[d.address], 2))
                         for name, d in zip(names, daemons)}
             cpu_used["load_generator"] = round(time.process_time() - client_before, 2)
+            preempted = {name: None if value is None or preempted_before[name] is None else value - preempted_before[name]
+                         for name, value in preemptions().items()}
             summaries.append({"rate_rps": rate, "summary": summary,
                               "load_average_1m": {"before": round(load_before, 2),
                                                   "after": round(os.getloadavg()[0], 2)},
-                              "cpu_s": cpu_used, "largest_gaps": largest_gaps(result.records)})
+                              "cpu_s": cpu_used, "num_preemptions": preempted,
+                              "largest_gaps": largest_gaps(result.records)})
             print(f"   {policy} rate {rate:g}/s ({time.monotonic() - started:.0f} s): {summary['accounting']['line']}; "
                   f"{row['request_throughput_rps']} req/s, {row['output_token_throughput_tps']} tok/s, "
-                  f"P99 ITL {row['itl_p99_ms']} ms, P99 TTFT {row['ttft_p99_ms']} ms, engines {summary['engines']}"
+                  f"P99 ITL {row['itl_p99_ms']} ms, P99 TTFT {row['ttft_p99_ms']} ms, engines {summary['engines']}, "
+                  f"preemptions {preempted}"
                   + (f", failures {summary['failures']}" if summary["failures"] else "")
                   + f", load {load_before:.2f} -> {os.getloadavg()[0]:.2f}", file=sys.stderr, flush=True)
             time.sleep(1.0)  # let aborted requests drain before the next rate

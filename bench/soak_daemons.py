@@ -1,5 +1,6 @@
 """The soak's daemons: one slot per role with its RSS samples, reading a process's RSS, and
-the router's migration counters scraped from its Prometheus endpoint."""
+counters scraped from a daemon's Prometheus endpoint (the router's migrations; an engine's
+preemptions, which bench.compare_policies reports per rate)."""
 
 from __future__ import annotations
 
@@ -37,14 +38,29 @@ def metrics_address(daemon: Daemon, timeout_s: float = 10.0) -> str | None:
     return None
 
 
-def router_migrations_from_metrics(address: str | None) -> dict[str, int] | None:
-    """`dualpace_migrations_total` by "direction/outcome" (hand-offs included), None if unreadable."""
+def _scrape(address: str | None) -> str | None:
     if address is None:
         return None
     try:
         with urllib.request.urlopen(f"http://{address}/metrics", timeout=5) as response:
-            text = response.read().decode()
+            return response.read().decode()
     except OSError:
+        return None
+
+
+def counter_total_from_metrics(address: str | None, name: str) -> int | None:
+    """The sum of counter `name` (e.g. dualpace_preemptions_total) over its label sets, None if unreadable."""
+    text = _scrape(address)
+    if text is None:
+        return None
+    sample = re.compile(rf"^{re.escape(name)}(?:\{{[^}}]*\}})?\s+([0-9.eE+-]+)$", re.MULTILINE)
+    return int(sum(float(value) for value in sample.findall(text)))
+
+
+def router_migrations_from_metrics(address: str | None) -> dict[str, int] | None:
+    """`dualpace_migrations_total` by "direction/outcome" (hand-offs included), None if unreadable."""
+    text = _scrape(address)
+    if text is None:
         return None
     counts: dict[str, int] = {}
     for labels, value in MIGRATION_SAMPLE.findall(text):

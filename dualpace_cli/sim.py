@@ -32,6 +32,10 @@ def register(subparsers) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--itl-target-ms", type=float, default=None,
                    help="admission: an engine whose predicted ITL with one more request exceeds it takes none")
+    p.add_argument("--gpu-admission", choices=("reserve", "optimistic"), default=None,
+                   help="how admission counts the GPU engine's KV: optimistic (allocated now + 1%% watermark; the "
+                        "engine preempts by recompute, as vLLM V1) or reserve (prompt + max_tokens per request). "
+                        "Default: optimistic for gpu-only, reserve for dualpace and gated")
     p.add_argument("--gpu-max-batch-tokens", type=int, default=2048)
     p.add_argument("--gpu-max-running", type=int, default=256)
     p.add_argument("--cpu-max-running", type=int, default=128)
@@ -126,6 +130,7 @@ def _target_tables(results: list[dict], targets: list[float], args: argparse.Nam
 
 def run(args: argparse.Namespace) -> int:
     from dualpace.engine.scheduler import SchedulerConfig
+    from dualpace.policy.admission import GpuAdmission
     from dualpace.profile.cost_model import CostModel
     from dualpace.profile.files import load_profile
     from profiles.sim import SimConfig, simulate
@@ -171,6 +176,7 @@ def run(args: argparse.Namespace) -> int:
             itl_target_ms=args.itl_target_ms,
             assist_device_hold=args.assist_device_hold,
             skip_unprefilled_moves=args.skip_unprefilled_moves,
+            gpu_admission=GpuAdmission(args.gpu_admission) if args.gpu_admission else None,
         )
         for rate in rates:
             specs = build_requests(args.num_requests, rate, args.burstiness, args.seed, profile.model.vocab_size,
@@ -182,7 +188,8 @@ def run(args: argparse.Namespace) -> int:
                       f"{result['requests_completed']}/{result['num_requests']} done, "
                       f"TTFT p50 {result['p50_ttft_ms']} p99 {result['p99_ttft_ms']} ms, "
                       f"ITL p50 {result['p50_itl_ms']} p99 {result['p99_itl_ms']} ms, "
-                      f"cpu iters {result['cpu_local_iterations']} local / {result['cpu_assisted_iterations']} assisted",
+                      f"cpu iters {result['cpu_local_iterations']} local / {result['cpu_assisted_iterations']} assisted, "
+                      f"{result['num_preemptions']} preemptions",
                       file=sys.stdout, flush=True)
     if args.json:
         print(json.dumps(results[0] if len(results) == 1 else results))
@@ -196,6 +203,7 @@ def run(args: argparse.Namespace) -> int:
                                    "engine_overhead_ms": args.engine_overhead_ms,
                                    "view_interval_ms": args.view_interval_ms,
                                    "assist_device_hold": args.assist_device_hold,
+                                   "gpu_admission": args.gpu_admission,
                                    "skip_unprefilled_moves": args.skip_unprefilled_moves, "results": results}, indent=1) + "\n")
         png = _plot(results, out)
         if args.itl_targets_ms:

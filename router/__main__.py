@@ -29,7 +29,7 @@ from dualpace.serve.security import (
 )
 from dualpace.serve.server import print_listening, start_server
 from dualpace.wire.v1 import router_pb2_grpc
-from dualpace.policy.admission import AdmissionConfig
+from dualpace.policy.admission import AdmissionConfig, GpuAdmission
 from router.router_core import RouterConfig, RouterCore
 from router.engines import EngineHandle, EnginePool
 from dualpace.policy.migration_planner import MigrationConfig
@@ -57,6 +57,11 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--itl-target-ms", type=float, default=None,
                         help="engines above it take no new requests (with --profile: their predicted ITL with "
                              "one more request; without: their measured p50 ITL)")
+    parser.add_argument("--gpu-admission", choices=[m.value for m in GpuAdmission], default=None,
+                        help="how gpu_service's KV room is counted: optimistic (the KV allocated now plus a 1%% "
+                             "watermark; gpu_service preempts by recompute, as vLLM V1) or reserve (every placed "
+                             "request at prompt + max_tokens; never preempts). Default: optimistic for gpu-only, "
+                             "reserve for dualpace and gated (the CPU engine takes the overflow)")
     parser.add_argument("--ttft-target-ms", type=float, default=None,
                         help="how long a request may wait for room (default 30 s)")
     parser.add_argument("--no-migrate", action="store_true", help="no load-driven migrations (hand-offs still run)")
@@ -72,6 +77,17 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     add_config_argument(parser)
     add_metrics_argument(parser)
     add_security_arguments(parser)
+
+
+def _gpu_admission(args: argparse.Namespace) -> GpuAdmission | None:
+    value = getattr(args, "gpu_admission", None)
+    if value is None:
+        return None
+    try:
+        return GpuAdmission(value)
+    except ValueError:
+        raise InvalidArgument("--gpu-admission", f"expected one of {', '.join(m.value for m in GpuAdmission)}, "
+                              f"got {value!r}") from None
 
 
 def router_config(args: argparse.Namespace, kv_bytes_per_token: int, profile=None) -> RouterConfig:
@@ -94,7 +110,8 @@ def router_config(args: argparse.Namespace, kv_bytes_per_token: int, profile=Non
         predictor = CostModel(profile, assist_available=args.gpu is not None and policy != Policy.GPU_ONLY)
     return RouterConfig(
         policy=policy,
-        admission=AdmissionConfig(policy=policy, itl_target_ms=args.itl_target_ms, predictor=predictor),
+        admission=AdmissionConfig(policy=policy, itl_target_ms=args.itl_target_ms, predictor=predictor,
+                                  gpu_admission=_gpu_admission(args)),
         migration=MigrationConfig(kv_bytes_per_token=kv_bytes_per_token, predictor=predictor,
                                   cpu_itl_target_ms=args.itl_target_ms if predictor is not None else None),
         queue_timeout_s=args.ttft_target_ms / 1e3 if args.ttft_target_ms else 30.0,

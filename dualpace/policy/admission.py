@@ -24,10 +24,24 @@ from dualpace.policy.views import (
     held_contexts,
 )
 
-__all__ = ["AdmissionConfig", "Placement", "admit", "blocks_for", "predicted_itl_with_one_more_ms"]
+__all__ = ["AdmissionConfig", "GpuAdmission", "Placement", "admit", "blocks_for", "predicted_itl_with_one_more_ms"]
 
 # Guards ceil() against float products such as 300 * 0.1 == 30.000000000000004.
 _EPS = 1e-9
+
+
+class GpuAdmission(str, Enum):
+    """How a GPU engine's KV room is counted when placing a request.
+
+    RESERVE: every request placed there counts at its final size (prompt + max_tokens), so
+    the engine never runs out of KV and never preempts; a request that does not fit goes to
+    the CPU engine (dualpace, gated) or waits. OPTIMISTIC (vLLM V1): the KV allocated now
+    (the snapshot, or the placed requests' current footprint) plus a small watermark; the
+    new request needs room for its prompt only, and when a decode later needs a block the
+    engine preempts its newest request by recompute."""
+
+    RESERVE = "reserve"
+    OPTIMISTIC = "optimistic"
 
 
 class Placement(str, Enum):
@@ -45,9 +59,27 @@ class AdmissionConfig:
     itl_target_ms: float | None = None  # when set: an engine whose recent p50 ITL exceeds it takes no new requests
     cpu_max_running: int = 64  # capacity rule for the CPU engine (a hard cap, also with a profile)
     max_queue: int = 256  # requests the router may hold waiting
+    # None: OPTIMISTIC for gpu-only (as vLLM V1 admits), RESERVE for dualpace and gated
+    # (the CPU engine takes the overflow instead of the GPU engine preempting).
+    gpu_admission: GpuAdmission | None = None
+    gpu_kv_watermark_fraction: float = 0.01  # OPTIMISTIC: this share of GPU blocks stays free (vLLM's default 1%)
     # A profile's cost model: with itl_target_ms set, an engine is within target when its
     # predicted ITL with one more request is (instead of its measured p50 ITL).
     predictor: LatencyPredictor | None = field(default=None, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.gpu_admission is not None and not isinstance(self.gpu_admission, GpuAdmission):
+            raise ValueError(f"gpu_admission must be one of {', '.join(m.value for m in GpuAdmission)}, "
+                             f"got {self.gpu_admission!r}")
+        for name in ("gpu_kv_reserve_fraction", "gpu_kv_watermark_fraction"):
+            if not 0.0 <= getattr(self, name) < 1.0:
+                raise ValueError(f"{name} must be in [0, 1), got {getattr(self, name)!r}")
+
+    @property
+    def resolved_gpu_admission(self) -> GpuAdmission:
+        if self.gpu_admission is not None:
+            return self.gpu_admission
+        return GpuAdmission.OPTIMISTIC if self.policy is Policy.GPU_ONLY else GpuAdmission.RESERVE
 
 
 def _ceil_share(count: int, fraction: float) -> int:
@@ -81,19 +113,33 @@ def _within_itl_target(engine: EngineView, config: AdmissionConfig, placed: Sequ
 
 
 def _free_blocks_if_room(engine: EngineView, num_tokens: int, reserve_fraction: float,
-                         placed: Sequence[RoutedRequest]) -> int | None:
+                         placed: Sequence[RoutedRequest], placed_at_final_size: bool = True) -> int | None:
     """Estimated free blocks on `engine` when it has room for num_tokens beyond the reserve, else None.
 
     The reserve only applies to an engine holding something: an idle engine takes any
-    request that fits its whole pool, so a large request cannot wait forever. The requests
-    already placed count at their final size (prompt + max_tokens): they will grow into it,
-    and admitting against their current size overcommits the GPU under a burst."""
-    used = max(estimated_blocks_used(engine, placed), committed_blocks(engine, placed))
+    request that fits its whole pool, so a large request cannot wait forever. With
+    placed_at_final_size (RESERVE) the requests already placed count at their final size
+    (prompt + max_tokens): they will grow into it, and admitting against their current size
+    overcommits the GPU under a burst. Without (OPTIMISTIC) they count at their current
+    footprint: they grow into free blocks later, and the engine preempts when a decode needs one."""
+    used = estimated_blocks_used(engine, placed)
+    if placed_at_final_size:
+        used = max(used, committed_blocks(engine, placed))
     free = engine.kv_blocks_total - used
     reserve = _ceil_share(engine.kv_blocks_total, reserve_fraction) if used > 0 else 0
     if blocks_for(num_tokens, engine.block_size) <= free - reserve:
         return free
     return None
+
+
+def _gpu_free_blocks_if_room(engine: EngineView, num_prompt_tokens: int, expected_tokens: int,
+                             config: AdmissionConfig, placed: Sequence[RoutedRequest]) -> int | None:
+    """OPTIMISTIC: room for the prompt beyond the watermark in the KV allocated now (vLLM V1);
+    RESERVE: room for the expected lifetime beyond the reserve, placed requests at final size."""
+    if config.resolved_gpu_admission is GpuAdmission.OPTIMISTIC:
+        return _free_blocks_if_room(engine, num_prompt_tokens, config.gpu_kv_watermark_fraction, placed,
+                                    placed_at_final_size=False)
+    return _free_blocks_if_room(engine, expected_tokens, config.gpu_kv_reserve_fraction, placed)
 
 
 def _pick(candidates: list[tuple[int, str]], cached_prefix_tokens: Mapping[str, int]) -> str | None:
@@ -109,8 +155,11 @@ def admit(num_prompt_tokens: int, max_tokens: int, engines: Mapping[str, EngineV
           cached_prefix_tokens: Mapping[str, int] | None = None) -> tuple[Placement, str | None]:
     """(placement, engine name or None) for a new request.
 
-    GPU if a healthy gpu engine has KV room for the prompt plus the expected output
-    (prompt + ceil(max_tokens * expected_output_fraction) tokens) beyond the reserve and,
+    GPU if a healthy gpu engine has KV room, counted as config.resolved_gpu_admission
+    says: RESERVE (dualpace, gated by default): room for the prompt plus the expected output
+    (prompt + ceil(max_tokens * expected_output_fraction) tokens) beyond the reserve, the
+    placed requests at their final size; OPTIMISTIC (gpu-only by default, as vLLM V1): room
+    for the prompt beyond the watermark in the KV allocated now; and,
     with an ITL target, its ITL is within it; else, unless the policy is gpu-only, CPU
     if a healthy cpu engine has that KV room, fewer than cpu_max_running requests and an
     ITL within target; else WAIT while num_queued < max_queue; else REJECT. The ITL
@@ -144,7 +193,7 @@ def admit(num_prompt_tokens: int, max_tokens: int, engines: Mapping[str, EngineV
     for engine in ready:
         if engine.kind != "gpu":
             continue
-        free = _free_blocks_if_room(engine, expected_tokens, config.gpu_kv_reserve_fraction, placed)
+        free = _gpu_free_blocks_if_room(engine, num_prompt_tokens, expected_tokens, config, placed)
         if free is not None:
             gpu_candidates.append((free, engine.name))
     gpu = _pick(gpu_candidates, cached_prefix_tokens)

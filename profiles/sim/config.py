@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from dualpace.engine.scheduler import SchedulerConfig
 from dualpace.errors import DualPaceError
+from dualpace.policy.admission import GpuAdmission
 from dualpace.policy.views import Policy
 
 GPU, CPU = "gpu0", "cpu0"  # the simulated engines' names
@@ -54,6 +55,9 @@ class SimConfig:
     # started with --kv-blocks (bench/compare_policies.py's small GPU pool).
     gpu_kv_blocks: int | None = None
     cpu_kv_blocks: int | None = None
+    # How the router counts the GPU engine's KV room (dualpace.policy.admission.GpuAdmission);
+    # None: the policy's default (optimistic for gpu-only, reserve for dualpace and gated).
+    gpu_admission: GpuAdmission | None = None
 
     def __post_init__(self) -> None:
         if not (self.engine_overhead_ms >= 0 and self.view_interval_ms >= 0):

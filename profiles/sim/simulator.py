@@ -13,7 +13,10 @@ How the engines share the GPU is profiles/sim/device.py; the policies:
 - **gated** (NEO-like): a CPU iteration starts only at a GPU iteration boundary (or while
   the GPU engine is idle), is always Assisted and holds the device for the whole iteration,
   so the engines take turns and a CPU-resident request advances at most once per GPU iteration.
-- **gpu-only** (vLLM-like): no CPU engine; the GPU scheduler preempts by recompute.
+- **gpu-only** (vLLM-like): no CPU engine; admission counts the KV allocated now plus a
+  watermark (GpuAdmission.OPTIMISTIC, as vLLM V1), and the GPU scheduler preempts its newest
+  request by recompute when a decode needs a block (`--gpu-admission reserve`: the old rule,
+  every placed request at prompt + max_tokens, which never preempts).
 - **hand-off and migrations** (profiles/sim/moves.py): paused at the source's step boundary,
   reserved on the target, the KV over one PCIe link (transfers queue on it), committed on
   the target, released by the source. A request placed on the CPU is prefilled on the GPU
@@ -107,7 +110,7 @@ class Simulator(CpuSteps, Moves):
         # --profile does (router.__main__.router_config): the predictor is the same CostModel.
         self.admission = AdmissionConfig(policy=config.policy, itl_target_ms=config.itl_target_ms,
                                          cpu_max_running=config.cpu_scheduler.max_running, max_queue=config.max_queue,
-                                         predictor=cost)
+                                         gpu_admission=config.gpu_admission, predictor=cost)
         self.migration = MigrationConfig(
             predictor=cost,
             cpu_itl_target_ms=config.itl_target_ms,

@@ -2,6 +2,7 @@ import json
 
 import pytest
 
+from dualpace.policy.admission import GpuAdmission
 from dualpace.policy.views import Policy
 from dualpace.profile.cost_model import CostModel
 from dualpace.profile.files import parse_profile
@@ -53,7 +54,28 @@ def test_gpu_only_preempts_by_recompute_and_still_finishes():
     cost = _cost(gpu_kv_blocks=12)  # 48 KV tokens: 8 requests of up to 20 tokens cannot all run
     specs = build_requests(8, float("inf"), 1.0, 0, 100, parse_length_spec("8", "i"), parse_length_spec("12", "o"))
     result = simulate(cost, SimConfig(policy=Policy.GPU_ONLY, itl_target_ms=None), specs)
-    assert result.requests_completed == 8
+    # optimistic admission (gpu-only's default, as vLLM V1): the pool overfills and the
+    # scheduler preempts, yet every request completes with all its tokens
+    assert result.num_preemptions > 0
+    assert result.requests_completed == 8 and result.requests_rejected == 0
+    assert result.num_generated_tokens == sum(s.output_len for s in specs)
+    # the old reservation rule never overcommits, so it never preempts
+    reserve = simulate(cost, SimConfig(policy=Policy.GPU_ONLY, gpu_admission=GpuAdmission.RESERVE), specs)
+    assert reserve.num_preemptions == 0 and reserve.requests_completed == 8
+
+
+def test_sim_cli_reports_preemptions_and_the_admission_mode(tmp_path, capsys):
+    # 560 blocks of 16 tokens: four 2048-token prompts (512 blocks) fit beside the watermark,
+    # but not their 256 output tokens each (4 x 16 more blocks): a decode must preempt
+    out = tmp_path / "sweep.json"
+    assert main(["sim", "--profile", REFERENCE, "--policy", "gpu-only", "--rates", "inf", "--num-requests", "12",
+                 "--input-len", "2048", "--output-len", "256", "--gpu-kv-blocks", "560",
+                 "--gpu-admission", "optimistic", "--out", str(out)]) == 0
+    data = json.loads(out.read_text())
+    assert data["gpu_admission"] == "optimistic"
+    (row,) = data["results"]
+    assert row["num_preemptions"] > 0 and row["requests_completed"] == 12
+    assert "preemptions" in capsys.readouterr().out
 
 
 def test_hand_computed_gpu_itl():
