@@ -33,7 +33,7 @@ def synth_checkpoint(tmp_path_factory):
 @pytest.fixture(scope="session")
 def default_model_fp32():
     """The default model (SmolLM2-135M-Instruct GGUF) loaded in float32."""
-    return load_model(DEFAULT_MODEL_NAME, dtype="fp32")
+    return load_model(DEFAULT_MODEL_NAME, dtype="fp32", weights="fp32")
 
 
 @pytest.fixture(scope="session")
