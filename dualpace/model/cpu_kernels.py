@@ -224,6 +224,8 @@ class Kernels:
             limit = LINEAR_MAX_ROWS if weight.dtype == x.dtype else MIXED_MAX_ROWS
             if rows > limit:
                 return None
+        elif rows >= getattr(weight, "dense_min_rows", rows + 1):
+            return None  # the object's own linear is faster from there (prefill: dequantize + GEMM)
         desc = weight_desc(weight)
         return desc if desc is not None and self.supports_format(desc.format) else None
 

@@ -12,9 +12,12 @@ so the model's torch stages take it where they take a tensor. `dtype` is the com
 the activations and results), not the storage; `device` is always the CPU: `.to("cuda", dtype)`
 returns a dense tensor (weights dequantized at load on a GPU).
 
-linear(): the kernels of quant_kernels.cpp when they are available (x quantized per block of 32
-to int8, integer dot products, see quant_gemv.h); otherwise the torch fallback dequantizes the
-weight per call (correct, slow: the loader dequantizes at load instead when the kernels are off).
+linear(): up to DENSE_MIN_ROWS rows of x, the kernels of quant_kernels.cpp (weights dequantized
+in registers, see quant_gemv.h); from DENSE_MIN_ROWS rows (prefill), chunks of DENSE_CHUNK_ROWS
+weight rows are dequantized to fp32 and multiplied with torch's GEMM (oneDNN/MKL), which is
+faster there (the dequantization is 1/M of the multiply's work) and computes the same values.
+Without the kernels the torch fallback dequantizes with the `gguf` package per call (correct,
+slow: the loader dequantizes at load instead when the kernels are off).
 
 `quantize_q8_0` makes Q8_0 (symmetric int8 per group of 32 along K, fp16 scale) from a dense
 matrix: `--weights int8` for a checkpoint without quantized tensors.
@@ -31,6 +34,10 @@ import torch.nn.functional as F
 
 from dualpace.errors import ModelLoadError
 from dualpace.model import quant_kernels
+
+# Rows of x from which linear() dequantizes weight chunks for torch's GEMM (prefill-sized calls).
+DENSE_MIN_ROWS = 128
+DENSE_CHUNK_ROWS = 2048
 
 
 @dataclass(frozen=True)
@@ -67,10 +74,19 @@ class Segment:
     def kernel_desc(self, k: int) -> tuple[int, int, int, int, int]:
         return (self.format.ggml_type, self.blocks.data_ptr(), self.rows, k, self.blocks.shape[1])
 
-    def dequantize(self, k: int) -> torch.Tensor:
-        """Float32 [rows, K]."""
+    def dequantize(self, k: int, row0: int = 0, rows: int | None = None) -> torch.Tensor:
+        """Float32 [rows, K] of rows [row0, row0 + rows) of the segment."""
+        rows = self.rows - row0 if rows is None else rows
         if self.format is None:
-            return self.blocks
+            return self.blocks[row0:row0 + rows]
+        lib = quant_kernels.get()
+        if lib is not None and self.desc is not None:
+            out = torch.empty((rows, k), dtype=torch.float32)
+            if lib.dp_quant_dequantize_range(ctypes.byref(self.desc), row0, rows, out.data_ptr()) == 0:
+                return out
+        return Segment(0, self.blocks[row0:row0 + rows], self.format)._gguf_dequantize(k)
+
+    def _gguf_dequantize(self, k: int) -> torch.Tensor:
         from gguf.quants import dequantize
 
         values = dequantize(self.blocks.numpy(), self.format.ggml_type)
@@ -143,6 +159,11 @@ class QuantizedWeight:
         return torch.device("cpu")
 
     @property
+    def dense_min_rows(self) -> int:
+        """From this many rows of x, linear() beats the kernels' per-call path (cpu_kernels asks)."""
+        return DENSE_MIN_ROWS
+
+    @property
     def formats(self) -> list[str]:
         return [s.format.name if s.format else "F32" for s in self.segments]
 
@@ -180,6 +201,10 @@ class QuantizedWeight:
             view = out[:, seg.row0:seg.row0 + seg.rows]
             if seg.format is None:
                 view.copy_(F.linear(x2, seg.blocks))
+            elif lib is not None and x2.shape[0] >= DENSE_MIN_ROWS:
+                for r0 in range(0, seg.rows, DENSE_CHUNK_ROWS):
+                    r1 = min(seg.rows, r0 + DENSE_CHUNK_ROWS)
+                    torch.matmul(x2, seg.dequantize(self.k, r0, r1 - r0).t(), out=view[:, r0:r1])
             elif lib is not None and x2.shape[0] > 0:
                 status = lib.dp_quant_linear(ctypes.byref(seg.desc), x2.data_ptr(), x2.shape[0], x2.stride(0),
                                              view.data_ptr(), out.stride(0))
@@ -209,7 +234,7 @@ class QuantizedWeight:
                 rows = torch.empty((local.numel(), self.k), dtype=torch.float32)
                 lib.dp_quant_dequantize_rows(ctypes.byref(seg.desc), local.data_ptr(), local.numel(), rows.data_ptr())
             else:
-                rows = Segment(0, seg.blocks[local], seg.format).dequantize(self.k)
+                rows = Segment(0, seg.blocks[local], seg.format)._gguf_dequantize(self.k)
             out[inside] = rows
         return out.to(self.compute_dtype).reshape(*token_ids.shape, self.k)
 

@@ -164,23 +164,7 @@ inline void dequantize_group(const uint8_t* g, float* out) {
 }
 
 template <int32_t F>
-inline void dequantize_row_t(const uint8_t* row, int64_t K, float* out) {
-  const int64_t ge = 32 * Fmt<F>::G;
-  for (int64_t g = 0; g < K / ge; ++g) dequantize_group<F>(row + g * Fmt<F>::BYTES, out + g * ge);
-}
-
-// One row of W (K elements) as float32. Returns false for a format this header does not know.
-inline bool dequantize_row(int32_t format, const void* row, int64_t K, float* out) {
-  const uint8_t* r = static_cast<const uint8_t*>(row);
-  switch (format) {
-    case DP_W_Q8_0: dequantize_row_t<DP_W_Q8_0>(r, K, out); return true;
-    case DP_W_Q4_0: dequantize_row_t<DP_W_Q4_0>(r, K, out); return true;
-    case DP_W_Q4_1: dequantize_row_t<DP_W_Q4_1>(r, K, out); return true;
-    case DP_W_Q4_K: dequantize_row_t<DP_W_Q4_K>(r, K, out); return true;
-    case DP_W_Q6_K: dequantize_row_t<DP_W_Q6_K>(r, K, out); return true;
-    default: return false;
-  }
-}
+inline void dequantize_row_t(const uint8_t* row, int64_t K, float* out);  // below, per ISA
 
 // True when DUALPACE_QUANT_ACTIVATIONS=int8 (read once per process).
 inline bool int8_activations() {
@@ -494,10 +478,33 @@ inline void rows(const WeightDesc& w, const float* x, int64_t M, int64_t ldx, co
   }
 }
 
+template <int32_t F>
+inline void dequantize_row_t(const uint8_t* row, int64_t K, float* out) {
+  using Spec = Fmt<F>;
+  for (int64_t grp = 0; grp < K / (32 * Spec::G); ++grp) {
+    const uint8_t* g = row + grp * Spec::BYTES;
+    float dw[16], mw[16];
+    group_scales16<F>(g, dw, mw);
+    for (int j = 0; j < Spec::G; ++j) {
+      const __m256i wv = values<F>(g, j);
+      float* o = out + (grp * Spec::G + j) * 32;
+      for (int c = 0; c < 4; ++c)
+        _mm256_storeu_ps(o + 8 * c, _mm256_fmadd_ps(chunk_f32<Spec::SIGNED>(wv, c), _mm256_set1_ps(dw[2 * j + c / 2]),
+                                                      _mm256_set1_ps(mw[2 * j + c / 2])));
+    }
+  }
+}
+
 #else  // no AVX2: dequantize each group to float and dot it with the fp32 activations
 
 inline int64_t prepare_bytes(const WeightDesc&, int64_t) { return 0; }
 inline void prepare(const WeightDesc&, const float*, int64_t, int64_t, void*) {}
+
+template <int32_t F>
+inline void dequantize_row_t(const uint8_t* row, int64_t K, float* out) {
+  const int64_t ge = 32 * Fmt<F>::G;
+  for (int64_t g = 0; g < K / ge; ++g) dequantize_group<F>(row + g * Fmt<F>::BYTES, out + g * ge);
+}
 
 template <int32_t F>
 inline void rows_t(const WeightDesc& w, const float* x, int64_t M, int64_t ldx, int64_t n0, int64_t n1, float* y,
@@ -532,5 +539,18 @@ inline void rows(const WeightDesc& w, const float* x, int64_t M, int64_t ldx, co
 }
 
 #endif
+
+// One row of W (K elements) as float32. Returns false for a format this header does not know.
+inline bool dequantize_row(int32_t format, const void* row, int64_t K, float* out) {
+  const uint8_t* r = static_cast<const uint8_t*>(row);
+  switch (format) {
+    case DP_W_Q8_0: dequantize_row_t<DP_W_Q8_0>(r, K, out); return true;
+    case DP_W_Q4_0: dequantize_row_t<DP_W_Q4_0>(r, K, out); return true;
+    case DP_W_Q4_1: dequantize_row_t<DP_W_Q4_1>(r, K, out); return true;
+    case DP_W_Q4_K: dequantize_row_t<DP_W_Q4_K>(r, K, out); return true;
+    case DP_W_Q6_K: dequantize_row_t<DP_W_Q6_K>(r, K, out); return true;
+    default: return false;
+  }
+}
 
 }  // namespace dp_quant

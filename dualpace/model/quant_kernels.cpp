@@ -43,6 +43,17 @@ int dp_quant_linear(const WeightDesc* w, const float* x, int64_t M, int64_t ldx,
   return 0;
 }
 
+// out [rows, K] = rows [row0, row0 + rows) of W dequantized to fp32, threads over rows.
+int dp_quant_dequantize_range(const WeightDesc* w, int64_t row0, int64_t rows, float* out) {
+  if (!dp_quant::supported(w->format) || w->K % dp_quant::group_elems(w->format) != 0) return -1;
+  if (row0 < 0 || rows < 0 || row0 + rows > w->N) return -2;
+#pragma omp parallel for schedule(static) if (rows * w->K >= (1 << 16))
+  for (int64_t r = 0; r < rows; ++r)
+    dp_quant::dequantize_row(w->format, static_cast<const uint8_t*>(w->data) + (row0 + r) * w->row_bytes, w->K,
+                             out + r * w->K);
+  return 0;
+}
+
 // out [num_ids, K] = rows ids of W, dequantized to fp32. Returns -2 for an id outside [0, N).
 int dp_quant_dequantize_rows(const WeightDesc* w, const int64_t* ids, int64_t num_ids, float* out) {
   if (!dp_quant::supported(w->format) || w->K % dp_quant::group_elems(w->format) != 0) return -1;

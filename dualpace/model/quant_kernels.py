@@ -39,6 +39,7 @@ _SIGNATURES = {
     "dp_quant_format_supported": ([ctypes.c_int32], ctypes.c_int),
     "dp_quant_linear": ([ctypes.POINTER(WeightDescC), _ptr, _i64, _i64, _ptr, _i64], ctypes.c_int),
     "dp_quant_dequantize_rows": ([ctypes.POINTER(WeightDescC), _ptr, _i64, _ptr], ctypes.c_int),
+    "dp_quant_dequantize_range": ([ctypes.POINTER(WeightDescC), _i64, _i64, _ptr], ctypes.c_int),
 }
 _state: dict[str, object] = {}
 
