@@ -81,6 +81,10 @@ inline void with_rows(int64_t M, F&& f) {
   }
 }
 
+#ifndef DP_PREFETCH_BYTES
+#define DP_PREFETCH_BYTES 2048
+#endif
+
 // MR rows of fp32 x (from row m0, ldx apart) against W rows [n0, n0 + NR) of element type WT
 // (ldw elements apart; rows past N are clamped to N - 1 and not stored). The weights are widened
 // to fp32 in registers; MR = NR = 1 keeps two accumulators (two dependency chains per vf).
@@ -98,8 +102,8 @@ inline void tile_f32(const float* x, int64_t ldx, int64_t m0, int64_t K, const W
     const float* xr = x + m0 * ldx;
     for (; k + 32 <= K; k += 32) {
       // software prefetch 2 KB ahead in the row stream (one line per 64 bytes consumed)
-      prefetch(reinterpret_cast<const char*>(rows[0] + k) + 2048);
-      if constexpr (sizeof(WT) == 4) prefetch(reinterpret_cast<const char*>(rows[0] + k) + 2048 + 64);
+      if (DP_PREFETCH_BYTES) prefetch(reinterpret_cast<const char*>(rows[0] + k) + DP_PREFETCH_BYTES);
+      if (DP_PREFETCH_BYTES && sizeof(WT) == 4) prefetch(reinterpret_cast<const char*>(rows[0] + k) + DP_PREFETCH_BYTES + 64);
       acc[0][0] = vfma(vload(xr + k), vload(rows[0] + k), acc[0][0]);
       a1 = vfma(vload(xr + k + 16), vload(rows[0] + k + 16), a1);
     }
@@ -109,7 +113,7 @@ inline void tile_f32(const float* x, int64_t ldx, int64_t m0, int64_t K, const W
     const int64_t n = K - k;
     vf wv[NR];
     for (int r = 0; r < NR; ++r) {
-      prefetch(reinterpret_cast<const char*>(rows[r] + k) + 2048);
+      if (DP_PREFETCH_BYTES) prefetch(reinterpret_cast<const char*>(rows[r] + k) + DP_PREFETCH_BYTES);
       wv[r] = vload(rows[r] + k, n);
     }
     for (int m = 0; m < MR; ++m) {
@@ -386,6 +390,17 @@ void dp_rotary_f32(float* qkv, int64_t M, int64_t ld, int64_t heads, int64_t D, 
 }
 void dp_silu_mul_bf16(const bf16* gu, int64_t M, int64_t I, bf16* out) { silu_mul(gu, M, I, out); }
 void dp_silu_mul_f32(const float* gu, int64_t M, int64_t I, float* out) { silu_mul(gu, M, I, out); }
+
+// dst[i] = src[i] as float32, in parallel: a bf16 matrix widened once per prefill step for oneDNN's
+// fp32 GEMM (bf16 matrices with fp32 compute), about as fast as the memory moves.
+void dp_bf16_to_f32(const bf16* src, int64_t n, float* dst) {
+  constexpr int64_t CHUNK = 1 << 16;
+#pragma omp parallel for schedule(static) if (n >= 4 * CHUNK)
+  for (int64_t c = 0; c < n; c += CHUNK) {
+    const int64_t end = std::min(n, c + CHUNK);
+    for (int64_t i = c; i < end; i += 16) vstore(dst + i, vload(src + i, end - i), end - i);
+  }
+}
 
 // k, v rows [T, row_elems] ld_src apart -> cache slots (rows of row_elems elements)
 // Returns 0, or -1 (nothing written) when a slot is outside [0, num_slots).

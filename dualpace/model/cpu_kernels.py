@@ -70,6 +70,7 @@ _SIGNATURES = {
     "dp_rotary_f32": ([_ptr, _i64, _i64, _i64, _i64, _ptr, _ptr], None),
     "dp_silu_mul_bf16": ([_ptr, _i64, _i64, _ptr], None),
     "dp_silu_mul_f32": ([_ptr, _i64, _i64, _ptr], None),
+    "dp_bf16_to_f32": ([_ptr, _i64, _ptr], None),
     "dp_kv_write": ([_ptr, _ptr, _i64, _i64, _ptr, _i64, _ptr, _ptr, _i64], ctypes.c_int),
     "dp_decode_attention_bf16": ([_ptr, _i64, _ptr, _ptr, _i64, _ptr, _i64, _ptr, _i64, _i64, _i64, _i64, _i64, _f32,
                                   _ptr, _i64], ctypes.c_int),
@@ -190,7 +191,10 @@ def weight_desc(weight) -> WeightDescC | None:
     describe = getattr(weight, "kernel_desc", None)
     if describe is None:
         return None
-    fmt, ptr, n, k, row_bytes = describe()
+    described = describe()  # None when the object has no single kernel layout
+    if described is None:
+        return None
+    fmt, ptr, n, k, row_bytes = described
     return WeightDescC(fmt, 0, ptr, n, k, row_bytes)
 
 
@@ -242,9 +246,14 @@ class Kernels:
                 and (residual is None or residual.dtype == x.dtype) and out_dtype in (x.dtype, torch.float32)):
             desc = self._kernel_desc(x, weight)
         if desc is None:
-            y = torch_linear(x, weight, bias)
-            if residual is not None:
-                y = y + residual
+            if isinstance(weight, torch.Tensor) and weight.dtype == torch.bfloat16 and x.dtype == torch.float32:
+                weight = self.widen(weight)
+            if residual is not None and bias is None and isinstance(weight, torch.Tensor) and weight.dtype == x.dtype:
+                y = torch.addmm(residual, x, weight.t())  # the residual add fused into the GEMM
+            else:
+                y = torch_linear(x, weight, bias)
+                if residual is not None:
+                    y = y + residual
             return y.to(out_dtype)
         if x.stride(-1) != 1:
             x = x.contiguous()
@@ -258,6 +267,13 @@ class Kernels:
                     out.data_ptr(), n, 1 if out_dtype == torch.float32 else 0)
         if status != 0:
             raise ValueError(f"linear: weight format {desc.format} has no kernel in variant {self.variant}")
+        return out
+
+    def widen(self, t: torch.Tensor) -> torch.Tensor:
+        """A bf16 tensor as a new contiguous fp32 one (multi-threaded; torch's copy is not, here)."""
+        t = t.contiguous()
+        out = torch.empty(t.shape, dtype=torch.float32)
+        self.lib.dp_bf16_to_f32(t.data_ptr(), t.numel(), out.data_ptr())
         return out
 
     # -- elementwise ------------------------------------------------------------------------

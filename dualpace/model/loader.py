@@ -37,12 +37,15 @@ class LoadedModel:
         return self.config.max_position_embeddings
 
 
-def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
-    """`auto` is bf16: decode is memory-bound and bf16 halves the bytes read per step."""
+def resolve_dtype(dtype: str | torch.dtype, device_type: str = "cpu") -> torch.dtype:
+    """The compute dtype. `auto`: what is fastest on that device (dualpace.model.dtype_auto: bf16 on
+    a GPU or a CPU with native bf16, else fp32)."""
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype == "auto":
-        return torch.bfloat16
+        from dualpace.model.dtype_auto import auto_dtypes
+
+        return auto_dtypes(device_type).compute
     if dtype not in DTYPES:
         raise InvalidArgument("dtype", f"unknown dtype {dtype!r}; use auto, fp32 or bf16")
     return DTYPES[dtype]
@@ -59,10 +62,11 @@ def resolve_device(device: str) -> torch.device:
 
 
 def _compute_dtype(dtype: str | torch.dtype, weights: str) -> str | torch.dtype:
-    """`--weights bf16|fp32` holds dense weights, which the compute dtype must match."""
+    """`--weights fp32` holds fp32 matrices, which want fp32 compute; `--weights bf16` runs with
+    either compute dtype (fp32 compute widens bf16 matrices, in the CPU kernels' registers)."""
     if weights not in WEIGHT_MODES:
         raise InvalidArgument("weights", f"unknown weights mode {weights!r}; use {', '.join(WEIGHT_MODES)}")
-    if weights in ("bf16", "fp32"):
+    if weights == "fp32":
         if dtype == "auto":
             return weights
         if resolve_dtype(dtype) != DTYPES[weights]:
@@ -71,12 +75,24 @@ def _compute_dtype(dtype: str | torch.dtype, weights: str) -> str | torch.dtype:
     return dtype
 
 
+def _matrix_dtype(dtype: str | torch.dtype, weights: str, device: torch.device, compute: torch.dtype) -> torch.dtype:
+    """The dtype dense matrices are held in."""
+    if weights in ("bf16", "fp32"):
+        return DTYPES[weights]
+    if dtype == "auto":
+        from dualpace.model.dtype_auto import auto_dtypes
+
+        return auto_dtypes(device.type).matrices
+    return compute
+
+
 def load_model(model: str, dtype: str | torch.dtype = "auto", device: str = "cpu",
                weights: str = "native") -> LoadedModel:
     """Load config, weights (see WEIGHT_MODES; compute dtype `dtype`, on `device`) and tokenizer.
     On a GPU, block-quantized weights are dequantized at load to the compute dtype."""
-    torch_dtype = resolve_dtype(_compute_dtype(dtype, weights))
     torch_device = resolve_device(device)
+    torch_dtype = resolve_dtype(_compute_dtype(dtype, weights), torch_device.type)
+    matrix_dtype = _matrix_dtype(dtype, weights, torch_device, torch_dtype)
     path = resolve_model_path(model)
     if path.is_dir():
         from dualpace.model.hf_loader import load_hf_weights, read_hf_config
@@ -94,7 +110,7 @@ def load_model(model: str, dtype: str | torch.dtype = "auto", device: str = "cpu
         model_weights = load_gguf_weights(reader, config, torch_dtype, keep_quantized=keep)
     if weights == "int8":
         model_weights = quantize_weights_q8_0(model_weights)
-    model_weights = model_weights.to(torch_device, torch_dtype)
+    model_weights = model_weights.to(torch_device, torch_dtype, matrix_dtype)
     log.info("weights: %s", describe_weights(model_weights, torch_device, torch_dtype))
     return LoadedModel(name=model, path=path, config=config, model=Transformer(config, model_weights),
                        tokenizer=tokenizer)

@@ -60,9 +60,13 @@ class ModelWeights:
            matrix_dtype: torch.dtype | None = None) -> "ModelWeights":
         """On `device`, vectors (norms, bias) in `dtype` and matrices (projections, embedding, LM
         head) in `matrix_dtype` (default `dtype`). A quantized-weight object is moved with its
-        own .to(device=, dtype=) (it stays itself on the CPU)."""
+        own .to(device=, dtype=the compute dtype) (it stays itself on the CPU)."""
         def move(t, as_dtype: torch.dtype):
-            return None if t is None else t.to(device=device, dtype=as_dtype).contiguous()
+            if t is None:
+                return None
+            if not isinstance(t, torch.Tensor):
+                return t.to(device=device, dtype=dtype)
+            return t.to(device=device, dtype=as_dtype).contiguous()
 
         matrix_dtype = matrix_dtype or dtype
         embed = move(self.embed_tokens, matrix_dtype)

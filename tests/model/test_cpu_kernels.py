@@ -3,6 +3,8 @@ instruction-set variant this CPU runs (the others are skipped by name)."""
 
 from __future__ import annotations
 
+import shutil
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -26,7 +28,9 @@ def kernels(request):
     previous = cpu_kernels._state.copy()
     loaded = cpu_kernels.select_variant(request.param)
     if loaded is None:
-        pytest.skip(f"variant {request.param} could not be built here (no g++?)")
+        if shutil.which("g++") is None:
+            pytest.skip("no g++ here: the CPU kernels cannot be built")
+        pytest.fail(f"variant {request.param} did not build or load (see the log)")
     yield loaded
     cpu_kernels._state.clear()
     cpu_kernels._state.update(previous)
@@ -52,6 +56,42 @@ def test_linear_bf16_matches_fp32_math(kernels, rows, k):
     _close(kernels.linear(x, w, bias, residual, out_dtype=torch.float32), expected, fp32_rel)
     _close(kernels.linear(x, w, bias, residual), expected, 1e-2)
     _close(kernels.linear(x, w), x.float() @ w.float().t(), 1e-2)
+
+
+@pytest.mark.parametrize("rows", [1, 3, 8, 12])
+@pytest.mark.parametrize("k", [100, 576])
+def test_linear_fp32(kernels, rows, k):
+    torch.manual_seed(rows + k)
+    x, w, bias = torch.randn(rows, k), torch.randn(29, k), torch.randn(29)
+    expected = x.double() @ w.double().t() + bias.double()
+    _close(kernels.linear(x, w, bias), expected, 1e-5)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 7, 33, 64, 65, 100])
+def test_linear_fp32_activations_bf16_weights(kernels, rows):
+    """bf16 matrices with fp32 compute: the kernel widens the weights (up to MIXED_MAX_ROWS rows),
+    more rows widen the matrix once for oneDNN; both are fp32 math on the bf16 values."""
+    torch.manual_seed(rows)
+    x, w = torch.randn(rows, 200), torch.randn(45, 200).bfloat16()
+    residual = torch.randn(rows, 45)
+    expected = x.double() @ w.double().t() + residual.double()
+    out = kernels.linear(x, w, residual=residual)
+    assert out.dtype == torch.float32
+    _close(out, expected, 1e-5)
+
+
+def test_linear_weight_rows_with_padding(kernels):
+    """A weight whose rows are further apart than K elements (row_bytes > K * element size)."""
+    for dtype in (torch.bfloat16, torch.float32):
+        wide = torch.randn(19, 160).to(dtype)
+        w = wide[:, :130]
+        x = torch.randn(3, 130).to(dtype)
+        _close(kernels.linear(x, w, out_dtype=torch.float32), x.double() @ w.double().t(), 1e-5)
+
+
+def test_widen_bf16(kernels):
+    t = torch.randn(3, 70001).bfloat16()
+    assert torch.equal(kernels.widen(t), t.float())
 
 
 def test_linear_strided_input(kernels):
@@ -86,9 +126,10 @@ def test_rms_norm_rotary_silu(kernels, dtype):
 @pytest.mark.parametrize("dtype,head_dim", [(torch.float32, 16), (torch.float32, 64), (torch.bfloat16, 64),
                                             (torch.bfloat16, 128), (torch.float32, 128), (torch.bfloat16, 32)])
 @pytest.mark.parametrize("group", [1, 3, 7])
-def test_decode_attention_matches_torch(kernels, dtype, head_dim, group):
+@pytest.mark.parametrize("num_kv_heads", [1, 2])  # 1: MQA
+def test_decode_attention_matches_torch(kernels, dtype, head_dim, group, num_kv_heads):
     torch.manual_seed(head_dim + group)
-    num_kv_heads, block_size, num_blocks = 2, 16, 80
+    block_size, num_blocks = 16, 80
     k_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype)
     v_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype)
     lens = torch.tensor([1, 17, 300, 1000, 33])  # a single sequence below exercises context splits
@@ -193,12 +234,13 @@ def _decode_logits(loaded, fused: bool, kernels_on: bool) -> torch.Tensor:
         cpu_kernels.set_enabled(enabled)
 
 
-@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("dtype,weights", [("fp32", "fp32"), ("bf16", "bf16"), ("fp32", "bf16")])
 @pytest.mark.parametrize("preset", ["tiny-llama", "tiny-qwen2", "tiny-mistral"])
-def test_fused_decode_step_matches_stages_and_torch(kernels, preset, dtype, synth_checkpoint):
+def test_fused_decode_step_matches_stages_and_torch(kernels, preset, dtype, weights, synth_checkpoint):
+    """Also fp32 compute over bf16 matrices (what --dtype auto picks on a CPU without native bf16)."""
     from dualpace.model.loader import load_model
 
-    loaded = load_model(str(synth_checkpoint(preset)), dtype=dtype)
+    loaded = load_model(str(synth_checkpoint(preset)), dtype=dtype, weights=weights)
     if not FusedDecode.applies(loaded.model, type("KV", (), {"device": torch.device("cpu"),
                                                                "dtype": loaded.model.dtype})(), kernels):
         pytest.skip("head_dim not covered by the fused kernels")
