@@ -29,6 +29,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     export.add_argument("--model", default="smollm2-135m", help="known name or .gguf file")
     export.add_argument("--out", required=True, type=Path, help="output folder (created; must be empty)")
     export.add_argument("--dtype", default="fp32", choices=_DTYPE_CHOICES)
+    export.add_argument("--gguf", choices=["q8_0"],
+                        help="write a .gguf file (--out) with every matrix re-quantized to this format instead")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -44,6 +46,11 @@ def _run_export(args: argparse.Namespace) -> int:
 
     from dualpace.model.export import export_hf_folder
 
+    if args.gguf is not None:
+        from dualpace.model.gguf_requant import requantize_gguf
+
+        print(requantize_gguf(args.model, args.out, args.gguf))
+        return 0
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
     print(export_hf_folder(args.model, args.out, dtype))
     return 0

@@ -84,3 +84,20 @@ def test_weights_modes_are_checked():
         load_model(DEFAULT_MODEL_NAME, weights="q3")
     with pytest.raises(InvalidArgument):
         load_model(DEFAULT_MODEL_NAME, dtype="bf16", weights="fp32")
+
+
+def test_q8_0_export_runs_natively(tmp_path):
+    """`dualpace model export --gguf q8_0`: every matrix Q8_0, metadata kept; native Q8_0 weights
+    decode as the same file dequantized to fp32 does."""
+    from dualpace.cli import main
+
+    out = tmp_path / "smollm2-q8_0.gguf"
+    assert main(["model", "export", "--gguf", "q8_0", "--out", str(out)]) == 0
+    native = load_model(str(out), dtype="fp32", weights="native")
+    dense = load_model(str(out), dtype="fp32", weights="fp32")
+    assert native.config == dense.config and native.model.weights.layers[3].qkv_proj.formats == ["Q8_0"]
+    ids = [native.tokenizer.encode(p, add_special_tokens=True) for p in PROMPTS[:3]]
+    params = [SamplingParams(max_tokens=16, ignore_eos=True)] * len(ids)
+    assert ([s.output_token_ids for s in OfflineGenerator(native).generate(ids, params)]
+            == [s.output_token_ids for s in OfflineGenerator(dense).generate(ids, params)])
+    assert main(["model", "export", "--gguf", "q8_0", "--out", str(out)]) == 2  # exists: refused
