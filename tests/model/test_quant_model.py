@@ -101,3 +101,18 @@ def test_q8_0_export_runs_natively(tmp_path):
     assert ([s.output_token_ids for s in OfflineGenerator(native).generate(ids, params)]
             == [s.output_token_ids for s in OfflineGenerator(dense).generate(ids, params)])
     assert main(["model", "export", "--gguf", "q8_0", "--out", str(out)]) == 2  # exists: refused
+
+
+def test_weights_flag_reaches_generate_and_the_engines(synth_checkpoint, capsys):
+    import argparse
+
+    from dualpace.cli import main
+    from dualpace.serve.engine_daemon import add_engine_arguments
+
+    folder = str(synth_checkpoint("tiny-llama"))
+    assert main(["generate", "--model", folder, "--prompt-ids", "1,2,3", "--weights", "int8", "--max-tokens", "3",
+                 "--json"]) == 0
+    assert '"token_ids"' in capsys.readouterr().out
+    parser = argparse.ArgumentParser()
+    add_engine_arguments(parser, default_name="cpu", default_kv_blocks=8)
+    assert parser.parse_args([]).weights == "native" and parser.parse_args(["--weights", "int8"]).weights == "int8"
