@@ -38,9 +38,10 @@ log = logging.getLogger(__name__)
 # Linear layers with at most this many rows of x use the kernel when the weight is a dense
 # tensor of x's dtype; more rows are GEMM-bound and go to oneDNN (crossover, docs/perf.md).
 LINEAR_MAX_ROWS = 8
-# A dense weight of another dtype than x (bf16 weights, fp32 compute): the kernel up to this many
-# rows, because the torch path first converts the whole matrix (docs/perf.md).
-MIXED_MAX_ROWS = 64
+# A dense weight of another dtype than x (bf16 matrices, fp32 compute): the kernel up to this many
+# rows; beyond, the matrix is widened to fp32 once per call for oneDNN (crossover between 32 and 64
+# rows on the AVX2 Zen 3 machine, docs/perf.md).
+MIXED_MAX_ROWS = 32
 FORMAT_F32, FORMAT_BF16 = 0, 30  # kernel_weights.h (GGML type ids)
 
 _i64 = ctypes.c_int64
