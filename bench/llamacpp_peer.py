@@ -71,7 +71,7 @@ def build() -> Path:
 def batched_bench(gguf: Path, threads: int, prompt_tokens: int, new_tokens: int, batch: int,
                   timeout_s: float = 1200.0) -> dict:
     """One llama-batched-bench point: its JSON line (speed_pp, speed_tg, t_pp, t_tg, ...)."""
-    kv_tokens = prompt_tokens + batch * new_tokens + 64
+    kv_tokens = batch * (prompt_tokens + new_tokens) + 64  # not unified: each sequence holds a copy of the prompt
     cmd = [str(build()), "-m", str(gguf), "-t", str(threads), "-c", str(kv_tokens), "-b", "2048", "-ub", "512",
            "-npp", str(prompt_tokens), "-ntg", str(new_tokens), "-npl", str(batch), "-pps",
            "--output-format", "jsonl"]
