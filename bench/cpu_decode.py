@@ -4,6 +4,7 @@ all in one run (these machines are shared and noisy: compare the ratios, not the
     python -m bench.cpu_decode --model smollm2-135m --out bench/results/cpu_decode_smollm2.json
     dualpace model synth --preset qwen2.5-0.5b --out /tmp/qwen05b
     python -m bench.cpu_decode --model /tmp/qwen05b --out bench/results/cpu_decode_qwen05b.json
+    python -m bench.cpu_decode --weights native --peer llamacpp --no-hf --out bench/results/cpu_decode_q4_1_llamacpp.json
 
 Per (batch, context) row:
 - ours: the engine's decode iteration as OfflineGenerator runs it (block-table append, step
@@ -16,7 +17,7 @@ Per (batch, context) row:
   a decode step.
 - limits: weights limit = batch * copy bandwidth / weight bytes per step (bf16, tied
   embedding counted once); weights+KV limit also counts the KV bytes read at that context.
-  Copy bandwidth (read + written bytes of a 512 MiB copy, bench/memory_bandwidth.py) is
+  Copy bandwidth (read + written bytes of a 512 MiB copy, toolkit/memory_bandwidth.py) is
   re-measured right before each row, and the row's ratios use that measurement. Also the
   fastest single iteration ("fastest step"), which is how the copy bandwidth itself is taken
   (best of a few): on a loaded machine the mean rate also counts the time other tenants held
@@ -26,6 +27,10 @@ Per (batch, context) row:
   read per second against the copy bandwidth (mean call of the best cycle, and the fastest
   single call, which is how the copy bandwidth itself is taken); our kernel beside the torch
   gather path.
+- peer (--peer llamacpp, a GGUF model): llama.cpp's llama-batched-bench (bench/llamacpp_peer.py)
+  on the same file and thread count, run right after ours at each (batch, context) point:
+  its decode tok/s and ours / its. Plus prefill of one --prefill-tokens prompt: ours (one
+  PagedForward call, as an engine step of that many prompt tokens) vs its S_PP.
 - kernels: the time to build the CPU kernels from scratch (a fresh cache) and to load them
   from the cache, as a new process pays it.
 """
@@ -44,6 +49,7 @@ from pathlib import Path
 
 import torch
 
+from bench.cpu_decode_peer import cpu_model, prefill_row, print_peer_table
 from toolkit.memory_bandwidth import (
     copy_bandwidth_bytes_per_s,
     read_bandwidth_bytes_per_s,
@@ -52,7 +58,7 @@ from dualpace.kv.block_table import KVBlockManager
 from dualpace.kv.storage import KVStorage
 from dualpace.model import cpu_kernels
 from dualpace.model.attention import decode_attention
-from dualpace.model.loader import LoadedModel, load_model
+from dualpace.model.loader import LoadedModel, load_model, weights_num_bytes
 from dualpace.model.paged_forward import PagedForward, SequenceWork, build_step_tensors
 from dualpace.sampling import SamplingParams, sample_next_tokens
 
@@ -242,6 +248,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--attention-batch", type=int, default=8)
     parser.add_argument("--attention-only", action="store_true",
                         help="only the attention measurement (no decode rows, no transformers)")
+    parser.add_argument("--weights", default="bf16", choices=["native", "bf16", "fp32", "int8"],
+                        help="as `dualpace generate --weights` (native: a GGUF's blocks as they are)")
+    parser.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp32"], help="compute dtype")
+    parser.add_argument("--peer", choices=["llamacpp"], help="run llama.cpp beside ours on the same GGUF")
+    parser.add_argument("--prefill-tokens", type=int, default=512, help="prompt of the prefill comparison")
     parser.add_argument("--out", help="write the results as JSON here")
     args = parser.parse_args(argv)
     load_at_start = list(os.getloadavg())  # other tenants of a shared machine (1, 5, 15 min)
@@ -252,14 +263,21 @@ def main(argv: list[str] | None = None) -> int:
     contexts = [int(c) for c in args.contexts.split(",")]
 
     kernels = None if args.no_kernels else kernel_build_times()
-    loaded = load_model(args.model, dtype="bf16")
+    loaded = load_model(args.model, dtype=args.dtype, weights=args.weights)
     cfg = loaded.config
-    weight_bytes = loaded.model.weights.num_bytes()
-    kv_bytes_per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 2
+    weight_bytes = weights_num_bytes(loaded.model.weights)
+    kv_bytes_per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * loaded.model.dtype.itemsize
+    peer = None
+    if args.peer == "llamacpp":
+        from bench import llamacpp_peer as peer
+
+        if loaded.path.suffix != ".gguf":
+            parser.error("--peer llamacpp needs a GGUF model")
+        peer.build()
     if args.attention_only:
         batches, contexts = [], []
     hf_model = None if args.no_hf or args.attention_only else load_hf(loaded)
-    print(f"{args.model}: {weight_bytes / 1e6:.0f} MB of bf16 weights, kernels "
+    print(f"{args.model}: {weight_bytes / 1e6:.0f} MB of {args.weights} weights, kernels "
           f"{'off' if cpu_kernels.get() is None else 'on'}", file=sys.stderr)
     if batches and contexts:
         ours_decode(loaded, 2, 64, 4, 1)  # warm up allocator and kernels
@@ -272,6 +290,9 @@ def main(argv: list[str] | None = None) -> int:
             hf = None
             if hf_model is not None:
                 hf = hf_decode(hf_model, batch, context, args.hf_new_tokens, max(1, args.repeats - 1))
+            peer_tps = None if peer is None else max(  # best of repeats, as ours
+                peer.decode_tokens_per_s(loaded.path, args.threads, batch, context, args.new_tokens)
+                for _ in range(args.repeats))
             copy_bw = max(copy_bw, bandwidth())  # best of before and after: the limit is not understated
             mean_context = context + args.new_tokens / 2
             weights_limit = batch * copy_bw / weight_bytes
@@ -282,6 +303,8 @@ def main(argv: list[str] | None = None) -> int:
                 "ours_tokens_per_s": round(ours["tokens_per_s"], 1),
                 "hf_tokens_per_s": None if hf is None else round(hf, 1),
                 "ours_over_hf": None if hf is None else round(ours["tokens_per_s"] / hf, 2),
+                "llamacpp_tokens_per_s": None if peer_tps is None else round(peer_tps, 1),
+                "ours_over_llamacpp": None if peer_tps is None else round(ours["tokens_per_s"] / peer_tps, 2),
                 "copy_bandwidth_gb_per_s": round(copy_bw / 1e9, 1),
                 "weights_limit_tokens_per_s": round(weights_limit, 1),
                 "ours_over_weights_limit": round(ours["tokens_per_s"] / weights_limit, 3),
@@ -297,13 +320,21 @@ def main(argv: list[str] | None = None) -> int:
             rows.append(row)
             print(json.dumps(row), file=sys.stderr)
 
+    prefill = None
+    if peer is not None:
+        prefill = prefill_row(loaded, peer, args.threads, args.prefill_tokens, args.repeats)
+        print(json.dumps(prefill), file=sys.stderr)
     attention = attention_bench(cfg.num_kv_heads, cfg.num_heads // cfg.num_kv_heads, cfg.head_dim,
                                 args.attention_batch, args.attention_context, args.repeats)
     print(json.dumps(attention), file=sys.stderr)
 
     result = {
         "model": args.model,
-        "dtype": "bf16",
+        "weights": args.weights,
+        "dtype": str(loaded.model.dtype).removeprefix("torch."),
+        "quant_activations": os.environ.get("DUALPACE_QUANT_ACTIVATIONS", "fp32"),
+        "peer": args.peer,
+        "prefill": prefill,
         "threads": args.threads,
         "new_tokens": args.new_tokens,
         "hf_new_tokens": args.hf_new_tokens,
@@ -313,11 +344,15 @@ def main(argv: list[str] | None = None) -> int:
         "kernels": kernels,
         "torch": torch.__version__,
         "cpu": platform.processor() or platform.machine(),
+        "cpu_model": cpu_model(),
+        "cpu_kernels": cpu_kernels.kernel_info(),
         "load_average_at_start": load_at_start,
         "load_average_at_end": list(os.getloadavg()),
         "rows": rows,
         "attention": attention,
     }
+    if peer is not None:
+        print_peer_table(rows, prefill)
     print("| batch | context | ours tok/s | HF tok/s | ours/HF | copy GB/s | weights limit | ours/limit "
           "| weights+KV limit | ours/limit | fastest step tok/s | fastest/limit | iteration ms | overhead |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")

@@ -40,7 +40,7 @@ def tiny(synth_checkpoint):
 @pytest.fixture(scope="session")
 def default_model_fp32():
     """The default model (SmolLM2-135M-Instruct GGUF) loaded in float32."""
-    return load_model(DEFAULT_MODEL_NAME, dtype="fp32")
+    return load_model(DEFAULT_MODEL_NAME, dtype="fp32", weights="fp32")
 
 
 @pytest.fixture(scope="session")

@@ -32,6 +32,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     export.add_argument("--tokenizer-only", action="store_true",
                         help="no weights: tokenizer.json, tokenizer_config.json (chat template), config.json — "
                              "the folder Dynamo's frontend tokenizes from (docs/scale-out.md)")
+    export.add_argument("--gguf", choices=["q8_0"],
+                        help="write a .gguf file (--out) with every matrix re-quantized to this format instead")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -47,6 +49,11 @@ def _run_export(args: argparse.Namespace) -> int:
 
     from dualpace.model.export import export_hf_folder
 
+    if args.gguf is not None:
+        from dualpace.model.gguf_requant import requantize_gguf
+
+        print(requantize_gguf(args.model, args.out, args.gguf))
+        return 0
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
     print(export_hf_folder(args.model, args.out, dtype, tokenizer_only=args.tokenizer_only))
     return 0

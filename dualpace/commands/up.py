@@ -55,6 +55,9 @@ def register(subparsers) -> None:
     p.add_argument("--dtype", default="auto", choices=["auto", "fp32", "bf16"])
     p.add_argument("--prefix-caching", default="on", choices=["on", "off"],
                    help="both engines reuse the KV of prompt prefixes computed before")
+    p.add_argument("--weights", default="native", choices=["native", "bf16", "fp32", "int8"],
+                   help="native: a GGUF's quantized matrices stay in their block format (default); bf16/fp32: "
+                        "dequantized at load; int8: quantized at load to Q8_0 (per group of 32)")
     p.add_argument("--profile", default=None,
                    help="hardware profile JSON (`dualpace profile`) for cpu_service's mode choice and the router")
     p.add_argument("--itl-target-ms", type=float, default=None,
@@ -176,7 +179,8 @@ class Up:
     def start(self) -> str:
         """gpu_service, then cpu_service (it needs gpu_service's address), then the router; its address."""
         args = self.args
-        engine_flags = ["--model", args.model, "--dtype", args.dtype, "--grace-s", str(DRAIN_GRACE_S),
+        engine_flags = ["--model", args.model, "--dtype", args.dtype, "--weights", args.weights,
+                        "--grace-s", str(DRAIN_GRACE_S),
                         "--prefix-caching", args.prefix_caching]
         if args.threads_per_engine is not None:
             engine_flags += ["--threads", str(args.threads_per_engine)]

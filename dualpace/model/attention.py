@@ -12,6 +12,7 @@ CPUs that is 4-5x faster than bf16 scaled_dot_product_attention for single-token
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from dualpace.model import cpu_kernels
 
@@ -70,8 +71,10 @@ def prefill_attention(
     num_kv_heads = k_cache.shape[2]
     group = num_heads // num_kv_heads
     context = start_pos + num_new
-    keys = k_cache[block_ids].view(-1, num_kv_heads, head_dim)[:context]
-    values = v_cache[block_ids].view(-1, num_kv_heads, head_dim)[:context]
+    keys = k_cache.index_select(0, block_ids).view(-1, num_kv_heads, head_dim)[:context]
+    values = v_cache.index_select(0, block_ids).view(-1, num_kv_heads, head_dim)[:context]
+    if q.device.type == "cpu" and q.dtype == torch.float32:
+        return _prefill_sdpa(q, keys, values, start_pos, scale)
     queries = q.view(num_new, num_kv_heads, group, head_dim).permute(1, 2, 0, 3)  # [kv, group, n, d]
     scores = torch.matmul(queries, keys.permute(1, 2, 0)[:, None]).float() * scale  # [kv, group, n, context]
     query_pos = torch.arange(start_pos, context, device=q.device)
@@ -81,3 +84,19 @@ def prefill_attention(
     probs = torch.softmax(scores, dim=-1).to(values.dtype)
     out = torch.matmul(probs, values.permute(1, 0, 2)[:, None])  # [kv, group, n, d]
     return out.permute(2, 0, 1, 3).reshape(num_new, num_heads * head_dim)
+
+
+def _prefill_sdpa(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start_pos: int,
+                  scale: float) -> torch.Tensor:
+    """The same causal attention through torch's fused CPU kernel (blocked, no [n, context]
+    score tensor per head; fp32 on the CPU, where it measured faster than matmul -> softmax ->
+    matmul for prefill chunks, docs/perf.md). keys/values [context, kv_heads, head_dim]."""
+    num_new, num_heads, head_dim = q.shape
+    context = keys.shape[0]
+    mask = None
+    if start_pos:  # earlier tokens of the sequence are all visible; the new ones causally
+        mask = torch.arange(context, device=q.device)[None, :] <= torch.arange(start_pos, context, device=q.device)[:, None]
+    out = F.scaled_dot_product_attention(
+        q.permute(1, 0, 2)[None], keys.permute(1, 0, 2)[None], values.permute(1, 0, 2)[None], attn_mask=mask,
+        is_causal=not start_pos, scale=scale, enable_gqa=True)  # query head h reads kv head h // group
+    return out[0].permute(1, 0, 2).reshape(num_new, num_heads * head_dim)

@@ -1,17 +1,21 @@
-"""Decode kernels for x86-64 CPUs with AVX-512 BF16, built on first use and called via ctypes.
+"""Decode kernels for CPUs, one source tree built per instruction set and called via ctypes.
 
-Why: at batch 1 oneDNN's bf16 GEMV streams weights at ~23 GB/s on the development machines
-(Zen 4, 2 cores) where a plain read reaches ~45; and a decode layer issued as ~60 small torch
-ops spends ~30% of the step in per-op overhead; and gathering paged KV into a dense copy
-before attention costs a third of a batch-32 step. `cpu_kernels.cpp` has a GEMV that streams
-bf16 weights with AVX512_BF16 dot products, fused RMSNorm / RoPE / SiLU*up, a KV scatter, and
-decode attention that reads the KV blocks in place.
+Why: at batch 1 oneDNN's bf16 GEMV streams weights well below the copy bandwidth, a decode
+layer issued as ~60 small torch ops spends ~30% of the step in per-op overhead, and gathering
+paged KV into a dense copy before attention costs a third of a batch-32 step; on a CPU without
+AVX512_BF16, torch's bf16 ops are emulated. `cpu_kernels.cpp` has a streaming GEMV (bf16, fp32
+or, through quant_gemv.h, GGUF block weights), fused RMSNorm / RoPE / SiLU*up, a KV scatter,
+decode attention that reads the KV blocks in place, and the fused whole-step decode.
 
-Build: `g++ -O3 -march=native -fopenmp -shared` (about 2 s), cached under
-`$XDG_CACHE_HOME/dualpace/kernels/` (default `~/.cache/...`) keyed by the source, the compiler
-and the CPU's flags, so a later process only loads the .so. Without g++, or on a CPU without
-AVX512_BF16, `get()` returns None and callers keep the torch path. `DUALPACE_CPU_KERNELS=0`
-(read on the first `get()`, not at import) or `set_enabled(False)` turns the kernels off.
+Build and dispatch (dualpace/model/KERNELS.md; cpu_kernels_build.py): the best variant this CPU
+runs (avx512_bf16, avx512, avx2, else generic = plain C++ with -march=native) is built on first
+use (or by `make venv`), cached per source + compiler + variant, and logged once.
+`DUALPACE_CPU_KERNELS=0` (read on the first `get()`, not at import) or `set_enabled(False)` turns
+the kernels off; `DUALPACE_CPU_KERNELS=<variant>` forces a variant the CPU supports (an AVX-512
+machine testing the avx2 code). Without g++, `get()` returns None and callers keep torch ops.
+
+The weight seam: a matrix is a torch tensor (fp32/bf16, in the compute dtype or not) or a
+quantized-weight object with `kernel_desc()` (KERNELS.md); `Kernels.linear` takes both.
 
 The .so links libgomp by soname and is loaded after torch, so it shares torch's OpenMP
 runtime: one pool, one thread count (`torch.set_num_threads`).
@@ -20,32 +24,45 @@ runtime: one pool, one thread count (`torch.set_num_threads`).
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import logging
 import os
-import platform
 import subprocess
-import tempfile
-import time
 from pathlib import Path
 
 import torch
 
+from dualpace.model import cpu_kernels_build as kbuild
+
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
-COMPILE_FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
-# bf16 linear layers with at most this many rows of x use the kernel; more rows are GEMM-bound
-# and go to oneDNN (measured crossover on Zen 4, see docs/perf.md).
+# Linear layers with at most this many rows of x use the kernel when the weight is a dense
+# tensor of x's dtype; more rows are GEMM-bound and go to oneDNN (crossover, docs/perf.md).
 LINEAR_MAX_ROWS = 8
+# A dense weight of another dtype than x (bf16 matrices, fp32 compute): the kernel up to this many
+# rows; beyond, the matrix is widened to fp32 once per call for oneDNN (crossover between 32 and 64
+# rows on the AVX2 Zen 3 machine, docs/perf.md).
+MIXED_MAX_ROWS = 32
+FORMAT_F32, FORMAT_BF16 = 0, 30  # kernel_weights.h (GGML type ids)
 
 _i64 = ctypes.c_int64
+_i32 = ctypes.c_int32
 _ptr = ctypes.c_void_p
 _f32 = ctypes.c_float
+
+
+class WeightDescC(ctypes.Structure):
+    """Mirrors WeightDesc in kernel_weights.h."""
+
+    _fields_ = [("format", _i32), ("reserved", _i32), ("data", _ptr), ("N", _i64), ("K", _i64), ("row_bytes", _i64)]
+
+
+_desc_p = ctypes.POINTER(WeightDescC)
 _SIGNATURES = {
-    "dp_has_avx512_bf16": ([], ctypes.c_int),
-    "dp_linear_bf16": ([_ptr, _i64, _i64, _i64, _ptr, _i64, _ptr, _ptr, _i64, _ptr, _i64, ctypes.c_int], None),
-    "dp_linear_f32": ([_ptr, _i64, _i64, _i64, _ptr, _i64, _ptr, _ptr, _i64, _ptr, _i64, ctypes.c_int], None),
+    "dp_variant_name": ([], ctypes.c_char_p),
+    "dp_variant_supported": ([], ctypes.c_int),
+    "dp_weight_format_supported": ([_i32], ctypes.c_int),
+    "dp_linear_bf16": ([_ptr, _i64, _i64, _desc_p, _ptr, _ptr, _i64, _ptr, _i64, ctypes.c_int], ctypes.c_int),
+    "dp_linear_f32": ([_ptr, _i64, _i64, _desc_p, _ptr, _ptr, _i64, _ptr, _i64, ctypes.c_int], ctypes.c_int),
     "dp_decode_layers_bf16": ([_ptr, _ptr, _i64, _ptr], ctypes.c_int),
     "dp_decode_layers_f32": ([_ptr, _ptr, _i64, _ptr], ctypes.c_int),
     "dp_rms_norm_bf16": ([_ptr, _i64, _i64, _i64, _ptr, _f32, _ptr], None),
@@ -54,6 +71,7 @@ _SIGNATURES = {
     "dp_rotary_f32": ([_ptr, _i64, _i64, _i64, _i64, _ptr, _ptr], None),
     "dp_silu_mul_bf16": ([_ptr, _i64, _i64, _ptr], None),
     "dp_silu_mul_f32": ([_ptr, _i64, _i64, _ptr], None),
+    "dp_bf16_to_f32": ([_ptr, _i64, _ptr], None),
     "dp_kv_write": ([_ptr, _ptr, _i64, _i64, _ptr, _i64, _ptr, _ptr, _i64], ctypes.c_int),
     "dp_decode_attention_bf16": ([_ptr, _i64, _ptr, _ptr, _i64, _ptr, _i64, _ptr, _i64, _i64, _i64, _i64, _i64, _f32,
                                   _ptr, _i64], ctypes.c_int),
@@ -62,6 +80,7 @@ _SIGNATURES = {
 }
 
 _state: dict[str, object] = {}
+_loaded: dict[str, "Kernels | None"] = {}
 
 
 def set_enabled(enabled: bool) -> None:
@@ -69,121 +88,193 @@ def set_enabled(enabled: bool) -> None:
     _state["enabled"] = enabled
 
 
-def _cpu_flags() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return line
-    except OSError:
-        pass
-    return platform.processor()
+def _requested() -> str:
+    return os.environ.get("DUALPACE_CPU_KERNELS", "1").strip().lower()
 
 
-def _cache_dir() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "dualpace" / "kernels"
-
-
-def library_path() -> Path:
-    """Where the built kernels for this source, compiler and CPU live."""
-    try:
-        compiler = subprocess.run(["g++", "--version"], capture_output=True, text=True, check=True).stdout
-    except (OSError, subprocess.CalledProcessError):
-        compiler = "none"
-    key = hashlib.sha256("\n".join([SOURCE.read_text(), " ".join(COMPILE_FLAGS), compiler, _cpu_flags()]).encode())
-    return _cache_dir() / f"cpu_kernels-{key.hexdigest()[:16]}.so"
-
-
-def build(path: Path) -> float:
-    """Compile the kernels to `path`; returns the seconds it took."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    start = time.perf_counter()
-    with tempfile.NamedTemporaryFile(dir=path.parent, suffix=".so", delete=False) as tmp:
-        tmp_path = Path(tmp.name)
-    try:
-        subprocess.run(["g++", *COMPILE_FLAGS, "-o", str(tmp_path), str(SOURCE)], check=True, capture_output=True,
-                       text=True)
-        os.replace(tmp_path, path)  # atomic: concurrent builders each install a complete file
-    finally:
-        tmp_path.unlink(missing_ok=True)
-    return time.perf_counter() - start
-
-
-def _load() -> Kernels | None:
-    if platform.machine() not in ("x86_64", "AMD64"):
+def chosen_variant() -> str | None:
+    """The variant `get()` uses: the env override when it names a supported variant, else the best."""
+    requested = _requested()
+    if requested in ("0", "false", "off"):
         return None
-    if "avx512_bf16" not in _cpu_flags():
-        log.info("CPU kernels off: this CPU has no AVX512_BF16")
-        return None
+    supported = kbuild.supported_variants()
+    if requested in kbuild.VARIANTS:
+        if requested not in supported:
+            log.warning("DUALPACE_CPU_KERNELS=%s: this CPU lacks its features (has: %s); using %s", requested,
+                        ", ".join(supported), supported[0])
+            return supported[0]
+        return requested
+    return supported[0]
+
+
+def load_variant(name: str) -> Kernels | None:
+    """The kernels of one variant (built if needed), or None when it cannot be built or run here."""
+    if name in _loaded:
+        return _loaded[name]
+    kernels = None
+    variant = kbuild.VARIANTS[name]
     try:
-        path = library_path()
-        if not path.exists():
-            seconds = build(path)
-            log.info("built CPU kernels in %.1f s (cached at %s)", seconds, path)
+        path, seconds = kbuild.ensure_built(variant)
+        if seconds is not None:
+            log.info("built CPU kernels (%s) in %.1f s (cached at %s)", name, seconds, path)
         lib = ctypes.CDLL(str(path))
+        for fn_name, (argtypes, restype) in _SIGNATURES.items():
+            fn = getattr(lib, fn_name)
+            fn.argtypes = argtypes
+            fn.restype = restype
+        if lib.dp_variant_supported():
+            kernels = Kernels(lib, name)
+        else:
+            log.warning("CPU kernels (%s) do not run on this CPU", name)
     except (OSError, subprocess.CalledProcessError) as exc:
         detail = getattr(exc, "stderr", "") or str(exc)
-        log.warning("CPU kernels unavailable, using torch ops: %s", detail.strip()[:500])
-        return None
-    for name, (argtypes, restype) in _SIGNATURES.items():
-        fn = getattr(lib, name)
-        fn.argtypes = argtypes
-        fn.restype = restype
-    if not lib.dp_has_avx512_bf16():
-        return None
-    return Kernels(lib)
+        log.warning("CPU kernels (%s) unavailable, using torch ops: %s", name, detail.strip()[:500])
+    _loaded[name] = kernels
+    return kernels
 
 
 def get() -> Kernels | None:
     """The loaded kernels, or None when they are disabled or cannot be built here."""
     if "enabled" not in _state:
-        _state["enabled"] = os.environ.get("DUALPACE_CPU_KERNELS", "1") not in ("0", "false", "off")
+        _state["enabled"] = _requested() not in ("0", "false", "off")
     if not _state["enabled"]:
         return None
     if "kernels" not in _state:
-        _state["kernels"] = _load()
+        name = chosen_variant()
+        kernels = load_variant(name) if name else None
+        _state["kernels"] = kernels
+        if kernels is not None:
+            how = ("the compiler's own vectorisation (-march=native)" if name == "generic" else "explicit ISA flags")
+            log.info("CPU kernels: variant %s (%s)", name, how)
     return _state["kernels"]  # type: ignore[return-value]
+
+
+def select_variant(name: str | None) -> Kernels | None:
+    """Make `get()` return the kernels of variant `name` (None: off) from now on, e.g. for tests
+    that run every variant the CPU supports; returns them (None when they cannot run here)."""
+    kernels = load_variant(name) if name else None
+    _state["enabled"] = kernels is not None
+    _state["kernels"] = kernels
+    return kernels
+
+
+def kernel_info() -> dict:
+    """{"variant": the variant in use or "off", "cpu_flags": the CPU's flags that the variants use}."""
+    kernels = get()
+    relevant = {flag for v in kbuild.X86_VARIANTS for flag in v.needs}
+    return {"variant": kernels.variant if kernels is not None else "off",
+            "cpu_flags": sorted(kbuild.cpu_flags() & relevant)}
+
+
+def library_path() -> Path:
+    """Where the built kernels of the variant `get()` uses live (for bench/ build timings)."""
+    return kbuild.library_path(kbuild.VARIANTS[chosen_variant() or kbuild.default_variant()])
+
+
+def build(path: Path) -> float:
+    """Compile that variant to `path`; returns the seconds it took."""
+    return kbuild.build(kbuild.VARIANTS[chosen_variant() or kbuild.default_variant()], path)
 
 
 def _supported(t: torch.Tensor) -> bool:
     return t.device.type == "cpu" and t.dtype in (torch.bfloat16, torch.float32)
 
 
+def weight_desc(weight) -> WeightDescC | None:
+    """The kernels' view of a matrix: a dense fp32/bf16 CPU tensor with unit inner stride, or a
+    quantized-weight object's kernel_desc(); None for anything else."""
+    if isinstance(weight, torch.Tensor):
+        if weight.dim() != 2 or not _supported(weight) or weight.stride(1) != 1:
+            return None
+        fmt = FORMAT_BF16 if weight.dtype == torch.bfloat16 else FORMAT_F32
+        n, k = weight.shape
+        return WeightDescC(fmt, 0, weight.data_ptr(), n, k, weight.stride(0) * weight.element_size())
+    describe = getattr(weight, "kernel_desc", None)
+    if describe is None:
+        return None
+    described = describe()  # None when the object has no single kernel layout
+    if described is None:
+        return None
+    fmt, ptr, n, k, row_bytes = described
+    return WeightDescC(fmt, 0, ptr, n, k, row_bytes)
+
+
+def torch_linear(x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ weight^T (+ bias) with torch ops, for a tensor of any dtype or a quantized-weight
+    object (which dequantizes on the fly through its own F.linear)."""
+    if isinstance(weight, torch.Tensor) and weight.dtype != x.dtype:
+        weight = weight.to(x.dtype)
+    return torch.nn.functional.linear(x, weight, bias)
+
+
 class Kernels:
     """Tensor-level wrappers. Inputs must be on the CPU, bf16 or fp32, rows with unit inner stride."""
 
-    def __init__(self, lib: ctypes.CDLL):
+    def __init__(self, lib: ctypes.CDLL, variant: str):
         self.lib = lib
+        self.variant = variant
+        self._formats: dict[int, bool] = {}
+
+    def supports_format(self, fmt: int) -> bool:
+        if fmt not in self._formats:
+            self._formats[fmt] = bool(self.lib.dp_weight_format_supported(fmt))
+        return self._formats[fmt]
+
+    def _kernel_desc(self, x: torch.Tensor, weight) -> WeightDescC | None:
+        """The weight's descriptor when this product should run in the kernels, else None."""
+        rows = x.shape[0]
+        if rows == 0:
+            return None
+        if isinstance(weight, torch.Tensor):
+            limit = LINEAR_MAX_ROWS if weight.dtype == x.dtype else MIXED_MAX_ROWS
+            if rows > limit:
+                return None
+        elif rows >= getattr(weight, "dense_min_rows", rows + 1):
+            return None  # the object's own linear is faster from there (prefill: dequantize + GEMM)
+        desc = weight_desc(weight)
+        return desc if desc is not None and self.supports_format(desc.format) else None
 
     # -- linear -----------------------------------------------------------------------------
 
-    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+    def linear(self, x: torch.Tensor, weight, bias: torch.Tensor | None = None,
                residual: torch.Tensor | None = None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
         """x [M, K] @ weight[N, K]^T (+ bias) (+ residual [M, N]). The GEMV kernel for at most
-        LINEAR_MAX_ROWS rows (bf16 or fp32), torch (oneDNN / MKL) for more."""
+        LINEAR_MAX_ROWS rows of a same-dtype tensor weight (MIXED_MAX_ROWS for another dtype, any
+        number for a quantized weight whose format the kernels have), torch (oneDNN) otherwise."""
         out_dtype = out_dtype or x.dtype
-        rows = x.shape[0]
-        if (weight.dtype != x.dtype or rows > LINEAR_MAX_ROWS or rows == 0
-                or (bias is not None and bias.dtype != x.dtype) or (residual is not None and residual.dtype != x.dtype)
-                or out_dtype not in (x.dtype, torch.float32)):
-            if residual is not None:
-                y = torch.addmm(residual, x, weight.t()) if bias is None else residual + F_linear(x, weight, bias)
+        desc = None
+        if (_supported(x) and (bias is None or bias.dtype == x.dtype)
+                and (residual is None or residual.dtype == x.dtype) and out_dtype in (x.dtype, torch.float32)):
+            desc = self._kernel_desc(x, weight)
+        if desc is None:
+            if isinstance(weight, torch.Tensor) and weight.dtype == torch.bfloat16 and x.dtype == torch.float32:
+                weight = self.widen(weight)
+            if residual is not None and bias is None and isinstance(weight, torch.Tensor) and weight.dtype == x.dtype:
+                y = torch.addmm(residual, x, weight.t())  # the residual add fused into the GEMM
             else:
-                y = F_linear(x, weight, bias)
+                y = torch_linear(x, weight, bias)
+                if residual is not None:
+                    y = y + residual
             return y.to(out_dtype)
         if x.stride(-1) != 1:
             x = x.contiguous()
-        n, k = weight.shape
-        out = torch.empty((rows, n), dtype=out_dtype)
         if residual is not None and residual.stride(-1) != 1:
             residual = residual.contiguous()
+        rows, n = x.shape[0], desc.N
+        out = torch.empty((rows, n), dtype=out_dtype)
         fn = self.lib.dp_linear_bf16 if x.dtype == torch.bfloat16 else self.lib.dp_linear_f32
-        fn(
-            x.data_ptr(), rows, x.stride(0), k, weight.data_ptr(), n,
-            None if bias is None else bias.data_ptr(),
-            None if residual is None else residual.data_ptr(), 0 if residual is None else residual.stride(0),
-            out.data_ptr(), n, 1 if out_dtype == torch.float32 else 0,
-        )
+        status = fn(x.data_ptr(), rows, x.stride(0), ctypes.byref(desc), None if bias is None else bias.data_ptr(),
+                    None if residual is None else residual.data_ptr(), 0 if residual is None else residual.stride(0),
+                    out.data_ptr(), n, 1 if out_dtype == torch.float32 else 0)
+        if status != 0:
+            raise ValueError(f"linear: weight format {desc.format} has no kernel in variant {self.variant}")
+        return out
+
+    def widen(self, t: torch.Tensor) -> torch.Tensor:
+        """A bf16 tensor as a new contiguous fp32 one (multi-threaded; torch's copy is not, here)."""
+        t = t.contiguous()
+        out = torch.empty(t.shape, dtype=torch.float32)
+        self.lib.dp_bf16_to_f32(t.data_ptr(), t.numel(), out.data_ptr())
         return out
 
     # -- elementwise ------------------------------------------------------------------------
@@ -193,6 +284,7 @@ class Kernels:
             x = x.contiguous()
         rows, hidden = x.shape
         out = torch.empty((rows, hidden), dtype=x.dtype)
+        weight = weight.to(x.dtype).contiguous()
         fn = self.lib.dp_rms_norm_bf16 if x.dtype == torch.bfloat16 else self.lib.dp_rms_norm_f32
         fn(x.data_ptr(), rows, hidden, x.stride(0), weight.data_ptr(), eps, out.data_ptr())
         return out
@@ -250,73 +342,6 @@ class Kernels:
         if status == -2:
             raise IndexError("decode attention: a context length or block id is out of range")
         return out if status == 0 else None
-
-
-class _LayerArgs(ctypes.Structure):
-    """Mirrors LayerArgs in cpu_kernels.cpp."""
-
-    _fields_ = [("H", _i64), ("num_heads", _i64), ("num_kv_heads", _i64), ("head_dim", _i64),
-                ("intermediate", _i64), ("eps", _f32), ("scale", _f32), ("input_norm", _ptr), ("qkv_w", _ptr),
-                ("qkv_b", _ptr), ("o_w", _ptr), ("post_norm", _ptr), ("gate_up_w", _ptr), ("down_w", _ptr),
-                ("k_cache", _ptr), ("v_cache", _ptr), ("num_blocks", _i64), ("block_size", _i64)]
-
-
-class _StepArgs(ctypes.Structure):
-    """Mirrors StepArgs in cpu_kernels.cpp."""
-
-    _fields_ = [("M", _i64), ("cos", _ptr), ("sin", _ptr), ("slots", _ptr), ("tables", _ptr), ("ld_tables", _i64),
-                ("lens", _ptr), ("scratch", _ptr)]
-
-
-FUSED_HEAD_DIMS = {torch.bfloat16: (32, 64, 128), torch.float32: (16, 32, 64, 128)}
-
-
-class FusedDecode:
-    """All decoder layers of a decode-only step of at most LINEAR_MAX_ROWS sequences in one call:
-    per layer RMSNorm, QKV (+bias), RoPE, KV write, paged attention, O + residual, RMSNorm,
-    gate/up, SiLU*up, down + residual, with no Python and no tensor allocation between them.
-    Built once per (model, KV storage); the weight and cache pointers are fixed at construction."""
-
-    def __init__(self, kernels: Kernels, model, kv):
-        cfg = model.config
-        self.kernels = kernels
-        self.dtype = model.dtype
-        self._keep = (model.weights, kv.k, kv.v)  # the pointers below stay valid while these live
-        self.num_layers = cfg.num_layers
-        self.layers = (_LayerArgs * cfg.num_layers)()
-        for i, layer in enumerate(model.weights.layers):
-            self.layers[i] = _LayerArgs(
-                cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size,
-                cfg.rms_norm_eps, cfg.head_dim**-0.5, layer.input_norm.data_ptr(), layer.qkv_proj.data_ptr(),
-                None if layer.qkv_bias is None else layer.qkv_bias.data_ptr(), layer.o_proj.data_ptr(),
-                layer.post_attention_norm.data_ptr(), layer.gate_up_proj.data_ptr(), layer.down_proj.data_ptr(),
-                kv.k[i].data_ptr(), kv.v[i].data_ptr(), kv.num_blocks, kv.block_size)
-        self.scratch_per_row = (cfg.hidden_size + (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
-                                + cfg.num_heads * cfg.head_dim + 3 * cfg.intermediate_size)
-        self._fn = kernels.lib.dp_decode_layers_bf16 if self.dtype == torch.bfloat16 else kernels.lib.dp_decode_layers_f32
-
-    @staticmethod
-    def applies(model, kv) -> bool:
-        cfg = model.config
-        return (model.device.type == "cpu" and kv.device.type == "cpu" and model.dtype == kv.dtype
-                and cfg.head_dim in FUSED_HEAD_DIMS.get(model.dtype, ()) and cfg.num_heads // cfg.num_kv_heads <= 16)
-
-    def run(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slot_ids: torch.Tensor,
-            block_tables: torch.Tensor, context_lens: torch.Tensor) -> None:
-        """Run every layer over hidden [M, H] (contiguous, updated in place)."""
-        rows = hidden.shape[0]
-        scratch = torch.empty(rows * self.scratch_per_row, dtype=self.dtype)
-        step = _StepArgs(rows, cos.data_ptr(), sin.data_ptr(), slot_ids.data_ptr(), block_tables.data_ptr(),
-                         block_tables.shape[1], context_lens.data_ptr(), scratch.data_ptr())
-        status = self._fn(hidden.data_ptr(), self.layers, self.num_layers, ctypes.byref(step))
-        if status == -2:
-            raise IndexError("decode step: a slot id, context length or block id is out of range")
-        if status != 0:
-            raise ValueError("decode step: shape not supported by the fused kernels")
-
-
-def F_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    return torch.nn.functional.linear(x, weight, bias)
 
 
 def usable_for(t: torch.Tensor) -> Kernels | None:

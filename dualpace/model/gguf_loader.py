@@ -1,8 +1,10 @@
-"""Load a GGUF file: metadata -> ModelConfig, tensors dequantized with the `gguf` package.
+"""Load a GGUF file: metadata -> ModelConfig, tensors either kept in their block format
+(QuantizedWeight, for the formats of dualpace.model.quant) or dequantized with the `gguf` package.
 
 llama.cpp's converter permutes the rows of Q and K for Llama-architecture models
 (its RoPE pairs adjacent dimensions; Hugging Face's pairs the two halves of each
-head), so those two weights are permuted back here. Qwen2 GGUFs are not permuted.
+head), so those two weights are permuted back here. Qwen2 GGUFs are not permuted. A quantized row
+holds whole blocks of one output row, so the un-permute moves raw block rows unchanged.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import torch
 
 from dualpace.errors import ModelLoadError
 from dualpace.model.config import ModelConfig
+from dualpace.model.quant import FORMATS, QuantizedWeight
 from dualpace.model.transformer import ModelWeights
 from dualpace.model.weights import TensorSource, weights_from_hf_names
 
@@ -103,8 +106,9 @@ def _unpermute_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:
     return weight.reshape(num_heads, rows // num_heads // 2, 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
 
 
-def gguf_tensor_source(reader, config: ModelConfig) -> TensorSource:
-    """A function from Hugging Face tensor name to the dequantized float32 tensor (or None)."""
+def gguf_tensor_source(reader, config: ModelConfig, keep_quantized: bool = False) -> TensorSource:
+    """A function from Hugging Face tensor name to the tensor (or None): dequantized to float32,
+    or with `keep_quantized` a QuantizedWeight for 2-D tensors in a supported block format."""
     from gguf.quants import dequantize
 
     by_hf_name = {}
@@ -114,19 +118,28 @@ def gguf_tensor_source(reader, config: ModelConfig) -> TensorSource:
             by_hf_name[hf_name] = tensor
     permute = config.architecture in _PERMUTED_ARCHITECTURES
 
-    def get_tensor(name: str) -> torch.Tensor | None:
+    def unpermute(name: str, values: np.ndarray) -> np.ndarray:
+        if permute and name.endswith(("q_proj.weight", "q_proj.bias")):
+            return _unpermute_rows(values, config.num_heads)
+        if permute and name.endswith(("k_proj.weight", "k_proj.bias")):
+            return _unpermute_rows(values, config.num_kv_heads)
+        return values
+
+    def get_tensor(name: str) -> torch.Tensor | QuantizedWeight | None:
         tensor = by_hf_name.get(name)
         if tensor is None:
             return None
+        fmt = FORMATS.get(int(tensor.tensor_type))
+        if keep_quantized and fmt is not None and len(tensor.shape) == 2:
+            k = int(tensor.shape[0])
+            blocks = np.asarray(tensor.data).reshape(int(tensor.shape[1]), -1)
+            return QuantizedWeight.from_blocks(unpermute(name, blocks), fmt, k)
         try:
             values = dequantize(tensor.data, tensor.tensor_type)
         except (ValueError, NotImplementedError) as exc:
             raise ModelLoadError(f"cannot dequantize {tensor.name} ({tensor.tensor_type.name}): {exc}") from exc
         values = np.asarray(values, dtype=np.float32).reshape([int(d) for d in reversed(tensor.shape.tolist())])
-        if permute and name.endswith(("q_proj.weight", "q_proj.bias")):
-            values = _unpermute_rows(values, config.num_heads)
-        elif permute and name.endswith(("k_proj.weight", "k_proj.bias")):
-            values = _unpermute_rows(values, config.num_kv_heads)
+        values = unpermute(name, values)
         if not values.flags.writeable:  # F32 tensors are views of the memory-mapped file
             values = values.copy()
         return torch.from_numpy(np.ascontiguousarray(values))
@@ -134,5 +147,13 @@ def gguf_tensor_source(reader, config: ModelConfig) -> TensorSource:
     return get_tensor
 
 
-def load_gguf_weights(reader, config: ModelConfig, dtype: torch.dtype) -> ModelWeights:
-    return weights_from_hf_names(config, gguf_tensor_source(reader, config), dtype)
+def load_gguf_weights(reader, config: ModelConfig, dtype: torch.dtype, keep_quantized: bool = False) -> ModelWeights:
+    return weights_from_hf_names(config, gguf_tensor_source(reader, config, keep_quantized), dtype)
+
+
+def gguf_tensor_types(reader) -> dict[str, int]:
+    """GGML type name -> number of tensors of that type in the file."""
+    counts: dict[str, int] = {}
+    for tensor in reader.tensors:
+        counts[tensor.tensor_type.name] = counts.get(tensor.tensor_type.name, 0) + 1
+    return counts

@@ -21,6 +21,7 @@ import torch
 
 from dualpace.kv.storage import KVStorage
 from dualpace.model import cpu_kernels
+from dualpace.model.cpu_fused_decode import FusedDecode
 from dualpace.model.attention import decode_attention, prefill_attention
 from dualpace.model.rope import HalfAngles
 from dualpace.model.transformer import Transformer
@@ -126,10 +127,11 @@ class PagedForward:
         self.model = model
         self.kv = kv
         self.scale = model.config.head_dim**-0.5
-        self._fused: cpu_kernels.FusedDecode | None = None
+        self._fused: FusedDecode | None = None
+        self._fused_for: cpu_kernels.Kernels | None = None  # the kernels _fused was decided for
         self.between_layers: Callable[[], None] | None = None  # a yield point, called between layers
 
-    def _fused_decode(self, step: StepTensors) -> cpu_kernels.FusedDecode | None:
+    def _fused_decode(self, step: StepTensors) -> FusedDecode | None:
         """The one-call-per-step CPU path, for decode-only steps of at most LINEAR_MAX_ROWS tokens."""
         num_tokens = step.token_ids.shape[0]
         if step.prefills or num_tokens > cpu_kernels.LINEAR_MAX_ROWS or num_tokens == 0:
@@ -137,10 +139,12 @@ class PagedForward:
         if self.between_layers is not None:  # the fused call has no point between layers to yield at
             return None
         kernels = cpu_kernels.get()
-        if kernels is None or not cpu_kernels.FusedDecode.applies(self.model, self.kv):
+        if kernels is None:
             return None
-        if self._fused is None or self._fused.kernels is not kernels:
-            self._fused = cpu_kernels.FusedDecode(kernels, self.model, self.kv)
+        if self._fused_for is not kernels:  # checked once per kernels object, the answer kept
+            self._fused_for = kernels
+            applies = FusedDecode.applies(self.model, self.kv, kernels)
+            self._fused = FusedDecode(kernels, self.model, self.kv) if applies else None
         return self._fused
 
     @torch.inference_mode()

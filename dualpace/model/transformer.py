@@ -11,10 +11,14 @@ CPU beside its KV):
 The model holds weights only; KV storage and attention live in dualpace.kv and
 dualpace.model.attention.
 
-On a CPU with AVX512_BF16 the stages run through dualpace.model.cpu_kernels (a streaming bf16
-GEMV for up to 8 rows, fused RMSNorm / RoPE / SiLU*up, residual adds fused into the output
-projections); elsewhere, or with the kernels turned off, they are plain torch ops. Both paths
-compute the same function; the torch path is the reference.
+On a CPU the stages run through dualpace.model.cpu_kernels (a streaming GEMV for up to 8 rows,
+fused RMSNorm / RoPE / SiLU*up, residual adds fused into the output projections, one variant per
+instruction set); elsewhere, or with the kernels turned off, they are plain torch ops. Both
+paths compute the same function; the torch path is the reference.
+
+The compute dtype (activations, norms, bias, KV) is the dtype of the norm weights; a matrix may
+be stored in another dtype (bf16 matrices with fp32 compute, `ModelWeights.to(...,
+matrix_dtype=)`) or be a quantized-weight object (dualpace/model/KERNELS.md).
 """
 
 from __future__ import annotations
@@ -27,6 +31,9 @@ import torch.nn.functional as F
 from dualpace.model import cpu_kernels
 from dualpace.model.config import ModelConfig
 from dualpace.model.rope import HalfAngles, RotaryEmbedding, apply_rotary
+
+# x @ w^T (+ bias) with torch ops for a tensor of any dtype or a quantized-weight object
+linear = cpu_kernels.torch_linear
 
 
 @dataclass
@@ -49,26 +56,39 @@ class ModelWeights:
     final_norm: torch.Tensor  # [hidden]
     lm_head: torch.Tensor  # [vocab, hidden]; the same tensor as embed_tokens when tied
 
-    def to(self, device: torch.device | str, dtype: torch.dtype) -> "ModelWeights":
-        def move(t: torch.Tensor | None) -> torch.Tensor | None:
-            return None if t is None else t.to(device=device, dtype=dtype).contiguous()
+    def to(self, device: torch.device | str, dtype: torch.dtype,
+           matrix_dtype: torch.dtype | None = None) -> "ModelWeights":
+        """On `device`, vectors (norms, bias) in `dtype` and matrices (projections, embedding, LM
+        head) in `matrix_dtype` (default `dtype`). A quantized-weight object is moved with its
+        own .to(device=, dtype=the compute dtype) (it stays itself on the CPU)."""
+        def move(t, as_dtype: torch.dtype):
+            if t is None:
+                return None
+            if not isinstance(t, torch.Tensor):
+                return t.to(device=device, dtype=dtype)
+            return t.to(device=device, dtype=as_dtype).contiguous()
 
-        embed = move(self.embed_tokens)
+        matrix_dtype = matrix_dtype or dtype
+        embed = move(self.embed_tokens, matrix_dtype)
         tied = self.lm_head is self.embed_tokens
         return ModelWeights(
             embed_tokens=embed,
-            layers=[LayerWeights(**{k: move(v) for k, v in vars(layer).items()}) for layer in self.layers],
-            final_norm=move(self.final_norm),
-            lm_head=embed if tied else move(self.lm_head),
+            layers=[LayerWeights(**{k: move(v, matrix_dtype if k in MATRIX_FIELDS else dtype)
+                                    for k, v in vars(layer).items()}) for layer in self.layers],
+            final_norm=move(self.final_norm, dtype),
+            lm_head=embed if tied else move(self.lm_head, matrix_dtype),
         )
 
     def num_bytes(self) -> int:
-        tensors = [self.embed_tokens, self.final_norm]
+        weights = [self.embed_tokens, self.final_norm]
         if self.lm_head is not self.embed_tokens:
-            tensors.append(self.lm_head)
+            weights.append(self.lm_head)
         for layer in self.layers:
-            tensors.extend(t for t in vars(layer).values() if t is not None)
-        return sum(t.numel() * t.element_size() for t in tensors)
+            weights.extend(t for t in vars(layer).values() if t is not None)
+        return sum(t.numel() * t.element_size() if isinstance(t, torch.Tensor) else t.num_bytes() for t in weights)
+
+
+MATRIX_FIELDS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -84,8 +104,8 @@ class Transformer:
     def __init__(self, config: ModelConfig, weights: ModelWeights):
         self.config = config
         self.weights = weights
-        self.device = weights.embed_tokens.device
-        self.dtype = weights.embed_tokens.dtype
+        self.device = weights.final_norm.device
+        self.dtype = weights.final_norm.dtype  # the compute dtype
         self.rotary = RotaryEmbedding(config, self.device)
         self._q_size = config.num_heads * config.head_dim
         self._kv_size = config.num_kv_heads * config.head_dim
@@ -96,7 +116,7 @@ class Transformer:
 
     def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
         """Token ids [num_tokens] -> hidden states [num_tokens, hidden]."""
-        return F.embedding(token_ids, self.weights.embed_tokens)
+        return F.embedding(token_ids, self.weights.embed_tokens).to(self.dtype)
 
     def rope_angles(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos/sin for this step's positions, computed once and shared by all layers (a
@@ -125,7 +145,7 @@ class Transformer:
             return (q.view(num_tokens, cfg.num_heads, cfg.head_dim), k.view(num_tokens, cfg.num_kv_heads, cfg.head_dim),
                     v.view(num_tokens, cfg.num_kv_heads, cfg.head_dim))
         x = rms_norm(hidden, layer.input_norm, cfg.rms_norm_eps)
-        qkv = F.linear(x, layer.qkv_proj, layer.qkv_bias)
+        qkv = linear(x, layer.qkv_proj, layer.qkv_bias)
         q, k, v = qkv.split((self._q_size, self._kv_size, self._kv_size), dim=-1)
         cos, sin = rope.full(self.dtype) if isinstance(rope, HalfAngles) else rope
         q = apply_rotary(q.view(num_tokens, cfg.num_heads, cfg.head_dim), cos, sin)
@@ -141,10 +161,10 @@ class Transformer:
             x = kernels.rms_norm(hidden, layer.post_attention_norm, self.config.rms_norm_eps)
             gated = kernels.silu_mul(kernels.linear(x, layer.gate_up_proj))
             return kernels.linear(gated, layer.down_proj, residual=hidden)
-        hidden = hidden + F.linear(attention_out, layer.o_proj)
+        hidden = hidden + linear(attention_out, layer.o_proj)
         x = rms_norm(hidden, layer.post_attention_norm, self.config.rms_norm_eps)
-        gate, up = F.linear(x, layer.gate_up_proj).chunk(2, dim=-1)
-        return hidden + F.linear(F.silu(gate) * up, layer.down_proj)
+        gate, up = linear(x, layer.gate_up_proj).chunk(2, dim=-1)
+        return hidden + linear(F.silu(gate) * up, layer.down_proj)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final norm and LM head: hidden [N, hidden] -> logits [N, vocab] in float32."""
@@ -153,4 +173,4 @@ class Transformer:
             x = kernels.rms_norm(hidden, self.weights.final_norm, self.config.rms_norm_eps)
             return kernels.linear(x, self.weights.lm_head, out_dtype=torch.float32)
         x = rms_norm(hidden, self.weights.final_norm, self.config.rms_norm_eps)
-        return F.linear(x, self.weights.lm_head).float()
+        return linear(x, self.weights.lm_head).float()

@@ -8,9 +8,11 @@ import torch
 
 from dualpace.errors import ModelLoadError
 from dualpace.model.config import ModelConfig
+from dualpace.model.quant import cat_rows
 from dualpace.model.transformer import LayerWeights, ModelWeights
 
-# get_tensor(name) returns a float tensor, or None when the checkpoint lacks it.
+# get_tensor(name) returns a float tensor (or a QuantizedWeight for a matrix kept in its block
+# format), or None when the checkpoint lacks it.
 TensorSource = Callable[[str], "torch.Tensor | None"]
 
 
@@ -34,7 +36,7 @@ def weights_from_hf_names(config: ModelConfig, get_tensor: TensorSource, dtype: 
     layers = []
     for i in range(config.num_layers):
         p = f"model.layers.{i}."
-        qkv = torch.cat(
+        qkv = cat_rows(
             [
                 get(p + "self_attn.q_proj.weight", (q_rows, hidden)),
                 get(p + "self_attn.k_proj.weight", (kv_rows, hidden)),
@@ -50,7 +52,7 @@ def weights_from_hf_names(config: ModelConfig, get_tensor: TensorSource, dtype: 
                     get(p + "self_attn.v_proj.bias", (kv_rows,)),
                 ]
             )
-        gate_up = torch.cat(
+        gate_up = cat_rows(
             [get(p + "mlp.gate_proj.weight", (ffn, hidden)), get(p + "mlp.up_proj.weight", (ffn, hidden))]
         )
         layers.append(

@@ -65,6 +65,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser, default_name: str, def
     parser.add_argument("--model", default=DEFAULT_MODEL_NAME, help="known name, Hugging Face folder or .gguf file")
     parser.add_argument("--name", default=default_name, help="engine name shown to the router and in logs")
     parser.add_argument("--dtype", default="auto", choices=["auto", "fp32", "bf16"])
+    parser.add_argument("--weights", default="native", choices=["native", "bf16", "fp32", "int8"], help="native: a GGUF's quantized matrices stay in their block format (default); bf16/fp32: dequantized at load; int8: quantized at load to Q8_0 (per group of 32)")
     kv = parser.add_mutually_exclusive_group()
     kv.add_argument("--kv-blocks", type=int, help=f"KV pool size in blocks (default {default_kv_blocks})")
     kv.add_argument("--kv-gb", type=float, help="KV pool size in GB (instead of --kv-blocks)")
@@ -129,7 +130,7 @@ def build_engine(
     check_positive(args, "block-size", "max-batch-tokens", "max-running", "max-waiting", "threads")
     if args.threads:
         torch.set_num_threads(args.threads)
-    loaded = load_model(args.model, dtype=args.dtype, device=device)
+    loaded = load_model(args.model, dtype=args.dtype, device=device, weights=args.weights)
     config = EngineConfig(
         name=args.name,
         kind=kind,

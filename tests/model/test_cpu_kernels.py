@@ -1,18 +1,39 @@
-"""The CPU kernels (dualpace.model.cpu_kernels) against plain torch on the same inputs."""
+"""The CPU kernels (dualpace.model.cpu_kernels) against plain torch on the same inputs, for every
+instruction-set variant this CPU runs (the others are skipped by name)."""
 
 from __future__ import annotations
+
+import shutil
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 from dualpace.model import cpu_kernels
+from dualpace.model import cpu_kernels_build as kbuild
 from dualpace.model.attention import decode_attention
+from dualpace.model.cpu_fused_decode import FusedDecode
 from dualpace.model.rope import apply_rotary
 from dualpace.model.transformer import rms_norm
 
-kernels = cpu_kernels.get()
-pytestmark = pytest.mark.skipif(kernels is None, reason="CPU kernels not available here (no AVX512_BF16 or g++)")
+_SUPPORTED = kbuild.supported_variants()
+VARIANTS = [pytest.param(name, id=name, marks=pytest.mark.skipif(name not in _SUPPORTED,
+                                                                 reason=f"this CPU lacks the features of {name}"))
+            for name in kbuild.VARIANTS]
+
+
+@pytest.fixture(params=VARIANTS)
+def kernels(request):
+    """One variant's kernels, also what cpu_kernels.get() returns while the test runs."""
+    previous = cpu_kernels._state.copy()
+    loaded = cpu_kernels.select_variant(request.param)
+    if loaded is None:
+        if shutil.which("g++") is None:
+            pytest.skip("no g++ here: the CPU kernels cannot be built")
+        pytest.fail(f"variant {request.param} did not build or load (see the log)")
+    yield loaded
+    cpu_kernels._state.clear()
+    cpu_kernels._state.update(previous)
 
 
 def _close(actual: torch.Tensor, expected: torch.Tensor, rel: float) -> None:
@@ -23,7 +44,7 @@ def _close(actual: torch.Tensor, expected: torch.Tensor, rel: float) -> None:
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 9, 12, 16])
 @pytest.mark.parametrize("k", [64, 576, 100])
-def test_linear_bf16_matches_fp32_math(rows, k):
+def test_linear_bf16_matches_fp32_math(kernels, rows, k):
     torch.manual_seed(rows * 1000 + k)
     x = torch.randn(rows, k).bfloat16()
     w = torch.randn(37, k).bfloat16()
@@ -37,14 +58,50 @@ def test_linear_bf16_matches_fp32_math(rows, k):
     _close(kernels.linear(x, w), x.float() @ w.float().t(), 1e-2)
 
 
-def test_linear_strided_input():
+@pytest.mark.parametrize("rows", [1, 3, 8, 12])
+@pytest.mark.parametrize("k", [100, 576])
+def test_linear_fp32(kernels, rows, k):
+    torch.manual_seed(rows + k)
+    x, w, bias = torch.randn(rows, k), torch.randn(29, k), torch.randn(29)
+    expected = x.double() @ w.double().t() + bias.double()
+    _close(kernels.linear(x, w, bias), expected, 1e-5)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 7, 12, 32, 33, 100])
+def test_linear_fp32_activations_bf16_weights(kernels, rows):
+    """bf16 matrices with fp32 compute: the kernel widens the weights (up to MIXED_MAX_ROWS rows),
+    more rows widen the matrix once for oneDNN; both are fp32 math on the bf16 values."""
+    torch.manual_seed(rows)
+    x, w = torch.randn(rows, 200), torch.randn(45, 200).bfloat16()
+    residual = torch.randn(rows, 45)
+    expected = x.double() @ w.double().t() + residual.double()
+    out = kernels.linear(x, w, residual=residual)
+    assert out.dtype == torch.float32
+    _close(out, expected, 1e-5)
+
+
+def test_linear_weight_rows_with_padding(kernels):
+    """A weight whose rows are further apart than K elements (row_bytes > K * element size)."""
+    for dtype in (torch.bfloat16, torch.float32):
+        wide = torch.randn(19, 160).to(dtype)
+        w = wide[:, :130]
+        x = torch.randn(3, 130).to(dtype)
+        _close(kernels.linear(x, w, out_dtype=torch.float32), x.double() @ w.double().t(), 1e-5)
+
+
+def test_widen_bf16(kernels):
+    t = torch.randn(3, 70001).bfloat16()
+    assert torch.equal(kernels.widen(t), t.float())
+
+
+def test_linear_strided_input(kernels):
     x = torch.randn(4, 96).bfloat16()[:, :64]
     w = torch.randn(8, 64).bfloat16()
     _close(kernels.linear(x, w, out_dtype=torch.float32), x.float() @ w.float().t(), 1e-5)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_rms_norm_rotary_silu(dtype):
+def test_rms_norm_rotary_silu(kernels, dtype):
     torch.manual_seed(0)
     rel = 1e-6 if dtype == torch.float32 else 1e-2
     x = torch.randn(5, 72, dtype=dtype)
@@ -69,9 +126,10 @@ def test_rms_norm_rotary_silu(dtype):
 @pytest.mark.parametrize("dtype,head_dim", [(torch.float32, 16), (torch.float32, 64), (torch.bfloat16, 64),
                                             (torch.bfloat16, 128), (torch.float32, 128), (torch.bfloat16, 32)])
 @pytest.mark.parametrize("group", [1, 3, 7])
-def test_decode_attention_matches_torch(dtype, head_dim, group):
+@pytest.mark.parametrize("num_kv_heads", [1, 2])  # 1: MQA
+def test_decode_attention_matches_torch(kernels, dtype, head_dim, group, num_kv_heads):
     torch.manual_seed(head_dim + group)
-    num_kv_heads, block_size, num_blocks = 2, 16, 80
+    block_size, num_blocks = 16, 80
     k_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype)
     v_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype)
     lens = torch.tensor([1, 17, 300, 1000, 33])  # a single sequence below exercises context splits
@@ -88,7 +146,7 @@ def test_decode_attention_matches_torch(dtype, head_dim, group):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("block_size", [4, 8, 32])
-def test_decode_attention_block_sizes_ignore_unused_slots(dtype, block_size):
+def test_decode_attention_block_sizes_ignore_unused_slots(kernels, dtype, block_size):
     """Blocks smaller and larger than the kernel's 16-token chunks; slots past each context hold
     NaN and must not leak into the output."""
     torch.manual_seed(block_size)
@@ -115,7 +173,7 @@ def test_decode_attention_block_sizes_ignore_unused_slots(dtype, block_size):
 @pytest.mark.parametrize("dtype,num_kv_heads,group,head_dim", [(torch.bfloat16, 16, 5, 64),
                                                                (torch.bfloat16, 8, 7, 128),
                                                                (torch.float32, 16, 5, 64)])
-def test_decode_attention_many_heads_and_splits(dtype, num_kv_heads, group, head_dim):
+def test_decode_attention_many_heads_and_splits(kernels, dtype, num_kv_heads, group, head_dim):
     """More query heads than the kernel's stack buffers hold, and one long context split many ways."""
     torch.manual_seed(num_kv_heads * group)
     block_size, num_blocks = 16, 300
@@ -141,7 +199,7 @@ def decode_attention_reference(q, k_cache, v_cache, tables, lens, scale):
             cpu_kernels.set_enabled(True)
 
 
-def test_kv_write_scatters_rows():
+def test_kv_write_scatters_rows(kernels):
     k_cache = torch.zeros(4, 2, 3, 8, dtype=torch.bfloat16)
     v_cache = torch.zeros_like(k_cache)
     qkv = torch.randn(2, 9 * 8).bfloat16()
@@ -154,7 +212,7 @@ def test_kv_write_scatters_rows():
 def _decode_logits(loaded, fused: bool, kernels_on: bool) -> torch.Tensor:
     """Logits of one decode step of 3 sequences (contexts 5, 19, 40) over scattered blocks."""
     from dualpace.kv.storage import KVStorage
-    from dualpace.model.paged_forward import PagedForward, SequenceWork
+    from dualpace.model.paged_forward import PagedForward, SequenceWork, build_step_tensors
 
     cfg = loaded.config
     torch.manual_seed(1)
@@ -163,24 +221,28 @@ def _decode_logits(loaded, fused: bool, kernels_on: bool) -> torch.Tensor:
     kv.v.copy_(torch.randn_like(kv.v, dtype=torch.float32))
     tables = [list(range(39, 37, -1)), list(range(0, 20, 4)), list(range(1, 40, 4))]
     work = [SequenceWork([7], 4, tables[0]), SequenceWork([11], 18, tables[1]), SequenceWork([3], 39, tables[2])]
+    enabled = cpu_kernels._state.get("enabled", True)
     cpu_kernels.set_enabled(kernels_on)
     try:
         forward = PagedForward(loaded.model, kv)
-        if not fused:
+        if fused:
+            assert forward._fused_decode(build_step_tensors(work, kv.block_size, kv.device)) is not None
+        else:
             forward._fused_decode = lambda step: None  # the per-stage path
         return forward.forward(work)
     finally:
-        cpu_kernels.set_enabled(True)
+        cpu_kernels.set_enabled(enabled)
 
 
-@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("dtype,weights", [("fp32", "fp32"), ("bf16", "bf16"), ("fp32", "bf16")])
 @pytest.mark.parametrize("preset", ["tiny-llama", "tiny-qwen2", "tiny-mistral"])
-def test_fused_decode_step_matches_stages_and_torch(preset, dtype, synth_checkpoint):
+def test_fused_decode_step_matches_stages_and_torch(kernels, preset, dtype, weights, synth_checkpoint):
+    """Also fp32 compute over bf16 matrices (what --dtype auto picks on a CPU without native bf16)."""
     from dualpace.model.loader import load_model
 
-    loaded = load_model(str(synth_checkpoint(preset)), dtype=dtype)
-    if not cpu_kernels.FusedDecode.applies(loaded.model, type("KV", (), {"device": torch.device("cpu"),
-                                                                           "dtype": loaded.model.dtype})()):
+    loaded = load_model(str(synth_checkpoint(preset)), dtype=dtype, weights=weights)
+    if not FusedDecode.applies(loaded.model, type("KV", (), {"device": torch.device("cpu"),
+                                                               "dtype": loaded.model.dtype})(), kernels):
         pytest.skip("head_dim not covered by the fused kernels")
     fused = _decode_logits(loaded, fused=True, kernels_on=True)
     stages = _decode_logits(loaded, fused=False, kernels_on=True)

@@ -1,0 +1,104 @@
+"""The whole decode step of a CPU model in one kernel call (dp_decode_layers_* in cpu_kernels.cpp).
+
+All decoder layers of a decode-only step of at most LINEAR_MAX_ROWS sequences: per layer
+RMSNorm, QKV (+bias), RoPE, KV write, paged attention, O + residual, RMSNorm, gate/up, SiLU*up,
+down + residual, with no Python and no tensor allocation between them. The four matrices of a
+layer may be in any weight format the loaded kernels support (bf16 / fp32 tensors, or quantized
+weight objects, see KERNELS.md); norms, bias, activations and KV are in the model's dtype.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from dualpace.model.cpu_kernels import Kernels, WeightDescC, weight_desc
+
+_i64, _f32, _ptr = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
+
+
+class _LayerArgs(ctypes.Structure):
+    """Mirrors LayerArgs in cpu_kernels.cpp."""
+
+    _fields_ = [("H", _i64), ("num_heads", _i64), ("num_kv_heads", _i64), ("head_dim", _i64),
+                ("intermediate", _i64), ("eps", _f32), ("scale", _f32), ("input_norm", _ptr), ("qkv_b", _ptr),
+                ("post_norm", _ptr), ("qkv_w", WeightDescC), ("o_w", WeightDescC), ("gate_up_w", WeightDescC),
+                ("down_w", WeightDescC), ("k_cache", _ptr), ("v_cache", _ptr), ("num_blocks", _i64),
+                ("block_size", _i64)]
+
+
+class _StepArgs(ctypes.Structure):
+    """Mirrors StepArgs in cpu_kernels.cpp."""
+
+    _fields_ = [("M", _i64), ("cos", _ptr), ("sin", _ptr), ("slots", _ptr), ("tables", _ptr), ("ld_tables", _i64),
+                ("lens", _ptr), ("scratch", _ptr)]
+
+
+# head_dims with kernels (with_head_dim in cpu_attention.h): the avx512_bf16 variant's bf16
+# attention takes a head row as 32-element pairs, every other path in 16-element vectors
+HEAD_DIMS = (16, 32, 64, 128)
+BF16_PAIRS_HEAD_DIMS = (32, 64, 128)
+
+
+def fused_head_dims(dtype: torch.dtype, variant: str | None) -> tuple[int, ...]:
+    return BF16_PAIRS_HEAD_DIMS if dtype == torch.bfloat16 and variant in (None, "avx512_bf16") else HEAD_DIMS
+_MATRICES = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+_VECTORS = ("input_norm", "post_attention_norm", "qkv_bias")
+
+
+class FusedDecode:
+    """Built once per (model, KV storage); the weight and cache pointers are fixed at construction."""
+
+    def __init__(self, kernels: Kernels, model, kv):
+        cfg = model.config
+        self.kernels = kernels
+        self.dtype = model.dtype
+        self._keep = (model.weights, kv.k, kv.v)  # the pointers below stay valid while these live
+        self.num_layers = cfg.num_layers
+        self.layers = (_LayerArgs * cfg.num_layers)()
+        for i, layer in enumerate(model.weights.layers):
+            qkv, o, gate_up, down = (weight_desc(getattr(layer, name)) for name in _MATRICES)
+            self.layers[i] = _LayerArgs(
+                cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size,
+                cfg.rms_norm_eps, cfg.head_dim**-0.5, layer.input_norm.data_ptr(),
+                None if layer.qkv_bias is None else layer.qkv_bias.data_ptr(), layer.post_attention_norm.data_ptr(),
+                qkv, o, gate_up, down, kv.k[i].data_ptr(), kv.v[i].data_ptr(), kv.num_blocks, kv.block_size)
+        self.scratch_per_row = (cfg.hidden_size + (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
+                                + cfg.num_heads * cfg.head_dim + 3 * cfg.intermediate_size)
+        self._fn = kernels.lib.dp_decode_layers_bf16 if self.dtype == torch.bfloat16 else kernels.lib.dp_decode_layers_f32
+
+    @staticmethod
+    def applies(model, kv, kernels: Kernels | None = None) -> bool:
+        """Whether the model's shapes, dtypes and (with `kernels`) weight formats fit the fused call."""
+        cfg = model.config
+        head_dims = fused_head_dims(model.dtype, None if kernels is None else kernels.variant)
+        if not (model.device.type == "cpu" and kv.device.type == "cpu" and model.dtype == kv.dtype
+                and model.dtype in (torch.float32, torch.bfloat16) and cfg.head_dim in head_dims
+                and cfg.num_heads // cfg.num_kv_heads <= 16):
+            return False
+        if kernels is None:
+            return True
+        for layer in model.weights.layers:
+            for name in _VECTORS:
+                t = getattr(layer, name)
+                if t is not None and (t.dtype != model.dtype or not t.is_contiguous()):
+                    return False
+            for name in _MATRICES:
+                desc = weight_desc(getattr(layer, name))
+                if desc is None or not kernels.supports_format(desc.format):
+                    return False
+        return True
+
+    def run(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slot_ids: torch.Tensor,
+            block_tables: torch.Tensor, context_lens: torch.Tensor) -> None:
+        """Run every layer over hidden [M, H] (contiguous, updated in place)."""
+        rows = hidden.shape[0]
+        scratch = torch.empty(rows * self.scratch_per_row, dtype=self.dtype)
+        step = _StepArgs(rows, cos.data_ptr(), sin.data_ptr(), slot_ids.data_ptr(), block_tables.data_ptr(),
+                         block_tables.shape[1], context_lens.data_ptr(), scratch.data_ptr())
+        status = self._fn(hidden.data_ptr(), self.layers, self.num_layers, ctypes.byref(step))
+        if status == -2:
+            raise IndexError("decode step: a slot id, context length or block id is out of range")
+        if status != 0:
+            raise ValueError("decode step: shape or weight format not supported by the fused kernels")

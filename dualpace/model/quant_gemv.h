@@ -1,0 +1,556 @@
+// Linear layers on GGUF block-quantized weights (Q8_0, Q4_0, Q4_1, Q4_K, Q6_K), kept in the
+// file's own block layout. The contract (namespace dp_quant: supported, prepare_bytes, prepare,
+// rows) is the one dualpace/model/KERNELS.md describes; cpu_kernels.cpp includes this header
+// once per ISA variant, and quant_kernels.cpp wraps it in extern "C" functions of its own.
+//
+// Two arithmetic modes with AVX2 (every x86 variant), chosen once per process by the environment
+// variable DUALPACE_QUANT_ACTIVATIONS:
+// - `fp32` (default): each 8-weight chunk is unpacked and dequantized in registers to fp32
+//   (scale x q + min) and FMA'd with the fp32 activations. The result equals the dequantized fp32
+//   model up to summation order, so greedy output matches it token for token.
+// - `int8`: activations are quantized once per call to int8 in blocks of 32 (one float scale per
+//   block, as llama.cpp's q8_0) and each block's dot product is an integer one (maddubs + madd),
+//   scaled in float by weight scale x activation scale; for Q4 formats the affine "min" term is
+//   min x (sum of the activation block). Fewer instructions per weight, but the activation
+//   rounding moves logits by ~1e-2 relative, which flips some greedy choices.
+// In both, a tile of several activation rows x 2 or 4 weight rows reuses every unpacked weight
+// vector for all the tile's rows, so batch > 1 costs little more weight traffic or unpacking.
+//
+// Without AVX2 (the generic variant) each block is dequantized to float and dotted with the
+// fp32 activations (prepare_bytes = 0).
+//
+// Block layouts (GGML's): Q8_0 {fp16 d; int8 q[32]}, w = d q. Q4_0 {fp16 d; uint8 q[16]},
+// w = d (q - 8), byte i holds element i (low nibble) and i + 16 (high). Q4_1 {fp16 d, m; q[16]},
+// w = d q + m. Q4_K: 256 weights {fp16 d, dmin; 12 bytes of 6-bit scales/mins for 8 sub-blocks
+// of 32; q[128]}, w = d sc_j q - dmin mn_j, bytes 32p..32p+31 hold sub-block 2p (low nibbles)
+// and 2p+1 (high). Q6_K: 256 weights {ql[128]; qh[64]; int8 scales[16]; fp16 d},
+// w = d scale_(i/16) (q - 32), q = 4 bits of ql | 2 bits of qh << 4.
+
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <type_traits>
+
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+#include "kernel_weights.h"
+
+namespace dp_quant {
+
+inline float half_to_float(uint16_t h) {
+#if defined(__F16C__)
+  return _cvtsh_ss(h);
+#else
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
+  uint32_t exp = (h >> 10) & 0x1fu, mant = h & 0x3ffu, bits;
+  if (exp == 0x1f) {
+    bits = sign | 0x7f800000u | (mant << 13);
+  } else if (exp != 0) {
+    bits = sign | ((exp + 112) << 23) | (mant << 13);
+  } else if (mant == 0) {
+    bits = sign;
+  } else {  // subnormal half: normalise
+    exp = 113;
+    while (!(mant & 0x400u)) { mant <<= 1; --exp; }
+    bits = sign | (exp << 23) | ((mant & 0x3ffu) << 13);
+  }
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+#endif
+}
+
+inline uint16_t load_u16(const uint8_t* p) {
+  uint16_t v;
+  std::memcpy(&v, p, 2);
+  return v;
+}
+
+// The 6-bit scale and min of sub-block j (0..7) of a Q4_K super-block's 12 scale bytes.
+inline void q4k_scale_min(const uint8_t* s, int j, int* sc, int* mn) {
+  if (j < 4) {
+    *sc = s[j] & 63;
+    *mn = s[j + 4] & 63;
+  } else {
+    *sc = (s[j + 4] & 0x0f) | ((s[j - 4] >> 6) << 4);
+    *mn = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
+  }
+}
+
+// Static description of each format: sub-blocks of 32 per group (a group is one GGML block),
+// the group's bytes, and whether the values are signed (sign trick) or unsigned with a min term.
+template <int32_t F> struct Fmt;
+template <> struct Fmt<DP_W_Q8_0> { static constexpr int G = 1, BYTES = 34; static constexpr bool SIGNED = true; };
+template <> struct Fmt<DP_W_Q4_0> { static constexpr int G = 1, BYTES = 18; static constexpr bool SIGNED = false; };
+template <> struct Fmt<DP_W_Q4_1> { static constexpr int G = 1, BYTES = 20; static constexpr bool SIGNED = false; };
+template <> struct Fmt<DP_W_Q4_K> { static constexpr int G = 8, BYTES = 144; static constexpr bool SIGNED = false; };
+template <> struct Fmt<DP_W_Q6_K> { static constexpr int G = 8, BYTES = 210; static constexpr bool SIGNED = true; };
+
+inline bool supported(int32_t format) {
+  return format == DP_W_Q8_0 || format == DP_W_Q4_0 || format == DP_W_Q4_1 || format == DP_W_Q4_K ||
+         format == DP_W_Q6_K;
+}
+
+inline int64_t group_elems(int32_t format) { return (format == DP_W_Q4_K || format == DP_W_Q6_K) ? 256 : 32; }
+
+// Per group: the float scale dw[j] and min mw[j] of each sub-block j (w = dw q + mw for unsigned
+// formats, w = dw q for signed ones; Q6_K's per-16 integer scales are applied in the integer dot).
+template <int32_t F>
+inline void group_scales(const uint8_t* g, float* dw, float* mw);
+
+template <> inline void group_scales<DP_W_Q8_0>(const uint8_t* g, float* dw, float* mw) {
+  dw[0] = half_to_float(load_u16(g));
+  mw[0] = 0.0f;
+}
+template <> inline void group_scales<DP_W_Q4_0>(const uint8_t* g, float* dw, float* mw) {
+  dw[0] = half_to_float(load_u16(g));
+  mw[0] = -8.0f * dw[0];
+}
+template <> inline void group_scales<DP_W_Q4_1>(const uint8_t* g, float* dw, float* mw) {
+  dw[0] = half_to_float(load_u16(g));
+  mw[0] = half_to_float(load_u16(g + 2));
+}
+template <> inline void group_scales<DP_W_Q4_K>(const uint8_t* g, float* dw, float* mw) {
+  const float d = half_to_float(load_u16(g)), dmin = half_to_float(load_u16(g + 2));
+  for (int j = 0; j < 8; ++j) {
+    int sc, mn;
+    q4k_scale_min(g + 4, j, &sc, &mn);
+    dw[j] = d * static_cast<float>(sc);
+    mw[j] = -dmin * static_cast<float>(mn);
+  }
+}
+template <> inline void group_scales<DP_W_Q6_K>(const uint8_t* g, float* dw, float* mw) {
+  const float d = half_to_float(load_u16(g + 208));
+  for (int j = 0; j < 8; ++j) {
+    dw[j] = d;
+    mw[j] = 0.0f;
+  }
+}
+
+// Scalar value of element e (0..group_elems) of a group, as the integer the scale multiplies
+// (Q6_K: including its per-16 scale), for the generic path and for dequantize_row.
+template <int32_t F>
+inline int element(const uint8_t* g, int e);
+template <> inline int element<DP_W_Q8_0>(const uint8_t* g, int e) { return static_cast<int8_t>(g[2 + e]); }
+template <> inline int element<DP_W_Q4_0>(const uint8_t* g, int e) {
+  return e < 16 ? (g[2 + e] & 15) : (g[2 + e - 16] >> 4);
+}
+template <> inline int element<DP_W_Q4_1>(const uint8_t* g, int e) {
+  return e < 16 ? (g[4 + e] & 15) : (g[4 + e - 16] >> 4);
+}
+template <> inline int element<DP_W_Q4_K>(const uint8_t* g, int e) {
+  const int j = e / 32, i = e % 32;
+  const uint8_t b = g[16 + 32 * (j / 2) + i];
+  return (j & 1) ? (b >> 4) : (b & 15);
+}
+template <> inline int element<DP_W_Q6_K>(const uint8_t* g, int e) {
+  const int h = e / 128, r = e % 128;
+  const uint8_t lo = g[h * 64 + r % 64], hi = g[128 + h * 32 + r % 32];
+  const int q = ((r / 64) ? (lo >> 4) : (lo & 15)) | (((hi >> (2 * (r / 32))) & 3) << 4);
+  return (q - 32) * static_cast<int8_t>(g[192 + e / 16]);
+}
+
+template <int32_t F>
+inline void dequantize_group(const uint8_t* g, float* out) {
+  float dw[8], mw[8];
+  group_scales<F>(g, dw, mw);
+  for (int e = 0; e < 32 * Fmt<F>::G; ++e) out[e] = dw[e / 32] * static_cast<float>(element<F>(g, e)) + mw[e / 32];
+}
+
+template <int32_t F>
+inline void dequantize_row_t(const uint8_t* row, int64_t K, float* out);  // below, per ISA
+
+// True when DUALPACE_QUANT_ACTIVATIONS=int8 (read once per process).
+inline bool int8_activations() {
+  static const bool value = [] {
+    const char* v = std::getenv("DUALPACE_QUANT_ACTIVATIONS");
+    return v != nullptr && std::strcmp(v, "int8") == 0;
+  }();
+  return value;
+}
+
+// Scale and min of each run of 16 elements of a group (2 G entries): Q6_K's own per-16 scales,
+// the sub-block's for the other formats.
+template <int32_t F>
+inline void group_scales16(const uint8_t* g, float* dw16, float* mw16) {
+  float dw[8], mw[8];
+  group_scales<F>(g, dw, mw);
+  for (int j = 0; j < Fmt<F>::G; ++j) {
+    dw16[2 * j] = dw16[2 * j + 1] = dw[j];
+    mw16[2 * j] = mw16[2 * j + 1] = mw[j];
+  }
+}
+template <> inline void group_scales16<DP_W_Q6_K>(const uint8_t* g, float* dw16, float* mw16) {
+  const float d = half_to_float(load_u16(g + 208));
+  for (int i = 0; i < 16; ++i) {
+    dw16[i] = d * static_cast<float>(reinterpret_cast<const int8_t*>(g + 192)[i]);
+    mw16[i] = 0.0f;
+  }
+}
+
+#if defined(__AVX2__)
+
+// An activation block: 32 int8 values with scale d (x ~ d q) and s = d * sum(q).
+struct ActBlock {
+  float d;
+  float s;
+  int8_t q[32];
+};
+
+inline int64_t prepare_bytes(const WeightDesc& w, int64_t M) {
+  return int8_activations() ? M * (w.K / 32) * static_cast<int64_t>(sizeof(ActBlock)) : 0;
+}
+
+inline float hsum8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+inline void quantize_row(const float* x, int64_t K, ActBlock* out) {
+  const __m256 sign_bit = _mm256_set1_ps(-0.0f);
+  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+  for (int64_t b = 0; b < K / 32; ++b) {
+    __m256 v[4];
+    __m256 amax = _mm256_setzero_ps();
+    for (int i = 0; i < 4; ++i) {
+      v[i] = _mm256_loadu_ps(x + 32 * b + 8 * i);
+      amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign_bit, v[i]));
+    }
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+    const float maxv = _mm_cvtss_f32(m4);
+    const float d = maxv / 127.0f;
+    const __m256 inv = _mm256_set1_ps(maxv != 0.0f ? 127.0f / maxv : 0.0f);
+    __m256i q[4];
+    for (int i = 0; i < 4; ++i)
+      q[i] = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(v[i], inv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    const __m256i sum32 = _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3]));
+    __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sum32), _mm256_extracti128_si256(sum32, 1));
+    s4 = _mm_hadd_epi32(s4, s4);
+    s4 = _mm_hadd_epi32(s4, s4);
+    // pack 32-bit -> 16-bit -> 8-bit (packs work per 128-bit lane; the permute restores order)
+    const __m256i p01 = _mm256_packs_epi32(q[0], q[1]), p23 = _mm256_packs_epi32(q[2], q[3]);
+    const __m256i p = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(p01, p23), order);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out[b].q), p);
+    out[b].d = d;
+    out[b].s = d * static_cast<float>(_mm_cvtsi128_si32(s4));
+  }
+}
+
+inline void prepare(const WeightDesc& w, const float* x, int64_t M, int64_t ldx, void* prepared) {
+  if (!int8_activations()) return;
+  ActBlock* blocks = static_cast<ActBlock*>(prepared);
+  const int64_t nb = w.K / 32;
+  for (int64_t m = 0; m < M; ++m) quantize_row(x + m * ldx, w.K, blocks + m * nb);
+}
+
+// The 32 values of sub-block j of a group, as bytes: unsigned (0..15) for Q4 formats, signed for
+// Q8_0 and Q6_K (Q6_K: q - 32, its integer scales are applied by int_scales).
+template <int32_t F>
+inline __m256i values(const uint8_t* g, int j);
+
+inline __m256i nibbles16(const uint8_t* p) {
+  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  const __m128i mask = _mm_set1_epi8(15);
+  return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), mask), _mm_and_si128(v, mask));
+}
+
+template <> inline __m256i values<DP_W_Q8_0>(const uint8_t* g, int) {
+  return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(g + 2));
+}
+template <> inline __m256i values<DP_W_Q4_0>(const uint8_t* g, int) { return nibbles16(g + 2); }
+template <> inline __m256i values<DP_W_Q4_1>(const uint8_t* g, int) { return nibbles16(g + 4); }
+template <> inline __m256i values<DP_W_Q4_K>(const uint8_t* g, int j) {
+  const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(g + 16 + 32 * (j / 2)));
+  return _mm256_and_si256((j & 1) ? _mm256_srli_epi16(v, 4) : v, _mm256_set1_epi8(15));
+}
+template <> inline __m256i values<DP_W_Q6_K>(const uint8_t* g, int j) {
+  const int h = j / 4, c = j % 4;
+  const __m256i lo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(g + h * 64 + (c % 2) * 32));
+  const __m256i hi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(g + 128 + h * 32));
+  const __m256i m4 = _mm256_set1_epi8(15), m2 = _mm256_set1_epi8(3);
+  const __m256i l4 = _mm256_and_si256(c >= 2 ? _mm256_srli_epi16(lo, 4) : lo, m4);
+  const __m256i h2 = _mm256_and_si256(_mm256_srli_epi16(hi, 2 * c), m2);
+  return _mm256_sub_epi8(_mm256_or_si256(l4, _mm256_slli_epi16(h2, 4)), _mm256_set1_epi8(32));
+}
+
+// The int16 multipliers madd applies to the 16 pair sums of a sub-block: 1 except Q6_K, whose
+// sub-block j has scale 2j for its first 16 elements and 2j + 1 for the rest.
+template <int32_t F>
+inline __m256i int_scales(const uint8_t*, int) { return _mm256_set1_epi16(1); }
+template <> inline __m256i int_scales<DP_W_Q6_K>(const uint8_t* g, int j) {
+  const int8_t* s = reinterpret_cast<const int8_t*>(g + 192);
+  return _mm256_set_m128i(_mm_set1_epi16(s[2 * j + 1]), _mm_set1_epi16(s[2 * j]));
+}
+
+// acc[m][r] (+ mins[m][r]) over all blocks for MR activation rows and NR weight rows.
+template <int32_t F, int MR, int NR>
+inline void tile(const uint8_t* const* wrows, const ActBlock* const* arows, int64_t K, float (*out)[NR]) {
+  using Spec = Fmt<F>;
+  __m256 acc[MR][NR];
+  float mins[MR][NR];
+  for (int m = 0; m < MR; ++m)
+    for (int r = 0; r < NR; ++r) {
+      acc[m][r] = _mm256_setzero_ps();
+      mins[m][r] = 0.0f;
+    }
+  const int64_t num_groups = K / (32 * Spec::G);
+  for (int64_t grp = 0; grp < num_groups; ++grp) {
+    float dw[NR][8], mw[NR][8];
+    for (int r = 0; r < NR; ++r) {
+      const uint8_t* g = wrows[r] + grp * Spec::BYTES;
+      _mm_prefetch(reinterpret_cast<const char*>(g) + 1024, _MM_HINT_T0);
+      group_scales<F>(g, dw[r], mw[r]);
+    }
+    for (int j = 0; j < Spec::G; ++j) {
+      const int64_t b = grp * Spec::G + j;
+      __m256i wv[NR], wa[NR], ws[NR];
+      __m256 dv[NR];
+      for (int r = 0; r < NR; ++r) {
+        const uint8_t* g = wrows[r] + grp * Spec::BYTES;
+        wv[r] = values<F>(g, j);
+        if (Spec::SIGNED) wa[r] = _mm256_sign_epi8(wv[r], wv[r]);
+        ws[r] = int_scales<F>(g, j);
+        dv[r] = _mm256_set1_ps(dw[r][j]);
+      }
+      for (int m = 0; m < MR; ++m) {
+        const ActBlock& a = arows[m][b];
+        const __m256i av = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.q));
+        const __m256 da = _mm256_set1_ps(a.d);
+        for (int r = 0; r < NR; ++r) {
+          const __m256i p16 = Spec::SIGNED ? _mm256_maddubs_epi16(wa[r], _mm256_sign_epi8(av, wv[r]))
+                                           : _mm256_maddubs_epi16(wv[r], av);
+          const __m256 p = _mm256_cvtepi32_ps(_mm256_madd_epi16(p16, ws[r]));
+          acc[m][r] = _mm256_fmadd_ps(p, _mm256_mul_ps(dv[r], da), acc[m][r]);
+          if (!Spec::SIGNED) mins[m][r] += mw[r][j] * a.s;
+        }
+      }
+    }
+  }
+  for (int m = 0; m < MR; ++m)
+    for (int r = 0; r < NR; ++r) out[m][r] = hsum8(acc[m][r]) + mins[m][r];
+}
+
+template <int32_t F, int MR, int NR>
+inline void rows_tile(const WeightDesc& w, const ActBlock* act, int64_t m0, int64_t n0, int64_t n1, float* y,
+                      int64_t ldy) {
+  const int64_t nb = w.K / 32;
+  const ActBlock* arows[MR];
+  for (int m = 0; m < MR; ++m) arows[m] = act + (m0 + m) * nb;
+  for (int64_t n = n0; n < n1; n += NR) {
+    const uint8_t* wrows[NR];
+    for (int r = 0; r < NR; ++r)
+      wrows[r] = static_cast<const uint8_t*>(w.data) + std::min(n + r, n1 - 1) * w.row_bytes;
+    float out[MR][NR];
+    tile<F, MR, NR>(wrows, arows, w.K, out);
+    for (int m = 0; m < MR; ++m)
+      for (int r = 0; r < NR && n + r < n1; ++r) y[(m0 + m) * ldy + (n - n0 + r)] = out[m][r];
+  }
+}
+
+// Activation rows per pass over a chunk of weight rows: the pass's int8 rows stay in L2.
+constexpr int64_t ROWS_PER_PASS = 64;
+
+template <int M> using Rows = std::integral_constant<int, M>;
+
+// Calls run(Rows<MR>, Rows<NR>, m0) over tiles covering rows [0, M): passes of ROWS_PER_PASS rows,
+// 4 x 2 tiles with a 3/2/1-row tail, and one 1 x 4 tile for a lone row.
+template <typename Run>
+inline void for_row_tiles(int64_t M, Run run) {
+  for (int64_t p0 = 0; p0 < M; p0 += ROWS_PER_PASS) {
+    const int64_t p1 = std::min(M, p0 + ROWS_PER_PASS);
+    int64_t m = p0;
+    if (p1 - p0 == 1) {
+      run(Rows<1>{}, Rows<4>{}, m);
+      continue;
+    }
+    for (; m + 4 <= p1; m += 4) run(Rows<4>{}, Rows<2>{}, m);
+    switch (p1 - m) {
+      case 3: run(Rows<3>{}, Rows<2>{}, m); break;
+      case 2: run(Rows<2>{}, Rows<2>{}, m); break;
+      case 1: run(Rows<1>{}, Rows<2>{}, m); break;
+      default: break;
+    }
+  }
+}
+
+template <int32_t F>
+inline void rows_t(const WeightDesc& w, const ActBlock* act, int64_t M, int64_t n0, int64_t n1, float* y,
+                   int64_t ldy) {
+  for_row_tiles(M, [&](auto mr, auto nr, int64_t m0) {
+    rows_tile<F, decltype(mr)::value, decltype(nr)::value>(w, act, m0, n0, n1, y, ldy);
+  });
+}
+
+// ---- fp32 activations: weights dequantized in registers, 8 at a time ----
+
+// Elements 8c..8c+7 of a sub-block's 32 byte values as fp32.
+template <bool SIGNED>
+inline __m256 chunk_f32(__m256i v, int c) {
+  const __m128i half = (c < 2) ? _mm256_castsi256_si128(v) : _mm256_extracti128_si256(v, 1);
+  const __m128i part = (c & 1) ? _mm_srli_si128(half, 8) : half;
+  return _mm256_cvtepi32_ps(SIGNED ? _mm256_cvtepi8_epi32(part) : _mm256_cvtepu8_epi32(part));
+}
+
+template <int32_t F, int MR, int NR>
+inline void tile_f32(const uint8_t* const* wrows, const float* x, int64_t ldx, int64_t K, float (*out)[NR]) {
+  using Spec = Fmt<F>;
+  __m256 acc[MR][NR];
+  for (int m = 0; m < MR; ++m)
+    for (int r = 0; r < NR; ++r) acc[m][r] = _mm256_setzero_ps();
+  const int64_t num_groups = K / (32 * Spec::G);
+  for (int64_t grp = 0; grp < num_groups; ++grp) {
+    float dw[NR][16], mw[NR][16];
+    for (int r = 0; r < NR; ++r) {
+      const uint8_t* g = wrows[r] + grp * Spec::BYTES;
+      _mm_prefetch(reinterpret_cast<const char*>(g) + 1024, _MM_HINT_T0);
+      group_scales16<F>(g, dw[r], mw[r]);
+    }
+    for (int j = 0; j < Spec::G; ++j) {
+      __m256i wv[NR];
+      for (int r = 0; r < NR; ++r) wv[r] = values<F>(wrows[r] + grp * Spec::BYTES, j);
+      const float* xb = x + (grp * Spec::G + j) * 32;
+      for (int c = 0; c < 4; ++c) {
+        __m256 wf[NR];
+        for (int r = 0; r < NR; ++r) {
+          const __m256 q = chunk_f32<Spec::SIGNED>(wv[r], c), d = _mm256_set1_ps(dw[r][2 * j + c / 2]);
+          wf[r] = Spec::SIGNED ? _mm256_mul_ps(q, d) : _mm256_fmadd_ps(q, d, _mm256_set1_ps(mw[r][2 * j + c / 2]));
+        }
+        for (int m = 0; m < MR; ++m) {
+          const __m256 xv = _mm256_loadu_ps(xb + m * ldx + 8 * c);
+          for (int r = 0; r < NR; ++r) acc[m][r] = _mm256_fmadd_ps(wf[r], xv, acc[m][r]);
+        }
+      }
+    }
+  }
+  for (int m = 0; m < MR; ++m)
+    for (int r = 0; r < NR; ++r) out[m][r] = hsum8(acc[m][r]);
+}
+
+template <int32_t F, int MR, int NR>
+inline void rows_tile_f32(const WeightDesc& w, const float* x, int64_t ldx, int64_t m0, int64_t n0, int64_t n1,
+                          float* y, int64_t ldy) {
+  for (int64_t n = n0; n < n1; n += NR) {
+    const uint8_t* wrows[NR];
+    for (int r = 0; r < NR; ++r)
+      wrows[r] = static_cast<const uint8_t*>(w.data) + std::min(n + r, n1 - 1) * w.row_bytes;
+    float out[MR][NR];
+    tile_f32<F, MR, NR>(wrows, x + m0 * ldx, ldx, w.K, out);
+    for (int m = 0; m < MR; ++m)
+      for (int r = 0; r < NR && n + r < n1; ++r) y[(m0 + m) * ldy + (n - n0 + r)] = out[m][r];
+  }
+}
+
+template <int32_t F>
+inline void rows_f32_t(const WeightDesc& w, const float* x, int64_t M, int64_t ldx, int64_t n0, int64_t n1, float* y,
+                       int64_t ldy) {
+  for_row_tiles(M, [&](auto mr, auto nr, int64_t m0) {
+    rows_tile_f32<F, decltype(mr)::value, decltype(nr)::value>(w, x, ldx, m0, n0, n1, y, ldy);
+  });
+}
+
+inline void rows(const WeightDesc& w, const float* x, int64_t M, int64_t ldx, const void* prepared, int64_t n0,
+                 int64_t n1, float* y, int64_t ldy) {
+  const ActBlock* act = static_cast<const ActBlock*>(prepared);
+  const bool int8 = int8_activations();
+  switch (w.format) {
+#define DP_QUANT_CASE(F)                                     \
+  case F:                                                    \
+    if (int8) rows_t<F>(w, act, M, n0, n1, y, ldy);          \
+    else rows_f32_t<F>(w, x, M, ldx, n0, n1, y, ldy);        \
+    break;
+    DP_QUANT_CASE(DP_W_Q8_0)
+    DP_QUANT_CASE(DP_W_Q4_0)
+    DP_QUANT_CASE(DP_W_Q4_1)
+    DP_QUANT_CASE(DP_W_Q4_K)
+    DP_QUANT_CASE(DP_W_Q6_K)
+#undef DP_QUANT_CASE
+    default: break;
+  }
+}
+
+template <int32_t F>
+inline void dequantize_row_t(const uint8_t* row, int64_t K, float* out) {
+  using Spec = Fmt<F>;
+  for (int64_t grp = 0; grp < K / (32 * Spec::G); ++grp) {
+    const uint8_t* g = row + grp * Spec::BYTES;
+    float dw[16], mw[16];
+    group_scales16<F>(g, dw, mw);
+    for (int j = 0; j < Spec::G; ++j) {
+      const __m256i wv = values<F>(g, j);
+      float* o = out + (grp * Spec::G + j) * 32;
+      for (int c = 0; c < 4; ++c)
+        _mm256_storeu_ps(o + 8 * c, _mm256_fmadd_ps(chunk_f32<Spec::SIGNED>(wv, c), _mm256_set1_ps(dw[2 * j + c / 2]),
+                                                      _mm256_set1_ps(mw[2 * j + c / 2])));
+    }
+  }
+}
+
+#else  // no AVX2: dequantize each group to float and dot it with the fp32 activations
+
+inline int64_t prepare_bytes(const WeightDesc&, int64_t) { return 0; }
+inline void prepare(const WeightDesc&, const float*, int64_t, int64_t, void*) {}
+
+template <int32_t F>
+inline void dequantize_row_t(const uint8_t* row, int64_t K, float* out) {
+  const int64_t ge = 32 * Fmt<F>::G;
+  for (int64_t g = 0; g < K / ge; ++g) dequantize_group<F>(row + g * Fmt<F>::BYTES, out + g * ge);
+}
+
+template <int32_t F>
+inline void rows_t(const WeightDesc& w, const float* x, int64_t M, int64_t ldx, int64_t n0, int64_t n1, float* y,
+                   int64_t ldy) {
+  const int64_t ge = 32 * Fmt<F>::G;
+  float buf[256];
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* row = static_cast<const uint8_t*>(w.data) + n * w.row_bytes;
+    for (int64_t m = 0; m < M; ++m) y[m * ldy + (n - n0)] = 0.0f;
+    for (int64_t g = 0; g < w.K / ge; ++g) {
+      dequantize_group<F>(row + g * Fmt<F>::BYTES, buf);
+      for (int64_t m = 0; m < M; ++m) {
+        const float* xm = x + m * ldx + g * ge;
+        float s = 0.0f;
+        for (int64_t e = 0; e < ge; ++e) s += buf[e] * xm[e];
+        y[m * ldy + (n - n0)] += s;
+      }
+    }
+  }
+}
+
+inline void rows(const WeightDesc& w, const float* x, int64_t M, int64_t ldx, const void*, int64_t n0, int64_t n1,
+                 float* y, int64_t ldy) {
+  switch (w.format) {
+    case DP_W_Q8_0: rows_t<DP_W_Q8_0>(w, x, M, ldx, n0, n1, y, ldy); break;
+    case DP_W_Q4_0: rows_t<DP_W_Q4_0>(w, x, M, ldx, n0, n1, y, ldy); break;
+    case DP_W_Q4_1: rows_t<DP_W_Q4_1>(w, x, M, ldx, n0, n1, y, ldy); break;
+    case DP_W_Q4_K: rows_t<DP_W_Q4_K>(w, x, M, ldx, n0, n1, y, ldy); break;
+    case DP_W_Q6_K: rows_t<DP_W_Q6_K>(w, x, M, ldx, n0, n1, y, ldy); break;
+    default: break;
+  }
+}
+
+#endif
+
+// One row of W (K elements) as float32. Returns false for a format this header does not know.
+inline bool dequantize_row(int32_t format, const void* row, int64_t K, float* out) {
+  const uint8_t* r = static_cast<const uint8_t*>(row);
+  switch (format) {
+    case DP_W_Q8_0: dequantize_row_t<DP_W_Q8_0>(r, K, out); return true;
+    case DP_W_Q4_0: dequantize_row_t<DP_W_Q4_0>(r, K, out); return true;
+    case DP_W_Q4_1: dequantize_row_t<DP_W_Q4_1>(r, K, out); return true;
+    case DP_W_Q4_K: dequantize_row_t<DP_W_Q4_K>(r, K, out); return true;
+    case DP_W_Q6_K: dequantize_row_t<DP_W_Q6_K>(r, K, out); return true;
+    default: return false;
+  }
+}
+
+}  // namespace dp_quant

@@ -1,0 +1,67 @@
+// extern "C" entry points over quant_gemv.h, for the per-stage path (dualpace/model/quant.py):
+// one linear call on a block-quantized weight (threads over output rows with OpenMP, sharing
+// torch's runtime as cpu_kernels.cpp does) and the dequantization of chosen rows (embedding
+// lookup of a quantized token_embd). Built by dualpace/model/quant_kernels.py.
+
+#include <omp.h>
+
+#include <cstdint>
+#include <vector>
+
+#include "kernel_weights.h"
+#include "quant_gemv.h"
+
+namespace {
+constexpr int64_t ROWS_PER_TASK = 16;  // output rows per task: small enough to balance 2..64 threads
+}
+
+extern "C" {
+
+int dp_quant_has_avx2() {
+#if defined(__AVX2__)
+  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") ? 1 : 0;
+#else
+  return 0;
+#endif
+}
+
+int dp_quant_format_supported(int32_t format) { return dp_quant::supported(format) ? 1 : 0; }
+
+// y [M, N] (row stride ldy, fp32) = x [M, K] (row stride ldx, fp32) W^T. Returns -1 when the
+// format is not supported or K is not a multiple of its block size.
+int dp_quant_linear(const WeightDesc* w, const float* x, int64_t M, int64_t ldx, float* y, int64_t ldy) {
+  if (!dp_quant::supported(w->format) || w->K % dp_quant::group_elems(w->format) != 0) return -1;
+  std::vector<uint8_t> prepared(static_cast<size_t>(dp_quant::prepare_bytes(*w, M)));
+  dp_quant::prepare(*w, x, M, ldx, prepared.data());
+  const int64_t num_tasks = (w->N + ROWS_PER_TASK - 1) / ROWS_PER_TASK;
+  const bool parallel = w->N * w->K * M >= (1 << 16) && omp_get_max_threads() > 1;
+#pragma omp parallel for schedule(static) if (parallel)
+  for (int64_t t = 0; t < num_tasks; ++t) {
+    const int64_t n0 = t * ROWS_PER_TASK, n1 = std::min(w->N, n0 + ROWS_PER_TASK);
+    dp_quant::rows(*w, x, M, ldx, prepared.data(), n0, n1, y + n0, ldy);
+  }
+  return 0;
+}
+
+// out [rows, K] = rows [row0, row0 + rows) of W dequantized to fp32, threads over rows.
+int dp_quant_dequantize_range(const WeightDesc* w, int64_t row0, int64_t rows, float* out) {
+  if (!dp_quant::supported(w->format) || w->K % dp_quant::group_elems(w->format) != 0) return -1;
+  if (row0 < 0 || rows < 0 || row0 + rows > w->N) return -2;
+#pragma omp parallel for schedule(static) if (rows * w->K >= (1 << 16))
+  for (int64_t r = 0; r < rows; ++r)
+    dp_quant::dequantize_row(w->format, static_cast<const uint8_t*>(w->data) + (row0 + r) * w->row_bytes, w->K,
+                             out + r * w->K);
+  return 0;
+}
+
+// out [num_ids, K] = rows ids of W, dequantized to fp32. Returns -2 for an id outside [0, N).
+int dp_quant_dequantize_rows(const WeightDesc* w, const int64_t* ids, int64_t num_ids, float* out) {
+  if (!dp_quant::supported(w->format) || w->K % dp_quant::group_elems(w->format) != 0) return -1;
+  for (int64_t i = 0; i < num_ids; ++i) {
+    if (ids[i] < 0 || ids[i] >= w->N) return -2;
+    dp_quant::dequantize_row(w->format, static_cast<const uint8_t*>(w->data) + ids[i] * w->row_bytes, w->K,
+                             out + i * w->K);
+  }
+  return 0;
+}
+}

@@ -1,0 +1,164 @@
+"""Block-quantized weights (dualpace.model.quant, quant_gemv.h): every format against the `gguf`
+package's dequantization, odd N, K a multiple of the block, 1..70 rows of x, through the
+standalone kernels, the torch fallback, the cpu_kernels seam and the int8-activation mode."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+import torch
+from gguf.quants import dequantize, quantize
+
+from dualpace.errors import ModelLoadError
+from dualpace.model import cpu_kernels, quant, quant_kernels
+from dualpace.model.quant import FORMAT_BY_NAME, QuantizedWeight, cat_rows, quantize_q8_0
+
+FORMATS = ["Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K"]
+SHAPES = [(1, 37, 256), (3, 19, 512), (8, 33, 768), (13, 5, 256), (70, 9, 512), (130, 7, 256)]
+needs_kernels = pytest.mark.skipif(quant_kernels.get() is None, reason="quantized-weight kernels not built here")
+
+
+def random_blocks(name: str, n: int, k: int, seed: int = 0) -> np.ndarray:
+    """uint8 [n, row_bytes] of valid blocks: quantized random weights where the gguf package can
+    quantize the format, else random bytes with finite, small fp16 scales (K-quants)."""
+    rng = np.random.default_rng(seed)
+    fmt = FORMAT_BY_NAME[name]
+    if name in ("Q8_0", "Q4_0", "Q4_1"):
+        return np.asarray(quantize(rng.standard_normal((n, k)).astype(np.float32) * 0.05, fmt.ggml_type)).reshape(n, -1)
+    raw = rng.integers(0, 256, (n, k // 256, fmt.block_bytes), dtype=np.uint8)
+    d = (rng.random((n, k // 256)) * 0.01 + 0.001).astype(np.float16)
+    if name == "Q4_K":
+        raw[..., 0:2] = d.view(np.uint8).reshape(n, k // 256, 2)
+        raw[..., 2:4] = (d * 0.5).view(np.uint8).reshape(n, k // 256, 2)
+    else:
+        raw[..., 208:210] = d.view(np.uint8).reshape(n, k // 256, 2)
+    return raw.reshape(n, -1)
+
+
+def reference(blocks: np.ndarray, name: str, k: int) -> torch.Tensor:
+    values = dequantize(blocks, FORMAT_BY_NAME[name].ggml_type)
+    return torch.from_numpy(np.asarray(values, dtype=np.float32).reshape(blocks.shape[0], k))
+
+
+def weight(name: str, n: int, k: int, seed: int = 0) -> tuple[QuantizedWeight, torch.Tensor]:
+    blocks = random_blocks(name, n, k, seed)
+    return QuantizedWeight.from_blocks(blocks, FORMAT_BY_NAME[name], k), reference(blocks, name, k)
+
+
+def assert_close(y: torch.Tensor, ref: torch.Tensor, rel: float = 1e-5) -> None:
+    scale = ref.abs().max().item() + 1e-12
+    assert (y - ref).abs().max().item() <= rel * scale, (y - ref).abs().max().item() / scale
+
+
+@needs_kernels
+@pytest.mark.parametrize("name", FORMATS)
+@pytest.mark.parametrize("m,n,k", SHAPES)
+def test_linear_matches_dequantized_reference(name, m, n, k):
+    qw, w = weight(name, n, k)
+    x = torch.randn(m, k)
+    assert_close(qw.linear(x), x @ w.T)
+    bias = torch.randn(n)
+    assert_close(qw.linear(x, bias), x @ w.T + bias)
+
+
+@needs_kernels
+@pytest.mark.parametrize("name", FORMATS)
+def test_dequantize_and_embedding_are_exact(name):
+    qw, w = weight(name, 23, 512)
+    assert torch.equal(qw.dequantize(), w)
+    ids = torch.tensor([[0, 22], [11, 0]])
+    assert torch.equal(qw.embedding(ids), w[ids])
+    assert torch.equal(torch.nn.functional.embedding(ids, qw), w[ids])
+    with pytest.raises(IndexError):
+        qw.embedding(torch.tensor([23]))
+
+
+@pytest.mark.parametrize("name", ["Q4_1", "Q6_K"])
+def test_torch_fallback_without_kernels(name, monkeypatch):
+    qw, w = weight(name, 11, 256)
+    monkeypatch.setattr(quant_kernels, "get", lambda: None)
+    x = torch.randn(3, 256)
+    assert_close(qw.linear(x), x @ w.T)
+    assert torch.equal(qw.embedding(torch.tensor([4])), w[[4]])
+    assert torch.equal(qw.dequantize(), w)
+
+
+@needs_kernels
+def test_mixed_formats_fuse_into_segments():
+    (a, wa), (b, wb), (c, wc) = weight("Q4_K", 9, 512, 1), weight("Q4_K", 5, 512, 2), weight("Q6_K", 7, 512, 3)
+    dense = torch.randn(3, 512)
+    fused = cat_rows([a, b, c, dense])
+    assert fused.shape == (24, 512) and fused.formats == ["Q4_K", "Q6_K", "F32"]
+    assert fused.kernel_desc() is None  # no single layout: the fused kernels leave it to linear()
+    x = torch.randn(4, 512)
+    assert_close(fused.linear(x), x @ torch.cat([wa, wb, wc, dense]).T)
+    assert fused.num_bytes() == a.num_bytes() + b.num_bytes() + c.num_bytes() + dense.numel() * 4
+
+
+@needs_kernels
+def test_torch_functions_and_to():
+    qw, w = weight("Q4_1", 16, 256)
+    x = torch.randn(2, 256, dtype=torch.bfloat16)
+    y = torch.nn.functional.linear(x, qw.to(torch.bfloat16))
+    assert y.dtype == torch.bfloat16 and y.shape == (2, 16)
+    assert qw.to(dtype=torch.bfloat16).dtype == torch.bfloat16 and qw.to("cpu").device.type == "cpu"
+    desc = qw.kernel_desc()
+    assert desc[0] == 3 and desc[2:] == (16, 256, 256 // 32 * 20)
+
+
+def test_bad_blocks_are_refused():
+    with pytest.raises(ModelLoadError):
+        QuantizedWeight.from_blocks(np.zeros((4, 19), dtype=np.uint8), FORMAT_BY_NAME["Q4_1"], 32)
+    with pytest.raises(ModelLoadError):
+        quantize_q8_0(torch.randn(4, 40))
+
+
+@needs_kernels
+def test_int8_quantization_at_load_is_q8_0():
+    w = torch.randn(17, 96)
+    qw = quantize_q8_0(w)
+    assert qw.formats == ["Q8_0"]
+    assert (qw.dequantize() - w).abs().max() <= w.abs().max() / 127  # half a step of the block scale
+    x = torch.randn(5, 96)
+    assert_close(qw.linear(x), x @ qw.dequantize().T)
+
+
+@needs_kernels
+@pytest.mark.parametrize("name", FORMATS)
+def test_the_cpu_kernels_seam_uses_the_header(name):
+    """Kernels.linear (cpu_kernels.cpp's linear_any, which includes quant_gemv.h) on the same weight."""
+    kernels = cpu_kernels.get()
+    if kernels is None or not kernels.supports_format(FORMAT_BY_NAME[name].ggml_type):
+        pytest.skip("cpu_kernels without quantized formats here")
+    qw, w = weight(name, 21, 512)
+    for m in (1, 5, 8, 20, quant.DENSE_MIN_ROWS):
+        x = torch.randn(m, 512)
+        residual = torch.randn(m, 21)
+        assert_close(kernels.linear(x, qw, residual=residual), x @ w.T + residual)
+
+
+@needs_kernels
+def test_int8_activation_mode_matches_quantized_activations():
+    """DUALPACE_QUANT_ACTIVATIONS=int8 (read once per process, hence a subprocess): equal to the
+    dequantized weights times x rounded to int8 per block of 32 (scale max|x| / 127)."""
+    script = textwrap.dedent("""
+        import torch
+        from tests.model.test_quant import FORMATS, weight, assert_close
+        for name in FORMATS:
+            for m, n, k in [(1, 37, 256), (6, 19, 512)]:
+                qw, w = weight(name, n, k)
+                x = torch.randn(m, k)
+                blocks = x.view(m, -1, 32)
+                d = blocks.abs().amax(-1, keepdim=True) / 127
+                xq = (torch.round(blocks / d) * d).view(m, k)
+                assert_close(qw.linear(x), xq @ w.T, rel=1e-4)
+        print("ok")
+    """)
+    env = {**os.environ, "DUALPACE_QUANT_ACTIVATIONS": "int8", "PYTHONPATH": os.getcwd()}
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
+    assert result.returncode == 0 and "ok" in result.stdout, result.stderr[-3000:]

@@ -1,0 +1,118 @@
+"""The default model (a Q4_1 GGUF with a Q8_0 embedding) with native block weights, against the
+same file dequantized to fp32 at load: same matrices (the Q/K un-permute moved raw block rows),
+same greedy tokens on 8 prompts x 32, logits within a stated bound; `--weights` modes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dualpace.errors import InvalidArgument
+from dualpace.generation import OfflineGenerator
+from dualpace.model import quant_kernels
+from dualpace.model.loader import describe_weights, load_model, weights_num_bytes
+from dualpace.model.quant import QuantizedWeight, quantize_q8_0
+from dualpace.model.registry import DEFAULT_MODEL_NAME
+from dualpace.sampling import SamplingParams
+from tests.model.test_parity import prompt_logits
+
+PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,",
+           "The three primary colors are", "Water boils at a temperature of", "import numpy as np\n\nx =",
+           "The best way to learn a new language is", "In 1969, the first humans"]
+# Max |logit difference| over the prompt positions, native vs dequantized fp32: only the order of
+# the fp32 sums differs (measured ~1e-4 on this model; logits are O(10)).
+LOGIT_TOLERANCE = 2e-3
+
+pytestmark = pytest.mark.skipif(quant_kernels.get() is None, reason="quantized-weight kernels not built here")
+
+
+@pytest.fixture(scope="module")
+def native_fp32():
+    return load_model(DEFAULT_MODEL_NAME, dtype="fp32", weights="native")
+
+
+def test_native_weights_stay_in_their_blocks(native_fp32, default_model_fp32):
+    weights = native_fp32.model.weights
+    assert isinstance(weights.layers[0].qkv_proj, QuantizedWeight) and weights.layers[0].qkv_proj.formats == ["Q4_1"]
+    assert weights.embed_tokens.formats == ["Q8_0"] and weights.lm_head is weights.embed_tokens
+    assert weights_num_bytes(weights) < 0.4 * weights_num_bytes(default_model_fp32.model.weights) / 2
+    assert "MB in cpu memory" in describe_weights(weights, torch.device("cpu"), torch.float32)
+    for i in (0, 29):  # the un-permuted Q/K rows are the same rows the dequantizing loader makes
+        dense = default_model_fp32.model.weights.layers[i]
+        assert torch.equal(weights.layers[i].qkv_proj.dequantize(), dense.qkv_proj)
+        assert torch.equal(weights.layers[i].down_proj.dequantize(), dense.down_proj)
+
+
+def test_prompt_logits_match_dequantized_fp32(native_fp32, default_model_fp32):
+    ids = native_fp32.tokenizer.encode(PROMPTS[0], add_special_tokens=True)
+    diff = (prompt_logits(native_fp32, ids) - prompt_logits(default_model_fp32, ids)).abs().max().item()
+    assert diff < LOGIT_TOLERANCE, diff
+
+
+def test_greedy_tokens_match_dequantized_fp32(native_fp32, default_model_fp32):
+    outputs = []
+    for loaded in (native_fp32, default_model_fp32):
+        ids = [loaded.tokenizer.encode(p, add_special_tokens=True) for p in PROMPTS]
+        seqs = OfflineGenerator(loaded).generate(ids, [SamplingParams(max_tokens=32, ignore_eos=True)] * len(ids))
+        outputs.append([s.output_token_ids for s in seqs])
+    assert outputs[0] == outputs[1]
+
+
+def test_chat_answers_paris(native_fp32):
+    tok = native_fp32.tokenizer
+    ids = tok.encode_chat([{"role": "user", "content": "What is the capital of France?"}])
+    seq = OfflineGenerator(native_fp32).generate([ids], [SamplingParams(max_tokens=24)],
+                                                 extra_eos_token_ids=tok.chat_stop_token_ids)[0]
+    assert "Paris" in tok.decode(seq.output_token_ids, skip_special_tokens=True)
+
+
+def test_int8_at_load_on_a_checkpoint(synth_checkpoint):
+    folder = str(synth_checkpoint("tiny-llama"))
+    dense = load_model(folder, dtype="fp32")
+    int8 = load_model(folder, dtype="fp32", weights="int8")
+    layer, dense_layer = int8.model.weights.layers[0], dense.model.weights.layers[0]
+    assert layer.gate_up_proj.formats == ["Q8_0"] and int8.model.weights.embed_tokens.formats == ["Q8_0"]
+    for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"):  # Q8_0 of the checkpoint's matrices
+        assert torch.equal(getattr(layer, name).dequantize(), quantize_q8_0(getattr(dense_layer, name)).dequantize())
+    ids = list(range(3, 40))
+    a, b = prompt_logits(int8, ids), prompt_logits(dense, ids)
+    assert torch.isfinite(a).all() and (a - b).abs().max() < 0.1 * b.abs().max()  # random weights: loose
+
+
+def test_weights_modes_are_checked():
+    with pytest.raises(InvalidArgument):
+        load_model(DEFAULT_MODEL_NAME, weights="q3")
+    with pytest.raises(InvalidArgument):
+        load_model(DEFAULT_MODEL_NAME, dtype="bf16", weights="fp32")
+
+
+def test_q8_0_export_runs_natively(tmp_path):
+    """`dualpace model export --gguf q8_0`: every matrix Q8_0, metadata kept; native Q8_0 weights
+    decode as the same file dequantized to fp32 does."""
+    from dualpace_cli.main import main
+
+    out = tmp_path / "smollm2-q8_0.gguf"
+    assert main(["model", "export", "--gguf", "q8_0", "--out", str(out)]) == 0
+    native = load_model(str(out), dtype="fp32", weights="native")
+    dense = load_model(str(out), dtype="fp32", weights="fp32")
+    assert native.config == dense.config and native.model.weights.layers[3].qkv_proj.formats == ["Q8_0"]
+    ids = [native.tokenizer.encode(p, add_special_tokens=True) for p in PROMPTS[:3]]
+    params = [SamplingParams(max_tokens=16, ignore_eos=True)] * len(ids)
+    assert ([s.output_token_ids for s in OfflineGenerator(native).generate(ids, params)]
+            == [s.output_token_ids for s in OfflineGenerator(dense).generate(ids, params)])
+    assert main(["model", "export", "--gguf", "q8_0", "--out", str(out)]) == 2  # exists: refused
+
+
+def test_weights_flag_reaches_generate_and_the_engines(synth_checkpoint, capsys):
+    import argparse
+
+    from dualpace_cli.main import main
+    from dualpace.serve.engine_daemon import add_engine_arguments
+
+    folder = str(synth_checkpoint("tiny-llama"))
+    assert main(["generate", "--model", folder, "--prompt-ids", "1,2,3", "--weights", "int8", "--max-tokens", "3",
+                 "--json"]) == 0
+    assert '"token_ids"' in capsys.readouterr().out
+    parser = argparse.ArgumentParser()
+    add_engine_arguments(parser, default_name="cpu", default_kv_blocks=8)
+    assert parser.parse_args([]).weights == "native" and parser.parse_args(["--weights", "int8"]).weights == "int8"
