@@ -82,7 +82,10 @@ def load_profile_for(args: argparse.Namespace):
 
     _, model_config = load_tokenizer_and_config(args.model)
     dtype = str(resolve_dtype(args.dtype)).removeprefix("torch.")
-    return load_daemon_profile(args.profile, model_config, dtype, args.block_size, args.profile_ignore_fingerprint)
+    from dualpace.model.cpu_kernels import kernel_info
+
+    return load_daemon_profile(args.profile, model_config, dtype, args.block_size, args.profile_ignore_fingerprint,
+                               cpu_kernel_variant=kernel_info()["variant"])
 
 
 def seed_chooser(chooser: ModeChooser, profile, assist_available: bool, max_batch_size: int,

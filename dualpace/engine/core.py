@@ -27,6 +27,7 @@ class EngineConfig:
     block_size: int = 16
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     prefix_caching: bool = True  # reuse the KV of full blocks whose prefix was computed before
+    cpu_kernel_variant: str = "off"  # dualpace.model.cpu_kernels variant in use ("off": torch ops; CUDA: n/a)
 
 
 def prefix_cache_salt(loaded: LoadedModel) -> str:

@@ -25,9 +25,11 @@ IGNORE_FLAG = "--profile-ignore-fingerprint"
 
 
 def load_daemon_profile(path: str, config: ModelConfig, dtype: str | None = None, block_size: int | None = None,
-                        ignore_fingerprint: bool = False) -> Profile:
+                        ignore_fingerprint: bool = False, cpu_kernel_variant: str | None = None) -> Profile:
     """The profile at `path`, checked against the served model. dtype / block_size None: not
-    compared (the router does not know the engines' dtype)."""
+    compared (the router does not know the engines' dtype). `cpu_kernel_variant` (cpu_service:
+    the kernels it computes with): a profile whose CPU tables were measured with another
+    variant is refused, naming both, since its latencies describe other code."""
     try:
         profile = load_profile(path)
     except ProfileError as exc:
@@ -40,6 +42,13 @@ def load_daemon_profile(path: str, config: ModelConfig, dtype: str | None = None
             raise ProfileError(f"--profile {path}: made for another model ({'; '.join(problems)}); "
                                f"pass {IGNORE_FLAG} to use it anyway")
         log.warning("profile %s: model fingerprint mismatch ignored (%s)", path, "; ".join(problems))
+    measured_with = profile.hardware.cpu_kernel_variant
+    if cpu_kernel_variant is not None and measured_with is not None and measured_with != cpu_kernel_variant:
+        message = (f"--profile {path}: measured with CPU kernel variant {measured_with!r}, this engine runs "
+                   f"{cpu_kernel_variant!r}")
+        if not ignore_fingerprint:
+            raise ProfileError(f"{message}; pass {IGNORE_FLAG} to use it anyway")
+        log.warning("%s (ignored)", message)
     here = HardwareFingerprint(cpu_model=cpu_model_name(), cpu_cores=_cores(), memory_bytes=memory_bytes())
     hardware_problems = fingerprint_mismatches(profile, hardware=here,
                                                ignore=("hardware.gpu_model", "hardware.gpu_memory_bytes"))

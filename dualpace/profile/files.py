@@ -112,7 +112,18 @@ def _parse_hardware(raw: Any) -> HardwareFingerprint:
         cpu_threads=None if raw.get("cpu_threads") is None else _int(raw["cpu_threads"], "hardware.cpu_threads"),
         torch_version=_optional_str(raw, "torch_version", where),
         device=_optional_str(raw, "device", where),
+        cpu_kernel_variant=_optional_str(raw, "cpu_kernel_variant", where),
+        cpu_flags=_optional_flags(raw, where),
     )
+
+
+def _optional_flags(raw: Mapping[str, Any], where: str) -> tuple[str, ...] | None:
+    value = raw.get("cpu_flags")
+    if value is None:
+        return None
+    if not isinstance(value, list) or not all(isinstance(flag, str) and flag for flag in value):
+        raise ProfileError(f"{where}.cpu_flags: expected a list of flag names")
+    return tuple(value)
 
 
 def _optional_str(raw: Mapping[str, Any], key: str, where: str) -> str | None:

@@ -91,7 +91,7 @@ OPTIONAL_TABLES_1D = {
 # slightly different totals on the same machine (kernel reservations, firmware).
 MEMORY_TOLERANCE = 0.05
 # Hardware fields a hand-assembled profile may leave out (absent = null).
-OPTIONAL_HARDWARE_FIELDS = ("cpu_threads", "torch_version", "device")
+OPTIONAL_HARDWARE_FIELDS = ("cpu_threads", "torch_version", "device", "cpu_kernel_variant", "cpu_flags")
 
 
 class ProfileError(DualPaceError):
@@ -109,6 +109,8 @@ class HardwareFingerprint:
     cpu_threads: int | None = None
     torch_version: str | None = None
     device: str | None = None
+    cpu_kernel_variant: str | None = None  # dualpace.model.cpu_kernels' variant the CPU tables were measured with
+    cpu_flags: tuple[str, ...] | None = None  # the CPU flags the kernel variants depend on
 
 
 @dataclass(frozen=True)
@@ -211,7 +213,7 @@ def fingerprint_mismatches(profile: Profile, hardware: HardwareFingerprint | Non
             if ours != theirs:
                 problems.append(f"model.{f.name}: profile has {ours!r}, this deployment has {theirs!r}")
     if hardware is not None:
-        for name in ("cpu_model", "cpu_cores", "gpu_model", "cpu_threads", "torch_version", "device"):
+        for name in ("cpu_model", "cpu_cores", "gpu_model", "cpu_threads", "torch_version", "device", "cpu_kernel_variant"):
             if f"hardware.{name}" in ignore:
                 continue
             ours, theirs = getattr(profile.hardware, name), getattr(hardware, name)

@@ -139,11 +139,21 @@ def build_engine(
         scheduler=SchedulerConfig(max_batch_tokens=args.max_batch_tokens, max_running=args.max_running,
                                   max_waiting=args.max_waiting),
         prefix_caching=args.prefix_caching == "on",
+        cpu_kernel_variant=_cpu_kernel_variant(device),
     )
     device_lock = threading.Lock()
     runner = make_runner(loaded, config) if make_runner is not None else None
     loop = EngineLoop(EngineCore(loaded, config, runner), step_lock=device_lock)
     return EngineDaemonParts(loaded, loop, device_lock)
+
+
+def _cpu_kernel_variant(device: str) -> str:
+    """The CPU kernels' variant this engine computes with (logged once by cpu_kernels), or "n/a"."""
+    if not device.startswith("cpu"):
+        return "n/a"
+    from dualpace.model.cpu_kernels import kernel_info
+
+    return kernel_info()["variant"]
 
 
 def warm_up(core: EngineCore) -> None:

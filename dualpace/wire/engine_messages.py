@@ -211,6 +211,7 @@ def engine_info_to_pb(core) -> engine_pb2.EngineInfo:
         dtype=str(model.dtype).removeprefix("torch."),
         device=str(model.device),
         version=__version__,
+        cpu_kernel_variant=core.config.cpu_kernel_variant,
     )
 
 

@@ -6,6 +6,7 @@ import os
 
 import torch
 
+from dualpace.model import cpu_kernels
 from dualpace.profile.fingerprint import cpu_model_name, memory_bytes
 from dualpace.profile.schema import HardwareFingerprint
 
@@ -17,6 +18,7 @@ def hardware_fingerprint(threads: int, device: str, bandwidth_bytes_per_s: float
     if device.startswith("cuda"):
         properties = torch.cuda.get_device_properties(torch.device(device))
         gpu_model, gpu_memory = properties.name, int(properties.total_memory)
+    kernels = cpu_kernels.kernel_info()
     return HardwareFingerprint(
         cpu_model=cpu_model_name(),
         cpu_cores=os.cpu_count() or 1,
@@ -27,4 +29,6 @@ def hardware_fingerprint(threads: int, device: str, bandwidth_bytes_per_s: float
         cpu_threads=threads,
         torch_version=torch.__version__,
         device=device,
+        cpu_kernel_variant=kernels["variant"],
+        cpu_flags=tuple(kernels["cpu_flags"]),
     )

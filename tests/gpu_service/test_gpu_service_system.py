@@ -180,3 +180,10 @@ def test_grpcurl_lists_services_and_calls_info(daemons, grpcurl, tiny_model):
     # grpcurl prints the proto field names (older releases printed lowerCamelCase).
     assert body.get("num_layers", body.get("numLayers")) == tiny_model.config.num_layers
     assert body["engine"] == "gpu-main"
+
+
+def test_info_names_the_cpu_kernel_variant_in_use(daemons):
+    from dualpace.model.cpu_kernels import kernel_info
+
+    info = daemons.stub("main").Info(engine_pb2.InfoRequest(), timeout=10)
+    assert info.cpu_kernel_variant == kernel_info()["variant"]  # the same choice in this process as in the daemon

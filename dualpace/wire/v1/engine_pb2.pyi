@@ -258,7 +258,7 @@ class InfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class EngineInfo(_message.Message):
-    __slots__ = ("engine", "kind", "model", "architecture", "num_layers", "hidden_size", "num_heads", "num_kv_heads", "head_dim", "vocab_size", "max_context_tokens", "block_size", "dtype", "device", "version")
+    __slots__ = ("engine", "kind", "model", "architecture", "num_layers", "hidden_size", "num_heads", "num_kv_heads", "head_dim", "vocab_size", "max_context_tokens", "block_size", "dtype", "device", "version", "cpu_kernel_variant")
     ENGINE_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
@@ -274,6 +274,7 @@ class EngineInfo(_message.Message):
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
+    CPU_KERNEL_VARIANT_FIELD_NUMBER: _ClassVar[int]
     engine: str
     kind: _common_pb2.EngineKind
     model: str
@@ -289,7 +290,8 @@ class EngineInfo(_message.Message):
     dtype: str
     device: str
     version: str
-    def __init__(self, engine: _Optional[str] = ..., kind: _Optional[_Union[_common_pb2.EngineKind, str]] = ..., model: _Optional[str] = ..., architecture: _Optional[str] = ..., num_layers: _Optional[int] = ..., hidden_size: _Optional[int] = ..., num_heads: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., vocab_size: _Optional[int] = ..., max_context_tokens: _Optional[int] = ..., block_size: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., version: _Optional[str] = ...) -> None: ...
+    cpu_kernel_variant: str
+    def __init__(self, engine: _Optional[str] = ..., kind: _Optional[_Union[_common_pb2.EngineKind, str]] = ..., model: _Optional[str] = ..., architecture: _Optional[str] = ..., num_layers: _Optional[int] = ..., hidden_size: _Optional[int] = ..., num_heads: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., vocab_size: _Optional[int] = ..., max_context_tokens: _Optional[int] = ..., block_size: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., version: _Optional[str] = ..., cpu_kernel_variant: _Optional[str] = ...) -> None: ...
 
 class WatchKvEventsRequest(_message.Message):
     __slots__ = ()
