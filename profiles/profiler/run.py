@@ -151,7 +151,7 @@ def run_profile(request: ProfileRequest) -> tuple[Path, Profile, bool]:
     device = str(resolve_device(request.device))
     if device == "cuda":
         device = "cuda:0"
-    torch_dtype = resolve_dtype(request.dtype)
+    torch_dtype = resolve_dtype(request.dtype, torch.device(device).type)  # auto: what is fastest on that device
     from dualpace.model.loader import load_tokenizer_and_config
 
     _, config = load_tokenizer_and_config(request.model)
