@@ -33,6 +33,9 @@ class MetricsSink(Protocol):
     def nonfinite_logits(self) -> None:
         """A request was ended because its logits were not finite."""
 
+    def request_orphaned(self) -> None:
+        """A request was aborted because no stream re-attached within its orphan lease."""
+
     def iteration(self, mode: str, seconds: float) -> None:
         """A step that did work took `seconds` of model time in `mode` (gpu, local, assisted)."""
 
@@ -66,6 +69,9 @@ class NoMetrics:
         pass
 
     def nonfinite_logits(self) -> None:
+        pass
+
+    def request_orphaned(self) -> None:
         pass
 
     def iteration(self, mode: str, seconds: float) -> None:

@@ -7,8 +7,6 @@ from the events the loop dispatches. One RequestClock per request the loop holds
 
 from __future__ import annotations
 
-from prometheus_client import Counter
-
 from dualpace.serve.metrics import EngineMetrics, RequestClock
 
 
@@ -18,11 +16,6 @@ class PrometheusLoopMetrics:
     def __init__(self, engine: str):
         self.engine = EngineMetrics(engine)
         self._clocks: dict[str, RequestClock] = {}  # per request: TTFT / ITL / E2E
-
-    @property
-    def orphaned_requests(self) -> Counter:
-        """Requests aborted when their orphan lease expired (dualpace.serve.orphan_lease)."""
-        return self.engine.orphaned_requests
 
     def request_added(self, request_id: str, num_prompt_tokens: int) -> None:
         self._clocks[request_id] = RequestClock()
@@ -49,6 +42,9 @@ class PrometheusLoopMetrics:
 
     def nonfinite_logits(self) -> None:
         self.engine.nonfinite_logits.inc()
+
+    def request_orphaned(self) -> None:
+        self.engine.orphaned_requests.inc()
 
     def iteration(self, mode: str, seconds: float) -> None:
         self.engine.iteration(mode, seconds)
