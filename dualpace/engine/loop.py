@@ -31,11 +31,11 @@ from dualpace.engine.channel import RequestChannel
 from dualpace.engine.core import EngineCore
 from dualpace.engine.gate import IterationGate
 from dualpace.engine.load import EngineLoad
+from dualpace.engine.metrics_sink import MetricsSink, NoMetrics
 from dualpace.engine.request import RequestEvent
 from dualpace.engine.step_window import StepLatencyWindow
 from dualpace.errors import RequestNotFound, Unavailable
 from dualpace.sampling import FinishReason, SamplingParams
-from dualpace.serve.metrics import EngineMetrics, RequestClock
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -50,7 +50,7 @@ def nonfinite_logits_message(request_id: str, engine_name: str) -> str:
 
 class EngineLoop:
     def __init__(self, core: EngineCore, step_lock: threading.Lock | None = None,
-                 gate: IterationGate | None = None):
+                 gate: IterationGate | None = None, metrics: MetricsSink | None = None):
         self.core = core
         self.channels: dict[str, RequestChannel] = {}
         self._finished: OrderedDict[str, RequestChannel] = OrderedDict()
@@ -70,9 +70,8 @@ class EngineLoop:
         self._last_alive = float("-inf")
         self.fatal_error: BaseException | None = None
         self.stopped = asyncio.Event()
-        # Prometheus (dualpace.serve.metrics): updated here, after steps and commands, never in the scheduler.
-        self.metrics = EngineMetrics(core.config.name)
-        self._clocks: dict[str, RequestClock] = {}  # per request: TTFT / ITL / E2E
+        # Reported here, after steps and commands, never in the scheduler; the daemon passes Prometheus.
+        self.metrics: MetricsSink = metrics or NoMetrics()
         self._iteration_s = 0.0  # the last step's model time (inside the step lock)
 
     # ----------------------------------------------------------------- commands
@@ -93,8 +92,7 @@ class EngineLoop:
             request = self.core.add_request(request_id, prompt_token_ids, params)
             channel = RequestChannel(request_id, len(request.prompt_token_ids))
             self.channels[request_id] = channel
-            self._clocks[request_id] = RequestClock()
-            self.metrics.prompt_tokens.inc(len(request.prompt_token_ids))
+            self.metrics.request_added(request_id, len(request.prompt_token_ids))
             return channel
 
         return await self.call(add)
@@ -117,7 +115,7 @@ class EngineLoop:
     def add_channel(self, channel: RequestChannel) -> None:
         """Register the channel of a request that arrived by import (call inside a command)."""
         self.channels[channel.request_id] = channel
-        self._clocks[channel.request_id] = RequestClock(arrived=False)
+        self.metrics.request_imported(channel.request_id)
 
     async def dispatch(self, events: list[RequestEvent]) -> None:
         """Publish events produced by a command (e.g. a release after migration)."""
@@ -154,7 +152,7 @@ class EngineLoop:
                     future.set_exception(Unavailable(f"engine failed: {exc}"))
             for channel in list(self.channels.values()):
                 await channel.fail(f"engine {self.core.config.name} failed: {exc}")
-            self._clocks.clear()
+            self.metrics.all_requests_failed()
         finally:
             self.stopped.set()
 
@@ -212,14 +210,14 @@ class EngineLoop:
         return "gpu" if self.core.config.kind == "gpu" else "local"
 
     def update_metrics(self) -> None:
-        """Set the Prometheus gauges from the engine's state (cheap: a few attribute reads)."""
+        """Report the engine's state to the metrics (cheap: a few attribute reads)."""
         scheduler = self.core.scheduler
         blocks = scheduler.blocks
-        self.metrics.set_state(scheduler.num_running, scheduler.num_waiting, blocks.num_used_blocks,
-                               blocks.num_total_blocks, scheduler.num_preemptions)
+        self.metrics.state(scheduler.num_running, scheduler.num_waiting, blocks.num_used_blocks,
+                           blocks.num_total_blocks, scheduler.num_preemptions)
         if (prefix_cache := scheduler.prefix_cache) is not None:
-            self.metrics.set_prefix_cache(self.core.config.kind, prefix_cache.num_query_tokens,
-                                          prefix_cache.num_hit_tokens, blocks.num_cached_blocks)
+            self.metrics.prefix_cache(self.core.config.kind, prefix_cache.num_query_tokens,
+                                      prefix_cache.num_hit_tokens, blocks.num_cached_blocks)
 
     def stop(self) -> None:
         self._stopping = True
@@ -273,19 +271,17 @@ class EngineLoop:
                 # The one error a step ends a request with: its logits were not finite (Scheduler.apply).
                 # Its blocks are already free; the rest of the batch went on; the engine keeps serving.
                 error_message = nonfinite_logits_message(event.request_id, self.core.config.name)
-                self.metrics.nonfinite_logits.inc()
+                self.metrics.nonfinite_logits()
                 log.warning("%s", error_message)
             channel = self.channels.get(event.request_id)
             if channel is None:
                 continue
             await channel.publish(event, error_message)
-            clock = self._clocks.get(event.request_id)
-            if clock is not None:
-                clock.tokens(self.metrics, len(event.new_token_ids), now_s)
-                if event.finish_reason is not None:
-                    clock.finished(self.metrics, event.finish_reason.value, now_s)
+            self.metrics.tokens(event.request_id, len(event.new_token_ids), now_s)
+            if event.finish_reason is not None:
+                self.metrics.finished(event.request_id, event.finish_reason.value, now_s)
             if channel.done:
-                self._clocks.pop(event.request_id, None)
+                self.metrics.request_closed(event.request_id)
                 del self.channels[event.request_id]
                 self._finished[event.request_id] = channel
                 while len(self._finished) > NUM_FINISHED_CHANNELS_KEPT:

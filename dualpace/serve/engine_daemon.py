@@ -38,6 +38,7 @@ from dualpace.model.loader import LoadedModel
 from dualpace.model.registry import DEFAULT_MODEL_NAME
 from dualpace.sampling import SamplingParams
 from dualpace.serve.config import add_config_argument, effective_config
+from dualpace.serve.engine_loop_metrics import PrometheusLoopMetrics
 from dualpace.serve.engine_servicer import EngineServicer
 from dualpace.serve.event_loop import serve_forever
 from dualpace.serve.logging_setup import configure_logging, get_logger
@@ -143,7 +144,8 @@ def build_engine(
     )
     device_lock = threading.Lock()
     runner = make_runner(loaded, config) if make_runner is not None else None
-    loop = EngineLoop(EngineCore(loaded, config, runner), step_lock=device_lock)
+    loop = EngineLoop(EngineCore(loaded, config, runner), step_lock=device_lock,
+                      metrics=PrometheusLoopMetrics(config.name))
     return EngineDaemonParts(loaded, loop, device_lock)
 
 

@@ -6,7 +6,8 @@ Names follow what vLLM's users already graph (`num_requests_running`, `time_to_f
 the engine's own name; in the router it is the engine that produced (or was given) the tokens.
 
 Who updates what, so the pure scheduler stays free of it:
-- EngineLoop (dualpace.engine.loop): request gauges, KV blocks, preemptions after each step and
+- PrometheusLoopMetrics (dualpace.serve.engine_loop_metrics), the MetricsSink the engine daemon
+  gives its EngineLoop: request gauges, KV blocks, preemptions after each step and
   command; iteration latency (mode gpu, or local/assisted on cpu_service); prompt/generation
   tokens, TTFT, ITL, E2E, finished requests and requests ended by non-finite logits from the
   events it dispatches.

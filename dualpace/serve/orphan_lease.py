@@ -80,7 +80,7 @@ class OrphanLeases:
         except (RequestNotFound, Unavailable):
             return  # gone meanwhile, or the engine is stopping (its drain ends the request)
         self.num_orphaned += 1
-        self.loop.metrics.orphaned_requests.inc()
+        self.loop.metrics.request_orphaned()
         log.warning("orphaned request aborted: no stream re-attached within the lease", request_id=request_id,
                     orphan_timeout_s=self.timeout_s)
 

@@ -11,11 +11,9 @@ from __future__ import annotations
 
 import signal
 import subprocess
-import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import TypeVar
 
 import grpc
 import pytest
@@ -27,9 +25,8 @@ from dualpace.sampling import FinishReason, SamplingParams
 from dualpace.wire.common import finish_reason_from_pb
 from dualpace.wire.engine_messages import new_request_to_pb
 from dualpace.wire.v1 import engine_pb2, engine_pb2_grpc
+from tests.helpers import wait_for
 from toolkit.processes import Daemon, start_daemon
-
-T = TypeVar("T")
 
 COMMON_FLAGS = ("--dtype", "fp32", "--threads", "1")
 # The tiny model has 3 layers and its KV for a whole context fits one chunk per
@@ -202,18 +199,6 @@ def blocks_used(stub: engine_pb2_grpc.EngineStub) -> int:
 
 def listed_ids(stub: engine_pb2_grpc.EngineStub) -> list[str]:
     return [r.request_id for r in stub.ListRequests(engine_pb2.ListRequestsRequest(), timeout=10).requests]
-
-
-def wait_for(probe: Callable[[], T], done: Callable[[T], bool], timeout_s: float = 2.0,
-             interval_s: float = 0.01) -> T:
-    """Poll `probe` until `done(value)` or the time is up; returns the last value (the caller asserts)."""
-    deadline = time.monotonic() + timeout_s
-    for _ in range(int(timeout_s / interval_s) + 1):
-        value = probe()
-        if done(value) or time.monotonic() > deadline:
-            return value
-        time.sleep(interval_s)
-    return value
 
 
 def wait_idle(stub: engine_pb2_grpc.EngineStub, timeout_s: float = 2.0) -> int:

@@ -17,9 +17,9 @@ from tests.gpu_service.conftest import (
     listed_ids,
     read_first_tokens,
     start_generate,
-    wait_for,
     wait_idle,
 )
+from tests.helpers import wait_for
 
 _ids = itertools.count()
 LONG_PARAMS = SamplingParams(max_tokens=480, ignore_eos=True)
@@ -129,7 +129,7 @@ def test_full_queue_is_resource_exhausted(daemons):
         read_first_tokens(running, "q-running")
         waiting = start_generate(stub, "q-waiting", prompt, LONG_PARAMS)
         load = wait_for(lambda: stub.GetLoad(engine_pb2.GetLoadRequest(), timeout=10),
-                        lambda snapshot: snapshot.num_waiting == 1)
+                        lambda snapshot: snapshot.num_waiting == 1, timeout_s=2)
         assert (load.num_running, load.num_waiting) == (1, 1)
         expect_error(lambda: stub.Generate(new_request(prompt=prompt), timeout=RPC_TIMEOUT_S),
                      grpc.StatusCode.RESOURCE_EXHAUSTED, "queue")
@@ -139,6 +139,6 @@ def test_full_queue_is_resource_exhausted(daemons):
             waiting.cancel()
     assert wait_idle(stub) == 0
     load = wait_for(lambda: stub.GetLoad(engine_pb2.GetLoadRequest(), timeout=10),
-                    lambda snapshot: snapshot.num_running == snapshot.num_waiting == 0)
+                    lambda snapshot: snapshot.num_running == snapshot.num_waiting == 0, timeout_s=2)
     assert (load.num_running, load.num_waiting) == (0, 0)
     assert_healthy(daemons.address("queue"), stub, f"after-{next(_ids)}")

@@ -17,7 +17,6 @@ from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import TypeVar
 
 import grpc
 import pytest
@@ -36,9 +35,8 @@ from dualpace.wire.v1 import (
     router_pb2,
     router_pb2_grpc,
 )
+from tests.helpers import wait_for
 from toolkit.processes import Daemon, start_daemon
-
-T = TypeVar("T")
 
 ENGINE_FLAGS = ("--dtype", "fp32", "--threads", "1")
 RPC_TIMEOUT_S = 120.0
@@ -205,17 +203,6 @@ class EngineProbe(EngineClient):
         assert stream.wait(RPC_TIMEOUT_S)
         assert stream.error is None, stream.error
         assert stream.finish_reason == FinishReason.LENGTH and len(stream.tokens) == max_tokens
-
-
-def wait_for(probe: Callable[[], T], done: Callable[[T], bool], timeout_s: float = 10.0,
-             interval_s: float = 0.01) -> T:
-    """Poll `probe` until `done(value)` or the time is up; returns the last value (the caller asserts)."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = probe()
-        if done(value) or time.monotonic() > deadline:
-            return value
-        time.sleep(interval_s)
 
 
 # ---------------------------------------------------------------------- streams

@@ -31,8 +31,8 @@ from tests.reliability.conftest import (
     router_stub,
     start_gpu,
     start_router,
-    wait_for,
 )
+from tests.helpers import wait_for
 
 HTTP = re.compile(r"http listening on (\S+)")
 HANG_GUARD_S = 60.0

@@ -19,8 +19,8 @@ from tests.reliability.conftest import (
     EngineStream,
     RouterStream,
     prompt_for,
-    wait_for,
 )
+from tests.helpers import wait_for
 
 NUM_OTHERS = 20
 OTHER_MAX_TOKENS = 24

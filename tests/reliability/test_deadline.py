@@ -17,8 +17,8 @@ from tests.reliability.conftest import (
     EngineStream,
     RouterStream,
     prompt_for,
-    wait_for,
 )
+from tests.helpers import wait_for
 
 MAX_TOKENS = 400  # about 12 s of steps: far past the deadline
 DEADLINE_S = 2.0

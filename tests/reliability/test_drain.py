@@ -24,8 +24,8 @@ from tests.reliability.conftest import (
     router_stub,
     start_gpu,
     start_router,
-    wait_for,
 )
+from tests.helpers import wait_for
 
 STEP_DELAY_MS = 30
 NUM_IN_FLIGHT = 4

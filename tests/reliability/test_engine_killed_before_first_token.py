@@ -26,8 +26,8 @@ from tests.reliability.conftest import (
     start_cpu,
     start_gpu,
     start_router,
-    wait_for,
 )
+from tests.helpers import wait_for
 
 STEP_DELAY_MS = 3000  # the prefill step alone takes 3 s on the GPU engine
 MAX_TOKENS = 24

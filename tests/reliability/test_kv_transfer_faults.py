@@ -29,8 +29,8 @@ from tests.reliability.conftest import (
     prompt_for,
     start_all,
     start_gpu,
-    wait_for,
 )
+from tests.helpers import wait_for
 
 NUM_LAYERS = 2
 FAULTS = {

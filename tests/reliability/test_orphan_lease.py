@@ -28,8 +28,8 @@ from tests.reliability.conftest import (
     start_cpu,
     start_gpu,
     start_router,
-    wait_for,
 )
+from tests.helpers import wait_for
 
 HANG_GUARD_S = 120.0
 STEP_DELAY_MS = 30

@@ -31,8 +31,8 @@ from tests.reliability.conftest import (
     start_all,
     start_gpu,
     start_router,
-    wait_for,
 )
+from tests.helpers import wait_for
 
 STEP_DELAY_MS = 30
 K = 4
@@ -85,8 +85,8 @@ def test_engine_refuses_the_extra_requests_at_once(system, reference):
     for i in range(capacity):
         admitted[f"cap-{i}"] = EngineStream.run(probe.stub, f"cap-{i}", prompt_for(i), ENGINE_MAX_TOKENS)
         if i == MAX_RUNNING - 1:
-            assert wait_for(probe.load, lambda s: s.num_running == MAX_RUNNING).num_running == MAX_RUNNING
-    load = wait_for(probe.load, lambda s: s.num_running + s.num_waiting == capacity)
+            assert wait_for(probe.load, lambda s: s.num_running == MAX_RUNNING, timeout_s=10).num_running == MAX_RUNNING
+    load = wait_for(probe.load, lambda s: s.num_running + s.num_waiting == capacity, timeout_s=10)
     assert (load.num_running, load.num_waiting) == (MAX_RUNNING, MAX_WAITING)
 
     extra = {f"extra-{i}": EngineStream.run(probe.stub, f"extra-{i}", prompt_for(50 + i), ENGINE_MAX_TOKENS)

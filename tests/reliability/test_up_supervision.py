@@ -26,7 +26,8 @@ import pytest
 
 from dualpace.sampling import FinishReason
 from dualpace.wire.v1 import router_pb2
-from tests.reliability.conftest import EngineProbe, RouterStream, prompt_for, router_stub, wait_for
+from tests.reliability.conftest import EngineProbe, RouterStream, prompt_for, router_stub
+from tests.helpers import wait_for
 from tests.router.test_cli import _alive
 
 READY = re.compile(r"dualpace up: ready; router on (\S+)")

@@ -33,8 +33,8 @@ from tests.reliability.conftest import (
     kv_chunk,
     kv_header,
     start_gpu,
-    wait_for,
 )
+from tests.helpers import wait_for
 
 PROMPT = [(5 * i + 2) % 500 + 1 for i in range(10)]
 OUTPUTS = [7, 8, 9]

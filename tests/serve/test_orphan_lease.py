@@ -25,6 +25,9 @@ class Metrics:
     def __init__(self) -> None:
         self.orphaned_requests = Counter()
 
+    def request_orphaned(self) -> None:
+        self.orphaned_requests.inc()
+
 
 class FakeLoop:
     def __init__(self, *request_ids: str) -> None:
