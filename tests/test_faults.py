@@ -115,4 +115,4 @@ def test_nan_logits_end_only_the_target_request(tiny):
     assert finished == {"bad": FinishReason.ERROR, "good": FinishReason.LENGTH}
     assert outputs["bad"] == []
     assert outputs["good"] == OfflineGenerator(tiny).generate([[9, 8, 7, 6]], [params])[0].output_token_ids
-    assert core.scheduler.blocks.num_free_blocks == 32
+    assert core.scheduler.blocks.num_used_blocks == 0  # freed (a full block of "good" may stay cached)

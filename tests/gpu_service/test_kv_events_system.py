@@ -5,7 +5,6 @@ router's prefix index from it, and FAILED_PRECONDITION with caching off."""
 from __future__ import annotations
 
 import asyncio
-from types import SimpleNamespace
 
 import grpc
 import pytest
@@ -15,7 +14,8 @@ from dualpace.kv.prefix_hash import BlockHasher
 from dualpace.kv.prefix_index import PrefixIndex
 from dualpace.sampling import SamplingParams
 from dualpace.wire.kv_events import kv_event_from_pb
-from dualpace.wire.v1 import engine_pb2, engine_pb2_grpc
+from dualpace.wire.v1 import engine_pb2
+from router.engines import EngineHandle
 from router.kv_index_watch import follow_kv_events
 from toolkit.processes import start_daemon
 
@@ -46,14 +46,16 @@ def cached_hashes(events, known: set | None = None) -> set:
 async def router_index_of(address: str) -> PrefixIndex:
     """What router.kv_index_watch builds from one engine, once its snapshot has arrived."""
     index = PrefixIndex()
-    async with grpc.aio.insecure_channel(address) as channel:
-        handle = SimpleNamespace(name="gpu", stub=engine_pb2_grpc.EngineStub(channel))
+    handle = EngineHandle(address, "gpu")  # the router's typed handle, as router.engines builds it
+    try:
         task = asyncio.create_task(follow_kv_events(handle, index))
         async with asyncio.timeout(30):
             while index.num_blocks("gpu") == 0:
                 await asyncio.sleep(0.05)
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
+    finally:
+        await handle.close()
     return index
 
 

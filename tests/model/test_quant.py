@@ -149,6 +149,7 @@ def test_int8_activation_mode_matches_quantized_activations():
     script = textwrap.dedent("""
         import torch
         from tests.model.test_quant import FORMATS, weight, assert_close
+        torch.manual_seed(0)
         for name in FORMATS:
             for m, n, k in [(1, 37, 256), (6, 19, 512)]:
                 qw, w = weight(name, n, k)
@@ -156,7 +157,9 @@ def test_int8_activation_mode_matches_quantized_activations():
                 blocks = x.view(m, -1, 32)
                 d = blocks.abs().amax(-1, keepdim=True) / 127
                 xq = (torch.round(blocks / d) * d).view(m, k)
-                assert_close(qw.linear(x), xq @ w.T, rel=1e-4)
+                # 2e-3: a value on a rounding tie may land one int8 step apart (the kernel's scale is
+                # rounded to fp16 as llama.cpp's is); a wrong kernel is off by far more.
+                assert_close(qw.linear(x), xq @ w.T, rel=2e-3)
         print("ok")
     """)
     env = {**os.environ, "DUALPACE_QUANT_ACTIVATIONS": "int8", "PYTHONPATH": os.getcwd()}

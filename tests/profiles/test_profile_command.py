@@ -29,7 +29,12 @@ def test_quick_profile_is_written_loaded_and_reused(synth_checkpoint, tmp_path):
     assert profile.hardware.device == "cpu" and profile.hardware.cpu_threads == 1
     assert profile.hardware.torch_version
     assert profile.model.config_hash == model_config_hash(read_hf_config(model))
-    assert profile.model.dtype == "bf16" and profile.notes == "test"
+    from dualpace.model.loader import resolve_dtype
+    from dualpace.profile.fingerprint import dtype_name
+
+    auto = dtype_name(resolve_dtype("auto", "cpu"))  # bf16 where the CPU has native bf16, else fp32
+    assert profile.model.dtype == auto and profile.notes == "test"
+    assert profile.hardware.cpu_kernel_variant and profile.hardware.cpu_flags is not None
     assert profile.table1d("assist_ms").grid == (1.0, 4.0)
     assert profile.profiler["grids"]["batch"] == [1, 4] and profile.profiler["samples"]["assist"]
     cost = CostModel(profile)

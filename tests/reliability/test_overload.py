@@ -57,8 +57,11 @@ def system(tiny_folder):
     )
     router = None
     try:
+        # The reserve rule counts each placed request at its final size, so the router itself runs out
+        # of room (and its bounded wait is what is tested); gpu-only's default, optimistic admission,
+        # would admit them all and leave the engine to preempt (tests/policy/test_gpu_admission.py).
         router = start_router(tiny_folder, engines["small"], None, "--policy", "gpu-only", "--no-migrate",
-                              "--ttft-target-ms", str(ROUTER_WAIT_MS))
+                              "--gpu-admission", "reserve", "--ttft-target-ms", str(ROUTER_WAIT_MS))
         probes = {name: EngineProbe(daemon.address) for name, daemon in engines.items()}
         channel = grpc.insecure_channel(router.address)
         yield probes, router_stub(channel)
