@@ -10,6 +10,7 @@ import argparse
 import asyncio
 import logging
 import sys
+from dataclasses import replace
 
 from dualpace.errors import DualPaceError, InvalidArgument
 from dualpace.model.registry import DEFAULT_MODEL_NAME
@@ -33,7 +34,7 @@ from dualpace.policy.admission import AdmissionConfig, GpuAdmission
 from router.router_core import RouterConfig, RouterCore
 from router.engines import EngineHandle, EnginePool
 from dualpace.policy.migration_planner import MigrationConfig
-from router.prompt_work import PromptLimits, add_prompt_arguments, configure as configure_prompt_work
+from router.prompt_work import PromptLimits, add_prompt_arguments
 from router.service import RouterServicer
 from dualpace.policy.views import Policy
 
@@ -145,8 +146,8 @@ def serve(args: argparse.Namespace) -> int:
             profile = load_daemon_profile(args.profile, model_config,
                                           ignore_fingerprint=args.profile_ignore_fingerprint)
             kv_bytes_per_token = profile.model.kv_bytes_per_token  # the engines' KV dtype, as profiled
-        config = router_config(args, kv_bytes_per_token, profile)
-        configure_prompt_work(PromptLimits(args.max_prompt_chars, args.prompt_workers))
+        config = replace(router_config(args, kv_bytes_per_token, profile),
+                         prompt_limits=PromptLimits(args.max_prompt_chars, args.prompt_workers))
         start_from_args(args, "router")
     except DualPaceError as exc:
         print(f"router: error: {exc}", file=sys.stderr)

@@ -2,7 +2,7 @@
 
 Tokenizing a prompt and rendering a chat template are CPU work proportional to the prompt's
 size: done on the event loop, a large prompt stalls every stream the router relays meanwhile.
-`prepare_off_loop` runs router.prompts.prepare_prompt in a bounded pool of worker threads
+`PromptWork.prepare` (one per RouterCore) runs router.prompts.prepare_prompt in a bounded pool of worker threads
 instead (the tokenizers release the GIL for most of their work), after an early, O(1) check of
 the prompt's size against `--max-prompt-chars`, so that an oversized prompt is refused with
 INVALID_ARGUMENT naming the limit before any of it is tokenized.
@@ -67,22 +67,6 @@ class PromptWork:
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
-
-
-_work = PromptWork()
-
-
-def configure(limits: PromptLimits) -> None:
-    """Set the process's limits (the router's flags), before serving."""
-    global _work
-    _work.close()
-    _work = PromptWork(limits)
-
-
-async def prepare_off_loop(client: ClientRequest, tokenizer: Tokenizer,
-                           model_config: ModelConfig) -> tuple[list[int], SamplingParams]:
-    """router.prompts.prepare_prompt, size-checked, in the bounded prompt pool."""
-    return await _work.prepare(client, tokenizer, model_config)
 
 
 def add_prompt_arguments(parser) -> None:

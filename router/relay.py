@@ -26,7 +26,6 @@ from dualpace.sampling_params import FinishReason, SamplingParams
 from dualpace.serve.logging_setup import bind_request_id, unbind_request_id
 from dualpace.serve.metrics import RequestClock, engine_metrics
 from router.engines import EngineHandle, EngineStream
-from router.prompt_work import prepare_off_loop
 from router.router_core import RouterCore, Tracked
 from router.text_stream import TextStream
 
@@ -296,7 +295,7 @@ async def open_request(core: RouterCore, client: ClientRequest, request_id: str,
     (the client set none) fit that default to the room the prompt leaves in the context."""
     if request_id in core.tracked:
         raise InvalidArgument("request_id", f"request {request_id!r} is already running")
-    prompt_ids, params = await prepare_off_loop(client, core.tokenizer, core.model_config)
+    prompt_ids, params = await core.prompt_work.prepare(client, core.tokenizer, core.model_config)
     if default_max_tokens:
         room = core.max_context_tokens - len(prompt_ids)
         params = replace(params, max_tokens=max(1, min(default_max_tokens, room)))

@@ -22,6 +22,7 @@ from dualpace.policy.migration_planner import MigrationConfig, plan_migrations
 from dualpace.policy.views import EngineView, Policy, RoutedRequest
 from dualpace.serve import metrics
 from router.engines import EngineHandle, EnginePool
+from router.prompt_work import PromptLimits, PromptWork
 
 log = logging.getLogger(__name__)
 
@@ -71,6 +72,7 @@ class RouterConfig:
     queue_timeout_s: float = 30.0  # how long a request may wait for room before RESOURCE_EXHAUSTED
     recovery_timeout_s: float = 30.0  # how long a request may wait for a surviving engine
     migrate_enabled: bool = True
+    prompt_limits: PromptLimits = field(default_factory=PromptLimits)  # --max-prompt-chars, --prompt-workers
 
 
 class RouterCore:
@@ -79,6 +81,7 @@ class RouterCore:
         self.tokenizer = tokenizer
         self.model_config = model_config
         self.config = config
+        self.prompt_work = PromptWork(config.prompt_limits)  # tokenizing off the event loop
         self.tracked: dict[str, Tracked] = {}
         self.migrations: deque[MigrationRecord] = deque(maxlen=NUM_MIGRATIONS_KEPT)
         self.num_queued = 0
@@ -120,6 +123,7 @@ class RouterCore:
     async def close(self) -> None:
         if self._planner is not None:
             self._planner.cancel()
+        self.prompt_work.close()
         await self.pool.close()
 
     def spawn(self, coroutine) -> asyncio.Task:
