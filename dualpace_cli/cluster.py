@@ -42,7 +42,7 @@ LOOPBACK_ENV = {"DYN_TCP_RPC_HOST": "127.0.0.1", "DYN_TCP_RESPONSE_STREAM_HOST":
 DYN_SYSTEM_PORT_LIMIT = 32768  # Dynamo 1.6.1 parses DYN_SYSTEM_PORT as a signed 16-bit number
 NODE_READY = re.compile(r"dualpace up: ready; router on (\S+)")
 NODE_HTTP = re.compile(r"dualpace up: OpenAI-compatible HTTP API on http://(\S+)/v1")
-DAEMON_PID = re.compile(r"dualpace up: (gpu_service|cpu_service|router) on \S+ \(pid (\d+)\)")
+DAEMON_PID = re.compile(r"dualpace up: (gpu_service|cpu_service|router) on (\S+) \(pid (\d+)\)")
 
 
 def register(subparsers) -> None:
@@ -56,9 +56,10 @@ def register(subparsers) -> None:
     up.add_argument("--served-model-name", default=None, help="the name clients ask for (default: the model's)")
     up.add_argument("--http-port", type=int, default=8000, help="the frontend's port on 127.0.0.1 (0: a free one)")
     up.add_argument("--threads-per-engine", type=int, default=1, help="torch intra-op threads of each engine")
-    up.add_argument("--router-mode", default="round-robin",
-                    choices=["round-robin", "random", "power-of-two", "kv", "least-loaded"],
-                    help="how the frontend picks a worker (kv: Dynamo's KV-aware router)")
+    up.add_argument("--router-mode", default="kv",
+                    choices=["kv", "round-robin", "random", "power-of-two", "least-loaded"],
+                    help="how the frontend picks a worker (default kv: Dynamo's KV-aware router, fed the "
+                         "engines' KV events and the nodes' load)")
     up.add_argument("--migration-limit", type=int, default=3,
                     help="how often the frontend may move a request to another worker when its node fails "
                          "(Dynamo's --migration-limit; 0: never, the client gets the error)")
@@ -80,6 +81,7 @@ class Node:
     router: str | None = None
     router_http: str | None = None
     daemon_pids: dict[str, int] = field(default_factory=dict)
+    engine_addresses: list[str] = field(default_factory=list)
     worker: Proc | None = None
     metrics_port: int | None = None
 
@@ -158,11 +160,14 @@ class Cluster:
         for node in nodes:  # they load in parallel; collect their lines in order
             node.router_http = self.wait_for(node.up, NODE_HTTP, deadline).group(1)
             node.router = self.wait_for(node.up, NODE_READY, deadline).group(1)
-            node.daemon_pids = {m.group(1): int(m.group(2)) for line in node.up.lines if (m := DAEMON_PID.search(line))}
+            daemons = [m for line in node.up.lines if (m := DAEMON_PID.search(line))]
+            node.daemon_pids = {m.group(1): int(m.group(3)) for m in daemons}
+            node.engine_addresses = [m.group(2) for m in daemons if m.group(1) != "router"]
             node.metrics_port = _free_port(below=DYN_SYSTEM_PORT_LIMIT)  # the worker's status server: /metrics (load signals), /health
             node.worker = self.spawn(f"worker{node.index}", [
                 python, "-m", "dynamo_worker", "--router", node.router, "--model-path", str(model_path),
-                "--served-model-name", served_name, "--discovery-backend", "file"],
+                "--served-model-name", served_name, "--discovery-backend", "file",
+                *(flag for address in node.engine_addresses for flag in ("--engine", address))],
                 env={"DYN_SYSTEM_PORT": str(node.metrics_port)})
         frontend = self.spawn("frontend", [
             python, "-m", "dynamo.frontend", "--discovery-backend", "file", "--http-host", "127.0.0.1",

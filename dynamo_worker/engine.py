@@ -5,6 +5,8 @@ context length and the GPU engine's KV block size), generate (token ids in, toke
 call per request, many at once), abort (cancel the router call, which aborts the request in
 its engine), cleanup. A load loop polls the router's ListPlacements and feeds Dynamo's snapshot
 publisher (the GPU tier's KV blocks, which Dynamo's router reads) and the worker's /metrics.
+With --engine given for the node's engines, both engines' KV events go to Dynamo's
+KvEventPublisher (kv_relay, through a PushSource), so its KV router knows which prefixes the node holds.
 When the node's router stays unreachable, the worker stops itself (SIGTERM to its own process,
 which the Rust Worker turns into a clean unregister), so Dynamo stops routing to a dead node."""
 
@@ -21,13 +23,16 @@ from pathlib import Path
 from dynamo.common.backend import EngineConfig, LLMEngine, WorkerConfig
 from dynamo.common.backend.engine import LlmRegistration
 from dynamo.common.backend.metrics import register_engine_registry
-from dynamo.common.backend.publisher import ComponentSnapshot
+from dynamo.common.backend.publisher import ComponentSnapshot, PushSource
 from dynamo.llm import exceptions as dynamo_errors
 from prometheus_client import CollectorRegistry
 
 from dualpace.errors import InvalidArgument
 from dualpace.serve.auth import read_token_file
+from dynamo_worker.engine_client import EngineKvClient
 from dynamo_worker.errors import dynamo_error_name, error_message
+from dynamo_worker.kv_events import NodeKvView
+from dynamo_worker.kv_relay import KvRelay
 from dynamo_worker.load import NodeLoad, kv_block_size, node_load
 from dynamo_worker.metrics import NodeLoadCollector
 from dynamo_worker.requests import dynamo_chunk, node_request_from_dynamo
@@ -47,6 +52,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "(for a GGUF model: `dualpace model export --tokenizer-only`); the frontend tokenizes from it")
     p.add_argument("--served-model-name", default=None, help="the name clients ask for (default: the folder's name)")
     p.add_argument("--router-auth-token-file", default=None, help="the router's --auth-token-file")
+    p.add_argument("--engine", action="append", default=[], metavar="ADDRESS",
+                   help="an engine of the node (gpu_service, cpu_service: HOST:PORT or unix:PATH, as `dualpace up` "
+                        "prints them), repeated; their KV events go to Dynamo's KV router (none: no KV events)")
+    p.add_argument("--engine-auth-token-file", default=None,
+                   help="the engines' --auth-token-file (default: --router-auth-token-file)")
     p.add_argument("--namespace", default="dynamo")
     p.add_argument("--component", default="dualpace")
     p.add_argument("--endpoint", default="generate")
@@ -85,11 +95,17 @@ class DualPaceEngine(LLMEngine):
         self.args = args
         self.context_length = check_model_path(args.model_path)
         self.served_model_name = args.served_model_name or args.model_path.name
-        self.client = RouterClient(args.router, read_token_file(args.router_auth_token_file,
-                                                                "--router-auth-token-file"))
+        router_token = read_token_file(args.router_auth_token_file, "--router-auth-token-file")
+        self.client = RouterClient(args.router, router_token)
+        self.engine_token = (read_token_file(args.engine_auth_token_file, "--engine-auth-token-file")
+                             if args.engine_auth_token_file else router_token)
         self.load: NodeLoad | None = None
+        self.block_size: int | None = None
+        self.kv_relay: KvRelay | None = None
         self._snapshots = None
         self._load_task: asyncio.Task | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._closing = False
 
     @classmethod
     async def from_args(cls, argv: list[str] | None = None):
@@ -114,13 +130,15 @@ class DualPaceEngine(LLMEngine):
         except RouterError as exc:
             raise _dynamo_error("EngineShutdown", error_message(exc.code_name, exc.details, self.args.router)) from None
         self.load = node_load(placements)
+        self.block_size = kv_block_size(placements)
+        self._loop = asyncio.get_running_loop()
         self._load_task = asyncio.create_task(self._watch_load())
         gpu = self.load.gpu
         log.info("dualpace-dynamo: node %s ready (context %d, block size %s)", self.args.router,
-                 self.context_length, kv_block_size(placements))
+                 self.context_length, self.block_size)
         return EngineConfig(
             model=str(self.args.model_path.resolve()), served_model_name=self.served_model_name,
-            llm=LlmRegistration(context_length=self.context_length, kv_cache_block_size=kv_block_size(placements),
+            llm=LlmRegistration(context_length=self.context_length, kv_cache_block_size=self.block_size,
                                 total_kv_blocks=gpu.kv_blocks_total if gpu is not None else None),
         )
 
@@ -150,10 +168,37 @@ class DualPaceEngine(LLMEngine):
         self.client.cancel(context.id())
 
     async def cleanup(self) -> None:
+        self._closing = True
+        if self.kv_relay is not None:
+            await self.kv_relay.close()
         if self._load_task is not None:
             self._load_task.cancel()
             self._load_task = None
         await self.client.close()
+
+    # ---- KV events ----
+
+    async def kv_event_sources(self) -> list:
+        if not self.args.engine:
+            log.info("dualpace-dynamo: no --engine given: no KV events (Dynamo's KV router weighs load only)")
+            return []
+        if not self.block_size:
+            log.warning("dualpace-dynamo: the node reports no KV block size: no KV events")
+            return []
+        return [PushSource(on_ready=self._on_kv_publisher, dp_rank=0)]
+
+    def _on_kv_publisher(self, publisher) -> None:
+        """Dynamo's Worker hands over the publisher (possibly from another thread)."""
+        self._loop.call_soon_threadsafe(self._start_kv_relay, publisher)
+
+    def _start_kv_relay(self, publisher) -> None:
+        if self._closing or self.kv_relay is not None:
+            return
+        clients = [EngineKvClient(address, self.engine_token) for address in self.args.engine]
+        self.kv_relay = KvRelay(NodeKvView(self.block_size), publisher.publish_batch, clients)
+        self.kv_relay.start()
+        log.info("dualpace-dynamo: relaying the KV events of %s (block size %d)", ", ".join(self.args.engine),
+                 self.block_size)
 
     # ---- load signals ----
 

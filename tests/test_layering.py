@@ -43,6 +43,7 @@ PROTOBUF_ALLOWED = (
     "dualpace.commands.client",           # Router: `dualpace client`, `dualpace-router placement`,
     "router.placement_cli",
     "dynamo_worker.router_client",        # the Dynamo worker's (typed, async),
+    "dynamo_worker.engine_client",        # and its engines' KV events,
     "bench.load.generator",               # the load generator (and its conversation driver),
     "bench.load.conversations",           # and the soak, whose client sends
     "bench.soak_client",                  # malformed requests on purpose
