@@ -5,8 +5,10 @@
 
 Each node is a `dualpace up` (gpu_service + cpu_service + router, one torch thread per engine
 unless --threads-per-engine says otherwise) with a `dualpace-dynamo` worker in front of its
-router; the frontend (`python -m dynamo.frontend`) finds the workers through Dynamo's file
-discovery in a private folder and serves the OpenAI API. For a GGUF model the frontend's
+router, which also follows the node's engines' KV events (--engine, their addresses as `up`
+prints them); the frontend (`python -m dynamo.frontend`) finds the workers through Dynamo's file
+discovery in a private folder, serves the OpenAI API and routes with its KV router by default
+(--router-mode kv: to the node that holds the longest prefix of the prompt, weighed against load). For a GGUF model the frontend's
 tokenizer folder is written first (`dualpace model export --tokenizer-only`). When every worker
 is registered it prints one line per node and a ready line with the frontend's URL. Ctrl-C or
 SIGTERM stops everything (frontend, workers, nodes) and exits 0. A node that dies is reported and

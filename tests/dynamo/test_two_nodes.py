@@ -1,8 +1,11 @@
 """Two DualPace nodes behind NVIDIA Dynamo's frontend, as real processes (`dualpace cluster up`),
-on the tiny synthetic model with one thread per engine, through the official `openai` client:
-requests spread over both nodes; greedy outputs equal `dualpace generate`; bad input is a clear
-400 and the workers stay up; a node SIGKILLed mid-stream leaves no request hanging and new
-requests go to the survivor.
+on the tiny synthetic model with one thread per engine and prefix caching on, the frontend's KV
+router fed by the workers' KV events, through the official `openai` client: requests spread over
+both nodes; greedy outputs equal `dualpace generate`; bad input is a clear 400 and the workers stay
+up; repeated long prefixes land on the node that holds them; an engine restart withdraws its
+blocks and its events flow again; a node SIGKILLed mid-stream leaves no request hanging and new
+requests go to the survivor. Which node served a request is read from the nodes' own logs (the
+router logs Dynamo's request id, which the completion id carries).
 
 Needs the [dynamo] extra (make venv installs it); without it the module says so and skips."""
 
@@ -43,9 +46,9 @@ class Cluster:
     def __init__(self, model: str):
         self.process = subprocess.Popen(
             [sys.executable, "-m", "dualpace", "cluster", "up", "--nodes", "2", "--model", model,
-             "--http-port", str(_free_port())],
+             "--http-port", str(_free_port()), "--router-mode", "kv"],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-        self.output: deque[str] = deque(maxlen=3000)
+        self.output: deque[str] = deque(maxlen=20000)
         self.nodes: dict[int, dict] = {}
         self.ready = threading.Event()
         self.url = self.model = None
@@ -73,6 +76,28 @@ class Cluster:
             text = reply.read().decode()
         return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
                    if line.startswith("dualpace_requests_total{"))
+
+    def node_of(self, completion_id: str) -> int:
+        """The node whose router took the request (bounded wait for its log line)."""
+        request_id = completion_id.removeprefix("cmpl-").removeprefix("chatcmpl-")
+        pattern = re.compile(r'^\[node(\d+)\] \[router\] .*"request_id": "' + re.escape(request_id) + '"')
+        deadline = time.monotonic() + REQUEST_TIMEOUT_S
+        while time.monotonic() < deadline:
+            for line in list(self.output):
+                if match := pattern.match(line):
+                    return int(match.group(1))
+            time.sleep(0.1)
+        raise AssertionError(f"no node logged request {request_id}")
+
+    def frontend_sum(self, name: str, labels: str = "") -> float:
+        """The sum of the frontend's /metrics samples of `name` whose labels contain `labels`."""
+        with urllib.request.urlopen(f"{self.url}/metrics", timeout=10) as reply:
+            text = reply.read().decode()
+        return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                   if line.startswith(name + "{") and labels in line)
+
+    def num_lines(self, needle: str) -> int:
+        return sum(1 for line in list(self.output) if needle in line)
 
     def kill_node(self, index: int) -> None:
         """The host dies: SIGKILL its engines, its router and its worker at once."""
@@ -121,7 +146,7 @@ def test_the_model_is_registered_by_both_workers(cluster, client):
     assert sorted(cluster.nodes) == [0, 1]
 
 
-def test_requests_spread_over_both_nodes_and_greedy_equals_dualpace_generate(cluster, client, tiny_folder):
+def test_greedy_outputs_through_the_frontend_equal_dualpace_generate(cluster, client, tiny_folder):
     before = [cluster.requests_served(i) for i in (0, 1)]
     for prompt in PROMPTS:
         answer = client.completions.create(model=cluster.model, prompt=prompt, max_tokens=12, temperature=0)
@@ -131,8 +156,21 @@ def test_requests_spread_over_both_nodes_and_greedy_equals_dualpace_generate(clu
         assert answer.usage.completion_tokens == len(expected["token_ids"])
         assert answer.choices[0].finish_reason == expected["finish_reason"]
     served = [cluster.requests_served(i) - before[i] for i in (0, 1)]
-    print(f"requests per node over {len(PROMPTS)} completions: {served}")
-    assert sum(served) == len(PROMPTS) and min(served) >= 1
+    print(f"requests per node over {len(PROMPTS)} sequential completions (KV router, no shared prefix): {served}")
+    assert sum(served) == len(PROMPTS)
+
+
+def test_requests_spread_over_both_nodes_by_their_load(cluster, client):
+    """Without a shared prefix the KV router weighs the nodes' active blocks: a request sent while
+    another streams goes to the other node, whichever that one is."""
+    prompt = " ".join(PROMPTS)
+    stream = client.completions.create(model=cluster.model, prompt=prompt, max_tokens=200, temperature=0,
+                                       stream=True, extra_body={"ignore_eos": True})
+    first = next(iter(stream))
+    second = client.completions.create(model=cluster.model, prompt="why " + prompt, max_tokens=4, temperature=0)
+    for _ in stream:
+        pass
+    assert {cluster.node_of(first.id), cluster.node_of(second.id)} == {0, 1}
 
 
 def test_streamed_chat_through_the_frontend(cluster, client):
@@ -208,6 +246,72 @@ def test_workers_publish_the_node_load_where_dynamo_reads_it(cluster, client):
     assert 0.0 < seen['dualpace_node_kv_usage_ratio{tier="gpu"}'] <= 1.0 or \
         0.0 < seen['dualpace_node_kv_usage_ratio{tier="host"}'] <= 1.0
     assert seen["vllm:kv_cache_usage_perc"] == seen['dualpace_node_kv_usage_ratio{tier="gpu"}']
+
+
+# Three long prefixes (about 270 tokens of the tiny model, 17 blocks of 16), distinct from their first token.
+_WORDS = ("alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima mike november oscar papa "
+          "quebec romeo sierra tango").split()
+PREFIXES = [" ".join(_WORDS[i:] + _WORDS[:i]) * 3 for i in (0, 7, 13)]
+# Repeats in an order no alternation of two nodes follows.
+REPEATS = [0, 0, 1, 2, 1, 1, 0, 2, 2, 0, 1, 2]
+STORED_OK = ("dynamo_component_kv_cache_events_applied", 'event_type="stored",status="ok"')
+REMOVED_OK = ("dynamo_component_kv_cache_events_applied", 'event_type="removed",status="ok"')
+
+
+def _complete(client, cluster, prompt: str) -> int:
+    answer = client.completions.create(model=cluster.model, prompt=prompt, max_tokens=4, temperature=0)
+    assert answer.choices[0].finish_reason in ("length", "stop")
+    return cluster.node_of(answer.id)
+
+
+def _wait_for(condition, what: str) -> None:
+    deadline = time.monotonic() + REQUEST_TIMEOUT_S
+    while not condition():
+        assert time.monotonic() < deadline, f"gave up waiting for {what}"
+        time.sleep(0.2)
+
+
+def test_repeated_prefixes_land_on_the_node_that_holds_them(cluster, client):
+    stored_before = cluster.frontend_sum(*STORED_OK)
+    # First sight of each prefix. The first two overlap in time, so the load-aware choice puts them
+    # on different nodes (both nodes then hold a prefix); the third goes wherever.
+    stream = client.completions.create(model=cluster.model, prompt=PREFIXES[0] + " start", max_tokens=120,
+                                       temperature=0, stream=True, extra_body={"ignore_eos": True})
+    first = next(iter(stream))
+    holder = {1: _complete(client, cluster, PREFIXES[1] + " start")}
+    for _ in stream:
+        pass
+    holder[0] = cluster.node_of(first.id)
+    holder[2] = _complete(client, cluster, PREFIXES[2] + " start")
+    assert {holder[0], holder[1]} == {0, 1}, holder
+    # The engines' stored events went through the workers' publishers to the frontend's KV router.
+    _wait_for(lambda: cluster.frontend_sum(*STORED_OK) - stored_before >= 3, "the stored events at the frontend")
+    hit_rate_before = (cluster.frontend_sum("dynamo_component_router_kv_hit_rate_sum"),
+                       cluster.frontend_sum("dynamo_component_router_kv_hit_rate_count"))
+    landed = [_complete(client, cluster, f"{PREFIXES[p]} again {n}") for n, p in enumerate(REPEATS)]
+    hits = sum(node == holder[p] for node, p in zip(landed, REPEATS))
+    rate_sum = cluster.frontend_sum("dynamo_component_router_kv_hit_rate_sum") - hit_rate_before[0]
+    rate_count = cluster.frontend_sum("dynamo_component_router_kv_hit_rate_count") - hit_rate_before[1]
+    print(f"prefix holders {holder}; {hits} of {len(REPEATS)} repeats on the holder ({landed}); Dynamo's "
+          f"router KV hit rate over them {rate_sum / max(rate_count, 1):.2f}; requests per node "
+          f"{[landed.count(i) for i in (0, 1)]}")
+    assert hits == len(REPEATS), (holder, landed)
+    assert rate_count >= len(REPEATS) and rate_sum / rate_count > 0.5  # most of each prompt was cached
+
+
+def test_an_engine_restart_withdraws_its_blocks_and_its_events_flow_again(cluster, client):
+    """SIGKILL node 0's gpu_service: its KV event stream breaks, the worker withdraws the engine's
+    blocks from Dynamo's index (removed events reach the frontend), `dualpace up` restarts the
+    engine, the worker reconnects and the new snapshot flows; the node keeps serving."""
+    removed_before = cluster.frontend_sum(*REMOVED_OK)
+    flowing = "[worker0]", "flowing again"
+    flowing_before = sum(1 for line in list(cluster.output) if all(part in line for part in flowing))
+    os.kill(cluster.nodes[0]["pids"]["gpu_service"], signal.SIGKILL)
+    _wait_for(lambda: cluster.frontend_sum(*REMOVED_OK) > removed_before, "the withdrawn blocks at the frontend")
+    _wait_for(lambda: sum(1 for line in list(cluster.output) if all(part in line for part in flowing))
+              > flowing_before, "node 0's GPU engine's KV events after its restart")
+    for prompt in PREFIXES:
+        _complete(client, cluster, prompt + " after the restart")
 
 
 def test_a_node_killed_mid_stream_never_hangs_a_request_and_new_ones_go_to_the_survivor(cluster, client):
