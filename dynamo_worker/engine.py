@@ -113,6 +113,9 @@ class DualPaceEngine(LLMEngine):
         for name in ("load_interval_s", "router_lost_after_s"):
             if getattr(args, name) <= 0:
                 raise InvalidArgument(f"--{name.replace('_', '-')}", "must be > 0")
+        for address in args.engine:
+            if not (address.startswith("unix:") and len(address) > 5) and not address.rpartition(":")[2].isdigit():
+                raise InvalidArgument("--engine", f"{address!r} is not HOST:PORT or unix:PATH")
         engine = cls(args)
         config = WorkerConfig(
             namespace=args.namespace, component=args.component, endpoint=args.endpoint,

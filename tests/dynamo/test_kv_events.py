@@ -1,10 +1,13 @@
 """The node's KV view for Dynamo (both engines' events -> one worker's stored/removed) and the
-relay that follows each engine's stream: pure Python, without Dynamo or real engines."""
+relay that follows each engine's stream, without Dynamo or real engines (the last test: the worker's flag check)."""
 
 from __future__ import annotations
 
 import asyncio
 
+import pytest
+
+from dualpace.errors import InvalidArgument
 from dualpace.kv.events import ALL_CLEARED, REMOVED, STORED, KvEvent
 from dualpace.kv.prefix_hash import BlockHasher
 from dynamo_worker.engine_client import EngineStreamError
@@ -140,3 +143,12 @@ def test_an_engine_without_prefix_caching_is_not_asked_again():
 
     asyncio.run(scenario())
     assert engine.num_watches == 1
+
+
+def test_a_bad_engine_address_is_a_clear_error(tmp_path):
+    pytest.importorskip("dynamo.common.backend", reason="NVIDIA Dynamo (the [dynamo] extra) is not installed")
+    from dynamo_worker.engine import DualPaceEngine
+
+    with pytest.raises(InvalidArgument, match="--engine.*'nowhere' is not HOST:PORT or unix:PATH"):
+        asyncio.run(DualPaceEngine.from_args(["--router", "127.0.0.1:1", "--model-path", str(tmp_path),
+                                              "--engine", "nowhere"]))
