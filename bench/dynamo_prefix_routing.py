@@ -19,13 +19,14 @@ import json
 import os
 import random
 import re
-import signal
 import subprocess
 import sys
 import threading
 import time
 import urllib.request
 from pathlib import Path
+
+from toolkit.processes import Daemon
 
 READY = re.compile(r"dualpace cluster: ready; \d+ nodes behind (\S+)/v1 \(model (\S+);")
 NODE = re.compile(r"dualpace cluster: node (\d+): router \S+ \(http (\S+)\)")
@@ -36,10 +37,10 @@ SETTLE_S = 1.0  # after the first round, for the stored events to reach the fron
 
 
 class Cluster:
-    def __init__(self, model: str, mode: str, port: int):
+    def __init__(self, model: str, mode: str):
         self.process = subprocess.Popen(
             [sys.executable, "-m", "dualpace", "cluster", "up", "--nodes", "2", "--model", model,
-             "--http-port", str(port), "--router-mode", mode],
+             "--http-port", "0", "--router-mode", mode],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
         self.nodes: dict[int, str] = {}
         self.url = self.model = None
@@ -83,13 +84,7 @@ class Cluster:
                    if line.startswith(name + "{"))
 
     def stop(self) -> None:
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(120)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
+        Daemon(self.process, self.url or "").stop(timeout_s=120.0)  # SIGTERM: cluster up stops all it started
 
 
 def _get(url: str) -> str:
@@ -98,10 +93,8 @@ def _get(url: str) -> str:
 
 
 def run_mode(args: argparse.Namespace, mode: str, order: list[int]) -> dict:
-    from dualpace_cli.cluster import _free_port
-
     prefixes = [" ".join(WORDS[i:] + WORDS[:i]) * args.prefix_repeats for i in range(args.num_prefixes)]
-    cluster = Cluster(args.model, mode, _free_port())
+    cluster = Cluster(args.model, mode)
     try:
         holder = [cluster.complete(p + " start", args.max_tokens) for p in prefixes]
         time.sleep(SETTLE_S)
