@@ -47,6 +47,8 @@ class KvRelay:
                 pass
         for client in self.clients:
             await client.close()
+        log.info("dualpace-dynamo: KV relay stopped (%d events published, %d streams resynchronised)",
+                 self.num_published_events, self.num_resyncs)
 
     def _publish(self, events: list[dict]) -> None:
         if not events or self._closing:
