@@ -21,7 +21,7 @@ from dualpace.engine.same_host import fetch_fd, held_lease
 from dualpace.engine.shm_kv_copy import copy_in_place
 from dualpace.engine.shm_segment import MappedKvSegment
 from dualpace.engine.worker_pools import KV_TRANSFER_WORKERS, pool
-from dualpace.errors import InvalidArgument
+from dualpace.errors import InvalidArgument, Unavailable
 from dualpace.faults import FaultConfig
 
 log = logging.getLogger(__name__)
@@ -109,7 +109,7 @@ def _inject_fault(faults: FaultConfig, segment: MappedKvSegment, dst_slot_ids: l
     if faults.kv_drop_chunk is not None and faults.kv_drop_chunk < segment.geometry.num_layers:
         flat[faults.kv_drop_chunk, dst_slot_ids[0]].fill_(-1.0)  # the layer's first token never arrived
     if faults.kv_cut_after is not None:
-        raise ConnectionError(f"fault injected: shared-memory KV transfer cut after {faults.kv_cut_after} layers")
+        raise Unavailable(f"fault injected: shared-memory KV transfer cut after {faults.kv_cut_after} layers")
 
 
 async def write_in_place(segment: MappedKvSegment, reservation: ShmReservation, source: OutgoingKv,
@@ -119,17 +119,22 @@ async def write_in_place(segment: MappedKvSegment, reservation: ShmReservation, 
     storage = source.storage
     dst_slot_ids = list(reservation.slot_ids)
     stop = threading.Event()
-    async with held_lease(reservation.socket_name, reservation.import_token):
-        job = pool("kv-export", KV_TRANSFER_WORKERS).submit(
-            copy_in_place, storage.k, storage.v, source.slot_ids, segment.k, segment.v, dst_slot_ids, stop)
-        try:
-            layer_crc32s = await asyncio.wrap_future(job)
-        except BaseException:
-            stop.set()
-            concurrent.futures.wait([job])  # brief: the copy stops at its next run
-            raise
-        if faults.any:
-            _inject_fault(faults, segment, dst_slot_ids)
-            if faults.kv_shm_hold_ms:
-                await asyncio.sleep(faults.kv_shm_hold_ms / 1e3)  # the window the kill tests aim at
+    try:
+        async with held_lease(reservation.socket_name, reservation.import_token):
+            job = pool("kv-export", KV_TRANSFER_WORKERS).submit(
+                copy_in_place, storage.k, storage.v, source.slot_ids, segment.k, segment.v, dst_slot_ids, stop)
+            try:
+                layer_crc32s = await asyncio.wrap_future(job)
+            except BaseException:
+                stop.set()
+                concurrent.futures.wait([job])  # brief: the copy stops at its next run
+                raise
+            finally:
+                job = None
+            if faults.any:
+                _inject_fault(faults, segment, dst_slot_ids)
+                if faults.kv_shm_hold_ms:
+                    await asyncio.sleep(faults.kv_shm_hold_ms / 1e3)  # the window the kill tests aim at
+    finally:
+        segment = None  # no reference to the mapping kept alive by a traceback (see MappedPools)
     return ShmWritten(tuple(layer_crc32s))

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import grpc
 
 from dualpace.engine.kv_shm_import import SharedKvPool, ShmImport
-from dualpace.engine.kv_shm_protocol import ShmDeclined, ShmOffer
+from dualpace.engine.kv_shm_protocol import ShmDeclined, ShmOffer, ShmReservation, ShmWritten
 from dualpace.engine.kv_shm_send import MappedPools, check_geometry, write_in_place
 from dualpace.engine.kv_source import OutgoingKv
 from dualpace.engine.kv_transfer import KvChunk, KvTransferHeader
@@ -71,13 +71,7 @@ class SameHostKvSender(GrpcKvSender):
                     if "boot ids" in answer.reason:
                         self.declined_until[self.target_address] = time.monotonic() + DECLINE_MEMORY_S
                 else:
-                    try:
-                        segment = await self.pools.get(answer)
-                        check_geometry(segment, header.layout, answer, header.num_computed_tokens)
-                    except (SameHostRefused, InvalidArgument) as exc:
-                        log.warning("KV to %s over gRPC: cannot use its shared pool: %s", self.target_address, exc)
-                    else:
-                        written = await write_in_place(segment, answer, chunks, self.faults)
+                    written = await self._write_in_place(answer, header, chunks)
                 if written is not None:
                     await self._write(call, shm_written_to_pb(written), "shm_written")
                     self.used_shm = True
@@ -87,6 +81,23 @@ class SameHostKvSender(GrpcKvSender):
             except BaseException:
                 call.cancel()  # the target drops the partial import (once our write lease has ended)
                 raise
+
+    async def _write_in_place(self, answer: ShmReservation, header: KvTransferHeader,
+                              chunks: OutgoingKv) -> ShmWritten | None:
+        """Copy into the target's reserved blocks; None: its pool cannot be used (send chunks instead)."""
+        segment = None
+        try:
+            try:
+                segment = await self.pools.get(answer)
+                check_geometry(segment, header.layout, answer, header.num_computed_tokens)
+            except (SameHostRefused, InvalidArgument) as exc:
+                log.warning("KV to %s over gRPC: cannot use its shared pool: %s", self.target_address, exc)
+                return None
+            return await write_in_place(segment, answer, chunks, self.faults)
+        finally:
+            # No reference to the mapping may outlive the call in a traceback: once the target is
+            # gone and the pool dropped, the memory must go back to the kernel at once.
+            segment = None
 
     async def _expect_answer(self, call):
         try:
