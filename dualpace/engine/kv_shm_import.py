@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from dualpace.engine.kv_shm_protocol import ShmDeclined, ShmOffer, ShmReservation, ShmWritten
 from dualpace.engine.migration import KvImporter
 from dualpace.engine.same_host import Lease, TicketServer, boot_id
-from dualpace.engine.shm_kv_copy import layer_checksums
+from dualpace.engine.shm_kv_copy import INLINE_MAX_BYTES, layer_checksums, transfer_bytes
 from dualpace.engine.shm_segment import SharedKvMemory
 from dualpace.engine.worker_pools import run_in_pool
 from dualpace.errors import InvalidArgument
@@ -91,7 +91,10 @@ class ShmImport:
         self._written = True
         kv = self.importer.loop.core.runner.kv
         slot_ids = list(self.importer.slot_ids)
-        landed = await run_in_pool("kv-import", layer_checksums, kv.k, kv.v, slot_ids)
+        if transfer_bytes(kv, len(slot_ids)) <= INLINE_MAX_BYTES:
+            landed = layer_checksums(kv.k, kv.v, slot_ids)
+        else:
+            landed = await run_in_pool("kv-import", layer_checksums, kv.k, kv.v, slot_ids)
         for layer, (expected, actual) in enumerate(zip(written.layer_crc32s, landed)):
             if expected != actual:
                 raise InvalidArgument("shm_written.layer_crc32", f"checksum mismatch in layer {layer}")

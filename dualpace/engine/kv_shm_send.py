@@ -18,7 +18,7 @@ from dualpace.engine.kv_shm_protocol import ShmReservation, ShmWritten
 from dualpace.engine.kv_source import OutgoingKv
 from dualpace.engine.kv_transfer import KvLayout
 from dualpace.engine.same_host import fetch_fd, held_lease
-from dualpace.engine.shm_kv_copy import copy_in_place
+from dualpace.engine.shm_kv_copy import INLINE_MAX_BYTES, copy_in_place, transfer_bytes
 from dualpace.engine.shm_segment import MappedKvSegment
 from dualpace.engine.worker_pools import KV_TRANSFER_WORKERS, pool
 from dualpace.errors import InvalidArgument, Unavailable
@@ -121,16 +121,20 @@ async def write_in_place(segment: MappedKvSegment, reservation: ShmReservation, 
     stop = threading.Event()
     try:
         async with held_lease(reservation.socket_name, reservation.import_token):
-            job = pool("kv-export", KV_TRANSFER_WORKERS).submit(
-                copy_in_place, storage.k, storage.v, source.slot_ids, segment.k, segment.v, dst_slot_ids, stop)
-            try:
-                layer_crc32s = await asyncio.wrap_future(job)
-            except BaseException:
-                stop.set()
-                concurrent.futures.wait([job])  # brief: the copy stops at its next run
-                raise
-            finally:
-                job = None
+            if transfer_bytes(storage, len(dst_slot_ids)) <= INLINE_MAX_BYTES:
+                layer_crc32s = copy_in_place(storage.k, storage.v, source.slot_ids, segment.k, segment.v,
+                                             dst_slot_ids)
+            else:
+                job = pool("kv-export", KV_TRANSFER_WORKERS).submit(
+                    copy_in_place, storage.k, storage.v, source.slot_ids, segment.k, segment.v, dst_slot_ids, stop)
+                try:
+                    layer_crc32s = await asyncio.wrap_future(job)
+                except BaseException:
+                    stop.set()
+                    concurrent.futures.wait([job])  # brief: the copy stops at its next run
+                    raise
+                finally:
+                    job = None
             if faults.any:
                 _inject_fault(faults, segment, dst_slot_ids)
                 if faults.kv_shm_hold_ms:
