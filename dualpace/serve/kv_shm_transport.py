@@ -5,7 +5,7 @@ The header offers shared memory; the target answers with a reservation (it prove
 yet: the sender then maps the pool it names and checks the token in its header) or with the
 reason it declines. Whatever fails before the copy (no reservation, the pool cannot be mapped,
 other geometry) falls back to chunks on the same stream, as the plain gRPC transport sends
-them; a target that declines because it is on another host is not asked again for a while.
+them; a target that declined (another host, a private pool) is not asked again for a minute.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from dualpace.wire.v1 import engine_pb2_grpc
 log = logging.getLogger(__name__)
 
 KV_TRANSPORTS = ("auto", "grpc")  # auto: shared memory where the target is on this host, else gRPC
-DECLINE_MEMORY_S = 60.0  # a target on another host is offered shared memory again after this
+DECLINE_MEMORY_S = 60.0  # a target that declined is offered shared memory again after this
 
 
 class SameHostKvSender(GrpcKvSender):
@@ -68,8 +68,7 @@ class SameHostKvSender(GrpcKvSender):
                 written = None
                 if isinstance(answer, ShmDeclined):
                     log.info("KV to %s over gRPC: %s", self.target_address, answer.reason)
-                    if "boot ids" in answer.reason:
-                        self.declined_until[self.target_address] = time.monotonic() + DECLINE_MEMORY_S
+                    self.declined_until[self.target_address] = time.monotonic() + DECLINE_MEMORY_S
                 else:
                     written = await self._write_in_place(answer, header, chunks)
                 if written is not None:
