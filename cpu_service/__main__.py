@@ -106,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
 
     profile = None
 
-    def make_runner(loaded: LoadedModel, config: EngineConfig) -> CpuRunner:
+    def make_runner(loaded: LoadedModel, config: EngineConfig, kv_memory=None) -> CpuRunner:
         client = None
         if args.gpu_service is not None and setting != AssistSetting.NEVER:
             client = AssistClient(args.gpu_service, iteration_timeout_s=args.assist_timeout_s,
@@ -119,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
                      ", ".join(f"{mode.value}@{bucket}={ms:.1f}ms" for (mode, bucket), ms in sorted(
                          predicted.items(), key=lambda kv: (kv[0][1], kv[0][0].value))))
         return CpuRunner(loaded, config.num_kv_blocks, config.block_size, chooser, client, gated=gated,
-                         engine_name=config.name)
+                         engine_name=config.name, kv_memory=kv_memory)
 
     def build() -> EngineDaemonParts:
         nonlocal profile

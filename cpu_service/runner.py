@@ -22,8 +22,9 @@ log = logging.getLogger(__name__)
 
 class CpuRunner(ModelRunner):
     def __init__(self, loaded: LoadedModel, num_blocks: int, block_size: int, chooser: ModeChooser,
-                 client: AssistClient | None = None, gated: bool = False, engine_name: str = "cpu"):
-        super().__init__(loaded, num_blocks, block_size)
+                 client: AssistClient | None = None, gated: bool = False, engine_name: str = "cpu",
+                 kv_memory=None):
+        super().__init__(loaded, num_blocks, block_size, kv_memory)
         self.chooser = chooser
         self.client = client
         self.assisted = None if client is None else AssistedForward(self.kv, loaded.config.head_dim, client, gated)

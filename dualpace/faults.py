@@ -6,6 +6,8 @@ the config to the parts that honour it; nothing reads the environment at import.
     DUALPACE_FAULT_KV_CORRUPT_CHUNK=N   flip a bit in outgoing KV chunk N (N >= 0)
     DUALPACE_FAULT_KV_DROP_CHUNK=N      skip outgoing KV chunk N (a sequence gap)
     DUALPACE_FAULT_KV_CUT_AFTER=N       abandon an outgoing transfer after N chunks
+    DUALPACE_FAULT_KV_SHM_HOLD_MS=N     on the shared-memory path, hold the write lease N ms
+                                        after the copy, before saying written (kill tests)
     DUALPACE_FAULT_STEP_DELAY_MS=N      sleep N ms inside every engine step (a stalled step loop)
     DUALPACE_FAULT_FORWARD_RAISE_AT_STEP=N
                                         the forward pass raises (InjectedFault, as a device error
@@ -70,6 +72,7 @@ class FaultConfig:
     kv_corrupt_chunk: int | None = _fault(_int_at_least(0))
     kv_drop_chunk: int | None = _fault(_int_at_least(0))
     kv_cut_after: int | None = _fault(_int_at_least(0))
+    kv_shm_hold_ms: int | None = _fault(_int_at_least(0))
     step_delay_ms: int | None = _fault(_int_at_least(0))
     forward_raise_at_step: int | None = _fault(_int_at_least(1))
     nan_logits_request: str | None = _fault(_non_empty)

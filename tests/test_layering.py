@@ -39,6 +39,7 @@ PROTOBUF_ALLOWED = (
     "router.engines",                     # client handles. Engine: the router's (typed, async),
     "toolkit.engine_client",              # the tools' and tests' (sync),
     "dualpace.serve.kv_transport",        # an engine's ImportKv stream to another;
+    "dualpace.serve.kv_shm_transport",    # the same stream carrying only control on one host;
     "cpu_service.assist_client",          # Assist;
     "dualpace.commands.client",           # Router: `dualpace client`, `dualpace-router placement`,
     "router.placement_cli",

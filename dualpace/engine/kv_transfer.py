@@ -115,6 +115,15 @@ class ImportProgress:
         self.next_seq += 1
         self.num_bytes += len(chunk.k) + len(chunk.v)
 
+    def accept_in_place(self) -> None:
+        """Every layer was written straight into the reserved blocks and verified (same host)."""
+        if self.next_seq != 0:
+            raise InvalidArgument("shm_written", f"{self.next_seq} chunks were already sent over the stream")
+        header = self.header
+        self.covered = {layer: header.num_computed_tokens for layer in range(header.layout.num_layers)}
+        self.next_seq = header.total_chunks
+        self.num_bytes = header.total_bytes
+
     def check_complete(self) -> None:
         header = self.header
         if self.next_seq != header.total_chunks:

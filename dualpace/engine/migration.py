@@ -21,6 +21,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, replace
 
 from dualpace.engine.channel import RequestChannel
+from dualpace.engine.kv_source import OutgoingKv
 from dualpace.engine.kv_bytes import DTYPE_NAMES, tensor_bytes, tensor_from_bytes
 from dualpace.engine.kv_transfer import (
     DEFAULT_CHUNK_BYTES,
@@ -50,6 +51,8 @@ class MigrationStats:
     num_chunks: int
     total_bytes: int
     duration_ms: float
+    transport: str = "grpc"  # "shm" when the sender copied the KV straight into the target's blocks (set by
+    # the caller, which knows its transport)
 
 
 def engine_kv_layout(loop: EngineLoop) -> KvLayout:
@@ -97,12 +100,11 @@ async def migrate_out(
         k_bytes, v_bytes = tensor_bytes(k), tensor_bytes(v)
         return KvChunk(seq, layer, token_start, token_end, k_bytes, v_bytes, checksum(k_bytes, v_bytes))
 
-    async def chunks() -> AsyncIterator[KvChunk]:
-        for seq, (layer, token_start, token_end) in enumerate(chunk_plan):
-            yield await run_in_pool("kv-export", read_chunk, seq, layer, token_start, token_end)
+    async def read_chunk_in_pool(seq: int, layer: int, token_start: int, token_end: int) -> KvChunk:
+        return await run_in_pool("kv-export", read_chunk, seq, layer, token_start, token_end)
 
     try:
-        target_engine = await send(header, chunks())
+        target_engine = await send(header, OutgoingKv(core.runner.kv, slot_ids, chunk_plan, read_chunk_in_pool))
     except BaseException:
         await _resume_if_paused(loop, request_id)
         raise
@@ -179,6 +181,11 @@ class KvImporter:
             return core.kv_slot_ids(header.request_id, header.num_computed_tokens)
 
         self._slot_ids = await self.loop.call(reserve)
+
+    @property
+    def slot_ids(self) -> list[int]:
+        """The reserved slots of tokens 0 .. num_computed_tokens - 1, in order."""
+        return self._slot_ids
 
     async def chunk(self, chunk: KvChunk) -> None:
         progress = self._require_header()

@@ -21,12 +21,12 @@ from dualpace.sampling import sample_next_tokens
 class ModelRunner:
     """Owns the device KV storage and runs the model over it."""
 
-    def __init__(self, loaded: LoadedModel, num_blocks: int, block_size: int):
+    def __init__(self, loaded: LoadedModel, num_blocks: int, block_size: int, kv_memory=None):
         cfg = loaded.config
         model = loaded.model
         self.loaded = loaded
         self.kv = KVStorage(cfg.num_layers, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim,
-                            model.dtype, model.device)
+                            model.dtype, model.device, memory=kv_memory)
         self.forward = PagedForward(model, self.kv)
         self.faults = FaultConfig()  # test-only faults (dualpace.faults); the daemon sets them after warm-up
         self.num_forward_steps = 0  # non-empty plans executed since the faults were set

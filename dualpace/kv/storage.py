@@ -24,7 +24,10 @@ class KVStorage:
         head_dim: int,
         dtype: torch.dtype,
         device: torch.device | str = "cpu",
+        memory=None,
     ):
+        """`memory`, for a CPU pool: allocates K and V elsewhere than in private memory (e.g.
+        dualpace.engine.shm_segment.SharedKvMemory, so engines on this host can write into it)."""
         shape = (num_layers, num_blocks, block_size, num_kv_heads, head_dim)
         self.num_layers = num_layers
         self.num_blocks = num_blocks
@@ -33,8 +36,11 @@ class KVStorage:
         self.head_dim = head_dim
         self.dtype = dtype
         self.device = torch.device(device)
-        self.k = torch.zeros(shape, dtype=dtype, device=self.device)
-        self.v = torch.zeros(shape, dtype=dtype, device=self.device)
+        if memory is not None and self.device.type == "cpu":
+            self.k, self.v = memory.allocate(shape, dtype)
+        else:
+            self.k = torch.zeros(shape, dtype=dtype, device=self.device)
+            self.v = torch.zeros(shape, dtype=dtype, device=self.device)
 
     @property
     def bytes_per_block(self) -> int:

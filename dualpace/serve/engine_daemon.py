@@ -30,7 +30,9 @@ import grpc
 
 from dualpace.engine.core import EngineConfig, EngineCore
 from dualpace.engine.loop import EngineLoop
+from dualpace.engine.kv_shm_import import SharedKvPool
 from dualpace.engine.runner import ModelRunner
+from dualpace.engine.shm_segment import SharedKvMemory
 from dualpace.engine.scheduler import SchedulerConfig
 from dualpace.errors import DualPaceError, InvalidArgument, ModelLoadError
 from dualpace.faults import FaultConfig
@@ -40,6 +42,7 @@ from dualpace.sampling import SamplingParams
 from dualpace.serve.config import add_config_argument, effective_config
 from dualpace.serve.engine_loop_metrics import PrometheusLoopMetrics
 from dualpace.serve.engine_servicer import EngineServicer
+from dualpace.serve.kv_shm_transport import KV_TRANSPORTS, SameHostKv
 from dualpace.serve.event_loop import serve_forever
 from dualpace.serve.logging_setup import configure_logging, get_logger
 from dualpace.serve.metrics import add_metrics_argument, start_from_args
@@ -84,6 +87,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser, default_name: str, def
     parser.add_argument("--orphan-timeout-s", type=float, default=DEFAULT_ORPHAN_TIMEOUT_S,
                         help="a request kept running for a reader that went away (the router) is aborted "
                              "unless a stream re-attaches within this many seconds")
+    parser.add_argument("--kv-transport", default="auto", choices=KV_TRANSPORTS,
+                        help="KV migration data plane: auto (shared memory with engines on this host, "
+                             "gRPC otherwise) or grpc (always gRPC; the KV pool stays private)")
     parser.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR (JSON lines on stderr)")
     add_config_argument(parser)
     add_metrics_argument(parser)
@@ -95,6 +101,7 @@ class EngineDaemonParts:
     loaded: LoadedModel
     loop: EngineLoop
     device_lock: threading.Lock
+    kv_memory: SharedKvMemory | None = None  # the KV pool's shared segment (host pool, --kv-transport auto)
 
 
 def kv_blocks_from_args(args: argparse.Namespace, loaded: LoadedModel, default_kv_blocks: int) -> int:
@@ -143,10 +150,15 @@ def build_engine(
         cpu_kernel_variant=_cpu_kernel_variant(device),
     )
     device_lock = threading.Lock()
-    runner = make_runner(loaded, config) if make_runner is not None else None
+    # A host pool lives in a shared segment, so that engines on this host write imports straight into it.
+    kv_memory = SharedKvMemory() if args.kv_transport == "auto" and device.startswith("cpu") else None
+    if make_runner is not None:
+        runner = make_runner(loaded, config, kv_memory)
+    else:
+        runner = ModelRunner(loaded, config.num_kv_blocks, config.block_size, kv_memory=kv_memory)
     loop = EngineLoop(EngineCore(loaded, config, runner), step_lock=device_lock,
                       metrics=PrometheusLoopMetrics(config.name))
-    return EngineDaemonParts(loaded, loop, device_lock)
+    return EngineDaemonParts(loaded, loop, device_lock, kv_memory)
 
 
 def _cpu_kernel_variant(device: str) -> str:
@@ -224,10 +236,11 @@ def run_engine_daemon(
 
     async def main(stop: asyncio.Event) -> int:
         service_names = [ENGINE_SERVICE]
+        same_host = SameHostKv(args.kv_transport, await SharedKvPool.start(parts.kv_memory))
 
         def register(server: grpc.aio.Server) -> None:
             servicer = EngineServicer(parts.loop, faults, auth_token=security.auth_token,
-                                      orphan_timeout_s=args.orphan_timeout_s)
+                                      orphan_timeout_s=args.orphan_timeout_s, same_host=same_host)
             engine_pb2_grpc.add_EngineServicer_to_server(servicer, server)
             if extra_services is not None:
                 service_names.extend(extra_services(parts, server))
@@ -252,6 +265,7 @@ def run_engine_daemon(
         parts.loop.stop()
         await loop_task
         await running.stop(grace_s=FLUSH_GRACE_S)
+        await same_host.close()
         parts.loop.close()
         notifier.close()
         if parts.loop.fatal_error is not None:

@@ -13,11 +13,14 @@ import asyncio
 import dataclasses
 import time
 
+from dualpace.engine.kv_shm_import import ShmImport
+from dualpace.engine.kv_shm_protocol import ShmDeclined
 from dualpace.engine.loop import EngineLoop
 from dualpace.engine.migration import KvImporter, migrate_out
 from dualpace.errors import DataLoss, InvalidArgument, RequestNotFound, Unavailable
 from dualpace.faults import FaultConfig
 from dualpace.serve.kv_events_stream import watch_kv_events
+from dualpace.serve.kv_shm_transport import SameHostKv, SameHostKvSender
 from dualpace.serve.kv_transport import GrpcKvSender
 from dualpace.serve.logging_setup import (
     bind_request_id,
@@ -27,6 +30,7 @@ from dualpace.serve.logging_setup import (
 )
 from dualpace.serve.orphan_lease import DEFAULT_ORPHAN_TIMEOUT_S, OrphanLeases
 from dualpace.wire import engine_messages as messages
+from dualpace.wire import kv_shm_messages as shm_messages
 from dualpace.wire.v1 import engine_pb2, engine_pb2_grpc
 
 MIN_WATCH_INTERVAL_MS = 20
@@ -37,8 +41,9 @@ log = get_logger(__name__)
 
 class EngineServicer(engine_pb2_grpc.EngineServicer):
     def __init__(self, loop: EngineLoop, faults: FaultConfig | None = None, auth_token: str | None = None,
-                 orphan_timeout_s: float = DEFAULT_ORPHAN_TIMEOUT_S):
+                 orphan_timeout_s: float = DEFAULT_ORPHAN_TIMEOUT_S, same_host: SameHostKv | None = None):
         self.loop = loop
+        self.same_host = same_host  # KV through shared memory with daemons on this host (None: gRPC only)
         self.leases = OrphanLeases(loop, orphan_timeout_s)  # keep-running requests nobody reads
         self.faults = faults or FaultConfig()
         self.auth_token = auth_token  # sent on this engine's own calls (KV migration to the target)
@@ -104,12 +109,18 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
         bind_request_id(request_id_from_context(context) or request.request_id)
         log.info("migrate out", target=request.target_address)
         # The stream's migrated_to is the target's address: where the client resumes the request.
-        sender = GrpcKvSender(request.target_address, self.faults, auth_token=self.auth_token)
+        if self.same_host is not None:
+            sender = self.same_host.sender(request.target_address, self.faults, self.auth_token)
+        else:
+            sender = GrpcKvSender(request.target_address, self.faults, auth_token=self.auth_token)
         stats = await migrate_out(self.loop, request.request_id, sender, migrated_to=request.target_address)
+        if isinstance(sender, SameHostKvSender) and sender.used_shm:
+            stats = dataclasses.replace(stats, transport="shm")
         return messages.migrate_out_response_to_pb(stats)
 
     async def ImportKv(self, request_iterator, context):
         importer = KvImporter(self.loop)
+        shm = self.same_host.importer_side(importer) if self.same_host is not None else None
         started = time.perf_counter()
         chunk_ms = 0.0
         try:
@@ -119,6 +130,14 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
                     if importer.progress is not None:
                         raise InvalidArgument("header", "sent twice")
                     await importer.begin(messages.kv_header_from_pb(message.header))
+                    offer = shm_messages.shm_offer_from_pb(message.header)
+                    if offer is not None:
+                        yield shm_messages.shm_answer_to_pb(
+                            shm.answer(offer) if shm is not None else ShmDeclined("the target takes gRPC only"))
+                elif kind == "shm_written":
+                    if shm is None:
+                        raise InvalidArgument("shm_written", "this engine takes KV over gRPC only")
+                    await shm.written(shm_messages.shm_written_from_pb(message.shm_written))
                 elif kind == "chunk":
                     chunk_start = time.perf_counter()
                     await importer.chunk(messages.kv_chunk_from_pb(message.chunk))
@@ -141,7 +160,8 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
                 else:
                     raise InvalidArgument("kind", "empty ImportKv message")
         finally:
-            await importer.cancel()
+            # Shielded as one: the blocks are freed only after any shared-memory write has stopped.
+            await asyncio.shield(_end_import(shm, importer))
 
     async def GetLoad(self, request, context):
         return messages.load_to_pb(self.loop.load())
@@ -167,6 +187,12 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
     async def WatchKvEvents(self, request, context):
         async for batch in watch_kv_events(self.loop):
             yield batch
+
+
+async def _end_import(shm: ShmImport | None, importer: KvImporter) -> None:
+    if shm is not None:
+        await shm.close()
+    await importer.cancel()
 
 
 def _generate_request_id(request, kind: str | None) -> str | None:

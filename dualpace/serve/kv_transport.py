@@ -38,19 +38,26 @@ class GrpcKvSender:
             call = stub.ImportKv(timeout=self.timeout_s, metadata=token_metadata(self.auth_token))
             try:
                 await self._write(call, kv_header_to_pb(header), "the header")
-                async for chunk in chunks:
-                    outgoing = self.faults.outgoing_chunk(chunk)
-                    if outgoing is not None:
-                        await self._write(call, kv_chunk_to_pb(outgoing), f"chunk {chunk.seq}")
-                await self._write(call, engine_pb2.ImportKvMessage(prepare=engine_pb2.ImportKvPrepare()), "prepare")
-                await self._expect(call, "prepared")
-                await self._write(call, engine_pb2.ImportKvMessage(commit=engine_pb2.ImportKvCommit()), "commit")
-                committed = await self._expect(call, "committed")
-                await call.done_writing()
-                return committed.engine
+                await self._send_chunks(call, chunks)
+                return await self._prepare_and_commit(call)
             except BaseException:
                 call.cancel()  # the target drops the partial import
                 raise
+
+    async def _send_chunks(self, call, chunks: AsyncIterator[KvChunk]) -> None:
+        async for chunk in chunks:
+            outgoing = self.faults.outgoing_chunk(chunk)
+            if outgoing is not None:
+                await self._write(call, kv_chunk_to_pb(outgoing), f"chunk {chunk.seq}")
+
+    async def _prepare_and_commit(self, call) -> str:
+        """The second phase; returns the target engine's name once it has committed."""
+        await self._write(call, engine_pb2.ImportKvMessage(prepare=engine_pb2.ImportKvPrepare()), "prepare")
+        await self._expect(call, "prepared")
+        await self._write(call, engine_pb2.ImportKvMessage(commit=engine_pb2.ImportKvCommit()), "commit")
+        committed = await self._expect(call, "committed")
+        await call.done_writing()
+        return committed.engine
 
     @staticmethod
     async def _write(call, message: engine_pb2.ImportKvMessage, what: str) -> None:

@@ -222,7 +222,8 @@ def migrate_out_request_to_pb(request_id: str, target_address: str) -> engine_pb
 def migrate_out_response_to_pb(stats) -> engine_pb2.MigrateOutResponse:
     """From dualpace.engine.migration.MigrationStats."""
     return engine_pb2.MigrateOutResponse(target_engine=stats.target_engine, num_chunks=stats.num_chunks,
-                                         total_bytes=stats.total_bytes, duration_ms=stats.duration_ms)
+                                         total_bytes=stats.total_bytes, duration_ms=stats.duration_ms,
+                                         transport=stats.transport)
 
 
 def import_prepared_to_pb(progress, num_kv_blocks: int) -> engine_pb2.ImportKvReply:

@@ -1,5 +1,7 @@
 """cpu_service with gpu_service as real processes: handoff after a GPU prefill, decode on the
-CPU (Local and Assisted), migrations both ways, and gpu_service killed under assisted load."""
+CPU (Local and Assisted), migrations both ways, and gpu_service killed under assisted load.
+Hand-offs and migrations run on both KV data planes: shared memory (--kv-transport auto; both
+pools are in host memory here) and gRPC chunks (--kv-transport grpc on both engines)."""
 
 from __future__ import annotations
 
@@ -13,11 +15,15 @@ from toolkit.engine_client import EngineClient, read_until
 from toolkit.processes import start_daemon
 
 
-@pytest.fixture(scope="module")
-def gpu(model_folder):
+TRANSPORT_USED = {"auto": "shm", "grpc": "grpc"}  # --kv-transport -> MigrateOutResponse.transport
+
+
+@pytest.fixture(scope="module", params=sorted(TRANSPORT_USED))
+def gpu(request, model_folder):
     # Slowed steps (a test-only fault) so a request is still decoding when it is moved.
     daemon = start_daemon("gpu_service", "--model", model_folder, *ENGINE_FLAGS, "--kv-blocks", "64",
-                          env={"DUALPACE_FAULT_STEP_DELAY_MS": "3"})
+                          "--kv-transport", request.param, env={"DUALPACE_FAULT_STEP_DELAY_MS": "3"})
+    daemon.kv_transport = request.param
     yield daemon
     assert daemon.stop() == 0, daemon.log()
 
@@ -25,7 +31,7 @@ def gpu(model_folder):
 @pytest.fixture(scope="module", params=["never", "always"])
 def cpu(request, model_folder, gpu):
     daemon = start_daemon("cpu_service", "--model", model_folder, *ENGINE_FLAGS, "--kv-blocks", "512",
-                          "--assist", request.param, "--gpu-service", gpu.address)
+                          "--assist", request.param, "--gpu-service", gpu.address, "--kv-transport", gpu.kv_transport)
     yield request.param, daemon
     assert daemon.stop() == 0, daemon.log()
     # With a healthy gpu_service every assisted iteration must really have been assisted.
@@ -34,13 +40,15 @@ def cpu(request, model_folder, gpu):
         assert "iterations now run assisted" in daemon.log()
 
 
-def handoff(gpu_client, cpu_client, request_id, prompt, params, gpu_tokens: int = 1) -> list[int]:
+def handoff(gpu_client, cpu_client, request_id, prompt, params, gpu_tokens: int = 1,
+            transport: str | None = None) -> list[int]:
     """Prefill (and `gpu_tokens` tokens) on the GPU engine, migrate to the CPU engine, finish there."""
     tokens: list[int] = []
     responses = gpu_client.stream(request_id, prompt, params)
     assert read_until(responses, tokens, stop_after_tokens=gpu_tokens) is None
     migration = gpu_client.migrate(request_id, cpu_client.address)
     assert migration.target_engine == "cpu"
+    assert transport is None or migration.transport == transport
     assert read_until(responses, tokens).migrated_to == cpu_client.address  # where to resume
     last = read_until(cpu_client.resume(request_id, len(tokens)), tokens)
     assert last.finish_reason == FinishReason.LENGTH
@@ -53,7 +61,9 @@ def test_handoff_decodes_on_cpu_identically(loaded, gpu, cpu, temperature):
     gpu_client, cpu_client = EngineClient(gpu.address), EngineClient(cpu_daemon.address)
     prompt = [9, 8, 7, 6, 5, 4, 3, 2, 1, 17, 33]
     params = SamplingParams(max_tokens=120, ignore_eos=True, temperature=temperature, seed=5)
-    assert handoff(gpu_client, cpu_client, f"h-{mode}-{temperature}", prompt, params) == solo(loaded, prompt, params)
+    request_id = f"h-{mode}-{gpu.kv_transport}-{temperature}"
+    tokens = handoff(gpu_client, cpu_client, request_id, prompt, params, transport=TRANSPORT_USED[gpu.kv_transport])
+    assert tokens == solo(loaded, prompt, params)
     assert gpu_client.wait_idle().kv_blocks_used == 0 and cpu_client.wait_idle().kv_blocks_used == 0
 
 
@@ -62,15 +72,15 @@ def test_migrations_both_ways_mid_generation(loaded, gpu, cpu):
     gpu_client, cpu_client = EngineClient(gpu.address), EngineClient(cpu_daemon.address)
     prompt = [2, 4, 6, 8, 10, 12]
     params = SamplingParams(max_tokens=300, ignore_eos=True)  # long enough to still run when moved
-    request_id = f"both-{mode}"
+    request_id = f"both-{mode}-{gpu.kv_transport}"
     tokens: list[int] = []
     responses = gpu_client.stream(request_id, prompt, params)
     read_until(responses, tokens, stop_after_tokens=5)
-    gpu_client.migrate(request_id, cpu_client.address)
+    assert gpu_client.migrate(request_id, cpu_client.address).transport == TRANSPORT_USED[gpu.kv_transport]
     read_until(responses, tokens)
     responses = cpu_client.resume(request_id, len(tokens))
     read_until(responses, tokens, stop_after_tokens=15)
-    cpu_client.migrate(request_id, gpu_client.address)
+    assert cpu_client.migrate(request_id, gpu_client.address).transport == TRANSPORT_USED[gpu.kv_transport]
     assert read_until(responses, tokens).migrated_to == gpu_client.address
     assert read_until(gpu_client.resume(request_id, len(tokens)), tokens).finish_reason == FinishReason.LENGTH
     assert tokens == solo(loaded, prompt, params)

@@ -1,5 +1,8 @@
 """KV migration between two real gpu_service processes, and transfers that fail.
 
+Every test runs on both data planes: shared memory (the sources' default on one host)
+and gRPC chunks (sources started with --kv-transport grpc).
+
 A client reads the source's stream until it ends with migrated_to, then resumes
 on the target from the number of tokens it has seen: the two parts together
 equal the request run alone, with no gap or repeat. A transfer broken by an
@@ -16,6 +19,7 @@ from dualpace.sampling import FinishReason, SamplingParams
 from dualpace.wire.v1 import engine_pb2
 from tests.gpu_service.conftest import (
     FAULT_CHUNK,
+    KV_TRANSPORTS,
     RPC_TIMEOUT_S,
     listed_ids,
     read_first_tokens,
@@ -39,7 +43,8 @@ MAX_ATTEMPTS = 3  # new request if one finished before MigrateOut reached it
 
 @pytest.fixture(scope="module")
 def daemons(gpu_daemons):
-    gpu_daemons.start("main", "peer", *FAULT_SOURCES)
+    for suffix in KV_TRANSPORTS.values():  # in two rounds: fewer processes loading at once on a small machine
+        gpu_daemons.start("peer", *(kind + suffix for kind in ("main", *FAULT_SOURCES)))
     return gpu_daemons
 
 
@@ -54,17 +59,19 @@ def migrate_out(daemons, source: str, request_id: str):
         timeout=RPC_TIMEOUT_S)
 
 
+@pytest.mark.parametrize("transport", sorted(KV_TRANSPORTS))
 @pytest.mark.parametrize("mode", sorted(PARAMS))
-def test_migrated_stream_equals_solo_run(daemons, solo, num_layers, mode):
+def test_migrated_stream_equals_solo_run(daemons, solo, num_layers, mode, transport):
     params = PARAMS[mode]
-    source, target = daemons.stub("main"), daemons.stub("peer")
+    source_kind = "main" + KV_TRANSPORTS[transport]
+    source, target = daemons.stub(source_kind), daemons.stub("peer")
     request_id = response = None
     for attempt in range(MAX_ATTEMPTS):
-        request_id = f"move-{mode}-{attempt}"
+        request_id = f"move-{mode}-{transport}-{attempt}"
         call = start_generate(source, request_id, PROMPT, params)
         seen = read_first_tokens(call, request_id)
         try:
-            response = migrate_out(daemons, "main", request_id)
+            response = migrate_out(daemons, source_kind, request_id)
             break
         except grpc.RpcError as exc:
             # Only acceptable failure: the request already finished (nothing to move).
@@ -73,6 +80,7 @@ def test_migrated_stream_equals_solo_run(daemons, solo, num_layers, mode):
     assert response is not None, f"every request finished before MigrateOut ({MAX_ATTEMPTS} tries)"
     assert response.target_engine == "gpu-peer"
     assert response.num_chunks == num_layers and response.total_bytes > 0
+    assert response.transport == transport
 
     before = read_stream(call, request_id, tokens=seen)
     assert before.finish_reason is None
@@ -92,19 +100,21 @@ def test_migrated_stream_equals_solo_run(daemons, solo, num_layers, mode):
     assert request_id not in listed_ids(target)
 
 
+@pytest.mark.parametrize("transport", sorted(KV_TRANSPORTS))
 @pytest.mark.parametrize("fault", FAULT_SOURCES)
 @pytest.mark.parametrize("mode", sorted(PARAMS))
-def test_failed_transfer_keeps_request_on_source(daemons, solo, num_layers, fault, mode):
+def test_failed_transfer_keeps_request_on_source(daemons, solo, num_layers, fault, mode, transport):
     assert FAULT_CHUNK < num_layers, "the fault must hit a chunk the transfer has (one per layer)"
     params = PARAMS[mode]
-    source, target = daemons.stub(fault), daemons.stub("peer")
+    source_kind = fault + KV_TRANSPORTS[transport]
+    source, target = daemons.stub(source_kind), daemons.stub("peer")
     request_id = error = None
     for attempt in range(MAX_ATTEMPTS):
-        request_id = f"{fault}-{mode}-{attempt}"
+        request_id = f"{fault}-{mode}-{transport}-{attempt}"
         call = start_generate(source, request_id, PROMPT, params)
         seen = read_first_tokens(call, request_id)
         with pytest.raises(grpc.RpcError) as caught:
-            migrate_out(daemons, fault, request_id)
+            migrate_out(daemons, source_kind, request_id)
         if caught.value.code() != grpc.StatusCode.NOT_FOUND:  # NOT_FOUND: finished first; try again
             error = caught.value
             break
@@ -113,7 +123,7 @@ def test_failed_transfer_keeps_request_on_source(daemons, solo, num_layers, faul
     # A transfer the target rejected or the link lost: UNAVAILABLE (the target's status is in the
     # message), never INTERNAL, whichever write or read on the source first noticed the end.
     assert error.code() == grpc.StatusCode.UNAVAILABLE, \
-        f"{error}\nsource log:\n{daemons.daemons[fault].log()[-4000:]}"
+        f"{error}\nsource log:\n{daemons.daemons[source_kind].log()[-4000:]}"
 
     # The request never left: the same stream carries on to the end.
     result = read_stream(call, request_id, tokens=seen)

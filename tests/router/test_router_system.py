@@ -39,14 +39,17 @@ def reference(model_folder):
     return solo
 
 
-def start_system(model_folder: str, gpu_kv_blocks: int = 24, step_delay_ms: int = 0, *router_flags: str):
+def start_system(model_folder: str, gpu_kv_blocks: int = 24, step_delay_ms: int = 0, *router_flags: str,
+                 kv_transport: str = "auto"):
     """The three daemons; step_delay_ms slows every engine step (a test-only fault) so that
-    requests are still running when a test acts on them."""
+    requests are still running when a test acts on them. kv_transport: the engines' KV data
+    plane for hand-offs and migrations (auto: shared memory here, grpc: chunks)."""
     env = {"DUALPACE_FAULT_STEP_DELAY_MS": str(step_delay_ms)} if step_delay_ms else None
+    transport = ("--kv-transport", kv_transport)
     gpu = start_daemon("gpu_service", "--model", model_folder, *ENGINE_FLAGS, "--kv-blocks", str(gpu_kv_blocks),
-                       env=env)
+                       *transport, env=env)
     cpu = start_daemon("cpu_service", "--model", model_folder, *ENGINE_FLAGS, "--kv-blocks", "2048",
-                       "--assist", "never", env=env)
+                       "--assist", "never", *transport, env=env)
     router = start_daemon("router", "serve", "--gpu", gpu.address, "--cpu", cpu.address, "--model", model_folder,
                           *router_flags)
     return gpu, cpu, router
@@ -107,8 +110,9 @@ def prompts(count: int) -> dict[str, list[int]]:
     return {f"q{i}": [(i * 13 + j * 7) % 500 + 1 for j in range(3 + i % 9)] for i in range(count)}
 
 
-def test_both_engines_used_with_migrations_and_exact_outputs(model_folder, reference):
-    gpu, cpu, router = start_system(model_folder, gpu_kv_blocks=24)
+@pytest.mark.parametrize("kv_transport", ["auto", "grpc"])
+def test_both_engines_used_with_migrations_and_exact_outputs(model_folder, reference, kv_transport):
+    gpu, cpu, router = start_system(model_folder, gpu_kv_blocks=24, kv_transport=kv_transport)
     try:
         streams = Streams(router.address)
         requests = prompts(48)
@@ -128,6 +132,8 @@ def test_both_engines_used_with_migrations_and_exact_outputs(model_folder, refer
         assert {common_pb2.ENGINE_KIND_GPU, common_pb2.ENGINE_KIND_CPU} <= kinds_seen
         migrations = streams.placements().migrations
         assert any(m.outcome == router_pb2.MIGRATION_OUTCOME_COMMITTED for m in migrations)
+        # Which data plane carried the hand-offs: the GPU engine maps the CPU engine's pool only for shm.
+        assert ("mapped the KV pool" in gpu.log()) == (kv_transport == "auto")
     finally:
         for daemon in (router, cpu, gpu):
             assert daemon.stop() == 0, daemon.log()

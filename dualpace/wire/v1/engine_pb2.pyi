@@ -74,28 +74,32 @@ class MigrateOutRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., target_address: _Optional[str] = ...) -> None: ...
 
 class MigrateOutResponse(_message.Message):
-    __slots__ = ("target_engine", "num_chunks", "total_bytes", "duration_ms")
+    __slots__ = ("target_engine", "num_chunks", "total_bytes", "duration_ms", "transport")
     TARGET_ENGINE_FIELD_NUMBER: _ClassVar[int]
     NUM_CHUNKS_FIELD_NUMBER: _ClassVar[int]
     TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
     DURATION_MS_FIELD_NUMBER: _ClassVar[int]
+    TRANSPORT_FIELD_NUMBER: _ClassVar[int]
     target_engine: str
     num_chunks: int
     total_bytes: int
     duration_ms: float
-    def __init__(self, target_engine: _Optional[str] = ..., num_chunks: _Optional[int] = ..., total_bytes: _Optional[int] = ..., duration_ms: _Optional[float] = ...) -> None: ...
+    transport: str
+    def __init__(self, target_engine: _Optional[str] = ..., num_chunks: _Optional[int] = ..., total_bytes: _Optional[int] = ..., duration_ms: _Optional[float] = ..., transport: _Optional[str] = ...) -> None: ...
 
 class ImportKvMessage(_message.Message):
-    __slots__ = ("header", "chunk", "prepare", "commit")
+    __slots__ = ("header", "chunk", "prepare", "commit", "shm_written")
     HEADER_FIELD_NUMBER: _ClassVar[int]
     CHUNK_FIELD_NUMBER: _ClassVar[int]
     PREPARE_FIELD_NUMBER: _ClassVar[int]
     COMMIT_FIELD_NUMBER: _ClassVar[int]
+    SHM_WRITTEN_FIELD_NUMBER: _ClassVar[int]
     header: ImportKvHeader
     chunk: KvChunk
     prepare: ImportKvPrepare
     commit: ImportKvCommit
-    def __init__(self, header: _Optional[_Union[ImportKvHeader, _Mapping]] = ..., chunk: _Optional[_Union[KvChunk, _Mapping]] = ..., prepare: _Optional[_Union[ImportKvPrepare, _Mapping]] = ..., commit: _Optional[_Union[ImportKvCommit, _Mapping]] = ...) -> None: ...
+    shm_written: KvShmWritten
+    def __init__(self, header: _Optional[_Union[ImportKvHeader, _Mapping]] = ..., chunk: _Optional[_Union[KvChunk, _Mapping]] = ..., prepare: _Optional[_Union[ImportKvPrepare, _Mapping]] = ..., commit: _Optional[_Union[ImportKvCommit, _Mapping]] = ..., shm_written: _Optional[_Union[KvShmWritten, _Mapping]] = ...) -> None: ...
 
 class KvLayout(_message.Message):
     __slots__ = ("num_layers", "num_kv_heads", "head_dim", "block_size", "dtype")
@@ -112,7 +116,7 @@ class KvLayout(_message.Message):
     def __init__(self, num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., block_size: _Optional[int] = ..., dtype: _Optional[str] = ...) -> None: ...
 
 class ImportKvHeader(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "output_token_ids", "sampling", "num_computed_tokens", "num_tokens_emitted", "layout", "total_chunks", "total_bytes", "source_engine", "num_cached_tokens")
+    __slots__ = ("request_id", "prompt_token_ids", "output_token_ids", "sampling", "num_computed_tokens", "num_tokens_emitted", "layout", "total_chunks", "total_bytes", "source_engine", "num_cached_tokens", "shm_offer")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -124,6 +128,7 @@ class ImportKvHeader(_message.Message):
     TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
     SOURCE_ENGINE_FIELD_NUMBER: _ClassVar[int]
     NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SHM_OFFER_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     output_token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -135,7 +140,38 @@ class ImportKvHeader(_message.Message):
     total_bytes: int
     source_engine: str
     num_cached_tokens: int
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., output_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., num_computed_tokens: _Optional[int] = ..., num_tokens_emitted: _Optional[int] = ..., layout: _Optional[_Union[KvLayout, _Mapping]] = ..., total_chunks: _Optional[int] = ..., total_bytes: _Optional[int] = ..., source_engine: _Optional[str] = ..., num_cached_tokens: _Optional[int] = ...) -> None: ...
+    shm_offer: KvShmOffer
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., output_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., num_computed_tokens: _Optional[int] = ..., num_tokens_emitted: _Optional[int] = ..., layout: _Optional[_Union[KvLayout, _Mapping]] = ..., total_chunks: _Optional[int] = ..., total_bytes: _Optional[int] = ..., source_engine: _Optional[str] = ..., num_cached_tokens: _Optional[int] = ..., shm_offer: _Optional[_Union[KvShmOffer, _Mapping]] = ...) -> None: ...
+
+class KvShmOffer(_message.Message):
+    __slots__ = ("boot_id",)
+    BOOT_ID_FIELD_NUMBER: _ClassVar[int]
+    boot_id: str
+    def __init__(self, boot_id: _Optional[str] = ...) -> None: ...
+
+class KvShmReserved(_message.Message):
+    __slots__ = ("socket_name", "segment_token", "import_token", "slot_ids")
+    SOCKET_NAME_FIELD_NUMBER: _ClassVar[int]
+    SEGMENT_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    IMPORT_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    SLOT_IDS_FIELD_NUMBER: _ClassVar[int]
+    socket_name: str
+    segment_token: bytes
+    import_token: bytes
+    slot_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, socket_name: _Optional[str] = ..., segment_token: _Optional[bytes] = ..., import_token: _Optional[bytes] = ..., slot_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class KvShmDeclined(_message.Message):
+    __slots__ = ("reason",)
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    reason: str
+    def __init__(self, reason: _Optional[str] = ...) -> None: ...
+
+class KvShmWritten(_message.Message):
+    __slots__ = ("layer_crc32",)
+    LAYER_CRC32_FIELD_NUMBER: _ClassVar[int]
+    layer_crc32: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, layer_crc32: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class KvChunk(_message.Message):
     __slots__ = ("seq", "layer", "token_start", "token_end", "k", "v", "crc32")
@@ -164,12 +200,16 @@ class ImportKvCommit(_message.Message):
     def __init__(self) -> None: ...
 
 class ImportKvReply(_message.Message):
-    __slots__ = ("prepared", "committed")
+    __slots__ = ("prepared", "committed", "shm_reserved", "shm_declined")
     PREPARED_FIELD_NUMBER: _ClassVar[int]
     COMMITTED_FIELD_NUMBER: _ClassVar[int]
+    SHM_RESERVED_FIELD_NUMBER: _ClassVar[int]
+    SHM_DECLINED_FIELD_NUMBER: _ClassVar[int]
     prepared: ImportKvPrepared
     committed: ImportKvCommitted
-    def __init__(self, prepared: _Optional[_Union[ImportKvPrepared, _Mapping]] = ..., committed: _Optional[_Union[ImportKvCommitted, _Mapping]] = ...) -> None: ...
+    shm_reserved: KvShmReserved
+    shm_declined: KvShmDeclined
+    def __init__(self, prepared: _Optional[_Union[ImportKvPrepared, _Mapping]] = ..., committed: _Optional[_Union[ImportKvCommitted, _Mapping]] = ..., shm_reserved: _Optional[_Union[KvShmReserved, _Mapping]] = ..., shm_declined: _Optional[_Union[KvShmDeclined, _Mapping]] = ...) -> None: ...
 
 class ImportKvPrepared(_message.Message):
     __slots__ = ("num_chunks", "total_bytes", "kv_blocks")

@@ -1,0 +1,222 @@
+"""Data plane: KV transfer over shared memory and over gRPC, beside memcpy measured in the same run.
+
+A real cpu_service with the model (default: the default model) is the target. This process
+plays the source: a KV pool of that model's shape filled with random values, sent through the
+engines' own senders (SameHostKvSender for shm, GrpcKvSender for gRPC) from header to commit,
+so the target reserves, verifies and commits each transfer as a migration would (the imported
+request then decodes one token there and ends). Sizes are token counts; each transport's rate
+and fixed cost come from a least-squares fit of ms = fixed + bytes / rate over them, and the
+time at `--context-tokens` (1024) is reported as measured. memcpy is torch's copy of a buffer
+of the same size as that transfer (bytes counted once, as the transfer's bytes are).
+
+    python -m bench.data_plane --out bench/results/data_plane.json
+
+The last output line is one JSON object (memcpy_gbps, kv_shm_gbps, kv_grpc_gbps, kv_fixed_ms, ...).
+The Dense Assist round trips come from bench.assist_rtt.measure when that module exists.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import importlib
+import itertools
+import json
+import os
+import platform
+import statistics
+import time
+
+import torch
+
+from dualpace.engine.kv_bytes import DTYPES_BY_NAME, tensor_bytes
+from dualpace.engine.kv_shm_send import MappedPools
+from dualpace.engine.kv_source import OutgoingKv
+from dualpace.engine.kv_transfer import KvChunk, KvLayout, KvTransferHeader, checksum, plan_chunks
+from dualpace.engine.shm_kv_copy import copy_in_place, layer_checksums
+from dualpace.kv.storage import KVStorage
+from dualpace.model.registry import DEFAULT_MODEL_NAME
+from dualpace.sampling import SamplingParams
+from dualpace.serve.kv_shm_transport import SameHostKvSender
+from dualpace.serve.kv_transport import GrpcKvSender
+from dualpace.wire.engine_messages import info_request_to_pb
+from profiles.profiler.measure import fit_transfer
+from toolkit.engine_client import EngineClient
+from toolkit.processes import start_daemon
+
+_ids = itertools.count()
+
+
+def cpu_kind() -> str:
+    flags = set()
+    with open("/proc/cpuinfo", encoding="ascii", errors="replace") as cpuinfo:
+        for line in cpuinfo:
+            if line.startswith("flags"):
+                flags.update(f for f in line.split(":", 1)[1].split() if f.startswith(("avx512", "amx", "avx2")))
+                break
+    return ", ".join(sorted(flags)) or platform.processor() or "unknown"
+
+
+def memcpy_gbps(num_bytes: int, repeats: int) -> float:
+    src = torch.randint(0, 255, (num_bytes,), dtype=torch.uint8)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        dst.copy_(src)
+        times.append(time.perf_counter() - start)
+    return num_bytes / statistics.median(times) / 1e9
+
+
+def source_pool(info, num_tokens: int) -> KVStorage:
+    """A private KV pool of the target model's shape holding `num_tokens` tokens of random KV."""
+    dtype = DTYPES_BY_NAME[info.dtype.removeprefix("torch.")]
+    block_size = info.block_size
+    num_blocks = -(-num_tokens // block_size)
+    storage = KVStorage(info.num_layers, num_blocks, block_size, info.num_kv_heads, info.head_dim, dtype)
+    storage.k.copy_(torch.randn(storage.k.shape))
+    storage.v.copy_(torch.randn(storage.v.shape))
+    return storage
+
+
+def transfer(storage: KVStorage, info, num_tokens: int) -> tuple[KvTransferHeader, OutgoingKv]:
+    layout = KvLayout(storage.num_layers, storage.num_kv_heads, storage.head_dim, storage.block_size,
+                      info.dtype.removeprefix("torch."))
+    chunk_plan = plan_chunks(num_tokens, layout)
+    slot_ids = list(range(num_tokens))
+    header = KvTransferHeader(
+        request_id=f"data-plane-{num_tokens}-{next(_ids)}",
+        prompt_token_ids=tuple(1 + i % (info.vocab_size - 1) for i in range(num_tokens)),
+        output_token_ids=(1,), params=SamplingParams(max_tokens=2, seed=0, ignore_eos=True),
+        num_computed_tokens=num_tokens, layout=layout, total_chunks=len(chunk_plan),
+        total_bytes=2 * layout.num_layers * num_tokens * layout.bytes_per_token_per_layer, source_engine="bench")
+    flat = (-1, storage.num_kv_heads, storage.head_dim)
+
+    def read(seq: int, layer: int, start: int, end: int) -> KvChunk:  # as migrate_out reads a chunk
+        k = tensor_bytes(storage.k[layer].reshape(flat)[start:end])
+        v = tensor_bytes(storage.v[layer].reshape(flat)[start:end])
+        return KvChunk(seq, layer, start, end, k, v, checksum(k, v))
+
+    async def read_chunk(seq: int, layer: int, start: int, end: int) -> KvChunk:
+        return await asyncio.to_thread(read, seq, layer, start, end)
+
+    return header, OutgoingKv(storage, slot_ids, chunk_plan, read_chunk)
+
+
+async def time_transfers(make_sender, storage, info, sizes, repeats: int, settle_s: float):
+    """{num_tokens: [ms, ...]} for header-to-commit transfers, after one untimed warm-up per size."""
+    sender = make_sender()
+    results = {}
+    for num_tokens in sizes:
+        times = []
+        for i in range(repeats + 1):
+            header, chunks = transfer(storage, info, num_tokens)
+            start = time.perf_counter()
+            await sender(header, chunks)
+            elapsed_ms = (time.perf_counter() - start) * 1e3
+            if i > 0:
+                times.append(elapsed_ms)
+            await asyncio.sleep(settle_s)  # the imported request decodes its one token and ends
+        results[num_tokens] = times
+    return results, sender
+
+
+def summarize(results: dict[int, list[float]], bytes_per_token: int, context_tokens: int) -> dict:
+    points = [(n * bytes_per_token, statistics.median(ms)) for n, ms in results.items()]
+    rate, fixed_ms = fit_transfer(points)
+    at_context = statistics.median(results[context_tokens])
+    return {"fit_gbps": rate / 1e9, "fixed_ms": fixed_ms, "ms_at_context": at_context,
+            "gbps_at_context": context_tokens * bytes_per_token / at_context / 1e6,
+            "median_ms_by_tokens": {str(n): round(statistics.median(ms), 3) for n, ms in results.items()}}
+
+
+def shm_breakdown(storage: KVStorage, num_tokens: int, repeats: int) -> dict:
+    """The shm path's two passes on their own, in this process: the copy and the layer checksums."""
+    target = KVStorage(storage.num_layers, storage.num_blocks, storage.block_size, storage.num_kv_heads,
+                       storage.head_dim, storage.dtype)
+    slots = list(range(num_tokens))
+    copy_ms, crc_ms = [], []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        copy_in_place(storage.k, storage.v, slots, target.k, target.v, slots)  # copy + checksums over source
+        middle = time.perf_counter()
+        layer_checksums(target.k, target.v, slots)  # what the target does to verify
+        end = time.perf_counter()
+        crc_ms.append((end - middle) * 1e3)
+        copy_ms.append((middle - start) * 1e3 - crc_ms[-1])
+    return {"copy_ms": statistics.median(copy_ms), "checksum_ms_per_side": statistics.median(crc_ms)}
+
+
+def assist_round_trips() -> dict:
+    try:
+        measure = importlib.import_module("bench.assist_rtt").measure
+    except (ImportError, AttributeError) as exc:
+        reason = f"bench.assist_rtt.measure not available here ({exc.__class__.__name__}: {exc})"
+        return {"assist_rtt_us_p50_shm": None, "assist_rtt_us_p50_grpc": None, "assist_rtt_note": reason}
+    return measure()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=DEFAULT_MODEL_NAME)
+    parser.add_argument("--dtype", default="auto", choices=["auto", "fp32", "bf16"])
+    parser.add_argument("--context-tokens", type=int, default=1024)
+    parser.add_argument("--sizes", default="64,256,1024,2048", help="token counts of the transfers timed")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--settle-s", type=float, default=0.3)
+    parser.add_argument("--out", default=None, help="write the result JSON here too")
+    args = parser.parse_args()
+    sizes = sorted({int(s) for s in args.sizes.split(",")} | {args.context_tokens})
+    max_tokens = max(sizes)
+    target = start_daemon("cpu_service", "--model", args.model, "--dtype", args.dtype, "--threads", "1",
+                          "--name", "data-plane-target", "--kv-blocks", str(4 * (max_tokens // 16 + 2)),
+                          "--block-size", "16", "--assist", "never")
+    try:
+        client = EngineClient(target.address)
+        info = client.stub.Info(info_request_to_pb(), timeout=10)
+        storage = source_pool(info, max_tokens)
+        bytes_per_token = 2 * info.num_layers * info.num_kv_heads * info.head_dim * storage.k.element_size()
+        context_bytes = args.context_tokens * bytes_per_token
+        memcpy = memcpy_gbps(context_bytes, max(5, args.repeats))
+
+        async def run():
+            shm, shm_sender = await time_transfers(lambda: SameHostKvSender(target.address, MappedPools(), {}),
+                                                   storage, info, sizes, args.repeats, args.settle_s)
+            if not shm_sender.used_shm:
+                raise SystemExit("the shm transfers fell back to gRPC (see the log): nothing to report for shm")
+            shm_sender.pools.close()
+            grpc_times, _ = await time_transfers(lambda: GrpcKvSender(target.address), storage, info, sizes,
+                                                 args.repeats, args.settle_s)
+            return shm, grpc_times
+
+        shm, grpc_times = asyncio.run(run())
+        memcpy_after = memcpy_gbps(context_bytes, max(5, args.repeats))
+    finally:
+        target.stop()
+    shm_summary = summarize(shm, bytes_per_token, args.context_tokens)
+    grpc_summary = summarize(grpc_times, bytes_per_token, args.context_tokens)
+    result = {
+        "memcpy_gbps": round(statistics.mean([memcpy, memcpy_after]), 3),
+        "memcpy_gbps_before_after": [round(memcpy, 3), round(memcpy_after, 3)],
+        "kv_shm_gbps": round(shm_summary["gbps_at_context"], 3),
+        "kv_grpc_gbps": round(grpc_summary["gbps_at_context"], 3),
+        "kv_fixed_ms": round(shm_summary["fixed_ms"], 3),
+        "kv_grpc_fixed_ms": round(grpc_summary["fixed_ms"], 3),
+        "kv_shm_fit_gbps": round(shm_summary["fit_gbps"], 3),
+        "kv_grpc_fit_gbps": round(grpc_summary["fit_gbps"], 3),
+        "kv_shm": shm_summary, "kv_grpc": grpc_summary,
+        "kv_shm_breakdown_at_context": shm_breakdown(storage, args.context_tokens, args.repeats),
+        "context_tokens": args.context_tokens, "context_bytes": context_bytes,
+        "model": args.model, "dtype": info.dtype, "cpu_kind": cpu_kind(), "load_average": os.getloadavg(),
+        **assist_round_trips(),
+    }
+    text = json.dumps(result)
+    if args.out:
+        with open(args.out, "w", encoding="utf-8") as out:
+            out.write(json.dumps(result, indent=2) + "\n")
+    print(text)
+
+
+if __name__ == "__main__":
+    main()

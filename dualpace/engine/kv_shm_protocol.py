@@ -1,0 +1,34 @@
+"""The messages of a same-host KV transfer, beside the chunks of kv_transfer.py (torch-free).
+
+Over the import stream: the header carries an offer (the sender's boot id); the target
+answers with a reservation (where its pool is, which slots to write, the tickets) or a
+refusal with its reason (then chunks follow as usual); after writing, the sender says so
+with the layer checksums; prepare and commit stay as they are.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ShmOffer:
+    boot_id: str
+
+
+@dataclass(frozen=True)
+class ShmReservation:
+    socket_name: str  # abstract Unix socket of the target's dualpace.engine.same_host.TicketServer
+    segment_token: bytes  # ticket for the pool's memfd; also the token in its header
+    import_token: bytes  # ticket for this import's write lease
+    slot_ids: tuple[int, ...]  # target slots of tokens 0 .. num_computed_tokens - 1
+
+
+@dataclass(frozen=True)
+class ShmDeclined:
+    reason: str
+
+
+@dataclass(frozen=True)
+class ShmWritten:
+    layer_crc32s: tuple[int, ...]  # dualpace.engine.shm_kv_copy.layer_checksums

@@ -1,0 +1,28 @@
+"""What a migration sends: its chunks, and where they come from (for in-place transports)."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+
+from dualpace.engine.kv_transfer import KvChunk
+from dualpace.kv.storage import KVStorage
+
+
+@dataclass
+class OutgoingKv:
+    """An async iterator of the transfer's chunks (the gRPC path reads them one by one), which also
+    names the source pool and the request's slots, so a same-host transport can copy the blocks
+    straight into the target instead (and never reads a chunk)."""
+
+    storage: KVStorage
+    slot_ids: list[int]  # the request's flat slots, tokens 0 .. num_computed_tokens - 1
+    chunk_plan: list[tuple[int, int, int]]  # (layer, token_start, token_end) per chunk
+    read_chunk: Callable[[int, int, int, int], Awaitable[KvChunk]]  # (seq, layer, start, end)
+
+    def __aiter__(self) -> AsyncIterator[KvChunk]:
+        return self._chunks()
+
+    async def _chunks(self) -> AsyncIterator[KvChunk]:
+        for seq, (layer, token_start, token_end) in enumerate(self.chunk_plan):
+            yield await self.read_chunk(seq, layer, token_start, token_end)

@@ -1,0 +1,211 @@
+"""Same-host proof and shared-memory hand-over between two daemons (Linux).
+
+Two daemons may move bytes through shared memory only when they share a kernel and the
+segment one of them names is the one the other maps. The proof has two parts:
+
+- equal boot ids (/proc/sys/kernel/random/boot_id): the same running kernel;
+- the segment itself: its owner passes a memfd over a Unix socket in the abstract
+  namespace (so it is in the same network namespace and nothing is ever written to the
+  filesystem), only to a caller of the same user that presents the ticket the owner gave
+  it over the authenticated control plane; the caller then checks the random token the
+  owner wrote into the segment's header (dualpace.engine.shm_segment).
+
+Nothing outlives a SIGKILLed daemon: a memfd has no name, an abstract socket goes with
+its process, and a caller that holds a mapping keeps a "watch" connection whose end tells
+it that the owner died, so it drops the mapping (and the memory goes back to the kernel).
+
+`TicketServer` also grants leases: a caller that is about to write into the owner's memory
+takes one for that job, and the owner frees what the job wrote into only once the lease
+has ended (the caller closed it, or died), so a late write never lands in memory that was
+handed to someone else. Used by the KV transfer; meant for the Dense Assist rings too.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import secrets
+import socket
+import struct
+from dataclasses import dataclass, field
+
+log = logging.getLogger(__name__)
+
+BOOT_ID_PATH = "/proc/sys/kernel/random/boot_id"
+TICKET_BYTES = 16
+REQUEST_BYTES = 1 + TICKET_BYTES  # kind + ticket
+KIND_FD = b"F"  # hand me the memfd behind this ticket (and keep this connection as the watch)
+KIND_LEASE = b"L"  # I am about to write for the job behind this ticket
+GRANTED, REFUSED = b"OK", b"NO"
+HANDSHAKE_TIMEOUT_S = 5.0
+
+
+def boot_id() -> str | None:
+    """This kernel's boot id, or None where it cannot be read (then nothing is shared)."""
+    try:
+        with open(BOOT_ID_PATH, encoding="ascii") as file:
+            return file.read().strip() or None
+    except OSError:
+        return None
+
+
+def new_ticket() -> bytes:
+    return secrets.token_bytes(TICKET_BYTES)
+
+
+def _peer_uid(connection: socket.socket) -> int:
+    _, uid, _ = struct.unpack("3i", connection.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
+                                                          struct.calcsize("3i")))
+    return uid
+
+
+@dataclass
+class Lease:
+    """One job's right to write into the owner's memory."""
+
+    granted: bool = False
+    revoked: bool = False
+    ended: asyncio.Event = field(default_factory=asyncio.Event)
+
+    async def wait_ended(self) -> None:
+        """Returns once no write for this job can happen any more (never granted, or closed)."""
+        if self.granted:
+            await self.ended.wait()
+
+
+class TicketServer:
+    """The owner's side: an abstract Unix socket that hands out fds and leases to ticket holders."""
+
+    def __init__(self, purpose: str):
+        self.name = f"dualpace-{purpose}-{os.getpid()}-{secrets.token_hex(8)}"
+        self._fds: dict[bytes, int] = {}
+        self._leases: dict[bytes, Lease] = {}
+        self._socket: socket.socket | None = None
+        self._task: asyncio.Task | None = None
+        self._connections: set[asyncio.Task] = set()
+
+    async def start(self) -> None:
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        listener.bind("\0" + self.name)
+        listener.listen(64)
+        listener.setblocking(False)
+        self._socket = listener
+        self._task = asyncio.create_task(self._accept_loop())
+
+    async def close(self) -> None:
+        for task in [self._task, *self._connections]:
+            if task is not None:
+                task.cancel()
+        if self._socket is not None:
+            self._socket.close()
+            self._socket = None
+
+    def share_fd(self, fd: int, ticket: bytes | None = None) -> bytes:
+        """A ticket (`ticket`, or a new one) that gets `fd` for whoever presents it."""
+        ticket = ticket or new_ticket()
+        self._fds[ticket] = fd
+        return ticket
+
+    def open_lease(self) -> tuple[bytes, Lease]:
+        """A ticket for one job; the job may write once a caller holds its lease."""
+        ticket = new_ticket()
+        lease = self._leases[ticket] = Lease()
+        return ticket, lease
+
+    def revoke(self, ticket: bytes) -> Lease | None:
+        """No new lease for this job from now on; returns it (wait_ended() before freeing its memory)."""
+        lease = self._leases.pop(ticket, None)
+        if lease is not None:
+            lease.revoked = True
+        return lease
+
+    async def _accept_loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            connection, _ = await loop.sock_accept(self._socket)
+            task = asyncio.create_task(self._serve(connection))
+            self._connections.add(task)
+            task.add_done_callback(self._connections.discard)
+
+    async def _serve(self, connection: socket.socket) -> None:
+        loop = asyncio.get_running_loop()
+        connection.setblocking(False)
+        lease: Lease | None = None
+        try:
+            if _peer_uid(connection) not in (os.getuid(), 0):
+                return
+            request = await asyncio.wait_for(_recv_exactly(loop, connection, REQUEST_BYTES), HANDSHAKE_TIMEOUT_S)
+            kind, ticket = request[:1], request[1:]
+            if kind == KIND_FD and ticket in self._fds:
+                socket.send_fds(connection, [GRANTED], [self._fds[ticket]])
+            elif kind == KIND_LEASE and ticket in self._leases and not self._leases[ticket].revoked:
+                lease = self._leases[ticket]
+                lease.granted = True  # no await since the check above: a revoke cannot slip in between
+                await loop.sock_sendall(connection, GRANTED)
+            else:
+                await loop.sock_sendall(connection, REFUSED)
+                return
+            while await loop.sock_recv(connection, 64):  # held until the caller closes or dies
+                pass
+        except (OSError, asyncio.TimeoutError, EOFError) as exc:
+            log.debug("same-host connection ended: %s", exc)
+        finally:
+            if lease is not None:
+                lease.ended.set()
+            connection.close()
+
+
+async def _recv_exactly(loop: asyncio.AbstractEventLoop, connection: socket.socket, num_bytes: int) -> bytes:
+    data = b""
+    while len(data) < num_bytes:
+        more = await loop.sock_recv(connection, num_bytes - len(data))
+        if not more:
+            raise EOFError("peer closed the connection")
+        data += more
+    return data
+
+
+class SameHostRefused(Exception):
+    """The owner refused or could not be reached: use the cross-host path."""
+
+
+def fetch_fd(socket_name: str, ticket: bytes) -> tuple[int, socket.socket]:
+    """Blocking (run it in a thread): the owner's fd, and the watch connection to keep open."""
+    connection = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        connection.settimeout(HANDSHAKE_TIMEOUT_S)
+        connection.connect("\0" + socket_name)
+        connection.sendall(KIND_FD + ticket)
+        message, fds, _, _ = socket.recv_fds(connection, len(GRANTED), 1)
+    except OSError as exc:
+        connection.close()
+        raise SameHostRefused(f"cannot reach {socket_name!r}: {exc}") from exc
+    if message != GRANTED or len(fds) != 1:
+        connection.close()
+        for fd in fds:
+            os.close(fd)
+        raise SameHostRefused(f"{socket_name!r} refused the ticket")
+    connection.setblocking(False)
+    return fds[0], connection
+
+
+@contextlib.asynccontextmanager
+async def held_lease(socket_name: str, ticket: bytes):
+    """Hold the owner's lease for one job while the body writes; closing it tells the owner we stopped."""
+    loop = asyncio.get_running_loop()
+    connection = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    connection.setblocking(False)
+    try:
+        try:
+            await asyncio.wait_for(loop.sock_connect(connection, "\0" + socket_name), HANDSHAKE_TIMEOUT_S)
+            await loop.sock_sendall(connection, KIND_LEASE + ticket)
+            answer = await asyncio.wait_for(_recv_exactly(loop, connection, len(GRANTED)), HANDSHAKE_TIMEOUT_S)
+        except (OSError, EOFError, asyncio.TimeoutError) as exc:
+            raise SameHostRefused(f"no lease from {socket_name!r}: {exc}") from exc
+        if answer != GRANTED:
+            raise SameHostRefused(f"{socket_name!r} refused the lease (the job was cancelled)")
+        yield
+    finally:
+        connection.close()

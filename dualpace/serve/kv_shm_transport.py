@@ -1,0 +1,135 @@
+"""The same-host KV transport: gRPC carries the header, the slots, checksums, prepare and commit;
+the bytes go straight from this engine's pool into the target's reserved blocks.
+
+The header offers shared memory; the target answers with a reservation (it proved nothing
+yet: the sender then maps the pool it names and checks the token in its header) or with the
+reason it declines. Whatever fails before the copy (no reservation, the pool cannot be mapped,
+other geometry) falls back to chunks on the same stream, as the plain gRPC transport sends
+them; a target that declined (another host, a private pool) is not asked again for a minute.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import grpc
+
+from dualpace.engine.kv_shm_import import SharedKvPool, ShmImport
+from dualpace.engine.kv_shm_protocol import ShmDeclined, ShmOffer, ShmReservation, ShmWritten
+from dualpace.engine.kv_shm_send import MappedPools, check_geometry, write_in_place
+from dualpace.engine.kv_source import OutgoingKv
+from dualpace.engine.kv_transfer import KvChunk, KvTransferHeader
+from dualpace.engine.migration import KvImporter
+from dualpace.engine.same_host import SameHostRefused, boot_id
+from dualpace.errors import InvalidArgument, Unavailable
+from dualpace.faults import FaultConfig
+from dualpace.serve.auth import token_metadata
+from dualpace.serve.kv_transport import GrpcKvSender, _ended
+from dualpace.serve.server import channel_options
+from dualpace.wire.kv_shm_messages import kv_header_with_offer_to_pb, shm_answer_from_pb, shm_written_to_pb
+from dualpace.wire.v1 import engine_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+KV_TRANSPORTS = ("auto", "grpc")  # auto: shared memory where the target is on this host, else gRPC
+DECLINE_MEMORY_S = 60.0  # a target that declined is offered shared memory again after this
+
+
+class SameHostKvSender(GrpcKvSender):
+    """send(header, chunks) for migrate_out: shared memory when the target proves it is on this host."""
+
+    def __init__(self, target_address: str, pools: MappedPools, declined_until: dict[str, float], **kwargs):
+        super().__init__(target_address, **kwargs)
+        self.pools = pools
+        self.declined_until = declined_until  # target address -> monotonic time; shared by the engine's senders
+        self.used_shm = False  # for the caller's logs and the tests
+
+    def _offer(self, header: KvTransferHeader, chunks) -> ShmOffer | None:
+        host = boot_id()
+        if host is None or not isinstance(chunks, OutgoingKv) or header.num_computed_tokens == 0:
+            return None  # nothing to copy (a request moved without KV goes as before)
+        if time.monotonic() < self.declined_until.get(self.target_address, 0.0):
+            return None
+        return ShmOffer(host)
+
+    async def __call__(self, header: KvTransferHeader, chunks: AsyncIterator[KvChunk]) -> str:
+        offer = self._offer(header, chunks)
+        if offer is None:
+            return await super().__call__(header, chunks)
+        async with grpc.aio.insecure_channel(self.target_address, options=channel_options()) as channel:
+            call = engine_pb2_grpc.EngineStub(channel).ImportKv(timeout=self.timeout_s,
+                                                                metadata=token_metadata(self.auth_token))
+            try:
+                await self._write(call, kv_header_with_offer_to_pb(header, offer), "the header")
+                answer = await self._expect_answer(call)
+                written = None
+                if isinstance(answer, ShmDeclined):
+                    log.info("KV to %s over gRPC: %s", self.target_address, answer.reason)
+                    self.declined_until[self.target_address] = time.monotonic() + DECLINE_MEMORY_S
+                else:
+                    written = await self._write_in_place(answer, header, chunks)
+                if written is not None:
+                    await self._write(call, shm_written_to_pb(written), "shm_written")
+                    self.used_shm = True
+                else:
+                    await self._send_chunks(call, chunks)
+                return await self._prepare_and_commit(call)
+            except BaseException:
+                call.cancel()  # the target drops the partial import (once our write lease has ended)
+                raise
+
+    async def _write_in_place(self, answer: ShmReservation, header: KvTransferHeader,
+                              chunks: OutgoingKv) -> ShmWritten | None:
+        """Copy into the target's reserved blocks; None: its pool cannot be used (send chunks instead)."""
+        segment = None
+        try:
+            try:
+                segment = await self.pools.get(answer)
+                check_geometry(segment, header.layout, answer, header.num_computed_tokens)
+            except (SameHostRefused, InvalidArgument) as exc:
+                log.warning("KV to %s over gRPC: cannot use its shared pool: %s", self.target_address, exc)
+                return None
+            return await write_in_place(segment, answer, chunks, self.faults)
+        finally:
+            # No reference to the mapping may outlive the call in a traceback: once the target is
+            # gone and the pool dropped, the memory must go back to the kernel at once.
+            segment = None
+
+    async def _expect_answer(self, call):
+        try:
+            reply = await call.read()
+        except grpc.aio.AioRpcError:  # the target ended the stream with an error status (e.g. no room)
+            raise await _ended(call, "before answering the shared-memory offer") from None
+        if reply is grpc.aio.EOF:
+            await call.wait_for_connection()
+            raise await _ended(call, "before answering the shared-memory offer")
+        answer = shm_answer_from_pb(reply)
+        if answer is None:
+            raise Unavailable(f"KV import answered the offer with {reply.WhichOneof('kind')!r}")
+        return answer
+
+
+@dataclass
+class SameHostKv:
+    """An engine's side of same-host KV transfers, as sender and as target."""
+
+    transport: str  # one of KV_TRANSPORTS
+    pool: SharedKvPool  # this engine's pool as other daemons may write it
+    mapped: MappedPools = field(default_factory=MappedPools)
+    declined_until: dict[str, float] = field(default_factory=dict)
+
+    def sender(self, target_address: str, faults: FaultConfig, auth_token: str | None) -> GrpcKvSender:
+        if self.transport == "grpc":
+            return GrpcKvSender(target_address, faults, auth_token=auth_token)
+        return SameHostKvSender(target_address, self.mapped, self.declined_until, faults=faults,
+                                auth_token=auth_token)
+
+    def importer_side(self, importer: KvImporter) -> ShmImport:
+        return ShmImport(self.pool, importer)
+
+    async def close(self) -> None:
+        self.mapped.close()
+        await self.pool.close()

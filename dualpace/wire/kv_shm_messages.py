@@ -1,0 +1,47 @@
+"""Conversion of the same-host KV transfer messages (dualpace.engine.kv_shm_protocol) <-> protobuf."""
+
+from __future__ import annotations
+
+from dualpace.engine.kv_shm_protocol import ShmDeclined, ShmOffer, ShmReservation, ShmWritten
+from dualpace.engine.kv_transfer import KvTransferHeader
+from dualpace.wire.engine_messages import kv_header_to_pb
+from dualpace.wire.v1 import engine_pb2
+
+
+def kv_header_with_offer_to_pb(header: KvTransferHeader, offer: ShmOffer | None) -> engine_pb2.ImportKvMessage:
+    message = kv_header_to_pb(header)
+    if offer is not None:
+        message.header.shm_offer.boot_id = offer.boot_id
+    return message
+
+
+def shm_offer_from_pb(header: engine_pb2.ImportKvHeader) -> ShmOffer | None:
+    return ShmOffer(header.shm_offer.boot_id) if header.HasField("shm_offer") else None
+
+
+def shm_answer_to_pb(answer: ShmReservation | ShmDeclined) -> engine_pb2.ImportKvReply:
+    if isinstance(answer, ShmDeclined):
+        return engine_pb2.ImportKvReply(shm_declined=engine_pb2.KvShmDeclined(reason=answer.reason))
+    return engine_pb2.ImportKvReply(shm_reserved=engine_pb2.KvShmReserved(
+        socket_name=answer.socket_name, segment_token=answer.segment_token, import_token=answer.import_token,
+        slot_ids=answer.slot_ids))
+
+
+def shm_answer_from_pb(reply: engine_pb2.ImportKvReply) -> ShmReservation | ShmDeclined | None:
+    """The target's answer to an offer, or None if the reply is something else."""
+    kind = reply.WhichOneof("kind")
+    if kind == "shm_declined":
+        return ShmDeclined(reply.shm_declined.reason)
+    if kind == "shm_reserved":
+        reserved = reply.shm_reserved
+        return ShmReservation(reserved.socket_name, bytes(reserved.segment_token), bytes(reserved.import_token),
+                              tuple(reserved.slot_ids))
+    return None
+
+
+def shm_written_to_pb(written: ShmWritten) -> engine_pb2.ImportKvMessage:
+    return engine_pb2.ImportKvMessage(shm_written=engine_pb2.KvShmWritten(layer_crc32=written.layer_crc32s))
+
+
+def shm_written_from_pb(message: engine_pb2.KvShmWritten) -> ShmWritten:
+    return ShmWritten(tuple(message.layer_crc32))
