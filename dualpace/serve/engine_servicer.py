@@ -14,6 +14,7 @@ import dataclasses
 import time
 
 from dualpace.engine.loop import EngineLoop
+from dualpace.engine.host_tier_import import HostTierImporter
 from dualpace.engine.migration import KvImporter, migrate_out
 from dualpace.errors import DataLoss, InvalidArgument, RequestNotFound, Unavailable
 from dualpace.faults import FaultConfig
@@ -118,7 +119,10 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
                 if kind == "header":
                     if importer.progress is not None:
                         raise InvalidArgument("header", "sent twice")
-                    await importer.begin(messages.kv_header_from_pb(message.header))
+                    header = messages.kv_header_from_pb(message.header)
+                    if header.cache_only:  # host-tier blocks for this engine's prefix cache
+                        importer = HostTierImporter(self.loop)
+                    await importer.begin(header)
                 elif kind == "chunk":
                     chunk_start = time.perf_counter()
                     await importer.chunk(messages.kv_chunk_from_pb(message.chunk))
@@ -135,7 +139,8 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
                               chunk_handling_ms=round(chunk_ms, 2),
                               commit_ms=round((time.perf_counter() - commit_start) * 1e3, 2),
                               total_ms=round((time.perf_counter() - started) * 1e3, 2))
-                    self.leases.start(importer.progress.header.request_id)  # until the router resumes it here
+                    if not importer.progress.header.cache_only:
+                        self.leases.start(importer.progress.header.request_id)  # until the router resumes it here
                     yield messages.import_committed_to_pb(importer.progress.header.request_id, engine_name)
                     return
                 else:
