@@ -51,12 +51,22 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def start_host_tier(args: argparse.Namespace, parts: EngineDaemonParts) -> None:
     """Offer finished requests' cached blocks to --host-tier (dualpace.engine.host_tier), in the background."""
     from dualpace.engine.host_tier import HostTierOffers
+    from dualpace.serve import metrics
     from dualpace.serve.kv_transport import GrpcKvSender
     from dualpace.serve.security import read_token_file
 
     sender = GrpcKvSender(args.host_tier, auth_token=read_token_file(args.auth_token_file))
     offers = HostTierOffers(parts.loop, sender)
     _background.add(asyncio.get_running_loop().create_task(offers.run()))
+    counts, name = offers.counts, parts.loop.core.config.name
+    metrics.register_callback_gauges(metrics.CallbackGauges(
+        "dualpace_host_tier_offers", "Host-tier offers since start, by outcome (accepted, failed, dropped, skipped).",
+        ("engine", "outcome"), lambda: {(name, outcome): float(getattr(counts, f"num_{attr}")) for outcome, attr in
+                                        (("accepted", "offers"), ("failed", "failed"), ("dropped", "dropped"),
+                                         ("skipped", "skipped"))}))
+    metrics.register_callback_gauges(metrics.CallbackGauges(
+        "dualpace_host_tier_offered_blocks", "KV blocks the host tier accepted from this engine since start.",
+        ("engine",), lambda: {(name,): float(counts.num_offered_blocks)}))
 
 
 def assist_services(args: argparse.Namespace):

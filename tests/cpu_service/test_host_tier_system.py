@@ -16,6 +16,7 @@ import grpc
 from dualpace.sampling import SamplingParams
 from dualpace.wire.v1 import common_pb2, router_pb2, router_pb2_grpc
 from tests.cpu_service.conftest import ENGINE_FLAGS, solo
+from tests.reliability.test_nan_logits import scrape
 from toolkit.engine_client import EngineClient, read_until
 from toolkit.processes import start_daemon
 
@@ -54,7 +55,7 @@ def test_a_conversation_continues_on_the_cpu_engine_from_the_host_tier(loaded, m
     sockets = Path(tempfile.mkdtemp(prefix="dualpace-host-tier-"))
     gpu_address, cpu_address = f"unix:{sockets / 'gpu.sock'}", f"unix:{sockets / 'cpu.sock'}"
     gpu = start_daemon("gpu_service", "--model", model_folder, *ENGINE_FLAGS, "--kv-blocks", "12", "--name", "gpu",
-                       "--host-tier", cpu_address, listen=gpu_address)
+                       "--host-tier", cpu_address, "--metrics-port", "0", listen=gpu_address)
     cpu = start_daemon("cpu_service", "--model", model_folder, *ENGINE_FLAGS, "--kv-blocks", "64", "--name", "cpu",
                        "--assist", "never", "--gpu-service", gpu_address, listen=cpu_address)
     router = start_daemon("router", "serve", "--gpu", gpu_address, "--cpu", cpu_address, "--model", model_folder,
@@ -69,6 +70,10 @@ def test_a_conversation_continues_on_the_cpu_engine_from_the_host_tier(loaded, m
         assert engines == {"gpu"} and reply == solo(loaded, HISTORY, SamplingParams(max_tokens=10, ignore_eos=True))
         wait_for(lambda: cpu_client.load().kv_blocks_cached >= 4, "the host tier to hold turn 1")
         assert cpu_client.load().kv_blocks_used == 0
+        offered = scrape(gpu)
+        assert offered[("dualpace_host_tier_offers", (("engine", "gpu"), ("outcome", "accepted")))] == 1
+        assert offered[("dualpace_host_tier_offered_blocks", (("engine", "gpu"),))] == 4
+        assert offered[("dualpace_host_tier_offers", (("engine", "gpu"), ("outcome", "failed")))] == 0
 
         # A long request takes the GPU engine's whole pool (12 blocks): turn 1 is evicted there.
         filler_params = SamplingParams(max_tokens=2, ignore_eos=True)
