@@ -27,13 +27,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import re
 import sys
 import time
 from pathlib import Path
 
 from bench.load.generator import run_load
 from bench.load.workloads import conversations
+from bench.prefix_cache import add_engine_arguments, cpu_vector_flags, load_average
 from dualpace.stats import percentile
 from toolkit.processes import start_up
 from toolkit.workload import RequestSpec
@@ -115,9 +115,7 @@ def markdown(report: dict) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="smollm2-135m")
-    p.add_argument("--dtype", default="fp32", choices=["auto", "fp32", "bf16"])
-    p.add_argument("--threads", type=int, default=1, help="torch threads per engine")
+    add_engine_arguments(p)
     p.add_argument("--gpu-kv-blocks", type=int, default=40, help="the GPU engine's small pool (16-token blocks)")
     p.add_argument("--num-conversations", type=int, default=4)
     p.add_argument("--opening-len", type=int, default=400, help="each conversation's first message")
@@ -128,11 +126,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--settle-s", type=float, default=1.5, help="pause after each request")
     p.add_argument("--tag", default="smollm2-135m")
     args = p.parse_args(argv)
-    cpu = " ".join(sorted(set(re.findall(r"avx512[a-z_0-9]*|avx2|amx[a-z_0-9]*", Path("/proc/cpuinfo").read_text()))))
-    load_before = Path("/proc/loadavg").read_text().split()[:3]
+    cpu, load_before = cpu_vector_flags(), load_average()
     pairs = run(args)["pairs"]
-    report = {"config": vars(args), "cpu": cpu, "load_before": load_before,
-              "load_after": Path("/proc/loadavg").read_text().split()[:3], "pairs": pairs, "summary": summary(pairs)}
+    report = {"config": vars(args), "cpu": cpu, "load_before": load_before, "load_after": load_average(),
+              "pairs": pairs, "summary": summary(pairs)}
     out = Path("bench/results") / f"host_tier_{args.tag}.json"
     out.write_text(json.dumps(report, indent=2) + "\n")
     out.with_suffix(".md").write_text(markdown(report))
