@@ -90,7 +90,10 @@ class HostTierOffers:
             self._pending.popleft()
             self.counts.num_dropped += 1
         self._pending.append(tuple(request.token_ids(0, num_full_blocks * size)))
-        self._event_loop.call_soon_threadsafe(self._wake.set)
+        try:
+            self._event_loop.call_soon_threadsafe(self._wake.set)
+        except RuntimeError:  # the daemon's event loop has closed (shutting down): nothing will send it
+            pass
 
     # -------------------------------------------------------------- event loop
 
