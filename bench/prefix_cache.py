@@ -78,11 +78,25 @@ def markdown(report: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_engine_arguments(p: argparse.ArgumentParser) -> None:
+    """--model, --dtype and --threads, as these chat benchmarks start `dualpace up`."""
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--dtype", default="fp32", choices=["auto", "fp32", "bf16"])
     p.add_argument("--threads", type=int, default=1, help="torch threads per engine")
+
+
+def cpu_vector_flags() -> str:
+    """This CPU's AVX2 / AVX-512 / AMX flags, as the reports name the machine."""
+    return " ".join(sorted(set(re.findall(r"avx512[a-z_0-9]*|avx2|amx[a-z_0-9]*", Path("/proc/cpuinfo").read_text()))))
+
+
+def load_average() -> list[str]:
+    return Path("/proc/loadavg").read_text().split()[:3]
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_engine_arguments(p)
     p.add_argument("--num-requests", type=int, default=8, help="shared-prefix requests")
     p.add_argument("--rate", type=float, default=0.5, help="shared-prefix arrivals per second")
     p.add_argument("--system-len", type=int, default=1000, help="shared-prefix: the shared system prompt")
@@ -97,8 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--timeout-s", type=float, default=900.0, help="per workload and setting")
     p.add_argument("--tag", default="smollm2-135m")
     args = p.parse_args(argv)
-    cpu = " ".join(sorted(set(re.findall(r"avx512[a-z_0-9]*|avx2|amx[a-z_0-9]*", Path("/proc/cpuinfo").read_text()))))
-    load_before = Path("/proc/loadavg").read_text().split()[:3]
+    cpu, load_before = cpu_vector_flags(), load_average()
     runs_by_setting = {setting: run_setting(args, setting) for setting in SETTINGS}
     runs, ratios = {}, {}
     for workload in ("shared-prefix", "multi-turn"):
@@ -111,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
             "outputs_identical": on["outputs"] == off["outputs"] and len(on["outputs"]) > 0,
         }
     report = {"config": vars(args), "cpu": cpu, "load_before": load_before,
-              "load_after": Path("/proc/loadavg").read_text().split()[:3], "runs": runs, "ratios": ratios}
+              "load_after": load_average(), "runs": runs, "ratios": ratios}
     out = Path("bench/results") / f"prefix_cache_{args.tag}.json"
     out.write_text(json.dumps(report, indent=2) + "\n")
     out.with_suffix(".md").write_text(markdown(report))

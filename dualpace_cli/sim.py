@@ -30,6 +30,13 @@ def register(subparsers) -> None:
     p.add_argument("--trace", help="JSONL trace (input_len or prompt_token_ids, output_len per line; with arrival_s "
                                    "on every line the requests arrive then and --rate/--burstiness are unused)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--prefix-caching", default="on", choices=["on", "off"],
+                   help="each simulated engine's prefix cache, as on the daemons (default on)")
+    p.add_argument("--workload", default="random", choices=["random", "shared-prefix"],
+                   help="random: --input-len/--trace; shared-prefix: one --system-len system prompt shared by "
+                        "every request, then its own --question-len question (as `dualpace bench`)")
+    p.add_argument("--system-len", type=int, default=1000, help="shared-prefix: the shared system prompt's tokens")
+    p.add_argument("--question-len", default="16:64", help="shared-prefix: SPEC of each question")
     p.add_argument("--itl-target-ms", type=float, default=None,
                    help="admission: an engine whose predicted ITL with one more request exceeds it takes none")
     p.add_argument("--gpu-admission", choices=("reserve", "optimistic"), default=None,
@@ -128,6 +135,18 @@ def _target_tables(results: list[dict], targets: list[float], args: argparse.Nam
     return "\n\n".join(parts) + "\n"
 
 
+def _specs(args: argparse.Namespace, rate: float, vocab_size: int, input_len, output_len, trace) -> list:
+    if args.workload == "shared-prefix":
+        from bench.load.workloads import shared_prefix_requests
+
+        workload_args = argparse.Namespace(**{**vars(args), "vocab_size": vocab_size, "input_len": None,
+                                              "output_len": args.output_len})
+        return shared_prefix_requests(workload_args, rate)
+    from toolkit.workload import build_requests
+
+    return build_requests(args.num_requests, rate, args.burstiness, args.seed, vocab_size, input_len, output_len, trace)
+
+
 def run(args: argparse.Namespace) -> int:
     from dualpace.engine.scheduler import SchedulerConfig
     from dualpace.policy.admission import GpuAdmission
@@ -135,7 +154,6 @@ def run(args: argparse.Namespace) -> int:
     from dualpace.profile.files import load_profile
     from profiles.sim import SimConfig, simulate
     from toolkit.workload import (
-        build_requests,
         load_trace,
         parse_length_spec,
         parse_rates,
@@ -158,6 +176,8 @@ def run(args: argparse.Namespace) -> int:
     trace = load_trace(args.trace) if args.trace else None
     if args.num_requests is None:
         args.num_requests = len(trace) if trace_has_arrivals(trace) else 100
+    if args.workload == "shared-prefix" and args.trace:
+        raise InvalidArgument("--workload", "shared-prefix makes its own prompts: drop --trace")
     input_len = None if trace else parse_length_spec(args.input_len, "--input-len")
     output_len = None if trace else parse_length_spec(args.output_len, "--output-len")
 
@@ -177,10 +197,10 @@ def run(args: argparse.Namespace) -> int:
             assist_device_hold=args.assist_device_hold,
             skip_unprefilled_moves=args.skip_unprefilled_moves,
             gpu_admission=GpuAdmission(args.gpu_admission) if args.gpu_admission else None,
+            prefix_caching=args.prefix_caching == "on",
         )
         for rate in rates:
-            specs = build_requests(args.num_requests, rate, args.burstiness, args.seed, profile.model.vocab_size,
-                                   input_len, output_len, trace)
+            specs = _specs(args, rate, profile.model.vocab_size, input_len, output_len, trace)
             result = simulate(cost, config, specs, rate).as_dict()
             results.append(result)
             if not args.json:
@@ -189,7 +209,8 @@ def run(args: argparse.Namespace) -> int:
                       f"TTFT p50 {result['p50_ttft_ms']} p99 {result['p99_ttft_ms']} ms, "
                       f"ITL p50 {result['p50_itl_ms']} p99 {result['p99_itl_ms']} ms, "
                       f"cpu iters {result['cpu_local_iterations']} local / {result['cpu_assisted_iterations']} assisted, "
-                      f"{result['num_preemptions']} preemptions",
+                      f"{result['num_preemptions']} preemptions, prefix cache hit rate "
+                      f"{result['prefix_cache_hit_rate']} ({result['prefill_tokens_saved']} prefill tokens saved)",
                       file=sys.stdout, flush=True)
     if args.json:
         print(json.dumps(results[0] if len(results) == 1 else results))

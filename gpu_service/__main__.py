@@ -11,6 +11,7 @@ On a machine without CUDA the same code runs on the CPU device.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import sys
 
 import grpc
@@ -31,6 +32,7 @@ from gpu_service.dense_assist import DenseAssistExecutor
 
 DEFAULT_KV_BLOCKS = 256  # a small pool: GPU memory is the scarce resource this system works around
 DENSE_ASSIST_SERVICE = "dualpace.v1.DenseAssist"
+_background: set[asyncio.Task] = set()  # strong references to the host tier's task
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -39,13 +41,42 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     add_engine_arguments(parser, default_name="gpu", default_kv_blocks=DEFAULT_KV_BLOCKS)
     parser.add_argument("--device", default="auto", help="auto (cuda when available), cuda or cpu")
     add_assist_limit_arguments(parser)
+    parser.add_argument("--host-tier", default=None, metavar="ADDRESS",
+                        help="the CPU engine (cpu_service) whose pool is this engine's host tier: the prefix-cache "
+                             "blocks of each finished request are offered to it, so they outlive their eviction "
+                             "here (needs --prefix-caching on; default: none)")
     return parse_with_config(parser, argv)
+
+
+def start_host_tier(args: argparse.Namespace, parts: EngineDaemonParts) -> None:
+    """Offer finished requests' cached blocks to --host-tier (dualpace.engine.host_tier), in the background."""
+    from dualpace.engine.host_tier import HostTierOffers
+    from dualpace.serve import metrics
+    from dualpace.serve.kv_transport import GrpcKvSender
+    from dualpace.serve.security import read_token_file
+
+    sender = GrpcKvSender(args.host_tier, auth_token=read_token_file(args.auth_token_file))
+    offers = HostTierOffers(parts.loop, sender)
+    _background.add(asyncio.get_running_loop().create_task(offers.run()))
+    counts, name = offers.counts, parts.loop.core.config.name
+    metrics.register_callback_gauges(metrics.CallbackGauges(
+        "dualpace_host_tier_offers", "Host-tier offers since start, by outcome (accepted, failed, dropped, skipped).",
+        ("engine", "outcome"), lambda: {(name, outcome): float(getattr(counts, f"num_{attr}")) for outcome, attr in
+                                        (("accepted", "offers"), ("failed", "failed"), ("dropped", "dropped"),
+                                         ("skipped", "skipped"))}))
+    metrics.register_callback_gauges(metrics.CallbackGauges(
+        "dualpace_host_tier_offered_blocks", "KV blocks the host tier accepted from this engine since start.",
+        ("engine",), lambda: {(name,): float(counts.num_offered_blocks)}))
 
 
 def assist_services(args: argparse.Namespace):
     limits = limits_from_args(args)  # checked before the model loads: a bad value refuses to start
+    if args.host_tier is not None and args.prefix_caching != "on":
+        raise InvalidArgument("--host-tier", "needs --prefix-caching on")
 
     def add_assist(parts: EngineDaemonParts, server: grpc.aio.Server) -> list[str]:
+        if args.host_tier is not None:
+            start_host_tier(args, parts)
         handoff = DeviceHandoff(parts.device_lock)
         # the engine's forward offers the device to waiting assist stages between its layers
         parts.loop.core.runner.forward.between_layers = handoff.yield_to_waiting

@@ -33,6 +33,7 @@ from dualpace.wire.v1 import router_pb2_grpc
 from dualpace.policy.admission import AdmissionConfig, GpuAdmission
 from router.router_core import RouterConfig, RouterCore
 from router.engines import EngineHandle, EnginePool
+from dualpace.policy.host_tier import HostTierRule
 from dualpace.policy.migration_planner import MigrationConfig
 from router.prompt_work import PromptLimits, add_prompt_arguments
 from router.service import RouterServicer
@@ -66,6 +67,13 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ttft-target-ms", type=float, default=None,
                         help="how long a request may wait for room (default 30 s)")
     parser.add_argument("--no-migrate", action="store_true", help="no load-driven migrations (hand-offs still run)")
+    parser.add_argument("--host-tier", default="on", choices=["on", "off"],
+                        help="dualpace: continue a request on the CPU engine when it caches (e.g. in the GPU "
+                             "engine's host tier) a longer prefix of the prompt than any GPU engine")
+    parser.add_argument("--host-tier-min-gain-tokens", type=int, default=HostTierRule.min_gain_tokens,
+                        help="cached on the CPU engine beyond the best GPU engine, for it to take the request")
+    parser.add_argument("--host-tier-max-suffix-tokens", type=int, default=HostTierRule.max_suffix_tokens,
+                        help="the most prompt tokens past its cached prefix the CPU engine prefills itself")
     parser.add_argument("--listen", default="127.0.0.1:0",
                         help="HOST:PORT, or unix:PATH (a socket only this user can reach); a non-loopback host "
                              "needs --tls-cert/--tls-key")
@@ -117,7 +125,19 @@ def router_config(args: argparse.Namespace, kv_bytes_per_token: int, profile=Non
                                   cpu_itl_target_ms=args.itl_target_ms if predictor is not None else None),
         queue_timeout_s=args.ttft_target_ms / 1e3 if args.ttft_target_ms else 30.0,
         migrate_enabled=not args.no_migrate,
+        host_tier=_host_tier_rule(args),
     )
+
+
+def _host_tier_rule(args: argparse.Namespace) -> HostTierRule:
+    for flag in ("host_tier_min_gain_tokens", "host_tier_max_suffix_tokens"):
+        value = getattr(args, flag, None)
+        if value is not None and value < 1:
+            raise InvalidArgument(f"--{flag.replace('_', '-')}", f"must be >= 1, got {value}")
+    return HostTierRule(enabled=getattr(args, "host_tier", "on") == "on",
+                        min_gain_tokens=getattr(args, "host_tier_min_gain_tokens", None) or HostTierRule.min_gain_tokens,
+                        max_suffix_tokens=getattr(args, "host_tier_max_suffix_tokens", None)
+                        or HostTierRule.max_suffix_tokens)
 
 
 def serve(args: argparse.Namespace) -> int:

@@ -51,7 +51,8 @@ def render(placements: dict, address: str, problem: str | None = None):
 
     stamp = datetime.now().strftime("%H:%M:%S")
     engines = Table(title=f"engines (router {address}, {stamp})", title_justify="left")
-    for column in ("name", "kind", "health", "KV blocks", "cached", "running", "waiting", "ITL p50", "ITL p99"):
+    for column in ("name", "kind", "health", "KV blocks", "cached", "indexed", "running", "waiting", "ITL p50",
+                   "ITL p99"):
         engines.add_column(column, justify="right" if column not in ("name", "kind", "health") else "left",
                            no_wrap=column != "name")
     for engine in placements["engines"]:
@@ -59,7 +60,8 @@ def render(placements: dict, address: str, problem: str | None = None):
         share = f" ({100 * used / total:.0f}%)" if total else ""
         engines.add_row(engine["name"], engine["kind"],
                         Text("ok", style="green") if engine["healthy"] else Text("DOWN", style="bold red"),
-                        f"{used}/{total}{share}", str(engine["kv_blocks_cached"]), str(engine["running"]),
+                        f"{used}/{total}{share}", str(engine["kv_blocks_cached"]),
+                        str(engine.get("prefix_index_blocks", 0)), str(engine["running"]),
                         str(engine["waiting"]),
                         _ms(engine["itl_p50_ms"]), _ms(engine["itl_p99_ms"]))
 

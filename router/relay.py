@@ -22,6 +22,7 @@ from dualpace.client_request import ClientRequest
 from dualpace.errors import InvalidArgument, Overloaded, Unavailable
 from dualpace.policy.admission import Placement, admit, handoff_source
 from dualpace.kv.prefix_index import longest_cached_prefix
+from dualpace.policy.host_tier import continue_on_host_tier
 from dualpace.sampling_params import FinishReason, SamplingParams
 from dualpace.serve.logging_setup import bind_request_id, unbind_request_id
 from dualpace.serve.metrics import RequestClock, engine_metrics
@@ -152,6 +153,11 @@ class Relay:
             while True:
                 views = core.pool.views()
                 cached = longest_cached_prefix(core.pool.prefix_index, list(views), self.prompt_token_ids)
+                host = continue_on_host_tier(len(self.prompt_token_ids), self.params.max_tokens, views, core.placed(),
+                                             core.config.admission, cached, core.config.host_tier)
+                if host is not None:  # its prefix lives in the CPU engine's cache: decode and prefill there
+                    self.tracked.engine = core.pool.by_name(host)
+                    return self.tracked.engine, None
                 placement, name = admit(len(self.prompt_token_ids), self.params.max_tokens, views,
                                         core.placed(), core.num_queued, core.config.admission, cached)
                 if placement in (Placement.GPU, Placement.CPU):

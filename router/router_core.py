@@ -18,6 +18,7 @@ import grpc
 from dualpace.model.config import ModelConfig
 from dualpace.model.tokenizer import Tokenizer
 from dualpace.policy.admission import AdmissionConfig
+from dualpace.policy.host_tier import HostTierRule
 from dualpace.policy.migration_planner import MigrationConfig, plan_migrations
 from dualpace.policy.views import EngineView, Policy, RoutedRequest
 from dualpace.serve import metrics
@@ -73,6 +74,7 @@ class RouterConfig:
     recovery_timeout_s: float = 30.0  # how long a request may wait for a surviving engine
     migrate_enabled: bool = True
     prompt_limits: PromptLimits = field(default_factory=PromptLimits)  # --max-prompt-chars, --prompt-workers
+    host_tier: HostTierRule = field(default_factory=HostTierRule)  # continue on the CPU engine from its cached prefix
 
 
 class RouterCore:

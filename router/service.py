@@ -45,7 +45,8 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
 
         for handle, listing in await asyncio.gather(*(list_requests(h) for h in pool.handles)):
             if handle.view is not None:
-                engines.append(messages.engine_placement_to_pb(handle.view, handle.healthy))
+                engines.append(messages.engine_placement_to_pb(handle.view, handle.healthy,
+                                                               pool.prefix_index.num_blocks(handle.name)))
             for info in listing or ():
                 requests.append(messages.request_placement_to_pb(handle.name, info))
         return router_pb2.Placements(engines=engines, requests=requests,

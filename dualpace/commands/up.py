@@ -55,6 +55,10 @@ def register(subparsers) -> None:
     p.add_argument("--dtype", default="auto", choices=["auto", "fp32", "bf16"])
     p.add_argument("--prefix-caching", default="on", choices=["on", "off"],
                    help="both engines reuse the KV of prompt prefixes computed before")
+    p.add_argument("--host-tier", default="on", choices=["on", "off"],
+                   help="dualpace with --prefix-caching on and --engine-listen unix: gpu_service offers its cached "
+                        "blocks to cpu_service's pool, and the router continues a conversation there when only "
+                        "the CPU engine still holds its history")
     p.add_argument("--weights", default="native", choices=["native", "bf16", "fp32", "int8"],
                    help="native: a GGUF's quantized matrices stay in their block format (default); bf16/fp32: "
                         "dequantized at load; int8: quantized at load to Q8_0 (per group of 32)")
@@ -188,6 +192,8 @@ class Up:
             engine_flags += ["--orphan-timeout-s", str(args.orphan_timeout_s)]
         profile_flags = ["--profile", args.profile] if args.profile is not None else []
         gpu_flags = engine_flags + (["--kv-blocks", str(args.gpu_kv_blocks)] if args.gpu_kv_blocks else [])
+        if self.host_tier_enabled():  # cpu_service's socket path is known before it starts
+            gpu_flags += ["--host-tier", self.engine_listen("cpu")]
         gpu = self.wait_listening(self.spawn("gpu", "gpu_service", *gpu_flags, "--name", "gpu",
                                              "--listen", self.engine_listen("gpu")))
         cpu = None
@@ -201,7 +207,7 @@ class Up:
                         "--grace-s", str(DRAIN_GRACE_S),
                         "--listen", f"127.0.0.1:{args.port}", "--http-listen", f"127.0.0.1:{args.http_port}"]
         if cpu is not None:
-            router_flags += ["--cpu", cpu]
+            router_flags += ["--cpu", cpu, "--host-tier", "on" if self.host_tier_enabled() else "off"]
         router_flags += profile_flags
         if args.itl_target_ms is not None:
             router_flags += ["--itl-target-ms", str(args.itl_target_ms)]
@@ -215,6 +221,11 @@ class Up:
             if router.process.poll() is not None or time.monotonic() > deadline:
                 raise ChildFailed(router, "did not start its HTTP API")
         return address
+
+    def host_tier_enabled(self) -> bool:
+        args = self.args
+        return (getattr(args, "host_tier", "on") == "on" and args.policy == "dualpace"
+                and args.prefix_caching == "on" and args.engine_listen == "unix")
 
     def engine_listen(self, name: str) -> str:
         if self.args.engine_listen == "tcp":

@@ -31,8 +31,10 @@ class EngineConfig:
 
 
 def prefix_cache_salt(loaded: LoadedModel) -> str:
-    """Names the model and its weights format, so KV is only reused under the same weights."""
-    return f"{loaded.name}|{loaded.path.name}|{loaded.config.architecture}|{loaded.model.dtype}"
+    """Names the model, its weights as held (--weights mode and matrix formats) and the compute
+    dtype, so KV is only reused, here or from another engine's host tier, under the same weights."""
+    return (f"{loaded.name}|{loaded.path.name}|{loaded.config.architecture}|{loaded.model.dtype}"
+            f"|{loaded.weights_format}")
 
 
 class EngineCore:

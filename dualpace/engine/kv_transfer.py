@@ -46,6 +46,8 @@ class KvTransferHeader:
     total_bytes: int
     source_engine: str
     num_cached_tokens: int = 0  # prompt tokens the source served from its prefix cache
+    cache_only: bool = False  # host tier: prefix-cache blocks, not a live request (dualpace.engine.host_tier)
+    cache_salt: str = ""  # with cache_only: the source's prefix-cache salt
 
 
 @dataclass(frozen=True)

@@ -7,6 +7,8 @@ tokens grow; its tokens never change, so a preempted or migrated request reuses 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from dualpace.engine.request import EngineRequest
 from dualpace.kv.block_table import KVBlockManager
 from dualpace.kv.events import KvEventLog
@@ -46,16 +48,25 @@ class PrefixCache:
             self.hasher.extend(request.block_hashes, request.token_ids(0, request.num_computed_tokens))
         registered = self.blocks.register_full_blocks(request.request_id, request.block_hashes, num_full_blocks)
         if self.events is not None and registered:
-            self._publish_stored(request, registered)
+            self._publish_stored(request.block_hashes, request.token_ids(0, num_full_blocks * self.blocks.block_size),
+                                 registered)
 
-    def _publish_stored(self, request: EngineRequest, indexes: list[int]) -> None:
-        """One stored event per run of consecutive newly cached blocks."""
+    def store_blocks(self, seq_id: str, token_ids: Sequence[int]) -> int:
+        """Register the full blocks of ``seq_id`` (a table holding exactly ``token_ids``, its KV
+        written: a host-tier import) in the cache; how many entered it (not those it held already)."""
+        block_hashes = self.hasher.chain(token_ids)
+        registered = self.blocks.register_full_blocks(seq_id, block_hashes, len(block_hashes))
+        if self.events is not None and registered:
+            self._publish_stored(block_hashes, token_ids, registered)
+        return len(registered)
+
+    def _publish_stored(self, hashes: Sequence[bytes], token_ids: Sequence[int], indexes: list[int]) -> None:
+        """One stored event per run of consecutive newly cached blocks (token_ids: from the first block)."""
         size = self.blocks.block_size
-        hashes = request.block_hashes
         start = 0
         for end in range(1, len(indexes) + 1):
             if end == len(indexes) or indexes[end] != indexes[end - 1] + 1:
                 first, last = indexes[start], indexes[end - 1]
                 self.events.stored(hashes[first:last + 1], hashes[first - 1] if first else None,
-                                   request.token_ids(first * size, (last + 1) * size))
+                                   token_ids[first * size:(last + 1) * size])
                 start = end

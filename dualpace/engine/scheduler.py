@@ -1,21 +1,20 @@
 """The engine scheduler: continuous batching with chunked prefill under a token
 budget, admission only while KV suffices, and preemption by recompute.
 
-Pure: no torch, grpc, asyncio or clock reads. The engine loop calls
-`schedule()` -> runs the plan -> `apply(plan, result)`; commands (add, abort,
-pause for migration, import) are applied between steps. The simulator drives
-the same class with a cost model as its clock.
+Pure: no torch, grpc, asyncio or clock reads. The engine loop calls `schedule()` -> runs the
+plan -> `apply(plan, result)`; commands (add, abort, pause for migration, import) are applied
+between steps. The simulator drives the same class with a cost model as its clock.
 
-Prefix caching (when built with a BlockHasher): a new or preempted request is admitted
-on the longest run of cached full blocks matching its tokens, at most all but its last
-token (so the first sampled token's logits are computed), and its prefill starts at the
-end of that run. Each block a request fills is registered in the cache as soon as its
-KV is computed. Cached blocks count as available: they are evicted before any running
-request is preempted.
+Prefix caching (when built with a BlockHasher): a new or preempted request is admitted on the
+longest run of cached full blocks matching its tokens, at most all but its last token (so the
+first sampled token's logits are computed), and its prefill starts at the end of that run. Each
+block a request fills is registered in the cache as soon as its KV is computed. Cached blocks
+count as available: they are evicted before any running request is preempted.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from dualpace.engine.prefix_cache import PrefixCache
@@ -97,6 +96,8 @@ class Scheduler:
         self.num_preemptions = 0
         # None: prefix caching off.
         self.prefix_cache = None if block_hasher is None else PrefixCache(self.blocks, block_hasher, kv_events)
+        # Told of each finishing request before its blocks are freed (the host tier's offers).
+        self.finished_listener: Callable[[EngineRequest, FinishReason], None] | None = None
 
     # ----------------------------------------------------------------- commands
 
@@ -191,6 +192,16 @@ class Scheduler:
         request.num_computed_tokens = num_kv_tokens
         self._cache_full_blocks(request)
         self._insert_running(request)
+
+    def commit_cache_import(self, request_id: str, token_ids: list[int]) -> int:
+        """Phase two of a host-tier import: the reserved blocks hold ``token_ids``' KV and enter
+        the prefix cache unreferenced (evictable, LRU). How many blocks were new here."""
+        if request_id not in self._importing or self.blocks.num_tokens(request_id) != len(token_ids):
+            raise InvalidArgument("request_id", f"{request_id!r} is no cache-only import of {len(token_ids)} tokens")
+        self._importing.discard(request_id)
+        num_new = 0 if self.prefix_cache is None else self.prefix_cache.store_blocks(request_id, token_ids)
+        self.blocks.free(request_id)
+        return num_new
 
     def cancel_import(self, request_id: str) -> None:
         if request_id in self._importing:
@@ -297,10 +308,8 @@ class Scheduler:
         """A request must fit the pool alone at its longest (prompt + max_tokens, less the last token)."""
         needed = self.blocks.num_blocks_for(len(request.prompt_token_ids) - 1 + request.params.max_tokens)
         if needed > self.blocks.num_total_blocks:
-            raise InvalidArgument(
-                "max_tokens",
-                f"prompt + max_tokens needs {needed} KV blocks; this engine has {self.blocks.num_total_blocks}",
-            )
+            raise InvalidArgument("max_tokens", f"prompt + max_tokens needs {needed} KV blocks; "
+                                                f"this engine has {self.blocks.num_total_blocks}")
 
     def _take_arrival_index(self) -> int:
         self._next_arrival_index += 1
@@ -382,6 +391,8 @@ class Scheduler:
             self.waiting.remove(request)
         elif request.state == RequestState.RUNNING:
             self.running.remove(request)
+        if self.finished_listener is not None:
+            self.finished_listener(request, reason)
         if self.blocks.has(request.request_id):
             self.blocks.free(request.request_id)
         request.state = RequestState.FINISHED

@@ -31,6 +31,9 @@ class LoadedModel:
     config: ModelConfig
     model: Transformer
     tokenizer: Tokenizer
+    # How the weights are held: the --weights mode and every matrix storage format in use,
+    # e.g. "native:q4_1,float32" (what the prefix cache's salt names, dualpace.engine.core).
+    weights_format: str = "native"
 
     @property
     def max_context_tokens(self) -> int:
@@ -113,7 +116,7 @@ def load_model(model: str, dtype: str | torch.dtype = "auto", device: str = "cpu
     model_weights = model_weights.to(torch_device, torch_dtype, matrix_dtype)
     log.info("weights: %s", describe_weights(model_weights, torch_device, torch_dtype))
     return LoadedModel(name=model, path=path, config=config, model=Transformer(config, model_weights),
-                       tokenizer=tokenizer)
+                       tokenizer=tokenizer, weights_format=f"{weights}:{','.join(weight_formats(model_weights))}")
 
 
 def _quant_kernels_available() -> bool:
@@ -142,6 +145,16 @@ def weights_num_bytes(weights: ModelWeights) -> int:
                                                            layer.qkv_bias) if t is not None]:
         total += t.num_bytes() if isinstance(t, QuantizedWeight) else t.numel() * t.element_size()
     return total
+
+
+def weight_formats(weights: ModelWeights) -> list[str]:
+    """The storage formats of the matrices, sorted (e.g. ["float32", "q4_1"])."""
+    from dualpace.model.quant import QuantizedWeight
+
+    names: set[str] = set()
+    for t in _matrices(weights):
+        names.update(t.formats if isinstance(t, QuantizedWeight) else [str(t.dtype).removeprefix("torch.")])
+    return sorted(names)
 
 
 def describe_weights(weights: ModelWeights, device: torch.device, dtype: torch.dtype) -> str:

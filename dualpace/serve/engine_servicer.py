@@ -16,6 +16,7 @@ import time
 from dualpace.engine.kv_shm_import import ShmImport
 from dualpace.engine.kv_shm_protocol import ShmDeclined
 from dualpace.engine.loop import EngineLoop
+from dualpace.engine.host_tier_import import HostTierImporter
 from dualpace.engine.migration import KvImporter, migrate_out
 from dualpace.errors import DataLoss, InvalidArgument, RequestNotFound, Unavailable
 from dualpace.faults import FaultConfig
@@ -129,7 +130,13 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
                 if kind == "header":
                     if importer.progress is not None:
                         raise InvalidArgument("header", "sent twice")
-                    await importer.begin(messages.kv_header_from_pb(message.header))
+                    header = messages.kv_header_from_pb(message.header)
+                    if header.cache_only:  # host-tier blocks for this engine's prefix cache, over gRPC
+                        importer = HostTierImporter(self.loop)
+                        if shm is not None:
+                            await shm.close()
+                            shm = None
+                    await importer.begin(header)
                     offer = shm_messages.shm_offer_from_pb(message.header)
                     if offer is not None:
                         yield shm_messages.shm_answer_to_pb(
@@ -154,7 +161,8 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
                               chunk_handling_ms=round(chunk_ms, 2),
                               commit_ms=round((time.perf_counter() - commit_start) * 1e3, 2),
                               total_ms=round((time.perf_counter() - started) * 1e3, 2))
-                    self.leases.start(importer.progress.header.request_id)  # until the router resumes it here
+                    if not importer.progress.header.cache_only:
+                        self.leases.start(importer.progress.header.request_id)  # until the router resumes it here
                     yield messages.import_committed_to_pb(importer.progress.header.request_id, engine_name)
                     return
                 else:

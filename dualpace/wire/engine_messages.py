@@ -158,6 +158,8 @@ def kv_header_to_pb(header: KvTransferHeader) -> engine_pb2.ImportKvMessage:
         total_bytes=header.total_bytes,
         source_engine=header.source_engine,
         num_cached_tokens=header.num_cached_tokens,
+        cache_only=header.cache_only,
+        cache_salt=header.cache_salt,
     ))
 
 
@@ -176,6 +178,8 @@ def kv_header_from_pb(message: engine_pb2.ImportKvHeader) -> KvTransferHeader:
         total_bytes=message.total_bytes,
         source_engine=message.source_engine,
         num_cached_tokens=message.num_cached_tokens,
+        cache_only=message.cache_only,
+        cache_salt=message.cache_salt,
     )
 
 

@@ -41,13 +41,14 @@ def generate_response_to_pb(request_id: str, token_ids: list[int], text: str, en
     return message
 
 
-def engine_placement_to_pb(view, healthy: bool) -> router_pb2.EnginePlacement:
+def engine_placement_to_pb(view, healthy: bool, prefix_index_blocks: int = 0) -> router_pb2.EnginePlacement:
     return router_pb2.EnginePlacement(
         name=view.name, kind=ENGINE_KIND_TO_PB.get(view.kind, common_pb2.ENGINE_KIND_UNSPECIFIED), healthy=healthy,
         kv_blocks_total=view.kv_blocks_total, kv_blocks_used=view.kv_blocks_used, num_running=view.num_running,
         num_waiting=view.num_waiting, itl_p50_ms=view.itl_p50_ms, itl_p99_ms=view.itl_p99_ms,
         block_size=view.block_size,
         kv_blocks_cached=view.kv_blocks_cached,
+        prefix_index_blocks=prefix_index_blocks,
     )
 
 
@@ -130,6 +131,7 @@ def placements_to_dict(message: router_pb2.Placements) -> dict:
                 "kv_blocks_total": engine.kv_blocks_total,
                 "kv_blocks_used": engine.kv_blocks_used,
                 "kv_blocks_cached": engine.kv_blocks_cached,
+                "prefix_index_blocks": engine.prefix_index_blocks,
                 "running": engine.num_running,
                 "waiting": engine.num_waiting,
                 "itl_p50_ms": engine.itl_p50_ms,

@@ -5,6 +5,7 @@ what it adds is only the passage of time.
 - config.py     SimConfig (what to simulate), SimResult (what it reports), engine names
 - device.py     the GPU shared by the GPU engine's iterations and Dense Assist work
 - simulator.py  the event loop: arrivals, engine iterations, admission, migrations
+- prefix.py     the engines' prefix caches and the router's prefix index, as on the daemons
 - results.py    a finished run, summarized
 
 Pure: no clock reads, no torch, grpc or asyncio; the same inputs give the same result.

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from dualpace.engine.scheduler import SchedulerConfig
 from dualpace.errors import DualPaceError
 from dualpace.policy.admission import GpuAdmission
+from dualpace.policy.host_tier import HostTierRule
 from dualpace.policy.views import Policy
 
 GPU, CPU = "gpu0", "cpu0"  # the simulated engines' names
@@ -58,6 +59,10 @@ class SimConfig:
     # How the router counts the GPU engine's KV room (dualpace.policy.admission.GpuAdmission);
     # None: the policy's default (optimistic for gpu-only, reserve for dualpace and gated).
     gpu_admission: GpuAdmission | None = None
+    # Each engine's prefix cache, as on the daemons (profiles/sim/prefix.py), and the router's
+    # rule for continuing a request on the CPU engine that caches its prefix.
+    prefix_caching: bool = True
+    host_tier: HostTierRule = field(default_factory=HostTierRule)
 
     def __post_init__(self) -> None:
         if not (self.engine_overhead_ms >= 0 and self.view_interval_ms >= 0):
@@ -100,6 +105,8 @@ class SimResult:
     requests_touching_cpu: int
     gpu_busy_fraction: float
     cpu_busy_fraction: float
+    prefix_cache_hit_rate: float | None = None  # prompt tokens found cached / looked up (None: caching off)
+    prefill_tokens_saved: int = 0  # prompt tokens whose KV came from a prefix cache instead of a prefill
 
     def as_dict(self) -> dict:
         out = {}

@@ -6,6 +6,7 @@ from typing import TYPE_CHECKING
 
 from dualpace.stats import percentile
 from profiles.sim.config import CPU, GPU, SimResult
+from profiles.sim.prefix import prefix_cache_counts
 
 if TYPE_CHECKING:
     from profiles.sim.simulator import Simulator
@@ -20,6 +21,7 @@ def summarize(sim: Simulator, rate: float) -> SimResult:
     end = max((t.finish_ms for t in completed), default=start)
     duration_s = max(1e-9, (end - start) / 1000.0)
     gpu, cpu = sim.engines[GPU], sim.engines.get(CPU)
+    query_tokens, hit_tokens = prefix_cache_counts([e.scheduler for e in sim.engines.values()])
 
     def pct(values: list[float], q: float) -> float | None:
         return percentile(values, q) if values else None
@@ -38,4 +40,6 @@ def summarize(sim: Simulator, rate: float) -> SimResult:
         requests_touching_cpu=sum(1 for t in sim.tracks.values() if CPU in t.engines_seen),
         gpu_busy_fraction=min(1.0, gpu.busy_ms / 1000.0 / duration_s),
         cpu_busy_fraction=min(1.0, cpu.busy_ms / 1000.0 / duration_s) if cpu else 0.0,
+        prefix_cache_hit_rate=hit_tokens / query_tokens if sim.config.prefix_caching and query_tokens else None,
+        prefill_tokens_saved=hit_tokens,
     )

@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 
 from dualpace.engine.request import EngineRequest
 from dualpace.engine.scheduler import Scheduler, StepPlan, StepResult
+from dualpace.policy.host_tier import continue_on_host_tier
 from dualpace.errors import InvalidArgument, Overloaded
 from dualpace.policy.admission import AdmissionConfig, Placement, admit, handoff_source
 from dualpace.policy.migration_planner import MigrationConfig, plan_migrations
@@ -51,6 +52,7 @@ from profiles.sim.config import (
 from profiles.sim.cpu_steps import CpuSteps, make_chooser
 from profiles.sim.device import SharedDevice
 from profiles.sim.moves import Moves
+from profiles.sim.prefix import SimPrefixIndex, make_scheduler
 from toolkit.workload import RequestSpec
 
 MAX_IDLE_PLANNER_TICKS = 10_000  # planner ticks in a row with nothing else happening: stalled
@@ -98,13 +100,13 @@ class Simulator(CpuSteps, Moves):
         self.num_layers = profile.model.num_layers
         gpu_blocks = config.gpu_kv_blocks if config.gpu_kv_blocks is not None else profile.capacities.gpu_kv_blocks
         cpu_blocks = config.cpu_kv_blocks if config.cpu_kv_blocks is not None else profile.capacities.cpu_kv_blocks
-        self.engines: dict[str, SimEngine] = {
-            GPU: SimEngine(GPU, "gpu", Scheduler(config.gpu_scheduler, gpu_blocks,
-                                                 self.block_size, config.max_context_tokens)),
-        }
+        caching, max_context = config.prefix_caching, config.max_context_tokens
+        self.engines: dict[str, SimEngine] = {GPU: SimEngine(GPU, "gpu", make_scheduler(
+            config.gpu_scheduler, gpu_blocks, self.block_size, max_context, "gpu", caching))}
         if config.policy is not Policy.GPU_ONLY:
-            self.engines[CPU] = SimEngine(CPU, "cpu", Scheduler(config.cpu_scheduler, cpu_blocks,
-                                                                self.block_size, config.max_context_tokens))
+            self.engines[CPU] = SimEngine(CPU, "cpu", make_scheduler(
+                config.cpu_scheduler, cpu_blocks, self.block_size, max_context, "cpu", caching))
+        self.prefix = SimPrefixIndex({name: engine.scheduler for name, engine in self.engines.items()})
         self.chooser = make_chooser(cost, config.policy, config.cpu_scheduler.max_running)
         # The profile's cost model drives admission and migration exactly as the router's
         # --profile does (router.__main__.router_config): the predictor is the same CostModel.
@@ -265,8 +267,12 @@ class Simulator(CpuSteps, Moves):
             rid = self.queue[0]
             track = self.tracks[rid]
             views = self._views(track.spec.input_len + 1)
-            placement, name = admit(track.spec.input_len, track.spec.output_len, views, self._routed(),
-                                    len(self.queue) - 1, self.admission)
+            cached = self.prefix.cached_prefix_tokens(track.spec.prompt_token_ids)
+            host = continue_on_host_tier(track.spec.input_len, track.spec.output_len, views, self._routed(),
+                                         self.admission, cached, self.config.host_tier)
+            placement, name = (Placement.CPU, host) if host else admit(
+                track.spec.input_len, track.spec.output_len, views, self._routed(), len(self.queue) - 1,
+                self.admission, cached)
             if placement is Placement.WAIT:
                 # the router looks again when the next snapshot arrives (and on any other event)
                 next_snapshot = [taken + self.config.view_interval_ms for taken, _ in self._snapshots.values()
@@ -283,7 +289,7 @@ class Simulator(CpuSteps, Moves):
                                     SamplingParams(max_tokens=track.spec.output_len, ignore_eos=True),
                                     seed=track.spec.index)
             first = name
-            if placement is Placement.CPU:  # prefilled on a GPU engine that could hold it, as the relay does
+            if placement is Placement.CPU and host is None:  # prefilled on a GPU engine that could hold it
                 source = handoff_source(track.spec.input_len, track.spec.output_len, [views[GPU]])
                 if source is not None:
                     first, track.handoff_to = source, name

@@ -150,7 +150,7 @@ def test_placements_to_dict():
         engines=[router_pb2.EnginePlacement(name="g", kind=common_pb2.ENGINE_KIND_GPU, healthy=True,
                                             kv_blocks_total=8, kv_blocks_used=3, num_running=1, num_waiting=2,
                                             itl_p50_ms=1.5, itl_p99_ms=4.0, block_size=16,
-                                            kv_blocks_cached=4)],
+                                            kv_blocks_cached=4, prefix_index_blocks=6)],
         requests=[router_pb2.RequestPlacement(request_id="r1", engine="g", state=common_pb2.REQUEST_STATE_PAUSED,
                                               prompt_tokens=5, generated_tokens=7, kv_blocks=2)],
         migrations=[router_pb2.Migration(request_id="r1", from_engine="g", to_engine="c",
@@ -159,7 +159,7 @@ def test_placements_to_dict():
     assert placements_to_dict(message) == {
         "engines": [{"name": "g", "kind": "gpu", "healthy": True, "kv_blocks_total": 8, "kv_blocks_used": 3,
                      "running": 1, "waiting": 2, "itl_p50_ms": 1.5, "itl_p99_ms": 4.0, "block_size": 16,
-                     "kv_blocks_cached": 4}],
+                     "kv_blocks_cached": 4, "prefix_index_blocks": 6}],
         "requests": [{"request_id": "r1", "engine": "g", "state": "paused", "prompt_tokens": 5,
                       "generated_tokens": 7, "kv_blocks": 2}],
         "migrations": [{"request_id": "r1", "from_engine": "g", "to_engine": "c", "outcome": "failed",

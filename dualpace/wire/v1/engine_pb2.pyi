@@ -116,7 +116,7 @@ class KvLayout(_message.Message):
     def __init__(self, num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., block_size: _Optional[int] = ..., dtype: _Optional[str] = ...) -> None: ...
 
 class ImportKvHeader(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "output_token_ids", "sampling", "num_computed_tokens", "num_tokens_emitted", "layout", "total_chunks", "total_bytes", "source_engine", "num_cached_tokens", "shm_offer")
+    __slots__ = ("request_id", "prompt_token_ids", "output_token_ids", "sampling", "num_computed_tokens", "num_tokens_emitted", "layout", "total_chunks", "total_bytes", "source_engine", "num_cached_tokens", "shm_offer", "cache_only", "cache_salt")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -129,6 +129,8 @@ class ImportKvHeader(_message.Message):
     SOURCE_ENGINE_FIELD_NUMBER: _ClassVar[int]
     NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     SHM_OFFER_FIELD_NUMBER: _ClassVar[int]
+    CACHE_ONLY_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     output_token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -141,7 +143,9 @@ class ImportKvHeader(_message.Message):
     source_engine: str
     num_cached_tokens: int
     shm_offer: KvShmOffer
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., output_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., num_computed_tokens: _Optional[int] = ..., num_tokens_emitted: _Optional[int] = ..., layout: _Optional[_Union[KvLayout, _Mapping]] = ..., total_chunks: _Optional[int] = ..., total_bytes: _Optional[int] = ..., source_engine: _Optional[str] = ..., num_cached_tokens: _Optional[int] = ..., shm_offer: _Optional[_Union[KvShmOffer, _Mapping]] = ...) -> None: ...
+    cache_only: bool
+    cache_salt: str
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., output_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., num_computed_tokens: _Optional[int] = ..., num_tokens_emitted: _Optional[int] = ..., layout: _Optional[_Union[KvLayout, _Mapping]] = ..., total_chunks: _Optional[int] = ..., total_bytes: _Optional[int] = ..., source_engine: _Optional[str] = ..., num_cached_tokens: _Optional[int] = ..., shm_offer: _Optional[_Union[KvShmOffer, _Mapping]] = ..., cache_only: _Optional[bool] = ..., cache_salt: _Optional[str] = ...) -> None: ...
 
 class KvShmOffer(_message.Message):
     __slots__ = ("boot_id",)

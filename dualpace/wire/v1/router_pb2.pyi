@@ -78,7 +78,7 @@ class Placements(_message.Message):
     def __init__(self, engines: _Optional[_Iterable[_Union[EnginePlacement, _Mapping]]] = ..., requests: _Optional[_Iterable[_Union[RequestPlacement, _Mapping]]] = ..., migrations: _Optional[_Iterable[_Union[Migration, _Mapping]]] = ...) -> None: ...
 
 class EnginePlacement(_message.Message):
-    __slots__ = ("name", "kind", "healthy", "kv_blocks_total", "kv_blocks_used", "num_running", "num_waiting", "itl_p50_ms", "itl_p99_ms", "block_size", "kv_blocks_cached")
+    __slots__ = ("name", "kind", "healthy", "kv_blocks_total", "kv_blocks_used", "num_running", "num_waiting", "itl_p50_ms", "itl_p99_ms", "block_size", "kv_blocks_cached", "prefix_index_blocks")
     NAME_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     HEALTHY_FIELD_NUMBER: _ClassVar[int]
@@ -90,6 +90,7 @@ class EnginePlacement(_message.Message):
     ITL_P99_MS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     KV_BLOCKS_CACHED_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_INDEX_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     name: str
     kind: _common_pb2.EngineKind
     healthy: bool
@@ -101,7 +102,8 @@ class EnginePlacement(_message.Message):
     itl_p99_ms: float
     block_size: int
     kv_blocks_cached: int
-    def __init__(self, name: _Optional[str] = ..., kind: _Optional[_Union[_common_pb2.EngineKind, str]] = ..., healthy: _Optional[bool] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., itl_p50_ms: _Optional[float] = ..., itl_p99_ms: _Optional[float] = ..., block_size: _Optional[int] = ..., kv_blocks_cached: _Optional[int] = ...) -> None: ...
+    prefix_index_blocks: int
+    def __init__(self, name: _Optional[str] = ..., kind: _Optional[_Union[_common_pb2.EngineKind, str]] = ..., healthy: _Optional[bool] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., itl_p50_ms: _Optional[float] = ..., itl_p99_ms: _Optional[float] = ..., block_size: _Optional[int] = ..., kv_blocks_cached: _Optional[int] = ..., prefix_index_blocks: _Optional[int] = ...) -> None: ...
 
 class RequestPlacement(_message.Message):
     __slots__ = ("request_id", "engine", "state", "prompt_tokens", "generated_tokens", "kv_blocks")

@@ -1,0 +1,94 @@
+"""The host tier across the three daemons as real processes (fp32, the tiny model): gpu_service
+offers a finished conversation turn's cached blocks to cpu_service (--host-tier); another
+request then evicts them from the GPU engine's small pool; the router, whose prefix index now
+finds the history only on the CPU engine, continues the conversation there; cpu_service
+prefills only the new tokens (cached_tokens in the usage), and the reply is the one a full
+recompute gives. Blocks in use return to 0 on both engines."""
+
+from __future__ import annotations
+
+import tempfile
+import time
+from pathlib import Path
+
+import grpc
+
+from dualpace.sampling import SamplingParams
+from dualpace.wire.v1 import common_pb2, router_pb2, router_pb2_grpc
+from tests.cpu_service.conftest import ENGINE_FLAGS, solo
+from tests.reliability.test_nan_logits import scrape
+from toolkit.engine_client import EngineClient, read_until
+from toolkit.processes import start_daemon
+
+HANG_GUARD_S = 120.0  # only against a hang: every wait below ends on a condition, not a duration
+HISTORY = [(i * 37 + 11) % 400 + 1 for i in range(30)]
+
+
+def wait_for(condition, what: str) -> None:
+    deadline = time.monotonic() + HANG_GUARD_S
+    while not condition():
+        assert time.monotonic() < deadline, f"gave up waiting for {what}"
+        time.sleep(0.05)
+
+
+def generate_through_router(stub, prompt: list[int], max_tokens: int):
+    message = router_pb2.GenerateRequest(prompt_token_ids=common_pb2.TokenIds(token_ids=prompt),
+                                         sampling=common_pb2.SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+    tokens, engines, usage = [], set(), None
+    for response in stub.Generate(message, timeout=HANG_GUARD_S):
+        tokens.extend(response.token_ids)
+        if response.token_ids:
+            engines.add(response.engine)
+        if response.HasField("usage"):
+            usage = response.usage
+    return tokens, engines, usage
+
+
+def index_in_sync(stub, gpu: EngineClient, cpu: EngineClient) -> bool:
+    """The router's prefix index holds what each (idle) engine caches, no more, no less."""
+    placed = {e.name: e.prefix_index_blocks for e in stub.ListPlacements(router_pb2.ListPlacementsRequest(),
+                                                                          timeout=10).engines}
+    return placed.get("gpu") == gpu.load().kv_blocks_cached and placed.get("cpu") == cpu.load().kv_blocks_cached
+
+
+def test_a_conversation_continues_on_the_cpu_engine_from_the_host_tier(loaded, model_folder):
+    sockets = Path(tempfile.mkdtemp(prefix="dualpace-host-tier-"))
+    gpu_address, cpu_address = f"unix:{sockets / 'gpu.sock'}", f"unix:{sockets / 'cpu.sock'}"
+    gpu = start_daemon("gpu_service", "--model", model_folder, *ENGINE_FLAGS, "--kv-blocks", "12", "--name", "gpu",
+                       "--host-tier", cpu_address, "--metrics-port", "0", listen=gpu_address)
+    cpu = start_daemon("cpu_service", "--model", model_folder, *ENGINE_FLAGS, "--kv-blocks", "64", "--name", "cpu",
+                       "--assist", "never", "--gpu-service", gpu_address, listen=cpu_address)
+    router = start_daemon("router", "serve", "--gpu", gpu_address, "--cpu", cpu_address, "--model", model_folder,
+                          "--no-migrate", "--host-tier-min-gain-tokens", "8")
+    gpu_client, cpu_client = EngineClient(gpu_address), EngineClient(cpu_address)
+    channel = grpc.insecure_channel(router.address)
+    stub = router_pb2_grpc.RouterStub(channel)
+    try:
+        # Turn 1 on the GPU engine (idle, with room); its 4 full blocks (32 of 39 computed tokens)
+        # are offered to cpu_service's pool when it finishes.
+        reply, engines, _ = generate_through_router(stub, HISTORY, 10)
+        assert engines == {"gpu"} and reply == solo(loaded, HISTORY, SamplingParams(max_tokens=10, ignore_eos=True))
+        wait_for(lambda: cpu_client.load().kv_blocks_cached >= 4, "the host tier to hold turn 1")
+        assert cpu_client.load().kv_blocks_used == 0
+        offered = scrape(gpu)
+        assert offered[("dualpace_host_tier_offers", (("engine", "gpu"), ("outcome", "accepted")))] == 1
+        assert offered[("dualpace_host_tier_offered_blocks", (("engine", "gpu"),))] == 4
+        assert offered[("dualpace_host_tier_offers", (("engine", "gpu"), ("outcome", "failed")))] == 0
+
+        # A long request takes the GPU engine's whole pool (12 blocks): turn 1 is evicted there.
+        filler_params = SamplingParams(max_tokens=2, ignore_eos=True)
+        read_until(gpu_client.stream("filler", [(i * 5) % 300 + 3 for i in range(90)], filler_params), [])
+        wait_for(lambda: index_in_sync(stub, gpu_client, cpu_client), "the router's index to catch up")
+
+        turn2 = HISTORY + reply + [77, 78, 79, 80, 81, 82]  # 46 tokens
+        params = SamplingParams(max_tokens=8, ignore_eos=True)
+        tokens, engines, usage = generate_through_router(stub, turn2, 8)
+        assert engines == {"cpu"}  # continued where the history lives
+        assert usage.cached_tokens == 32  # only 14 tokens were prefilled, on the CPU engine
+        assert tokens == solo(loaded, turn2, params)
+        for client in (gpu_client, cpu_client):
+            assert client.wait_idle().kv_blocks_used == 0
+    finally:
+        channel.close()
+        for daemon in (router, cpu, gpu):
+            assert daemon.stop() == 0, daemon.log()
