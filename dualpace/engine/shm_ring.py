@@ -50,7 +50,7 @@ _SLOT_HEADER = struct.Struct("=IIQII")  # kind, layer, iteration_id, num_tensors
 _TENSOR_ENTRY = struct.Struct("=II3IIQ")  # dtype code, ndim, dims[3], pad, offset in the slot
 BOOT_ID_PATH = "/proc/sys/kernel/random/boot_id"
 _DTYPE_CODES = {torch.float32: 1, torch.bfloat16: 2, torch.float16: 3, torch.int64: 4}
-_MAX_CACHED_VIEWS = 256
+_MAX_CACHED_LAYOUTS = 64
 _DTYPES = {code: dtype for dtype, code in _DTYPE_CODES.items()}
 
 
@@ -195,7 +195,11 @@ class ShmEndpoint:
             for direction in (outgoing, incoming)
         }
         self._outgoing_name, self._incoming_name = outgoing, incoming
-        self._views: dict[tuple, torch.Tensor] = {}
+        self._send_layouts: dict[tuple, tuple] = {}
+        self._receive_layouts: dict[tuple, tuple] = {}
+        self._mapping = segment.mapping
+        self._num_slots = segment.num_slots
+        self._bases = [segment.ring_offset(incoming, index) for index in range(segment.num_slots)]
         self.num_sent = 0
         self.num_received = 0
         self.slot_bytes = segment.slot_bytes
@@ -205,29 +209,42 @@ class ShmEndpoint:
 
     def send(self, message: SlotMessage) -> None:
         """Write the message into the next outgoing slot and ring the doorbell (tensors on any device)."""
-        sizes = [t.numel() * t.element_size() for t in message.tensors]
-        if not self.fits(sizes, len(message.payload)):
-            raise ValueError(f"a message of {message_bytes(sizes, len(message.payload))} bytes does not fit a "
+        index = self.num_sent % self._num_slots
+        tensors = message.tensors
+        key = (index, tuple((t.dtype, t.shape) for t in tensors), len(message.payload))
+        layout = self._send_layouts.get(key)
+        if layout is None:
+            layout = self._send_layouts[key] = self._send_layout(index, tensors, len(message.payload))
+        base, table, views, payload_at = layout
+        for view, tensor in zip(views, tensors):
+            view.copy_(tensor)
+        mapping = self._mapping
+        if message.payload:
+            mapping[payload_at:payload_at + len(message.payload)] = message.payload
+        mapping[base + _SLOT_HEADER.size:base + _SLOT_HEADER.size + len(table)] = table
+        _SLOT_HEADER.pack_into(mapping, base, message.kind, message.layer, message.iteration_id,
+                               len(tensors), len(message.payload))
+        self.num_sent += 1
+        self.outgoing.post(self.num_sent)
+
+    def _send_layout(self, index: int, tensors: list[torch.Tensor], payload_bytes: int):
+        """Where a message of these tensors goes in slot `index`: (slot offset, tensor table, views, payload offset)."""
+        sizes = [t.numel() * t.element_size() for t in tensors]
+        if not self.fits(sizes, payload_bytes):
+            raise ValueError(f"a message of {message_bytes(sizes, payload_bytes)} bytes does not fit a "
                              f"{self.slot_bytes}-byte slot")
-        index = self.num_sent % self._segment.num_slots
         slot = self._slots[self._outgoing_name][index]
-        base = self._segment.ring_offset(self._outgoing_name, index)
-        mapping = self._segment.mapping
-        offset = SLOT_HEADER_BYTES
-        for position, (tensor, num_bytes) in enumerate(zip(message.tensors, sizes)):
+        table, views, offset = bytearray(), [], SLOT_HEADER_BYTES
+        for tensor, num_bytes in zip(tensors, sizes):
             if tensor.dim() > MAX_DIMS or tensor.dtype not in _DTYPE_CODES:
                 raise ValueError(f"a slot holds tensors of <= {MAX_DIMS} dims in {sorted(map(str, _DTYPE_CODES))}")
             dims = list(tensor.shape) + [0] * (MAX_DIMS - tensor.dim())
-            _TENSOR_ENTRY.pack_into(mapping, base + _SLOT_HEADER.size + position * _TENSOR_ENTRY.size,
-                                    _DTYPE_CODES[tensor.dtype], tensor.dim(), *dims, 0, offset)
-            self._view(slot, offset, tensor.dtype, tuple(tensor.shape)).copy_(tensor)
+            table += _TENSOR_ENTRY.pack(_DTYPE_CODES[tensor.dtype], tensor.dim(), *dims, 0, offset)
+            views.append(slot[offset:offset + num_bytes].view(tensor.dtype).view(tensor.shape))
             offset += _aligned(num_bytes)
-        if message.payload:
-            mapping[base + offset:base + offset + len(message.payload)] = message.payload
-        _SLOT_HEADER.pack_into(mapping, base, message.kind, message.layer, message.iteration_id,
-                               len(message.tensors), len(message.payload))
-        self.num_sent += 1
-        self.outgoing.post(self.num_sent)
+        base = self._segment.ring_offset(self._outgoing_name, index)
+        self._trim(self._send_layouts)
+        return base, bytes(table), views, base + offset
 
     def receive(self, deadline_s: float | None, should_stop=lambda: False) -> SlotMessage | None:
         """The next incoming message; None when should_stop() or the deadline (monotonic) comes first."""
@@ -236,46 +253,50 @@ class ShmEndpoint:
             return None
         if self.incoming.seq != expected:
             raise ShmProtocolError(f"doorbell: sequence {self.incoming.seq}, expected {expected}")
-        index = self.num_received % self._segment.num_slots
-        message = self._parse(self._slots[self._incoming_name][index], self._segment.ring_offset(self._incoming_name, index))
-        self.num_received += 1
-        return message
-
-    def _parse(self, slot: torch.Tensor, base: int) -> SlotMessage:
-        mapping = self._segment.mapping
+        index = self.num_received % self._num_slots
+        base = self._bases[index]
+        mapping = self._mapping
         kind, layer, iteration_id, num_tensors, payload_bytes = _SLOT_HEADER.unpack_from(mapping, base)
         if num_tensors > MAX_TENSORS:
             raise ShmProtocolError(f"slot.num_tensors: {num_tensors} > {MAX_TENSORS}")
+        table = mapping[base + _SLOT_HEADER.size:base + _SLOT_HEADER.size + num_tensors * _TENSOR_ENTRY.size]
+        layout = self._receive_layouts.get((index, table))
+        if layout is None:
+            layout = self._receive_layouts[(index, table)] = self._receive_layout(index, table)
+        tensors, end = layout
+        if end + payload_bytes > self.slot_bytes:
+            raise ShmProtocolError(f"slot.payload_bytes: {payload_bytes} bytes do not fit after the tensors")
+        payload = mapping[base + end:base + end + payload_bytes] if payload_bytes else b""
+        self.num_received += 1
+        return SlotMessage(kind, iteration_id, layer, list(tensors), payload)
+
+    def _receive_layout(self, index: int, table: bytes) -> tuple[list[torch.Tensor], int]:
+        """The views a tensor table describes in slot `index`, checked; and where the payload starts."""
+        slot = self._slots[self._incoming_name][index]
         tensors, end = [], SLOT_HEADER_BYTES
-        for index in range(num_tensors):
-            code, ndim, *dims, _, offset = _TENSOR_ENTRY.unpack_from(mapping, base + _SLOT_HEADER.size + index * _TENSOR_ENTRY.size)
+        for position in range(len(table) // _TENSOR_ENTRY.size):
+            code, ndim, *dims, _, offset = _TENSOR_ENTRY.unpack_from(table, position * _TENSOR_ENTRY.size)
             dtype = _DTYPES.get(code)
             if dtype is None or ndim > MAX_DIMS:
-                raise ShmProtocolError(f"slot.tensors[{index}]: dtype code {code} or {ndim} dims is not allowed")
+                raise ShmProtocolError(f"slot.tensors[{position}]: dtype code {code} or {ndim} dims is not allowed")
             shape = dims[:ndim]
             num_bytes = math.prod(shape) * dtype.itemsize
             if offset < end or offset % ALIGN_BYTES or offset + num_bytes > self.slot_bytes:
-                raise ShmProtocolError(f"slot.tensors[{index}]: {num_bytes} bytes at {offset} are outside the slot")
-            tensors.append(self._view(slot, offset, dtype, tuple(shape)))
+                raise ShmProtocolError(f"slot.tensors[{position}]: {num_bytes} bytes at {offset} are outside the slot")
+            tensors.append(slot[offset:offset + num_bytes].view(dtype).view(shape))
             end = offset + _aligned(num_bytes)
-        if end + payload_bytes > self.slot_bytes:
-            raise ShmProtocolError(f"slot.payload_bytes: {payload_bytes} bytes do not fit after the tensors")
-        payload = bytes(mapping[base + end:base + end + payload_bytes]) if payload_bytes else b""
-        return SlotMessage(kind, iteration_id, layer, tensors, payload)
+        self._trim(self._receive_layouts)
+        return tensors, end
 
-    def _view(self, slot: torch.Tensor, offset: int, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
-        """A typed view into a slot; cached, since every layer of an iteration has the same shapes."""
-        key = (id(slot), offset, dtype, shape)
-        view = self._views.get(key)
-        if view is None:
-            if len(self._views) >= _MAX_CACHED_VIEWS:
-                self._views.clear()
-            num_bytes = math.prod(shape) * dtype.itemsize
-            view = self._views[key] = slot[offset:offset + num_bytes].view(dtype).view(shape)
-        return view
+    @staticmethod
+    def _trim(cache: dict) -> None:
+        """Layouts are cached (every layer of an iteration has the same shapes); a bounded number."""
+        if len(cache) >= _MAX_CACHED_LAYOUTS:
+            cache.clear()
 
     def release(self) -> None:
-        self._views.clear()
+        self._send_layouts.clear()
+        self._receive_layouts.clear()
         self._slots.clear()
         self.outgoing.release()
         self.incoming.release()
