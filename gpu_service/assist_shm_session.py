@@ -90,6 +90,7 @@ class ShmStream:
     def __init__(self, session: AssistSession, segment: ShmSegment, lock: threading.Lock, limits: AssistLimits,
                  loop: asyncio.AbstractEventLoop):
         self._session = session
+        session.host_outputs = False  # q/k/v go from the device straight into the slot: one copy
         self._segment = segment
         self._endpoint = segment.endpoint("down", shm_doorbell.DEFAULT_SPIN_S)
         self._lock = lock
