@@ -7,12 +7,14 @@ test_dense_assist.py run on both transports).
   offer is refused with a reason and the iterations run over gRPC;
 - a malformed slot ends the stream with INVALID_ARGUMENT and frees the device;
 - the server's idle timeout holds on the ring: a client that stops mid-iteration is ended with
-  DEADLINE_EXCEEDED and the device lock is released.
+  DEADLINE_EXCEEDED and the device lock is released; so does its stage timeout, for a stage that
+  computes too long.
 """
 
 from __future__ import annotations
 
 import os
+import threading
 
 import grpc
 import pytest
@@ -145,4 +147,44 @@ def test_a_client_silent_on_the_ring_is_ended_deadline_exceeded(loaded, gated) -
         assert running.executor.device_lock.acquire(timeout=HANG_GUARD_S)  # the gated iteration let go
         running.executor.device_lock.release()
     finally:
+        running.stop()
+
+
+class _SlowStageExecutor(DenseAssistExecutor):
+    """Sessions whose layer-1 stage computes for longer than any stage timeout (a hung kernel, say)."""
+
+    release = None
+
+    def new_session(self):
+        session = super().new_session()
+        slow = session.attention_output
+
+        def attention_output(message):
+            if message.layer == 1:
+                self.release.wait(HANG_GUARD_S)
+            return slow(message)
+
+        session.attention_output = attention_output
+        return session
+
+
+def test_a_stage_past_the_stage_timeout_on_the_ring_is_deadline_exceeded(loaded) -> None:  # noqa: F811
+    """The ring thread cannot be interrupted mid-stage; the event loop's watchdog ends the stream
+    (DEADLINE_EXCEEDED naming the stage timeout), and the session closes once the stage returns."""
+    executor = _SlowStageExecutor(loaded.model)
+    executor.release = threading.Event()
+    running = _ServerThread(executor)
+    running.limits = AssistLimits(stage_timeout_s=0.5)
+    running.start()
+    try:
+        with AssistClient(running.address, iteration_timeout_s=HANG_GUARD_S) as client:
+            with pytest.raises(AssistUnavailable) as raised:
+                client.run_iteration([1], [0], _zeros_attend(loaded))
+            assert raised.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
+            assert "stage timeout" in str(raised.value)
+            executor.release.set()
+            assert client.run_iteration([1], [0], _zeros_attend(loaded)).shape == (1, loaded.config.vocab_size)
+            assert client.num_shm_iterations == 1
+    finally:
+        executor.release.set()
         running.stop()
