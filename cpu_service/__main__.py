@@ -19,6 +19,7 @@ import logging
 import sys
 
 from cpu_service.assist_client import AssistClient
+from cpu_service.assist_shm import TRANSPORTS, slot_bytes_for
 from cpu_service.backend import BACKENDS, select_backend
 from dualpace.policy.mode_choice import AssistSetting, ModeChooser
 from cpu_service.runner import CpuRunner
@@ -49,6 +50,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--gpu-service", default=None, help="gpu_service address for Dense Assist (HOST:PORT)")
     parser.add_argument("--assist-timeout-s", type=float, default=5.0,
                         help="an assisted iteration slower than this is redone locally")
+    parser.add_argument("--assist-transport", default="auto", choices=TRANSPORTS,
+                        help="Dense Assist: auto (shared memory when gpu_service is on this host, else gRPC) or grpc")
     parser.add_argument("--policy", default="dualpace", choices=POLICIES,
                         help="dualpace: independent loop; gated: NEO-like baseline, CPU decodes advance only "
                              "inside GPU iterations with dense work on the GPU")
@@ -109,8 +112,11 @@ def main(argv: list[str] | None = None) -> int:
     def make_runner(loaded: LoadedModel, config: EngineConfig, kv_memory=None) -> CpuRunner:
         client = None
         if args.gpu_service is not None and setting != AssistSetting.NEVER:
+            cfg = loaded.config  # a slot holds the largest batch's q/k/v in float32 (the widest dtype)
             client = AssistClient(args.gpu_service, iteration_timeout_s=args.assist_timeout_s,
-                                  auth_token=read_token_file(args.auth_token_file))
+                                  auth_token=read_token_file(args.auth_token_file), transport=args.assist_transport,
+                                  shm_slot_bytes=slot_bytes_for(config.scheduler.max_running, cfg.num_heads,
+                                                                cfg.num_kv_heads, cfg.head_dim))
         chooser = ModeChooser(setting, assist_configured=client is not None)
         if profile is not None:
             predicted = seed_chooser(chooser, profile, client is not None, config.scheduler.max_running,

@@ -16,6 +16,12 @@ stream; the engine redoes the iteration locally (the KV rows attend appended
 for this iteration are rewritten by the redo: same slots, same positions),
 and the next run_iteration opens a fresh stream. An exception raised by
 `attend` itself also drops the stream and propagates unchanged.
+
+transport "auto" (the default) offers a shared-memory segment on each fresh stream
+(cpu_service/assist_shm.py): where gpu_service is on the same host and maps it, iterations
+whose batch fits a slot run through it, the rest over gRPC; elsewhere, or with "grpc",
+everything goes over the stream. In `attend` the q/k/v of the shared-memory path are views
+into the segment, valid until attend returns.
 """
 
 from __future__ import annotations
@@ -29,10 +35,12 @@ from collections.abc import Callable, Iterator, Sequence
 import grpc
 import torch
 
+from cpu_service import assist_shm
 from dualpace.engine import assist_types
-from dualpace.errors import Unavailable
+from dualpace.errors import InvalidArgument, Unavailable
 from dualpace.sampling import SamplingParams, sample_next_tokens
 from dualpace.serve.auth import token_metadata
+from dualpace.serve.logging_setup import get_logger
 from dualpace.wire import assist_messages
 from dualpace.wire.v1 import assist_pb2, assist_pb2_grpc
 
@@ -45,6 +53,8 @@ DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 _MAX_RECONNECT_BACKOFF_MS = 2000
 
 _END_OF_REQUESTS = object()
+DEFAULT_SHM_SLOT_BYTES = 1 << 20
+log = get_logger(__name__)
 
 
 class AssistUnavailable(Unavailable):
@@ -74,6 +84,8 @@ class _AssistStream:
         self._address = address
         self._requests: queue.Queue = queue.Queue()
         self._replies: queue.Queue = queue.Queue()
+        self.ended = threading.Event()  # the call is over (the reason waits in the reply queue)
+        self.on_end: Callable[[], None] | None = None
         self._call = stub.Assist(self._request_iterator(), metadata=metadata)
         self._reader = threading.Thread(target=self._read_replies, name="assist-reply-reader", daemon=True)
         self._reader.start()
@@ -92,6 +104,9 @@ class _AssistStream:
             self._replies.put(_StreamEnded(None))
         except grpc.RpcError as exc:
             self._replies.put(_StreamEnded(exc))
+        self.ended.set()
+        if self.on_end is not None:
+            self.on_end()
 
     def send(self, message: assist_pb2.AssistUp) -> None:
         self._requests.put(message)
@@ -126,8 +141,20 @@ class AssistClient:
         iteration_timeout_s: float = DEFAULT_ITERATION_TIMEOUT_S,
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
         auth_token: str | None = None,
+        transport: str = "auto",
+        shm_slot_bytes: int = DEFAULT_SHM_SLOT_BYTES,
+        shm_spin_s: float = assist_shm.shm_doorbell.DEFAULT_SPIN_S,
     ):
+        if transport not in assist_shm.TRANSPORTS:
+            raise InvalidArgument("--assist-transport", f"unknown transport {transport!r}; use "
+                                  f"{' or '.join(assist_shm.TRANSPORTS)}")
         self.address = address
+        self.transport = transport
+        self._shm_slot_bytes = shm_slot_bytes
+        self._shm_spin_s = shm_spin_s
+        self._shm: assist_shm.ShmIterations | None = None  # the open stream's accepted segment
+        self._shm_unsupported = False  # the server did not understand an offer: never offer again
+        self.num_shm_iterations = 0
         self.iteration_timeout_s = iteration_timeout_s
         self._metadata = token_metadata(auth_token)  # gpu_service's --auth-token-file token, if it requires one
         self._channel = grpc.insecure_channel(
@@ -197,14 +224,30 @@ class AssistClient:
         """Send begin, answer each layer's qkv with attend, return the result."""
         if self._stream is None:
             self._stream = _AssistStream(self._stub, self.address, self._metadata)
+            if self.transport == "auto" and not self._shm_unsupported:
+                self._shm = self._offer_shm(self._stream)
         stream = self._stream
         batch = len(begin.token_ids)
         wait_budget_s = self.iteration_timeout_s
+        if self._shm is not None:
+            begin_bytes = assist_messages.begin_to_bytes(begin)
+            if self._shm.fits(batch, begin_bytes):
+                deadline_s = assist_shm.deadline_after(wait_budget_s)
+                result = self._shm.run(begin, begin_bytes, attend, deadline_s, stream.ended.is_set, self)
+                if result is None:  # on the stream: the result did not fit a slot, or an error
+                    result = self._decode(stream.receive(deadline_s - time.monotonic()))
+                    if not isinstance(result, assist_types.AssistResult) or result.iteration_id != begin.iteration_id:
+                        raise self._protocol_error("expected the iteration's result on the stream")
+                self._check_result(result, begin)
+                self.num_shm_iterations += 1
+                return result
         stream.send(request)
         for expected_layer in itertools.count():
             started_s = time.monotonic()
             reply = self._decode(stream.receive(wait_budget_s))
             wait_budget_s -= time.monotonic() - started_s
+            if isinstance(reply, assist_types.AssistShmAnswer):
+                raise self._protocol_error("a shared-memory answer nobody asked for")
             if reply.iteration_id != begin.iteration_id:
                 raise self._protocol_error(f"reply for iteration {reply.iteration_id}, expected {begin.iteration_id}")
             if isinstance(reply, assist_types.AssistResult):
@@ -220,7 +263,51 @@ class AssistClient:
             )
         raise AssertionError("unreachable")
 
-    def _decode(self, message: assist_pb2.AssistDown) -> assist_types.AssistQkv | assist_types.AssistResult:
+    def _offer_shm(self, stream: _AssistStream) -> assist_shm.ShmIterations | None:
+        """Offer a segment on a fresh stream; the accepted rings, or None (then all goes over gRPC)."""
+        try:
+            made = assist_shm.new_offer(self._shm_slot_bytes)
+        except OSError as exc:
+            log.warning("dense assist: no shared memory here, using gRPC", error=str(exc))
+            made = None
+        if made is None:
+            self._shm_unsupported = True
+            return None
+        segment, offer = made
+        try:
+            stream.send(assist_messages.assist_up_to_pb(offer))
+            try:
+                answer = self._decode(stream.receive(self.iteration_timeout_s))
+            except AssistUnavailable as exc:
+                if exc.code == grpc.StatusCode.INVALID_ARGUMENT:  # a server without shared memory support
+                    self._shm_unsupported = True
+                raise
+            if not isinstance(answer, assist_types.AssistShmAnswer):
+                raise self._protocol_error("expected the answer to the shared-memory offer")
+            if not answer.accepted:
+                log.info("dense assist over gRPC: the server refused shared memory", reason=answer.reason)
+                segment.close()
+                return None
+            if not segment.verify_server_token(answer.token):
+                raise self._protocol_error("the server's token is not in the segment it accepted")
+            segment.close_fd()  # both sides hold only their mappings now
+            rings = assist_shm.ShmIterations(segment, answer, self._shm_spin_s)
+        except BaseException:
+            segment.close()
+            raise
+        stream.on_end = rings.interrupt
+        if stream.ended.is_set():
+            rings.interrupt()
+        log.info("dense assist through shared memory", max_batch_rows=answer.max_batch_rows)
+        return rings
+
+    def protocol(self, problem: str) -> AssistUnavailable:
+        return self._protocol_error(problem)
+
+    def timeout(self) -> AssistUnavailable:
+        return AssistUnavailable(f"dense assist at {self.address}: no reply within the iteration timeout")
+
+    def _decode(self, message: assist_pb2.AssistDown):
         try:
             return assist_messages.assist_down_from_pb(message)
         except ValueError as exc:
@@ -258,6 +345,9 @@ class AssistClient:
         if self._stream is not None:
             self._stream.close()
             self._stream = None
+        if self._shm is not None:
+            self._shm.close()
+            self._shm = None
 
     def close(self) -> None:
         """End the stream and the channel; later run_iteration calls raise AssistUnavailable."""

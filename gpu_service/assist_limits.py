@@ -11,6 +11,9 @@ stall gpu_service.
   device (the engine's iteration boundary for a gated begin, the engine's next layer otherwise)
   included, when the client set no budget of its own (max_device_wait_ms). On expiry:
   DEADLINE_EXCEEDED; the client redoes the iteration locally.
+- transport (`--assist-transport`): auto accepts a same-host client's shared-memory segment
+  (gpu_service/assist_shm_session.py; at most --assist-max-shm-streams at once, each served by a
+  thread of its own), grpc refuses every offer (all iterations over the stream).
 - stage workers (`--assist-workers`): the bounded pool that runs the stages (device work and
   tensor (de)serialisation), apart from asyncio's default pool and from the KV transfer pools
   (dualpace.engine.worker_pools), so a burst of waiting stages delays neither.
@@ -26,6 +29,8 @@ from dualpace.errors import DualPaceError, InvalidArgument
 DEFAULT_IDLE_TIMEOUT_S = 5.0
 DEFAULT_STAGE_TIMEOUT_S = 5.0
 DEFAULT_STAGE_WORKERS = 4
+DEFAULT_MAX_SHM_STREAMS = 16
+TRANSPORTS = ("auto", "grpc")
 STAGE_POOL = "assist-stage"
 
 
@@ -33,11 +38,23 @@ class AssistExpired(DualPaceError):
     """A session or stage ran past its server-side timeout (gRPC DEADLINE_EXCEEDED)."""
 
 
+def idle_expired(idle_timeout_s: float) -> AssistExpired:
+    return AssistExpired(f"the client sent nothing for {idle_timeout_s:g} s in the middle of an iteration "
+                         f"(--assist-idle-timeout-s); the session is closed")
+
+
+def stage_expired(stage_timeout_s: float) -> AssistExpired:
+    return AssistExpired(f"a stage ran past the server's stage timeout of {stage_timeout_s:g} s "
+                         f"(--assist-stage-timeout-s)")
+
+
 @dataclass(frozen=True)
 class AssistLimits:
     idle_timeout_s: float = DEFAULT_IDLE_TIMEOUT_S
     stage_timeout_s: float = DEFAULT_STAGE_TIMEOUT_S
     num_stage_workers: int = DEFAULT_STAGE_WORKERS
+    shm_enabled: bool = True
+    max_shm_streams: int = DEFAULT_MAX_SHM_STREAMS
 
     def __post_init__(self) -> None:
         for flag, value in (("--assist-idle-timeout-s", self.idle_timeout_s),
@@ -46,6 +63,8 @@ class AssistLimits:
                 raise InvalidArgument(flag, f"must be > 0, got {value}")
         if self.num_stage_workers < 1:
             raise InvalidArgument("--assist-workers", f"must be >= 1, got {self.num_stage_workers}")
+        if self.max_shm_streams < 0:
+            raise InvalidArgument("--assist-max-shm-streams", f"must be >= 0, got {self.max_shm_streams}")
 
 
 def add_assist_limit_arguments(parser: argparse.ArgumentParser) -> None:
@@ -57,7 +76,12 @@ def add_assist_limit_arguments(parser: argparse.ArgumentParser) -> None:
                              "client set no max_device_wait_ms (then DEADLINE_EXCEEDED)")
     parser.add_argument("--assist-workers", type=int, default=DEFAULT_STAGE_WORKERS,
                         help="Dense Assist: threads running the sessions' stages (a pool of its own)")
+    parser.add_argument("--assist-transport", default="auto", choices=TRANSPORTS,
+                        help="Dense Assist: auto accepts a same-host client's shared memory; grpc: streams only")
+    parser.add_argument("--assist-max-shm-streams", type=int, default=DEFAULT_MAX_SHM_STREAMS,
+                        help="Dense Assist: the most streams served through shared memory at once")
 
 
 def limits_from_args(args: argparse.Namespace) -> AssistLimits:
-    return AssistLimits(args.assist_idle_timeout_s, args.assist_stage_timeout_s, args.assist_workers)
+    return AssistLimits(args.assist_idle_timeout_s, args.assist_stage_timeout_s, args.assist_workers,
+                        shm_enabled=args.assist_transport == "auto", max_shm_streams=args.assist_max_shm_streams)

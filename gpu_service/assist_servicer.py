@@ -8,11 +8,16 @@ max_device_wait_ms budget ends it with RESOURCE_EXHAUSTED (the client redoes the
 iteration locally); a client silent mid-iteration past the idle timeout, or a stage
 past the stage timeout, ends it with DEADLINE_EXCEEDED. The session is closed (the
 device lock released) in every case, and the server stays ready for new streams.
+
+A same-host client may offer a shared-memory segment first (shm_offer); once accepted,
+its iterations run through the rings in the stream's own thread (gpu_service/assist_shm_session.py)
+under the same rules, and this loop relays what the thread reports and what the client sends.
 """
 
 from __future__ import annotations
 
 import asyncio
+import threading
 from collections.abc import AsyncIterator
 
 import grpc
@@ -22,7 +27,8 @@ from dualpace.errors import InvalidArgument, Overloaded
 from dualpace.serve.logging_setup import get_logger
 from dualpace.wire import assist_messages
 from dualpace.wire.v1 import assist_pb2, assist_pb2_grpc
-from gpu_service.assist_limits import STAGE_POOL, AssistExpired, AssistLimits
+from gpu_service.assist_limits import STAGE_POOL, AssistExpired, AssistLimits, idle_expired, stage_expired
+from gpu_service.assist_shm_session import ShmStream, accept_offer
 from gpu_service.dense_assist import AssistSession, DenseAssistExecutor
 
 log = get_logger(__name__)
@@ -35,15 +41,32 @@ class DenseAssistServicer(assist_pb2_grpc.DenseAssistServicer):
         self._executor = executor
         self._limits = limits or AssistLimits(stage_timeout_s=executor.stage_timeout_s)
         self._stages = pool(STAGE_POOL, self._limits.num_stage_workers)
+        self.num_shm_streams = 0  # streams whose rings are open now
 
     async def Assist(
         self, request_iterator: AsyncIterator[assist_pb2.AssistUp], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[assist_pb2.AssistDown]:
         session = self._executor.new_session()
+        lock = threading.Lock()  # the session runs one stage at a time, from the pool or the ring thread
         stage: asyncio.Future | None = None
+        shm: ShmStream | None = None
         try:
-            while (message := await self._next_message(request_iterator, session)) is not None:
-                stage = asyncio.get_running_loop().run_in_executor(self._stages, _reply_to, session, message)
+            while True:
+                if shm is None:
+                    message = await self._next_message(request_iterator, session)
+                else:
+                    what, item = await shm.next_event(request_iterator)
+                    if what == "reply":
+                        yield item
+                        continue
+                    message = item
+                if message is None:
+                    break
+                if message.WhichOneof("kind") == "shm_offer":
+                    answer, shm = await self._accept(message, session, lock, shm)
+                    yield answer
+                    continue
+                stage = asyncio.get_running_loop().run_in_executor(self._stages, _reply_to, session, message, lock)
                 reply = await self._finish_stage(stage)
                 stage = None
                 yield reply
@@ -58,10 +81,30 @@ class DenseAssistServicer(assist_pb2_grpc.DenseAssistServicer):
         finally:
             # An unfinished iteration must not keep the device lock; a stage still running in
             # its worker closes the session when it returns (never two threads in one session).
-            if stage is not None and not stage.done():
-                stage.add_done_callback(lambda _: session.close())
+            if shm is not None:
+                self.num_shm_streams -= 1
+                shm.stop()  # its thread closes the session (after any stage) and unmaps the segment
+            elif stage is not None and not stage.done():
+                stage.add_done_callback(lambda _: _close(session, lock))
             else:
-                session.close()
+                _close(session, lock)
+
+    async def _accept(self, message: assist_pb2.AssistUp, session: AssistSession, lock: threading.Lock,
+                      shm: ShmStream | None) -> tuple[assist_pb2.AssistDown, ShmStream | None]:
+        """Answer a shm_offer; the stream's ring thread, started, when accepted."""
+        if shm is not None or session.in_iteration:
+            raise InvalidArgument("shm_offer", "must come before any begin, once per stream")
+        offer = assist_messages.assist_up_from_pb(message)
+        loop = asyncio.get_running_loop()
+        answer, segment = await loop.run_in_executor(self._stages, accept_offer, offer, self._executor.model,
+                                                     self._limits, self.num_shm_streams)
+        if segment is not None:
+            shm = ShmStream(session, segment, lock, self._limits, loop)
+            self.num_shm_streams += 1
+            shm.start()
+        else:
+            log.info("dense assist over gRPC: shared memory refused", reason=answer.reason)
+        return assist_messages.assist_down_to_pb(answer), shm
 
     async def _next_message(self, request_iterator, session: AssistSession) -> assist_pb2.AssistUp | None:
         """The client's next message (None at the end of its stream); mid-iteration, within the idle timeout."""
@@ -71,8 +114,7 @@ class DenseAssistServicer(assist_pb2_grpc.DenseAssistServicer):
         try:
             return await asyncio.wait_for(anext(request_iterator, None), timeout_s)
         except TimeoutError:
-            raise AssistExpired(f"the client sent nothing for {timeout_s:g} s in the middle of an iteration "
-                                f"(--assist-idle-timeout-s); the session is closed") from None
+            raise idle_expired(timeout_s) from None
 
     async def _finish_stage(self, stage: asyncio.Future) -> assist_pb2.AssistDown:
         timeout_s = self._limits.stage_timeout_s
@@ -80,13 +122,18 @@ class DenseAssistServicer(assist_pb2_grpc.DenseAssistServicer):
             # shield: a timeout stops the wait, not the stage (a thread cannot be interrupted)
             return await asyncio.wait_for(asyncio.shield(stage), timeout_s)
         except TimeoutError:
-            raise AssistExpired(f"a stage ran past the server's stage timeout of {timeout_s:g} s "
-                                f"(--assist-stage-timeout-s)") from None
+            raise stage_expired(timeout_s) from None
 
 
-def _reply_to(session: AssistSession, message: assist_pb2.AssistUp) -> assist_pb2.AssistDown:
+def _reply_to(session: AssistSession, message: assist_pb2.AssistUp, lock: threading.Lock) -> assist_pb2.AssistDown:
     """Decode, run one step of the session, encode (in a worker thread)."""
-    return assist_messages.assist_down_to_pb(session.handle(assist_messages.assist_up_from_pb(message)))
+    with lock:
+        return assist_messages.assist_down_to_pb(session.handle(assist_messages.assist_up_from_pb(message)))
+
+
+def _close(session: AssistSession, lock: threading.Lock) -> None:
+    with lock:
+        session.close()
 
 
 def add_dense_assist_servicer(executor: DenseAssistExecutor, server: grpc.aio.Server,

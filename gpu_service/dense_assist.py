@@ -106,6 +106,7 @@ class AssistSession:
         self._holding_lock = False  # a gated iteration holds the device across its stages
         self._wait_budget_s: float | None = None  # device wait left to the iteration (None: unbounded)
         self.device_wait_s = 0.0  # the current (or last) iteration's total wait for the device
+        self.host_outputs = True  # False: q/k/v stay on the device (the shm ring copies them into its slot)
 
     @property
     def in_iteration(self) -> bool:
@@ -210,9 +211,9 @@ class AssistSession:
 
     def _pre_attention(self, iteration: _Iteration, layer: int) -> AssistQkv:
         q, k, v = self._model.pre_attention(layer, iteration.hidden, iteration.rope)
-        return AssistQkv(
-            iteration_id=iteration.begin.iteration_id, layer=layer, q=q.cpu(), k=k.cpu(), v=v.cpu()
-        )
+        if self.host_outputs:
+            q, k, v = q.cpu(), k.cpu(), v.cpu()
+        return AssistQkv(iteration_id=iteration.begin.iteration_id, layer=layer, q=q, k=k, v=v)
 
     def _finish(self, iteration: _Iteration) -> AssistResult:
         """Logits, then sampling when asked. A row with non-finite logits cannot be named by a

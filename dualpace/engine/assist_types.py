@@ -6,6 +6,7 @@ iteration in progress."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import IntEnum
 
 import torch
 
@@ -51,3 +52,34 @@ class AssistResult:
     iteration_id: int
     token_ids: list[int] | None = None
     logits: torch.Tensor | None = None
+
+
+@dataclass(frozen=True)
+class AssistShmOffer:
+    """Same host: the client's shared-memory segment for this stream (dualpace/engine/shm_ring.py)."""
+
+    boot_id: str
+    path: str
+    size_bytes: int
+    token: bytes
+
+
+@dataclass(frozen=True)
+class AssistShmAnswer:
+    """The server's answer: accepted with its token and the largest batch a slot holds, or why not."""
+
+    accepted: bool
+    token: bytes = b""
+    reason: str = ""
+    max_batch_rows: int = 0
+
+
+class ShmSlotKind(IntEnum):
+    """What one shared-memory slot of a Dense Assist stream holds (dualpace/engine/shm_ring.py)."""
+
+    BEGIN = 1  # up: payload = the begin's AssistUp bytes
+    ATTENTION_OUTPUT = 2  # up: one tensor [batch, num_heads * head_dim]
+    QKV = 3  # down: q, k, v
+    RESULT_TOKENS = 4  # down: int64 token ids [batch]
+    RESULT_LOGITS = 5  # down: float32 logits [batch, vocab]
+    RESULT_ON_STREAM = 6  # down: the result did not fit a slot; it comes on the gRPC stream

@@ -2,7 +2,14 @@
 
 from __future__ import annotations
 
-from dualpace.engine.assist_types import AssistAttentionOutput, AssistBegin, AssistQkv, AssistResult
+from dualpace.engine.assist_types import (
+    AssistAttentionOutput,
+    AssistBegin,
+    AssistQkv,
+    AssistResult,
+    AssistShmAnswer,
+    AssistShmOffer,
+)
 from dualpace.wire.common import (
     sampling_params_from_pb,
     sampling_params_to_pb,
@@ -14,8 +21,11 @@ from dualpace.wire.tensors import tensor_from_pb, tensor_to_pb
 from dualpace.wire.v1 import assist_pb2
 
 
-def assist_up_to_pb(item: AssistBegin | AssistAttentionOutput) -> assist_pb2.AssistUp:
-    """Core begin / attention output -> AssistUp; each row's seed is written into its SamplingParams."""
+def assist_up_to_pb(item: AssistBegin | AssistAttentionOutput | AssistShmOffer) -> assist_pb2.AssistUp:
+    """Core begin / attention output / shm offer -> AssistUp; each row's seed is written into its SamplingParams."""
+    if isinstance(item, AssistShmOffer):
+        return assist_pb2.AssistUp(shm_offer=assist_pb2.AssistShmOffer(
+            boot_id=item.boot_id, path=item.path, size_bytes=item.size_bytes, token=item.token))
     if isinstance(item, AssistBegin):
         begin = assist_pb2.AssistBegin(
             iteration_id=item.iteration_id,
@@ -39,14 +49,17 @@ def assist_up_to_pb(item: AssistBegin | AssistAttentionOutput) -> assist_pb2.Ass
     )
 
 
-def assist_up_from_pb(message: assist_pb2.AssistUp) -> AssistBegin | AssistAttentionOutput:
-    """AssistUp -> core begin / attention output.
+def assist_up_from_pb(message: assist_pb2.AssistUp) -> AssistBegin | AssistAttentionOutput | AssistShmOffer:
+    """AssistUp -> core begin / attention output / shm offer.
 
     Raises ValueError naming the field when no kind is set, when return_logits
     is set together with sampling entries, when a sampling entry has no seed,
     or when the tensor is malformed.
     """
     kind = message.WhichOneof("kind")
+    if kind == "shm_offer":
+        offer = message.shm_offer
+        return AssistShmOffer(boot_id=offer.boot_id, path=offer.path, size_bytes=offer.size_bytes, token=offer.token)
     if kind == "begin":
         begin = message.begin
         sampling = None
@@ -74,11 +87,14 @@ def assist_up_from_pb(message: assist_pb2.AssistUp) -> AssistBegin | AssistAtten
             layer=output.layer,
             attention_output=tensor_from_pb(output.attention_output, field="attention_output.attention_output"),
         )
-    raise ValueError("kind: an AssistUp must set begin or attention_output")
+    raise ValueError("kind: an AssistUp must set begin, attention_output or shm_offer")
 
 
-def assist_down_to_pb(item: AssistQkv | AssistResult) -> assist_pb2.AssistDown:
-    """Core qkv / result -> AssistDown (tensors are copied to the host if needed)."""
+def assist_down_to_pb(item: AssistQkv | AssistResult | AssistShmAnswer) -> assist_pb2.AssistDown:
+    """Core qkv / result / shm answer -> AssistDown (tensors are copied to the host if needed)."""
+    if isinstance(item, AssistShmAnswer):
+        return assist_pb2.AssistDown(shm_answer=assist_pb2.AssistShmAnswer(
+            accepted=item.accepted, token=item.token, reason=item.reason, max_batch_rows=item.max_batch_rows))
     if isinstance(item, AssistQkv):
         return assist_pb2.AssistDown(
             qkv=assist_pb2.AssistQkv(
@@ -99,9 +115,13 @@ def assist_down_to_pb(item: AssistQkv | AssistResult) -> assist_pb2.AssistDown:
     return assist_pb2.AssistDown(result=result)
 
 
-def assist_down_from_pb(message: assist_pb2.AssistDown) -> AssistQkv | AssistResult:
-    """AssistDown -> core qkv / result. Raises ValueError naming the field when malformed."""
+def assist_down_from_pb(message: assist_pb2.AssistDown) -> AssistQkv | AssistResult | AssistShmAnswer:
+    """AssistDown -> core qkv / result / shm answer. Raises ValueError naming the field when malformed."""
     kind = message.WhichOneof("kind")
+    if kind == "shm_answer":
+        answer = message.shm_answer
+        return AssistShmAnswer(accepted=answer.accepted, token=answer.token, reason=answer.reason,
+                               max_batch_rows=answer.max_batch_rows)
     if kind == "qkv":
         qkv = message.qkv
         return AssistQkv(
@@ -121,4 +141,20 @@ def assist_down_from_pb(message: assist_pb2.AssistDown) -> AssistQkv | AssistRes
                 iteration_id=result.iteration_id, logits=tensor_from_pb(result.logits, field="result.logits")
             )
         raise ValueError("result.output: must set sampled or logits")
-    raise ValueError("kind: an AssistDown must set qkv or result")
+    raise ValueError("kind: an AssistDown must set qkv, result or shm_answer")
+
+
+def begin_to_bytes(begin: AssistBegin) -> bytes:
+    """A begin as the bytes of its AssistUp (what a shared-memory slot carries)."""
+    return assist_up_to_pb(begin).SerializeToString()
+
+
+def begin_from_bytes(data: bytes) -> AssistBegin:
+    """The inverse of begin_to_bytes; ValueError naming the field when the bytes are no begin."""
+    try:
+        message = assist_pb2.AssistUp.FromString(data)
+    except Exception as exc:  # protobuf's DecodeError
+        raise ValueError(f"begin: undecodable bytes in the shared-memory slot ({exc})") from None
+    if message.WhichOneof("kind") != "begin":
+        raise ValueError("begin: the shared-memory slot holds no begin")
+    return assist_up_from_pb(message)

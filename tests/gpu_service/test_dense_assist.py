@@ -2,6 +2,8 @@
 
 The client keeps its own paged KV (prefilled in-process) and computes decode
 attention there; the assisted logits must equal an in-process PagedForward step.
+Each client test runs on both transports: "shm" (the per-layer tensors through the
+stream's shared-memory rings, checked to have been used) and "grpc" (all on the stream).
 """
 
 from __future__ import annotations
@@ -30,6 +32,18 @@ from gpu_service.dense_assist import DenseAssistExecutor
 BLOCK_SIZE = 4
 HANG_GUARD_S = 60.0  # the longest a client waits for a reply here: a hang guard, never a criterion
 PROMPT_LENGTHS = (3, 9, 17)
+TRANSPORTS = {"shm": "auto", "grpc": "grpc"}
+
+
+@pytest.fixture(params=sorted(TRANSPORTS))
+def transport(request) -> str:
+    """The client's --assist-transport for one run of a test ("auto" finds the same host here)."""
+    return TRANSPORTS[request.param]
+
+
+def assert_used(client: AssistClient, transport: str, num_iterations: int) -> None:
+    """The iterations ran through shared memory exactly when the transport allows it."""
+    assert client.num_shm_iterations == (num_iterations if transport == "auto" else 0)
 
 
 class _CountingExecutor(DenseAssistExecutor):
@@ -47,6 +61,7 @@ class _ServerThread:
 
     def __init__(self, executor: DenseAssistExecutor):
         self.executor = executor
+        self.limits = None  # AssistLimits for the servicer; None: its defaults
         self.port = 0
         self._started = threading.Event()
         self._loop = asyncio.new_event_loop()
@@ -62,7 +77,7 @@ class _ServerThread:
 
     async def _serve(self) -> None:
         server = grpc.aio.server()
-        add_dense_assist_servicer(self.executor, server)
+        add_dense_assist_servicer(self.executor, server, self.limits)
         self.port = server.add_insecure_port("127.0.0.1:0")
         self._stop_event = asyncio.Event()
         await server.start()
@@ -142,7 +157,7 @@ def _reference_step(reference: PagedForward, host: _HostSide, token_ids: list[in
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
-def test_assisted_decode_matches_in_process_forward(loaded, synth_checkpoint, device) -> None:
+def test_assisted_decode_matches_in_process_forward(loaded, synth_checkpoint, device, transport) -> None:
     if device == "cuda" and not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     server_model = loaded.model if device == "cpu" else load_model(
@@ -152,7 +167,7 @@ def test_assisted_decode_matches_in_process_forward(loaded, synth_checkpoint, de
     num_logit_steps, num_sampled_steps = 3, 2
     host, reference, token_ids = _prefilled(loaded, num_logit_steps + num_sampled_steps)
     try:
-        with AssistClient(running.address, iteration_timeout_s=10.0) as client:
+        with AssistClient(running.address, iteration_timeout_s=10.0, transport=transport) as client:
             for _ in range(num_logit_steps):
                 host.lengths = [n + 1 for n in host.lengths]
                 positions = [n - 1 for n in host.lengths]
@@ -175,6 +190,7 @@ def test_assisted_decode_matches_in_process_forward(loaded, synth_checkpoint, de
                 argmax = expected.argmax(dim=1).tolist()
                 assert sampled[0] == argmax[0] and sampled[2] == argmax[2]
                 token_ids = sampled
+            assert_used(client, transport, num_logit_steps + num_sampled_steps)
         assert running.executor.num_sessions == 1  # every iteration ran over one stream
     finally:
         running.stop()
@@ -189,10 +205,10 @@ def _zeros_attend(loaded: LoadedModel):
     return attend
 
 
-def test_server_stopped_mid_iteration_raises_unavailable(loaded, server) -> None:
+def test_server_stopped_mid_iteration_raises_unavailable(loaded, server, transport) -> None:
     """The stream's end is noticed as such, not by waiting out the client's iteration timeout
     (a hang guard here: the error names the end of the stream, not a missing reply)."""
-    client = AssistClient(server.address, iteration_timeout_s=HANG_GUARD_S)
+    client = AssistClient(server.address, iteration_timeout_s=HANG_GUARD_S, transport=transport)
 
     def attend(layer, q, k, v):
         if layer == 1:
@@ -208,25 +224,27 @@ def test_server_stopped_mid_iteration_raises_unavailable(loaded, server) -> None
     client.close()
 
 
-def test_busy_server_times_out_then_recovers(loaded, server) -> None:
+def test_busy_server_times_out_then_recovers(loaded, server, transport) -> None:
     """The GPU engine holding the device lock past the timeout: unavailable, then a fresh stream works."""
-    client = AssistClient(server.address, iteration_timeout_s=0.3)
+    client = AssistClient(server.address, iteration_timeout_s=0.3, transport=transport)
     attend = _zeros_attend(loaded)
     client.run_iteration([1], [0], attend)
+    assert_used(client, transport, 1)
     with server.executor.device_lock:
         with pytest.raises(AssistUnavailable, match="no reply"):  # the client's own timeout, not a server error
             client.run_iteration([1], [0], attend)
     logits = client.run_iteration([1, 2], [0, 3], attend)
     assert logits.shape == (2, loaded.config.vocab_size)
     assert client.consecutive_failures == 0
+    assert_used(client, transport, 2)
     client.close()
 
 
-def test_unreachable_server_raises_unavailable() -> None:
+def test_unreachable_server_raises_unavailable(transport) -> None:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    client = AssistClient(f"127.0.0.1:{port}", iteration_timeout_s=5.0)
+    client = AssistClient(f"127.0.0.1:{port}", iteration_timeout_s=5.0, transport=transport)
     with pytest.raises(AssistUnavailable) as raised:
         client.run_iteration([1], [0], lambda layer, q, k, v: q.reshape(1, -1))
     assert raised.value.code == grpc.StatusCode.UNAVAILABLE
@@ -276,10 +294,10 @@ def test_bad_messages_end_the_stream_naming_the_field(loaded, server) -> None:
         assert client.run_iteration([1], [0], _zeros_attend(loaded)).shape == (1, loaded.config.vocab_size)
 
 
-def test_device_wait_budget_ends_the_iteration_with_resource_exhausted(loaded, server) -> None:
+def test_device_wait_budget_ends_the_iteration_with_resource_exhausted(loaded, server, transport) -> None:
     """The GPU engine takes the device while the CPU computes attention and keeps it past the
     iteration's max_device_wait_ms: RESOURCE_EXHAUSTED (the CPU engine redoes it locally)."""
-    client = AssistClient(server.address, iteration_timeout_s=HANG_GUARD_S)
+    client = AssistClient(server.address, iteration_timeout_s=HANG_GUARD_S, transport=transport)
     lock = server.executor.device_lock
     zeros = _zeros_attend(loaded)
 
@@ -296,4 +314,5 @@ def test_device_wait_budget_ends_the_iteration_with_resource_exhausted(loaded, s
         lock.release()
     assert raised.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert client.run_iteration([1], [0], zeros).shape == (1, loaded.config.vocab_size)
+    assert_used(client, transport, 1)
     client.close()

@@ -8,12 +8,38 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class AssistUp(_message.Message):
-    __slots__ = ("begin", "attention_output")
+    __slots__ = ("begin", "attention_output", "shm_offer")
     BEGIN_FIELD_NUMBER: _ClassVar[int]
     ATTENTION_OUTPUT_FIELD_NUMBER: _ClassVar[int]
+    SHM_OFFER_FIELD_NUMBER: _ClassVar[int]
     begin: AssistBegin
     attention_output: AssistAttentionOutput
-    def __init__(self, begin: _Optional[_Union[AssistBegin, _Mapping]] = ..., attention_output: _Optional[_Union[AssistAttentionOutput, _Mapping]] = ...) -> None: ...
+    shm_offer: AssistShmOffer
+    def __init__(self, begin: _Optional[_Union[AssistBegin, _Mapping]] = ..., attention_output: _Optional[_Union[AssistAttentionOutput, _Mapping]] = ..., shm_offer: _Optional[_Union[AssistShmOffer, _Mapping]] = ...) -> None: ...
+
+class AssistShmOffer(_message.Message):
+    __slots__ = ("boot_id", "path", "size_bytes", "token")
+    BOOT_ID_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
+    boot_id: str
+    path: str
+    size_bytes: int
+    token: bytes
+    def __init__(self, boot_id: _Optional[str] = ..., path: _Optional[str] = ..., size_bytes: _Optional[int] = ..., token: _Optional[bytes] = ...) -> None: ...
+
+class AssistShmAnswer(_message.Message):
+    __slots__ = ("accepted", "token", "reason", "max_batch_rows")
+    ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    MAX_BATCH_ROWS_FIELD_NUMBER: _ClassVar[int]
+    accepted: bool
+    token: bytes
+    reason: str
+    max_batch_rows: int
+    def __init__(self, accepted: _Optional[bool] = ..., token: _Optional[bytes] = ..., reason: _Optional[str] = ..., max_batch_rows: _Optional[int] = ...) -> None: ...
 
 class AssistBegin(_message.Message):
     __slots__ = ("iteration_id", "token_ids", "positions", "return_logits", "sampling", "wait_for_engine_iteration", "max_device_wait_ms")
@@ -44,12 +70,14 @@ class AssistAttentionOutput(_message.Message):
     def __init__(self, iteration_id: _Optional[int] = ..., layer: _Optional[int] = ..., attention_output: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ...) -> None: ...
 
 class AssistDown(_message.Message):
-    __slots__ = ("qkv", "result")
+    __slots__ = ("qkv", "result", "shm_answer")
     QKV_FIELD_NUMBER: _ClassVar[int]
     RESULT_FIELD_NUMBER: _ClassVar[int]
+    SHM_ANSWER_FIELD_NUMBER: _ClassVar[int]
     qkv: AssistQkv
     result: AssistResult
-    def __init__(self, qkv: _Optional[_Union[AssistQkv, _Mapping]] = ..., result: _Optional[_Union[AssistResult, _Mapping]] = ...) -> None: ...
+    shm_answer: AssistShmAnswer
+    def __init__(self, qkv: _Optional[_Union[AssistQkv, _Mapping]] = ..., result: _Optional[_Union[AssistResult, _Mapping]] = ..., shm_answer: _Optional[_Union[AssistShmAnswer, _Mapping]] = ...) -> None: ...
 
 class AssistQkv(_message.Message):
     __slots__ = ("iteration_id", "layer", "q", "k", "v")

@@ -1,0 +1,116 @@
+"""The CPU engine's side of Dense Assist through shared memory (same host only).
+
+On a fresh stream the client offers a segment (dualpace/engine/shm_ring.py): its boot id,
+the memfd's /proc path, its size and a random token. When gpu_service maps it, finds the
+token and writes its own (checked here), every iteration whose batch fits a slot runs through
+the rings: the begin goes up as bytes, each layer's q/k/v come down and the attention output
+goes up as tensors in place, the result comes down; the gRPC stream stays open for errors and
+the end. Any failure raises AssistUnavailable, as on the gRPC path: the engine redoes the
+iteration locally and the next one opens a fresh stream (and a fresh segment).
+
+A gRPC reply arriving while this side waits on the ring (the server ended the stream with a
+status) wakes the wait at once (`interrupt`): nothing waits out a timeout for a dead peer.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+
+import torch
+
+from dualpace.engine import shm_doorbell
+from dualpace.engine.assist_types import AssistBegin, AssistResult, AssistShmAnswer, AssistShmOffer, ShmSlotKind
+from dualpace.engine.shm_ring import ShmEndpoint, ShmProtocolError, ShmSegment, SlotMessage, boot_id, message_bytes
+
+NUM_SLOTS = 2  # one iteration's messages alternate down and up: two slots a direction suffice
+TRANSPORTS = ("auto", "grpc")
+
+# (layer, q, k, v) -> attention output [batch, num_heads * head_dim]
+AttendFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def slot_bytes_for(max_batch_rows: int, num_heads: int, num_kv_heads: int, head_dim: int) -> int:
+    """A slot that holds q/k/v (or the attention output) of max_batch_rows rows in float32."""
+    qkv_bytes = [max_batch_rows * heads * head_dim * 4 for heads in (num_heads, num_kv_heads, num_kv_heads)]
+    return -(-message_bytes(qkv_bytes, 4096) // 4096) * 4096
+
+
+def new_offer(slot_bytes: int) -> tuple[ShmSegment, AssistShmOffer] | None:
+    """A fresh segment and its offer; None where this process cannot share memory (not Linux x86-64)."""
+    host = boot_id()
+    if not shm_doorbell.SUPPORTED or not host:
+        return None
+    segment = ShmSegment.create(NUM_SLOTS, slot_bytes)
+    return segment, AssistShmOffer(boot_id=host, path=segment.peer_path, size_bytes=segment.size_bytes,
+                                   token=segment.client_token)
+
+
+class ShmIterations:
+    """The rings of one accepted stream, client side (one iteration at a time)."""
+
+    def __init__(self, segment: ShmSegment, answer: AssistShmAnswer, spin_s: float):
+        self._segment = segment
+        self._endpoint: ShmEndpoint = segment.endpoint("up", spin_s)
+        self.max_batch_rows = answer.max_batch_rows
+        self._lock = threading.Lock()  # interrupt (reader thread) vs close
+        self._closed = False
+
+    def fits(self, batch: int, begin_bytes: bytes) -> bool:
+        return batch <= self.max_batch_rows and self._endpoint.fits([], len(begin_bytes))
+
+    def run(self, begin: AssistBegin, begin_bytes: bytes, attend: AttendFn, deadline_s: float,
+            stream_ended: Callable[[], bool], errors) -> AssistResult | None:
+        """One iteration through the rings. Returns the result, or None when it comes on the gRPC
+        stream (the caller reads it there). `stream_ended()` is true once the stream has ended (the
+        caller reads why from it); `errors` builds AssistUnavailable."""
+        endpoint = self._endpoint
+        endpoint.send(SlotMessage(ShmSlotKind.BEGIN, begin.iteration_id, 0, [], begin_bytes))
+        batch = len(begin.token_ids)
+        expected_layer = 0
+        while True:
+            try:
+                message = endpoint.receive(deadline_s, stream_ended)
+            except ShmProtocolError as exc:
+                raise errors.protocol(str(exc)) from None
+            if message is None:
+                if stream_ended():
+                    return None  # the stream has the answer: the status it ended with
+                raise errors.timeout()
+            if message.iteration_id != begin.iteration_id:
+                raise errors.protocol(f"slot for iteration {message.iteration_id}, expected {begin.iteration_id}")
+            if message.kind == ShmSlotKind.QKV:
+                if (message.layer != expected_layer or len(message.tensors) != 3
+                        or any(t.dim() != 3 or t.shape[0] != batch for t in message.tensors)):
+                    raise errors.protocol(f"unexpected qkv slot for layer {message.layer} "
+                                          f"(expected layer {expected_layer})")
+                q, k, v = message.tensors
+                attention_output = attend(message.layer, q, k, v)
+                endpoint.send(SlotMessage(ShmSlotKind.ATTENTION_OUTPUT, begin.iteration_id, message.layer,
+                                          [attention_output.contiguous()]))
+                expected_layer += 1
+            elif message.kind == ShmSlotKind.RESULT_TOKENS and len(message.tensors) == 1:
+                return AssistResult(begin.iteration_id, token_ids=message.tensors[0].tolist())
+            elif message.kind == ShmSlotKind.RESULT_LOGITS and len(message.tensors) == 1:
+                return AssistResult(begin.iteration_id, logits=message.tensors[0].clone())
+            elif message.kind == ShmSlotKind.RESULT_ON_STREAM:
+                return None
+            else:
+                raise errors.protocol(f"unexpected slot of kind {message.kind}")
+
+    def interrupt(self) -> None:
+        """From the stream's reader thread: wake a wait on the ring (the stream has news)."""
+        with self._lock:
+            if not self._closed:
+                self._endpoint.incoming.interrupt()
+
+    def close(self) -> None:
+        with self._lock:
+            if not self._closed:
+                self._closed = True
+                self._segment.close()
+
+
+def deadline_after(budget_s: float) -> float:
+    return time.monotonic() + max(budget_s, 0.0)

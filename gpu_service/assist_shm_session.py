@@ -1,0 +1,223 @@
+"""gpu_service's side of Dense Assist through shared memory (same host only).
+
+`accept_offer` checks a client's AssistShmOffer: shared memory enabled here, the same boot
+id, and the segment at the offered path holds the offered token (dualpace/engine/shm_ring.py);
+then it writes its own token back and says how many rows a slot holds in this model's dtype.
+Anything else is a refusal with a reason, and the stream goes on over gRPC.
+
+`ShmStream` serves the accepted stream's ring iterations in a thread of its own, one message
+at a time: a begin or an attention output comes up, the AssistSession computes its stage (under
+the stream's lock, shared with the gRPC path, so a session never runs in two threads), and the
+q/k/v or the result go down; a result too large for a slot goes on the stream (a slot says so).
+The session's rules hold as on gRPC: the same checks (InvalidArgument), the device budget
+(Overloaded), and the server's bounds: a client silent mid-iteration for the idle timeout, or a
+stage running past the stage timeout (watched from the event loop), ends the stream with
+DEADLINE_EXCEEDED. Whenever the thread ends (stream over, error, cancel, the client killed) it
+closes the session (device lock released) and unmaps the segment; the memfd has no name, so
+nothing of it is left behind.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import torch
+
+from dualpace.engine import shm_doorbell
+from dualpace.engine.assist_types import (
+    AssistAttentionOutput,
+    AssistQkv,
+    AssistResult,
+    AssistShmAnswer,
+    AssistShmOffer,
+    ShmSlotKind,
+)
+from dualpace.engine.shm_ring import ShmProtocolError, ShmSegment, SlotMessage, boot_id, message_bytes
+from dualpace.model.transformer import Transformer
+from dualpace.wire import assist_messages
+from gpu_service.assist_limits import AssistExpired, AssistLimits, idle_expired, stage_expired
+from gpu_service.dense_assist import AssistSession
+
+WATCHDOG_S = 0.25  # how often the event loop looks at a running stage (the stage timeout's grain)
+
+
+def max_batch_rows(model: Transformer, slot_bytes: int) -> int:
+    """The largest batch whose q/k/v (down) and attention output (up) fit one slot."""
+    config, itemsize = model.config, model.dtype.itemsize
+    widths = (config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim)
+
+    def fits(rows: int) -> bool:
+        qkv = [rows * widths[0] * itemsize, rows * widths[1] * itemsize, rows * widths[1] * itemsize]
+        return message_bytes(qkv) <= slot_bytes
+
+    rows = max(0, slot_bytes // ((widths[0] + 2 * widths[1]) * itemsize))
+    while rows > 0 and not fits(rows):
+        rows -= 1
+    return rows
+
+
+def accept_offer(offer: AssistShmOffer, model: Transformer, limits: AssistLimits,
+                 num_open: int) -> tuple[AssistShmAnswer, ShmSegment | None]:
+    """Map the offered segment if it is the client's on this host; the answer, and the segment."""
+    def refuse(reason: str) -> tuple[AssistShmAnswer, None]:
+        return AssistShmAnswer(accepted=False, reason=reason), None
+
+    if not limits.shm_enabled:
+        return refuse("this server runs with --assist-transport grpc")
+    if not shm_doorbell.SUPPORTED:
+        return refuse("shared-memory doorbells need Linux on x86-64")
+    if num_open >= limits.max_shm_streams:
+        return refuse(f"{num_open} streams already use shared memory here (the most: {limits.max_shm_streams})")
+    own_boot_id = boot_id()
+    if not own_boot_id or offer.boot_id != own_boot_id:
+        return refuse("another host: the boot ids differ")
+    try:
+        segment = ShmSegment.open(offer.path, offer.size_bytes, offer.token)
+    except (OSError, ShmProtocolError) as exc:
+        return refuse(f"cannot map the offered segment: {exc}")
+    rows = max_batch_rows(model, segment.slot_bytes)
+    if rows < 1:
+        segment.close()
+        return refuse(f"a slot of {segment.slot_bytes} bytes holds no row of this model")
+    return AssistShmAnswer(accepted=True, token=segment.server_token, max_batch_rows=rows), segment
+
+
+class ShmStream:
+    """The ring side of one stream: a thread that serves ring messages, watched from the event loop."""
+
+    def __init__(self, session: AssistSession, segment: ShmSegment, lock: threading.Lock, limits: AssistLimits,
+                 loop: asyncio.AbstractEventLoop):
+        self._session = session
+        session.host_outputs = False  # q/k/v go from the device straight into the slot: one copy
+        self._segment = segment
+        self._endpoint = segment.endpoint("down", shm_doorbell.DEFAULT_SPIN_S)
+        self._lock = lock
+        self._limits = limits
+        self._loop = loop
+        self.ended: asyncio.Future = loop.create_future()  # None: stopped; else the thread's error
+        self.outbox: asyncio.Queue = asyncio.Queue()  # AssistDown messages for the stream
+        self._outbox_get: asyncio.Future | None = None
+        self._upstream: asyncio.Future | None = None
+        self._stop = threading.Event()
+        self._mapped = threading.Lock()  # stop()'s wake-up vs the thread's unmapping
+        self._stage_started_s: float | None = None
+        self._segment_closed = False
+        self._ring_iteration = False  # a ring begin was answered; its result is not sent yet
+        self._last_upstream_s = time.monotonic()
+        self._thread = threading.Thread(target=self._run, name="assist-shm", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        """End the thread (it closes the session and unmaps); safe to call more than once."""
+        self._stop.set()
+        with self._mapped:
+            if not self._segment_closed:
+                self._endpoint.incoming.interrupt()
+        for pending in (self._upstream, self._outbox_get):
+            if pending is not None:
+                pending.cancel()
+
+    async def next_event(self, request_iterator) -> tuple[str, object]:
+        """("message", AssistUp or None at the stream's end) from the client, or ("reply", AssistDown)
+        to send; raises the thread's error, or AssistExpired for a stage or a client past its bound."""
+        while True:
+            if self._upstream is None:
+                self._upstream = asyncio.ensure_future(anext(request_iterator, None))
+            if self._outbox_get is None:
+                self._outbox_get = asyncio.ensure_future(self.outbox.get())
+            await asyncio.wait({self._upstream, self._outbox_get, self.ended}, timeout=WATCHDOG_S,
+                               return_when=asyncio.FIRST_COMPLETED)
+            if self._outbox_get.done():
+                reply, self._outbox_get = self._outbox_get.result(), None
+                return "reply", reply
+            if self.ended.done():
+                self.ended.result()  # the thread's error, if any
+                raise AssistExpired("the shared-memory session ended")
+            if self._upstream.done():
+                message, self._upstream = self._upstream.result(), None
+                self._last_upstream_s = time.monotonic()
+                return "message", message
+            self._check_bounds()
+
+    def _check_bounds(self) -> None:
+        now_s = time.monotonic()
+        started_s = self._stage_started_s
+        if started_s is not None and now_s - started_s > self._limits.stage_timeout_s:
+            raise stage_expired(self._limits.stage_timeout_s)
+        idle_s = self._limits.idle_timeout_s
+        if self._session.in_iteration and not self._ring_iteration and now_s - self._last_upstream_s > idle_s:
+            raise idle_expired(idle_s)
+
+    # ---- the thread ---------------------------------------------------------
+
+    def _run(self) -> None:
+        error: BaseException | None = None
+        try:
+            self._serve()
+        except BaseException as exc:  # reported to the event loop, which ends the stream with its status
+            error = exc
+        finally:
+            with self._lock:
+                self._session.close()
+            with self._mapped:
+                self._segment_closed = True
+                self._segment.close()
+            try:
+                self._loop.call_soon_threadsafe(self._finish, error)
+            except RuntimeError:
+                pass  # the event loop is gone (server shut down)
+
+    def _finish(self, error: BaseException | None) -> None:
+        if not self.ended.done():
+            if error is None:
+                self.ended.set_result(None)
+            else:
+                self.ended.set_exception(error)
+
+    def _serve(self) -> None:
+        idle_s = self._limits.idle_timeout_s
+        while not self._stop.is_set():
+            deadline_s = time.monotonic() + idle_s if self._ring_iteration else None
+            message = self._endpoint.receive(deadline_s, self._stop.is_set)
+            if message is None:
+                if self._stop.is_set():
+                    return
+                raise idle_expired(idle_s)
+            self._stage_started_s = time.monotonic()
+            try:
+                with self._lock:
+                    reply = self._handle(message)
+            finally:
+                self._stage_started_s = None
+            self._send(reply)
+
+    def _handle(self, message: SlotMessage) -> AssistQkv | AssistResult:
+        if message.kind == ShmSlotKind.BEGIN and not message.tensors:
+            qkv = self._session.begin(assist_messages.begin_from_bytes(message.payload))
+            self._ring_iteration = True
+            return qkv
+        if message.kind == ShmSlotKind.ATTENTION_OUTPUT and len(message.tensors) == 1:
+            reply = self._session.attention_output(
+                AssistAttentionOutput(message.iteration_id, message.layer, message.tensors[0]))
+            if isinstance(reply, AssistResult):
+                self._ring_iteration = False
+            return reply
+        raise ShmProtocolError(f"slot.kind: {message.kind} with {len(message.tensors)} tensors is not an upstream message")
+
+    def _send(self, reply: AssistQkv | AssistResult) -> None:
+        endpoint = self._endpoint
+        if isinstance(reply, AssistQkv):
+            endpoint.send(SlotMessage(ShmSlotKind.QKV, reply.iteration_id, reply.layer, [reply.q, reply.k, reply.v]))
+        elif reply.token_ids is not None:
+            tokens = torch.tensor(reply.token_ids, dtype=torch.int64)
+            endpoint.send(SlotMessage(ShmSlotKind.RESULT_TOKENS, reply.iteration_id, 0, [tokens]))
+        elif endpoint.fits([reply.logits.numel() * 4]):
+            endpoint.send(SlotMessage(ShmSlotKind.RESULT_LOGITS, reply.iteration_id, 0, [reply.logits.float()]))
+        else:
+            pb = assist_messages.assist_down_to_pb(reply)
+            self._loop.call_soon_threadsafe(self.outbox.put_nowait, pb)
+            endpoint.send(SlotMessage(ShmSlotKind.RESULT_ON_STREAM, reply.iteration_id))
