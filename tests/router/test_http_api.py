@@ -24,7 +24,7 @@ openai = pytest.importorskip("openai")
 
 READY = re.compile(r"dualpace up: ready; router on (\S+)")
 HTTP = re.compile(r"dualpace up: OpenAI-compatible HTTP API on (\S+)")
-START_TIMEOUT_S = 60.0
+START_TIMEOUT_S = 180.0  # generous: the daemons start slowly on a loaded machine
 STEP_DELAY_MS = 10  # slows every engine step, so a long stream outlives the client that drops it
 LONG_MAX_TOKENS = 400  # with the delay: at least 4 s of generation
 

@@ -107,8 +107,9 @@ def test_n_choices_share_the_prompt_blocks(up, client, model_folder):
     engine = holders[0]
     prompt_tokens = now["requests"][0]["prompt_tokens"]
     assert prompt_tokens > 4 * engine["block_size"]
-    separate_at_least = 3 * math.ceil(prompt_tokens / engine["block_size"])
-    assert engine["kv_blocks_used"] < separate_at_least, (engine, now["requests"])
+    prompt_blocks = math.ceil(prompt_tokens / engine["block_size"])
+    assert engine["kv_blocks_used"] >= prompt_blocks  # the report counts the three (the prompt at least once)
+    assert engine["kv_blocks_used"] < 3 * prompt_blocks, (engine, now["requests"])  # separate: 3 prompts at least
 
 
 def test_a_list_of_prompts_is_answered_prompt_major(client, model_folder):
