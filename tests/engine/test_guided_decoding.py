@@ -109,3 +109,29 @@ def test_a_bad_spec_is_refused_naming_guided(tiny, spec):
     with pytest.raises(InvalidArgument) as refused:
         core.add_request("bad", [1, 2, 3], SamplingParams(max_tokens=4, guided=spec))
     assert refused.value.field == "guided"
+
+
+async def test_a_migrated_request_keeps_its_constraint(tiny):
+    """Moved mid-generation (KV and parameters over the migration protocol, the spec in the
+    proto): the target rebuilds the matcher from the tokens and continues exactly."""
+    from tests.engine.test_migration import direct_send, started, stop, wait_tokens
+    from dualpace.engine.migration import migrate_out
+
+    guided = GuidedSpec(GuidedKind.JSON_SCHEMA, json.dumps(SCHEMA))
+    prompt = tiny.tokenizer.encode("JSON:")
+    params = SamplingParams(max_tokens=96, temperature=1.0, seed=9, guided=guided)
+    alone = _core(tiny)
+    alone.add_request("m", prompt, params)
+    expected = run_to_completion(alone)["m"]
+
+    source, target = await started(tiny, "src"), await started(tiny, "dst", block_size=4)
+    channel = await source[0].add_request("m", prompt, params)
+    await wait_tokens(channel, 5)
+    await migrate_out(source[0], "m", direct_send(target[0]), chunk_bytes=700)
+    assert channel.migrated_to == "dst"
+    emitted = len(channel.output_token_ids)
+    assert emitted < len(expected)  # it moved mid-document
+    rest = [t async for update in target[0].channel("m").follow(emitted) for t in update.new_token_ids]
+    assert channel.output_token_ids + rest == expected
+    jsonschema.validate(json.loads(_decode(tiny, expected)), SCHEMA)
+    await stop(source, target)
