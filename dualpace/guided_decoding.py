@@ -60,10 +60,13 @@ class GuidedMasks:
     def __init__(self, tokenizer, eos_token_ids: Sequence[int]):
         self._tokenizer = tokenizer  # dualpace.model.tokenizer.Tokenizer
         self._eos_token_ids = sorted(eos_token_ids)
-        self._ll_tokenizer: llguidance.LLTokenizer | None = None  # built on first use (~1 s on big vocabularies)
+        self._ll_tokenizer: llguidance.LLTokenizer | None = None
         self._grammars: OrderedDict[GuidedSpec, llguidance.LLMatcher] = OrderedDict()
         self._matchers: OrderedDict[str, _Matcher] = OrderedDict()
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="guided-masks")
+        # Building llguidance's view of the vocabulary takes seconds on a 50k vocabulary: it starts
+        # now, in the background, so the first constrained request does not stall a step for it.
+        self._tokenizer_ready = self._pool.submit(self._build_tokenizer)
 
     def start(self, rows: Sequence[GuidedRow], vocab_size: int) -> Future:
         """Begin computing the masks [len(rows), vocab_size] (bool, True: allowed)."""
@@ -74,8 +77,19 @@ class GuidedMasks:
 
     # ---- on the worker thread ---------------------------------------------
 
+    def _build_tokenizer(self) -> None:
+        try:
+            self._ll_tokenizer = llguidance.LLTokenizer(self._tokenizer.backend.to_str(),
+                                                        n_vocab=self._tokenizer.vocab_size,
+                                                        eos_token=self._eos_token_ids)
+        except Exception:  # noqa: BLE001 (any failure: constrained requests then fail alone)
+            log.exception("llguidance cannot use this tokenizer: constrained requests will fail")
+
     def _masks(self, rows: list[GuidedRow], vocab_size: int) -> torch.Tensor:
+        """Allowed tokens per row; a row whose constraint cannot be followed allows none."""
         masks = torch.zeros((len(rows), vocab_size), dtype=torch.bool)
+        if self._ll_tokenizer is None:
+            return masks
         for index, row in enumerate(rows):
             state = self._state(row)
             if state.matcher.is_error():
@@ -110,10 +124,6 @@ class GuidedMasks:
         key = GuidedSpec(spec.kind, spec.spec)  # the grammar does not depend on the prompt offset
         compiled = self._grammars.get(key)
         if compiled is None:
-            if self._ll_tokenizer is None:
-                self._ll_tokenizer = llguidance.LLTokenizer(self._tokenizer.backend.to_str(),
-                                                            n_vocab=self._tokenizer.vocab_size,
-                                                            eos_token=self._eos_token_ids)
             try:
                 grammar = grammar_for(spec)
             except ValueError as exc:  # the router checks specs; a direct gRPC client may not have

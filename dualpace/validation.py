@@ -27,6 +27,8 @@ def validate_request(
             )
     params.validate(vocab_size)
     if params.guided is not None:
+        if params.ignore_eos:  # the grammar's end is an end-of-sequence token: it must stop the output
+            raise InvalidArgument("ignore_eos", "cannot be combined with a structured-output constraint")
         check_spec(params.guided, "guided")
     if len(prompt_token_ids) >= max_context_tokens:
         raise InvalidArgument(

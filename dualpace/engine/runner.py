@@ -31,7 +31,7 @@ class ModelRunner:
         self.forward = PagedForward(model, self.kv)
         self.faults = FaultConfig()  # test-only faults (dualpace.faults); the daemon sets them after warm-up
         self.num_forward_steps = 0  # non-empty plans executed since the faults were set
-        self._guided: GuidedMasks | None = None  # structured outputs: made for the first guided request
+        self._guided: GuidedMasks | None = None  # structured outputs: see prepare_guided_decoding
 
     def set_faults(self, faults: FaultConfig) -> None:
         """Honour `faults` from now on; forward steps are counted from here (1-based)."""
@@ -69,18 +69,22 @@ class ModelRunner:
             for s, token_id, finite in zip(sampled, result.token_ids, result.finite)
         })
 
+    def prepare_guided_decoding(self) -> GuidedMasks:
+        """The token masks of constrained requests; made on first use, or at start-up (the daemon's
+        warm-up) so that the grammar engine's view of the vocabulary is built in the background."""
+        if self._guided is None:
+            tokenizer = self.loaded.tokenizer
+            self._guided = GuidedMasks(tokenizer, set(self.loaded.config.eos_token_ids) | set(tokenizer.eos_token_ids))
+        return self._guided
+
     def _start_guided_masks(self, sampled):
         """(rows of `sampled` under a constraint, the future of their token masks), or None."""
         guided_rows = [i for i, s in enumerate(sampled) if s.params.guided is not None]
         if not guided_rows:
             return None
-        if self._guided is None:
-            tokenizer = self.loaded.tokenizer
-            eos_ids = set(self.loaded.config.eos_token_ids) | set(tokenizer.eos_token_ids)
-            self._guided = GuidedMasks(tokenizer, eos_ids)
         rows = [GuidedRow(s.request_id, s.params.guided, s.guided_token_ids, s.params.stop_token_ids)
                 for s in (sampled[i] for i in guided_rows)]
-        return guided_rows, self._guided.start(rows, self.loaded.config.vocab_size)
+        return guided_rows, self.prepare_guided_decoding().start(rows, self.loaded.config.vocab_size)
 
     def _inject_nan_logits(self, plan: StepPlan, logits: torch.Tensor) -> None:
         """DUALPACE_FAULT_NAN_LOGITS_REQUEST: the target's row becomes NaN whenever it is sampled."""

@@ -111,6 +111,13 @@ def test_a_bad_spec_is_refused_naming_guided(tiny, spec):
     assert refused.value.field == "guided"
 
 
+def test_ignore_eos_is_refused_with_a_constraint(tiny):
+    guided = GuidedSpec(GuidedKind.REGEX, "[a-z]{2}")
+    with pytest.raises(InvalidArgument) as refused:
+        _core(tiny).add_request("bad", [1, 2, 3], SamplingParams(max_tokens=4, guided=guided, ignore_eos=True))
+    assert refused.value.field == "ignore_eos"
+
+
 async def test_a_migrated_request_keeps_its_constraint(tiny):
     """Moved mid-generation (KV and parameters over the migration protocol, the spec in the
     proto): the target rebuilds the matcher from the tokens and continues exactly."""
