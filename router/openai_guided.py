@@ -1,6 +1,7 @@
 """Structured-output fields of an OpenAI request as a GuidedSpec: OpenAI's `response_format`
 (`text`, `json_object`, `json_schema`) and vLLM's extras `guided_json`, `guided_regex`,
-`guided_choice` and `guided_grammar` (a Lark grammar, llguidance's dialect).
+`guided_choice` and `guided_grammar` (a Lark grammar, llguidance's dialect), or the same as
+vLLM's newer `structured_outputs` object (`{"json" | "regex" | "choice" | "grammar": ...}`).
 
 Pure: it checks the JSON shapes and names the field at fault (InvalidArgument, which the HTTP
 front answers 400 with `param` set); whether the schema, regex or grammar compiles is checked with
@@ -18,7 +19,11 @@ from dualpace.errors import InvalidArgument
 from dualpace.guided_spec import GuidedKind, GuidedSpec
 from dualpace.sampling_params import SamplingParams
 
-GUIDED_FIELDS = ("response_format", "guided_json", "guided_regex", "guided_choice", "guided_grammar")
+GUIDED_FIELDS = ("response_format", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
+                 "structured_outputs")
+# vLLM's newer `structured_outputs` object: its keys and the guided_* field each stands for.
+_STRUCTURED_OUTPUT_KEYS = {"json": "guided_json", "regex": "guided_regex", "choice": "guided_choice",
+                           "grammar": "guided_grammar"}
 ANY_JSON_OBJECT = '{"type": "object"}'
 
 
@@ -43,6 +48,19 @@ def _response_format(value: Any) -> GuidedSpec | None:
     return GuidedSpec(GuidedKind.JSON_SCHEMA, json.dumps(schema))
 
 
+def _structured_outputs(value: Any) -> GuidedSpec | None:
+    """vLLM's {"json" | "regex" | "choice" | "grammar": ...}; exactly one key."""
+    if not isinstance(value, dict) or len(value) != 1 or next(iter(value)) not in _STRUCTURED_OUTPUT_KEYS:
+        # (vLLM's other keys, such as json_object or structural_tag, are not taken)
+        raise InvalidArgument("structured_outputs", "must be an object with one of the keys json, regex, choice, "
+                                                    "grammar")
+    key, inner = next(iter(value.items()))
+    try:
+        return _one(_STRUCTURED_OUTPUT_KEYS[key], inner)
+    except InvalidArgument as exc:
+        raise InvalidArgument(f"structured_outputs.{key}", exc.problem) from None
+
+
 def _guided_json(value: Any) -> GuidedSpec:
     if isinstance(value, str):
         return GuidedSpec(GuidedKind.JSON_SCHEMA, value)  # JSON text; checked when compiled
@@ -64,6 +82,18 @@ def _guided_choice(value: Any) -> GuidedSpec:
     return GuidedSpec(GuidedKind.LARK, "start: " + " | ".join(json.dumps(c, ensure_ascii=False) for c in value))
 
 
+def _one(name: str, value: Any) -> GuidedSpec | None:
+    if name == "response_format":
+        return _response_format(value)
+    if name == "guided_json":
+        return _guided_json(value)
+    if name == "guided_regex":
+        return _text(name, value, GuidedKind.REGEX)
+    if name == "guided_grammar":
+        return _text(name, value, GuidedKind.LARK)
+    return _guided_choice(value)
+
+
 def guided_from_body(fields: dict[str, Any]) -> tuple[GuidedSpec | None, str | None]:
     """(the constraint, the name of the field it came from) from the GUIDED_FIELDS of a body
     (absent ones None); at most one may constrain the output."""
@@ -72,16 +102,7 @@ def guided_from_body(fields: dict[str, Any]) -> tuple[GuidedSpec | None, str | N
         value = fields.get(name)
         if value is None:
             continue
-        if name == "response_format":
-            spec = _response_format(value)
-        elif name == "guided_json":
-            spec = _guided_json(value)
-        elif name == "guided_regex":
-            spec = _text(name, value, GuidedKind.REGEX)
-        elif name == "guided_grammar":
-            spec = _text(name, value, GuidedKind.LARK)
-        else:
-            spec = _guided_choice(value)
+        spec = _structured_outputs(value) if name == "structured_outputs" else _one(name, value)
         if spec is not None:
             found.append((spec, name))
     if len(found) > 1:

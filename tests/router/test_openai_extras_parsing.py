@@ -45,6 +45,12 @@ def test_response_format_and_guided_fields_become_one_spec():
     with pytest.raises(InvalidArgument) as both:
         _chat(guided_regex="a", guided_json={"type": "object"})
     assert both.value.field == "guided_regex"  # the later of the two in GUIDED_FIELDS
+    structured = _chat(structured_outputs={"regex": "[0-9]+"})
+    assert structured.client.params.guided.kind == GuidedKind.REGEX and structured.renamed["guided"] == "structured_outputs"
+    for bad, field in (({"choice": []}, "structured_outputs.choice"), ({"yaml": "x"}, "structured_outputs")):
+        with pytest.raises(InvalidArgument) as refused:
+            _chat(structured_outputs=bad)
+        assert refused.value.field == field
     with pytest.raises(InvalidArgument) as forced:
         _chat(tools=[TOOL], tool_choice="required", guided_regex="a")
     assert forced.value.field == "tool_choice"
