@@ -111,6 +111,11 @@ def test_n_choices_share_the_prompt_blocks(up, client, model_folder):
     assert engine["kv_blocks_used"] >= prompt_blocks  # the report counts the three (the prompt at least once)
     assert engine["kv_blocks_used"] < 3 * prompt_blocks, (engine, now["requests"])  # separate: 3 prompts at least
 
+    deadline = time.monotonic() + 20  # closing the stream aborted all three choices in their engines
+    while (held := placements(up))["requests"] or any(e["kv_blocks_used"] for e in held["engines"]):
+        assert time.monotonic() < deadline, f"a closed request's choices still run: {held}"
+        time.sleep(0.05)
+
 
 def test_a_list_of_prompts_is_answered_prompt_major(client, model_folder):
     prompts = ["The capital of France is", "Two plus two is"]
