@@ -40,7 +40,10 @@ class CpuRunner(ModelRunner):
         """A non-empty plan, Assisted or Local (ModelRunner.execute counts the step and honours faults)."""
         decode_only = all(len(s.token_ids) == 1 and s.sample for s in plan.sequences)
         mode = self.chooser.choose(len(plan.sequences), decode_only)
-        if mode == ExecutionMode.ASSISTED and self.assisted is not None:
+        # The assisted path samples on the GPU server, which has no token masks: constrained
+        # (structured-output) requests always run their steps here.
+        guided = any(s.params.guided is not None for s in plan.sequences)
+        if mode == ExecutionMode.ASSISTED and self.assisted is not None and not guided:
             start = time.perf_counter()
             try:
                 result = self.assisted.execute(plan, self.chooser.max_device_wait_ms(len(plan.sequences)))

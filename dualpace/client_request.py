@@ -16,3 +16,4 @@ class ClientRequest:
     prompt_token_ids: list[int] | None
     messages: list[dict[str, str]] | None
     params: SamplingParams
+    tools: list[dict] | None = None  # OpenAI tool objects, rendered by the chat template (HTTP front only)

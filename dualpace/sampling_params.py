@@ -13,6 +13,7 @@ from collections.abc import Collection
 from dataclasses import dataclass
 
 from dualpace.errors import InvalidArgument
+from dualpace.guided_spec import GuidedSpec
 
 MAX_SEED = 2**63 - 1
 
@@ -39,6 +40,7 @@ class SamplingParams:
     stop: tuple[str, ...] = ()  # stop strings, matched on detokenized text
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    guided: GuidedSpec | None = None  # structured output: the grammar every output must match
 
     @property
     def is_greedy(self) -> bool:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from dualpace.errors import InvalidArgument
+from dualpace.guided_grammar import check_spec
 from dualpace.sampling_params import SamplingParams
 
 
@@ -25,6 +26,10 @@ def validate_request(
                 prompt_field, f"token id {token_id} at index {index} is outside the vocabulary [0, {vocab_size})"
             )
     params.validate(vocab_size)
+    if params.guided is not None:
+        if params.ignore_eos:  # the grammar's end is an end-of-sequence token: it must stop the output
+            raise InvalidArgument("ignore_eos", "cannot be combined with a structured-output constraint")
+        check_spec(params.guided, "guided")
     if len(prompt_token_ids) >= max_context_tokens:
         raise InvalidArgument(
             prompt_field,

@@ -38,8 +38,10 @@ from dualpace.serve import metrics
 from dualpace.serve.address import parse_listen
 from router import openai_schema as schema
 from router.openai_schema import ApiError, ParsedRequest
+from router.fan_out import Choice, FanOut, choice_request_id
+from router.openai_answer import Answer
 from router.prompts import request_id_for
-from router.relay import Relay, RelayUpdate, open_request
+from router.relay import RelayUpdate, open_request
 from router.router_core import RouterCore
 
 log = logging.getLogger(__name__)
@@ -164,32 +166,36 @@ class HttpFront:
     async def _generate(self, request: web.Request, parsed: ParsedRequest, id_prefix: str) -> web.StreamResponse:
         self._check_model(parsed.model)
         core = self.core
+        num_choices = parsed.n * len(parsed.clients)
         try:
             if parsed.client.request_id is not None:
                 request_id = request_id_for(parsed.client)
             else:
                 request_id = f"{id_prefix}-{uuid.uuid4().hex}"
-            relay = await open_request(core, parsed.client, request_id, default_max_tokens=(
-                schema.CHAT_DEFAULT_MAX_TOKENS if parsed.default_max_tokens else None))
+            # Choice 0 of every prompt now (each prompt tokenized and checked); fan_out starts the rest.
+            relays = [await open_request(core, client, choice_request_id(request_id, p * parsed.n, num_choices),
+                                         default_max_tokens=(schema.CHAT_DEFAULT_MAX_TOKENS
+                                                             if parsed.default_max_tokens else None))
+                      for p, client in enumerate(parsed.clients)]
         except DualPaceError as exc:
             raise schema.error_for(exc, parsed.renamed) from None
-        prompt_ids = relay.prompt_token_ids
-        answer = _Answer(parsed, request_id, self.model_id, len(prompt_ids), relay)
-        self.metrics.prompt_tokens.inc(len(prompt_ids))
+        fan_out = FanOut(core, request_id, relays, parsed.n)
+        answer = Answer(parsed, request_id, self.model_id, fan_out)
+        self.metrics.prompt_tokens.inc(sum(len(r.prompt_token_ids) for r in relays))
         self.metrics.running.inc()
         try:
             # aclosing: however this ends (finished, error, client gone, handler cancelled), the
             # generator is closed, so Relay.run's finally aborts an unfinished request in its engine.
-            async with contextlib.aclosing(relay.run()) as updates:
+            async with contextlib.aclosing(fan_out.updates()) as updates:
                 if parsed.stream:
                     return await self._stream(request, answer, updates)
                 return await self._whole(answer, updates)
         finally:
             self.metrics.running.dec()
 
-    async def _next(self, answer: _Answer, updates) -> RelayUpdate:
+    async def _next(self, answer: Answer, updates) -> tuple[Choice, RelayUpdate]:
         try:
-            update = await anext(updates)
+            choice, update = await anext(updates)
         except StopAsyncIteration:
             raise ApiError(503, f"request {answer.request_id} ended without a finish reason",
                            type="unavailable_error", code="unavailable") from None
@@ -197,22 +203,19 @@ class HttpFront:
             raise schema.error_for(exc, answer.parsed.renamed) from None
         self.metrics.generation_tokens.inc(len(update.token_ids))
         if update.finish_reason == FinishReason.ERROR:
-            raise ApiError(500, f"engine {update.engine} could not continue request {answer.request_id} "
+            raise ApiError(500, f"engine {update.engine} could not continue request {choice.relay.request_id} "
                            "(finish reason error)", type="server_error", code="engine_error")
-        return update
+        return choice, update
 
-    async def _whole(self, answer: _Answer, updates) -> web.Response:
-        texts = []
-        while True:
-            update = await self._next(answer, updates)
-            texts.append(update.text)
-            if update.finish_reason is not None:
-                return _json_response(answer.whole("".join(texts), update.finish_reason))
+    async def _whole(self, answer: Answer, updates) -> web.Response:
+        while not answer.finished:
+            answer.add(*await self._next(answer, updates))
+        return _json_response(answer.whole())
 
-    async def _stream(self, request: web.Request, answer: _Answer, updates) -> web.StreamResponse:
+    async def _stream(self, request: web.Request, answer: Answer, updates) -> web.StreamResponse:
         # The first token comes before any header: a request refused at admission (429, 503) or
         # failing before its first token still gets a plain HTTP error status.
-        update = await self._next(answer, updates)
+        choice, update = await self._next(answer, updates)
         response = web.StreamResponse(headers=SSE_HEADERS)
         await response.prepare(request)
         try:
@@ -220,11 +223,12 @@ class HttpFront:
                 for chunk in answer.opening():
                     await response.write(_sse(chunk))
                 while True:
-                    for chunk in answer.chunks(update):
+                    answer.add(choice, update)
+                    for chunk in answer.chunks(choice, update):
                         await response.write(_sse(chunk))
-                    if update.finish_reason is not None:
+                    if answer.finished:
                         break
-                    update = await self._next(answer, updates)
+                    choice, update = await self._next(answer, updates)
                 if answer.parsed.include_usage:
                     await response.write(_sse(answer.usage_chunk()))
             except ConnectionResetError:
@@ -240,52 +244,6 @@ class HttpFront:
         except ConnectionResetError:  # the client went away; leaving closes the relay (an Abort)
             request["outcome"] = CLIENT_CLOSED
         return response
-
-
-@dataclass
-class _Answer:
-    """One request's response shapes: the whole body or its stream of chunks."""
-
-    parsed: ParsedRequest
-    request_id: str
-    model: str
-    num_prompt_tokens: int
-    relay: Relay
-
-    def __post_init__(self) -> None:
-        self.created = int(time.time())
-
-    def _usage(self) -> dict:
-        return schema.usage(self.num_prompt_tokens, len(self.relay.output_token_ids), self.relay.num_cached_tokens)
-
-    def whole(self, text: str, reason: FinishReason) -> dict:
-        shape = schema.chat_completion if self.parsed.chat else schema.completion
-        return shape(self.request_id, self.created, self.model, text, schema.finish_reason_text(reason),
-                     self._usage())
-
-    def opening(self) -> list[dict]:
-        if not self.parsed.chat:
-            return []
-        return [schema.chat_chunk(self.request_id, self.created, self.model, {"role": "assistant", "content": ""},
-                                  None, self.parsed.include_usage)]
-
-    def chunks(self, update: RelayUpdate) -> list[dict]:
-        reason = schema.finish_reason_text(update.finish_reason)
-        usage = self.parsed.include_usage
-        if not self.parsed.chat:
-            if not update.text and reason is None:
-                return []
-            return [schema.completion_chunk(self.request_id, self.created, self.model, update.text, reason, usage)]
-        out = []
-        if update.text:
-            out.append(schema.chat_chunk(self.request_id, self.created, self.model, {"content": update.text}, None,
-                                         usage))
-        if reason is not None:
-            out.append(schema.chat_chunk(self.request_id, self.created, self.model, {}, reason, usage))
-        return out
-
-    def usage_chunk(self) -> dict:
-        return schema.usage_chunk(self.parsed.chat, self.request_id, self.created, self.model, self._usage())
 
 
 # ---------------------------------------------------------------------- serving

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import grpc
@@ -21,10 +21,15 @@ from dualpace.client_request import ClientRequest
 from dualpace.errors import DualPaceError, InvalidArgument, Overloaded, Unavailable
 from dualpace.sampling_params import FinishReason, SamplingParams
 from dualpace.serve.status import status_for
+from router.openai_choices import num_choices, split_prompts
+from router.openai_guided import with_guided
+from router.openai_messages import chat_messages
+from router.openai_tools import ToolSetup, parse_tools
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 CHAT_DEFAULT_MAX_TOKENS = 1024  # without max_tokens a chat turn runs to EOS, the context end or this cap
 OPENAI_DEFAULT_TEMPERATURE = 1.0  # OpenAI samples by default; send temperature 0 for greedy
+MAX_CHOICES = 64  # n times the number of prompts, per request: each choice is an engine request
 
 # Fields clients commonly send that change nothing here.
 _IGNORED = frozenset({"user", "store", "metadata", "service_tier", "parallel_tool_calls", "prompt_cache_key",
@@ -107,6 +112,13 @@ class ParsedRequest:
     include_usage: bool
     default_max_tokens: bool  # chat without max_tokens: the router fits it to the prompt
     renamed: Mapping[str, str]  # core field name -> the name the client used
+    n: int = 1  # choices per prompt (router/fan_out.py)
+    extra_clients: tuple[ClientRequest, ...] = ()  # /v1/completions with a list of prompts: the 2nd on
+    tools: ToolSetup | None = None  # chat with tools: calls are parsed from the output
+
+    @property
+    def clients(self) -> tuple[ClientRequest, ...]:
+        return (self.client, *self.extra_clients)
 
 
 class _Body:
@@ -176,23 +188,15 @@ def _stop(body: _Body) -> tuple[str, ...]:
 
 def _unsupported_fields(body: _Body, chat: bool) -> None:
     """OpenAI fields that would change the answer in ways DualPace cannot produce: a clear 400."""
-    n = body.integer("n", 1)
-    if n != 1:
-        raise unsupported("n", f"only n = 1 is supported (one choice per request), got {n}")
     if chat:
         if body.raw("logprobs") not in (None, False):
             raise unsupported("logprobs", "is not supported: the engines do not produce log-probabilities")
         if body.raw("top_logprobs") is not None:
             raise unsupported("top_logprobs", "is not supported: the engines do not produce log-probabilities")
-        for name in ("tools", "functions"):
-            if body.raw(name):
-                raise unsupported(name, "tool calling is not supported")
-        for name in ("tool_choice", "function_call"):
-            if body.raw(name) not in (None, "none"):
-                raise unsupported(name, "tool calling is not supported")
-        response_format = body.raw("response_format")
-        if response_format is not None and response_format != {"type": "text"}:
-            raise unsupported("response_format", "only {\"type\": \"text\"} is supported")
+        if body.raw("functions"):
+            raise unsupported("functions", "the deprecated functions field is not supported: send tools")
+        if body.raw("function_call") not in (None, "none"):
+            raise unsupported("function_call", "the deprecated function_call field is not supported: send tool_choice")
     else:
         if body.raw("logprobs") is not None:
             raise unsupported("logprobs", "is not supported: the engines do not produce log-probabilities")
@@ -200,8 +204,6 @@ def _unsupported_fields(body: _Body, chat: bool) -> None:
             raise unsupported("echo")
         if body.raw("suffix") not in (None, ""):
             raise unsupported("suffix")
-        if body.integer("best_of", 1) != 1:
-            raise unsupported("best_of", "only best_of = 1 is supported")
     for name in ("presence_penalty", "frequency_penalty"):
         if body.number(name, 0.0) != 0.0:
             raise unsupported(name, "penalties are not supported (send 0 or leave it out)")
@@ -260,10 +262,15 @@ def _request_id(body: _Body) -> str | None:
 
 
 def parse_completion(raw: Any) -> ParsedRequest:
-    """A /v1/completions body: prompt as a string or token ids (one prompt per request)."""
+    """A /v1/completions body: prompt as a string, token ids, or a list of either (several prompts)."""
     body = _Body(raw)
     model = body.string("model")
     prompt = body.raw("prompt")
+    prompts = split_prompts(prompt)
+    if prompts is not None:
+        parsed = [parse_completion({**raw, "prompt": one}) for one in prompts]  # each checked alike
+        n = num_choices(body.integer("n", 1), body.integer("best_of", None), len(prompts), MAX_CHOICES)
+        return replace(parsed[0], n=n, extra_clients=tuple(p.client for p in parsed[1:]))
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]  # ["text"] or [[ids]]: a batch of one
     text, ids = None, None
@@ -273,69 +280,38 @@ def parse_completion(raw: Any) -> ParsedRequest:
         ids = list(prompt)
     elif prompt is None:
         raise invalid("prompt", "is required: a string or a list of token ids")
-    elif isinstance(prompt, list) and all(isinstance(p, (str, list)) for p in prompt):
-        raise unsupported("prompt", f"holds {len(prompt)} prompts; send one prompt per request")
     else:
         raise invalid("prompt", "must be a string or a list of token ids")
     _unsupported_fields(body, chat=False)
     stream, include_usage = _stream(body)
     max_tokens, _ = _max_tokens(body, ("max_tokens",), COMPLETION_DEFAULT_MAX_TOKENS)
-    params = _sampling(body, max_tokens)
+    renamed = {"text": "prompt", "prompt_token_ids": "prompt"}
+    params = with_guided(body.raw, _sampling(body, max_tokens), renamed)
+    n = num_choices(body.integer("n", 1), body.integer("best_of", None), 1, MAX_CHOICES)
     request_id = _request_id(body)
     body.reject_unknown()
     client = ClientRequest(request_id=request_id, text=text, prompt_token_ids=ids, messages=None, params=params)
-    return ParsedRequest(False, model, client, stream, include_usage, False,
-                         {"text": "prompt", "prompt_token_ids": "prompt"})
-
-
-def _message_content(content: Any, index: int) -> str:
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):  # [{"type": "text", "text": ...}, ...]
-        texts = []
-        for part in content:
-            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise unsupported(f"messages[{index}].content", "only text parts ({\"type\": \"text\", \"text\": ...}) "
-                                  "are supported")
-            texts.append(part["text"])
-        return "".join(texts)
-    raise invalid(f"messages[{index}].content", "must be a string or a list of text parts")
-
-
-def _messages(body: _Body) -> list[dict[str, str]]:
-    messages = body.raw("messages")
-    if messages is None:
-        raise invalid("messages", "is required: a non-empty list of {role, content} objects")
-    if not isinstance(messages, list) or not messages:
-        raise invalid("messages", "must be a non-empty list of {role, content} objects")
-    checked = []
-    for index, message in enumerate(messages):
-        if not isinstance(message, dict):
-            raise invalid(f"messages[{index}]", "must be an object with role and content")
-        role = message.get("role")
-        if not isinstance(role, str) or not role:
-            raise invalid(f"messages[{index}].role", "must be a non-empty string")
-        if message.get("tool_calls") or role in ("tool", "function"):
-            raise unsupported(f"messages[{index}]", "tool calling is not supported")
-        # OpenAI's "developer" role is the newer name of "system"; chat templates know "system".
-        checked.append({"role": "system" if role == "developer" else role,
-                        "content": _message_content(message.get("content"), index)})
-    return checked
+    return ParsedRequest(False, model, client, stream, include_usage, False, renamed, n=n)
 
 
 def parse_chat(raw: Any) -> ParsedRequest:
     """A /v1/chat/completions body; the prompt is rendered by the model's chat template."""
     body = _Body(raw)
     model = body.string("model")
-    messages = _messages(body)
+    messages = chat_messages(body.raw("messages"))
     _unsupported_fields(body, chat=True)
     stream, include_usage = _stream(body)
     max_tokens, name = _max_tokens(body, ("max_completion_tokens", "max_tokens"), None)
-    params = _sampling(body, max_tokens if max_tokens is not None else 1)
+    tools = parse_tools(body.raw("tools"), body.raw("tool_choice"))
+    renamed = {"max_tokens": name}
+    params = with_guided(body.raw, _sampling(body, max_tokens if max_tokens is not None else 1), renamed,
+                         tools.guided() if tools is not None else None)
+    n = num_choices(body.integer("n", 1), None, 1, MAX_CHOICES)
     request_id = _request_id(body)
     body.reject_unknown()
-    client = ClientRequest(request_id=request_id, text=None, prompt_token_ids=None, messages=messages, params=params)
-    return ParsedRequest(True, model, client, stream, include_usage, max_tokens is None, {"max_tokens": name})
+    client = ClientRequest(request_id=request_id, text=None, prompt_token_ids=None, messages=messages, params=params,
+                           tools=tools.tools if tools is not None else None)
+    return ParsedRequest(True, model, client, stream, include_usage, max_tokens is None, renamed, n=n, tools=tools)
 
 
 # ---------------------------------------------------------------------- responses

@@ -39,7 +39,8 @@ def prepare_prompt(client: ClientRequest, tokenizer: Tokenizer, config: ModelCon
         if not client.messages:
             raise InvalidArgument("messages", "no messages")
         check_messages(client.messages)
-        prompt_ids, field = tokenizer.encode_chat(client.messages), "messages"
+        template_kwargs = {"tools": client.tools} if client.tools else {}
+        prompt_ids, field = tokenizer.encode_chat(client.messages, **template_kwargs), "messages"
         # A chat turn ends at the template's end-of-turn token.
         params = replace(params, stop_token_ids=tuple(dict.fromkeys(params.stop_token_ids + tokenizer.chat_stop_token_ids)))
     else:

@@ -73,6 +73,9 @@ class Relay:
         self.finished = False
         self.clock = RequestClock()  # Prometheus latencies as the client sees them, by serving engine
         self.num_cached_tokens = 0  # prompt tokens an engine served from its prefix cache (its final usage)
+        # An engine known to hold this prompt's KV now (a sibling choice of the same prompt was just
+        # prefilled there): admission prefers it, so the full blocks are shared through its prefix cache.
+        self.prompt_cached_on: str | None = None
 
     # ----------------------------------------------------------------- public
 
@@ -153,6 +156,8 @@ class Relay:
             while True:
                 views = core.pool.views()
                 cached = longest_cached_prefix(core.pool.prefix_index, list(views), self.prompt_token_ids)
+                if self.prompt_cached_on in cached:
+                    cached[self.prompt_cached_on] = len(self.prompt_token_ids)
                 host = continue_on_host_tier(len(self.prompt_token_ids), self.params.max_tokens, views, core.placed(),
                                              core.config.admission, cached, core.config.host_tier)
                 if host is not None:  # its prefix lives in the CPU engine's cache: decode and prefill there
@@ -191,7 +196,10 @@ class Relay:
         """A new engine request: the prompt plus what was relayed so far (after a failure)."""
         prompt = self.prompt_token_ids + self.output_token_ids
         self.engine_base = len(self.output_token_ids)
-        return engine.generate(self.request_id, prompt, params or self.params)
+        params = params or self.params
+        if params.guided is not None:  # the grammar consumes the re-submitted outputs first
+            params = replace(params, guided=replace(params.guided, num_output_tokens_in_prompt=self.engine_base))
+        return engine.generate(self.request_id, prompt, params)
 
     def _resume(self, engine: EngineHandle) -> EngineStream:
         """Follow the same engine request on `engine` from the first output not yet relayed."""

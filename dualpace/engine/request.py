@@ -48,6 +48,12 @@ class EngineRequest:
             return self.output_token_ids[start - num_prompt : end - num_prompt]
         return self.prompt_token_ids[start:] + self.output_token_ids[: end - num_prompt]
 
+    def guided_token_ids(self) -> tuple[int, ...]:
+        """The tokens generated under params.guided so far, any re-submitted as prompt included."""
+        num_in_prompt = min(self.params.guided.num_output_tokens_in_prompt, len(self.prompt_token_ids))
+        prompt_tail = self.prompt_token_ids[len(self.prompt_token_ids) - num_in_prompt:]
+        return tuple(prompt_tail) + tuple(self.output_token_ids)
+
 
 @dataclass(frozen=True)
 class RequestEvent:

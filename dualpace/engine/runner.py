@@ -12,6 +12,7 @@ import torch
 
 from dualpace.engine.scheduler import StepPlan, StepResult
 from dualpace.faults import FaultConfig
+from dualpace.guided_decoding import GuidedMasks, GuidedRow, apply_masks
 from dualpace.kv.storage import KVStorage
 from dualpace.model.loader import LoadedModel
 from dualpace.model.paged_forward import PagedForward, SequenceWork
@@ -30,6 +31,7 @@ class ModelRunner:
         self.forward = PagedForward(model, self.kv)
         self.faults = FaultConfig()  # test-only faults (dualpace.faults); the daemon sets them after warm-up
         self.num_forward_steps = 0  # non-empty plans executed since the faults were set
+        self._guided: GuidedMasks | None = None  # structured outputs: see prepare_guided_decoding
 
     def set_faults(self, faults: FaultConfig) -> None:
         """Honour `faults` from now on; forward steps are counted from here (1-based)."""
@@ -48,19 +50,41 @@ class ModelRunner:
     def run_plan(self, plan: StepPlan) -> StepResult:
         """The forward pass and sampling of a non-empty plan, here (subclasses may run it elsewhere)."""
         work = [SequenceWork(list(s.token_ids), s.start_pos, list(s.block_ids)) for s in plan.sequences]
-        logits = self.forward.forward(work)
         rows = [i for i, s in enumerate(plan.sequences) if s.sample]
+        sampled = [plan.sequences[i] for i in rows]
+        masks = self._start_guided_masks(sampled)  # computed while the forward pass runs
+        logits = self.forward.forward(work)
         if not rows:
             return StepResult({})
         self._inject_nan_logits(plan, logits)
-        sampled = [plan.sequences[i] for i in rows]
+        row_logits = logits[rows]
+        if masks is not None:
+            guided_rows, future = masks
+            row_logits = apply_masks(row_logits, guided_rows, future.result())
         result = sample_next_tokens(
-            logits[rows], [s.params for s in sampled], [s.seed for s in sampled], [s.sample_position for s in sampled]
+            row_logits, [s.params for s in sampled], [s.seed for s in sampled], [s.sample_position for s in sampled]
         )
         return StepResult({
             s.request_id: (token_id if finite else None)
             for s, token_id, finite in zip(sampled, result.token_ids, result.finite)
         })
+
+    def prepare_guided_decoding(self) -> GuidedMasks:
+        """The token masks of constrained requests; made on first use, or at start-up (the daemon's
+        warm-up) so that the grammar engine's view of the vocabulary is built in the background."""
+        if self._guided is None:
+            tokenizer = self.loaded.tokenizer
+            self._guided = GuidedMasks(tokenizer, set(self.loaded.config.eos_token_ids) | set(tokenizer.eos_token_ids))
+        return self._guided
+
+    def _start_guided_masks(self, sampled):
+        """(rows of `sampled` under a constraint, the future of their token masks), or None."""
+        guided_rows = [i for i, s in enumerate(sampled) if s.params.guided is not None]
+        if not guided_rows:
+            return None
+        rows = [GuidedRow(s.request_id, s.params.guided, s.guided_token_ids, s.params.stop_token_ids)
+                for s in (sampled[i] for i in guided_rows)]
+        return guided_rows, self.prepare_guided_decoding().start(rows, self.loaded.config.vocab_size)
 
     def _inject_nan_logits(self, plan: StepPlan, logits: torch.Tensor) -> None:
         """DUALPACE_FAULT_NAN_LOGITS_REQUEST: the target's row becomes NaN whenever it is sampled."""

@@ -45,6 +45,9 @@ class ScheduledSequence:
     sample: bool
     params: SamplingParams
     seed: int
+    # With params.guided and sample set: the tokens generated under the constraint before the
+    # one to draw (dualpace/guided_decoding.py rebuilds the grammar's state from them).
+    guided_token_ids: tuple[int, ...] = ()
 
     @property
     def sample_position(self) -> int:
@@ -376,14 +379,16 @@ class Scheduler:
 
     def _scheduled(self, request: EngineRequest, num_new: int) -> ScheduledSequence:
         start = request.num_computed_tokens
+        sample = start + num_new == request.num_tokens
         return ScheduledSequence(
             request_id=request.request_id,
             token_ids=tuple(request.token_ids(start, start + num_new)),
             start_pos=start,
             block_ids=tuple(self.blocks.block_ids(request.request_id)),
-            sample=start + num_new == request.num_tokens,
+            sample=sample,
             params=request.params,
             seed=request.seed,
+            guided_token_ids=request.guided_token_ids() if sample and request.params.guided is not None else (),
         )
 
     def _finish(self, request: EngineRequest, reason: FinishReason) -> None:

@@ -175,6 +175,7 @@ def warm_up(core: EngineCore) -> None:
     for lazy initialisation (kernels, allocator) here rather than in a client's TTFT, and a
     broken model fails before READY=1. Raises ModelLoadError if KV blocks are not all back.
     The warm-up prompt's cached blocks are dropped: no client sent it."""
+    core.runner.prepare_guided_decoding()  # structured outputs' vocabulary, built in the background
     blocks = core.scheduler.blocks
     vocab_size = core.loaded.config.vocab_size
     prompt = [(i + 1) % vocab_size for i in range(WARMUP_PROMPT_TOKENS)]

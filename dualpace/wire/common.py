@@ -13,6 +13,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Iterable, Sequence
 
+from dualpace.guided_spec import GuidedKind, GuidedSpec
 from dualpace.sampling_params import FinishReason, SamplingParams
 from dualpace.wire.v1 import common_pb2
 
@@ -35,6 +36,10 @@ def sampling_params_to_pb(params: SamplingParams) -> common_pb2.SamplingParams:
     )
     if params.seed is not None:
         message.seed = params.seed
+    if params.guided is not None:
+        message.guided.CopyFrom(common_pb2.GuidedDecoding(
+            kind=_GUIDED_KIND_TO_PB[params.guided.kind], spec=params.guided.spec,
+            num_output_tokens_in_prompt=params.guided.num_output_tokens_in_prompt))
     return message
 
 
@@ -50,7 +55,22 @@ def sampling_params_from_pb(message: common_pb2.SamplingParams) -> SamplingParam
         stop=tuple(message.stop),
         stop_token_ids=tuple(message.stop_token_ids),
         ignore_eos=message.ignore_eos,
+        guided=_guided_from_pb(message.guided) if message.HasField("guided") else None,
     )
+
+
+_GUIDED_KIND_TO_PB: dict[GuidedKind, int] = {
+    GuidedKind.JSON_SCHEMA: common_pb2.GUIDED_KIND_JSON_SCHEMA,
+    GuidedKind.REGEX: common_pb2.GUIDED_KIND_REGEX,
+    GuidedKind.LARK: common_pb2.GUIDED_KIND_LARK,
+}
+_GUIDED_KIND_FROM_PB: dict[int, GuidedKind] = {value: kind for kind, value in _GUIDED_KIND_TO_PB.items()}
+
+
+def _guided_from_pb(message: common_pb2.GuidedDecoding) -> GuidedSpec:
+    if message.kind not in _GUIDED_KIND_FROM_PB:
+        raise ValueError(f"sampling.guided.kind: unknown or unset ({message.kind})")
+    return GuidedSpec(_GUIDED_KIND_FROM_PB[message.kind], message.spec, message.num_output_tokens_in_prompt)
 
 
 # ---- finish reason --------------------------------------------------------

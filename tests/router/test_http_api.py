@@ -24,7 +24,7 @@ openai = pytest.importorskip("openai")
 
 READY = re.compile(r"dualpace up: ready; router on (\S+)")
 HTTP = re.compile(r"dualpace up: OpenAI-compatible HTTP API on (\S+)")
-START_TIMEOUT_S = 60.0
+START_TIMEOUT_S = 180.0  # generous: the daemons start slowly on a loaded machine
 STEP_DELAY_MS = 10  # slows every engine step, so a long stream outlives the client that drops it
 LONG_MAX_TOKENS = 400  # with the delay: at least 4 s of generation
 
@@ -173,7 +173,7 @@ def test_sampling_fields_and_stop(client, model_folder):
 @pytest.mark.parametrize(("path", "fields", "param"), [
     ("/v1/completions", {"temperature": -1}, "temperature"),
     ("/v1/completions", {"top_p": 2}, "top_p"),
-    ("/v1/completions", {"n": 2}, "n"),
+    ("/v1/completions", {"n": 0}, "n"),
     ("/v1/completions", {"max_tokens": 0}, "max_tokens"),
     ("/v1/completions", {"logprobs": 2}, "logprobs"),
     ("/v1/completions", {"temprature": 0.5}, "temprature"),
@@ -195,7 +195,7 @@ def test_bad_fields_are_400_naming_them(up, model_folder, path, fields, param):
 
 def test_openai_client_sees_errors(client, model_folder):
     with pytest.raises(openai.BadRequestError) as bad:
-        client.chat.completions.create(model=model_folder, messages=[{"role": "user", "content": "hi"}], n=2)
+        client.chat.completions.create(model=model_folder, messages=[{"role": "user", "content": "hi"}], n=0)
     assert bad.value.status_code == 400 and "n" == bad.value.body["param"]
     with pytest.raises(openai.NotFoundError):
         client.completions.create(model="no-such-model", prompt="hi", max_tokens=2)

@@ -34,6 +34,19 @@ def test_sampling_params_round_trip_all_fields() -> None:
     assert _through_the_wire(params) == params
 
 
+def test_a_guided_spec_travels_with_the_sampling_params() -> None:
+    from dualpace.guided_spec import GuidedKind, GuidedSpec
+
+    for kind in GuidedKind:
+        params = SamplingParams(guided=GuidedSpec(kind, '{"type": "object"}', num_output_tokens_in_prompt=7))
+        assert _through_the_wire(params) == params
+    assert not common.sampling_params_to_pb(SamplingParams()).HasField("guided")
+    unset_kind = common.sampling_params_to_pb(SamplingParams())
+    unset_kind.guided.spec = "x"
+    with pytest.raises(ValueError, match="guided.kind"):
+        common.sampling_params_from_pb(unset_kind)
+
+
 def test_sampling_params_round_trip_defaults() -> None:
     assert _through_the_wire(SamplingParams()) == SamplingParams()
 

@@ -1,0 +1,119 @@
+"""One OpenAI request's response shapes, over all its choices: the whole body, or the stream of
+chunks, each choice numbered by its index (router/fan_out.py), with tool calls parsed from a chat
+answer when the request had tools (router/openai_tools.py). Pure: no aiohttp, no sockets."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from dualpace.sampling_params import FinishReason
+from router import openai_schema as schema
+from router.fan_out import Choice, FanOut
+from router.openai_schema import ParsedRequest
+from router.openai_tools import ToolCallStream, split_tool_calls
+from router.relay import RelayUpdate
+
+TOOL_CALLS = "tool_calls"  # OpenAI's finish reason when the answer is calls
+
+
+@dataclass
+class _ChoiceText:
+    texts: list[str] = field(default_factory=list)
+    reason: FinishReason | None = None
+    tools: ToolCallStream | None = None  # streamed chat with tools: content with the calls held back
+
+
+@dataclass
+class Answer:
+    parsed: ParsedRequest
+    request_id: str
+    model: str
+    fan_out: FanOut
+
+    def __post_init__(self) -> None:
+        self.created = int(time.time())
+        self.parses_calls = self.parsed.tools is not None and self.parsed.tools.parses_calls
+        self._choices = [_ChoiceText(tools=ToolCallStream() if self.parses_calls else None)
+                         for _ in range(self.fan_out.num_choices)]
+
+    def _usage(self) -> dict:
+        """Prompt tokens once per prompt (as OpenAI counts them), completion tokens of every choice."""
+        relays = [c.relay for c in self.fan_out.choices if c is not None]
+        firsts = [c.relay for c in self.fan_out.choices if c is not None and c.index % self.fan_out.n == 0]
+        return schema.usage(sum(len(r.prompt_token_ids) for r in firsts),
+                            sum(len(r.output_token_ids) for r in relays),
+                            sum(r.num_cached_tokens for r in firsts))
+
+    def add(self, choice: Choice, update: RelayUpdate) -> None:
+        """Whole answers: remember the text and the finish reason."""
+        state = self._choices[choice.index]
+        state.texts.append(update.text)
+        if update.finish_reason is not None:
+            state.reason = update.finish_reason
+
+    @property
+    def finished(self) -> bool:
+        return all(c.reason is not None for c in self._choices)
+
+    def whole(self) -> dict:
+        shape = schema.chat_completion if self.parsed.chat else schema.completion
+        body = None
+        for index, state in enumerate(self._choices):
+            text, reason = "".join(state.texts), schema.finish_reason_text(state.reason)
+            calls = []
+            if self.parses_calls:
+                text, calls = split_tool_calls(text)
+            one = shape(self.request_id, self.created, self.model, text, reason, {})
+            entry = one["choices"][0]
+            entry["index"] = index
+            if calls:
+                entry["message"]["tool_calls"] = calls
+                entry["finish_reason"] = TOOL_CALLS
+            if body is None:
+                body = one
+            else:
+                body["choices"].append(entry)
+        body["usage"] = self._usage()
+        return body
+
+    # ---- streaming -----------------------------------------------------------
+
+    def opening(self) -> list[dict]:
+        if not self.parsed.chat:
+            return []
+        return [self._chat_chunk(index, {"role": "assistant", "content": ""}, None)
+                for index in range(self.fan_out.num_choices)]
+
+    def _chat_chunk(self, index: int, delta: dict, reason: str | None) -> dict:
+        chunk = schema.chat_chunk(self.request_id, self.created, self.model, delta, reason, self.parsed.include_usage)
+        chunk["choices"][0]["index"] = index
+        return chunk
+
+    def chunks(self, choice: Choice, update: RelayUpdate) -> list[dict]:
+        index = choice.index
+        reason = schema.finish_reason_text(update.finish_reason)
+        if not self.parsed.chat:
+            if not update.text and reason is None:
+                return []
+            chunk = schema.completion_chunk(self.request_id, self.created, self.model, update.text, reason,
+                                            self.parsed.include_usage)
+            chunk["choices"][0]["index"] = index
+            return [chunk]
+        tools = self._choices[index].tools
+        text = update.text if tools is None else tools.feed(update.text)
+        out = []
+        if reason is not None and tools is not None:
+            text += tools.finish()
+        if text:
+            out.append(self._chat_chunk(index, {"content": text}, None))
+        if reason is not None:
+            if tools is not None and tools.calls:
+                calls = [{"index": n, **call} for n, call in enumerate(tools.calls)]
+                out.append(self._chat_chunk(index, {"tool_calls": calls}, None))
+                reason = TOOL_CALLS
+            out.append(self._chat_chunk(index, {}, reason))
+        return out
+
+    def usage_chunk(self) -> dict:
+        return schema.usage_chunk(self.parsed.chat, self.request_id, self.created, self.model, self._usage())
