@@ -46,6 +46,7 @@ class KvTransferHeader:
     total_bytes: int
     source_engine: str
     num_cached_tokens: int = 0  # prompt tokens the source served from its prefix cache
+    num_prior_output_tokens: int = 0  # the prompt's last tokens that were output before a re-submission
 
 
 @dataclass(frozen=True)

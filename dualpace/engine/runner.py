@@ -11,11 +11,11 @@ from __future__ import annotations
 import torch
 
 from dualpace.engine.scheduler import StepPlan, StepResult
+from dualpace.engine.step_sampling import sample_step, step_work
 from dualpace.faults import FaultConfig
 from dualpace.kv.storage import KVStorage
 from dualpace.model.loader import LoadedModel
-from dualpace.model.paged_forward import PagedForward, SequenceWork
-from dualpace.sampling import sample_next_tokens
+from dualpace.model.paged_forward import PagedForward
 
 
 class ModelRunner:
@@ -47,29 +47,9 @@ class ModelRunner:
     @torch.inference_mode()
     def run_plan(self, plan: StepPlan) -> StepResult:
         """The forward pass and sampling of a non-empty plan, here (subclasses may run it elsewhere)."""
-        work = [SequenceWork(list(s.token_ids), s.start_pos, list(s.block_ids)) for s in plan.sequences]
-        logits = self.forward.forward(work)
-        rows = [i for i, s in enumerate(plan.sequences) if s.sample]
-        if not rows:
-            return StepResult({})
-        self._inject_nan_logits(plan, logits)
-        sampled = [plan.sequences[i] for i in rows]
-        result = sample_next_tokens(
-            logits[rows], [s.params for s in sampled], [s.seed for s in sampled], [s.sample_position for s in sampled]
-        )
-        return StepResult({
-            s.request_id: (token_id if finite else None)
-            for s, token_id, finite in zip(sampled, result.token_ids, result.finite)
-        })
-
-    def _inject_nan_logits(self, plan: StepPlan, logits: torch.Tensor) -> None:
-        """DUALPACE_FAULT_NAN_LOGITS_REQUEST: the target's row becomes NaN whenever it is sampled."""
-        target = self.faults.nan_logits_request
-        if target is None:
-            return
-        for row, sequence in enumerate(plan.sequences):
-            if sequence.request_id == target and sequence.sample:
-                logits[row] = float("nan")
+        logits = self.forward.forward(step_work(plan))
+        # DUALPACE_FAULT_NAN_LOGITS_REQUEST: the target's row becomes NaN whenever it is sampled.
+        return sample_step(plan, logits, self.faults.nan_logits_request)
 
     # KV transfer: a request's cache as contiguous per-layer tensors, and back.
 

@@ -16,7 +16,7 @@ request is preempted.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from dualpace.engine.prefix_cache import PrefixCache
 from dualpace.engine.request import EngineRequest, RequestEvent, RequestState
@@ -24,6 +24,8 @@ from dualpace.errors import InvalidArgument, Overloaded, RequestNotFound
 from dualpace.kv.block_table import KVBlockManager
 from dualpace.kv.events import KvEventLog
 from dualpace.kv.prefix_hash import BlockHasher
+from dualpace.logprobs import PromptLogprobsChunk, TokenLogprobs, merge_prompt_logprobs, prompt_logprobs_with_first_token
+from dualpace.penalties import SamplingContext, context_for
 from dualpace.sampling_params import FinishReason, SamplingParams, stop_reason
 
 
@@ -46,6 +48,7 @@ class ScheduledSequence:
     sample: bool
     params: SamplingParams
     seed: int
+    context: SamplingContext | None = None  # penalties' tokens and prompt logprobs, when the request uses them
 
     @property
     def sample_position(self) -> int:
@@ -72,6 +75,8 @@ class StepResult:
     `apply` ends such a request alone with FinishReason.ERROR (the only error it produces) and frees its blocks."""
 
     sampled_token_ids: dict[str, int | None]
+    logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)  # sampled tokens' (when asked for)
+    prompt_logprobs: dict[str, PromptLogprobsChunk] = field(default_factory=dict)  # prompt chunks' (when asked for)
 
 
 class Scheduler:
@@ -236,6 +241,8 @@ class Scheduler:
                 continue
             request.num_computed_tokens = seq.start_pos + len(seq.token_ids)
             self._cache_full_blocks(request)
+            if seq.request_id in result.prompt_logprobs:
+                merge_prompt_logprobs(request.prompt_logprobs, result.prompt_logprobs[seq.request_id])
             if not seq.sample:
                 continue
             token_id = result.sampled_token_ids.get(seq.request_id)
@@ -249,7 +256,9 @@ class Scheduler:
                 reason = FinishReason.LENGTH
             if reason is not None:
                 self._finish(request, reason)
-            events.append(RequestEvent(seq.request_id, (token_id,), reason, num_cached_tokens=request.num_cached_tokens))
+            events.append(RequestEvent(seq.request_id, (token_id,), reason, num_cached_tokens=request.num_cached_tokens,
+                                       logprobs=(result.logprobs.get(seq.request_id),),
+                                       prompt_logprobs=prompt_logprobs_with_first_token(request)))
         return events
 
     # ----------------------------------------------------------------- queries
@@ -375,6 +384,7 @@ class Scheduler:
             sample=start + num_new == request.num_tokens,
             params=request.params,
             seed=request.seed,
+            context=context_for(request, self.eos_token_ids),
         )
 
     def _finish(self, request: EngineRequest, reason: FinishReason) -> None:

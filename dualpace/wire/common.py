@@ -14,6 +14,7 @@ import sys
 from collections.abc import Iterable, Sequence
 
 from dualpace.sampling_params import FinishReason, SamplingParams
+from dualpace.wire.logprob_messages import extra_sampling_fields_from_pb, extra_sampling_fields_to_pb
 from dualpace.wire.v1 import common_pb2
 
 # ---- sampling parameters -------------------------------------------------
@@ -35,6 +36,7 @@ def sampling_params_to_pb(params: SamplingParams) -> common_pb2.SamplingParams:
     )
     if params.seed is not None:
         message.seed = params.seed
+    extra_sampling_fields_to_pb(params, message)
     return message
 
 
@@ -50,6 +52,7 @@ def sampling_params_from_pb(message: common_pb2.SamplingParams) -> SamplingParam
         stop=tuple(message.stop),
         stop_token_ids=tuple(message.stop_token_ids),
         ignore_eos=message.ignore_eos,
+        **extra_sampling_fields_from_pb(message),
     )
 
 

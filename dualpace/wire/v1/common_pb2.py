@@ -24,25 +24,31 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18\x64ualpace/v1/common.proto\x12\x0b\x64ualpace.v1\"\xdf\x01\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x13\n\x0btemperature\x18\x02 \x01(\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x01H\x01\x88\x01\x01\x12\r\n\x05top_k\x18\x04 \x01(\x05\x12\r\n\x05min_p\x18\x05 \x01(\x01\x12\x11\n\x04seed\x18\x06 \x01(\x04H\x02\x88\x01\x01\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x08 \x03(\r\x12\x12\n\nignore_eos\x18\t \x01(\x08\x42\r\n\x0b_max_tokensB\x08\n\x06_top_pB\x07\n\x05_seed\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\"\x1d\n\x08TokenIds\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\"4\n\x06Tensor\x12\r\n\x05\x64type\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c*\x91\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x04*S\n\nEngineKind\x12\x1b\n\x17\x45NGINE_KIND_UNSPECIFIED\x10\x00\x12\x13\n\x0f\x45NGINE_KIND_GPU\x10\x01\x12\x13\n\x0f\x45NGINE_KIND_CPU\x10\x02*\xb6\x01\n\x0cRequestState\x12\x1d\n\x19REQUEST_STATE_UNSPECIFIED\x10\x00\x12\x19\n\x15REQUEST_STATE_WAITING\x10\x01\x12\x19\n\x15REQUEST_STATE_RUNNING\x10\x02\x12\x18\n\x14REQUEST_STATE_PAUSED\x10\x03\x12\x1b\n\x17REQUEST_STATE_MIGRATING\x10\x04\x12\x1a\n\x16REQUEST_STATE_FINISHED\x10\x05\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18\x64ualpace/v1/common.proto\x12\x0b\x64ualpace.v1\"\xa8\x04\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x13\n\x0btemperature\x18\x02 \x01(\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x01H\x01\x88\x01\x01\x12\r\n\x05top_k\x18\x04 \x01(\x05\x12\r\n\x05min_p\x18\x05 \x01(\x01\x12\x11\n\x04seed\x18\x06 \x01(\x04H\x02\x88\x01\x01\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x08 \x03(\r\x12\x12\n\nignore_eos\x18\t \x01(\x08\x12\x15\n\x08logprobs\x18\x46 \x01(\x05H\x03\x88\x01\x01\x12\x1c\n\x0fprompt_logprobs\x18G \x01(\x05H\x04\x88\x01\x01\x12\x18\n\x10presence_penalty\x18H \x01(\x01\x12\x19\n\x11\x66requency_penalty\x18I \x01(\x01\x12\x1f\n\x12repetition_penalty\x18J \x01(\x01H\x05\x88\x01\x01\x12>\n\nlogit_bias\x18K \x03(\x0b\x32*.dualpace.v1.SamplingParams.LogitBiasEntry\x12\x12\n\nmin_tokens\x18L \x01(\r\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x42\r\n\x0b_max_tokensB\x08\n\x06_top_pB\x07\n\x05_seedB\x0b\n\t_logprobsB\x12\n\x10_prompt_logprobsB\x15\n\x13_repetition_penalty\"m\n\rTokenLogprobs\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x0c\n\x04rank\x18\x03 \x01(\r\x12\x15\n\rtop_token_ids\x18\x04 \x03(\r\x12\x14\n\x0ctop_logprobs\x18\x05 \x03(\x02\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\"\x1d\n\x08TokenIds\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\"4\n\x06Tensor\x12\r\n\x05\x64type\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c*\x91\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x04*S\n\nEngineKind\x12\x1b\n\x17\x45NGINE_KIND_UNSPECIFIED\x10\x00\x12\x13\n\x0f\x45NGINE_KIND_GPU\x10\x01\x12\x13\n\x0f\x45NGINE_KIND_CPU\x10\x02*\xb6\x01\n\x0cRequestState\x12\x1d\n\x19REQUEST_STATE_UNSPECIFIED\x10\x00\x12\x19\n\x15REQUEST_STATE_WAITING\x10\x01\x12\x19\n\x15REQUEST_STATE_RUNNING\x10\x02\x12\x18\n\x14REQUEST_STATE_PAUSED\x10\x03\x12\x1b\n\x17REQUEST_STATE_MIGRATING\x10\x04\x12\x1a\n\x16REQUEST_STATE_FINISHED\x10\x05\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'dualpace.wire.v1.common_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FINISHREASON']._serialized_start=435
-  _globals['_FINISHREASON']._serialized_end=580
-  _globals['_ENGINEKIND']._serialized_start=582
-  _globals['_ENGINEKIND']._serialized_end=665
-  _globals['_REQUESTSTATE']._serialized_start=668
-  _globals['_REQUESTSTATE']._serialized_end=850
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
+  _globals['_FINISHREASON']._serialized_start=875
+  _globals['_FINISHREASON']._serialized_end=1020
+  _globals['_ENGINEKIND']._serialized_start=1022
+  _globals['_ENGINEKIND']._serialized_end=1105
+  _globals['_REQUESTSTATE']._serialized_start=1108
+  _globals['_REQUESTSTATE']._serialized_end=1290
   _globals['_SAMPLINGPARAMS']._serialized_start=42
-  _globals['_SAMPLINGPARAMS']._serialized_end=265
-  _globals['_USAGE']._serialized_start=267
-  _globals['_USAGE']._serialized_end=347
-  _globals['_TOKENIDS']._serialized_start=349
-  _globals['_TOKENIDS']._serialized_end=378
-  _globals['_TENSOR']._serialized_start=380
-  _globals['_TENSOR']._serialized_end=432
+  _globals['_SAMPLINGPARAMS']._serialized_end=594
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=456
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=504
+  _globals['_TOKENLOGPROBS']._serialized_start=596
+  _globals['_TOKENLOGPROBS']._serialized_end=705
+  _globals['_USAGE']._serialized_start=707
+  _globals['_USAGE']._serialized_end=787
+  _globals['_TOKENIDS']._serialized_start=789
+  _globals['_TOKENIDS']._serialized_end=818
+  _globals['_TENSOR']._serialized_start=820
+  _globals['_TENSOR']._serialized_end=872
 # @@protoc_insertion_point(module_scope)
