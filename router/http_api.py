@@ -37,6 +37,7 @@ from dualpace.sampling_params import FinishReason
 from dualpace.serve import metrics
 from dualpace.serve.address import parse_listen
 from router import openai_schema as schema
+from router.openai_logprobs import AnswerLogprobs
 from router.openai_schema import ApiError, ParsedRequest
 from router.prompts import request_id_for
 from router.relay import Relay, RelayUpdate, open_request
@@ -206,6 +207,8 @@ class HttpFront:
         while True:
             update = await self._next(answer, updates)
             texts.append(update.text)
+            if answer.logprobs is not None:
+                answer.logprobs.take(update)
             if update.finish_reason is not None:
                 return _json_response(answer.whole("".join(texts), update.finish_reason))
 
@@ -254,14 +257,21 @@ class _Answer:
 
     def __post_init__(self) -> None:
         self.created = int(time.time())
+        # logprobs and echo (router/openai_logprobs.py); None when the request asked for neither
+        self.logprobs = AnswerLogprobs.for_request(self.parsed, self.relay.core.tokenizer, self.relay.prompt_token_ids)
 
     def _usage(self) -> dict:
         return schema.usage(self.num_prompt_tokens, len(self.relay.output_token_ids), self.relay.num_cached_tokens)
 
     def whole(self, text: str, reason: FinishReason) -> dict:
         shape = schema.chat_completion if self.parsed.chat else schema.completion
-        return shape(self.request_id, self.created, self.model, text, schema.finish_reason_text(reason),
+        if self.logprobs is not None:
+            text = self.logprobs.echo_prefix() + text
+        body = shape(self.request_id, self.created, self.model, text, schema.finish_reason_text(reason),
                      self._usage())
+        if self.logprobs is not None:
+            body["choices"][0]["logprobs"] = self.logprobs.whole()
+        return body
 
     def opening(self) -> list[dict]:
         if not self.parsed.chat:
@@ -272,14 +282,19 @@ class _Answer:
     def chunks(self, update: RelayUpdate) -> list[dict]:
         reason = schema.finish_reason_text(update.finish_reason)
         usage = self.parsed.include_usage
+        logprobs = self.logprobs.take(update) if self.logprobs is not None else None
         if not self.parsed.chat:
-            if not update.text and reason is None:
+            text = (self.logprobs.echo_prefix() if self.logprobs is not None else "") + update.text
+            if not text and reason is None and logprobs is None:
                 return []
-            return [schema.completion_chunk(self.request_id, self.created, self.model, update.text, reason, usage)]
+            chunk = schema.completion_chunk(self.request_id, self.created, self.model, text, reason, usage)
+            chunk["choices"][0]["logprobs"] = logprobs
+            return [chunk]
         out = []
-        if update.text:
+        if update.text or logprobs is not None:
             out.append(schema.chat_chunk(self.request_id, self.created, self.model, {"content": update.text}, None,
                                          usage))
+            out[-1]["choices"][0]["logprobs"] = logprobs
         if reason is not None:
             out.append(schema.chat_chunk(self.request_id, self.created, self.model, {}, reason, usage))
         return out

@@ -4,7 +4,7 @@ Pure: JSON-ready dicts in, a ClientRequest (the same one the gRPC Router API bui
 response dicts out; no aiohttp, no sockets. Validation the router already does
 (dualpace.validation via router.prompts.prepare_prompt) is not repeated here; this module
 checks what only the HTTP shape has: JSON types, OpenAI fields DualPace does not support
-(n > 1, logprobs, penalties, ...) and fields nobody defined. Errors are `ApiError`, which
+(n > 1, tools, ...) and fields nobody defined. Errors are `ApiError`, which
 renders as OpenAI's `{"error": {"message", "type", "param", "code"}}`.
 """
 
@@ -21,6 +21,7 @@ from dualpace.client_request import ClientRequest
 from dualpace.errors import DualPaceError, InvalidArgument, Overloaded, Unavailable
 from dualpace.sampling_params import FinishReason, SamplingParams
 from dualpace.serve.status import status_for
+from router import openai_logprobs
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 CHAT_DEFAULT_MAX_TOKENS = 1024  # without max_tokens a chat turn runs to EOS, the context end or this cap
@@ -107,6 +108,8 @@ class ParsedRequest:
     include_usage: bool
     default_max_tokens: bool  # chat without max_tokens: the router fits it to the prompt
     renamed: Mapping[str, str]  # core field name -> the name the client used
+    echo: bool = False  # completions: the prompt comes back before the completion
+    tokens_as_ids: bool = False  # vLLM's return_tokens_as_token_ids (router/openai_logprobs.py)
 
 
 class _Body:
@@ -180,10 +183,6 @@ def _unsupported_fields(body: _Body, chat: bool) -> None:
     if n != 1:
         raise unsupported("n", f"only n = 1 is supported (one choice per request), got {n}")
     if chat:
-        if body.raw("logprobs") not in (None, False):
-            raise unsupported("logprobs", "is not supported: the engines do not produce log-probabilities")
-        if body.raw("top_logprobs") is not None:
-            raise unsupported("top_logprobs", "is not supported: the engines do not produce log-probabilities")
         for name in ("tools", "functions"):
             if body.raw(name):
                 raise unsupported(name, "tool calling is not supported")
@@ -194,23 +193,18 @@ def _unsupported_fields(body: _Body, chat: bool) -> None:
         if response_format is not None and response_format != {"type": "text"}:
             raise unsupported("response_format", "only {\"type\": \"text\"} is supported")
     else:
-        if body.raw("logprobs") is not None:
-            raise unsupported("logprobs", "is not supported: the engines do not produce log-probabilities")
-        if body.raw("echo") not in (None, False):
-            raise unsupported("echo")
         if body.raw("suffix") not in (None, ""):
             raise unsupported("suffix")
         if body.integer("best_of", 1) != 1:
             raise unsupported("best_of", "only best_of = 1 is supported")
-    for name in ("presence_penalty", "frequency_penalty"):
-        if body.number(name, 0.0) != 0.0:
-            raise unsupported(name, "penalties are not supported (send 0 or leave it out)")
-    if body.raw("logit_bias"):
-        raise unsupported("logit_bias")
 
 
-def _sampling(body: _Body, max_tokens: int) -> SamplingParams:
+def _sampling(body: _Body, max_tokens: int, chat: bool = False) -> SamplingParams:
     seed = body.integer("seed", None)
+    try:  # logprobs, echo, penalties (router/openai_logprobs.py)
+        extra = openai_logprobs.sampling_fields(body, chat)
+    except InvalidArgument as exc:
+        raise invalid(exc.field, exc.problem) from None
     return SamplingParams(
         max_tokens=max_tokens,
         temperature=body.number("temperature", OPENAI_DEFAULT_TEMPERATURE),
@@ -220,6 +214,7 @@ def _sampling(body: _Body, max_tokens: int) -> SamplingParams:
         seed=seed,
         stop=_stop(body),
         ignore_eos=body.boolean("ignore_eos", False),
+        **extra,
     )
 
 
@@ -285,7 +280,9 @@ def parse_completion(raw: Any) -> ParsedRequest:
     body.reject_unknown()
     client = ClientRequest(request_id=request_id, text=text, prompt_token_ids=ids, messages=None, params=params)
     return ParsedRequest(False, model, client, stream, include_usage, False,
-                         {"text": "prompt", "prompt_token_ids": "prompt"})
+                         {"text": "prompt", "prompt_token_ids": "prompt", **openai_logprobs.RENAMED_COMPLETION},
+                         echo=body.boolean("echo", False),
+                         tokens_as_ids=body.boolean("return_tokens_as_token_ids", False))
 
 
 def _message_content(content: Any, index: int) -> str:
@@ -331,11 +328,13 @@ def parse_chat(raw: Any) -> ParsedRequest:
     _unsupported_fields(body, chat=True)
     stream, include_usage = _stream(body)
     max_tokens, name = _max_tokens(body, ("max_completion_tokens", "max_tokens"), None)
-    params = _sampling(body, max_tokens if max_tokens is not None else 1)
+    params = _sampling(body, max_tokens if max_tokens is not None else 1, chat=True)
     request_id = _request_id(body)
     body.reject_unknown()
     client = ClientRequest(request_id=request_id, text=None, prompt_token_ids=None, messages=messages, params=params)
-    return ParsedRequest(True, model, client, stream, include_usage, max_tokens is None, {"max_tokens": name})
+    return ParsedRequest(True, model, client, stream, include_usage, max_tokens is None,
+                         {"max_tokens": name, **openai_logprobs.RENAMED_CHAT},
+                         tokens_as_ids=body.boolean("return_tokens_as_token_ids", False))
 
 
 # ---------------------------------------------------------------------- responses
