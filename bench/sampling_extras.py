@@ -8,7 +8,8 @@ vocabulary, 49152), every row seeded at temperature 0.8 with top-p 0.95, as
 - logprobs: logprobs=20 on every row (log_softmax + top-20 + rank);
 - penalties: presence, frequency and repetition penalties, a 10-entry logit_bias and min_tokens
   on every row, with a history of --history-tokens prompt and output tokens each;
-- both.
+- both;
+and apply_penalties alone (the rest of "penalties" is the draw from a flatter distribution).
 Reported: the median of --repeats calls, and each variant / plain (the ratio is what to read:
 the machines are shared, so the load average at start and end goes in the JSON too).
 """
@@ -26,6 +27,7 @@ from pathlib import Path
 
 import torch
 
+from dualpace.logits_processing import apply_penalties
 from dualpace.penalties import SamplingContext
 from dualpace.sampling import SamplingParams, sample_next_tokens
 
@@ -64,7 +66,11 @@ def measure(batch: int, history_tokens: int, repeats: int) -> dict:
     for name, (params, row_contexts) in variants.items():
         row[f"{name}_ms"] = round(_median_ms(
             lambda: sample_next_tokens(logits, params, seeds, positions, row_contexts), repeats), 3)
-    for name in ("logprobs", "penalties", "both"):
+    # The penalties alone: the rest of "penalties" is the draw over the penalized (flatter)
+    # distribution, whose top-p nucleus is larger than the random logits' own.
+    row["apply_penalties_ms"] = round(_median_ms(lambda: apply_penalties(logits, variants["penalties"][0], contexts),
+                                                 repeats), 3)
+    for name in ("logprobs", "penalties", "both", "apply_penalties"):
         row[f"{name}_vs_plain"] = round(row[f"{name}_ms"] / row["plain_ms"], 2)
     return row
 

@@ -17,41 +17,57 @@ from dualpace.penalties import SamplingContext, has_penalties
 
 def apply_penalties(scores: torch.Tensor, params: Sequence, contexts: Sequence[SamplingContext | None]) -> torch.Tensor:
     """scores [num_rows, vocab] float32 with each row's penalties applied (a new tensor when any
-    row has some; `scores` itself is never written)."""
+    row has some; `scores` itself is never written). Batched over the rows that use them, and
+    sparse: only the logits of biased, suppressed and already seen tokens are touched, each row's
+    tokens addressed in one flat [rows * vocab] index."""
     rows = [i for i, (p, c) in enumerate(zip(params, contexts)) if c is not None and has_penalties(p)]
     if not rows:
         return scores
-    scores = scores.clone()
-    for row in rows:
-        scores[row] = _penalized_row(scores[row], params[row], contexts[row])
-    return scores
+    device, vocab_size = scores.device, scores.shape[1]
+    picked = [params[i] for i in rows]
+    picked_contexts = [contexts[i] for i in rows]
+    row_index = torch.tensor(rows, dtype=torch.long, device=device)
+    block = scores.index_select(0, row_index)  # a copy
+    flat = block.view(-1)
+    bias_ids, bias_values = _flat_ids([[t for t, _ in p.logit_bias] for p in picked], vocab_size, device,
+                                      [[b for _, b in p.logit_bias] for p in picked])
+    if bias_ids.numel():
+        flat.index_add_(0, bias_ids, bias_values)
+    suppressed, _ = _flat_ids([c.suppressed_token_ids for c in picked_contexts], vocab_size, device)
+    if suppressed.numel():
+        flat.index_fill_(0, suppressed, -math.inf)
+
+    def per_row(values: list[float], flat_ids: torch.Tensor) -> torch.Tensor:
+        return torch.tensor(values, dtype=block.dtype, device=device)[flat_ids // vocab_size]
+
+    output_ids, _ = _flat_ids([c.penalty_output_token_ids for c in picked_contexts], vocab_size, device)
+    output_ids, counts = torch.unique(output_ids, return_counts=True)
+    if any(p.repetition_penalty != 1.0 for p in picked):  # x / 1 and x * 1 are exact: rows at 1 stay as they are
+        prompt_ids, _ = _flat_ids([c.penalty_prompt_token_ids for c in picked_contexts], vocab_size, device)
+        seen = torch.unique(torch.cat([output_ids, prompt_ids]))
+        values, repetition = flat[seen], per_row([p.repetition_penalty for p in picked], seen)
+        flat[seen] = torch.where(values > 0, values / repetition, values * repetition)
+    if output_ids.numel():
+        frequency = per_row([p.frequency_penalty for p in picked], output_ids)
+        presence = per_row([p.presence_penalty for p in picked], output_ids)
+        flat[output_ids] = flat[output_ids] - frequency * counts.to(block.dtype) - presence
+    return scores.index_copy(0, row_index, block)
 
 
-def _penalized_row(row: torch.Tensor, params, context: SamplingContext) -> torch.Tensor:
-    device, vocab_size = row.device, row.shape[0]
-    if params.logit_bias:
-        token_ids = torch.tensor([t for t, _ in params.logit_bias], dtype=torch.long, device=device)
-        biases = torch.tensor([b for _, b in params.logit_bias], dtype=torch.float32, device=device)
-        row = row.index_add(0, token_ids, biases)
-    if context.suppressed_token_ids:
-        suppressed = torch.tensor(context.suppressed_token_ids, dtype=torch.long, device=device)
-        row = row.index_fill(0, suppressed[suppressed < vocab_size], -math.inf)
-    uses_counts = params.repetition_penalty != 1.0 or params.frequency_penalty or params.presence_penalty
-    if not uses_counts:
-        return row
-    output_ids = torch.tensor(context.penalty_output_token_ids, dtype=torch.long, device=device)
-    counts = torch.bincount(output_ids, minlength=vocab_size)[:vocab_size].to(torch.float32)
-    if params.repetition_penalty != 1.0:
-        seen = counts > 0
-        prompt_ids = torch.tensor(list(context.penalty_prompt_token_ids), dtype=torch.long, device=device)
-        seen[prompt_ids[prompt_ids < vocab_size]] = True
-        penalty = params.repetition_penalty
-        row = torch.where(seen, torch.where(row > 0, row / penalty, row * penalty), row)
-    if params.frequency_penalty:
-        row = row - params.frequency_penalty * counts
-    if params.presence_penalty:
-        row = row - params.presence_penalty * (counts > 0).to(torch.float32)
-    return row
+def _flat_ids(per_row: Sequence[Sequence[int]], vocab_size: int, device: torch.device,
+              values: Sequence[Sequence[float]] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Row r's ids as r * vocab_size + id (ids past the logits' width dropped), and their values."""
+    ids_parts, value_parts = [torch.zeros(0, dtype=torch.long)], [torch.zeros(0, dtype=torch.float32)]
+    for row, ids in enumerate(per_row):
+        if len(ids) == 0:
+            continue
+        row_ids = torch.as_tensor(ids if isinstance(ids, list) else list(ids), dtype=torch.long)
+        inside = row_ids < vocab_size
+        ids_parts.append(row_ids[inside] + row * vocab_size)
+        if values is not None:
+            value_parts.append(torch.as_tensor(values[row], dtype=torch.float32)[inside])
+    flat = torch.cat(ids_parts).to(device)
+    return flat, (torch.cat(value_parts).to(device) if values is not None else None)
 
 
 def raw_log_probs(scores: torch.Tensor, params: Sequence) -> tuple[list[int], torch.Tensor | None]:
