@@ -9,6 +9,7 @@ import torch
 
 from cpu_service.assist_client import AssistClient
 from dualpace.engine.scheduler import StepPlan, StepResult
+from dualpace.engine.step_sampling import needs_logits_here, sample_step
 from dualpace.kv.storage import KVStorage
 from dualpace.model.paged_forward import SequenceWork, attend, build_step_tensors
 
@@ -32,12 +33,17 @@ class AssistedForward:
             self.kv.write(layer, step.slot_ids, k, v)
             return attend(q.to(self.kv.dtype), layer, step, self.kv, self.scale).to(q.dtype)
 
+        # Penalties and log-probabilities need the requests' state, which lives here: then the GPU
+        # returns the logits and this side samples them exactly as a local iteration would.
+        sample_here = needs_logits_here(plan)
         token_ids = self.client.run_iteration(
             [s.token_ids[0] for s in plan.sequences],
             [s.start_pos for s in plan.sequences],
             attend_here,
-            [(s.params, s.seed) for s in plan.sequences],
+            None if sample_here else [(s.params, s.seed) for s in plan.sequences],
             wait_for_engine_iteration=self.gated,
             max_device_wait_ms=max_device_wait_ms,
         )
+        if sample_here:
+            return sample_step(plan, token_ids)
         return StepResult({s.request_id: token_id for s, token_id in zip(plan.sequences, token_ids)})

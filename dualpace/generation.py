@@ -18,6 +18,7 @@ from dualpace.kv.block_table import KVBlockManager
 from dualpace.kv.storage import KVStorage
 from dualpace.model.loader import LoadedModel
 from dualpace.model.paged_forward import PagedForward, SequenceWork
+from dualpace.penalties import context_for
 from dualpace.sampling import FinishReason, SamplingParams, sample_next_tokens, stop_reason
 from dualpace.sampling_params import pick_seed
 from dualpace.validation import validate_request
@@ -116,7 +117,8 @@ class OfflineGenerator:
 
     def _sample_and_append(self, logits: torch.Tensor, sequences: list[Sequence], eos_ids: set[int]) -> None:
         result = sample_next_tokens(
-            logits, [s.params for s in sequences], [s.seed for s in sequences], [s.num_tokens for s in sequences]
+            logits, [s.params for s in sequences], [s.seed for s in sequences], [s.num_tokens for s in sequences],
+            [context_for(s, eos_ids) for s in sequences],
         )
         for seq, token_id, finite in zip(sequences, result.token_ids, result.finite):
             if not finite:

@@ -10,10 +10,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
+from dualpace.logits_processing import apply_penalties, raw_log_probs, token_logprobs
+from dualpace.logprobs import TokenLogprobs
+from dualpace.penalties import SamplingContext
 from dualpace.sampling_params import MAX_SEED, FinishReason, SamplingParams, stop_reason  # noqa: F401 (re-exported)
 
 MAX_POSITION = 2**63 - 1
@@ -40,6 +43,7 @@ class SampleResult:
 
     token_ids: list[int]
     finite: list[bool]
+    logprobs: list[TokenLogprobs | None] = field(default_factory=list)  # per row (None where not asked); [] when no row asked
 
 
 def sample_next_tokens(
@@ -47,6 +51,7 @@ def sample_next_tokens(
     params: Sequence[SamplingParams],
     seeds: Sequence[int],
     positions: Sequence[int],
+    contexts: Sequence[SamplingContext | None] | None = None,
 ) -> SampleResult:
     """Choose the next token of every row of logits [num_rows, vocab_size].
 
@@ -55,7 +60,8 @@ def sample_next_tokens(
     draw depends only on (seeds[i], positions[i]) and its filtered distribution,
     never on the batch, the row index or global state. Greedy rows (temperature
     0) take the argmax (the lowest id among ties). Computation is in float32
-    whatever the dtype of logits, on the device of logits.
+    whatever the dtype of logits, on the device of logits. contexts[i] carries what row i's
+    penalties need (dualpace.penalties); logprobs come from the logits before any of that.
     """
     _check_batch(logits, params, seeds, positions)
     if logits.shape[0] == 0:
@@ -65,6 +71,9 @@ def sample_next_tokens(
     all_finite = bool(finite.all())
     if not all_finite:
         scores = scores.masked_fill(~finite[:, None], 0.0)
+    logprob_rows, log_probs = raw_log_probs(scores, params)
+    if contexts is not None:
+        scores = apply_penalties(scores, params, contexts)
     token_ids = scores.argmax(dim=1)
     sampled_rows = [i for i, p in enumerate(params) if not p.is_greedy]
     if sampled_rows:
@@ -77,7 +86,14 @@ def sample_next_tokens(
         )
     if not all_finite:
         token_ids = torch.where(finite, token_ids, torch.full_like(token_ids, -1))
-    return SampleResult(token_ids=token_ids.tolist(), finite=finite.tolist())
+    ids, finite_rows = token_ids.tolist(), finite.tolist()
+    logprobs: list[TokenLogprobs | None] = [None] * len(ids) if log_probs is not None else []
+    if log_probs is not None:
+        entries = token_logprobs(log_probs, [max(ids[i], 0) for i in logprob_rows],
+                                 [params[i].logprobs for i in logprob_rows])
+        for row, entry in zip(logprob_rows, entries):
+            logprobs[row] = entry if finite_rows[row] else None
+    return SampleResult(token_ids=ids, finite=finite_rows, logprobs=logprobs)
 
 
 def _check_batch(

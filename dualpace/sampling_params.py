@@ -14,6 +14,8 @@ from dataclasses import dataclass
 
 from dualpace.errors import InvalidArgument
 from dualpace.guided_spec import GuidedSpec
+from dualpace.logprobs import check_logprob_fields
+from dualpace.penalties import check_penalty_fields
 
 MAX_SEED = 2**63 - 1
 
@@ -41,6 +43,15 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     guided: GuidedSpec | None = None  # structured output: the grammar every output must match
+    # Log-probabilities (dualpace/logprobs.py): None is off; k in [0, 20] adds the top-k alternatives.
+    logprobs: int | None = None  # per generated token
+    prompt_logprobs: int | None = None  # per prompt token (the first has none)
+    # Penalties with vLLM's definitions (dualpace/penalties.py); the defaults are off.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias added to its logit)
+    min_tokens: int = 0  # EOS and stop token ids cannot end the output before this many tokens
 
     @property
     def is_greedy(self) -> bool:
@@ -66,6 +77,8 @@ class SamplingParams:
             for token_id in self.stop_token_ids:
                 if not 0 <= token_id < vocab_size:
                     raise InvalidArgument("stop_token_ids", f"id {token_id} is outside the vocabulary [0, {vocab_size})")
+        check_logprob_fields(self)
+        check_penalty_fields(self, vocab_size)
         return self
 
 
@@ -75,8 +88,10 @@ def stop_reason(
     """Why generation stops after token_id, or None to go on.
 
     num_generated counts the generated tokens including token_id. Stop strings
-    are matched elsewhere, on detokenized text.
+    are matched elsewhere, on detokenized text. Before min_tokens only the length ends it.
     """
+    if num_generated <= params.min_tokens:
+        return FinishReason.LENGTH if num_generated >= params.max_tokens else None
     if token_id in params.stop_token_ids:
         return FinishReason.STOP
     if not params.ignore_eos and token_id in eos_token_ids:

@@ -47,6 +47,7 @@ import torch
 from dualpace.engine.gate import DeviceHandoff, IterationGate
 from dualpace.errors import InvalidArgument, Overloaded
 from dualpace.model.transformer import Transformer
+from dualpace.penalties import has_penalties
 from dualpace.sampling import SamplingParams, sample_next_tokens
 from dualpace.engine.assist_types import AssistAttentionOutput, AssistBegin, AssistQkv, AssistResult
 from gpu_service.assist_limits import DEFAULT_STAGE_TIMEOUT_S, AssistExpired
@@ -274,6 +275,10 @@ class AssistSession:
                 replace(params, seed=seed).validate(vocab_size)
             except InvalidArgument as exc:
                 raise InvalidArgument(f"begin.sampling[{row}].{exc.field}", exc.problem) from None
+            if has_penalties(params) or params.logprobs is not None or params.prompt_logprobs is not None:
+                # They need the request's tokens, which stay on the CPU engine: it asks for logits instead.
+                raise InvalidArgument(f"begin.sampling[{row}]", "penalties, logit_bias, min_tokens and logprobs "
+                                      "are applied by the CPU engine: set return_logits for such rows")
 
     def _check_attention_output(self, message: AssistAttentionOutput) -> _Iteration:
         iteration = self._iteration

@@ -86,10 +86,13 @@ class EngineHandle:
 
     # -- calls (the router's only way to talk to an engine) ---------------------------------
 
-    def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> EngineStream:
-        """A new request that keeps running when the router's stream drops (the router resumes it)."""
+    def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                 num_prior_output_tokens: int = 0) -> EngineStream:
+        """A new request that keeps running when the router's stream drops (the router resumes it);
+        num_prior_output_tokens: the prompt's last tokens that it output before (a re-submission)."""
         return EngineStream(self.stub.Generate(
-            new_request_to_pb(request_id, prompt_token_ids, params, keep_running_on_disconnect=True),
+            new_request_to_pb(request_id, prompt_token_ids, params, keep_running_on_disconnect=True,
+                              num_prior_output_tokens=num_prior_output_tokens),
             metadata=request_metadata(request_id)))
 
     def resume(self, request_id: str, from_token_index: int) -> EngineStream:

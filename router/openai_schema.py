@@ -4,7 +4,7 @@ Pure: JSON-ready dicts in, a ClientRequest (the same one the gRPC Router API bui
 response dicts out; no aiohttp, no sockets. Validation the router already does
 (dualpace.validation via router.prompts.prepare_prompt) is not repeated here; this module
 checks what only the HTTP shape has: JSON types, OpenAI fields DualPace does not support
-(n > 1, logprobs, penalties, ...) and fields nobody defined. Errors are `ApiError`, which
+(n > 1, tools, ...) and fields nobody defined. Errors are `ApiError`, which
 renders as OpenAI's `{"error": {"message", "type", "param", "code"}}`.
 """
 
@@ -198,10 +198,6 @@ def _unsupported_fields(body: _Body, chat: bool) -> None:
         if body.raw("function_call") not in (None, "none"):
             raise unsupported("function_call", "the deprecated function_call field is not supported: send tool_choice")
     else:
-        if body.raw("logprobs") is not None:
-            raise unsupported("logprobs", "is not supported: the engines do not produce log-probabilities")
-        if body.raw("echo") not in (None, False):
-            raise unsupported("echo")
         if body.raw("suffix") not in (None, ""):
             raise unsupported("suffix")
     for name in ("presence_penalty", "frequency_penalty"):
@@ -211,8 +207,12 @@ def _unsupported_fields(body: _Body, chat: bool) -> None:
         raise unsupported("logit_bias")
 
 
-def _sampling(body: _Body, max_tokens: int) -> SamplingParams:
+def _sampling(body: _Body, max_tokens: int, chat: bool = False) -> SamplingParams:
     seed = body.integer("seed", None)
+    try:  # logprobs, echo, penalties (router/openai_logprobs.py)
+        extra = openai_logprobs.sampling_fields(body, chat)
+    except InvalidArgument as exc:
+        raise invalid(exc.field, exc.problem) from None
     return SamplingParams(
         max_tokens=max_tokens,
         temperature=body.number("temperature", OPENAI_DEFAULT_TEMPERATURE),
@@ -222,6 +222,7 @@ def _sampling(body: _Body, max_tokens: int) -> SamplingParams:
         seed=seed,
         stop=_stop(body),
         ignore_eos=body.boolean("ignore_eos", False),
+        **extra,
     )
 
 

@@ -23,6 +23,7 @@ from dualpace.errors import InvalidArgument, Overloaded, Unavailable
 from dualpace.policy.admission import Placement, admit, handoff_source
 from dualpace.kv.prefix_index import longest_cached_prefix
 from dualpace.policy.host_tier import continue_on_host_tier
+from dualpace.logprobs import TokenLogprobs
 from dualpace.sampling_params import FinishReason, SamplingParams
 from dualpace.serve.logging_setup import bind_request_id, unbind_request_id
 from dualpace.serve.metrics import RequestClock, engine_metrics
@@ -43,6 +44,8 @@ class RelayUpdate:
     text: str
     engine: str
     finish_reason: FinishReason | None
+    logprobs: tuple[TokenLogprobs | None, ...] = ()  # per token_ids entry, when sampling.logprobs is set
+    prompt_logprobs: tuple[TokenLogprobs, ...] | None = None  # on the first update, when asked for
 
 
 @dataclass(frozen=True)
@@ -68,7 +71,7 @@ class Relay:
         self.params = params  # the seed is fixed, so recovery and migration continue the same draws
         self.output_token_ids: list[int] = []
         self.tracked = Tracked(request_id, len(prompt_token_ids), params.max_tokens)
-        self.text = TextStream(core.tokenizer, prompt_token_ids, params.stop)
+        self.text = TextStream(core.tokenizer, prompt_token_ids, params.stop, params.min_tokens)
         self.engine_base = 0  # outputs that are part of the current engine request's prompt
         self.finished = False
         self.clock = RequestClock()  # Prometheus latencies as the client sees them, by serving engine
@@ -199,7 +202,7 @@ class Relay:
         params = params or self.params
         if params.guided is not None:  # the grammar consumes the re-submitted outputs first
             params = replace(params, guided=replace(params.guided, num_output_tokens_in_prompt=self.engine_base))
-        return engine.generate(self.request_id, prompt, params)
+        return engine.generate(self.request_id, prompt, params, self.engine_base)
 
     def _resume(self, engine: EngineHandle) -> EngineStream:
         """Follow the same engine request on `engine` from the first output not yet relayed."""
@@ -217,23 +220,26 @@ class Relay:
                 self.num_cached_tokens = min(update.num_cached_tokens, len(self.prompt_token_ids))
             expected = len(self.output_token_ids) - self.engine_base
             new_ids = list(update.new_token_ids)
+            logprobs = update.logprobs
             if update.first_token_index < expected:  # already relayed (a resume overlapping): skip them
                 new_ids = new_ids[expected - update.first_token_index:]
+                logprobs = logprobs[expected - update.first_token_index:]
             elif update.first_token_index > expected:
                 raise Unavailable(f"engine {engine.name} skipped tokens ({update.first_token_index} > {expected})")
             if new_ids:
                 self.output_token_ids.extend(new_ids)
                 self.tracked.num_generated_tokens = len(self.output_token_ids)
                 text, stopped = self.text.push(new_ids)
+                extra = {"logprobs": logprobs, "prompt_logprobs": update.prompt_logprobs}
                 if stopped:
-                    yield self._final(engine, FinishReason.STOP, new_ids, text, abort=True)
+                    yield self._final(engine, FinishReason.STOP, new_ids, text, abort=True, **extra)
                     return
                 reason = update.finish_reason
                 if reason is not None:
                     text += self.text.finish()
-                    yield self._final(engine, reason, new_ids, text)
+                    yield self._final(engine, reason, new_ids, text, **extra)
                     return
-                yield RelayUpdate(new_ids, text, engine.name, None)
+                yield RelayUpdate(new_ids, text, engine.name, None, **extra)
                 if handoff_to is not None and not handoff_started:
                     handoff_started = True
                     self.core.spawn(self.core.migrate(self.tracked, handoff_to, "handoff"))
@@ -250,9 +256,9 @@ class Relay:
                 return
 
     def _final(self, engine: EngineHandle, reason: FinishReason, token_ids: list[int] | None = None,
-               text: str = "", abort: bool = False) -> RelayUpdate:
+               text: str = "", abort: bool = False, **logprobs) -> RelayUpdate:
         self.finished = not abort  # a stop string still needs the engine request aborted
-        return RelayUpdate(token_ids or [], text, engine.name, reason)
+        return RelayUpdate(token_ids or [], text, engine.name, reason, **logprobs)
 
     # ----------------------------------------------------------------- recovery
 
@@ -272,8 +278,7 @@ class Relay:
                 if any(info.request_id == self.request_id for info in held):
                     # Same lineage, same outputs: only the stream moves.
                     return engine, self._resume(engine)
-                remaining = self.params.max_tokens - len(self.output_token_ids)
-                return engine, self._submit(engine, replace(self.params, max_tokens=remaining))
+                return engine, self._submit(engine, continuation_params(self.params, len(self.output_token_ids)))
             remaining_s = deadline - time.monotonic()
             if remaining_s <= 0:
                 raise Unavailable(f"no surviving engine could take request {self.request_id}")
@@ -300,6 +305,13 @@ class Relay:
             await engine.abort(self.request_id, timeout_s=5)
         except grpc.aio.AioRpcError:
             pass  # already finished, moved or gone
+
+
+def continuation_params(params: SamplingParams, num_generated: int) -> SamplingParams:
+    """A re-submission's parameters after `num_generated` tokens: what is left of max_tokens and
+    min_tokens, and no prompt logprobs (the client has them: they came with the first token)."""
+    return replace(params, max_tokens=params.max_tokens - num_generated,
+                   min_tokens=max(0, params.min_tokens - num_generated), prompt_logprobs=None)
 
 
 async def open_request(core: RouterCore, client: ClientRequest, request_id: str, client_deadline: float | None = None,

@@ -31,7 +31,8 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             async for update in relay.run():
                 yield messages.generate_response_to_pb(
                     request_id, update.token_ids, update.text, update.engine, update.finish_reason,
-                    len(relay.prompt_token_ids), len(relay.output_token_ids), relay.num_cached_tokens)
+                    len(relay.prompt_token_ids), len(relay.output_token_ids), relay.num_cached_tokens,
+                    update.logprobs, update.prompt_logprobs)
 
     async def ListPlacements(self, request, context):
         pool = self.core.pool

@@ -32,17 +32,28 @@ class StopStringMatcher:
         out, self.pending = self.pending, ""
         return out
 
+    def pass_through(self, text: str) -> str:
+        """Emit `text` (after anything held) without looking for stop strings."""
+        return self.flush() + text
+
 
 class TextStream:
-    """Detokenizer plus stop strings for one request (skip_special_tokens, as the router answers)."""
+    """Detokenizer plus stop strings for one request (skip_special_tokens, as the router answers).
+    As in vLLM, stop strings are not looked for before min_tokens tokens."""
 
-    def __init__(self, tokenizer, prompt_token_ids: list[int], stop: tuple[str, ...]):
+    def __init__(self, tokenizer, prompt_token_ids: list[int], stop: tuple[str, ...], min_tokens: int = 0):
         self.detokenizer = IncrementalDetokenizer(tokenizer, prompt_token_ids, skip_special_tokens=True)
         self.stops = StopStringMatcher(stop)
+        self.min_tokens = min_tokens
+        self.num_tokens = 0
 
     def push(self, token_ids: list[int]) -> tuple[str, bool]:
         """(text safe to emit now, whether a stop string was hit) after `token_ids`."""
-        return self.stops.feed(self.detokenizer.push(token_ids))
+        self.num_tokens += len(token_ids)
+        text = self.detokenizer.push(token_ids)
+        if self.num_tokens < self.min_tokens:
+            return self.stops.pass_through(text), False
+        return self.stops.feed(text)
 
     def finish(self) -> str:
         """The rest of the text once the request ended without a stop string."""

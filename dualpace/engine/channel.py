@@ -12,6 +12,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from dualpace.engine.request import RequestEvent
+from dualpace.logprobs import TokenLogprobs
 from dualpace.sampling_params import FinishReason
 
 
@@ -24,6 +25,8 @@ class ChannelUpdate:
     error_message: str | None = None  # set when the request ended with an error instead of a result
     engine_failed: bool = False  # with error_message: the whole engine failed, not just this request
     num_cached_tokens: int | None = None  # read from a Generate response's usage (the router's side)
+    logprobs: tuple[TokenLogprobs | None, ...] = ()  # per new token when asked for (None: not held here)
+    prompt_logprobs: tuple[TokenLogprobs, ...] | None = None  # with the update holding output token 0
 
 
 class RequestChannel:
@@ -31,6 +34,9 @@ class RequestChannel:
         self.request_id = request_id
         self.num_prompt_tokens = num_prompt_tokens
         self.output_token_ids: list[int] = list(output_token_ids or [])
+        # Aligned with output_token_ids; tokens made elsewhere (before an import) have None.
+        self.token_logprobs: list[TokenLogprobs | None] = [None] * len(self.output_token_ids)
+        self.prompt_logprobs: tuple[TokenLogprobs, ...] | None = None
         self.finish_reason: FinishReason | None = None
         self.migrated_to: str | None = None
         self.error_message: str | None = None
@@ -48,6 +54,9 @@ class RequestChannel:
         request alone (e.g. non-finite logits): followers report it as an error, the engine serves on."""
         async with self._changed:
             self.output_token_ids.extend(event.new_token_ids)
+            self.token_logprobs.extend(event.logprobs or (None,) * len(event.new_token_ids))
+            if event.prompt_logprobs is not None:
+                self.prompt_logprobs = event.prompt_logprobs
             if event.num_cached_tokens is not None:
                 self.num_cached_tokens = event.num_cached_tokens
             if event.finish_reason is not None:
@@ -75,13 +84,16 @@ class RequestChannel:
                 async with self._changed:
                     await self._changed.wait_for(lambda: len(self.output_token_ids) > index or self.done)
                     new_ids = tuple(self.output_token_ids[index:])
+                    new_logprobs = tuple(self.token_logprobs[index:])
                     done = self.done
                 first, index = index, len(self.output_token_ids)
                 if new_ids or done:
                     yield ChannelUpdate(first, new_ids, self.finish_reason if done else None,
                                         self.migrated_to if done else None,
                                         self.error_message if done else None,
-                                        self.engine_failed if done else False)
+                                        self.engine_failed if done else False,
+                                        logprobs=new_logprobs,
+                                        prompt_logprobs=self.prompt_logprobs if first == 0 and new_ids else None)
                 if done:
                     return
         finally:

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from dualpace.engine.request import EngineRequest, RequestEvent
 from dualpace.engine.runner import ModelRunner
 from dualpace.engine.scheduler import Scheduler, SchedulerConfig, StepPlan
+from dualpace.errors import InvalidArgument
 from dualpace.kv.events import KvEventLog
 from dualpace.kv.prefix_hash import BlockHasher
 from dualpace.model.loader import LoadedModel
@@ -52,10 +53,16 @@ class EngineCore:
         self.runner = runner or ModelRunner(loaded, config.num_kv_blocks, config.block_size)
         self.num_steps = 0
 
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> EngineRequest:
-        """Validate and queue a new request (raises InvalidArgument / Overloaded)."""
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    num_prior_output_tokens: int = 0) -> EngineRequest:
+        """Validate and queue a new request (raises InvalidArgument / Overloaded). A re-submission
+        after an engine failure names how many of the prompt's last tokens were output before."""
         validate_request(prompt_token_ids, params, self.loaded.config.vocab_size, self.loaded.max_context_tokens)
-        request = EngineRequest(request_id, list(prompt_token_ids), params, pick_seed(params))
+        if not 0 <= num_prior_output_tokens < len(prompt_token_ids):
+            raise InvalidArgument("num_prior_output_tokens",
+                                  f"must be in [0, {len(prompt_token_ids)}) (below the prompt's length)")
+        request = EngineRequest(request_id, list(prompt_token_ids), params, pick_seed(params),
+                                num_prior_output_tokens=num_prior_output_tokens)
         self.scheduler.add(request)
         return request
 

@@ -48,6 +48,7 @@ class KvTransferHeader:
     num_cached_tokens: int = 0  # prompt tokens the source served from its prefix cache
     cache_only: bool = False  # host tier: prefix-cache blocks, not a live request (dualpace.engine.host_tier)
     cache_salt: str = ""  # with cache_only: the source's prefix-cache salt
+    num_prior_output_tokens: int = 0  # the prompt's last tokens that were output before a re-submission
 
 
 @dataclass(frozen=True)

@@ -85,11 +85,12 @@ class EngineLoop:
         self._wake.set()
         return await future
 
-    async def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> RequestChannel:
+    async def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                          num_prior_output_tokens: int = 0) -> RequestChannel:
         def add() -> RequestChannel:
             self.check_accepting()
             # The channel is registered in the same command, so no step can emit before it exists.
-            request = self.core.add_request(request_id, prompt_token_ids, params)
+            request = self.core.add_request(request_id, prompt_token_ids, params, num_prior_output_tokens)
             channel = RequestChannel(request_id, len(request.prompt_token_ids))
             self.channels[request_id] = channel
             self.metrics.request_added(request_id, len(request.prompt_token_ids))

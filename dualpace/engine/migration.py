@@ -91,6 +91,7 @@ async def migrate_out(
         total_bytes=total_bytes,
         source_engine=core.config.name,
         num_cached_tokens=request.num_cached_tokens or 0,
+        num_prior_output_tokens=request.num_prior_output_tokens,
     )
 
     def read_chunk(seq: int, layer: int, token_start: int, token_end: int) -> KvChunk:
@@ -168,9 +169,11 @@ class KvImporter:
         if remaining < 1:
             raise InvalidArgument("header.output_token_ids", "the request has already produced max_tokens tokens")
         # The continuation is valid exactly when the original request was: same total length.
+        min_tokens_left = max(0, header.params.min_tokens - len(header.output_token_ids))
         validate_request(list(header.prompt_token_ids) + list(header.output_token_ids),
-                         replace(header.params, max_tokens=remaining), core.loaded.config.vocab_size,
-                         core.loaded.max_context_tokens, prompt_field="header.prompt_token_ids")
+                         replace(header.params, max_tokens=remaining, min_tokens=min_tokens_left),
+                         core.loaded.config.vocab_size, core.loaded.max_context_tokens,
+                         prompt_field="header.prompt_token_ids")
 
         def reserve() -> list[int]:
             self.loop.check_accepting()  # a draining engine takes no imports; the source keeps the request
@@ -222,6 +225,7 @@ class KvImporter:
             params=header.params,
             seed=header.params.seed,
             output_token_ids=list(header.output_token_ids),
+            num_prior_output_tokens=header.num_prior_output_tokens,  # the penalties' counts: rebuilt from the tokens
             # Without KV the request is prefilled here, and looks up this engine's cache then.
             num_cached_tokens=header.num_cached_tokens if header.num_computed_tokens else None,
         )

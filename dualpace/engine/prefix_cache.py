@@ -13,6 +13,7 @@ from dualpace.engine.request import EngineRequest
 from dualpace.kv.block_table import KVBlockManager
 from dualpace.kv.events import KvEventLog
 from dualpace.kv.prefix_hash import BlockHasher
+from dualpace.logprobs import wants_prompt_logprobs
 
 
 class PrefixCache:
@@ -29,8 +30,11 @@ class PrefixCache:
 
     def match(self, request: EngineRequest) -> list[int]:
         """Cached blocks holding the request's leading tokens, all but its last token at most
-        (so the first sampled token's logits are computed, and no shared block is written)."""
+        (so the first sampled token's logits are computed, and no shared block is written). None for
+        a request that still needs its prompt's log-probabilities: every prompt token is computed."""
         self.hasher.extend(request.block_hashes, request.token_ids(0, request.num_tokens))
+        if wants_prompt_logprobs(request.params, request.output_token_ids):
+            return []
         num_matchable = (request.num_tokens - 1) // self.blocks.block_size
         return self.blocks.match_prefix(request.block_hashes[:num_matchable])
 

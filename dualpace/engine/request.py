@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from dualpace.logprobs import TokenLogprobs
 from dualpace.sampling_params import FinishReason, SamplingParams
 
 
@@ -29,6 +30,9 @@ class EngineRequest:
     num_preemptions: int = 0
     num_cached_tokens: int | None = None  # prompt tokens whose KV came from the prefix cache, set at admission
     block_hashes: list[bytes] = field(default_factory=list)  # prefix-cache hashes of its full blocks so far
+    # Re-submitted after an engine failure: the prompt's last tokens were output before (penalties count them so).
+    num_prior_output_tokens: int = 0
+    prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)  # positions 1.. while being computed
 
     @property
     def num_tokens(self) -> int:
@@ -64,3 +68,5 @@ class RequestEvent:
     finish_reason: FinishReason | None = None
     migrated_to: str | None = None  # set when the request now lives in another engine
     num_cached_tokens: int | None = None  # with new tokens: prompt tokens served from the prefix cache
+    logprobs: tuple[TokenLogprobs | None, ...] = ()  # per new token when the request asked for them
+    prompt_logprobs: tuple[TokenLogprobs, ...] | None = None  # with the first token, when asked for

@@ -11,12 +11,12 @@ from __future__ import annotations
 import torch
 
 from dualpace.engine.scheduler import StepPlan, StepResult
+from dualpace.engine.step_sampling import sample_step, step_work
 from dualpace.faults import FaultConfig
-from dualpace.guided_decoding import GuidedMasks, GuidedRow, apply_masks
+from dualpace.guided_decoding import GuidedMasks, GuidedRow
 from dualpace.kv.storage import KVStorage
 from dualpace.model.loader import LoadedModel
-from dualpace.model.paged_forward import PagedForward, SequenceWork
-from dualpace.sampling import sample_next_tokens
+from dualpace.model.paged_forward import PagedForward
 
 
 class ModelRunner:
@@ -49,25 +49,15 @@ class ModelRunner:
     @torch.inference_mode()
     def run_plan(self, plan: StepPlan) -> StepResult:
         """The forward pass and sampling of a non-empty plan, here (subclasses may run it elsewhere)."""
-        work = [SequenceWork(list(s.token_ids), s.start_pos, list(s.block_ids)) for s in plan.sequences]
-        rows = [i for i, s in enumerate(plan.sequences) if s.sample]
-        sampled = [plan.sequences[i] for i in rows]
+        sampled = [s for s in plan.sequences if s.sample]
         masks = self._start_guided_masks(sampled)  # computed while the forward pass runs
-        logits = self.forward.forward(work)
-        if not rows:
-            return StepResult({})
-        self._inject_nan_logits(plan, logits)
-        row_logits = logits[rows]
+        logits = self.forward.forward(step_work(plan))
+        guided = None
         if masks is not None:
             guided_rows, future = masks
-            row_logits = apply_masks(row_logits, guided_rows, future.result())
-        result = sample_next_tokens(
-            row_logits, [s.params for s in sampled], [s.seed for s in sampled], [s.sample_position for s in sampled]
-        )
-        return StepResult({
-            s.request_id: (token_id if finite else None)
-            for s, token_id, finite in zip(sampled, result.token_ids, result.finite)
-        })
+            guided = (guided_rows, future.result())
+        # DUALPACE_FAULT_NAN_LOGITS_REQUEST: the target's row becomes NaN whenever it is sampled.
+        return sample_step(plan, logits, self.faults.nan_logits_request, guided)
 
     def prepare_guided_decoding(self) -> GuidedMasks:
         """The token masks of constrained requests; made on first use, or at start-up (the daemon's
@@ -85,15 +75,6 @@ class ModelRunner:
         rows = [GuidedRow(s.request_id, s.params.guided, s.guided_token_ids, s.params.stop_token_ids)
                 for s in (sampled[i] for i in guided_rows)]
         return guided_rows, self.prepare_guided_decoding().start(rows, self.loaded.config.vocab_size)
-
-    def _inject_nan_logits(self, plan: StepPlan, logits: torch.Tensor) -> None:
-        """DUALPACE_FAULT_NAN_LOGITS_REQUEST: the target's row becomes NaN whenever it is sampled."""
-        target = self.faults.nan_logits_request
-        if target is None:
-            return
-        for row, sequence in enumerate(plan.sequences):
-            if sequence.request_id == target and sequence.sample:
-                logits[row] = float("nan")
 
     # KV transfer: a request's cache as contiguous per-layer tensors, and back.
 

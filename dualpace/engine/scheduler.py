@@ -23,7 +23,10 @@ from dualpace.errors import InvalidArgument, Overloaded, RequestNotFound
 from dualpace.kv.block_table import KVBlockManager
 from dualpace.kv.events import KvEventLog
 from dualpace.kv.prefix_hash import BlockHasher
-from dualpace.sampling_params import FinishReason, SamplingParams, stop_reason
+from dualpace.logprobs import merge_prompt_logprobs, prompt_logprobs_with_first_token
+from dualpace.engine.step_plan import ScheduledSequence, StepPlan, StepResult
+from dualpace.penalties import context_for
+from dualpace.sampling_params import FinishReason, stop_reason
 
 
 @dataclass(frozen=True)
@@ -31,49 +34,6 @@ class SchedulerConfig:
     max_batch_tokens: int = 512  # tokens per step: decodes + prefill chunks
     max_running: int = 64  # sequences per step
     max_waiting: int = 256  # queued requests before add() raises Overloaded
-
-
-@dataclass(frozen=True)
-class ScheduledSequence:
-    """One sequence's work in a step: compute `token_ids` at positions start_pos...,
-    and when `sample` is set, draw the token at position start_pos + len(token_ids)."""
-
-    request_id: str
-    token_ids: tuple[int, ...]
-    start_pos: int
-    block_ids: tuple[int, ...]
-    sample: bool
-    params: SamplingParams
-    seed: int
-    # With params.guided and sample set: the tokens generated under the constraint before the
-    # one to draw (dualpace/guided_decoding.py rebuilds the grammar's state from them).
-    guided_token_ids: tuple[int, ...] = ()
-
-    @property
-    def sample_position(self) -> int:
-        return self.start_pos + len(self.token_ids)
-
-
-@dataclass(frozen=True)
-class StepPlan:
-    sequences: tuple[ScheduledSequence, ...]
-    preempted_ids: tuple[str, ...] = ()
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(len(s.token_ids) for s in self.sequences)
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.sequences
-
-
-@dataclass(frozen=True)
-class StepResult:
-    """Sampled token per sequence that had `sample` set; None where its logits were not finite.
-    `apply` ends such a request alone with FinishReason.ERROR (the only error it produces) and frees its blocks."""
-
-    sampled_token_ids: dict[str, int | None]
 
 
 class Scheduler:
@@ -250,6 +210,8 @@ class Scheduler:
                 continue
             request.num_computed_tokens = seq.start_pos + len(seq.token_ids)
             self._cache_full_blocks(request)
+            if seq.request_id in result.prompt_logprobs:
+                merge_prompt_logprobs(request.prompt_logprobs, result.prompt_logprobs[seq.request_id])
             if not seq.sample:
                 continue
             token_id = result.sampled_token_ids.get(seq.request_id)
@@ -263,7 +225,9 @@ class Scheduler:
                 reason = FinishReason.LENGTH
             if reason is not None:
                 self._finish(request, reason)
-            events.append(RequestEvent(seq.request_id, (token_id,), reason, num_cached_tokens=request.num_cached_tokens))
+            events.append(RequestEvent(seq.request_id, (token_id,), reason, num_cached_tokens=request.num_cached_tokens,
+                                       logprobs=(result.logprobs.get(seq.request_id),),
+                                       prompt_logprobs=prompt_logprobs_with_first_token(request)))
         return events
 
     # ----------------------------------------------------------------- queries
@@ -389,6 +353,7 @@ class Scheduler:
             params=request.params,
             seed=request.seed,
             guided_token_ids=request.guided_token_ids() if sample and request.params.guided is not None else (),
+            context=context_for(request, self.eos_token_ids),
         )
 
     def _finish(self, request: EngineRequest, reason: FinishReason) -> None:

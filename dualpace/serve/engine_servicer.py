@@ -57,7 +57,8 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
         if kind == "new_request":
             request_id, prompt_token_ids, params = messages.new_request_from_pb(request.new_request)
             log.info("generate", prompt_tokens=len(prompt_token_ids), max_tokens=params.max_tokens)
-            channel = await loop.add_request(request_id, prompt_token_ids, params)
+            channel = await loop.add_request(request_id, prompt_token_ids, params,
+                                             request.new_request.num_prior_output_tokens)
             start = 0
             abort_on_disconnect = not request.new_request.keep_running_on_disconnect
         elif kind == "resume":

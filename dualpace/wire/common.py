@@ -15,6 +15,7 @@ from collections.abc import Iterable, Sequence
 
 from dualpace.guided_spec import GuidedKind, GuidedSpec
 from dualpace.sampling_params import FinishReason, SamplingParams
+from dualpace.wire.logprob_messages import extra_sampling_fields_from_pb, extra_sampling_fields_to_pb
 from dualpace.wire.v1 import common_pb2
 
 # ---- sampling parameters -------------------------------------------------
@@ -40,6 +41,7 @@ def sampling_params_to_pb(params: SamplingParams) -> common_pb2.SamplingParams:
         message.guided.CopyFrom(common_pb2.GuidedDecoding(
             kind=_GUIDED_KIND_TO_PB[params.guided.kind], spec=params.guided.spec,
             num_output_tokens_in_prompt=params.guided.num_output_tokens_in_prompt))
+    extra_sampling_fields_to_pb(params, message)
     return message
 
 
@@ -56,6 +58,7 @@ def sampling_params_from_pb(message: common_pb2.SamplingParams) -> SamplingParam
         stop_token_ids=tuple(message.stop_token_ids),
         ignore_eos=message.ignore_eos,
         guided=_guided_from_pb(message.guided) if message.HasField("guided") else None,
+        **extra_sampling_fields_from_pb(message),
     )
 
 

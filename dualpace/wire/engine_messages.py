@@ -19,6 +19,7 @@ from dualpace.wire.common import (
     sampling_params_to_pb,
     token_ids_to_list,
 )
+from dualpace.wire.logprob_messages import logprobs_list_from_pb, logprobs_list_to_pb, token_logprobs_to_pb
 from dualpace.wire.v1 import common_pb2, engine_pb2
 
 ENGINE_KIND_TO_PB = {"gpu": common_pb2.ENGINE_KIND_GPU, "cpu": common_pb2.ENGINE_KIND_CPU}
@@ -43,6 +44,8 @@ def generate_response_to_pb(
         finish_reason=finish_reason_to_pb(update.finish_reason),
         engine=engine_name,
         migrated_to=update.migrated_to or "",
+        logprobs=logprobs_list_to_pb(update.logprobs, update.new_token_ids),
+        prompt_logprobs=[token_logprobs_to_pb(entry, entry.token_id) for entry in update.prompt_logprobs or ()],
     )
     if update.finish_reason is not None:
         message.usage.prompt_tokens = num_prompt_tokens
@@ -58,11 +61,20 @@ def generate_update_from_pb(message: engine_pb2.EngineGenerateResponse) -> Chann
         finish_reason=finish_reason_from_pb(message.finish_reason),
         migrated_to=message.migrated_to or None,
         num_cached_tokens=message.usage.cached_tokens if message.HasField("usage") else None,
+        logprobs=_aligned_logprobs(message),
+        prompt_logprobs=logprobs_list_from_pb(message.prompt_logprobs) if message.prompt_logprobs else None,
     )
 
 
+def _aligned_logprobs(message: engine_pb2.EngineGenerateResponse) -> tuple:
+    if message.logprobs and len(message.logprobs) != len(message.token_ids):
+        raise ValueError(f"logprobs: {len(message.logprobs)} entries for {len(message.token_ids)} token_ids")
+    return logprobs_list_from_pb(message.logprobs)
+
+
 def new_request_from_pb(message: engine_pb2.NewEngineRequest):
-    """(request_id, prompt_token_ids, SamplingParams) of a new request."""
+    """(request_id, prompt_token_ids, SamplingParams) of a new request (its
+    num_prior_output_tokens is read apart, from the message)."""
     return (
         message.request_id,
         token_ids_to_list(message.prompt_token_ids, field="prompt_token_ids"),
@@ -70,12 +82,12 @@ def new_request_from_pb(message: engine_pb2.NewEngineRequest):
     )
 
 
-def new_request_to_pb(request_id: str, prompt_token_ids, params,
-                      keep_running_on_disconnect: bool = False) -> engine_pb2.EngineGenerateRequest:
+def new_request_to_pb(request_id: str, prompt_token_ids, params, keep_running_on_disconnect: bool = False,
+                      num_prior_output_tokens: int = 0) -> engine_pb2.EngineGenerateRequest:
     return engine_pb2.EngineGenerateRequest(
         new_request=engine_pb2.NewEngineRequest(
             request_id=request_id, prompt_token_ids=list(prompt_token_ids), sampling=sampling_params_to_pb(params),
-            keep_running_on_disconnect=keep_running_on_disconnect,
+            keep_running_on_disconnect=keep_running_on_disconnect, num_prior_output_tokens=num_prior_output_tokens,
         )
     )
 
@@ -160,6 +172,7 @@ def kv_header_to_pb(header: KvTransferHeader) -> engine_pb2.ImportKvMessage:
         num_cached_tokens=header.num_cached_tokens,
         cache_only=header.cache_only,
         cache_salt=header.cache_salt,
+        num_prior_output_tokens=header.num_prior_output_tokens,
     ))
 
 
@@ -180,6 +193,7 @@ def kv_header_from_pb(message: engine_pb2.ImportKvHeader) -> KvTransferHeader:
         num_cached_tokens=message.num_cached_tokens,
         cache_only=message.cache_only,
         cache_salt=message.cache_salt,
+        num_prior_output_tokens=message.num_prior_output_tokens,
     )
 
 

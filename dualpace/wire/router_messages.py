@@ -13,6 +13,7 @@ from dualpace.wire.common import (
     token_ids_to_list,
 )
 from dualpace.wire.engine_messages import ENGINE_KIND_FROM_PB, ENGINE_KIND_TO_PB, request_state_to_pb
+from dualpace.wire.logprob_messages import logprobs_list_to_pb, token_logprobs_to_pb
 from dualpace.wire.v1 import common_pb2, router_pb2
 
 
@@ -31,9 +32,13 @@ def client_request_from_pb(message: router_pb2.GenerateRequest) -> ClientRequest
 
 def generate_response_to_pb(request_id: str, token_ids: list[int], text: str, engine: str,
                             finish_reason: FinishReason | None, num_prompt_tokens: int,
-                            num_completion_tokens: int, num_cached_tokens: int = 0) -> router_pb2.GenerateResponse:
-    message = router_pb2.GenerateResponse(request_id=request_id, token_ids=token_ids, text=text, engine=engine,
-                                          finish_reason=finish_reason_to_pb(finish_reason))
+                            num_completion_tokens: int, num_cached_tokens: int = 0, logprobs=(),
+                            prompt_logprobs=None) -> router_pb2.GenerateResponse:
+    """logprobs: per token_ids entry (or empty); prompt_logprobs: on the first message, when asked for."""
+    message = router_pb2.GenerateResponse(
+        request_id=request_id, token_ids=token_ids, text=text, engine=engine,
+        finish_reason=finish_reason_to_pb(finish_reason), logprobs=logprobs_list_to_pb(logprobs, token_ids),
+        prompt_logprobs=[token_logprobs_to_pb(entry, entry.token_id) for entry in prompt_logprobs or ()])
     if finish_reason is not None:
         message.usage.prompt_tokens = num_prompt_tokens
         message.usage.completion_tokens = num_completion_tokens

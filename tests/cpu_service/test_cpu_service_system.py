@@ -1,5 +1,4 @@
 """cpu_service with gpu_service as real processes: handoff after a GPU prefill, decode on the
-"""cpu_service with gpu_service as real processes: handoff after a GPU prefill, decode on the
 CPU (Local and Assisted, the latter through shared memory and over gRPC), migrations both ways,
 and either daemon SIGKILLed under assisted load on both transports: no request lost, no
 shared-memory segment left mapped or open in the survivor. Hand-offs and migrations run on both

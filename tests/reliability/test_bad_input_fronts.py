@@ -183,7 +183,10 @@ MESSAGE = st.one_of(st.fixed_dictionaries({"role": st.one_of(st.sampled_from(["u
 FIELDS = {"max_tokens": NUMBER, "temperature": NUMBER, "top_p": NUMBER, "top_k": NUMBER, "min_p": NUMBER,
           "seed": NUMBER, "stop": st.one_of(ODD_TEXT, st.lists(ODD_TEXT, max_size=5), JSON_VALUE),
           "stream": JSON_VALUE, "n": NUMBER, "logprobs": JSON_VALUE, "ignore_eos": JSON_VALUE,
-          "max_completion_tokens": NUMBER, "frobnicate": JSON_VALUE, "model": JSON_VALUE}
+          "max_completion_tokens": NUMBER, "frobnicate": JSON_VALUE, "model": JSON_VALUE,
+          "top_logprobs": NUMBER, "echo": JSON_VALUE, "presence_penalty": NUMBER, "frequency_penalty": NUMBER,
+          "repetition_penalty": NUMBER, "min_tokens": NUMBER,
+          "logit_bias": st.one_of(st.dictionaries(ODD_TEXT, NUMBER, max_size=3), JSON_VALUE)}
 
 
 def http_bodies(chat: bool):

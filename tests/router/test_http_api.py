@@ -175,11 +175,11 @@ def test_sampling_fields_and_stop(client, model_folder):
     ("/v1/completions", {"top_p": 2}, "top_p"),
     ("/v1/completions", {"n": 0}, "n"),
     ("/v1/completions", {"max_tokens": 0}, "max_tokens"),
-    ("/v1/completions", {"logprobs": 2}, "logprobs"),
+    ("/v1/completions", {"logprobs": 21}, "logprobs"),
     ("/v1/completions", {"temprature": 0.5}, "temprature"),
     ("/v1/chat/completions", {"messages": None}, "messages"),
     ("/v1/chat/completions", {"max_completion_tokens": 0}, "max_completion_tokens"),
-    ("/v1/chat/completions", {"logprobs": True}, "logprobs"),
+    ("/v1/chat/completions", {"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
 ])
 def test_bad_fields_are_400_naming_them(up, model_folder, path, fields, param):
     body = {"model": model_folder, "max_tokens": 4}

@@ -24,29 +24,35 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18\x64ualpace/v1/common.proto\x12\x0b\x64ualpace.v1\"\x8c\x02\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x13\n\x0btemperature\x18\x02 \x01(\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x01H\x01\x88\x01\x01\x12\r\n\x05top_k\x18\x04 \x01(\x05\x12\r\n\x05min_p\x18\x05 \x01(\x01\x12\x11\n\x04seed\x18\x06 \x01(\x04H\x02\x88\x01\x01\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x08 \x03(\r\x12\x12\n\nignore_eos\x18\t \x01(\x08\x12+\n\x06guided\x18P \x01(\x0b\x32\x1b.dualpace.v1.GuidedDecodingB\r\n\x0b_max_tokensB\x08\n\x06_top_pB\x07\n\x05_seed\"j\n\x0eGuidedDecoding\x12%\n\x04kind\x18\x01 \x01(\x0e\x32\x17.dualpace.v1.GuidedKind\x12\x0c\n\x04spec\x18\x02 \x01(\t\x12#\n\x1bnum_output_tokens_in_prompt\x18\x03 \x01(\r\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\"\x1d\n\x08TokenIds\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\"4\n\x06Tensor\x12\r\n\x05\x64type\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c*s\n\nGuidedKind\x12\x1b\n\x17GUIDED_KIND_UNSPECIFIED\x10\x00\x12\x1b\n\x17GUIDED_KIND_JSON_SCHEMA\x10\x01\x12\x15\n\x11GUIDED_KIND_REGEX\x10\x02\x12\x14\n\x10GUIDED_KIND_LARK\x10\x03*\x91\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x04*S\n\nEngineKind\x12\x1b\n\x17\x45NGINE_KIND_UNSPECIFIED\x10\x00\x12\x13\n\x0f\x45NGINE_KIND_GPU\x10\x01\x12\x13\n\x0f\x45NGINE_KIND_CPU\x10\x02*\xb6\x01\n\x0cRequestState\x12\x1d\n\x19REQUEST_STATE_UNSPECIFIED\x10\x00\x12\x19\n\x15REQUEST_STATE_WAITING\x10\x01\x12\x19\n\x15REQUEST_STATE_RUNNING\x10\x02\x12\x18\n\x14REQUEST_STATE_PAUSED\x10\x03\x12\x1b\n\x17REQUEST_STATE_MIGRATING\x10\x04\x12\x1a\n\x16REQUEST_STATE_FINISHED\x10\x05\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18\x64ualpace/v1/common.proto\x12\x0b\x64ualpace.v1\"\xd5\x04\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x13\n\x0btemperature\x18\x02 \x01(\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x01H\x01\x88\x01\x01\x12\r\n\x05top_k\x18\x04 \x01(\x05\x12\r\n\x05min_p\x18\x05 \x01(\x01\x12\x11\n\x04seed\x18\x06 \x01(\x04H\x02\x88\x01\x01\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x08 \x03(\r\x12\x12\n\nignore_eos\x18\t \x01(\x08\x12+\n\x06guided\x18P \x01(\x0b\x32\x1b.dualpace.v1.GuidedDecoding\x12\x15\n\x08logprobs\x18\x46 \x01(\x05H\x03\x88\x01\x01\x12\x1c\n\x0fprompt_logprobs\x18G \x01(\x05H\x04\x88\x01\x01\x12\x18\n\x10presence_penalty\x18H \x01(\x01\x12\x19\n\x11\x66requency_penalty\x18I \x01(\x01\x12\x1f\n\x12repetition_penalty\x18J \x01(\x01H\x05\x88\x01\x01\x12>\n\nlogit_bias\x18K \x03(\x0b\x32*.dualpace.v1.SamplingParams.LogitBiasEntry\x12\x12\n\nmin_tokens\x18L \x01(\r\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x42\r\n\x0b_max_tokensB\x08\n\x06_top_pB\x07\n\x05_seedB\x0b\n\t_logprobsB\x12\n\x10_prompt_logprobsB\x15\n\x13_repetition_penalty\"j\n\x0eGuidedDecoding\x12%\n\x04kind\x18\x01 \x01(\x0e\x32\x17.dualpace.v1.GuidedKind\x12\x0c\n\x04spec\x18\x02 \x01(\t\x12#\n\x1bnum_output_tokens_in_prompt\x18\x03 \x01(\r\"m\n\rTokenLogprobs\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x0c\n\x04rank\x18\x03 \x01(\r\x12\x15\n\rtop_token_ids\x18\x04 \x03(\r\x12\x14\n\x0ctop_logprobs\x18\x05 \x03(\x02\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\"\x1d\n\x08TokenIds\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\"4\n\x06Tensor\x12\r\n\x05\x64type\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c*s\n\nGuidedKind\x12\x1b\n\x17GUIDED_KIND_UNSPECIFIED\x10\x00\x12\x1b\n\x17GUIDED_KIND_JSON_SCHEMA\x10\x01\x12\x15\n\x11GUIDED_KIND_REGEX\x10\x02\x12\x14\n\x10GUIDED_KIND_LARK\x10\x03*\x91\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x04*S\n\nEngineKind\x12\x1b\n\x17\x45NGINE_KIND_UNSPECIFIED\x10\x00\x12\x13\n\x0f\x45NGINE_KIND_GPU\x10\x01\x12\x13\n\x0f\x45NGINE_KIND_CPU\x10\x02*\xb6\x01\n\x0cRequestState\x12\x1d\n\x19REQUEST_STATE_UNSPECIFIED\x10\x00\x12\x19\n\x15REQUEST_STATE_WAITING\x10\x01\x12\x19\n\x15REQUEST_STATE_RUNNING\x10\x02\x12\x18\n\x14REQUEST_STATE_PAUSED\x10\x03\x12\x1b\n\x17REQUEST_STATE_MIGRATING\x10\x04\x12\x1a\n\x16REQUEST_STATE_FINISHED\x10\x05\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'dualpace.wire.v1.common_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_GUIDEDKIND']._serialized_start=587
-  _globals['_GUIDEDKIND']._serialized_end=702
-  _globals['_FINISHREASON']._serialized_start=705
-  _globals['_FINISHREASON']._serialized_end=850
-  _globals['_ENGINEKIND']._serialized_start=852
-  _globals['_ENGINEKIND']._serialized_end=935
-  _globals['_REQUESTSTATE']._serialized_start=938
-  _globals['_REQUESTSTATE']._serialized_end=1120
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
+  _globals['_GUIDEDKIND']._serialized_start=1027
+  _globals['_GUIDEDKIND']._serialized_end=1142
+  _globals['_FINISHREASON']._serialized_start=1145
+  _globals['_FINISHREASON']._serialized_end=1290
+  _globals['_ENGINEKIND']._serialized_start=1292
+  _globals['_ENGINEKIND']._serialized_end=1375
+  _globals['_REQUESTSTATE']._serialized_start=1378
+  _globals['_REQUESTSTATE']._serialized_end=1560
   _globals['_SAMPLINGPARAMS']._serialized_start=42
-  _globals['_SAMPLINGPARAMS']._serialized_end=310
-  _globals['_GUIDEDDECODING']._serialized_start=312
-  _globals['_GUIDEDDECODING']._serialized_end=418
-  _globals['_USAGE']._serialized_start=420
-  _globals['_USAGE']._serialized_end=500
-  _globals['_TOKENIDS']._serialized_start=502
-  _globals['_TOKENIDS']._serialized_end=531
-  _globals['_TENSOR']._serialized_start=533
-  _globals['_TENSOR']._serialized_end=585
+  _globals['_SAMPLINGPARAMS']._serialized_end=639
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=501
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=549
+  _globals['_GUIDEDDECODING']._serialized_start=641
+  _globals['_GUIDEDDECODING']._serialized_end=747
+  _globals['_TOKENLOGPROBS']._serialized_start=749
+  _globals['_TOKENLOGPROBS']._serialized_end=858
+  _globals['_USAGE']._serialized_start=860
+  _globals['_USAGE']._serialized_end=940
+  _globals['_TOKENIDS']._serialized_start=942
+  _globals['_TOKENIDS']._serialized_end=971
+  _globals['_TENSOR']._serialized_start=973
+  _globals['_TENSOR']._serialized_end=1025
 # @@protoc_insertion_point(module_scope)

@@ -25,15 +25,15 @@ _sym_db = _symbol_database.Default()
 from dualpace.wire.v1 import common_pb2 as dualpace_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18\x64ualpace/v1/router.proto\x12\x0b\x64ualpace.v1\x1a\x18\x64ualpace/v1/common.proto\"\xe4\x01\n\x0fGenerateRequest\x12\x17\n\nrequest_id\x18\x01 \x01(\tH\x01\x88\x01\x01\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12\x31\n\x10prompt_token_ids\x18\x03 \x01(\x0b\x32\x15.dualpace.v1.TokenIdsH\x00\x12-\n\x08messages\x18\x04 \x01(\x0b\x32\x19.dualpace.v1.ChatMessagesH\x00\x12-\n\x08sampling\x18\x05 \x01(\x0b\x32\x1b.dualpace.v1.SamplingParamsB\x08\n\x06promptB\r\n\x0b_request_id\":\n\x0c\x43hatMessages\x12*\n\x08messages\x18\x01 \x03(\x0b\x32\x18.dualpace.v1.ChatMessage\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\xac\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x0e\n\x06\x65ngine\x18\x04 \x01(\t\x12\x30\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x19.dualpace.v1.FinishReason\x12!\n\x05usage\x18\x06 \x01(\x0b\x32\x12.dualpace.v1.Usage\"\x17\n\x15ListPlacementsRequest\"\x98\x01\n\nPlacements\x12-\n\x07\x65ngines\x18\x01 \x03(\x0b\x32\x1c.dualpace.v1.EnginePlacement\x12/\n\x08requests\x18\x02 \x03(\x0b\x32\x1d.dualpace.v1.RequestPlacement\x12*\n\nmigrations\x18\x03 \x03(\x0b\x32\x16.dualpace.v1.Migration\"\xa5\x02\n\x0f\x45nginePlacement\x12\x0c\n\x04name\x18\x01 \x01(\t\x12%\n\x04kind\x18\x02 \x01(\x0e\x32\x17.dualpace.v1.EngineKind\x12\x0f\n\x07healthy\x18\x03 \x01(\x08\x12\x17\n\x0fkv_blocks_total\x18\x04 \x01(\r\x12\x16\n\x0ekv_blocks_used\x18\x05 \x01(\r\x12\x13\n\x0bnum_running\x18\x06 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x07 \x01(\r\x12\x12\n\nitl_p50_ms\x18\x08 \x01(\x01\x12\x12\n\nitl_p99_ms\x18\t \x01(\x01\x12\x12\n\nblock_size\x18\n \x01(\r\x12\x18\n\x10kv_blocks_cached\x18\x0b \x01(\r\x12\x1b\n\x13prefix_index_blocks\x18n \x01(\r\"\xa4\x01\n\x10RequestPlacement\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06\x65ngine\x18\x02 \x01(\t\x12(\n\x05state\x18\x03 \x01(\x0e\x32\x19.dualpace.v1.RequestState\x12\x15\n\rprompt_tokens\x18\x04 \x01(\r\x12\x18\n\x10generated_tokens\x18\x05 \x01(\r\x12\x11\n\tkv_blocks\x18\x06 \x01(\r\"\xa2\x01\n\tMigration\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x13\n\x0b\x66rom_engine\x18\x02 \x01(\t\x12\x11\n\tto_engine\x18\x03 \x01(\t\x12.\n\x07outcome\x18\x04 \x01(\x0e\x32\x1d.dualpace.v1.MigrationOutcome\x12\x19\n\x11timestamp_unix_ms\x18\x05 \x01(\x03\x12\x0e\n\x06\x64\x65tail\x18\x06 \x01(\t*\x97\x01\n\x10MigrationOutcome\x12!\n\x1dMIGRATION_OUTCOME_UNSPECIFIED\x10\x00\x12!\n\x1dMIGRATION_OUTCOME_IN_PROGRESS\x10\x01\x12\x1f\n\x1bMIGRATION_OUTCOME_COMMITTED\x10\x02\x12\x1c\n\x18MIGRATION_OUTCOME_FAILED\x10\x03\x32\xa2\x01\n\x06Router\x12I\n\x08Generate\x12\x1c.dualpace.v1.GenerateRequest\x1a\x1d.dualpace.v1.GenerateResponse0\x01\x12M\n\x0eListPlacements\x12\".dualpace.v1.ListPlacementsRequest\x1a\x17.dualpace.v1.Placementsb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18\x64ualpace/v1/router.proto\x12\x0b\x64ualpace.v1\x1a\x18\x64ualpace/v1/common.proto\"\xe4\x01\n\x0fGenerateRequest\x12\x17\n\nrequest_id\x18\x01 \x01(\tH\x01\x88\x01\x01\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12\x31\n\x10prompt_token_ids\x18\x03 \x01(\x0b\x32\x15.dualpace.v1.TokenIdsH\x00\x12-\n\x08messages\x18\x04 \x01(\x0b\x32\x19.dualpace.v1.ChatMessagesH\x00\x12-\n\x08sampling\x18\x05 \x01(\x0b\x32\x1b.dualpace.v1.SamplingParamsB\x08\n\x06promptB\r\n\x0b_request_id\":\n\x0c\x43hatMessages\x12*\n\x08messages\x18\x01 \x03(\x0b\x32\x18.dualpace.v1.ChatMessage\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\x8f\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x0e\n\x06\x65ngine\x18\x04 \x01(\t\x12\x30\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x19.dualpace.v1.FinishReason\x12!\n\x05usage\x18\x06 \x01(\x0b\x32\x12.dualpace.v1.Usage\x12,\n\x08logprobs\x18\x46 \x03(\x0b\x32\x1a.dualpace.v1.TokenLogprobs\x12\x33\n\x0fprompt_logprobs\x18G \x03(\x0b\x32\x1a.dualpace.v1.TokenLogprobs\"\x17\n\x15ListPlacementsRequest\"\x98\x01\n\nPlacements\x12-\n\x07\x65ngines\x18\x01 \x03(\x0b\x32\x1c.dualpace.v1.EnginePlacement\x12/\n\x08requests\x18\x02 \x03(\x0b\x32\x1d.dualpace.v1.RequestPlacement\x12*\n\nmigrations\x18\x03 \x03(\x0b\x32\x16.dualpace.v1.Migration\"\xa5\x02\n\x0f\x45nginePlacement\x12\x0c\n\x04name\x18\x01 \x01(\t\x12%\n\x04kind\x18\x02 \x01(\x0e\x32\x17.dualpace.v1.EngineKind\x12\x0f\n\x07healthy\x18\x03 \x01(\x08\x12\x17\n\x0fkv_blocks_total\x18\x04 \x01(\r\x12\x16\n\x0ekv_blocks_used\x18\x05 \x01(\r\x12\x13\n\x0bnum_running\x18\x06 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x07 \x01(\r\x12\x12\n\nitl_p50_ms\x18\x08 \x01(\x01\x12\x12\n\nitl_p99_ms\x18\t \x01(\x01\x12\x12\n\nblock_size\x18\n \x01(\r\x12\x18\n\x10kv_blocks_cached\x18\x0b \x01(\r\x12\x1b\n\x13prefix_index_blocks\x18n \x01(\r\"\xa4\x01\n\x10RequestPlacement\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06\x65ngine\x18\x02 \x01(\t\x12(\n\x05state\x18\x03 \x01(\x0e\x32\x19.dualpace.v1.RequestState\x12\x15\n\rprompt_tokens\x18\x04 \x01(\r\x12\x18\n\x10generated_tokens\x18\x05 \x01(\r\x12\x11\n\tkv_blocks\x18\x06 \x01(\r\"\xa2\x01\n\tMigration\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x13\n\x0b\x66rom_engine\x18\x02 \x01(\t\x12\x11\n\tto_engine\x18\x03 \x01(\t\x12.\n\x07outcome\x18\x04 \x01(\x0e\x32\x1d.dualpace.v1.MigrationOutcome\x12\x19\n\x11timestamp_unix_ms\x18\x05 \x01(\x03\x12\x0e\n\x06\x64\x65tail\x18\x06 \x01(\t*\x97\x01\n\x10MigrationOutcome\x12!\n\x1dMIGRATION_OUTCOME_UNSPECIFIED\x10\x00\x12!\n\x1dMIGRATION_OUTCOME_IN_PROGRESS\x10\x01\x12\x1f\n\x1bMIGRATION_OUTCOME_COMMITTED\x10\x02\x12\x1c\n\x18MIGRATION_OUTCOME_FAILED\x10\x03\x32\xa2\x01\n\x06Router\x12I\n\x08Generate\x12\x1c.dualpace.v1.GenerateRequest\x1a\x1d.dualpace.v1.GenerateResponse0\x01\x12M\n\x0eListPlacements\x12\".dualpace.v1.ListPlacementsRequest\x1a\x17.dualpace.v1.Placementsb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'dualpace.wire.v1.router_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_MIGRATIONOUTCOME']._serialized_start=1388
-  _globals['_MIGRATIONOUTCOME']._serialized_end=1539
+  _globals['_MIGRATIONOUTCOME']._serialized_start=1487
+  _globals['_MIGRATIONOUTCOME']._serialized_end=1638
   _globals['_GENERATEREQUEST']._serialized_start=68
   _globals['_GENERATEREQUEST']._serialized_end=296
   _globals['_CHATMESSAGES']._serialized_start=298
@@ -41,17 +41,17 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_CHATMESSAGE']._serialized_start=358
   _globals['_CHATMESSAGE']._serialized_end=402
   _globals['_GENERATERESPONSE']._serialized_start=405
-  _globals['_GENERATERESPONSE']._serialized_end=577
-  _globals['_LISTPLACEMENTSREQUEST']._serialized_start=579
-  _globals['_LISTPLACEMENTSREQUEST']._serialized_end=602
-  _globals['_PLACEMENTS']._serialized_start=605
-  _globals['_PLACEMENTS']._serialized_end=757
-  _globals['_ENGINEPLACEMENT']._serialized_start=760
-  _globals['_ENGINEPLACEMENT']._serialized_end=1053
-  _globals['_REQUESTPLACEMENT']._serialized_start=1056
-  _globals['_REQUESTPLACEMENT']._serialized_end=1220
-  _globals['_MIGRATION']._serialized_start=1223
-  _globals['_MIGRATION']._serialized_end=1385
-  _globals['_ROUTER']._serialized_start=1542
-  _globals['_ROUTER']._serialized_end=1704
+  _globals['_GENERATERESPONSE']._serialized_end=676
+  _globals['_LISTPLACEMENTSREQUEST']._serialized_start=678
+  _globals['_LISTPLACEMENTSREQUEST']._serialized_end=701
+  _globals['_PLACEMENTS']._serialized_start=704
+  _globals['_PLACEMENTS']._serialized_end=856
+  _globals['_ENGINEPLACEMENT']._serialized_start=859
+  _globals['_ENGINEPLACEMENT']._serialized_end=1152
+  _globals['_REQUESTPLACEMENT']._serialized_start=1155
+  _globals['_REQUESTPLACEMENT']._serialized_end=1319
+  _globals['_MIGRATION']._serialized_start=1322
+  _globals['_MIGRATION']._serialized_end=1484
+  _globals['_ROUTER']._serialized_start=1641
+  _globals['_ROUTER']._serialized_end=1803
 # @@protoc_insertion_point(module_scope)
