@@ -13,6 +13,7 @@ import torch
 from dualpace.engine.scheduler import StepPlan, StepResult
 from dualpace.faults import FaultConfig
 from dualpace.kv.storage import KVStorage
+from dualpace.model.device_sync import work_finisher
 from dualpace.model.loader import LoadedModel
 from dualpace.model.paged_forward import PagedForward, SequenceWork
 from dualpace.sampling import sample_next_tokens
@@ -28,6 +29,7 @@ class ModelRunner:
         self.kv = KVStorage(cfg.num_layers, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim,
                             model.dtype, model.device)
         self.forward = PagedForward(model, self.kv)
+        self.finish_device_work = work_finisher(model.device)  # steps end when their work has run
         self.faults = FaultConfig()  # test-only faults (dualpace.faults); the daemon sets them after warm-up
         self.num_forward_steps = 0  # non-empty plans executed since the faults were set
 
@@ -50,7 +52,8 @@ class ModelRunner:
         work = [SequenceWork(list(s.token_ids), s.start_pos, list(s.block_ids)) for s in plan.sequences]
         logits = self.forward.forward(work)
         rows = [i for i, s in enumerate(plan.sequences) if s.sample]
-        if not rows:
+        if not rows:  # nothing read back: wait for the queued work, so it counts in this step's time
+            self.finish_device_work()
             return StepResult({})
         self._inject_nan_logits(plan, logits)
         sampled = [plan.sequences[i] for i in rows]
