@@ -7,13 +7,15 @@ over host KV while the GPU works on its own rows (NEO's asymmetric pipelining). 
 when both halves are done, so the joined iteration takes, per layer,
 max(GPU layer + the CPU rows' marginal dense time, the CPU's attention and round trip per
 layer), and neither engine waits on the other by more than that one layer's difference.
-The CPU's iteration waits for the next GPU iteration to begin (layer l of both must meet in
+A joined CPU iteration starts with the GPU's next iteration (layer l of both must meet in
 the same GEMM); when the GPU engine has nothing to run, the CPU's rows go alone, stage by
 stage, as with hold "layer".
 
-Under the dualpace policy the CPU engine keeps its own clock: ModeChooser sees the joined
-iterations' latencies (the wait for the GPU's next iteration included) and runs locally when
-that is faster. Under the gated policy (NEO as designed) every CPU iteration joins: CPU
+Under the dualpace policy the CPU engine keeps its own clock: it joins only when the GPU's
+next iteration begins within one GPU layer (the device is free, or the running iteration is in
+its last layer); otherwise its dense stages go at the GPU's layer boundaries as with hold
+"layer", so it never waits on the GPU for more than a layer. ModeChooser sees the latencies
+and runs locally when that is faster. Under the gated policy (NEO as designed) every CPU iteration joins: CPU
 requests advance only inside GPU iterations, but the GPU is not held through the CPU's attention.
 
 A part of profiles.sim.simulator.Simulator (mixed in, like CpuSteps). Pure arithmetic on the
@@ -54,6 +56,12 @@ class Cooperative:
         cpu.num_assisted += 1
         cpu.staged_batch = batch  # its latency, wait included, is recorded when it ends
         self.pending_join = PendingJoin(batch, device_ms, max(0.0, assisted_ms - device_ms))
+
+    def _next_gpu_iteration_within_a_layer(self) -> bool:
+        gpu = self.engines[GPU]
+        if not gpu.busy:
+            return gpu.scheduler.has_work  # it starts now (with nothing to run, the stages go alone)
+        return self.device.wait_ms(self.now_ms) <= self.device.engine_layer_ms()
 
     def _joined_iteration_ms(self, gpu_ms: float, prefill_tokens: int, contexts: list[int]) -> float:
         """The GPU iteration's length with the pending CPU rows joined into its GEMMs."""

@@ -56,10 +56,10 @@ class CpuSteps:
         mode = self.chooser.choose(batch, decode_only)
         local_start_ms = self.now_ms
         if mode is ExecutionMode.ASSISTED and cost.assisted_ms is not None:
-            if hold == "cooperative":  # its dense rows ride in the GPU engine's next iteration
-                self._join_next_gpu_iteration(cpu, plan, decode.batch, cost.assisted_ms)
+            if hold == "cooperative" and (gated or self._next_gpu_iteration_within_a_layer()):
+                self._join_next_gpu_iteration(cpu, plan, decode.batch, cost.assisted_ms)  # one weight read
                 return
-            if hold == "layer" and not gated:
+            if hold in ("layer", "cooperative") and not gated:
                 cpu.staged_batch = batch  # its latency is recorded when it ends
                 self._start_staged(cpu, plan, self._assist_device_ms(decode.batch), cost.assisted_ms)
                 return
