@@ -15,7 +15,7 @@ UP_ARGS ?=
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.dualpace-installed
 
-.PHONY: venv test serve demo proto clean
+.PHONY: venv test serve demo proto clean device-check
 
 venv: $(STAMP)
 
@@ -41,6 +41,10 @@ serve: venv
 # One chat answer in a single process, no daemons.
 demo: venv
 	$(BIN)/dualpace generate --chat --prompt "$(PROMPT)" --max-tokens 64
+
+# Wheels for the lent GPU machine (it reaches no registry) and the one command to run there.
+device-check: venv
+	$(BIN)/python -m bench.device_wheels --dest .whl
 
 proto: venv
 	$(BIN)/python -m dualpace.wire.generate

@@ -1,15 +1,22 @@
 """GPU check, run on a machine with CUDA (the `device` tool), in well under 5 minutes:
 
-1. gpu_service on cuda, tiny fp32 model: greedy streams equal the CPU device's
+1. gpu_service on cuda, tiny fp32 model, with each attention backend (the paged Triton kernel,
+   `auto` on CUDA, and the gather path): greedy streams equal the CPU device's
    `OfflineGenerator` token for token (clear top-1 margins, so this is exact);
 2. a synthetic ~1B checkpoint (llama-3.2-1b shape): fp32 prompt logits on cuda vs
    the CPU device (max |diff|) and greedy agreement (random weights give near-ties,
    so agreement is reported, not required);
-3. throughput: gpu_service on cuda, bf16 ~1B model, N concurrent streams.
+3. device -> host copy bandwidth of a KV-sized buffer, pageable and pinned;
+4. throughput: gpu_service on cuda, bf16 ~1B model, at 1, 32 and 128 concurrent streams,
+   with each attention backend.
+
+On the GPU machine (it reaches no registry) the wheels it lacks travel with the check:
+`make device-check` prepares them and prints the command (bench/device_wheels.py).
 
     python -m bench.device_check --out bench/results/device_check.json
 
-`--device cpu --large-preset tiny-llama` runs the same script here as a dry run.
+`--device cpu --large-preset tiny-llama --streams 2` runs the same script here as a dry run
+(the backends are then both the gather path: Triton runs on CUDA only).
 """
 
 from __future__ import annotations
@@ -50,8 +57,16 @@ def stream_tokens(address: str, request_id: str, prompt: list[int], params: Samp
     return tokens, ttft_s or 0.0
 
 
-def tiny_parity(folder: str, device: str) -> dict:
-    daemon = start_daemon("gpu_service", "--model", folder, "--dtype", "fp32", "--device", device)
+BACKENDS = ("auto", "gather")  # auto: the paged Triton kernel on CUDA (dualpace.model.attention_backend)
+
+
+def backend_env(backend: str) -> dict[str, str]:
+    return {"DUALPACE_ATTENTION_BACKEND": backend}
+
+
+def tiny_parity(folder: str, device: str, backend: str) -> dict:
+    daemon = start_daemon("gpu_service", "--model", folder, "--dtype", "fp32", "--device", device,
+                          env=backend_env(backend))
     try:
         reference = load_model(folder, dtype="fp32", device="cpu")
         params = SamplingParams(max_tokens=32, ignore_eos=True)
@@ -81,27 +96,55 @@ def large_logits(folder: str, device: str) -> dict:
     }
 
 
-def throughput(folder: str, device: str, num_streams: int, prompt_tokens: int, new_tokens: int) -> dict:
+def kv_copy_bandwidth(device: str, num_bytes: int = 256 << 20, repeats: int = 5) -> dict:
+    """Device -> host copy GB/s of a KV-sized buffer, into pageable and (on CUDA) pinned memory:
+    what a KV export or a Dense Assist payload moves at best."""
+    source = torch.empty(num_bytes, dtype=torch.uint8, device=device)
+    targets = {"pageable": torch.empty(num_bytes, dtype=torch.uint8)}
+    if device.startswith("cuda"):
+        targets["pinned"] = torch.empty(num_bytes, dtype=torch.uint8, pin_memory=True)
+    report = {"bytes": num_bytes}
+    for name, target in targets.items():
+        target.copy_(source)  # warm-up
+        best_s = float("inf")
+        for _ in range(repeats):
+            start = time.perf_counter()
+            target.copy_(source, non_blocking=name == "pinned")
+            if device.startswith("cuda"):
+                torch.cuda.synchronize()
+            best_s = min(best_s, time.perf_counter() - start)
+        report[f"{name}_gbps"] = round(num_bytes / best_s / 1e9, 2)
+    return report
+
+
+def throughput_sweep(folder: str, device: str, backend: str, stream_counts: list[int], prompt_tokens: int,
+                     new_tokens: int) -> dict:
+    """One daemon per backend, the stream counts run one after another on it."""
     daemon = start_daemon("gpu_service", "--model", folder, "--dtype", "bf16", "--device", device,
-                          "--kv-blocks", "4096", "--max-batch-tokens", "8192", "--max-running", str(num_streams))
+                          "--kv-blocks", "4096", "--max-batch-tokens", "8192", "--max-running",
+                          str(max(stream_counts)), env=backend_env(backend))
     try:
-        params = SamplingParams(max_tokens=new_tokens, ignore_eos=True)
-        results: dict[int, tuple[list[int], float]] = {}
-        prompts = [[(i * 7 + j) % 1000 + 10 for j in range(prompt_tokens)] for i in range(num_streams)]
-        stream_tokens(daemon.address, "warmup", prompts[0][:16], SamplingParams(max_tokens=4, ignore_eos=True))
-
-        def run(i: int) -> None:
-            results[i] = stream_tokens(daemon.address, f"t{i}", prompts[i], params)
-
-        start = time.perf_counter()
-        threads = [threading.Thread(target=run, args=(i,)) for i in range(num_streams)]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join(600)
-        elapsed_s = time.perf_counter() - start
+        stream_tokens(daemon.address, "warmup", list(range(10, 26)), SamplingParams(max_tokens=4, ignore_eos=True))
+        return {f"streams_{n}": throughput(daemon.address, n, prompt_tokens, new_tokens) for n in stream_counts}
     finally:
         daemon.stop()
+
+
+def throughput(address: str, num_streams: int, prompt_tokens: int, new_tokens: int) -> dict:
+    params = SamplingParams(max_tokens=new_tokens, ignore_eos=True)
+    results: dict[int, tuple[list[int], float]] = {}
+    prompts = [[(i * 7 + j) % 1000 + 10 for j in range(prompt_tokens)] for i in range(num_streams)]
+
+    def run(i: int) -> None:
+        results[i] = stream_tokens(address, f"t{num_streams}-{i}", prompts[i], params)
+
+    start = time.perf_counter()
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(num_streams)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(600)
+    elapsed_s = time.perf_counter() - start
     num_tokens = sum(len(tokens) for tokens, _ in results.values())
     ttfts = sorted(ttft for _, ttft in results.values())
     return {
@@ -115,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--large-preset", default="llama-3.2-1b")
-    parser.add_argument("--streams", type=int, default=32)
+    parser.add_argument("--streams", default="1,32,128", help="comma-separated concurrent stream counts")
     parser.add_argument("--prompt-tokens", type=int, default=128)
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--out", default=None)
@@ -130,12 +173,13 @@ def main(argv: list[str] | None = None) -> int:
         write_synthetic_checkpoint("tiny-llama", tiny, seed=0)
         large = Path(workdir) / "large"
         write_synthetic_checkpoint(args.large_preset, large, seed=0)
-        for name, step in [
-            ("tiny_parity", lambda: tiny_parity(str(tiny), args.device)),
-            ("large_fp32_logits", lambda: large_logits(str(large), args.device)),
-            ("throughput_bf16", lambda: throughput(str(large), args.device, args.streams, args.prompt_tokens,
-                                                    args.new_tokens)),
-        ]:
+        stream_counts = [int(n) for n in args.streams.split(",")]
+        steps = [(f"tiny_parity_{b}", lambda b=b: tiny_parity(str(tiny), args.device, b)) for b in BACKENDS]
+        steps.append(("large_fp32_logits", lambda: large_logits(str(large), args.device)))
+        steps.append(("kv_copy_device_to_host", lambda: kv_copy_bandwidth(args.device)))
+        steps += [(f"throughput_bf16_{b}", lambda b=b: throughput_sweep(
+            str(large), args.device, b, stream_counts, args.prompt_tokens, args.new_tokens)) for b in BACKENDS]
+        for name, step in steps:
             start = time.perf_counter()
             report[name] = step()
             report[name]["seconds"] = round(time.perf_counter() - start, 1)
@@ -144,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
     print(text)
     if args.out:
         Path(args.out).write_text(text + "\n")
-    return 0 if report["tiny_parity"]["all_identical"] else 1
+    return 0 if all(report[f"tiny_parity_{b}"]["all_identical"] for b in BACKENDS) else 1
 
 
 if __name__ == "__main__":

@@ -54,9 +54,12 @@ def register(subparsers) -> None:
                    help="how old the router's view of an engine's KV use may be (WatchLoad interval; 0: instantaneous)")
     p.add_argument("--gpu-kv-blocks", type=int, default=None, help="GPU engine's KV pool in blocks (default: the profile's)")
     p.add_argument("--cpu-kv-blocks", type=int, default=None, help="CPU engine's KV pool in blocks (default: the profile's)")
-    p.add_argument("--assist-device-hold", choices=("layer", "iteration", "dense"), default="layer",
-                   help="how an Assisted CPU iteration (dualpace) holds the GPU: per layer's dense stage (as built), "
-                        "the whole iteration (before), or only its dense part in one piece (what-if)")
+    p.add_argument("--assist-device-hold", choices=("layer", "iteration", "dense", "cooperative"),
+                   default="layer",
+                   help="how an Assisted CPU iteration holds the GPU: per layer's dense stage (as built), "
+                        "the whole iteration (before), only its dense part in one piece (what-if), or "
+                        "cooperative: its dense rows join the GPU engine's next iteration (what-if; with "
+                        "--policy gated, NEO as designed)")
     p.add_argument("--skip-unprefilled-moves", action="store_true",
                    help="no effect any more (the planner never moves a request with no token yet); kept for old commands")
     p.add_argument("--out", help="sweep: write the results JSON here (and a PNG beside it if matplotlib imports)")

@@ -77,7 +77,7 @@ def assist_services(args: argparse.Namespace):
     def add_assist(parts: EngineDaemonParts, server: grpc.aio.Server) -> list[str]:
         if args.host_tier is not None:
             start_host_tier(args, parts)
-        handoff = DeviceHandoff(parts.device_lock)
+        handoff = DeviceHandoff(parts.device_lock, parts.loop.core.runner.finish_device_work)
         # the engine's forward offers the device to waiting assist stages between its layers
         parts.loop.core.runner.forward.between_layers = handoff.yield_to_waiting
         executor = DenseAssistExecutor(parts.loaded.model, handoff, parts.loop.gate, limits.stage_timeout_s)

@@ -17,6 +17,7 @@ own device time.
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 
 HANDOFF_TIMEOUT_S = 1.0  # the engine waits at most this long for a waiting stage to take the lock
 
@@ -56,8 +57,11 @@ class DeviceHandoff:
     holder's release at the end of its iteration.
     """
 
-    def __init__(self, lock: threading.Lock | None = None):
+    def __init__(self, lock: threading.Lock | None = None, finish_device_work: Callable[[], None] | None = None):
         self.lock = lock if lock is not None else threading.Lock()
+        # Called before the lock changes hands, so the device is handed over when the holder's
+        # work has run, not when it was launched (dualpace.model.device_sync; no-op off CUDA).
+        self._finish_device_work = finish_device_work or (lambda: None)
         self._changed = threading.Condition()
         self._num_waiting = 0
         self._num_granted = 0  # stages that got the lock, ever
@@ -84,6 +88,7 @@ class DeviceHandoff:
         return acquired
 
     def release_stage(self) -> None:
+        self._finish_device_work()
         self.lock.release()
 
     def yield_to_waiting(self) -> None:
@@ -94,6 +99,7 @@ class DeviceHandoff:
                 return
             wanted = self._num_granted + self._num_waiting
         self.num_handoffs += 1
+        self._finish_device_work()
         self.lock.release()
         try:
             with self._changed:

@@ -15,6 +15,7 @@ from dualpace.engine.step_sampling import sample_step, step_work
 from dualpace.faults import FaultConfig
 from dualpace.guided_decoding import GuidedMasks, GuidedRow
 from dualpace.kv.storage import KVStorage
+from dualpace.model.device_sync import work_finisher
 from dualpace.model.loader import LoadedModel
 from dualpace.model.paged_forward import PagedForward
 
@@ -29,6 +30,7 @@ class ModelRunner:
         self.kv = KVStorage(cfg.num_layers, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim,
                             model.dtype, model.device, memory=kv_memory)
         self.forward = PagedForward(model, self.kv)
+        self.finish_device_work = work_finisher(model.device)  # steps end when their work has run
         self.faults = FaultConfig()  # test-only faults (dualpace.faults); the daemon sets them after warm-up
         self.num_forward_steps = 0  # non-empty plans executed since the faults were set
         self._guided: GuidedMasks | None = None  # structured outputs: see prepare_guided_decoding
@@ -52,6 +54,8 @@ class ModelRunner:
         sampled = [s for s in plan.sequences if s.sample]
         masks = self._start_guided_masks(sampled)  # computed while the forward pass runs
         logits = self.forward.forward(step_work(plan))
+        if not sampled:  # nothing read back: wait for the queued work, so it counts in this step's time
+            self.finish_device_work()
         guided = None
         if masks is not None:
             guided_rows, future = masks

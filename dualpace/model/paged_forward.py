@@ -3,8 +3,9 @@
 The caller (an engine runner or the offline generator) decides which sequences
 run and which blocks they own; this module turns that into tensors, runs the
 model's stages layer by layer and returns logits. Dense stages run once over all
-of the step's tokens; attention runs batched for the decode tokens and per
-sequence for prefill chunks.
+of the step's tokens. Attention on CUDA is one launch of the paged Triton kernel for every
+sequence (dualpace.model.triton_attention, blocks read in place); elsewhere it runs batched
+for the decode tokens and per sequence for prefill chunks (dualpace.model.attention).
 
 `between_layers`, when set, is called after each layer but the last: gpu_service uses it
 to hand the device to a waiting Dense Assist stage (DeviceHandoff.yield_to_waiting). With
@@ -23,6 +24,8 @@ from dualpace.kv.storage import KVStorage
 from dualpace.model import cpu_kernels
 from dualpace.model.cpu_fused_decode import FusedDecode
 from dualpace.model.attention import decode_attention, prefill_attention
+from dualpace.model.attention_backend import uses_triton
+from dualpace.model.triton_attention import VarlenBatch, paged_attention, supported
 from dualpace.model.rope import HalfAngles
 from dualpace.model.transformer import Transformer
 
@@ -49,6 +52,7 @@ class StepTensors:
     decode_context_lens: torch.Tensor  # [D]
     prefills: list[tuple[int, int, int, torch.Tensor]]  # (first token index, num tokens, start_pos, block_ids)
     logit_token_index: torch.Tensor  # [N] rows of hidden whose logits are returned
+    varlen: VarlenBatch | None = None  # every sequence at once, for the paged Triton kernel
 
 
 def build_step_tensors(work: list[SequenceWork], block_size: int, device: torch.device) -> StepTensors:
@@ -60,6 +64,7 @@ def build_step_tensors(work: list[SequenceWork], block_size: int, device: torch.
     decode_lens: list[int] = []
     prefills: list[tuple[int, int, int, list[int]]] = []
     logit_index: list[int] = []
+    seq_tables: list[list[int]] = []
     for seq in work:
         first = len(token_ids)
         num_new = len(seq.token_ids)
@@ -69,6 +74,7 @@ def build_step_tensors(work: list[SequenceWork], block_size: int, device: torch.
         if len(seq.block_ids) * block_size < end_pos:
             raise ValueError(f"block table of {len(seq.block_ids)} blocks cannot hold {end_pos} tokens")
         token_ids.extend(seq.token_ids)
+        seq_tables.append(seq.block_ids[: (end_pos + block_size - 1) // block_size])
         for pos in range(seq.start_pos, end_pos):
             positions.append(pos)
             slot_ids.append(seq.block_ids[pos // block_size] * block_size + pos % block_size)
@@ -88,7 +94,18 @@ def build_step_tensors(work: list[SequenceWork], block_size: int, device: torch.
     def as_tensor(values) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long, device=device)
 
+    varlen = None
+    if uses_triton(device):
+        longest = max(len(t) for t in seq_tables)
+        query_start = [0]
+        for seq in work:
+            query_start.append(query_start[-1] + len(seq.token_ids))
+        varlen = VarlenBatch(
+            query_start=as_tensor(query_start), start_pos=as_tensor([seq.start_pos for seq in work]),
+            block_tables=as_tensor([t + [t[0]] * (longest - len(t)) for t in seq_tables]),
+            max_new_tokens=max(len(seq.token_ids) for seq in work))
     return StepTensors(
+        varlen=varlen,
         token_ids=as_tensor(token_ids),
         positions=as_tensor(positions),
         slot_ids=as_tensor(slot_ids),
@@ -105,6 +122,8 @@ def attend(
 ) -> torch.Tensor:
     """Attention output [T, num_heads * head_dim] for all of a step's tokens (K/V already written)."""
     k_cache, v_cache = kv.k[layer_index], kv.v[layer_index]
+    if step.varlen is not None and supported(q, k_cache):  # one launch, blocks read in place
+        return paged_attention(q, k_cache, v_cache, step.varlen, scale)
     num_tokens = q.shape[0]
     if not step.prefills:
         return decode_attention(q, k_cache, v_cache, step.decode_block_tables, step.decode_context_lens, scale)

@@ -14,7 +14,7 @@ from dualpace.policy.views import Policy
 GPU, CPU = "gpu0", "cpu0"  # the simulated engines' names
 
 # How an Assisted CPU iteration (dualpace policy) shares the GPU; see profiles/sim/device.py.
-ASSIST_DEVICE_HOLDS = ("layer", "iteration", "dense")
+ASSIST_DEVICE_HOLDS = ("layer", "iteration", "dense", "cooperative")
 
 
 class SimulationError(DualPaceError):
@@ -46,8 +46,11 @@ class SimConfig:
     # "layer" (as built): each layer's dense stage takes the device at the GPU engine's next
     #   layer boundary; the CPU's attention runs with the device free;
     # "iteration": from its start to its result (gpu_service before per-stage sharing);
-    # "dense": only its dense part, in one piece at its start (an earlier what-if).
-    # The gated policy always holds it for the whole iteration ("dense" what-if aside).
+    # "dense": only its dense part, in one piece at its start (an earlier what-if);
+    # "cooperative" (what-if, not in the daemons yet): its dense rows join the GPU engine's next
+    #   iteration, one weight read for both (profiles/sim/cooperative.py); with the gated policy
+    #   this is NEO as designed (CPU requests advance inside GPU iterations, asymmetric pipelining).
+    # The gated policy otherwise holds it for the whole iteration ("dense" what-if aside).
     assist_device_hold: str = "layer"
     # What-if: drop planned moves of requests that have no token yet. The planner itself now
     # never plans those (dualpace.policy.migration_planner), so this changes nothing; kept for the CLI.

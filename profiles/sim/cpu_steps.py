@@ -41,7 +41,8 @@ class CpuSteps:
             return
         gated = self.config.policy is Policy.GATED
         device = self.device
-        if gated and device.wait_ms(self.now_ms) > 0:  # the gate: wait for the GPU iteration's end
+        hold = self.config.assist_device_hold
+        if gated and hold != "cooperative" and device.wait_ms(self.now_ms) > 0:  # the gate: wait for the GPU iteration's end
             self._wake(device.free_at_ms())
             return
         plan = cpu.scheduler.schedule()
@@ -55,8 +56,10 @@ class CpuSteps:
         mode = self.chooser.choose(batch, decode_only)
         local_start_ms = self.now_ms
         if mode is ExecutionMode.ASSISTED and cost.assisted_ms is not None:
-            hold = self.config.assist_device_hold
-            if hold == "layer" and not gated:
+            if hold == "cooperative" and (gated or self._next_gpu_iteration_within_a_layer()):
+                self._join_next_gpu_iteration(cpu, plan, decode.batch, cost.assisted_ms)  # one weight read
+                return
+            if hold in ("layer", "cooperative") and not gated:
                 cpu.staged_batch = batch  # its latency is recorded when it ends
                 self._start_staged(cpu, plan, self._assist_device_ms(decode.batch), cost.assisted_ms)
                 return

@@ -49,6 +49,7 @@ from profiles.sim.config import (
     SimulationError,
     deterministic_token,
 )
+from profiles.sim.cooperative import Cooperative
 from profiles.sim.cpu_steps import CpuSteps, make_chooser
 from profiles.sim.device import SharedDevice
 from profiles.sim.moves import Moves
@@ -90,7 +91,7 @@ class Track:
     engines_seen: list[str] = field(default_factory=list)
 
 
-class Simulator(CpuSteps, Moves):
+class Simulator(CpuSteps, Cooperative, Moves):
     def __init__(self, cost: CostModel, config: SimConfig):
         self.cost = cost
         self.config = config
@@ -316,16 +317,25 @@ class Simulator(CpuSteps, Moves):
         return prefill_tokens, contexts, sampled
 
     def _try_start_gpu(self, gpu: SimEngine) -> None:
-        if gpu.busy or not gpu.scheduler.has_work:
+        if gpu.busy:
+            return
+        if not gpu.scheduler.has_work:
+            if self.pending_join is not None:  # cooperative: nothing to join, the CPU's rows go alone
+                self._run_join_alone()
             return
         if self.device.wait_ms(self.now_ms) > 0:
             self._wake(self.device.free_at_ms())
             return
         plan = gpu.scheduler.schedule()
         if plan.is_empty:
+            if self.pending_join is not None:
+                self._run_join_alone()
             return
         prefill_tokens, contexts, _ = self._plan_shape(plan)
         duration = self.cost.gpu_iteration_ms(prefill_tokens, DecodeBatch.of(contexts))
+        if self.pending_join is not None:
+            self._start_joined(gpu, plan, self._joined_iteration_ms(duration, prefill_tokens, contexts))
+            return
         end_ms = self.device.start_engine(self.now_ms, duration)
         self._start(gpu, plan, end_ms + self.config.engine_overhead_ms)
 

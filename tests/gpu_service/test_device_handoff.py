@@ -249,3 +249,43 @@ def test_yield_without_waiters_keeps_the_lock() -> None:
         handoff.yield_to_waiting()
         assert handoff.lock.locked()
     assert handoff.num_handoffs == 0
+
+
+def test_the_device_changes_hands_only_after_the_holders_work_has_run() -> None:
+    """On CUDA `finish_device_work` waits for the queued kernels; it must run while the lock is
+    still held, on every hand-over: a yield to a waiting stage and a stage's release."""
+    lock_held_when_finished: list[tuple[str, bool]] = []
+    holder = ["engine"]
+    handoff = DeviceHandoff(finish_device_work=lambda: lock_held_when_finished.append((holder[0], handoff.lock.locked())))
+    handoff.lock.acquire()
+    stage_done = threading.Event()
+
+    def stage() -> None:
+        assert handoff.acquire_stage(WAIT_S)
+        holder[0] = "stage"
+        handoff.release_stage()
+        stage_done.set()
+
+    thread = threading.Thread(target=stage)
+    thread.start()
+    deadline = time.monotonic() + WAIT_S  # hang guard: wait until the stage is queued
+    while handoff.num_waiting == 0 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    handoff.yield_to_waiting()
+    assert stage_done.wait(WAIT_S)
+    thread.join(WAIT_S)
+    handoff.lock.release()
+    assert lock_held_when_finished == [("engine", True), ("stage", True)]
+
+
+def test_steps_that_sample_nothing_wait_for_their_device_work(loaded) -> None:
+    from dualpace.engine.runner import ModelRunner
+    from dualpace.engine.scheduler import ScheduledSequence, StepPlan
+    from dualpace.sampling import SamplingParams
+
+    runner = ModelRunner(loaded, num_blocks=8, block_size=BLOCK_SIZE)
+    calls = []
+    runner.finish_device_work = lambda: calls.append("finished")
+    chunk = ScheduledSequence("r", (5, 6, 7, 8), 0, (0, 1), sample=False, params=SamplingParams(), seed=0)
+    assert runner.execute(StepPlan((chunk,))).sampled_token_ids == {}
+    assert calls == ["finished"]

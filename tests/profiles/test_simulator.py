@@ -4,7 +4,7 @@ import pytest
 
 from dualpace.policy.admission import GpuAdmission
 from dualpace.policy.views import Policy
-from dualpace.profile.cost_model import CostModel
+from dualpace.profile.cost_model import CostModel, DecodeBatch
 from dualpace.profile.files import parse_profile
 from dualpace_cli.main import main
 from profiles.sim import CPU, GPU, SimConfig, Simulator, simulate
@@ -191,3 +191,36 @@ def test_cli_trace(tmp_path, capsys):
                  "--num-requests", "4", "--trace", str(trace), "--json"]) == 0
     result = json.loads(capsys.readouterr().out)
     assert result["requests_completed"] == 4 and result["num_generated_tokens"] == 5 + 7 + 5 + 7
+
+
+@pytest.mark.parametrize("policy", [Policy.DUALPACE, Policy.GATED])
+def test_cooperative_iterations_complete_and_never_book_the_device_apart(policy):
+    """Hold "cooperative": an Assisted CPU iteration's rows ride in the GPU engine's next
+    iteration (or go stage by stage when the GPU is idle); no block ever holds the device
+    through the CPU's attention, and every request completes."""
+    cost = _cost(gpu_kv_blocks=16)
+    sim = Simulator(cost, SimConfig(policy=policy, assist_device_hold="cooperative"))
+    sim.run(_specs(40))
+    result = summarize(sim, 50.0)
+    assert result.requests_completed == 40
+    assert sim.pending_join is None
+    if policy is Policy.GATED:  # NEO as designed: every decode-only CPU iteration is assisted
+        assert result.cpu_assisted_iterations > 0
+    assert sim.num_joined_iterations > 0
+    assert sim.device.last_user != "cpu"  # no block bookings: the gated turn-taking is gone
+
+
+def test_a_joined_iteration_pays_one_weight_read_for_both_batches():
+    from profiles.sim.cooperative import PendingJoin
+
+    cost = _cost(gpu_kv_blocks=16)
+    sim = Simulator(cost, SimConfig(policy=Policy.DUALPACE, assist_device_hold="cooperative"))
+    contexts = [64] * 4
+    gpu_ms = cost.gpu_iteration_ms(0, DecodeBatch.of(contexts))
+    separate_ms = sim._assist_device_ms(4)  # the CPU rows' dense work as a pass of its own
+    sim.pending_join = PendingJoin(batch=4, device_ms=separate_ms, cpu_side_ms=0.0)
+    joined_ms = sim._joined_iteration_ms(gpu_ms, 0, contexts)
+    assert gpu_ms <= joined_ms < gpu_ms + separate_ms
+    # a CPU side slower than the GPU's whole iteration sets the pace of the joined one
+    sim.pending_join = PendingJoin(batch=4, device_ms=separate_ms, cpu_side_ms=10 * gpu_ms)
+    assert sim._joined_iteration_ms(gpu_ms, 0, contexts) == 10 * gpu_ms
