@@ -37,7 +37,6 @@ from dualpace.sampling_params import FinishReason
 from dualpace.serve import metrics
 from dualpace.serve.address import parse_listen
 from router import openai_schema as schema
-from router.openai_logprobs import AnswerLogprobs
 from router.openai_schema import ApiError, ParsedRequest
 from router.fan_out import Choice, FanOut, choice_request_id
 from router.openai_answer import Answer
