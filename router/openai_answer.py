@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from dualpace.sampling_params import FinishReason
 from router import openai_schema as schema
 from router.fan_out import Choice, FanOut
+from router.openai_choices import best_indices
 from router.openai_logprobs import AnswerLogprobs
 from router.openai_schema import ParsedRequest
 from router.openai_tools import ToolCallStream, split_tool_calls
@@ -28,6 +29,7 @@ class _ChoiceText:
     logprobs: AnswerLogprobs | None = None  # with logprobs or echo: made at the choice's first update
     started: bool = False
     delta_logprobs: dict | None = None  # the logprobs object of the last update (streaming)
+    cumulative_logprob: float = 0.0  # of the sampled tokens, when the engine reports them (best_of)
 
 
 @dataclass
@@ -58,7 +60,11 @@ class Answer:
             state.started = True
             state.logprobs = AnswerLogprobs.for_choice(self.parsed, self.parsed.clients[choice.prompt_index],
                                                        self.fan_out.core.tokenizer, choice.relay.prompt_token_ids)
+            if state.logprobs is not None and self.parsed.hides_logprobs:  # asked for ranking only
+                state.logprobs.num_top = None
+                state.logprobs = state.logprobs if state.logprobs.echo_text is not None else None
         state.texts.append(update.text)
+        state.cumulative_logprob += sum(entry.logprob for entry in update.logprobs if entry is not None)
         if state.logprobs is not None:
             state.delta_logprobs = state.logprobs.take(update)
         if update.finish_reason is not None:
@@ -71,7 +77,10 @@ class Answer:
     def whole(self) -> dict:
         shape = schema.chat_completion if self.parsed.chat else schema.completion
         body = None
-        for index, state in enumerate(self._choices):
+        shown = range(len(self._choices))
+        if self.parsed.best_of is not None:  # best_of > n: the n best candidates of each prompt
+            shown = best_indices([c.cumulative_logprob for c in self._choices], self.parsed.n, self.parsed.best_of)
+        for index, state in enumerate(self._choices[k] for k in shown):
             text, reason = "".join(state.texts), schema.finish_reason_text(state.reason)
             if state.logprobs is not None:
                 text = state.logprobs.echo_prefix() + text

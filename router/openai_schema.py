@@ -4,7 +4,7 @@ Pure: JSON-ready dicts in, a ClientRequest (the same one the gRPC Router API bui
 response dicts out; no aiohttp, no sockets. Validation the router already does
 (dualpace.validation via router.prompts.prepare_prompt) is not repeated here; this module
 checks what only the HTTP shape has: JSON types, OpenAI fields DualPace does not support
-(suffix, best_of > n, the deprecated functions, ...) and fields nobody defined. Errors are `ApiError`, which
+(suffix, the deprecated functions, ...) and fields nobody defined. Errors are `ApiError`, which
 renders as OpenAI's `{"error": {"message", "type", "param", "code"}}`.
 """
 
@@ -22,7 +22,7 @@ from dualpace.errors import DualPaceError, InvalidArgument, Overloaded, Unavaila
 from dualpace.sampling_params import FinishReason, SamplingParams
 from dualpace.serve.status import status_for
 from router import openai_logprobs
-from router.openai_choices import num_choices, split_prompts
+from router.openai_choices import num_choices, ranked_params, split_prompts
 from router.openai_guided import with_guided
 from router.openai_messages import chat_messages
 from router.openai_tools import ToolSetup, parse_tools
@@ -118,6 +118,13 @@ class ParsedRequest:
     tools: ToolSetup | None = None  # chat with tools: calls are parsed from the output
     echo: bool = False  # completions: each prompt comes back before its choices' text
     tokens_as_ids: bool = False  # vLLM's return_tokens_as_token_ids (router/openai_logprobs.py)
+    best_of: int | None = None  # completions: > n runs this many candidates per prompt, answers the n best
+    hides_logprobs: bool = False  # best_of > n without logprobs: asked of the engine for ranking only
+
+    @property
+    def candidates(self) -> int:
+        """Engine requests per prompt: best_of, else n."""
+        return self.best_of if self.best_of is not None else self.n
 
     @property
     def clients(self) -> tuple[ClientRequest, ...]:
@@ -282,13 +289,16 @@ def parse_completion(raw: Any) -> ParsedRequest:
     max_tokens, _ = _max_tokens(body, ("max_tokens",), COMPLETION_DEFAULT_MAX_TOKENS)
     renamed = {"text": "prompt", "prompt_token_ids": "prompt", **openai_logprobs.RENAMED_COMPLETION}
     params = with_guided(body.raw, _sampling(body, max_tokens), renamed)
-    n = num_choices(body.integer("n", 1), body.integer("best_of", None), 1, MAX_CHOICES)
+    best_of = body.integer("best_of", None)
+    n = num_choices(body.integer("n", 1), best_of, 1, MAX_CHOICES)
+    params, hides_logprobs = ranked_params(n, best_of, stream, params)
     request_id = _request_id(body)
     body.reject_unknown()
     client = ClientRequest(request_id=request_id, text=text, prompt_token_ids=ids, messages=None, params=params)
     return ParsedRequest(False, model, client, stream, include_usage, False, renamed, n=n,
                          echo=body.boolean("echo", False),
-                         tokens_as_ids=body.boolean("return_tokens_as_token_ids", False))
+                         tokens_as_ids=body.boolean("return_tokens_as_token_ids", False),
+                         best_of=best_of if best_of != n else None, hides_logprobs=hides_logprobs)
 
 
 def parse_chat(raw: Any) -> ParsedRequest:

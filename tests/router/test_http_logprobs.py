@@ -222,3 +222,18 @@ def test_echo_with_a_list_of_prompts_echoes_each_prompt(client, model_folder, to
         assert len(lp.tokens) == len(tokenizer.encode(prompt)) + 2
         assert lp.token_logprobs[0] is None and all(v is not None for v in lp.token_logprobs[1:])
 
+
+def test_best_of_answers_the_candidates_of_highest_cumulative_logprob(client, model_folder):  # noqa: F811
+    args = {"model": model_folder, "prompt": PROMPT_IDS, "max_tokens": 5, "temperature": 1.0, "seed": 21,
+            "extra_body": {"ignore_eos": True, "return_tokens_as_token_ids": True}}
+    # The same seeded candidates, all shown: candidate i samples with seed + i either way.
+    every = client.completions.create(**args, n=4, logprobs=0)
+    cumulative = {c.text: sum(c.logprobs.token_logprobs) for c in every.choices}
+    assert len(cumulative) == 4  # distinct candidates, so the ranking is observable
+    ranked = sorted(cumulative, key=cumulative.get, reverse=True)
+    best = client.completions.create(**args, n=2, best_of=4)
+    assert [c.text for c in best.choices] == ranked[:2] and [c.index for c in best.choices] == [0, 1]
+    assert all(c.logprobs is None for c in best.choices)  # asked of the engine for ranking only
+    assert best.usage.completion_tokens == 4 * 5  # every candidate was generated
+    shown = client.completions.create(**args, n=1, best_of=4, logprobs=1)
+    assert shown.choices[0].text == ranked[0] and len(shown.choices[0].logprobs.tokens) == 5
