@@ -173,9 +173,10 @@ class HttpFront:
             else:
                 request_id = f"{id_prefix}-{uuid.uuid4().hex}"
             # Choice 0 of every prompt now (each prompt tokenized and checked); fan_out starts the rest.
-            relays = [await open_request(core, client, choice_request_id(request_id, p * parsed.candidates, num_choices),
-                                         default_max_tokens=(schema.CHAT_DEFAULT_MAX_TOKENS
-                                                             if parsed.default_max_tokens else None))
+            default_max_tokens = schema.CHAT_DEFAULT_MAX_TOKENS if parsed.default_max_tokens else None
+            relays = [await open_request(core, client,
+                                         choice_request_id(request_id, p * parsed.candidates, num_choices),
+                                         default_max_tokens=default_max_tokens)
                       for p, client in enumerate(parsed.clients)]
         except DualPaceError as exc:
             raise schema.error_for(exc, parsed.renamed) from None
