@@ -37,7 +37,6 @@ from dualpace.sampling_params import FinishReason
 from dualpace.serve import metrics
 from dualpace.serve.address import parse_listen
 from router import openai_schema as schema
-from router.openai_logprobs import AnswerLogprobs
 from router.openai_schema import ApiError, ParsedRequest
 from router.fan_out import Choice, FanOut, choice_request_id
 from router.openai_answer import Answer
@@ -167,20 +166,21 @@ class HttpFront:
     async def _generate(self, request: web.Request, parsed: ParsedRequest, id_prefix: str) -> web.StreamResponse:
         self._check_model(parsed.model)
         core = self.core
-        num_choices = parsed.n * len(parsed.clients)
+        num_choices = parsed.candidates * len(parsed.clients)  # engine requests (best_of > n: candidates)
         try:
             if parsed.client.request_id is not None:
                 request_id = request_id_for(parsed.client)
             else:
                 request_id = f"{id_prefix}-{uuid.uuid4().hex}"
             # Choice 0 of every prompt now (each prompt tokenized and checked); fan_out starts the rest.
-            relays = [await open_request(core, client, choice_request_id(request_id, p * parsed.n, num_choices),
-                                         default_max_tokens=(schema.CHAT_DEFAULT_MAX_TOKENS
-                                                             if parsed.default_max_tokens else None))
+            default_max_tokens = schema.CHAT_DEFAULT_MAX_TOKENS if parsed.default_max_tokens else None
+            relays = [await open_request(core, client,
+                                         choice_request_id(request_id, p * parsed.candidates, num_choices),
+                                         default_max_tokens=default_max_tokens)
                       for p, client in enumerate(parsed.clients)]
         except DualPaceError as exc:
             raise schema.error_for(exc, parsed.renamed) from None
-        fan_out = FanOut(core, request_id, relays, parsed.n)
+        fan_out = FanOut(core, request_id, relays, parsed.candidates)
         answer = Answer(parsed, request_id, self.model_id, fan_out)
         self.metrics.prompt_tokens.inc(sum(len(r.prompt_token_ids) for r in relays))
         self.metrics.running.inc()

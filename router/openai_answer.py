@@ -1,6 +1,8 @@
 """One OpenAI request's response shapes, over all its choices: the whole body, or the stream of
 chunks, each choice numbered by its index (router/fan_out.py), with tool calls parsed from a chat
-answer when the request had tools (router/openai_tools.py). Pure: no aiohttp, no sockets."""
+answer when the request had tools (router/openai_tools.py), and each choice's own logprobs and
+echo (router/openai_logprobs.py: with a list of prompts, a choice echoes its own prompt). Pure: no
+aiohttp, no sockets."""
 
 from __future__ import annotations
 
@@ -10,6 +12,8 @@ from dataclasses import dataclass, field
 from dualpace.sampling_params import FinishReason
 from router import openai_schema as schema
 from router.fan_out import Choice, FanOut
+from router.openai_choices import best_indices
+from router.openai_logprobs import AnswerLogprobs
 from router.openai_schema import ParsedRequest
 from router.openai_tools import ToolCallStream, split_tool_calls
 from router.relay import RelayUpdate
@@ -22,6 +26,10 @@ class _ChoiceText:
     texts: list[str] = field(default_factory=list)
     reason: FinishReason | None = None
     tools: ToolCallStream | None = None  # streamed chat with tools: content with the calls held back
+    logprobs: AnswerLogprobs | None = None  # with logprobs or echo: made at the choice's first update
+    started: bool = False
+    delta_logprobs: dict | None = None  # the logprobs object of the last update (streaming)
+    cumulative_logprob: float = 0.0  # of the sampled tokens, when the engine reports them (best_of)
 
 
 @dataclass
@@ -46,9 +54,19 @@ class Answer:
                             sum(r.num_cached_tokens for r in firsts))
 
     def add(self, choice: Choice, update: RelayUpdate) -> None:
-        """Whole answers: remember the text and the finish reason."""
+        """Every update, streamed or not: remember the text, the logprobs and the finish reason."""
         state = self._choices[choice.index]
+        if not state.started:
+            state.started = True
+            state.logprobs = AnswerLogprobs.for_choice(self.parsed, self.parsed.clients[choice.prompt_index],
+                                                       self.fan_out.core.tokenizer, choice.relay.prompt_token_ids)
+            if state.logprobs is not None and self.parsed.hides_logprobs:  # asked for ranking only
+                state.logprobs.num_top = None
+                state.logprobs = state.logprobs if state.logprobs.echo_text is not None else None
         state.texts.append(update.text)
+        state.cumulative_logprob += sum(entry.logprob for entry in update.logprobs if entry is not None)
+        if state.logprobs is not None:
+            state.delta_logprobs = state.logprobs.take(update)
         if update.finish_reason is not None:
             state.reason = update.finish_reason
 
@@ -59,14 +77,21 @@ class Answer:
     def whole(self) -> dict:
         shape = schema.chat_completion if self.parsed.chat else schema.completion
         body = None
-        for index, state in enumerate(self._choices):
+        shown = range(len(self._choices))
+        if self.parsed.best_of is not None:  # best_of > n: the n best candidates of each prompt
+            shown = best_indices([c.cumulative_logprob for c in self._choices], self.parsed.n, self.parsed.best_of)
+        for index, state in enumerate(self._choices[k] for k in shown):
             text, reason = "".join(state.texts), schema.finish_reason_text(state.reason)
+            if state.logprobs is not None:
+                text = state.logprobs.echo_prefix() + text
             calls = []
             if self.parses_calls:
                 text, calls = split_tool_calls(text)
             one = shape(self.request_id, self.created, self.model, text, reason, {})
             entry = one["choices"][0]
             entry["index"] = index
+            if state.logprobs is not None:
+                entry["logprobs"] = state.logprobs.whole()
             if calls:
                 entry["message"]["tool_calls"] = calls
                 entry["finish_reason"] = TOOL_CALLS
@@ -91,22 +116,28 @@ class Answer:
         return chunk
 
     def chunks(self, choice: Choice, update: RelayUpdate) -> list[dict]:
+        """The chunks of one update, after add() took it."""
         index = choice.index
         reason = schema.finish_reason_text(update.finish_reason)
+        state = self._choices[index]
+        logprobs = state.delta_logprobs if state.logprobs is not None else None
         if not self.parsed.chat:
-            if not update.text and reason is None:
+            text = (state.logprobs.echo_prefix() if state.logprobs is not None else "") + update.text
+            if not text and reason is None and logprobs is None:
                 return []
-            chunk = schema.completion_chunk(self.request_id, self.created, self.model, update.text, reason,
+            chunk = schema.completion_chunk(self.request_id, self.created, self.model, text, reason,
                                             self.parsed.include_usage)
             chunk["choices"][0]["index"] = index
+            chunk["choices"][0]["logprobs"] = logprobs
             return [chunk]
-        tools = self._choices[index].tools
+        tools = state.tools
         text = update.text if tools is None else tools.feed(update.text)
         out = []
         if reason is not None and tools is not None:
             text += tools.finish()
-        if text:
+        if text or logprobs is not None:
             out.append(self._chat_chunk(index, {"content": text}, None))
+            out[-1]["choices"][0]["logprobs"] = logprobs
         if reason is not None:
             if tools is not None and tools.calls:
                 calls = [{"index": n, **call} for n, call in enumerate(tools.calls)]

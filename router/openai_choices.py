@@ -2,34 +2,59 @@
 
 Pure checks, each error naming its field (InvalidArgument; the HTTP front answers 400).
 
-`best_of` > n would rank best_of candidates by their cumulative log-probability and return the n
-best. The engines do not report log-probabilities to the router yet, so there is nothing honest
-to rank by: best_of = n (or absent) is served, best_of > n is refused saying why.
+`best_of` > n runs best_of candidates per prompt, each with the sampled tokens' log-probabilities
+asked of the engine (logprobs = 0 when the client asked for none, and then not shown), and
+answers with the n of highest cumulative log-probability (router/openai_answer.py), as OpenAI
+and vLLM's V0 engine define it. Like OpenAI, it cannot be streamed: the best are known only at
+the end.
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 from dualpace.errors import InvalidArgument
+from dualpace.sampling_params import SamplingParams
 
 
 def num_choices(n: int, best_of: int | None, num_prompts: int, max_choices: int) -> int:
-    """n, checked: 1 <= n, best_of (when set) == n, and n * num_prompts <= max_choices."""
+    """n, checked: 1 <= n <= best_of (when set), and the candidates (best_of or n) times
+    num_prompts <= max_choices."""
     if n < 1:
         raise InvalidArgument("n", f"must be an integer >= 1, got {n}")
-    if best_of is not None:
-        if best_of < n:
-            raise InvalidArgument("best_of", f"must be >= n ({n}), got {best_of}")
-        if best_of > n:
-            raise InvalidArgument("best_of", f"best_of > n ({best_of} > {n}) ranks candidates by cumulative "
-                                             "log-probability, which the engines do not report to the router yet; "
-                                             "send best_of = n or leave it out")
-    if n * num_prompts > max_choices:
-        field = "n" if num_prompts == 1 else "prompt"
-        raise InvalidArgument(field, f"{num_prompts} prompt(s) x n = {n} is {n * num_prompts} choices; "
-                                     f"at most {max_choices} per request")
+    if best_of is not None and best_of < n:
+        raise InvalidArgument("best_of", f"must be >= n ({n}), got {best_of}")
+    candidates = n if best_of is None else best_of
+    if candidates * num_prompts > max_choices:
+        field = ("n" if best_of is None else "best_of") if num_prompts == 1 else "prompt"
+        raise InvalidArgument(field, f"{num_prompts} prompt(s) x {candidates} candidates is "
+                                     f"{candidates * num_prompts} engine requests; at most {max_choices} per request")
     return n
+
+
+def ranked_params(n: int, best_of: int | None, stream: bool, params: SamplingParams) -> tuple[SamplingParams, bool]:
+    """With best_of > n: the params asking the engine for the sampled tokens' logprobs (that the
+    candidates are ranked by), and whether those logprobs are hidden from the answer (the client
+    asked for none). Otherwise the params unchanged."""
+    if best_of is None or best_of == n:
+        return params, False
+    if stream:
+        raise InvalidArgument("best_of", f"best_of > n ({best_of} > {n}) cannot be streamed: the best "
+                                         "candidates are known only when all have finished")
+    if params.logprobs is not None:
+        return params, False
+    return replace(params, logprobs=0), True
+
+
+def best_indices(cumulative_logprobs: list[float], n: int, best_of: int) -> list[int]:
+    """The candidates to answer with, prompt-major: for each prompt's best_of candidates (indices
+    p * best_of ...), the n of highest cumulative logprob, best first (ties: the lower index)."""
+    chosen = []
+    for first in range(0, len(cumulative_logprobs), best_of):
+        group = range(first, first + best_of)
+        chosen.extend(sorted(group, key=lambda i: (-cumulative_logprobs[i], i))[:n])
+    return chosen
 
 
 def split_prompts(prompt: Any) -> list[str | list[int]] | None:

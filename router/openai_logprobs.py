@@ -86,14 +86,16 @@ class AnswerLogprobs:
     _echo_text_sent: bool = False
 
     @classmethod
-    def for_request(cls, parsed, tokenizer, prompt_token_ids: Sequence[int]) -> AnswerLogprobs | None:
-        params = parsed.client.params
+    def for_choice(cls, parsed, client, tokenizer, prompt_token_ids: Sequence[int]) -> AnswerLogprobs | None:
+        """One choice's accumulator (None when the request asked for neither logprobs nor echo);
+        client: the ClientRequest of that choice's prompt, whose text echo returns."""
+        params = client.params
         echo = getattr(parsed, "echo", False)
         if params.logprobs is None and not echo:
             return None
         echo_text = None
         if echo:
-            echo_text = parsed.client.text if parsed.client.text is not None else tokenizer.decode(prompt_token_ids)
+            echo_text = client.text if client.text is not None else tokenizer.decode(prompt_token_ids)
         return cls(tokenizer, parsed.chat, params.logprobs, echo_text, prompt_token_ids,
                    getattr(parsed, "tokens_as_ids", False))
 

@@ -4,7 +4,7 @@ Pure: JSON-ready dicts in, a ClientRequest (the same one the gRPC Router API bui
 response dicts out; no aiohttp, no sockets. Validation the router already does
 (dualpace.validation via router.prompts.prepare_prompt) is not repeated here; this module
 checks what only the HTTP shape has: JSON types, OpenAI fields DualPace does not support
-(n > 1, tools, ...) and fields nobody defined. Errors are `ApiError`, which
+(suffix, the deprecated functions, ...) and fields nobody defined. Errors are `ApiError`, which
 renders as OpenAI's `{"error": {"message", "type", "param", "code"}}`.
 """
 
@@ -21,7 +21,8 @@ from dualpace.client_request import ClientRequest
 from dualpace.errors import DualPaceError, InvalidArgument, Overloaded, Unavailable
 from dualpace.sampling_params import FinishReason, SamplingParams
 from dualpace.serve.status import status_for
-from router.openai_choices import num_choices, split_prompts
+from router import openai_logprobs
+from router.openai_choices import num_choices, ranked_params, split_prompts
 from router.openai_guided import with_guided
 from router.openai_messages import chat_messages
 from router.openai_tools import ToolSetup, parse_tools
@@ -115,6 +116,15 @@ class ParsedRequest:
     n: int = 1  # choices per prompt (router/fan_out.py)
     extra_clients: tuple[ClientRequest, ...] = ()  # /v1/completions with a list of prompts: the 2nd on
     tools: ToolSetup | None = None  # chat with tools: calls are parsed from the output
+    echo: bool = False  # completions: each prompt comes back before its choices' text
+    tokens_as_ids: bool = False  # vLLM's return_tokens_as_token_ids (router/openai_logprobs.py)
+    best_of: int | None = None  # completions: > n runs this many candidates per prompt, answers the n best
+    hides_logprobs: bool = False  # best_of > n without logprobs: asked of the engine for ranking only
+
+    @property
+    def candidates(self) -> int:
+        """Engine requests per prompt: best_of, else n."""
+        return self.best_of if self.best_of is not None else self.n
 
     @property
     def clients(self) -> tuple[ClientRequest, ...]:
@@ -189,10 +199,6 @@ def _stop(body: _Body) -> tuple[str, ...]:
 def _unsupported_fields(body: _Body, chat: bool) -> None:
     """OpenAI fields that would change the answer in ways DualPace cannot produce: a clear 400."""
     if chat:
-        if body.raw("logprobs") not in (None, False):
-            raise unsupported("logprobs", "is not supported: the engines do not produce log-probabilities")
-        if body.raw("top_logprobs") is not None:
-            raise unsupported("top_logprobs", "is not supported: the engines do not produce log-probabilities")
         if body.raw("functions"):
             raise unsupported("functions", "the deprecated functions field is not supported: send tools")
         if body.raw("function_call") not in (None, "none"):
@@ -200,11 +206,6 @@ def _unsupported_fields(body: _Body, chat: bool) -> None:
     else:
         if body.raw("suffix") not in (None, ""):
             raise unsupported("suffix")
-    for name in ("presence_penalty", "frequency_penalty"):
-        if body.number(name, 0.0) != 0.0:
-            raise unsupported(name, "penalties are not supported (send 0 or leave it out)")
-    if body.raw("logit_bias"):
-        raise unsupported("logit_bias")
 
 
 def _sampling(body: _Body, max_tokens: int, chat: bool = False) -> SamplingParams:
@@ -286,13 +287,18 @@ def parse_completion(raw: Any) -> ParsedRequest:
     _unsupported_fields(body, chat=False)
     stream, include_usage = _stream(body)
     max_tokens, _ = _max_tokens(body, ("max_tokens",), COMPLETION_DEFAULT_MAX_TOKENS)
-    renamed = {"text": "prompt", "prompt_token_ids": "prompt"}
+    renamed = {"text": "prompt", "prompt_token_ids": "prompt", **openai_logprobs.RENAMED_COMPLETION}
     params = with_guided(body.raw, _sampling(body, max_tokens), renamed)
-    n = num_choices(body.integer("n", 1), body.integer("best_of", None), 1, MAX_CHOICES)
+    best_of = body.integer("best_of", None)
+    n = num_choices(body.integer("n", 1), best_of, 1, MAX_CHOICES)
+    params, hides_logprobs = ranked_params(n, best_of, stream, params)
     request_id = _request_id(body)
     body.reject_unknown()
     client = ClientRequest(request_id=request_id, text=text, prompt_token_ids=ids, messages=None, params=params)
-    return ParsedRequest(False, model, client, stream, include_usage, False, renamed, n=n)
+    return ParsedRequest(False, model, client, stream, include_usage, False, renamed, n=n,
+                         echo=body.boolean("echo", False),
+                         tokens_as_ids=body.boolean("return_tokens_as_token_ids", False),
+                         best_of=best_of if best_of != n else None, hides_logprobs=hides_logprobs)
 
 
 def parse_chat(raw: Any) -> ParsedRequest:
@@ -304,15 +310,16 @@ def parse_chat(raw: Any) -> ParsedRequest:
     stream, include_usage = _stream(body)
     max_tokens, name = _max_tokens(body, ("max_completion_tokens", "max_tokens"), None)
     tools = parse_tools(body.raw("tools"), body.raw("tool_choice"))
-    renamed = {"max_tokens": name}
-    params = with_guided(body.raw, _sampling(body, max_tokens if max_tokens is not None else 1), renamed,
+    renamed = {"max_tokens": name, **openai_logprobs.RENAMED_CHAT}
+    params = with_guided(body.raw, _sampling(body, max_tokens if max_tokens is not None else 1, chat=True), renamed,
                          tools.guided() if tools is not None else None)
     n = num_choices(body.integer("n", 1), None, 1, MAX_CHOICES)
     request_id = _request_id(body)
     body.reject_unknown()
     client = ClientRequest(request_id=request_id, text=None, prompt_token_ids=None, messages=messages, params=params,
                            tools=tools.tools if tools is not None else None)
-    return ParsedRequest(True, model, client, stream, include_usage, max_tokens is None, renamed, n=n, tools=tools)
+    return ParsedRequest(True, model, client, stream, include_usage, max_tokens is None, renamed, n=n, tools=tools,
+                         tokens_as_ids=body.boolean("return_tokens_as_token_ids", False))
 
 
 # ---------------------------------------------------------------------- responses

@@ -185,7 +185,8 @@ FIELDS = {"max_tokens": NUMBER, "temperature": NUMBER, "top_p": NUMBER, "top_k":
           "stream": JSON_VALUE, "n": NUMBER, "logprobs": JSON_VALUE, "ignore_eos": JSON_VALUE,
           "max_completion_tokens": NUMBER, "frobnicate": JSON_VALUE, "model": JSON_VALUE,
           "top_logprobs": NUMBER, "echo": JSON_VALUE, "presence_penalty": NUMBER, "frequency_penalty": NUMBER,
-          "repetition_penalty": NUMBER, "min_tokens": NUMBER,
+          "repetition_penalty": NUMBER, "min_tokens": NUMBER, "best_of": NUMBER,
+          "return_tokens_as_token_ids": JSON_VALUE,
           "logit_bias": st.one_of(st.dictionaries(ODD_TEXT, NUMBER, max_size=3), JSON_VALUE)}
 
 

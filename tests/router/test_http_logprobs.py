@@ -168,3 +168,72 @@ def test_logprobs_are_probabilities(client, model_folder):  # noqa: F811
     for top in whole.choices[0].logprobs.top_logprobs:
         assert 20 <= len(top) <= 21 and all(v <= 0 for v in top.values())
         assert sum(math.exp(v) for v in top.values()) <= 1 + 1e-5
+
+
+def check_against_hf(hf_model, prompt: list[int], tokens: list[str], values: list[float]) -> list[int]:
+    """A choice's logprobs (tokens named "token_id:N") equal transformers' on its own tokens."""
+    output = [int(text.removeprefix("token_id:")) for text in tokens]
+    reference = hf_log_probs(hf_model, prompt + output)
+    for i, token_id in enumerate(output):
+        assert abs(values[i] - float(reference[len(prompt) + i - 1][token_id])) < TOLERANCE
+    return output
+
+
+def test_every_choice_of_n_carries_its_own_logprobs(client, model_folder, hf_model, tokenizer):  # noqa: F811
+    args = {"model": model_folder, "prompt": PROMPT_IDS, "max_tokens": 6, "temperature": 1.0, "seed": 5, "n": 2,
+            "logprobs": 2, "extra_body": {"ignore_eos": True, "return_tokens_as_token_ids": True}}
+    whole = client.completions.create(**args)
+    assert sorted(c.index for c in whole.choices) == [0, 1]
+    outputs = []
+    for choice in sorted(whole.choices, key=lambda c: c.index):
+        lp = choice.logprobs
+        assert len(lp.tokens) == len(lp.token_logprobs) == 6
+        outputs.append(check_against_hf(hf_model, PROMPT_IDS, lp.tokens, lp.token_logprobs))
+    assert outputs[0] != outputs[1]  # seeds derived per choice
+    single = client.completions.create(**{**args, "n": 1})
+    assert single.choices[0].logprobs.tokens == whole.choices[0].logprobs.tokens  # choice 0 is the n = 1 answer
+    streamed = {0: [], 1: []}
+    for chunk in client.completions.create(**args, stream=True):
+        for choice in chunk.choices:
+            if choice.logprobs:
+                streamed[choice.index].extend(choice.logprobs.tokens)
+    assert streamed == {c.index: c.logprobs.tokens for c in whole.choices}
+
+    messages = [{"role": "user", "content": "Name a colour."}]
+    chat = client.chat.completions.create(model=model_folder, messages=messages, max_tokens=5, temperature=1.0,
+                                          seed=9, n=2, logprobs=True, top_logprobs=1,
+                                          extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True})
+    prompt = tokenizer.encode_chat(messages)
+    for choice in chat.choices:
+        content = choice.logprobs.content
+        assert len(content) == 5 and all(len(e.top_logprobs) == 1 for e in content)
+        check_against_hf(hf_model, prompt, [e.token for e in content], [e.logprob for e in content])
+
+
+def test_echo_with_a_list_of_prompts_echoes_each_prompt(client, model_folder, tokenizer):  # noqa: F811
+    prompts = ["Hello there", "The sky is"]
+    whole = client.completions.create(model=model_folder, prompt=prompts, max_tokens=2, temperature=0, echo=True,
+                                      logprobs=1, extra_body={"ignore_eos": True})
+    by_index = sorted(whole.choices, key=lambda c: c.index)
+    assert len(by_index) == 2
+    for prompt, choice in zip(prompts, by_index):
+        assert choice.text.startswith(prompt)
+        lp = choice.logprobs
+        assert len(lp.tokens) == len(tokenizer.encode(prompt)) + 2
+        assert lp.token_logprobs[0] is None and all(v is not None for v in lp.token_logprobs[1:])
+
+
+def test_best_of_answers_the_candidates_of_highest_cumulative_logprob(client, model_folder):  # noqa: F811
+    args = {"model": model_folder, "prompt": PROMPT_IDS, "max_tokens": 5, "temperature": 1.0, "seed": 21,
+            "extra_body": {"ignore_eos": True, "return_tokens_as_token_ids": True}}
+    # The same seeded candidates, all shown: candidate i samples with seed + i either way.
+    every = client.completions.create(**args, n=4, logprobs=0)
+    cumulative = {c.text: sum(c.logprobs.token_logprobs) for c in every.choices}
+    assert len(cumulative) == 4  # distinct candidates, so the ranking is observable
+    ranked = sorted(cumulative, key=cumulative.get, reverse=True)
+    best = client.completions.create(**args, n=2, best_of=4)
+    assert [c.text for c in best.choices] == ranked[:2] and [c.index for c in best.choices] == [0, 1]
+    assert all(c.logprobs is None for c in best.choices)  # asked of the engine for ranking only
+    assert best.usage.completion_tokens == 4 * 5  # every candidate was generated
+    shown = client.completions.create(**args, n=1, best_of=4, logprobs=1)
+    assert shown.choices[0].text == ranked[0] and len(shown.choices[0].logprobs.tokens) == 5

@@ -11,6 +11,7 @@ from dualpace.guided_grammar import check_spec
 from dualpace.guided_spec import GuidedKind
 from router import openai_schema as schema
 from router.fan_out import choice_request_id, derived_seed
+from router.openai_choices import best_indices
 from router.openai_tools import ToolCallStream, parse_tools, split_tool_calls
 
 TOOL = {"type": "function", "function": {"name": "lookup", "parameters": {
@@ -29,6 +30,22 @@ def test_n_and_a_list_of_prompts():
     assert schema.parse_completion({"model": "m", "prompt": "x", "n": 2, "best_of": 2}).n == 2
     assert [derived_seed(2**63 - 1, i) for i in range(2)] == [2**63 - 1, 0]
     assert choice_request_id("r", 0, 1) == "r" and choice_request_id("r", 2, 3) == "r-2"
+
+
+def test_best_of_asks_the_engine_for_logprobs_and_ranks_by_them():
+    ranked = schema.parse_completion({"model": "m", "prompt": ["a", "b"], "n": 1, "best_of": 3})
+    assert ranked.best_of == 3 and ranked.candidates == 3 and ranked.hides_logprobs
+    assert all(c.params.logprobs == 0 for c in ranked.clients)  # the sampled tokens' logprobs, for ranking
+    shown = schema.parse_completion({"model": "m", "prompt": "a", "n": 2, "best_of": 4, "logprobs": 2})
+    assert shown.client.params.logprobs == 2 and not shown.hides_logprobs
+    plain = schema.parse_completion({"model": "m", "prompt": "a", "n": 2, "best_of": 2})
+    assert plain.best_of is None and plain.candidates == 2 and plain.client.params.logprobs is None
+    # prompt-major groups of best_of; the n highest of each, best first, ties to the lower index
+    assert best_indices([-3.0, -1.0, -2.0, -0.5, -0.5, -9.0], 2, 3) == [1, 2, 3, 4]
+    for fields in ({"best_of": 2, "stream": True}, {"best_of": 65}, {"n": 3, "best_of": 2}):
+        with pytest.raises(InvalidArgument) as error:
+            schema.parse_completion({"model": "m", "prompt": "a", **fields})
+        assert error.value.field == "best_of"
 
 
 def test_response_format_and_guided_fields_become_one_spec():
