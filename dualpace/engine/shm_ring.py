@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from dualpace.engine import same_host
 from dualpace.engine.shm_doorbell import Doorbell
 
 MAGIC = b"DPASHM01"
@@ -48,7 +49,6 @@ _LAYOUT_AT, _CLIENT_TOKEN_AT, _SERVER_TOKEN_AT = 8, 32, 48
 _DOORBELL_AT = {"down": 128, "up": 192}
 _SLOT_HEADER = struct.Struct("=IIQII")  # kind, layer, iteration_id, num_tensors, payload_bytes
 _TENSOR_ENTRY = struct.Struct("=II3IIQ")  # dtype code, ndim, dims[3], pad, offset in the slot
-BOOT_ID_PATH = "/proc/sys/kernel/random/boot_id"
 _DTYPE_CODES = {torch.float32: 1, torch.bfloat16: 2, torch.float16: 3, torch.int64: 4}
 _MAX_CACHED_LAYOUTS = 64
 _DTYPES = {code: dtype for dtype, code in _DTYPE_CODES.items()}
@@ -69,11 +69,7 @@ class SlotMessage:
 
 def boot_id() -> str:
     """This kernel's boot id ("" where it cannot be read: then no segment is offered or accepted)."""
-    try:
-        with open(BOOT_ID_PATH, encoding="ascii") as file:
-            return file.read().strip()
-    except OSError:
-        return ""
+    return same_host.boot_id() or ""
 
 
 def _aligned(num_bytes: int) -> int:
