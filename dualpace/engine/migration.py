@@ -23,7 +23,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, replace
 
 from dualpace.engine.channel import RequestChannel
-from dualpace.engine.kv_bytes import DTYPE_NAMES, tensor_bytes, tensor_from_bytes
+from dualpace.engine.kv_bytes import DTYPE_NAMES, tensor_buffer, tensor_from_bytes
 from dualpace.engine.kv_transfer import (
     DEFAULT_CHUNK_BYTES,
     ImportProgress,
@@ -134,9 +134,10 @@ async def _move(
     def read_chunk(seq: int, layer: int, token_start: int, token_end: int) -> KvChunk:
         # In a worker thread, off the event loop (which keeps this engine's steps going), and
         # without the step lock: the request is paused, so no step writes its slots.
+        # K and V stay buffers over the gathered tensors (no bytes copy); the transport copies them once.
         k, v = core.runner.read_kv(slot_ids[token_start:token_end], layer)
-        k_bytes, v_bytes = tensor_bytes(k), tensor_bytes(v)
-        return KvChunk(seq, layer, token_start, token_end, k_bytes, v_bytes, checksum(k_bytes, v_bytes))
+        k_buffer, v_buffer = tensor_buffer(k), tensor_buffer(v)
+        return KvChunk(seq, layer, token_start, token_end, k_buffer, v_buffer, checksum(k_buffer, v_buffer))
 
     def check_abandoned() -> None:
         if abandon.is_set():

@@ -233,7 +233,7 @@ def run_engine_daemon(
 
         def register(server: grpc.aio.Server) -> None:
             servicer = EngineServicer(parts.loop, faults, auth_token=security.auth_token,
-                                      orphan_timeout_s=args.orphan_timeout_s, peers=peers)
+                                      orphan_timeout_s=args.orphan_timeout_s, peers=peers, tls=security.tls)
             engine_pb2_grpc.add_EngineServicer_to_server(servicer, server)
             if extra_services is not None:
                 service_names.extend(extra_services(parts, server))

@@ -27,6 +27,7 @@ from dualpace.serve.logging_setup import (
 )
 from dualpace.serve.orphan_lease import DEFAULT_ORPHAN_TIMEOUT_S, OrphanLeases
 from dualpace.serve.peers import PeerList
+from dualpace.serve.security import TlsConfig
 from dualpace.wire import engine_messages as messages
 from dualpace.wire.v1 import engine_pb2, engine_pb2_grpc
 
@@ -38,12 +39,14 @@ log = get_logger(__name__)
 
 class EngineServicer(engine_pb2_grpc.EngineServicer):
     def __init__(self, loop: EngineLoop, faults: FaultConfig | None = None, auth_token: str | None = None,
-                 orphan_timeout_s: float = DEFAULT_ORPHAN_TIMEOUT_S, peers: PeerList | None = None):
+                 orphan_timeout_s: float = DEFAULT_ORPHAN_TIMEOUT_S, peers: PeerList | None = None,
+                 tls: TlsConfig | None = None):
         self.loop = loop
         self.peers = peers or PeerList()  # MigrateOut targets allowed (--peer); none by default
         self.leases = OrphanLeases(loop, orphan_timeout_s)  # keep-running requests nobody reads
         self.faults = faults or FaultConfig()
         self.auth_token = auth_token  # sent on this engine's own calls (KV migration to the target)
+        self.tls = tls  # this daemon's TLS: its migrations to TCP peers go over TLS too
 
     async def Generate(self, request, context):
         loop = self.loop
@@ -107,7 +110,7 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
         self.peers.check(request.target_address)  # before anything is paused or sent
         log.info("migrate out", target=request.target_address)
         # The stream's migrated_to is the target's address: where the client resumes the request.
-        sender = GrpcKvSender(request.target_address, self.faults, auth_token=self.auth_token)
+        sender = GrpcKvSender(request.target_address, self.faults, auth_token=self.auth_token, tls=self.tls)
         stats = await migrate_out(self.loop, request.request_id, sender, migrated_to=request.target_address)
         return messages.migrate_out_response_to_pb(stats)
 
