@@ -62,3 +62,10 @@ def encode_kv_chunk_message(chunk: KvChunk) -> bytes:
 def serialize_import_message(message: engine_pb2.ImportKvMessage | bytes) -> bytes:
     """The ImportKv request serializer: chunks come pre-encoded (bytes), the rest as messages."""
     return message if isinstance(message, bytes) else message.SerializeToString()
+
+
+def decode_kv_chunk_message(data: bytes) -> KvChunk:
+    """The chunk in a serialized ImportKvMessage, as the target's servicer reads it (benchmarks)."""
+    from dualpace.wire.engine_messages import kv_chunk_from_pb
+
+    return kv_chunk_from_pb(engine_pb2.ImportKvMessage.FromString(data).chunk)
