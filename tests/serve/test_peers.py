@@ -71,3 +71,23 @@ def test_peers_from_flags_environment_and_config_file(tmp_path):
                                                                                     "unix:/run/cpu.sock"]
     config.write_text('peer = "127.0.0.1:50062"\n')
     assert resolve_config(engine_parser(), ["--config", str(config)], {}).peer == ["127.0.0.1:50062"]
+
+
+def test_systemd_units_name_each_other_as_peers():
+    """The units' default arguments: each engine's --peer is the other engine's --listen."""
+    import re
+    import shlex
+    from pathlib import Path
+
+    units = Path(__file__).resolve().parents[2] / "deploy" / "systemd"
+
+    def default_args(unit: str) -> list[str]:
+        match = re.search(r'^Environment=DUALPACE_\w+_ARGS="([^"]*)"', (units / unit).read_text(), re.M)
+        return shlex.split(match.group(1))
+
+    def values(args: list[str], flag: str) -> list[str]:
+        return [args[i + 1] for i, arg in enumerate(args) if arg == flag]
+
+    gpu, cpu = default_args("dualpace-gpu.service"), default_args("dualpace-cpu.service")
+    PeerList(values(gpu, "--peer")).check(values(cpu, "--listen")[0])
+    PeerList(values(cpu, "--peer")).check(values(gpu, "--listen")[0])
