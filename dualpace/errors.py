@@ -44,5 +44,10 @@ class DataLoss(DualPaceError):
     engine itself is healthy (gRPC DATA_LOSS, which the router does not retry)."""
 
 
+class PermissionDenied(DualPaceError):
+    """The caller may not ask for this, e.g. a KV migration to an engine not named by --peer
+    (gRPC PERMISSION_DENIED)."""
+
+
 class FailedPrecondition(DualPaceError):
     """The engine is not in a state (or configuration) that allows this call (gRPC FAILED_PRECONDITION)."""

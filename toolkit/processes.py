@@ -14,6 +14,9 @@ from dataclasses import dataclass, field
 from dualpace.serve.readiness import LISTENING, wait_serving
 
 START_TIMEOUT_S = 120.0
+ENGINE_MODULES = ("gpu_service", "cpu_service")
+# The engines started here migrate to each other at ports picked at bind, all on 127.0.0.1.
+LOOPBACK_PEERS = ("--peer", "127.0.0.1:*")
 
 
 @dataclass
@@ -45,10 +48,13 @@ def start_daemon(module: str, *args: str, env: dict[str, str] | None = None, cpu
                  listen: str = "127.0.0.1:0") -> Daemon:
     """`python -m module args... --listen LISTEN` (an ephemeral port by default, or a fixed address to
     restart an engine where it was); waits for the address line and health SERVING.
-    cpu_cores (e.g. "0" or "0,1") pins the process with taskset."""
+    cpu_cores (e.g. "0" or "0,1") pins the process with taskset. An engine whose args name no
+    --peer gets `--peer 127.0.0.1:*` (it may migrate to the other engines started here; give
+    --peer to test the refusal, or for engines on unix: sockets)."""
     pin = ["taskset", "-c", cpu_cores] if cpu_cores is not None else []
+    peers = LOOPBACK_PEERS if module in ENGINE_MODULES and "--peer" not in args else ()
     process = subprocess.Popen(
-        [*pin, sys.executable, "-m", module, *args, "--listen", listen],
+        [*pin, sys.executable, "-m", module, *args, *peers, "--listen", listen],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         env={**os.environ, **(env or {})},
     )

@@ -194,6 +194,8 @@ class Up:
         gpu_flags = engine_flags + (["--kv-blocks", str(args.gpu_kv_blocks)] if args.gpu_kv_blocks else [])
         if self.host_tier_enabled():  # cpu_service's socket path is known before it starts
             gpu_flags += ["--host-tier", self.engine_listen("cpu")]
+        if args.policy != "gpu-only":  # hand-offs and migrations go to cpu_service, whose address is fixed here
+            gpu_flags += ["--peer", self.engine_peer("cpu")]
         gpu = self.wait_listening(self.spawn("gpu", "gpu_service", *gpu_flags, "--name", "gpu",
                                              "--listen", self.engine_listen("gpu")))
         cpu = None
@@ -201,7 +203,7 @@ class Up:
             cpu_flags = engine_flags + (["--kv-blocks", str(args.cpu_kv_blocks)] if args.cpu_kv_blocks else [])
             cpu = self.wait_listening(self.spawn(
                 "cpu", "cpu_service", *cpu_flags, "--name", "cpu", "--listen", self.engine_listen("cpu"),
-                "--gpu-service", gpu, "--assist", args.assist,
+                "--gpu-service", gpu, "--peer", gpu, "--assist", args.assist,
                 "--policy", "gated" if args.policy == "gated" else "dualpace", *profile_flags))
         router_flags = ["serve", "--gpu", gpu, "--policy", args.policy, "--model", args.model,
                         "--grace-s", str(DRAIN_GRACE_S),
@@ -235,6 +237,12 @@ class Up:
 
             self.socket_folder = tempfile.mkdtemp(prefix="dualpace-up-")  # mode 0700
         return f"unix:{os.path.join(self.socket_folder, name + '.sock')}"
+
+    def engine_peer(self, name: str) -> str:
+        """The --peer naming engine `name` before it starts: its socket path, or with
+        --engine-listen tcp any 127.0.0.1 port (it takes a free one at bind)."""
+        listen = self.engine_listen(name)
+        return "127.0.0.1:*" if listen.endswith(":0") else listen
 
     def remove_socket_folder(self) -> None:
         if self.socket_folder is not None:

@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 
 from dualpace.errors import InvalidArgument
+
+# Set once here, not per call: warnings.catch_warnings is not thread-safe, and imports run in worker threads.
+warnings.filterwarnings("ignore", message="The given buffer is not writable", category=UserWarning)
 
 DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 DTYPES_BY_NAME = {name: dtype for dtype, name in DTYPE_NAMES.items()}
@@ -18,6 +23,15 @@ def tensor_bytes(tensor: torch.Tensor) -> bytes:
     return tensor.numpy().tobytes()
 
 
+def tensor_buffer(tensor: torch.Tensor) -> memoryview:
+    """The raw bytes of a CPU tensor as a buffer, without copying a contiguous one (the export's
+    index_select result): the chunk encoder copies it once, into the message gRPC sends."""
+    tensor = tensor.contiguous().cpu()
+    if tensor.dtype in (torch.bfloat16, torch.float16):
+        tensor = tensor.view(torch.int16)
+    return memoryview(tensor.numpy()).cast("B")
+
+
 def tensor_from_bytes(data: bytes, dtype_name: str, shape: tuple[int, ...]) -> torch.Tensor:
     dtype = DTYPES_BY_NAME[dtype_name]
     expected = dtype.itemsize
@@ -26,4 +40,8 @@ def tensor_from_bytes(data: bytes, dtype_name: str, shape: tuple[int, ...]) -> t
     if len(data) != expected:
         raise InvalidArgument("chunk", f"holds {len(data)} bytes, expected {expected} for shape {list(shape)}")
     raw_dtype = torch.int16 if dtype in (torch.bfloat16, torch.float16) else dtype
-    return torch.frombuffer(bytearray(data), dtype=raw_dtype).view(dtype).view(shape)
+    if not data:
+        return torch.empty(shape, dtype=dtype)
+    # A view of the received (read-only) bytes, no copy: it is only read, by the scatter into the
+    # KV pool (torch's warning about writing to it is silenced below).
+    return torch.frombuffer(data, dtype=raw_dtype).view(dtype).view(shape)

@@ -1,7 +1,7 @@
 """KV transfer between engines: chunking, checksums, and the import bookkeeping.
 
 A request's KV travels as chunks of one layer and a token range each, carrying
-K and V bytes and a CRC32 of both. The target verifies sequence numbers,
+K and V bytes and a CRC32C of both (kv_checksum.py). The target verifies sequence numbers,
 ranges and checksums as chunks arrive, writes them into blocks it reserved
 for the request, and only on commit makes the request live. Torch-free (the bytes <->
 tensor helpers are in kv_bytes.py, so the wire and the router read these types without
@@ -10,9 +10,9 @@ torch); no grpc here (see the servicers).
 
 from __future__ import annotations
 
-import zlib
 from dataclasses import dataclass, field
 
+from dualpace.engine.kv_checksum import kv_checksum
 from dualpace.errors import InvalidArgument
 from dualpace.sampling_params import SamplingParams
 
@@ -57,13 +57,12 @@ class KvChunk:
     layer: int
     token_start: int
     token_end: int
-    k: bytes
+    k: bytes  # or, on the sending side, any byte buffer (a memoryview of the exported tensor)
     v: bytes
-    crc32: int
+    crc32: int  # CRC32C of k then v (kv_checksum)
 
 
-def checksum(k: bytes, v: bytes) -> int:
-    return zlib.crc32(v, zlib.crc32(k))
+checksum = kv_checksum  # the name the transports use
 
 
 def token_ranges(num_tokens: int, layout: KvLayout, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> list[tuple[int, int]]:
@@ -109,7 +108,7 @@ class ImportProgress:
 
     @staticmethod
     def check_checksum(chunk: KvChunk) -> None:
-        """The CRC32 of K + V (zlib, in C; it releases the GIL on large buffers)."""
+        """The CRC32C of K + V (kv_checksum; it releases the GIL on large buffers)."""
         if checksum(chunk.k, chunk.v) != chunk.crc32:
             raise InvalidArgument("chunk.crc32", f"checksum mismatch in chunk {chunk.seq}")
 

@@ -5,7 +5,9 @@ the target, and only after the target commits end the request's stream here with
 a `migrated_to` event (at once, without waiting for a step boundary, so the client
 resumes on the target without delay) and free its blocks (at the next boundary,
 before returning). Any failure before the commit resumes the request on the
-source; nothing is lost.
+source; nothing is lost. Cancelling migrate_out's caller never strands the request: before
+the last chunk is sent the move is abandoned and the request resumes here, after it the
+move completes (see migrate_out).
 
 Target (`KvImporter`): reserve blocks when the header arrives, verify and write
 each chunk, check completeness on prepare, and make the request live on commit.
@@ -22,7 +24,7 @@ from dataclasses import dataclass, replace
 
 from dualpace.engine.channel import RequestChannel
 from dualpace.engine.kv_source import OutgoingKv
-from dualpace.engine.kv_bytes import DTYPE_NAMES, tensor_bytes, tensor_from_bytes
+from dualpace.engine.kv_bytes import DTYPE_NAMES, tensor_buffer, tensor_from_bytes
 from dualpace.engine.kv_transfer import (
     DEFAULT_CHUNK_BYTES,
     ImportProgress,
@@ -60,12 +62,51 @@ def engine_kv_layout(loop: EngineLoop) -> KvLayout:
     return KvLayout(kv.num_layers, kv.num_kv_heads, kv.head_dim, kv.block_size, DTYPE_NAMES[kv.dtype])
 
 
+class MigrationAbandoned(Unavailable):
+    """The caller of migrate_out went away (its RPC was cancelled) before the last chunk was sent."""
+
+
 async def migrate_out(
     loop: EngineLoop, request_id: str, send: SendTransfer, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
     migrated_to: str | None = None,
 ) -> MigrationStats:
     """Move the request; its stream here ends with `migrated_to` (default: the target engine's name),
-    which over gRPC is the target's address, where the client resumes."""
+    which over gRPC is the target's address, where the client resumes.
+
+    The move runs as a task of its own, so cancelling the caller (the MigrateOut RPC: a router
+    restart, a deadline) never strands the request paused with its blocks. It stops at the next
+    safe point instead: until the last chunk is sent, the transfer is abandoned (the sender ends
+    the import, the target frees what it reserved) and the request resumes here; after that the
+    move completes (the target's commit decides) and the release frees the blocks here."""
+    abandon = asyncio.Event()
+    move = asyncio.ensure_future(_move(loop, request_id, send, chunk_bytes, migrated_to, abandon))
+    try:
+        return await asyncio.shield(move)
+    except asyncio.CancelledError:
+        abandon.set()
+        _ABANDONED_MOVES.add(move)  # a strong reference until it ends (the event loop keeps weak ones)
+        move.add_done_callback(_log_abandoned_move)
+        raise
+
+
+_ABANDONED_MOVES: set[asyncio.Future] = set()
+
+
+def _log_abandoned_move(move: asyncio.Future) -> None:
+    _ABANDONED_MOVES.discard(move)
+    if move.cancelled():
+        return
+    if (error := move.exception()) is not None:
+        log.info("migrate out: cancelled by its caller; %s", error)
+    else:
+        log.info("migrate out: cancelled by its caller after the last chunk; committed on %s",
+                 move.result().target_engine)
+
+
+async def _move(
+    loop: EngineLoop, request_id: str, send: SendTransfer, chunk_bytes: int, migrated_to: str | None,
+    abandon: asyncio.Event,
+) -> MigrationStats:
     start = time.perf_counter()
     core = loop.core
     layout = engine_kv_layout(loop)
@@ -97,17 +138,27 @@ async def migrate_out(
     def read_chunk(seq: int, layer: int, token_start: int, token_end: int) -> KvChunk:
         # In a worker thread, off the event loop (which keeps this engine's steps going), and
         # without the step lock: the request is paused, so no step writes its slots.
+        # K and V stay buffers over the gathered tensors (no bytes copy); the transport copies them once.
         k, v = core.runner.read_kv(slot_ids[token_start:token_end], layer)
-        k_bytes, v_bytes = tensor_bytes(k), tensor_bytes(v)
-        return KvChunk(seq, layer, token_start, token_end, k_bytes, v_bytes, checksum(k_bytes, v_bytes))
+        k_buffer, v_buffer = tensor_buffer(k), tensor_buffer(v)
+        return KvChunk(seq, layer, token_start, token_end, k_buffer, v_buffer, checksum(k_buffer, v_buffer))
+
+    def check_abandoned() -> None:
+        if abandon.is_set():
+            raise MigrationAbandoned(f"migrate out of {request_id!r} cancelled by its caller before the commit")
 
     async def read_chunk_in_pool(seq: int, layer: int, token_start: int, token_end: int) -> KvChunk:
         return await run_in_pool("kv-export", read_chunk, seq, layer, token_start, token_end)
 
     try:
-        target_engine = await send(header, OutgoingKv(core.runner.kv, slot_ids, chunk_plan, read_chunk_in_pool))
+        check_abandoned()  # cancelled while the pause waited for a step boundary
+        # Read chunk by chunk on the gRPC path, with a safe point before each and after the last
+        # (the sender commits next); a same-host transport copies the blocks in place instead.
+        outgoing = OutgoingKv(core.runner.kv, slot_ids, chunk_plan, read_chunk_in_pool, safe_point=check_abandoned)
+        target_engine = await send(header, outgoing)
     except BaseException:
-        await _resume_if_paused(loop, request_id)
+        # Shielded: a cancelled command is skipped, and the request would stay paused for good.
+        await asyncio.shield(_resume_if_paused(loop, request_id))
         raise
     sent = time.perf_counter()
     destination = migrated_to or target_engine
@@ -123,7 +174,7 @@ async def migrate_out(
             core.scheduler.release(request_id, migrated_to=destination)  # its event: already sent above
 
     try:
-        await loop.call(release)
+        await asyncio.shield(loop.call(release))
     except Unavailable:  # this engine stopped meanwhile: its blocks go with it; the move itself succeeded
         log.info("migrate out: %s committed on %s; this engine stopped before freeing its blocks",
                  request_id, destination)
@@ -235,9 +286,9 @@ class KvImporter:
         def commit() -> None:
             self.loop.core.scheduler.commit_import(request)
             self.loop.add_channel(channel)
+            self._committed = True  # in the command: a caller cancelled meanwhile must not cancel a live import
 
         await self.loop.call(commit)
-        self._committed = True
         return self.loop.core.config.name
 
     async def cancel(self) -> None:

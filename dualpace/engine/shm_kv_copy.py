@@ -6,17 +6,18 @@ slots and target slots are cut into runs that are contiguous on both sides, and 
 one strided copy over all layers at once: a fresh pool with equal block sizes gives one run
 for the whole request, a fragmented one a run per block.
 
-The checksum of a layer is the CRC-32 (zlib) of its K bytes in token order followed by its V
-bytes in token order: the crc32 a gRPC chunk covering the whole layer would carry. Each side
+The checksum of a layer is the CRC32C (dualpace.engine.kv_checksum's, in hardware) of its K
+bytes in token order followed by its V bytes in token order: the checksum a gRPC chunk covering
+the whole layer would carry. Each side
 computes it over its own memory, so the target checks what actually landed in its blocks.
 """
 
 from __future__ import annotations
 
 import threading
-import zlib
 from typing import Protocol
 
+import crc32c
 import numpy as np
 import torch
 
@@ -75,7 +76,7 @@ def layer_checksums(k_pool: torch.Tensor, v_pool: torch.Tensor, slot_ids: list[i
         crc = 0
         for flat in (k_flat, v_flat):
             for start, _, length in runs:
-                crc = zlib.crc32(_raw(flat[layer, start:start + length]), crc)
+                crc = crc32c.crc32c(_raw(flat[layer, start:start + length]), crc)
         checksums.append(crc)
     return checksums
 

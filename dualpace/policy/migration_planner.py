@@ -25,6 +25,15 @@ from dualpace.policy.views import (
 
 __all__ = ["MigrationConfig", "PlannedMigration", "plan_migrations", "transfer_ms"]
 
+# Without a profile, KV transfer is priced at the slowest gRPC (loopback) migration measured in
+# the stored local profiles, profiles/local/smollm2-135m-bf16-amd-epyc-2c-t1-cpu*.json (their
+# `kv_transfer` fits: 0.74-1.02 GB/s, 11-24 ms fixed per request, a 2-core AMD EPYC): the lowest
+# rate and the highest fixed cost, so a move's payoff is not overestimated on a slow host.
+# tests/policy/test_migration_planner.py keeps these in step with those files.
+MEASURED_KV_TRANSFER_BYTES_PER_S = 741e6
+MEASURED_KV_TRANSFER_FIXED_MS = 24.1
+MEASURED_KV_TRANSFER_PROFILES = "profiles/local/smollm2-135m-bf16-amd-epyc-2c-t1-cpu*.json"
+
 REASON_GPU_KV_PRESSURE = "gpu_kv_pressure"
 REASON_GPU_HEADROOM = "gpu_headroom"
 
@@ -34,8 +43,8 @@ class MigrationConfig:
     gpu_high_watermark: float = 0.9  # GPU KV used fraction above which requests move to the CPU
     gpu_target_watermark: float = 0.75  # ...until the projected fraction is at most this
     gpu_low_watermark: float = 0.5  # GPU KV used fraction below which CPU requests may come back
-    kv_transfer_bytes_per_s: float = 2e9
-    kv_transfer_fixed_ms: float = 5.0
+    kv_transfer_bytes_per_s: float = MEASURED_KV_TRANSFER_BYTES_PER_S  # without a profile (see above)
+    kv_transfer_fixed_ms: float = MEASURED_KV_TRANSFER_FIXED_MS
     migration_overhead_ms: float = 10.0
     max_per_tick: int = 4  # migrations started per planning tick
     # Moves one request may make in its life (the hand-off counts): without a bound, GPU

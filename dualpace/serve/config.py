@@ -4,9 +4,11 @@
 
 Every long flag of the daemon can also be given
   - in the environment as DUALPACE_<FLAG> (dashes as underscores, upper case):
-    DUALPACE_KV_BLOCKS=512, DUALPACE_NO_MIGRATE=true;
+    DUALPACE_KV_BLOCKS=512, DUALPACE_NO_MIGRATE=true, a repeatable flag comma-separated:
+    DUALPACE_PEER=127.0.0.1:50062,unix:/run/dualpace/cpu.sock;
   - in the TOML file named by --config (or DUALPACE_CONFIG), under its long name with
-    dashes or underscores: `kv-blocks = 512`, `listen = "127.0.0.1:50061"`, `no-migrate = true`.
+    dashes or underscores: `kv-blocks = 512`, `listen = "127.0.0.1:50061"`, `no-migrate = true`,
+    a repeatable flag as a list: `peer = ["127.0.0.1:50062"]`.
 Precedence: command-line flag > environment > config file > the flag's default.
 
 An unknown key in the file, a value of the wrong type or outside the flag's choices, or
@@ -153,7 +155,20 @@ def _read_toml(path: str) -> dict[str, Any]:
 
 
 def _convert(action: argparse.Action, value: Any, where: str, from_text: bool) -> Any:
-    """The value as the flag would have produced it (type, choices); ConfigError naming `where`."""
+    """The value as the flag would have produced it (type, choices); ConfigError naming `where`.
+    A repeatable flag (action="append", e.g. --peer) takes a TOML list, or in the environment a
+    comma-separated text."""
+    if isinstance(action, argparse._AppendAction):
+        items = value.split(",") if isinstance(value, str) and from_text else value
+        items = [items] if isinstance(items, str) else items
+        if not isinstance(items, list):
+            raise ConfigError(f"{where}: expected a list of values, got {value!r}")
+        return [_convert_one(action, item.strip() if isinstance(item, str) else item, where, from_text)
+                for item in items if not (isinstance(item, str) and not item.strip())]
+    return _convert_one(action, value, where, from_text)
+
+
+def _convert_one(action: argparse.Action, value: Any, where: str, from_text: bool) -> Any:
     if isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction)):
         if isinstance(value, str) and from_text:
             if value.strip().lower() in _TRUE:

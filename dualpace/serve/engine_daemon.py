@@ -47,6 +47,7 @@ from dualpace.serve.event_loop import serve_forever
 from dualpace.serve.logging_setup import configure_logging, get_logger
 from dualpace.serve.metrics import add_metrics_argument, start_from_args
 from dualpace.serve.orphan_lease import DEFAULT_ORPHAN_TIMEOUT_S
+from dualpace.serve.peers import PeerList
 from dualpace.serve.sd_notify import Notifier, watchdog_interval_s
 from dualpace.serve.security import (
     add_security_arguments,
@@ -82,6 +83,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser, default_name: str, def
                         help="reuse the KV of prompt prefixes computed before (automatic prefix caching)")
     parser.add_argument("--listen", default="127.0.0.1:0",
                         help="HOST:PORT; port 0 picks a free port; a non-loopback host needs --tls-cert/--tls-key")
+    parser.add_argument("--peer", action="append", default=[], metavar="ADDR",
+                        help="an engine this one may migrate requests to (HOST:PORT, unix:PATH, or HOST:* for "
+                             "any port of HOST); repeat for each. MigrateOut to any other target is refused "
+                             "with PERMISSION_DENIED; with no --peer every target is refused")
     parser.add_argument("--grace-s", type=float, default=DEFAULT_GRACE_S,
                         help="on SIGTERM, how long running requests may take to finish before they are aborted")
     parser.add_argument("--orphan-timeout-s", type=float, default=DEFAULT_ORPHAN_TIMEOUT_S,
@@ -211,6 +216,7 @@ def run_engine_daemon(
         faults = FaultConfig.from_environ()
         security = security_from_args(args)
         check_listen_security(args.listen, security.tls)  # before the slow model load
+        peers = PeerList(args.peer)
         if args.grace_s < 0:
             raise InvalidArgument("--grace-s", f"must be >= 0, got {args.grace_s}")
         if not args.orphan_timeout_s > 0:
@@ -241,7 +247,8 @@ def run_engine_daemon(
 
         def register(server: grpc.aio.Server) -> None:
             servicer = EngineServicer(parts.loop, faults, auth_token=security.auth_token,
-                                      orphan_timeout_s=args.orphan_timeout_s, same_host=same_host)
+                                      orphan_timeout_s=args.orphan_timeout_s, same_host=same_host, peers=peers,
+                                      tls=security.tls)
             engine_pb2_grpc.add_EngineServicer_to_server(servicer, server)
             if extra_services is not None:
                 service_names.extend(extra_services(parts, server))

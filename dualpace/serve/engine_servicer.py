@@ -30,6 +30,8 @@ from dualpace.serve.logging_setup import (
     unbind_request_id,
 )
 from dualpace.serve.orphan_lease import DEFAULT_ORPHAN_TIMEOUT_S, OrphanLeases
+from dualpace.serve.peers import PeerList
+from dualpace.serve.security import TlsConfig
 from dualpace.wire import engine_messages as messages
 from dualpace.wire import kv_shm_messages as shm_messages
 from dualpace.wire.v1 import engine_pb2, engine_pb2_grpc
@@ -42,12 +44,15 @@ log = get_logger(__name__)
 
 class EngineServicer(engine_pb2_grpc.EngineServicer):
     def __init__(self, loop: EngineLoop, faults: FaultConfig | None = None, auth_token: str | None = None,
-                 orphan_timeout_s: float = DEFAULT_ORPHAN_TIMEOUT_S, same_host: SameHostKv | None = None):
+                 orphan_timeout_s: float = DEFAULT_ORPHAN_TIMEOUT_S, same_host: SameHostKv | None = None,
+                 peers: PeerList | None = None, tls: TlsConfig | None = None):
         self.loop = loop
         self.same_host = same_host  # KV through shared memory with daemons on this host (None: gRPC only)
+        self.peers = peers or PeerList()  # MigrateOut targets allowed (--peer); none by default
         self.leases = OrphanLeases(loop, orphan_timeout_s)  # keep-running requests nobody reads
         self.faults = faults or FaultConfig()
         self.auth_token = auth_token  # sent on this engine's own calls (KV migration to the target)
+        self.tls = tls  # this daemon's TLS: its migrations to TCP peers go over TLS too
 
     async def Generate(self, request, context):
         loop = self.loop
@@ -109,12 +114,13 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
         if not request.target_address:
             raise InvalidArgument("target_address", "must be set")
         bind_request_id(request_id_from_context(context) or request.request_id)
+        self.peers.check(request.target_address)  # before anything is paused or sent
         log.info("migrate out", target=request.target_address)
         # The stream's migrated_to is the target's address: where the client resumes the request.
         if self.same_host is not None:
-            sender = self.same_host.sender(request.target_address, self.faults, self.auth_token)
+            sender = self.same_host.sender(request.target_address, self.faults, self.auth_token, self.tls)
         else:
-            sender = GrpcKvSender(request.target_address, self.faults, auth_token=self.auth_token)
+            sender = GrpcKvSender(request.target_address, self.faults, auth_token=self.auth_token, tls=self.tls)
         stats = await migrate_out(self.loop, request.request_id, sender, migrated_to=request.target_address)
         if isinstance(sender, SameHostKvSender) and sender.used_shm:
             stats = dataclasses.replace(stats, transport="shm")

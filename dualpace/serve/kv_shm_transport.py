@@ -26,11 +26,10 @@ from dualpace.engine.migration import KvImporter
 from dualpace.engine.same_host import SameHostRefused, boot_id
 from dualpace.errors import InvalidArgument, Unavailable
 from dualpace.faults import FaultConfig
-from dualpace.serve.auth import token_metadata
 from dualpace.serve.kv_transport import GrpcKvSender, _ended
+from dualpace.serve.security import TlsConfig, peer_channel
 from dualpace.serve.server import channel_options
 from dualpace.wire.kv_shm_messages import kv_header_with_offer_to_pb, shm_answer_from_pb, shm_written_to_pb
-from dualpace.wire.v1 import engine_pb2_grpc
 
 log = logging.getLogger(__name__)
 
@@ -59,9 +58,8 @@ class SameHostKvSender(GrpcKvSender):
         offer = self._offer(header, chunks)
         if offer is None:
             return await super().__call__(header, chunks)
-        async with grpc.aio.insecure_channel(self.target_address, options=channel_options()) as channel:
-            call = engine_pb2_grpc.EngineStub(channel).ImportKv(timeout=self.timeout_s,
-                                                                metadata=token_metadata(self.auth_token))
+        async with peer_channel(self.target_address, self.tls, channel_options()) as channel:
+            call = self._open_import(channel)
             try:
                 await self._write(call, kv_header_with_offer_to_pb(header, offer), "the header")
                 answer = await self._expect_answer(call)
@@ -121,11 +119,12 @@ class SameHostKv:
     mapped: MappedPools = field(default_factory=MappedPools)
     declined_until: dict[str, float] = field(default_factory=dict)
 
-    def sender(self, target_address: str, faults: FaultConfig, auth_token: str | None) -> GrpcKvSender:
+    def sender(self, target_address: str, faults: FaultConfig, auth_token: str | None,
+               tls: TlsConfig | None = None) -> GrpcKvSender:
         if self.transport == "grpc":
-            return GrpcKvSender(target_address, faults, auth_token=auth_token)
+            return GrpcKvSender(target_address, faults, auth_token=auth_token, tls=tls)
         return SameHostKvSender(target_address, self.mapped, self.declined_until, faults=faults,
-                                auth_token=auth_token)
+                                auth_token=auth_token, tls=tls)
 
     def importer_side(self, importer: KvImporter) -> ShmImport:
         return ShmImport(self.pool, importer)

@@ -11,9 +11,11 @@ from dualpace.engine.kv_transfer import KvChunk, KvTransferHeader
 from dualpace.errors import Unavailable
 from dualpace.faults import FaultConfig
 from dualpace.serve.auth import token_metadata
+from dualpace.serve.security import TlsConfig, peer_channel
 from dualpace.serve.server import channel_options
-from dualpace.wire.engine_messages import kv_chunk_to_pb, kv_header_to_pb
-from dualpace.wire.v1 import engine_pb2, engine_pb2_grpc
+from dualpace.wire.engine_messages import kv_header_to_pb
+from dualpace.wire.kv_chunk_wire import IMPORT_KV_METHOD, encode_kv_chunk_message, serialize_import_message
+from dualpace.wire.v1 import engine_pb2
 
 TRANSFER_TIMEOUT_S = 120.0
 
@@ -26,16 +28,16 @@ class GrpcKvSender:
     fails with one code however the failure was noticed."""
 
     def __init__(self, target_address: str, faults: FaultConfig | None = None, timeout_s: float = TRANSFER_TIMEOUT_S,
-                 auth_token: str | None = None):
+                 auth_token: str | None = None, tls: TlsConfig | None = None):
         self.target_address = target_address
         self.faults = faults or FaultConfig()
         self.timeout_s = timeout_s
         self.auth_token = auth_token  # the shared --auth-token-file token the target requires, if any
+        self.tls = tls  # this daemon's TLS settings: a TLS engine reaches its TCP peers over TLS
 
     async def __call__(self, header: KvTransferHeader, chunks: AsyncIterator[KvChunk]) -> str:
-        async with grpc.aio.insecure_channel(self.target_address, options=channel_options()) as channel:
-            stub = engine_pb2_grpc.EngineStub(channel)
-            call = stub.ImportKv(timeout=self.timeout_s, metadata=token_metadata(self.auth_token))
+        async with peer_channel(self.target_address, self.tls, channel_options()) as channel:
+            call = self._open_import(channel)
             try:
                 await self._write(call, kv_header_to_pb(header), "the header")
                 await self._send_chunks(call, chunks)
@@ -44,11 +46,18 @@ class GrpcKvSender:
                 call.cancel()  # the target drops the partial import
                 raise
 
+    def _open_import(self, channel):
+        """The ImportKv stream; chunks go pre-encoded, straight from the exported KV buffers (one copy:
+        dualpace.wire.kv_chunk_wire), every other message as a protobuf message."""
+        import_kv = channel.stream_stream(IMPORT_KV_METHOD, request_serializer=serialize_import_message,
+                                          response_deserializer=engine_pb2.ImportKvReply.FromString)
+        return import_kv(timeout=self.timeout_s, metadata=token_metadata(self.auth_token))
+
     async def _send_chunks(self, call, chunks: AsyncIterator[KvChunk]) -> None:
         async for chunk in chunks:
             outgoing = self.faults.outgoing_chunk(chunk)
             if outgoing is not None:
-                await self._write(call, kv_chunk_to_pb(outgoing), f"chunk {chunk.seq}")
+                await self._write(call, encode_kv_chunk_message(outgoing), f"chunk {chunk.seq}")
 
     async def _prepare_and_commit(self, call) -> str:
         """The second phase; returns the target engine's name once it has committed."""
@@ -60,7 +69,7 @@ class GrpcKvSender:
         return committed.engine
 
     @staticmethod
-    async def _write(call, message: engine_pb2.ImportKvMessage, what: str) -> None:
+    async def _write(call, message: engine_pb2.ImportKvMessage | bytes, what: str) -> None:
         try:
             await call.write(message)
         except (asyncio.InvalidStateError, grpc.aio.AioRpcError):

@@ -19,7 +19,7 @@ from pathlib import Path
 import grpc
 
 from dualpace.errors import InvalidArgument
-from dualpace.serve.address import ListenAddress, is_loopback, parse_listen
+from dualpace.serve.address import UNIX_PREFIX, ListenAddress, is_loopback, parse_listen
 from dualpace.serve.auth import read_token_file
 
 
@@ -37,6 +37,25 @@ class TlsConfig:
             root_certificates=self.client_ca,
             require_client_auth=self.client_ca is not None,
         )
+
+
+    def peer_credentials(self) -> grpc.ChannelCredentials:
+        """Client credentials for this daemon's calls to the other daemons: their server
+        certificates are checked against --tls-client-ca when given (one CA for the whole
+        deployment, as mutual TLS has it), else the system's roots; this daemon's own
+        certificate goes along, for peers that require client certificates."""
+        return grpc.ssl_channel_credentials(root_certificates=self.client_ca, private_key=self.private_key,
+                                            certificate_chain=self.cert_chain)
+
+
+def peer_channel(address: str, tls: TlsConfig | None, options: list[tuple[str, int]]) -> grpc.aio.Channel:
+    """A channel from this daemon to another daemon at `address` (KV migration): over TLS when
+    this daemon serves TLS itself and the address is TCP (engines with certificates serve TLS
+    on every address, loopback too), plaintext otherwise (no TLS here, or a unix: socket, which
+    only this machine reaches)."""
+    if tls is None or address.startswith(UNIX_PREFIX):
+        return grpc.aio.insecure_channel(address, options=options)
+    return grpc.aio.secure_channel(address, tls.peer_credentials(), options=options)
 
 
 @dataclass(frozen=True)

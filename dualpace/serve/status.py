@@ -24,6 +24,7 @@ _ERROR_CODES: tuple[tuple[str, grpc.StatusCode], ...] = (
     ("Unavailable", grpc.StatusCode.UNAVAILABLE),
     ("AlreadyExists", grpc.StatusCode.ALREADY_EXISTS),
     ("DataLoss", grpc.StatusCode.DATA_LOSS),
+    ("PermissionDenied", grpc.StatusCode.PERMISSION_DENIED),
     ("FailedPrecondition", grpc.StatusCode.FAILED_PRECONDITION),
     ("ModelLoadError", grpc.StatusCode.FAILED_PRECONDITION),
 )

@@ -200,7 +200,7 @@ def kv_header_from_pb(message: engine_pb2.ImportKvHeader) -> KvTransferHeader:
 def kv_chunk_to_pb(chunk: KvChunk) -> engine_pb2.ImportKvMessage:
     return engine_pb2.ImportKvMessage(chunk=engine_pb2.KvChunk(
         seq=chunk.seq, layer=chunk.layer, token_start=chunk.token_start, token_end=chunk.token_end,
-        k=chunk.k, v=chunk.v, crc32=chunk.crc32,
+        k=bytes(chunk.k), v=bytes(chunk.v), crc32=chunk.crc32,  # bytes(): k, v may be buffers (a copy if so)
     ))
 
 

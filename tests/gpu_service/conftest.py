@@ -48,6 +48,9 @@ DAEMON_SPECS: dict[str, tuple[tuple[str, ...], dict[str, str]]] = {
     "corrupt": (("--name", "gpu-corrupt", "--block-size", "8"), {"DUALPACE_FAULT_KV_CORRUPT_CHUNK": str(FAULT_CHUNK)}),
     "drop": (("--name", "gpu-drop", "--block-size", "8"), {"DUALPACE_FAULT_KV_DROP_CHUNK": str(FAULT_CHUNK)}),
     "cut": (("--name", "gpu-cut", "--block-size", "8"), {"DUALPACE_FAULT_KV_CUT_AFTER": str(FAULT_CHUNK)}),
+    # Migrates only to the peers it lists, none of which is a daemon here: every MigrateOut is refused.
+    "guarded": (("--name", "gpu-guarded", "--block-size", "8", "--peer", "localhost:1",
+                 "--peer", "unix:/nonexistent/dualpace-peer.sock"), {}),
 }
 for _kind in ("main", "corrupt", "drop", "cut"):
     _flags, _env = DAEMON_SPECS[_kind]

@@ -134,3 +134,23 @@ def test_failed_transfer_keeps_request_on_source(daemons, solo, num_layers, faul
     assert wait_idle(target) == 0
     assert request_id not in listed_ids(target)
     assert request_id not in listed_ids(source)
+
+
+def test_migrate_out_to_an_unlisted_target_is_refused(daemons, solo):
+    """A target that is not one of the source's --peer: PERMISSION_DENIED before anything is
+    paused or sent; the request runs on to the end where it is, greedy-identical."""
+    source, target = daemons.stub("guarded"), daemons.stub("peer")
+    params = PARAMS["greedy"]
+    call = start_generate(source, "unlisted", PROMPT, params)
+    seen = read_first_tokens(call, "unlisted")
+    with pytest.raises(grpc.RpcError) as caught:
+        daemons.stub("guarded").MigrateOut(
+            engine_pb2.MigrateOutRequest(request_id="unlisted", target_address=daemons.address("peer")),
+            timeout=RPC_TIMEOUT_S)
+    assert caught.value.code() == grpc.StatusCode.PERMISSION_DENIED, caught.value
+    assert "--peer" in caught.value.details() and daemons.address("peer") in caught.value.details()
+    result = read_stream(call, "unlisted", tokens=seen)
+    assert result.finish_reason == FinishReason.LENGTH and not result.migrated_to
+    assert result.tokens == solo(PROMPT, params)
+    assert wait_idle(source) == 0 and wait_idle(target) == 0
+    assert "unlisted" not in listed_ids(target)

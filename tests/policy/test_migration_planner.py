@@ -35,8 +35,12 @@ def on_cpu(request_id, prompt, generated, max_tokens, engine="cpu", migrating=Fa
     return RoutedRequest(request_id, engine, prompt, generated, max_tokens, migrating)
 
 
+# The payoff cases below are worked out for this transfer cost (5 ms fixed, 2 GB/s), not the defaults.
+TRANSFER = {"kv_transfer_fixed_ms": 5.0, "kv_transfer_bytes_per_s": 2e9}
+
+
 def plan(requests, *engines, policy=Policy.DUALPACE, **config):
-    return plan_migrations(requests, {e.name: e for e in engines}, policy, MigrationConfig(**config))
+    return plan_migrations(requests, {e.name: e for e in engines}, policy, MigrationConfig(**{**TRANSFER, **config}))
 
 
 def moved(plans):
@@ -151,6 +155,30 @@ def test_transfer_ms():
     assert transfer_ms(1000, config) == pytest.approx(5.5)
     assert transfer_ms(0, config) == pytest.approx(5.0)
     assert transfer_ms(10, MigrationConfig(kv_transfer_bytes_per_s=0)) == float("inf")
+
+
+def test_no_profile_transfer_rate_is_the_slowest_measured_one():
+    """The defaults are measurements, not guesses: the lowest rate and highest fixed cost of the
+    stored local profiles' KV transfer fits (re-profiling there means updating them)."""
+    import glob
+    import json
+    from pathlib import Path
+
+    from dualpace.policy.migration_planner import (
+        MEASURED_KV_TRANSFER_BYTES_PER_S,
+        MEASURED_KV_TRANSFER_FIXED_MS,
+        MEASURED_KV_TRANSFER_PROFILES,
+    )
+
+    root = Path(__file__).resolve().parents[2]
+    fits = [json.loads(Path(path).read_text())["kv_transfer"]
+            for path in sorted(glob.glob(str(root / MEASURED_KV_TRANSFER_PROFILES)))]
+    assert fits, f"no profile matches {MEASURED_KV_TRANSFER_PROFILES}"
+    assert MEASURED_KV_TRANSFER_BYTES_PER_S == pytest.approx(min(f["bytes_per_s"] for f in fits), rel=1e-3)
+    assert MEASURED_KV_TRANSFER_FIXED_MS == pytest.approx(max(f["fixed_ms"] for f in fits), abs=0.05)
+    config = MigrationConfig()
+    assert (config.kv_transfer_bytes_per_s, config.kv_transfer_fixed_ms) == (
+        MEASURED_KV_TRANSFER_BYTES_PER_S, MEASURED_KV_TRANSFER_FIXED_MS)
 
 
 def test_planned_migration_fields():

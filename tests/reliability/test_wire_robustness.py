@@ -195,9 +195,9 @@ def mutations(info: engine_pb2.EngineInfo):
 
 
 def crc(k: bytes, v: bytes) -> int:
-    import zlib
+    from dualpace.engine.kv_checksum import kv_checksum
 
-    return zlib.crc32(v, zlib.crc32(k))
+    return kv_checksum(k, v)
 
 
 def test_malformed_kv_chunks_get_clean_errors(engine):

@@ -117,6 +117,10 @@ class EngineServicer:
         request's Generate stream with migrated_to. Returns after the commit.
         Any failure before the commit: the target drops the partial import, the
         source resumes the request and this call fails with the cause's status.
+        Cancelling this call strands nothing: before the last chunk is sent the
+        move is abandoned (the request resumes on the source), after it the move
+        completes. PERMISSION_DENIED, before anything is paused or sent, when
+        target_address is not one of the engine's --peer addresses.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
