@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import zlib
 
 import pytest
 import torch
@@ -23,6 +22,7 @@ from dualpace.engine.loop import EngineLoop
 from dualpace.engine.migration import KvImporter, migrate_out
 from dualpace.engine.runner import ModelRunner
 from dualpace.engine.same_host import SameHostRefused, boot_id, fetch_fd, held_lease
+from dualpace.engine.kv_checksum import kv_checksum
 from dualpace.engine.shm_kv_copy import layer_checksums, slot_runs
 from dualpace.engine.shm_segment import MappedKvSegment, SharedKvMemory
 from dualpace.errors import InvalidArgument, Unavailable
@@ -194,7 +194,7 @@ def test_runs_are_contiguous_on_both_sides():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_layer_checksum_is_the_crc_of_a_whole_layer_chunk(dtype):
-    """The shm path's layer checksum equals the crc32 the gRPC path's chunk of that layer carries."""
+    """The shm path's layer checksum equals the CRC32C the gRPC path's chunk of that layer carries."""
     generator = torch.Generator().manual_seed(0)
     k = torch.randn(2, 4, 4, 2, 8, generator=generator).to(dtype)
     v = torch.randn(2, 4, 4, 2, 8, generator=generator).to(dtype)
@@ -203,4 +203,4 @@ def test_layer_checksum_is_the_crc_of_a_whole_layer_chunk(dtype):
         index = torch.tensor(slot_ids)
         k_bytes = tensor_bytes(k[layer].reshape(-1, 2, 8)[index])
         v_bytes = tensor_bytes(v[layer].reshape(-1, 2, 8)[index])
-        assert crc == zlib.crc32(v_bytes, zlib.crc32(k_bytes))
+        assert crc == kv_checksum(k_bytes, v_bytes)
