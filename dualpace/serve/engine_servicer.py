@@ -105,7 +105,15 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
         log.info("migrate out", target=request.target_address)
         # The stream's migrated_to is the target's address: where the client resumes the request.
         sender = GrpcKvSender(request.target_address, self.faults, auth_token=self.auth_token)
-        stats = await migrate_out(self.loop, request.request_id, sender, migrated_to=request.target_address)
+        # Shielded from the caller: a router killed mid-hand-off cancels this RPC, and cancelled
+        # between two of its steps (the pause done but not yet seen, the commit made but the
+        # release not yet queued) a migration would leave the request paused here, holding its
+        # blocks with nobody to resume or release it (found by the soak). It runs to its end
+        # instead, committed on the target or resumed here, and the orphan leases take over.
+        migration = asyncio.ensure_future(
+            migrate_out(self.loop, request.request_id, sender, migrated_to=request.target_address))
+        migration.add_done_callback(lambda task: task.cancelled() or task.exception())  # retrieved if nobody waits
+        stats = await asyncio.shield(migration)
         return messages.migrate_out_response_to_pb(stats)
 
     async def ImportKv(self, request_iterator, context):
