@@ -8,10 +8,13 @@
   on (ungated: a gated session would hold the device for that long by design, which
   tests/gpu_service/test_assist_stall.py covers);
 - **a 10 MB prompt** through the soak's router while a probe stream runs: refused with
-  INVALID_ARGUMENT naming `--max-prompt-chars`; reported (figures, not a verdict: the machine is
-  shared and the probe may be handed off or migrated) are the probe's largest gap between two
-  tokens over its median, over the whole probe and over the gaps that end while the 10 MB call
-  is in progress;
+  RESOURCE_EXHAUSTED by gRPC ("larger than max": the router's receive bound, `--max-request-bytes`)
+  before the router reads it; then **a prompt one character over `--max-prompt-chars`** (1 MiB),
+  within that bound, refused by the router with INVALID_ARGUMENT naming the limit. Reported for
+  each (figures, not a verdict: the machine is shared and the probe may be handed off or
+  migrated) are its probe's largest gap between two tokens over its median: over the whole
+  probe, over the gaps overlapping the call, and over a stretch as long just before it (the
+  noise floor of the same stream);
 - **threads and file descriptors** of every daemon, counted after the warm-up (for a restarted
   engine: after its own warm-up) and at the end.
 
@@ -28,6 +31,7 @@ import time
 
 import grpc
 
+from router.prompt_work import DEFAULT_MAX_PROMPT_CHARS
 from toolkit.processes import Daemon, start_daemon
 from dualpace.engine.assist_types import AssistBegin
 from dualpace.wire import assist_messages
@@ -35,8 +39,10 @@ from dualpace.wire.v1 import assist_pb2_grpc, common_pb2, engine_pb2, engine_pb2
 
 NUM_ORPHANS = 3
 ORPHAN_MAX_TOKENS = 280  # with a 10 ms step floor: about 3 s, beyond the soak's short lease
-HUGE_PROMPT_CHARS = 10_000_000
+HUGE_PROMPT_CHARS = 10_000_000  # beyond the router's gRPC receive bound: refused before the router reads it
+LONG_PROMPT_CHARS = DEFAULT_MAX_PROMPT_CHARS + 1  # within that bound, one character over --max-prompt-chars
 PROBE_MAX_TOKENS = 120
+PROBE_TOKENS_BEFORE = 40  # the probe's tokens before the prompt is sent
 HANG_GUARD_S = 60.0
 MAX_FD_GROWTH = 16  # slack for lazily opened files (metrics, sockets of reconnecting channels)
 MAX_THREAD_GROWTH = 8  # slack for worker pools that grow to their bound on first use
@@ -77,6 +83,7 @@ class Chaos:
         self.orphans: dict = {}
         self.assist_stall: dict = {}
         self.huge_prompt: dict = {}
+        self.long_prompt: dict = {}
         self.counts: dict[str, dict] = {}
 
     # -- scheduling --------------------------------------------------------------------------------
@@ -90,7 +97,7 @@ class Chaos:
                 return
         self.sample("start")
         for fraction, action in ((0.2, self.kill_a_router), (0.35, self.stall_an_assist_session),
-                                 (0.8, self.send_a_huge_prompt)):  # away from the engine restart at 50%
+                                 (0.8, self.send_oversized_prompts)):  # away from the engine restart at 50%
             while self.soak.clock() < fraction * duration_s:
                 if stop.wait(0.2):
                     return
@@ -159,12 +166,24 @@ class Chaos:
         if code != grpc.StatusCode.DEADLINE_EXCEEDED:
             self.problems.append(f"the stalled assist session ended with {code}, not DEADLINE_EXCEEDED")
 
-    def send_a_huge_prompt(self) -> None:
+    def send_oversized_prompts(self) -> None:
+        """A 10 MB prompt, then one of --max-prompt-chars + 1 characters, each beside a probe stream."""
+        self.huge_prompt = self._refuse_beside_a_probe(
+            "chaos-huge", HUGE_PROMPT_CHARS, grpc.StatusCode.RESOURCE_EXHAUSTED, "larger than max")
+        self.long_prompt = self._refuse_beside_a_probe(
+            "chaos-long", LONG_PROMPT_CHARS, grpc.StatusCode.INVALID_ARGUMENT, "--max-prompt-chars")
+
+    def _refuse_beside_a_probe(self, request_id: str, num_chars: int, code_expected: grpc.StatusCode,
+                               named: str) -> dict:
+        """Sends a text prompt of num_chars while a probe stream runs; the prompt must be refused
+        with code_expected and a detail naming `named`. Returns the figures: the probe's largest
+        gap between two tokens over its median, over the whole probe, over the gaps overlapping
+        the call and over a stretch as long just before it."""
         with grpc.insecure_channel(self.soak.slots["router"].daemon.address,
                                    options=[("grpc.max_send_message_length", 64 << 20)]) as channel:
             stub = router_pb2_grpc.RouterStub(channel)
             arrivals: list[float] = []
-            probe = _generate(stub, "chaos-probe", [5, 6, 7, 8], PROBE_MAX_TOKENS)
+            probe = _generate(stub, f"{request_id}-probe", [5, 6, 7, 8], PROBE_MAX_TOKENS)
 
             def read_probe() -> None:
                 try:
@@ -175,12 +194,13 @@ class Chaos:
 
             reader = threading.Thread(target=read_probe, daemon=True)
             reader.start()
-            while not arrivals and reader.is_alive():
+            while len(arrivals) < PROBE_TOKENS_BEFORE and reader.is_alive():  # a stretch to compare with
                 time.sleep(0.01)
             code, detail = None, ""
             # Serialized beforehand, so that the time measured is the router's, not this process's
             # (it reads the probe too, and building 10 MB of protobuf here would hold its GIL).
-            data = router_pb2.GenerateRequest(request_id="chaos-huge", text="lorem ipsum " * (HUGE_PROMPT_CHARS // 12),
+            text = ("lorem ipsum " * (num_chars // 12 + 1))[:num_chars]
+            data = router_pb2.GenerateRequest(request_id=request_id, text=text,
                                               sampling=common_pb2.SamplingParams(max_tokens=4)).SerializeToString()
             call = channel.unary_stream("/dualpace.v1.Router/Generate", request_serializer=lambda b: b,
                                         response_deserializer=router_pb2.GenerateResponse.FromString)
@@ -192,20 +212,25 @@ class Chaos:
                 code, detail = exc.code(), exc.details() or ""
             answered_at = time.monotonic()
             reader.join(HANG_GUARD_S)
-        gaps = [(b - a, b) for a, b in zip(arrivals, arrivals[1:]) if b > a]
-        median = statistics.median(g for g, _ in gaps) if gaps else None
-        during = [g for g, end in gaps if sent_at <= end <= answered_at + (median or 0)]
-        self.huge_prompt = {
-            "code": None if code is None else code.name, "detail": detail[:160], "probe_tokens": len(arrivals),
-            "call_s": round(answered_at - sent_at, 3), "probe_gap_median_ms": round(median * 1e3, 2) if median else None,
-            "probe_gap_max_over_median": round(max(g for g, _ in gaps) / median, 2) if median else None,
-            "probe_gap_max_during_call_over_median": round(max(during) / median, 2) if median and during else None,
-        }
-        if code != grpc.StatusCode.INVALID_ARGUMENT or "--max-prompt-chars" not in detail:
-            self.problems.append(f"the 10 MB prompt got {code} ({detail[:80]!r}), not INVALID_ARGUMENT naming the limit")
+        gaps = [(b - a, a, b) for a, b in zip(arrivals, arrivals[1:]) if b > a]
+        median = statistics.median(g for g, _, _ in gaps) if gaps else None
+        during = [g for g, start, end in gaps if end >= sent_at and start <= answered_at]  # overlapping the call
+        before = [g for g, _, end in gaps if sent_at - max(answered_at - sent_at, 0.2) <= end < sent_at]
+        if code != code_expected or named not in detail:
+            self.problems.append(f"the {len(data)}-byte prompt got {code} ({detail[:80]!r}), not "
+                                 f"{code_expected.name} naming {named!r}")
         if len(arrivals) != PROBE_MAX_TOKENS:
-            self.problems.append(f"the probe stream beside the 10 MB prompt got {len(arrivals)} of "
+            self.problems.append(f"the probe stream beside the {len(data)}-byte prompt got {len(arrivals)} of "
                                  f"{PROBE_MAX_TOKENS} tokens")
+        return {
+            "bytes": len(data), "code": None if code is None else code.name, "detail": detail[:160],
+            "probe_tokens": len(arrivals), "call_s": round(answered_at - sent_at, 3),
+            "probe_gap_median_ms": round(median * 1e3, 2) if median else None,
+            "probe_gap_max_over_median": round(max(g for g, _, _ in gaps) / median, 2) if median else None,
+            "probe_gap_max_during_call_over_median": round(max(during) / median, 2) if median and during else None,
+            # the same over a stretch as long as the call (at least 0.2 s) just before it: the noise floor
+            "probe_gap_max_before_call_over_median": round(max(before) / median, 2) if median and before else None,
+        }
 
     # -- the verdict -------------------------------------------------------------------------------
 
@@ -248,4 +273,5 @@ class Chaos:
 
     def summary(self) -> dict:
         return {"orphans": self.orphans, "assist_stall": self.assist_stall, "huge_prompt": self.huge_prompt,
+                "long_prompt": self.long_prompt,
                 "threads_and_fds": self.counts, "problems": self.problems}

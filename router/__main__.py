@@ -167,7 +167,8 @@ def serve(args: argparse.Namespace) -> int:
                                           ignore_fingerprint=args.profile_ignore_fingerprint)
             kv_bytes_per_token = profile.model.kv_bytes_per_token  # the engines' KV dtype, as profiled
         config = replace(router_config(args, kv_bytes_per_token, profile),
-                         prompt_limits=PromptLimits(args.max_prompt_chars, args.prompt_workers))
+                         prompt_limits=PromptLimits(args.max_prompt_chars, args.prompt_workers,
+                                                    args.max_request_bytes))
         start_from_args(args, "router")
     except DualPaceError as exc:
         print(f"router: error: {exc}", file=sys.stderr)
@@ -195,7 +196,7 @@ def serve(args: argparse.Namespace) -> int:
         try:
             running = await start_server(
                 args.listen, lambda server: router_pb2_grpc.add_RouterServicer_to_server(servicer, server),
-                [ROUTER_SERVICE], security=security)
+                [ROUTER_SERVICE], security=security, max_receive_bytes=config.prompt_limits.receive_bytes)
         except DualPaceError as exc:
             print(f"router: error: {exc}", file=sys.stderr)
             await core.close()

@@ -125,6 +125,9 @@ class HttpFront:
 
     @staticmethod
     async def _body(request: web.Request):
+        # Refused from its declared length, unread: reading megabytes on the event loop stalls every stream.
+        if request.content_length is not None and request.content_length > MAX_BODY_BYTES:
+            raise web.HTTPRequestEntityTooLarge(MAX_BODY_BYTES, request.content_length)
         raw = await request.read()
         try:
             return json.loads(raw)

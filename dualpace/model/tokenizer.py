@@ -26,6 +26,9 @@ from dualpace.model.gguf_tokenizer import read_gguf_tokenizer
 
 # Tokens that end an assistant turn in common chat formats; when present in the
 # vocabulary they stop generation of a chat request besides the model's EOS.
+# From this many characters on, encode() tokenizes without holding the GIL (see there); below,
+# the plain call, which does not touch the backend's thread pool.
+GIL_FREE_ENCODE_CHARS = 4096
 END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end|>", "<end_of_turn>", "<|endoftext|>")
 
 
@@ -158,7 +161,14 @@ class Tokenizer:
         prepended when the model asks for it, even before a BOS in the text
         (as transformers and llama.cpp do).
         """
-        token_ids = self._backend.encode(text, add_special_tokens=add_special_tokens).ids
+        if len(text) >= GIL_FREE_ENCODE_CHARS:
+            # The same encoding; `encode_batch` alone releases the GIL while it runs, so a long
+            # prompt tokenized on a worker thread (the router's prompt pool) leaves the event loop
+            # running: `encode` holds it throughout (seconds for a megabyte of text).
+            encoding = self._backend.encode_batch([text], add_special_tokens=add_special_tokens)[0]
+        else:
+            encoding = self._backend.encode(text, add_special_tokens=add_special_tokens)
+        token_ids = encoding.ids
         if add_special_tokens and self._prepend_bos:
             token_ids.insert(0, self._bos_token_id)
         return token_ids

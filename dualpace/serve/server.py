@@ -90,6 +90,7 @@ async def start_server(
     service_names: list[str],
     *,
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+    max_receive_bytes: int | None = None,
     listen_field: str = "--listen",
     security: ServerSecurity | None = None,
 ) -> RunningServer:
@@ -104,6 +105,9 @@ async def start_server(
     when a client CA is given); without it only a loopback address is accepted
     (InvalidArgument otherwise). With an auth token every RPC but health must
     carry it (dualpace.serve.auth).
+
+    `max_receive_bytes` (default: max_message_bytes) bounds what the server receives: a larger
+    request is refused with RESOURCE_EXHAUSTED by gRPC's core, before any of it reaches Python.
     """
     security = security or ServerSecurity()
     address = check_listen_security(listen, security.tls, listen_field)
@@ -114,7 +118,7 @@ async def start_server(
         interceptors=interceptors,
         options=[
             ("grpc.max_send_message_length", max_message_bytes),
-            ("grpc.max_receive_message_length", max_message_bytes),
+            ("grpc.max_receive_message_length", max_message_bytes if max_receive_bytes is None else max_receive_bytes),
             # Without this a second daemon on the same fixed port binds silently.
             ("grpc.so_reuseport", 0),
         ],

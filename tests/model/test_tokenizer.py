@@ -7,6 +7,8 @@ tokenizer build takes a few seconds).
 from __future__ import annotations
 
 import json
+import threading
+import time
 from pathlib import Path
 
 import gguf
@@ -15,7 +17,7 @@ import pytest
 
 from dualpace.errors import InvalidArgument, ModelLoadError
 from dualpace.model.registry import resolve_model_path
-from dualpace.model.tokenizer import Tokenizer
+from dualpace.model.tokenizer import GIL_FREE_ENCODE_CHARS, Tokenizer
 
 transformers = pytest.importorskip("transformers")
 
@@ -75,6 +77,38 @@ def test_gguf_metadata(ours: Tokenizer) -> None:
 @pytest.mark.parametrize("text", TEXTS)
 def test_encode_matches_transformers(ours: Tokenizer, reference, text: str) -> None:
     assert ours.encode(text) == reference.encode(text)
+
+
+def test_a_long_text_matches_transformers(ours: Tokenizer, reference) -> None:
+    """From GIL_FREE_ENCODE_CHARS on, encode() takes the backend's batch call: the same ids."""
+    text = "".join(TEXTS) * 16
+    assert len(text) >= GIL_FREE_ENCODE_CHARS
+    assert ours.encode(text) == reference.encode(text)
+    assert ours.encode(text, add_special_tokens=False) == reference.encode(text, add_special_tokens=False)
+
+
+def test_a_long_text_is_tokenized_without_holding_the_gil(ours: Tokenizer) -> None:
+    """Turns, not time: while a worker thread tokenizes a megabyte, this thread counts how often
+    it gets to run (sleeping a millisecond between turns, which gives up the GIL). Holding the GIL
+    the tokenizer would let it in only at its edges, a turn or two; released, every millisecond
+    or so (hundreds of turns here, seconds of tokenizing)."""
+    text = ("The quick brown fox jumps over the lazy dog. " * 25_000)[:1_000_000]
+    about_to_encode, finished = threading.Event(), threading.Event()
+
+    def work() -> None:
+        about_to_encode.set()
+        ours.encode(text)
+        finished.set()
+
+    worker = threading.Thread(target=work)
+    worker.start()
+    assert about_to_encode.wait(60)
+    turns = 0
+    while not finished.is_set() and worker.is_alive():
+        turns += 1
+        time.sleep(0.001)
+    worker.join(120)
+    assert finished.is_set() and turns >= 20, turns
 
 
 @pytest.mark.parametrize("text", TEXTS)

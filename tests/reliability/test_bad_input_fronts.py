@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import re
+import socket
 import urllib.error
 import urllib.request
 
@@ -24,6 +25,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from dualpace.wire.v1 import common_pb2, router_pb2
+from router.http_api import MAX_BODY_BYTES
+from router.prompt_work import PromptLimits
 from tests.reliability.conftest import (
     RouterStream,
     assert_clean_exit,
@@ -156,6 +159,28 @@ def test_oversized_prompt_is_refused_naming_the_limit(system):
                                                          "max_tokens": 2})
     assert status == 400 and answer["error"]["param"] == "prompt", answer
     assert f"at most {MAX_PROMPT_CHARS}" in answer["error"]["message"]
+
+
+def test_a_request_over_the_receive_bound_is_refused_before_the_router_reads_it(system):
+    """gRPC's core refuses it (RESOURCE_EXHAUSTED naming the bound): decoding megabytes would stall
+    the router's event loop, and with it every stream (router/prompt_work.py)."""
+    channel, http, model = system
+    bound = PromptLimits(MAX_PROMPT_CHARS).receive_bytes
+    error = grpc_generate(channel, router_pb2.GenerateRequest(text="w" * bound, sampling=SAMPLING))
+    assert error is not None and error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, error
+    assert "larger than max" in error.details() and f"vs. {bound})" in error.details(), error.details()
+
+
+def test_an_http_body_declared_too_large_is_refused_unread(system):
+    """The 413 comes from the Content-Length alone: the body never arrives, so a router that
+    waited to read it would not answer at all (within the hang guard)."""
+    channel, http, model = system
+    host, port = http.removeprefix("http://").rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=HANG_GUARD_S) as sock:
+        sock.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+                     f"Content-Length: {MAX_BODY_BYTES + 1}\r\n\r\n{{\"model\": ".encode())
+        status_line = sock.makefile("rb").readline()
+    assert status_line.split()[1:2] == [b"413"], status_line
 
 
 # ---------------------------------------------------------------------- the fuzz

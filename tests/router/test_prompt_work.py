@@ -13,7 +13,7 @@ from dualpace.errors import InvalidArgument
 from dualpace.model.loader import load_tokenizer_and_config
 from dualpace.sampling_params import SamplingParams
 from dualpace.client_request import ClientRequest
-from router.prompt_work import PromptLimits, PromptWork
+from router.prompt_work import REQUEST_SLACK_BYTES, PromptLimits, PromptWork
 
 HANG_GUARD_S = 60.0
 
@@ -95,3 +95,16 @@ def test_limits_must_be_positive():
         PromptLimits(max_prompt_chars=0)
     with pytest.raises(InvalidArgument, match="--prompt-workers"):
         PromptLimits(num_workers=0)
+    with pytest.raises(InvalidArgument, match="--max-request-bytes"):
+        PromptLimits(max_request_bytes=0)
+    with pytest.raises(InvalidArgument, match="--max-request-bytes"):
+        PromptLimits(max_request_bytes=1 << 31)
+
+
+def test_the_receive_bound_leaves_room_for_any_prompt_within_the_limit():
+    """4 bytes per character (UTF-8's most) plus the rest of the request, unless set explicitly."""
+    limits = PromptLimits(max_prompt_chars=1000)
+    longest = "\U0001F600" * 1000  # 4 bytes each in UTF-8
+    assert len(longest.encode()) == 4000 and limits.receive_bytes == 4000 + REQUEST_SLACK_BYTES
+    assert PromptLimits(max_prompt_chars=1000, max_request_bytes=5000).receive_bytes == 5000
+    assert PromptLimits(max_prompt_chars=1 << 30).receive_bytes == (1 << 31) - 1  # gRPC's largest
