@@ -24,9 +24,10 @@ ON_DEVICE = frozenset({"torch", "numpy", "safetensors", "tokenizers", "jinja2", 
                        "prometheus-client", "triton", "pytest", "hypothesis"})
 # Carried at this venv's version: missing there, or needed at exactly the version the stubs were made with.
 CARRIED = ("grpcio", "grpcio-health-checking", "grpcio-reflection", "protobuf", "gguf", "structlog",
-           "pytest-asyncio")
-PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64",
-             "manylinux1_x86_64")
+           "pytest-asyncio", "crc32c", "llguidance")
+# The machine's Python 3.12.3 is Ubuntu 24.04's (glibc 2.39): any of these tags runs there.
+PLATFORMS = ("manylinux_2_35_x86_64", "manylinux_2_34_x86_64", "manylinux_2_31_x86_64", "manylinux_2_28_x86_64",
+             "manylinux_2_27_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64", "manylinux1_x86_64")
 DEVICE_COMMAND = ("python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade "
                   "--target /tmp/site {dest}/*.whl && export PYTHONPATH=/tmp/site:$PWD && "
                   "PYTHONUNBUFFERED=1 python3 -m bench.device_check --out $OUT/device_check.json")
