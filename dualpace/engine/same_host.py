@@ -191,19 +191,35 @@ def fetch_fd(socket_name: str, ticket: bytes) -> tuple[int, socket.socket]:
     return fds[0], connection
 
 
+def _take_lease(socket_name: str, ticket: bytes) -> tuple[socket.socket, bytes]:
+    """Blocking (run it in a thread, as fetch_fd): the lease connection and the owner's answer.
+    Plain blocking sockets here: the event loop's sock_connect to an abstract socket name timed
+    out under concurrent hand-offs (found when the data-plane branches were merged)."""
+    connection = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        connection.settimeout(HANDSHAKE_TIMEOUT_S)
+        connection.connect("\0" + socket_name)
+        connection.sendall(KIND_LEASE + ticket)
+        answer = b""
+        while len(answer) < len(GRANTED):
+            more = connection.recv(len(GRANTED) - len(answer))
+            if not more:
+                raise EOFError("peer closed the connection")
+            answer += more
+    except BaseException:
+        connection.close()
+        raise
+    return connection, answer
+
+
 @contextlib.asynccontextmanager
 async def held_lease(socket_name: str, ticket: bytes):
     """Hold the owner's lease for one job while the body writes; closing it tells the owner we stopped."""
-    loop = asyncio.get_running_loop()
-    connection = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    connection.setblocking(False)
     try:
-        try:
-            await asyncio.wait_for(loop.sock_connect(connection, "\0" + socket_name), HANDSHAKE_TIMEOUT_S)
-            await loop.sock_sendall(connection, KIND_LEASE + ticket)
-            answer = await asyncio.wait_for(_recv_exactly(loop, connection, len(GRANTED)), HANDSHAKE_TIMEOUT_S)
-        except (OSError, EOFError, asyncio.TimeoutError) as exc:
-            raise SameHostRefused(f"no lease from {socket_name!r}: {exc}") from exc
+        connection, answer = await asyncio.to_thread(_take_lease, socket_name, ticket)
+    except (OSError, EOFError) as exc:
+        raise SameHostRefused(f"no lease from {socket_name!r}: {exc}") from exc
+    try:
         if answer != GRANTED:
             raise SameHostRefused(f"{socket_name!r} refused the lease (the job was cancelled)")
         yield

@@ -46,7 +46,10 @@ class Cluster:
     def __init__(self, model: str):
         self.process = subprocess.Popen(
             [sys.executable, "-m", "dualpace", "cluster", "up", "--nodes", "2", "--model", model,
-             "--http-port", str(_free_port()), "--router-mode", "kv"],
+             "--http-port", str(_free_port()), "--router-mode", "kv",
+             # Without the host tier a killed GPU engine's blocks are held by no other engine, so the
+             # restart test can see every one of them withdrawn at the frontend.
+             "--node-args=--host-tier off"],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
         self.output: deque[str] = deque(maxlen=20000)
         self.nodes: dict[int, dict] = {}

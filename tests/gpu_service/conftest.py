@@ -28,7 +28,7 @@ from dualpace.wire.v1 import engine_pb2, engine_pb2_grpc
 from tests.helpers import wait_for
 from toolkit.processes import Daemon, start_daemon
 
-COMMON_FLAGS = ("--dtype", "fp32", "--threads", "1")
+COMMON_FLAGS = ("--dtype", "fp32", "--threads", "1", "--kv-transport", "auto")  # -grpc kinds override it
 # The tiny model has 3 layers and its KV for a whole context fits one chunk per
 # layer, so every transfer has exactly 3 chunks (seq 0, 1, 2): each fault below
 # hits a chunk that exists. (A cut "after 3" chunks would never trigger.)

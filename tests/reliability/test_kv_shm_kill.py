@@ -59,9 +59,9 @@ def shm_files() -> set[str]:
 @pytest.fixture
 def pair(tiny_folder):
     daemons = start_all(
-        source=lambda: start_gpu(tiny_folder, "--name", "shm-src", "--block-size", "8", step_delay_ms=5,
+        source=lambda: start_gpu(tiny_folder, "--name", "shm-src", "--kv-transport", "auto", "--block-size", "8", step_delay_ms=5,
                                  env={"DUALPACE_FAULT_KV_SHM_HOLD_MS": str(HOLD_MS)}),
-        target=lambda: start_cpu(tiny_folder, "--name", "shm-dst", "--block-size", "16", "--kv-blocks", "128"))
+        target=lambda: start_cpu(tiny_folder, "--name", "shm-dst", "--kv-transport", "auto", "--block-size", "16", "--kv-blocks", "128"))
     probes = {name: EngineProbe(daemon.address) for name, daemon in daemons.items()}
     try:
         yield daemons, probes
