@@ -26,14 +26,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import sys
 import time
-from pathlib import Path
 
 from bench.load.generator import run_load
 from bench.load.workloads import conversations
-from bench.prefix_cache import add_engine_arguments, cpu_vector_flags, load_average
+from bench.prefix_cache import add_engine_arguments, cpu_vector_flags, load_average, write_report
 from dualpace.stats import percentile
 from toolkit.processes import start_up
 from toolkit.workload import RequestSpec
@@ -130,10 +128,7 @@ def main(argv: list[str] | None = None) -> int:
     pairs = run(args)["pairs"]
     report = {"config": vars(args), "cpu": cpu, "load_before": load_before, "load_after": load_average(),
               "pairs": pairs, "summary": summary(pairs)}
-    out = Path("bench/results") / f"host_tier_{args.tag}.json"
-    out.write_text(json.dumps(report, indent=2) + "\n")
-    out.with_suffix(".md").write_text(markdown(report))
-    print(markdown(report))
+    write_report(report, f"host_tier_{args.tag}", markdown(report))
     return 0
 
 

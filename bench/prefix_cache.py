@@ -90,6 +90,14 @@ def cpu_vector_flags() -> str:
     return " ".join(sorted(set(re.findall(r"avx512[a-z_0-9]*|avx2|amx[a-z_0-9]*", Path("/proc/cpuinfo").read_text()))))
 
 
+def write_report(report: dict, name: str, text: str) -> None:
+    """bench/results/NAME.json (the report) and NAME.md (its table, also printed)."""
+    out = Path("bench/results") / f"{name}.json"
+    out.write_text(json.dumps(report, indent=2) + "\n")
+    out.with_suffix(".md").write_text(text)
+    print(text)
+
+
 def load_average() -> list[str]:
     return Path("/proc/loadavg").read_text().split()[:3]
 
@@ -125,10 +133,7 @@ def main(argv: list[str] | None = None) -> int:
         }
     report = {"config": vars(args), "cpu": cpu, "load_before": load_before,
               "load_after": load_average(), "runs": runs, "ratios": ratios}
-    out = Path("bench/results") / f"prefix_cache_{args.tag}.json"
-    out.write_text(json.dumps(report, indent=2) + "\n")
-    out.with_suffix(".md").write_text(markdown(report))
-    print(markdown(report))
+    write_report(report, f"prefix_cache_{args.tag}", markdown(report))
     return 0
 
 
