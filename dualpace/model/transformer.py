@@ -13,8 +13,10 @@ dualpace.model.attention.
 
 On a CPU the stages run through dualpace.model.cpu_kernels (a streaming GEMV for up to 8 rows,
 fused RMSNorm / RoPE / SiLU*up, residual adds fused into the output projections, one variant per
-instruction set); elsewhere, or with the kernels turned off, they are plain torch ops. Both
-paths compute the same function; the torch path is the reference.
+instruction set); on CUDA, RMSNorm (with the residual add before the post-attention norm) and RoPE
+are fused Triton kernels (dualpace.model.triton_fused, DUALPACE_FUSED_KERNELS); elsewhere, or with
+the kernels turned off, they are plain torch ops. All paths compute the same function; the torch
+path is the reference.
 
 The compute dtype (activations, norms, bias, KV) is the dtype of the norm weights; a matrix may
 be stored in another dtype (bf16 matrices with fp32 compute, `ModelWeights.to(...,
@@ -28,7 +30,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from dualpace.model import cpu_kernels
+from dualpace.model import cpu_kernels, triton_fused
+from dualpace.model.attention_backend import uses_fused_triton
 from dualpace.model.config import ModelConfig
 from dualpace.model.rope import HalfAngles, RotaryEmbedding, apply_rotary
 
@@ -109,7 +112,10 @@ class Transformer:
         self.rotary = RotaryEmbedding(config, self.device)
         self._q_size = config.num_heads * config.head_dim
         self._kv_size = config.num_kv_heads * config.head_dim
-        self._kernel_capable = self.device.type == "cpu" and self.dtype in (torch.bfloat16, torch.float32)
+        # Triton's fused norm/RoPE (CUDA; CPU tensors only under the interpreter, in tests) replace the CPU kernels
+        self._fused_triton = uses_fused_triton(self.device) and triton_fused.supported(weights.final_norm)
+        self._kernel_capable = (self.device.type == "cpu" and self.dtype in (torch.bfloat16, torch.float32)
+                                and not self._fused_triton)
 
     def _kernels(self) -> cpu_kernels.Kernels | None:
         return cpu_kernels.get() if self._kernel_capable else None
@@ -121,7 +127,7 @@ class Transformer:
     def rope_angles(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos/sin for this step's positions, computed once and shared by all layers (a
         HalfAngles tuple when the CPU kernels are in use; pass it back to pre_attention as is)."""
-        if self._kernels() is not None:
+        if self._kernels() is not None or self._fused_triton:
             return self.rotary.half_angles(positions)
         return self.rotary.cos_sin(positions, self.dtype)
 
@@ -144,8 +150,14 @@ class Transformer:
             q, k, v = qkv.split((self._q_size, self._kv_size, self._kv_size), dim=-1)
             return (q.view(num_tokens, cfg.num_heads, cfg.head_dim), k.view(num_tokens, cfg.num_kv_heads, cfg.head_dim),
                     v.view(num_tokens, cfg.num_kv_heads, cfg.head_dim))
-        x = rms_norm(hidden, layer.input_norm, cfg.rms_norm_eps)
+        x = self._rms_norm(hidden, layer.input_norm)
         qkv = linear(x, layer.qkv_proj, layer.qkv_bias)
+        if self._fused_triton and isinstance(rope, HalfAngles) and qkv.dtype == self.dtype:
+            # q and k heads rotated in place, one launch
+            triton_fused.rotary_(qkv, cfg.num_heads + cfg.num_kv_heads, cfg.head_dim, rope.cos, rope.sin)
+            q, k, v = qkv.split((self._q_size, self._kv_size, self._kv_size), dim=-1)
+            return (q.view(num_tokens, cfg.num_heads, cfg.head_dim), k.view(num_tokens, cfg.num_kv_heads, cfg.head_dim),
+                    v.view(num_tokens, cfg.num_kv_heads, cfg.head_dim))
         q, k, v = qkv.split((self._q_size, self._kv_size, self._kv_size), dim=-1)
         cos, sin = rope.full(self.dtype) if isinstance(rope, HalfAngles) else rope
         q = apply_rotary(q.view(num_tokens, cfg.num_heads, cfg.head_dim), cos, sin)
@@ -161,8 +173,12 @@ class Transformer:
             x = kernels.rms_norm(hidden, layer.post_attention_norm, self.config.rms_norm_eps)
             gated = kernels.silu_mul(kernels.linear(x, layer.gate_up_proj))
             return kernels.linear(gated, layer.down_proj, residual=hidden)
-        hidden = hidden + linear(attention_out, layer.o_proj)
-        x = rms_norm(hidden, layer.post_attention_norm, self.config.rms_norm_eps)
+        if self._fused_triton:  # the residual add and the norm in one launch
+            hidden, x = triton_fused.add_rms_norm(hidden, linear(attention_out, layer.o_proj),
+                                                  layer.post_attention_norm, self.config.rms_norm_eps)
+        else:
+            hidden = hidden + linear(attention_out, layer.o_proj)
+            x = rms_norm(hidden, layer.post_attention_norm, self.config.rms_norm_eps)
         gate, up = linear(x, layer.gate_up_proj).chunk(2, dim=-1)
         return hidden + linear(F.silu(gate) * up, layer.down_proj)
 
@@ -172,5 +188,10 @@ class Transformer:
         if kernels is not None:
             x = kernels.rms_norm(hidden, self.weights.final_norm, self.config.rms_norm_eps)
             return kernels.linear(x, self.weights.lm_head, out_dtype=torch.float32)
-        x = rms_norm(hidden, self.weights.final_norm, self.config.rms_norm_eps)
+        x = self._rms_norm(hidden, self.weights.final_norm)
         return linear(x, self.weights.lm_head).float()
+
+    def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        if self._fused_triton:
+            return triton_fused.rms_norm(x, weight, self.config.rms_norm_eps)
+        return rms_norm(x, weight, self.config.rms_norm_eps)

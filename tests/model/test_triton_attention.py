@@ -5,19 +5,10 @@ out of order. On CUDA the same kernel is compiled; its logic is what these tests
 
 from __future__ import annotations
 
-import os
-import sys
-
 import pytest
 import torch
 
-# Triton reads the flag when it is imported (its own library functions are made then), so it
-# is set before the first import; the engines' auto backend never uses Triton on CPU tensors.
-if "triton" not in sys.modules:
-    os.environ["TRITON_INTERPRET"] = "1"
-elif os.environ.get("TRITON_INTERPRET") != "1":
-    pytest.skip("triton was imported without TRITON_INTERPRET=1", allow_module_level=True)
-pytest.importorskip("triton")
+import tests.model.triton_interpreter  # noqa: F401  (sets TRITON_INTERPRET=1 before triton loads)
 
 from dualpace.generation import OfflineGenerator  # noqa: E402
 from dualpace.kv.storage import KVStorage  # noqa: E402
@@ -111,15 +102,3 @@ def test_whole_model_step_and_greedy_generation_match_gather(preset, synth_check
     triton_logits, gather_logits = results["triton"][0], results["gather"][0]
     assert (triton_logits - gather_logits).abs().max().item() < 1e-5 * gather_logits.abs().max().item()
     assert results["triton"][1] == results["gather"][1]
-
-
-def test_forcing_triton_on_cpu_without_the_interpreter_is_a_clear_error(monkeypatch):
-    from dualpace.model.attention_backend import uses_triton
-
-    monkeypatch.setenv("DUALPACE_ATTENTION_BACKEND", "triton")
-    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    with pytest.raises(ValueError, match="TRITON_INTERPRET=1"):
-        uses_triton(torch.device("cpu"))
-    monkeypatch.setenv("DUALPACE_ATTENTION_BACKEND", "fastest")
-    with pytest.raises(ValueError, match="DUALPACE_ATTENTION_BACKEND"):
-        uses_triton(torch.device("cpu"))
