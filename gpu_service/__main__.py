@@ -17,6 +17,7 @@ import sys
 import grpc
 
 from dualpace.engine.gate import DeviceHandoff
+from dualpace.engine.runner import ModelRunner
 from dualpace.errors import InvalidArgument
 from dualpace.model.loader import resolve_device
 from dualpace.serve.config import parse_with_config
@@ -45,7 +46,22 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="the CPU engine (cpu_service) whose pool is this engine's host tier: the prefix-cache "
                              "blocks of each finished request are offered to it, so they outlive their eviction "
                              "here (needs --prefix-caching on; default: none)")
+    parser.add_argument("--cuda-graphs", default="on", choices=["on", "off"],
+                        help="on CUDA with the paged Triton attention: capture decode steps of up to --max-running "
+                             "sequences as CUDA graphs at start-up, one per batch-size bucket, and replay them "
+                             "(prefill and larger steps run eagerly); no effect on a CPU (default: on)")
     return parse_with_config(parser, argv)
+
+
+def decode_graph_batch(args: argparse.Namespace, device: str) -> int:
+    """The largest decode batch replayed as a CUDA graph, or 0 for none (off, not CUDA, or no paged kernel)."""
+    import torch
+
+    from dualpace.model.attention_backend import uses_triton
+
+    if args.cuda_graphs != "on" or not device.startswith("cuda"):
+        return 0
+    return args.max_running if uses_triton(torch.device(device)) else 0
 
 
 def start_host_tier(args: argparse.Namespace, parts: EngineDaemonParts) -> None:
@@ -96,8 +112,17 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
     def build() -> EngineDaemonParts:
-        return build_engine(args, kind="gpu", device=str(resolve_device(args.device)),
-                            default_kv_blocks=DEFAULT_KV_BLOCKS)
+        device = str(resolve_device(args.device))
+        graph_batch = decode_graph_batch(args, device)
+
+        def make_runner(loaded, config, kv_memory) -> ModelRunner:
+            return ModelRunner(loaded, config.num_kv_blocks, config.block_size, kv_memory=kv_memory,
+                               decode_graph_batch=graph_batch)
+
+        parts = build_engine(args, kind="gpu", device=device, default_kv_blocks=DEFAULT_KV_BLOCKS,
+                             make_runner=make_runner)
+        parts.loop.core.runner.capture_decode_graphs()  # before the warm-up request and serving
+        return parts
 
     return run_engine_daemon(args, "gpu_service", build, add_assist)
 

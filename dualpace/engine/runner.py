@@ -17,19 +17,29 @@ from dualpace.guided_decoding import GuidedMasks, GuidedRow
 from dualpace.kv.storage import KVStorage
 from dualpace.model.device_sync import work_finisher
 from dualpace.model.loader import LoadedModel
+from dualpace.model.decode_buckets import table_width_blocks
 from dualpace.model.paged_forward import PagedForward
+from dualpace.model.static_decode import DecodeGraphs
 
 
 class ModelRunner:
     """Owns the device KV storage and runs the model over it."""
 
-    def __init__(self, loaded: LoadedModel, num_blocks: int, block_size: int, kv_memory=None):
+    def __init__(self, loaded: LoadedModel, num_blocks: int, block_size: int, kv_memory=None,
+                 decode_graph_batch: int = 0):
+        """decode_graph_batch > 0: decode-only steps of up to that many sequences run through static
+        buffers (dualpace.model.static_decode), replayed as CUDA graphs once capture_decode_graphs ran;
+        the pool then has one block more than `num_blocks`, a scratch block no sequence is given."""
         cfg = loaded.config
         model = loaded.model
         self.loaded = loaded
-        self.kv = KVStorage(cfg.num_layers, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim,
-                            model.dtype, model.device, memory=kv_memory)
+        self.kv = KVStorage(cfg.num_layers, num_blocks + (1 if decode_graph_batch else 0), block_size,
+                            cfg.num_kv_heads, cfg.head_dim, model.dtype, model.device, memory=kv_memory)
         self.forward = PagedForward(model, self.kv)
+        self.decode_graphs = None
+        if decode_graph_batch:
+            width = table_width_blocks(loaded.max_context_tokens, block_size, num_blocks)
+            self.decode_graphs = DecodeGraphs(self.forward, decode_graph_batch, width, scratch_block=num_blocks)
         self.finish_device_work = work_finisher(model.device)  # steps end when their work has run
         self.faults = FaultConfig()  # test-only faults (dualpace.faults); the daemon sets them after warm-up
         self.num_forward_steps = 0  # non-empty plans executed since the faults were set
@@ -53,7 +63,10 @@ class ModelRunner:
         """The forward pass and sampling of a non-empty plan, here (subclasses may run it elsewhere)."""
         sampled = [s for s in plan.sequences if s.sample]
         masks = self._start_guided_masks(sampled)  # computed while the forward pass runs
-        logits = self.forward.forward(step_work(plan))
+        work = step_work(plan)
+        logits = self.decode_graphs.run(work) if self.decode_graphs is not None else None
+        if logits is None:  # not a decode-only step that fits a bucket (or no static buffers)
+            logits = self.forward.forward(work)
         if not sampled:  # nothing read back: wait for the queued work, so it counts in this step's time
             self.finish_device_work()
         guided = None
@@ -62,6 +75,11 @@ class ModelRunner:
             guided = (guided_rows, future.result())
         # DUALPACE_FAULT_NAN_LOGITS_REQUEST: the target's row becomes NaN whenever it is sampled.
         return sample_step(plan, logits, self.faults.nan_logits_request, guided)
+
+    def capture_decode_graphs(self) -> None:
+        """Capture the decode steps' CUDA graphs (at start-up); nothing to do off CUDA or without buffers."""
+        if self.decode_graphs is not None and self.kv.device.type == "cuda":
+            self.decode_graphs.capture()
 
     def prepare_guided_decoding(self) -> GuidedMasks:
         """The token masks of constrained requests; made on first use, or at start-up (the daemon's

@@ -1,0 +1,106 @@
+"""Decode steps through static input buffers, one set per batch-size bucket (dualpace.model.decode_buckets).
+
+`StaticDecodeStep` owns one bucket's buffers on the model's device (token ids, positions, slot ids,
+context lengths, start positions and block tables, all views of one int64 tensor, so filling them
+is one host->device copy) and the StepTensors that point at them. `DecodeGraphs` routes a step:
+a decode-only step that fits a bucket is padded into that bucket's buffers and run there, by
+replaying its captured CUDA graph (dualpace.model.cuda_graphs) on CUDA, or eagerly on the same
+buffers elsewhere (how the CPU tests check that padding changes no real row's result); any other
+step returns None and the caller runs it eagerly.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from dualpace.model.attention_backend import uses_triton
+from dualpace.model.decode_buckets import DecodeRow, PaddedDecode, bucket_for, decode_buckets, pad_decode
+from dualpace.model.paged_forward import PagedForward, SequenceWork, StepTensors
+from dualpace.model.triton_attention import VarlenBatch
+
+log = logging.getLogger(__name__)
+NUM_ROW_FIELDS = 5  # token_ids, positions, slot_ids, context_lens, start positions (PaddedDecode.packed)
+
+
+class StaticDecodeStep:
+    """The fixed-address inputs of one bucket's decode step."""
+
+    def __init__(self, bucket: int, table_width: int, device: torch.device):
+        self.bucket = bucket
+        self.table_width = table_width
+        self.flat = torch.zeros(bucket * (NUM_ROW_FIELDS + table_width), dtype=torch.long, device=device)
+        token_ids, positions, slot_ids, context_lens, start_pos = self.flat[: bucket * NUM_ROW_FIELDS].view(
+            NUM_ROW_FIELDS, bucket)
+        block_tables = self.flat[bucket * NUM_ROW_FIELDS:].view(bucket, table_width)
+        rows = torch.arange(bucket, dtype=torch.long, device=device)
+        varlen = None
+        if uses_triton(device):
+            query_start = torch.arange(bucket + 1, dtype=torch.long, device=device)
+            varlen = VarlenBatch(query_start=query_start, start_pos=start_pos, block_tables=block_tables,
+                                 max_new_tokens=1)
+        self.step = StepTensors(
+            token_ids=token_ids, positions=positions, slot_ids=slot_ids, decode_token_index=rows,
+            decode_block_tables=block_tables, decode_context_lens=context_lens, prefills=[],
+            logit_token_index=rows, varlen=varlen)
+
+    def fill(self, padded: PaddedDecode) -> None:
+        if padded.bucket != self.bucket or any(len(t) != self.table_width for t in padded.block_tables):
+            raise ValueError(f"a step of {padded.bucket} rows does not fit the buffers of bucket {self.bucket}")
+        self.flat.copy_(torch.tensor(padded.packed(), dtype=torch.long))
+
+
+def decode_rows(work: list[SequenceWork]) -> list[DecodeRow] | None:
+    """The step as decode rows, or None when a sequence brings more than one token (prefill)."""
+    if any(len(seq.token_ids) != 1 for seq in work):
+        return None
+    return [DecodeRow(seq.token_ids[0], seq.start_pos, seq.block_ids) for seq in work]
+
+
+class DecodeGraphs:
+    """Decode-only steps of up to `max_batch` sequences through static buffers (see the module doc).
+
+    The KV pool must have a block no sequence owns: `scratch_block`, where padding rows write."""
+
+    def __init__(self, forward: PagedForward, max_batch: int, table_width: int, scratch_block: int):
+        self.forward = forward
+        self.table_width = table_width
+        self.scratch_block = scratch_block
+        self.buckets = decode_buckets(max_batch)
+        device = forward.model.device
+        self.steps = {b: StaticDecodeStep(b, table_width, device) for b in self.buckets}
+        self.captured: dict = {}  # bucket -> CapturedDecode, once capture() ran (CUDA only)
+        self.num_static_steps = 0  # steps run through the buffers (replayed, on CUDA)
+        self.num_eager_steps = 0  # steps that did not fit a bucket
+
+    def capture(self) -> None:
+        """Capture every bucket's graph, largest first, in one memory pool (CUDA only)."""
+        from dualpace.model.cuda_graphs import capture_all
+
+        for bucket, static in self.steps.items():  # only padding rows: warm-up and capture touch the scratch block
+            static.fill(pad_decode([], bucket, self.table_width, self.forward.kv.block_size, self.scratch_block))
+        self.captured = capture_all(self.forward, self.steps)
+        log.info("captured CUDA graphs for decode batch sizes %s", ",".join(map(str, self.buckets)))
+
+    def run(self, work: list[SequenceWork]) -> torch.Tensor | None:
+        """Logits [len(work), vocab] of a decode-only step that fits a bucket, or None (run it eagerly).
+        On CUDA the rows are views of the graph's output, valid until its next replay."""
+        rows = decode_rows(work)
+        bucket = None if rows is None else bucket_for(len(rows), self.buckets)
+        padded = None if bucket is None else pad_decode(rows, bucket, self.table_width, self.forward.kv.block_size,
+                                                        self.scratch_block)
+        if padded is None:
+            self.num_eager_steps += 1
+            return None
+        static = self.steps[bucket]
+        static.fill(padded)
+        captured = self.captured.get(bucket)
+        if captured is not None:
+            if self.forward.between_layers is not None:  # a replay has no point between layers to yield at
+                self.forward.between_layers()
+            logits = captured.replay()
+        else:
+            logits = self.forward.forward_tensors(static.step)
+        self.num_static_steps += 1
+        return logits[: padded.num_real]

@@ -1,0 +1,66 @@
+"""What only CUDA can check: captured CUDA-graph decode steps equal the eager path token for token,
+and the fused Triton kernels round bf16 exactly where torch does (the interpreter truncates, so the
+CPU tests allow a rounding step). Skipped where CUDA is missing; run this file on its own (not after
+the interpreter tests, which set TRITON_INTERPRET=1 for the whole process)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    pytest.skip("needs CUDA", allow_module_level=True)
+if os.environ.get("TRITON_INTERPRET") == "1":
+    pytest.skip("TRITON_INTERPRET=1 is set in this process: run this file on its own", allow_module_level=True)
+
+from dualpace.engine.core import EngineConfig, EngineCore  # noqa: E402
+from dualpace.engine.runner import ModelRunner  # noqa: E402
+from dualpace.engine.scheduler import SchedulerConfig  # noqa: E402
+from dualpace.model import triton_fused  # noqa: E402
+from dualpace.model.loader import load_model  # noqa: E402
+from dualpace.model.rope import HalfAngles, apply_rotary  # noqa: E402
+from dualpace.model.transformer import rms_norm  # noqa: E402
+from dualpace.sampling import SamplingParams  # noqa: E402
+from tests.engine.test_engine_core import run_to_completion  # noqa: E402
+
+
+@pytest.mark.parametrize("preset", ["tiny-llama", "tiny-qwen2"])
+def test_cuda_graph_decode_equals_eager_token_for_token(preset, synth_checkpoint):
+    loaded = load_model(str(synth_checkpoint(preset)), dtype="fp32", device="cuda")
+    config = EngineConfig(num_kv_blocks=128, block_size=16,
+                          scheduler=SchedulerConfig(max_batch_tokens=256, max_running=12))
+    prompts = [[5, 9, 2, 11, 40], [1] * 17, [300, 200, 100, 7, 7, 7, 3], list(range(10, 60)), [8]] * 2
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    outputs = {}
+    for graph_batch in (0, 12):
+        runner = ModelRunner(loaded, config.num_kv_blocks, config.block_size, decode_graph_batch=graph_batch)
+        runner.capture_decode_graphs()
+        core = EngineCore(loaded, config, runner)
+        for i, prompt in enumerate(prompts):
+            core.add_request(f"r{i}", prompt, params)
+        outputs[graph_batch] = run_to_completion(core)
+        if graph_batch:
+            assert set(runner.decode_graphs.captured) == set(runner.decode_graphs.buckets)
+            assert runner.decode_graphs.num_static_steps > 20
+    assert outputs[12] == outputs[0]
+
+
+def test_fused_kernels_round_bf16_like_torch():
+    torch.manual_seed(0)
+    hidden, delta = torch.randn(5, 300, device="cuda").bfloat16(), torch.randn(5, 300, device="cuda").bfloat16()
+    weight = torch.randn(300, device="cuda").bfloat16()
+    summed, normed = triton_fused.add_rms_norm(hidden, delta, weight, 1e-5)
+    assert torch.equal(summed, hidden + delta)
+    assert (normed == rms_norm(summed, weight, 1e-5)).float().mean().item() > 0.99  # fp32 sums: order only
+    head_dim, num_heads = 64, 6
+    positions = torch.tensor([9, 0, 4000, 3, 3], device="cuda")
+    inv_freq = 1.0 / (500000.0 ** (torch.arange(0, head_dim, 2, device="cuda").float() / head_dim))
+    freqs = positions.float()[:, None] * inv_freq[None, :]
+    angles = HalfAngles(freqs.cos(), freqs.sin())
+    qkv = torch.randn(5, (num_heads + 2) * head_dim, device="cuda").bfloat16()
+    cos, sin = angles.full(torch.bfloat16)
+    expected = apply_rotary(qkv[:, : num_heads * head_dim].reshape(5, num_heads, head_dim), cos, sin)
+    triton_fused.rotary_(qkv, num_heads, head_dim, angles.cos, angles.sin)
+    assert torch.equal(qkv[:, : num_heads * head_dim].reshape(5, num_heads, head_dim), expected)
