@@ -18,6 +18,7 @@ from dualpace.kv.storage import KVStorage
 from dualpace.model.device_sync import work_finisher
 from dualpace.model.loader import LoadedModel
 from dualpace.model.decode_buckets import table_width_blocks
+from dualpace.model.host_copies import HostCopies
 from dualpace.model.paged_forward import PagedForward
 from dualpace.model.static_decode import DecodeGraphs
 
@@ -36,6 +37,7 @@ class ModelRunner:
         self.kv = KVStorage(cfg.num_layers, num_blocks + (1 if decode_graph_batch else 0), block_size,
                             cfg.num_kv_heads, cfg.head_dim, model.dtype, model.device, memory=kv_memory)
         self.forward = PagedForward(model, self.kv)
+        self.host_copies = HostCopies(model.device)  # KV export/import: pinned, async on CUDA
         self.decode_graphs = None
         if decode_graph_batch:
             width = table_width_blocks(loaded.max_context_tokens, block_size, num_blocks)
@@ -101,13 +103,14 @@ class ModelRunner:
     # KV transfer: a request's cache as contiguous per-layer tensors, and back.
 
     def read_kv(self, slot_ids: list[int], layer_index: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V [num_tokens, kv_heads, head_dim] of the given flat slots, on the CPU."""
-        index = torch.tensor(slot_ids, dtype=torch.long, device=self.kv.device)
+        """K and V [num_tokens, kv_heads, head_dim] of the given flat slots, on the CPU (pinned on CUDA)."""
+        index = torch.tensor(slot_ids, dtype=torch.long, pin_memory=self.host_copies.staged)
         flat_shape = (-1, self.kv.num_kv_heads, self.kv.head_dim)
-        k = self.kv.k[layer_index].view(flat_shape).index_select(0, index)
-        v = self.kv.v[layer_index].view(flat_shape).index_select(0, index)
-        return k.cpu(), v.cpu()
+        k, v = self.host_copies.gather_to_host(
+            [self.kv.k[layer_index].view(flat_shape), self.kv.v[layer_index].view(flat_shape)], index)
+        return k, v
 
     def write_kv(self, slot_ids: list[int], layer_index: int, k: torch.Tensor, v: torch.Tensor) -> None:
         index = torch.tensor(slot_ids, dtype=torch.long, device=self.kv.device)
-        self.kv.write(layer_index, index, k.to(self.kv.device), v.to(self.kv.device))
+        k, v = self.host_copies.to_device([k, v], self.kv.dtype)
+        self.kv.write(layer_index, index, k, v)

@@ -64,3 +64,14 @@ def test_fused_kernels_round_bf16_like_torch():
     expected = apply_rotary(qkv[:, : num_heads * head_dim].reshape(5, num_heads, head_dim), cos, sin)
     triton_fused.rotary_(qkv, num_heads, head_dim, angles.cos, angles.sin)
     assert torch.equal(qkv[:, : num_heads * head_dim].reshape(5, num_heads, head_dim), expected)
+
+
+def test_kv_export_import_through_pinned_side_stream_copies(synth_checkpoint):
+    from tests.engine.test_host_copies import kv_round_trip
+
+    loaded = load_model(str(synth_checkpoint("tiny-llama")), dtype="bf16", device="cuda")
+    runner = ModelRunner(loaded, num_blocks=8, block_size=8)
+    assert runner.host_copies.staged
+    kv_round_trip(runner)
+    k, _ = runner.read_kv([1, 2, 3], 0)
+    assert k.is_pinned()
