@@ -1,14 +1,18 @@
 """GPU check, run on a machine with CUDA (the `device` tool), in well under 5 minutes:
 
-1. gpu_service on cuda, tiny fp32 model, with each attention backend (the paged Triton kernel,
-   `auto` on CUDA, and the gather path): greedy streams equal the CPU device's
+0. the CUDA-only tests (tests/model/test_cuda_fast_paths.py: CUDA-graph decode equals eager token
+   for token, the fused kernels' bf16 rounding, pinned KV copies), in a pytest subprocess;
+1. gpu_service on cuda, tiny fp32 model, in each configuration of CONFIGS (the paged Triton
+   attention with fused norm/RoPE and CUDA graphs, the same without graphs, without the fused
+   kernels, and the gather path with none of them): greedy streams equal the CPU device's
    `OfflineGenerator` token for token (clear top-1 margins, so this is exact);
 2. a synthetic ~1B checkpoint (llama-3.2-1b shape): fp32 prompt logits on cuda vs
    the CPU device (max |diff|) and greedy agreement (random weights give near-ties,
    so agreement is reported, not required);
-3. device -> host copy bandwidth of a KV-sized buffer, pageable and pinned;
+3. device -> host copy bandwidth of a KV-sized buffer, pageable and pinned, and through the KV
+   export's own path (dualpace.model.host_copies: gather, pinned, side stream);
 4. throughput: gpu_service on cuda, bf16 ~1B model, at 1, 32 and 128 concurrent streams,
-   with each attention backend.
+   in each configuration (so with and without CUDA graphs, and with and without the fused kernels).
 
 On the GPU machine (it reaches no registry) the wheels it lacks travel with the check:
 `make device-check` prepares them and prints the command (bench/device_wheels.py).
@@ -16,13 +20,15 @@ On the GPU machine (it reaches no registry) the wheels it lacks travel with the 
     python -m bench.device_check --out bench/results/device_check.json
 
 `--device cpu --large-preset tiny-llama --streams 2` runs the same script here as a dry run
-(the backends are then both the gather path: Triton runs on CUDA only).
+(the configurations then all run the torch ops: Triton and CUDA graphs run on CUDA only).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import subprocess
 import sys
 import tempfile
 import threading
@@ -33,6 +39,7 @@ import torch
 
 from dualpace.generation import OfflineGenerator
 from dualpace.kv.storage import KVStorage
+from dualpace.model.host_copies import HostCopies
 from dualpace.model.loader import load_model
 from dualpace.model.paged_forward import PagedForward, SequenceWork
 from dualpace.model.synth import write_synthetic_checkpoint
@@ -57,16 +64,34 @@ def stream_tokens(address: str, request_id: str, prompt: list[int], params: Samp
     return tokens, ttft_s or 0.0
 
 
-BACKENDS = ("auto", "gather")  # auto: the paged Triton kernel on CUDA (dualpace.model.attention_backend)
+# name -> (environment, gpu_service arguments); "auto" means the Triton kernels on CUDA
+# (dualpace.model.attention_backend), the torch ops elsewhere.
+CONFIGS = {
+    "paged_fused_graphs": ({"DUALPACE_ATTENTION_BACKEND": "auto", "DUALPACE_FUSED_KERNELS": "auto"},
+                           ["--cuda-graphs", "on"]),
+    "paged_fused_eager": ({"DUALPACE_ATTENTION_BACKEND": "auto", "DUALPACE_FUSED_KERNELS": "auto"},
+                          ["--cuda-graphs", "off"]),
+    "paged_torchnorm_graphs": ({"DUALPACE_ATTENTION_BACKEND": "auto", "DUALPACE_FUSED_KERNELS": "torch"},
+                               ["--cuda-graphs", "on"]),
+    "gather_torch_eager": ({"DUALPACE_ATTENTION_BACKEND": "gather", "DUALPACE_FUSED_KERNELS": "torch"},
+                           ["--cuda-graphs", "off"]),
+}
 
 
-def backend_env(backend: str) -> dict[str, str]:
-    return {"DUALPACE_ATTENTION_BACKEND": backend}
+def cuda_tests() -> dict:
+    """The tests that need CUDA, in their own process (no TRITON_INTERPRET there)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                           "tests/model/test_cuda_fast_paths.py"], capture_output=True, text=True, env=env,
+                          timeout=300)
+    lines = (done.stdout + done.stderr).strip().splitlines()
+    return {"returncode": done.returncode, "summary": lines[-1] if lines else "", "tail": lines[-15:]}
 
 
-def tiny_parity(folder: str, device: str, backend: str) -> dict:
-    daemon = start_daemon("gpu_service", "--model", folder, "--dtype", "fp32", "--device", device,
-                          env=backend_env(backend))
+def tiny_parity(folder: str, device: str, config: str) -> dict:
+    env, extra_args = CONFIGS[config]
+    daemon = start_daemon("gpu_service", "--model", folder, "--dtype", "fp32", "--device", device, *extra_args,
+                          env=env)
     try:
         reference = load_model(folder, dtype="fp32", device="cpu")
         params = SamplingParams(max_tokens=32, ignore_eos=True)
@@ -104,6 +129,17 @@ def kv_copy_bandwidth(device: str, num_bytes: int = 256 << 20, repeats: int = 5)
     if device.startswith("cuda"):
         targets["pinned"] = torch.empty(num_bytes, dtype=torch.uint8, pin_memory=True)
     report = {"bytes": num_bytes}
+    # the KV export's path: rows gathered, copied into pinned memory on a side stream (plain on a CPU)
+    flat_cache = source.view(-1, 4096)
+    all_rows = torch.arange(flat_cache.shape[0], device="cpu")
+    copies = HostCopies(torch.device(device))
+    copies.gather_to_host([flat_cache], all_rows)  # warm-up
+    best_s = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        copies.gather_to_host([flat_cache], all_rows)
+        best_s = min(best_s, time.perf_counter() - start)
+    report["kv_export_path_gbps"] = round(num_bytes / best_s / 1e9, 2)
     for name, target in targets.items():
         target.copy_(source)  # warm-up
         best_s = float("inf")
@@ -117,12 +153,13 @@ def kv_copy_bandwidth(device: str, num_bytes: int = 256 << 20, repeats: int = 5)
     return report
 
 
-def throughput_sweep(folder: str, device: str, backend: str, stream_counts: list[int], prompt_tokens: int,
+def throughput_sweep(folder: str, device: str, config: str, stream_counts: list[int], prompt_tokens: int,
                      new_tokens: int) -> dict:
-    """One daemon per backend, the stream counts run one after another on it."""
+    """One daemon per configuration, the stream counts run one after another on it."""
+    env, extra_args = CONFIGS[config]
     daemon = start_daemon("gpu_service", "--model", folder, "--dtype", "bf16", "--device", device,
                           "--kv-blocks", "4096", "--max-batch-tokens", "8192", "--max-running",
-                          str(max(stream_counts)), env=backend_env(backend))
+                          str(max(stream_counts)), *extra_args, env=env)
     try:
         stream_tokens(daemon.address, "warmup", list(range(10, 26)), SamplingParams(max_tokens=4, ignore_eos=True))
         return {f"streams_{n}": throughput(daemon.address, n, prompt_tokens, new_tokens) for n in stream_counts}
@@ -174,11 +211,12 @@ def main(argv: list[str] | None = None) -> int:
         large = Path(workdir) / "large"
         write_synthetic_checkpoint(args.large_preset, large, seed=0)
         stream_counts = [int(n) for n in args.streams.split(",")]
-        steps = [(f"tiny_parity_{b}", lambda b=b: tiny_parity(str(tiny), args.device, b)) for b in BACKENDS]
+        steps = [("cuda_tests", cuda_tests)] if args.device.startswith("cuda") else []
+        steps += [(f"tiny_parity_{c}", lambda c=c: tiny_parity(str(tiny), args.device, c)) for c in CONFIGS]
         steps.append(("large_fp32_logits", lambda: large_logits(str(large), args.device)))
         steps.append(("kv_copy_device_to_host", lambda: kv_copy_bandwidth(args.device)))
-        steps += [(f"throughput_bf16_{b}", lambda b=b: throughput_sweep(
-            str(large), args.device, b, stream_counts, args.prompt_tokens, args.new_tokens)) for b in BACKENDS]
+        steps += [(f"throughput_bf16_{c}", lambda c=c: throughput_sweep(
+            str(large), args.device, c, stream_counts, args.prompt_tokens, args.new_tokens)) for c in CONFIGS]
         for name, step in steps:
             start = time.perf_counter()
             report[name] = step()
@@ -188,7 +226,24 @@ def main(argv: list[str] | None = None) -> int:
     print(text)
     if args.out:
         Path(args.out).write_text(text + "\n")
-    return 0 if all(report[f"tiny_parity_{b}"]["all_identical"] for b in BACKENDS) else 1
+    table = summary_table(report, stream_counts)
+    print(table, file=sys.stderr)
+    if args.out:
+        Path(args.out).with_suffix(".md").write_text(table + "\n")
+    parity = all(report[f"tiny_parity_{c}"]["all_identical"] for c in CONFIGS)
+    return 0 if parity and report.get("cuda_tests", {"returncode": 0})["returncode"] == 0 else 1
+
+
+def summary_table(report: dict, stream_counts: list[int]) -> str:
+    """Decode throughput (tokens/s) per configuration and stream count, as a Markdown table."""
+    lines = ["| configuration | tiny parity | " + " | ".join(f"{n} streams tok/s" for n in stream_counts) + " |",
+             "|---|---|" + "---|" * len(stream_counts)]
+    for config in CONFIGS:
+        sweep = report[f"throughput_bf16_{config}"]
+        cells = [str(sweep[f"streams_{n}"]["tokens_per_s"]) for n in stream_counts]
+        parity = report[f"tiny_parity_{config}"]
+        lines.append(f"| {config} | {parity['identical']}/{parity['prompts']} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

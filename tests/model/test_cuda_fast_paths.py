@@ -10,6 +10,7 @@ import os
 import pytest
 import torch
 
+pytestmark = pytest.mark.gpu
 if not torch.cuda.is_available():
     pytest.skip("needs CUDA", allow_module_level=True)
 if os.environ.get("TRITON_INTERPRET") == "1":
