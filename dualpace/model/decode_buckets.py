@@ -1,11 +1,13 @@
 """Decode steps padded to a batch-size bucket, for replay through a captured CUDA graph (pure; no torch).
 
 A CUDA graph replays fixed shapes from fixed addresses, so a decode-only step of `n` sequences
-runs as a step of `bucket >= n` rows whose inputs are copied into static buffers: every block table
-padded to one width, and the `bucket - n` padding rows pointed at a scratch block that no sequence
-owns (the runner's KV pool has one block more than its allocator hands out). A padding row reads
+runs as a step of `bucket >= n` rows whose inputs are copied into static buffers, block tables
+`table_width` blocks wide, and the `bucket - n` padding rows pointed at a scratch block that no
+sequence owns (the runner's KV pool has one block more than its allocator hands out). A padding row reads
 token 0 at position 0 and writes its K/V into the scratch block's first slot; its logits are
-dropped. dualpace.model.static_decode holds the buffers; dualpace.model.cuda_graphs captures them.
+dropped. Only the step's own table columns are copied (as many as its longest context spans):
+attention never reads a table past a row's context, and the columns beyond keep block ids of
+earlier steps, valid ids that the context lengths mask. dualpace.model.static_decode holds the buffers; dualpace.model.cuda_graphs captures them.
 
 A step that does not fit (a prefill chunk, more sequences than the largest bucket, a block table
 wider than the buffers) returns None from `pad_decode` and runs eagerly.
@@ -61,28 +63,26 @@ class PaddedDecode:
     positions: list[int]
     slot_ids: list[int]
     context_lens: list[int]
-    block_tables: list[list[int]]  # bucket rows of table-width block ids
+    block_tables: list[list[int]]  # bucket rows of the step's columns: as many as its longest context spans
 
     @property
     def bucket(self) -> int:
         return len(self.token_ids)
 
-    def packed(self) -> list[int]:
-        """All fields in one flat list, in the order of the static buffer (one host->device copy):
-        token_ids, positions, slot_ids, context_lens, start positions, then the tables row by row."""
+    def packed_rows(self) -> list[int]:
+        """The per-row fields in the static buffer's order: token_ids, positions, slot_ids,
+        context_lens, start positions (one host->device copy)."""
         start_pos = [n - 1 for n in self.context_lens]
-        flat = self.token_ids + self.positions + self.slot_ids + self.context_lens + start_pos
-        for table in self.block_tables:
-            flat.extend(table)
-        return flat
+        return self.token_ids + self.positions + self.slot_ids + self.context_lens + start_pos
 
 
 def pad_decode(rows: list[DecodeRow], bucket: int, table_width: int, block_size: int,
                scratch_block: int) -> PaddedDecode | None:
-    """`rows` padded to `bucket` rows with tables `table_width` blocks wide, or None when a
-    sequence's table is wider or there are more rows than the bucket holds."""
+    """`rows` padded to `bucket` rows, or None when a sequence's context spans more than
+    `table_width` blocks or there are more rows than the bucket holds."""
     if len(rows) > bucket:
         return None
+    num_columns = max((row.position // block_size + 1 for row in rows), default=1)
     token_ids, positions, slot_ids, context_lens, tables = [], [], [], [], []
     for row in rows:
         num_blocks = row.position // block_size + 1  # the blocks the context, the new token included, spans
@@ -92,7 +92,7 @@ def pad_decode(rows: list[DecodeRow], bucket: int, table_width: int, block_size:
         positions.append(row.position)
         slot_ids.append(row.block_ids[row.position // block_size] * block_size + row.position % block_size)
         context_lens.append(row.position + 1)
-        tables.append(row.block_ids[:num_blocks] + [scratch_block] * (table_width - num_blocks))
+        tables.append(row.block_ids[:num_blocks] + [scratch_block] * (num_columns - num_blocks))
     num_padding = bucket - len(rows)
     return PaddedDecode(
         num_real=len(rows),
@@ -100,5 +100,5 @@ def pad_decode(rows: list[DecodeRow], bucket: int, table_width: int, block_size:
         positions=positions + [0] * num_padding,
         slot_ids=slot_ids + [scratch_block * block_size] * num_padding,
         context_lens=context_lens + [1] * num_padding,
-        block_tables=tables + [[scratch_block] * table_width for _ in range(num_padding)],
+        block_tables=tables + [[scratch_block] * num_columns for _ in range(num_padding)],
     )

@@ -1,8 +1,9 @@
 """Decode steps through static input buffers, one set per batch-size bucket (dualpace.model.decode_buckets).
 
 `StaticDecodeStep` owns one bucket's buffers on the model's device (token ids, positions, slot ids,
-context lengths, start positions and block tables, all views of one int64 tensor, so filling them
-is one host->device copy) and the StepTensors that point at them. `DecodeGraphs` routes a step:
+context lengths and start positions, views of one int64 tensor filled by one host->device copy;
+block tables, of which a step fills its own columns with a second) and the StepTensors that
+point at them. `DecodeGraphs` routes a step:
 a decode-only step that fits a bucket is padded into that bucket's buffers and run there, by
 replaying its captured CUDA graph (dualpace.model.cuda_graphs) on CUDA, or eagerly on the same
 buffers elsewhere (how the CPU tests check that padding changes no real row's result); any other
@@ -30,10 +31,10 @@ class StaticDecodeStep:
     def __init__(self, bucket: int, table_width: int, device: torch.device):
         self.bucket = bucket
         self.table_width = table_width
-        self.flat = torch.zeros(bucket * (NUM_ROW_FIELDS + table_width), dtype=torch.long, device=device)
-        token_ids, positions, slot_ids, context_lens, start_pos = self.flat[: bucket * NUM_ROW_FIELDS].view(
-            NUM_ROW_FIELDS, bucket)
-        block_tables = self.flat[bucket * NUM_ROW_FIELDS:].view(bucket, table_width)
+        self.row_fields = torch.zeros(NUM_ROW_FIELDS * bucket, dtype=torch.long, device=device)
+        token_ids, positions, slot_ids, context_lens, start_pos = self.row_fields.view(NUM_ROW_FIELDS, bucket)
+        # zeros: block 0, a valid id, until a step writes its columns
+        self.block_tables = block_tables = torch.zeros((bucket, table_width), dtype=torch.long, device=device)
         rows = torch.arange(bucket, dtype=torch.long, device=device)
         varlen = None
         if uses_triton(device):
@@ -46,9 +47,12 @@ class StaticDecodeStep:
             logit_token_index=rows, varlen=varlen)
 
     def fill(self, padded: PaddedDecode) -> None:
-        if padded.bucket != self.bucket or any(len(t) != self.table_width for t in padded.block_tables):
-            raise ValueError(f"a step of {padded.bucket} rows does not fit the buffers of bucket {self.bucket}")
-        self.flat.copy_(torch.tensor(padded.packed(), dtype=torch.long))
+        num_columns = len(padded.block_tables[0])
+        if padded.bucket != self.bucket or num_columns > self.table_width:
+            raise ValueError(f"a step of {padded.bucket} rows and {num_columns} table columns does not fit the "
+                             f"buffers of bucket {self.bucket} ({self.table_width} columns)")
+        self.row_fields.copy_(torch.tensor(padded.packed_rows(), dtype=torch.long))
+        self.block_tables[:, :num_columns].copy_(torch.tensor(padded.block_tables, dtype=torch.long))
 
 
 def decode_rows(work: list[SequenceWork]) -> list[DecodeRow] | None:

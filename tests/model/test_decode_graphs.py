@@ -38,8 +38,8 @@ def test_padding_rows_point_at_the_scratch_block():
     assert padded.token_ids == [7, 9, 0, 0] and padded.positions == [0, 17, 0, 0]
     assert padded.slot_ids == [4 * 16, 5 * 16 + 1, 30 * 16, 30 * 16]
     assert padded.context_lens == [1, 18, 1, 1]
-    assert padded.block_tables == [[4, 30, 30], [2, 5, 30], [30, 30, 30], [30, 30, 30]]
-    assert padded.packed()[:20] == [7, 9, 0, 0, 0, 17, 0, 0, 64, 81, 480, 480, 1, 18, 1, 1, 0, 17, 0, 0]
+    assert padded.block_tables == [[4, 30], [2, 5], [30, 30], [30, 30]]  # the columns the contexts span
+    assert padded.packed_rows() == [7, 9, 0, 0, 0, 17, 0, 0, 64, 81, 480, 480, 1, 18, 1, 1, 0, 17, 0, 0]
     assert pad_decode(rows, bucket=1, table_width=3, block_size=16, scratch_block=30) is None  # too many rows
     assert pad_decode(rows, bucket=4, table_width=1, block_size=16, scratch_block=30) is None  # table too wide
     assert pad_decode([DecodeRow(1, 16, [3])], 1, 4, 16, 30) is None  # the table misses the new token's block
