@@ -13,8 +13,8 @@ dualpace.model.attention.
 
 On a CPU the stages run through dualpace.model.cpu_kernels (a streaming GEMV for up to 8 rows,
 fused RMSNorm / RoPE / SiLU*up, residual adds fused into the output projections, one variant per
-instruction set); on CUDA, RMSNorm (with the residual add before the post-attention norm) and RoPE
-are fused Triton kernels (dualpace.model.triton_fused, DUALPACE_FUSED_KERNELS); elsewhere, or with
+instruction set); on CUDA, RMSNorm (with the residual add before the post-attention norm), RoPE and
+SiLU * up are fused Triton kernels (dualpace.model.triton_fused, DUALPACE_FUSED_KERNELS); elsewhere, or with
 the kernels turned off, they are plain torch ops. All paths compute the same function; the torch
 path is the reference.
 
@@ -173,12 +173,12 @@ class Transformer:
             x = kernels.rms_norm(hidden, layer.post_attention_norm, self.config.rms_norm_eps)
             gated = kernels.silu_mul(kernels.linear(x, layer.gate_up_proj))
             return kernels.linear(gated, layer.down_proj, residual=hidden)
-        if self._fused_triton:  # the residual add and the norm in one launch
+        if self._fused_triton:  # the residual add and the norm in one launch, then SiLU * up in one
             hidden, x = triton_fused.add_rms_norm(hidden, linear(attention_out, layer.o_proj),
                                                   layer.post_attention_norm, self.config.rms_norm_eps)
-        else:
-            hidden = hidden + linear(attention_out, layer.o_proj)
-            x = rms_norm(hidden, layer.post_attention_norm, self.config.rms_norm_eps)
+            return hidden + linear(triton_fused.silu_mul(linear(x, layer.gate_up_proj)), layer.down_proj)
+        hidden = hidden + linear(attention_out, layer.o_proj)
+        x = rms_norm(hidden, layer.post_attention_norm, self.config.rms_norm_eps)
         gate, up = linear(x, layer.gate_up_proj).chunk(2, dim=-1)
         return hidden + linear(F.silu(gate) * up, layer.down_proj)
 

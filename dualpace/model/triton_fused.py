@@ -6,10 +6,11 @@ take several (RMSNorm alone is ~8 ops: cast, pow, mean, add, rsqrt, mul, cast, m
   residual add after the O projection and the post-attention norm).
 - `rotary_(qkv, num_rotated_heads, head_dim, cos, sin)`: rotates the q and k heads of a fused
   qkv buffer in place, all of a step's tokens in one launch.
+- `silu_mul(gate_up)`: SiLU(gate) * up of the fused gate/up projection's output, one launch.
 
 Each kernel rounds where dualpace.model.transformer's torch ops round (the norm's fp32 result is
 cast to the compute dtype before the weight multiplies it; RoPE's cos/sin are cast to the compute
-dtype and each product is rounded), so in bf16 they give the torch path's values, and in fp32 they
+dtype and each product is rounded; SiLU is rounded before the product), so in bf16 they give the torch path's values, and in fp32 they
 differ from it by summation order only.
 
 Like dualpace.model.triton_attention, this runs on CUDA and, for the tests, on CPU tensors under
@@ -84,6 +85,21 @@ def rotary_(qkv: torch.Tensor, num_rotated_heads: int, head_dim: int, cos: torch
         HALF_PAD=_next_power_of_two(half), HEADS_PAD=_next_power_of_two(num_rotated_heads))
 
 
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """SiLU(gate) * up for gate_up [tokens, 2 * intermediate] (gate first), in its dtype."""
+    rows = _rows(gate_up)
+    width = rows.shape[1] // 2
+    out = torch.empty((rows.shape[0], width), dtype=gate_up.dtype, device=gate_up.device)
+    if rows.shape[0] and width:
+        block = min(_next_power_of_two(width), SILU_BLOCK)
+        _kernels().silu_mul[(rows.shape[0], -(-width // block))](
+            rows, out, rows.stride(0), out.stride(0), width, BLOCK=block)
+    return out
+
+
+SILU_BLOCK = 1024  # columns per program: an 8B model's 14336 take 14 programs per token
+
+
 @functools.cache
 def _kernels():
     """Built on first use, so `TRITON_INTERPRET` is read when the kernels are made, not at import."""
@@ -131,7 +147,19 @@ def _kernels():
         tl.store(first, out1, mask=valid)
         tl.store(first + HALF, out2, mask=valid)
 
-    return _Kernels(rms_norm_kernel, rotary_kernel)
+    @triton.jit
+    def silu_mul_kernel(gate_up_ptr, out_ptr, stride_in, stride_out, width, BLOCK: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        valid = cols < width
+        gate = tl.load(gate_up_ptr + row * stride_in + cols, mask=valid, other=0.0)
+        up = tl.load(gate_up_ptr + row * stride_in + width + cols, mask=valid, other=0.0)
+        g = gate.to(tl.float32)
+        activated = (g / (1.0 + tl.exp(-g))).to(gate.dtype)  # rounded as F.silu's result is
+        tl.store(out_ptr + row * stride_out + cols, (activated.to(tl.float32) * up.to(tl.float32)).to(gate.dtype),
+                 mask=valid)
+
+    return _Kernels(rms_norm_kernel, rotary_kernel, silu_mul_kernel)
 
 
 class _Kernels(NamedTuple):
@@ -139,3 +167,4 @@ class _Kernels(NamedTuple):
 
     rms_norm: object
     rotary: object
+    silu_mul: object

@@ -55,6 +55,9 @@ def test_fused_kernels_round_bf16_like_torch():
     summed, normed = triton_fused.add_rms_norm(hidden, delta, weight, 1e-5)
     assert torch.equal(summed, hidden + delta)
     assert (normed == rms_norm(summed, weight, 1e-5)).float().mean().item() > 0.99  # fp32 sums: order only
+    gate_up = torch.randn(5, 2 * 700, device="cuda").bfloat16()
+    gate, up = gate_up.chunk(2, dim=-1)
+    assert (triton_fused.silu_mul(gate_up) == torch.nn.functional.silu(gate) * up).float().mean().item() > 0.99
     head_dim, num_heads = 64, 6
     positions = torch.tensor([9, 0, 4000, 3, 3], device="cuda")
     inv_freq = 1.0 / (500000.0 ** (torch.arange(0, head_dim, 2, device="cuda").float() / head_dim))

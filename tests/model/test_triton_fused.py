@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 import tests.model.triton_interpreter  # noqa: F401  (sets TRITON_INTERPRET=1 before triton loads)
 
@@ -59,6 +60,19 @@ def test_bf16_norms_are_within_a_rounding_step_of_torch():
     assert summed.dtype == normed.dtype == torch.bfloat16
     assert _within_bf16_steps(summed, hidden + delta)
     assert _within_bf16_steps(normed, rms_norm(summed, weight, 1e-5), num_roundings=2)
+
+
+@pytest.mark.parametrize("width", [1, 37, 1500])  # 1500: two programs per token
+def test_silu_mul_equals_torch(width):
+    torch.manual_seed(width)
+    gate_up = torch.randn(3, 2 * width) * 4
+    gate, up = gate_up.chunk(2, dim=-1)
+    out = triton_fused.silu_mul(gate_up)
+    assert out.shape == (3, width)
+    assert (out - F.silu(gate) * up).abs().max().item() < 1e-5
+    bf16 = gate_up.bfloat16()
+    gate, up = bf16.chunk(2, dim=-1)
+    assert _within_bf16_steps(triton_fused.silu_mul(bf16), F.silu(gate) * up, num_roundings=2)
 
 
 def _rope_inputs(num_heads, num_kv_heads, head_dim, dtype):
