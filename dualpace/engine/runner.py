@@ -8,6 +8,8 @@ FinishReason.ERROR and a message) while the rest of the batch proceeds.
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from dualpace.engine.scheduler import StepPlan, StepResult
@@ -21,6 +23,8 @@ from dualpace.model.decode_buckets import table_width_blocks
 from dualpace.model.host_copies import HostCopies
 from dualpace.model.paged_forward import PagedForward
 from dualpace.model.static_decode import DecodeGraphs
+
+log = logging.getLogger(__name__)
 
 
 class ModelRunner:
@@ -80,8 +84,13 @@ class ModelRunner:
 
     def capture_decode_graphs(self) -> None:
         """Capture the decode steps' CUDA graphs (at start-up); nothing to do off CUDA or without buffers."""
-        if self.decode_graphs is not None and self.kv.device.type == "cuda":
+        if self.decode_graphs is None or self.kv.device.type != "cuda":
+            return
+        try:
             self.decode_graphs.capture()
+        except RuntimeError as exc:  # e.g. an op that cannot be captured: serve eagerly rather than not at all
+            log.warning("CUDA graph capture failed, decode steps run eagerly: %s", exc)
+            self.decode_graphs = None
 
     def prepare_guided_decoding(self) -> GuidedMasks:
         """The token masks of constrained requests; made on first use, or at start-up (the daemon's
