@@ -16,7 +16,7 @@ if not torch.cuda.is_available():
 if os.environ.get("TRITON_INTERPRET") == "1":
     pytest.skip("TRITON_INTERPRET=1 is set in this process: run this file on its own", allow_module_level=True)
 
-from dualpace.engine.core import EngineConfig, EngineCore  # noqa: E402
+from dualpace.engine.core import EngineConfig  # noqa: E402
 from dualpace.engine.runner import ModelRunner  # noqa: E402
 from dualpace.engine.scheduler import SchedulerConfig  # noqa: E402
 from dualpace.model import triton_fused  # noqa: E402
@@ -24,7 +24,7 @@ from dualpace.model.loader import load_model  # noqa: E402
 from dualpace.model.rope import HalfAngles, apply_rotary  # noqa: E402
 from dualpace.model.transformer import rms_norm  # noqa: E402
 from dualpace.sampling import SamplingParams  # noqa: E402
-from tests.engine.test_engine_core import run_to_completion  # noqa: E402
+from tests.model.test_decode_graphs import generate_through_engine  # noqa: E402
 
 
 @pytest.mark.parametrize("preset", ["tiny-llama", "tiny-qwen2"])
@@ -34,18 +34,11 @@ def test_cuda_graph_decode_equals_eager_token_for_token(preset, synth_checkpoint
                           scheduler=SchedulerConfig(max_batch_tokens=256, max_running=12))
     prompts = [[5, 9, 2, 11, 40], [1] * 17, [300, 200, 100, 7, 7, 7, 3], list(range(10, 60)), [8]] * 2
     params = SamplingParams(max_tokens=40, ignore_eos=True)
-    outputs = {}
-    for graph_batch in (0, 12):
-        runner = ModelRunner(loaded, config.num_kv_blocks, config.block_size, decode_graph_batch=graph_batch)
-        runner.capture_decode_graphs()
-        core = EngineCore(loaded, config, runner)
-        for i, prompt in enumerate(prompts):
-            core.add_request(f"r{i}", prompt, params)
-        outputs[graph_batch] = run_to_completion(core)
-        if graph_batch:
-            assert set(runner.decode_graphs.captured) == set(runner.decode_graphs.buckets)
-            assert runner.decode_graphs.num_static_steps > 20
-    assert outputs[12] == outputs[0]
+    eager, _ = generate_through_engine(loaded, config, prompts, params, 0)
+    replayed, runner = generate_through_engine(loaded, config, prompts, params, 12, capture=True)
+    assert set(runner.decode_graphs.captured) == set(runner.decode_graphs.buckets)
+    assert runner.decode_graphs.num_static_steps > 20
+    assert replayed == eager
 
 
 def test_fused_kernels_round_bf16_like_torch():

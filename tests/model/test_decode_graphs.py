@@ -77,18 +77,25 @@ def test_padded_static_step_equals_the_unpadded_step(preset, synth_checkpoint):
     assert graphs.run([SequenceWork([1], 40, list(range(11)))]) is None  # wider than the static tables
 
 
+def generate_through_engine(loaded, config: EngineConfig, prompts: list[list[int]], params: SamplingParams,
+                            decode_graph_batch: int, capture: bool = False) -> tuple[dict, ModelRunner]:
+    """Every prompt's tokens from one EngineCore whose runner has static decode buffers (when
+    decode_graph_batch > 0; captured as CUDA graphs when `capture`), and the runner."""
+    runner = ModelRunner(loaded, config.num_kv_blocks, config.block_size, decode_graph_batch=decode_graph_batch)
+    if capture:
+        runner.capture_decode_graphs()
+    core = EngineCore(loaded, config, runner)
+    for i, prompt in enumerate(prompts):
+        core.add_request(f"r{i}", prompt, params)
+    return run_to_completion(core), runner
+
+
 def test_generation_through_static_buffers_is_token_identical(tiny):
     config = EngineConfig(num_kv_blocks=64, block_size=8, scheduler=SchedulerConfig(max_batch_tokens=64, max_running=6))
     prompts = [[5, 9, 2, 11, 40], [1] * 17, [300, 200, 100, 7, 7, 7, 3], list(range(10, 40)), [8], [9, 9]]
     params = SamplingParams(max_tokens=14, ignore_eos=True)
-    outputs = {}
-    for graph_batch in (0, 6):
-        runner = ModelRunner(tiny, config.num_kv_blocks, config.block_size, decode_graph_batch=graph_batch)
-        core = EngineCore(tiny, config, runner)
-        for i, prompt in enumerate(prompts):
-            core.add_request(f"r{i}", prompt, params)
-        outputs[graph_batch] = run_to_completion(core)
-        if graph_batch:
-            assert runner.decode_graphs.num_static_steps > 5  # most decode steps ran through the buffers
-            assert runner.kv.num_blocks == config.num_kv_blocks + 1
-    assert outputs[6] == outputs[0]
+    eager, _ = generate_through_engine(tiny, config, prompts, params, 0)
+    static, runner = generate_through_engine(tiny, config, prompts, params, 6)
+    assert runner.decode_graphs.num_static_steps > 5  # most decode steps ran through the buffers
+    assert runner.kv.num_blocks == config.num_kv_blocks + 1
+    assert static == eager

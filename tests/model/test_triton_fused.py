@@ -169,10 +169,9 @@ def test_forcing_triton_on_cpu_without_the_interpreter_is_a_clear_error(env_var,
 def test_static_decode_buffers_through_the_triton_kernels_equal_the_torch_path(synth_checkpoint, monkeypatch):
     """What a CUDA graph replays (padded static buffers: start positions, stale table columns), run
     eagerly through the paged and fused Triton kernels, against the torch path without buffers."""
-    from dualpace.engine.core import EngineConfig, EngineCore
-    from dualpace.engine.runner import ModelRunner
+    from dualpace.engine.core import EngineConfig
     from dualpace.engine.scheduler import SchedulerConfig
-    from tests.engine.test_engine_core import run_to_completion
+    from tests.model.test_decode_graphs import generate_through_engine
 
     folder = str(synth_checkpoint("tiny-llama"))
     config = EngineConfig(num_kv_blocks=32, block_size=16,
@@ -186,12 +185,8 @@ def test_static_decode_buffers_through_the_triton_kernels_equal_the_torch_path(s
         for kernels, graph_batch in (("triton", 4), ("torch", 0)):
             monkeypatch.setenv("DUALPACE_FUSED_KERNELS", kernels)
             monkeypatch.setenv("DUALPACE_ATTENTION_BACKEND", "triton" if kernels == "triton" else "gather")
-            loaded = load_model(folder, dtype="fp32")
-            runner = ModelRunner(loaded, config.num_kv_blocks, config.block_size, decode_graph_batch=graph_batch)
-            core = EngineCore(loaded, config, runner)
-            for i, prompt in enumerate(prompts):
-                core.add_request(f"r{i}", prompt, params)
-            outputs[kernels] = run_to_completion(core)
+            outputs[kernels], runner = generate_through_engine(load_model(folder, dtype="fp32"), config, prompts,
+                                                               params, graph_batch)
             if graph_batch:
                 assert runner.decode_graphs.steps[4].step.varlen is not None  # the paged kernel's inputs
                 assert runner.decode_graphs.num_static_steps > 5
