@@ -22,7 +22,7 @@ from dualpace.model.paged_forward import PagedForward, SequenceWork, StepTensors
 from dualpace.model.triton_attention import VarlenBatch
 
 log = logging.getLogger(__name__)
-NUM_ROW_FIELDS = 5  # token_ids, positions, slot_ids, context_lens, start positions (PaddedDecode.packed)
+NUM_ROW_FIELDS = 5  # token_ids, positions, slot_ids, context_lens, start positions (PaddedDecode.packed_rows)
 
 
 class StaticDecodeStep:
