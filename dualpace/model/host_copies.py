@@ -44,7 +44,8 @@ class HostCopies:
         queued.record(caller)  # the caller's writes to these rows are queued before this
         with torch.cuda.stream(side):
             side.wait_event(queued)
-            rows = [cache.index_select(0, index.to(self.device, non_blocking=True)) for cache in flat_caches]
+            device_index = index.to(self.device, non_blocking=True)  # `index` pinned: an async copy
+            rows = [cache.index_select(0, device_index) for cache in flat_caches]
             host = [torch.empty(r.shape, dtype=r.dtype, pin_memory=True) for r in rows]
             for target, source in zip(host, rows):
                 target.copy_(source, non_blocking=True)
