@@ -204,6 +204,10 @@ def cache_held_to_pb(num_held_tokens: int) -> engine_pb2.ImportKvReply:
     return engine_pb2.ImportKvReply(cache_held=engine_pb2.ImportKvCacheHeld(num_held_tokens=num_held_tokens))
 
 
+def copy_prefix_request_to_pb(token_ids: list[int], target_address: str) -> engine_pb2.CopyPrefixRequest:
+    return engine_pb2.CopyPrefixRequest(token_ids=token_ids_to_list(token_ids), target_address=target_address)
+
+
 def copy_prefix_request_from_pb(message: engine_pb2.CopyPrefixRequest) -> tuple[tuple[int, ...], str]:
     """(token ids, target address) of a CopyPrefix call; InvalidArgument for an empty one."""
     if not message.target_address:

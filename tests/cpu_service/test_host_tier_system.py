@@ -3,7 +3,9 @@ offers a finished conversation turn's cached blocks to cpu_service (--host-tier)
 request then evicts them from the GPU engine's small pool; the router, whose prefix index now
 finds the history only on the CPU engine, continues the conversation there; cpu_service
 prefills only the new tokens (cached_tokens in the usage), and the reply is the one a full
-recompute gives. Blocks in use return to 0 on both engines."""
+recompute gives; or, for a new message too long to prefill on the CPU engine, the router has
+cpu_service copy the history back into gpu_service's cache and the GPU engine prefills only the
+new tokens, with the same reply. Blocks in use return to 0 on both engines."""
 
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ import time
 from pathlib import Path
 
 import grpc
+import pytest
 
 from dualpace.sampling import SamplingParams
 from dualpace.wire.v1 import common_pb2, router_pb2, router_pb2_grpc
@@ -51,15 +54,21 @@ def index_in_sync(stub, gpu: EngineClient, cpu: EngineClient) -> bool:
     return placed.get("gpu") == gpu.load().kv_blocks_cached and placed.get("cpu") == cpu.load().kv_blocks_cached
 
 
-def test_a_conversation_continues_on_the_cpu_engine_from_the_host_tier(loaded, model_folder):
+@pytest.mark.parametrize("path", ["continue-on-cpu", "copy-to-gpu"])
+def test_a_conversation_resumes_from_the_host_tier(loaded, model_folder, path):
+    """continue-on-cpu: the CPU engine decodes from its cached history; copy-to-gpu: the new
+    message is longer than --host-tier-max-suffix-tokens, so the router has the CPU engine copy
+    the history back into the GPU engine's cache (CopyPrefix) and the GPU engine runs it."""
+    max_suffix = "64" if path == "continue-on-cpu" else "4"
     sockets = Path(tempfile.mkdtemp(prefix="dualpace-host-tier-"))
     gpu_address, cpu_address = f"unix:{sockets / 'gpu.sock'}", f"unix:{sockets / 'cpu.sock'}"
     gpu = start_daemon("gpu_service", "--model", model_folder, *ENGINE_FLAGS, "--kv-blocks", "12", "--name", "gpu",
                        "--host-tier", cpu_address, "--metrics-port", "0", listen=gpu_address)
     cpu = start_daemon("cpu_service", "--model", model_folder, *ENGINE_FLAGS, "--kv-blocks", "64", "--name", "cpu",
-                       "--assist", "never", "--gpu-service", gpu_address, listen=cpu_address)
+                       "--assist", "never", "--gpu-service", gpu_address, "--peer", gpu_address, listen=cpu_address)
     router = start_daemon("router", "serve", "--gpu", gpu_address, "--cpu", cpu_address, "--model", model_folder,
-                          "--no-migrate", "--host-tier-min-gain-tokens", "8")
+                          "--no-migrate", "--host-tier-min-gain-tokens", "8",
+                          "--host-tier-max-suffix-tokens", max_suffix)
     gpu_client, cpu_client = EngineClient(gpu_address), EngineClient(cpu_address)
     channel = grpc.insecure_channel(router.address)
     stub = router_pb2_grpc.RouterStub(channel)
@@ -83,9 +92,13 @@ def test_a_conversation_continues_on_the_cpu_engine_from_the_host_tier(loaded, m
         turn2 = HISTORY + reply + [77, 78, 79, 80, 81, 82]  # 46 tokens
         params = SamplingParams(max_tokens=8, ignore_eos=True)
         tokens, engines, usage = generate_through_router(stub, turn2, 8)
-        assert engines == {"cpu"}  # continued where the history lives
-        assert usage.cached_tokens == 32  # only 14 tokens were prefilled, on the CPU engine
+        # continued where the history lives, or copied back to the GPU engine; either way only
+        # 14 tokens were prefilled
+        assert engines == ({"cpu"} if path == "continue-on-cpu" else {"gpu"})
+        assert usage.cached_tokens == 32
         assert tokens == solo(loaded, turn2, params)
+        if path == "copy-to-gpu":  # the copy went through the GPU engine's import, cache only
+            assert gpu_client.load().kv_blocks_cached >= 4
         for client in (gpu_client, cpu_client):
             assert client.wait_idle().kv_blocks_used == 0
     finally:
