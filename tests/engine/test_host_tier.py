@@ -139,3 +139,36 @@ async def test_an_offer_sends_only_the_blocks_the_host_tier_lacks(tiny):
         assert gpu[0].load().kv_blocks_used == 0 and cpu[0].load().kv_blocks_used == 0
     finally:
         await stop(gpu, cpu)
+
+
+async def test_an_import_ended_before_its_commit_leaves_the_held_blocks_cached_and_none_used(tiny):
+    gpu, cpu = await started(tiny, "gpu", 32), await started(tiny, "cpu", 32)
+    offers = HostTierOffers(gpu[0], cache_only_send(cpu[0]))
+    try:
+        params = SamplingParams(max_tokens=8, ignore_eos=True)
+        first, _ = await generate(gpu[0], "turn-1", HISTORY, params)
+        assert await offers.offer(offers._pending.popleft()) == 7
+        turn2 = HISTORY + first + list(range(60, 75))  # 44 tokens: 11 blocks, 7 of them on the CPU engine
+        await generate(gpu[0], "turn-2", turn2, params)
+        offers._pending.clear()
+
+        async def cut_after_first_chunk(header, chunks_from):
+            importer = HostTierImporter(cpu[0])
+            try:
+                await importer.begin(header)
+                assert importer.num_held_tokens == 28  # the 7 held blocks, taken into the import's table
+                assert cpu[0].load().kv_blocks_used == 11
+                async for chunk in chunks_from(importer.num_held_tokens):
+                    assert chunk.token_start == 28
+                    await importer.chunk(chunk)
+                    raise ConnectionError("the link dropped")
+            finally:
+                await importer.cancel()
+
+        offers.send = cut_after_first_chunk
+        assert await offers.offer(tuple(turn2[:44])) == 0
+        assert offers.counts.num_failed == 1 and "link dropped" in offers.counts.last_error
+        assert cpu[0].load().kv_blocks_used == 0 and cpu[0].load().kv_blocks_cached == 7
+        assert gpu[0].load().kv_blocks_used == 0
+    finally:
+        await stop(gpu, cpu)

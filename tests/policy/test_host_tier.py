@@ -109,3 +109,16 @@ def test_with_a_profile_the_cheaper_completion_wins():
     assert place({"cpu": 960}, config=dear_link).choice is HostTierChoice.CONTINUE_ON_CPU
     assert place({"cpu": 700}, config=dear_link) is None
     assert place({"cpu": 700}, config=fast_copy).choice is HostTierChoice.COPY_TO_GPU
+
+
+def test_on_the_reference_h100_profile_an_idle_gpu_engine_gets_the_copy():
+    from dualpace.profile.cost_model import CostModel
+    from dualpace.profile.files import load_profile
+
+    costs = CostModel(load_profile("profiles/reference/h100_sapphire_rapids_llama3_8b.json"))
+    placement = place({"cpu": 960}, config=AdmissionConfig(predictor=costs))
+    assert placement.choice is HostTierChoice.COPY_TO_GPU  # 3.5 ms of transfer beats a 40-token CPU prefill
+    # A GPU engine without room leaves the CPU engine, which needs no copy at all.
+    full_gpu = {"gpu": gpu(total=40), "cpu": cpu()}
+    assert place({"cpu": 960}, engines=full_gpu, config=AdmissionConfig(predictor=costs)).choice \
+        is HostTierChoice.CONTINUE_ON_CPU
