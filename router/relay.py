@@ -204,12 +204,13 @@ class Relay:
         False, and the usual placement, when that fails: recomputing is always correct."""
         cpu, gpu = self.core.pool.by_name(cpu_name), self.core.pool.by_name(gpu_name)
         try:
-            num_tokens = await cpu.copy_prefix(self.prompt_token_ids, gpu.address)
+            num_tokens, num_sent, duration_ms = await cpu.copy_prefix(self.prompt_token_ids, gpu.address)
         except grpc.aio.AioRpcError as exc:
             log.warning("copy of the cached prefix from %s to %s failed: %s %s", cpu_name, gpu_name,
                         exc.code().name, exc.details())
             return False
-        log.info("copied %d cached prompt tokens from %s to %s", num_tokens, cpu_name, gpu_name)
+        log.info("copied %d cached prompt tokens (%d sent) from %s to %s in %.1f ms", num_tokens, num_sent,
+                 cpu_name, gpu_name, duration_ms)
         return num_tokens > 0
 
     def _submit(self, engine: EngineHandle, params: SamplingParams | None = None) -> EngineStream:
