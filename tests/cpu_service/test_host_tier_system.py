@@ -17,7 +17,7 @@ import grpc
 import pytest
 
 from dualpace.sampling import SamplingParams
-from dualpace.wire.v1 import common_pb2, router_pb2, router_pb2_grpc
+from dualpace.wire.v1 import common_pb2, engine_pb2, engine_pb2_grpc, router_pb2, router_pb2_grpc
 from tests.cpu_service.conftest import ENGINE_FLAGS, solo
 from tests.reliability.test_nan_logits import scrape
 from toolkit.engine_client import EngineClient, read_until
@@ -48,10 +48,12 @@ def generate_through_router(stub, prompt: list[int], max_tokens: int):
 
 
 def index_in_sync(stub, gpu: EngineClient, cpu: EngineClient) -> bool:
-    """The router's prefix index holds what each (idle) engine caches, no more, no less."""
-    placed = {e.name: e.prefix_index_blocks for e in stub.ListPlacements(router_pb2.ListPlacementsRequest(),
-                                                                          timeout=10).engines}
-    return placed.get("gpu") == gpu.load().kv_blocks_cached and placed.get("cpu") == cpu.load().kv_blocks_cached
+    """The router's prefix index holds what each (idle) engine caches, no more, no less, and its
+    load views show the engines idle (the placement rules read those)."""
+    engines = stub.ListPlacements(router_pb2.ListPlacementsRequest(), timeout=10).engines
+    placed = {e.name: e.prefix_index_blocks for e in engines}
+    idle = all(e.kv_blocks_used == 0 and e.num_running == 0 for e in engines)
+    return idle and placed.get("gpu") == gpu.load().kv_blocks_cached and placed.get("cpu") == cpu.load().kv_blocks_cached
 
 
 @pytest.mark.parametrize("path", ["continue-on-cpu", "copy-to-gpu"])
@@ -99,6 +101,21 @@ def test_a_conversation_resumes_from_the_host_tier(loaded, model_folder, path):
         assert tokens == solo(loaded, turn2, params)
         if path == "copy-to-gpu":  # the copy went through the GPU engine's import, cache only
             assert gpu_client.load().kv_blocks_cached >= 4
+            with grpc.insecure_channel(cpu_address) as cpu_channel:
+                copy_prefix = engine_pb2_grpc.EngineStub(cpu_channel).CopyPrefix
+                # Turn 2, finished on the GPU engine, is offered to the host tier too (6 full blocks),
+                # after the filler (offers go in order of finishing).
+                wait_for(lambda: scrape(gpu)[("dualpace_host_tier_offers", (("engine", "gpu"),
+                                                                            ("outcome", "accepted")))] == 3,
+                         "the host tier to take turn 2")
+                # Copied again: the GPU engine holds every block now, so none is sent (skip_cached).
+                again = copy_prefix(engine_pb2.CopyPrefixRequest(token_ids=turn2, target_address=gpu_address),
+                                    timeout=HANG_GUARD_S)
+                assert (again.num_tokens, again.num_sent_tokens, again.target_engine) == (40, 0, "gpu")
+                with pytest.raises(grpc.RpcError) as refused:  # only to a --peer
+                    copy_prefix(engine_pb2.CopyPrefixRequest(token_ids=turn2, target_address="127.0.0.1:9"),
+                                timeout=HANG_GUARD_S)
+                assert refused.value.code() == grpc.StatusCode.PERMISSION_DENIED
         for client in (gpu_client, cpu_client):
             assert client.wait_idle().kv_blocks_used == 0
     finally:
