@@ -21,8 +21,8 @@ loop, one request at a time:
    question changed (the same history, so the same cached blocks as turn 2 found) through
    router copy, which copies the history back to the GPU engine and runs it there.
 
-Reports per option TTFT per conversation, P50 TTFT, and throughput (output tokens over the
-summed request times), with the engine and cached tokens each request reported. A pause of
+Reports per option TTFT per conversation, P50 TTFT, P50 ITL (per request: time after the first
+token over the tokens after it) and throughput (output tokens over the summed request times), with the engine and cached tokens each request reported. A pause of
 --settle-s after each request lets the background offer and the routers' KV events settle.
 Writes bench/results/host_tier_<tag>.json and .md.
 
@@ -136,6 +136,9 @@ def summary(rows: list[dict]) -> dict:
     for option in OPTIONS:
         entries = [r[option] for r in rows]
         out[f"ttft_p50_{option}_ms"] = round(percentile([e["ttft_ms"] for e in entries], 50), 1)
+        out[f"itl_p50_{option}_ms"] = round(percentile(
+            [(e["e2e_ms"] - e["ttft_ms"]) / (e["num_output_tokens"] - 1) for e in entries if e["num_output_tokens"] > 1],
+            50), 1)
         out[f"throughput_{option}_tok_s"] = round(
             sum(e["num_output_tokens"] for e in entries) / (sum(e["e2e_ms"] for e in entries) / 1e3), 2)
     # Served as intended: the first token from the CPU engine with cached KV, or from the GPU engine after a copy.
@@ -161,10 +164,11 @@ def markdown(report: dict) -> str:
     for row in report["rows"]:
         cells = [f"{row[o]['ttft_ms']} ({'/'.join(row[o]['engines'])}, {row[o]['cached_tokens']})" for o in OPTIONS]
         lines.append(f"| {row['conversation']} | {row['continue_on_cpu']['prompt_tokens']} | " + " | ".join(cells) + " |")
-    lines += ["", "| option | P50 TTFT ms | ratio to recompute | throughput tok/s |", "|---|---|---|---|"]
+    lines += ["", "| option | P50 TTFT ms | ratio to recompute | P50 ITL ms | throughput tok/s |", "|---|---|---|---|---|"]
     for option in OPTIONS:
         ratio = s.get(f"ratio_{option}_over_recompute", 1.0)
-        lines.append(f"| {option} | {s[f'ttft_p50_{option}_ms']} | {ratio} | {s[f'throughput_{option}_tok_s']} |")
+        lines.append(f"| {option} | {s[f'ttft_p50_{option}_ms']} | {ratio} | {s[f'itl_p50_{option}_ms']} | "
+                     f"{s[f'throughput_{option}_tok_s']} |")
     lines += ["", f"Copy back: P50 {s['copy_p50_ms']} ms from the router's CopyPrefix call to the GPU engine's "
                   f"commit, for a P50 of {s['copy_p50_tokens']} tokens (inside the copy_to_gpu TTFT)."]
     lines += ["", f"{s['num_continued_on_cpu']} of {s['num_conversations']} continued on the CPU engine from the "
