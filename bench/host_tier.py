@@ -1,23 +1,30 @@
-"""A conversation continued on the CPU engine from the host tier vs recomputing it, in one run.
+"""Three ways to serve a conversation's next turn whose history lives only in the host tier, in one run:
+recompute it on the GPU engine, continue it on the CPU engine, or copy the history back to the GPU engine.
 
-One `dualpace up` (gpu_service, cpu_service and the router as real processes; the GPU
-engine's pool kept small with --gpu-kv-blocks, so conversations evict each other there) and
-the multi-turn conversations of bench.load.workloads (each its own opening of --opening-len
-tokens, a question, the model's reply, a second question). Closed loop, one request at a time:
+gpu_service (its pool kept small with --gpu-kv-blocks, so conversations evict each other
+there; --host-tier names cpu_service), cpu_service (--peer gpu_service: the copy's target) and
+two routers on the same engines, as real processes on Unix sockets: router *auto* with the
+default host-tier rule (a suffix of at most 256 tokens continues on the CPU engine) and router
+*copy* with --host-tier-max-suffix-tokens 1, so its rule copies the prefix back to the GPU
+engine (CopyPrefix, then the GPU engine prefills only the suffix). Both with --no-migrate, so
+no request moves mid-way. The multi-turn conversations of bench.load.workloads (each its own
+opening of --opening-len tokens, a question, the model's reply, a second question). Closed
+loop, one request at a time:
 
 1. turn 1 of every conversation: placed on the GPU engine; when it finishes, gpu_service
    offers its cached blocks to cpu_service's pool (the host tier); the next conversations'
    turns evict it from the GPU engine's pool;
-2. per conversation, alternately: a *cold* twin of turn 2 (the same lengths, its first token
-   changed, so no engine caches any block of it: the router places it on the GPU engine,
-   which recomputes the whole prompt, as it would for turn 2 without a host tier), then the
-   real turn 2, which the router continues on the CPU engine from the host tier (its usage
-   reports the cached tokens; only the new tokens are prefilled).
+2. per conversation: a *cold* twin of turn 2 (the same lengths, its first token changed, so no
+   engine caches any block of it: router auto places it on the GPU engine, which recomputes
+   the whole prompt, as it would without a host tier); then the real turn 2 through router
+   auto, which continues it on the CPU engine; then turn 2 with the first token of its
+   question changed (the same history, so the same cached blocks as turn 2 found) through
+   router copy, which copies the history back to the GPU engine and runs it there.
 
-Reports TTFT of both per conversation and the ratio of their medians (host tier / recompute),
-with the engine and cached tokens each request reported. A pause of --settle-s after each
-request lets the background offer and the router's KV events settle, so requests do not
-overlap with them. Writes bench/results/host_tier_<tag>.json and .md.
+Reports per option TTFT per conversation, P50 TTFT, P50 ITL (per request: time after the first
+token over the tokens after it) and throughput (output tokens over the summed request times), with the engine and cached tokens each request reported. A pause of
+--settle-s after each request lets the background offer and the routers' KV events settle.
+Writes bench/results/host_tier_<tag>.json and .md.
 
     python -m bench.host_tier --model smollm2-135m --dtype fp32 --tag smollm2-135m
 """
@@ -26,15 +33,23 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import re
+import shutil
 import sys
+import tempfile
 import time
+from pathlib import Path
 
 from bench.load.generator import run_load
 from bench.load.workloads import conversations
 from bench.prefix_cache import add_engine_arguments, cpu_vector_flags, load_average, write_report
 from dualpace.stats import percentile
-from toolkit.processes import start_up
+from toolkit.processes import start_daemon
 from toolkit.workload import RequestSpec
+
+
+OPTIONS = ("recompute", "continue_on_cpu", "copy_to_gpu")
+COPY_LINE = re.compile(r"copied (\d+) cached prompt tokens \((\d+) sent\) from \S+ to \S+ in ([\d.]+) ms")
 
 
 def send(router: str, index: int, prompt: list[int], output_len: int, tag: str) -> dict:
@@ -43,9 +58,32 @@ def send(router: str, index: int, prompt: list[int], output_len: int, tag: str) 
     record = result.records[0]
     if not record.completed:
         raise SystemExit(f"request {index} failed: {record.status} {record.detail}")
-    ttft = record.ttft_s()
-    return {"prompt_tokens": len(prompt), "ttft_ms": round(ttft * 1e3, 2), "engines": record.engines,
-            "cached_tokens": record.num_cached_tokens, "output_token_ids": record.output_token_ids}
+    return {"prompt_tokens": len(prompt), "ttft_ms": round(record.ttft_s() * 1e3, 2),
+            "e2e_ms": round((record.end_s - record.sent_s) * 1e3, 2), "num_output_tokens": record.num_tokens,
+            "engines": record.engines, "cached_tokens": record.num_cached_tokens,
+            "output_token_ids": record.output_token_ids}
+
+
+def last_copy(router_log: str) -> dict | None:
+    """The router's last CopyPrefix, from its log line: tokens copied, tokens sent, ms to the commit."""
+    found = COPY_LINE.findall(router_log)
+    if not found:
+        return None
+    num_tokens, num_sent, duration_ms = found[-1]
+    return {"num_tokens": int(num_tokens), "num_sent_tokens": int(num_sent), "duration_ms": float(duration_ms)}
+
+
+def start_daemons(args: argparse.Namespace, folder: Path) -> dict:
+    gpu, cpu = f"unix:{folder / 'gpu.sock'}", f"unix:{folder / 'cpu.sock'}"
+    engine = ("--model", args.model, "--dtype", args.dtype, "--threads", str(args.threads))
+    daemons = {"gpu": start_daemon("gpu_service", *engine, "--kv-blocks", str(args.gpu_kv_blocks), "--name", "gpu",
+                                   "--host-tier", cpu, "--peer", cpu, listen=gpu)}
+    daemons["cpu"] = start_daemon("cpu_service", *engine, "--name", "cpu", "--gpu-service", gpu, "--peer", gpu,
+                                  listen=cpu)
+    routing = ("serve", "--gpu", gpu, "--cpu", cpu, "--model", args.model, "--no-migrate")
+    daemons["auto"] = start_daemon("router", *routing)
+    daemons["copy"] = start_daemon("router", *routing, "--host-tier-max-suffix-tokens", "1")
+    return daemons
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -54,60 +92,87 @@ def run(args: argparse.Namespace) -> dict:
                                question_len=args.question_len, output_len=str(args.output_len), num_turns=2,
                                trace=None, input_len=None)
     plan = conversations(wargs, 1.0)
-    up = start_up("--model", args.model, "--dtype", args.dtype, "--gpu-kv-blocks", str(args.gpu_kv_blocks),
-                  "--threads-per-engine", str(args.threads), timeout_s=300.0)
+    folder = Path(tempfile.mkdtemp(prefix="dualpace-bench-host-tier-"))
+    daemons = start_daemons(args, folder)
+    auto, copy = daemons["auto"].address, daemons["copy"].address
     tag = str(int(time.time()))
     try:
         histories = []
         for conversation in plan:
             (question, n_out), _ = conversation.turns
             prompt = list(conversation.opening_token_ids) + list(question)
-            first = send(up.address, conversation.index * 3, prompt, n_out, tag)
+            first = send(auto, conversation.index * 4, prompt, n_out, tag)
             histories.append(prompt + first["output_token_ids"])
             time.sleep(args.settle_s)
-        pairs = []
+        rows = []
         for conversation, history in zip(plan, histories):
             _, (question, n_out) = conversation.turns
             turn2 = history + list(question)
             cold = [turn2[0] % (args.vocab_size - 1) + 1] + turn2[1:]
-            recompute = send(up.address, conversation.index * 3 + 1, cold, n_out, tag)
-            time.sleep(args.settle_s)
-            continued = send(up.address, conversation.index * 3 + 2, turn2, n_out, tag)
-            time.sleep(args.settle_s)
-            for entry in (recompute, continued):
-                entry.pop("output_token_ids")
-            pairs.append({"conversation": conversation.index, "recompute": recompute, "host_tier": continued})
-            print(f"conversation {conversation.index}: recompute {recompute['ttft_ms']} ms on "
-                  f"{recompute['engines']} ({recompute['cached_tokens']} cached), host tier {continued['ttft_ms']} ms "
-                  f"on {continued['engines']} ({continued['cached_tokens']} cached)", file=sys.stderr, flush=True)
-        return {"pairs": pairs}
+            # The same history, another first question token: it shares exactly the cached blocks turn 2
+            # found (not the blocks turn 2 itself then left in the CPU engine's cache).
+            other_question = history + [question[0] % (args.vocab_size - 1) + 1] + list(question[1:])
+            row = {"conversation": conversation.index}
+            for offset, (option, router, prompt) in enumerate(
+                    zip(OPTIONS, (auto, auto, copy), (cold, turn2, other_question)), start=1):
+                row[option] = send(router, conversation.index * 4 + offset, prompt, n_out, tag)
+                row[option].pop("output_token_ids")
+                if option == "copy_to_gpu":
+                    row[option]["copy"] = last_copy(daemons["copy"].log())
+                time.sleep(args.settle_s)
+            rows.append(row)
+            print(f"conversation {conversation.index}: " + ", ".join(
+                f"{o} {row[o]['ttft_ms']} ms on {row[o]['engines']} ({row[o]['cached_tokens']} cached)" for o in OPTIONS),
+                file=sys.stderr, flush=True)
+        return {"rows": rows}
     finally:
-        up.stop(timeout_s=60.0)
+        for name in ("copy", "auto", "cpu", "gpu"):
+            daemons[name].stop()
+        shutil.rmtree(folder, ignore_errors=True)
 
 
-def summary(pairs: list[dict]) -> dict:
-    # The first token came from the CPU engine, from cached KV (the planner may move it to the GPU later).
-    on_cpu = [p for p in pairs if p["host_tier"]["engines"][:1] == ["cpu"] and p["host_tier"]["cached_tokens"] > 0]
-    hit = percentile([p["host_tier"]["ttft_ms"] for p in on_cpu], 50) if on_cpu else None
-    cold = percentile([p["recompute"]["ttft_ms"] for p in on_cpu], 50) if on_cpu else None
-    return {"num_pairs": len(pairs), "num_continued_on_cpu_from_host_tier": len(on_cpu),
-            "ttft_p50_host_tier_ms": hit, "ttft_p50_recompute_ms": cold,
-            "ratio_host_tier_over_recompute": round(hit / cold, 3) if hit and cold else None}
+def summary(rows: list[dict]) -> dict:
+    out: dict = {"num_conversations": len(rows)}
+    for option in OPTIONS:
+        entries = [r[option] for r in rows]
+        out[f"ttft_p50_{option}_ms"] = round(percentile([e["ttft_ms"] for e in entries], 50), 1)
+        out[f"itl_p50_{option}_ms"] = round(percentile(
+            [(e["e2e_ms"] - e["ttft_ms"]) / (e["num_output_tokens"] - 1) for e in entries if e["num_output_tokens"] > 1],
+            50), 1)
+        out[f"throughput_{option}_tok_s"] = round(
+            sum(e["num_output_tokens"] for e in entries) / (sum(e["e2e_ms"] for e in entries) / 1e3), 2)
+    # Served as intended: the first token from the CPU engine with cached KV, or from the GPU engine after a copy.
+    out["num_continued_on_cpu"] = sum(r["continue_on_cpu"]["engines"][:1] == ["cpu"]
+                                      and r["continue_on_cpu"]["cached_tokens"] > 0 for r in rows)
+    out["num_copied_to_gpu"] = sum(r["copy_to_gpu"]["engines"][:1] == ["gpu"]
+                                   and r["copy_to_gpu"]["cached_tokens"] > 0 for r in rows)
+    copies = [r["copy_to_gpu"]["copy"] for r in rows if r["copy_to_gpu"].get("copy")]
+    out["copy_p50_ms"] = round(percentile([c["duration_ms"] for c in copies], 50), 1) if copies else None
+    out["copy_p50_tokens"] = percentile([c["num_tokens"] for c in copies], 50) if copies else None
+    for option in OPTIONS[1:]:
+        out[f"ratio_{option}_over_recompute"] = round(out[f"ttft_p50_{option}_ms"] / out["ttft_p50_recompute_ms"], 3)
+    return out
 
 
 def markdown(report: dict) -> str:
     s = report["summary"]
-    lines = [f"Host tier vs recompute — {report['config']['model']} ({report['config']['dtype']}), CPU {report['cpu']}, "
-             f"load before {report['load_before']} after {report['load_after']}", "",
-             "| conversation | turn-2 tokens | recompute TTFT ms (engine, cached) | host tier TTFT ms (engine, cached) |",
-             "|---|---|---|---|"]
-    for p in report["pairs"]:
-        r, h = p["recompute"], p["host_tier"]
-        lines.append(f"| {p['conversation']} | {h['prompt_tokens']} | {r['ttft_ms']} ({'/'.join(r['engines'])}, "
-                     f"{r['cached_tokens']}) | {h['ttft_ms']} ({'/'.join(h['engines'])}, {h['cached_tokens']}) |")
-    lines += ["", f"P50 TTFT: host tier {s['ttft_p50_host_tier_ms']} ms, recompute {s['ttft_p50_recompute_ms']} ms, "
-                  f"ratio **{s['ratio_host_tier_over_recompute']}** ({s['num_continued_on_cpu_from_host_tier']} of "
-                  f"{s['num_pairs']} turns continued on the CPU engine from the host tier)"]
+    lines = [f"Host tier: recompute vs continue on CPU vs copy back — {report['config']['model']} "
+             f"({report['config']['dtype']}), CPU {report['cpu']}, load before {report['load_before']} "
+             f"after {report['load_after']}", "",
+             "| conversation | turn-2 tokens | recompute TTFT ms (engine, cached) | continue on CPU TTFT ms "
+             "(engine, cached) | copy to GPU TTFT ms (engine, cached) |", "|---|---|---|---|---|"]
+    for row in report["rows"]:
+        cells = [f"{row[o]['ttft_ms']} ({'/'.join(row[o]['engines'])}, {row[o]['cached_tokens']})" for o in OPTIONS]
+        lines.append(f"| {row['conversation']} | {row['continue_on_cpu']['prompt_tokens']} | " + " | ".join(cells) + " |")
+    lines += ["", "| option | P50 TTFT ms | ratio to recompute | P50 ITL ms | throughput tok/s |", "|---|---|---|---|---|"]
+    for option in OPTIONS:
+        ratio = s.get(f"ratio_{option}_over_recompute", 1.0)
+        lines.append(f"| {option} | {s[f'ttft_p50_{option}_ms']} | {ratio} | {s[f'itl_p50_{option}_ms']} | "
+                     f"{s[f'throughput_{option}_tok_s']} |")
+    lines += ["", f"Copy back: P50 {s['copy_p50_ms']} ms from the router's CopyPrefix call to the GPU engine's "
+                  f"commit, for a P50 of {s['copy_p50_tokens']} tokens (inside the copy_to_gpu TTFT)."]
+    lines += ["", f"{s['num_continued_on_cpu']} of {s['num_conversations']} continued on the CPU engine from the "
+                  f"host tier, {s['num_copied_to_gpu']} copied back and served by the GPU engine from the copy."]
     return "\n".join(lines) + "\n"
 
 
@@ -125,9 +190,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tag", default="smollm2-135m")
     args = p.parse_args(argv)
     cpu, load_before = cpu_vector_flags(), load_average()
-    pairs = run(args)["pairs"]
+    rows = run(args)["rows"]
     report = {"config": vars(args), "cpu": cpu, "load_before": load_before, "load_after": load_average(),
-              "pairs": pairs, "summary": summary(pairs)}
+              "rows": rows, "summary": summary(rows)}
     write_report(report, f"host_tier_{args.tag}", markdown(report))
     return 0
 

@@ -72,7 +72,7 @@ def start_host_tier(args: argparse.Namespace, parts: EngineDaemonParts) -> None:
     from dualpace.serve.security import read_token_file
 
     sender = GrpcKvSender(args.host_tier, auth_token=read_token_file(args.auth_token_file))
-    offers = HostTierOffers(parts.loop, sender)
+    offers = HostTierOffers(parts.loop, sender.send_cache)
     _background.add(asyncio.get_running_loop().create_task(offers.run()))
     counts, name = offers.counts, parts.loop.core.config.name
     metrics.register_callback_gauges(metrics.CallbackGauges(

@@ -74,6 +74,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                         help="cached on the CPU engine beyond the best GPU engine, for it to take the request")
     parser.add_argument("--host-tier-max-suffix-tokens", type=int, default=HostTierRule.max_suffix_tokens,
                         help="the most prompt tokens past its cached prefix the CPU engine prefills itself")
+    parser.add_argument("--host-tier-copy-back", default="on", choices=["on", "off"],
+                        help="dualpace: copy a prefix only the CPU engine caches back to the GPU engine when "
+                             "the cost rule prefers that (or the suffix is too long to prefill on the CPU)")
     parser.add_argument("--listen", default="127.0.0.1:0",
                         help="HOST:PORT, or unix:PATH (a socket only this user can reach); a non-loopback host "
                              "needs --tls-cert/--tls-key")
@@ -137,7 +140,8 @@ def _host_tier_rule(args: argparse.Namespace) -> HostTierRule:
     return HostTierRule(enabled=getattr(args, "host_tier", "on") == "on",
                         min_gain_tokens=getattr(args, "host_tier_min_gain_tokens", None) or HostTierRule.min_gain_tokens,
                         max_suffix_tokens=getattr(args, "host_tier_max_suffix_tokens", None)
-                        or HostTierRule.max_suffix_tokens)
+                        or HostTierRule.max_suffix_tokens,
+                        copy_back=getattr(args, "host_tier_copy_back", "on") == "on")
 
 
 def serve(args: argparse.Namespace) -> int:

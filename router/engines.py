@@ -20,6 +20,7 @@ from dualpace.serve.logging_setup import request_metadata
 from dualpace.serve.server import channel_options
 from dualpace.wire.engine_messages import (
     abort_request_to_pb,
+    copy_prefix_request_to_pb,
     engine_view_from_pb,
     generate_update_from_pb,
     info_request_to_pb,
@@ -112,6 +113,13 @@ class EngineHandle:
         """Move the request to the engine at `target_address` (two-phase; returns once committed)."""
         await self.stub.MigrateOut(migrate_out_request_to_pb(request_id, target_address), timeout=timeout_s,
                                    metadata=request_metadata(request_id))
+
+    async def copy_prefix(self, token_ids: list[int], target_address: str,
+                          timeout_s: float = 60) -> tuple[int, int, float]:
+        """Copy this engine's cached prefix of token_ids to the engine at `target_address`:
+        (tokens the target caches from it, of those the tokens sent, milliseconds to its commit)."""
+        reply = await self.stub.CopyPrefix(copy_prefix_request_to_pb(token_ids, target_address), timeout=timeout_s)
+        return reply.num_tokens, reply.num_sent_tokens, reply.duration_ms
 
     async def watch_kv_events(self) -> AsyncIterator[tuple[str, list[KvEvent]]]:
         """The engine's KV events, batch by batch: (engine name, events); starts with its snapshot."""

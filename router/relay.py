@@ -22,7 +22,7 @@ from dualpace.client_request import ClientRequest
 from dualpace.errors import InvalidArgument, Overloaded, Unavailable
 from dualpace.policy.admission import Placement, admit, handoff_source
 from dualpace.kv.prefix_index import longest_cached_prefix
-from dualpace.policy.host_tier import continue_on_host_tier
+from dualpace.policy.host_tier import HostTierChoice, place_host_prefix
 from dualpace.logprobs import TokenLogprobs
 from dualpace.sampling_params import FinishReason, SamplingParams
 from dualpace.serve.logging_setup import bind_request_id, unbind_request_id
@@ -161,10 +161,14 @@ class Relay:
                 cached = longest_cached_prefix(core.pool.prefix_index, list(views), self.prompt_token_ids)
                 if self.prompt_cached_on in cached:
                     cached[self.prompt_cached_on] = len(self.prompt_token_ids)
-                host = continue_on_host_tier(len(self.prompt_token_ids), self.params.max_tokens, views, core.placed(),
-                                             core.config.admission, cached, core.config.host_tier)
-                if host is not None:  # its prefix lives in the CPU engine's cache: decode and prefill there
-                    self.tracked.engine = core.pool.by_name(host)
+                host = place_host_prefix(len(self.prompt_token_ids), self.params.max_tokens, views, core.placed(),
+                                         core.config.admission, cached, core.config.host_tier)
+                if host is not None and host.choice is HostTierChoice.CONTINUE_ON_CPU:
+                    # Its prefix lives in the CPU engine's cache: decode and prefill there.
+                    self.tracked.engine = core.pool.by_name(host.cpu_engine)
+                    return self.tracked.engine, None
+                if host is not None and await self._copy_back(host.cpu_engine, host.gpu_engine):
+                    self.tracked.engine = core.pool.by_name(host.gpu_engine)
                     return self.tracked.engine, None
                 placement, name = admit(len(self.prompt_token_ids), self.params.max_tokens, views,
                                         core.placed(), core.num_queued, core.config.admission, cached)
@@ -194,6 +198,20 @@ class Relay:
         finally:
             if queued:
                 core.num_queued -= 1
+
+    async def _copy_back(self, cpu_name: str, gpu_name: str) -> bool:
+        """Copy the CPU engine's cached prefix of the prompt into the GPU engine's cache (CopyPrefix);
+        False, and the usual placement, when that fails: recomputing is always correct."""
+        cpu, gpu = self.core.pool.by_name(cpu_name), self.core.pool.by_name(gpu_name)
+        try:
+            num_tokens, num_sent, duration_ms = await cpu.copy_prefix(self.prompt_token_ids, gpu.address)
+        except grpc.aio.AioRpcError as exc:
+            log.warning("copy of the cached prefix from %s to %s failed: %s %s", cpu_name, gpu_name,
+                        exc.code().name, exc.details())
+            return False
+        log.info("copied %d cached prompt tokens (%d sent) from %s to %s in %.1f ms", num_tokens, num_sent,
+                 cpu_name, gpu_name, duration_ms)
+        return num_tokens > 0
 
     def _submit(self, engine: EngineHandle, params: SamplingParams | None = None) -> EngineStream:
         """A new engine request: the prompt plus what was relayed so far (after a failure)."""

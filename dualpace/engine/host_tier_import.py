@@ -11,6 +11,11 @@ router learns that a prefix lives in the host tier.
 Only KV computed under this engine's prefix-cache salt is taken (model, weights as held,
 compute dtype): blocks made with other weights or another dtype would not give the outputs
 a recompute here gives, so they are refused (FAILED_PRECONDITION), naming both salts.
+
+With ``skip_cached`` in the header, the leading blocks this engine caches already (same chain
+hashes) are looked up at the header, shared by the import's table (so no step evicts them
+before the commit) and reported back (``num_held_tokens``); the sender then sends only the
+KV after them, and the commit registers the whole chain.
 """
 
 from __future__ import annotations
@@ -52,12 +57,22 @@ class HostTierImporter(KvImporter):
 
         def reserve() -> list[int]:
             self.loop.check_accepting()
-            core.scheduler.reserve_import(header.request_id, num_tokens)  # Overloaded when the pool is short
+            held: list[int] = []
+            if header.skip_cached:  # the leading blocks cached here already: shared (pinned), not sent
+                held = core.scheduler.blocks.match_prefix(prefix_cache.hasher.chain(header.prompt_token_ids))
+            core.scheduler.reserve_import(header.request_id, num_tokens, held)  # Overloaded when the pool is short
             self._reserved = True
             self.progress = ImportProgress(header)
+            if header.skip_cached:
+                self.progress.skip_held(len(held) * core.scheduler.blocks.block_size)
             return core.kv_slot_ids(header.request_id, num_tokens)
 
         self._slot_ids = await self.loop.call(reserve)
+
+    @property
+    def num_held_tokens(self) -> int:
+        """Leading tokens of the transfer this engine caches already (after begin; 0 without skip_cached)."""
+        return 0 if self.progress is None else self.progress.first_token
 
     async def commit(self) -> str:
         """Register the blocks in this engine's cache (unreferenced); returns this engine's name."""

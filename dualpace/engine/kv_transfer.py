@@ -10,7 +10,7 @@ torch); no grpc here (see the servicers).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from dualpace.engine.kv_checksum import kv_checksum
 from dualpace.errors import InvalidArgument
@@ -49,6 +49,19 @@ class KvTransferHeader:
     cache_only: bool = False  # host tier: prefix-cache blocks, not a live request (dualpace.engine.host_tier)
     cache_salt: str = ""  # with cache_only: the source's prefix-cache salt
     num_prior_output_tokens: int = 0  # the prompt's last tokens that were output before a re-submission
+    # With cache_only: the target first answers which leading tokens it caches already
+    # (cache_held) and the sender sends only the rest (dualpace.engine.prefix_copy).
+    skip_cached: bool = False
+
+
+@dataclass(frozen=True)
+class PrefixCopy:
+    """What one cache-only transfer of a cached prefix did (dualpace.engine.prefix_copy)."""
+
+    num_tokens: int  # leading tokens the target caches now from this transfer
+    num_sent_tokens: int  # of those, the tokens whose KV was sent (the rest the target held already)
+    target_engine: str
+    last_block_hash: bytes = b""  # the sender's hash of the prefix's last block
 
 
 @dataclass(frozen=True)
@@ -65,15 +78,19 @@ class KvChunk:
 checksum = kv_checksum  # the name the transports use
 
 
-def token_ranges(num_tokens: int, layout: KvLayout, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> list[tuple[int, int]]:
-    """Token ranges of one layer's chunks, each at most `chunk_bytes` of K + V."""
+def token_ranges(num_tokens: int, layout: KvLayout, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+                 first_token: int = 0) -> list[tuple[int, int]]:
+    """Token ranges of one layer's chunks from `first_token` on, each at most `chunk_bytes` of K + V."""
     tokens_per_chunk = max(1, chunk_bytes // (2 * layout.bytes_per_token_per_layer))
-    return [(start, min(start + tokens_per_chunk, num_tokens)) for start in range(0, num_tokens, tokens_per_chunk)]
+    return [(start, min(start + tokens_per_chunk, num_tokens))
+            for start in range(first_token, num_tokens, tokens_per_chunk)]
 
 
-def plan_chunks(num_tokens: int, layout: KvLayout, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> list[tuple[int, int, int]]:
-    """(layer, token_start, token_end) of every chunk, in sending order."""
-    ranges = token_ranges(num_tokens, layout, chunk_bytes)
+def plan_chunks(num_tokens: int, layout: KvLayout, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+                first_token: int = 0) -> list[tuple[int, int, int]]:
+    """(layer, token_start, token_end) of every chunk, in sending order (tokens before `first_token`:
+    none, the target holds them)."""
+    ranges = token_ranges(num_tokens, layout, chunk_bytes, first_token)
     return [(layer, start, end) for layer in range(layout.num_layers) for start, end in ranges]
 
 
@@ -85,6 +102,21 @@ class ImportProgress:
     next_seq: int = 0
     num_bytes: int = 0
     covered: dict[int, int] = field(default_factory=dict)  # layer -> tokens received contiguously
+    # Tokens the target holds already (a cache-only import with skip_cached): chunks start there,
+    # and the header's totals count only the tokens from there on (skip_held sets both).
+    first_token: int = 0
+
+    def skip_held(self, num_held_tokens: int) -> None:
+        """Expect only tokens num_held_tokens .. num_computed_tokens - 1 (the rest is held here).
+        The chunk count then depends on the sender's chunk size, so completeness is the
+        per-layer coverage and the byte count; sequence numbers stay contiguous from 0."""
+        header = self.header
+        if not 0 <= num_held_tokens <= header.num_computed_tokens:
+            raise InvalidArgument("num_held_tokens", f"{num_held_tokens} outside 0..{header.num_computed_tokens}")
+        self.first_token = num_held_tokens
+        num_sent = header.num_computed_tokens - num_held_tokens
+        self.header = replace(header, total_chunks=-1,
+                              total_bytes=2 * header.layout.num_layers * num_sent * header.layout.bytes_per_token_per_layer)
 
     def check_chunk(self, chunk: KvChunk) -> None:
         """Raise InvalidArgument naming the problem for an out-of-order, out-of-range or corrupt chunk."""
@@ -98,7 +130,7 @@ class ImportProgress:
             raise InvalidArgument("chunk.seq", f"expected chunk {self.next_seq}, got {chunk.seq} (a gap or repeat)")
         if not 0 <= chunk.layer < header.layout.num_layers:
             raise InvalidArgument("chunk.layer", f"layer {chunk.layer} out of range")
-        start_expected = self.covered.get(chunk.layer, 0)
+        start_expected = self.covered.get(chunk.layer, self.first_token)
         if chunk.token_start != start_expected or not chunk.token_start < chunk.token_end <= header.num_computed_tokens:
             raise InvalidArgument(
                 "chunk.token_start",
@@ -128,11 +160,11 @@ class ImportProgress:
 
     def check_complete(self) -> None:
         header = self.header
-        if self.next_seq != header.total_chunks:
+        if header.total_chunks >= 0 and self.next_seq != header.total_chunks:  # -1: skip_held
             raise InvalidArgument("prepare", f"received {self.next_seq} of {header.total_chunks} chunks")
         for layer in range(header.layout.num_layers):
-            if self.covered.get(layer, 0) != header.num_computed_tokens:
-                raise InvalidArgument("prepare", f"layer {layer} has {self.covered.get(layer, 0)} of "
+            if self.covered.get(layer, self.first_token) != header.num_computed_tokens:
+                raise InvalidArgument("prepare", f"layer {layer} has {self.covered.get(layer, self.first_token)} of "
                                                  f"{header.num_computed_tokens} tokens")
         if self.num_bytes != header.total_bytes:
             raise InvalidArgument("prepare", f"received {self.num_bytes} of {header.total_bytes} bytes")

@@ -14,7 +14,7 @@ count as available: they are evicted before any running request is preempted.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from dualpace.engine.prefix_cache import PrefixCache
@@ -122,16 +122,18 @@ class Scheduler:
         del self.requests[request_id]
         return RequestEvent(request_id, migrated_to=migrated_to)
 
-    def reserve_import(self, request_id: str, num_kv_tokens: int) -> list[int]:
-        """Phase one of an import: allocate blocks for `num_kv_tokens` of incoming KV."""
+    def reserve_import(self, request_id: str, num_kv_tokens: int, held_block_ids: Sequence[int] = ()) -> list[int]:
+        """Phase one of an import: allocate blocks for `num_kv_tokens` of incoming KV. A cache-only
+        import names the cached leading blocks it shares (held_block_ids: referenced, so kept)."""
         self._check_new_id(request_id)
-        if not self.blocks.can_allocate(num_kv_tokens + 1):
+        held = list(held_block_ids)
+        if not self.blocks.can_allocate(num_kv_tokens + 1, held):
             raise Overloaded(
                 f"not enough free KV blocks to import {num_kv_tokens} tokens "
                 f"({self.blocks.num_available_blocks} of {self.blocks.num_total_blocks} free or cached)"
             )
         self._importing.add(request_id)
-        return self.blocks.allocate(request_id, num_kv_tokens)
+        return self.blocks.allocate(request_id, num_kv_tokens, held)
 
     def commit_import(self, request: EngineRequest) -> None:
         """Phase two: the KV is written and verified; the request joins the running batch.

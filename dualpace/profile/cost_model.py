@@ -117,6 +117,12 @@ class CostModel:
     def gpu_prefill_ms(self, num_tokens: int) -> float:
         return self._t1("gpu_prefill_ms", num_tokens) if num_tokens > 0 else 0.0
 
+    def cpu_prefill_ms(self, num_tokens: int) -> float:
+        """Prefilling num_tokens tokens alone on the CPU engine (a Local iteration, one sampled)."""
+        if num_tokens <= 0:
+            return 0.0
+        return self.cpu_dense_ms(num_tokens) + self.lm_head_sampling_ms(1)
+
     def gpu_decode_ms(self, batch: int, mean_context_tokens: float) -> float:
         return self._t2("gpu_decode_ms", batch, mean_context_tokens) if batch > 0 else 0.0
 

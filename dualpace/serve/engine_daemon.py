@@ -85,7 +85,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser, default_name: str, def
                         help="HOST:PORT; port 0 picks a free port; a non-loopback host needs --tls-cert/--tls-key")
     parser.add_argument("--peer", action="append", default=[], metavar="ADDR",
                         help="an engine this one may migrate requests to (HOST:PORT, unix:PATH, or HOST:* for "
-                             "any port of HOST); repeat for each. MigrateOut to any other target is refused "
+                             "any port of HOST); repeat for each. MigrateOut or CopyPrefix to any other target is refused "
                              "with PERMISSION_DENIED; with no --peer every target is refused")
     parser.add_argument("--grace-s", type=float, default=DEFAULT_GRACE_S,
                         help="on SIGTERM, how long running requests may take to finish before they are aborted")

@@ -17,7 +17,9 @@ from dualpace.engine.kv_shm_import import ShmImport
 from dualpace.engine.kv_shm_protocol import ShmDeclined
 from dualpace.engine.loop import EngineLoop
 from dualpace.engine.host_tier_import import HostTierImporter
+from dualpace.engine.kv_transfer import PrefixCopy
 from dualpace.engine.migration import KvImporter, migrate_out
+from dualpace.engine.prefix_copy import send_cached_prefix
 from dualpace.errors import DataLoss, InvalidArgument, RequestNotFound, Unavailable
 from dualpace.faults import FaultConfig
 from dualpace.serve.kv_events_stream import watch_kv_events
@@ -38,6 +40,7 @@ from dualpace.wire.v1 import engine_pb2, engine_pb2_grpc
 
 MIN_WATCH_INTERVAL_MS = 20
 DEFAULT_WATCH_INTERVAL_MS = 200
+COPY_PIN_PREFIX = "copy-prefix:"  # table ids of the blocks a CopyPrefix pins while it reads them
 
 log = get_logger(__name__)
 
@@ -53,6 +56,7 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
         self.faults = faults or FaultConfig()
         self.auth_token = auth_token  # sent on this engine's own calls (KV migration to the target)
         self.tls = tls  # this daemon's TLS: its migrations to TCP peers go over TLS too
+        self._next_copy = 0  # CopyPrefix calls so far (their pins' table ids)
 
     async def Generate(self, request, context):
         loop = self.loop
@@ -144,6 +148,8 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
                             await shm.close()
                             shm = None
                     await importer.begin(header)
+                    if header.cache_only and header.skip_cached:  # say what is held here: the rest follows
+                        yield messages.cache_held_to_pb(importer.num_held_tokens)
                     offer = shm_messages.shm_offer_from_pb(message.header)
                     if offer is not None:
                         yield shm_messages.shm_answer_to_pb(
@@ -177,6 +183,19 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
         finally:
             # Shielded as one: the blocks are freed only after any shared-memory write has stopped.
             await asyncio.shield(_end_import(shm, importer))
+
+    async def CopyPrefix(self, request, context):
+        token_ids, target = messages.copy_prefix_request_from_pb(request)
+        self.peers.check(target)  # before anything is pinned or sent
+        started = time.perf_counter()
+        sender = GrpcKvSender(target, self.faults, auth_token=self.auth_token, tls=self.tls)
+        self._next_copy += 1
+        pin_id = f"{COPY_PIN_PREFIX}{self._next_copy}"
+        copy = await send_cached_prefix(self.loop, sender.send_cache, token_ids, pin_id)
+        if copy is None:
+            copy = PrefixCopy(0, 0, "")
+        log.info("copied prefix", target=target, tokens=copy.num_tokens, sent_tokens=copy.num_sent_tokens)
+        return messages.copy_prefix_response_to_pb(copy, (time.perf_counter() - started) * 1e3)
 
     async def GetLoad(self, request, context):
         return messages.load_to_pb(self.loop.load())

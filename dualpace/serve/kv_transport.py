@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
+from dataclasses import replace
 
 import grpc
 
 from dualpace.engine.kv_transfer import KvChunk, KvTransferHeader
+from dualpace.engine.prefix_copy import ChunksFrom
 from dualpace.errors import Unavailable
 from dualpace.faults import FaultConfig
 from dualpace.serve.auth import token_metadata
@@ -44,6 +46,22 @@ class GrpcKvSender:
                 return await self._prepare_and_commit(call)
             except BaseException:
                 call.cancel()  # the target drops the partial import
+                raise
+
+    async def send_cache(self, header: KvTransferHeader, chunks_from: ChunksFrom) -> tuple[str, int]:
+        """A cache-only import with skip_cached (dualpace.engine.prefix_copy.SendCache): the target
+        answers the header with the leading tokens it holds, and only the chunks after them are sent.
+        Returns (the target engine's name, those held tokens)."""
+        header = replace(header, skip_cached=True)
+        async with peer_channel(self.target_address, self.tls, channel_options()) as channel:
+            call = self._open_import(channel)
+            try:
+                await self._write(call, kv_header_to_pb(header), "the header")
+                held = await self._expect(call, "cache_held")
+                await self._send_chunks(call, chunks_from(held.num_held_tokens))
+                return await self._prepare_and_commit(call), held.num_held_tokens
+            except BaseException:
+                call.cancel()  # the target drops the partial import and its hold on the shared blocks
                 raise
 
     def _open_import(self, channel):

@@ -1,8 +1,8 @@
 """Which engines this engine may push a request's KV to (`--peer ADDR`, repeatable).
 
 A `MigrateOut` sends the request's KV, its prompt and output, and this daemon's bearer
-token to `target_address`; anyone who can call MigrateOut could otherwise point it at
-any host. So the target must be a listed peer, or the call is refused with
+token to `target_address` (a `CopyPrefix` sends cached KV and its tokens the same way);
+anyone who can call either could otherwise point it at any host. So the target must be a listed peer, or the call is refused with
 PERMISSION_DENIED before anything is paused or sent (the request keeps running here).
 
     --peer 127.0.0.1:50062        one engine's address, as the router names it

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 from dualpace import __version__
 from dualpace.engine.channel import ChannelUpdate
-from dualpace.engine.kv_transfer import KvChunk, KvLayout, KvTransferHeader
+from dualpace.engine.kv_transfer import KvChunk, KvLayout, KvTransferHeader, PrefixCopy
+from dualpace.errors import InvalidArgument
 from dualpace.engine.load import EngineLoad, RequestSummary
 from dualpace.engine.request import EngineRequest, RequestState
 from dualpace.policy.views import EngineView
@@ -173,6 +174,7 @@ def kv_header_to_pb(header: KvTransferHeader) -> engine_pb2.ImportKvMessage:
         cache_only=header.cache_only,
         cache_salt=header.cache_salt,
         num_prior_output_tokens=header.num_prior_output_tokens,
+        skip_cached=header.skip_cached,
     ))
 
 
@@ -194,7 +196,31 @@ def kv_header_from_pb(message: engine_pb2.ImportKvHeader) -> KvTransferHeader:
         cache_only=message.cache_only,
         cache_salt=message.cache_salt,
         num_prior_output_tokens=message.num_prior_output_tokens,
+        skip_cached=message.skip_cached,
     )
+
+
+def cache_held_to_pb(num_held_tokens: int) -> engine_pb2.ImportKvReply:
+    return engine_pb2.ImportKvReply(cache_held=engine_pb2.ImportKvCacheHeld(num_held_tokens=num_held_tokens))
+
+
+def copy_prefix_request_to_pb(token_ids: list[int], target_address: str) -> engine_pb2.CopyPrefixRequest:
+    return engine_pb2.CopyPrefixRequest(token_ids=token_ids_to_list(token_ids), target_address=target_address)
+
+
+def copy_prefix_request_from_pb(message: engine_pb2.CopyPrefixRequest) -> tuple[tuple[int, ...], str]:
+    """(token ids, target address) of a CopyPrefix call; InvalidArgument for an empty one."""
+    if not message.target_address:
+        raise InvalidArgument("target_address", "must be set")
+    token_ids = tuple(token_ids_to_list(message.token_ids, field="token_ids"))
+    if not token_ids:
+        raise InvalidArgument("token_ids", "must not be empty")
+    return token_ids, message.target_address
+
+
+def copy_prefix_response_to_pb(copy: PrefixCopy, duration_ms: float) -> engine_pb2.CopyPrefixResponse:
+    return engine_pb2.CopyPrefixResponse(num_tokens=copy.num_tokens, num_sent_tokens=copy.num_sent_tokens,
+                                         duration_ms=duration_ms, target_engine=copy.target_engine)
 
 
 def kv_chunk_to_pb(chunk: KvChunk) -> engine_pb2.ImportKvMessage:

@@ -30,15 +30,15 @@ HISTORY = [7, 3, 11, 5, 2, 19, 23, 4, 9, 31, 8, 6, 14, 27, 1, 12, 40, 41, 13, 17
 def cache_only_send(target: EngineLoop, salt: str | None = None):
     """The transport of an offer, calling the target's host-tier importer directly (as ImportKv does)."""
 
-    async def send(header, chunks) -> str:
+    async def send(header, chunks_from) -> tuple[str, int]:
         if salt is not None:
             header = replace(header, cache_salt=salt)
         importer = HostTierImporter(target)
         try:
             await importer.begin(header)
-            async for chunk in chunks:
+            async for chunk in chunks_from(importer.num_held_tokens):
                 await importer.chunk(chunk)
-            return await importer.commit()
+            return await importer.commit(), importer.num_held_tokens
         finally:
             await importer.cancel()
 
@@ -114,3 +114,61 @@ async def test_the_host_tier_needs_prefix_caching(tiny):
     with pytest.raises(FailedPrecondition, match="prefix-caching"):
         HostTierOffers(loop, cache_only_send(loop))
     loop.close()
+
+
+async def test_an_offer_sends_only_the_blocks_the_host_tier_lacks(tiny):
+    gpu, cpu = await started(tiny, "gpu", 32), await started(tiny, "cpu", 64)
+    offers = HostTierOffers(gpu[0], cache_only_send(cpu[0]))
+    try:
+        params = SamplingParams(max_tokens=8, ignore_eos=True)
+        await generate(gpu[0], "turn-1", HISTORY, params)
+        assert await offers.offer(offers._pending.popleft()) == 7 and offers.counts.num_sent_tokens == 28
+        # Turn 2 extends the chain: its offer reaches 11 blocks, of which the host tier holds 7.
+        history = HISTORY + (await generate(gpu[0], "turn-1b", HISTORY, params))[0]
+        turn2 = history + [60, 61, 62, 63, 64, 65, 66, 67, 68, 69, 70, 71, 72, 73, 74]
+        await generate(gpu[0], "turn-2", turn2, params)
+        offers._pending.clear()
+        assert await offers.offer(tuple(turn2[:44])) == 11
+        assert offers.counts.num_sent_tokens == 28 + 16  # only the 4 blocks the CPU engine lacked
+        assert cpu[0].load().kv_blocks_cached == 11 and cpu[0].load().kv_blocks_used == 0
+        # The CPU engine continues from the combined chain exactly as a recompute.
+        turn3 = turn2[:44] + [90, 91, 92]
+        tokens, num_cached = await generate(cpu[0], "turn-3", turn3, params)
+        assert num_cached == 44
+        assert tokens == OfflineGenerator(tiny).generate([turn3], [params])[0].output_token_ids
+        assert gpu[0].load().kv_blocks_used == 0 and cpu[0].load().kv_blocks_used == 0
+    finally:
+        await stop(gpu, cpu)
+
+
+async def test_an_import_ended_before_its_commit_leaves_the_held_blocks_cached_and_none_used(tiny):
+    gpu, cpu = await started(tiny, "gpu", 32), await started(tiny, "cpu", 32)
+    offers = HostTierOffers(gpu[0], cache_only_send(cpu[0]))
+    try:
+        params = SamplingParams(max_tokens=8, ignore_eos=True)
+        first, _ = await generate(gpu[0], "turn-1", HISTORY, params)
+        assert await offers.offer(offers._pending.popleft()) == 7
+        turn2 = HISTORY + first + list(range(60, 75))  # 44 tokens: 11 blocks, 7 of them on the CPU engine
+        await generate(gpu[0], "turn-2", turn2, params)
+        offers._pending.clear()
+
+        async def cut_after_first_chunk(header, chunks_from):
+            importer = HostTierImporter(cpu[0])
+            try:
+                await importer.begin(header)
+                assert importer.num_held_tokens == 28  # the 7 held blocks, taken into the import's table
+                assert cpu[0].load().kv_blocks_used == 11
+                async for chunk in chunks_from(importer.num_held_tokens):
+                    assert chunk.token_start == 28
+                    await importer.chunk(chunk)
+                    raise ConnectionError("the link dropped")
+            finally:
+                await importer.cancel()
+
+        offers.send = cut_after_first_chunk
+        assert await offers.offer(tuple(turn2[:44])) == 0
+        assert offers.counts.num_failed == 1 and "link dropped" in offers.counts.last_error
+        assert cpu[0].load().kv_blocks_used == 0 and cpu[0].load().kv_blocks_cached == 7
+        assert gpu[0].load().kv_blocks_used == 0
+    finally:
+        await stop(gpu, cpu)

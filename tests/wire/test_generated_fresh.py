@@ -44,6 +44,7 @@ def test_services_are_defined() -> None:
     method_names = [method.name for method in engine_pb2.DESCRIPTOR.services_by_name["Engine"].methods]
     assert method_names == [
         "Generate", "Abort", "MigrateOut", "ImportKv", "GetLoad", "WatchLoad", "ListRequests", "Info", "WatchKvEvents",
+        "CopyPrefix",
     ]
 
 

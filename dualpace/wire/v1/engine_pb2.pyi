@@ -122,7 +122,7 @@ class KvLayout(_message.Message):
     def __init__(self, num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., block_size: _Optional[int] = ..., dtype: _Optional[str] = ...) -> None: ...
 
 class ImportKvHeader(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "output_token_ids", "sampling", "num_computed_tokens", "num_tokens_emitted", "layout", "total_chunks", "total_bytes", "source_engine", "num_cached_tokens", "shm_offer", "cache_only", "cache_salt", "num_prior_output_tokens")
+    __slots__ = ("request_id", "prompt_token_ids", "output_token_ids", "sampling", "num_computed_tokens", "num_tokens_emitted", "layout", "total_chunks", "total_bytes", "source_engine", "num_cached_tokens", "shm_offer", "cache_only", "cache_salt", "skip_cached", "num_prior_output_tokens")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -137,6 +137,7 @@ class ImportKvHeader(_message.Message):
     SHM_OFFER_FIELD_NUMBER: _ClassVar[int]
     CACHE_ONLY_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
+    SKIP_CACHED_FIELD_NUMBER: _ClassVar[int]
     NUM_PRIOR_OUTPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -152,8 +153,9 @@ class ImportKvHeader(_message.Message):
     shm_offer: KvShmOffer
     cache_only: bool
     cache_salt: str
+    skip_cached: bool
     num_prior_output_tokens: int
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., output_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., num_computed_tokens: _Optional[int] = ..., num_tokens_emitted: _Optional[int] = ..., layout: _Optional[_Union[KvLayout, _Mapping]] = ..., total_chunks: _Optional[int] = ..., total_bytes: _Optional[int] = ..., source_engine: _Optional[str] = ..., num_cached_tokens: _Optional[int] = ..., shm_offer: _Optional[_Union[KvShmOffer, _Mapping]] = ..., cache_only: _Optional[bool] = ..., cache_salt: _Optional[str] = ..., num_prior_output_tokens: _Optional[int] = ...) -> None: ...
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., output_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., num_computed_tokens: _Optional[int] = ..., num_tokens_emitted: _Optional[int] = ..., layout: _Optional[_Union[KvLayout, _Mapping]] = ..., total_chunks: _Optional[int] = ..., total_bytes: _Optional[int] = ..., source_engine: _Optional[str] = ..., num_cached_tokens: _Optional[int] = ..., shm_offer: _Optional[_Union[KvShmOffer, _Mapping]] = ..., cache_only: _Optional[bool] = ..., cache_salt: _Optional[str] = ..., skip_cached: _Optional[bool] = ..., num_prior_output_tokens: _Optional[int] = ...) -> None: ...
 
 class KvShmOffer(_message.Message):
     __slots__ = ("boot_id",)
@@ -212,16 +214,44 @@ class ImportKvCommit(_message.Message):
     def __init__(self) -> None: ...
 
 class ImportKvReply(_message.Message):
-    __slots__ = ("prepared", "committed", "shm_reserved", "shm_declined")
+    __slots__ = ("prepared", "committed", "shm_reserved", "shm_declined", "cache_held")
     PREPARED_FIELD_NUMBER: _ClassVar[int]
     COMMITTED_FIELD_NUMBER: _ClassVar[int]
     SHM_RESERVED_FIELD_NUMBER: _ClassVar[int]
     SHM_DECLINED_FIELD_NUMBER: _ClassVar[int]
+    CACHE_HELD_FIELD_NUMBER: _ClassVar[int]
     prepared: ImportKvPrepared
     committed: ImportKvCommitted
     shm_reserved: KvShmReserved
     shm_declined: KvShmDeclined
-    def __init__(self, prepared: _Optional[_Union[ImportKvPrepared, _Mapping]] = ..., committed: _Optional[_Union[ImportKvCommitted, _Mapping]] = ..., shm_reserved: _Optional[_Union[KvShmReserved, _Mapping]] = ..., shm_declined: _Optional[_Union[KvShmDeclined, _Mapping]] = ...) -> None: ...
+    cache_held: ImportKvCacheHeld
+    def __init__(self, prepared: _Optional[_Union[ImportKvPrepared, _Mapping]] = ..., committed: _Optional[_Union[ImportKvCommitted, _Mapping]] = ..., shm_reserved: _Optional[_Union[KvShmReserved, _Mapping]] = ..., shm_declined: _Optional[_Union[KvShmDeclined, _Mapping]] = ..., cache_held: _Optional[_Union[ImportKvCacheHeld, _Mapping]] = ...) -> None: ...
+
+class ImportKvCacheHeld(_message.Message):
+    __slots__ = ("num_held_tokens",)
+    NUM_HELD_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    num_held_tokens: int
+    def __init__(self, num_held_tokens: _Optional[int] = ...) -> None: ...
+
+class CopyPrefixRequest(_message.Message):
+    __slots__ = ("token_ids", "target_address")
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    TARGET_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    target_address: str
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., target_address: _Optional[str] = ...) -> None: ...
+
+class CopyPrefixResponse(_message.Message):
+    __slots__ = ("num_tokens", "num_sent_tokens", "duration_ms", "target_engine")
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_SENT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    DURATION_MS_FIELD_NUMBER: _ClassVar[int]
+    TARGET_ENGINE_FIELD_NUMBER: _ClassVar[int]
+    num_tokens: int
+    num_sent_tokens: int
+    duration_ms: float
+    target_engine: str
+    def __init__(self, num_tokens: _Optional[int] = ..., num_sent_tokens: _Optional[int] = ..., duration_ms: _Optional[float] = ..., target_engine: _Optional[str] = ...) -> None: ...
 
 class ImportKvPrepared(_message.Message):
     __slots__ = ("num_chunks", "total_bytes", "kv_blocks")

@@ -80,6 +80,11 @@ class EngineStub:
                 request_serializer=dualpace_dot_v1_dot_engine__pb2.WatchKvEventsRequest.SerializeToString,
                 response_deserializer=dualpace_dot_v1_dot_engine__pb2.KvEventBatch.FromString,
                 _registered_method=True)
+        self.CopyPrefix = channel.unary_unary(
+                '/dualpace.v1.Engine/CopyPrefix',
+                request_serializer=dualpace_dot_v1_dot_engine__pb2.CopyPrefixRequest.SerializeToString,
+                response_deserializer=dualpace_dot_v1_dot_engine__pb2.CopyPrefixResponse.FromString,
+                _registered_method=True)
 
 
 class EngineServicer:
@@ -182,6 +187,21 @@ class EngineServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def CopyPrefix(self, request, context):
+        """Host tier, copy back: sends the leading full blocks of token_ids that
+        this engine caches to the target engine's prefix cache (a cache-only
+        ImportKv with skip_cached, so blocks the target holds already are not
+        sent) and returns once the target has committed them. The router calls
+        it on the CPU engine before it places a request on the GPU engine, which
+        then prefills only the tokens past the copied prefix. PERMISSION_DENIED
+        when target_address is not one of the engine's --peer addresses;
+        FAILED_PRECONDITION with prefix caching off; UNAVAILABLE when the
+        transfer fails (nothing stays referenced on either engine).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_EngineServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -229,6 +249,11 @@ def add_EngineServicer_to_server(servicer, server):
                     servicer.WatchKvEvents,
                     request_deserializer=dualpace_dot_v1_dot_engine__pb2.WatchKvEventsRequest.FromString,
                     response_serializer=dualpace_dot_v1_dot_engine__pb2.KvEventBatch.SerializeToString,
+            ),
+            'CopyPrefix': grpc.unary_unary_rpc_method_handler(
+                    servicer.CopyPrefix,
+                    request_deserializer=dualpace_dot_v1_dot_engine__pb2.CopyPrefixRequest.FromString,
+                    response_serializer=dualpace_dot_v1_dot_engine__pb2.CopyPrefixResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -475,6 +500,33 @@ class Engine:
             '/dualpace.v1.Engine/WatchKvEvents',
             dualpace_dot_v1_dot_engine__pb2.WatchKvEventsRequest.SerializeToString,
             dualpace_dot_v1_dot_engine__pb2.KvEventBatch.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CopyPrefix(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/dualpace.v1.Engine/CopyPrefix',
+            dualpace_dot_v1_dot_engine__pb2.CopyPrefixRequest.SerializeToString,
+            dualpace_dot_v1_dot_engine__pb2.CopyPrefixResponse.FromString,
             options,
             channel_credentials,
             insecure,
