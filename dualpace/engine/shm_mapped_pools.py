@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import socket
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
@@ -44,6 +45,13 @@ class _Mapped:
     watch: socket.socket
     num_users: int = 0
     dropped: bool = False
+
+
+def _close_fetched(fetch: asyncio.Future) -> None:
+    if not fetch.cancelled() and fetch.exception() is None:
+        fd, watch = fetch.result()
+        os.close(fd)
+        watch.close()
 
 
 class MappedPools:
@@ -88,7 +96,12 @@ class MappedPools:
             if mapped is not None and mapped.token == reservation.segment_token:
                 return mapped
             self.drop(name)  # another segment under that name: its owner restarted
-            fd, watch = await asyncio.to_thread(self._fetch, name, reservation.segment_token)
+            fetch = asyncio.ensure_future(asyncio.to_thread(self._fetch, name, reservation.segment_token))
+            try:
+                fd, watch = await asyncio.shield(fetch)
+            except asyncio.CancelledError:
+                fetch.add_done_callback(_close_fetched)  # the thread still hands over an fd: close it
+                raise
             try:
                 segment = MappedKvSegment.open(fd, reservation.segment_token)
             except BaseException:

@@ -41,13 +41,28 @@ class CountingFetch:
 
     def __init__(self):
         self.num_calls = 0
+        self.num_done = 0
         self._lock = threading.Lock()
 
     def __call__(self, name: str, ticket: bytes):
         with self._lock:
             self.num_calls += 1
         threading.Event().wait(0.05)
-        return fetch_fd(name, ticket)
+        fetched = fetch_fd(name, ticket)
+        with self._lock:
+            self.num_done += 1
+        return fetched
+
+
+def pool_descriptors() -> int:
+    """Descriptors of this process open on a KV pool memfd (the owner's own included)."""
+    count = 0
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            count += "memfd:dualpace-kv" in os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            pass
+    return count
 
 
 async def wait_until(condition) -> bool:
@@ -119,3 +134,19 @@ async def test_another_segment_under_the_same_name_replaces_the_mapping():
     mapped.close()
     await first.close()
     await second.close()
+
+
+async def test_a_transfer_cancelled_while_mapping_leaves_no_descriptor():
+    pool, reservation, _ = await served_pool()
+    fetch = CountingFetch()
+    mapped = MappedPools(fetch)
+    before = pool_descriptors()
+    task = asyncio.create_task(mapped.using(reservation).__aenter__())
+    await asyncio.sleep(0.01)  # inside the (slowed) fd handshake
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert await wait_until(lambda: fetch.num_done == 1)  # the handshake's thread handed an fd over
+    assert await wait_until(lambda: pool_descriptors() == before)
+    assert mapped.num_mapped == 0 and mapped.num_in_use == 0
+    await pool.close()
