@@ -12,14 +12,13 @@ of the same size as that transfer (bytes counted once, as the transfer's bytes a
     python -m bench.data_plane --out bench/results/data_plane.json
 
 The last output line is one JSON object (memcpy_gbps, kv_shm_gbps, kv_grpc_gbps, kv_fixed_ms, ...).
-The Dense Assist round trips come from bench.assist_rtt.measure when that module exists.
+The Dense Assist round trips per layer come from bench.assist_rtt.measure (shm and gRPC, batch 1/8/32).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import importlib
 import itertools
 import json
 import os
@@ -148,13 +147,16 @@ def shm_breakdown(storage: KVStorage, num_tokens: int, repeats: int) -> dict:
     return {"copy_ms": statistics.median(copy_ms), "checksum_ms_per_side": statistics.median(crc_ms)}
 
 
-def assist_round_trips() -> dict:
-    try:
-        measure = importlib.import_module("bench.assist_rtt").measure
-    except (ImportError, AttributeError) as exc:
-        reason = f"bench.assist_rtt.measure not available here ({exc.__class__.__name__}: {exc})"
-        return {"assist_rtt_us_p50_shm": None, "assist_rtt_us_p50_grpc": None, "assist_rtt_note": reason}
-    return measure()
+def assist_round_trips(model: str, num_iterations: int) -> dict:
+    """Dense Assist round trip per layer (bench.assist_rtt: real client, real servicer answering at
+    once) over shm and over gRPC at batch 1, 8, 32; the summary keys are batch 8's p50."""
+    from bench.assist_rtt import measure
+
+    by_transport = {transport: measure(transport, batch_sizes=(1, 8, 32), model=model, num_iterations=num_iterations)
+                    for transport in ("shm", "grpc")}
+    summary = {f"assist_rtt_us_p50_{t}": r["batch"]["8"]["p50_us"] for t, r in by_transport.items()}
+    summary.update({f"assist_rtt_us_p99_{t}": r["batch"]["8"]["p99_us"] for t, r in by_transport.items()})
+    return {**summary, "assist_rtt": {t: r["batch"] for t, r in by_transport.items()}}
 
 
 def main() -> None:
@@ -165,6 +167,7 @@ def main() -> None:
     parser.add_argument("--sizes", default="64,256,1024,2048", help="token counts of the transfers timed")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--settle-s", type=float, default=0.3)
+    parser.add_argument("--assist-iterations", type=int, default=30, help="assisted iterations timed per batch size")
     parser.add_argument("--out", default=None, help="write the result JSON here too")
     args = parser.parse_args()
     sizes = sorted({int(s) for s in args.sizes.split(",")} | {args.context_tokens})
@@ -209,7 +212,7 @@ def main() -> None:
         "kv_shm_breakdown_at_context": shm_breakdown(storage, args.context_tokens, args.repeats),
         "context_tokens": args.context_tokens, "context_bytes": context_bytes,
         "model": args.model, "dtype": info.dtype, "cpu_kind": cpu_kind(), "load_average": os.getloadavg(),
-        **assist_round_trips(),
+        **assist_round_trips(args.model, args.assist_iterations),
     }
     text = json.dumps(result)
     if args.out:

@@ -88,6 +88,7 @@ def main() -> None:
             imports.append({"request_id": request_id, "start": start, "end": end,
                             "call_ms": (end - start) * 1e3, "source_ms": reply.duration_ms,
                             "total_bytes": reply.total_bytes, "num_chunks": reply.num_chunks,
+                            "transport": reply.transport,
                             "first_tokens": len(first.new_token_ids)})
             time.sleep(args.interval_s)
         for i in range(args.num_cpu):

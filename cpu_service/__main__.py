@@ -119,7 +119,12 @@ def main(argv: list[str] | None = None) -> int:
                                                                 cfg.num_kv_heads, cfg.head_dim))
         chooser = ModeChooser(setting, assist_configured=client is not None)
         if profile is not None:
-            predicted = seed_chooser(chooser, profile, client is not None, config.scheduler.max_running,
+            from dualpace.profile.data_paths import assist_path, for_paths, on_this_host
+
+            # The assist figures of the path this engine's iterations take (shm on one host).
+            path = assist_path(args.assist_transport, args.gpu_service is not None and on_this_host(args.gpu_service))
+            predicted = seed_chooser(chooser, for_paths(profile, assist=path), client is not None,
+                                     config.scheduler.max_running,
                                      args.profile_context_tokens)
             log.info("mode choice seeded from profile %s: %s", args.profile,
                      ", ".join(f"{mode.value}@{bucket}={ms:.1f}ms" for (mode, bucket), ms in sorted(

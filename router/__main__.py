@@ -67,6 +67,10 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ttft-target-ms", type=float, default=None,
                         help="how long a request may wait for room (default 30 s)")
     parser.add_argument("--no-migrate", action="store_true", help="no load-driven migrations (hand-offs still run)")
+    parser.add_argument("--kv-transport", default="auto", choices=["auto", "grpc"],
+                        help="the engines' --kv-transport, for pricing moves with --profile: auto prices them at "
+                             "the profile's shared-memory figures when both engines are on this host (Unix socket "
+                             "or loopback addresses), else at its gRPC figures")
     parser.add_argument("--host-tier", default="on", choices=["on", "off"],
                         help="dualpace: continue a request on the CPU engine when it caches (e.g. in the GPU "
                              "engine's host tier) a longer prefix of the prompt than any GPU engine")
@@ -117,6 +121,13 @@ def router_config(args: argparse.Namespace, kv_bytes_per_token: int, profile=Non
     predictor = None
     if profile is not None:
         from dualpace.profile.cost_model import CostModel
+        from dualpace.profile.data_paths import assist_path, for_paths, kv_path, on_this_host
+
+        # The figures of the paths in force: hand-offs and moves between the two engines, and the
+        # CPU engine's Dense Assist from gpu_service (its default --assist-transport, auto).
+        same_host = all(on_this_host(address) for address in (args.gpu, args.cpu) if address is not None)
+        profile = for_paths(profile, kv=kv_path(getattr(args, "kv_transport", "auto"), same_host),
+                            assist=assist_path("auto", same_host))
 
         # Assisted CPU iterations need both engines; the cost model then predicts the faster mode.
         predictor = CostModel(profile, assist_available=args.gpu is not None and policy != Policy.GPU_ONLY)

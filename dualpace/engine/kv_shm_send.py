@@ -1,8 +1,7 @@
-"""The sender's half of a same-host KV transfer: map the target's pool, copy under a lease.
+"""The sender's half of a same-host KV transfer: check the target's mapped pool, copy under a lease.
 
-Mapped pools are kept between transfers (mapping a pool again would fault in its pages
-again), one per target socket, and dropped as soon as the target's watch connection ends
-(it died or restarted), so a dead target's memory is not held alive here.
+The mapping itself comes from MappedPools (dualpace.engine.shm_mapped_pools): one per target
+pool per process, held by each copy for as long as it runs.
 """
 
 from __future__ import annotations
@@ -10,15 +9,14 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
-import socket
 import threading
-from dataclasses import dataclass
 
 from dualpace.engine.kv_shm_protocol import ShmReservation, ShmWritten
 from dualpace.engine.kv_source import OutgoingKv
 from dualpace.engine.kv_transfer import KvLayout
-from dualpace.engine.same_host import fetch_fd, held_lease
+from dualpace.engine.same_host import held_lease
 from dualpace.engine.shm_kv_copy import INLINE_MAX_BYTES, copy_in_place, transfer_bytes
+from dualpace.engine.shm_mapped_pools import MappedPools  # noqa: F401  (its callers' one import)
 from dualpace.engine.shm_segment import MappedKvSegment
 from dualpace.engine.worker_pools import KV_TRANSFER_WORKERS, pool
 from dualpace.errors import InvalidArgument, Unavailable
@@ -26,66 +24,7 @@ from dualpace.faults import FaultConfig
 
 log = logging.getLogger(__name__)
 
-
-@dataclass
-class _Mapped:
-    token: bytes
-    segment: MappedKvSegment
-    watch: socket.socket
-
-
-class MappedPools:
-    """Target pools mapped by this engine, by the target's socket name."""
-
-    def __init__(self):
-        self._pools: dict[str, _Mapped] = {}
-
-    @property
-    def num_mapped(self) -> int:
-        return len(self._pools)
-
-    async def get(self, reservation: ShmReservation) -> MappedKvSegment:
-        """The target's pool (mapped now or before); raises SameHostRefused / InvalidArgument."""
-        name = reservation.socket_name
-        mapped = self._pools.get(name)
-        if mapped is not None and mapped.token == reservation.segment_token:
-            return mapped.segment
-        self.drop(name)
-        fd, watch = await asyncio.to_thread(fetch_fd, name, reservation.segment_token)
-        try:
-            segment = MappedKvSegment.open(fd, reservation.segment_token)
-        except BaseException:
-            watch.close()
-            raise
-        self._pools[name] = _Mapped(reservation.segment_token, segment, watch)
-        asyncio.get_running_loop().add_reader(watch.fileno(), self._on_watch, name)
-        log.info("mapped the KV pool of @%s (%d MB)", name, segment.geometry.total_bytes // 2**20)
-        return segment
-
-    def drop(self, name: str) -> None:
-        """Forget the mapping (its memory is unmapped once no copy under way still uses it)."""
-        mapped = self._pools.pop(name, None)
-        if mapped is not None:
-            asyncio.get_running_loop().remove_reader(mapped.watch.fileno())
-            mapped.watch.close()
-
-    def close(self) -> None:
-        for name in list(self._pools):
-            self.drop(name)
-
-    def _on_watch(self, name: str) -> None:
-        mapped = self._pools.get(name)
-        if mapped is None:
-            return
-        try:
-            data = mapped.watch.recv(64)
-        except BlockingIOError:
-            return
-        except OSError:
-            data = b""
-        if not data:
-            log.info("the owner of @%s went away; unmapping its KV pool", name)
-            self.drop(name)
+__all__ = ["MappedPools", "check_geometry", "write_in_place"]
 
 
 def check_geometry(segment: MappedKvSegment, layout: KvLayout, reservation: ShmReservation,
@@ -115,7 +54,8 @@ def _inject_fault(faults: FaultConfig, segment: MappedKvSegment, dst_slot_ids: l
 async def write_in_place(segment: MappedKvSegment, reservation: ShmReservation, source: OutgoingKv,
                          faults: FaultConfig) -> ShmWritten:
     """Copy the request's KV into the target's reserved slots, holding the import's write lease.
-    The lease ends only after the copy has stopped (also when this call is cancelled)."""
+    The lease ends only after the copy has stopped (also when this call is cancelled); the caller
+    holds the mapping (MappedPools.using) for the whole call."""
     storage = source.storage
     dst_slot_ids = list(reservation.slot_ids)
     stop = threading.Event()
@@ -140,5 +80,5 @@ async def write_in_place(segment: MappedKvSegment, reservation: ShmReservation, 
                 if faults.kv_shm_hold_ms:
                     await asyncio.sleep(faults.kv_shm_hold_ms / 1e3)  # the window the kill tests aim at
     finally:
-        segment = None  # no reference to the mapping kept alive by a traceback (see MappedPools)
+        segment = None  # no reference to the mapping kept alive by a traceback (see shm_mapped_pools)
     return ShmWritten(tuple(layer_crc32s))

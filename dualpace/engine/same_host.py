@@ -31,6 +31,8 @@ import socket
 import struct
 from dataclasses import dataclass, field
 
+from dualpace.errors import Unavailable
+
 log = logging.getLogger(__name__)
 
 BOOT_ID_PATH = "/proc/sys/kernel/random/boot_id"
@@ -167,8 +169,9 @@ async def _recv_exactly(loop: asyncio.AbstractEventLoop, connection: socket.sock
     return data
 
 
-class SameHostRefused(Exception):
-    """The owner refused or could not be reached: use the cross-host path."""
+class SameHostRefused(Unavailable):
+    """The owner refused or could not be reached: use the cross-host path (before the copy), or the
+    transfer fails as UNAVAILABLE (a lease refused: the target dropped the import)."""
 
 
 def fetch_fd(socket_name: str, ticket: bytes) -> tuple[int, socket.socket]:

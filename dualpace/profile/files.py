@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from dualpace.profile.schema import (
+    DATA_PATHS,
     OPTIONAL_HARDWARE_FIELDS,
     OPTIONAL_TABLES_1D,
     PROFILE_VERSION,
@@ -170,11 +171,8 @@ def parse_profile(data: Any) -> Profile:
     for name, axis in OPTIONAL_TABLES_1D.items():
         if raw_tables.get(name) is not None:
             tables[name] = _parse_table1d(name, axis, raw_tables[name])
-    raw_transfer = _require(data, "kv_transfer", "profile")
-    kv_transfer = KVTransfer(
-        bytes_per_s=_number(_require(raw_transfer, "bytes_per_s", "kv_transfer"), "kv_transfer.bytes_per_s", positive=True),
-        fixed_ms=_number(_require(raw_transfer, "fixed_ms", "kv_transfer"), "kv_transfer.fixed_ms"),
-    )
+    kv_transfer = _parse_transfer(_require(data, "kv_transfer", "profile"), "kv_transfer")
+    kv_transfer_paths = _parse_transfer_paths(data.get("kv_transfer_paths"))
     raw_caps = _require(data, "capacities", "profile")
     capacities = Capacities(
         gpu_kv_blocks=_int(_require(raw_caps, "gpu_kv_blocks", "capacities"), "capacities.gpu_kv_blocks", positive=False),
@@ -191,7 +189,28 @@ def parse_profile(data: Any) -> Profile:
     if profiler is not None and not isinstance(profiler, Mapping):
         raise ProfileError("profiler: expected an object or null")
     return Profile(PROFILE_VERSION, hardware, model, tables, kv_transfer, capacities,
-                   notes if isinstance(notes, str) else "", profiler)
+                   notes if isinstance(notes, str) else "", profiler, kv_transfer_paths)
+
+
+def _parse_transfer(raw: Any, where: str) -> KVTransfer:
+    if not isinstance(raw, Mapping):
+        raise ProfileError(f"{where}: expected an object")
+    return KVTransfer(
+        bytes_per_s=_number(_require(raw, "bytes_per_s", where), f"{where}.bytes_per_s", positive=True),
+        fixed_ms=_number(_require(raw, "fixed_ms", where), f"{where}.fixed_ms"),
+    )
+
+
+def _parse_transfer_paths(raw: Any) -> dict[str, KVTransfer]:
+    """The optional per-path KV transfer figures (absent in older profiles: {})."""
+    if raw is None:
+        return {}
+    if not isinstance(raw, Mapping):
+        raise ProfileError("kv_transfer_paths: expected an object")
+    unknown = sorted(set(raw) - set(DATA_PATHS))
+    if unknown:
+        raise ProfileError(f"kv_transfer_paths: unknown path {unknown[0]!r} (known: {', '.join(DATA_PATHS)})")
+    return {path: _parse_transfer(value, f"kv_transfer_paths.{path}") for path, value in raw.items()}
 
 
 def profile_to_dict(profile: Profile) -> dict[str, Any]:
@@ -211,6 +230,8 @@ def profile_to_dict(profile: Profile) -> dict[str, Any]:
         "kv_transfer": asdict(profile.kv_transfer),
         "capacities": asdict(profile.capacities),
     }
+    if profile.kv_transfer_paths:
+        out["kv_transfer_paths"] = {path: asdict(t) for path, t in profile.kv_transfer_paths.items()}
     if profile.notes:
         out["notes"] = profile.notes
     if profile.profiler is not None:

@@ -21,9 +21,12 @@ Layout (version 1)::
         "assist_ms":           {"batch": [...], "ms": [...]},
         "lm_head_sampling_ms": {"batch": [...], "ms": [...]},
         optional: "gpu_dense_ms": {"batch": [...], "ms": [...]},
-                  "assist_round_trip_ms": {"batch": [...], "ms": [...]}
+                  "assist_round_trip_ms": {"batch": [...], "ms": [...]},
+                  "assist_ms_shm": {"batch": [...], "ms": [...]},
+                  "assist_ms_grpc": {"batch": [...], "ms": [...]}
       },
       "kv_transfer": {"bytes_per_s": float, "fixed_ms": float},
+      "kv_transfer_paths": {"shm": {"bytes_per_s", "fixed_ms"}, "grpc": {...}} (optional),
       "capacities": {"gpu_kv_blocks": int, "cpu_kv_blocks": int, "bytes_per_block": int},
       "notes": str (optional),
       "profiler": {...} (optional: how the profile was measured — grids, repeats, spread,
@@ -58,6 +61,13 @@ Optional tables (informative; the cost model does not need them):
 - assist_round_trip_ms(batch): assist_ms - gpu_dense_ms, the transport's share (one
   round trip per layer plus serialisation), which decides whether assist pays off.
 
+Data paths (issue 17): KV transfer and Dense Assist run through shared memory between daemons
+on one host and over gRPC otherwise, at very different costs. A profile may carry both:
+`kv_transfer_paths` ("shm", "grpc") and the tables assist_ms_shm / assist_ms_grpc. The plain
+`kv_transfer` and `assist_ms` stay (older profiles have only them) and hold the path the
+profiler's daemons used by default; dualpace.profile.data_paths picks the figures of the path
+in force, falling back to the plain ones.
+
 A 2-D table's "ms" is indexed [batch index][context index]. Grids must be strictly
 increasing; values finite and >= 0.
 """
@@ -65,7 +75,7 @@ increasing; values finite and >= 0.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from dualpace.errors import DualPaceError
@@ -85,7 +95,10 @@ TABLES_2D = {
 OPTIONAL_TABLES_1D = {
     "gpu_dense_ms": "batch",
     "assist_round_trip_ms": "batch",
+    "assist_ms_shm": "batch",
+    "assist_ms_grpc": "batch",
 }
+DATA_PATHS = ("shm", "grpc")  # shared memory on one host; gRPC (the only path across hosts)
 
 # Relative tolerance when comparing memory sizes of two fingerprints: the OS reports
 # slightly different totals on the same machine (kernel reservations, firmware).
@@ -170,6 +183,7 @@ class Profile:
     capacities: Capacities
     notes: str = ""
     profiler: Mapping[str, Any] | None = None  # how it was measured (free-form, see the module doc)
+    kv_transfer_paths: Mapping[str, KVTransfer] = field(default_factory=dict)  # by DATA_PATHS name
 
     def table1d(self, name: str) -> Table1D:
         table = self.tables[name]

@@ -92,10 +92,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser, default_name: str, def
     parser.add_argument("--orphan-timeout-s", type=float, default=DEFAULT_ORPHAN_TIMEOUT_S,
                         help="a request kept running for a reader that went away (the router) is aborted "
                              "unless a stream re-attaches within this many seconds")
-    parser.add_argument("--kv-transport", default="grpc", choices=KV_TRANSPORTS,
-                        help="KV migration data plane: grpc (default: always gRPC; the KV pool stays private) "
-                             "or auto (shared memory with engines on this host, gRPC otherwise; opt-in until "
-                             "concurrent same-host hand-offs are fixed, docs/operations.md)")
+    parser.add_argument("--kv-transport", default="auto", choices=KV_TRANSPORTS,
+                        help="KV migration data plane: auto (shared memory with engines on this host, "
+                             "gRPC otherwise) or grpc (always gRPC; the KV pool stays private)")
     parser.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR (JSON lines on stderr)")
     add_config_argument(parser)
     add_metrics_argument(parser)

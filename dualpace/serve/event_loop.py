@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import asyncio
+import faulthandler
 import logging
 import signal
 from collections.abc import Awaitable, Callable
@@ -40,6 +41,9 @@ def serve_forever(main: Callable[[asyncio.Event], Awaitable[int | None]]) -> int
     cleanly; after that the signals get their default action back, so a second
     Ctrl-C ends a stuck shutdown.
     """
+    # A crash in native code (a segfault, libuv's abort) prints every thread's Python stack on
+    # stderr instead of ending the daemon without a word.
+    faulthandler.enable()
     install_uvloop()
     return asyncio.run(_run_until_stopped(main)) or 0
 

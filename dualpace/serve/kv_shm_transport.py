@@ -10,6 +10,7 @@ them; a target that declined (another host, a private pool) is not asked again f
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -82,19 +83,19 @@ class SameHostKvSender(GrpcKvSender):
     async def _write_in_place(self, answer: ShmReservation, header: KvTransferHeader,
                               chunks: OutgoingKv) -> ShmWritten | None:
         """Copy into the target's reserved blocks; None: its pool cannot be used (send chunks instead)."""
-        segment = None
-        try:
+        async with contextlib.AsyncExitStack() as held:
             try:
-                segment = await self.pools.get(answer)
+                segment = await held.enter_async_context(self.pools.using(answer))  # held until the copy ends
                 check_geometry(segment, header.layout, answer, header.num_computed_tokens)
             except (SameHostRefused, InvalidArgument) as exc:
                 log.warning("KV to %s over gRPC: cannot use its shared pool: %s", self.target_address, exc)
                 return None
-            return await write_in_place(segment, answer, chunks, self.faults)
-        finally:
-            # No reference to the mapping may outlive the call in a traceback: once the target is
-            # gone and the pool dropped, the memory must go back to the kernel at once.
-            segment = None
+            try:
+                return await write_in_place(segment, answer, chunks, self.faults)
+            finally:
+                # No reference to the mapping may outlive the call in a traceback: once the target is
+                # gone and the pool dropped, the memory must go back to the kernel at once.
+                segment = None
 
     async def _expect_answer(self, call):
         try:

@@ -19,11 +19,12 @@ import itertools
 import math
 import re
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 
 import torch
 
 from dualpace.engine.kv_bytes import DTYPE_NAMES, tensor_bytes
+from dualpace.engine.kv_source import OutgoingKv
 from dualpace.engine.kv_transfer import (
     KvChunk,
     KvLayout,
@@ -192,37 +193,52 @@ async def _send_once(sender, runner: ModelRunner, num_tokens: int, vocab_size: i
     header, chunk_plan = _transfer_header(runner, num_tokens, vocab_size)
     slot_ids = list(range(num_tokens))
 
-    async def chunks() -> AsyncIterator[KvChunk]:
-        for seq, (layer, start, end) in enumerate(chunk_plan):
-            k, v = await asyncio.to_thread(runner.read_kv, slot_ids[start:end], layer)
-            k_bytes, v_bytes = tensor_bytes(k), tensor_bytes(v)
-            yield KvChunk(seq, layer, start, end, k_bytes, v_bytes, checksum(k_bytes, v_bytes))
+    async def read_chunk(seq: int, layer: int, start: int, end: int) -> KvChunk:
+        k, v = await asyncio.to_thread(runner.read_kv, slot_ids[start:end], layer)
+        k_bytes, v_bytes = tensor_bytes(k), tensor_bytes(v)
+        return KvChunk(seq, layer, start, end, k_bytes, v_bytes, checksum(k_bytes, v_bytes))
 
+    # As migrate_out hands it to a sender: the gRPC path reads the chunks, the shm path copies the slots.
+    outgoing = OutgoingKv(runner.kv, slot_ids, chunk_plan, read_chunk)
     start = time.perf_counter()
-    await sender(header, chunks())
+    await sender(header, outgoing)
     return (time.perf_counter() - start) * 1e3
 
 
 def kv_transfer(address: str, runner: ModelRunner, vocab_size: int, num_tokens: int, warmup: int,
-                repeats: int, settle_s: float = 0.2) -> Sample:
-    """Time KV migrations of num_tokens tokens into the gpu_service at `address`, header to commit.
-    Each imported request decodes one token there and finishes; settle_s (untimed) lets it."""
+                repeats: int, settle_s: float = 0.2, path: str = "grpc") -> Sample | None:
+    """Time KV migrations of num_tokens tokens into the gpu_service at `address`, header to commit,
+    over `path` ("grpc": chunks; "shm": straight into the target's blocks, which needs its pool in
+    host memory on this host: None when the target declined). Each imported request decodes one
+    token there and finishes; settle_s (untimed) lets it."""
+    from dualpace.engine.kv_shm_send import MappedPools
+    from dualpace.serve.kv_shm_transport import SameHostKvSender
     from dualpace.serve.kv_transport import GrpcKvSender
 
     if num_tokens > runner.kv.num_blocks * runner.kv.block_size:
         raise ValueError(f"{num_tokens} tokens do not fit the bench's KV pool")
-    sender = GrpcKvSender(address)
+    if path not in ("grpc", "shm"):
+        raise ValueError(f"unknown KV transfer path {path!r}")
+    pools = MappedPools()
+    sender = GrpcKvSender(address) if path == "grpc" else SameHostKvSender(address, pools, {})
 
-    async def run() -> list[float]:
+    async def run() -> list[float] | None:
         times = []
-        for i in range(warmup + max(1, repeats)):
-            elapsed = await _send_once(sender, runner, num_tokens, vocab_size)
-            await asyncio.sleep(settle_s)
-            if i >= warmup:
-                times.append(elapsed)
+        try:
+            for i in range(warmup + max(1, repeats)):
+                sender.used_shm = False
+                elapsed = await _send_once(sender, runner, num_tokens, vocab_size)
+                if path == "shm" and not sender.used_shm:
+                    return None  # it went over gRPC: not a shared-memory figure
+                await asyncio.sleep(settle_s)
+                if i >= warmup:
+                    times.append(elapsed)
+        finally:
+            pools.close()
         return times
 
-    return summarize(asyncio.run(run()))
+    times = asyncio.run(run())
+    return None if times is None else summarize(times)
 
 
 def fit_transfer(points: list[tuple[int, float]]) -> tuple[float, float]:

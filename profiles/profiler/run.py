@@ -203,11 +203,12 @@ def run_profile(request: ProfileRequest) -> tuple[Path, Profile, bool]:
     def pick(sample) -> float:
         return sample.min_ms if grids.statistic == "min" else sample.median_ms
     num_points = (len(grids.prefill_tokens) + 2 * len(grids.batch) * len(grids.context_tokens) * (1 if device == "cpu" else 1.5)
-                  + 4 * len(grids.batch) + len(grids.kv_transfer_tokens))
+                  + 5 * len(grids.batch) + 2 * len(grids.kv_transfer_tokens))
     progress = _Progress(request.progress, int(num_points))
     from cpu_service.assist_client import AssistClient
 
-    client = AssistClient(service.address, iteration_timeout_s=60.0)
+    client = AssistClient(service.address, iteration_timeout_s=60.0)  # auto: the shm rings on this host
+    grpc_client = AssistClient(service.address, iteration_timeout_s=60.0, transport="grpc")
     try:
         def point(table: str, key: str, fn, description: str):
             sample = measure(fn, grids.warmup, grids.repeats)
@@ -238,6 +239,10 @@ def run_profile(request: ProfileRequest) -> tuple[Path, Profile, bool]:
         cfg = loaded.config
         assist = [point("assist", str(b), m.assist_iteration(client, b, cfg.num_heads, cfg.head_dim, loaded.model.dtype),
                         f"Dense Assist {b}") for b in grids.batch]
+        assist_path = "shm" if client.num_shm_iterations > 0 else "grpc"  # the ring may have been refused
+        assist_grpc = [point("assist_grpc", str(b), m.assist_iteration(grpc_client, b, cfg.num_heads, cfg.head_dim,
+                                                                       loaded.model.dtype),
+                             f"Dense Assist {b} over gRPC") for b in grids.batch]
         # Whole Assisted iterations (cpu_service's AssistedForward: real attention over host KV
         # between the round trips) at one context, to check assist_ms + cpu_attention_ms.
         from cpu_service.assisted_forward import AssistedForward
@@ -250,16 +255,20 @@ def run_profile(request: ProfileRequest) -> tuple[Path, Profile, bool]:
         assisted_whole = [point("cpu_assisted_iteration", f"{b}x{check_context}",
                                 assisted(cpu_bench.decode_plan(b, check_context)),
                                 f"CPU assisted decode {b}x{check_context}") for b in grids.batch]
-        transfers = []
-        for t in grids.kv_transfer_tokens:
-            sample = m.kv_transfer(service.address, cpu_bench.runner, cfg.vocab_size, t, grids.warmup,
-                                   KV_TRANSFER_REPEAT_FACTOR * grids.repeats)
-            samples.setdefault("kv_transfer", {})[str(t)] = sample.as_dict()
-            transfers.append((t * model_fp.kv_bytes_per_token, pick(sample)))
-            progress.step(f"KV transfer {t}")
+        transfers: dict[str, list[tuple[int, float]]] = {"shm": [], "grpc": []}
+        for path_name, table in (("grpc", "kv_transfer"), ("shm", "kv_transfer_shm")):
+            for t in grids.kv_transfer_tokens:
+                sample = m.kv_transfer(service.address, cpu_bench.runner, cfg.vocab_size, t, grids.warmup,
+                                       KV_TRANSFER_REPEAT_FACTOR * grids.repeats, path=path_name)
+                if sample is None:  # the target declined shared memory (e.g. a CUDA pool)
+                    break
+                samples.setdefault(table, {})[str(t)] = sample.as_dict()
+                transfers[path_name].append((t * model_fp.kv_bytes_per_token, pick(sample)))
+                progress.step(f"KV transfer {t} ({path_name})")
     finally:
         progress.close()
         client.close()
+        grpc_client.close()
         service.stop()
 
     # The cost model adds dense + attention + LM head for a Local iteration; the dense part is
@@ -269,7 +278,10 @@ def run_profile(request: ProfileRequest) -> tuple[Path, Profile, bool]:
         rest = [local[i][j] - attention[i][j] for j in range(len(grids.context_tokens))]
         cpu_dense.append(max(0.0, sum(rest) / len(rest) - lm_head[i]))
     round_trip = [max(0.0, a - d) for a, d in zip(assist, gpu_dense)]
-    bytes_per_s, fixed_ms = m.fit_transfer(transfers)
+    fits = {name: KVTransfer(*(round(v, 4) for v in m.fit_transfer(points)))
+            for name, points in transfers.items() if len(points) == len(grids.kv_transfer_tokens)}
+    # The plain figures are the paths the daemons take by default on this host (older readers use them).
+    kv_default = fits.get("shm", fits["grpc"])
     bytes_per_block = model_fp.kv_bytes_per_token * model_fp.block_size
     weight_bytes = loaded.model.weights.num_bytes()
     if request.gpu_kv_blocks is not None:
@@ -304,6 +316,8 @@ def run_profile(request: ProfileRequest) -> tuple[Path, Profile, bool]:
         "lm_head_sampling_ms": Table1D("batch", batch, t1(lm_head)),
         "gpu_dense_ms": Table1D("batch", batch, t1(gpu_dense)),
         "assist_round_trip_ms": Table1D("batch", batch, t1(round_trip)),
+        f"assist_ms_{assist_path}": Table1D("batch", batch, t1(assist)),
+        "assist_ms_grpc": Table1D("batch", batch, t1(assist_grpc)),
     }
     spreads = [s["max_ms"] / s["median_ms"] - s["min_ms"] / s["median_ms"]
                for table in samples.values() for s in table.values() if s["median_ms"] > 0]
@@ -322,11 +336,14 @@ def run_profile(request: ProfileRequest) -> tuple[Path, Profile, bool]:
                       if device == "cpu" else f"on {device}",
         "capacities": {"gpu_kv_blocks": gpu_rule, "cpu_kv_blocks": cpu_rule, "weight_bytes": weight_bytes},
         "memory_bandwidth": "copy of 256 MiB, read + write bytes counted, best of 3",
-        "kv_transfer_fit_points": [[b, round(ms, 4)] for b, ms in transfers],
+        "kv_transfer_fit_points": [[b, round(ms, 4)] for b, ms in transfers["shm" if "shm" in fits else "grpc"]],
+        "kv_transfer_fit_points_by_path": {name: [[b, round(ms, 4)] for b, ms in points]
+                                           for name, points in transfers.items()},
+        "data_paths": f"assist_ms is over {assist_path}; kv_transfer over {'shm' if 'shm' in fits else 'grpc'}",
         "samples": samples,
     }
-    profile = Profile(PROFILE_VERSION, hardware, model_fp, tables, KVTransfer(round(bytes_per_s, 1), round(fixed_ms, 4)),
-                      Capacities(gpu_kv_blocks, cpu_kv_blocks, bytes_per_block), request.notes, meta)
+    profile = Profile(PROFILE_VERSION, hardware, model_fp, tables, kv_default,
+                      Capacities(gpu_kv_blocks, cpu_kv_blocks, bytes_per_block), request.notes, meta, fits)
     meta["local_fit"] = local_fit(profile, grids, local)
     meta["assisted_fit"] = assisted_fit(profile, grids, check_context, assisted_whole)
     meta["duration_s"] = round(time.monotonic() - started, 1)

@@ -54,9 +54,10 @@ def shm_send(target: EngineLoop, pool: SharedKvPool, mapped: MappedPools, faults
             await importer.begin(header)
             answer = shm.answer(ShmOffer(boot_id()))
             assert isinstance(answer, ShmReservation), answer
-            segment = await mapped.get(answer)
-            check_geometry(segment, header.layout, answer, header.num_computed_tokens)
-            await shm.written(await write_in_place(segment, answer, chunks, faults))
+            async with mapped.using(answer) as segment:
+                check_geometry(segment, header.layout, answer, header.num_computed_tokens)
+                written = await write_in_place(segment, answer, chunks, faults)
+            await shm.written(written)
             await importer.prepare()
             return await importer.commit()
         finally:
@@ -172,8 +173,9 @@ async def test_the_mapping_is_dropped_when_the_owner_goes_away(tiny):
     target, pool = await shared_target(tiny, "dst")
     mapped = MappedPools()
     answer = ShmReservation(pool.server.name, pool.segment_ticket, b"\0" * 16, ())
-    await mapped.get(answer)
-    assert mapped.num_mapped == 1
+    async with mapped.using(answer):
+        assert mapped.num_mapped == 1 and mapped.num_in_use == 1
+    assert mapped.num_mapped == 1 and mapped.num_in_use == 0  # kept for the next transfer
     await pool.close()  # as the owner's death would: its end of the watch connection closes
     for _ in range(1000):
         if mapped.num_mapped == 0:

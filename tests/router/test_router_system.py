@@ -40,7 +40,7 @@ def reference(model_folder):
 
 
 def start_system(model_folder: str, gpu_kv_blocks: int = 24, step_delay_ms: int = 0, *router_flags: str,
-                 kv_transport: str = "grpc"):
+                 kv_transport: str = "auto"):
     """The three daemons; step_delay_ms slows every engine step (a test-only fault) so that
     requests are still running when a test acts on them. kv_transport: the engines' KV data
     plane for hand-offs and migrations (auto: shared memory here, grpc: chunks)."""

@@ -1,0 +1,142 @@
+"""The sender's cache of other engines' KV pools, mapped into this process: one mapping per pool.
+
+Mapped pools are kept between transfers (mapping a pool again would fault its pages in
+again), one per target socket, and dropped as soon as the target's watch connection ends (it
+died or restarted), so a dead target's memory is not held alive here.
+
+Rules, all on the event loop's thread:
+
+- **One mapping per pool per process, made under a lock.** Transfers that need a pool not
+  mapped yet wait for the one that maps it. (Before this, every waiting transfer mapped the pool
+  itself and the last replaced the others' entries; the watch socket of a replaced entry was
+  closed by garbage collection while the event loop still polled its descriptor, and uvloop's
+  libuv aborts the process on such a descriptor: the sending engine died without a traceback
+  when several hand-offs to one target started at once.)
+- **A watch descriptor leaves the event loop before it is closed**, always.
+- **Counted users.** A copy holds its mapping through `using()`; a mapping that was dropped
+  (the target went away, or restarted with another segment) is given to no new copy, and this
+  cache lets go of it once its last copy ended. The memory itself is never unmapped by hand:
+  `torch.frombuffer` tensors keep the mmap object alive but do not pin its buffer, so an
+  explicit `mmap.close()` would leave them pointing at unmapped memory. The kernel unmaps it
+  when the last tensor over it is gone, which with no copy running is at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import socket
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+
+from dualpace.engine.kv_shm_protocol import ShmReservation
+from dualpace.engine.same_host import fetch_fd
+from dualpace.engine.shm_segment import MappedKvSegment
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Mapped:
+    token: bytes
+    segment: MappedKvSegment | None
+    watch: socket.socket
+    num_users: int = 0
+    dropped: bool = False
+
+
+def _close_fetched(fetch: asyncio.Future) -> None:
+    if not fetch.cancelled() and fetch.exception() is None:
+        fd, watch = fetch.result()
+        os.close(fd)
+        watch.close()
+
+
+class MappedPools:
+    """Target pools mapped by this engine, by the target's socket name."""
+
+    def __init__(self, fetch: Callable[[str, bytes], tuple[int, socket.socket]] = fetch_fd):
+        self._fetch = fetch  # blocking: (fd, watch connection); a test may count the calls
+        self._pools: dict[str, _Mapped] = {}
+        self._locks: dict[str, asyncio.Lock] = {}
+        self._num_in_use = 0
+
+    @property
+    def num_mapped(self) -> int:
+        """Pools held for future transfers (not counting dropped ones a copy still uses)."""
+        return len(self._pools)
+
+    @property
+    def num_in_use(self) -> int:
+        """Copies holding a mapping right now."""
+        return self._num_in_use
+
+    @contextlib.asynccontextmanager
+    async def using(self, reservation: ShmReservation) -> AsyncIterator[MappedKvSegment]:
+        """The target's pool (mapped now or before), held until the body ends; raises SameHostRefused /
+        InvalidArgument when it cannot be mapped."""
+        mapped = await self._mapping(reservation)
+        mapped.num_users += 1
+        self._num_in_use += 1
+        try:
+            yield mapped.segment
+        finally:
+            mapped.num_users -= 1
+            self._num_in_use -= 1
+            if mapped.dropped and mapped.num_users == 0:
+                mapped.segment = None  # the last copy ended: let the memory go
+
+    async def _mapping(self, reservation: ShmReservation) -> _Mapped:
+        name = reservation.socket_name
+        lock = self._locks.setdefault(name, asyncio.Lock())
+        async with lock:
+            mapped = self._pools.get(name)
+            if mapped is not None and mapped.token == reservation.segment_token:
+                return mapped
+            self.drop(name)  # another segment under that name: its owner restarted
+            fetch = asyncio.ensure_future(asyncio.to_thread(self._fetch, name, reservation.segment_token))
+            try:
+                fd, watch = await asyncio.shield(fetch)
+            except asyncio.CancelledError:
+                fetch.add_done_callback(_close_fetched)  # the thread still hands over an fd: close it
+                raise
+            try:
+                segment = MappedKvSegment.open(fd, reservation.segment_token)
+            except BaseException:
+                watch.close()
+                raise
+            mapped = self._pools[name] = _Mapped(reservation.segment_token, segment, watch)
+            asyncio.get_running_loop().add_reader(watch.fileno(), self._on_watch, name, mapped)
+            log.info("mapped the KV pool of @%s (%d MB)", name, segment.geometry.total_bytes // 2**20)
+            return mapped
+
+    def drop(self, name: str) -> None:
+        """Forget the mapping: no new copy gets it; the memory goes once no copy under way uses it."""
+        mapped = self._pools.pop(name, None)
+        if mapped is None:
+            return
+        mapped.dropped = True
+        asyncio.get_running_loop().remove_reader(mapped.watch.fileno())  # before the close, always
+        mapped.watch.close()
+        if mapped.num_users == 0:
+            mapped.segment = None
+
+    def close(self) -> None:
+        for name in list(self._pools):
+            self.drop(name)
+        self._locks.clear()
+
+    def _on_watch(self, name: str, mapped: _Mapped) -> None:
+        if self._pools.get(name) is not mapped:
+            return  # that watch was already dropped
+        try:
+            data = mapped.watch.recv(64)
+        except BlockingIOError:
+            return
+        except OSError:
+            data = b""
+        if not data:
+            log.info("the owner of @%s went away; unmapping its KV pool", name)
+            self.drop(name)

@@ -1,0 +1,76 @@
+"""Which data path a KV transfer or a Dense Assist iteration takes, and the profile's figures for it.
+
+Pure (no torch, grpc, asyncio or clock). Two daemons on one host move KV and assist tensors
+through shared memory; anything else goes over gRPC (docs/architecture.md, "KV data plane on one
+host", "Dense Assist through shared memory"), and the two differ by an order of magnitude
+(docs/perf.md). A profile may hold both paths' figures (dualpace.profile.schema); the cost model,
+the mode chooser and the migration planner read `profile.kv_transfer` and the `assist_ms` table,
+so `for_paths` returns the profile with those set to the figures of the paths in force.
+
+The rules:
+
+- KV: shared memory iff the sender's `--kv-transport` is auto, both engines are on this host,
+  and the target's pool is in host memory (a CUDA pool is not shared: transfers into it use gRPC).
+- Assist: shared memory iff cpu_service's `--assist-transport` is auto and gpu_service is on
+  this host.
+- "On this host" is proved by the daemons themselves at run time (boot ids and a memfd
+  handshake); a planner only knows addresses, so `on_this_host` reads an address the way the
+  daemons are deployed: a Unix socket or a loopback address is on the host of whoever dials it.
+  An address that is not (a host name, another IP) may still be local, but is priced as gRPC:
+  the slower figure never overstates what a move or an assisted iteration gains.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import ipaddress
+
+from dualpace.profile.schema import DATA_PATHS, Profile, ProfileError
+
+SHM, GRPC = DATA_PATHS
+TRANSPORT_SETTINGS = ("auto", "grpc")  # the daemons' --kv-transport / --assist-transport values
+
+
+def on_this_host(address: str) -> bool:
+    """Whether a daemon address is certainly on the host that dials it (Unix socket or loopback)."""
+    if address.startswith("unix:") or address.startswith("unix-abstract:"):
+        return True
+    host = address.rsplit(":", 1)[0] if ":" in address else address
+    host = host.removeprefix("ipv4:").removeprefix("ipv6:").strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _check_setting(setting: str, flag: str) -> None:
+    if setting not in TRANSPORT_SETTINGS:
+        raise ProfileError(f"{flag}: expected one of {', '.join(TRANSPORT_SETTINGS)}, got {setting!r}")
+
+
+def kv_path(kv_transport: str, same_host: bool, target_pool_in_host_memory: bool = True) -> str:
+    """The path a KV transfer takes (see the module doc)."""
+    _check_setting(kv_transport, "--kv-transport")
+    return SHM if kv_transport == "auto" and same_host and target_pool_in_host_memory else GRPC
+
+
+def assist_path(assist_transport: str, same_host: bool) -> str:
+    """The path Dense Assist takes (see the module doc)."""
+    _check_setting(assist_transport, "--assist-transport")
+    return SHM if assist_transport == "auto" and same_host else GRPC
+
+
+def for_paths(profile: Profile, kv: str | None = None, assist: str | None = None) -> Profile:
+    """`profile` with `kv_transfer` and the `assist_ms` table of the given paths, where it has them
+    (an older profile, or one measured over one path only, keeps its plain figures)."""
+    for path in (kv, assist):
+        if path is not None and path not in DATA_PATHS:
+            raise ProfileError(f"data path: expected one of {', '.join(DATA_PATHS)}, got {path!r}")
+    changes = {}
+    if kv is not None and kv in profile.kv_transfer_paths:
+        changes["kv_transfer"] = profile.kv_transfer_paths[kv]
+    if assist is not None and f"assist_ms_{assist}" in profile.tables:
+        changes["tables"] = {**profile.tables, "assist_ms": profile.tables[f"assist_ms_{assist}"]}
+    return dataclasses.replace(profile, **changes) if changes else profile

@@ -1,0 +1,86 @@
+"""The data path in force (shared memory or gRPC) and the profile figures the planners then use."""
+
+import glob
+
+import pytest
+
+from dualpace.policy.migration_planner import MigrationConfig, transfer_ms
+from dualpace.profile.cost_model import CostModel
+from dualpace.profile.data_paths import assist_path, for_paths, kv_path, on_this_host
+from dualpace.profile.files import load_profile, parse_profile, profile_to_dict
+from dualpace.profile.schema import KVTransfer, ProfileError
+from tests.profiles.tiny import tiny_profile_dict
+
+
+def two_path_profile_dict() -> dict:
+    data = tiny_profile_dict()
+    data["kv_transfer_paths"] = {"shm": {"bytes_per_s": 320000.0, "fixed_ms": 0.5},
+                                 "grpc": {"bytes_per_s": 32000.0, "fixed_ms": 2.0}}
+    data["tables"]["assist_ms_shm"] = {"batch": [1, 11], "ms": [3.0, 4.0]}
+    data["tables"]["assist_ms_grpc"] = {"batch": [1, 11], "ms": [25.0, 25.0]}
+    return data
+
+
+@pytest.mark.parametrize("address, local", [
+    ("127.0.0.1:50051", True), ("127.1.2.3:9", True), ("localhost:50051", True), ("[::1]:50051", True),
+    ("unix:/run/dualpace/gpu.sock", True), ("ipv4:127.0.0.1:5", True),
+    ("10.0.0.7:50051", False), ("gpu-node:50051", False), ("[2001:db8::1]:50051", False), ("0.0.0.0:1", False),
+])
+def test_on_this_host_reads_addresses(address, local):
+    assert on_this_host(address) is local
+
+
+def test_kv_path_rule():
+    assert kv_path("auto", same_host=True) == "shm"
+    assert kv_path("auto", same_host=False) == "grpc"
+    assert kv_path("grpc", same_host=True) == "grpc"
+    assert kv_path("auto", same_host=True, target_pool_in_host_memory=False) == "grpc"  # into a CUDA pool
+    with pytest.raises(ProfileError, match="--kv-transport"):
+        kv_path("shared", same_host=True)
+
+
+def test_assist_path_rule():
+    assert assist_path("auto", same_host=True) == "shm"
+    assert assist_path("auto", same_host=False) == "grpc"
+    assert assist_path("grpc", same_host=True) == "grpc"
+    with pytest.raises(ProfileError, match="--assist-transport"):
+        assist_path("ring", same_host=True)
+
+
+def test_both_paths_round_trip_through_the_file():
+    profile = parse_profile(two_path_profile_dict())
+    assert profile.kv_transfer_paths == {"shm": KVTransfer(320000.0, 0.5), "grpc": KVTransfer(32000.0, 2.0)}
+    assert parse_profile(profile_to_dict(profile)) == profile
+    assert profile_to_dict(parse_profile(tiny_profile_dict())) == tiny_profile_dict()  # no paths: as before
+
+
+def test_bad_path_entries_are_named():
+    data = two_path_profile_dict()
+    data["kv_transfer_paths"]["rdma"] = {"bytes_per_s": 1.0, "fixed_ms": 0.0}
+    with pytest.raises(ProfileError, match="kv_transfer_paths: unknown path 'rdma'"):
+        parse_profile(data)
+    data = two_path_profile_dict()
+    data["kv_transfer_paths"]["shm"]["bytes_per_s"] = 0
+    with pytest.raises(ProfileError, match="kv_transfer_paths.shm.bytes_per_s"):
+        parse_profile(data)
+
+
+def test_planner_and_cost_model_use_the_path_in_force():
+    profile = parse_profile(two_path_profile_dict())
+    shm, grpc = for_paths(profile, kv="shm", assist="shm"), for_paths(profile, kv="grpc", assist="grpc")
+    # 1000 tokens x 32 bytes: shm 0.5 ms + 100 ms, gRPC 2 ms + 1000 ms
+    assert CostModel(shm).kv_transfer_ms(1000) == pytest.approx(100.5)
+    assert CostModel(grpc).kv_transfer_ms(1000) == pytest.approx(1002.0)
+    assert transfer_ms(1000, MigrationConfig(predictor=CostModel(shm))) < transfer_ms(
+        1000, MigrationConfig(predictor=CostModel(grpc)))
+    assert CostModel(shm).assist_ms(1) == pytest.approx(3.0) and CostModel(grpc).assist_ms(1) == pytest.approx(25.0)
+
+
+def test_an_older_profile_keeps_its_plain_figures():
+    profile = parse_profile(tiny_profile_dict())  # no kv_transfer_paths, no assist_ms_* tables
+    assert for_paths(profile, kv="shm", assist="shm") is profile
+    for path in sorted(glob.glob("profiles/local/smollm2-*-cpu*.json")):
+        stored = load_profile(path)
+        assert for_paths(stored, kv="shm", assist="grpc").kv_transfer == stored.kv_transfer, path
+    with pytest.raises(ProfileError, match="data path"):
+        for_paths(profile, kv="tcp")
