@@ -1,7 +1,7 @@
-"""Build the reference profile h100_sapphire_rapids_llama3_8b.json from published figures and
-first-principles formulas (see h100_sapphire_rapids_llama3_8b.md for every number's source).
+"""The H100 box of the reference profiles: published figures and the assumed engine (see
+h100_sapphire_rapids_llama3_8b.md for every number's source).
 
-    python -m profiles.reference.make_h100_reference   # rewrites the JSON beside this file
+    python -m profiles.reference.reference_profiles   # rewrites its JSON files (and the others')
 
 Pure arithmetic: nothing is measured. Every latency is a roofline (roofline.py): max(bytes /
 achieved bandwidth, FLOPs / achieved compute) + a fixed per-iteration overhead. This module holds
@@ -10,10 +10,6 @@ overheads) beside the A10G and L4 profiles.
 """
 
 from __future__ import annotations
-
-from pathlib import Path
-
-from dualpace.profile.files import parse_profile, save_profile
 
 # ---- model: Llama-3-8B, shared by every reference profile (roofline.py); re-exported for make_a10g_whatif
 from profiles.reference.roofline import (  # noqa: F401
@@ -78,19 +74,3 @@ HARDWARE = {"cpu_model": SPR_2S_HOST.name, "cpu_cores": SPR_2S_HOST.cores, "memo
             "memory_bandwidth_bytes_per_s": DDR_BYTES_PER_S, "gpu_model": H100_SXM.name,
             "gpu_memory_bytes": GPU_MEMORY_BYTES}
 
-
-def build() -> dict:
-    """The assumed-engine H100 profile (reference_profiles.py builds it with its engine features)."""
-    from profiles.reference import reference_profiles
-
-    return reference_profiles.build("h100_sapphire_rapids_llama3_8b")
-
-
-def main() -> None:
-    path = Path(__file__).with_name("h100_sapphire_rapids_llama3_8b.json")
-    save_profile(parse_profile(build()), path)
-    print(f"wrote {path}")
-
-
-if __name__ == "__main__":
-    main()

@@ -2,7 +2,7 @@
 
 Every latency is max(bytes moved / achieved bandwidth, FLOPs / achieved compute[, host time to
 launch the kernels]) + a fixed per-iteration overhead, with the achieved share of each peak an
-explicit input. The H100 reference profile was the first user (make_h100_reference.py); the
+explicit input. The H100 reference profile was the first user (figures in make_h100_reference.py); the
 A10G and L4 profiles (reference_profiles.py) use the same formulas with their own datasheet
 figures. Pure arithmetic: nothing is measured here.
 
