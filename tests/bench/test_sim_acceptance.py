@@ -13,9 +13,9 @@ def _row(rate, itl, ttft=100.0, tps=None):
     return {"rate": rate, "p99_itl_ms": itl, "p50_ttft_ms": ttft, "throughput_tokens_per_s": tps or 100 * rate}
 
 
-def test_slo_is_100_ms_unless_gpu_only_floor_is_above_50_ms():
-    assert acc.slo_for([_row(2, 80), _row(1, 40)]) == (100.0, "100 ms")
-    assert acc.slo_for([_row(1, 50)]) == (100.0, "100 ms")
+def test_slo_is_100_ms_unless_gpu_only_floor_reaches_it():
+    assert acc.slo_for([_row(2, 120), _row(1, 40)]) == (100.0, "100 ms")
+    assert acc.slo_for([_row(1, 99)]) == (100.0, "100 ms")
     slo, rule = acc.slo_for([_row(1, 232), _row(2, 400)])
     assert slo == 464.0 and "232" in rule
 
