@@ -32,7 +32,7 @@ from bench.load.report import (
     sweep_table,
 )
 from bench.load.stats import summarize
-from bench.soak_daemons import counter_total_from_metrics, metrics_address
+from toolkit.engine_client import snapshot_preemptions
 from toolkit.processes import Daemon, start_daemon
 from toolkit.workload import (
     build_requests,
@@ -50,15 +50,14 @@ def start_system(args: argparse.Namespace, policy: str) -> list[Daemon]:
     profile = ("--profile", args.profile) if args.profile else ()
     daemons: list[Daemon] = []
     try:
-        metrics = ("--metrics-port", "0")  # their preemption counters, scraped per rate
-        gpu = start_daemon("gpu_service", *common, *metrics, "--name", "gpu", "--kv-blocks", str(args.gpu_kv_blocks),
+        gpu = start_daemon("gpu_service", *common, "--name", "gpu", "--kv-blocks", str(args.gpu_kv_blocks),
                            cpu_cores="0")
         daemons.append(gpu)
         router_flags = ["serve", "--gpu", gpu.address, "--policy", policy, "--model", args.model]
         if policy != "gpu-only":
             cpu = start_daemon("cpu_service", *common, "--name", "cpu", "--kv-blocks", str(args.cpu_kv_blocks),
                                "--gpu-service", gpu.address, "--policy", "gated" if policy == "gated" else "dualpace",
-                               "--assist-timeout-s", "120", "--assist", args.cpu_assist, *profile, *metrics,
+                               "--assist-timeout-s", "120", "--assist", args.cpu_assist, *profile,
                                cpu_cores="1")
             daemons.append(cpu)
             router_flags += ["--cpu", cpu.address]
@@ -113,11 +112,11 @@ def run_policy(args: argparse.Namespace, policy: str, rates: list[float]) -> dic
     ins = parse_length_spec(args.input_len, "--input-len")
     outs = parse_length_spec(args.output_len, "--output-len")
     rows, summaries = [], []
-    engine_metrics = {name: metrics_address(d) for name, d in zip(("gpu_service", "cpu_service"), daemons[:-1])}
+    engines = dict(zip(("gpu_service", "cpu_service"), daemons[:-1]))
 
     def preemptions() -> dict[str, int | None]:
-        return {name: counter_total_from_metrics(address, "dualpace_preemptions_total")
-                for name, address in engine_metrics.items()}
+        """Each engine's running total, from its LoadSnapshot (GetLoad)."""
+        return {name: snapshot_preemptions(d.address) for name, d in engines.items()}
     try:
         # Warm-up (not measured): first requests pay for kernel builds and allocations.
         warm = build_requests(2, float("inf"), 1.0, args.seed + 999, args.vocab_size, ins, outs)
@@ -146,6 +145,7 @@ def run_policy(args: argparse.Namespace, policy: str, rates: list[float]) -> dic
             cpu_used["load_generator"] = round(time.process_time() - client_before, 2)
             preempted = {name: None if value is None or preempted_before[name] is None else value - preempted_before[name]
                          for name, value in preemptions().items()}
+            row["num_preemptions"] = None if None in preempted.values() else sum(preempted.values())
             summaries.append({"rate_rps": rate, "summary": summary,
                               "load_average_1m": {"before": round(load_before, 2),
                                                   "after": round(os.getloadavg()[0], 2)},

@@ -10,6 +10,7 @@ import grpc
 from dualpace.sampling import FinishReason, SamplingParams
 from dualpace.wire.engine_messages import (
     abort_request_to_pb,
+    engine_view_from_pb,
     generate_update_from_pb,
     new_request_to_pb,
     resume_request_to_pb,
@@ -68,3 +69,14 @@ def read_until(responses, tokens: list[int], stop_after_tokens: int | None = Non
 
 def finish_reason(update) -> FinishReason | None:
     return None if update is None else update.finish_reason
+
+
+def snapshot_preemptions(address: str, timeout_s: float = 5.0) -> int | None:
+    """An engine's preemptions so far, from its load snapshot (GetLoad); None if it does not answer."""
+    client = EngineClient(address)
+    try:
+        return engine_view_from_pb(client.load(timeout_s=timeout_s), "gpu").num_preemptions
+    except grpc.RpcError:
+        return None
+    finally:
+        client.close()

@@ -86,17 +86,19 @@ def comparison_table(results: dict[str, list[dict]], itl_target_ms: float) -> st
 
 
 def sweep_table(results: dict[str, list[dict]]) -> str:
-    """Markdown: every measured point."""
+    """Markdown: every measured point (with a preemptions column when the rows carry the engines' count)."""
+    preempt = any("num_preemptions" in r for rows in results.values() for r in rows)
     lines = [("| policy | rate req/s | done/failed | req/s | out tok/s | TTFT P50 / P99 ms | ITL P50 / P99 ms "
-              "| TPOT mean ms | E2E P99 ms |"),
-             "|---|---|---|---|---|---|---|---|---|"]
+              "| TPOT mean ms | E2E P99 ms |" + (" preemptions |" if preempt else "")),
+             "|---|---|---|---|---|---|---|---|---|" + ("---|" if preempt else "")]
     for policy, rows in results.items():
         for r in rows:
             lines.append(f"| {policy} | {_fmt(r['rate_rps'])} | {r['completed']}/{r['failed']} "
                          f"| {_fmt(r['request_throughput_rps'], 3)} | {_fmt(r['output_token_throughput_tps'], 1)} "
                          f"| {_fmt(r['ttft_p50_ms'], 0)} / {_fmt(r['ttft_p99_ms'], 0)} "
                          f"| {_fmt(r['itl_p50_ms'], 1)} / {_fmt(r['itl_p99_ms'], 1)} "
-                         f"| {_fmt(r['tpot_mean_ms'], 1)} | {_fmt(r['e2e_p99_ms'], 0)} |")
+                         f"| {_fmt(r['tpot_mean_ms'], 1)} | {_fmt(r['e2e_p99_ms'], 0)} |"
+                         + (f" {_fmt(r.get('num_preemptions'), 0)} |" if preempt else ""))
     return "\n".join(lines)
 
 

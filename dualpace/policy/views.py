@@ -33,6 +33,7 @@ class EngineView:
     itl_p50_ms: float
     itl_p99_ms: float
     kv_blocks_cached: int = 0  # unowned blocks holding prefix-cache content; free space for placement
+    num_preemptions: int = 0  # the engine's preemptions by recompute since it started (a running total)
 
     @property
     def kv_blocks_free(self) -> int:

@@ -113,6 +113,7 @@ def load_to_pb(load: EngineLoad) -> engine_pb2.LoadSnapshot:
         num_iterations=load.num_iterations,
         timestamp_unix_ms=load.timestamp_unix_ms,
         kv_blocks_cached=load.kv_blocks_cached,
+        num_preemptions=load.num_preemptions,
     )
 
 
@@ -150,6 +151,7 @@ def engine_view_from_pb(snapshot: engine_pb2.LoadSnapshot, expected_kind: str) -
         itl_p50_ms=snapshot.itl_p50_ms,
         itl_p99_ms=snapshot.itl_p99_ms,
         kv_blocks_cached=snapshot.kv_blocks_cached,
+        num_preemptions=snapshot.num_preemptions,
     )
 
 

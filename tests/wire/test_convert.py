@@ -194,3 +194,18 @@ def test_tensor_negative_dimension() -> None:
 def test_unsupported_torch_dtype() -> None:
     with pytest.raises(ValueError, match="not supported"):
         tensors.tensor_to_pb(torch.zeros(3, dtype=torch.float64))
+
+
+def test_load_snapshot_carries_the_engines_preemptions_to_the_routers_view():
+    from dualpace.engine.load import EngineLoad
+    from dualpace.wire.engine_messages import engine_view_from_pb, load_to_pb
+    from dualpace.wire.v1 import engine_pb2
+
+    load = EngineLoad(name="gpu0", kind="gpu", serving=True, num_running=3, num_waiting=1, kv_blocks_total=64,
+                      kv_blocks_used=60, block_size=16, itl_p50_ms=12.0, itl_p99_ms=40.0, num_iterations=900,
+                      num_preemptions=7, timestamp_unix_ms=1, kv_blocks_cached=2)
+    wire = engine_pb2.LoadSnapshot.FromString(load_to_pb(load).SerializeToString())
+    assert wire.num_preemptions == 7
+    view = engine_view_from_pb(wire, "gpu")
+    assert view.num_preemptions == 7 and view.kv_blocks_used == 60
+    assert engine_view_from_pb(engine_pb2.LoadSnapshot(engine="old"), "cpu").num_preemptions == 0  # field absent

@@ -282,7 +282,7 @@ class WatchLoadRequest(_message.Message):
     def __init__(self, interval_ms: _Optional[int] = ...) -> None: ...
 
 class LoadSnapshot(_message.Message):
-    __slots__ = ("engine", "kind", "serving", "num_running", "num_waiting", "kv_blocks_total", "kv_blocks_used", "block_size", "itl_p50_ms", "itl_p99_ms", "num_iterations", "timestamp_unix_ms", "kv_blocks_cached")
+    __slots__ = ("engine", "kind", "serving", "num_running", "num_waiting", "kv_blocks_total", "kv_blocks_used", "block_size", "itl_p50_ms", "itl_p99_ms", "num_iterations", "timestamp_unix_ms", "kv_blocks_cached", "num_preemptions")
     ENGINE_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     SERVING_FIELD_NUMBER: _ClassVar[int]
@@ -296,6 +296,7 @@ class LoadSnapshot(_message.Message):
     NUM_ITERATIONS_FIELD_NUMBER: _ClassVar[int]
     TIMESTAMP_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
     KV_BLOCKS_CACHED_FIELD_NUMBER: _ClassVar[int]
+    NUM_PREEMPTIONS_FIELD_NUMBER: _ClassVar[int]
     engine: str
     kind: _common_pb2.EngineKind
     serving: bool
@@ -309,7 +310,8 @@ class LoadSnapshot(_message.Message):
     num_iterations: int
     timestamp_unix_ms: int
     kv_blocks_cached: int
-    def __init__(self, engine: _Optional[str] = ..., kind: _Optional[_Union[_common_pb2.EngineKind, str]] = ..., serving: _Optional[bool] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., block_size: _Optional[int] = ..., itl_p50_ms: _Optional[float] = ..., itl_p99_ms: _Optional[float] = ..., num_iterations: _Optional[int] = ..., timestamp_unix_ms: _Optional[int] = ..., kv_blocks_cached: _Optional[int] = ...) -> None: ...
+    num_preemptions: int
+    def __init__(self, engine: _Optional[str] = ..., kind: _Optional[_Union[_common_pb2.EngineKind, str]] = ..., serving: _Optional[bool] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., block_size: _Optional[int] = ..., itl_p50_ms: _Optional[float] = ..., itl_p99_ms: _Optional[float] = ..., num_iterations: _Optional[int] = ..., timestamp_unix_ms: _Optional[int] = ..., kv_blocks_cached: _Optional[int] = ..., num_preemptions: _Optional[int] = ...) -> None: ...
 
 class ListRequestsRequest(_message.Message):
     __slots__ = ()
