@@ -525,11 +525,13 @@ void rope_and_write_kv(const LayerArgs& a, const StepArgs& st, const LayerBuffer
   }
 }
 
+// Attention of sequences [b0, b0 + num_seqs) of the step.
 template <typename T>
-int attend_layer(const LayerArgs& a, const StepArgs& st, const LayerBuffers<T>& b) {
+int attend_layer(const LayerArgs& a, const StepArgs& st, const LayerBuffers<T>& b, int64_t b0, int64_t num_seqs) {
   const AttnShape shape{a.block_size, a.num_kv_heads, a.num_heads / a.num_kv_heads, b.D};
-  return decode_attention_any<T>(b.qkv, b.qkv_size, static_cast<const T*>(a.k_cache), static_cast<const T*>(a.v_cache),
-                                 a.num_blocks, st.tables, st.ld_tables, st.lens, b.M, shape, a.scale, b.attn,
+  return decode_attention_any<T>(b.qkv + b0 * b.qkv_size, b.qkv_size, static_cast<const T*>(a.k_cache),
+                                 static_cast<const T*>(a.v_cache), a.num_blocks, st.tables + b0 * st.ld_tables,
+                                 st.ld_tables, st.lens + b0, num_seqs, shape, a.scale, b.attn + b0 * b.q_size,
                                  b.q_size);
 }
 
@@ -548,7 +550,7 @@ int decode_layer(T* hidden, const LayerArgs& a, const StepArgs& st) {
   status |= linear_any(x, M, H, a.qkv_w, Epilogue<T>{static_cast<const T*>(a.qkv_b), none, 0, qkv, qkv_size, 0});
   if (status != 0) return -1;
   rope_and_write_kv(a, st, b);
-  status = attend_layer(a, st, b);
+  status = attend_layer(a, st, b, 0, M);
   if (status != 0) return status;
   status |= linear_any(attn, M, q_size, a.o_w, Epilogue<T>{none, hidden, H, hidden, H, 0});
   rms_norm(hidden, M, H, H, static_cast<const T*>(a.post_norm), a.eps, x);
@@ -562,30 +564,31 @@ int decode_layer(T* hidden, const LayerArgs& a, const StepArgs& st) {
 
 bool is_dense(const WeightDesc& w) { return w.format == DP_W_F32 || w.format == DP_W_BF16; }
 
-// Tokens of context the step's attention reads (whole blocks, as decode_attention counts them),
-// or -1 when a length or block id is out of range.
-int64_t checked_context_tokens(const StepArgs& st, int64_t block_size, int64_t num_blocks) {
-  int64_t total = 0;
+// Tokens of context of the step's longest sequence (whole blocks, as decode_attention counts
+// them), or -1 when a length or block id is out of range.
+int64_t checked_longest_context(const StepArgs& st, int64_t block_size, int64_t num_blocks) {
+  int64_t longest = 0;
   for (int64_t b = 0; b < st.M; ++b) {
     const int64_t nb = (st.lens[b] + block_size - 1) / block_size;
     if (st.lens[b] < 1 || nb > st.ld_tables) return -1;
     for (int64_t i = 0; i < nb; ++i)
       if (st.tables[b * st.ld_tables + i] < 0 || st.tables[b * st.ld_tables + i] >= num_blocks) return -1;
-    total += nb * block_size;
+    longest = std::max(longest, nb * block_size);
   }
-  return total;
+  return longest;
 }
 
 // Whether the step runs as one region: every matrix dense (block formats keep their per-call
-// path) and attention small enough that decode_attention would run it on one thread anyway
-// (longer contexts keep its own split across threads). DUALPACE_DECODE_ONE_REGION=0 turns it off.
+// path) and every sequence's attention small enough that decode_attention would run it on one
+// thread anyway (a sequence is one task there; longer contexts keep decode_attention's own split
+// of a sequence across threads). DUALPACE_DECODE_ONE_REGION=0 turns it off.
 bool staged_applies(const LayerArgs* layers, int64_t num_layers, const StepArgs& st) {
   const char* env = std::getenv("DUALPACE_DECODE_ONE_REGION");
   if (env != nullptr && env[0] == '0') return false;
   for (int64_t i = 0; i < num_layers; ++i) {
     const LayerArgs& a = layers[i];
     if (!is_dense(a.qkv_w) || !is_dense(a.o_w) || !is_dense(a.gate_up_w) || !is_dense(a.down_w)) return false;
-    const int64_t tokens = checked_context_tokens(st, a.block_size, a.num_blocks);
+    const int64_t tokens = checked_longest_context(st, a.block_size, a.num_blocks);
     if (tokens < 0 || tokens * a.num_heads * a.head_dim >= PARALLEL_MIN_MACS) return false;
   }
   return true;
@@ -600,7 +603,7 @@ void widen_rows(const T* src, int64_t M, int64_t K, int64_t ld, float* dst) {
 }
 
 // decode_layer's stages for every layer, in one parallel region: per layer 0 norm, 1 qkv, 2 rope +
-// KV write, 3 attention, 4 o + residual, 5 norm, 6 gate/up, 7 silu*up, 8 down + residual; the
+// KV write, 3 attention (a task per sequence), 4 o + residual, 5 norm, 6 gate/up, 7 silu*up, 8 down + residual; the
 // matrices in chunks of W rows (chunk_rows), the rest one task each. Same arithmetic as
 // decode_layer. Inputs are checked before the region (staged_applies, the slots here).
 template <typename T>
@@ -617,7 +620,7 @@ int decode_layers_staged(T* hidden, const LayerArgs* layers, int64_t num_layers,
     const WeightDesc* mats[STAGES] = {nullptr, &a.qkv_w, nullptr, nullptr, &a.o_w, nullptr, &a.gate_up_w, nullptr,
                                       &a.down_w};
     for (int64_t s = 0; s < STAGES; ++s) {
-      int64_t tasks = 1;
+      int64_t tasks = s == 3 ? M : 1;  // attention: one task per sequence
       if (mats[s] != nullptr) {
         rows_per_chunk[i * STAGES + s] = chunk_rows(M, mats[s]->N, threads);
         tasks = (mats[s]->N + rows_per_chunk[i * STAGES + s] - 1) / rows_per_chunk[i * STAGES + s];
@@ -653,8 +656,8 @@ int decode_layers_staged(T* hidden, const LayerArgs* layers, int64_t num_layers,
         rope_and_write_kv(a, st, b);
         break;
       case 3:
-        if (attend_layer(a, st, b) != 0) failed.store(1);
-        widen_rows(attn, M, q_size, q_size, xf);
+        if (attend_layer(a, st, b, task, 1) != 0) failed.store(1);
+        widen_rows(attn + task * q_size, 1, q_size, q_size, xf + task * q_size);
         break;
       case 4:
         chunk(attn, q_size, a.o_w, Epilogue<T>{none, hidden, H, hidden, H, 0});
