@@ -60,19 +60,25 @@ def prefill_attention(
     block_ids: torch.Tensor,
     start_pos: int,
     scale: float,
+    new_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Causal attention for one sequence's new tokens at positions [start_pos, start_pos + n).
 
     q: [n, num_heads, head_dim]; block_ids: [num_blocks] covering start_pos + n tokens (their
     K/V already written). Earlier tokens (a chunked prefill's previous chunks, or a recomputed
     prefix) are attended to from the cache. Returns [n, num_heads * head_dim].
+    new_kv: the new tokens' k, v [n, kv_heads, head_dim] as written to the cache; with start_pos
+    0 and the cache's dtype they are all of the context, used as they are (no gathered copy).
     """
     num_new, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
     group = num_heads // num_kv_heads
     context = start_pos + num_new
-    keys = k_cache.index_select(0, block_ids).view(-1, num_kv_heads, head_dim)[:context]
-    values = v_cache.index_select(0, block_ids).view(-1, num_kv_heads, head_dim)[:context]
+    if start_pos == 0 and new_kv is not None and new_kv[0].dtype == k_cache.dtype == new_kv[1].dtype:
+        keys, values = new_kv
+    else:
+        keys = k_cache.index_select(0, block_ids).view(-1, num_kv_heads, head_dim)[:context]
+        values = v_cache.index_select(0, block_ids).view(-1, num_kv_heads, head_dim)[:context]
     if q.device.type == "cpu" and q.dtype == torch.float32:
         return _prefill_sdpa(q, keys, values, start_pos, scale)
     queries = q.view(num_new, num_kv_heads, group, head_dim).permute(1, 2, 0, 3)  # [kv, group, n, d]

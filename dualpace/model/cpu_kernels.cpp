@@ -23,6 +23,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <type_traits>
 #include <vector>
@@ -30,6 +31,7 @@
 #include "cpu_attention.h"
 #include "cpu_bf16dot.h"
 #include "cpu_simd.h"
+#include "cpu_step_stages.h"
 #include "kernel_weights.h"
 
 #if __has_include("quant_gemv.h")
@@ -134,23 +136,27 @@ inline void tile_f32(const float* x, int64_t ldx, int64_t m0, int64_t K, const W
 // (docs/perf.md). Larger M is compute-bound: about 8 per thread, at most 64 tiles of 4 rows.
 constexpr int64_t SMALL_M = 8;
 constexpr int64_t NR = 4;
-template <typename Fn>
-void for_row_chunks(int64_t M, int64_t N, int64_t K, Fn&& fn) {
+// W rows per chunk for M rows of x against N rows of W with `threads` threads.
+inline int64_t chunk_rows(int64_t M, int64_t N, int threads) {
   const int64_t num_tiles = (N + NR - 1) / NR;
-  const int threads = omp_get_max_threads();
   int64_t tiles_per_chunk;
   if (M <= SMALL_M) {
     tiles_per_chunk = std::max<int64_t>(1, num_tiles / (2 * threads));
   } else {
     tiles_per_chunk = std::min<int64_t>(64, std::max<int64_t>(1, num_tiles / (8 * threads)));
   }
-  const int64_t num_chunks = (num_tiles + tiles_per_chunk - 1) / tiles_per_chunk;
+  return tiles_per_chunk * NR;
+}
+
+template <typename Fn>
+void for_row_chunks(int64_t M, int64_t N, int64_t K, Fn&& fn) {
+  const int64_t rows_per_chunk = chunk_rows(M, N, omp_get_max_threads());
+  const int64_t num_chunks = (N + rows_per_chunk - 1) / rows_per_chunk;
   // Small products stay on the calling thread: a parallel region costs a few microseconds, and
   // when several threads of one process run kernels at once (a server beside its client) their
   // OpenMP teams would compete for the same cores.
 #pragma omp parallel for schedule(dynamic, 1) if (M * N * K >= PARALLEL_MIN_MACS)
-  for (int64_t c = 0; c < num_chunks; ++c)
-    fn(c * tiles_per_chunk * NR, std::min(N, (c + 1) * tiles_per_chunk * NR));
+  for (int64_t c = 0; c < num_chunks; ++c) fn(c * rows_per_chunk, std::min(N, (c + 1) * rows_per_chunk));
 }
 
 // Walks W rows [n_begin, n_end) against all M rows of x as tile(MR, NR, m0, n0) calls
@@ -182,6 +188,7 @@ void rows_f32(const float* x, int64_t M, int64_t ldx, int64_t K, const WT* w, in
 }
 
 #if defined(DP_ISA_BF16DOT)
+#define DP_BF16DOT_ON 1
 // The same for bf16 x and bf16 W with vdpbf16ps (cpu_bf16dot.h).
 template <class EP>
 void rows_bf16dot(const bf16* x, int64_t M, int64_t ldx, int64_t K, const bf16* w, int64_t ldw, int64_t n_begin,
@@ -194,6 +201,8 @@ void rows_bf16dot(const bf16* x, int64_t M, int64_t ldx, int64_t K, const bf16* 
     linear_tile_dot<decltype(mr)::value, decltype(nr)::value>(x, ldx, m0, K, w, ldw, n0, n_end, ep);
   });
 }
+#else
+#define DP_BF16DOT_ON 0
 #endif
 
 // x as fp32 rows: itself for fp32, else converted once per call into a per-thread buffer.
@@ -212,6 +221,25 @@ const float* fp32_rows(const T* x, int64_t M, int64_t ldx, int64_t K, int64_t* l
   }
 }
 
+// W rows [n0, n1) of a dense (F32 / BF16) matrix against M rows of x: bf16 x itself for
+// vdpbf16ps (avx512_bf16, bf16 W), else its fp32 rows xf (ldf apart).
+template <typename T>
+void dense_rows(const T* x, int64_t ldx, const float* xf, int64_t ldf, int64_t M, const WeightDesc& w, int64_t n0,
+                int64_t n1, const Epilogue<T>& ep) {
+#if defined(DP_ISA_BF16DOT)
+  if constexpr (std::is_same_v<T, bf16>) {
+    if (w.format == DP_W_BF16) {
+      rows_bf16dot(x, M, ldx, w.K, static_cast<const bf16*>(w.data), w.row_bytes / 2, n0, n1, ep);
+      return;
+    }
+  }
+#endif
+  if (w.format == DP_W_F32)
+    rows_f32(xf, M, ldf, w.K, static_cast<const float*>(w.data), w.row_bytes / 4, n0, n1, ep);
+  else
+    rows_f32(xf, M, ldf, w.K, static_cast<const bf16*>(w.data), w.row_bytes / 2, n0, n1, ep);
+}
+
 bool format_supported(int32_t format) {
   if (format == DP_W_F32 || format == DP_W_BF16) return true;
 #if DP_HAS_QUANT
@@ -228,25 +256,11 @@ int linear_any(const T* x, int64_t M, int64_t ldx, const WeightDesc& w, const Ep
   const int64_t N = w.N, K = w.K;
   if (!format_supported(w.format)) return -1;
   if (M == 0 || N == 0) return 0;
-#if defined(DP_ISA_BF16DOT)
-  if (std::is_same_v<T, bf16> && w.format == DP_W_BF16) {
-    const bf16* wb = static_cast<const bf16*>(w.data);
-    const auto* xb = reinterpret_cast<const bf16*>(x);
-    for_row_chunks(M, N, K, [&](int64_t n0, int64_t n1) {
-      rows_bf16dot(xb, M, ldx, K, wb, w.row_bytes / 2, n0, n1, ep);
-    });
-    return 0;
-  }
-#endif
+  const bool bf16dot = std::is_same_v<T, bf16> && w.format == DP_W_BF16 && DP_BF16DOT_ON;
   int64_t ldf = 0;
-  const float* xf = fp32_rows(x, M, ldx, K, &ldf);
+  const float* xf = bf16dot ? nullptr : fp32_rows(x, M, ldx, K, &ldf);
   if (w.format == DP_W_F32 || w.format == DP_W_BF16) {
-    for_row_chunks(M, N, K, [&](int64_t n0, int64_t n1) {
-      if (w.format == DP_W_F32)
-        rows_f32(xf, M, ldf, K, static_cast<const float*>(w.data), w.row_bytes / 4, n0, n1, ep);
-      else
-        rows_f32(xf, M, ldf, K, static_cast<const bf16*>(w.data), w.row_bytes / 2, n0, n1, ep);
-    });
+    for_row_chunks(M, N, K, [&](int64_t n0, int64_t n1) { dense_rows(x, ldx, xf, ldf, M, w, n0, n1, ep); });
     return 0;
   }
 #if DP_HAS_QUANT
@@ -482,15 +496,50 @@ struct StepArgs {
   void* scratch;        // M * (H + qkv + heads * D + 2 I + I) elements
 };
 
+// A layer's views of the step scratch, and its sizes.
+template <typename T>
+struct LayerBuffers {
+  int64_t M, H, D, I, q_size, kv_size, qkv_size;
+  T *x, *qkv, *attn, *gate_up, *act;
+  LayerBuffers(const LayerArgs& a, const StepArgs& st)
+      : M(st.M), H(a.H), D(a.head_dim), I(a.intermediate), q_size(a.num_heads * a.head_dim),
+        kv_size(a.num_kv_heads * a.head_dim), qkv_size(q_size + 2 * kv_size) {
+    x = static_cast<T*>(st.scratch);
+    qkv = x + M * H;
+    attn = qkv + M * qkv_size;
+    gate_up = attn + M * q_size;
+    act = gate_up + M * 2 * I;
+  }
+};
+
+// RoPE over q and k, then k and v into their cache slots (checked by the caller).
+template <typename T>
+void rope_and_write_kv(const LayerArgs& a, const StepArgs& st, const LayerBuffers<T>& b) {
+  rotary(b.qkv, b.M, b.qkv_size, a.num_heads + a.num_kv_heads, b.D, st.cos, st.sin);
+  T* k_cache = static_cast<T*>(a.k_cache);
+  T* v_cache = static_cast<T*>(a.v_cache);
+  for (int64_t m = 0; m < b.M; ++m) {
+    std::memcpy(k_cache + st.slots[m] * b.kv_size, b.qkv + m * b.qkv_size + b.q_size, b.kv_size * sizeof(T));
+    std::memcpy(v_cache + st.slots[m] * b.kv_size, b.qkv + m * b.qkv_size + b.q_size + b.kv_size,
+                b.kv_size * sizeof(T));
+  }
+}
+
+// Attention of sequences [b0, b0 + num_seqs) of the step.
+template <typename T>
+int attend_layer(const LayerArgs& a, const StepArgs& st, const LayerBuffers<T>& b, int64_t b0, int64_t num_seqs) {
+  const AttnShape shape{a.block_size, a.num_kv_heads, a.num_heads / a.num_kv_heads, b.D};
+  return decode_attention_any<T>(b.qkv + b0 * b.qkv_size, b.qkv_size, static_cast<const T*>(a.k_cache),
+                                 static_cast<const T*>(a.v_cache), a.num_blocks, st.tables + b0 * st.ld_tables,
+                                 st.ld_tables, st.lens + b0, num_seqs, shape, a.scale, b.attn + b0 * b.q_size,
+                                 b.q_size);
+}
+
 template <typename T>
 int decode_layer(T* hidden, const LayerArgs& a, const StepArgs& st) {
-  const int64_t M = st.M, H = a.H, D = a.head_dim, I = a.intermediate;
-  const int64_t q_size = a.num_heads * D, kv_size = a.num_kv_heads * D, qkv_size = q_size + 2 * kv_size;
-  T* x = static_cast<T*>(st.scratch);
-  T* qkv = x + M * H;
-  T* attn = qkv + M * qkv_size;
-  T* gate_up = attn + M * q_size;
-  T* act = gate_up + M * 2 * I;
+  const LayerBuffers<T> b(a, st);
+  const int64_t M = b.M, H = b.H, I = b.I, q_size = b.q_size, qkv_size = b.qkv_size;
+  T *x = b.x, *qkv = b.qkv, *attn = b.attn, *gate_up = b.gate_up, *act = b.act;
   const int64_t num_slots = a.num_blocks * a.block_size;
   for (int64_t m = 0; m < M; ++m)
     if (st.slots[m] < 0 || st.slots[m] >= num_slots) return -2;
@@ -500,16 +549,8 @@ int decode_layer(T* hidden, const LayerArgs& a, const StepArgs& st) {
   rms_norm(hidden, M, H, H, static_cast<const T*>(a.input_norm), a.eps, x);
   status |= linear_any(x, M, H, a.qkv_w, Epilogue<T>{static_cast<const T*>(a.qkv_b), none, 0, qkv, qkv_size, 0});
   if (status != 0) return -1;
-  rotary(qkv, M, qkv_size, a.num_heads + a.num_kv_heads, D, st.cos, st.sin);
-  T* k_cache = static_cast<T*>(a.k_cache);
-  T* v_cache = static_cast<T*>(a.v_cache);
-  for (int64_t m = 0; m < M; ++m) {
-    std::memcpy(k_cache + st.slots[m] * kv_size, qkv + m * qkv_size + q_size, kv_size * sizeof(T));
-    std::memcpy(v_cache + st.slots[m] * kv_size, qkv + m * qkv_size + q_size + kv_size, kv_size * sizeof(T));
-  }
-  const AttnShape shape{a.block_size, a.num_kv_heads, a.num_heads / a.num_kv_heads, D};
-  status = decode_attention_any<T>(qkv, qkv_size, k_cache, v_cache, a.num_blocks, st.tables, st.ld_tables, st.lens, M,
-                                   shape, a.scale, attn, q_size);
+  rope_and_write_kv(a, st, b);
+  status = attend_layer(a, st, b, 0, M);
   if (status != 0) return status;
   status |= linear_any(attn, M, q_size, a.o_w, Epilogue<T>{none, hidden, H, hidden, H, 0});
   rms_norm(hidden, M, H, H, static_cast<const T*>(a.post_norm), a.eps, x);
@@ -517,6 +558,126 @@ int decode_layer(T* hidden, const LayerArgs& a, const StepArgs& st) {
   silu_mul(gate_up, M, I, act);
   status |= linear_any(act, M, I, a.down_w, Epilogue<T>{none, hidden, H, hidden, H, 0});
   return status != 0 ? -1 : 0;
+}
+
+// ---- the same step as one parallel region (cpu_step_stages.h) ----
+
+bool is_dense(const WeightDesc& w) { return w.format == DP_W_F32 || w.format == DP_W_BF16; }
+
+// Tokens of context of the step's longest sequence (whole blocks, as decode_attention counts
+// them), or -1 when a length or block id is out of range.
+int64_t checked_longest_context(const StepArgs& st, int64_t block_size, int64_t num_blocks) {
+  int64_t longest = 0;
+  for (int64_t b = 0; b < st.M; ++b) {
+    const int64_t nb = (st.lens[b] + block_size - 1) / block_size;
+    if (st.lens[b] < 1 || nb > st.ld_tables) return -1;
+    for (int64_t i = 0; i < nb; ++i)
+      if (st.tables[b * st.ld_tables + i] < 0 || st.tables[b * st.ld_tables + i] >= num_blocks) return -1;
+    longest = std::max(longest, nb * block_size);
+  }
+  return longest;
+}
+
+// Whether the step runs as one region: every matrix dense (block formats keep their per-call
+// path) and every sequence's attention small enough that decode_attention would run it on one
+// thread anyway (a sequence is one task there; longer contexts keep decode_attention's own split
+// of a sequence across threads). DUALPACE_DECODE_ONE_REGION=0 turns it off.
+bool staged_applies(const LayerArgs* layers, int64_t num_layers, const StepArgs& st) {
+  const char* env = std::getenv("DUALPACE_DECODE_ONE_REGION");
+  if (env != nullptr && env[0] == '0') return false;
+  for (int64_t i = 0; i < num_layers; ++i) {
+    const LayerArgs& a = layers[i];
+    if (!is_dense(a.qkv_w) || !is_dense(a.o_w) || !is_dense(a.gate_up_w) || !is_dense(a.down_w)) return false;
+    const int64_t tokens = checked_longest_context(st, a.block_size, a.num_blocks);
+    if (tokens < 0 || tokens * a.num_heads * a.head_dim >= PARALLEL_MIN_MACS) return false;
+  }
+  return true;
+}
+
+// rows [M, K] (ld apart) as fp32 rows K apart in dst (bf16), or nothing to do (fp32: used as is).
+template <typename T>
+void widen_rows(const T* src, int64_t M, int64_t K, int64_t ld, float* dst) {
+  if constexpr (sizeof(T) == 2)
+    for (int64_t m = 0; m < M; ++m)
+      for (int64_t k = 0; k < K; ++k) dst[m * K + k] = bf2f(src[m * ld + k]);
+}
+
+// decode_layer's stages for every layer, in one parallel region: per layer 0 norm, 1 qkv, 2 rope +
+// KV write, 3 attention (a task per sequence), 4 o + residual, 5 norm, 6 gate/up, 7 silu*up, 8 down + residual; the
+// matrices in chunks of W rows (chunk_rows), the rest one task each. Same arithmetic as
+// decode_layer. Inputs are checked before the region (staged_applies, the slots here).
+template <typename T>
+int decode_layers_staged(T* hidden, const LayerArgs* layers, int64_t num_layers, const StepArgs& st) {
+  constexpr int64_t STAGES = 9;
+  const int64_t M = st.M;
+  const int threads = omp_get_max_threads();
+  std::vector<int64_t> begin(1, 0), rows_per_chunk(num_layers * STAGES, 0);
+  int64_t widest = 0;
+  for (int64_t i = 0; i < num_layers; ++i) {
+    const LayerArgs& a = layers[i];
+    for (int64_t m = 0; m < M; ++m)
+      if (st.slots[m] < 0 || st.slots[m] >= a.num_blocks * a.block_size) return -2;
+    const WeightDesc* mats[STAGES] = {nullptr, &a.qkv_w, nullptr, nullptr, &a.o_w, nullptr, &a.gate_up_w, nullptr,
+                                      &a.down_w};
+    for (int64_t s = 0; s < STAGES; ++s) {
+      int64_t tasks = s == 3 ? M : 1;  // attention: one task per sequence
+      if (mats[s] != nullptr) {
+        rows_per_chunk[i * STAGES + s] = chunk_rows(M, mats[s]->N, threads);
+        tasks = (mats[s]->N + rows_per_chunk[i * STAGES + s] - 1) / rows_per_chunk[i * STAGES + s];
+        widest = std::max(widest, mats[s]->K);
+      }
+      begin.push_back(begin.back() + tasks);
+    }
+  }
+  std::vector<float> xf_buf(sizeof(T) == 2 ? M * widest : 0);  // the fp32 rows of the next matrix's x
+  float* const xf = xf_buf.data();
+  std::atomic<int> failed{0};
+  run_stages(begin, [&](int64_t stage, int64_t task) {
+    const LayerArgs& a = layers[stage / STAGES];
+    const LayerBuffers<T> b(a, st);
+    const int64_t H = b.H, I = b.I, q_size = b.q_size, qkv_size = b.qkv_size;
+    T *x = b.x, *qkv = b.qkv, *attn = b.attn, *gate_up = b.gate_up, *act = b.act;
+    const T* none = nullptr;
+    const int64_t rows = rows_per_chunk[stage];
+    auto chunk = [&](const T* in, int64_t ld_in, const WeightDesc& w, const Epilogue<T>& ep) {
+      const float* in_f = sizeof(T) == 2 ? xf : reinterpret_cast<const float*>(in);
+      dense_rows(in, ld_in, in_f, sizeof(T) == 2 ? w.K : ld_in, M, w, task * rows, std::min(w.N, (task + 1) * rows),
+                 ep);
+    };
+    switch (stage % STAGES) {
+      case 0:
+        rms_norm(hidden, M, H, H, static_cast<const T*>(a.input_norm), a.eps, x);
+        widen_rows(x, M, H, H, xf);
+        break;
+      case 1:
+        chunk(x, H, a.qkv_w, Epilogue<T>{static_cast<const T*>(a.qkv_b), none, 0, qkv, qkv_size, 0});
+        break;
+      case 2:
+        rope_and_write_kv(a, st, b);
+        break;
+      case 3:
+        if (attend_layer(a, st, b, task, 1) != 0) failed.store(1);
+        widen_rows(attn + task * q_size, 1, q_size, q_size, xf + task * q_size);
+        break;
+      case 4:
+        chunk(attn, q_size, a.o_w, Epilogue<T>{none, hidden, H, hidden, H, 0});
+        break;
+      case 5:
+        rms_norm(hidden, M, H, H, static_cast<const T*>(a.post_norm), a.eps, x);
+        widen_rows(x, M, H, H, xf);
+        break;
+      case 6:
+        chunk(x, H, a.gate_up_w, Epilogue<T>{none, none, 0, gate_up, 2 * I, 0});
+        break;
+      case 7:
+        silu_mul(gate_up, M, I, act);
+        widen_rows(act, M, I, I, xf);
+        break;
+      default:
+        chunk(act, I, a.down_w, Epilogue<T>{none, hidden, H, hidden, H, 0});
+    }
+  });
+  return failed.load() != 0 ? -1 : 0;
 }
 
 // Checks what would make a layer fail half-way (an unsupported format or head_dim) before any
@@ -530,6 +691,8 @@ int decode_layers(T* hidden, const LayerArgs* layers, int64_t num_layers, const 
         with_head_dim<T>(a.head_dim, [](auto, auto) { return 0; }) != 0)
       return -1;
   }
+  if (num_layers > 0 && step->M > 0 && staged_applies(layers, num_layers, *step))
+    return decode_layers_staged(hidden, layers, num_layers, *step);
   for (int64_t i = 0; i < num_layers; ++i) {
     const int status = decode_layer(hidden, layers[i], *step);
     if (status != 0) return status;

@@ -251,6 +251,8 @@ class Kernels:
                 weight = self.widen(weight)
             if residual is not None and bias is None and isinstance(weight, torch.Tensor) and weight.dtype == x.dtype:
                 y = torch.addmm(residual, x, weight.t())  # the residual add fused into the GEMM
+            elif residual is not None and hasattr(weight, "kernel_desc"):
+                y = weight.linear(x, bias, residual=residual)  # a quantized weight fuses it too
             else:
                 y = torch_linear(x, weight, bias)
                 if residual is not None:

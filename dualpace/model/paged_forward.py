@@ -118,24 +118,32 @@ def build_step_tensors(work: list[SequenceWork], block_size: int, device: torch.
 
 
 def attend(
-    q: torch.Tensor, layer_index: int, step: StepTensors, kv: KVStorage, scale: float
+    q: torch.Tensor, layer_index: int, step: StepTensors, kv: KVStorage, scale: float,
+    new_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
-    """Attention output [T, num_heads * head_dim] for all of a step's tokens (K/V already written)."""
+    """Attention output [T, num_heads * head_dim] for all of a step's tokens (K/V already written;
+    new_kv, the step's k and v [T, kv_heads, head_dim] as written, spares a prefill from position 0
+    the gathered copy of its blocks)."""
     k_cache, v_cache = kv.k[layer_index], kv.v[layer_index]
     if step.varlen is not None and supported(q, k_cache):  # one launch, blocks read in place
         return paged_attention(q, k_cache, v_cache, step.varlen, scale)
     num_tokens = q.shape[0]
     if not step.prefills:
         return decode_attention(q, k_cache, v_cache, step.decode_block_tables, step.decode_context_lens, scale)
+
+    def prefill(first: int, num_new: int, start_pos: int, block_ids: torch.Tensor) -> torch.Tensor:
+        fresh = None if new_kv is None else (new_kv[0][first:first + num_new], new_kv[1][first:first + num_new])
+        return prefill_attention(q[first:first + num_new], k_cache, v_cache, block_ids, start_pos, scale, fresh)
+
+    if len(step.prefills) == 1 and step.prefills[0][1] == num_tokens:  # one prompt is the whole step
+        return prefill(*step.prefills[0])
     out = q.new_empty((num_tokens, q.shape[1] * q.shape[2]))
     if step.decode_token_index.numel():
         out[step.decode_token_index] = decode_attention(
             q[step.decode_token_index], k_cache, v_cache, step.decode_block_tables, step.decode_context_lens, scale
         )
     for first, num_new, start_pos, block_ids in step.prefills:
-        out[first : first + num_new] = prefill_attention(
-            q[first : first + num_new], k_cache, v_cache, block_ids, start_pos, scale
-        )
+        out[first : first + num_new] = prefill(first, num_new, start_pos, block_ids)
     return out
 
 
@@ -187,6 +195,6 @@ class PagedForward:
                 between_layers()
             q, k, v = model.pre_attention(layer_index, hidden, rope)
             self.kv.write(layer_index, step.slot_ids, k, v)
-            attention_out = attend(q, layer_index, step, self.kv, self.scale)
+            attention_out = attend(q, layer_index, step, self.kv, self.scale, (k, v))
             hidden = model.post_attention(layer_index, hidden, attention_out)
         return model.logits(hidden[step.logit_token_index])

@@ -13,9 +13,12 @@ the activations and results), not the storage; `device` is always the CPU: `.to(
 returns a dense tensor (weights dequantized at load on a GPU).
 
 linear(): up to DENSE_MIN_ROWS rows of x, the kernels of quant_kernels.cpp (weights dequantized
-in registers, see quant_gemv.h); from DENSE_MIN_ROWS rows (prefill), chunks of DENSE_CHUNK_ROWS
-weight rows are dequantized to fp32 and multiplied with torch's GEMM (oneDNN/MKL), which is
-faster there (the dequantization is 1/M of the multiply's work) and computes the same values.
+in registers, see quant_gemv.h); from DENSE_MIN_ROWS rows (prefill), the matrix is dequantized
+(AVX2, threaded) into a per-thread fp32 scratch that is reused from call to call (no fresh pages
+to fault in: a fresh 7 MB buffer cost ~18x the dequantization itself) and multiplied with torch's
+GEMM (MKL) straight into the result, bias or residual added by the GEMM (addmm). That is faster
+there (the dequantization is 1/M of the multiply's work) and computes the same values. A matrix
+larger than the scratch (the LM head, for all-position logits) goes through it in row pieces.
 Without the kernels the torch fallback dequantizes with the `gguf` package per call (correct,
 slow: the loader dequantizes at load instead when the kernels are off).
 
@@ -26,6 +29,7 @@ matrix: `--weights int8` for a checkpoint without quantized tensors.
 from __future__ import annotations
 
 import ctypes
+import threading
 from dataclasses import dataclass
 
 import numpy as np
@@ -35,9 +39,21 @@ import torch.nn.functional as F
 from dualpace.errors import ModelLoadError
 from dualpace.model import quant_kernels
 
-# Rows of x from which linear() dequantizes weight chunks for torch's GEMM (prefill-sized calls).
+# Rows of x from which linear() dequantizes the matrix for torch's GEMM (prefill-sized calls).
 DENSE_MIN_ROWS = 128
-DENSE_CHUNK_ROWS = 2048
+# fp32 elements of the per-thread scratch a prefill-sized linear() dequantizes into (16 MiB: every
+# projection of a 0.5-7B model's layer in one piece; larger matrices in pieces of rows).
+SCRATCH_MAX_ELEMS = 1 << 22
+_scratch = threading.local()
+
+
+def _dequantize_scratch(num_elems: int) -> torch.Tensor:
+    """This thread's fp32 scratch, at least `num_elems` long (kept for the next call)."""
+    buf = getattr(_scratch, "buf", None)
+    if buf is None or buf.numel() < num_elems:
+        buf = torch.empty(num_elems, dtype=torch.float32)
+        _scratch.buf = buf
+    return buf[:num_elems]
 
 
 @dataclass(frozen=True)
@@ -191,20 +207,20 @@ class QuantizedWeight:
         """Float32 [N, K]."""
         return torch.cat([s.dequantize(self.k) for s in self.segments])
 
-    def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        """x [..., K] @ W^T (+ bias), in x.dtype."""
+    def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None,
+               residual: torch.Tensor | None = None) -> torch.Tensor:
+        """x [..., K] @ W^T (+ bias) (+ residual [..., N]), in x.dtype."""
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.k).to(torch.float32).contiguous()
         out = torch.empty((x2.shape[0], self.n), dtype=torch.float32)
         lib = quant_kernels.get()
+        if lib is not None and x2.shape[0] >= DENSE_MIN_ROWS:
+            self._dense_linear(lib, x2, bias, residual, out)
+            return out.to(x.dtype).reshape(*lead, self.n)
         for seg in self.segments:
             view = out[:, seg.row0:seg.row0 + seg.rows]
             if seg.format is None:
                 view.copy_(F.linear(x2, seg.blocks))
-            elif lib is not None and x2.shape[0] >= DENSE_MIN_ROWS:
-                for r0 in range(0, seg.rows, DENSE_CHUNK_ROWS):
-                    r1 = min(seg.rows, r0 + DENSE_CHUNK_ROWS)
-                    torch.matmul(x2, seg.dequantize(self.k, r0, r1 - r0).t(), out=view[:, r0:r1])
             elif lib is not None and x2.shape[0] > 0:
                 status = lib.dp_quant_linear(ctypes.byref(seg.desc), x2.data_ptr(), x2.shape[0], x2.stride(0),
                                              view.data_ptr(), out.stride(0))
@@ -214,7 +230,38 @@ class QuantizedWeight:
                 view.copy_(F.linear(x2, seg.dequantize(self.k)))
         if bias is not None:
             out += bias.to(torch.float32)
+        if residual is not None:
+            out += residual.reshape(-1, self.n).to(torch.float32)
         return out.to(x.dtype).reshape(*lead, self.n)
+
+    def _dense_linear(self, lib, x2: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor | None,
+                      out: torch.Tensor) -> None:
+        """out = x2 W^T (+ bias) (+ residual) for a prefill-sized x2: each piece of rows of W is
+        dequantized into this thread's scratch and multiplied by torch's GEMM into its columns of
+        `out`, the bias or residual (fp32) added by the GEMM itself."""
+        addend = None
+        if residual is not None:
+            addend = residual.reshape(-1, self.n).to(torch.float32)
+            if bias is not None:
+                addend = addend + bias.to(torch.float32)
+        elif bias is not None:
+            addend = bias.to(torch.float32).reshape(1, self.n)
+        piece_rows = max(1, min(self.n, SCRATCH_MAX_ELEMS // self.k))
+        for seg in self.segments:
+            for r0 in range(0, seg.rows, piece_rows):
+                rows = min(piece_rows, seg.rows - r0)
+                c0 = seg.row0 + r0
+                if seg.format is None:
+                    w = seg.blocks[r0:r0 + rows]
+                else:
+                    w = _dequantize_scratch(rows * self.k).view(rows, self.k)
+                    if lib.dp_quant_dequantize_range(ctypes.byref(seg.desc), r0, rows, w.data_ptr()) != 0:
+                        raise ValueError(f"quantized linear: {seg.format.name} [{seg.rows}, {self.k}] not supported")
+                target = out[:, c0:c0 + rows]
+                if addend is None:
+                    torch.mm(x2, w.t(), out=target)
+                else:
+                    torch.addmm(addend[:, c0:c0 + rows], x2, w.t(), out=target)
 
     def embedding(self, token_ids: torch.Tensor) -> torch.Tensor:
         """Rows `token_ids` of W, dequantized, in the compute dtype."""

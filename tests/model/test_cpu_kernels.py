@@ -236,8 +236,10 @@ def _decode_logits(loaded, fused: bool, kernels_on: bool) -> torch.Tensor:
 
 @pytest.mark.parametrize("dtype,weights", [("fp32", "fp32"), ("bf16", "bf16"), ("fp32", "bf16")])
 @pytest.mark.parametrize("preset", ["tiny-llama", "tiny-qwen2", "tiny-mistral"])
-def test_fused_decode_step_matches_stages_and_torch(kernels, preset, dtype, weights, synth_checkpoint):
-    """Also fp32 compute over bf16 matrices (what --dtype auto picks on a CPU without native bf16)."""
+def test_fused_decode_step_matches_stages_and_torch(kernels, preset, dtype, weights, synth_checkpoint, monkeypatch):
+    """Also fp32 compute over bf16 matrices (what --dtype auto picks on a CPU without native bf16).
+    The fused step runs as one parallel region (these short contexts) and, with
+    DUALPACE_DECODE_ONE_REGION=0, as one region per operation: both equal the torch reference."""
     from dualpace.model.loader import load_model
 
     loaded = load_model(str(synth_checkpoint(preset)), dtype=dtype, weights=weights)
@@ -245,10 +247,14 @@ def test_fused_decode_step_matches_stages_and_torch(kernels, preset, dtype, weig
                                                                "dtype": loaded.model.dtype})(), kernels):
         pytest.skip("head_dim not covered by the fused kernels")
     fused = _decode_logits(loaded, fused=True, kernels_on=True)
+    monkeypatch.setenv("DUALPACE_DECODE_ONE_REGION", "0")
+    fused_per_op = _decode_logits(loaded, fused=True, kernels_on=True)
+    monkeypatch.delenv("DUALPACE_DECODE_ONE_REGION")
     stages = _decode_logits(loaded, fused=False, kernels_on=True)
     reference = _decode_logits(loaded, fused=False, kernels_on=False)
     rel = 1e-5 if dtype == "fp32" else 3e-2
     _close(fused, reference, rel)
+    _close(fused_per_op, reference, rel)
     _close(stages, reference, rel)
     if dtype == "fp32":
         assert torch.equal(fused.argmax(-1), reference.argmax(-1))

@@ -101,6 +101,26 @@ def test_mixed_formats_fuse_into_segments():
 
 
 @needs_kernels
+def test_prefill_sized_linear_goes_through_the_scratch_in_pieces(monkeypatch):
+    """From DENSE_MIN_ROWS rows: each piece of W dequantized into the reused scratch (7 rows a
+    piece here, so segments end mid-piece), bias and residual added by the GEMM, mixed segments."""
+    monkeypatch.setattr(quant, "SCRATCH_MAX_ELEMS", 7 * 512)
+    (a, wa), (c, wc) = weight("Q4_K", 9, 512, 1), weight("Q6_K", 12, 512, 3)
+    dense = torch.randn(3, 512)
+    fused, w = cat_rows([a, c, dense]), torch.cat([wa, wc, dense])
+    m = quant.DENSE_MIN_ROWS + 3
+    x, bias, residual = torch.randn(m, 512), torch.randn(24), torch.randn(m, 24)
+    first = fused.linear(x)
+    assert_close(first, x @ w.T)
+    assert_close(fused.linear(x, bias), x @ w.T + bias)
+    assert_close(fused.linear(x, residual=residual), x @ w.T + residual)
+    assert_close(fused.linear(x, bias, residual=residual), x @ w.T + bias + residual)
+    assert_close(first, x @ w.T)  # a result never aliases the scratch
+    y = fused.linear(x.view(1, m, 512).to(torch.bfloat16))
+    assert y.dtype == torch.bfloat16 and y.shape == (1, m, 24)
+
+
+@needs_kernels
 def test_torch_functions_and_to():
     qw, w = weight("Q4_1", 16, 256)
     x = torch.randn(2, 256, dtype=torch.bfloat16)
