@@ -19,9 +19,11 @@ from tests.model.test_parity import prompt_logits
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,",
            "The three primary colors are", "Water boils at a temperature of", "import numpy as np\n\nx =",
            "The best way to learn a new language is", "In 1969, the first humans"]
-# Max |logit difference| over the prompt positions, native vs dequantized fp32: only the order of
-# the fp32 sums differs (measured ~1e-4 on this model; logits are O(10)).
-LOGIT_TOLERANCE = 2e-3
+# Max |logit difference| over the prompt positions of the 8 prompts, native vs dequantized fp32
+# (logits reach 36 in magnitude). With the kernels' default int16 activations (rounded to 1.5e-5
+# of each 16 elements' max) measured 0.0115 (0.004-0.006 on most prompts); with fp32 activations
+# only the order of the fp32 sums differs, measured 1.5e-4.
+LOGIT_TOLERANCE = {"int16": 0.03, "fp32": 2e-3}
 
 pytestmark = pytest.mark.skipif(quant_kernels.get() is None, reason="quantized-weight kernels not built here")
 
@@ -43,10 +45,17 @@ def test_native_weights_stay_in_their_blocks(native_fp32, default_model_fp32):
         assert torch.equal(weights.layers[i].down_proj.dequantize(), dense.down_proj)
 
 
-def test_prompt_logits_match_dequantized_fp32(native_fp32, default_model_fp32):
-    ids = native_fp32.tokenizer.encode(PROMPTS[0], add_special_tokens=True)
-    diff = (prompt_logits(native_fp32, ids) - prompt_logits(default_model_fp32, ids)).abs().max().item()
-    assert diff < LOGIT_TOLERANCE, diff
+@pytest.mark.parametrize("activations", ["int16", "fp32"])
+def test_prompt_logits_match_dequantized_fp32(native_fp32, default_model_fp32, activations):
+    quant_kernels.set_activations(activations)
+    try:
+        diff = 0.0
+        for prompt in PROMPTS:
+            ids = native_fp32.tokenizer.encode(prompt, add_special_tokens=True)
+            diff = max(diff, (prompt_logits(native_fp32, ids) - prompt_logits(default_model_fp32, ids)).abs().max().item())
+    finally:
+        quant_kernels.set_activations("int16")
+    assert diff < LOGIT_TOLERANCE[activations], diff
 
 
 def test_greedy_tokens_match_dequantized_fp32(native_fp32, default_model_fp32):
