@@ -125,3 +125,25 @@ def test_weights_flag_reaches_generate_and_the_engines(synth_checkpoint, capsys)
     parser = argparse.ArgumentParser()
     add_engine_arguments(parser, default_name="cpu", default_kv_blocks=8)
     assert parser.parse_args([]).weights == "native" and parser.parse_args(["--weights", "int8"]).weights == "int8"
+
+
+def test_fused_decode_takes_32_rows_of_block_weights(native_fp32):
+    """With block-quantized matrices the one-call decode step runs up to 32 sequences (dense
+    matrices of the compute dtype: 8) and gives the per-stage path's logits."""
+    from dualpace.kv.storage import KVStorage
+    from dualpace.model.paged_forward import PagedForward, SequenceWork, build_step_tensors
+
+    cfg = native_fp32.config
+    torch.manual_seed(2)
+    kv = KVStorage(cfg.num_layers, 64, 4, cfg.num_kv_heads, cfg.head_dim, torch.float32)
+    kv.k.normal_()
+    kv.v.normal_()
+    work = [SequenceWork([5 + i], 2 + i % 7, [(3 * i + j) % 64 for j in range(3)]) for i in range(20)]
+    fused_path = PagedForward(native_fp32.model, kv)
+    fused = fused_path._fused_decode(build_step_tensors(work, kv.block_size, kv.device))
+    assert fused is not None and fused.max_rows == 32
+    assert fused_path._fused_decode(build_step_tensors(work * 2, kv.block_size, kv.device)) is None  # 40 rows
+    stages_path = PagedForward(native_fp32.model, kv)
+    stages_path._fused_decode = lambda step: None
+    a, b = fused_path.forward(work), stages_path.forward(work)
+    assert (a - b).abs().max().item() < 1e-3 and torch.equal(a.argmax(-1), b.argmax(-1))
