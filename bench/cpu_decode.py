@@ -332,7 +332,7 @@ def main(argv: list[str] | None = None) -> int:
         "model": args.model,
         "weights": args.weights,
         "dtype": str(loaded.model.dtype).removeprefix("torch."),
-        "quant_activations": os.environ.get("DUALPACE_QUANT_ACTIVATIONS", "fp32"),
+        "quant_activations": os.environ.get("DUALPACE_QUANT_ACTIVATIONS", "int16"),
         "peer": args.peer,
         "prefill": prefill,
         "threads": args.threads,

@@ -1,6 +1,9 @@
 """The whole decode step of a CPU model in one kernel call (dp_decode_layers_* in cpu_kernels.cpp).
 
-All decoder layers of a decode-only step of at most LINEAR_MAX_ROWS sequences: per layer
+All decoder layers of a decode-only step of at most `max_rows` sequences (LINEAR_MAX_ROWS when a
+matrix is a dense tensor of the compute dtype, which oneDNN takes beyond that; MIXED_MAX_ROWS when
+every matrix is block-quantized or of another dtype than the activations, where the per-stage
+path would run the same GEMV kernels, only with ~10 calls and parallel regions per layer): per layer
 RMSNorm, QKV (+bias), RoPE, KV write, paged attention, O + residual, RMSNorm, gate/up, SiLU*up,
 down + residual, with no Python and no tensor allocation between them. The four matrices of a
 layer may be in any weight format the loaded kernels support (bf16 / fp32 tensors, or quantized
@@ -13,7 +16,7 @@ import ctypes
 
 import torch
 
-from dualpace.model.cpu_kernels import Kernels, WeightDescC, weight_desc
+from dualpace.model.cpu_kernels import LINEAR_MAX_ROWS, MIXED_MAX_ROWS, Kernels, WeightDescC, weight_desc
 
 _i64, _f32, _ptr = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
 
@@ -67,6 +70,9 @@ class FusedDecode:
         self.scratch_per_row = (cfg.hidden_size + (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
                                 + cfg.num_heads * cfg.head_dim + 3 * cfg.intermediate_size)
         self._fn = kernels.lib.dp_decode_layers_bf16 if self.dtype == torch.bfloat16 else kernels.lib.dp_decode_layers_f32
+        same_dtype_dense = any(isinstance(m, torch.Tensor) and m.dtype == self.dtype
+                               for layer in model.weights.layers for m in (getattr(layer, n) for n in _MATRICES))
+        self.max_rows = LINEAR_MAX_ROWS if same_dtype_dense else MIXED_MAX_ROWS
 
     @staticmethod
     def applies(model, kv, kernels: Kernels | None = None) -> bool:

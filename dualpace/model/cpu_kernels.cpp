@@ -378,6 +378,17 @@ int dp_variant_supported() {
 
 int dp_weight_format_supported(int32_t format) { return format_supported(format) ? 1 : 0; }
 
+// quant_gemv.h's activation arithmetic for block formats (0 fp32, 1 int16, 2 int8; another value
+// leaves it); returns the mode in force, -1 in a build without quant_gemv.h.
+int32_t dp_quant_set_activations(int32_t mode) {
+#if DP_HAS_QUANT
+  return dp_quant::set_activation_mode(mode);
+#else
+  (void)mode;
+  return -1;
+#endif
+}
+
 // out[m, n] = sum_k x[m, k] W[n, k] (+ bias[n]) (+ residual[m, n], which may alias out); out in
 // the input type or fp32 (out_fp32). x rows are ldx apart; out rows ld_out apart. Returns 0, or
 // -1 when the weight format has no kernel in this build (nothing written).

@@ -61,6 +61,7 @@ _SIGNATURES = {
     "dp_variant_name": ([], ctypes.c_char_p),
     "dp_variant_supported": ([], ctypes.c_int),
     "dp_weight_format_supported": ([_i32], ctypes.c_int),
+    "dp_quant_set_activations": ([_i32], _i32),
     "dp_linear_bf16": ([_ptr, _i64, _i64, _desc_p, _ptr, _ptr, _i64, _ptr, _i64, ctypes.c_int], ctypes.c_int),
     "dp_linear_f32": ([_ptr, _i64, _i64, _desc_p, _ptr, _ptr, _i64, _ptr, _i64, ctypes.c_int], ctypes.c_int),
     "dp_decode_layers_bf16": ([_ptr, _ptr, _i64, _ptr], ctypes.c_int),
@@ -131,6 +132,11 @@ def load_variant(name: str) -> Kernels | None:
         log.warning("CPU kernels (%s) unavailable, using torch ops: %s", name, detail.strip()[:500])
     _loaded[name] = kernels
     return kernels
+
+
+def loaded_kernels() -> list[Kernels]:
+    """Every variant loaded in this process so far."""
+    return [k for k in _loaded.values() if k is not None]
 
 
 def get() -> Kernels | None:

@@ -159,9 +159,9 @@ class PagedForward:
         self.between_layers: Callable[[], None] | None = None  # a yield point, called between layers
 
     def _fused_decode(self, step: StepTensors) -> FusedDecode | None:
-        """The one-call-per-step CPU path, for decode-only steps of at most LINEAR_MAX_ROWS tokens."""
+        """The one-call-per-step CPU path, for decode-only steps of at most FusedDecode.max_rows tokens."""
         num_tokens = step.token_ids.shape[0]
-        if step.prefills or num_tokens > cpu_kernels.LINEAR_MAX_ROWS or num_tokens == 0:
+        if step.prefills or num_tokens > cpu_kernels.MIXED_MAX_ROWS or num_tokens == 0:
             return None
         if self.between_layers is not None:  # the fused call has no point between layers to yield at
             return None
@@ -172,6 +172,8 @@ class PagedForward:
             self._fused_for = kernels
             applies = FusedDecode.applies(self.model, self.kv, kernels)
             self._fused = FusedDecode(kernels, self.model, self.kv) if applies else None
+        if self._fused is None or num_tokens > self._fused.max_rows:
+            return None
         return self._fused
 
     @torch.inference_mode()

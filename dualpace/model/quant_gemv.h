@@ -3,18 +3,24 @@
 // rows) is the one dualpace/model/KERNELS.md describes; cpu_kernels.cpp includes this header
 // once per ISA variant, and quant_kernels.cpp wraps it in extern "C" functions of its own.
 //
-// Two arithmetic modes with AVX2 (every x86 variant), chosen once per process by the environment
-// variable DUALPACE_QUANT_ACTIVATIONS:
-// - `fp32` (default): each 8-weight chunk is unpacked and dequantized in registers to fp32
+// Three arithmetic modes with AVX2 (every x86 variant), chosen by the environment variable
+// DUALPACE_QUANT_ACTIVATIONS (read once per process; dp_quant_set_activations changes it, for
+// tests and benchmarks):
+// - `int16` (default): activations rounded to int16 per 16 elements and integer dot products with
+//   the weights widened to int16 (quant_gemv_i16.h). The rounding is 1.5e-5 of each 16's max,
+//   finer than bf16 activations: greedy output matches the dequantized fp32 model.
+// - `fp32`: each 8-weight chunk is unpacked and dequantized in registers to fp32
 //   (scale x q + min) and FMA'd with the fp32 activations. The result equals the dequantized fp32
-//   model up to summation order, so greedy output matches it token for token.
+//   model up to summation order.
 // - `int8`: activations are quantized once per call to int8 in blocks of 32 (one float scale per
 //   block, as llama.cpp's q8_0) and each block's dot product is an integer one (maddubs + madd),
 //   scaled in float by weight scale x activation scale; for Q4 formats the affine "min" term is
 //   min x (sum of the activation block). Fewer instructions per weight, but the activation
 //   rounding moves logits by ~1e-2 relative, which flips some greedy choices.
-// In both, a tile of several activation rows x 2 or 4 weight rows reuses every unpacked weight
-// vector for all the tile's rows, so batch > 1 costs little more weight traffic or unpacking.
+// In fp32 and int8, a tile of several activation rows x 2 or 4 weight rows reuses every unpacked
+// weight vector for all the tile's rows; int16 reuses them over tiles of 4 rows.
+// The prepared activations start with a 64-byte header naming the mode they were made in, so a
+// mode change between two calls never mixes layouts.
 //
 // Without AVX2 (the generic variant) each block is dequantized to float and dotted with the
 // fp32 activations (prepare_bytes = 0).
@@ -29,6 +35,7 @@
 #pragma once
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
@@ -166,13 +173,27 @@ inline void dequantize_group(const uint8_t* g, float* out) {
 template <int32_t F>
 inline void dequantize_row_t(const uint8_t* row, int64_t K, float* out);  // below, per ISA
 
-// True when DUALPACE_QUANT_ACTIVATIONS=int8 (read once per process).
-inline bool int8_activations() {
-  static const bool value = [] {
-    const char* v = std::getenv("DUALPACE_QUANT_ACTIVATIONS");
-    return v != nullptr && std::strcmp(v, "int8") == 0;
-  }();
-  return value;
+// The arithmetic for activations (see the top of this file).
+enum ActivationMode : int32_t { ACT_FP32 = 0, ACT_INT16 = 1, ACT_INT8 = 2 };
+
+inline int32_t activation_mode_from_env() {
+  const char* v = std::getenv("DUALPACE_QUANT_ACTIVATIONS");
+  if (v != nullptr && std::strcmp(v, "fp32") == 0) return ACT_FP32;
+  if (v != nullptr && std::strcmp(v, "int8") == 0) return ACT_INT8;
+  return ACT_INT16;
+}
+
+inline std::atomic<int32_t>& activation_mode_slot() {
+  static std::atomic<int32_t> mode{activation_mode_from_env()};
+  return mode;
+}
+
+inline int32_t activation_mode() { return activation_mode_slot().load(std::memory_order_relaxed); }
+
+// Sets the mode for later calls (an unknown value is ignored); returns the mode now in force.
+inline int32_t set_activation_mode(int32_t mode) {
+  if (mode == ACT_FP32 || mode == ACT_INT16 || mode == ACT_INT8) activation_mode_slot().store(mode);
+  return activation_mode();
 }
 
 // Scale and min of each run of 16 elements of a group (2 G entries): Q6_K's own per-16 scales,
@@ -202,10 +223,6 @@ struct ActBlock {
   float s;
   int8_t q[32];
 };
-
-inline int64_t prepare_bytes(const WeightDesc& w, int64_t M) {
-  return int8_activations() ? M * (w.K / 32) * static_cast<int64_t>(sizeof(ActBlock)) : 0;
-}
 
 inline float hsum8(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -244,13 +261,6 @@ inline void quantize_row(const float* x, int64_t K, ActBlock* out) {
     out[b].d = d;
     out[b].s = d * static_cast<float>(_mm_cvtsi128_si32(s4));
   }
-}
-
-inline void prepare(const WeightDesc& w, const float* x, int64_t M, int64_t ldx, void* prepared) {
-  if (!int8_activations()) return;
-  ActBlock* blocks = static_cast<ActBlock*>(prepared);
-  const int64_t nb = w.K / 32;
-  for (int64_t m = 0; m < M; ++m) quantize_row(x + m * ldx, w.K, blocks + m * nb);
 }
 
 // The 32 values of sub-block j of a group, as bytes: unsigned (0..15) for Q4 formats, signed for
@@ -458,15 +468,49 @@ inline void rows_f32_t(const WeightDesc& w, const float* x, int64_t M, int64_t l
   });
 }
 
+}  // namespace dp_quant
+#include "quant_gemv_i16.h"  // the int16 mode (uses the pieces above)
+namespace dp_quant {
+
+// The prepared activations: a header (the mode, padded to 64 bytes) and the mode's rows.
+constexpr int64_t PREPARED_HEADER_BYTES = 64;
+
+// Enough for either integer layout (int16 rows are the larger), whatever the mode, so that a mode
+// change between prepare_bytes and prepare cannot overrun the buffer.
+inline int64_t prepare_bytes(const WeightDesc& w, int64_t M) {
+  static_assert(sizeof(ActBlock) * 4 <= 4 * 32 * 2 + I16_QUAD_FLOATS * 4, "int16 quads hold int8 blocks' bytes");
+  return PREPARED_HEADER_BYTES + M * i16_row_bytes(w.K);
+}
+
+// Quantizes x as the mode in force asks and writes that mode into the header for rows().
+inline void prepare(const WeightDesc& w, const float* x, int64_t M, int64_t ldx, void* prepared) {
+  uint8_t* out = static_cast<uint8_t*>(prepared);
+  int32_t mode = activation_mode();
+  uint8_t* body = out + PREPARED_HEADER_BYTES;
+  if (mode == ACT_INT16) {
+    for (int64_t m = 0; m < M; ++m) quantize_row_i16(x + m * ldx, w.K, body + m * i16_row_bytes(w.K));
+  } else if (mode == ACT_INT8) {
+    ActBlock* blocks = reinterpret_cast<ActBlock*>(body);
+    const int64_t nb = w.K / 32;
+    for (int64_t m = 0; m < M; ++m) quantize_row(x + m * ldx, w.K, blocks + m * nb);
+  } else {
+    mode = ACT_FP32;
+  }
+  std::memcpy(out, &mode, sizeof(mode));
+}
+
 inline void rows(const WeightDesc& w, const float* x, int64_t M, int64_t ldx, const void* prepared, int64_t n0,
                  int64_t n1, float* y, int64_t ldy) {
-  const ActBlock* act = static_cast<const ActBlock*>(prepared);
-  const bool int8 = int8_activations();
+  int32_t mode;
+  std::memcpy(&mode, prepared, sizeof(mode));
+  const uint8_t* body = static_cast<const uint8_t*>(prepared) + PREPARED_HEADER_BYTES;
+  const ActBlock* act = reinterpret_cast<const ActBlock*>(body);
   switch (w.format) {
-#define DP_QUANT_CASE(F)                                     \
-  case F:                                                    \
-    if (int8) rows_t<F>(w, act, M, n0, n1, y, ldy);          \
-    else rows_f32_t<F>(w, x, M, ldx, n0, n1, y, ldy);        \
+#define DP_QUANT_CASE(F)                                           \
+  case F:                                                          \
+    if (mode == ACT_INT16) rows_i16<F>(w, body, M, n0, n1, y, ldy); \
+    else if (mode == ACT_INT8) rows_t<F>(w, act, M, n0, n1, y, ldy); \
+    else rows_f32_t<F>(w, x, M, ldx, n0, n1, y, ldy);              \
     break;
     DP_QUANT_CASE(DP_W_Q8_0)
     DP_QUANT_CASE(DP_W_Q4_0)

@@ -6,6 +6,9 @@ where the CPU has them, else -march=native and the header's plain C++ path), cac
 `$XDG_CACHE_HOME/dualpace/kernels/` keyed by the sources, the flags, the compiler and the CPU
 flags; the .so shares torch's OpenMP runtime (one pool, torch.set_num_threads).
 `DUALPACE_CPU_KERNELS=0` turns these off too, leaving the torch fallback of QuantizedWeight.
+
+Activation arithmetic (quant_gemv.h): `int16` by default, `fp32` or `int8` with
+DUALPACE_QUANT_ACTIVATIONS, or `set_activations()` in-process (tests and benchmarks).
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 
 _HERE = Path(__file__).parent
-SOURCES = [_HERE / "quant_kernels.cpp", _HERE / "quant_gemv.h", _HERE / "kernel_weights.h"]
+SOURCES = [_HERE / "quant_kernels.cpp", _HERE / "quant_gemv.h", _HERE / "quant_gemv_i16.h", _HERE / "kernel_weights.h"]
 _BASE_FLAGS = ["-O3", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
 _AVX2_FLAGS = ["-mavx2", "-mfma", "-mf16c"]
 
@@ -37,6 +40,7 @@ _i64, _ptr = ctypes.c_int64, ctypes.c_void_p
 _SIGNATURES = {
     "dp_quant_has_avx2": ([], ctypes.c_int),
     "dp_quant_format_supported": ([ctypes.c_int32], ctypes.c_int),
+    "dp_quant_set_activations": ([ctypes.c_int32], ctypes.c_int32),
     "dp_quant_linear": ([ctypes.POINTER(WeightDescC), _ptr, _i64, _i64, _ptr, _i64], ctypes.c_int),
     "dp_quant_dequantize_rows": ([ctypes.POINTER(WeightDescC), _ptr, _i64, _ptr], ctypes.c_int),
     "dp_quant_dequantize_range": ([ctypes.POINTER(WeightDescC), _i64, _i64, _ptr], ctypes.c_int),
@@ -111,3 +115,19 @@ def get() -> ctypes.CDLL | None:
 
         _state["lib"] = _load()
     return _state["lib"]  # type: ignore[return-value]
+
+
+ACTIVATION_MODES = {"fp32": 0, "int16": 1, "int8": 2}  # quant_gemv.h's ActivationMode
+
+
+def set_activations(mode: str) -> None:
+    """Use `mode` (fp32, int16, int8) for the activations of block-quantized weights from now on,
+    in these kernels and in every loaded cpu_kernels variant. Not while a linear call runs."""
+    if mode not in ACTIVATION_MODES:
+        raise ValueError(f"activation mode {mode!r}: expected one of {', '.join(ACTIVATION_MODES)}")
+    from dualpace.model import cpu_kernels
+
+    libs = [get(), *(k.lib for k in cpu_kernels.loaded_kernels())]
+    for lib in libs:
+        if lib is not None:
+            lib.dp_quant_set_activations(ACTIVATION_MODES[mode])

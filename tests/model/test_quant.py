@@ -1,6 +1,7 @@
 """Block-quantized weights (dualpace.model.quant, quant_gemv.h): every format against the `gguf`
 package's dequantization, odd N, K a multiple of the block, 1..70 rows of x, through the
-standalone kernels, the torch fallback, the cpu_kernels seam and the int8-activation mode."""
+standalone kernels, the torch fallback, the cpu_kernels seam, in each activation mode: int16 (the
+default: within the bound its rounding allows), fp32 (exact up to summation order) and int8."""
 
 from __future__ import annotations
 
@@ -19,7 +20,8 @@ from dualpace.model import cpu_kernels, quant, quant_kernels
 from dualpace.model.quant import FORMAT_BY_NAME, QuantizedWeight, cat_rows, quantize_q8_0
 
 FORMATS = ["Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K"]
-SHAPES = [(1, 37, 256), (3, 19, 512), (8, 33, 768), (13, 5, 256), (70, 9, 512), (130, 7, 256)]
+SHAPES = [(1, 37, 256), (3, 19, 512), (8, 33, 768), (13, 5, 256), (70, 9, 512), (130, 7, 256), (5, 11, 96),
+          (2, 17, 576)]  # K = 96, 576: a last quad of 3 / 2 blocks in the int16 kernel (32-element formats)
 needs_kernels = pytest.mark.skipif(quant_kernels.get() is None, reason="quantized-weight kernels not built here")
 
 
@@ -55,15 +57,62 @@ def assert_close(y: torch.Tensor, ref: torch.Tensor, rel: float = 1e-5) -> None:
     assert (y - ref).abs().max().item() <= rel * scale, (y - ref).abs().max().item() / scale
 
 
+def int16_halves(x: torch.Tensor) -> torch.Tensor:
+    """x [M, K] as [M, K / 32, 2, 16]: the two sets of 16 elements of each block of 32 that share
+    an int16 scale in quant_gemv_i16.h (elements 0-7 + 16-23, and 8-15 + 24-31)."""
+    parts = x.reshape(x.shape[0], -1, 4, 8)
+    return torch.stack([parts[:, :, 0::2].flatten(2), parts[:, :, 1::2].flatten(2)], 2)
+
+
+def from_int16_halves(h: torch.Tensor) -> torch.Tensor:
+    m, nb = h.shape[:2]
+    parts = torch.empty(m, nb, 4, 8, dtype=h.dtype)
+    parts[:, :, 0::2], parts[:, :, 1::2] = h[:, :, 0].reshape(m, nb, 2, 8), h[:, :, 1].reshape(m, nb, 2, 8)
+    return parts.reshape(m, nb * 32)
+
+
+def int16_rounded(x: torch.Tensor) -> torch.Tensor:
+    """x rounded as the int16 mode does (fp32 arithmetic: q = round(x * (32767 / max)), x = q max / 32767)."""
+    h = int16_halves(x)
+    amax = h.abs().amax(-1, keepdim=True)
+    inv = torch.where(amax > 0, torch.full_like(amax, 32767.0) / amax, torch.zeros_like(amax))  # IEEE division
+    return from_int16_halves(torch.round(h * inv).double() * (amax.double() / 32767))
+
+
+def assert_linear_close(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor, rel: float = 1e-5) -> None:
+    """y = x @ w.T, except for the int16 rounding of x per 16 elements (|error| <= half a step,
+    max|x_half| / 32767 / 2, per element: its bound through |w| is allowed on top of rel)."""
+    ref = x.double() @ w.double().T
+    h = int16_halves(x.double())
+    half_step = from_int16_halves((h.abs().amax(-1, keepdim=True) / 32767 * 0.5 * (1 + 1e-3)).expand_as(h))
+    bound = half_step @ w.double().abs().T
+    excess = ((y.double() - ref).abs() - bound).max().item()
+    scale = ref.abs().max().item() + 1e-12
+    assert excess <= rel * scale, excess / scale
+
+
+@pytest.fixture(params=["int16", "fp32"])
+def activations(request):
+    """Each activation mode of the kernels for one test, the default (int16) restored after."""
+    quant_kernels.set_activations(request.param)
+    yield request.param
+    quant_kernels.set_activations("int16")
+
+
 @needs_kernels
 @pytest.mark.parametrize("name", FORMATS)
 @pytest.mark.parametrize("m,n,k", SHAPES)
-def test_linear_matches_dequantized_reference(name, m, n, k):
+def test_linear_matches_dequantized_reference(name, m, n, k, activations):
+    if k % FORMAT_BY_NAME[name].block_elems:
+        pytest.skip(f"{name} needs K a multiple of {FORMAT_BY_NAME[name].block_elems}")
     qw, w = weight(name, n, k)
-    x = torch.randn(m, k)
-    assert_close(qw.linear(x), x @ w.T)
+    x = torch.randn(m, k) * torch.rand(m, k) * 4  # blocks of different scales
+    if activations == "fp32":
+        assert_close(qw.linear(x), x @ w.T)
+    else:
+        assert_linear_close(qw.linear(x), x, w)
     bias = torch.randn(n)
-    assert_close(qw.linear(x, bias), x @ w.T + bias)
+    assert_linear_close(qw.linear(x, bias) - bias, x, w)
 
 
 @needs_kernels
@@ -96,7 +145,7 @@ def test_mixed_formats_fuse_into_segments():
     assert fused.shape == (24, 512) and fused.formats == ["Q4_K", "Q6_K", "F32"]
     assert fused.kernel_desc() is None  # no single layout: the fused kernels leave it to linear()
     x = torch.randn(4, 512)
-    assert_close(fused.linear(x), x @ torch.cat([wa, wb, wc, dense]).T)
+    assert_linear_close(fused.linear(x), x, torch.cat([wa, wb, wc, dense]))
     assert fused.num_bytes() == a.num_bytes() + b.num_bytes() + c.num_bytes() + dense.numel() * 4
 
 
@@ -145,12 +194,12 @@ def test_int8_quantization_at_load_is_q8_0():
     assert qw.formats == ["Q8_0"]
     assert (qw.dequantize() - w).abs().max() <= w.abs().max() / 127  # half a step of the block scale
     x = torch.randn(5, 96)
-    assert_close(qw.linear(x), x @ qw.dequantize().T)
+    assert_linear_close(qw.linear(x), x, qw.dequantize())
 
 
 @needs_kernels
 @pytest.mark.parametrize("name", FORMATS)
-def test_the_cpu_kernels_seam_uses_the_header(name):
+def test_the_cpu_kernels_seam_uses_the_header(name, activations):
     """Kernels.linear (cpu_kernels.cpp's linear_any, which includes quant_gemv.h) on the same weight."""
     kernels = cpu_kernels.get()
     if kernels is None or not kernels.supports_format(FORMAT_BY_NAME[name].ggml_type):
@@ -159,7 +208,27 @@ def test_the_cpu_kernels_seam_uses_the_header(name):
     for m in (1, 5, 8, 20, quant.DENSE_MIN_ROWS):
         x = torch.randn(m, 512)
         residual = torch.randn(m, 21)
-        assert_close(kernels.linear(x, qw, residual=residual), x @ w.T + residual)
+        y = kernels.linear(x, qw, residual=residual)
+        if activations == "fp32":
+            assert_close(y, x @ w.T + residual)
+        else:
+            assert_linear_close(y - residual, x, w)
+
+
+@needs_kernels
+@pytest.mark.parametrize("name", FORMATS)
+def test_int16_mode_is_the_rounded_activations_times_the_weights(name):
+    """The default mode equals x rounded to int16 per 16 elements times the dequantized weights,
+    up to fp32 summation order: the min terms use the rounded sums, nothing else is approximated."""
+    kernels = cpu_kernels.get()
+    quant_kernels.set_activations("int16")
+    for m, n, k in [(1, 37, 256), (6, 19, 512), (33, 8, 768)]:
+        qw, w = weight(name, n, k)
+        x = torch.randn(m, k) * torch.rand(m, k) * 4
+        ref = int16_rounded(x) @ w.double().T
+        assert_close(qw.linear(x).double(), ref, rel=1e-6)
+        if kernels is not None and kernels.supports_format(FORMAT_BY_NAME[name].ggml_type):
+            assert_close(kernels.linear(x, qw).double(), ref, rel=1e-6)
 
 
 @needs_kernels
