@@ -589,8 +589,18 @@ int64_t checked_longest_context(const StepArgs& st, int64_t block_size, int64_t 
   return longest;
 }
 
-// Whether the step runs as one region: every matrix dense (block formats keep their per-call
-// path) and every sequence's attention small enough that decode_attention would run it on one
+// A matrix the one-region step can run: dense, or a block format this build has kernels for
+// (its activations are prepared once per matrix, by a single-task stage, then the W row chunks
+// are tasks like a dense matrix's).
+bool staged_format(const WeightDesc& w) {
+#if DP_HAS_QUANT
+  return is_dense(w) || dp_quant::supported(w.format);
+#else
+  return is_dense(w);
+#endif
+}
+
+// Whether the step runs as one region: every matrix dense or block-quantized, and every sequence's attention small enough that decode_attention would run it on one
 // thread anyway (a sequence is one task there; longer contexts keep decode_attention's own split
 // of a sequence across threads). DUALPACE_DECODE_ONE_REGION=0 turns it off.
 bool staged_applies(const LayerArgs* layers, int64_t num_layers, const StepArgs& st) {
@@ -598,7 +608,8 @@ bool staged_applies(const LayerArgs* layers, int64_t num_layers, const StepArgs&
   if (env != nullptr && env[0] == '0') return false;
   for (int64_t i = 0; i < num_layers; ++i) {
     const LayerArgs& a = layers[i];
-    if (!is_dense(a.qkv_w) || !is_dense(a.o_w) || !is_dense(a.gate_up_w) || !is_dense(a.down_w)) return false;
+    if (!staged_format(a.qkv_w) || !staged_format(a.o_w) || !staged_format(a.gate_up_w) || !staged_format(a.down_w))
+      return false;
     const int64_t tokens = checked_longest_context(st, a.block_size, a.num_blocks);
     if (tokens < 0 || tokens * a.num_heads * a.head_dim >= PARALLEL_MIN_MACS) return false;
   }
@@ -614,22 +625,28 @@ void widen_rows(const T* src, int64_t M, int64_t K, int64_t ld, float* dst) {
 }
 
 // decode_layer's stages for every layer, in one parallel region: per layer 0 norm, 1 qkv, 2 rope +
-// KV write, 3 attention (a task per sequence), 4 o + residual, 5 norm, 6 gate/up, 7 silu*up, 8 down + residual; the
-// matrices in chunks of W rows (chunk_rows), the rest one task each. Same arithmetic as
-// decode_layer. Inputs are checked before the region (staged_applies, the slots here).
+// KV write, 3 attention (a task per sequence), 4 the o matrix's activations prepared (block
+// formats; nothing for a dense one), 5 o + residual, 6 norm, 7 gate/up, 8 silu*up, 9 down +
+// residual; the matrices in chunks of W rows (chunk_rows), the rest one task each. The single-task
+// stages before the other matrices (0, 6, 8) prepare those matrices' activations themselves. Same
+// arithmetic as decode_layer. Inputs are checked before the region (staged_applies, the slots here).
 template <typename T>
 int decode_layers_staged(T* hidden, const LayerArgs* layers, int64_t num_layers, const StepArgs& st) {
-  constexpr int64_t STAGES = 9;
+  constexpr int64_t STAGES = 10;
   const int64_t M = st.M;
   const int threads = omp_get_max_threads();
   std::vector<int64_t> begin(1, 0), rows_per_chunk(num_layers * STAGES, 0);
-  int64_t widest = 0;
+  int64_t widest = 0, prepared_bytes = 0;
   for (int64_t i = 0; i < num_layers; ++i) {
     const LayerArgs& a = layers[i];
     for (int64_t m = 0; m < M; ++m)
       if (st.slots[m] < 0 || st.slots[m] >= a.num_blocks * a.block_size) return -2;
-    const WeightDesc* mats[STAGES] = {nullptr, &a.qkv_w, nullptr, nullptr, &a.o_w, nullptr, &a.gate_up_w, nullptr,
-                                      &a.down_w};
+    const WeightDesc* mats[STAGES] = {nullptr, &a.qkv_w, nullptr, nullptr, nullptr, &a.o_w, nullptr, &a.gate_up_w,
+                                      nullptr, &a.down_w};
+#if DP_HAS_QUANT
+    for (const WeightDesc* w : {&a.qkv_w, &a.o_w, &a.gate_up_w, &a.down_w})
+      if (!is_dense(*w)) prepared_bytes = std::max(prepared_bytes, dp_quant::prepare_bytes(*w, M));
+#endif
     for (int64_t s = 0; s < STAGES; ++s) {
       int64_t tasks = s == 3 ? M : 1;  // attention: one task per sequence
       if (mats[s] != nullptr) {
@@ -642,6 +659,10 @@ int decode_layers_staged(T* hidden, const LayerArgs* layers, int64_t num_layers,
   }
   std::vector<float> xf_buf(sizeof(T) == 2 ? M * widest : 0);  // the fp32 rows of the next matrix's x
   float* const xf = xf_buf.data();
+  // The next block-format matrix's prepared activations: one buffer, since a stage starts only
+  // once every task of the earlier ones is done.
+  std::vector<char> prepared_buf(static_cast<size_t>(prepared_bytes));
+  char* const prepared = prepared_buf.data();
   std::atomic<int> failed{0};
   run_stages(begin, [&](int64_t stage, int64_t task) {
     const LayerArgs& a = layers[stage / STAGES];
@@ -650,15 +671,31 @@ int decode_layers_staged(T* hidden, const LayerArgs* layers, int64_t num_layers,
     T *x = b.x, *qkv = b.qkv, *attn = b.attn, *gate_up = b.gate_up, *act = b.act;
     const T* none = nullptr;
     const int64_t rows = rows_per_chunk[stage];
+    auto fp32_in = [&](const T* in) { return sizeof(T) == 2 ? xf : reinterpret_cast<const float*>(in); };
+    auto prepare = [&](const T* in, int64_t ld_in, const WeightDesc& w) {
+#if DP_HAS_QUANT
+      if (!is_dense(w)) dp_quant::prepare(w, fp32_in(in), M, sizeof(T) == 2 ? w.K : ld_in, prepared);
+#endif
+    };
     auto chunk = [&](const T* in, int64_t ld_in, const WeightDesc& w, const Epilogue<T>& ep) {
-      const float* in_f = sizeof(T) == 2 ? xf : reinterpret_cast<const float*>(in);
-      dense_rows(in, ld_in, in_f, sizeof(T) == 2 ? w.K : ld_in, M, w, task * rows, std::min(w.N, (task + 1) * rows),
-                 ep);
+      const int64_t ldf = sizeof(T) == 2 ? w.K : ld_in, n0 = task * rows, n1 = std::min(w.N, (task + 1) * rows);
+      if (is_dense(w)) {
+        dense_rows(in, ld_in, fp32_in(in), ldf, M, w, n0, n1, ep);
+        return;
+      }
+#if DP_HAS_QUANT
+      thread_local std::vector<float> y;
+      if (static_cast<int64_t>(y.size()) < M * (n1 - n0)) y.resize(M * (n1 - n0));
+      dp_quant::rows(w, fp32_in(in), M, ldf, prepared, n0, n1, y.data(), n1 - n0);
+      for (int64_t m = 0; m < M; ++m)
+        for (int64_t n = n0; n < n1; ++n) ep.store(m, n, y[m * (n1 - n0) + n - n0]);
+#endif
     };
     switch (stage % STAGES) {
       case 0:
         rms_norm(hidden, M, H, H, static_cast<const T*>(a.input_norm), a.eps, x);
         widen_rows(x, M, H, H, xf);
+        prepare(x, H, a.qkv_w);
         break;
       case 1:
         chunk(x, H, a.qkv_w, Epilogue<T>{static_cast<const T*>(a.qkv_b), none, 0, qkv, qkv_size, 0});
@@ -671,18 +708,23 @@ int decode_layers_staged(T* hidden, const LayerArgs* layers, int64_t num_layers,
         widen_rows(attn + task * q_size, 1, q_size, q_size, xf + task * q_size);
         break;
       case 4:
-        chunk(attn, q_size, a.o_w, Epilogue<T>{none, hidden, H, hidden, H, 0});
+        prepare(attn, q_size, a.o_w);
         break;
       case 5:
-        rms_norm(hidden, M, H, H, static_cast<const T*>(a.post_norm), a.eps, x);
-        widen_rows(x, M, H, H, xf);
+        chunk(attn, q_size, a.o_w, Epilogue<T>{none, hidden, H, hidden, H, 0});
         break;
       case 6:
-        chunk(x, H, a.gate_up_w, Epilogue<T>{none, none, 0, gate_up, 2 * I, 0});
+        rms_norm(hidden, M, H, H, static_cast<const T*>(a.post_norm), a.eps, x);
+        widen_rows(x, M, H, H, xf);
+        prepare(x, H, a.gate_up_w);
         break;
       case 7:
+        chunk(x, H, a.gate_up_w, Epilogue<T>{none, none, 0, gate_up, 2 * I, 0});
+        break;
+      case 8:
         silu_mul(gate_up, M, I, act);
         widen_rows(act, M, I, I, xf);
+        prepare(act, I, a.down_w);
         break;
       default:
         chunk(act, I, a.down_w, Epilogue<T>{none, hidden, H, hidden, H, 0});

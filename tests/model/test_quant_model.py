@@ -127,9 +127,10 @@ def test_weights_flag_reaches_generate_and_the_engines(synth_checkpoint, capsys)
     assert parser.parse_args([]).weights == "native" and parser.parse_args(["--weights", "int8"]).weights == "int8"
 
 
-def test_fused_decode_takes_32_rows_of_block_weights(native_fp32):
+def test_fused_decode_takes_32_rows_of_block_weights(native_fp32, monkeypatch):
     """With block-quantized matrices the one-call decode step runs up to 32 sequences (dense
-    matrices of the compute dtype: 8) and gives the per-stage path's logits."""
+    matrices of the compute dtype: 8) and gives the per-stage path's logits, both as one parallel
+    region (these short contexts) and, with DUALPACE_DECODE_ONE_REGION=0, one region per operation."""
     from dualpace.kv.storage import KVStorage
     from dualpace.model.paged_forward import PagedForward, SequenceWork, build_step_tensors
 
@@ -147,3 +148,6 @@ def test_fused_decode_takes_32_rows_of_block_weights(native_fp32):
     stages_path._fused_decode = lambda step: None
     a, b = fused_path.forward(work), stages_path.forward(work)
     assert (a - b).abs().max().item() < 1e-3 and torch.equal(a.argmax(-1), b.argmax(-1))
+    monkeypatch.setenv("DUALPACE_DECODE_ONE_REGION", "0")
+    per_op = PagedForward(native_fp32.model, kv).forward(work)
+    assert (a - per_op).abs().max().item() < 1e-4 and torch.equal(a.argmax(-1), per_op.argmax(-1))
