@@ -110,6 +110,7 @@ async def time_transfers(make_sender, storage, info, sizes, repeats: int, settle
     """{num_tokens: [ms, ...]} for header-to-commit transfers, after one untimed warm-up per size."""
     sender = make_sender()
     results = {}
+    sender.phases_by_tokens = {}  # SameHostKvSender: {num_tokens: [phase_ms, ...]}
     for num_tokens in sizes:
         times = []
         for i in range(repeats + 1):
@@ -119,6 +120,8 @@ async def time_transfers(make_sender, storage, info, sizes, repeats: int, settle
             elapsed_ms = (time.perf_counter() - start) * 1e3
             if i > 0:
                 times.append(elapsed_ms)
+                if getattr(sender, "phase_ms", None):
+                    sender.phases_by_tokens.setdefault(num_tokens, []).append(dict(sender.phase_ms))
             await asyncio.sleep(settle_s)  # the imported request decodes its one token and ends
         results[num_tokens] = times
     return results, sender
@@ -198,9 +201,11 @@ def main() -> None:
             await channels.close()
             grpc_times, _ = await time_transfers(lambda: GrpcKvSender(target.address), storage, info, sizes,
                                                  args.repeats, args.settle_s)
-            return shm, grpc_times
+            phases = {str(n): {name: round(statistics.median([p[name] for p in runs if name in p]), 3) for name in runs[0]}
+                      for n, runs in shm_sender.phases_by_tokens.items()}
+            return shm, grpc_times, phases
 
-        shm, grpc_times = asyncio.run(run())
+        shm, grpc_times, shm_phases = asyncio.run(run())
         memcpy_after = memcpy_gbps(context_bytes, max(5, args.repeats))
     finally:
         target.stop()
@@ -217,6 +222,7 @@ def main() -> None:
         "kv_grpc_fit_gbps": round(grpc_summary["fit_gbps"], 3),
         "kv_shm": shm_summary, "kv_grpc": grpc_summary,
         "kv_shm_breakdown_at_context": shm_breakdown(storage, args.context_tokens, args.repeats),
+        "kv_shm_phase_ms_median": shm_phases,
         "context_tokens": args.context_tokens, "context_bytes": context_bytes,
         "model": args.model, "dtype": info.dtype, "cpu_kind": cpu_kind(), "load_average": os.getloadavg(),
         **assist_round_trips(args.model, args.assist_iterations),

@@ -49,6 +49,7 @@ class SameHostKvSender(GrpcKvSender):
         self.channels = channels  # None: a channel of its own per transfer
         self.declined_until = declined_until  # target address -> monotonic time; shared by the engine's senders
         self.used_shm = False  # for the caller's logs and the tests
+        self.phase_ms: dict[str, float] = {}  # the last transfer's phases, in order
 
     def _offer(self, header: KvTransferHeader, chunks) -> ShmOffer | None:
         host = boot_id()
@@ -62,23 +63,32 @@ class SameHostKvSender(GrpcKvSender):
         offer = self._offer(header, chunks)
         if offer is None:
             return await super().__call__(header, chunks)
+        laps = self.phase_ms = {}  # where the time of this transfer went (bench.data_plane reports it)
+        lap = _lap_timer(laps)
         async with self._channel() as channel:
             call = self._open_import(channel)
             try:
                 await self._write(call, kv_header_with_offer_to_pb(header, offer), "the header")
+                lap("header_ms")
                 answer = await self._expect_answer(call)
+                lap("reservation_ms")
                 written = None
                 if isinstance(answer, ShmDeclined):
                     log.info("KV to %s over gRPC: %s", self.target_address, answer.reason)
                     self.declined_until[self.target_address] = time.monotonic() + DECLINE_MEMORY_S
                 else:
                     written = await self._write_in_place(answer, header, chunks)
+                    lap("lease_and_copy_ms")
                 if written is not None:
                     await self._write(call, shm_written_to_pb(written), "shm_written")
                     self.used_shm = True
                 else:
                     await self._send_chunks(call, chunks)
-                return await self._prepare_and_commit(call)
+                lap("written_ms")
+                engine = await self._prepare_and_commit(call)
+                lap("verify_prepare_commit_ms")
+                log.debug("KV to %s: %s", self.target_address, {k: round(v, 3) for k, v in laps.items()})
+                return engine
             except BaseException:
                 call.cancel()  # the target drops the partial import (once our write lease has ended)
                 raise
@@ -126,6 +136,17 @@ class SameHostKvSender(GrpcKvSender):
         if answer is None:
             raise Unavailable(f"KV import answered the offer with {reply.WhichOneof('kind')!r}")
         return answer
+
+
+def _lap_timer(laps: dict[str, float]):
+    """lap(name): records the milliseconds since the previous lap (or since this call) under name."""
+    last = [time.perf_counter()]
+
+    def lap(name: str) -> None:
+        now = time.perf_counter()
+        laps[name] = (now - last[0]) * 1e3
+        last[0] = now
+    return lap
 
 
 @dataclass
