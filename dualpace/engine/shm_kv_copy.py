@@ -104,21 +104,24 @@ def layer_ranges(num_layers: int, num_parts: int) -> list[range]:
 
 def copy_in_place(src_k: torch.Tensor, src_v: torch.Tensor, src_slot_ids: list[int],
                   dst_k: torch.Tensor, dst_v: torch.Tensor, dst_slot_ids: list[int],
-                  stop: threading.Event | None = None) -> list[int]:
+                  stop: threading.Event | None = None, layers: range | None = None) -> list[int]:
     """Copy K and V of the source slots into the target slots; returns the layer checksums of
-    what was sent. A host source is copied in pieces of about CHUNK_BYTES, each CRC'd right
+    what was sent (of `layers` only, when given: a host source's layers may be copied by several
+    threads at once, each its share). A host source is copied in pieces of about CHUNK_BYTES, each CRC'd right
     after it was copied, while it is still in cache: the source is read from memory once. A
     device source is copied first and checksummed over what was written. Stops between layers
     once `stop` is set (then raises InterruptedError)."""
     runs = slot_runs(src_slot_ids, dst_slot_ids)
     if src_k.device.type != "cpu":
+        if layers is not None:
+            raise ValueError("a device source is copied over all layers at once")
         return _copy_from_device(src_k, src_v, dst_k, dst_v, dst_slot_ids, runs, stop)
     src_k_flat, src_v_flat = _array(_flat(src_k)), _array(_flat(src_v))
     dst_k_flat, dst_v_flat = _array(_flat(dst_k)), _array(_flat(dst_v))
     token_bytes = src_k_flat[0, 0].nbytes
     tokens_per_piece = max(1, CHUNK_BYTES // token_bytes)
     checksums = []
-    for layer in range(src_k_flat.shape[0]):
+    for layer in layers if layers is not None else range(src_k_flat.shape[0]):
         _check_stop(stop)
         crc = 0
         for src_flat, dst_flat in ((src_k_flat, dst_k_flat), (src_v_flat, dst_v_flat)):

@@ -60,3 +60,12 @@ def test_a_stopped_copy_raises():
     stop.set()
     with pytest.raises(InterruptedError):
         copy_in_place(src_k, src_v, [0], src_k.clone(), src_v.clone(), [1], stop)
+
+
+def test_copies_of_layer_ranges_make_the_whole_copy():
+    src_k, src_v = _pools(torch.float32, 0)
+    dst_k, dst_v = _pools(torch.float32, 1)
+    slot_ids = [2, 3, 4, 11]
+    sent = [crc for layers in layer_ranges(3, 2)
+            for crc in copy_in_place(src_k, src_v, slot_ids, dst_k, dst_v, slot_ids, layers=layers)]
+    assert sent == layer_checksums(src_k, src_v, slot_ids) == layer_checksums(dst_k, dst_v, slot_ids)
