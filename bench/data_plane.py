@@ -7,7 +7,9 @@ so the target reserves, verifies and commits each transfer as a migration would 
 request then decodes one token there and ends). Sizes are token counts; each transport's rate
 and fixed cost come from a least-squares fit of ms = fixed + bytes / rate over them, and the
 time at `--context-tokens` (1024) is reported as measured. memcpy is torch's copy of a buffer
-of the same size as that transfer (bytes counted once, as the transfer's bytes are).
+of the same size as that transfer. Both rates count bytes the same way: payload bytes, once
+(memcpy_gbps = buffer bytes / copy time, not read + written bytes; kv_*_gbps = K + V bytes of
+the transfer / its time), so kv_shm_gbps / memcpy_gbps is the fraction of a plain copy reached.
 
     python -m bench.data_plane --out bench/results/data_plane.json
 
@@ -38,6 +40,7 @@ from dualpace.model.registry import DEFAULT_MODEL_NAME
 from dualpace.sampling import SamplingParams
 from dualpace.serve.kv_shm_transport import SameHostKvSender
 from dualpace.serve.kv_transport import GrpcKvSender
+from dualpace.serve.peer_channels import PeerChannels
 from dualpace.wire.engine_messages import info_request_to_pb
 from profiles.profiler.measure import fit_transfer
 from toolkit.engine_client import EngineClient
@@ -107,6 +110,7 @@ async def time_transfers(make_sender, storage, info, sizes, repeats: int, settle
     """{num_tokens: [ms, ...]} for header-to-commit transfers, after one untimed warm-up per size."""
     sender = make_sender()
     results = {}
+    sender.phases_by_tokens = {}  # SameHostKvSender: {num_tokens: [phase_ms, ...]}
     for num_tokens in sizes:
         times = []
         for i in range(repeats + 1):
@@ -116,6 +120,8 @@ async def time_transfers(make_sender, storage, info, sizes, repeats: int, settle
             elapsed_ms = (time.perf_counter() - start) * 1e3
             if i > 0:
                 times.append(elapsed_ms)
+                if getattr(sender, "phase_ms", None):
+                    sender.phases_by_tokens.setdefault(num_tokens, []).append(dict(sender.phase_ms))
             await asyncio.sleep(settle_s)  # the imported request decodes its one token and ends
         results[num_tokens] = times
     return results, sender
@@ -131,20 +137,21 @@ def summarize(results: dict[int, list[float]], bytes_per_token: int, context_tok
 
 
 def shm_breakdown(storage: KVStorage, num_tokens: int, repeats: int) -> dict:
-    """The shm path's two passes on their own, in this process: the copy and the layer checksums."""
+    """The shm path's two passes on their own, in this process: the sender's copy (each piece CRC'd
+    right after it is copied) and the target's verification (one read pass over its blocks)."""
     target = KVStorage(storage.num_layers, storage.num_blocks, storage.block_size, storage.num_kv_heads,
                        storage.head_dim, storage.dtype)
     slots = list(range(num_tokens))
-    copy_ms, crc_ms = [], []
+    copy_ms, verify_ms = [], []
     for _ in range(repeats):
         start = time.perf_counter()
-        copy_in_place(storage.k, storage.v, slots, target.k, target.v, slots)  # copy + checksums over source
+        copy_in_place(storage.k, storage.v, slots, target.k, target.v, slots)
         middle = time.perf_counter()
-        layer_checksums(target.k, target.v, slots)  # what the target does to verify
-        end = time.perf_counter()
-        crc_ms.append((end - middle) * 1e3)
-        copy_ms.append((middle - start) * 1e3 - crc_ms[-1])
-    return {"copy_ms": statistics.median(copy_ms), "checksum_ms_per_side": statistics.median(crc_ms)}
+        layer_checksums(target.k, target.v, slots)  # what the target does to verify (here in one thread)
+        verify_ms.append((time.perf_counter() - middle) * 1e3)
+        copy_ms.append((middle - start) * 1e3)
+    return {"sender_copy_and_checksum_ms": statistics.median(copy_ms),
+            "target_verify_ms": statistics.median(verify_ms)}
 
 
 def assist_round_trips(model: str, num_iterations: int) -> dict:
@@ -184,16 +191,21 @@ def main() -> None:
         memcpy = memcpy_gbps(context_bytes, max(5, args.repeats))
 
         async def run():
-            shm, shm_sender = await time_transfers(lambda: SameHostKvSender(target.address, MappedPools(), {}),
-                                                   storage, info, sizes, args.repeats, args.settle_s)
+            channels = PeerChannels()  # kept open across transfers, as an engine keeps them
+            shm, shm_sender = await time_transfers(
+                lambda: SameHostKvSender(target.address, MappedPools(), {}, channels),
+                storage, info, sizes, args.repeats, args.settle_s)
             if not shm_sender.used_shm:
                 raise SystemExit("the shm transfers fell back to gRPC (see the log): nothing to report for shm")
             shm_sender.pools.close()
+            await channels.close()
             grpc_times, _ = await time_transfers(lambda: GrpcKvSender(target.address), storage, info, sizes,
                                                  args.repeats, args.settle_s)
-            return shm, grpc_times
+            phases = {str(n): {name: round(statistics.median([p[name] for p in runs if name in p]), 3) for name in runs[0]}
+                      for n, runs in shm_sender.phases_by_tokens.items()}
+            return shm, grpc_times, phases
 
-        shm, grpc_times = asyncio.run(run())
+        shm, grpc_times, shm_phases = asyncio.run(run())
         memcpy_after = memcpy_gbps(context_bytes, max(5, args.repeats))
     finally:
         target.stop()
@@ -210,6 +222,7 @@ def main() -> None:
         "kv_grpc_fit_gbps": round(grpc_summary["fit_gbps"], 3),
         "kv_shm": shm_summary, "kv_grpc": grpc_summary,
         "kv_shm_breakdown_at_context": shm_breakdown(storage, args.context_tokens, args.repeats),
+        "kv_shm_phase_ms_median": shm_phases,
         "context_tokens": args.context_tokens, "context_bytes": context_bytes,
         "model": args.model, "dtype": info.dtype, "cpu_kind": cpu_kind(), "load_average": os.getloadavg(),
         **assist_round_trips(args.model, args.assist_iterations),

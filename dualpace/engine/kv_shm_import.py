@@ -16,9 +16,9 @@ from dataclasses import dataclass
 from dualpace.engine.kv_shm_protocol import ShmDeclined, ShmOffer, ShmReservation, ShmWritten
 from dualpace.engine.migration import KvImporter
 from dualpace.engine.same_host import Lease, TicketServer, boot_id
-from dualpace.engine.shm_kv_copy import INLINE_MAX_BYTES, layer_checksums, transfer_bytes
+from dualpace.engine.shm_kv_copy import INLINE_MAX_BYTES, layer_checksums, layer_ranges, transfer_bytes
 from dualpace.engine.shm_segment import SharedKvMemory
-from dualpace.engine.worker_pools import run_in_pool
+from dualpace.engine.worker_pools import KV_TRANSFER_WORKERS, run_in_pool
 from dualpace.errors import InvalidArgument
 
 log = logging.getLogger(__name__)
@@ -93,8 +93,10 @@ class ShmImport:
         slot_ids = list(self.importer.slot_ids)
         if transfer_bytes(kv, len(slot_ids)) <= INLINE_MAX_BYTES:
             landed = layer_checksums(kv.k, kv.v, slot_ids)
-        else:
-            landed = await run_in_pool("kv-import", layer_checksums, kv.k, kv.v, slot_ids)
+        else:  # the import workers read their share of the layers in parallel (the CRC drops the GIL)
+            parts = await asyncio.gather(*(run_in_pool("kv-import", layer_checksums, kv.k, kv.v, slot_ids, layers)
+                                           for layers in layer_ranges(layout.num_layers, KV_TRANSFER_WORKERS)))
+            landed = [crc for part in parts for crc in part]
         for layer, (expected, actual) in enumerate(zip(written.layer_crc32s, landed)):
             if expected != actual:
                 raise InvalidArgument("shm_written.layer_crc32", f"checksum mismatch in layer {layer}")

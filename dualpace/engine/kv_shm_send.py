@@ -15,7 +15,7 @@ from dualpace.engine.kv_shm_protocol import ShmReservation, ShmWritten
 from dualpace.engine.kv_source import OutgoingKv
 from dualpace.engine.kv_transfer import KvLayout
 from dualpace.engine.same_host import held_lease
-from dualpace.engine.shm_kv_copy import INLINE_MAX_BYTES, copy_in_place, transfer_bytes
+from dualpace.engine.shm_kv_copy import INLINE_MAX_BYTES, copy_in_place, layer_ranges, transfer_bytes
 from dualpace.engine.shm_mapped_pools import MappedPools  # noqa: F401  (its callers' one import)
 from dualpace.engine.shm_segment import MappedKvSegment
 from dualpace.engine.worker_pools import KV_TRANSFER_WORKERS, pool
@@ -51,6 +51,28 @@ def _inject_fault(faults: FaultConfig, segment: MappedKvSegment, dst_slot_ids: l
         raise Unavailable(f"fault injected: shared-memory KV transfer cut after {faults.kv_cut_after} layers")
 
 
+async def _copy_in_workers(storage, src_slot_ids: list[int], segment: MappedKvSegment, dst_slot_ids: list[int],
+                           stop: threading.Event) -> list[int]:
+    """The copy in the kv-export workers: a host pool's layers split between them (numpy's copy and
+    the CRC drop the GIL), a device pool in one job. Once cancelled, waits for the jobs to stop."""
+    if storage.k.device.type == "cpu":
+        parts = layer_ranges(storage.num_layers, KV_TRANSFER_WORKERS)
+    else:
+        parts = [None]
+    executor = pool("kv-export", KV_TRANSFER_WORKERS)
+    jobs = [executor.submit(copy_in_place, storage.k, storage.v, src_slot_ids, segment.k, segment.v, dst_slot_ids,
+                            stop, layers) for layers in parts]
+    try:
+        results = await asyncio.gather(*(asyncio.wrap_future(job) for job in jobs))
+    except BaseException:
+        stop.set()
+        concurrent.futures.wait(jobs)  # brief: each copy stops at its next layer
+        raise
+    finally:
+        jobs = segment = None  # nothing keeps the mapping alive in a traceback (see shm_mapped_pools)
+    return [crc for part in results for crc in part]
+
+
 async def write_in_place(segment: MappedKvSegment, reservation: ShmReservation, source: OutgoingKv,
                          faults: FaultConfig) -> ShmWritten:
     """Copy the request's KV into the target's reserved slots, holding the import's write lease.
@@ -65,16 +87,7 @@ async def write_in_place(segment: MappedKvSegment, reservation: ShmReservation, 
                 layer_crc32s = copy_in_place(storage.k, storage.v, source.slot_ids, segment.k, segment.v,
                                              dst_slot_ids)
             else:
-                job = pool("kv-export", KV_TRANSFER_WORKERS).submit(
-                    copy_in_place, storage.k, storage.v, source.slot_ids, segment.k, segment.v, dst_slot_ids, stop)
-                try:
-                    layer_crc32s = await asyncio.wrap_future(job)
-                except BaseException:
-                    stop.set()
-                    concurrent.futures.wait([job])  # brief: the copy stops at its next run
-                    raise
-                finally:
-                    job = None
+                layer_crc32s = await _copy_in_workers(storage, source.slot_ids, segment, dst_slot_ids, stop)
             if faults.any:
                 _inject_fault(faults, segment, dst_slot_ids)
                 if faults.kv_shm_hold_ms:

@@ -28,6 +28,7 @@ from dualpace.engine.same_host import SameHostRefused, boot_id
 from dualpace.errors import InvalidArgument, Unavailable
 from dualpace.faults import FaultConfig
 from dualpace.serve.kv_transport import GrpcKvSender, _ended
+from dualpace.serve.peer_channels import PeerChannels
 from dualpace.serve.security import TlsConfig, peer_channel
 from dualpace.serve.server import channel_options
 from dualpace.wire.kv_shm_messages import kv_header_with_offer_to_pb, shm_answer_from_pb, shm_written_to_pb
@@ -41,11 +42,14 @@ DECLINE_MEMORY_S = 60.0  # a target that declined is offered shared memory again
 class SameHostKvSender(GrpcKvSender):
     """send(header, chunks) for migrate_out: shared memory when the target proves it is on this host."""
 
-    def __init__(self, target_address: str, pools: MappedPools, declined_until: dict[str, float], **kwargs):
+    def __init__(self, target_address: str, pools: MappedPools, declined_until: dict[str, float],
+                 channels: PeerChannels | None = None, **kwargs):
         super().__init__(target_address, **kwargs)
         self.pools = pools
+        self.channels = channels  # None: a channel of its own per transfer
         self.declined_until = declined_until  # target address -> monotonic time; shared by the engine's senders
         self.used_shm = False  # for the caller's logs and the tests
+        self.phase_ms: dict[str, float] = {}  # the last transfer's phases, in order
 
     def _offer(self, header: KvTransferHeader, chunks) -> ShmOffer | None:
         host = boot_id()
@@ -59,26 +63,49 @@ class SameHostKvSender(GrpcKvSender):
         offer = self._offer(header, chunks)
         if offer is None:
             return await super().__call__(header, chunks)
-        async with peer_channel(self.target_address, self.tls, channel_options()) as channel:
+        laps = self.phase_ms = {}  # where the time of this transfer went (bench.data_plane reports it)
+        lap = _lap_timer(laps)
+        async with self._channel() as channel:
             call = self._open_import(channel)
             try:
                 await self._write(call, kv_header_with_offer_to_pb(header, offer), "the header")
+                lap("header_ms")
                 answer = await self._expect_answer(call)
+                lap("reservation_ms")
                 written = None
                 if isinstance(answer, ShmDeclined):
                     log.info("KV to %s over gRPC: %s", self.target_address, answer.reason)
                     self.declined_until[self.target_address] = time.monotonic() + DECLINE_MEMORY_S
                 else:
                     written = await self._write_in_place(answer, header, chunks)
+                    lap("lease_and_copy_ms")
                 if written is not None:
                     await self._write(call, shm_written_to_pb(written), "shm_written")
                     self.used_shm = True
                 else:
                     await self._send_chunks(call, chunks)
-                return await self._prepare_and_commit(call)
+                lap("written_ms")
+                engine = await self._prepare_and_commit(call)
+                lap("verify_prepare_commit_ms")
+                log.debug("KV to %s: %s", self.target_address, {k: round(v, 3) for k, v in laps.items()})
+                return engine
             except BaseException:
                 call.cancel()  # the target drops the partial import (once our write lease has ended)
                 raise
+
+    @contextlib.asynccontextmanager
+    async def _channel(self):
+        """The channel of one transfer: the cached one to the target, dropped when the transfer fails."""
+        if self.channels is None:
+            async with peer_channel(self.target_address, self.tls, channel_options()) as channel:
+                yield channel
+            return
+        channel = self.channels.get(self.target_address, self.tls)
+        try:
+            yield channel
+        except BaseException:
+            self.channels.drop(self.target_address, self.tls, channel)
+            raise
 
     async def _write_in_place(self, answer: ShmReservation, header: KvTransferHeader,
                               chunks: OutgoingKv) -> ShmWritten | None:
@@ -111,6 +138,17 @@ class SameHostKvSender(GrpcKvSender):
         return answer
 
 
+def _lap_timer(laps: dict[str, float]):
+    """lap(name): records the milliseconds since the previous lap (or since this call) under name."""
+    last = [time.perf_counter()]
+
+    def lap(name: str) -> None:
+        now = time.perf_counter()
+        laps[name] = (now - last[0]) * 1e3
+        last[0] = now
+    return lap
+
+
 @dataclass
 class SameHostKv:
     """An engine's side of same-host KV transfers, as sender and as target."""
@@ -118,13 +156,14 @@ class SameHostKv:
     transport: str  # one of KV_TRANSPORTS
     pool: SharedKvPool  # this engine's pool as other daemons may write it
     mapped: MappedPools = field(default_factory=MappedPools)
+    channels: PeerChannels = field(default_factory=PeerChannels)
     declined_until: dict[str, float] = field(default_factory=dict)
 
     def sender(self, target_address: str, faults: FaultConfig, auth_token: str | None,
                tls: TlsConfig | None = None) -> GrpcKvSender:
         if self.transport == "grpc":
             return GrpcKvSender(target_address, faults, auth_token=auth_token, tls=tls)
-        return SameHostKvSender(target_address, self.mapped, self.declined_until, faults=faults,
+        return SameHostKvSender(target_address, self.mapped, self.declined_until, self.channels, faults=faults,
                                 auth_token=auth_token, tls=tls)
 
     def importer_side(self, importer: KvImporter) -> ShmImport:
@@ -132,4 +171,5 @@ class SameHostKv:
 
     async def close(self) -> None:
         self.mapped.close()
+        await self.channels.close()
         await self.pool.close()
