@@ -600,9 +600,11 @@ bool staged_format(const WeightDesc& w) {
 #endif
 }
 
-// Whether the step runs as one region: every matrix dense or block-quantized, and every sequence's attention small enough that decode_attention would run it on one
-// thread anyway (a sequence is one task there; longer contexts keep decode_attention's own split
-// of a sequence across threads). DUALPACE_DECODE_ONE_REGION=0 turns it off.
+// Whether the step runs as one region: every matrix dense or block-quantized, and either at least
+// as many sequences as threads (a sequence is one attention task there) or every sequence's
+// attention small enough that decode_attention would run it on one thread anyway (fewer, longer
+// sequences keep decode_attention's own split of a sequence across threads).
+// DUALPACE_DECODE_ONE_REGION=0 turns it off.
 bool staged_applies(const LayerArgs* layers, int64_t num_layers, const StepArgs& st) {
   const char* env = std::getenv("DUALPACE_DECODE_ONE_REGION");
   if (env != nullptr && env[0] == '0') return false;
@@ -611,7 +613,8 @@ bool staged_applies(const LayerArgs* layers, int64_t num_layers, const StepArgs&
     if (!staged_format(a.qkv_w) || !staged_format(a.o_w) || !staged_format(a.gate_up_w) || !staged_format(a.down_w))
       return false;
     const int64_t tokens = checked_longest_context(st, a.block_size, a.num_blocks);
-    if (tokens < 0 || tokens * a.num_heads * a.head_dim >= PARALLEL_MIN_MACS) return false;
+    if (tokens < 0) return false;
+    if (st.M < omp_get_max_threads() && tokens * a.num_heads * a.head_dim >= PARALLEL_MIN_MACS) return false;
   }
   return true;
 }

@@ -151,3 +151,22 @@ def test_fused_decode_takes_32_rows_of_block_weights(native_fp32, monkeypatch):
     monkeypatch.setenv("DUALPACE_DECODE_ONE_REGION", "0")
     per_op = PagedForward(native_fp32.model, kv).forward(work)
     assert (a - per_op).abs().max().item() < 1e-4 and torch.equal(a.argmax(-1), per_op.argmax(-1))
+
+
+def test_one_region_step_with_long_contexts_matches_per_op(native_fp32, monkeypatch):
+    """At least as many sequences as threads with contexts past decode_attention's own split: the
+    one-region step (a sequence per attention task) gives the per-operation path's logits."""
+    from dualpace.kv.storage import KVStorage
+    from dualpace.model.paged_forward import PagedForward, SequenceWork
+
+    cfg = native_fp32.config
+    torch.manual_seed(3)
+    kv = KVStorage(cfg.num_layers, 260, 4, cfg.num_kv_heads, cfg.head_dim, torch.float32)
+    kv.k.normal_()
+    kv.v.normal_()
+    work = [SequenceWork([7 + i], 480 + 9 * i, list(range(130 * i, 130 * i + 123))) for i in range(2)]
+    one_region = PagedForward(native_fp32.model, kv).forward(work)
+    monkeypatch.setenv("DUALPACE_DECODE_ONE_REGION", "0")
+    per_op = PagedForward(native_fp32.model, kv).forward(work)
+    assert (one_region - per_op).abs().max().item() < 1e-4
+    assert torch.equal(one_region.argmax(-1), per_op.argmax(-1))
