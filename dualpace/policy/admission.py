@@ -4,7 +4,9 @@ bounded wait queue, or nowhere (ARCHITECTURE §4). Pure: views in, a decision ou
 Without a profile, capacity rules decide (KV room, a cap on CPU requests, the engines'
 measured p50 ITL against the target). With a profile (`AdmissionConfig.predictor`, a
 cost model) and an ITL target, an engine takes the request only if its *predicted* ITL
-with one more request of this prompt length stays within the target."""
+with one more request of this prompt length stays within the target, and (dualpace) a
+request goes to the CPU engine when the GPU engine is behind on time: its predicted
+time-to-start (`gpu_time_to_start_ms`) exceeds the offload bound."""
 
 from __future__ import annotations
 
@@ -24,7 +26,8 @@ from dualpace.policy.views import (
     held_contexts,
 )
 
-__all__ = ["AdmissionConfig", "GpuAdmission", "Placement", "admit", "blocks_for", "predicted_itl_with_one_more_ms"]
+__all__ = ["AdmissionConfig", "GpuAdmission", "Placement", "admit", "blocks_for", "gpu_time_to_start_ms",
+           "predicted_itl_with_one_more_ms"]
 
 # Guards ceil() against float products such as 300 * 0.1 == 30.000000000000004.
 _EPS = 1e-9
@@ -66,6 +69,10 @@ class AdmissionConfig:
     # A profile's cost model: with itl_target_ms set, an engine is within target when its
     # predicted ITL with one more request is (instead of its measured p50 ITL).
     predictor: LatencyPredictor | None = field(default=None, compare=False, repr=False)
+    # dualpace with a predictor and an ITL target: when the GPU engine's predicted time-to-start
+    # for a new request exceeds this bound (None: the ITL target), the request goes to the CPU
+    # engine if that one can take it within the target (math.inf: never on time alone).
+    gpu_wait_offload_ms: float | None = None
 
     def __post_init__(self) -> None:
         if self.gpu_admission is not None and not isinstance(self.gpu_admission, GpuAdmission):
@@ -74,6 +81,8 @@ class AdmissionConfig:
         for name in ("gpu_kv_reserve_fraction", "gpu_kv_watermark_fraction"):
             if not 0.0 <= getattr(self, name) < 1.0:
                 raise ValueError(f"{name} must be in [0, 1), got {getattr(self, name)!r}")
+        if self.gpu_wait_offload_ms is not None and not self.gpu_wait_offload_ms >= 0.0:
+            raise ValueError(f"gpu_wait_offload_ms must be >= 0 or None, got {self.gpu_wait_offload_ms!r}")
 
     @property
     def resolved_gpu_admission(self) -> GpuAdmission:
@@ -100,6 +109,31 @@ def predicted_itl_with_one_more_ms(engine: EngineView, placed: Sequence[RoutedRe
                                    predictor: LatencyPredictor) -> float:
     """The engine's predicted ITL once a request of num_prompt_tokens joins what it holds."""
     return predictor.itl_ms(engine.kind, [*held_contexts(engine, placed), num_prompt_tokens])
+
+
+def gpu_time_to_start_ms(engine: EngineView, placed: Sequence[RoutedRequest], num_prompt_tokens: int,
+                         predictor: LatencyPredictor) -> float:
+    """Predicted time before a GPU engine produces a new request's first token: the prefill of
+    every prompt placed there that has no token yet (queued or mid-prefill, counted whole),
+    then this one's, each priced alone by the cost model. A lower bound: the decodes sharing
+    those iterations and requests the router does not relay come on top."""
+    queued = [r.num_prompt_tokens for r in placed if r.engine == engine.name and r.num_generated_tokens == 0]
+    return sum(predictor.prefill_ms(engine.kind, n) for n in [*queued, num_prompt_tokens])
+
+
+def _gpu_behind(engine_name: str, engines: Mapping[str, EngineView], config: AdmissionConfig,
+                placed: Sequence[RoutedRequest], num_prompt_tokens: int) -> bool:
+    """dualpace only (gated's CPU-resident requests borrow GPU iterations, gpu-only has no CPU
+    engine), and only with a predictor and an ITL target (without one the CPU engine would
+    overfill): the chosen GPU engine's predicted time-to-start exceeds the offload bound. Its
+    queue of prefill work then delays every request placed there, while a request decoded on
+    the CPU engine takes its decode iterations off the GPU (its prefill still runs there)."""
+    if config.policy is not Policy.DUALPACE or config.predictor is None or config.itl_target_ms is None:
+        return False
+    bound_ms = config.itl_target_ms if config.gpu_wait_offload_ms is None else config.gpu_wait_offload_ms
+    if math.isinf(bound_ms):
+        return False
+    return gpu_time_to_start_ms(engines[engine_name], placed, num_prompt_tokens, config.predictor) > bound_ms
 
 
 def _within_itl_target(engine: EngineView, config: AdmissionConfig, placed: Sequence[RoutedRequest],
@@ -165,7 +199,9 @@ def admit(num_prompt_tokens: int, max_tokens: int, engines: Mapping[str, EngineV
     ITL within target; else WAIT while num_queued < max_queue; else REJECT. The ITL
     checked is the engine's measured p50, or with a predictor (a profile's cost model)
     the predicted ITL with this request added (held requests at their current context,
-    this one at its prompt length).
+    this one at its prompt length). dualpace with a predictor and an ITL target: a request
+    the GPU would take goes to a CPU engine that could take it when the GPU's predicted
+    time-to-start exceeds config.gpu_wait_offload_ms (default: the ITL target).
 
     REJECT also when no engine the policy may use is healthy (the service answers
     UNAVAILABLE) and when prompt + max_tokens exceeds every usable engine's whole pool.
@@ -198,8 +234,24 @@ def admit(num_prompt_tokens: int, max_tokens: int, engines: Mapping[str, EngineV
             gpu_candidates.append((free, engine.name))
     gpu = _pick(gpu_candidates, cached_prefix_tokens)
     if gpu is not None:
+        if _gpu_behind(gpu, engines, config, placed, num_prompt_tokens):
+            cpu = _pick_cpu(ready, expected_tokens, config, placed, cached_prefix_tokens)
+            if cpu is not None:
+                return Placement.CPU, cpu
         return Placement.GPU, gpu
 
+    cpu = _pick_cpu(ready, expected_tokens, config, placed, cached_prefix_tokens)
+    if cpu is not None:
+        return Placement.CPU, cpu
+
+    if num_queued < config.max_queue:
+        return Placement.WAIT, None
+    return Placement.REJECT, None
+
+
+def _pick_cpu(ready: Sequence[EngineView], expected_tokens: int, config: AdmissionConfig,
+              placed: Sequence[RoutedRequest], cached_prefix_tokens: Mapping[str, int]) -> str | None:
+    """A ready CPU engine under cpu_max_running with room for expected_tokens, or None."""
     cpu_candidates = []
     for engine in ready:
         if engine.kind != "cpu" or count_held(engine, placed) >= config.cpu_max_running:
@@ -207,13 +259,7 @@ def admit(num_prompt_tokens: int, max_tokens: int, engines: Mapping[str, EngineV
         free = _free_blocks_if_room(engine, expected_tokens, 0.0, placed)
         if free is not None:
             cpu_candidates.append((free, engine.name))
-    cpu = _pick(cpu_candidates, cached_prefix_tokens)
-    if cpu is not None:
-        return Placement.CPU, cpu
-
-    if num_queued < config.max_queue:
-        return Placement.WAIT, None
-    return Placement.REJECT, None
+    return _pick(cpu_candidates, cached_prefix_tokens)
 
 
 def handoff_source(num_prompt_tokens: int, max_tokens: int, gpu_engines: Sequence[EngineView]) -> str | None:

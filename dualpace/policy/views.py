@@ -100,6 +100,10 @@ class LatencyPredictor(Protocol):
         """Predicted time to move num_tokens tokens of KV between the engines."""
         ...
 
+    def prefill_ms(self, kind: str, num_tokens: int) -> float:
+        """Predicted time for an engine of `kind` to prefill a prompt of num_tokens tokens."""
+        ...
+
 
 def held_contexts(engine: EngineView, requests: Iterable[RoutedRequest]) -> list[int]:
     """Context lengths (tokens) of the requests `engine` holds, as far as the router knows:

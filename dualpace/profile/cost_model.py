@@ -189,6 +189,16 @@ class CostModel:
             return cost.best_ms if self.assist_available else cost.local_ms
         raise ValueError(f"engine kind must be 'gpu' or 'cpu', got {kind!r}")
 
+    def prefill_ms(self, kind: str, num_tokens: int) -> float:
+        """Prefilling a prompt of num_tokens tokens alone on engine `kind` ("gpu": the GPU prefill
+        table; "cpu": a Local CPU iteration of that many dense rows, no decode batch). The router's
+        admission prices the GPU engine's queue of unstarted prompts with it (LatencyPredictor)."""
+        if kind == "gpu":
+            return self.gpu_prefill_ms(num_tokens)
+        if kind == "cpu":
+            return self.cpu_local_ms(DecodeBatch.of([]), num_tokens, num_sampled=1) if num_tokens > 0 else 0.0
+        raise ValueError(f"engine kind must be 'gpu' or 'cpu', got {kind!r}")
+
     def kv_transfer_ms(self, num_tokens: int) -> float:
         """Moving num_tokens tokens of KV between the engines."""
         transfer = self.profile.kv_transfer
