@@ -6,7 +6,8 @@ measured p50 ITL against the target). With a profile (`AdmissionConfig.predictor
 cost model) and an ITL target, an engine takes the request only if its *predicted* ITL
 with one more request of this prompt length stays within the target, and (dualpace) a
 request goes to the CPU engine when the GPU engine is behind on time: its predicted
-time-to-start (`gpu_time_to_start_ms`) exceeds the offload bound."""
+time-to-start (`gpu_time_to_start_ms`) exceeds the offload bound, and the hand-off of its
+KV fits within the ITL target."""
 
 from __future__ import annotations
 
@@ -127,11 +128,13 @@ def _gpu_behind(engine_name: str, engines: Mapping[str, EngineView], config: Adm
     engine), and only with a predictor and an ITL target (without one the CPU engine would
     overfill): the chosen GPU engine's predicted time-to-start exceeds the offload bound. Its
     queue of prefill work then delays every request placed there, while a request decoded on
-    the CPU engine takes its decode iterations off the GPU (its prefill still runs there)."""
+    the CPU engine takes its decode iterations off the GPU (its prefill still runs there, then
+    its KV is handed off). Not when that hand-off alone would exceed the ITL target: the
+    transfer is a gap in the request's tokens, and the moves queue on one link."""
     if config.policy is not Policy.DUALPACE or config.predictor is None or config.itl_target_ms is None:
         return False
     bound_ms = config.itl_target_ms if config.gpu_wait_offload_ms is None else config.gpu_wait_offload_ms
-    if math.isinf(bound_ms):
+    if math.isinf(bound_ms) or config.predictor.kv_transfer_ms(num_prompt_tokens) > config.itl_target_ms:
         return False
     return gpu_time_to_start_ms(engines[engine_name], placed, num_prompt_tokens, config.predictor) > bound_ms
 
@@ -201,7 +204,8 @@ def admit(num_prompt_tokens: int, max_tokens: int, engines: Mapping[str, EngineV
     the predicted ITL with this request added (held requests at their current context,
     this one at its prompt length). dualpace with a predictor and an ITL target: a request
     the GPU would take goes to a CPU engine that could take it when the GPU's predicted
-    time-to-start exceeds config.gpu_wait_offload_ms (default: the ITL target).
+    time-to-start exceeds config.gpu_wait_offload_ms (default: the ITL target) and the
+    predicted hand-off of its prompt's KV fits within the ITL target.
 
     REJECT also when no engine the policy may use is healthy (the service answers
     UNAVAILABLE) and when prompt + max_tokens exceeds every usable engine's whole pool.

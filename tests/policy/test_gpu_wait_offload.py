@@ -23,15 +23,15 @@ ENGINES = {"gpu": view("gpu", "gpu", 10_000), "cpu": view("cpu", "cpu", 10_000)}
 class PrefillPerToken:
     """GPU prefill 0.1 ms per token; CPU ITL 10 ms per sequence held."""
 
-    def __init__(self, cpu_ms_per_sequence=10.0):
-        self.cpu_ms_per_sequence = cpu_ms_per_sequence
+    def __init__(self, cpu_ms_per_sequence=10.0, transfer_ms=1.0):
+        self.cpu_ms_per_sequence, self.transfer_ms = cpu_ms_per_sequence, transfer_ms
         self.prefill_calls = []
 
     def itl_ms(self, kind, context_tokens):
         return (1.0 if kind == "gpu" else self.cpu_ms_per_sequence) * len(context_tokens)
 
     def kv_transfer_ms(self, num_tokens):
-        return 1.0
+        return self.transfer_ms
 
     def prefill_ms(self, kind, num_tokens):
         self.prefill_calls.append((kind, num_tokens))
@@ -78,6 +78,13 @@ def test_the_cpu_engine_must_be_within_its_itl_target():
 def test_the_cpu_engine_cap_still_binds():
     placed = unstarted(3) + unstarted(2, engine="cpu")
     assert admit(300, 64, ENGINES, placed, 0, config(PrefillPerToken(1.0), cpu_max_running=2)) == (Placement.GPU, "gpu")
+
+
+def test_no_offload_on_time_when_the_hand_off_alone_exceeds_the_itl_target():
+    # the gRPC case: moving the prompt's KV takes longer than one ITL target
+    fits, too_slow = config(PrefillPerToken(transfer_ms=100.0)), config(PrefillPerToken(transfer_ms=100.1))
+    assert admit(300, 64, ENGINES, unstarted(5), 0, fits) == (Placement.CPU, "cpu")
+    assert admit(300, 64, ENGINES, unstarted(5), 0, too_slow) == (Placement.GPU, "gpu")
 
 
 @pytest.mark.parametrize("policy", [Policy.GATED, Policy.GPU_ONLY])
