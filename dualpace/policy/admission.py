@@ -6,8 +6,8 @@ measured p50 ITL against the target). With a profile (`AdmissionConfig.predictor
 cost model) and an ITL target, an engine takes the request only if its *predicted* ITL
 with one more request of this prompt length stays within the target, and (dualpace) a
 request goes to the CPU engine when the GPU engine is behind on time: its predicted
-time-to-start (`gpu_time_to_start_ms`) exceeds the offload bound, and the hand-off of its
-KV fits within the ITL target."""
+prefill wait (`gpu_prefill_wait_ms`) exceeds the offload bound, the CPU engine's Local ITL
+with it stays within the target, and the hand-off of its KV fits within the target."""
 
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ from dualpace.policy.views import (
     held_contexts,
 )
 
-__all__ = ["AdmissionConfig", "GpuAdmission", "Placement", "admit", "blocks_for", "gpu_time_to_start_ms",
+__all__ = ["AdmissionConfig", "GpuAdmission", "Placement", "admit", "blocks_for", "gpu_prefill_wait_ms",
            "predicted_itl_with_one_more_ms"]
 
 # Guards ceil() against float products such as 300 * 0.1 == 30.000000000000004.
@@ -70,7 +70,7 @@ class AdmissionConfig:
     # A profile's cost model: with itl_target_ms set, an engine is within target when its
     # predicted ITL with one more request is (instead of its measured p50 ITL).
     predictor: LatencyPredictor | None = field(default=None, compare=False, repr=False)
-    # dualpace with a predictor and an ITL target: when the GPU engine's predicted time-to-start
+    # dualpace with a predictor and an ITL target: when the GPU engine's predicted prefill wait
     # for a new request exceeds this bound (None: the ITL target), the request goes to the CPU
     # engine if that one can take it within the target (math.inf: never on time alone).
     gpu_wait_offload_ms: float | None = None
@@ -112,31 +112,39 @@ def predicted_itl_with_one_more_ms(engine: EngineView, placed: Sequence[RoutedRe
     return predictor.itl_ms(engine.kind, [*held_contexts(engine, placed), num_prompt_tokens])
 
 
-def gpu_time_to_start_ms(engine: EngineView, placed: Sequence[RoutedRequest], num_prompt_tokens: int,
-                         predictor: LatencyPredictor) -> float:
-    """Predicted time before a GPU engine produces a new request's first token: the prefill of
-    every prompt placed there that has no token yet (queued or mid-prefill, counted whole),
-    then this one's, each priced alone by the cost model. A lower bound: the decodes sharing
-    those iterations and requests the router does not relay come on top."""
+def gpu_prefill_wait_ms(engine: EngineView, placed: Sequence[RoutedRequest], predictor: LatencyPredictor) -> float:
+    """Predicted time a new request waits on a GPU engine before its own prefill starts: the
+    prefill of every prompt placed there that has no token yet (queued or mid-prefill, counted
+    whole), each priced alone by the cost model. A lower bound: the decodes sharing those
+    iterations and requests the router does not relay come on top."""
     queued = [r.num_prompt_tokens for r in placed if r.engine == engine.name and r.num_generated_tokens == 0]
-    return sum(predictor.prefill_ms(engine.kind, n) for n in [*queued, num_prompt_tokens])
+    return sum(predictor.prefill_ms(engine.kind, n) for n in queued)
 
 
 def _gpu_behind(engine_name: str, engines: Mapping[str, EngineView], config: AdmissionConfig,
                 placed: Sequence[RoutedRequest], num_prompt_tokens: int) -> bool:
     """dualpace only (gated's CPU-resident requests borrow GPU iterations, gpu-only has no CPU
     engine), and only with a predictor and an ITL target (without one the CPU engine would
-    overfill): the chosen GPU engine's predicted time-to-start exceeds the offload bound. Its
+    overfill): the chosen GPU engine's predicted prefill wait exceeds the offload bound. Its
     queue of prefill work then delays every request placed there, while a request decoded on
-    the CPU engine takes its decode iterations off the GPU (its prefill still runs there, then
-    its KV is handed off). Not when that hand-off alone would exceed the ITL target: the
-    transfer is a gap in the request's tokens, and the moves queue on one link."""
+    the CPU engine takes its decode iterations off the GPU. Its own prefill is not counted: it
+    runs on the GPU on either path (a CPU request is prefilled there, then its KV is handed
+    off). Not when that hand-off alone would exceed the ITL target: the transfer is a gap in
+    the request's tokens, and the moves queue on one link."""
     if config.policy is not Policy.DUALPACE or config.predictor is None or config.itl_target_ms is None:
         return False
     bound_ms = config.itl_target_ms if config.gpu_wait_offload_ms is None else config.gpu_wait_offload_ms
     if math.isinf(bound_ms) or config.predictor.kv_transfer_ms(num_prompt_tokens) > config.itl_target_ms:
         return False
-    return gpu_time_to_start_ms(engines[engine_name], placed, num_prompt_tokens, config.predictor) > bound_ms
+    return gpu_prefill_wait_ms(engines[engine_name], placed, config.predictor) > bound_ms
+
+
+def _cpu_local_within_target(engine: EngineView, config: AdmissionConfig, placed: Sequence[RoutedRequest],
+                             num_prompt_tokens: int) -> bool:
+    """An offload on time is priced Local: the GPU is behind, so an Assisted iteration, whose
+    dense stages wait for the GPU, would be slower than the profile's idle-GPU prediction."""
+    contexts = [*held_contexts(engine, placed), num_prompt_tokens]
+    return config.predictor.itl_ms(engine.kind, contexts, local_only=True) <= config.itl_target_ms
 
 
 def _within_itl_target(engine: EngineView, config: AdmissionConfig, placed: Sequence[RoutedRequest],
@@ -239,7 +247,9 @@ def admit(num_prompt_tokens: int, max_tokens: int, engines: Mapping[str, EngineV
     gpu = _pick(gpu_candidates, cached_prefix_tokens)
     if gpu is not None:
         if _gpu_behind(gpu, engines, config, placed, num_prompt_tokens):
-            cpu = _pick_cpu(ready, expected_tokens, config, placed, cached_prefix_tokens)
+            local_ready = [e for e in ready if e.kind != "cpu"
+                           or _cpu_local_within_target(e, config, placed, num_prompt_tokens)]
+            cpu = _pick_cpu(local_ready, expected_tokens, config, placed, cached_prefix_tokens)
             if cpu is not None:
                 return Placement.CPU, cpu
         return Placement.GPU, gpu

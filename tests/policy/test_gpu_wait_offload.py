@@ -1,5 +1,5 @@
 """Admission's time rule (dualpace.policy.admission): dualpace places a new request on the CPU
-engine when the GPU engine's predicted time-to-start exceeds the offload bound, and only then."""
+engine when the GPU engine's predicted prefill wait exceeds the offload bound, and only then."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from dualpace.policy.admission import AdmissionConfig, Placement, admit, gpu_time_to_start_ms
+from dualpace.policy.admission import AdmissionConfig, Placement, admit, gpu_prefill_wait_ms
 from dualpace.policy.views import EngineView, Policy, RoutedRequest
 
 BS = 16
@@ -21,14 +21,19 @@ ENGINES = {"gpu": view("gpu", "gpu", 10_000), "cpu": view("cpu", "cpu", 10_000)}
 
 
 class PrefillPerToken:
-    """GPU prefill 0.1 ms per token; CPU ITL 10 ms per sequence held."""
+    """GPU prefill 0.1 ms per token; CPU ITL 10 ms per sequence held (Local: local_ms_per_sequence)."""
 
-    def __init__(self, cpu_ms_per_sequence=10.0, transfer_ms=1.0):
+    def __init__(self, cpu_ms_per_sequence=10.0, transfer_ms=1.0, local_ms_per_sequence=None):
         self.cpu_ms_per_sequence, self.transfer_ms = cpu_ms_per_sequence, transfer_ms
+        self.local_ms_per_sequence = cpu_ms_per_sequence if local_ms_per_sequence is None else local_ms_per_sequence
         self.prefill_calls = []
+        self.local_calls = 0
 
-    def itl_ms(self, kind, context_tokens):
-        return (1.0 if kind == "gpu" else self.cpu_ms_per_sequence) * len(context_tokens)
+    def itl_ms(self, kind, context_tokens, local_only=False):
+        if kind == "gpu":
+            return 1.0 * len(context_tokens)
+        self.local_calls += local_only
+        return (self.local_ms_per_sequence if local_only else self.cpu_ms_per_sequence) * len(context_tokens)
 
     def kv_transfer_ms(self, num_tokens):
         return self.transfer_ms
@@ -46,24 +51,34 @@ def config(predictor=None, target=100.0, **kwargs):
     return AdmissionConfig(itl_target_ms=target, predictor=predictor or PrefillPerToken(), **kwargs)
 
 
-def test_time_to_start_sums_the_unstarted_prompts_and_this_one():
+def test_prefill_wait_sums_the_unstarted_prompts_on_that_engine():
     predictor = PrefillPerToken()
     placed = unstarted(2) + [RoutedRequest("decoding", "gpu", 4000, 5, 64), RoutedRequest("c", "cpu", 900, 0, 64)]
-    # 500 + 500 + 300 tokens at 0.1 ms; the decoding request and the CPU's request do not count
-    assert gpu_time_to_start_ms(ENGINES["gpu"], placed, 300, predictor) == pytest.approx(130.0)
-    assert sorted(predictor.prefill_calls) == [("gpu", 300), ("gpu", 500), ("gpu", 500)]
+    # 500 + 500 tokens at 0.1 ms; the decoding request and the CPU's request do not count
+    assert gpu_prefill_wait_ms(ENGINES["gpu"], placed, predictor) == pytest.approx(100.0)
+    assert sorted(predictor.prefill_calls) == [("gpu", 500), ("gpu", 500)]
 
 
-@pytest.mark.parametrize("num_queued, expected", [(0, "gpu"), (1, "gpu"), (2, "cpu"), (5, "cpu")])
-def test_dualpace_offloads_once_the_gpu_queue_exceeds_the_itl_target(num_queued, expected):
-    # this request's 300-token prefill (30 ms) behind num_queued 500-token ones (50 ms each):
-    # 80 ms with one queued (within 100 ms), 130 ms with two
-    placement, name = admit(300, 64, ENGINES, unstarted(num_queued), 0, config())
+@pytest.mark.parametrize("num_queued, expected", [(0, "gpu"), (2, "gpu"), (3, "cpu"), (5, "cpu")])
+def test_dualpace_offloads_once_the_gpu_prefill_wait_exceeds_the_itl_target(num_queued, expected):
+    # num_queued 500-token prompts ahead (50 ms each): 100 ms with two (not above the 100 ms
+    # target), 150 with three; this request's own prefill runs on the GPU on either path
+    placement, name = admit(3000, 64, ENGINES, unstarted(num_queued), 0, config())
     assert (placement.value, name) == (expected, expected)
 
 
+def test_the_offload_is_priced_local():
+    # Assisted would fit (10 ms per sequence), Local would not (60 ms x 2 sequences)
+    slow_local = PrefillPerToken(local_ms_per_sequence=60.0)
+    placed = unstarted(3) + unstarted(1, engine="cpu")
+    assert admit(300, 64, ENGINES, placed, 0, config(slow_local)) == (Placement.GPU, "gpu")
+    assert slow_local.local_calls == 1
+    assert admit(300, 64, ENGINES, placed, 0, config(PrefillPerToken(local_ms_per_sequence=50.0))) == (
+        Placement.CPU, "cpu")
+
+
 def test_an_explicit_bound_replaces_the_itl_target():
-    assert admit(300, 64, ENGINES, unstarted(1), 0, config(gpu_wait_offload_ms=50.0)) == (Placement.CPU, "cpu")
+    assert admit(300, 64, ENGINES, unstarted(1), 0, config(gpu_wait_offload_ms=40.0)) == (Placement.CPU, "cpu")
     assert admit(300, 64, ENGINES, unstarted(5), 0, config(gpu_wait_offload_ms=math.inf)) == (Placement.GPU, "gpu")
 
 

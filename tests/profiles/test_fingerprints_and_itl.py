@@ -109,6 +109,7 @@ def test_itl_ms_without_assist_is_local():
     contexts = [100] * 11  # tiny: local 40 + 20 + 5 = 65; assisted 25 + 20 = 45
     assert CostModel(profile).itl_ms("cpu", contexts) == pytest.approx(45.0)
     assert CostModel(profile, assist_available=False).itl_ms("cpu", contexts) == pytest.approx(65.0)
+    assert CostModel(profile).itl_ms("cpu", contexts, local_only=True) == pytest.approx(65.0)
 
 
 def test_prefill_ms_per_engine_kind():
