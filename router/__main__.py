@@ -177,8 +177,7 @@ def serve(args: argparse.Namespace) -> int:
     if args.profile is not None:
         get_logger(__name__).info(
             "profile loaded", profile=args.profile,
-            admission="predicted ITL with one more request vs --itl-target-ms; dualpace also offloads to the "
-            "CPU engine when the GPU's predicted time-to-start exceeds it" if args.itl_target_ms
+            admission="predicted ITL with one more request vs --itl-target-ms" if args.itl_target_ms
             else "capacity rules (give --itl-target-ms to admit by predicted ITL)",
             migration="payoff from predicted ITLs and KV transfer time")
 

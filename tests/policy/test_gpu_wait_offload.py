@@ -48,6 +48,7 @@ def unstarted(count, prompt=500, engine="gpu"):
 
 
 def config(predictor=None, target=100.0, **kwargs):
+    kwargs.setdefault("gpu_wait_offload_ms", 100.0)
     return AdmissionConfig(itl_target_ms=target, predictor=predictor or PrefillPerToken(), **kwargs)
 
 
@@ -60,9 +61,9 @@ def test_prefill_wait_sums_the_unstarted_prompts_on_that_engine():
 
 
 @pytest.mark.parametrize("num_queued, expected", [(0, "gpu"), (2, "gpu"), (3, "cpu"), (5, "cpu")])
-def test_dualpace_offloads_once_the_gpu_prefill_wait_exceeds_the_itl_target(num_queued, expected):
+def test_dualpace_offloads_once_the_gpu_prefill_wait_exceeds_the_bound(num_queued, expected):
     # num_queued 500-token prompts ahead (50 ms each): 100 ms with two (not above the 100 ms
-    # target), 150 with three; this request's own prefill runs on the GPU on either path
+    # bound), 150 with three; this request's own prefill runs on the GPU on either path
     placement, name = admit(3000, 64, ENGINES, unstarted(num_queued), 0, config())
     assert (placement.value, name) == (expected, expected)
 
@@ -77,9 +78,10 @@ def test_the_offload_is_priced_local():
         Placement.CPU, "cpu")
 
 
-def test_an_explicit_bound_replaces_the_itl_target():
+def test_the_bound_decides_and_the_rule_is_off_by_default():
     assert admit(300, 64, ENGINES, unstarted(1), 0, config(gpu_wait_offload_ms=40.0)) == (Placement.CPU, "cpu")
     assert admit(300, 64, ENGINES, unstarted(5), 0, config(gpu_wait_offload_ms=math.inf)) == (Placement.GPU, "gpu")
+    assert admit(300, 64, ENGINES, unstarted(5), 0, config(gpu_wait_offload_ms=None)) == (Placement.GPU, "gpu")
 
 
 def test_the_cpu_engine_must_be_within_its_itl_target():
