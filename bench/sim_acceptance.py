@@ -168,7 +168,8 @@ def _verdict(g: float | None, key: str) -> str:
 
 
 def markdown(report: dict) -> str:
-    lines = [f"Simulated (`python -m bench.sim_acceptance`), {report['num_requests']} requests per rate "
+    flag = " --gpu-wait-offload slo" if report.get("gpu_wait_offload") == "slo" else ""
+    lines = [f"Simulated (`python -m bench.sim_acceptance{flag}`), {report['num_requests']} requests per rate "
              f"(x2 on the H100 NEO-workload case), seed "
              f"{report['seed']}, Poisson. Throughput gains are at P99 ITL = SLO (interpolated along the sweep); "
              f"rate gains at the highest rate with P99 ITL <= SLO and P50 TTFT <= {TTFT_BOUND_MS / 1000:g} s. "
@@ -222,7 +223,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"unknown case or variant {unknown} (cases: {', '.join(by_key)}; variants: assumed, "
               f"measured_overheads), or --num-requests < 1", file=sys.stderr)
         return 2
-    report = {"simulated": True, "num_requests": args.num_requests, "seed": args.seed, "cases": []}
+    report = {"simulated": True, "num_requests": args.num_requests, "seed": args.seed,
+              "gpu_wait_offload": args.gpu_wait_offload, "cases": []}
     for key in keys:
         for variant in variants:
             started = time.monotonic()
