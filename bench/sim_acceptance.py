@@ -4,6 +4,7 @@ preemption by recompute), at equal P99 ITL, and the highest rate under that SLO.
 
     python -m bench.sim_acceptance                       # all cases -> bench/results/sim_acceptance.{json,md}
     python -m bench.sim_acceptance --cases a10g --num-requests 60   # a quicker subset
+    python -m bench.sim_acceptance --gpu-wait-offload slo --out bench/results/sim_acceptance_gpu_wait_offload.json
 
 Simulated (profiles.sim, the real schedulers/admission/planner timed by a profile's tables); the
 profiles are rooflines of published figures (profiles/reference/*.md), each in two variants: the
@@ -114,7 +115,7 @@ def gain(a: float | None, b: float | None) -> float | None:
     return None if not a or not b else round(100.0 * (a / b - 1.0), 1)
 
 
-def run_case(case: Case, variant: str, num_requests: int, seed: int) -> dict:
+def run_case(case: Case, variant: str, num_requests: int, seed: int, gpu_wait_offload: str = "off") -> dict:
     profile_name = case.box + (MEASURED_SUFFIX if variant == "measured_overheads" else "")
     profile = load_profile(path_of(profile_name))
     cost = CostModel(profile)
@@ -125,7 +126,9 @@ def run_case(case: Case, variant: str, num_requests: int, seed: int) -> dict:
     for label, policy, hold in POLICY_RUNS:
         # dualpace and gated admit to the CPU engine only while its predicted ITL stays within the
         # SLO (the router's --itl-target-ms); gpu-only, as vLLM, has no such target
-        config = SimConfig(policy=policy, assist_device_hold=hold, itl_target_ms=slo_ms,
+        # --gpu-wait-offload slo: admission's opt-in time rule with the SLO as its bound (dualpace only)
+        offload_ms = slo_ms if gpu_wait_offload == "slo" else None
+        config = SimConfig(policy=policy, assist_device_hold=hold, itl_target_ms=slo_ms, gpu_wait_offload_ms=offload_ms,
                            gpu_scheduler=SchedulerConfig(max_batch_tokens=2048, max_running=256, max_waiting=1 << 30))
         for rate in case.rates:
             specs = build_requests(num_requests, rate, 1.0, seed, profile.model.vocab_size, input_len, output_len)
@@ -146,7 +149,7 @@ def run_case(case: Case, variant: str, num_requests: int, seed: int) -> dict:
             summary[label][f"rate_gain_{key}"] = gain(summary[label]["max_rate"], summary[other]["max_rate"])
     return {"case": case.key, "profile": profile_name, "variant": variant, "workload": case.workload,
             "input_len": case.input_len, "output_len": case.output_len, "rates": list(case.rates),
-            "num_requests": num_requests,
+            "num_requests": num_requests, "gpu_wait_offload": gpu_wait_offload,
             "slo_p99_itl_ms": slo_ms, "slo_rule": slo_rule, "ttft_bound_ms": TTFT_BOUND_MS,
             "summary": summary, "runs": runs}
 
@@ -165,7 +168,8 @@ def _verdict(g: float | None, key: str) -> str:
 
 
 def markdown(report: dict) -> str:
-    lines = [f"Simulated (`python -m bench.sim_acceptance`), {report['num_requests']} requests per rate "
+    flag = " --gpu-wait-offload slo" if report.get("gpu_wait_offload") == "slo" else ""
+    lines = [f"Simulated (`python -m bench.sim_acceptance{flag}`), {report['num_requests']} requests per rate "
              f"(x2 on the H100 NEO-workload case), seed "
              f"{report['seed']}, Poisson. Throughput gains are at P99 ITL = SLO (interpolated along the sweep); "
              f"rate gains at the highest rate with P99 ITL <= SLO and P50 TTFT <= {TTFT_BOUND_MS / 1000:g} s. "
@@ -207,6 +211,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--num-requests", type=int, default=100)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default="bench/results/sim_acceptance.json")
+    parser.add_argument("--gpu-wait-offload", choices=("off", "slo"), default="off",
+                        help="slo: dualpace's admission also offloads when the GPU's predicted prefill wait "
+                             "exceeds the SLO (AdmissionConfig.gpu_wait_offload_ms)")
     args = parser.parse_args(argv)
     by_key = {c.key: c for c in CASES}
     keys = [k.strip() for k in args.cases.split(",") if k.strip()]
@@ -216,11 +223,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"unknown case or variant {unknown} (cases: {', '.join(by_key)}; variants: assumed, "
               f"measured_overheads), or --num-requests < 1", file=sys.stderr)
         return 2
-    report = {"simulated": True, "num_requests": args.num_requests, "seed": args.seed, "cases": []}
+    report = {"simulated": True, "num_requests": args.num_requests, "seed": args.seed,
+              "gpu_wait_offload": args.gpu_wait_offload, "cases": []}
     for key in keys:
         for variant in variants:
             started = time.monotonic()
-            report["cases"].append(run_case(by_key[key], variant, args.num_requests, args.seed))
+            report["cases"].append(run_case(by_key[key], variant, args.num_requests, args.seed, args.gpu_wait_offload))
             print(f"{key} {variant}: {time.monotonic() - started:.0f} s", file=sys.stderr, flush=True)
     out = Path(args.out)
     out.write_text(json.dumps(report, indent=1) + "\n")

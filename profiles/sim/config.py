@@ -62,6 +62,9 @@ class SimConfig:
     # How the router counts the GPU engine's KV room (dualpace.policy.admission.GpuAdmission);
     # None: the policy's default (optimistic for gpu-only, reserve for dualpace and gated).
     gpu_admission: GpuAdmission | None = None
+    # dualpace with itl_target_ms: the GPU engine's predicted prefill wait above which a new
+    # request goes to the CPU engine (AdmissionConfig.gpu_wait_offload_ms; None: off).
+    gpu_wait_offload_ms: float | None = None
     # Each engine's prefix cache, as on the daemons (profiles/sim/prefix.py), and the router's
     # rule for continuing a request on the CPU engine that caches its prefix.
     prefix_caching: bool = True

@@ -109,11 +109,11 @@ class Simulator(CpuSteps, Cooperative, Moves):
                 config.cpu_scheduler, cpu_blocks, self.block_size, max_context, "cpu", caching))
         self.prefix = SimPrefixIndex({name: engine.scheduler for name, engine in self.engines.items()})
         self.chooser = make_chooser(cost, config.policy, config.cpu_scheduler.max_running)
-        # The profile's cost model drives admission and migration exactly as the router's
-        # --profile does (router.__main__.router_config): the predictor is the same CostModel.
-        self.admission = AdmissionConfig(policy=config.policy, itl_target_ms=config.itl_target_ms,
-                                         cpu_max_running=config.cpu_scheduler.max_running, max_queue=config.max_queue,
-                                         gpu_admission=config.gpu_admission, predictor=cost)
+        # The profile's cost model drives admission and migration as the router's --profile does.
+        self.admission = AdmissionConfig(config.policy, itl_target_ms=config.itl_target_ms, max_queue=config.max_queue,
+                                         cpu_max_running=config.cpu_scheduler.max_running, predictor=cost,
+                                         gpu_admission=config.gpu_admission,
+                                         gpu_wait_offload_ms=config.gpu_wait_offload_ms)
         self.migration = MigrationConfig(
             predictor=cost,
             cpu_itl_target_ms=config.itl_target_ms,

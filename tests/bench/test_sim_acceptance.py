@@ -55,3 +55,22 @@ def test_one_small_case_runs_and_writes_json_and_markdown(tmp_path, monkeypatch)
 def test_unknown_case_is_a_clear_error(capsys):
     assert acc.main(["--cases", "nope"]) == 2
     assert "unknown case" in capsys.readouterr().err
+
+
+def test_gpu_wait_offload_slo_gives_the_slo_as_the_bound_to_the_policies_after_gpu_only(monkeypatch):
+    small = acc.Case("tiny-a10g", "a10g_epyc_avx2_llama3_8b", "neo", "800:1200", "50:100", (0.5,))
+    seen = []
+    real_simulate = acc.simulate
+
+    def spy(cost, config, specs, rate):
+        seen.append((config.policy.value, config.gpu_wait_offload_ms, config.itl_target_ms))
+        return real_simulate(cost, config, specs, rate)
+
+    monkeypatch.setattr(acc, "simulate", spy)
+    case = acc.run_case(small, "assumed", 6, 0, "slo")
+    slo = case["slo_p99_itl_ms"]
+    assert seen == [("gpu-only", None, None), ("gated", slo, slo), ("dualpace", slo, slo)]
+    assert case["gpu_wait_offload"] == "slo"
+    seen.clear()
+    acc.run_case(small, "assumed", 6, 0)
+    assert [bound for _, bound, _ in seen] == [None, None, None]
