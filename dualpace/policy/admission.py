@@ -214,7 +214,7 @@ def admit(num_prompt_tokens: int, max_tokens: int, engines: Mapping[str, EngineV
     the predicted ITL with this request added (held requests at their current context,
     this one at its prompt length). dualpace with a predictor and an ITL target: a request
     the GPU would take goes to a CPU engine that could take it when the GPU's predicted
-    time-to-start exceeds config.gpu_wait_offload_ms (default: the ITL target) and the
+    time-to-start exceeds config.gpu_wait_offload_ms (None, the default: never) and the
     predicted hand-off of its prompt's KV fits within the ITL target.
 
     REJECT also when no engine the policy may use is healthy (the service answers
