@@ -240,6 +240,20 @@ void dense_rows(const T* x, int64_t ldx, const float* xf, int64_t ldf, int64_t M
     rows_f32(xf, M, ldf, w.K, static_cast<const bf16*>(w.data), w.row_bytes / 2, n0, n1, ep);
 }
 
+#if DP_HAS_QUANT
+// W rows [n0, n1) of a block-format matrix against M rows of x (fp32 rows xf, ldf apart, and
+// their `prepared` activations), through the epilogue.
+template <typename T>
+void quant_rows(const WeightDesc& w, const float* xf, int64_t M, int64_t ldf, const void* prepared, int64_t n0,
+                int64_t n1, const Epilogue<T>& ep) {
+  thread_local std::vector<float> y;
+  if (static_cast<int64_t>(y.size()) < M * (n1 - n0)) y.resize(M * (n1 - n0));
+  dp_quant::rows(w, xf, M, ldf, prepared, n0, n1, y.data(), n1 - n0);
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t n = n0; n < n1; ++n) ep.store(m, n, y[m * (n1 - n0) + n - n0]);
+}
+#endif
+
 bool format_supported(int32_t format) {
   if (format == DP_W_F32 || format == DP_W_BF16) return true;
 #if DP_HAS_QUANT
@@ -266,13 +280,7 @@ int linear_any(const T* x, int64_t M, int64_t ldx, const WeightDesc& w, const Ep
 #if DP_HAS_QUANT
   std::vector<char> prepared(static_cast<size_t>(dp_quant::prepare_bytes(w, M)));
   dp_quant::prepare(w, xf, M, ldf, prepared.data());
-  for_row_chunks(M, N, K, [&](int64_t n0, int64_t n1) {
-    thread_local std::vector<float> y;
-    if (static_cast<int64_t>(y.size()) < M * (n1 - n0)) y.resize(M * (n1 - n0));
-    dp_quant::rows(w, xf, M, ldf, prepared.data(), n0, n1, y.data(), n1 - n0);
-    for (int64_t m = 0; m < M; ++m)
-      for (int64_t n = n0; n < n1; ++n) ep.store(m, n, y[m * (n1 - n0) + n - n0]);
-  });
+  for_row_chunks(M, N, K, [&](int64_t n0, int64_t n1) { quant_rows(w, xf, M, ldf, prepared.data(), n0, n1, ep); });
   return 0;
 #else
   return -1;
@@ -687,11 +695,7 @@ int decode_layers_staged(T* hidden, const LayerArgs* layers, int64_t num_layers,
         return;
       }
 #if DP_HAS_QUANT
-      thread_local std::vector<float> y;
-      if (static_cast<int64_t>(y.size()) < M * (n1 - n0)) y.resize(M * (n1 - n0));
-      dp_quant::rows(w, fp32_in(in), M, ldf, prepared, n0, n1, y.data(), n1 - n0);
-      for (int64_t m = 0; m < M; ++m)
-        for (int64_t n = n0; n < n1; ++n) ep.store(m, n, y[m * (n1 - n0) + n - n0]);
+      quant_rows(w, fp32_in(in), M, ldf, prepared, n0, n1, ep);
 #endif
     };
     switch (stage % STAGES) {
