@@ -32,7 +32,6 @@ Writes bench/results/host_tier_<tag>.json and .md.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import re
 import shutil
 import sys
@@ -40,28 +39,15 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench.load.generator import run_load
+from bench.load.closed_loop import cold_twin, send_one as send
 from bench.load.workloads import conversations
 from bench.prefix_cache import add_engine_arguments, cpu_vector_flags, load_average, write_report
 from dualpace.stats import percentile
 from toolkit.processes import start_daemon
-from toolkit.workload import RequestSpec
 
 
 OPTIONS = ("recompute", "continue_on_cpu", "copy_to_gpu")
 COPY_LINE = re.compile(r"copied (\d+) cached prompt tokens \((\d+) sent\) from \S+ to \S+ in ([\d.]+) ms")
-
-
-def send(router: str, index: int, prompt: list[int], output_len: int, tag: str) -> dict:
-    result = asyncio.run(run_load(router, [RequestSpec(index, 0.0, tuple(prompt), output_len)], timeout_s=600.0,
-                                  run_tag=tag))
-    record = result.records[0]
-    if not record.completed:
-        raise SystemExit(f"request {index} failed: {record.status} {record.detail}")
-    return {"prompt_tokens": len(prompt), "ttft_ms": round(record.ttft_s() * 1e3, 2),
-            "e2e_ms": round((record.end_s - record.sent_s) * 1e3, 2), "num_output_tokens": record.num_tokens,
-            "engines": record.engines, "cached_tokens": record.num_cached_tokens,
-            "output_token_ids": record.output_token_ids}
 
 
 def last_copy(router_log: str) -> dict | None:
@@ -108,7 +94,7 @@ def run(args: argparse.Namespace) -> dict:
         for conversation, history in zip(plan, histories):
             _, (question, n_out) = conversation.turns
             turn2 = history + list(question)
-            cold = [turn2[0] % (args.vocab_size - 1) + 1] + turn2[1:]
+            cold = cold_twin(turn2, args.vocab_size)
             # The same history, another first question token: it shares exactly the cached blocks turn 2
             # found (not the blocks turn 2 itself then left in the CPU engine's cache).
             other_question = history + [question[0] % (args.vocab_size - 1) + 1] + list(question[1:])

@@ -4,7 +4,9 @@ For each setting (off first, then on) a fresh `dualpace up --prefix-caching SETT
 (gpu_service, cpu_service and the router as real processes on 127.0.0.1), and the two chat
 workloads of bench.load.workloads run against it: shared-prefix (one system prompt, many
 questions) and multi-turn (conversations resending their history). Greedy outputs must be
-identical between the settings (checked and reported). Writes bench/results/prefix_cache_<tag>.json
+identical between the settings (checked and reported). With --solo-turns (default) each setting then
+runs fresh conversations closed loop (bench.multi_turn_solo): with caching on, every later turn is
+paired with a solo twin of its uncached tokens alone, to compare their TTFTs. Writes bench/results/prefix_cache_<tag>.json
 and a markdown table: TTFT, ITL, throughput, hit rate, and the ratios on / off.
 
     python -m bench.prefix_cache --model smollm2-135m --dtype fp32 --tag smollm2-135m
@@ -20,9 +22,12 @@ import time
 from pathlib import Path
 
 from bench.load.conversations import run_workload_records, workload_summary
+from bench.load.workloads import conversations
+from bench.multi_turn_solo import run_solo_turns, solo_markdown, solo_summary
 from toolkit.processes import start_up
 
 SETTINGS = ("off", "on")
+SOLO_SEED_OFFSET = 7919  # the solo phase's conversations: not the multi-turn workload's, already cached
 
 
 def workload_args(args: argparse.Namespace, router: str, workload: str) -> argparse.Namespace:
@@ -50,6 +55,13 @@ def run_setting(args: argparse.Namespace, setting: str) -> dict:
             print(f"prefix caching {setting}, {workload}: TTFT P50 {summary['ttft']['p50_ms']} ms, "
                   f"hit rate {summary['prefix_cache_hit_rate']}, {summary['accounting']['line']}",
                   file=sys.stderr, flush=True)
+        if args.solo_turns:
+            wargs = workload_args(args, router, "multi-turn")
+            wargs.seed = args.seed + SOLO_SEED_OFFSET
+            out["solo"] = run_solo_turns(router, conversations(wargs, 1.0), args.vocab_size, with_solo=setting == "on",
+                                         tag=f"solo-{setting}-{int(time.time())}")
+            print(f"prefix caching {setting}, solo turns: {solo_summary(out['solo']['pairs'])}", file=sys.stderr,
+                  flush=True)
         return out
     finally:
         up.stop(timeout_s=60.0)
@@ -61,7 +73,7 @@ def ratio(on, off) -> float | None:
 
 def markdown(report: dict) -> str:
     lines = [f"Prefix caching on vs off — {report['config']['model']} ({report['config']['dtype']}), "
-             f"CPU {report['cpu']}, load before {report['load_before']}", "",
+             f"CPU {report['cpu']}, load before {report['load_before']} after {report['load_after']}", "",
              "| workload | caching | TTFT P50 ms | TTFT P99 ms | ITL P50 ms | ITL P99 ms | output tok/s "
              "| req/s | hit rate | TTFT P50 by turn (ms) |", "|---|---|---|---|---|---|---|---|---|---|"]
     for workload, by_setting in report["runs"].items():
@@ -75,6 +87,8 @@ def markdown(report: dict) -> str:
     for workload, ratios in report["ratios"].items():
         lines.append(f"| {workload} | {ratios['ttft_p50']} | {ratios['output_throughput']} | "
                      f"{ratios['outputs_identical']} |")
+    if "solo_turns" in report:
+        lines += solo_markdown(report["solo_turns"])
     return "\n".join(lines) + "\n"
 
 
@@ -87,7 +101,8 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
 
 def cpu_vector_flags() -> str:
     """This CPU's AVX2 / AVX-512 / AMX flags, as the reports name the machine."""
-    return " ".join(sorted(set(re.findall(r"avx512[a-z_0-9]*|avx2|amx[a-z_0-9]*", Path("/proc/cpuinfo").read_text()))))
+    flags = sorted(set(re.findall(r"\b(avx512[a-z_0-9]*|avx2|fma|f16c|amx[a-z_0-9]*)\b", Path("/proc/cpuinfo").read_text())))
+    return " ".join(flags) + ("" if any(f.startswith("avx512") for f in flags) else ", no AVX-512")
 
 
 def write_report(report: dict, name: str, text: str) -> None:
@@ -117,6 +132,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--vocab-size", type=int, default=500)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout-s", type=float, default=900.0, help="per workload and setting")
+    p.add_argument("--solo-turns", action=argparse.BooleanOptionalAction, default=True,
+                   help="also pair each later multi-turn turn with its new tokens alone (bench.multi_turn_solo)")
     p.add_argument("--tag", default="smollm2-135m")
     args = p.parse_args(argv)
     cpu, load_before = cpu_vector_flags(), load_average()
@@ -133,6 +150,12 @@ def main(argv: list[str] | None = None) -> int:
         }
     report = {"config": vars(args), "cpu": cpu, "load_before": load_before,
               "load_after": load_average(), "runs": runs, "ratios": ratios}
+    if args.solo_turns:
+        off, on = (runs_by_setting[s]["solo"] for s in SETTINGS)
+        report["solo_turns"] = {"seed": args.seed + SOLO_SEED_OFFSET, "pairs": on["pairs"],
+                                "summary": solo_summary(on["pairs"]),
+                                "first_turn_cached_tokens": on["first_turn_cached_tokens"],
+                                "outputs_identical": on["outputs"] == off["outputs"] and len(on["outputs"]) > 0}
     write_report(report, f"prefix_cache_{args.tag}", markdown(report))
     return 0
 
