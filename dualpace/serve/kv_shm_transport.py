@@ -11,6 +11,7 @@ them; a target that declined (another host, a private pool) is not asked again f
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -79,13 +80,22 @@ class SameHostKvSender(GrpcKvSender):
                 else:
                     written = await self._write_in_place(answer, header, chunks)
                     lap("lease_and_copy_ms")
-                if written is not None:
+                if written is None:
+                    await self._send_chunks(call, chunks)
+                    lap("written_ms")
+                    engine = await self._prepare_and_commit(call)
+                elif answer.accepts_written_with_commit:
+                    chunks.safe_point()  # the last chance to back out (a cancelled MigrateOut): commit follows
+                    written = dataclasses.replace(written, commit=True)
+                    await self._write(call, shm_written_to_pb(written), "shm_written with commit")
+                    self.used_shm = True
+                    lap("written_ms")
+                    engine = (await self._expect(call, "committed")).engine  # verified, prepared, committed
+                else:
                     await self._write(call, shm_written_to_pb(written), "shm_written")
                     self.used_shm = True
-                else:
-                    await self._send_chunks(call, chunks)
-                lap("written_ms")
-                engine = await self._prepare_and_commit(call)
+                    lap("written_ms")
+                    engine = await self._prepare_and_commit(call)
                 lap("verify_prepare_commit_ms")
                 log.debug("KV to %s: %s", self.target_address, {k: round(v, 3) for k, v in laps.items()})
                 return engine
