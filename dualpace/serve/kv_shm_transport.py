@@ -128,7 +128,8 @@ class SameHostKvSender(GrpcKvSender):
                 log.warning("KV to %s over gRPC: cannot use its shared pool: %s", self.target_address, exc)
                 return None
             try:
-                return await write_in_place(segment, answer, chunks, self.faults)
+                lease = self.pools.lease(answer) if answer.lease_on_watch else None  # else a connection of its own
+                return await write_in_place(segment, answer, chunks, self.faults, lease)
             finally:
                 # No reference to the mapping may outlive the call in a traceback: once the target is
                 # gone and the pool dropped, the memory must go back to the kernel at once.

@@ -1,10 +1,12 @@
 """The same-host KV import over a real ImportKv stream (an in-process EngineServicer on loopback).
 
 Here the sender's written message carries prepare and commit (`KvShmWritten.commit`), answered
-by committed alone. The two-phase rules must hold across that merge: a failure after the
-verification passed but before the commit is made (the phases the one message now spans)
-leaves the request running on the source and no block used on the target, as a corrupt
-transfer does; a target that does not take the merged message gets prepare and commit apart.
+by committed alone, and the write lease goes over the watch connection the sender keeps to the
+target's pool (no connection of its own per transfer). The two-phase rules must hold across
+the merge: a failure after the verification passed but before the commit is made (the phases
+the one message now spans) leaves the request running on the source and no block used on the
+target, as a corrupt transfer does; a target that does not take the merged message gets
+prepare and commit apart.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import os
 
 import pytest
 
+from dualpace.engine import kv_shm_send
 from dualpace.engine.kv_shm_import import ShmImport
 from dualpace.engine.kv_shm_send import MappedPools
 from dualpace.engine.migration import migrate_out
@@ -66,21 +69,27 @@ def expected(tiny) -> list[int]:
     return OfflineGenerator(tiny).generate([PROMPT], [PARAMS])[0].output_token_ids
 
 
-async def test_written_with_commit_is_one_round_trip(tiny, monkeypatch):
+async def test_written_with_commit_is_one_round_trip_and_leases_go_over_the_watch(tiny, monkeypatch):
     served = await Served().start(tiny)
 
     async def no_separate_phases(self, call):
         raise AssertionError("prepare and commit were sent apart to a target that takes them merged")
 
+    def no_lease_connection(*args):
+        raise AssertionError("a lease connection of its own was opened to a target that leases over the watch")
+
     monkeypatch.setattr(SameHostKvSender, "_prepare_and_commit", no_separate_phases)
-    channel = await served.source[0].add_request("m", PROMPT, PARAMS)
-    await wait_tokens(channel, 4)
-    sender = served.sender()
-    stats = await migrate_out(served.source[0], "m", sender, migrated_to="dst")
-    assert sender.used_shm and stats.target_engine == "dst" and channel.migrated_to == "dst"
-    rest = [t async for update in served.target[0].channel("m").follow(len(channel.output_token_ids))
-            for t in update.new_token_ids]
-    assert channel.output_token_ids + rest == expected(tiny)
+    monkeypatch.setattr(kv_shm_send, "held_lease", no_lease_connection)
+    for request_id in ("m1", "m2"):  # the second transfer reuses the mapping and its watch
+        channel = await served.source[0].add_request(request_id, PROMPT, PARAMS)
+        await wait_tokens(channel, 4)
+        sender = served.sender()
+        stats = await migrate_out(served.source[0], request_id, sender, migrated_to="dst")
+        assert sender.used_shm and stats.target_engine == "dst" and channel.migrated_to == "dst"
+        rest = [t async for update in served.target[0].channel(request_id).follow(len(channel.output_token_ids))
+                for t in update.new_token_ids]
+        assert channel.output_token_ids + rest == expected(tiny)
+    assert served.mapped.num_mapped == 1
     assert served.source[0].load().kv_blocks_used == 0 and served.target[0].load().kv_blocks_used == 0
     await served.close()
 
