@@ -127,6 +127,27 @@ async def time_transfers(make_sender, storage, info, sizes, repeats: int, settle
     return results, sender
 
 
+async def time_shm_transfers(address: str, storage, info, sizes, repeats: int, settle_s: float):
+    """time_transfers through SameHostKvSender, its channel kept open across them as an engine keeps it;
+    exits when a transfer fell back to gRPC (nothing to report for shm)."""
+    channels = PeerChannels()
+    try:
+        times, sender = await time_transfers(lambda: SameHostKvSender(address, MappedPools(), {}, channels),
+                                             storage, info, sizes, repeats, settle_s)
+        if not sender.used_shm:
+            raise SystemExit("the shm transfers fell back to gRPC (see the log): nothing to report for shm")
+        sender.pools.close()
+    finally:
+        await channels.close()
+    return times, sender
+
+
+def phase_medians(sender) -> dict:
+    """{num_tokens: {phase: median ms}} of a SameHostKvSender timed by time_transfers."""
+    return {str(n): {name: round(statistics.median([p[name] for p in runs if name in p]), 3) for name in runs[0]}
+            for n, runs in sender.phases_by_tokens.items()}
+
+
 def summarize(results: dict[int, list[float]], bytes_per_token: int, context_tokens: int) -> dict:
     points = [(n * bytes_per_token, statistics.median(ms)) for n, ms in results.items()]
     rate, fixed_ms = fit_transfer(points)
@@ -191,19 +212,11 @@ def main() -> None:
         memcpy = memcpy_gbps(context_bytes, max(5, args.repeats))
 
         async def run():
-            channels = PeerChannels()  # kept open across transfers, as an engine keeps them
-            shm, shm_sender = await time_transfers(
-                lambda: SameHostKvSender(target.address, MappedPools(), {}, channels),
-                storage, info, sizes, args.repeats, args.settle_s)
-            if not shm_sender.used_shm:
-                raise SystemExit("the shm transfers fell back to gRPC (see the log): nothing to report for shm")
-            shm_sender.pools.close()
-            await channels.close()
+            shm, shm_sender = await time_shm_transfers(target.address, storage, info, sizes, args.repeats,
+                                                       args.settle_s)
             grpc_times, _ = await time_transfers(lambda: GrpcKvSender(target.address), storage, info, sizes,
                                                  args.repeats, args.settle_s)
-            phases = {str(n): {name: round(statistics.median([p[name] for p in runs if name in p]), 3) for name in runs[0]}
-                      for n, runs in shm_sender.phases_by_tokens.items()}
-            return shm, grpc_times, phases
+            return shm, grpc_times, phase_medians(shm_sender)
 
         shm, grpc_times, shm_phases = asyncio.run(run())
         memcpy_after = memcpy_gbps(context_bytes, max(5, args.repeats))

@@ -75,7 +75,8 @@ class ShmImport:
             return ShmDeclined(reason)
         self._ticket, self._lease = self.pool.server.open_lease()
         return ShmReservation(self.pool.server.name, self.pool.segment_ticket, self._ticket,
-                              tuple(self.importer.slot_ids))
+                              tuple(self.importer.slot_ids), accepts_written_with_commit=True,
+                              lease_on_watch=True)
 
     async def written(self, written: ShmWritten) -> None:
         """Verify what landed in the reserved blocks; then the import is complete (prepare may follow)."""

@@ -3,7 +3,9 @@
 Over the import stream: the header carries an offer (the sender's boot id); the target
 answers with a reservation (where its pool is, which slots to write, the tickets) or a
 refusal with its reason (then chunks follow as usual); after writing, the sender says so
-with the layer checksums; prepare and commit stay as they are.
+with the layer checksums. Where the target's reservation allows it, prepare and commit ride
+on that same message (`ShmWritten.commit`): the target verifies, prepares and commits in one
+go and answers with committed alone; otherwise prepare and commit follow as on the gRPC path.
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ class ShmReservation:
     segment_token: bytes  # ticket for the pool's memfd; also the token in its header
     import_token: bytes  # ticket for this import's write lease
     slot_ids: tuple[int, ...]  # target slots of tokens 0 .. num_computed_tokens - 1
+    accepts_written_with_commit: bool = False  # the target takes ShmWritten(commit=True)
+    lease_on_watch: bool = False  # the target grants the write lease over the sender's watch connection
 
 
 @dataclass(frozen=True)
@@ -32,3 +36,4 @@ class ShmDeclined:
 @dataclass(frozen=True)
 class ShmWritten:
     layer_crc32s: tuple[int, ...]  # dualpace.engine.shm_kv_copy.layer_checksums
+    commit: bool = False  # prepare and commit in this same message (one round trip instead of two)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import logging
 import threading
 
@@ -74,15 +75,18 @@ async def _copy_in_workers(storage, src_slot_ids: list[int], segment: MappedKvSe
 
 
 async def write_in_place(segment: MappedKvSegment, reservation: ShmReservation, source: OutgoingKv,
-                         faults: FaultConfig) -> ShmWritten:
-    """Copy the request's KV into the target's reserved slots, holding the import's write lease.
-    The lease ends only after the copy has stopped (also when this call is cancelled); the caller
-    holds the mapping (MappedPools.using) for the whole call."""
+                         faults: FaultConfig, lease: contextlib.AbstractAsyncContextManager | None = None) -> ShmWritten:
+    """Copy the request's KV into the target's reserved slots, holding the import's write lease:
+    `lease` (MappedPools.lease: over the mapping's watch connection, where the target offers it) or
+    a connection of its own. The lease ends only after the copy has stopped (also when this call
+    is cancelled); the caller holds the mapping (MappedPools.using) for the whole call."""
     storage = source.storage
     dst_slot_ids = list(reservation.slot_ids)
     stop = threading.Event()
+    if lease is None:
+        lease = held_lease(reservation.socket_name, reservation.import_token)
     try:
-        async with held_lease(reservation.socket_name, reservation.import_token):
+        async with lease:
             if transfer_bytes(storage, len(dst_slot_ids)) <= INLINE_MAX_BYTES:
                 layer_crc32s = copy_in_place(storage.k, storage.v, source.slot_ids, segment.k, segment.v,
                                              dst_slot_ids)

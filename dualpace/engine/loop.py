@@ -56,6 +56,7 @@ class EngineLoop:
         self._finished: OrderedDict[str, RequestChannel] = OrderedDict()
         self._commands: deque[tuple[Callable[[], Any], asyncio.Future]] = deque()
         self._wake = asyncio.Event()
+        self._parked = False  # the loop's task waits in _idle: no step in flight, none starting
         self._executor = ThreadPoolExecutor(1, thread_name_prefix=f"{core.config.name}-step")
         self._step_ms = StepLatencyWindow()  # steps that did work only
         # Held for each step; gpu_service shares it with Dense Assist so both use the device in turn.
@@ -80,6 +81,15 @@ class EngineLoop:
         """Run `command` in the loop between steps and return its result (or raise its error)."""
         if self.fatal_error is not None or self._stopping:
             raise Unavailable(f"engine {self.core.config.name} is not serving")
+        if self._parked and not self._commands:
+            # No step is in flight, and none can start before this returns: steps start only from
+            # the loop's task, which is parked in _idle. So this is a step boundary already, and
+            # the command runs now (in queue order: none is waiting) instead of after a hop through
+            # that task and back. The loop is woken to look for work the command made.
+            result = command()
+            self.update_metrics()
+            self._wake.set()
+            return result
         future = asyncio.get_running_loop().create_future()
         self._commands.append((command, future))
         self._wake.set()
@@ -158,16 +168,21 @@ class EngineLoop:
             self.stopped.set()
 
     async def _idle(self) -> None:
-        """Wait for a command; with a liveness callback, wake up to call it every interval."""
-        if self._on_alive is None:
-            await self._wake.wait()
-            return
-        while not self._wake.is_set():
-            self._maybe_alive()
-            try:
-                await asyncio.wait_for(self._wake.wait(), self._alive_interval_s)
-            except TimeoutError:
-                pass
+        """Wait for a command; with a liveness callback, wake up to call it every interval. While
+        parked here no step runs, so call() runs its command at once (see there)."""
+        self._parked = True
+        try:
+            if self._on_alive is None:
+                await self._wake.wait()
+                return
+            while not self._wake.is_set():
+                self._maybe_alive()
+                try:
+                    await asyncio.wait_for(self._wake.wait(), self._alive_interval_s)
+                except TimeoutError:
+                    pass
+        finally:
+            self._parked = False
 
     def set_alive_callback(self, callback: Callable[[], None] | None, interval_s: float) -> None:
         """Call `callback` after steps and while idle, at most once per `interval_s`."""
@@ -227,6 +242,11 @@ class EngineLoop:
     def start_draining(self) -> None:
         """Refuse new requests and imports from now on (Unavailable); running ones continue."""
         self.draining = True
+
+    @property
+    def parked(self) -> bool:
+        """The loop waits for work: no step in flight, and call() runs its command at once."""
+        return self._parked
 
     @property
     def num_requests(self) -> int:

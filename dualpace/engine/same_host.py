@@ -17,7 +17,10 @@ it that the owner died, so it drops the mapping (and the memory goes back to the
 `TicketServer` also grants leases: a caller that is about to write into the owner's memory
 takes one for that job, and the owner frees what the job wrote into only once the lease
 has ended (the caller closed it, or died), so a late write never lands in memory that was
-handed to someone else. Used by the KV transfer; meant for the Dense Assist rings too.
+handed to someone else. A lease is taken either on a connection of its own, or (where the
+owner offers it, `lease_on_watch`) over the caller's watch connection, which then carries the
+leases of all its jobs with the same rules (dualpace.engine.shm_watch_leases): no connection,
+no thread, per job. Used by the KV transfer; meant for the Dense Assist rings too.
 """
 
 from __future__ import annotations
@@ -40,7 +43,9 @@ TICKET_BYTES = 16
 REQUEST_BYTES = 1 + TICKET_BYTES  # kind + ticket
 KIND_FD = b"F"  # hand me the memfd behind this ticket (and keep this connection as the watch)
 KIND_LEASE = b"L"  # I am about to write for the job behind this ticket
+KIND_END = b"E"  # on a watch connection: I stopped writing for the job behind this ticket
 GRANTED, REFUSED = b"OK", b"NO"
+ANSWER_BYTES = len(GRANTED) + TICKET_BYTES  # on a watch connection: the verdict, then the ticket it answers
 HANDSHAKE_TIMEOUT_S = 5.0
 
 
@@ -123,6 +128,40 @@ class TicketServer:
             lease.revoked = True
         return lease
 
+    def _grant(self, ticket: bytes) -> Lease | None:
+        """The job's lease, now granted; None if there is no such job, it was revoked, or granted
+        already. No await between the check and the grant: a revoke cannot slip in between."""
+        lease = self._leases.get(ticket)
+        if lease is None or lease.revoked or lease.granted:
+            return None
+        lease.granted = True
+        return lease
+
+    async def _serve_watch(self, loop: asyncio.AbstractEventLoop, connection: socket.socket) -> None:
+        """The fd's caller keeps this connection as its watch, and asks for the write leases of its
+        jobs over it (dualpace.engine.shm_watch_leases): `L` + ticket, answered with the verdict and
+        the ticket; `E` + ticket ends that lease. Every lease granted here ends with the connection."""
+        granted: dict[bytes, Lease] = {}
+        received = b""
+        try:
+            while data := await loop.sock_recv(connection, 4096):
+                received += data
+                while len(received) >= REQUEST_BYTES:
+                    kind, ticket = received[:1], received[1:REQUEST_BYTES]
+                    received = received[REQUEST_BYTES:]
+                    if kind == KIND_LEASE:
+                        lease = self._grant(ticket)
+                        if lease is not None:
+                            granted[ticket] = lease
+                        await loop.sock_sendall(connection, (GRANTED if lease is not None else REFUSED) + ticket)
+                    elif kind == KIND_END and (lease := granted.pop(ticket, None)) is not None:
+                        lease.ended.set()
+                    elif kind != KIND_END:  # not this protocol: end the connection (and its leases)
+                        return
+        finally:
+            for lease in granted.values():
+                lease.ended.set()
+
     async def _accept_loop(self) -> None:
         loop = asyncio.get_running_loop()
         while True:
@@ -142,9 +181,9 @@ class TicketServer:
             kind, ticket = request[:1], request[1:]
             if kind == KIND_FD and ticket in self._fds:
                 socket.send_fds(connection, [GRANTED], [self._fds[ticket]])
-            elif kind == KIND_LEASE and ticket in self._leases and not self._leases[ticket].revoked:
-                lease = self._leases[ticket]
-                lease.granted = True  # no await since the check above: a revoke cannot slip in between
+                await self._serve_watch(loop, connection)
+                return
+            if kind == KIND_LEASE and (lease := self._grant(ticket)) is not None:
                 await loop.sock_sendall(connection, GRANTED)
             else:
                 await loop.sock_sendall(connection, REFUSED)

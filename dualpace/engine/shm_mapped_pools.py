@@ -13,6 +13,9 @@ Rules, all on the event loop's thread:
   libuv aborts the process on such a descriptor: the sending engine died without a traceback
   when several hand-offs to one target started at once.)
 - **A watch descriptor leaves the event loop before it is closed**, always.
+- **The watch carries the write leases** of the copies into its pool (`lease()`,
+  dualpace.engine.shm_watch_leases), so its end would end them: a mapping dropped while copies
+  still use it closes its watch only after the last of them (unless the owner is gone already).
 - **Counted users.** A copy holds its mapping through `using()`; a mapping that was dropped
   (the target went away, or restarted with another segment) is given to no new copy, and this
   cache lets go of it once its last copy ended. The memory itself is never unmapped by hand:
@@ -32,8 +35,9 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 from dualpace.engine.kv_shm_protocol import ShmReservation
-from dualpace.engine.same_host import fetch_fd
+from dualpace.engine.same_host import SameHostRefused, fetch_fd
 from dualpace.engine.shm_segment import MappedKvSegment
+from dualpace.engine.shm_watch_leases import WatchLeases
 
 log = logging.getLogger(__name__)
 
@@ -43,8 +47,14 @@ class _Mapped:
     token: bytes
     segment: MappedKvSegment | None
     watch: socket.socket
+    leases: WatchLeases
     num_users: int = 0
     dropped: bool = False
+
+    def let_go(self) -> None:
+        """The mapping's end, once no copy uses it (or its owner is gone): memory and watch."""
+        self.segment = None
+        self.watch.close()
 
 
 def _close_fetched(fetch: asyncio.Future) -> None:
@@ -86,7 +96,17 @@ class MappedPools:
             mapped.num_users -= 1
             self._num_in_use -= 1
             if mapped.dropped and mapped.num_users == 0:
-                mapped.segment = None  # the last copy ended: let the memory go
+                mapped.let_go()  # the last copy ended: let the memory go (and end the watch)
+
+    @contextlib.asynccontextmanager
+    async def lease(self, reservation: ShmReservation) -> AsyncIterator[None]:
+        """The import's write lease, over the watch of the pool the caller holds (`using`); raises
+        SameHostRefused when the owner refuses it or the mapping was dropped meanwhile."""
+        mapped = self._pools.get(reservation.socket_name)
+        if mapped is None or mapped.token != reservation.segment_token:
+            raise SameHostRefused(f"no mapping of @{reservation.socket_name} to take a lease over")
+        async with mapped.leases.held(reservation.import_token):
+            yield
 
     async def _mapping(self, reservation: ShmReservation) -> _Mapped:
         name = reservation.socket_name
@@ -107,21 +127,22 @@ class MappedPools:
             except BaseException:
                 watch.close()
                 raise
-            mapped = self._pools[name] = _Mapped(reservation.segment_token, segment, watch)
+            mapped = self._pools[name] = _Mapped(reservation.segment_token, segment, watch, WatchLeases(watch))
             asyncio.get_running_loop().add_reader(watch.fileno(), self._on_watch, name, mapped)
             log.info("mapped the KV pool of @%s (%d MB)", name, segment.geometry.total_bytes // 2**20)
             return mapped
 
-    def drop(self, name: str) -> None:
-        """Forget the mapping: no new copy gets it; the memory goes once no copy under way uses it."""
+    def drop(self, name: str, owner_gone: bool = False) -> None:
+        """Forget the mapping: no new copy gets it; the memory and the watch go once no copy under way
+        uses it (the watch at once when the owner is gone: its leases ended with it)."""
         mapped = self._pools.pop(name, None)
         if mapped is None:
             return
         mapped.dropped = True
         asyncio.get_running_loop().remove_reader(mapped.watch.fileno())  # before the close, always
-        mapped.watch.close()
-        if mapped.num_users == 0:
-            mapped.segment = None
+        mapped.leases.close()
+        if owner_gone or mapped.num_users == 0:
+            mapped.let_go()
 
     def close(self) -> None:
         for name in list(self._pools):
@@ -131,12 +152,6 @@ class MappedPools:
     def _on_watch(self, name: str, mapped: _Mapped) -> None:
         if self._pools.get(name) is not mapped:
             return  # that watch was already dropped
-        try:
-            data = mapped.watch.recv(64)
-        except BlockingIOError:
-            return
-        except OSError:
-            data = b""
-        if not data:
+        if not mapped.leases.readable():
             log.info("the owner of @%s went away; unmapping its KV pool", name)
-            self.drop(name)
+            self.drop(name, owner_gone=True)

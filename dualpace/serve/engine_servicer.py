@@ -157,7 +157,11 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
                 elif kind == "shm_written":
                     if shm is None:
                         raise InvalidArgument("shm_written", "this engine takes KV over gRPC only")
-                    await shm.written(shm_messages.shm_written_from_pb(message.shm_written))
+                    written = shm_messages.shm_written_from_pb(message.shm_written)
+                    await shm.written(written)
+                    if written.commit:  # prepare and commit in the same message (commit prepares first)
+                        yield await self._commit_import(importer, started, chunk_ms)
+                        return
                 elif kind == "chunk":
                     chunk_start = time.perf_counter()
                     await importer.chunk(messages.kv_chunk_from_pb(message.chunk))
@@ -167,22 +171,25 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
                     num_kv_blocks = len(self.loop.core.scheduler.blocks.block_ids(progress.header.request_id))
                     yield messages.import_prepared_to_pb(progress, num_kv_blocks)
                 elif kind == "commit":
-                    commit_start = time.perf_counter()
-                    engine_name = await importer.commit()
-                    log.debug("kv import", request_id=importer.progress.header.request_id,
-                              chunks=importer.progress.next_seq, bytes=importer.progress.num_bytes,
-                              chunk_handling_ms=round(chunk_ms, 2),
-                              commit_ms=round((time.perf_counter() - commit_start) * 1e3, 2),
-                              total_ms=round((time.perf_counter() - started) * 1e3, 2))
-                    if not importer.progress.header.cache_only:
-                        self.leases.start(importer.progress.header.request_id)  # until the router resumes it here
-                    yield messages.import_committed_to_pb(importer.progress.header.request_id, engine_name)
+                    yield await self._commit_import(importer, started, chunk_ms)
                     return
                 else:
                     raise InvalidArgument("kind", "empty ImportKv message")
         finally:
             # Shielded as one: the blocks are freed only after any shared-memory write has stopped.
             await asyncio.shield(_end_import(shm, importer))
+
+    async def _commit_import(self, importer: KvImporter, started: float, chunk_ms: float) -> engine_pb2.ImportKvReply:
+        commit_start = time.perf_counter()
+        engine_name = await importer.commit()
+        log.debug("kv import", request_id=importer.progress.header.request_id,
+                  chunks=importer.progress.next_seq, bytes=importer.progress.num_bytes,
+                  chunk_handling_ms=round(chunk_ms, 2),
+                  commit_ms=round((time.perf_counter() - commit_start) * 1e3, 2),
+                  total_ms=round((time.perf_counter() - started) * 1e3, 2))
+        if not importer.progress.header.cache_only:
+            self.leases.start(importer.progress.header.request_id)  # until the router resumes it here
+        return messages.import_committed_to_pb(importer.progress.header.request_id, engine_name)
 
     async def CopyPrefix(self, request, context):
         token_ids, target = messages.copy_prefix_request_from_pb(request)

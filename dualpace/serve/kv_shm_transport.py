@@ -11,6 +11,7 @@ them; a target that declined (another host, a private pool) is not asked again f
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -79,13 +80,22 @@ class SameHostKvSender(GrpcKvSender):
                 else:
                     written = await self._write_in_place(answer, header, chunks)
                     lap("lease_and_copy_ms")
-                if written is not None:
+                if written is None:
+                    await self._send_chunks(call, chunks)
+                    lap("written_ms")
+                    engine = await self._prepare_and_commit(call)
+                elif answer.accepts_written_with_commit:
+                    chunks.safe_point()  # the last chance to back out (a cancelled MigrateOut): commit follows
+                    written = dataclasses.replace(written, commit=True)
+                    await self._write(call, shm_written_to_pb(written), "shm_written with commit")
+                    self.used_shm = True
+                    lap("written_ms")
+                    engine = (await self._expect(call, "committed")).engine  # verified, prepared, committed
+                else:
                     await self._write(call, shm_written_to_pb(written), "shm_written")
                     self.used_shm = True
-                else:
-                    await self._send_chunks(call, chunks)
-                lap("written_ms")
-                engine = await self._prepare_and_commit(call)
+                    lap("written_ms")
+                    engine = await self._prepare_and_commit(call)
                 lap("verify_prepare_commit_ms")
                 log.debug("KV to %s: %s", self.target_address, {k: round(v, 3) for k, v in laps.items()})
                 return engine
@@ -118,7 +128,8 @@ class SameHostKvSender(GrpcKvSender):
                 log.warning("KV to %s over gRPC: cannot use its shared pool: %s", self.target_address, exc)
                 return None
             try:
-                return await write_in_place(segment, answer, chunks, self.faults)
+                lease = self.pools.lease(answer) if answer.lease_on_watch else None  # else a connection of its own
+                return await write_in_place(segment, answer, chunks, self.faults, lease)
             finally:
                 # No reference to the mapping may outlive the call in a traceback: once the target is
                 # gone and the pool dropped, the memory must go back to the kernel at once.

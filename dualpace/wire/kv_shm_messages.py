@@ -24,7 +24,8 @@ def shm_answer_to_pb(answer: ShmReservation | ShmDeclined) -> engine_pb2.ImportK
         return engine_pb2.ImportKvReply(shm_declined=engine_pb2.KvShmDeclined(reason=answer.reason))
     return engine_pb2.ImportKvReply(shm_reserved=engine_pb2.KvShmReserved(
         socket_name=answer.socket_name, segment_token=answer.segment_token, import_token=answer.import_token,
-        slot_ids=answer.slot_ids))
+        slot_ids=answer.slot_ids, accepts_written_with_commit=answer.accepts_written_with_commit,
+        lease_on_watch=answer.lease_on_watch))
 
 
 def shm_answer_from_pb(reply: engine_pb2.ImportKvReply) -> ShmReservation | ShmDeclined | None:
@@ -35,13 +36,15 @@ def shm_answer_from_pb(reply: engine_pb2.ImportKvReply) -> ShmReservation | ShmD
     if kind == "shm_reserved":
         reserved = reply.shm_reserved
         return ShmReservation(reserved.socket_name, bytes(reserved.segment_token), bytes(reserved.import_token),
-                              tuple(reserved.slot_ids))
+                              tuple(reserved.slot_ids), reserved.accepts_written_with_commit,
+                              reserved.lease_on_watch)
     return None
 
 
 def shm_written_to_pb(written: ShmWritten) -> engine_pb2.ImportKvMessage:
-    return engine_pb2.ImportKvMessage(shm_written=engine_pb2.KvShmWritten(layer_crc32=written.layer_crc32s))
+    return engine_pb2.ImportKvMessage(shm_written=engine_pb2.KvShmWritten(layer_crc32=written.layer_crc32s,
+                                                                          commit=written.commit))
 
 
 def shm_written_from_pb(message: engine_pb2.KvShmWritten) -> ShmWritten:
-    return ShmWritten(tuple(message.layer_crc32))
+    return ShmWritten(tuple(message.layer_crc32), message.commit)

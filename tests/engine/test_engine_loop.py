@@ -1,8 +1,9 @@
-"""EngineLoop: concurrent streams, late followers, aborts between steps."""
+"""EngineLoop: concurrent streams, late followers, aborts between steps, commands on an idle loop."""
 
 from __future__ import annotations
 
 import asyncio
+import threading
 
 import pytest
 
@@ -53,6 +54,63 @@ async def test_abort_ends_stream_and_frees_blocks(tiny):
     assert loop.load().kv_blocks_used == 0
     with pytest.raises(RequestNotFound):
         await loop.abort("long")
+    loop.stop()
+    await runner
+    loop.close()
+
+
+async def parked(loop: EngineLoop) -> None:
+    for _ in range(10_000):
+        if loop.parked:
+            return
+        await asyncio.sleep(0)
+    pytest.fail("the loop never parked")
+
+
+async def test_a_command_on_an_idle_loop_runs_at_once(tiny):
+    """No step runs while the loop is parked, so call() runs the command without suspending (no
+    hop through the loop's task and back); the loop then picks up the work the command made."""
+    loop = EngineLoop(EngineCore(tiny, EngineConfig(num_kv_blocks=64, block_size=8)))
+    runner = asyncio.create_task(loop.run())
+    await parked(loop)
+    call = loop.call(lambda: 42)
+    with pytest.raises(StopIteration) as returned:
+        call.send(None)  # completes on its first step: it never waited
+    assert returned.value.value == 42
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    await parked(loop)
+    channel = await loop.add_request("idle", [4, 5, 6], params)
+    tokens, reason = await collect(channel)
+    assert tokens == OfflineGenerator(tiny).generate([[4, 5, 6]], [params])[0].output_token_ids
+    assert reason == FinishReason.LENGTH
+    loop.stop()
+    await runner
+    loop.close()
+
+
+async def test_a_command_waits_for_the_step_in_flight(tiny):
+    step_lock = threading.Lock()
+    loop = EngineLoop(EngineCore(tiny, EngineConfig(num_kv_blocks=64, block_size=8)), step_lock=step_lock)
+    runner = asyncio.create_task(loop.run())
+    channel = await loop.add_request("busy", [1, 2, 3], SamplingParams(max_tokens=400, ignore_eos=True))
+    async for _ in channel.follow():
+        break
+    ran = []
+    step_lock.acquire()  # the next step cannot finish: the command must wait for its end
+    try:
+        for _ in range(10_000):
+            if not loop.gate.wait_turn(0):  # a step has started (and waits for the lock)
+                break
+            await asyncio.sleep(0.001)
+        command = asyncio.create_task(loop.call(lambda: ran.append(len(channel.output_token_ids))))
+        for _ in range(50):
+            await asyncio.sleep(0)
+        assert not loop.parked and not ran and not command.done()
+    finally:
+        step_lock.release()
+    await command
+    assert len(ran) == 1
+    await loop.abort("busy")
     loop.stop()
     await runner
     loop.close()
