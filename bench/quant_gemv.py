@@ -34,8 +34,8 @@ def parse_shapes(text: str) -> list[tuple[int, int]]:
     shapes = []
     for item in text.split(","):
         n, _, k = item.partition("x")
-        if not (n.isdigit() and k.isdigit()):
-            raise SystemExit(f"--shapes: {item!r} is not NxK")
+        if not (n.isdigit() and k.isdigit()) or int(n) == 0 or int(k) % 32:
+            raise SystemExit(f"--shapes: {item!r} is not NxK with N > 0 and K a multiple of 32")
         shapes.append((int(n), int(k)))
     return shapes
 
