@@ -386,8 +386,8 @@ int dp_variant_supported() {
 
 int dp_weight_format_supported(int32_t format) { return format_supported(format) ? 1 : 0; }
 
-// quant_gemv.h's activation arithmetic for block formats (0 fp32, 1 int16, 2 int8; another value
-// leaves it); returns the mode in force, -1 in a build without quant_gemv.h.
+// quant_gemv.h's activation arithmetic for block formats (0 fp32, 1 int16, 2 int8, 3 int16-split;
+// another value leaves it); returns the mode in force, -1 in a build without quant_gemv.h.
 int32_t dp_quant_set_activations(int32_t mode) {
 #if DP_HAS_QUANT
   return dp_quant::set_activation_mode(mode);

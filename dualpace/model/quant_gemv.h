@@ -9,6 +9,11 @@
 // - `int16` (default): activations rounded to int16 per 16 elements and integer dot products with
 //   the weights widened to int16 (quant_gemv_i16.h). The rounding is 1.5e-5 of each 16's max,
 //   finer than bf16 activations: greedy output matches the dequantized fp32 model.
+// - `int16-split`: int16, except that Q8_0 weights take activations rounded to 6.2e-5 of each
+//   16's max and split in two bytes, for int8 x int8 products on 32 lanes (quant_gemv_q8_split.h).
+//   Opt-in: on an AVX2 Zen 3 it measured no faster at batch 1 and slower from batch 2 (two
+//   maddubs + two madd per 32 weights and row, where int16 needs two madd once the weights are
+//   widened; docs/perf.md).
 // - `fp32`: each 8-weight chunk is unpacked and dequantized in registers to fp32
 //   (scale x q + min) and FMA'd with the fp32 activations. The result equals the dequantized fp32
 //   model up to summation order.
@@ -174,12 +179,13 @@ template <int32_t F>
 inline void dequantize_row_t(const uint8_t* row, int64_t K, float* out);  // below, per ISA
 
 // The arithmetic for activations (see the top of this file).
-enum ActivationMode : int32_t { ACT_FP32 = 0, ACT_INT16 = 1, ACT_INT8 = 2 };
+enum ActivationMode : int32_t { ACT_FP32 = 0, ACT_INT16 = 1, ACT_INT8 = 2, ACT_INT16_SPLIT = 3 };
 
 inline int32_t activation_mode_from_env() {
   const char* v = std::getenv("DUALPACE_QUANT_ACTIVATIONS");
   if (v != nullptr && std::strcmp(v, "fp32") == 0) return ACT_FP32;
   if (v != nullptr && std::strcmp(v, "int8") == 0) return ACT_INT8;
+  if (v != nullptr && std::strcmp(v, "int16-split") == 0) return ACT_INT16_SPLIT;
   return ACT_INT16;
 }
 
@@ -192,7 +198,7 @@ inline int32_t activation_mode() { return activation_mode_slot().load(std::memor
 
 // Sets the mode for later calls (an unknown value is ignored); returns the mode now in force.
 inline int32_t set_activation_mode(int32_t mode) {
-  if (mode == ACT_FP32 || mode == ACT_INT16 || mode == ACT_INT8) activation_mode_slot().store(mode);
+  if (mode >= ACT_FP32 && mode <= ACT_INT16_SPLIT) activation_mode_slot().store(mode);
   return activation_mode();
 }
 
@@ -470,7 +476,12 @@ inline void rows_f32_t(const WeightDesc& w, const float* x, int64_t M, int64_t l
 
 }  // namespace dp_quant
 #include "quant_gemv_i16.h"  // the int16 mode (uses the pieces above)
+#include "quant_gemv_q8_split.h"  // its Q8_0 kernel
 namespace dp_quant {
+
+// The layouts a prepared header names: an ActivationMode's own, or Q8_0's split bytes.
+constexpr int32_t PREPARED_Q8_SPLIT = 16;
+
 
 // The prepared activations: a header (the mode, padded to 64 bytes) and the mode's rows.
 constexpr int64_t PREPARED_HEADER_BYTES = 64;
@@ -479,7 +490,7 @@ constexpr int64_t PREPARED_HEADER_BYTES = 64;
 // change between prepare_bytes and prepare cannot overrun the buffer.
 inline int64_t prepare_bytes(const WeightDesc& w, int64_t M) {
   static_assert(sizeof(ActBlock) * 4 <= 4 * 32 * 2 + I16_QUAD_FLOATS * 4, "int16 quads hold int8 blocks' bytes");
-  return PREPARED_HEADER_BYTES + M * i16_row_bytes(w.K);
+  return PREPARED_HEADER_BYTES + M * std::max(i16_row_bytes(w.K), split_row_bytes(w.K));
 }
 
 // Quantizes x as the mode in force asks and writes that mode into the header for rows().
@@ -487,7 +498,11 @@ inline void prepare(const WeightDesc& w, const float* x, int64_t M, int64_t ldx,
   uint8_t* out = static_cast<uint8_t*>(prepared);
   int32_t mode = activation_mode();
   uint8_t* body = out + PREPARED_HEADER_BYTES;
-  if (mode == ACT_INT16) {
+  if (mode == ACT_INT16_SPLIT && w.format == DP_W_Q8_0) {
+    mode = PREPARED_Q8_SPLIT;
+    for (int64_t m = 0; m < M; ++m) quantize_row_split(x + m * ldx, w.K, body + m * split_row_bytes(w.K));
+  } else if (mode == ACT_INT16 || mode == ACT_INT16_SPLIT) {
+    mode = ACT_INT16;
     for (int64_t m = 0; m < M; ++m) quantize_row_i16(x + m * ldx, w.K, body + m * i16_row_bytes(w.K));
   } else if (mode == ACT_INT8) {
     ActBlock* blocks = reinterpret_cast<ActBlock*>(body);
@@ -505,6 +520,10 @@ inline void rows(const WeightDesc& w, const float* x, int64_t M, int64_t ldx, co
   std::memcpy(&mode, prepared, sizeof(mode));
   const uint8_t* body = static_cast<const uint8_t*>(prepared) + PREPARED_HEADER_BYTES;
   const ActBlock* act = reinterpret_cast<const ActBlock*>(body);
+  if (mode == PREPARED_Q8_SPLIT && w.format == DP_W_Q8_0) {
+    rows_q8_split(w, body, M, n0, n1, y, ldy);
+    return;
+  }
   switch (w.format) {
 #define DP_QUANT_CASE(F)                                           \
   case F:                                                          \

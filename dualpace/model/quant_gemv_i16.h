@@ -228,10 +228,11 @@ inline void tile_i16(const uint8_t* row, const uint8_t* const* arows, int64_t K,
 // x goes over them.
 constexpr int64_t I16_ROWS_PER_PASS = 16;
 
-template <int32_t F>
-inline void rows_i16(const WeightDesc& w, const uint8_t* act, int64_t M, int64_t n0, int64_t n1, float* y,
-                     int64_t ldy) {
-  const int64_t stride = i16_row_bytes(w.K);
+// y[m, n - n0] for rows [n0, n1) of W, the prepared activation rows `stride` bytes apart, by
+// Tile::run<MR> (MR = 1..4 activation rows x one weight row).
+template <class Tile>
+inline void rows_tiled(const WeightDesc& w, const uint8_t* act, int64_t stride, int64_t M, int64_t n0, int64_t n1,
+                       float* y, int64_t ldy) {
   const uint8_t* base = static_cast<const uint8_t*>(w.data);
   for (int64_t c0 = n0; c0 < n1; c0 += I16_ROWS_PER_PASS) {
     const int64_t c1 = std::min(n1, c0 + I16_ROWS_PER_PASS);
@@ -242,7 +243,7 @@ inline void rows_i16(const WeightDesc& w, const uint8_t* act, int64_t M, int64_t
         constexpr int MR = decltype(mr)::value;
         float out[MR];
         for (int64_t n = c0; n < c1; ++n) {
-          tile_i16<F, MR>(base + n * w.row_bytes, arows, w.K, out);
+          Tile::template run<MR>(base + n * w.row_bytes, arows, w.K, out);
           for (int m = 0; m < MR; ++m) y[(m0 + m) * ldy + (n - n0)] = out[m];
         }
       };
@@ -254,6 +255,20 @@ inline void rows_i16(const WeightDesc& w, const uint8_t* act, int64_t M, int64_t
       }
     }
   }
+}
+
+template <int32_t F>
+struct I16Tile {
+  template <int MR>
+  static void run(const uint8_t* row, const uint8_t* const* arows, int64_t K, float* out) {
+    tile_i16<F, MR>(row, arows, K, out);
+  }
+};
+
+template <int32_t F>
+inline void rows_i16(const WeightDesc& w, const uint8_t* act, int64_t M, int64_t n0, int64_t n1, float* y,
+                     int64_t ldy) {
+  rows_tiled<I16Tile<F>>(w, act, i16_row_bytes(w.K), M, n0, n1, y, ldy);
 }
 
 }  // namespace dp_quant

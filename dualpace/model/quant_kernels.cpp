@@ -27,8 +27,8 @@ int dp_quant_has_avx2() {
 
 int dp_quant_format_supported(int32_t format) { return dp_quant::supported(format) ? 1 : 0; }
 
-// The activation arithmetic of later calls (quant_gemv.h: 0 fp32, 1 int16, 2 int8; another value
-// leaves it as it is); returns the mode in force. Not to be called while a linear call runs.
+// The activation arithmetic of later calls (quant_gemv.h: 0 fp32, 1 int16, 2 int8, 3 int16-split;
+// another value leaves it as it is); returns the mode in force. Not to be called while a linear call runs.
 int32_t dp_quant_set_activations(int32_t mode) { return dp_quant::set_activation_mode(mode); }
 
 // y [M, N] (row stride ldy, fp32) = x [M, K] (row stride ldx, fp32) W^T. Returns -1 when the

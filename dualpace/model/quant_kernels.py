@@ -7,7 +7,7 @@ where the CPU has them, else -march=native and the header's plain C++ path), cac
 flags; the .so shares torch's OpenMP runtime (one pool, torch.set_num_threads).
 `DUALPACE_CPU_KERNELS=0` turns these off too, leaving the torch fallback of QuantizedWeight.
 
-Activation arithmetic (quant_gemv.h): `int16` by default, `fp32` or `int8` with
+Activation arithmetic (quant_gemv.h): `int16` by default, `fp32`, `int8` or `int16-split` with
 DUALPACE_QUANT_ACTIVATIONS, or `set_activations()` in-process (tests and benchmarks).
 """
 
@@ -24,7 +24,8 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 
 _HERE = Path(__file__).parent
-SOURCES = [_HERE / "quant_kernels.cpp", _HERE / "quant_gemv.h", _HERE / "quant_gemv_i16.h", _HERE / "kernel_weights.h"]
+SOURCES = [_HERE / "quant_kernels.cpp", _HERE / "quant_gemv.h", _HERE / "quant_gemv_i16.h",
+           _HERE / "quant_gemv_q8_split.h", _HERE / "kernel_weights.h"]
 _BASE_FLAGS = ["-O3", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
 _AVX2_FLAGS = ["-mavx2", "-mfma", "-mf16c"]
 
@@ -117,11 +118,11 @@ def get() -> ctypes.CDLL | None:
     return _state["lib"]  # type: ignore[return-value]
 
 
-ACTIVATION_MODES = {"fp32": 0, "int16": 1, "int8": 2}  # quant_gemv.h's ActivationMode
+ACTIVATION_MODES = {"fp32": 0, "int16": 1, "int8": 2, "int16-split": 3}  # quant_gemv.h's ActivationMode
 
 
 def set_activations(mode: str) -> None:
-    """Use `mode` (fp32, int16, int8) for the activations of block-quantized weights from now on,
+    """Use `mode` (fp32, int16, int8, int16-split) for the activations of block-quantized weights from now on,
     in these kernels and in every loaded cpu_kernels variant. Not while a linear call runs."""
     if mode not in ACTIVATION_MODES:
         raise ValueError(f"activation mode {mode!r}: expected one of {', '.join(ACTIVATION_MODES)}")

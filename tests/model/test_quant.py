@@ -1,7 +1,8 @@
 """Block-quantized weights (dualpace.model.quant, quant_gemv.h): every format against the `gguf`
 package's dequantization, odd N, K a multiple of the block, 1..70 rows of x, through the
 standalone kernels, the torch fallback, the cpu_kernels seam, in each activation mode: int16 (the
-default: within the bound its rounding allows), fp32 (exact up to summation order) and int8."""
+default: within the bound its rounding allows), fp32 (exact up to summation order), int8 and
+int16-split (Q8_0 split into two bytes per activation)."""
 
 from __future__ import annotations
 
@@ -57,41 +58,59 @@ def assert_close(y: torch.Tensor, ref: torch.Tensor, rel: float = 1e-5) -> None:
     assert (y - ref).abs().max().item() <= rel * scale, (y - ref).abs().max().item() / scale
 
 
-def int16_halves(x: torch.Tensor) -> torch.Tensor:
-    """x [M, K] as [M, K / 32, 2, 16]: the two sets of 16 elements of each block of 32 that share
-    an int16 scale in quant_gemv_i16.h (elements 0-7 + 16-23, and 8-15 + 24-31)."""
+# How the int16 mode rounds x for a format: the two sets of 16 elements of each block of 32 that
+# share a scale, and the largest integer. quant_gemv_i16.h: elements 0-7 + 16-23 and 8-15 + 24-31,
+# to +-32767; Q8_0's split kernel (quant_gemv_q8_split.h): 0-15 and 16-31, to +-8127.
+INT16_SCHEME = (True, 32767)
+SPLIT_SCHEME = (False, 8127)
+
+
+def scheme(name: str, mode: str = "int16") -> tuple[bool, int]:
+    return SPLIT_SCHEME if name == "Q8_0" and mode == "int16-split" else INT16_SCHEME
+
+
+def int16_halves(x: torch.Tensor, interleaved: bool = True) -> torch.Tensor:
+    """x [M, K] as [M, K / 32, 2, 16]: the two sets of 16 elements of each block that share a scale."""
+    if not interleaved:
+        return x.reshape(x.shape[0], -1, 2, 16)
     parts = x.reshape(x.shape[0], -1, 4, 8)
     return torch.stack([parts[:, :, 0::2].flatten(2), parts[:, :, 1::2].flatten(2)], 2)
 
 
-def from_int16_halves(h: torch.Tensor) -> torch.Tensor:
+def from_int16_halves(h: torch.Tensor, interleaved: bool = True) -> torch.Tensor:
     m, nb = h.shape[:2]
+    if not interleaved:
+        return h.reshape(m, nb * 32)
     parts = torch.empty(m, nb, 4, 8, dtype=h.dtype)
     parts[:, :, 0::2], parts[:, :, 1::2] = h[:, :, 0].reshape(m, nb, 2, 8), h[:, :, 1].reshape(m, nb, 2, 8)
     return parts.reshape(m, nb * 32)
 
 
-def int16_rounded(x: torch.Tensor) -> torch.Tensor:
-    """x rounded as the int16 mode does (fp32 arithmetic: q = round(x * (32767 / max)), x = q max / 32767)."""
-    h = int16_halves(x)
+def int16_rounded(x: torch.Tensor, rounding: tuple[bool, int] = INT16_SCHEME) -> torch.Tensor:
+    """x rounded as the int16 mode does (fp32 arithmetic: q = round(x * (qmax / max)), x = q max / qmax)."""
+    interleaved, qmax = rounding
+    h = int16_halves(x, interleaved)
     amax = h.abs().amax(-1, keepdim=True)
-    inv = torch.where(amax > 0, torch.full_like(amax, 32767.0) / amax, torch.zeros_like(amax))  # IEEE division
-    return from_int16_halves(torch.round(h * inv).double() * (amax.double() / 32767))
+    inv = torch.where(amax > 0, torch.full_like(amax, float(qmax)) / amax, torch.zeros_like(amax))  # IEEE division
+    return from_int16_halves(torch.round(h * inv).double() * (amax.double() / qmax), interleaved)
 
 
-def assert_linear_close(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor, rel: float = 1e-5) -> None:
-    """y = x @ w.T, except for the int16 rounding of x per 16 elements (|error| <= half a step,
-    max|x_half| / 32767 / 2, per element: its bound through |w| is allowed on top of rel)."""
+def assert_linear_close(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor, rel: float = 1e-5,
+                        rounding: tuple[bool, int] = INT16_SCHEME) -> None:
+    """y = x @ w.T, except for the int16 mode's rounding of x per 16 elements (|error| <= half a
+    step, max|x_half| / qmax / 2, per element: its bound through |w| is allowed on top of rel)."""
+    interleaved, qmax = rounding
     ref = x.double() @ w.double().T
-    h = int16_halves(x.double())
-    half_step = from_int16_halves((h.abs().amax(-1, keepdim=True) / 32767 * 0.5 * (1 + 1e-3)).expand_as(h))
+    h = int16_halves(x.double(), interleaved)
+    half_step = from_int16_halves((h.abs().amax(-1, keepdim=True) / qmax * 0.5 * (1 + 1e-3)).expand_as(h),
+                                  interleaved)
     bound = half_step @ w.double().abs().T
     excess = ((y.double() - ref).abs() - bound).max().item()
     scale = ref.abs().max().item() + 1e-12
     assert excess <= rel * scale, excess / scale
 
 
-@pytest.fixture(params=["int16", "fp32"])
+@pytest.fixture(params=["int16", "fp32", "int16-split"])
 def activations(request):
     """Each activation mode of the kernels for one test, the default (int16) restored after."""
     quant_kernels.set_activations(request.param)
@@ -110,9 +129,9 @@ def test_linear_matches_dequantized_reference(name, m, n, k, activations):
     if activations == "fp32":
         assert_close(qw.linear(x), x @ w.T)
     else:
-        assert_linear_close(qw.linear(x), x, w)
+        assert_linear_close(qw.linear(x), x, w, rounding=scheme(name, activations))
     bias = torch.randn(n)
-    assert_linear_close(qw.linear(x, bias) - bias, x, w)
+    assert_linear_close(qw.linear(x, bias) - bias, x, w, rounding=scheme(name, activations))
 
 
 @needs_kernels
@@ -212,23 +231,58 @@ def test_the_cpu_kernels_seam_uses_the_header(name, activations):
         if activations == "fp32":
             assert_close(y, x @ w.T + residual)
         else:
-            assert_linear_close(y - residual, x, w)
+            assert_linear_close(y - residual, x, w, rounding=scheme(name, activations))
 
 
 @needs_kernels
+@pytest.mark.parametrize("mode", ["int16", "int16-split"])
 @pytest.mark.parametrize("name", FORMATS)
-def test_int16_mode_is_the_rounded_activations_times_the_weights(name):
-    """The default mode equals x rounded to int16 per 16 elements times the dequantized weights,
-    up to fp32 summation order: the min terms use the rounded sums, nothing else is approximated."""
+def test_int16_mode_is_the_rounded_activations_times_the_weights(name, mode):
+    """The default mode equals x rounded per 16 elements (Q8_0 in int16-split: to 8127, for the split
+    kernel) times the dequantized weights, up to fp32 summation order: the min terms use the
+    rounded sums, nothing else is approximated."""
     kernels = cpu_kernels.get()
-    quant_kernels.set_activations("int16")
-    for m, n, k in [(1, 37, 256), (6, 19, 512), (33, 8, 768)]:
-        qw, w = weight(name, n, k)
-        x = torch.randn(m, k) * torch.rand(m, k) * 4
-        ref = int16_rounded(x) @ w.double().T
+    quant_kernels.set_activations(mode)
+    try:
+        for m, n, k in [(1, 37, 256), (6, 19, 512), (33, 8, 768), (127, 5, 256)]:
+            qw, w = weight(name, n, k)
+            x = torch.randn(m, k) * torch.rand(m, k) * 4
+            ref = int16_rounded(x, scheme(name, mode)) @ w.double().T
+            assert_close(qw.linear(x).double(), ref, rel=1e-6)
+            if kernels is not None and kernels.supports_format(FORMAT_BY_NAME[name].ggml_type):
+                assert_close(kernels.linear(x, qw).double(), ref, rel=1e-6)
+    finally:
+        quant_kernels.set_activations("int16")
+
+
+@needs_kernels
+def test_q8_0_split_kernel_at_the_extremes():
+    """int16-split on Q8_0: every int8 weight (-128 and 127 included) against activations whose split digits reach the
+    ends of -64..63 (a half all at +max or -max: q = +-8127; q = 128 k - 64: lo = -64): the
+    maddubs pair sums must not saturate, so the result stays the rounded x times the weights."""
+    rng = np.random.default_rng(5)
+    n, k = 24, 1024
+    raw = np.zeros((n, k // 32, 34), dtype=np.uint8)
+    raw[:, :, 0:2] = (rng.random((n, k // 32)) * 0.02 + 0.001).astype(np.float16).view(np.uint8).reshape(n, -1, 2)
+    q = rng.integers(-128, 128, (n, k // 32, 32)).astype(np.int8)
+    q[:4] = np.array([127, -128], dtype=np.int8)[np.arange(4) % 2][:, None, None]  # rows all 127 / all -128
+    raw[:, :, 2:] = q.view(np.uint8)
+    blocks = raw.reshape(n, -1)
+    qw = QuantizedWeight.from_blocks(blocks, FORMAT_BY_NAME["Q8_0"], k)
+    w = reference(blocks, "Q8_0", k)
+    x = torch.randn(6, k)
+    x[0, :512], x[1, :512] = 3.0, -3.0
+    x[2, :16] = torch.tensor([8127.0] + [128.0 * j - 64 for j in range(-31, 32, 4)][:15])  # lo = -64 digits
+    x[3, 32:48] = 0.0  # an all-zero half: scale 0
+    ref = int16_rounded(x, SPLIT_SCHEME) @ w.double().T
+    kernels = cpu_kernels.get()
+    quant_kernels.set_activations("int16-split")
+    try:
         assert_close(qw.linear(x).double(), ref, rel=1e-6)
-        if kernels is not None and kernels.supports_format(FORMAT_BY_NAME[name].ggml_type):
+        if kernels is not None and kernels.supports_format(FORMAT_BY_NAME["Q8_0"].ggml_type):
             assert_close(kernels.linear(x, qw).double(), ref, rel=1e-6)
+    finally:
+        quant_kernels.set_activations("int16")
 
 
 @needs_kernels
