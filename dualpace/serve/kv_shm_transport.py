@@ -84,18 +84,17 @@ class SameHostKvSender(GrpcKvSender):
                     await self._send_chunks(call, chunks)
                     lap("written_ms")
                     engine = await self._prepare_and_commit(call)
-                elif answer.accepts_written_with_commit:
-                    chunks.safe_point()  # the last chance to back out (a cancelled MigrateOut): commit follows
-                    written = dataclasses.replace(written, commit=True)
-                    await self._write(call, shm_written_to_pb(written), "shm_written with commit")
-                    self.used_shm = True
-                    lap("written_ms")
-                    engine = (await self._expect(call, "committed")).engine  # verified, prepared, committed
                 else:
+                    with_commit = answer.accepts_written_with_commit
+                    if with_commit:
+                        chunks.safe_point()  # the last chance to back out (a cancelled MigrateOut): commit follows
+                        written = dataclasses.replace(written, commit=True)
                     await self._write(call, shm_written_to_pb(written), "shm_written")
                     self.used_shm = True
                     lap("written_ms")
-                    engine = await self._prepare_and_commit(call)
+                    # with commit: the target verified, prepared and committed on that one message
+                    engine = ((await self._expect(call, "committed")).engine if with_commit
+                              else await self._prepare_and_commit(call))
                 lap("verify_prepare_commit_ms")
                 log.debug("KV to %s: %s", self.target_address, {k: round(v, 3) for k, v in laps.items()})
                 return engine
