@@ -23,6 +23,9 @@ class AssistBegin:
     sampling: list[tuple[SamplingParams, int]] | None
     wait_for_engine_iteration: bool = False  # the gated (NEO-like) baseline policy
     max_device_wait_ms: int = 0  # 0: wait for the device as long as the server allows
+    join_engine_iteration: bool = False  # cooperative: ride in the GPU engine's next step (shm only)
+    max_join_wait_us: int = 0  # the longest wait for that step; 0: up to the stage timeout (gated)
+    expected_layer_us: int = 0  # the CPU's attention + ring time per layer (0: unknown)
 
 
 @dataclass(frozen=True)
@@ -45,6 +48,26 @@ class AssistQkv:
     v: torch.Tensor
 
 
+class JoinHow(IntEnum):
+    """How a GPU engine ran an assisted iteration (assist.proto JoinHow)."""
+
+    UNSPECIFIED = 0  # an older server, or not said
+    JOINED = 1  # in the engine's own step, one sub-batch with the engine's rows
+    SPLIT = 2  # in the engine's own step, beside a second sub-batch
+    STAGED = 3  # in stages of its own between the engine's layers
+
+
+@dataclass(frozen=True)
+class AssistJoinInfo:
+    """The timeline entry of an assisted iteration: the GPU step it rode in (0: staged) and its times."""
+
+    how: JoinHow = JoinHow.UNSPECIFIED
+    engine_step_id: int = 0
+    gpu_wait_us: int = 0  # how long the GPU step blocked waiting for this join's attention
+    step_start_ns: int = 0  # CLOCK_MONOTONIC (time.monotonic_ns)
+    step_end_ns: int = 0
+
+
 @dataclass(frozen=True)
 class AssistResult:
     """An iteration's outcome: sampled token ids, or float32 logits [batch, vocab] (exactly one is set)."""
@@ -52,6 +75,7 @@ class AssistResult:
     iteration_id: int
     token_ids: list[int] | None = None
     logits: torch.Tensor | None = None
+    join_info: AssistJoinInfo | None = None  # None: the server said nothing (older servers)
 
 
 @dataclass(frozen=True)
@@ -72,6 +96,7 @@ class AssistShmAnswer:
     token: bytes = b""
     reason: str = ""
     max_batch_rows: int = 0
+    accepts_join: bool = False  # begins may set join_engine_iteration
 
 
 class ShmSlotKind(IntEnum):

@@ -5,10 +5,12 @@ from __future__ import annotations
 from dualpace.engine.assist_types import (
     AssistAttentionOutput,
     AssistBegin,
+    AssistJoinInfo,
     AssistQkv,
     AssistResult,
     AssistShmAnswer,
     AssistShmOffer,
+    JoinHow,
 )
 from dualpace.wire.common import (
     sampling_params_from_pb,
@@ -34,6 +36,9 @@ def assist_up_to_pb(item: AssistBegin | AssistAttentionOutput | AssistShmOffer) 
             return_logits=item.sampling is None,
             wait_for_engine_iteration=item.wait_for_engine_iteration,
             max_device_wait_ms=item.max_device_wait_ms,
+            join_engine_iteration=item.join_engine_iteration,
+            max_join_wait_us=item.max_join_wait_us,
+            expected_layer_us=item.expected_layer_us,
         )
         for params, seed in item.sampling or ():
             row = sampling_params_to_pb(params)
@@ -79,6 +84,9 @@ def assist_up_from_pb(message: assist_pb2.AssistUp) -> AssistBegin | AssistAtten
             sampling=sampling,
             wait_for_engine_iteration=begin.wait_for_engine_iteration,
             max_device_wait_ms=begin.max_device_wait_ms,
+            join_engine_iteration=begin.join_engine_iteration,
+            max_join_wait_us=begin.max_join_wait_us,
+            expected_layer_us=begin.expected_layer_us,
         )
     if kind == "attention_output":
         output = message.attention_output
@@ -94,7 +102,8 @@ def assist_down_to_pb(item: AssistQkv | AssistResult | AssistShmAnswer) -> assis
     """Core qkv / result / shm answer -> AssistDown (tensors are copied to the host if needed)."""
     if isinstance(item, AssistShmAnswer):
         return assist_pb2.AssistDown(shm_answer=assist_pb2.AssistShmAnswer(
-            accepted=item.accepted, token=item.token, reason=item.reason, max_batch_rows=item.max_batch_rows))
+            accepted=item.accepted, token=item.token, reason=item.reason, max_batch_rows=item.max_batch_rows,
+            accepts_join=item.accepts_join))
     if isinstance(item, AssistQkv):
         return assist_pb2.AssistDown(
             qkv=assist_pb2.AssistQkv(
@@ -112,6 +121,8 @@ def assist_down_to_pb(item: AssistQkv | AssistResult | AssistShmAnswer) -> assis
         result.sampled.CopyFrom(token_ids_to_pb(item.token_ids))
     else:
         result.logits.CopyFrom(tensor_to_pb(item.logits))
+    if item.join_info is not None:
+        result.join_info.CopyFrom(join_info_to_pb(item.join_info))
     return assist_pb2.AssistDown(result=result)
 
 
@@ -121,7 +132,7 @@ def assist_down_from_pb(message: assist_pb2.AssistDown) -> AssistQkv | AssistRes
     if kind == "shm_answer":
         answer = message.shm_answer
         return AssistShmAnswer(accepted=answer.accepted, token=answer.token, reason=answer.reason,
-                               max_batch_rows=answer.max_batch_rows)
+                               max_batch_rows=answer.max_batch_rows, accepts_join=answer.accepts_join)
     if kind == "qkv":
         qkv = message.qkv
         return AssistQkv(
@@ -134,12 +145,13 @@ def assist_down_from_pb(message: assist_pb2.AssistDown) -> AssistQkv | AssistRes
     if kind == "result":
         result = message.result
         output = result.WhichOneof("output")
+        join_info = join_info_from_pb(result.join_info) if result.HasField("join_info") else None
         if output == "sampled":
-            return AssistResult(iteration_id=result.iteration_id, token_ids=token_ids_from_pb(result.sampled))
+            return AssistResult(iteration_id=result.iteration_id, token_ids=token_ids_from_pb(result.sampled),
+                                join_info=join_info)
         if output == "logits":
-            return AssistResult(
-                iteration_id=result.iteration_id, logits=tensor_from_pb(result.logits, field="result.logits")
-            )
+            return AssistResult(iteration_id=result.iteration_id,
+                                logits=tensor_from_pb(result.logits, field="result.logits"), join_info=join_info)
         raise ValueError("result.output: must set sampled or logits")
     raise ValueError("kind: an AssistDown must set qkv, result or shm_answer")
 
@@ -158,3 +170,35 @@ def begin_from_bytes(data: bytes) -> AssistBegin:
     if message.WhichOneof("kind") != "begin":
         raise ValueError("begin: the shared-memory slot holds no begin")
     return assist_up_from_pb(message)
+
+
+def join_info_to_pb(info: AssistJoinInfo) -> assist_pb2.AssistJoinInfo:
+    return assist_pb2.AssistJoinInfo(engine_step_id=info.engine_step_id, how=int(info.how),
+                                     gpu_wait_us=info.gpu_wait_us, step_start_ns=info.step_start_ns,
+                                     step_end_ns=info.step_end_ns)
+
+
+def join_info_from_pb(message: assist_pb2.AssistJoinInfo) -> AssistJoinInfo:
+    """AssistJoinInfo -> core; ValueError naming the field for a JoinHow this side does not know."""
+    try:
+        how = JoinHow(message.how)
+    except ValueError:
+        raise ValueError(f"join_info.how: unknown value {message.how}") from None
+    return AssistJoinInfo(how=how, engine_step_id=message.engine_step_id, gpu_wait_us=message.gpu_wait_us,
+                          step_start_ns=message.step_start_ns, step_end_ns=message.step_end_ns)
+
+
+def join_info_to_bytes(info: AssistJoinInfo) -> bytes:
+    """A join info as the payload of a shared-memory result slot."""
+    return join_info_to_pb(info).SerializeToString()
+
+
+def join_info_from_bytes(data: bytes) -> AssistJoinInfo | None:
+    """The inverse of join_info_to_bytes; None for an empty payload (an older server); ValueError if undecodable."""
+    if not data:
+        return None
+    try:
+        message = assist_pb2.AssistJoinInfo.FromString(data)
+    except Exception as exc:  # protobuf's DecodeError
+        raise ValueError(f"join_info: undecodable bytes in the shared-memory result slot ({exc})") from None
+    return join_info_from_pb(message)
