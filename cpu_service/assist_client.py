@@ -36,6 +36,7 @@ import grpc
 import torch
 
 from cpu_service import assist_shm
+from cpu_service.assist_join import NO_JOIN, JoinAsk, JoinDowngrades
 from dualpace.engine import assist_types
 from dualpace.errors import InvalidArgument, Unavailable
 from dualpace.sampling import SamplingParams, sample_next_tokens
@@ -171,6 +172,8 @@ class AssistClient:
         self._lock = threading.Lock()
         self._closed = False
         self.consecutive_failures = 0  # AssistUnavailable raised since the last success
+        self._downgrades = JoinDowngrades(address)
+        self.last_join_info: assist_types.AssistJoinInfo | None = None  # how the last iteration ran
 
     def run_iteration(
         self,
@@ -180,6 +183,7 @@ class AssistClient:
         sampling: Sequence[tuple[SamplingParams, int]] | None = None,
         wait_for_engine_iteration: bool = False,
         max_device_wait_ms: int = 0,
+        join: JoinAsk = NO_JOIN,
     ) -> list[int | None] | torch.Tensor:
         """One assisted decode iteration over a batch (one token per row).
 
@@ -191,8 +195,9 @@ class AssistClient:
         the iteration only at its own engine's iteration boundary and keeps its device
         until the result); max_device_wait_ms bounds how long the GPU may keep the
         iteration waiting for its device, all layers' waits added up (past it the server
-        answers RESOURCE_EXHAUSTED and this raises AssistUnavailable).
-        Raises AssistUnavailable (run the iteration locally instead).
+        answers RESOURCE_EXHAUSTED and this raises AssistUnavailable). join asks the server to
+        run the rows inside its engine's next step (cpu_service/assist_join.py); how it ran is
+        left in last_join_info. Raises AssistUnavailable (run the iteration locally instead).
         """
         with self._lock:
             if self._closed:
@@ -204,10 +209,13 @@ class AssistClient:
                 sampling=None if sampling is None else list(sampling),
                 wait_for_engine_iteration=wait_for_engine_iteration,
                 max_device_wait_ms=max_device_wait_ms,
+                join_engine_iteration=join.join,
+                max_join_wait_us=join.max_join_wait_us or 0,
+                expected_layer_us=join.expected_layer_us,
             )
-            request = assist_messages.assist_up_to_pb(begin)
+            self.last_join_info = None
             try:
-                result = self._exchange(begin, request, attend)
+                result = self._exchange(begin, attend)
             except AssistUnavailable:
                 self._drop_stream()
                 self.consecutive_failures += 1
@@ -216,11 +224,10 @@ class AssistClient:
                 self._drop_stream()
                 raise
             self.consecutive_failures = 0
+            self.last_join_info = result.join_info
             return self._output(begin, result)
 
-    def _exchange(
-        self, begin: assist_types.AssistBegin, request: assist_pb2.AssistUp, attend: AttendFn
-    ) -> assist_types.AssistResult:
+    def _exchange(self, begin: assist_types.AssistBegin, attend: AttendFn) -> assist_types.AssistResult:
         """Send begin, answer each layer's qkv with attend, return the result."""
         if self._stream is None:
             self._stream = _AssistStream(self._stub, self.address, self._metadata)
@@ -229,19 +236,20 @@ class AssistClient:
         stream = self._stream
         batch = len(begin.token_ids)
         wait_budget_s = self.iteration_timeout_s
-        if self._shm is not None:
+        shm_fits = self._shm is not None and self._shm.fits(batch, assist_messages.begin_to_bytes(begin))
+        begin = self._downgrades.begin_for_peer(begin, shm_fits and self._shm.accepts_join)
+        if shm_fits:
             begin_bytes = assist_messages.begin_to_bytes(begin)
-            if self._shm.fits(batch, begin_bytes):
-                deadline_s = assist_shm.deadline_after(wait_budget_s)
-                result = self._shm.run(begin, begin_bytes, attend, deadline_s, stream.ended.is_set, self)
-                if result is None:  # on the stream: the result did not fit a slot, or an error
-                    result = self._decode(stream.receive(deadline_s - time.monotonic()))
-                    if not isinstance(result, assist_types.AssistResult) or result.iteration_id != begin.iteration_id:
-                        raise self._protocol_error("expected the iteration's result on the stream")
-                self._check_result(result, begin)
-                self.num_shm_iterations += 1
-                return result
-        stream.send(request)
+            deadline_s = assist_shm.deadline_after(wait_budget_s)
+            result = self._shm.run(begin, begin_bytes, attend, deadline_s, stream.ended.is_set, self)
+            if result is None:  # on the stream: the result did not fit a slot, or an error
+                result = self._decode(stream.receive(deadline_s - time.monotonic()))
+                if not isinstance(result, assist_types.AssistResult) or result.iteration_id != begin.iteration_id:
+                    raise self._protocol_error("expected the iteration's result on the stream")
+            self._check_result(result, begin)
+            self.num_shm_iterations += 1
+            return result
+        stream.send(assist_messages.assist_up_to_pb(begin))
         for expected_layer in itertools.count():
             started_s = time.monotonic()
             reply = self._decode(stream.receive(wait_budget_s))

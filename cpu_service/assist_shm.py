@@ -21,8 +21,16 @@ from collections.abc import Callable
 import torch
 
 from dualpace.engine import shm_doorbell
-from dualpace.engine.assist_types import AssistBegin, AssistResult, AssistShmAnswer, AssistShmOffer, ShmSlotKind
+from dualpace.engine.assist_types import (
+    AssistBegin,
+    AssistJoinInfo,
+    AssistResult,
+    AssistShmAnswer,
+    AssistShmOffer,
+    ShmSlotKind,
+)
 from dualpace.engine.shm_ring import ShmEndpoint, ShmProtocolError, ShmSegment, SlotMessage, boot_id, message_bytes
+from dualpace.wire import assist_messages
 
 NUM_SLOTS = 2  # one iteration's messages alternate down and up: two slots a direction suffice
 TRANSPORTS = ("auto", "grpc")
@@ -54,6 +62,7 @@ class ShmIterations:
         self._segment = segment
         self._endpoint: ShmEndpoint = segment.endpoint("up", spin_s)
         self.max_batch_rows = answer.max_batch_rows
+        self.accepts_join = answer.accepts_join  # begins through these rings may join the GPU engine's step
         self._lock = threading.Lock()  # interrupt (reader thread) vs close
         self._closed = False
 
@@ -91,9 +100,11 @@ class ShmIterations:
                                           [attention_output.contiguous()]))
                 expected_layer += 1
             elif message.kind == ShmSlotKind.RESULT_TOKENS and len(message.tensors) == 1:
-                return AssistResult(begin.iteration_id, token_ids=message.tensors[0].tolist())
+                return AssistResult(begin.iteration_id, token_ids=message.tensors[0].tolist(),
+                                    join_info=_join_info(message.payload, errors))
             elif message.kind == ShmSlotKind.RESULT_LOGITS and len(message.tensors) == 1:
-                return AssistResult(begin.iteration_id, logits=message.tensors[0].clone())
+                return AssistResult(begin.iteration_id, logits=message.tensors[0].clone(),
+                                    join_info=_join_info(message.payload, errors))
             elif message.kind == ShmSlotKind.RESULT_ON_STREAM:
                 return None
             else:
@@ -110,6 +121,14 @@ class ShmIterations:
             if not self._closed:
                 self._closed = True
                 self._segment.close()
+
+
+def _join_info(payload: bytes, errors) -> AssistJoinInfo | None:
+    """A result slot's payload: how the iteration ran (empty from older servers)."""
+    try:
+        return assist_messages.join_info_from_bytes(payload)
+    except ValueError as exc:
+        raise errors.protocol(str(exc)) from None
 
 
 def deadline_after(budget_s: float) -> float:

@@ -97,9 +97,9 @@ class DenseAssistServicer(assist_pb2_grpc.DenseAssistServicer):
         offer = assist_messages.assist_up_from_pb(message)
         loop = asyncio.get_running_loop()
         answer, segment = await loop.run_in_executor(self._stages, accept_offer, offer, self._executor.model,
-                                                     self._limits, self.num_shm_streams)
+                                                     self._limits, self.num_shm_streams, session.accepts_join)
         if segment is not None:
-            shm = ShmStream(session, segment, lock, self._limits, loop)
+            shm = ShmStream(session, segment, lock, self._limits, loop, self._executor.model)
             self.num_shm_streams += 1
             shm.start()
         else:

@@ -23,8 +23,6 @@ import asyncio
 import threading
 import time
 
-import torch
-
 from dualpace.engine import shm_doorbell
 from dualpace.engine.assist_types import (
     AssistAttentionOutput,
@@ -38,7 +36,8 @@ from dualpace.engine.shm_ring import ShmProtocolError, ShmSegment, SlotMessage, 
 from dualpace.model.transformer import Transformer
 from dualpace.wire import assist_messages
 from gpu_service.assist_limits import AssistExpired, AssistLimits, idle_expired, stage_expired
-from gpu_service.dense_assist import AssistSession
+from gpu_service.dense_assist import RESULT_SENT, AssistSession
+from gpu_service.join_channel import RingJoinChannel, send_result
 
 WATCHDOG_S = 0.25  # how often the event loop looks at a running stage (the stage timeout's grain)
 
@@ -58,9 +57,10 @@ def max_batch_rows(model: Transformer, slot_bytes: int) -> int:
     return rows
 
 
-def accept_offer(offer: AssistShmOffer, model: Transformer, limits: AssistLimits,
-                 num_open: int) -> tuple[AssistShmAnswer, ShmSegment | None]:
-    """Map the offered segment if it is the client's on this host; the answer, and the segment."""
+def accept_offer(offer: AssistShmOffer, model: Transformer, limits: AssistLimits, num_open: int,
+                 accepts_join: bool = False) -> tuple[AssistShmAnswer, ShmSegment | None]:
+    """Map the offered segment if it is the client's on this host; the answer (accepts_join: this
+    server's begins may join its engine's steps), and the segment."""
     def refuse(reason: str) -> tuple[AssistShmAnswer, None]:
         return AssistShmAnswer(accepted=False, reason=reason), None
 
@@ -81,15 +81,17 @@ def accept_offer(offer: AssistShmOffer, model: Transformer, limits: AssistLimits
     if rows < 1:
         segment.close()
         return refuse(f"a slot of {segment.slot_bytes} bytes holds no row of this model")
-    return AssistShmAnswer(accepted=True, token=segment.server_token, max_batch_rows=rows), segment
+    return AssistShmAnswer(accepted=True, token=segment.server_token, max_batch_rows=rows,
+                           accepts_join=accepts_join), segment
 
 
 class ShmStream:
     """The ring side of one stream: a thread that serves ring messages, watched from the event loop."""
 
     def __init__(self, session: AssistSession, segment: ShmSegment, lock: threading.Lock, limits: AssistLimits,
-                 loop: asyncio.AbstractEventLoop):
+                 loop: asyncio.AbstractEventLoop, model: Transformer):
         self._session = session
+        self._model = model
         session.host_outputs = False  # q/k/v go from the device straight into the slot: one copy
         self._segment = segment
         self._endpoint = segment.endpoint("down", shm_doorbell.DEFAULT_SPIN_S)
@@ -195,11 +197,16 @@ class ShmStream:
                 self._stage_started_s = None
             self._send(reply)
 
-    def _handle(self, message: SlotMessage) -> AssistQkv | AssistResult:
+    def _handle(self, message: SlotMessage) -> AssistQkv | AssistResult | object:
         if message.kind == ShmSlotKind.BEGIN and not message.tensors:
-            qkv = self._session.begin(assist_messages.begin_from_bytes(message.payload))
-            self._ring_iteration = True
-            return qkv
+            begin = assist_messages.begin_from_bytes(message.payload)
+            channel = None
+            if begin.join_engine_iteration and self._session.accepts_join:
+                # the step thread drives the ring through it while this thread waits in the desk
+                channel = RingJoinChannel(self._endpoint, self._model, begin, self._stop.is_set, self._put_on_stream)
+            reply = self._session.begin(begin, channel)
+            self._ring_iteration = reply is not RESULT_SENT
+            return reply
         if message.kind == ShmSlotKind.ATTENTION_OUTPUT and len(message.tensors) == 1:
             reply = self._session.attention_output(
                 AssistAttentionOutput(message.iteration_id, message.layer, message.tensors[0]))
@@ -208,16 +215,15 @@ class ShmStream:
             return reply
         raise ShmProtocolError(f"slot.kind: {message.kind} with {len(message.tensors)} tensors is not an upstream message")
 
-    def _send(self, reply: AssistQkv | AssistResult) -> None:
-        endpoint = self._endpoint
+    def _send(self, reply: AssistQkv | AssistResult | object) -> None:
+        if reply is RESULT_SENT:  # a joined step sent it through the ring already
+            return
         if isinstance(reply, AssistQkv):
-            endpoint.send(SlotMessage(ShmSlotKind.QKV, reply.iteration_id, reply.layer, [reply.q, reply.k, reply.v]))
-        elif reply.token_ids is not None:
-            tokens = torch.tensor(reply.token_ids, dtype=torch.int64)
-            endpoint.send(SlotMessage(ShmSlotKind.RESULT_TOKENS, reply.iteration_id, 0, [tokens]))
-        elif endpoint.fits([reply.logits.numel() * 4]):
-            endpoint.send(SlotMessage(ShmSlotKind.RESULT_LOGITS, reply.iteration_id, 0, [reply.logits.float()]))
+            self._endpoint.send(SlotMessage(ShmSlotKind.QKV, reply.iteration_id, reply.layer,
+                                            [reply.q, reply.k, reply.v]))
         else:
-            pb = assist_messages.assist_down_to_pb(reply)
-            self._loop.call_soon_threadsafe(self.outbox.put_nowait, pb)
-            endpoint.send(SlotMessage(ShmSlotKind.RESULT_ON_STREAM, reply.iteration_id))
+            send_result(self._endpoint, reply, self._put_on_stream)
+
+    def _put_on_stream(self, pb) -> None:
+        """An AssistDown for the gRPC stream (a result too large for a slot), from any thread."""
+        self._loop.call_soon_threadsafe(self.outbox.put_nowait, pb)

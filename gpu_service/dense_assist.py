@@ -22,7 +22,12 @@ share, read-only: the residual stream lives in the session, the KV on the CPU en
 
 Gated baseline (begin.wait_for_engine_iteration, NEO-like): unchanged from the coarse
 design: the iteration waits for the engine's iteration boundary, then holds the device
-lock from its begin to its result, so the GPU and CPU iterations take turns.
+lock from its begin to its result, so the GPU and CPU iterations take turns (kept as
+cpu_service's `--gated-hold held`, and as the downgrade where a join cannot run).
+
+Joins (begin.join_engine_iteration, ring streams of a server with a JoinDesk): the begin's
+rows ride in the GPU engine's next step instead of stages of their own, driven by the step
+thread through a gpu_service/join_channel.py channel (docs/design_cooperative_execution.md).
 
 Bounded wait (begin.max_device_wait_ms): a budget per iteration: the waits of all its
 stages for the device add up to at most that; past it the stage raises Overloaded
@@ -36,6 +41,7 @@ CUDA and on the CPU device.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Iterator
@@ -48,9 +54,21 @@ from dualpace.engine.gate import DeviceHandoff, IterationGate
 from dualpace.errors import InvalidArgument, Overloaded
 from dualpace.model.transformer import Transformer
 from dualpace.penalties import has_penalties
-from dualpace.sampling import SamplingParams, sample_next_tokens
-from dualpace.engine.assist_types import AssistAttentionOutput, AssistBegin, AssistQkv, AssistResult
+from dualpace.sampling import SamplingParams
+from dualpace.engine.assist_types import (
+    AssistAttentionOutput,
+    AssistBegin,
+    AssistJoinInfo,
+    AssistQkv,
+    AssistResult,
+    JoinHow,
+)
+from dualpace.engine.join_desk import JoinDesk, JoinOutcome, JoinRequest, RemoteRowsChannel
 from gpu_service.assist_limits import DEFAULT_STAGE_TIMEOUT_S, AssistExpired
+from gpu_service.join_channel import result_from_logits
+
+log = logging.getLogger(__name__)
+RESULT_SENT = object()  # begin's reply when a joined step already sent the result through the ring
 
 
 @dataclass
@@ -75,15 +93,17 @@ class DenseAssistExecutor:
     """
 
     def __init__(self, model: Transformer, device: DeviceHandoff | threading.Lock | None = None,
-                 gate: IterationGate | None = None, stage_timeout_s: float = DEFAULT_STAGE_TIMEOUT_S):
+                 gate: IterationGate | None = None, stage_timeout_s: float = DEFAULT_STAGE_TIMEOUT_S,
+                 desk: JoinDesk | None = None):
         self.model = model
         self.handoff = _as_handoff(device)
         self.device_lock = self.handoff.lock
         self.gate = gate if gate is not None else IterationGate()  # the GPU engine's iteration boundaries
         self.stage_timeout_s = stage_timeout_s
+        self.desk = desk  # the GPU engine's JoinDesk: ring begins may join its steps; None: never
 
     def new_session(self) -> AssistSession:
-        return AssistSession(self.model, self.handoff, self.gate, self.stage_timeout_s)
+        return AssistSession(self.model, self.handoff, self.gate, self.stage_timeout_s, self.desk)
 
 
 class AssistSession:
@@ -96,8 +116,10 @@ class AssistSession:
     """
 
     def __init__(self, model: Transformer, device: DeviceHandoff | threading.Lock,
-                 gate: IterationGate | None = None, stage_timeout_s: float = DEFAULT_STAGE_TIMEOUT_S):
+                 gate: IterationGate | None = None, stage_timeout_s: float = DEFAULT_STAGE_TIMEOUT_S,
+                 desk: JoinDesk | None = None):
         self._model = model
+        self._desk = desk
         self._stage_timeout_s = stage_timeout_s  # a device wait's bound when the client set no budget
         self._handoff = _as_handoff(device)
         self._lock = self._handoff.lock
@@ -120,13 +142,32 @@ class AssistSession:
             return self.begin(message)
         return self.attention_output(message)
 
+    @property
+    def accepts_join(self) -> bool:
+        """True when ring begins may join the GPU engine's steps (the server has a desk)."""
+        return self._desk is not None
+
     @torch.inference_mode()
-    def begin(self, begin: AssistBegin) -> AssistQkv:
-        """Start an iteration: embed the batch, compute RoPE once, return layer 0's q, k, v."""
+    def begin(self, begin: AssistBegin, channel: RemoteRowsChannel | None = None) -> AssistQkv | object:
+        """Start an iteration: embed the batch, compute RoPE once, return layer 0's q, k, v.
+
+        A begin with join_engine_iteration and a ring `channel` is offered to the engine's next
+        step instead (docs/design_cooperative_execution.md): RESULT_SENT when that step ran it
+        (its result went down the ring); not taken within max_join_wait_us, it runs staged from
+        here (dualpace); gated (max_join_wait_us 0) waits up to the stage timeout, then
+        AssistExpired. Without a channel or a desk a join runs as if it were none: staged, or held
+        when it also set wait_for_engine_iteration (gated clients do, for this downgrade)."""
         self._check_begin(begin)
         model = self._model
         self._wait_budget_s = begin.max_device_wait_ms / 1e3 if begin.max_device_wait_ms else None
         self.device_wait_s = 0.0
+        if begin.join_engine_iteration:
+            if channel is not None and self._desk is not None:
+                if self._offer_join(begin, channel):
+                    self._last_iteration_id = begin.iteration_id
+                    return RESULT_SENT
+            elif begin.wait_for_engine_iteration:
+                log.info("a gated join runs held (%s)", "over gRPC" if self._desk is not None else "no join desk")
         if begin.wait_for_engine_iteration:  # gated baseline: one CPU iteration per GPU iteration
             wait_s = self._wait_budget_s if self._wait_budget_s is not None else self._stage_timeout_s
             self._gate.wait_turn(wait_s)
@@ -169,6 +210,25 @@ class AssistSession:
         self._iteration = None
         self._release()
         return result
+
+    def _offer_join(self, begin: AssistBegin, channel: RemoteRowsChannel) -> bool:
+        """Offer the begin's rows to the engine's next step: True when it ran them (result sent);
+        False when not taken and dualpace (then it runs staged). Raises AssistExpired for a gated
+        join not taken within the stage timeout, Overloaded for one the step dropped."""
+        gated = begin.max_join_wait_us == 0
+        if gated:
+            max_wait_s = self._wait_budget_s if self._wait_budget_s is not None else self._stage_timeout_s
+        else:
+            max_wait_s = begin.max_join_wait_us / 1e6
+        join = JoinRequest(begin=begin, channel=channel, offered_s=time.monotonic())
+        outcome = self._desk.offer(join, max_wait_s, decline_when_late=not gated)
+        if outcome is JoinOutcome.TAKEN_DONE:
+            return True
+        if outcome is JoinOutcome.DROPPED:
+            raise Overloaded(f"the GPU engine's step dropped this joined iteration: {join.error}")
+        if gated:
+            raise self._busy(f"no GPU engine step took this gated join within {max_wait_s * 1e3:.0f} ms")
+        return False
 
     def close(self) -> None:
         """End the stream: drop an unfinished iteration and give the device back."""
@@ -217,20 +277,11 @@ class AssistSession:
         return AssistQkv(iteration_id=iteration.begin.iteration_id, layer=layer, q=q, k=k, v=v)
 
     def _finish(self, iteration: _Iteration) -> AssistResult:
-        """Logits, then sampling when asked. A row with non-finite logits cannot be named by a
-        token id, so then the logits are returned instead and the client samples (and sees
-        which rows failed) itself."""
+        """Logits, then sampling when asked (result_from_logits); a begin that asked to join and ran
+        staged says so in its join info."""
         begin = iteration.begin
-        logits = self._model.logits(iteration.hidden)
-        if begin.sampling is None:
-            return AssistResult(iteration_id=begin.iteration_id, logits=logits.cpu())
-        params = [params for params, _ in begin.sampling]
-        seeds = [seed for _, seed in begin.sampling]
-        sample_positions = [position + 1 for position in begin.positions]
-        sampled = sample_next_tokens(logits, params, seeds, sample_positions)
-        if not all(sampled.finite):
-            return AssistResult(iteration_id=begin.iteration_id, logits=logits.cpu())
-        return AssistResult(iteration_id=begin.iteration_id, token_ids=sampled.token_ids)
+        info = AssistJoinInfo(how=JoinHow.STAGED) if begin.join_engine_iteration else None
+        return result_from_logits(begin, self._model.logits(iteration.hidden), info)
 
     # ---- validation (before any device work) ----------------------------
 

@@ -1,0 +1,212 @@
+"""Joins (begin.join_engine_iteration) through the real servicer, ring and client, tiny model, fp32.
+
+- a server with a JoinDesk says accepts_join; a dualpace join nobody takes in time runs staged
+  (join_info STAGED) and equals the in-process forward;
+- a gated join nobody takes ends with DEADLINE_EXCEEDED at the issue-20 stage timeout, nothing is
+  held, and the server serves on;
+- a join taken by a step (a stand-in for the engine's step thread that drives the desk's joins
+  through their ring channels, as B's SplitForward does) returns the same tokens and logits as
+  the staged path, with the step's join info;
+- a join the step drops (the CPU's attention past the per-layer bound) ends RESOURCE_EXHAUSTED;
+- a server without a desk: the client never asks, a gated client runs held.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import grpc
+import pytest
+import torch
+
+from cpu_service import assist_shm
+from cpu_service.assist_client import AssistClient, AssistUnavailable
+from cpu_service.assist_join import JoinAsk
+from dualpace.engine.assist_types import JoinHow
+from dualpace.engine.join_desk import JoinDesk, JoinOutcome, JoinStepInfo
+from dualpace.errors import Overloaded
+from dualpace.sampling import SamplingParams
+from gpu_service.assist_limits import AssistLimits
+from gpu_service.dense_assist import DenseAssistExecutor
+from tests.gpu_service.test_dense_assist import (
+    HANG_GUARD_S,
+    _prefilled,
+    _reference_step,
+    _ServerThread,
+    _zeros_attend,
+    loaded,  # noqa: F401 - the module's model fixture
+)
+
+pytestmark = pytest.mark.skipif(not assist_shm.shm_doorbell.SUPPORTED, reason="shared memory needs Linux x86-64")
+DUALPACE_JOIN = JoinAsk.dualpace(max_join_wait_ms=2.0)
+
+
+class _StepStandIn:
+    """Takes the desk's joins and runs each through its channel, remote rows only (S0 and D1
+    empty): the exchange the engine's step thread drives. layer_bound_s: how long a layer waits
+    for a join's attention before it drops the join."""
+
+    def __init__(self, desk: JoinDesk, model, layer_bound_s: float = HANG_GUARD_S):
+        self.desk, self.model, self.layer_bound_s = desk, model, layer_bound_s
+        self.num_steps = 0
+        self.dropped = threading.Event()
+        self._stop = threading.Event()
+        self._wake = threading.Event()
+        desk.on_pending(self._wake.set)
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> _StepStandIn:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self._stop.set()
+        self._wake.set()
+        self._thread.join(HANG_GUARD_S)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self._wake.wait()
+            self._wake.clear()
+            if not self.desk.has_pending:
+                continue
+            joins = self.desk.take(max_rows=64)
+            self.num_steps += 1
+            start_ns = time.monotonic_ns()
+            for join in joins:
+                self._run_join(join, start_ns)
+            self.desk.end_step()
+
+    @torch.inference_mode()
+    def _run_join(self, join, start_ns: int) -> None:
+        model, begin, channel = self.model, join.begin, join.channel
+        hidden = model.embed(torch.tensor(begin.token_ids))
+        rope = model.rope_angles(torch.tensor(begin.positions))
+        for layer in range(model.config.num_layers):
+            q, k, v = model.pre_attention(layer, hidden, rope)
+            channel.send_qkv(layer, q, k, v)
+            attention = channel.receive_attention(layer, time.monotonic() + self.layer_bound_s)
+            if attention is None:
+                error = Overloaded(f"no attention output for layer {layer} within the bound")
+                channel.fail(error)
+                self.desk.settle(join, JoinOutcome.DROPPED, error)
+                self.dropped.set()
+                return
+            hidden = model.post_attention(layer, hidden, attention)
+            self.desk.step_progress(layer, 0.0)
+        info = JoinStepInfo(engine_step_id=self.num_steps, how="joined", gpu_wait_us=0,
+                            step_start_ns=start_ns, step_end_ns=time.monotonic_ns())
+        channel.finish(model.logits(hidden).float(), info)
+        self.desk.settle(join, JoinOutcome.TAKEN_DONE)
+
+
+def _server(loaded, desk: JoinDesk | None, stage_timeout_s: float = 5.0) -> _ServerThread:  # noqa: F811
+    running = _ServerThread(DenseAssistExecutor(loaded.model, stage_timeout_s=stage_timeout_s, desk=desk))
+    running.limits = AssistLimits(stage_timeout_s=stage_timeout_s)
+    return running.start()
+
+
+def _decode_steps(client: AssistClient, loaded, join: JoinAsk, num_steps: int, sampling=None):  # noqa: F811
+    """num_steps assisted decode steps of three sequences, each checked against the in-process
+    forward; the outputs and each step's join info."""
+    host, reference, token_ids = _prefilled(loaded, num_steps)
+    outputs, infos = [], []
+    for _ in range(num_steps):
+        host.lengths = [n + 1 for n in host.lengths]
+        positions = [n - 1 for n in host.lengths]
+        output = client.run_iteration(token_ids, positions, host.attend, sampling, join=join)
+        expected = _reference_step(reference, host, token_ids)
+        if sampling is None:
+            assert (output - expected).abs().max().item() < 1e-5
+        else:
+            assert output == expected.argmax(dim=1).tolist()  # greedy rows
+        token_ids = expected.argmax(dim=1).tolist()
+        outputs.append(output)
+        infos.append(client.last_join_info)
+    return outputs, infos
+
+
+def test_a_join_not_taken_in_time_runs_staged(loaded) -> None:  # noqa: F811
+    running = _server(loaded, JoinDesk(loaded.config.num_layers))
+    try:
+        with AssistClient(running.address, iteration_timeout_s=HANG_GUARD_S) as client:
+            _, infos = _decode_steps(client, loaded, DUALPACE_JOIN, 3)
+            assert client._shm is not None and client._shm.accepts_join
+            assert all(info is not None and info.how == JoinHow.STAGED for info in infos)
+            assert client.num_shm_iterations == 3
+    finally:
+        running.stop()
+
+
+def test_a_stalled_gated_join_ends_deadline_exceeded_and_the_server_serves_on(loaded) -> None:  # noqa: F811
+    desk = JoinDesk(loaded.config.num_layers)
+    running = _server(loaded, desk, stage_timeout_s=0.5)
+    try:
+        with AssistClient(running.address, iteration_timeout_s=HANG_GUARD_S) as client:
+            with pytest.raises(AssistUnavailable) as raised:  # no engine step takes it
+                client.run_iteration([1], [0], _zeros_attend(loaded), wait_for_engine_iteration=True,
+                                     join=JoinAsk.gated())
+            assert raised.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
+            assert not desk.has_pending and not running.executor.device_lock.locked()
+            with _StepStandIn(desk, loaded.model):  # an engine that steps again: the next join rides in it
+                _, infos = _decode_steps(client, loaded, JoinAsk.gated(), 2)
+            assert [info.how for info in infos] == [JoinHow.JOINED] * 2
+    finally:
+        running.stop()
+
+
+def test_a_taken_join_equals_the_staged_path(loaded) -> None:  # noqa: F811
+    desk = JoinDesk(loaded.config.num_layers)
+    running = _server(loaded, desk)
+    greedy = [(SamplingParams(), seed) for seed in (1, 2, 3)]
+    try:
+        with AssistClient(running.address, iteration_timeout_s=HANG_GUARD_S) as client:
+            staged_logits, _ = _decode_steps(client, loaded, DUALPACE_JOIN, 3)
+            staged_tokens, _ = _decode_steps(client, loaded, DUALPACE_JOIN, 3, greedy)
+            with _StepStandIn(desk, loaded.model) as step:
+                joined_logits, infos = _decode_steps(client, loaded, JoinAsk.gated(), 3)
+                joined_tokens, _ = _decode_steps(client, loaded, JoinAsk.gated(), 3, greedy)
+            assert joined_tokens == staged_tokens
+            assert all((a - b).abs().max().item() < 1e-5 for a, b in zip(joined_logits, staged_logits))
+            assert [info.how for info in infos] == [JoinHow.JOINED] * 3
+            assert [info.engine_step_id for info in infos] == [1, 2, 3] and step.num_steps == 6
+            assert all(0 < info.step_start_ns <= info.step_end_ns for info in infos)
+    finally:
+        running.stop()
+
+
+def test_a_join_the_step_drops_ends_resource_exhausted(loaded) -> None:  # noqa: F811
+    desk = JoinDesk(loaded.config.num_layers)
+    running = _server(loaded, desk)
+    zeros = _zeros_attend(loaded)
+    try:
+        with AssistClient(running.address, iteration_timeout_s=HANG_GUARD_S) as client:
+            with _StepStandIn(desk, loaded.model, layer_bound_s=0.2) as step:
+                def stalled_attend(layer, q, k, v):
+                    if layer == 1:  # the CPU stalls past the step's per-layer bound
+                        assert step.dropped.wait(HANG_GUARD_S)
+                    return zeros(layer, q, k, v)
+
+                with pytest.raises(AssistUnavailable) as raised:
+                    client.run_iteration([1], [0], stalled_attend, join=JoinAsk.gated())
+                assert raised.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+                assert client.run_iteration([1], [0], zeros, join=JoinAsk.gated()).shape[0] == 1  # a fresh stream
+                assert client.last_join_info.how == JoinHow.JOINED
+            assert not desk.has_pending
+    finally:
+        running.stop()
+
+
+def test_a_server_without_a_desk_is_never_asked(loaded) -> None:  # noqa: F811
+    running = _server(loaded, None)
+    try:
+        with AssistClient(running.address, iteration_timeout_s=HANG_GUARD_S) as client:
+            _, infos = _decode_steps(client, loaded, JoinAsk.gated(), 2)
+            assert client._shm is not None and not client._shm.accepts_join
+            assert infos == [None, None] and client._downgrades.num_downgraded == 2
+            logits = client.run_iteration([1], [0], _zeros_attend(loaded), wait_for_engine_iteration=True,
+                                          join=JoinAsk.gated())  # gated downgraded to held: still served
+            assert logits.shape == (1, loaded.config.vocab_size)
+    finally:
+        running.stop()
