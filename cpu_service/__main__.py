@@ -22,7 +22,7 @@ from cpu_service.assist_client import AssistClient
 from cpu_service.assist_shm import TRANSPORTS, slot_bytes_for
 from cpu_service.backend import BACKENDS, select_backend
 from dualpace.policy.mode_choice import AssistSetting, ModeChooser
-from cpu_service.runner import CpuRunner
+from cpu_service.runner import GATED_HOLDS, CpuRunner
 from dualpace.engine.core import EngineConfig
 from dualpace.errors import InvalidArgument
 from dualpace.model.loader import LoadedModel
@@ -55,6 +55,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--policy", default="dualpace", choices=POLICIES,
                         help="dualpace: independent loop; gated: NEO-like baseline, CPU decodes advance only "
                              "inside GPU iterations with dense work on the GPU")
+    parser.add_argument("--gated-hold", default="join", choices=GATED_HOLDS,
+                        help="gated only: join (NEO as built: each decode iteration's rows join the GPU engine's "
+                             "step, the GPU never held while this side attends; needs shared memory) or held (the "
+                             "old baseline: the GPU is held from an iteration's begin to its result)")
     parser.add_argument("--profile", default=None,
                         help="hardware profile JSON (`dualpace profile`): seeds the Local/Assisted choice")
     parser.add_argument("--profile-ignore-fingerprint", action="store_true",
@@ -130,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
                      ", ".join(f"{mode.value}@{bucket}={ms:.1f}ms" for (mode, bucket), ms in sorted(
                          predicted.items(), key=lambda kv: (kv[0][1], kv[0][0].value))))
         return CpuRunner(loaded, config.num_kv_blocks, config.block_size, chooser, client, gated=gated,
-                         engine_name=config.name, kv_memory=kv_memory)
+                         engine_name=config.name, kv_memory=kv_memory, gated_hold=args.gated_hold)
 
     def build() -> EngineDaemonParts:
         nonlocal profile

@@ -175,6 +175,11 @@ class AssistClient:
         self._downgrades = JoinDowngrades(address)
         self.last_join_info: assist_types.AssistJoinInfo | None = None  # how the last iteration ran
 
+    @property
+    def peer_accepts_join(self) -> bool:
+        """The open stream's server can join iterations into its engine's steps (shm answer)."""
+        return self._shm is not None and self._shm.accepts_join
+
     def run_iteration(
         self,
         token_ids: Sequence[int],

@@ -1,7 +1,14 @@
-"""The CPU engine's runner: each iteration Local or Assisted, chosen per iteration.
+"""The CPU engine's runner: each iteration Local, Assisted or Cooperative, chosen per iteration.
 
 A failed assisted iteration is redone locally in the same step, so no request
 is lost or corrupted when gpu_service is unreachable, slow or dies mid-iteration.
+
+Cooperative (docs/design_cooperative_execution.md): the iteration asks gpu_service to run its
+dense rows inside the GPU engine's next step (a join). dualpace asks when the ModeChooser picks
+COOPERATIVE, waiting at most its slack for the step; gated (`gated_hold="join"`) asks for every
+decode iteration and waits up to the server's stage timeout; `gated_hold="held"` is the old gated
+baseline that holds the GPU from begin to result. The latency is recorded under the mode that
+ran: COOPERATIVE when the server's join info says the rows rode in its step, else ASSISTED.
 """
 
 from __future__ import annotations
@@ -10,6 +17,7 @@ import logging
 import time
 
 from cpu_service.assist_client import AssistClient, AssistUnavailable
+from cpu_service.assist_join import NO_JOIN, JoinAsk, ran_in_engine_step
 from cpu_service.assisted_forward import AssistedForward
 from dualpace.engine.runner import ModelRunner
 from dualpace.engine.scheduler import StepPlan, StepResult
@@ -18,15 +26,20 @@ from dualpace.policy.mode_choice import ExecutionMode, ModeChooser
 from dualpace.serve.metrics import DENSE_ASSIST_CALLS, DENSE_ASSIST_ROUND_TRIP
 
 log = logging.getLogger(__name__)
+GATED_HOLDS = ("join", "held")
+DEVICE_MODES = (ExecutionMode.ASSISTED, ExecutionMode.COOPERATIVE)
 
 
 class CpuRunner(ModelRunner):
     def __init__(self, loaded: LoadedModel, num_blocks: int, block_size: int, chooser: ModeChooser,
                  client: AssistClient | None = None, gated: bool = False, engine_name: str = "cpu",
-                 kv_memory=None):
+                 kv_memory=None, gated_hold: str = "join"):
         super().__init__(loaded, num_blocks, block_size, kv_memory)
+        if gated_hold not in GATED_HOLDS:
+            raise ValueError(f"gated_hold must be one of {GATED_HOLDS}, got {gated_hold!r}")
         self.chooser = chooser
         self.client = client
+        self.gated_join = gated and gated_hold == "join"  # gated as NEO: every iteration joins the GPU's step
         self.assisted = None if client is None else AssistedForward(self.kv, loaded.config.head_dim, client, gated)
         self.num_steps_by_mode = {mode: 0 for mode in ExecutionMode}
         self.num_assist_fallbacks = 0
@@ -43,10 +56,14 @@ class CpuRunner(ModelRunner):
         # The assisted path samples on the GPU server, which has no token masks: constrained
         # (structured-output) requests always run their steps here.
         guided = any(s.params.guided is not None for s in plan.sequences)
-        if mode == ExecutionMode.ASSISTED and self.assisted is not None and not guided:
+        if mode in DEVICE_MODES and self.assisted is not None and not guided:
+            batch_size = len(plan.sequences)
+            join = self._join_ask(mode, batch_size)
+            # gated joins wait for the GPU's step up to the server's stage timeout, not a budget
+            max_device_wait_ms = 0 if self.gated_join else self.chooser.max_device_wait_ms(batch_size)
             start = time.perf_counter()
             try:
-                result = self.assisted.execute(plan, self.chooser.max_device_wait_ms(len(plan.sequences)))
+                result = self.assisted.execute(plan, max_device_wait_ms, join)
             except AssistUnavailable as exc:
                 self.num_assist_fallbacks += 1
                 self._assist_fallback.inc()
@@ -55,12 +72,23 @@ class CpuRunner(ModelRunner):
             else:
                 self._assist_ok.inc()
                 self._assist_round_trip.observe(time.perf_counter() - start)
-                self._record(ExecutionMode.ASSISTED, len(plan.sequences), start)
+                ran = ExecutionMode.COOPERATIVE if ran_in_engine_step(self.client.last_join_info) \
+                    else ExecutionMode.ASSISTED
+                self._record(ran, batch_size, start)
                 return result
+            finally:
+                self.chooser.cooperative_configured = self.client.peer_accepts_join
         start = time.perf_counter()
         result = super().run_plan(plan)
         self._record(ExecutionMode.LOCAL, len(plan.sequences), start)
         return result
+
+    def _join_ask(self, mode: ExecutionMode, batch_size: int) -> JoinAsk:
+        if self.gated_join:
+            return JoinAsk.gated()
+        if mode == ExecutionMode.COOPERATIVE:
+            return JoinAsk.dualpace(self.chooser.max_join_wait_ms(batch_size))
+        return NO_JOIN
 
     def _record(self, mode: ExecutionMode, batch_size: int, start_s: float) -> None:
         self.chooser.record(mode, batch_size, (time.perf_counter() - start_s) * 1e3)

@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 
@@ -23,12 +24,18 @@ import torch
 from cpu_service import assist_shm
 from cpu_service.assist_client import AssistClient, AssistUnavailable
 from cpu_service.assist_join import JoinAsk
+from cpu_service.runner import CpuRunner
+from dualpace.engine.core import EngineConfig, EngineCore
+from dualpace.engine.loop import EngineLoop
+from dualpace.generation import OfflineGenerator
+from dualpace.policy.mode_choice import AssistSetting, ExecutionMode, ModeChooser
 from dualpace.engine.assist_types import JoinHow
 from dualpace.engine.join_desk import JoinDesk, JoinOutcome, JoinStepInfo
 from dualpace.errors import Overloaded
 from dualpace.sampling import SamplingParams
 from gpu_service.assist_limits import AssistLimits
 from gpu_service.dense_assist import DenseAssistExecutor
+from tests.engine.test_migration import stop
 from tests.gpu_service.test_dense_assist import (
     HANG_GUARD_S,
     _prefilled,
@@ -208,5 +215,43 @@ def test_a_server_without_a_desk_is_never_asked(loaded) -> None:  # noqa: F811
             logits = client.run_iteration([1], [0], _zeros_attend(loaded), wait_for_engine_iteration=True,
                                           join=JoinAsk.gated())  # gated downgraded to held: still served
             assert logits.shape == (1, loaded.config.vocab_size)
+    finally:
+        running.stop()
+
+
+async def _generate_on_cpu_engine(loaded, runner, prompts, params):  # noqa: F811
+    config = EngineConfig(name="cpu", kind="cpu", num_kv_blocks=64, block_size=4)
+    loop = EngineLoop(EngineCore(loaded, config, runner))
+    task = asyncio.create_task(loop.run())
+    try:
+        channels = [await loop.add_request(f"r{i}", prompt, params) for i, prompt in enumerate(prompts)]
+        return [[t async for update in channel.follow() for t in update.new_token_ids] for channel in channels]
+    finally:
+        await stop((loop, task))
+
+
+@pytest.mark.parametrize("policy", ["gated", "dualpace"])
+async def test_the_cpu_engine_records_its_joined_iterations_as_cooperative(loaded, policy) -> None:  # noqa: F811
+    """CpuRunner end to end against a server whose step takes every join: gated joins every decode
+    iteration (none staged or held, none local), dualpace joins once the chooser has learnt that
+    the server can (it probes local and staged assisted too); the tokens equal the offline
+    reference's either way."""
+    desk = JoinDesk(loaded.config.num_layers)
+    running = _server(loaded, desk)
+    prompts, params = [[5, 9, 2, 7], [3, 1, 4, 1, 5, 9, 2]], SamplingParams(max_tokens=12, ignore_eos=True)
+    setting = AssistSetting.ALWAYS if policy == "gated" else AssistSetting.AUTO
+    try:
+        with AssistClient(running.address, iteration_timeout_s=HANG_GUARD_S) as client, \
+                _StepStandIn(desk, loaded.model):
+            runner = CpuRunner(loaded, 64, 4, ModeChooser(setting, assist_configured=True), client,
+                               gated=policy == "gated")
+            outputs = await _generate_on_cpu_engine(loaded, runner, prompts, params)
+        expected = [s.output_token_ids for s in OfflineGenerator(loaded, block_size=4).generate(prompts, [params] * 2)]
+        assert outputs == expected
+        assert runner.num_assist_fallbacks == 0 and runner.chooser.cooperative_configured
+        by_mode = runner.num_steps_by_mode
+        assert by_mode[ExecutionMode.COOPERATIVE] > 0
+        if policy == "gated":  # every decode iteration rode in a GPU step; only the prefills ran here
+            assert by_mode[ExecutionMode.ASSISTED] == 0 and by_mode[ExecutionMode.LOCAL] <= len(prompts)
     finally:
         running.stop()
