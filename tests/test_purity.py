@@ -1,6 +1,6 @@
 """The scheduling and decision code stays pure (ARCHITECTURE.md §5): no torch, grpc, asyncio,
 clock, randomness or numpy, so it can be unit-tested and simulated. One list for the whole
-project: the engine's scheduler, cpu_service's mode choice, the router's views, admission and
+project: the engine's scheduler, cpu_service's mode choice, the GPU step's cooperative layout, the router's views, admission and
 migration planner, and the profiles' schema and cost model (the router and the simulator use them)."""
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PURE_MODULES = (
     "dualpace.engine.scheduler",
     "dualpace.policy.mode_choice",
+    "dualpace.policy.cooperative_plan",
     "dualpace.policy.views",
     "dualpace.policy.admission",
     "dualpace.policy.migration_planner",

@@ -1,4 +1,4 @@
-"""Per-iteration choice between Local and Assisted execution on the CPU engine.
+"""Per-iteration choice between Local, Assisted and Cooperative execution on the CPU engine.
 
 Pure (no torch, grpc or clock): the runner reports measured iteration latencies
 and failures; the chooser predicts each mode's latency for a batch size from
@@ -10,6 +10,11 @@ measure both modes before comparing. After a failure of the
 assist path it backs off (exponentially, in iterations) before trying again, and
 it re-probes the slower mode now and then so a change (the GPU getting busy or
 free) is noticed.
+
+Cooperative (when the GPU server accepts joins, `cooperative_configured`): the iteration's dense
+rows ride in the GPU engine's own step (docs/design_cooperative_execution.md). The chooser then
+keeps three latencies per bucket; `always` (the gated policy) means cooperative; a cooperative
+request that the server ran staged is recorded as ASSISTED, so both are learnt.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from dataclasses import dataclass, field
 class ExecutionMode(str, enum.Enum):
     LOCAL = "local"  # every stage on the CPU
     ASSISTED = "assisted"  # dense stages on gpu_service, attention on the CPU
+    COOPERATIVE = "cooperative"  # dense rows joined into the GPU engine's own step, attention on the CPU
 
 
 class AssistSetting(str, enum.Enum):
@@ -55,7 +61,8 @@ def batch_buckets(max_batch_size: int) -> list[int]:
 
 
 def predicted_latencies(local_ms: Callable[[int], float], assisted_ms: Callable[[int], float] | None,
-                        max_batch_size: int) -> dict[tuple[ExecutionMode, int], float]:
+                        max_batch_size: int,
+                        cooperative_ms: Callable[[int], float] | None = None) -> dict[tuple[ExecutionMode, int], float]:
     """Seed values for ModeChooser.seed: each mode's predicted latency at each bucket's batch
     size (e.g. from dualpace.profile.cost_model.CostModel.cpu_local_ms / cpu_assisted_ms)."""
     predicted = {}
@@ -63,6 +70,8 @@ def predicted_latencies(local_ms: Callable[[int], float], assisted_ms: Callable[
         predicted[(ExecutionMode.LOCAL, bucket)] = float(local_ms(bucket))
         if assisted_ms is not None:
             predicted[(ExecutionMode.ASSISTED, bucket)] = float(assisted_ms(bucket))
+        if cooperative_ms is not None:
+            predicted[(ExecutionMode.COOPERATIVE, bucket)] = float(cooperative_ms(bucket))
     return predicted
 
 
@@ -75,6 +84,10 @@ class ModeChooser:
     num_iterations: int = 0
     backoff_until: int = 0
     backoff_iterations: int = BACKOFF_MIN_ITERATIONS
+    cooperative_configured: bool = False  # the GPU server accepts joins into its engine's step
+
+    def _device_modes(self) -> list[ExecutionMode]:
+        return [ExecutionMode.ASSISTED] + ([ExecutionMode.COOPERATIVE] if self.cooperative_configured else [])
 
     def choose(self, batch_size: int, decode_only: bool) -> ExecutionMode:
         """Assisted needs a decode-only batch (one token per sequence) and a gpu_service."""
@@ -84,17 +97,19 @@ class ModeChooser:
         if self.num_iterations < self.backoff_until:
             return ExecutionMode.LOCAL
         if self.setting == AssistSetting.ALWAYS:
-            return ExecutionMode.ASSISTED
+            return self._device_modes()[-1]  # cooperative where the server can join
         bucket = batch_bucket(batch_size)
-        local = self.estimate_ms(ExecutionMode.LOCAL, bucket)
-        assisted = self.estimate_ms(ExecutionMode.ASSISTED, bucket)
-        if local is None:
-            return ExecutionMode.LOCAL  # measure each mode once per bucket before comparing
-        if assisted is None:
-            return ExecutionMode.ASSISTED
-        faster = ExecutionMode.ASSISTED if assisted < local else ExecutionMode.LOCAL
+        modes = [ExecutionMode.LOCAL, *self._device_modes()]
+        estimates = {}
+        for mode in modes:  # measure each mode once per bucket before comparing
+            estimate = self.estimate_ms(mode, bucket)
+            if estimate is None:
+                return mode
+            estimates[mode] = estimate
+        faster = min(modes, key=lambda mode: estimates[mode])  # ties: the earlier (local first)
         if self.num_iterations % REPROBE_EVERY == 0:
-            return ExecutionMode.LOCAL if faster == ExecutionMode.ASSISTED else ExecutionMode.ASSISTED
+            others = [mode for mode in modes if mode != faster]
+            return others[(self.num_iterations // REPROBE_EVERY) % len(others)]
         return faster
 
     def seed(self, predicted_ms: dict[tuple[ExecutionMode, int], float]) -> None:
@@ -114,11 +129,25 @@ class ModeChooser:
         local = self.estimate_ms(ExecutionMode.LOCAL, batch_bucket(batch_size))
         return max(MIN_DEVICE_WAIT_MS, int(local)) if local is not None else DEFAULT_DEVICE_WAIT_MS
 
+    def max_join_wait_ms(self, batch_size: int) -> float:
+        """How long a cooperative iteration may wait for the GPU engine's next step (the begin's
+        max_join_wait_us): its slack, the local estimate minus the cooperative one, so it never
+        waits where a local iteration would be faster; 0 (wait up to the stage timeout) for
+        `always`, the gated policy."""
+        if self.setting != AssistSetting.AUTO:
+            return 0.0
+        bucket = batch_bucket(batch_size)
+        local = self.estimate_ms(ExecutionMode.LOCAL, bucket)
+        cooperative = self.estimate_ms(ExecutionMode.COOPERATIVE, bucket)
+        if local is None or cooperative is None:
+            return float(MIN_DEVICE_WAIT_MS)
+        return max(0.0, local - cooperative)
+
     def record(self, mode: ExecutionMode, batch_size: int, latency_ms: float) -> None:
         key = (mode, batch_bucket(batch_size))
         previous = self.latency_ms.get(key)
         self.latency_ms[key] = latency_ms if previous is None else (1 - EMA_WEIGHT) * previous + EMA_WEIGHT * latency_ms
-        if mode == ExecutionMode.ASSISTED:
+        if mode != ExecutionMode.LOCAL:
             self.backoff_iterations = BACKOFF_MIN_ITERATIONS
 
     def record_assist_failure(self) -> None:

@@ -26,9 +26,10 @@ Composition of an iteration (documented approximations):
 from __future__ import annotations
 
 import bisect
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from dualpace.policy.cooperative_plan import LayerCosts, LayerTimes
 from dualpace.policy.mode_choice import ExecutionMode, predicted_latencies
 from dualpace.profile.schema import Profile, Table1D, Table2D
 
@@ -221,3 +222,72 @@ def predicted_mode_latencies(cost: CostModel, max_batch_size: int, context_token
         lambda batch: cost.cpu_local_ms(DecodeBatch(batch, float(context_tokens))),
         (lambda batch: cost.cpu_assisted_ms(DecodeBatch(batch, float(context_tokens)))) if assist_available else None,
         max_batch_size)
+
+
+def layer_costs(num_layers: int, dense_layer_ms_by_rows: Mapping[int, float],
+                attention_layer_ms_per_kv_token: float) -> LayerCosts:
+    """The one constructor of the planner's per-layer costs (dualpace.policy.cooperative_plan):
+    the simulator's from a profile (layer_costs_of_profile) and the runner's from its measured
+    LayerTimes (layer_costs_measured) both come through here."""
+    points = sorted((int(rows), float(ms)) for rows, ms in dense_layer_ms_by_rows.items() if rows >= 1)
+    if not points:
+        raise ValueError("layer_costs needs at least one dense point")
+    return LayerCosts(num_layers, tuple(r for r, _ in points), tuple(ms for _, ms in points),
+                      float(attention_layer_ms_per_kv_token))
+
+
+def gpu_dense_iteration_ms(cost: CostModel, num_rows: int) -> float:
+    """The GPU's dense work (every layer, LM head included) over num_rows decode rows or prefill
+    tokens: the profile's gpu_dense_ms where it has one, else the larger of the decode table at its
+    smallest context (its attention is negligible there) and the prefill table."""
+    if num_rows <= 0:
+        return 0.0
+    if "gpu_dense_ms" in cost.profile.tables:
+        return cost._t1("gpu_dense_ms", num_rows)
+    first_context = cost.profile.table2d("gpu_decode_ms").grid1[0]
+    return max(cost.gpu_decode_ms(num_rows, first_context), cost.gpu_prefill_ms(num_rows))
+
+
+def layer_costs_of_profile(cost: CostModel) -> LayerCosts:
+    """Per-layer costs from a profile's tables: dense from gpu_dense_iteration_ms on the union of
+    the decode and prefill grids, divided evenly over the layers; attention per KV token fitted
+    (least squares through 0) to the decode table's rise over its smallest context."""
+    num_layers = cost.profile.model.num_layers
+    decode = cost.profile.table2d("gpu_decode_ms")
+    grid = sorted({int(x) for x in decode.grid0} | {int(x) for x in cost.profile.table1d("gpu_prefill_ms").grid})
+    dense = {rows: gpu_dense_iteration_ms(cost, rows) / num_layers for rows in grid if rows >= 1}
+    first_context = decode.grid1[0]
+    sum_xy = sum_xx = 0.0
+    for i, batch in enumerate(decode.grid0):
+        for j, context in enumerate(decode.grid1):
+            kv_tokens = batch * (context - first_context)
+            sum_xy += kv_tokens * max(0.0, decode.ms[i][j] - decode.ms[i][0])
+            sum_xx += kv_tokens * kv_tokens
+    per_token_ms = sum_xy / sum_xx / num_layers if sum_xx > 0 else 0.0
+    return layer_costs(num_layers, dense, per_token_ms)
+
+
+def layer_costs_measured(times: LayerTimes, seed: LayerCosts | None) -> LayerCosts | None:
+    """The runner's per-layer costs: its measured EMAs, each missing part from the seed (a
+    profile's layer_costs_of_profile); None when neither has a dense point."""
+    dense = dict(zip(seed.dense_rows, seed.dense_layer_ms)) if seed is not None else {}
+    dense.update(times.dense_layer_ms_by_rows)
+    attention = times.attention_layer_ms_per_kv_token
+    if attention is None:
+        attention = seed.attention_layer_ms_per_kv_token if seed is not None else 0.0
+    if not dense:
+        return None
+    num_layers = seed.num_layers if seed is not None else 1
+    return layer_costs(num_layers, dense, attention)
+
+
+def cpu_join_layer_ms(cost: CostModel, decode: DecodeBatch) -> float:
+    """A joined CPU iteration's attention + ring time per layer (what it sends as
+    expected_layer_us): its attention over host KV and the part of assist_ms that is not the GPU's
+    dense work (round trips, payload), spread over the layers."""
+    num_layers = cost.profile.model.num_layers
+    if "assist_round_trip_ms" in cost.profile.tables:
+        ring_ms = cost._t1("assist_round_trip_ms", decode.batch)
+    else:
+        ring_ms = max(0.0, cost.assist_ms(decode.batch) - gpu_dense_iteration_ms(cost, decode.batch))
+    return (cost.cpu_attention_ms(decode.batch, decode.mean_context_tokens) + ring_ms) / num_layers

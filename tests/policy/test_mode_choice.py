@@ -219,3 +219,45 @@ def test_seed_does_not_override_settings_or_prefill():
     assert chooser.choose(8, decode_only=True) == LOCAL
     chooser = seeded(lambda b: 100.0, lambda b: 1.0)
     assert chooser.choose(8, decode_only=False) == LOCAL
+
+
+COOPERATIVE = ExecutionMode.COOPERATIVE
+
+
+def test_cooperative_is_offered_only_where_the_server_joins():
+    plain = ModeChooser(AssistSetting.AUTO, assist_configured=True)
+    assert COOPERATIVE not in run(plain, {LOCAL: 50.0, ASSISTED: 30.0, COOPERATIVE: 1.0}, 200)
+    assert ModeChooser(AssistSetting.ALWAYS, assist_configured=True).choose(4, decode_only=True) == ASSISTED
+
+
+def test_always_means_cooperative_when_the_server_joins():
+    gated = ModeChooser(AssistSetting.ALWAYS, assist_configured=True, cooperative_configured=True)
+    assert set(run(gated, {LOCAL: 1.0, ASSISTED: 1.0, COOPERATIVE: 100.0}, 50)) == {COOPERATIVE}
+    assert gated.max_join_wait_ms(4) == 0.0  # gated waits up to the stage timeout
+    assert gated.choose(4, decode_only=False) == LOCAL  # prefills never join
+
+
+def test_auto_measures_all_three_then_prefers_the_fastest_and_reprobes_the_others():
+    chooser = ModeChooser(AssistSetting.AUTO, assist_configured=True, cooperative_configured=True)
+    modes = run(chooser, {LOCAL: 50.0, ASSISTED: 30.0, COOPERATIVE: 20.0}, 4 * REPROBE_EVERY)
+    assert modes[:3] == [LOCAL, ASSISTED, COOPERATIVE]
+    assert modes.count(COOPERATIVE) >= 4 * REPROBE_EVERY - 8
+    assert LOCAL in modes[3:] and ASSISTED in modes[3:]  # both others get re-probed
+
+
+def test_a_staged_run_teaches_assisted_and_the_chooser_follows():
+    chooser = ModeChooser(AssistSetting.AUTO, assist_configured=True, cooperative_configured=True)
+    chooser.seed({(LOCAL, 4): 50.0, (ASSISTED, 4): 40.0, (COOPERATIVE, 4): 20.0})
+    assert chooser.choose(4, decode_only=True) == COOPERATIVE
+    assert chooser.max_join_wait_ms(4) == pytest.approx(30.0)  # its slack against local
+    for _ in range(30):  # the GPU got busy: cooperative measured slow, staged runs recorded as assisted
+        chooser.record(COOPERATIVE, 4, 80.0)
+        chooser.record(ASSISTED, 4, 35.0)
+    assert chooser.choose(4, decode_only=True) == ASSISTED
+    assert chooser.max_join_wait_ms(4) == 0.0  # no slack left: never wait for a join
+
+
+def test_cooperative_seed_values():
+    predicted = predicted_latencies(lambda b: 10.0 * b, lambda b: 5.0, 4, cooperative_ms=lambda b: 3.0)
+    assert predicted[(COOPERATIVE, 4)] == 3.0 and predicted[(LOCAL, 2)] == 20.0
+    assert (COOPERATIVE, 1) not in predicted_latencies(lambda b: 1.0, None, 4)
