@@ -41,6 +41,7 @@ class RemoteRows:
     wait_bound_s: float
     gpu_wait_s: float = 0.0  # how long the step blocked on this join's attention, over all layers
     dropped_at_layer: int | None = None
+    error: BaseException | None = None  # with dropped_at_layer: what the channel was failed with
 
     @property
     def num_rows(self) -> int:
@@ -159,8 +160,9 @@ class SplitForward:
             if out is None or tuple(out.shape) != (join.num_rows, attention1.shape[1]):
                 join.dropped_at_layer = layer
                 why = "did not come in time" if out is None else f"has shape {tuple(out.shape)}"
-                join.channel.fail(Overloaded(f"the attention of layer {layer} {why}; the rows were dropped "
-                                             "from the GPU step, redo the iteration locally"))
+                join.error = Overloaded(f"the attention of layer {layer} {why}; the rows were dropped "
+                                        "from the GPU step, redo the iteration locally")
+                join.channel.fail(join.error)
                 if keep is None:
                     keep = list(range(row))
             else:
