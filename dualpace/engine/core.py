@@ -71,12 +71,16 @@ class EngineCore:
 
     @property
     def has_work(self) -> bool:
-        return self.scheduler.has_work
+        """Own requests to run, or remote rows waiting for a step (the runner's JoinDesk)."""
+        desk = getattr(self.runner, "desk", None)
+        return self.scheduler.has_work or (desk is not None and desk.has_pending)
 
     def step(self) -> tuple[StepPlan, list[RequestEvent]]:
-        """One iteration: plan, run the model, apply the results."""
+        """One iteration: plan, run the model, apply the results. With joins pending the step runs
+        even when this engine has nothing of its own (the plan stays empty)."""
         plan = self.scheduler.schedule()
-        if plan.is_empty:
+        desk = getattr(self.runner, "desk", None)
+        if plan.is_empty and (desk is None or not desk.has_pending):
             return plan, []
         result = self.runner.execute(plan)
         self.num_steps += 1

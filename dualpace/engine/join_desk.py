@@ -171,9 +171,9 @@ class JoinDesk:
             self._layer_ms = layer_ms
 
     def settle(self, join: JoinRequest, outcome: JoinOutcome, error: BaseException | None = None) -> None:
-        """Record a taken join's outcome (after channel.finish, or after channel.fail(error))."""
-        if outcome is JoinOutcome.NOT_TAKEN:
-            raise ValueError("a taken join is settled as TAKEN_DONE or DROPPED")
+        """Record a taken join's outcome: TAKEN_DONE after channel.finish, DROPPED after
+        channel.fail(error), NOT_TAKEN when the step declined it before any of its rows ran (the
+        planner found staged stages cheaper: the session runs it staged, as if never taken)."""
         with self._lock:
             if join in self._taken:
                 self._taken.remove(join)

@@ -74,6 +74,8 @@ class EngineLoop:
         # Reported here, after steps and commands, never in the scheduler; the daemon passes Prometheus.
         self.metrics: MetricsSink = metrics or NoMetrics()
         self._iteration_s = 0.0  # the last step's model time (inside the step lock)
+        self.step_timeline = None  # a StepTimeline (dualpace.engine.step_timeline): one record per step run
+        self._event_loop: asyncio.AbstractEventLoop | None = None
 
     # ----------------------------------------------------------------- commands
 
@@ -134,8 +136,21 @@ class EngineLoop:
 
     # ----------------------------------------------------------------- the loop
 
+    def _wake_from_any_thread(self) -> None:
+        event_loop = self._event_loop
+        if event_loop is None:
+            return
+        try:
+            event_loop.call_soon_threadsafe(self._wake.set)
+        except RuntimeError:  # the event loop is closed: nothing left to wake
+            pass
+
     async def run(self) -> None:
         loop = asyncio.get_running_loop()
+        self._event_loop = loop
+        desk = getattr(self.core.runner, "desk", None)
+        if desk is not None:  # a join offered while idle starts a step for it
+            desk.on_pending(self._wake_from_any_thread)
         try:
             while not self._stopping:
                 if self._commands:
@@ -212,11 +227,27 @@ class EngineLoop:
                 if self.step_delay_s > 0:
                     time.sleep(self.step_delay_s)
                 start = time.perf_counter()
+                start_ns = time.monotonic_ns()
                 result = self.core.step()
                 self._iteration_s = time.perf_counter() - start
+                if self.step_timeline is not None:
+                    self._record_step(result[0], start_ns, time.monotonic_ns())
                 return result
         finally:
             self.gate.step_finished()
+
+    def _record_step(self, plan, start_ns: int, end_ns: int) -> None:
+        """One StepRecord for a step that ran; the runner adds what it knows (joins, how, waits)."""
+        extra = dict(getattr(self.core.runner, "last_step_record_fields", None) or {})
+        if plan.is_empty and not extra.get("joins"):
+            return
+        from dualpace.engine.step_timeline import JoinedRows  # only with a timeline configured
+        extra["joins"] = tuple(JoinedRows(*join) for join in extra.get("joins", ()))
+        own = plan.sequences
+        self.step_timeline.record_step(
+            engine=self.core.config.name, step_id=self.core.num_steps, start_ns=start_ns, end_ns=end_ns,
+            mode=self._iteration_mode(), num_own_rows=len(own),
+            num_prefill_rows=sum(len(s.token_ids) for s in own if len(s.token_ids) > 1), **extra)
 
     def _iteration_mode(self) -> str:
         """How the last step ran: gpu (gpu_service), or the CPU runner's local / assisted."""

@@ -9,11 +9,15 @@ FinishReason.ERROR and a message) while the rest of the batch proceeds.
 from __future__ import annotations
 
 import logging
+import time
 
 import torch
 
+from dualpace.engine.join_desk import JoinDesk, JoinRequest
+from dualpace.engine.joined_step import JoinedStep, JoinSettings
 from dualpace.engine.scheduler import StepPlan, StepResult
 from dualpace.engine.step_sampling import sample_step, step_work
+from dualpace.errors import Unavailable
 from dualpace.faults import FaultConfig
 from dualpace.guided_decoding import GuidedMasks, GuidedRow
 from dualpace.kv.storage import KVStorage
@@ -50,6 +54,19 @@ class ModelRunner:
         self.faults = FaultConfig()  # test-only faults (dualpace.faults); the daemon sets them after warm-up
         self.num_forward_steps = 0  # non-empty plans executed since the faults were set
         self._guided: GuidedMasks | None = None  # structured outputs: see prepare_guided_decoding
+        self.desk: JoinDesk | None = None  # remote rows offered to this engine's steps (set_join_desk)
+        self._joined: JoinedStep | None = None
+        self._step_joins: list[JoinRequest] = []  # taken by the running step, for run_plan
+        self.max_join_rows = 256  # remote rows one step takes at most
+        self.num_executed_steps = 0  # steps that ran (own rows or joins): the joins' engine_step_id
+        self.last_step_record_fields: dict = {}  # the last step's joins, for its StepRecord (EngineLoop)
+
+    def set_join_desk(self, desk: JoinDesk | None, settings: JoinSettings | None = None) -> None:
+        """Let assist sessions' rows join this engine's steps (docs/design_cooperative_execution.md);
+        None: steps run their own rows only, as without a desk."""
+        self.desk = desk
+        self._joined = None if desk is None else JoinedStep(self.loaded.model, self.kv, desk,
+                                                            settings or JoinSettings())
 
     def set_faults(self, faults: FaultConfig) -> None:
         """Honour `faults` from now on; forward steps are counted from here (1-based)."""
@@ -57,12 +74,31 @@ class ModelRunner:
         self.num_forward_steps = 0
 
     def execute(self, plan: StepPlan) -> StepResult:
-        """Run one step. Raises when the forward pass fails: the engine cannot continue."""
-        if plan.is_empty:
-            return StepResult({})
-        self.num_forward_steps += 1
-        self.faults.check_forward(self.num_forward_steps)
-        return self.run_plan(plan)
+        """Run one step. Raises when the forward pass fails: the engine cannot continue (every join
+        the step took is failed with Unavailable first, so no CPU iteration waits for it)."""
+        if self.desk is None:
+            if plan.is_empty:
+                return StepResult({})
+            self.num_executed_steps += 1
+            self.num_forward_steps += 1
+            self.faults.check_forward(self.num_forward_steps)
+            return self.run_plan(plan)
+        self.last_step_record_fields = {}
+        self._step_joins = self.desk.take(self.max_join_rows)
+        try:
+            if plan.is_empty and not self._step_joins:
+                return StepResult({})
+            self.num_executed_steps += 1
+            if not plan.is_empty:
+                self.num_forward_steps += 1
+                self.faults.check_forward(self.num_forward_steps)
+            return self.run_plan(plan)
+        except BaseException as exc:
+            self.desk.fail_taken(Unavailable(f"the GPU engine's step failed: {exc}"))
+            raise
+        finally:
+            self._step_joins = []
+            self.desk.end_step()
 
     @torch.inference_mode()
     def run_plan(self, plan: StepPlan) -> StepResult:
@@ -70,9 +106,7 @@ class ModelRunner:
         sampled = [s for s in plan.sequences if s.sample]
         masks = self._start_guided_masks(sampled)  # computed while the forward pass runs
         work = step_work(plan)
-        logits = self.decode_graphs.run(work) if self.decode_graphs is not None else None
-        if logits is None:  # not a decode-only step that fits a bucket (or no static buffers)
-            logits = self.forward.forward(work)
+        logits = self._forward(work)
         if not sampled:  # nothing read back: wait for the queued work, so it counts in this step's time
             self.finish_device_work()
         guided = None
@@ -81,6 +115,34 @@ class ModelRunner:
             guided = (guided_rows, future.result())
         # DUALPACE_FAULT_NAN_LOGITS_REQUEST: the target's row becomes NaN whenever it is sampled.
         return sample_step(plan, logits, self.faults.nan_logits_request, guided)
+
+    def _forward(self, work) -> torch.Tensor:
+        """The own rows' logits: with joins taken, the split step (no CUDA graphs: the remote
+        attention sits between a layer's kernels); else a replayed decode graph or the plain pass."""
+        joins = self._step_joins
+        if joins:
+            layout = self._joined.layout(work, joins)
+            if layout.how.value != "staged":
+                self._joined.split.between_layers = self.forward.between_layers  # staged sessions keep their turn
+                logits = self._joined.run(work, joins, layout, self.num_executed_steps)
+                self.last_step_record_fields = self._joined.last_record_fields
+                return logits
+            self._joined.decline(joins)  # staged stages lengthen the step less: the sessions run them
+            if not work:
+                return torch.empty((0, self.loaded.config.vocab_size))
+        start = time.perf_counter()
+        logits = self.decode_graphs.run(work) if self.decode_graphs is not None else None
+        if logits is None:  # not a decode-only step that fits a bucket (or no static buffers)
+            hook = self.forward.between_layers
+            if self._joined is not None and hook is not None:  # the desk learns how far the step is
+                self.forward.between_layers = self._joined.progress_hook(hook)
+            try:
+                logits = self.forward.forward(work)
+            finally:
+                self.forward.between_layers = hook
+        if self._joined is not None:
+            self._joined.record_plain_step(sum(len(w.token_ids) for w in work), (time.perf_counter() - start) * 1e3)
+        return logits
 
     def capture_decode_graphs(self) -> None:
         """Capture the decode steps' CUDA graphs (at start-up); nothing to do off CUDA or without buffers."""
