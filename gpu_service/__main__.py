@@ -4,7 +4,9 @@ Runs prefills and GPU-resident decodes with its own scheduler, device KV cache
 and step loop (dualpace.v1.Engine), and serves Dense Assist to the CPU engine
 (dualpace.v1.DenseAssist), sharing one device lock: an assist stage takes it per layer's
 dense work, and the engine's forward hands it over between its own layers
-(DeviceHandoff; see gpu_service/dense_assist.py).
+(DeviceHandoff; see gpu_service/dense_assist.py). With --assist-join on (the default) a
+same-host CPU engine's iterations may instead join this engine's steps through a JoinDesk
+(docs/design_cooperative_execution.md).
 On a machine without CUDA the same code runs on the CPU device.
 """
 
@@ -17,6 +19,8 @@ import sys
 import grpc
 
 from dualpace.engine.gate import DeviceHandoff
+from dualpace.engine.join_desk import JoinDesk
+from dualpace.engine.joined_step import JoinSettings
 from dualpace.engine.runner import ModelRunner
 from dualpace.errors import InvalidArgument
 from dualpace.model.loader import resolve_device
@@ -27,7 +31,7 @@ from dualpace.serve.engine_daemon import (
     build_engine,
     run_engine_daemon,
 )
-from gpu_service.assist_limits import add_assist_limit_arguments, limits_from_args
+from gpu_service.assist_limits import AssistLimits, add_assist_limit_arguments, limits_from_args
 from gpu_service.assist_servicer import add_dense_assist_servicer
 from gpu_service.dense_assist import DenseAssistExecutor
 
@@ -85,18 +89,27 @@ def start_host_tier(args: argparse.Namespace, parts: EngineDaemonParts) -> None:
         ("engine",), lambda: {(name,): float(counts.num_offered_blocks)}))
 
 
-def assist_services(args: argparse.Namespace):
-    limits = limits_from_args(args)  # checked before the model loads: a bad value refuses to start
+def attach_join_desk(parts: EngineDaemonParts, limits: AssistLimits) -> None:
+    """Same-host CPU iterations may ride in this engine's steps (remote rows; shared memory only).
+    Before the engine loop runs: it subscribes to the desk's offers when it starts."""
+    if limits.join_enabled and limits.shm_enabled:
+        desk = JoinDesk(parts.loaded.config.num_layers)
+        parts.loop.core.runner.set_join_desk(desk, JoinSettings(min_layer_wait_ms=limits.join_min_layer_wait_ms))
+
+
+def assist_services(args: argparse.Namespace, limits: AssistLimits):
     if args.host_tier is not None and args.prefix_caching != "on":
         raise InvalidArgument("--host-tier", "needs --prefix-caching on")
 
     def add_assist(parts: EngineDaemonParts, server: grpc.aio.Server) -> list[str]:
         if args.host_tier is not None:
             start_host_tier(args, parts)
-        handoff = DeviceHandoff(parts.device_lock, parts.loop.core.runner.finish_device_work)
+        runner = parts.loop.core.runner
+        handoff = DeviceHandoff(parts.device_lock, runner.finish_device_work)
         # the engine's forward offers the device to waiting assist stages between its layers
-        parts.loop.core.runner.forward.between_layers = handoff.yield_to_waiting
-        executor = DenseAssistExecutor(parts.loaded.model, handoff, parts.loop.gate, limits.stage_timeout_s)
+        runner.forward.between_layers = handoff.yield_to_waiting
+        executor = DenseAssistExecutor(parts.loaded.model, handoff, parts.loop.gate, limits.stage_timeout_s,
+                                       runner.desk)
         add_dense_assist_servicer(executor, server, limits)
         return [DENSE_ASSIST_SERVICE]
 
@@ -106,7 +119,8 @@ def assist_services(args: argparse.Namespace):
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
-        add_assist = assist_services(args)
+        limits = limits_from_args(args)  # checked before the model loads: a bad value refuses to start
+        add_assist = assist_services(args, limits)
     except InvalidArgument as exc:
         print(f"gpu_service: error: {exc}", file=sys.stderr)
         return 2
@@ -122,6 +136,7 @@ def main(argv: list[str] | None = None) -> int:
         parts = build_engine(args, kind="gpu", device=device, default_kv_blocks=DEFAULT_KV_BLOCKS,
                              make_runner=make_runner)
         parts.loop.core.runner.capture_decode_graphs()  # before the warm-up request and serving
+        attach_join_desk(parts, limits)
         return parts
 
     return run_engine_daemon(args, "gpu_service", build, add_assist)

@@ -14,6 +14,13 @@ stall gpu_service.
 - transport (`--assist-transport`): auto accepts a same-host client's shared-memory segment
   (gpu_service/assist_shm_session.py; at most --assist-max-shm-streams at once, each served by a
   thread of its own), grpc refuses every offer (all iterations over the stream).
+- join layer wait (`--assist-join-min-layer-wait-ms`): the least time the GPU engine's step waits
+  for a joined iteration's attention output of one layer before it drops the join (the bound is
+  max(this, 2 x the begin's expected_layer_us), dualpace.policy.cooperative_plan.join_wait_bound_ms);
+  the dropped iteration ends RESOURCE_EXHAUSTED and the CPU redoes it locally, so a stalled CPU
+  costs the GPU's own rows at most one bound, once.
+- joins (`--assist-join`): on lets ring begins join the GPU engine's steps (the shm answer says
+  accepts_join); off serves every iteration in stages, as older servers do.
 - stage workers (`--assist-workers`): the bounded pool that runs the stages (device work and
   tensor (de)serialisation), apart from asyncio's default pool and from the KV transfer pools
   (dualpace.engine.worker_pools), so a burst of waiting stages delays neither.
@@ -24,6 +31,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
+from dualpace.engine.joined_step import DEFAULT_JOIN_MIN_LAYER_WAIT_MS
 from dualpace.errors import DualPaceError, InvalidArgument
 
 DEFAULT_IDLE_TIMEOUT_S = 5.0
@@ -55,12 +63,16 @@ class AssistLimits:
     num_stage_workers: int = DEFAULT_STAGE_WORKERS
     shm_enabled: bool = True
     max_shm_streams: int = DEFAULT_MAX_SHM_STREAMS
+    join_min_layer_wait_ms: float = DEFAULT_JOIN_MIN_LAYER_WAIT_MS
+    join_enabled: bool = True
 
     def __post_init__(self) -> None:
         for flag, value in (("--assist-idle-timeout-s", self.idle_timeout_s),
                             ("--assist-stage-timeout-s", self.stage_timeout_s)):
             if not value > 0:
                 raise InvalidArgument(flag, f"must be > 0, got {value}")
+        if not self.join_min_layer_wait_ms > 0:
+            raise InvalidArgument("--assist-join-min-layer-wait-ms", f"must be > 0, got {self.join_min_layer_wait_ms}")
         if self.num_stage_workers < 1:
             raise InvalidArgument("--assist-workers", f"must be >= 1, got {self.num_stage_workers}")
         if self.max_shm_streams < 0:
@@ -80,8 +92,16 @@ def add_assist_limit_arguments(parser: argparse.ArgumentParser) -> None:
                         help="Dense Assist: auto accepts a same-host client's shared memory; grpc: streams only")
     parser.add_argument("--assist-max-shm-streams", type=int, default=DEFAULT_MAX_SHM_STREAMS,
                         help="Dense Assist: the most streams served through shared memory at once")
+    parser.add_argument("--assist-join", default="on", choices=["on", "off"],
+                        help="Dense Assist: on lets a same-host CPU engine's iterations join this engine's steps "
+                             "(one weight read for both); off: every iteration in stages of its own")
+    parser.add_argument("--assist-join-min-layer-wait-ms", type=float, default=DEFAULT_JOIN_MIN_LAYER_WAIT_MS,
+                        help="Dense Assist: the least time a step waits for a joined iteration's attention of one "
+                             "layer before it drops the join (the CPU then redoes that iteration locally)")
 
 
 def limits_from_args(args: argparse.Namespace) -> AssistLimits:
     return AssistLimits(args.assist_idle_timeout_s, args.assist_stage_timeout_s, args.assist_workers,
-                        shm_enabled=args.assist_transport == "auto", max_shm_streams=args.assist_max_shm_streams)
+                        shm_enabled=args.assist_transport == "auto", max_shm_streams=args.assist_max_shm_streams,
+                        join_min_layer_wait_ms=args.assist_join_min_layer_wait_ms,
+                        join_enabled=args.assist_join == "on")

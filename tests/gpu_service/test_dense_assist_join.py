@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import threading
 import time
@@ -26,14 +27,16 @@ from cpu_service.assist_client import AssistClient, AssistUnavailable
 from cpu_service.assist_join import JoinAsk
 from cpu_service.runner import CpuRunner
 from dualpace.engine.core import EngineConfig, EngineCore
+from dualpace.engine.gate import DeviceHandoff
 from dualpace.engine.loop import EngineLoop
+from dualpace.engine.runner import ModelRunner
 from dualpace.generation import OfflineGenerator
 from dualpace.policy.mode_choice import AssistSetting, ExecutionMode, ModeChooser
 from dualpace.engine.assist_types import JoinHow
 from dualpace.engine.join_desk import JoinDesk, JoinOutcome, JoinStepInfo
-from dualpace.errors import Overloaded
+from dualpace.errors import InvalidArgument, Overloaded
 from dualpace.sampling import SamplingParams
-from gpu_service.assist_limits import AssistLimits
+from gpu_service.assist_limits import AssistLimits, add_assist_limit_arguments, limits_from_args
 from gpu_service.dense_assist import DenseAssistExecutor
 from tests.engine.test_migration import stop
 from tests.gpu_service.test_dense_assist import (
@@ -255,3 +258,51 @@ async def test_the_cpu_engine_records_its_joined_iterations_as_cooperative(loade
             assert by_mode[ExecutionMode.ASSISTED] == 0 and by_mode[ExecutionMode.LOCAL] <= len(prompts)
     finally:
         running.stop()
+
+
+def test_join_flags_parse_and_bad_values_are_refused() -> None:
+    parser = argparse.ArgumentParser()
+    add_assist_limit_arguments(parser)
+    limits = limits_from_args(parser.parse_args(["--assist-join", "off", "--assist-join-min-layer-wait-ms", "7.5"]))
+    assert limits.join_enabled is False and limits.join_min_layer_wait_ms == 7.5
+    assert limits_from_args(parser.parse_args([])).join_enabled is True
+    with pytest.raises(InvalidArgument, match="--assist-join-min-layer-wait-ms"):
+        limits_from_args(parser.parse_args(["--assist-join-min-layer-wait-ms", "0"]))
+
+
+@pytest.mark.parametrize("policy", ["gated", "dualpace"])
+async def test_joins_ride_in_a_real_gpu_engine_beside_its_own_requests(loaded, policy) -> None:  # noqa: F811
+    """The GPU engine (ModelRunner with the desk, EngineLoop) serving its own requests while the CPU
+    engine's iterations join its steps: both engines' tokens equal the offline reference, gated
+    ran every CPU decode iteration inside a GPU step, and nothing fell back."""
+    device_lock = threading.Lock()
+    gpu_runner = ModelRunner(loaded, 64, 4)
+    desk = JoinDesk(loaded.config.num_layers)
+    gpu_runner.set_join_desk(desk)
+    gpu_loop = EngineLoop(EngineCore(loaded, EngineConfig(name="gpu", kind="gpu", num_kv_blocks=64, block_size=4),
+                                     gpu_runner), step_lock=device_lock)
+    handoff = DeviceHandoff(device_lock, gpu_runner.finish_device_work)
+    gpu_runner.forward.between_layers = handoff.yield_to_waiting
+    running = _ServerThread(DenseAssistExecutor(loaded.model, handoff, gpu_loop.gate, desk=desk)).start()
+    gpu_task = asyncio.create_task(gpu_loop.run())
+    params = SamplingParams(max_tokens=10, ignore_eos=True)
+    gpu_prompts, cpu_prompts = [[8, 6, 4, 2, 1], [2, 7, 1, 8]], [[5, 9, 2, 7], [3, 1, 4, 1, 5, 9, 2]]
+    setting = AssistSetting.ALWAYS if policy == "gated" else AssistSetting.AUTO
+    try:
+        with AssistClient(running.address, iteration_timeout_s=HANG_GUARD_S) as client:
+            cpu_runner = CpuRunner(loaded, 64, 4, ModeChooser(setting, assist_configured=True), client,
+                                   gated=policy == "gated")
+            gpu_channels = [await gpu_loop.add_request(f"g{i}", p, params) for i, p in enumerate(gpu_prompts)]
+            cpu_outputs = await _generate_on_cpu_engine(loaded, cpu_runner, cpu_prompts, params)
+            gpu_outputs = [[t async for update in c.follow() for t in update.new_token_ids] for c in gpu_channels]
+        reference = OfflineGenerator(loaded, block_size=4)
+        assert cpu_outputs == [s.output_token_ids for s in reference.generate(cpu_prompts, [params] * 2)]
+        assert gpu_outputs == [s.output_token_ids for s in reference.generate(gpu_prompts, [params] * 2)]
+        assert cpu_runner.num_assist_fallbacks == 0 and desk.num_steps > 0 and not desk.has_pending
+        by_mode = cpu_runner.num_steps_by_mode
+        assert by_mode[ExecutionMode.COOPERATIVE] > 0
+        if policy == "gated":
+            assert by_mode[ExecutionMode.ASSISTED] == 0
+    finally:
+        running.stop()
+        await stop((gpu_loop, gpu_task))
