@@ -25,6 +25,7 @@ import json
 import sys
 from collections import Counter
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from bench.load.stats import distribution_ms
 from dualpace.engine.step_timeline import StepRecord, read_timeline
@@ -151,6 +152,27 @@ def check_timelines(gpu_records: list[StepRecord], cpu_records: list[StepRecord]
             check.gpu_wait_ns += gpu.gpu_wait_ns
             check.cpu_attention_ns += attention_ns
     return check
+
+
+def timeline_paths(directory: str, policy: str, clear: bool = False) -> dict[str, str]:
+    """Where a bench run's engines write their timelines: DIR/<policy>_<engine>.jsonl. clear: remove
+    older files first (an engine appends, and an older run's records would repeat step ids)."""
+    paths = {engine: Path(directory) / f"{policy}_{engine}.jsonl" for engine in ("gpu", "cpu")}
+    if clear:
+        Path(directory).mkdir(parents=True, exist_ok=True)
+        for path in paths.values():
+            path.unlink(missing_ok=True)
+    return {engine: str(path) for engine, path in paths.items()}
+
+
+def check_files(paths: dict[str, str], policy: str) -> dict:
+    """The summary of `check_timelines` over a bench run's files, with the report's lines; a file
+    missing or malformed is a failed check that says so (the bench's other results stand)."""
+    try:
+        check = check_timelines(read_timeline(paths["gpu"]), read_timeline(paths["cpu"]), policy)
+    except (OSError, DualPaceError) as exc:
+        return {"policy": policy, "passed": False, "files": paths, "report": f"step timelines unreadable: {exc}"}
+    return {**check.summary(), "files": paths, "report": format_report(check)}
 
 
 def format_report(check: TimelineCheck) -> str:

@@ -5,9 +5,11 @@ times) fails with its reason; the command's exit status follows."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
-from bench.cooperative_timeline import check_timelines, format_report, main
+from bench.cooperative_timeline import check_files, check_timelines, format_report, main, timeline_paths
 from dualpace.engine.step_timeline import JoinedRows, StepRecord, StepTimeline
 
 MS = 1_000_000
@@ -138,3 +140,18 @@ def test_command_exit_status(tmp_path, capsys):
     assert main(["--gpu", gpu_file, "--cpu", str(tmp_path / "bad.jsonl")]) == 2
     assert main(["--gpu", str(tmp_path / "absent.jsonl"), "--cpu", cpu_file]) == 2
     assert "error" in capsys.readouterr().err
+
+
+def test_bench_paths_are_cleared_and_checked(tmp_path):
+    directory = str(tmp_path / "timelines")
+    paths = timeline_paths(directory, "gated", clear=True)
+    assert sorted(paths) == ["cpu", "gpu"] and paths["gpu"].endswith("gated_gpu.jsonl")
+    assert "unreadable" in check_files(paths, "gated")["report"]  # the engines wrote nothing
+    gpu, cpu = clean_run()
+    write(paths["gpu"], gpu)
+    write(paths["cpu"], cpu)
+    assert check_files(paths, "gated")["passed"]
+    write(paths["cpu"], cpu)  # an engine appends: the same records twice
+    assert not check_files(paths, "gated")["passed"]
+    assert timeline_paths(directory, "gated", clear=True) == paths
+    assert not any(Path(p).exists() for p in paths.values())
