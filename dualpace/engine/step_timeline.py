@@ -68,6 +68,10 @@ class StepRecord:
     attention_ns: int = 0
 
     def __post_init__(self) -> None:
+        # Modes as ExecutionMode's values (lower case), hows as JoinHow's names (upper case), either given.
+        object.__setattr__(self, "mode", str(getattr(self.mode, "value", self.mode)).lower())
+        object.__setattr__(self, "how", str(getattr(self.how, "value", self.how) or "").upper())
+        object.__setattr__(self, "joins", tuple(self.joins))
         if self.mode not in MODES:
             raise InvalidArgument("mode", f"must be one of {', '.join(MODES)}, got {self.mode!r}")
         if self.how not in HOWS:

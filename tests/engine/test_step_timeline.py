@@ -5,6 +5,7 @@ an unwritable path before loading anything."""
 from __future__ import annotations
 
 import argparse
+import json
 
 import pytest
 
@@ -93,3 +94,12 @@ def test_daemon_refuses_an_unwritable_timeline_before_loading(tmp_path, capsys):
 
     assert run_engine_daemon(args, "gpu_service", build) == 2
     assert "--step-timeline" in capsys.readouterr().err
+
+
+def test_modes_and_hows_are_taken_in_either_case():
+    class Mode:  # an enum member, as the CPU runner's ExecutionMode
+        value = "Cooperative"
+
+    record = StepRecord("cpu", 1, 0, 1, Mode(), 1, joins=[JoinedRows("p", 1, 1)], how="joined")
+    assert (record.mode, record.how, record.joins) == ("cooperative", "JOINED", (JoinedRows("p", 1, 1),))
+    assert StepRecord.from_dict(json.loads(record.to_json())) == record
