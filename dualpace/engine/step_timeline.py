@@ -19,6 +19,7 @@ docs/design_cooperative_execution.md, section 8.
 
 from __future__ import annotations
 
+import enum
 import json
 import logging
 import threading
@@ -70,7 +71,7 @@ class StepRecord:
     def __post_init__(self) -> None:
         # Modes as ExecutionMode's values (lower case), hows as JoinHow's names (upper case), either given.
         object.__setattr__(self, "mode", str(getattr(self.mode, "value", self.mode)).lower())
-        object.__setattr__(self, "how", str(getattr(self.how, "value", self.how) or "").upper())
+        object.__setattr__(self, "how", how_name(self.how))
         object.__setattr__(self, "joins", tuple(self.joins))
         if self.mode not in MODES:
             raise InvalidArgument("mode", f"must be one of {', '.join(MODES)}, got {self.mode!r}")
@@ -101,6 +102,25 @@ class StepRecord:
             raise InvalidArgument("step record", f"unknown fields {unknown}")
         joins = tuple(JoinedRows(str(j["peer"]), int(j["iteration_id"]), int(j["rows"])) for j in data.get("joins", ()))
         return cls(**{**data, "joins": joins})
+
+
+def how_name(how) -> str:
+    """JoinHow (an IntEnum: its name), the join desk's lower-case how, or nothing -> a HOWS entry."""
+    name = how.name if isinstance(how, enum.Enum) else str(how or "")
+    return "" if name.upper() == "UNSPECIFIED" else name.upper()
+
+
+def assisted_record_fields(iteration_id: int | None, join_info, attention_ns: int) -> dict:
+    """The CPU engine's StepRecord fields of an assisted or cooperative iteration: the assist
+    iteration id it sent, the result's join info (AssistJoinInfo: the GPU step that made it and
+    that step's times; engine_step_id 0 or no info: it ran staged) and this side's attention time.
+    A runner sets them as its `last_step_record_fields`; EngineLoop adds the rest."""
+    values = {"iteration_id": iteration_id, "attention_ns": max(0, int(attention_ns))}
+    if join_info is None or not getattr(join_info, "engine_step_id", 0):
+        return values
+    return {**values, "how": how_name(join_info.how), "engine_step_id": int(join_info.engine_step_id),
+            "engine_step_start_ns": int(join_info.step_start_ns), "engine_step_end_ns": int(join_info.step_end_ns),
+            "gpu_wait_ns": int(join_info.gpu_wait_us) * 1000}
 
 
 def read_timeline(path: str | Path) -> list[StepRecord]:

@@ -5,11 +5,13 @@ an unwritable path before loading anything."""
 from __future__ import annotations
 
 import argparse
+import enum
 import json
+from dataclasses import dataclass
 
 import pytest
 
-from dualpace.engine.step_timeline import JoinedRows, StepRecord, StepTimeline, read_timeline
+from dualpace.engine.step_timeline import JoinedRows, StepRecord, StepTimeline, assisted_record_fields, read_timeline
 from dualpace.errors import InvalidArgument
 from dualpace.serve.engine_daemon import add_engine_arguments, run_engine_daemon
 
@@ -103,3 +105,31 @@ def test_modes_and_hows_are_taken_in_either_case():
     record = StepRecord("cpu", 1, 0, 1, Mode(), 1, joins=[JoinedRows("p", 1, 1)], how="joined")
     assert (record.mode, record.how, record.joins) == ("cooperative", "JOINED", (JoinedRows("p", 1, 1),))
     assert StepRecord.from_dict(json.loads(record.to_json())) == record
+
+
+class JoinHow(enum.IntEnum):  # as dualpace.engine.assist_types.JoinHow
+    UNSPECIFIED = 0
+    JOINED = 1
+    SPLIT = 2
+    STAGED = 3
+
+
+@dataclass
+class JoinInfo:  # as dualpace.engine.assist_types.AssistJoinInfo
+    how: JoinHow = JoinHow.UNSPECIFIED
+    engine_step_id: int = 0
+    gpu_wait_us: int = 0
+    step_start_ns: int = 0
+    step_end_ns: int = 0
+
+
+def test_assisted_record_fields_from_the_join_info():
+    fields = assisted_record_fields(12, JoinInfo(JoinHow.SPLIT, 40, 3, 1000, 5000), 700)
+    record = StepRecord("cpu", 5, 900, 6000, "cooperative", 2, **fields)
+    assert (record.iteration_id, record.engine_step_id, record.how) == (12, 40, "SPLIT")
+    assert (record.engine_step_start_ns, record.engine_step_end_ns, record.gpu_wait_ns) == (1000, 5000, 3000)
+    assert record.attention_ns == 700
+    staged = StepRecord("cpu", 6, 0, 1, "assisted", 1, **assisted_record_fields(13, JoinInfo(JoinHow.STAGED), 5))
+    assert (staged.engine_step_id, staged.how, staged.iteration_id) == (None, "", 13)
+    assert assisted_record_fields(14, None, -1) == {"iteration_id": 14, "attention_ns": 0}
+    assert StepRecord("gpu", 1, 0, 1, "gpu", 1, how=JoinHow.UNSPECIFIED).how == ""
