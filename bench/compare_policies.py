@@ -24,6 +24,7 @@ import sys
 import time
 from pathlib import Path
 
+from bench.cooperative_timeline import check_files, timeline_paths
 from bench.load.generator import run_load
 from bench.load.report import (
     comparison_table,
@@ -48,17 +49,18 @@ def start_system(args: argparse.Namespace, policy: str) -> list[Daemon]:
     """gpu_service (core 0), cpu_service (core 1; not for gpu-only), router; router last in the list."""
     common = ("--model", args.model, "--dtype", args.dtype, "--threads", str(args.threads))
     profile = ("--profile", args.profile) if args.profile else ()
+    timelines = timeline_paths(args.step_timeline_dir, policy, clear=True) if args.step_timeline_dir else {}
     daemons: list[Daemon] = []
     try:
         gpu = start_daemon("gpu_service", *common, "--name", "gpu", "--kv-blocks", str(args.gpu_kv_blocks),
-                           cpu_cores="0")
+                           cpu_cores="0", step_timeline=timelines.get("gpu"))
         daemons.append(gpu)
         router_flags = ["serve", "--gpu", gpu.address, "--policy", policy, "--model", args.model]
         if policy != "gpu-only":
             cpu = start_daemon("cpu_service", *common, "--name", "cpu", "--kv-blocks", str(args.cpu_kv_blocks),
                                "--gpu-service", gpu.address, "--policy", "gated" if policy == "gated" else "dualpace",
                                "--assist-timeout-s", "120", "--assist", args.cpu_assist, *profile,
-                               cpu_cores="1")
+                               cpu_cores="1", step_timeline=timelines.get("cpu"))
             daemons.append(cpu)
             router_flags += ["--cpu", cpu.address]
         router_flags += profile
@@ -159,7 +161,11 @@ def run_policy(args: argparse.Namespace, policy: str, rates: list[float]) -> dic
                   + f", load {load_before:.2f} -> {os.getloadavg()[0]:.2f}", file=sys.stderr, flush=True)
             time.sleep(1.0)  # let aborted requests drain before the next rate
     finally:
-        stop_system(daemons)
+        stop_system(daemons)  # the engines write their last timeline records on the way out
+    if args.step_timeline_dir and policy != "gpu-only":  # the acceptance points of issue 18 (gated)
+        timeline = check_files(timeline_paths(args.step_timeline_dir, policy), policy)
+        print(f"   {policy} step timelines:\n{timeline['report']}", file=sys.stderr)
+        return {"rows": rows, "runs": summaries, "timeline": timeline}
     return {"rows": rows, "runs": summaries}
 
 
@@ -328,6 +334,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="the router's --itl-target-ms (admission and migration ITL target); unset: capacity rules")
     parser.add_argument("--cpu-assist", default="auto", choices=["auto", "never", "always"],
                         help="cpu_service --assist (dualpace policy; e.g. never: no Dense Assist probes)")
+    parser.add_argument("--step-timeline-dir", default=None, metavar="DIR",
+                        help="engines write DIR/<policy>_<engine>.jsonl; bench.cooperative_timeline checks them")
     parser.add_argument("--trace-dir", default=None,
                         help="write each rate's requests (prompts, output lengths, arrival times) here as "
                              "trace_r<RATE>.jsonl, for `dualpace sim --trace`")

@@ -45,16 +45,20 @@ class Daemon:
 
 
 def start_daemon(module: str, *args: str, env: dict[str, str] | None = None, cpu_cores: str | None = None,
-                 listen: str = "127.0.0.1:0") -> Daemon:
+                 listen: str = "127.0.0.1:0", step_timeline: str | None = None) -> Daemon:
     """`python -m module args... --listen LISTEN` (an ephemeral port by default, or a fixed address to
     restart an engine where it was); waits for the address line and health SERVING.
     cpu_cores (e.g. "0" or "0,1") pins the process with taskset. An engine whose args name no
     --peer gets `--peer 127.0.0.1:*` (it may migrate to the other engines started here; give
-    --peer to test the refusal, or for engines on unix: sockets)."""
+    --peer to test the refusal, or for engines on unix: sockets). step_timeline: an engine writes
+    a JSON line per step there (--step-timeline; bench/cooperative_timeline.py reads it)."""
     pin = ["taskset", "-c", cpu_cores] if cpu_cores is not None else []
     peers = LOOPBACK_PEERS if module in ENGINE_MODULES and "--peer" not in args else ()
+    if step_timeline is not None and module not in ENGINE_MODULES:
+        raise ValueError(f"{module} keeps no step timeline (only {', '.join(ENGINE_MODULES)} do)")
+    timeline = ("--step-timeline", step_timeline) if step_timeline is not None else ()
     process = subprocess.Popen(
-        [*pin, sys.executable, "-m", module, *args, *peers, "--listen", listen],
+        [*pin, sys.executable, "-m", module, *args, *peers, *timeline, "--listen", listen],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         env={**os.environ, **(env or {})},
     )

@@ -33,6 +33,7 @@ from dualpace.engine.loop import EngineLoop
 from dualpace.engine.kv_shm_import import SharedKvPool
 from dualpace.engine.runner import ModelRunner
 from dualpace.engine.shm_segment import SharedKvMemory
+from dualpace.engine.step_timeline import StepTimeline
 from dualpace.engine.scheduler import SchedulerConfig
 from dualpace.errors import DualPaceError, InvalidArgument, ModelLoadError
 from dualpace.faults import FaultConfig
@@ -95,6 +96,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser, default_name: str, def
     parser.add_argument("--kv-transport", default="auto", choices=KV_TRANSPORTS,
                         help="KV migration data plane: auto (shared memory with engines on this host, "
                              "gRPC otherwise) or grpc (always gRPC; the KV pool stays private)")
+    parser.add_argument("--step-timeline", default=None, metavar="PATH",
+                        help="append one JSON line per engine step to PATH (when, mode, rows, joins; "
+                             "written off the step thread): the input of bench/cooperative_timeline.py")
     parser.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR (JSON lines on stderr)")
     add_config_argument(parser)
     add_metrics_argument(parser)
@@ -222,8 +226,10 @@ def run_engine_daemon(
         if not args.orphan_timeout_s > 0:
             raise InvalidArgument("--orphan-timeout-s", f"must be > 0, got {args.orphan_timeout_s}")
         start_from_args(args, process_name)  # before the slow load: a busy port fails at once
+        timeline = StepTimeline(args.step_timeline) if args.step_timeline else None  # a bad path fails here
         notifier.status(f"loading model {args.model}")
         parts = build()
+        parts.loop.step_timeline = timeline  # EngineLoop._step appends a record per step
         notifier.status("warming up")
         warm_up(parts.loop.core)
     except DualPaceError as exc:
@@ -275,6 +281,8 @@ def run_engine_daemon(
         await running.stop(grace_s=FLUSH_GRACE_S)
         await same_host.close()
         parts.loop.close()
+        if timeline is not None:
+            timeline.close()  # the last records reach the file before exit
         notifier.close()
         if parts.loop.fatal_error is not None:
             print(f"{process_name}: engine failed: {parts.loop.fatal_error}", file=sys.stderr)

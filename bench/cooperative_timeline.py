@@ -1,0 +1,228 @@
+"""Check issue 18's two gated acceptance points on the daemons' step timelines
+(`--step-timeline PATH` on gpu_service and cpu_service; docs/design_cooperative_execution.md, section 8):
+
+1. **CPU requests advance only inside GPU iterations** (`--policy gated`): every CPU-engine record
+   of a decode iteration is `cooperative`, names the GPU step that made its tokens
+   (`engine_step_id`), and that GPU step's record lists this iteration among its joins. It is an
+   identity check, not a timing one: the GPU record must carry the same (peer, iteration_id), and
+   each GPU join is claimed by one CPU record only, one CPU engine per peer. Under
+   `--policy dualpace` local and staged iterations are allowed; the cooperative ones are checked.
+2. **The GPU is not idle while the CPU attends**: the GPU's wait on the CPU (Σ `gpu_wait_ns` of GPU
+   steps with own rows and joins) over the CPU's attention time of the joins in those steps
+   (Σ `attention_ns`); target below 5%. The held gated baseline is 100% by construction.
+
+Beside the verdict it reports the intervals: how long a CPU iteration waited for its GPU step to
+begin, the GPU step's length, and the tail after the GPU step until the CPU iteration ended.
+
+    python -m bench.cooperative_timeline --gpu gpu.jsonl --cpu cpu.jsonl --policy gated
+Exit status: 0 both points pass, 1 a point fails, 2 bad input.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from bench.load.stats import distribution_ms
+from dualpace.engine.step_timeline import StepRecord, read_timeline
+from dualpace.errors import DualPaceError
+
+DEFAULT_MAX_WAIT_SHARE = 0.05
+NUM_EXAMPLES = 5  # failures quoted in the report
+
+
+@dataclass
+class TimelineCheck:
+    policy: str
+    num_gpu_steps: int = 0
+    num_gpu_steps_with_joins: int = 0
+    cpu_modes: Counter = field(default_factory=Counter)  # decode iterations by mode
+    num_cpu_checked: int = 0  # CPU records held to point 1
+    num_cpu_matched: int = 0
+    failures: list[str] = field(default_factory=list)  # point 1, one line each
+    num_unclaimed_joins: int = 0  # GPU joins no CPU record claims (a dropped join, a lost record)
+    gpu_wait_ns: int = 0
+    cpu_attention_ns: int = 0
+    join_wait_s: list[float] = field(default_factory=list)  # CPU iteration start -> its GPU step start
+    gpu_step_s: list[float] = field(default_factory=list)
+    tail_s: list[float] = field(default_factory=list)  # GPU step end -> CPU iteration end
+    max_wait_share: float = DEFAULT_MAX_WAIT_SHARE
+
+    @property
+    def advance_only_inside_gpu(self) -> bool:
+        return not self.failures and self.num_cpu_matched > 0
+
+    @property
+    def wait_share(self) -> float | None:
+        return self.gpu_wait_ns / self.cpu_attention_ns if self.cpu_attention_ns > 0 else None
+
+    @property
+    def gpu_not_idle(self) -> bool:
+        share = self.wait_share
+        return share is not None and share < self.max_wait_share
+
+    @property
+    def passed(self) -> bool:
+        return self.advance_only_inside_gpu and self.gpu_not_idle
+
+    def summary(self) -> dict:
+        share = self.wait_share
+        return {
+            "policy": self.policy,
+            "passed": self.passed,
+            "advance_only_inside_gpu": self.advance_only_inside_gpu,
+            "gpu_not_idle_while_cpu_attends": self.gpu_not_idle,
+            "num_gpu_steps": self.num_gpu_steps,
+            "num_gpu_steps_with_joins": self.num_gpu_steps_with_joins,
+            "cpu_decode_iterations_by_mode": dict(sorted(self.cpu_modes.items())),
+            "num_cpu_checked": self.num_cpu_checked,
+            "num_cpu_matched": self.num_cpu_matched,
+            "num_failures": len(self.failures),
+            "failures": self.failures[:NUM_EXAMPLES],
+            "num_unclaimed_joins": self.num_unclaimed_joins,
+            "gpu_wait_ms": round(self.gpu_wait_ns / 1e6, 3),
+            "cpu_attention_ms": round(self.cpu_attention_ns / 1e6, 3),
+            "gpu_wait_share": None if share is None else round(share, 4),
+            "max_wait_share": self.max_wait_share,
+            "join_wait": distribution_ms(self.join_wait_s),
+            "gpu_step": distribution_ms(self.gpu_step_s),
+            "tail_after_gpu_step": distribution_ms(self.tail_s),
+        }
+
+
+def check_timelines(gpu_records: list[StepRecord], cpu_records: list[StepRecord], policy: str = "gated",
+                    max_wait_share: float = DEFAULT_MAX_WAIT_SHARE) -> TimelineCheck:
+    """Both acceptance points over one GPU engine's records and any CPU engines' records."""
+    check = TimelineCheck(policy, max_wait_share=max_wait_share)
+    gpu_steps: dict[int, StepRecord] = {}
+    for record in gpu_records:
+        if record.step_id in gpu_steps:
+            check.failures.append(f"GPU step {record.step_id} recorded twice")
+        gpu_steps[record.step_id] = record
+    check.num_gpu_steps = len(gpu_steps)
+    check.num_gpu_steps_with_joins = sum(bool(r.joins) for r in gpu_steps.values())
+    claimed: dict[tuple[str, int], str] = {}  # (peer, iteration_id) -> the CPU record that claimed it
+    peer_of: dict[str, str] = {}  # GPU-side peer -> CPU engine
+    attention_by_step: Counter = Counter()
+    for record in cpu_records:
+        if not record.is_decode_only:
+            continue  # prefills never join: they stay local or go to the GPU by hand-off
+        check.cpu_modes[record.mode] += 1
+        if record.mode != "cooperative" and policy != "gated":
+            continue  # dualpace may run an iteration locally or staged
+        check.num_cpu_checked += 1
+        name = f"{record.engine} step {record.step_id}"
+        if record.mode != "cooperative":
+            check.failures.append(f"{name}: ran {record.mode}, not inside a GPU step")
+            continue
+        if record.engine_step_id is None or record.iteration_id is None:
+            check.failures.append(f"{name}: cooperative but without a GPU step id or iteration id")
+            continue
+        gpu = gpu_steps.get(record.engine_step_id)
+        if gpu is None:
+            check.failures.append(f"{name}: GPU step {record.engine_step_id} is not in the GPU timeline")
+            continue
+        joins = [j for j in gpu.joins if j.iteration_id == record.iteration_id
+                 and peer_of.get(j.peer, record.engine) == record.engine]
+        if not joins:
+            check.failures.append(f"{name}: iteration {record.iteration_id} is not among GPU step "
+                                  f"{gpu.step_id}'s joins {[(j.peer, j.iteration_id) for j in gpu.joins]}")
+            continue
+        join = joins[0]
+        key = (join.peer, join.iteration_id)
+        if key in claimed:
+            check.failures.append(f"{name}: GPU join {key} already claimed by {claimed[key]}")
+            continue
+        claimed[key] = name
+        peer_of[join.peer] = record.engine
+        check.num_cpu_matched += 1
+        attention_by_step[gpu.step_id] += record.attention_ns
+        check.join_wait_s.append(max(0, gpu.start_ns - record.start_ns) / 1e9)
+        check.gpu_step_s.append(gpu.duration_ns / 1e9)
+        check.tail_s.append(max(0, record.end_ns - gpu.end_ns) / 1e9)
+    check.num_unclaimed_joins = sum((j.peer, j.iteration_id) not in claimed
+                                    for r in gpu_steps.values() for j in r.joins)
+    for step_id, attention_ns in attention_by_step.items():
+        gpu = gpu_steps[step_id]
+        if gpu.num_own_rows > 0:  # a step of remote rows alone has nothing to overlap with
+            check.gpu_wait_ns += gpu.gpu_wait_ns
+            check.cpu_attention_ns += attention_ns
+    return check
+
+
+def timeline_paths(directory: str, policy: str, clear: bool = False) -> dict[str, str]:
+    """Where a bench run's engines write their timelines: DIR/<policy>_<engine>.jsonl. clear: remove
+    older files first (an engine appends, and an older run's records would repeat step ids)."""
+    paths = {engine: Path(directory) / f"{policy}_{engine}.jsonl" for engine in ("gpu", "cpu")}
+    if clear:
+        Path(directory).mkdir(parents=True, exist_ok=True)
+        for path in paths.values():
+            path.unlink(missing_ok=True)
+    return {engine: str(path) for engine, path in paths.items()}
+
+
+def check_files(paths: dict[str, str], policy: str) -> dict:
+    """The summary of `check_timelines` over a bench run's files, with the report's lines; a file
+    missing or malformed is a failed check that says so (the bench's other results stand)."""
+    try:
+        check = check_timelines(read_timeline(paths["gpu"]), read_timeline(paths["cpu"]), policy)
+    except (OSError, DualPaceError) as exc:
+        return {"policy": policy, "passed": False, "files": paths, "report": f"step timelines unreadable: {exc}"}
+    return {**check.summary(), "files": paths, "report": format_report(check)}
+
+
+def format_report(check: TimelineCheck) -> str:
+    s = check.summary()
+
+    def verdict(ok: bool) -> str:
+        return "PASS" if ok else "FAIL"
+
+    share = "not measured (no CPU attention times in steps with own rows)" if s["gpu_wait_share"] is None \
+        else f"{100 * s['gpu_wait_share']:.2f}% (target < {100 * check.max_wait_share:g}%)"
+    lines = [
+        f"policy {check.policy}: {s['num_gpu_steps']} GPU steps, {s['num_gpu_steps_with_joins']} with joins; "
+        f"CPU decode iterations by mode {s['cpu_decode_iterations_by_mode']}",
+        f"[{verdict(check.advance_only_inside_gpu)}] CPU iterations inside GPU steps: "
+        f"{s['num_cpu_matched']} of {s['num_cpu_checked']} found among the GPU's joins; "
+        f"{s['num_unclaimed_joins']} GPU joins unclaimed",
+        *(f"    {line}" for line in s["failures"]),
+        f"[{verdict(check.gpu_not_idle)}] GPU wait / CPU attention: {s['gpu_wait_ms']} / "
+        f"{s['cpu_attention_ms']} ms = {share}",
+    ]
+    for key, label in (("join_wait", "CPU iteration start -> GPU step start"), ("gpu_step", "GPU step"),
+                       ("tail_after_gpu_step", "GPU step end -> CPU iteration end")):
+        d = s[key]
+        if d["count"]:
+            lines.append(f"    {label}: p50 {d['p50_ms']} ms, p99 {d['p99_ms']} ms, max {d['max_ms']} ms")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--gpu", required=True, metavar="JSONL", help="gpu_service's --step-timeline file")
+    parser.add_argument("--cpu", required=True, action="append", metavar="JSONL",
+                        help="a cpu_service's --step-timeline file (repeat for each CPU engine)")
+    parser.add_argument("--policy", default="gated", choices=["gated", "dualpace"])
+    parser.add_argument("--max-wait-share", type=float, default=DEFAULT_MAX_WAIT_SHARE)
+    parser.add_argument("--json", default=None, metavar="PATH", help="also write the summary here")
+    args = parser.parse_args(argv)
+    try:
+        gpu_records = read_timeline(args.gpu)
+        cpu_records = [record for path in args.cpu for record in read_timeline(path)]
+    except (OSError, DualPaceError) as exc:
+        print(f"cooperative_timeline: error: {exc}", file=sys.stderr)
+        return 2
+    check = check_timelines(gpu_records, cpu_records, args.policy, args.max_wait_share)
+    print(format_report(check))
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as file:
+            json.dump(check.summary(), file, indent=2)
+    return 0 if check.passed else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
