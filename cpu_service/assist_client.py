@@ -174,6 +174,7 @@ class AssistClient:
         self.consecutive_failures = 0  # AssistUnavailable raised since the last success
         self._downgrades = JoinDowngrades(address)
         self.last_join_info: assist_types.AssistJoinInfo | None = None  # how the last iteration ran
+        self.last_iteration_id = 0  # the last begin's iteration_id
 
     @property
     def peer_accepts_join(self) -> bool:
@@ -218,7 +219,7 @@ class AssistClient:
                 max_join_wait_us=join.max_join_wait_us or 0,
                 expected_layer_us=join.expected_layer_us,
             )
-            self.last_join_info = None
+            self.last_join_info, self.last_iteration_id = None, begin.iteration_id
             try:
                 result = self._exchange(begin, attend)
             except AssistUnavailable:

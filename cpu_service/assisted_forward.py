@@ -30,6 +30,7 @@ class AssistedForward:
         self.client = client
         self.gated = gated  # the NEO-like baseline: wait for the GPU engine's iteration boundary
         self.expected_layer_us = 0.0  # EMA of this side's attention time per layer (0: not measured yet)
+        self.last_attention_ns = 0  # the last iteration's attention time here, all layers
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan, max_device_wait_ms: int = 0, join: JoinAsk = NO_JOIN) -> StepResult:
@@ -62,6 +63,7 @@ class AssistedForward:
             max_device_wait_ms=max_device_wait_ms,
             join=join,
         )
+        self.last_attention_ns = attend_ns[0]
         if attend_ns[1]:
             layer_us = attend_ns[0] / attend_ns[1] / 1e3
             previous = self.expected_layer_us

@@ -21,6 +21,7 @@ from cpu_service.assist_join import NO_JOIN, JoinAsk, ran_in_engine_step
 from cpu_service.assisted_forward import AssistedForward
 from dualpace.engine.runner import ModelRunner
 from dualpace.engine.scheduler import StepPlan, StepResult
+from dualpace.engine.step_timeline import assisted_record_fields
 from dualpace.model.loader import LoadedModel
 from dualpace.policy.mode_choice import ExecutionMode, ModeChooser
 from dualpace.serve.metrics import DENSE_ASSIST_CALLS, DENSE_ASSIST_ROUND_TRIP
@@ -56,6 +57,7 @@ class CpuRunner(ModelRunner):
         # The assisted path samples on the GPU server, which has no token masks: constrained
         # (structured-output) requests always run their steps here.
         guided = any(s.params.guided is not None for s in plan.sequences)
+        self.last_step_record_fields = {}  # what the step's StepRecord learns from here (EngineLoop)
         if mode in DEVICE_MODES and self.assisted is not None and not guided:
             batch_size = len(plan.sequences)
             join = self._join_ask(mode, batch_size)
@@ -75,6 +77,8 @@ class CpuRunner(ModelRunner):
                 ran = ExecutionMode.COOPERATIVE if ran_in_engine_step(self.client.last_join_info) \
                     else ExecutionMode.ASSISTED
                 self._record(ran, batch_size, start)
+                self.last_step_record_fields = assisted_record_fields(  # for the step timeline
+                    self.client.last_iteration_id, self.client.last_join_info, self.assisted.last_attention_ns)
                 return result
             finally:
                 self.chooser.cooperative_configured = self.client.peer_accepts_join

@@ -99,7 +99,7 @@ class DenseAssistServicer(assist_pb2_grpc.DenseAssistServicer):
         answer, segment = await loop.run_in_executor(self._stages, accept_offer, offer, self._executor.model,
                                                      self._limits, self.num_shm_streams, session.accepts_join)
         if segment is not None:
-            shm = ShmStream(session, segment, lock, self._limits, loop, self._executor.model)
+            shm = ShmStream(session, segment, lock, self._limits, loop, self._executor.model, offer.path)
             self.num_shm_streams += 1
             shm.start()
         else:

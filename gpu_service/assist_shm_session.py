@@ -89,9 +89,10 @@ class ShmStream:
     """The ring side of one stream: a thread that serves ring messages, watched from the event loop."""
 
     def __init__(self, session: AssistSession, segment: ShmSegment, lock: threading.Lock, limits: AssistLimits,
-                 loop: asyncio.AbstractEventLoop, model: Transformer):
+                 loop: asyncio.AbstractEventLoop, model: Transformer, peer: str = ""):
         self._session = session
         self._model = model
+        self._peer = peer  # names the client in step timelines (the offer's path: its pid and memfd)
         session.host_outputs = False  # q/k/v go from the device straight into the slot: one copy
         self._segment = segment
         self._endpoint = segment.endpoint("down", shm_doorbell.DEFAULT_SPIN_S)
@@ -203,7 +204,8 @@ class ShmStream:
             channel = None
             if begin.join_engine_iteration and self._session.accepts_join:
                 # the step thread drives the ring through it while this thread waits in the desk
-                channel = RingJoinChannel(self._endpoint, self._model, begin, self._stop.is_set, self._put_on_stream)
+                channel = RingJoinChannel(self._endpoint, self._model, begin, self._stop.is_set, self._put_on_stream,
+                                          self._peer)
             reply = self._session.begin(begin, channel)
             self._ring_iteration = reply is not RESULT_SENT
             return reply

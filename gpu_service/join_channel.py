@@ -77,8 +77,9 @@ class RingJoinChannel:
     so a receive for a CPU that is gone returns None at once."""
 
     def __init__(self, endpoint: ShmEndpoint, model: Transformer, begin: AssistBegin,
-                 stopped: Callable[[], bool], put_on_stream: Callable[[object], None]):
+                 stopped: Callable[[], bool], put_on_stream: Callable[[object], None], peer: str = ""):
         self._endpoint = endpoint
+        self.peer = peer  # the CPU engine's stream, as step timelines name the join's peer
         self._model = model
         self._begin = begin
         self._stopped = stopped

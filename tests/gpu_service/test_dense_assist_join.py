@@ -174,13 +174,17 @@ def test_a_taken_join_equals_the_staged_path(loaded) -> None:  # noqa: F811
         with AssistClient(running.address, iteration_timeout_s=HANG_GUARD_S) as client:
             staged_logits, _ = _decode_steps(client, loaded, DUALPACE_JOIN, 3)
             staged_tokens, _ = _decode_steps(client, loaded, DUALPACE_JOIN, 3, greedy)
+            patient = JoinAsk.dualpace(max_join_wait_ms=HANG_GUARD_S * 1e3)  # no step is running: it waits
             with _StepStandIn(desk, loaded.model) as step:
                 joined_logits, infos = _decode_steps(client, loaded, JoinAsk.gated(), 3)
                 joined_tokens, _ = _decode_steps(client, loaded, JoinAsk.gated(), 3, greedy)
+                dualpace_tokens, dualpace_infos = _decode_steps(client, loaded, patient, 3, greedy)
+            assert dualpace_tokens == staged_tokens
+            assert [info.how for info in dualpace_infos] == [JoinHow.JOINED] * 3
             assert joined_tokens == staged_tokens
             assert all((a - b).abs().max().item() < 1e-5 for a, b in zip(joined_logits, staged_logits))
             assert [info.how for info in infos] == [JoinHow.JOINED] * 3
-            assert [info.engine_step_id for info in infos] == [1, 2, 3] and step.num_steps == 6
+            assert [info.engine_step_id for info in infos] == [1, 2, 3] and step.num_steps == 9
             assert all(0 < info.step_start_ns <= info.step_end_ns for info in infos)
     finally:
         running.stop()
@@ -222,9 +226,20 @@ def test_a_server_without_a_desk_is_never_asked(loaded) -> None:  # noqa: F811
         running.stop()
 
 
-async def _generate_on_cpu_engine(loaded, runner, prompts, params):  # noqa: F811
+class _Timeline:
+    """Collects the engine loop's step records (the fields of dualpace.engine.step_timeline.StepRecord)."""
+
+    def __init__(self):
+        self.records: list[dict] = []
+
+    def record_step(self, **fields) -> None:
+        self.records.append(fields)
+
+
+async def _generate_on_cpu_engine(loaded, runner, prompts, params, timeline=None):  # noqa: F811
     config = EngineConfig(name="cpu", kind="cpu", num_kv_blocks=64, block_size=4)
     loop = EngineLoop(EngineCore(loaded, config, runner))
+    loop.step_timeline = timeline
     task = asyncio.create_task(loop.run())
     try:
         channels = [await loop.add_request(f"r{i}", prompt, params) for i, prompt in enumerate(prompts)]
@@ -236,9 +251,9 @@ async def _generate_on_cpu_engine(loaded, runner, prompts, params):  # noqa: F81
 @pytest.mark.parametrize("policy", ["gated", "dualpace"])
 async def test_the_cpu_engine_records_its_joined_iterations_as_cooperative(loaded, policy) -> None:  # noqa: F811
     """CpuRunner end to end against a server whose step takes every join: gated joins every decode
-    iteration (none staged or held, none local), dualpace joins once the chooser has learnt that
-    the server can (it probes local and staged assisted too); the tokens equal the offline
-    reference's either way."""
+    iteration (none staged or held, none local); dualpace may join once the chooser has learnt
+    that the server can (whether a step takes it within its slack is timing, not asserted); the
+    tokens equal the offline reference's either way, with no fallback."""
     desk = JoinDesk(loaded.config.num_layers)
     running = _server(loaded, desk)
     prompts, params = [[5, 9, 2, 7], [3, 1, 4, 1, 5, 9, 2]], SamplingParams(max_tokens=12, ignore_eos=True)
@@ -253,9 +268,9 @@ async def test_the_cpu_engine_records_its_joined_iterations_as_cooperative(loade
         assert outputs == expected
         assert runner.num_assist_fallbacks == 0 and runner.chooser.cooperative_configured
         by_mode = runner.num_steps_by_mode
-        assert by_mode[ExecutionMode.COOPERATIVE] > 0
         if policy == "gated":  # every decode iteration rode in a GPU step; only the prefills ran here
-            assert by_mode[ExecutionMode.ASSISTED] == 0 and by_mode[ExecutionMode.LOCAL] <= len(prompts)
+            assert by_mode[ExecutionMode.COOPERATIVE] > 0 and by_mode[ExecutionMode.ASSISTED] == 0
+            assert by_mode[ExecutionMode.LOCAL] <= len(prompts)
     finally:
         running.stop()
 
@@ -284,6 +299,8 @@ async def test_joins_ride_in_a_real_gpu_engine_beside_its_own_requests(loaded, p
     handoff = DeviceHandoff(device_lock, gpu_runner.finish_device_work)
     gpu_runner.forward.between_layers = handoff.yield_to_waiting
     running = _ServerThread(DenseAssistExecutor(loaded.model, handoff, gpu_loop.gate, desk=desk)).start()
+    gpu_timeline, cpu_timeline = _Timeline(), _Timeline()
+    gpu_loop.step_timeline = gpu_timeline
     gpu_task = asyncio.create_task(gpu_loop.run())
     params = SamplingParams(max_tokens=10, ignore_eos=True)
     gpu_prompts, cpu_prompts = [[8, 6, 4, 2, 1], [2, 7, 1, 8]], [[5, 9, 2, 7], [3, 1, 4, 1, 5, 9, 2]]
@@ -293,16 +310,22 @@ async def test_joins_ride_in_a_real_gpu_engine_beside_its_own_requests(loaded, p
             cpu_runner = CpuRunner(loaded, 64, 4, ModeChooser(setting, assist_configured=True), client,
                                    gated=policy == "gated")
             gpu_channels = [await gpu_loop.add_request(f"g{i}", p, params) for i, p in enumerate(gpu_prompts)]
-            cpu_outputs = await _generate_on_cpu_engine(loaded, cpu_runner, cpu_prompts, params)
+            cpu_outputs = await _generate_on_cpu_engine(loaded, cpu_runner, cpu_prompts, params, cpu_timeline)
             gpu_outputs = [[t async for update in c.follow() for t in update.new_token_ids] for c in gpu_channels]
         reference = OfflineGenerator(loaded, block_size=4)
         assert cpu_outputs == [s.output_token_ids for s in reference.generate(cpu_prompts, [params] * 2)]
         assert gpu_outputs == [s.output_token_ids for s in reference.generate(gpu_prompts, [params] * 2)]
         assert cpu_runner.num_assist_fallbacks == 0 and desk.num_steps > 0 and not desk.has_pending
         by_mode = cpu_runner.num_steps_by_mode
-        assert by_mode[ExecutionMode.COOPERATIVE] > 0
-        if policy == "gated":
-            assert by_mode[ExecutionMode.ASSISTED] == 0
+        if policy == "gated":  # dualpace joins only where a step begins within its slack: timing, not asserted
+            assert by_mode[ExecutionMode.COOPERATIVE] > 0 and by_mode[ExecutionMode.ASSISTED] == 0
+        # Identity, not timing: each cooperative CPU iteration names a GPU step whose record lists it.
+        joins_by_step = {r["step_id"]: {j.iteration_id for j in r["joins"]} for r in gpu_timeline.records}
+        cooperative = [r for r in cpu_timeline.records if r["mode"] == "cooperative"]
+        assert len(cooperative) == by_mode[ExecutionMode.COOPERATIVE]
+        for record in cooperative:
+            assert record["iteration_id"] in joins_by_step[record["engine_step_id"]], record
+            assert record["how"] in ("JOINED", "SPLIT") and record["attention_ns"] > 0
     finally:
         running.stop()
         await stop((gpu_loop, gpu_task))
