@@ -18,6 +18,7 @@ from dualpace.serve.logging_setup import get_logger
 
 log = get_logger(__name__)
 MIN_JOIN_WAIT_US = 1  # 0 on the wire means "up to the server's stage timeout" (gated)
+MAX_JOIN_WAIT_US = 2**32 - 1  # the wire's uint32
 
 
 @dataclass(frozen=True)
@@ -32,7 +33,8 @@ class JoinAsk:
     @classmethod
     def dualpace(cls, max_join_wait_ms: float, expected_layer_us: int = 0) -> JoinAsk:
         """A join that waits at most its slack for the step (never 0: that would mean gated)."""
-        return cls(True, max(MIN_JOIN_WAIT_US, round(max_join_wait_ms * 1e3)), expected_layer_us)
+        wait_us = min(MAX_JOIN_WAIT_US, max(MIN_JOIN_WAIT_US, round(max_join_wait_ms * 1e3)))
+        return cls(True, wait_us, min(MAX_JOIN_WAIT_US, max(0, expected_layer_us)))
 
     @classmethod
     def gated(cls, expected_layer_us: int = 0) -> JoinAsk:

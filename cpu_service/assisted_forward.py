@@ -14,7 +14,7 @@ from dataclasses import replace
 import torch
 
 from cpu_service.assist_client import AssistClient
-from cpu_service.assist_join import NO_JOIN, JoinAsk
+from cpu_service.assist_join import MAX_JOIN_WAIT_US, NO_JOIN, JoinAsk
 from dualpace.engine.scheduler import StepPlan, StepResult
 from dualpace.engine.step_sampling import needs_logits_here, sample_step
 from dualpace.kv.storage import KVStorage
@@ -50,7 +50,7 @@ class AssistedForward:
             return output
 
         if join.join:
-            join = replace(join, expected_layer_us=round(self.expected_layer_us))
+            join = replace(join, expected_layer_us=min(MAX_JOIN_WAIT_US, round(self.expected_layer_us)))
         # Penalties and log-probabilities need the requests' state, which lives here: then the GPU
         # returns the logits and this side samples them exactly as a local iteration would.
         sample_here = needs_logits_here(plan)

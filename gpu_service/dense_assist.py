@@ -120,6 +120,7 @@ class AssistSession:
                  desk: JoinDesk | None = None):
         self._model = model
         self._desk = desk
+        self._logged_held_join = False
         self._stage_timeout_s = stage_timeout_s  # a device wait's bound when the client set no budget
         self._handoff = _as_handoff(device)
         self._lock = self._handoff.lock
@@ -166,8 +167,11 @@ class AssistSession:
                 if self._offer_join(begin, channel):
                     self._last_iteration_id = begin.iteration_id
                     return RESULT_SENT
-            elif begin.wait_for_engine_iteration:
-                log.info("a gated join runs held (%s)", "over gRPC" if self._desk is not None else "no join desk")
+            elif begin.wait_for_engine_iteration and not self._logged_held_join:
+                self._logged_held_join = True  # once per stream
+                log.info("gated joins on this stream run held (%s)",
+                         "over gRPC: too large for the slots, or no shared memory" if self._desk is not None
+                         else "this server has no join desk")
         if begin.wait_for_engine_iteration:  # gated baseline: one CPU iteration per GPU iteration
             wait_s = self._wait_budget_s if self._wait_budget_s is not None else self._stage_timeout_s
             self._gate.wait_turn(wait_s)

@@ -32,7 +32,7 @@ from dualpace.engine.loop import EngineLoop
 from dualpace.engine.runner import ModelRunner
 from dualpace.generation import OfflineGenerator
 from dualpace.policy.mode_choice import AssistSetting, ExecutionMode, ModeChooser
-from dualpace.engine.assist_types import JoinHow
+from dualpace.engine.assist_types import AssistBegin, AssistQkv, JoinHow
 from dualpace.engine.join_desk import JoinDesk, JoinOutcome, JoinStepInfo
 from dualpace.errors import InvalidArgument, Overloaded
 from dualpace.sampling import SamplingParams
@@ -329,3 +329,24 @@ async def test_joins_ride_in_a_real_gpu_engine_beside_its_own_requests(loaded, p
     finally:
         running.stop()
         await stop((gpu_loop, gpu_task))
+
+
+def test_a_join_without_a_ring_channel_runs_staged_or_held(loaded) -> None:  # noqa: F811
+    """Over gRPC (no ring channel) a join is not offered: dualpace runs staged, gated runs held."""
+    desk = JoinDesk(loaded.config.num_layers)
+    executor = DenseAssistExecutor(loaded.model, desk=desk)
+    session = executor.new_session()
+    assert session.accepts_join and not executor.new_session().in_iteration
+    staged = AssistBegin(1, [1], [0], None, join_engine_iteration=True, max_join_wait_us=1000)
+    assert isinstance(session.begin(staged), AssistQkv) and not executor.device_lock.locked()
+    session.close()
+    held = AssistBegin(2, [1], [0], None, wait_for_engine_iteration=True, join_engine_iteration=True)
+    assert isinstance(session.begin(held), AssistQkv) and executor.device_lock.locked()  # held to its result
+    session.close()
+    assert not executor.device_lock.locked() and not desk.has_pending and desk.num_steps == 0
+
+
+def test_a_dualpace_join_never_asks_for_the_gated_wait_and_fits_the_wire() -> None:
+    assert JoinAsk.dualpace(0.0).max_join_wait_us == 1  # 0 on the wire would mean "up to the stage timeout"
+    assert JoinAsk.dualpace(1e12).max_join_wait_us == 2**32 - 1
+    assert JoinAsk.gated().max_join_wait_us is None and JoinAsk.gated().join
