@@ -61,11 +61,9 @@ class CpuRunner(ModelRunner):
         if mode in DEVICE_MODES and self.assisted is not None and not guided:
             batch_size = len(plan.sequences)
             join = self._join_ask(mode, batch_size)
-            # gated joins wait for the GPU's step up to the server's stage timeout, not a budget
-            max_device_wait_ms = 0 if self.gated_join else self.chooser.max_device_wait_ms(batch_size)
             start = time.perf_counter()
-            try:
-                result = self.assisted.execute(plan, max_device_wait_ms, join)
+            try:  # the device budget bounds staged or held stages; a gated join waits for the GPU step itself
+                result = self.assisted.execute(plan, self.chooser.max_device_wait_ms(batch_size), join)
             except AssistUnavailable as exc:
                 self.num_assist_fallbacks += 1
                 self._assist_fallback.inc()

@@ -220,10 +220,8 @@ class AssistSession:
         False when not taken and dualpace (then it runs staged). Raises AssistExpired for a gated
         join not taken within the stage timeout, Overloaded for one the step dropped."""
         gated = begin.max_join_wait_us == 0
-        if gated:
-            max_wait_s = self._wait_budget_s if self._wait_budget_s is not None else self._stage_timeout_s
-        else:
-            max_wait_s = begin.max_join_wait_us / 1e6
+        # gated waits for the engine's step up to the stage timeout (max_device_wait_ms bounds stages only)
+        max_wait_s = self._stage_timeout_s if gated else begin.max_join_wait_us / 1e6
         join = JoinRequest(begin=begin, channel=channel, offered_s=time.monotonic())
         outcome = self._desk.offer(join, max_wait_s, decline_when_late=not gated)
         if outcome is JoinOutcome.TAKEN_DONE:
@@ -231,7 +229,8 @@ class AssistSession:
         if outcome is JoinOutcome.DROPPED:
             raise Overloaded(f"the GPU engine's step dropped this joined iteration: {join.error}")
         if gated:
-            raise self._busy(f"no GPU engine step took this gated join within {max_wait_s * 1e3:.0f} ms")
+            raise AssistExpired(f"no GPU engine step took this gated join within the server's stage timeout "
+                                f"of {max_wait_s:g} s (--assist-stage-timeout-s)")
         return False
 
     def close(self) -> None:
