@@ -12,7 +12,10 @@ q/k/v or the result go down; a result too large for a slot goes on the stream (a
 The session's rules hold as on gRPC: the same checks (InvalidArgument), the device budget
 (Overloaded), and the server's bounds: a client silent mid-iteration for the idle timeout, or a
 stage running past the stage timeout (watched from the event loop), ends the stream with
-DEADLINE_EXCEEDED. Whenever the thread ends (stream over, error, cancel, the client killed) it
+DEADLINE_EXCEEDED. A ring begin that asks to join the GPU engine's step (and a server with a
+JoinDesk) is handed over with a RingJoinChannel (gpu_service/join_channel.py): the engine's step
+thread then does this stream's ring I/O while this thread waits in the desk, doing none itself.
+Whenever the thread ends (stream over, error, cancel, the client killed) it
 closes the session (device lock released) and unmaps the segment; the memfd has no name, so
 nothing of it is left behind.
 """
