@@ -87,7 +87,8 @@ class ModeChooser:
     cooperative_configured: bool = False  # the GPU server accepts joins into its engine's step
 
     def _device_modes(self) -> list[ExecutionMode]:
-        return [ExecutionMode.ASSISTED] + ([ExecutionMode.COOPERATIVE] if self.cooperative_configured else [])
+        """Cooperative first: on equal estimates it reads the weights once for both engines."""
+        return ([ExecutionMode.COOPERATIVE] if self.cooperative_configured else []) + [ExecutionMode.ASSISTED]
 
     def choose(self, batch_size: int, decode_only: bool) -> ExecutionMode:
         """Assisted needs a decode-only batch (one token per sequence) and a gpu_service."""
@@ -97,7 +98,7 @@ class ModeChooser:
         if self.num_iterations < self.backoff_until:
             return ExecutionMode.LOCAL
         if self.setting == AssistSetting.ALWAYS:
-            return self._device_modes()[-1]  # cooperative where the server can join
+            return self._device_modes()[0]  # cooperative where the server can join
         bucket = batch_bucket(batch_size)
         modes = [ExecutionMode.LOCAL, *self._device_modes()]
         estimates = {}

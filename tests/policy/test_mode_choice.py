@@ -240,7 +240,7 @@ def test_always_means_cooperative_when_the_server_joins():
 def test_auto_measures_all_three_then_prefers_the_fastest_and_reprobes_the_others():
     chooser = ModeChooser(AssistSetting.AUTO, assist_configured=True, cooperative_configured=True)
     modes = run(chooser, {LOCAL: 50.0, ASSISTED: 30.0, COOPERATIVE: 20.0}, 4 * REPROBE_EVERY)
-    assert modes[:3] == [LOCAL, ASSISTED, COOPERATIVE]
+    assert modes[:3] == [LOCAL, COOPERATIVE, ASSISTED]
     assert modes.count(COOPERATIVE) >= 4 * REPROBE_EVERY - 8
     assert LOCAL in modes[3:] and ASSISTED in modes[3:]  # both others get re-probed
 
