@@ -14,7 +14,8 @@ free) is noticed.
 Cooperative (when the GPU server accepts joins, `cooperative_configured`): the iteration's dense
 rows ride in the GPU engine's own step (docs/design_cooperative_execution.md). The chooser then
 keeps three latencies per bucket; `always` (the gated policy) means cooperative; a cooperative
-request that the server ran staged is recorded as ASSISTED, so both are learnt.
+request that the server ran staged is recorded as ASSISTED too (record_cooperative), so both are
+learnt and the cooperative estimate is the outcome of asking to join, whatever ran.
 """
 
 from __future__ import annotations
@@ -150,6 +151,13 @@ class ModeChooser:
         self.latency_ms[key] = latency_ms if previous is None else (1 - EMA_WEIGHT) * previous + EMA_WEIGHT * latency_ms
         if mode != ExecutionMode.LOCAL:
             self.backoff_iterations = BACKOFF_MIN_ITERATIONS
+
+    def record_cooperative(self, batch_size: int, latency_ms: float, ran_staged: bool) -> None:
+        """A cooperative request's latency: the outcome of asking to join; when the server ran it
+        staged (not taken in time, or the step's planner declined) also a staged assisted one."""
+        self.record(ExecutionMode.COOPERATIVE, batch_size, latency_ms)
+        if ran_staged:
+            self.record(ExecutionMode.ASSISTED, batch_size, latency_ms)
 
     def record_assist_failure(self) -> None:
         """The assist path failed mid-iteration: run locally for a while, longer each time."""

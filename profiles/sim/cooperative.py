@@ -12,8 +12,8 @@ layout's extra per-layer time over all layers; the CPU iteration ends with the s
 - dualpace: the CPU asks to join only when the GPU's next step begins within one GPU layer (the
   device is free, or the running step is in its last layer), else its dense stages go staged at
   the GPU's layer boundaries (hold "layer"); the planner may also decline (STAGED) when staged
-  stages lengthen the step less. A joined iteration's latency is recorded as COOPERATIVE, a staged
-  one as ASSISTED, so ModeChooser learns both.
+  stages lengthen the step less. A cooperative request's latency is recorded as COOPERATIVE, and as
+  ASSISTED too when it ran staged (ModeChooser.record_cooperative), so the chooser learns both.
 - gated (NEO as built): every decode-only CPU iteration joins; the planner picks the layout with
   the least GPU wait (SPLIT: the other sub-batch covers the CPU's attention). With nothing of its
   own to run the GPU engine still runs a step for the join alone; the device is never held
@@ -28,7 +28,6 @@ from dataclasses import dataclass
 
 from dualpace.engine.scheduler import StepPlan
 from dualpace.policy.cooperative_plan import CooperativePolicy, JoinHow, OwnRows, RemoteJoin, own_step_layer_ms, plan_layout
-from dualpace.policy.mode_choice import ExecutionMode
 from dualpace.policy.views import Policy
 from dualpace.profile.cost_model import DecodeBatch, cpu_join_layer_ms, layer_costs_of_profile
 from profiles.sim.config import GPU
@@ -51,7 +50,8 @@ class Cooperative:
     num_joined_iterations = 0  # GPU steps that carried a CPU iteration's rows (JOINED or SPLIT)
     num_split_iterations = 0  # of those, SPLIT (S0 non-empty)
     num_declined_joins = 0  # joins the planner ran staged (dualpace)
-    cpu_record_mode = ExecutionMode.ASSISTED  # the mode the CPU's running assisted iteration is recorded as
+    # how the CPU's running assisted iteration is recorded: (asked to join, ran staged)
+    cpu_joining, cpu_ran_staged = False, True
     _layer_costs = None
 
     def _join_next_gpu_iteration(self, cpu, plan: StepPlan, decode: DecodeBatch, assisted_ms: float) -> None:
@@ -62,7 +62,7 @@ class Cooperative:
         cpu.num_iterations += 1
         cpu.num_assisted += 1
         cpu.staged_batch = decode.batch  # its latency, wait included, is recorded when it ends
-        self.cpu_record_mode = ExecutionMode.COOPERATIVE
+        self.cpu_joining, self.cpu_ran_staged = True, False
         self.pending_join = PendingJoin(decode.batch, device_ms, max(0.0, assisted_ms - device_ms),
                                         cpu_join_layer_ms(self.cost, decode))
 
@@ -128,7 +128,7 @@ class Cooperative:
     def _stage_pending_join(self) -> None:
         join, self.pending_join = self.pending_join, None
         self.num_declined_joins += 1
-        self.cpu_record_mode = ExecutionMode.ASSISTED  # a staged run of a cooperative request
+        self.cpu_ran_staged = True  # a staged run of a cooperative request
         num_stages = self.num_layers + 1
         self._next_stage(self._cpu_engine(), num_stages, join.device_ms / num_stages, join.cpu_side_ms / self.num_layers)
 

@@ -61,11 +61,14 @@ class CpuSteps:
             if gated or self._next_gpu_iteration_within_a_layer():
                 self._join_next_gpu_iteration(cpu, plan, decode, cost.assisted_ms)  # rows in the GPU's step
                 return
-            mode = ExecutionMode.ASSISTED  # not within max_join_wait_us: the server runs it staged
+            cpu.staged_batch = batch  # not within max_join_wait_us: the server runs it staged
+            self.cpu_joining, self.cpu_ran_staged = True, True
+            self._start_staged(cpu, plan, self._assist_device_ms(decode.batch), cost.assisted_ms)
+            return
         if mode is ExecutionMode.ASSISTED and cost.assisted_ms is not None:
             if hold in ("layer", "cooperative") and not gated:
                 cpu.staged_batch = batch  # its latency is recorded when it ends
-                self.cpu_record_mode = ExecutionMode.ASSISTED
+                self.cpu_joining = False
                 self._start_staged(cpu, plan, self._assist_device_ms(decode.batch), cost.assisted_ms)
                 return
             wait = device.wait_ms(self.now_ms)
@@ -88,7 +91,10 @@ class CpuSteps:
         """A staged Assisted iteration ended: its latency, device waits included, is measured."""
         if cpu.staged_batch is not None:
             latency_ms = self.now_ms - cpu.started_ms - self.config.engine_overhead_ms
-            self.chooser.record(self.cpu_record_mode, cpu.staged_batch, latency_ms)  # joined: COOPERATIVE
+            if self.cpu_joining:
+                self.chooser.record_cooperative(cpu.staged_batch, latency_ms, self.cpu_ran_staged)
+            else:
+                self.chooser.record(ExecutionMode.ASSISTED, cpu.staged_batch, latency_ms)
             cpu.staged_batch = None
 
     def _start_staged(self, cpu, plan: StepPlan, device_ms: float, assisted_ms: float) -> None:

@@ -261,3 +261,12 @@ def test_cooperative_seed_values():
     predicted = predicted_latencies(lambda b: 10.0 * b, lambda b: 5.0, 4, cooperative_ms=lambda b: 3.0)
     assert predicted[(COOPERATIVE, 4)] == 3.0 and predicted[(LOCAL, 2)] == 20.0
     assert (COOPERATIVE, 1) not in predicted_latencies(lambda b: 1.0, None, 4)
+
+
+def test_a_cooperative_request_run_staged_teaches_both_modes():
+    chooser = ModeChooser(AssistSetting.AUTO, assist_configured=True, cooperative_configured=True)
+    chooser.record_cooperative(4, 30.0, ran_staged=False)
+    assert chooser.estimate_ms(ASSISTED, 4) is None and chooser.estimate_ms(COOPERATIVE, 4) == 30.0
+    chooser.record_cooperative(4, 130.0, ran_staged=True)  # not taken in time: staged
+    assert chooser.estimate_ms(ASSISTED, 4) == 130.0
+    assert chooser.estimate_ms(COOPERATIVE, 4) == pytest.approx((1 - EMA_WEIGHT) * 30.0 + EMA_WEIGHT * 130.0)
