@@ -58,8 +58,8 @@ def register(subparsers) -> None:
                    default="layer",
                    help="how an Assisted CPU iteration holds the GPU: per layer's dense stage (as built), "
                         "the whole iteration (before), only its dense part in one piece (what-if), or "
-                        "cooperative: its dense rows join the GPU engine's next iteration (what-if; with "
-                        "--policy gated, NEO as designed)")
+                        "cooperative: its decode rows join the GPU engine's next step, laid out by the "
+                        "daemons' planner (dualpace.policy.cooperative_plan; with --policy gated, NEO as built)")
     p.add_argument("--skip-unprefilled-moves", action="store_true",
                    help="no effect any more (the planner never moves a request with no token yet); kept for old commands")
     p.add_argument("--out", help="sweep: write the results JSON here (and a PNG beside it if matplotlib imports)")

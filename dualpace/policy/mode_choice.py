@@ -14,7 +14,8 @@ free) is noticed.
 Cooperative (when the GPU server accepts joins, `cooperative_configured`): the iteration's dense
 rows ride in the GPU engine's own step (docs/design_cooperative_execution.md). The chooser then
 keeps three latencies per bucket; `always` (the gated policy) means cooperative; a cooperative
-request that the server ran staged is recorded as ASSISTED, so both are learnt.
+request that the server ran staged is recorded as ASSISTED too (record_cooperative), so both are
+learnt and the cooperative estimate is the outcome of asking to join, whatever ran.
 """
 
 from __future__ import annotations
@@ -87,7 +88,8 @@ class ModeChooser:
     cooperative_configured: bool = False  # the GPU server accepts joins into its engine's step
 
     def _device_modes(self) -> list[ExecutionMode]:
-        return [ExecutionMode.ASSISTED] + ([ExecutionMode.COOPERATIVE] if self.cooperative_configured else [])
+        """Cooperative first: on equal estimates it reads the weights once for both engines."""
+        return ([ExecutionMode.COOPERATIVE] if self.cooperative_configured else []) + [ExecutionMode.ASSISTED]
 
     def choose(self, batch_size: int, decode_only: bool) -> ExecutionMode:
         """Assisted needs a decode-only batch (one token per sequence) and a gpu_service."""
@@ -97,7 +99,7 @@ class ModeChooser:
         if self.num_iterations < self.backoff_until:
             return ExecutionMode.LOCAL
         if self.setting == AssistSetting.ALWAYS:
-            return self._device_modes()[-1]  # cooperative where the server can join
+            return self._device_modes()[0]  # cooperative where the server can join
         bucket = batch_bucket(batch_size)
         modes = [ExecutionMode.LOCAL, *self._device_modes()]
         estimates = {}
@@ -149,6 +151,13 @@ class ModeChooser:
         self.latency_ms[key] = latency_ms if previous is None else (1 - EMA_WEIGHT) * previous + EMA_WEIGHT * latency_ms
         if mode != ExecutionMode.LOCAL:
             self.backoff_iterations = BACKOFF_MIN_ITERATIONS
+
+    def record_cooperative(self, batch_size: int, latency_ms: float, ran_staged: bool) -> None:
+        """A cooperative request's latency: the outcome of asking to join; when the server ran it
+        staged (not taken in time, or the step's planner declined) also a staged assisted one."""
+        self.record(ExecutionMode.COOPERATIVE, batch_size, latency_ms)
+        if ran_staged:
+            self.record(ExecutionMode.ASSISTED, batch_size, latency_ms)
 
     def record_assist_failure(self) -> None:
         """The assist path failed mid-iteration: run locally for a while, longer each time."""

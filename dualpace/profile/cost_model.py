@@ -214,14 +214,18 @@ class CostModel:
 
 
 def predicted_mode_latencies(cost: CostModel, max_batch_size: int, context_tokens: int,
-                             assist_available: bool) -> dict[tuple[ExecutionMode, int], float]:
+                             assist_available: bool, cooperative: bool = False) -> dict[tuple[ExecutionMode, int], float]:
     """The CPU engine's mode choice seed (ModeChooser.seed): each mode's predicted iteration
     latency per batch bucket, at a mean context of `context_tokens` (cpu_service --profile and
-    the simulator seed it the same way)."""
+    the simulator seed it the same way). Cooperative is seeded at the assisted prediction (a
+    joined iteration on an idle GPU costs about that; measurements take over)."""
+    def assisted(batch: int) -> float:
+        return cost.cpu_assisted_ms(DecodeBatch(batch, float(context_tokens)))
+
     return predicted_latencies(
         lambda batch: cost.cpu_local_ms(DecodeBatch(batch, float(context_tokens))),
-        (lambda batch: cost.cpu_assisted_ms(DecodeBatch(batch, float(context_tokens)))) if assist_available else None,
-        max_batch_size)
+        assisted if assist_available else None, max_batch_size,
+        assisted if assist_available and cooperative else None)
 
 
 def layer_costs(num_layers: int, dense_layer_ms_by_rows: Mapping[int, float],

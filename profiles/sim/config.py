@@ -47,10 +47,12 @@ class SimConfig:
     #   layer boundary; the CPU's attention runs with the device free;
     # "iteration": from its start to its result (gpu_service before per-stage sharing);
     # "dense": only its dense part, in one piece at its start (an earlier what-if);
-    # "cooperative" (what-if, not in the daemons yet): its dense rows join the GPU engine's next
-    #   iteration, one weight read for both (profiles/sim/cooperative.py); with the gated policy
-    #   this is NEO as designed (CPU requests advance inside GPU iterations, asymmetric pipelining).
-    # The gated policy otherwise holds it for the whole iteration ("dense" what-if aside).
+    # "cooperative": its decode rows join the GPU engine's next step as remote rows, laid out by
+    #   dualpace.policy.cooperative_plan.plan_layout (profiles/sim/cooperative.py; the daemons'
+    #   design: docs/design_cooperative_execution.md); with the gated policy this is NEO as built
+    #   (CPU requests advance only inside GPU steps, asymmetric pipelining, no held device).
+    # The gated policy otherwise holds it for the whole iteration (the daemons' legacy
+    # `--gated-hold held`; "dense" what-if aside).
     assist_device_hold: str = "layer"
     # What-if: drop planned moves of requests that have no token yet. The planner itself now
     # never plans those (dualpace.policy.migration_planner), so this changes nothing; kept for the CLI.

@@ -24,12 +24,14 @@ from profiles.sim.config import GPU
 SEED_CONTEXT_TOKENS = 512  # cpu_service's --profile-context-tokens default
 
 
-def make_chooser(cost: CostModel, policy: Policy, max_batch_size: int) -> ModeChooser:
+def make_chooser(cost: CostModel, policy: Policy, max_batch_size: int, cooperative: bool = False) -> ModeChooser:
     """The CPU engine's chooser: `always` under the gated policy (cpu_service --policy gated),
-    else `auto`; assist is configured when the cost model has it."""
+    else `auto`; assist is configured when the cost model has it; cooperative (hold
+    "cooperative") when the GPU side joins iterations into its steps."""
     setting = AssistSetting.ALWAYS if policy is Policy.GATED else AssistSetting.AUTO
-    chooser = ModeChooser(setting, assist_configured=cost.assist_available)
-    chooser.seed(predicted_mode_latencies(cost, max_batch_size, SEED_CONTEXT_TOKENS, cost.assist_available))
+    cooperative = cooperative and cost.assist_available
+    chooser = ModeChooser(setting, assist_configured=cost.assist_available, cooperative_configured=cooperative)
+    chooser.seed(predicted_mode_latencies(cost, max_batch_size, SEED_CONTEXT_TOKENS, cost.assist_available, cooperative))
     return chooser
 
 
@@ -55,12 +57,18 @@ class CpuSteps:
         decode_only = all(len(seq.token_ids) == 1 and seq.sample for seq in plan.sequences)  # as the runner asks
         mode = self.chooser.choose(batch, decode_only)
         local_start_ms = self.now_ms
-        if mode is ExecutionMode.ASSISTED and cost.assisted_ms is not None:
-            if hold == "cooperative" and (gated or self._next_gpu_iteration_within_a_layer()):
-                self._join_next_gpu_iteration(cpu, plan, decode.batch, cost.assisted_ms)  # one weight read
+        if mode is ExecutionMode.COOPERATIVE and cost.assisted_ms is not None:
+            if gated or self._next_gpu_iteration_within_a_layer():
+                self._join_next_gpu_iteration(cpu, plan, decode, cost.assisted_ms)  # rows in the GPU's step
                 return
+            cpu.staged_batch = batch  # not within max_join_wait_us: the server runs it staged
+            self.cpu_joining, self.cpu_ran_staged = True, True
+            self._start_staged(cpu, plan, self._assist_device_ms(decode.batch), cost.assisted_ms)
+            return
+        if mode is ExecutionMode.ASSISTED and cost.assisted_ms is not None:
             if hold in ("layer", "cooperative") and not gated:
                 cpu.staged_batch = batch  # its latency is recorded when it ends
+                self.cpu_joining = False
                 self._start_staged(cpu, plan, self._assist_device_ms(decode.batch), cost.assisted_ms)
                 return
             wait = device.wait_ms(self.now_ms)
@@ -83,7 +91,10 @@ class CpuSteps:
         """A staged Assisted iteration ended: its latency, device waits included, is measured."""
         if cpu.staged_batch is not None:
             latency_ms = self.now_ms - cpu.started_ms - self.config.engine_overhead_ms
-            self.chooser.record(ExecutionMode.ASSISTED, cpu.staged_batch, latency_ms)
+            if self.cpu_joining:
+                self.chooser.record_cooperative(cpu.staged_batch, latency_ms, self.cpu_ran_staged)
+            else:
+                self.chooser.record(ExecutionMode.ASSISTED, cpu.staged_batch, latency_ms)
             cpu.staged_batch = None
 
     def _start_staged(self, cpu, plan: StepPlan, device_ms: float, assisted_ms: float) -> None:

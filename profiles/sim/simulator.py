@@ -108,7 +108,8 @@ class Simulator(CpuSteps, Cooperative, Moves):
             self.engines[CPU] = SimEngine(CPU, "cpu", make_scheduler(
                 config.cpu_scheduler, cpu_blocks, self.block_size, max_context, "cpu", caching))
         self.prefix = SimPrefixIndex({name: engine.scheduler for name, engine in self.engines.items()})
-        self.chooser = make_chooser(cost, config.policy, config.cpu_scheduler.max_running)
+        self.chooser = make_chooser(cost, config.policy, config.cpu_scheduler.max_running,
+                                    cooperative=config.assist_device_hold == "cooperative")
         # The profile's cost model drives admission and migration as the router's --profile does.
         self.admission = AdmissionConfig(config.policy, itl_target_ms=config.itl_target_ms, max_queue=config.max_queue,
                                          cpu_max_running=config.cpu_scheduler.max_running, predictor=cost,
@@ -334,8 +335,7 @@ class Simulator(CpuSteps, Cooperative, Moves):
         prefill_tokens, contexts, _ = self._plan_shape(plan)
         duration = self.cost.gpu_iteration_ms(prefill_tokens, DecodeBatch.of(contexts))
         if self.pending_join is not None:
-            self._start_joined(gpu, plan, self._joined_iteration_ms(duration, prefill_tokens, contexts))
-            return
+            return self._start_with_join(gpu, plan, duration, prefill_tokens, contexts)
         end_ms = self.device.start_engine(self.now_ms, duration)
         self._start(gpu, plan, end_ms + self.config.engine_overhead_ms)
 

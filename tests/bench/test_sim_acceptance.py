@@ -46,7 +46,7 @@ def test_one_small_case_runs_and_writes_json_and_markdown(tmp_path, monkeypatch)
     report = json.loads(out.read_text())
     (case,) = report["cases"]
     assert case["profile"] == "a10g_epyc_avx2_llama3_8b_measured_overheads"
-    assert set(case["runs"]) == {"gpu-only", "gated-neo", "dualpace"}
+    assert set(case["runs"]) == {"gpu-only", "gated (as built)", "dualpace", "dualpace (staged)"}
     assert case["slo_p99_itl_ms"] > 100  # the A10G's floor (a 2048-token step with prefill) is above 50 ms
     assert all(r["requests_completed"] == 12 for rows in case["runs"].values() for r in rows)
     assert "| tiny-a10g (neo) | measured_overheads |" in out.with_suffix(".md").read_text()
@@ -69,8 +69,8 @@ def test_gpu_wait_offload_slo_gives_the_slo_as_the_bound_to_the_policies_after_g
     monkeypatch.setattr(acc, "simulate", spy)
     case = acc.run_case(small, "assumed", 6, 0, "slo")
     slo = case["slo_p99_itl_ms"]
-    assert seen == [("gpu-only", None, None), ("gated", slo, slo), ("dualpace", slo, slo)]
+    assert seen == [("gpu-only", None, None), ("gated", slo, slo), ("dualpace", slo, slo), ("dualpace", slo, slo)]
     assert case["gpu_wait_offload"] == "slo"
     seen.clear()
     acc.run_case(small, "assumed", 6, 0)
-    assert [bound for _, bound, _ in seen] == [None, None, None]
+    assert [bound for _, bound, _ in seen] == [None, None, None, None]

@@ -240,7 +240,7 @@ def test_always_means_cooperative_when_the_server_joins():
 def test_auto_measures_all_three_then_prefers_the_fastest_and_reprobes_the_others():
     chooser = ModeChooser(AssistSetting.AUTO, assist_configured=True, cooperative_configured=True)
     modes = run(chooser, {LOCAL: 50.0, ASSISTED: 30.0, COOPERATIVE: 20.0}, 4 * REPROBE_EVERY)
-    assert modes[:3] == [LOCAL, ASSISTED, COOPERATIVE]
+    assert modes[:3] == [LOCAL, COOPERATIVE, ASSISTED]
     assert modes.count(COOPERATIVE) >= 4 * REPROBE_EVERY - 8
     assert LOCAL in modes[3:] and ASSISTED in modes[3:]  # both others get re-probed
 
@@ -261,3 +261,12 @@ def test_cooperative_seed_values():
     predicted = predicted_latencies(lambda b: 10.0 * b, lambda b: 5.0, 4, cooperative_ms=lambda b: 3.0)
     assert predicted[(COOPERATIVE, 4)] == 3.0 and predicted[(LOCAL, 2)] == 20.0
     assert (COOPERATIVE, 1) not in predicted_latencies(lambda b: 1.0, None, 4)
+
+
+def test_a_cooperative_request_run_staged_teaches_both_modes():
+    chooser = ModeChooser(AssistSetting.AUTO, assist_configured=True, cooperative_configured=True)
+    chooser.record_cooperative(4, 30.0, ran_staged=False)
+    assert chooser.estimate_ms(ASSISTED, 4) is None and chooser.estimate_ms(COOPERATIVE, 4) == 30.0
+    chooser.record_cooperative(4, 130.0, ran_staged=True)  # not taken in time: staged
+    assert chooser.estimate_ms(ASSISTED, 4) == 130.0
+    assert chooser.estimate_ms(COOPERATIVE, 4) == pytest.approx((1 - EMA_WEIGHT) * 30.0 + EMA_WEIGHT * 130.0)

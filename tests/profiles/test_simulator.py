@@ -3,6 +3,7 @@ import json
 import pytest
 
 from dualpace.policy.admission import GpuAdmission
+from dualpace.policy.cooperative_plan import JoinHow
 from dualpace.policy.views import Policy
 from dualpace.profile.cost_model import CostModel, DecodeBatch
 from dualpace.profile.files import parse_profile
@@ -210,17 +211,47 @@ def test_cooperative_iterations_complete_and_never_book_the_device_apart(policy)
     assert sim.device.last_user != "cpu"  # no block bookings: the gated turn-taking is gone
 
 
-def test_a_joined_iteration_pays_one_weight_read_for_both_batches():
+def _pending(sim, batch: int, cpu_layer_ms: float):
     from profiles.sim.cooperative import PendingJoin
 
+    separate_ms = sim._assist_device_ms(batch)
+    return PendingJoin(batch=batch, device_ms=separate_ms, cpu_side_ms=cpu_layer_ms * sim.num_layers,
+                       cpu_layer_ms=cpu_layer_ms)
+
+
+def test_a_joined_step_pays_one_weight_read_for_both_batches():
     cost = _cost(gpu_kv_blocks=16)
     sim = Simulator(cost, SimConfig(policy=Policy.DUALPACE, assist_device_hold="cooperative"))
     contexts = [64] * 4
+    sim.pending_join = _pending(sim, 4, cpu_layer_ms=0.0)
+    layout, own_layer_ms = sim._plan_join(0, contexts)
+    assert layout.how is JoinHow.JOINED and layout.d1_rows == 4 and layout.predicted_gpu_wait_ms == 0.0
+    extra_ms = sim.num_layers * (layout.predicted_layer_ms - own_layer_ms)
+    assert 0.0 <= extra_ms < sim._assist_device_ms(4)  # less than the rows' own dense pass
+
+
+def test_a_slow_cpu_lengthens_every_layer_not_only_the_whole_step():
+    """The CPU rows' post_attention(l) waits for their attention of layer l: a CPU slower than the
+    GPU's attention window adds its excess in each layer, on top of S1's dense pass (the old
+    what-if overlapped it with the whole step: max(gpu step, cpu side))."""
+    cost = _cost(gpu_kv_blocks=16)
+    sim = Simulator(cost, SimConfig(policy=Policy.GATED, assist_device_hold="cooperative"))
+    contexts = [64] * 4
     gpu_ms = cost.gpu_iteration_ms(0, DecodeBatch.of(contexts))
-    separate_ms = sim._assist_device_ms(4)  # the CPU rows' dense work as a pass of its own
-    sim.pending_join = PendingJoin(batch=4, device_ms=separate_ms, cpu_side_ms=0.0)
-    joined_ms = sim._joined_iteration_ms(gpu_ms, 0, contexts)
-    assert gpu_ms <= joined_ms < gpu_ms + separate_ms
-    # a CPU side slower than the GPU's whole iteration sets the pace of the joined one
-    sim.pending_join = PendingJoin(batch=4, device_ms=separate_ms, cpu_side_ms=10 * gpu_ms)
-    assert sim._joined_iteration_ms(gpu_ms, 0, contexts) == 10 * gpu_ms
+    cpu_layer_ms = 10 * gpu_ms / sim.num_layers
+    sim.pending_join = _pending(sim, 4, cpu_layer_ms)
+    layout, own_layer_ms = sim._plan_join(0, contexts)
+    assert layout.how is not JoinHow.STAGED  # gated never declines
+    step_ms = gpu_ms + sim.num_layers * (layout.predicted_layer_ms - own_layer_ms)
+    dense_s1_ms = sim._layer_costs.dense_ms(layout.d1_rows + 4)
+    assert step_ms >= sim.num_layers * (cpu_layer_ms + dense_s1_ms) - 1e-9
+    assert step_ms > max(gpu_ms, cpu_layer_ms * sim.num_layers)
+
+
+def test_dualpace_declines_a_join_that_would_stall_the_gpu():
+    cost = _cost(gpu_kv_blocks=16)
+    sim = Simulator(cost, SimConfig(policy=Policy.DUALPACE, assist_device_hold="cooperative"))
+    gpu_ms = cost.gpu_iteration_ms(0, DecodeBatch.of([64] * 4))
+    sim.pending_join = _pending(sim, 4, cpu_layer_ms=10 * gpu_ms / sim.num_layers)
+    assert sim._plan_join(0, [64] * 4)[0].how is JoinHow.STAGED
+    assert sim._plan_join(0, [])[0].how is JoinHow.STAGED  # nothing to hide behind: staged, device free meanwhile
