@@ -47,6 +47,7 @@ class TimelineCheck:
     num_unclaimed_joins: int = 0  # GPU joins no CPU record claims (a dropped join, a lost record)
     gpu_wait_ns: int = 0
     cpu_attention_ns: int = 0
+    wait_and_attention_ns_by_how: dict = field(default_factory=dict)  # how -> [Σ GPU wait, Σ CPU attention]
     join_wait_s: list[float] = field(default_factory=list)  # CPU iteration start -> its GPU step start
     gpu_step_s: list[float] = field(default_factory=list)
     tail_s: list[float] = field(default_factory=list)  # GPU step end -> CPU iteration end
@@ -87,6 +88,8 @@ class TimelineCheck:
             "gpu_wait_ms": round(self.gpu_wait_ns / 1e6, 3),
             "cpu_attention_ms": round(self.cpu_attention_ns / 1e6, 3),
             "gpu_wait_share": None if share is None else round(share, 4),
+            "gpu_wait_share_by_how": {how: round(wait / attention, 4) if attention else None
+                                      for how, (wait, attention) in sorted(self.wait_and_attention_ns_by_how.items())},
             "max_wait_share": self.max_wait_share,
             "join_wait": distribution_ms(self.join_wait_s),
             "gpu_step": distribution_ms(self.gpu_step_s),
@@ -151,6 +154,9 @@ def check_timelines(gpu_records: list[StepRecord], cpu_records: list[StepRecord]
         if gpu.num_own_rows > 0:  # a step of remote rows alone has nothing to overlap with
             check.gpu_wait_ns += gpu.gpu_wait_ns
             check.cpu_attention_ns += attention_ns
+            totals = check.wait_and_attention_ns_by_how.setdefault(gpu.how or "unsaid", [0, 0])
+            totals[0] += gpu.gpu_wait_ns
+            totals[1] += attention_ns
     return check
 
 
@@ -192,6 +198,7 @@ def format_report(check: TimelineCheck) -> str:
         *(f"    {line}" for line in s["failures"]),
         f"[{verdict(check.gpu_not_idle)}] GPU wait / CPU attention: {s['gpu_wait_ms']} / "
         f"{s['cpu_attention_ms']} ms = {share}",
+        *(f"    {how}: {'-' if value is None else f'{100 * value:.2f}%'}" for how, value in s["gpu_wait_share_by_how"].items()),
     ]
     for key, label in (("join_wait", "CPU iteration start -> GPU step start"), ("gpu_step", "GPU step"),
                        ("tail_after_gpu_step", "GPU step end -> CPU iteration end")):

@@ -107,6 +107,9 @@ def test_share_counts_only_steps_with_own_rows_and_needs_attention_times():
     alone = [gpu_step(1, [("stream-1", 1)], own_rows=0, wait_ms=10.0), gpu_step(2, [("stream-1", 2)], wait_ms=0.1)]
     cpu = [cpu_iteration(1, 1, 1), cpu_iteration(2, 2, 2)]
     assert check_timelines(alone, cpu).wait_share == pytest.approx(0.01)  # step 1 had nothing to overlap
+    split = StepRecord("gpu", 3, 0, 1, "gpu", 2, (JoinedRows("stream-1", 3, 1),), "SPLIT", 5 * MS, 2)
+    by_how = check_timelines([*alone, split], [*cpu, cpu_iteration(3, 3, 3)]).summary()["gpu_wait_share_by_how"]
+    assert by_how == {"JOINED": pytest.approx(0.01), "SPLIT": pytest.approx(0.5)}
     unmeasured = check_timelines(alone, [cpu_iteration(2, 2, 2, attention_ms=0)])
     assert unmeasured.wait_share is None and not unmeasured.passed
     assert "not measured" in format_report(unmeasured)

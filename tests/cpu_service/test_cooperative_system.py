@@ -1,11 +1,13 @@
-"""`gated` as NEO, end to end (issue 18; docs/design_cooperative_execution.md, section 8): gpu_service
-and cpu_service --policy gated as real processes on loopback, Dense Assist over the shared-memory
+"""Cooperative execution end to end (issue 18; docs/design_cooperative_execution.md, section 8):
+gpu_service and cpu_service as real processes on loopback, Dense Assist over the shared-memory
 ring, both writing step timelines. Requests prefilled on the GPU engine and handed to the CPU engine
 decode there while the GPU engine serves a request of its own; then:
 
 - every greedy output equals the offline generator's (a full recompute, equal to Hugging Face fp32);
-- every CPU decode iteration ran cooperatively, and the GPU step it names lists this iteration
-  among its joins (identity, not timing: bench/cooperative_timeline.check_timelines);
+- `gated` (NEO as built): every CPU decode iteration ran cooperatively, and the GPU step it names
+  lists this iteration among its joins (identity, not timing: bench/cooperative_timeline);
+- `dualpace` (--assist always): iterations join or run staged, as the GPU's step allows; each
+  one that says it joined is found among its GPU step's joins;
 - no iteration was redone locally (zero fallbacks without faults).
 
 The GPU-wait share is a measurement, printed here and never asserted (bench/cooperative_timeline.py).
@@ -14,10 +16,11 @@ Every wait is bounded: gRPC streams by their deadline, reader threads by a join 
 from __future__ import annotations
 
 import threading
+from dataclasses import dataclass
 
 import pytest
 
-from bench.cooperative_timeline import check_timelines, format_report, timeline_paths
+from bench.cooperative_timeline import TimelineCheck, check_timelines, format_report, timeline_paths
 from dualpace.engine.step_timeline import read_timeline
 from dualpace.sampling import FinishReason, SamplingParams
 from dualpace.wire.v1 import assist_pb2
@@ -45,16 +48,25 @@ def read_in_thread(responses, tokens: list[int], finished: dict, key: str) -> th
     return thread
 
 
-def test_gated_cpu_decodes_advance_only_inside_gpu_steps(loaded, model_folder, tmp_path):
-    paths = timeline_paths(str(tmp_path), "gated", clear=True)
+@dataclass
+class HandoffRun:
+    check: TimelineCheck
+    cpu_log: str
+    num_cpu_tokens: list[int]  # per handed-off request: the tokens left for the CPU engine
+
+
+def run_handoffs(loaded, model_folder: str, directory: str, policy: str) -> HandoffRun:
+    """The GPU engine's own request plus NUM_CPU_REQUESTS hand-offs to the CPU engine, to the end;
+    asserts the outputs and clean stops, returns the timelines' check."""
+    paths = timeline_paths(directory, policy, clear=True)
     gpu = start_daemon("gpu_service", "--model", model_folder, *ENGINE_FLAGS, "--kv-blocks", "64",
                        step_timeline=paths["gpu"])
     cpu = None
-    num_cpu_tokens: list[int] = []  # per handed-off request: the tokens left for the CPU engine
+    num_cpu_tokens: list[int] = []
     try:
         cpu = start_daemon("cpu_service", "--model", model_folder, *ENGINE_FLAGS, "--kv-blocks", "256",
-                           "--policy", "gated", "--gpu-service", gpu.address, "--assist-transport", "auto",
-                           "--assist-timeout-s", "30", step_timeline=paths["cpu"])
+                           "--policy", policy, "--assist", "always", "--gpu-service", gpu.address,
+                           "--assist-transport", "auto", "--assist-timeout-s", "30", step_timeline=paths["cpu"])
         gpu_client, cpu_client = EngineClient(gpu.address), EngineClient(cpu.address)
         outputs: dict[str, list[int]] = {}
         finished: dict[str, FinishReason | None] = {}
@@ -87,12 +99,25 @@ def test_gated_cpu_decodes_advance_only_inside_gpu_steps(loaded, model_folder, t
     assert gpu_status == 0, gpu.log()
     assert "redoing it locally" not in cpu.log(), cpu.log()  # zero fallbacks without faults
     assert "dense assist through shared memory" in cpu.log()
+    check = check_timelines(read_timeline(paths["gpu"]), read_timeline(paths["cpu"]), policy)
+    print(format_report(check))  # the GPU-wait share: a measurement, not asserted
+    return HandoffRun(check, cpu.log(), num_cpu_tokens)
 
-    check = check_timelines(read_timeline(paths["gpu"]), read_timeline(paths["cpu"]), "gated")
-    report = format_report(check)
-    print(report)
-    assert check.advance_only_inside_gpu, report
+
+def test_gated_cpu_decodes_advance_only_inside_gpu_steps(loaded, model_folder, tmp_path):
+    run = run_handoffs(loaded, model_folder, str(tmp_path), "gated")
+    report = format_report(run.check)
+    assert run.check.advance_only_inside_gpu, report
+    assert set(run.check.cpu_modes) == {"cooperative"}, report
     # Each CPU decode iteration makes one token per request on board; the first step after an
     # import may count as a prefill of the handed-off token, hence the one spare.
-    assert check.num_cpu_matched >= max(num_cpu_tokens) - 1, report
-    assert set(check.cpu_modes) == {"cooperative"}, report
+    assert run.check.num_cpu_matched >= max(run.num_cpu_tokens) - 1, report
+
+
+def test_dualpace_joins_are_found_among_gpu_steps(loaded, model_folder, tmp_path):
+    run = run_handoffs(loaded, model_folder, str(tmp_path), "dualpace")
+    report = format_report(run.check)
+    assert not run.check.failures, report  # each iteration that joined names a GPU step that lists it
+    assert run.check.num_cpu_matched == run.check.cpu_modes["cooperative"], report
+    assert set(run.check.cpu_modes) <= {"cooperative", "assisted"}, report  # joined or staged, never local
+    assert sum(run.check.cpu_modes.values()) >= max(run.num_cpu_tokens) - 1, report
