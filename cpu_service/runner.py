@@ -7,8 +7,9 @@ Cooperative (docs/design_cooperative_execution.md): the iteration asks gpu_servi
 dense rows inside the GPU engine's next step (a join). dualpace asks when the ModeChooser picks
 COOPERATIVE, waiting at most its slack for the step; gated (`gated_hold="join"`) asks for every
 decode iteration and waits up to the server's stage timeout; `gated_hold="held"` is the old gated
-baseline that holds the GPU from begin to result. The latency is recorded under the mode that
-ran: COOPERATIVE when the server's join info says the rows rode in its step, else ASSISTED.
+baseline that holds the GPU from begin to result. A step is counted under the mode that ran:
+COOPERATIVE when the server's join info says the rows rode in its step, else ASSISTED; the
+chooser learns a join ask's latency as cooperative either way (ModeChooser.record_cooperative).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from dualpace.engine.runner import ModelRunner
 from dualpace.engine.scheduler import StepPlan, StepResult
 from dualpace.engine.step_timeline import assisted_record_fields
 from dualpace.model.loader import LoadedModel
-from dualpace.policy.mode_choice import ExecutionMode, ModeChooser
+from dualpace.policy.mode_choice import AssistSetting, ExecutionMode, ModeChooser
 from dualpace.serve.metrics import DENSE_ASSIST_CALLS, DENSE_ASSIST_ROUND_TRIP
 
 log = logging.getLogger(__name__)
@@ -72,9 +73,9 @@ class CpuRunner(ModelRunner):
             else:
                 self._assist_ok.inc()
                 self._assist_round_trip.observe(time.perf_counter() - start)
-                ran = ExecutionMode.COOPERATIVE if ran_in_engine_step(self.client.last_join_info) \
-                    else ExecutionMode.ASSISTED
-                self._record(ran, batch_size, start)
+                info = self.client.last_join_info  # set when a joining server handled a join ask
+                ran = ExecutionMode.COOPERATIVE if ran_in_engine_step(info) else ExecutionMode.ASSISTED
+                self._record(ran, batch_size, start, asked_to_join=info is not None)
                 self.last_step_record_fields = assisted_record_fields(  # for the step timeline
                     self.client.last_iteration_id, self.client.last_join_info, self.assisted.last_attention_ns)
                 return result
@@ -89,11 +90,19 @@ class CpuRunner(ModelRunner):
         if self.gated_join:
             return JoinAsk.gated()
         if mode == ExecutionMode.COOPERATIVE:
-            return JoinAsk.dualpace(self.chooser.max_join_wait_ms(batch_size))
+            if self.chooser.setting == AssistSetting.ALWAYS:  # dualpace --assist always: no local to beat
+                return JoinAsk.dualpace(self.chooser.max_device_wait_ms(batch_size))
+            return JoinAsk.dualpace(self.chooser.max_join_wait_ms(batch_size))  # its slack against local
         return NO_JOIN
 
-    def _record(self, mode: ExecutionMode, batch_size: int, start_s: float) -> None:
-        self.chooser.record(mode, batch_size, (time.perf_counter() - start_s) * 1e3)
+    def _record(self, mode: ExecutionMode, batch_size: int, start_s: float, asked_to_join: bool = False) -> None:
+        """Count the step under the mode that ran; the chooser learns a join ask's outcome as
+        cooperative whatever ran (and a staged run as assisted too: record_cooperative)."""
+        latency_ms = (time.perf_counter() - start_s) * 1e3
+        if asked_to_join:
+            self.chooser.record_cooperative(batch_size, latency_ms, ran_staged=mode == ExecutionMode.ASSISTED)
+        else:
+            self.chooser.record(mode, batch_size, latency_ms)
         self.num_steps_by_mode[mode] += 1
         if mode != self.last_mode or self.num_steps_by_mode[mode] == 1:
             log.info("iterations now run %s (batch %d; steps so far: %s)", mode.value, batch_size,
