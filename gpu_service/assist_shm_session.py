@@ -179,7 +179,7 @@ class ShmStream:
 
     def _finish(self, error: BaseException | None) -> None:
         if not self.ended.done():
-            if error is None:
+            if error is None or self._stop.is_set():  # stopped: the stream is over, nobody reads the error
                 self.ended.set_result(None)
             else:
                 self.ended.set_exception(error)

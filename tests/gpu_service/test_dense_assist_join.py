@@ -350,3 +350,29 @@ def test_a_dualpace_join_never_asks_for_the_gated_wait_and_fits_the_wire() -> No
     assert JoinAsk.dualpace(0.0).max_join_wait_us == 1  # 0 on the wire would mean "up to the stage timeout"
     assert JoinAsk.dualpace(1e12).max_join_wait_us == 2**32 - 1
     assert JoinAsk.gated().max_join_wait_us is None and JoinAsk.gated().join
+
+
+def test_a_client_gone_mid_join_is_dropped_at_once_not_at_the_layer_bound(loaded) -> None:  # noqa: F811
+    """The CPU's stream ends mid-join (as when its process dies): the stream's stop interrupts the
+    step's wait on the ring, so the join is dropped without waiting out its per-layer bound."""
+    desk = JoinDesk(loaded.config.num_layers)
+    running = _server(loaded, desk)
+    zeros = _zeros_attend(loaded)
+    try:
+        client = AssistClient(running.address, iteration_timeout_s=HANG_GUARD_S)
+        with _StepStandIn(desk, loaded.model, layer_bound_s=10 * HANG_GUARD_S) as step:
+            def attend_then_vanish(layer, q, k, v):
+                if layer == 1:
+                    closing = threading.Thread(target=client._stream.close)  # the call is cancelled
+                    closing.start()
+                    closing.join(HANG_GUARD_S)
+                    assert step.dropped.wait(HANG_GUARD_S)  # long before the bound
+                return zeros(layer, q, k, v)
+
+            with pytest.raises(AssistUnavailable):
+                client.run_iteration([1], [0], attend_then_vanish, join=JoinAsk.gated())
+            assert client.run_iteration([1], [0], zeros, join=JoinAsk.gated()).shape[0] == 1  # a fresh stream
+        client.close()
+        assert not desk.has_pending
+    finally:
+        running.stop()
