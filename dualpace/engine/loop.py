@@ -245,7 +245,7 @@ class EngineLoop:
         extra["joins"] = tuple(JoinedRows(*join) for join in extra.get("joins", ()))
         own = plan.sequences
         self.step_timeline.record_step(
-            engine=self.core.config.name, step_id=self.core.num_steps, start_ns=start_ns, end_ns=end_ns,
+            engine=self.core.config.name, step_id=getattr(self.core.runner, "num_executed_steps", self.core.num_steps), start_ns=start_ns, end_ns=end_ns,
             mode=self._iteration_mode(), num_own_rows=len(own),
             num_prefill_rows=sum(len(s.token_ids) for s in own if len(s.token_ids) > 1), **extra)
 
