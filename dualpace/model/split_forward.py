@@ -122,6 +122,9 @@ class SplitForward:
                     layer_start = now
                 if self.between_layers is not None:
                     self.between_layers()
+            if hidden1.shape[0] == 0:  # every join dropped and no own rows in S1: S0 alone
+                hidden0 = hidden0 if s0 is None else self._full_layer(layer, s0, hidden0, rope0, kv)
+                continue
             q1, k1, v1 = model.pre_attention(layer, hidden1, rope1)
             if num_own:
                 kv.write(layer, s1_own.slot_ids, k1[:num_own], v1[:num_own])
@@ -131,9 +134,7 @@ class SplitForward:
                 join.channel.send_qkv(layer, q1[row:end], k1[row:end], v1[row:end])
                 row = end
             if s0 is not None:
-                q0, k0, v0 = model.pre_attention(layer, hidden0, rope0)
-                kv.write(layer, s0.slot_ids, k0, v0)
-                hidden0 = model.post_attention(layer, hidden0, attend(q0, layer, s0, kv, self.scale, (k0, v0)))
+                hidden0 = self._full_layer(layer, s0, hidden0, rope0, kv)
             attention1 = q1.new_empty((q1.shape[0], q1.shape[1] * q1.shape[2]))
             if num_own:
                 attention1[:num_own] = attend(q1[:num_own], layer, s1_own, kv, self.scale,
@@ -145,6 +146,13 @@ class SplitForward:
                 hidden1, attention1, rope1 = hidden1[keep], attention1[keep], rope_rows(rope1, keep)
             hidden1 = model.post_attention(layer, hidden1, attention1)
         return self._logits(s0, s1_own, hidden0, hidden1, num_own, live, dropped)
+
+    def _full_layer(self, layer: int, s0: StepTensors, hidden0: torch.Tensor, rope0, kv: KVStorage) -> torch.Tensor:
+        """S0's whole layer: pre, K/V written, attention, post."""
+        model = self.model
+        q0, k0, v0 = model.pre_attention(layer, hidden0, rope0)
+        kv.write(layer, s0.slot_ids, k0, v0)
+        return model.post_attention(layer, hidden0, attend(q0, layer, s0, kv, self.scale, (k0, v0)))
 
     def _receive(self, layer: int, live: list[RemoteRows], attention1: torch.Tensor,
                  num_own: int) -> torch.Tensor | None:
@@ -184,7 +192,10 @@ class SplitForward:
         if num_own:
             parts.append(hidden1[s1_own.logit_token_index])
         parts.append(hidden1[num_own:])
-        logits = self.model.logits(torch.cat(parts))
+        rows = torch.cat(parts)
+        if rows.shape[0] == 0:  # nothing left to read the LM head for
+            return SplitOutput(rows.new_empty((0, self.model.config.vocab_size), dtype=torch.float32), [], dropped)
+        logits = self.model.logits(rows)
         num_remote = sum(j.num_rows for j in live)
         num_own_rows = logits.shape[0] - num_remote
         finished = []

@@ -320,3 +320,15 @@ def test_the_planner_may_decline_a_join_to_staged(tiny):
     thread.join(30)
     assert answer == [JoinOutcome.NOT_TAKEN] and remote.channel.finished is None and not remote.channel.errors
     assert [e.request_id for e in events] == ["own"]
+
+
+def test_an_idle_engine_drops_its_only_join_and_serves_on(tiny):
+    core, desk = engine_with_desk(tiny, [])
+    remote = RemoteRequest(tiny, [5, 6, 7], stall_at_layer=0)
+    answer = step_with(core, desk, remote.next_join(1), {})
+    assert answer == [JoinOutcome.DROPPED] and isinstance(remote.channel.errors[0], Overloaded)
+    core.add_request("own", [1, 2, 3], SamplingParams(max_tokens=2, ignore_eos=True))
+    outputs: dict = {}
+    while core.has_work:
+        step_with(core, desk, None, outputs)
+    assert outputs["own"] == hf_free_greedy(tiny, [1, 2, 3], 2)
