@@ -133,3 +133,12 @@ def test_assisted_record_fields_from_the_join_info():
     assert (staged.engine_step_id, staged.how, staged.iteration_id) == (None, "", 13)
     assert assisted_record_fields(14, None, -1) == {"iteration_id": 14, "attention_ns": 0}
     assert StepRecord("gpu", 1, 0, 1, "gpu", 1, how=JoinHow.UNSPECIFIED).how == ""
+
+
+def test_record_step_never_raises_on_the_step_thread(caplog):
+    timeline = StepTimeline()
+    assert timeline.record_step(engine="gpu", step_id=1, start_ns=0, end_ns=1, mode="warp", num_own_rows=1) is None
+    assert timeline.record_step(engine="gpu", step_id=2, colour="blue") is None
+    assert timeline.num_invalid == 2 and timeline.records() == []
+    assert sum("could not be built" in r.message for r in caplog.records) == 1  # logged once
+    assert timeline.record_step(engine="gpu", step_id=3, start_ns=0, end_ns=1, mode="gpu", num_own_rows=1)
