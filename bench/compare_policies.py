@@ -52,8 +52,10 @@ def start_system(args: argparse.Namespace, policy: str) -> list[Daemon]:
     timelines = timeline_paths(args.step_timeline_dir, policy, clear=True) if args.step_timeline_dir else {}
     daemons: list[Daemon] = []
     try:
+        # The stand-in GPU is a CPU core: a long prefill step may outlast the 5 s default stage timeout,
+        # which would end gated joins waiting for it (a local redo), so both sides get 120 s.
         gpu = start_daemon("gpu_service", *common, "--name", "gpu", "--kv-blocks", str(args.gpu_kv_blocks),
-                           cpu_cores="0", step_timeline=timelines.get("gpu"))
+                           "--assist-stage-timeout-s", "120", cpu_cores="0", step_timeline=timelines.get("gpu"))
         daemons.append(gpu)
         router_flags = ["serve", "--gpu", gpu.address, "--policy", policy, "--model", args.model]
         if policy != "gpu-only":
@@ -78,8 +80,7 @@ def stop_system(daemons: list[Daemon]) -> None:
         daemon.stop()
 
 
-def cpu_seconds(pid: int) -> float | None:
-    """A process's user + system CPU time so far (Linux /proc), None where unreadable."""
+def cpu_seconds(pid: int) -> float | None:  # user + system CPU time so far (Linux /proc), None where unreadable
     try:
         fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
         return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")

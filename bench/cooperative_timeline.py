@@ -102,10 +102,12 @@ def check_timelines(gpu_records: list[StepRecord], cpu_records: list[StepRecord]
     """Both acceptance points over one GPU engine's records and any CPU engines' records."""
     check = TimelineCheck(policy, max_wait_share=max_wait_share)
     gpu_steps: dict[int, StepRecord] = {}
+    repeated = Counter(record.step_id for record in gpu_records)
+    for step_id, count in repeated.items():
+        if count > 1:
+            check.failures.append(f"GPU step {step_id} recorded {count} times")
     for record in gpu_records:
-        if record.step_id in gpu_steps:
-            check.failures.append(f"GPU step {record.step_id} recorded twice")
-        gpu_steps[record.step_id] = record
+        gpu_steps.setdefault(record.step_id, record)  # the first: a repeat is the failure above
     check.num_gpu_steps = len(gpu_steps)
     check.num_gpu_steps_with_joins = sum(bool(r.joins) for r in gpu_steps.values())
     claimed: dict[tuple[str, int], str] = {}  # (peer, iteration_id) -> the CPU record that claimed it

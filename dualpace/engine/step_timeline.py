@@ -152,6 +152,7 @@ class StepTimeline:
     ring_records: int = DEFAULT_RING_RECORDS
     max_pending_records: int = DEFAULT_MAX_PENDING_RECORDS
     num_dropped: int = 0  # records the writer never got (it fell behind by max_pending_records)
+    num_invalid: int = 0  # record_step calls whose fields made no StepRecord (skipped)
     _ring: deque = field(init=False, repr=False)
     _pending: deque = field(init=False, repr=False)
     _wake: threading.Condition = field(init=False, repr=False)
@@ -186,9 +187,17 @@ class StepTimeline:
             self._pending.append(record)
             self._wake.notify()
 
-    def record_step(self, **values) -> StepRecord:
-        """Build a StepRecord from keyword fields and append it; returns it."""
-        record = StepRecord(**values)
+    def record_step(self, **values) -> StepRecord | None:
+        """Build a StepRecord from keyword fields and append it; returns it. Called on the step
+        thread, so a record it cannot build is counted and logged once, never raised: a timeline
+        must not stop the engine."""
+        try:
+            record = StepRecord(**values)
+        except (InvalidArgument, TypeError, ValueError) as exc:
+            self.num_invalid += 1
+            if self.num_invalid == 1:
+                log.warning("step timeline: a step record could not be built (%s); such records are skipped", exc)
+            return None
         self.append(record)
         return record
 

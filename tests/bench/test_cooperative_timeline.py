@@ -57,7 +57,7 @@ def test_a_clean_gated_run_passes_and_reports_intervals():
     (lambda gpu, cpu: cpu.append(cpu_iteration(7, 5, 55)), "GPU step 55 is not in the GPU timeline"),
     (lambda gpu, cpu: cpu.append(cpu_iteration(7, 3, 3)), "already claimed"),
     (lambda gpu, cpu: cpu.append(StepRecord("cpu", 7, 0, 1, "cooperative", 1)), "without a GPU step id"),
-    (lambda gpu, cpu: gpu.append(gpu_step(1)), "GPU step 1 recorded twice"),
+    (lambda gpu, cpu: gpu.extend([gpu_step(1), gpu_step(1)]), "GPU step 1 recorded 3 times"),
 ])
 def test_each_break_of_point_one_fails_with_its_reason(break_it, reason):
     gpu, cpu = clean_run()

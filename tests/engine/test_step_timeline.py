@@ -4,16 +4,16 @@ an unwritable path before loading anything."""
 
 from __future__ import annotations
 
-import argparse
 import enum
 import json
+import subprocess
+import sys
 from dataclasses import dataclass
 
 import pytest
 
 from dualpace.engine.step_timeline import JoinedRows, StepRecord, StepTimeline, assisted_record_fields, read_timeline
 from dualpace.errors import InvalidArgument
-from dualpace.serve.engine_daemon import add_engine_arguments, run_engine_daemon
 
 
 def gpu_record(step_id: int, joins=(), **extra) -> StepRecord:
@@ -86,16 +86,14 @@ def test_reading_a_malformed_file(tmp_path):
         read_timeline(missing)
 
 
-def test_daemon_refuses_an_unwritable_timeline_before_loading(tmp_path, capsys):
-    parser = argparse.ArgumentParser()
-    add_engine_arguments(parser, "gpu", 64)
-    args = parser.parse_args(["--step-timeline", str(tmp_path / "no-such-dir" / "gpu.jsonl")])
-
-    def build():
-        raise AssertionError("the model must not be loaded")
-
-    assert run_engine_daemon(args, "gpu_service", build) == 2
-    assert "--step-timeline" in capsys.readouterr().err
+def test_daemon_refuses_an_unwritable_timeline_before_loading(tmp_path):
+    """A real daemon process (its logging set-up stays out of this test process): exit status 2 and
+    one line naming the flag, before the model (which does not exist) is looked at."""
+    path = tmp_path / "no-such-dir" / "gpu.jsonl"
+    done = subprocess.run([sys.executable, "-m", "gpu_service", "--model", str(tmp_path / "no-model"),
+                           "--step-timeline", str(path)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.strip() == f"gpu_service: error: --step-timeline: cannot open {path}: No such file or directory"
 
 
 def test_modes_and_hows_are_taken_in_either_case():
@@ -133,3 +131,12 @@ def test_assisted_record_fields_from_the_join_info():
     assert (staged.engine_step_id, staged.how, staged.iteration_id) == (None, "", 13)
     assert assisted_record_fields(14, None, -1) == {"iteration_id": 14, "attention_ns": 0}
     assert StepRecord("gpu", 1, 0, 1, "gpu", 1, how=JoinHow.UNSPECIFIED).how == ""
+
+
+def test_record_step_never_raises_on_the_step_thread(caplog):
+    timeline = StepTimeline()
+    assert timeline.record_step(engine="gpu", step_id=1, start_ns=0, end_ns=1, mode="warp", num_own_rows=1) is None
+    assert timeline.record_step(engine="gpu", step_id=2, colour="blue") is None
+    assert timeline.num_invalid == 2 and timeline.records() == []
+    assert sum("could not be built" in r.message for r in caplog.records) == 1  # logged once
+    assert timeline.record_step(engine="gpu", step_id=3, start_ns=0, end_ns=1, mode="gpu", num_own_rows=1)
