@@ -75,6 +75,7 @@ class EngineLoop:
         self.metrics: MetricsSink = metrics or NoMetrics()
         self._iteration_s = 0.0  # the last step's model time (inside the step lock)
         self.step_timeline = None  # a StepTimeline (dualpace.engine.step_timeline): one record per step run
+        self._last_recorded_step_id = -1
         self._event_loop: asyncio.AbstractEventLoop | None = None
 
     # ----------------------------------------------------------------- commands
@@ -238,14 +239,18 @@ class EngineLoop:
 
     def _record_step(self, plan, start_ns: int, end_ns: int) -> None:
         """One StepRecord for a step that ran; the runner adds what it knows (joins, how, waits)."""
+        step_id = getattr(self.core.runner, "num_executed_steps", self.core.num_steps)
+        if step_id == self._last_recorded_step_id:
+            return  # nothing ran (an early return): the runner's fields are the last step's
         extra = dict(getattr(self.core.runner, "last_step_record_fields", None) or {})
         if plan.is_empty and not extra.get("joins"):
             return
+        self._last_recorded_step_id = step_id
         from dualpace.engine.step_timeline import JoinedRows  # only with a timeline configured
         extra["joins"] = tuple(JoinedRows(*join) for join in extra.get("joins", ()))
         own = plan.sequences
         self.step_timeline.record_step(
-            engine=self.core.config.name, step_id=getattr(self.core.runner, "num_executed_steps", self.core.num_steps), start_ns=start_ns, end_ns=end_ns,
+            engine=self.core.config.name, step_id=step_id, start_ns=start_ns, end_ns=end_ns,
             mode=self._iteration_mode(), num_own_rows=len(own),
             num_prefill_rows=sum(len(s.token_ids) for s in own if len(s.token_ids) > 1), **extra)
 

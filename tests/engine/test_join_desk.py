@@ -332,3 +332,22 @@ def test_an_idle_engine_drops_its_only_join_and_serves_on(tiny):
     while core.has_work:
         step_with(core, desk, None, outputs)
     assert outputs["own"] == hf_free_greedy(tiny, [1, 2, 3], 2)
+
+
+def test_a_step_that_ran_nothing_adds_no_record(tiny):
+    """After a joined step, steps that return early must not repeat its record (same step id, the
+    runner's fields still holding that step's joins): each GPU step id appears once."""
+    core, desk = engine_with_desk(tiny, [])
+    remote = RemoteRequest(tiny, [5, 6, 7])
+    records: list[dict] = []
+    loop = EngineLoop(core)
+    loop.step_timeline = SimpleNamespace(record_step=lambda **fields: records.append(fields))
+    thread, answer = offer_in_thread(desk, remote.next_join(1), 30, decline_when_late=False)
+    wait_until(lambda: core.has_work)
+    loop._step()
+    thread.join(30)
+    for _ in range(3):
+        loop._step()
+    loop.close()
+    assert answer == [JoinOutcome.TAKEN_DONE]
+    assert [r["step_id"] for r in records] == [core.runner.num_executed_steps] and len(records[0]["joins"]) == 1
