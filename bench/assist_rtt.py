@@ -66,10 +66,14 @@ class InstantSession:
     def in_iteration(self) -> bool:
         return self._begin is not None
 
+    @property
+    def accepts_join(self) -> bool:
+        return False  # the round trip measured is the staged exchange's
+
     def handle(self, message):
         return self.begin(message) if isinstance(message, AssistBegin) else self.attention_output(message)
 
-    def begin(self, begin: AssistBegin) -> AssistQkv:
+    def begin(self, begin: AssistBegin, channel=None) -> AssistQkv:
         self._begin, self._next_layer = begin, 0
         return self._layer_qkv(0)
 
