@@ -149,7 +149,7 @@ class EngineLoop:
     async def run(self) -> None:
         loop = asyncio.get_running_loop()
         self._event_loop = loop
-        desk = getattr(self.core.runner, "desk", None)
+        desk = getattr(getattr(self.core, "runner", None), "desk", None)  # a core without a runner: none
         if desk is not None:  # a join offered while idle starts a step for it
             desk.on_pending(self._wake_from_any_thread)
         try:
