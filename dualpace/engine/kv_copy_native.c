@@ -21,7 +21,7 @@
 #include <stdint.h>
 #include <string.h>
 
-#define LANE_BYTES 4096 /* per lane; three lanes per round */
+#define LANE_BYTES 16384 /* per lane; three lanes per round (4096 measured slower) */
 #define POLY_REFLECTED 0x82f63b78u
 
 static uint32_t lane_shift_constant; /* x^(8 LANE_BYTES) mod P, reflected; 0 until computed */

@@ -15,7 +15,7 @@ from dualpace.engine.shm_kv_copy import copy_in_place, layer_checksums
 
 lib = kv_copy_native.get()
 needs_native = pytest.mark.skipif(lib is None, reason="fused KV copy not built here (no gcc or no SSE4.2)")
-LANES = 3 * 4096  # kv_copy_native.c's round: sizes around it take both the lane and the tail loops
+LANES = 3 * 16384  # kv_copy_native.c's round: sizes around it take both the lane and the tail loops
 
 
 @needs_native
