@@ -43,7 +43,7 @@ static uint32_t shift_constant(void) {
         uint64_t r = 0x80000000u;
         for (int i = 0; i < LANE_BYTES / 8; i++) r = _mm_crc32_u64(r, 0);
         constant = (uint32_t)r;
-        lane_shift_constant = constant; /* the same value from any thread: a benign race */
+        lane_shift_constant = constant; /* dp_kv_copy_supported computes it before any copy */
     }
     return constant;
 }
@@ -109,7 +109,9 @@ static uint32_t crc_register(uint32_t r, uint8_t *dst, const uint8_t *src, size_
 int dp_kv_copy_supported(void) {
 #if defined(__x86_64__) || defined(__i386__)
     __builtin_cpu_init();
-    return __builtin_cpu_supports("sse4.2");
+    if (!__builtin_cpu_supports("sse4.2")) return 0;
+    shift_constant(); /* computed here, once, before any thread copies */
+    return 1;
 #else
     return 0;
 #endif
