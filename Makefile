@@ -29,6 +29,8 @@ $(STAMP): pyproject.toml Makefile
 	# The CPU kernels for this CPU's instruction set, built now rather than on first use
 	# (skipped with a message where there is no C++ compiler: the engine then uses torch ops).
 	-$(BIN)/python -m dualpace.model.cpu_kernels_build
+	# The shm KV transfer's fused copy + CRC32C (without it: numpy's copy and the crc32c package).
+	-$(BIN)/python -m dualpace.engine.kv_copy_native
 	touch $(STAMP)
 
 test: venv

@@ -7,11 +7,12 @@ slots and target slots are cut into runs that are contiguous on both sides.
 The checksum of a layer is the CRC32C (dualpace.engine.kv_checksum's, in hardware) of its K
 bytes in token order followed by its V bytes in token order: the checksum a gRPC chunk covering
 the whole layer would carry. Each side computes it over its own memory, once:
-- the sender copies each layer in pieces of CHUNK_BYTES and CRCs each piece of its source right
-  after copying it, while the piece is still in its cache, so its pool is read from memory once
-  (copy and checksum cost about one copy);
+- the sender copies each layer and CRCs its source in the same pass: in C where
+  kv_copy_native is built (each 8-byte word loaded once, stored, and CRC'd from the register),
+  else in pieces of CHUNK_BYTES, each CRC'd right after it was copied while still in cache; its
+  pool is read from memory once either way (copy and checksum cost about one copy);
 - the target computes the checksums again over its own blocks, after the sender's lease ended
-  (layers split over the import workers), and refuses the transfer if any differs. So the target
+  (layers split over the import workers; the same C loop without the store), and refuses the transfer if any differs. So the target
   checks what actually landed in its blocks, not what the sender says it wrote: a piece the
   sender corrupted or never wrote after checksumming its source does not pass.
 """
@@ -24,6 +25,8 @@ from typing import Protocol
 import crc32c
 import numpy as np
 import torch
+
+from dualpace.engine import kv_copy_native
 
 # A transfer this small is copied (and verified) on the event loop itself: the hop to a worker
 # thread costs a wake-up (tens of microseconds idle, milliseconds on a loaded machine), more than
@@ -80,13 +83,51 @@ def _bytes(array: np.ndarray) -> memoryview:
     return memoryview(array).cast("B")
 
 
+def _native_layers(src_k: torch.Tensor, src_v: torch.Tensor, dst_k: torch.Tensor | None, dst_v: torch.Tensor | None,
+                   runs: list[tuple[int, int, int]], layers: range, stop: threading.Event | None) -> list[int] | None:
+    """Per layer: the fused C copy (none when dst_k is None) + CRC32C of kv_copy_native; None where
+    it cannot be used (not built here, or a pool not contiguous), for the numpy + crc32c path."""
+    lib = kv_copy_native.get()
+    pools = [t for t in (src_k, src_v, dst_k, dst_v) if t is not None]
+    if lib is None or not all(t.is_contiguous() for t in pools):
+        return None
+    run_array = np.ascontiguousarray(np.asarray(runs, dtype=np.int64).reshape(-1, 3))
+    _check_bounds(run_array, src_k, dst_k, layers)
+    slot_bytes = src_k[0, 0, 0].numel() * src_k.element_size()
+    layer_bytes = [t.stride(0) * t.element_size() for t in (src_k, dst_k if dst_k is not None else src_k)]
+    base = [t.data_ptr() if t is not None else None for t in (src_k, src_v, dst_k, dst_v)]
+    checksums = []
+    for layer in layers:
+        _check_stop(stop)
+        src = [b + layer * layer_bytes[0] for b in base[:2]]
+        dst = [b + layer * layer_bytes[1] if b is not None else None for b in base[2:]]
+        checksums.append(lib.dp_kv_layer_copy_crc32c(*dst, *src, run_array.ctypes.data, len(runs), slot_bytes))
+    return checksums
+
+
+def _check_bounds(run_array: np.ndarray, src_k: torch.Tensor, dst_k: torch.Tensor | None, layers: range) -> None:
+    """The C loop does not check bounds: numpy's IndexError, raised here instead."""
+    if len(layers) and (min(layers) < 0 or max(layers) >= src_k.shape[0]):
+        raise IndexError(f"layers {layers} outside a pool of {src_k.shape[0]} layers")
+    for column, pool in ((0, src_k), (1, dst_k)):
+        if pool is None or not len(run_array):
+            continue
+        num_slots = pool.shape[1] * pool.shape[2]
+        if run_array[:, column].min() < 0 or (run_array[:, column] + run_array[:, 2]).max() > num_slots:
+            raise IndexError(f"slot ids outside a pool of {num_slots} slots")
+
+
 def layer_checksums(k_pool: torch.Tensor, v_pool: torch.Tensor, slot_ids: list[int],
                     layers: range | None = None) -> list[int]:
     """Per layer of `layers` (default: all): CRC32C of K then V over `slot_ids`, in order (CPU pools)."""
     runs = slot_runs(slot_ids, slot_ids)
+    layers = layers if layers is not None else range(k_pool.shape[0])
+    native = _native_layers(k_pool, v_pool, None, None, runs, layers, None)
+    if native is not None:
+        return native
     k_flat, v_flat = _array(_flat(k_pool)), _array(_flat(v_pool))
     checksums = []
-    for layer in layers if layers is not None else range(k_pool.shape[0]):
+    for layer in layers:
         crc = 0
         for flat in (k_flat, v_flat):
             for start, _, length in runs:
@@ -107,21 +148,26 @@ def copy_in_place(src_k: torch.Tensor, src_v: torch.Tensor, src_slot_ids: list[i
                   stop: threading.Event | None = None, layers: range | None = None) -> list[int]:
     """Copy K and V of the source slots into the target slots; returns the layer checksums of
     what was sent (of `layers` only, when given: a host source's layers may be copied by several
-    threads at once, each its share). A host source is copied in pieces of about CHUNK_BYTES, each CRC'd right
-    after it was copied, while it is still in cache: the source is read from memory once. A
-    device source is copied first and checksummed over what was written. Stops between layers
-    once `stop` is set (then raises InterruptedError)."""
+    threads at once, each its share). A host source is copied by kv_copy_native's fused loop (each
+    word loaded once, stored and CRC'd from the register) where it is built; else in pieces of about
+    CHUNK_BYTES, each CRC'd right after it was copied, while it is still in cache: either way the
+    source is read from memory once. A device source is copied first and checksummed over what was
+    written. Stops between layers once `stop` is set (then raises InterruptedError)."""
     runs = slot_runs(src_slot_ids, dst_slot_ids)
     if src_k.device.type != "cpu":
         if layers is not None:
             raise ValueError("a device source is copied over all layers at once")
         return _copy_from_device(src_k, src_v, dst_k, dst_v, dst_slot_ids, runs, stop)
+    layers = layers if layers is not None else range(src_k.shape[0])
+    native = _native_layers(src_k, src_v, dst_k, dst_v, runs, layers, stop)
+    if native is not None:
+        return native
     src_k_flat, src_v_flat = _array(_flat(src_k)), _array(_flat(src_v))
     dst_k_flat, dst_v_flat = _array(_flat(dst_k)), _array(_flat(dst_v))
     token_bytes = src_k_flat[0, 0].nbytes
     tokens_per_piece = max(1, CHUNK_BYTES // token_bytes)
     checksums = []
-    for layer in layers if layers is not None else range(src_k_flat.shape[0]):
+    for layer in layers:
         _check_stop(stop)
         crc = 0
         for src_flat, dst_flat in ((src_k_flat, dst_k_flat), (src_v_flat, dst_v_flat)):

@@ -1,0 +1,113 @@
+"""ctypes access to kv_copy_native.c: a layer's KV copied and CRC32C'd in one pass.
+
+Built with gcc (-O3 -msse4.2) at `make venv` time where a compiler exists, else on first use,
+and cached under `$XDG_CACHE_HOME/dualpace/kernels/` keyed by the source, the flags and the
+compiler's version. Where it cannot be used (no compiler, not x86, no SSE4.2, or
+`DUALPACE_CPU_KERNELS=0`), `get()` is None and the caller keeps numpy's copy plus the `crc32c`
+package; that is logged once. Its checksums are the package's exactly (the values on the wire).
+ctypes releases the GIL for each call, so several threads copy at once.
+
+    python -m dualpace.engine.kv_copy_native     # build it now (make venv)
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import threading
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("kv_copy_native.c")
+FLAGS = ("-O3", "-msse4.2", "-shared", "-fPIC", "-std=c11")
+
+_ptr, _i64, _u32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_uint32
+_SIGNATURES = {
+    "dp_kv_copy_supported": ([], ctypes.c_int),
+    "dp_copy_crc32c": ([_ptr, _ptr, _i64, _u32], _u32),
+    "dp_kv_layer_copy_crc32c": ([_ptr, _ptr, _ptr, _ptr, _ptr, _i64, _i64], _u32),
+}
+_state: dict[str, ctypes.CDLL | None] = {}
+_lock = threading.Lock()
+
+
+def _compiler_version() -> str:
+    try:
+        return subprocess.run(["gcc", "--version"], capture_output=True, text=True, check=True).stdout
+    except (OSError, subprocess.CalledProcessError):
+        return "none"
+
+
+def library_path() -> Path:
+    """Where the library built from this source, with these flags and this compiler, lives."""
+    digest = hashlib.sha256(SOURCE.read_bytes() + b"\0" + " ".join(FLAGS).encode() + b"\0"
+                            + _compiler_version().encode())
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "dualpace" / "kernels" / f"kv_copy_native-{digest.hexdigest()[:16]}.so"
+
+
+def _build(path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.NamedTemporaryFile(dir=path.parent, suffix=".so", delete=False) as tmp:
+        tmp_path = Path(tmp.name)
+    try:
+        subprocess.run(["gcc", *FLAGS, "-o", str(tmp_path), str(SOURCE)], check=True, capture_output=True, text=True)
+        os.replace(tmp_path, path)  # atomic: concurrent builders each install a complete file
+    finally:
+        tmp_path.unlink(missing_ok=True)
+
+
+def _load() -> tuple[ctypes.CDLL | None, str]:
+    """The library, or None and why not."""
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return None, f"not an x86-64 CPU ({platform.machine()})"
+    try:
+        path = library_path()
+        if not path.exists():
+            _build(path)
+            log.info("built the fused KV copy + CRC32C at %s", path)
+        lib = ctypes.CDLL(str(path))
+    except (OSError, subprocess.CalledProcessError) as exc:
+        return None, (getattr(exc, "stderr", "") or str(exc)).strip()[:500]
+    for name, (argtypes, restype) in _SIGNATURES.items():
+        function = getattr(lib, name)
+        function.argtypes = argtypes
+        function.restype = restype
+    if not lib.dp_kv_copy_supported():
+        return None, "the CPU has no SSE4.2 CRC instruction"
+    return lib, ""
+
+
+def get() -> ctypes.CDLL | None:
+    """The loaded library, or None (logged once) when it cannot be used here."""
+    if "lib" not in _state:
+        with _lock:
+            if "lib" not in _state:
+                if os.environ.get("DUALPACE_CPU_KERNELS", "1") in ("0", "false", "off"):
+                    lib, why = None, "DUALPACE_CPU_KERNELS=0"
+                else:
+                    lib, why = _load()
+                if lib is None:
+                    log.warning("fused KV copy + CRC32C unavailable (%s): numpy copy + crc32c package", why)
+                _state["lib"] = lib
+    return _state["lib"]
+
+
+def main() -> int:
+    lib, why = _load()
+    if lib is None:
+        print(f"fused KV copy + CRC32C not built; the shm transfer will use numpy + crc32c: {why}", file=sys.stderr)
+        return 1
+    print(f"fused KV copy + CRC32C: {library_path()}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,86 @@
+"""The fused C copy + CRC32C gives the crc32c package's values exactly, and copy_in_place's
+checksums do not depend on which path computed them (they are on the wire)."""
+
+from __future__ import annotations
+
+import ctypes
+
+import crc32c
+import numpy as np
+import pytest
+import torch
+
+from dualpace.engine import kv_copy_native, shm_kv_copy
+from dualpace.engine.shm_kv_copy import copy_in_place, layer_checksums
+
+lib = kv_copy_native.get()
+needs_native = pytest.mark.skipif(lib is None, reason="fused KV copy not built here (no gcc or no SSE4.2)")
+LANES = 3 * 16384  # kv_copy_native.c's round: sizes around it take both the lane and the tail loops
+
+
+@needs_native
+@pytest.mark.parametrize("num_bytes", [0, 1, 7, 8, 9, 63, LANES - 1, LANES, LANES + 13, 5 * LANES + 4095, 200_003])
+@pytest.mark.parametrize("offset", [0, 1, 5])
+def test_copy_and_checksum_equal_the_package_on_odd_sizes_and_offsets(num_bytes, offset):
+    data = np.random.default_rng(num_bytes + offset).integers(0, 256, num_bytes + offset, dtype=np.uint8)
+    src = data[offset:]
+    dst_buffer = np.zeros(num_bytes + 3, dtype=np.uint8)
+    dst = dst_buffer[3:]  # unaligned on the target too
+    for start in (0, 0xDEADBEEF):
+        assert lib.dp_copy_crc32c(dst.ctypes.data, src.ctypes.data, num_bytes, start) == crc32c.crc32c(src, start)
+        assert np.array_equal(dst, src)
+        assert not dst_buffer[:3].any()  # nothing written before the target
+        assert lib.dp_copy_crc32c(None, src.ctypes.data, num_bytes, start) == crc32c.crc32c(src, start)
+
+
+@needs_native
+def test_the_known_check_value():
+    message = ctypes.create_string_buffer(b"123456789", 9)
+    assert lib.dp_copy_crc32c(None, ctypes.addressof(message), 9, 0) == 0xE3069283
+
+
+def _pools(dtype, seed, num_blocks=40):
+    generator = torch.Generator().manual_seed(seed)
+    shape = (3, num_blocks, 16, 2, 64)  # a layer's runs long enough for the three lanes
+    return torch.randn(shape, generator=generator).to(dtype), torch.randn(shape, generator=generator).to(dtype)
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_copy_in_place_checksums_and_bytes_are_the_same_with_and_without_the_fused_loop(monkeypatch, dtype):
+    src_k, src_v = _pools(dtype, 0)
+    src_slot_ids = [*range(3, 300), *range(400, 410), 7]  # runs broken on both sides
+    dst_slot_ids = [*range(320, 617), *range(10, 20), 639]
+    results = []
+    for native in (True, False):
+        if not native:
+            monkeypatch.setattr(kv_copy_native, "get", lambda: None)
+        dst_k, dst_v = _pools(dtype, 1)
+        sent = copy_in_place(src_k, src_v, src_slot_ids, dst_k, dst_v, dst_slot_ids)
+        results.append((sent, dst_k, dst_v, layer_checksums(dst_k, dst_v, dst_slot_ids),
+                        copy_in_place(src_k, src_v, src_slot_ids, dst_k, dst_v, dst_slot_ids, layers=range(1, 3))))
+    (sent, k, v, landed, part), (sent_np, k_np, v_np, landed_np, part_np) = results
+    assert sent == sent_np == landed == landed_np
+    assert part == part_np == sent[1:]
+    assert torch.equal(k, k_np) and torch.equal(v, v_np)
+
+
+@needs_native
+def test_slots_or_layers_outside_the_pool_are_refused_before_any_write():
+    src_k, src_v = _pools(torch.float32, 0, num_blocks=2)
+    dst_k, dst_v = _pools(torch.float32, 1, num_blocks=2)
+    before = dst_k.clone()
+    with pytest.raises(IndexError):
+        copy_in_place(src_k, src_v, [0, 1], dst_k, dst_v, [31, 32])
+    with pytest.raises(IndexError):
+        layer_checksums(src_k, src_v, [0, 1], layers=range(2, 4))
+    assert torch.equal(dst_k, before)
+
+
+def test_without_the_library_the_numpy_path_still_copies(monkeypatch):
+    monkeypatch.setattr(kv_copy_native, "get", lambda: None)
+    src_k, src_v = _pools(torch.float32, 0, num_blocks=2)
+    dst_k, dst_v = _pools(torch.float32, 1, num_blocks=2)
+    sent = copy_in_place(src_k, src_v, [0, 1, 2], dst_k, dst_v, [5, 6, 7])
+    assert sent == shm_kv_copy.layer_checksums(dst_k, dst_v, [5, 6, 7])
+    assert torch.equal(dst_k.view(3, 32, 2, 64)[:, 5:8], src_k.view(3, 32, 2, 64)[:, 0:3])
