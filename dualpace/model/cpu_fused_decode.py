@@ -8,6 +8,10 @@ RMSNorm, QKV (+bias), RoPE, KV write, paged attention, O + residual, RMSNorm, ga
 down + residual, with no Python and no tensor allocation between them. The four matrices of a
 layer may be in any weight format the loaded kernels support (bf16 / fp32 tensors, or quantized
 weight objects, see KERNELS.md); norms, bias, activations and KV are in the model's dtype.
+
+With `with_logits`, the same call also runs the final norm and the LM head (dp_decode_step_*), as the
+last stages of the same parallel region, when the head would run in the kernels anyway
+(`head_applies`): the same arithmetic as Transformer.logits through the kernels.
 """
 
 from __future__ import annotations
@@ -29,6 +33,12 @@ class _LayerArgs(ctypes.Structure):
                 ("post_norm", _ptr), ("qkv_w", WeightDescC), ("o_w", WeightDescC), ("gate_up_w", WeightDescC),
                 ("down_w", WeightDescC), ("k_cache", _ptr), ("v_cache", _ptr), ("num_blocks", _i64),
                 ("block_size", _i64)]
+
+
+class _HeadArgs(ctypes.Structure):
+    """Mirrors HeadArgs in cpu_kernels.cpp."""
+
+    _fields_ = [("final_norm", _ptr), ("eps", _f32), ("lm_head", WeightDescC)]
 
 
 class _StepArgs(ctypes.Structure):
@@ -73,6 +83,18 @@ class FusedDecode:
         same_dtype_dense = any(isinstance(m, torch.Tensor) and m.dtype == self.dtype
                                for layer in model.weights.layers for m in (getattr(layer, n) for n in _MATRICES))
         self.max_rows = LINEAR_MAX_ROWS if same_dtype_dense else MIXED_MAX_ROWS
+        self._lm_head = model.weights.lm_head
+        final_norm, head = model.weights.final_norm, weight_desc(model.weights.lm_head)
+        self._head = None
+        if (head is not None and model.kernel_capable and kernels.supports_format(head.format)
+                and final_norm.dtype == self.dtype and final_norm.is_contiguous() and head.K == cfg.hidden_size):
+            self._head = _HeadArgs(final_norm.data_ptr(), cfg.rms_norm_eps, head)
+        self._step_fn = kernels.lib.dp_decode_step_bf16 if self.dtype == torch.bfloat16 else kernels.lib.dp_decode_step_f32
+
+    def head_applies(self, hidden: torch.Tensor) -> bool:
+        """Whether run() can compute the logits of these rows: the LM head would run in the
+        kernels for them (Kernels.linear's choice), so folding it changes no result."""
+        return self._head is not None and self.kernels.linear_desc(hidden, self._lm_head) is not None
 
     @staticmethod
     def applies(model, kv, kernels: Kernels | None = None) -> bool:
@@ -97,14 +119,25 @@ class FusedDecode:
         return True
 
     def run(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slot_ids: torch.Tensor,
-            block_tables: torch.Tensor, context_lens: torch.Tensor) -> None:
-        """Run every layer over hidden [M, H] (contiguous, updated in place)."""
+            block_tables: torch.Tensor, context_lens: torch.Tensor, with_logits: bool = False) -> torch.Tensor | None:
+        """Run every layer over hidden [M, H] (contiguous, updated in place); with `with_logits`
+        (only where head_applies(hidden)), also the final norm and LM head: returns the logits
+        [M, vocab] float32."""
         rows = hidden.shape[0]
         scratch = torch.empty(rows * self.scratch_per_row, dtype=self.dtype)
         step = _StepArgs(rows, cos.data_ptr(), sin.data_ptr(), slot_ids.data_ptr(), block_tables.data_ptr(),
                          block_tables.shape[1], context_lens.data_ptr(), scratch.data_ptr())
-        status = self._fn(hidden.data_ptr(), self.layers, self.num_layers, ctypes.byref(step))
+        logits = None
+        if with_logits:
+            if not self.head_applies(hidden):
+                raise ValueError("decode step: the LM head does not run in the fused kernels for these rows")
+            logits = torch.empty((rows, self._head.lm_head.N), dtype=torch.float32)
+            status = self._step_fn(hidden.data_ptr(), self.layers, self.num_layers, ctypes.byref(step),
+                                   ctypes.byref(self._head), logits.data_ptr())
+        else:
+            status = self._fn(hidden.data_ptr(), self.layers, self.num_layers, ctypes.byref(step))
         if status == -2:
             raise IndexError("decode step: a slot id, context length or block id is out of range")
         if status != 0:
             raise ValueError("decode step: shape or weight format not supported by the fused kernels")
+        return logits

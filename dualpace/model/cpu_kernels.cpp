@@ -515,6 +515,14 @@ struct StepArgs {
   void* scratch;        // M * (H + qkv + heads * D + 2 I + I) elements
 };
 
+// The final norm and LM head, when the step's call computes the logits too (dp_decode_step_*):
+// logits [M, lm_head.N] fp32 = lm_head(rms_norm(hidden, final_norm)).
+struct HeadArgs {
+  const void* final_norm;
+  float eps;
+  WeightDesc lm_head;
+};
+
 // A layer's views of the step scratch, and its sizes.
 template <typename T>
 struct LayerBuffers {
@@ -641,12 +649,16 @@ void widen_rows(const T* src, int64_t M, int64_t K, int64_t ld, float* dst) {
 // residual; the matrices in chunks of W rows (chunk_rows), the rest one task each. The single-task
 // stages before the other matrices (0, 6, 8) prepare those matrices' activations themselves. Same
 // arithmetic as decode_layer. Inputs are checked before the region (staged_applies, the slots here).
+// With `head`, two more stages after the last layer: the final norm (preparing the LM head's
+// activations), then the LM head in row chunks into `logits`: the head's weights (a fifth of the
+// default model's bf16 bytes) stream inside the same region instead of in a call of their own.
 template <typename T>
-int decode_layers_staged(T* hidden, const LayerArgs* layers, int64_t num_layers, const StepArgs& st) {
+int decode_layers_staged(T* hidden, const LayerArgs* layers, int64_t num_layers, const StepArgs& st,
+                         const HeadArgs* head, float* logits) {
   constexpr int64_t STAGES = 10;
-  const int64_t M = st.M;
+  const int64_t M = st.M, head_stage = num_layers * STAGES;
   const int threads = omp_get_max_threads();
-  std::vector<int64_t> begin(1, 0), rows_per_chunk(num_layers * STAGES, 0);
+  std::vector<int64_t> begin(1, 0), rows_per_chunk(head_stage + 2, 0);
   int64_t widest = 0, prepared_bytes = 0;
   for (int64_t i = 0; i < num_layers; ++i) {
     const LayerArgs& a = layers[i];
@@ -668,6 +680,16 @@ int decode_layers_staged(T* hidden, const LayerArgs* layers, int64_t num_layers,
       begin.push_back(begin.back() + tasks);
     }
   }
+  if (head != nullptr) {
+    const WeightDesc& w = head->lm_head;
+#if DP_HAS_QUANT
+    if (!is_dense(w)) prepared_bytes = std::max(prepared_bytes, dp_quant::prepare_bytes(w, M));
+#endif
+    rows_per_chunk[head_stage + 1] = chunk_rows(M, w.N, threads);
+    widest = std::max(widest, w.K);
+    begin.push_back(begin.back() + 1);
+    begin.push_back(begin.back() + (w.N + rows_per_chunk[head_stage + 1] - 1) / rows_per_chunk[head_stage + 1]);
+  }
   std::vector<float> xf_buf(sizeof(T) == 2 ? M * widest : 0);  // the fp32 rows of the next matrix's x
   float* const xf = xf_buf.data();
   // The next block-format matrix's prepared activations: one buffer, since a stage starts only
@@ -676,7 +698,7 @@ int decode_layers_staged(T* hidden, const LayerArgs* layers, int64_t num_layers,
   char* const prepared = prepared_buf.data();
   std::atomic<int> failed{0};
   run_stages(begin, [&](int64_t stage, int64_t task) {
-    const LayerArgs& a = layers[stage / STAGES];
+    const LayerArgs& a = layers[std::min(stage / STAGES, num_layers - 1)];
     const LayerBuffers<T> b(a, st);
     const int64_t H = b.H, I = b.I, q_size = b.q_size, qkv_size = b.qkv_size;
     T *x = b.x, *qkv = b.qkv, *attn = b.attn, *gate_up = b.gate_up, *act = b.act;
@@ -698,6 +720,17 @@ int decode_layers_staged(T* hidden, const LayerArgs* layers, int64_t num_layers,
       quant_rows(w, fp32_in(in), M, ldf, prepared, n0, n1, ep);
 #endif
     };
+    if (stage >= head_stage) {  // the final norm, then the LM head's row chunks
+      const WeightDesc& w = head->lm_head;
+      if (stage == head_stage) {
+        rms_norm(hidden, M, H, H, static_cast<const T*>(head->final_norm), head->eps, x);
+        widen_rows(x, M, H, H, xf);
+        prepare(x, H, w);
+      } else {
+        chunk(x, H, w, Epilogue<T>{none, none, 0, logits, w.N, 1});
+      }
+      return;
+    }
     switch (stage % STAGES) {
       case 0:
         rms_norm(hidden, M, H, H, static_cast<const T*>(a.input_norm), a.eps, x);
@@ -743,7 +776,8 @@ int decode_layers_staged(T* hidden, const LayerArgs* layers, int64_t num_layers,
 // Checks what would make a layer fail half-way (an unsupported format or head_dim) before any
 // layer runs, so that -1 means nothing was done.
 template <typename T>
-int decode_layers(T* hidden, const LayerArgs* layers, int64_t num_layers, const StepArgs* step) {
+int decode_layers(T* hidden, const LayerArgs* layers, int64_t num_layers, const StepArgs* step,
+                  const HeadArgs* head = nullptr, float* logits = nullptr) {
   for (int64_t i = 0; i < num_layers; ++i) {
     const LayerArgs& a = layers[i];
     if (!format_supported(a.qkv_w.format) || !format_supported(a.o_w.format) ||
@@ -751,13 +785,22 @@ int decode_layers(T* hidden, const LayerArgs* layers, int64_t num_layers, const 
         with_head_dim<T>(a.head_dim, [](auto, auto) { return 0; }) != 0)
       return -1;
   }
-  if (num_layers > 0 && step->M > 0 && staged_applies(layers, num_layers, *step))
-    return decode_layers_staged(hidden, layers, num_layers, *step);
+  if (head != nullptr && (num_layers == 0 || !format_supported(head->lm_head.format) ||
+                          head->lm_head.K != layers[0].H || logits == nullptr))
+    return -1;
+  if (num_layers > 0 && step->M > 0 && staged_applies(layers, num_layers, *step) &&
+      (head == nullptr || staged_format(head->lm_head)))
+    return decode_layers_staged(hidden, layers, num_layers, *step, head, logits);
   for (int64_t i = 0; i < num_layers; ++i) {
     const int status = decode_layer(hidden, layers[i], *step);
     if (status != 0) return status;
   }
-  return 0;
+  if (head == nullptr || step->M == 0) return 0;
+  const int64_t H = layers[0].H;
+  T* x = static_cast<T*>(step->scratch);  // the first M * H elements: free after the last layer
+  rms_norm(hidden, step->M, H, H, static_cast<const T*>(head->final_norm), head->eps, x);
+  const T* none = nullptr;
+  return linear_any(x, step->M, H, head->lm_head, Epilogue<T>{none, none, 0, logits, head->lm_head.N, 1});
 }
 
 }  // namespace
@@ -772,6 +815,17 @@ int dp_decode_layers_bf16(bf16* hidden, const LayerArgs* layers, int64_t num_lay
 }
 int dp_decode_layers_f32(float* hidden, const LayerArgs* layers, int64_t num_layers, const StepArgs* step) {
   return decode_layers(hidden, layers, num_layers, step);
+}
+
+// The same, then the final norm and LM head: logits [M, head->lm_head.N] fp32 (hidden keeps the
+// last layer's output). -1 also when the LM head's format has no kernel or its K is not H.
+int dp_decode_step_bf16(bf16* hidden, const LayerArgs* layers, int64_t num_layers, const StepArgs* step,
+                        const HeadArgs* head, float* logits) {
+  return decode_layers(hidden, layers, num_layers, step, head, logits);
+}
+int dp_decode_step_f32(float* hidden, const LayerArgs* layers, int64_t num_layers, const StepArgs* step,
+                       const HeadArgs* head, float* logits) {
+  return decode_layers(hidden, layers, num_layers, step, head, logits);
 }
 
 }  // extern "C"

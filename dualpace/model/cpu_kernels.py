@@ -66,6 +66,8 @@ _SIGNATURES = {
     "dp_linear_f32": ([_ptr, _i64, _i64, _desc_p, _ptr, _ptr, _i64, _ptr, _i64, ctypes.c_int], ctypes.c_int),
     "dp_decode_layers_bf16": ([_ptr, _ptr, _i64, _ptr], ctypes.c_int),
     "dp_decode_layers_f32": ([_ptr, _ptr, _i64, _ptr], ctypes.c_int),
+    "dp_decode_step_bf16": ([_ptr, _ptr, _i64, _ptr, _ptr, _ptr], ctypes.c_int),
+    "dp_decode_step_f32": ([_ptr, _ptr, _i64, _ptr, _ptr, _ptr], ctypes.c_int),
     "dp_rms_norm_bf16": ([_ptr, _i64, _i64, _i64, _ptr, _f32, _ptr], None),
     "dp_rms_norm_f32": ([_ptr, _i64, _i64, _i64, _ptr, _f32, _ptr], None),
     "dp_rotary_bf16": ([_ptr, _i64, _i64, _i64, _i64, _ptr, _ptr], None),
@@ -225,6 +227,10 @@ class Kernels:
         if fmt not in self._formats:
             self._formats[fmt] = bool(self.lib.dp_weight_format_supported(fmt))
         return self._formats[fmt]
+
+    def linear_desc(self, x: torch.Tensor, weight) -> WeightDescC | None:
+        """The weight's descriptor when linear(x, weight) would run in the kernels, else None."""
+        return self._kernel_desc(x, weight) if _supported(x) else None
 
     def _kernel_desc(self, x: torch.Tensor, weight) -> WeightDescC | None:
         """The weight's descriptor when this product should run in the kernels, else None."""

@@ -189,7 +189,10 @@ class PagedForward:
         rope = model.rope_angles(step.positions)
         fused = self._fused_decode(step)
         if fused is not None and isinstance(rope, HalfAngles):
-            fused.run(hidden, rope.cos, rope.sin, step.slot_ids, step.decode_block_tables, step.decode_context_lens)
+            args = (hidden, rope.cos, rope.sin, step.slot_ids, step.decode_block_tables, step.decode_context_lens)
+            if fused.head_applies(hidden):  # a decode-only step returns every row's logits, in order
+                return fused.run(*args, with_logits=True)
+            fused.run(*args)
             return model.logits(hidden[step.logit_token_index])
         between_layers = self.between_layers
         for layer_index in range(model.config.num_layers):

@@ -175,10 +175,14 @@ template <> inline __m256 scales4<DP_W_Q6_K>(const uint8_t* row, int64_t b, int)
   return _mm256_set1_ps(half_to_float(load_u16(row + (b / 8) * Fmt<DP_W_Q6_K>::BYTES + 208)));
 }
 
+// How far ahead of the quad being read its weight row is prefetched.
+constexpr int64_t I16_PREFETCH_BYTES = 4096;
+
 // out[m] = sum_k x[m, k] W[row, k] for MR prepared activation rows.
 template <int32_t F, int MR>
 inline void tile_i16(const uint8_t* row, const uint8_t* const* arows, int64_t K, float* out) {
   using Spec = Fmt<F>;
+  constexpr int64_t QUAD_BYTES = 4 * Spec::BYTES / Spec::G;
   const int64_t nb = K / 32, nq = i16_quads(K);
   __m256 acc[MR];
   __m128 macc[MR];
@@ -191,7 +195,10 @@ inline void tile_i16(const uint8_t* row, const uint8_t* const* arows, int64_t K,
     const int count = static_cast<int>(std::min<int64_t>(4, nb - b0));
     // 4 KB ahead of the quad being read (30 Q8_0 quads): 1 KB was only ~7 Q8_0 quads, too close to
     // cover a DRAM miss at batch 1 (quiet A/B, Zen 3: Q8_0 decode step 12.4 vs 13.7 ms; Q4_1 equal).
-    _mm_prefetch(reinterpret_cast<const char*>(row + (b0 / Spec::G) * Spec::BYTES) + 4096, _MM_HINT_T0);
+    // Every 64-byte line of the quad: a Q8_0 quad is 136 bytes, so one prefetch per quad left half
+    // of its lines to the hardware prefetchers.
+    const char* ahead = reinterpret_cast<const char*>(row) + b0 * Spec::BYTES / Spec::G + I16_PREFETCH_BYTES;
+    for (int64_t off = 0; off < QUAD_BYTES; off += 64) _mm_prefetch(ahead + off, _MM_HINT_T0);
     __m256i wl[4], wh[4];
     for (int i = 0; i < 4; ++i) {
       if (i < count) load_i16<F>(row, b0 + i, &wl[i], &wh[i]);

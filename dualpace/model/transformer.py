@@ -117,6 +117,11 @@ class Transformer:
         self._kernel_capable = (self.device.type == "cpu" and self.dtype in (torch.bfloat16, torch.float32)
                                 and not self._fused_triton)
 
+    @property
+    def kernel_capable(self) -> bool:
+        """Whether the norms and projections go to the CPU kernels when they are loaded."""
+        return self._kernel_capable
+
     def _kernels(self) -> cpu_kernels.Kernels | None:
         return cpu_kernels.get() if self._kernel_capable else None
 

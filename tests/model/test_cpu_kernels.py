@@ -258,3 +258,37 @@ def test_fused_decode_step_matches_stages_and_torch(kernels, preset, dtype, weig
     _close(stages, reference, rel)
     if dtype == "fp32":
         assert torch.equal(fused.argmax(-1), reference.argmax(-1))
+
+
+@pytest.mark.parametrize("one_region", ["1", "0"])
+@pytest.mark.parametrize("dtype,weights", [("fp32", "fp32"), ("bf16", "bf16"), ("fp32", "bf16")])
+def test_fused_step_logits_equal_separate_lm_head(kernels, dtype, weights, one_region, synth_checkpoint, monkeypatch):
+    """The final norm and LM head folded into the step's call (dp_decode_step_*) give exactly the
+    logits of the layers' call followed by Transformer.logits, in one region and per operation."""
+    from dualpace.kv.storage import KVStorage
+    from dualpace.model.loader import load_model
+    from dualpace.model.paged_forward import PagedForward, SequenceWork, build_step_tensors
+
+    monkeypatch.setenv("DUALPACE_DECODE_ONE_REGION", one_region)
+    loaded = load_model(str(synth_checkpoint("tiny-llama")), dtype=dtype, weights=weights)
+    model, cfg = loaded.model, loaded.config
+    kv = KVStorage(cfg.num_layers, 24, 4, cfg.num_kv_heads, cfg.head_dim, model.dtype)
+    kv.k.normal_()
+    kv.v.normal_()
+    work = [SequenceWork([5 + i], 6 + 7 * i, list(range(8 * i, 8 * i + 8))) for i in range(3)]
+    step = build_step_tensors(work, kv.block_size, kv.device)
+    fused = PagedForward(model, kv)._fused_decode(step)
+    if fused is None:
+        pytest.skip("head_dim not covered by the fused kernels")
+    with torch.inference_mode():
+        rope = model.rope_angles(step.positions)
+        args = (rope.cos, rope.sin, step.slot_ids, step.decode_block_tables, step.decode_context_lens)
+        hidden = model.embed(step.token_ids)
+        assert fused.head_applies(hidden)
+        separate_hidden = hidden.clone()
+        folded = fused.run(hidden, *args, with_logits=True)
+        assert fused.run(separate_hidden, *args) is None
+        separate = model.logits(separate_hidden)
+    assert folded.dtype == torch.float32 and folded.shape == (3, cfg.vocab_size)
+    assert torch.equal(hidden, separate_hidden)
+    assert torch.equal(folded, separate)
