@@ -19,9 +19,10 @@ import os
 import platform
 import subprocess
 import sys
-import tempfile
 import threading
 from pathlib import Path
+
+from dualpace.model.native_build import build_atomically, compiler_version, kernel_cache_dir
 
 log = logging.getLogger(__name__)
 
@@ -38,30 +39,15 @@ _state: dict[str, ctypes.CDLL | None] = {}
 _lock = threading.Lock()
 
 
-def _compiler_version() -> str:
-    try:
-        return subprocess.run(["gcc", "--version"], capture_output=True, text=True, check=True).stdout
-    except (OSError, subprocess.CalledProcessError):
-        return "none"
-
-
 def library_path() -> Path:
     """Where the library built from this source, with these flags and this compiler, lives."""
     digest = hashlib.sha256(SOURCE.read_bytes() + b"\0" + " ".join(FLAGS).encode() + b"\0"
-                            + _compiler_version().encode())
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "dualpace" / "kernels" / f"kv_copy_native-{digest.hexdigest()[:16]}.so"
+                            + compiler_version("gcc").encode())
+    return kernel_cache_dir() / f"kv_copy_native-{digest.hexdigest()[:16]}.so"
 
 
 def _build(path: Path) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.NamedTemporaryFile(dir=path.parent, suffix=".so", delete=False) as tmp:
-        tmp_path = Path(tmp.name)
-    try:
-        subprocess.run(["gcc", *FLAGS, "-o", str(tmp_path), str(SOURCE)], check=True, capture_output=True, text=True)
-        os.replace(tmp_path, path)  # atomic: concurrent builders each install a complete file
-    finally:
-        tmp_path.unlink(missing_ok=True)
+    build_atomically(path, lambda out: ["gcc", *FLAGS, "-o", str(out), str(SOURCE)])
 
 
 def _load() -> tuple[ctypes.CDLL | None, str]:

@@ -15,14 +15,14 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import os
 import platform
 import subprocess
 import sys
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+
+from dualpace.model.native_build import build_atomically, compiler_version, kernel_cache_dir
 
 SOURCE_DIR = Path(__file__).parent
 MAIN_SOURCE = SOURCE_DIR / "cpu_kernels.cpp"
@@ -77,21 +77,9 @@ def default_variant(flags: frozenset[str] | None = None) -> str:
     return supported_variants(flags)[0]
 
 
-def _compiler_version() -> str:
-    try:
-        return subprocess.run(["g++", "--version"], capture_output=True, text=True, check=True).stdout
-    except (OSError, subprocess.CalledProcessError):
-        return "none"
-
-
 def source_files() -> list[Path]:
     """The translation unit and every header beside it (quant_gemv.h included when present)."""
     return [MAIN_SOURCE, *sorted(SOURCE_DIR.glob("*.h"))]
-
-
-def _cache_dir() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "dualpace" / "kernels"
 
 
 def compile_command(variant: Variant, out: Path) -> list[str]:
@@ -103,21 +91,14 @@ def library_path(variant: Variant) -> Path:
     digest = hashlib.sha256()
     for path in source_files():
         digest.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
-    digest.update(" ".join((*BASE_FLAGS, *variant.flags)).encode() + b"\0" + _compiler_version().encode())
-    return _cache_dir() / f"cpu_kernels-{variant.name}-{digest.hexdigest()[:16]}.so"
+    digest.update(" ".join((*BASE_FLAGS, *variant.flags)).encode() + b"\0" + compiler_version("g++").encode())
+    return kernel_cache_dir() / f"cpu_kernels-{variant.name}-{digest.hexdigest()[:16]}.so"
 
 
 def build(variant: Variant, path: Path) -> float:
     """Compile `variant` to `path`; returns the seconds it took. Raises CalledProcessError/OSError."""
-    path.parent.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
-    with tempfile.NamedTemporaryFile(dir=path.parent, suffix=".so", delete=False) as tmp:
-        tmp_path = Path(tmp.name)
-    try:
-        subprocess.run(compile_command(variant, tmp_path), check=True, capture_output=True, text=True)
-        os.replace(tmp_path, path)  # atomic: concurrent builders each install a complete file
-    finally:
-        tmp_path.unlink(missing_ok=True)
+    build_atomically(path, lambda out: compile_command(variant, out))
     return time.perf_counter() - start
 
 

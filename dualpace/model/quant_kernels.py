@@ -18,8 +18,9 @@ import hashlib
 import logging
 import os
 import subprocess
-import tempfile
 from pathlib import Path
+
+from dualpace.model.native_build import build_atomically, compiler_version, kernel_cache_dir
 
 log = logging.getLogger(__name__)
 
@@ -65,25 +66,13 @@ def compile_flags() -> list[str]:
 
 
 def library_path(flags: list[str]) -> Path:
-    try:
-        compiler = subprocess.run(["g++", "--version"], capture_output=True, text=True, check=True).stdout
-    except (OSError, subprocess.CalledProcessError):
-        compiler = "none"
+    compiler = compiler_version("g++")
     text = "\n".join([*(p.read_text() for p in SOURCES), " ".join(flags), compiler, " ".join(sorted(_cpu_flags()))])
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "dualpace" / "kernels" / f"quant_kernels-{hashlib.sha256(text.encode()).hexdigest()[:16]}.so"
+    return kernel_cache_dir() / f"quant_kernels-{hashlib.sha256(text.encode()).hexdigest()[:16]}.so"
 
 
 def _build(path: Path, flags: list[str]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.NamedTemporaryFile(dir=path.parent, suffix=".so", delete=False) as tmp:
-        tmp_path = Path(tmp.name)
-    try:
-        subprocess.run(["g++", *flags, "-o", str(tmp_path), str(SOURCES[0])], check=True, capture_output=True,
-                       text=True)
-        os.replace(tmp_path, path)  # atomic: concurrent builders each install a complete file
-    finally:
-        tmp_path.unlink(missing_ok=True)
+    build_atomically(path, lambda out: ["g++", *flags, "-o", str(out), str(SOURCES[0])])
 
 
 def _load() -> ctypes.CDLL | None:
