@@ -39,7 +39,7 @@ from dualpace.policy.host_tier import continue_on_host_tier
 from dualpace.errors import InvalidArgument, Overloaded
 from dualpace.policy.admission import AdmissionConfig, Placement, admit, handoff_source
 from dualpace.policy.migration_planner import MigrationConfig, plan_migrations
-from dualpace.policy.views import EngineView, Policy, RoutedRequest
+from dualpace.policy.views import Policy
 from dualpace.profile.cost_model import CostModel, DecodeBatch
 from dualpace.sampling_params import SamplingParams
 from profiles.sim.config import (
@@ -54,6 +54,7 @@ from profiles.sim.cpu_steps import CpuSteps, make_chooser
 from profiles.sim.device import SharedDevice
 from profiles.sim.moves import Moves
 from profiles.sim.prefix import SimPrefixIndex, make_scheduler
+from profiles.sim.router_views import RouterViews
 from toolkit.workload import RequestSpec
 
 MAX_IDLE_PLANNER_TICKS = 10_000  # planner ticks in a row with nothing else happening: stalled
@@ -91,7 +92,7 @@ class Track:
     engines_seen: list[str] = field(default_factory=list)
 
 
-class Simulator(CpuSteps, Cooperative, Moves):
+class Simulator(CpuSteps, Cooperative, Moves, RouterViews):
     def __init__(self, cost: CostModel, config: SimConfig):
         self.cost = cost
         self.config = config
@@ -185,63 +186,6 @@ class Simulator(CpuSteps, Cooperative, Moves):
         if at_ms not in self._wake_at:
             self._wake_at.add(at_ms)
             self._push(at_ms, "wake")
-
-    # ------------------------------------------------------------------ views
-
-    def _contexts(self, engine: SimEngine) -> list[int]:
-        return [r.num_tokens for r in engine.scheduler.running]
-
-    def _gpu_itl_ms(self, extra_context: int | None = None) -> float:
-        contexts = self._contexts(self.engines[GPU])
-        if extra_context is not None:
-            contexts.append(extra_context)
-        return self.cost.gpu_iteration_ms(0, DecodeBatch.of(contexts))
-
-    def _cpu_itl_ms(self, extra_context: int | None = None) -> float:
-        contexts = self._contexts(self.engines[CPU])
-        if extra_context is not None:
-            contexts.append(extra_context)
-        if not contexts:
-            return 0.0
-        decode = DecodeBatch.of(contexts)
-        if self.config.policy is Policy.GATED:  # once per GPU iteration, always assisted
-            return self.cost.cpu_assisted_ms(decode) + self._gpu_itl_ms()
-        return self.cost.cpu_iteration(decode).best_ms
-
-    def _snapshot(self, engine: SimEngine) -> tuple[int, int, int]:
-        """(KV blocks used, running, waiting) as the router last heard them: the engine's state
-        when its last WatchLoad snapshot was taken, one at most every view_interval_ms (the
-        router counts its own placements on top, dualpace.policy.views.estimated_blocks_used)."""
-        taken_ms, state = self._snapshots.get(engine.name, (None, None))
-        if taken_ms is None or self.now_ms - taken_ms >= self.config.view_interval_ms:
-            scheduler = engine.scheduler
-            state = (scheduler.blocks.num_used_blocks, scheduler.num_running, scheduler.num_waiting)
-            self._snapshots[engine.name] = (self.now_ms, state)
-        return state
-
-    def _view(self, engine: SimEngine, itl_ms: float) -> EngineView:
-        used, running, waiting = self._snapshot(engine)
-        return EngineView(name=engine.name, kind=engine.kind, healthy=True,
-                          kv_blocks_total=engine.scheduler.blocks.num_total_blocks, kv_blocks_used=used,
-                          block_size=self.block_size, num_running=running,
-                          num_waiting=waiting, itl_p50_ms=itl_ms, itl_p99_ms=itl_ms)
-
-    def _views(self, new_context: int | None = None) -> dict[str, EngineView]:
-        views = {GPU: self._view(self.engines[GPU], self._gpu_itl_ms(new_context))}
-        if CPU in self.engines:
-            views[CPU] = self._view(self.engines[CPU], self._cpu_itl_ms(new_context))
-        return views
-
-    def _routed(self) -> list[RoutedRequest]:
-        out = []
-        for track in self.tracks.values():
-            if not track.engine or track.finish_ms is not None:
-                continue
-            out.append(RoutedRequest(track.request_id, track.engine, track.spec.input_len,
-                                     len(track.token_times_ms), track.spec.output_len,
-                                     migrating=track.migrating or track.handoff_to is not None,
-                                     num_migrations=track.num_moves))
-        return out
 
     # ------------------------------------------------------------------ dispatch
 
