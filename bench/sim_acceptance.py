@@ -34,6 +34,7 @@ from pathlib import Path
 
 from bench.load.report import value_at_itl
 from dualpace.engine.scheduler import SchedulerConfig
+from dualpace.policy.join_rule import JoinRule
 from dualpace.policy.views import Policy
 from dualpace.profile.cost_model import CostModel
 from dualpace.profile.files import load_profile
@@ -73,7 +74,9 @@ POLICY_RUNS = (("gpu-only", Policy.GPU_ONLY, "layer"),
                (STAGED_LABEL, Policy.DUALPACE, "layer"))
 COUNTERS = ("throughput_tokens_per_s", "requests_per_s", "p50_ttft_ms", "p99_ttft_ms", "p50_itl_ms", "p99_itl_ms",
             "num_preemptions", "cpu_local_iterations", "cpu_assisted_iterations", "requests_touching_cpu",
-            "num_handoffs", "num_migrations", "gpu_busy_fraction", "cpu_busy_fraction", "requests_completed")
+            "num_handoffs", "num_migrations", "gpu_busy_fraction", "cpu_busy_fraction", "requests_completed",
+            "num_cooperative_choices", "num_joined_iterations", "num_joined_layouts", "num_split_layouts",
+            "num_joins_declined_to_staged", "num_joins_declined_to_local", "mean_join_wait_ms", "num_layers_shared")
 
 
 def slo_for(gpu_only_rows: list[dict]) -> tuple[float, str]:
@@ -118,7 +121,8 @@ def gain(a: float | None, b: float | None) -> float | None:
     return None if not a or not b else round(100.0 * (a / b - 1.0), 1)
 
 
-def run_case(case: Case, variant: str, num_requests: int, seed: int, gpu_wait_offload: str = "off") -> dict:
+def run_case(case: Case, variant: str, num_requests: int, seed: int, gpu_wait_offload: str = "off",
+             join_rule: str = "within-layer") -> dict:
     profile_name = case.box + (MEASURED_SUFFIX if variant == "measured_overheads" else "")
     profile = load_profile(path_of(profile_name))
     cost = CostModel(profile)
@@ -131,7 +135,9 @@ def run_case(case: Case, variant: str, num_requests: int, seed: int, gpu_wait_of
         # SLO (the router's --itl-target-ms); gpu-only, as vLLM, has no such target
         # --gpu-wait-offload slo: admission's opt-in time rule with the SLO as its bound (dualpace only)
         offload_ms = slo_ms if gpu_wait_offload == "slo" else None
+        # --join-rule: when dualpace's cooperative iterations join a busy GPU (gated always joins)
         config = SimConfig(policy=policy, assist_device_hold=hold, itl_target_ms=slo_ms, gpu_wait_offload_ms=offload_ms,
+                           join_rule=join_rule,
                            gpu_scheduler=SchedulerConfig(max_batch_tokens=2048, max_running=256, max_waiting=1 << 30))
         for rate in case.rates:
             specs = build_requests(num_requests, rate, 1.0, seed, profile.model.vocab_size, input_len, output_len)
@@ -152,7 +158,7 @@ def run_case(case: Case, variant: str, num_requests: int, seed: int, gpu_wait_of
             summary[label][f"rate_gain_{key}"] = gain(summary[label]["max_rate"], summary[other]["max_rate"])
     return {"case": case.key, "profile": profile_name, "variant": variant, "workload": case.workload,
             "input_len": case.input_len, "output_len": case.output_len, "rates": list(case.rates),
-            "num_requests": num_requests, "gpu_wait_offload": gpu_wait_offload,
+            "num_requests": num_requests, "gpu_wait_offload": gpu_wait_offload, "join_rule": join_rule,
             "slo_p99_itl_ms": slo_ms, "slo_rule": slo_rule, "ttft_bound_ms": TTFT_BOUND_MS,
             "summary": summary, "runs": runs}
 
@@ -170,8 +176,19 @@ def _verdict(g: float | None, key: str) -> str:
     return f"{g:+.1f}% ({'within' if g <= high else 'above'} {low}-{high}%)"
 
 
+def _joins(point: dict) -> str:
+    choices = point.get("num_cooperative_choices") or 0
+    if not choices:
+        return "-"
+    return (f"{point['num_joined_layouts']}+{point['num_split_layouts']} / {choices}, "
+            f"{point['num_joins_declined_to_staged']} / {point['num_joins_declined_to_local']}, "
+            f"{_f(point['mean_join_wait_ms'])}, {point['num_layers_shared']}")
+
+
 def markdown(report: dict) -> str:
     flag = " --gpu-wait-offload slo" if report.get("gpu_wait_offload") == "slo" else ""
+    if report.get("join_rule", JoinRule.WITHIN_A_LAYER.value) != JoinRule.WITHIN_A_LAYER.value:
+        flag += f" --join-rule {report['join_rule']}"
     lines = [f"Simulated (`python -m bench.sim_acceptance{flag}`), {report['num_requests']} requests per rate "
              f"(x2 on the H100 NEO-workload case), seed "
              f"{report['seed']}, Poisson. Throughput gains are at P99 ITL = SLO (interpolated along the sweep); "
@@ -195,17 +212,18 @@ def markdown(report: dict) -> str:
                                           f"{_f(st['tok_s_gain_vs vLLM'], 1, '%')} |"))
     lines += ["", "The simulator's breakdown at each policy's best swept point within the SLO:", "",
               "| case | variant | policy | rate | tok/s | P99 ITL ms | P50 TTFT ms | CPU local / assisted | "
-              "requests on CPU | preemptions | GPU busy | CPU busy |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+              "requests on CPU | preemptions | GPU busy | CPU busy | joins: joined+split / cooperative, declined "
+              "to staged / local, mean wait ms, layers shared |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for c in report["cases"]:
         for label, s in c["summary"].items():
             b = s["best_point"]
             if b is None:
-                lines.append(f"| {c['case']} | {c['variant']} | {label} | none within the SLO | | | | | | | | |")
+                lines.append(f"| {c['case']} | {c['variant']} | {label} | none within the SLO | | | | | | | | | |")
                 continue
             lines.append(f"| {c['case']} | {c['variant']} | {label} | {b['rate']:g} | {b['throughput_tokens_per_s']:.0f} | "
                          f"{b['p99_itl_ms']:.0f} | {b['p50_ttft_ms']:.0f} | {b['cpu_local_iterations']} / "
                          f"{b['cpu_assisted_iterations']} | {b['requests_touching_cpu']} | {b['num_preemptions']} | "
-                         f"{b['gpu_busy_fraction']:.2f} | {b['cpu_busy_fraction']:.2f} |")
+                         f"{b['gpu_busy_fraction']:.2f} | {b['cpu_busy_fraction']:.2f} | {_joins(b)} |")
     return "\n".join(lines) + "\n"
 
 
@@ -219,6 +237,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--gpu-wait-offload", choices=("off", "slo"), default="off",
                         help="slo: dualpace's admission also offloads when the GPU's predicted prefill wait "
                              "exceeds the SLO (AdmissionConfig.gpu_wait_offload_ms)")
+    parser.add_argument("--join-rule", choices=[r.value for r in JoinRule], default=JoinRule.WITHIN_A_LAYER.value,
+                        help="when dualpace's cooperative CPU iterations join a busy GPU's step "
+                             "(dualpace.policy.join_rule; gated always joins the next step)")
     args = parser.parse_args(argv)
     by_key = {c.key: c for c in CASES}
     keys = [k.strip() for k in args.cases.split(",") if k.strip()]
@@ -229,11 +250,12 @@ def main(argv: list[str] | None = None) -> int:
               f"measured_overheads), or --num-requests < 1", file=sys.stderr)
         return 2
     report = {"simulated": True, "num_requests": args.num_requests, "seed": args.seed,
-              "gpu_wait_offload": args.gpu_wait_offload, "cases": []}
+              "gpu_wait_offload": args.gpu_wait_offload, "join_rule": args.join_rule, "cases": []}
     for key in keys:
         for variant in variants:
             started = time.monotonic()
-            report["cases"].append(run_case(by_key[key], variant, args.num_requests, args.seed, args.gpu_wait_offload))
+            report["cases"].append(run_case(by_key[key], variant, args.num_requests, args.seed, args.gpu_wait_offload,
+                                            args.join_rule))
             print(f"{key} {variant}: {time.monotonic() - started:.0f} s", file=sys.stderr, flush=True)
     out = Path(args.out)
     out.write_text(json.dumps(report, indent=1) + "\n")

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 from dualpace.errors import InvalidArgument
+from dualpace.policy.join_rule import JoinRule
 
 POLICIES = ("dualpace", "gated", "gpu-only")
 
@@ -60,6 +61,12 @@ def register(subparsers) -> None:
                         "the whole iteration (before), only its dense part in one piece (what-if), or "
                         "cooperative: its decode rows join the GPU engine's next step, laid out by the "
                         "daemons' planner (dualpace.policy.cooperative_plan; with --policy gated, NEO as built)")
+    p.add_argument("--join-rule", choices=[r.value for r in JoinRule], default=JoinRule.WITHIN_A_LAYER.value,
+                   help="dualpace with --assist-device-hold cooperative: when a cooperative CPU iteration joins a "
+                        "busy GPU's step (dualpace.policy.join_rule): within-layer (only if the next step begins "
+                        "within one GPU layer, else staged), meet (start locally, join from the layer where a "
+                        "step's clock meets the CPU's), slack (wait for the next step within the CPU's slack, "
+                        "else local)")
     p.add_argument("--skip-unprefilled-moves", action="store_true",
                    help="no effect any more (the planner never moves a request with no token yet); kept for old commands")
     p.add_argument("--out", help="sweep: write the results JSON here (and a PNG beside it if matplotlib imports)")
@@ -156,6 +163,7 @@ def run(args: argparse.Namespace) -> int:
     from dualpace.profile.cost_model import CostModel
     from dualpace.profile.files import load_profile
     from profiles.sim import SimConfig, simulate
+    from profiles.sim.results import join_summary
     from toolkit.workload import (
         load_trace,
         parse_length_spec,
@@ -198,6 +206,7 @@ def run(args: argparse.Namespace) -> int:
             view_interval_ms=args.view_interval_ms,
             itl_target_ms=args.itl_target_ms,
             assist_device_hold=args.assist_device_hold,
+            join_rule=args.join_rule,
             skip_unprefilled_moves=args.skip_unprefilled_moves,
             gpu_admission=GpuAdmission(args.gpu_admission) if args.gpu_admission else None,
             prefix_caching=args.prefix_caching == "on",
@@ -213,7 +222,8 @@ def run(args: argparse.Namespace) -> int:
                       f"ITL p50 {result['p50_itl_ms']} p99 {result['p99_itl_ms']} ms, "
                       f"cpu iters {result['cpu_local_iterations']} local / {result['cpu_assisted_iterations']} assisted, "
                       f"{result['num_preemptions']} preemptions, prefix cache hit rate "
-                      f"{result['prefix_cache_hit_rate']} ({result['prefill_tokens_saved']} prefill tokens saved)",
+                      f"{result['prefix_cache_hit_rate']} ({result['prefill_tokens_saved']} prefill tokens saved)"
+                      + join_summary(result),
                       file=sys.stdout, flush=True)
     if args.json:
         print(json.dumps(results[0] if len(results) == 1 else results))
@@ -226,7 +236,7 @@ def run(args: argparse.Namespace) -> int:
                                    "gpu_kv_blocks": args.gpu_kv_blocks, "cpu_kv_blocks": args.cpu_kv_blocks,
                                    "engine_overhead_ms": args.engine_overhead_ms,
                                    "view_interval_ms": args.view_interval_ms,
-                                   "assist_device_hold": args.assist_device_hold,
+                                   "assist_device_hold": args.assist_device_hold, "join_rule": args.join_rule,
                                    "gpu_admission": args.gpu_admission,
                                    "skip_unprefilled_moves": args.skip_unprefilled_moves, "results": results}, indent=1) + "\n")
         png = _plot(results, out)

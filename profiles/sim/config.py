@@ -9,6 +9,7 @@ from dualpace.engine.scheduler import SchedulerConfig
 from dualpace.errors import DualPaceError
 from dualpace.policy.admission import GpuAdmission
 from dualpace.policy.host_tier import HostTierRule
+from dualpace.policy.join_rule import join_rule
 from dualpace.policy.views import Policy
 
 GPU, CPU = "gpu0", "cpu0"  # the simulated engines' names
@@ -54,6 +55,10 @@ class SimConfig:
     # The gated policy otherwise holds it for the whole iteration (the daemons' legacy
     # `--gated-hold held`; "dense" what-if aside).
     assist_device_hold: str = "layer"
+    # dualpace with hold "cooperative": when a cooperative CPU iteration joins a busy GPU's step
+    # (dualpace.policy.join_rule.JoinRule: "within-layer" as designed first, "meet", "slack";
+    # profiles/sim/join_rules.py). The gated policy always joins the next step, whatever this says.
+    join_rule: str = "within-layer"
     # What-if: drop planned moves of requests that have no token yet. The planner itself now
     # never plans those (dualpace.policy.migration_planner), so this changes nothing; kept for the CLI.
     skip_unprefilled_moves: bool = False
@@ -78,6 +83,7 @@ class SimConfig:
         if self.assist_device_hold not in ASSIST_DEVICE_HOLDS:
             raise ValueError(f"assist_device_hold must be one of {', '.join(ASSIST_DEVICE_HOLDS)}, "
                              f"got {self.assist_device_hold!r}")
+        join_rule(self.join_rule)  # a clear ValueError for an unknown rule
 
 
 def deterministic_token(request_index: int, position: int, vocab_size: int) -> int:
@@ -115,6 +121,15 @@ class SimResult:
     cpu_busy_fraction: float
     prefix_cache_hit_rate: float | None = None  # prompt tokens found cached / looked up (None: caching off)
     prefill_tokens_saved: int = 0  # prompt tokens whose KV came from a prefix cache instead of a prefill
+    # Cooperative execution (hold "cooperative"): how the CPU iterations that asked to join ran.
+    num_cooperative_choices: int = 0  # CPU iterations the chooser sent as cooperative
+    num_joined_iterations: int = 0  # of those, rows that rode in a GPU step (JOINED or SPLIT layouts)
+    num_joined_layouts: int = 0  # JOINED: S0 empty, one weight read per layer for both engines
+    num_split_layouts: int = 0  # SPLIT: asymmetric pipelining
+    num_joins_declined_to_staged: int = 0  # not taken in time, or the planner declined: ran staged
+    num_joins_declined_to_local: int = 0  # the join rule found no step to join in time: ran locally
+    mean_join_wait_ms: float | None = None  # the CPU's wait from its ask (or its meeting layer) to the shared layer
+    num_layers_shared: int = 0  # layers in which remote rows shared the GPU's weight read, over all joins
 
     def as_dict(self) -> dict:
         out = {}

@@ -9,9 +9,10 @@ overlaps only S0's layer l and D1's attention, not the whole step, because the r
 post_attention(l) waits for it. The simulated step lasts the profile's own-step time plus the
 layout's extra per-layer time over all layers; the CPU iteration ends with the step.
 
-- dualpace: the CPU asks to join only when the GPU's next step begins within one GPU layer (the
-  device is free, or the running step is in its last layer), else its dense stages go staged at
-  the GPU's layer boundaries (hold "layer"); the planner may also decline (STAGED) when staged
+- dualpace: under SimConfig.join_rule "within-layer" the CPU asks to join only when the GPU's next
+  step begins within one GPU layer (the device is free, or the running step is in its last layer),
+  else its dense stages go staged at the GPU's layer boundaries (hold "layer"); the other rules are
+  profiles/sim/join_rules.py's. The planner may also decline (STAGED) when staged
   stages lengthen the step less. A cooperative request's latency is recorded as COOPERATIVE, and as
   ASSISTED too when it ran staged (ModeChooser.record_cooperative), so the chooser learns both.
 - gated (NEO as built): every decode-only CPU iteration joins; the planner picks the layout with
@@ -41,15 +42,20 @@ class PendingJoin:
     device_ms: float  # its dense work alone on the device (a separate, staged pass)
     cpu_side_ms: float  # its attention and round trips, over all layers (staged)
     cpu_layer_ms: float  # its attention + ring time per layer when joined (expected_layer_us)
+    asked_ms: float = 0.0  # when the CPU asked (its wait for the step is counted from here)
 
 
 class Cooperative:
     """Simulator methods for joined steps (mixed into Simulator)."""
 
     pending_join: PendingJoin | None = None
+    num_cooperative_choices = 0  # CPU iterations the chooser sent as cooperative
     num_joined_iterations = 0  # GPU steps that carried a CPU iteration's rows (JOINED or SPLIT)
     num_split_iterations = 0  # of those, SPLIT (S0 non-empty)
-    num_declined_joins = 0  # joins the planner ran staged (dualpace)
+    num_joins_declined_to_staged = 0  # not taken in time (dualpace) or the planner declined: staged
+    num_joins_declined_to_local = 0  # the join rule ran it locally (profiles/sim/join_rules.py)
+    join_wait_ms_total = 0.0  # the CPU's waits for the shared layer, over all joins
+    num_layers_shared = 0  # layers in which remote rows shared the GPU's dense pass, over all joins
     # how the CPU's running assisted iteration is recorded: (asked to join, ran staged)
     cpu_joining, cpu_ran_staged = False, True
     _layer_costs = None
@@ -64,21 +70,17 @@ class Cooperative:
         cpu.staged_batch = decode.batch  # its latency, wait included, is recorded when it ends
         self.cpu_joining, self.cpu_ran_staged = True, False
         self.pending_join = PendingJoin(decode.batch, device_ms, max(0.0, assisted_ms - device_ms),
-                                        cpu_join_layer_ms(self.cost, decode))
+                                        cpu_join_layer_ms(self.cost, decode), self.now_ms)
 
-    def _next_gpu_iteration_within_a_layer(self) -> bool:
-        gpu = self.engines[GPU]
-        if not gpu.busy:
-            return gpu.scheduler.has_work  # it starts now
-        return self.device.wait_ms(self.now_ms) <= self.device.engine_layer_ms()
-
-    def _plan_join(self, prefill_tokens: int, contexts: list[int]):
-        """(the planner's layout, the layer time of the step without the join)."""
+    def _plan_join(self, prefill_tokens: int, contexts: list[int], pending: PendingJoin | None = None):
+        """(the planner's layout for `pending` (default: the pending join), the layer time of the
+        step without the join)."""
         if self._layer_costs is None:
             self._layer_costs = layer_costs_of_profile(self.cost)
         policy = CooperativePolicy.GATED if self.config.policy is Policy.GATED else CooperativePolicy.DUALPACE
         own = OwnRows(prefill_tokens, contexts)
-        join = RemoteJoin(self.pending_join.batch, self.pending_join.cpu_layer_ms)
+        pending = pending or self.pending_join
+        join = RemoteJoin(pending.batch, pending.cpu_layer_ms)
         return plan_layout(policy, own, [join], self._layer_costs), own_step_layer_ms(own, self._layer_costs)
 
     def _start_with_join(self, gpu, plan: StepPlan, gpu_ms: float, prefill_tokens: int, contexts: list[int]) -> None:
@@ -97,8 +99,7 @@ class Cooperative:
     def _start_joined(self, gpu, plan: StepPlan, duration_ms: float) -> None:
         """Both engines' iterations start now and end together."""
         cpu = self._cpu_engine()
-        self.pending_join = None
-        self.num_joined_iterations += 1
+        self._count_full_join()
         end_ms = self.device.start_engine(self.now_ms, duration_ms)
         self._start(gpu, plan, end_ms + self.config.engine_overhead_ms)
         cpu.done_version += 1
@@ -113,13 +114,19 @@ class Cooperative:
             self._stage_pending_join()
             return
         cpu = self._cpu_engine()
-        self.pending_join = None
-        self.num_joined_iterations += 1
+        self._count_full_join()
         end_ms = self.device.start_engine(self.now_ms, self.num_layers * layout.predicted_layer_ms)
         run = self.device.engine_run
         self._push(end_ms, "call", lambda: self._end_join_alone(run))
         cpu.done_version += 1
         self._push(end_ms + self.config.engine_overhead_ms, "done", (cpu.name, cpu.done_version))
+
+    def _count_full_join(self) -> None:
+        """The pending join rides in the step starting now, from its layer 0."""
+        self.num_joined_iterations += 1
+        self.num_layers_shared += self.num_layers
+        self.join_wait_ms_total += self.now_ms - self.pending_join.asked_ms
+        self.pending_join = None
 
     def _end_join_alone(self, run) -> None:
         if self.device.engine_run is run:  # no engine step of its own started since (it cannot before the end)
@@ -127,7 +134,7 @@ class Cooperative:
 
     def _stage_pending_join(self) -> None:
         join, self.pending_join = self.pending_join, None
-        self.num_declined_joins += 1
+        self.num_joins_declined_to_staged += 1
         self.cpu_ran_staged = True  # a staged run of a cooperative request
         num_stages = self.num_layers + 1
         self._next_stage(self._cpu_engine(), num_stages, join.device_ms / num_stages, join.cpu_side_ms / self.num_layers)

@@ -16,6 +16,7 @@ queue); kept apart so each file reads on its own.
 from __future__ import annotations
 
 from dualpace.engine.scheduler import StepPlan
+from dualpace.policy.join_rule import JoinAction
 from dualpace.policy.mode_choice import AssistSetting, ExecutionMode, ModeChooser
 from dualpace.policy.views import Policy
 from dualpace.profile.cost_model import CostModel, DecodeBatch, predicted_mode_latencies
@@ -58,12 +59,19 @@ class CpuSteps:
         mode = self.chooser.choose(batch, decode_only)
         local_start_ms = self.now_ms
         if mode is ExecutionMode.COOPERATIVE and cost.assisted_ms is not None:
-            if gated or self._next_gpu_iteration_within_a_layer():
+            self.num_cooperative_choices += 1
+            action = JoinAction.JOIN_NEXT_STEP if gated else self._cooperative_action(batch)
+            if action is JoinAction.JOIN_NEXT_STEP:
                 self._join_next_gpu_iteration(cpu, plan, decode, cost.assisted_ms)  # rows in the GPU's step
-                return
-            cpu.staged_batch = batch  # not within max_join_wait_us: the server runs it staged
-            self.cpu_joining, self.cpu_ran_staged = True, True
-            self._start_staged(cpu, plan, self._assist_device_ms(decode.batch), cost.assisted_ms)
+            elif action is JoinAction.STAGED:
+                cpu.staged_batch = batch  # not within max_join_wait_us: the server runs it staged
+                self.cpu_joining, self.cpu_ran_staged = True, True
+                self.num_joins_declined_to_staged += 1
+                self._start_staged(cpu, plan, self._assist_device_ms(decode.batch), cost.assisted_ms)
+            elif action is JoinAction.MEET:
+                self._start_meeting(cpu, plan, decode, cost.local_ms)  # local until a step meets it
+            else:
+                self._unmet_local(cpu, plan, batch, cost.local_ms)
             return
         if mode is ExecutionMode.ASSISTED and cost.assisted_ms is not None:
             if hold in ("layer", "cooperative") and not gated:
@@ -89,6 +97,8 @@ class CpuSteps:
 
     def _staged_done(self, cpu) -> None:
         """A staged Assisted iteration ended: its latency, device waits included, is measured."""
+        if self._meeting_done(cpu):
+            return
         if cpu.staged_batch is not None:
             latency_ms = self.now_ms - cpu.started_ms - self.config.engine_overhead_ms
             if self.cpu_joining:

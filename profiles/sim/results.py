@@ -42,4 +42,22 @@ def summarize(sim: Simulator, rate: float) -> SimResult:
         cpu_busy_fraction=min(1.0, cpu.busy_ms / 1000.0 / duration_s) if cpu else 0.0,
         prefix_cache_hit_rate=hit_tokens / query_tokens if sim.config.prefix_caching and query_tokens else None,
         prefill_tokens_saved=hit_tokens,
+        num_cooperative_choices=sim.num_cooperative_choices, num_joined_iterations=sim.num_joined_iterations,
+        num_joined_layouts=sim.num_joined_iterations - sim.num_split_iterations,
+        num_split_layouts=sim.num_split_iterations, num_joins_declined_to_staged=sim.num_joins_declined_to_staged,
+        num_joins_declined_to_local=sim.num_joins_declined_to_local,
+        mean_join_wait_ms=sim.join_wait_ms_total / sim.num_joined_iterations if sim.num_joined_iterations else None,
+        num_layers_shared=sim.num_layers_shared,
     )
+
+
+def join_summary(result: dict) -> str:
+    """The cooperative counters of a SimResult.as_dict() in one phrase ("" when nothing asked to join)."""
+    choices = result.get("num_cooperative_choices") or 0
+    if not choices:
+        return ""
+    wait = result.get("mean_join_wait_ms")
+    return (f", joins {result['num_joined_iterations']}/{choices} cooperative ({result['num_joined_layouts']} joined, "
+            f"{result['num_split_layouts']} split; declined {result['num_joins_declined_to_staged']} to staged, "
+            f"{result['num_joins_declined_to_local']} to local), mean wait "
+            f"{'-' if wait is None else f'{wait:.1f}'} ms, {result['num_layers_shared']} layers shared")

@@ -52,6 +52,7 @@ from profiles.sim.config import (
 from profiles.sim.cooperative import Cooperative
 from profiles.sim.cpu_steps import CpuSteps, make_chooser
 from profiles.sim.device import SharedDevice
+from profiles.sim.join_rules import JoinRules
 from profiles.sim.moves import Moves
 from profiles.sim.prefix import SimPrefixIndex, make_scheduler
 from profiles.sim.router_views import RouterViews
@@ -92,7 +93,7 @@ class Track:
     engines_seen: list[str] = field(default_factory=list)
 
 
-class Simulator(CpuSteps, Cooperative, Moves, RouterViews):
+class Simulator(CpuSteps, Cooperative, JoinRules, Moves, RouterViews):
     def __init__(self, cost: CostModel, config: SimConfig):
         self.cost = cost
         self.config = config
@@ -280,6 +281,8 @@ class Simulator(CpuSteps, Cooperative, Moves, RouterViews):
         duration = self.cost.gpu_iteration_ms(prefill_tokens, DecodeBatch.of(contexts))
         if self.pending_join is not None:
             return self._start_with_join(gpu, plan, duration, prefill_tokens, contexts)
+        if self.meeting is not None and self._start_with_meeting(gpu, plan, duration):
+            return
         end_ms = self.device.start_engine(self.now_ms, duration)
         self._start(gpu, plan, end_ms + self.config.engine_overhead_ms)
 

@@ -255,3 +255,46 @@ def test_dualpace_declines_a_join_that_would_stall_the_gpu():
     sim.pending_join = _pending(sim, 4, cpu_layer_ms=10 * gpu_ms / sim.num_layers)
     assert sim._plan_join(0, [64] * 4)[0].how is JoinHow.STAGED
     assert sim._plan_join(0, [])[0].how is JoinHow.STAGED  # nothing to hide behind: staged, device free meanwhile
+
+
+def _join_run(policy: Policy, join_rule: str, num: int = 40, rate: float = 50.0):
+    config = SimConfig(policy=policy, assist_device_hold="cooperative", join_rule=join_rule)
+    return simulate(_cost(gpu_kv_blocks=16), config, _specs(num, rate), rate)
+
+
+def test_join_counters_add_up_and_are_printed(capsys):
+    """Every cooperative choice ends joined, declined to staged or declined to local; a full join
+    shares every layer; the CLI prints the counters."""
+    num_layers = _cost().profile.model.num_layers
+    for policy, rule in ((Policy.GATED, "within-layer"), (Policy.DUALPACE, "within-layer"), (Policy.DUALPACE, "meet"),
+                         (Policy.DUALPACE, "slack")):
+        r = _join_run(policy, rule)
+        assert r.num_cooperative_choices > 0 and r.requests_completed == 40
+        assert (r.num_joined_iterations + r.num_joins_declined_to_staged + r.num_joins_declined_to_local
+                == r.num_cooperative_choices), (policy, rule)
+        assert r.num_joined_layouts + r.num_split_layouts == r.num_joined_iterations
+        assert r.num_layers_shared <= num_layers * r.num_joined_iterations
+        if policy is Policy.GATED:
+            assert r.num_joins_declined_to_staged == r.num_joins_declined_to_local == 0
+            assert r.num_layers_shared == num_layers * r.num_joined_iterations
+        if rule == "within-layer":
+            assert r.num_joins_declined_to_local == 0  # it declines to staged only
+        if r.num_joined_iterations:
+            assert r.mean_join_wait_ms >= 0
+    assert main(["sim", "--profile", "profiles/reference/a10g_epyc_avx2_llama3_8b.json", "--policy", "gated",
+                 "--assist-device-hold", "cooperative", "--join-rule", "meet", "--num-requests", "12", "--rate", "2",
+                 "--input-len", "800:1200", "--output-len", "50:100", "--gpu-kv-blocks", "200"]) == 0
+    assert "layers shared" in capsys.readouterr().out
+
+
+def test_the_join_rule_leaves_gated_alone_and_meet_joins_a_busy_gpu():
+    gated = {rule: _join_run(Policy.GATED, rule).as_dict() for rule in ("within-layer", "meet", "slack")}
+    assert gated["within-layer"] == gated["meet"] == gated["slack"]
+    built, meet = _join_run(Policy.DUALPACE, "within-layer"), _join_run(Policy.DUALPACE, "meet")
+    assert built.num_joined_iterations < meet.num_joined_iterations  # the busy GPU's steps now take the rows
+    assert built.num_joins_declined_to_staged > meet.num_joins_declined_to_staged
+
+
+def test_an_unknown_join_rule_is_a_clear_error():
+    with pytest.raises(ValueError, match="join rule"):
+        SimConfig(join_rule="sometimes")
