@@ -15,6 +15,8 @@ until a step can take its rows; each keeps the CPU's clock from waiting beyond o
   one GPU layer there. Layers k.. are shared (one weight read for both engines), the iteration ends
   with the step. It joins only where that ends the iteration sooner than running on locally, so it
   never costs the CPU time; where no step meets it, the iteration simply finishes locally.
+- MEET_NET: MEET, joining only where the tokens per ms the CPU gains (its rows, sooner) exceed those
+  the GPU loses (its own rows, each joined layer longer): the shared read must pay for itself.
 - SLACK: wait for the next step while the wait is within the CPU's slack (its local estimate minus
   its cooperative one: ModeChooser.max_join_wait_ms), else run locally. The CPU may idle longer
   than a layer, but never longer than the local iteration would have taken over the joined one.
@@ -35,6 +37,7 @@ _EPS_MS = 1e-9
 class JoinRule(str, enum.Enum):
     WITHIN_A_LAYER = "within-layer"
     MEET = "meet"
+    MEET_NET = "meet-net"
     SLACK = "slack"
 
 
@@ -63,7 +66,7 @@ def join_action(rule: JoinRule | str, wait_ms: float | None, gpu_layer_ms: float
         return JoinAction.JOIN_NEXT_STEP  # within one layer: every rule joins from layer 0
     if chosen is JoinRule.WITHIN_A_LAYER:
         return JoinAction.STAGED
-    if chosen is JoinRule.MEET:
+    if chosen in (JoinRule.MEET, JoinRule.MEET_NET):
         return JoinAction.MEET
     return JoinAction.JOIN_NEXT_STEP if wait_ms is not None and wait_ms <= slack_ms else JoinAction.LOCAL
 
@@ -75,8 +78,27 @@ class MeetingPoint:
     end_ms: float  # the iteration's predicted end: the step's end with the rows on board
 
 
+@dataclass(frozen=True)
+class TokenRates:
+    """MEET_NET's trade: the step's own sampled rows and length without the join, the CPU's rows."""
+
+    gpu_rows: int
+    gpu_step_ms: float
+    cpu_rows: int
+
+    def join_pays(self, joined_end_ms: float, cpu_local_ms: float, gpu_extra_ms: float) -> bool:
+        """The CPU's rows gain more tokens per ms (ending at joined_end_ms, not cpu_local_ms) than the
+        step's own rows lose (the step gpu_extra_ms longer)."""
+        if joined_end_ms <= 0 or self.gpu_step_ms <= 0:
+            return joined_end_ms < cpu_local_ms
+        cpu_gain = self.cpu_rows * (1.0 / joined_end_ms - 1.0 / cpu_local_ms)
+        gpu_loss = self.gpu_rows * (1.0 / self.gpu_step_ms - 1.0 / (self.gpu_step_ms + gpu_extra_ms))
+        return cpu_gain > gpu_loss
+
+
 def meeting_point(gpu_layer0_ms: float, gpu_layer_ms: float, joined_extra_layer_ms: float, cpu_layer_ms: float,
-                  num_layers: int, cpu_local_ms: float, cpu_done_layers: int = 0) -> MeetingPoint | None:
+                  num_layers: int, cpu_local_ms: float, cpu_done_layers: int = 0,
+                  rates: TokenRates | None = None) -> MeetingPoint | None:
     """Where a locally running CPU iteration meets a GPU step (rule MEET).
 
     The step's layer j begins at gpu_layer0_ms + j x gpu_layer_ms (negative for a step already
@@ -84,8 +106,9 @@ def meeting_point(gpu_layer0_ms: float, gpu_layer_ms: float, joined_extra_layer_
     joined_extra_layer_ms more; the CPU is ready for layer k at k x cpu_layer_ms and has already
     passed cpu_done_layers layers. The rows join at the first layer k >= cpu_done_layers, below
     num_layers, that the CPU reaches no later than the step begins it, with at most one GPU layer
-    of wait, where joining ends the iteration sooner than finishing locally (cpu_local_ms);
-    None when there is no such layer."""
+    of wait, where joining ends the iteration sooner than finishing locally (cpu_local_ms) and,
+    given `rates` (MEET_NET), where the join pays for the GPU time it adds; None when there is no
+    such layer."""
     if num_layers < 1 or not (gpu_layer_ms >= 0 and cpu_layer_ms >= 0 and joined_extra_layer_ms >= 0):
         raise ValueError("meeting_point needs num_layers >= 1 and layer times >= 0")
     if not (math.isfinite(gpu_layer0_ms) and math.isfinite(cpu_local_ms)):
@@ -100,5 +123,7 @@ def meeting_point(gpu_layer0_ms: float, gpu_layer_ms: float, joined_extra_layer_
         end_ms = gpu_begins_ms + (num_layers - layer) * (gpu_layer_ms + joined_extra_layer_ms)
         if end_ms >= cpu_local_ms - _EPS_MS:
             continue  # no faster than running on locally (a later layer adds less joined time)
+        if rates is not None and not rates.join_pays(end_ms, cpu_local_ms, (num_layers - layer) * joined_extra_layer_ms):
+            continue
         return MeetingPoint(layer, max(0.0, wait_ms), end_ms)
     return None

@@ -9,6 +9,7 @@ dualpace.policy.join_rule's, the daemons' pure code):
   step from the meeting layer on; the step's remaining layers each take the planner's joined layer
   time (plan_layout: JOINED or SPLIT; a STAGED answer means no join) and the CPU iteration ends
   with the step;
+- "meet-net": "meet" where the CPU's rows gain more tokens per ms than the step's own rows lose;
 - "slack": join the next step while the wait is within the chooser's slack, else run locally.
 
 A part of profiles.sim.simulator.Simulator (mixed in, like Cooperative). Pure arithmetic.
@@ -21,7 +22,7 @@ from dataclasses import dataclass
 
 from dualpace.engine.scheduler import StepPlan
 from dualpace.policy.cooperative_plan import JoinHow
-from dualpace.policy.join_rule import JoinAction, join_action, meeting_point
+from dualpace.policy.join_rule import JoinAction, JoinRule, TokenRates, join_action, meeting_point
 from dualpace.profile.cost_model import DecodeBatch, cpu_join_layer_ms
 from profiles.sim.config import GPU
 from profiles.sim.cooperative import PendingJoin
@@ -61,7 +62,7 @@ class JoinRules:
         gpu = self.engines[GPU]
         if gpu.busy and gpu.plan is not None and run is not None and self.device.held_until_ms <= self.now_ms:
             layer0_ms = run.resumed_at_ms - run.work_done_at_resume_ms - self.now_ms
-            point = self._meeting_point(gpu.plan, layer0_ms, run.layer_ms)
+            point = self._meeting_point(gpu.plan, layer0_ms, run.layer_ms, run.work_ms)
             if point is not None:
                 extra_ms, layer, wait_ms = point
                 run.end_ms += extra_ms
@@ -75,7 +76,7 @@ class JoinRules:
         meeting layer on, if it meets them (True), else leave it to the caller (False)."""
         if self.meeting is None or self.meeting.met:
             return False
-        point = self._meeting_point(plan, self.now_ms - self.meeting.started_ms, gpu_ms / self.num_layers)
+        point = self._meeting_point(plan, self.now_ms - self.meeting.started_ms, gpu_ms / self.num_layers, gpu_ms)
         if point is None:
             return False
         extra_ms, layer, wait_ms = point
@@ -84,11 +85,11 @@ class JoinRules:
         self._met(layer, wait_ms, end_ms)
         return True
 
-    def _meeting_point(self, plan: StepPlan, layer0_ms: float, gpu_layer_ms: float):
+    def _meeting_point(self, plan: StepPlan, layer0_ms: float, gpu_layer_ms: float, gpu_step_ms: float):
         """(the step's extra time, the meeting layer, the CPU's wait) or None. layer0_ms: when the
         step began (or begins) its layer 0, relative to the CPU iteration's start."""
         meeting = self.meeting
-        prefill_tokens, contexts, _ = self._plan_shape(plan)
+        prefill_tokens, contexts, num_sampled = self._plan_shape(plan)
         join = PendingJoin(meeting.batch, 0.0, 0.0, meeting.cpu_join_layer_ms, meeting.started_ms)
         layout, own_layer_ms = self._plan_join(prefill_tokens, contexts, join)
         if layout.how is JoinHow.STAGED:
@@ -97,8 +98,9 @@ class JoinRules:
         cpu_layer_ms = meeting.local_ms / self.num_layers
         elapsed_ms = self.now_ms - meeting.started_ms
         done_layers = math.ceil(elapsed_ms / cpu_layer_ms - _EPS_MS) if cpu_layer_ms > 0 else self.num_layers
+        rates = TokenRates(num_sampled, gpu_step_ms, meeting.batch) if self.config.join_rule == JoinRule.MEET_NET else None
         point = meeting_point(layer0_ms, gpu_layer_ms, extra_layer_ms, cpu_layer_ms, self.num_layers,
-                              meeting.local_ms, done_layers)
+                              meeting.local_ms, done_layers, rates)
         if point is None:
             return None
         self._meeting_how = layout.how

@@ -63,3 +63,16 @@ def test_bad_times_are_clear_errors():
         meeting_point(0.0, -1.0, 0.0, 1.0, 32, 10.0)
     with pytest.raises(ValueError):
         meeting_point(float("nan"), 1.0, 0.0, 1.0, 32, 10.0)
+
+
+def test_meet_net_joins_only_where_the_cpu_gains_more_tokens_than_the_gpu_loses():
+    from dualpace.policy.join_rule import TokenRates
+
+    # the meeting of the slower-CPU case ends at 200 ms instead of 320 and adds 0.5 ms to each of 25 layers
+    many_gpu_rows = TokenRates(gpu_rows=64, gpu_step_ms=200.0, cpu_rows=4)
+    few_gpu_rows = TokenRates(gpu_rows=2, gpu_step_ms=200.0, cpu_rows=4)
+    assert meeting_point(40.0, 5.0, 0.5, 10.0, 32, 320.0, rates=many_gpu_rows) is None
+    point = meeting_point(40.0, 5.0, 0.5, 10.0, 32, 320.0, rates=few_gpu_rows)
+    assert point is not None and point.layer == 7
+    # 4 CPU rows: 4 x (1/212.5 - 1/320) = 0.0063 tokens/ms gained; 2 GPU rows lose 2 x (1/200 - 1/212.5) = 0.0006
+    assert few_gpu_rows.join_pays(212.5, 320.0, 12.5) and not many_gpu_rows.join_pays(212.5, 320.0, 12.5)

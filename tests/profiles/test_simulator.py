@@ -267,6 +267,7 @@ def test_join_counters_add_up_and_are_printed(capsys):
     shares every layer; the CLI prints the counters."""
     num_layers = _cost().profile.model.num_layers
     for policy, rule in ((Policy.GATED, "within-layer"), (Policy.DUALPACE, "within-layer"), (Policy.DUALPACE, "meet"),
+                         (Policy.DUALPACE, "meet-net"),
                          (Policy.DUALPACE, "slack")):
         r = _join_run(policy, rule)
         assert r.num_cooperative_choices > 0 and r.requests_completed == 40
@@ -288,8 +289,8 @@ def test_join_counters_add_up_and_are_printed(capsys):
 
 
 def test_the_join_rule_leaves_gated_alone_and_meet_joins_a_busy_gpu():
-    gated = {rule: _join_run(Policy.GATED, rule).as_dict() for rule in ("within-layer", "meet", "slack")}
-    assert gated["within-layer"] == gated["meet"] == gated["slack"]
+    gated = {rule: _join_run(Policy.GATED, rule).as_dict() for rule in ("within-layer", "meet", "meet-net", "slack")}
+    assert gated["within-layer"] == gated["meet"] == gated["meet-net"] == gated["slack"]
     built, meet = _join_run(Policy.DUALPACE, "within-layer"), _join_run(Policy.DUALPACE, "meet")
     assert built.num_joined_iterations < meet.num_joined_iterations  # the busy GPU's steps now take the rows
     assert built.num_joins_declined_to_staged > meet.num_joins_declined_to_staged
