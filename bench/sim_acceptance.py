@@ -7,6 +7,8 @@ rate under that SLO. dualpace (staged) is the per-layer staged assist alone, for
     python -m bench.sim_acceptance                       # all cases -> bench/results/sim_acceptance.{json,md}
     python -m bench.sim_acceptance --cases a10g --num-requests 60   # a quicker subset
     python -m bench.sim_acceptance --gpu-wait-offload slo --out bench/results/sim_acceptance_gpu_wait_offload.json
+    python -m bench.sim_acceptance --join-rule meet --reuse bench/results/sim_acceptance.json \
+        --out bench/results/sim_acceptance_join_meet.json   # dualpace only; the other rows reused
 
 Simulated (profiles.sim, the real schedulers/admission/planner timed by a profile's tables); the
 profiles are rooflines of published figures (profiles/reference/*.md), each in two variants: the
@@ -122,7 +124,10 @@ def gain(a: float | None, b: float | None) -> float | None:
 
 
 def run_case(case: Case, variant: str, num_requests: int, seed: int, gpu_wait_offload: str = "off",
-             join_rule: str = "within-layer") -> dict:
+             join_rule: str = "within-layer", reused: dict | None = None) -> dict:
+    """One case and variant. reused: an earlier report's entry for the same case, variant, requests
+    and seed; its rows of every policy the join rule does not touch (all but "dualpace") are taken
+    as they are instead of simulated again (the simulation is deterministic)."""
     profile_name = case.box + (MEASURED_SUFFIX if variant == "measured_overheads" else "")
     profile = load_profile(path_of(profile_name))
     cost = CostModel(profile)
@@ -131,6 +136,11 @@ def run_case(case: Case, variant: str, num_requests: int, seed: int, gpu_wait_of
     runs: dict[str, list[dict]] = {}
     slo_ms = slo_rule = None
     for label, policy, hold in POLICY_RUNS:
+        if reused is not None and label != "dualpace":
+            runs[label] = reused["runs"][label]
+            if slo_ms is None:
+                slo_ms, slo_rule = slo_for(runs["gpu-only"])
+            continue
         # dualpace and gated admit to the CPU engine only while its predicted ITL stays within the
         # SLO (the router's --itl-target-ms); gpu-only, as vLLM, has no such target
         # --gpu-wait-offload slo: admission's opt-in time rule with the SLO as its bound (dualpace only)
@@ -227,6 +237,20 @@ def markdown(report: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _reusable(args: argparse.Namespace) -> dict | None:
+    """{(case, variant): entry} of the --reuse report, or None (with a message) when it does not match."""
+    try:
+        earlier = json.loads(Path(args.reuse).read_text())
+    except (OSError, ValueError) as error:
+        print(f"--reuse: cannot read {args.reuse}: {error}", file=sys.stderr)
+        return None
+    same = (earlier.get("num_requests"), earlier.get("seed"), earlier.get("gpu_wait_offload", "off"))
+    if same != (args.num_requests, args.seed, args.gpu_wait_offload):
+        print(f"--reuse: {args.reuse} was run with (num_requests, seed, gpu_wait_offload) = {same}", file=sys.stderr)
+        return None
+    return {(c["case"], c["variant"]): c for c in earlier.get("cases", [])}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--cases", default=",".join(c.key for c in CASES), help="comma-separated case keys")
@@ -237,6 +261,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--gpu-wait-offload", choices=("off", "slo"), default="off",
                         help="slo: dualpace's admission also offloads when the GPU's predicted prefill wait "
                              "exceeds the SLO (AdmissionConfig.gpu_wait_offload_ms)")
+    parser.add_argument("--reuse", help="an earlier report (same --num-requests, --seed, --gpu-wait-offload): take "
+                                           "its rows of every policy but dualpace instead of simulating them again")
     parser.add_argument("--join-rule", choices=[r.value for r in JoinRule], default=JoinRule.WITHIN_A_LAYER.value,
                         help="when dualpace's cooperative CPU iterations join a busy GPU's step "
                              "(dualpace.policy.join_rule; gated always joins the next step)")
@@ -251,11 +277,18 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     report = {"simulated": True, "num_requests": args.num_requests, "seed": args.seed,
               "gpu_wait_offload": args.gpu_wait_offload, "join_rule": args.join_rule, "cases": []}
+    reused = _reusable(args) if args.reuse else {}
+    if reused is None:
+        return 2
     for key in keys:
         for variant in variants:
             started = time.monotonic()
+            earlier = reused.get((key, variant))
+            if args.reuse and (earlier is None or earlier["rates"] != list(by_key[key].rates)):
+                print(f"--reuse: {args.reuse} has no {key} {variant} case with rates {by_key[key].rates}", file=sys.stderr)
+                return 2
             report["cases"].append(run_case(by_key[key], variant, args.num_requests, args.seed, args.gpu_wait_offload,
-                                            args.join_rule))
+                                            args.join_rule, earlier))
             print(f"{key} {variant}: {time.monotonic() - started:.0f} s", file=sys.stderr, flush=True)
     out = Path(args.out)
     out.write_text(json.dumps(report, indent=1) + "\n")
