@@ -98,7 +98,8 @@ class TokenRates:
 
 def meeting_point(gpu_layer0_ms: float, gpu_layer_ms: float, joined_extra_layer_ms: float, cpu_layer_ms: float,
                   num_layers: int, cpu_local_ms: float, cpu_done_layers: int = 0,
-                  rates: TokenRates | None = None) -> MeetingPoint | None:
+                  rates: TokenRates | None = None, max_step_ms: float | None = None,
+                  own_step_ms: float = 0.0) -> MeetingPoint | None:
     """Where a locally running CPU iteration meets a GPU step (rule MEET).
 
     The step's layer j begins at gpu_layer0_ms + j x gpu_layer_ms (negative for a step already
@@ -107,8 +108,9 @@ def meeting_point(gpu_layer0_ms: float, gpu_layer_ms: float, joined_extra_layer_
     passed cpu_done_layers layers. The rows join at the first layer k >= cpu_done_layers, below
     num_layers, that the CPU reaches no later than the step begins it, with at most one GPU layer
     of wait, where joining ends the iteration sooner than finishing locally (cpu_local_ms) and,
-    given `rates` (MEET_NET), where the join pays for the GPU time it adds; None when there is no
-    such layer."""
+    given `rates` (MEET_NET), where the join pays for the GPU time it adds; given max_step_ms (the
+    ITL target), where the step (own_step_ms without the join) stays within it with the join, so
+    the GPU's own rows keep their target; None when there is no such layer."""
     if num_layers < 1 or not (gpu_layer_ms >= 0 and cpu_layer_ms >= 0 and joined_extra_layer_ms >= 0):
         raise ValueError("meeting_point needs num_layers >= 1 and layer times >= 0")
     if not (math.isfinite(gpu_layer0_ms) and math.isfinite(cpu_local_ms)):
@@ -123,7 +125,10 @@ def meeting_point(gpu_layer0_ms: float, gpu_layer_ms: float, joined_extra_layer_
         end_ms = gpu_begins_ms + (num_layers - layer) * (gpu_layer_ms + joined_extra_layer_ms)
         if end_ms >= cpu_local_ms - _EPS_MS:
             continue  # no faster than running on locally (a later layer adds less joined time)
-        if rates is not None and not rates.join_pays(end_ms, cpu_local_ms, (num_layers - layer) * joined_extra_layer_ms):
+        gpu_extra_ms = (num_layers - layer) * joined_extra_layer_ms
+        if max_step_ms is not None and own_step_ms + gpu_extra_ms > max_step_ms:
+            continue
+        if rates is not None and not rates.join_pays(end_ms, cpu_local_ms, gpu_extra_ms):
             continue
         return MeetingPoint(layer, max(0.0, wait_ms), end_ms)
     return None

@@ -8,7 +8,7 @@ dualpace.policy.join_rule's, the daemons' pure code):
   step that starts before the local iteration ends, checked at its start), its rows ride in that
   step from the meeting layer on; the step's remaining layers each take the planner's joined layer
   time (plan_layout: JOINED or SPLIT; a STAGED answer means no join) and the CPU iteration ends
-  with the step;
+  with the step; with an ITL target (SimConfig.itl_target_ms) no join takes a step past it;
 - "meet-net": "meet" where the CPU's rows gain more tokens per ms than the step's own rows lose;
 - "slack": join the next step while the wait is within the chooser's slack, else run locally.
 
@@ -100,7 +100,7 @@ class JoinRules:
         done_layers = math.ceil(elapsed_ms / cpu_layer_ms - _EPS_MS) if cpu_layer_ms > 0 else self.num_layers
         rates = TokenRates(num_sampled, gpu_step_ms, meeting.batch) if self.config.join_rule == JoinRule.MEET_NET else None
         point = meeting_point(layer0_ms, gpu_layer_ms, extra_layer_ms, cpu_layer_ms, self.num_layers,
-                              meeting.local_ms, done_layers, rates)
+                              meeting.local_ms, done_layers, rates, self.config.itl_target_ms, gpu_step_ms)
         if point is None:
             return None
         self._meeting_how = layout.how

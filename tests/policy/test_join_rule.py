@@ -76,3 +76,10 @@ def test_meet_net_joins_only_where_the_cpu_gains_more_tokens_than_the_gpu_loses(
     assert point is not None and point.layer == 7
     # 4 CPU rows: 4 x (1/212.5 - 1/320) = 0.0063 tokens/ms gained; 2 GPU rows lose 2 x (1/200 - 1/212.5) = 0.0006
     assert few_gpu_rows.join_pays(212.5, 320.0, 12.5) and not many_gpu_rows.join_pays(212.5, 320.0, 12.5)
+
+
+def test_no_meeting_takes_the_step_past_the_itl_target():
+    # the slower-CPU meeting adds 0.5 ms to each of 25 layers (12.5 ms): a 150 ms step stays within a 165 ms
+    # target, a 160 ms one would not; from layer 8 it adds 12 ms, still too much
+    assert meeting_point(40.0, 5.0, 0.5, 10.0, 32, 320.0, max_step_ms=165.0, own_step_ms=150.0) is not None
+    assert meeting_point(40.0, 5.0, 0.5, 10.0, 32, 320.0, max_step_ms=165.0, own_step_ms=160.0) is None
