@@ -202,6 +202,7 @@ class KvImporter:
         self._slot_ids: list[int] = []
         self._reserved = False
         self._committed = False
+        self.marks: list[tuple[str, float]] = []  # (event, perf_counter s) for the import's debug log
 
     async def begin(self, header: KvTransferHeader) -> None:
         core = self.loop.core
