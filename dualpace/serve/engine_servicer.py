@@ -182,12 +182,16 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
                 else:
                     raise InvalidArgument("kind", "empty ImportKv message")
         finally:
+            # The commit did not wake the engine's loop (_commit_import): it is woken here, once the
+            # reply is sent or the stream ended, so that an idle engine's first step for the request
+            # does not hold up the reply the source waits for (1-2 ms measured, bench.kv_shm_timeline).
+            self.loop.wake()
             # Shielded as one: the blocks are freed only after any shared-memory write has stopped.
             await asyncio.shield(_end_import(shm, importer))
 
     async def _commit_import(self, importer: KvImporter, started: float, chunk_ms: float) -> engine_pb2.ImportKvReply:
         commit_start = time.perf_counter()
-        engine_name = await importer.commit()
+        engine_name = await importer.commit(wake_loop=False)
         importer.marks.append(("committed", time.perf_counter()))
         log.debug("kv import", request_id=importer.progress.header.request_id,
                   marks_s=[(name, round(t, 6)) for name, t in importer.marks],
