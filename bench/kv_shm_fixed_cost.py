@@ -27,6 +27,13 @@ from toolkit.engine_client import EngineClient
 from toolkit.processes import start_daemon
 
 
+def start_target(model: str, sizes: list[int], name: str, *extra: str):
+    """The target cpu_service of these benches: one thread, room for a few of the largest transfers."""
+    return start_daemon("cpu_service", "--model", model, "--dtype", "auto", "--threads", "1",
+                        "--name", name, "--kv-blocks", str(4 * (max(sizes) // 16 + 2)),
+                        "--block-size", "16", "--assist", "never", *extra)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=DEFAULT_MODEL_NAME)
@@ -38,9 +45,7 @@ def main() -> None:
     if args.repeats < 4:
         parser.error("--repeats must be at least 4 (quartiles are reported)")
     load_before = os.getloadavg()
-    target = start_daemon("cpu_service", "--model", args.model, "--dtype", "auto", "--threads", "1",
-                          "--name", "fixed-cost-target", "--kv-blocks", str(4 * (max(sizes) // 16 + 2)),
-                          "--block-size", "16", "--assist", "never")
+    target = start_target(args.model, sizes, "fixed-cost-target")
     try:
         info = EngineClient(target.address).stub.Info(info_request_to_pb(), timeout=10)
         storage = source_pool(info, max(sizes))

@@ -74,8 +74,9 @@ class HostTierImporter(KvImporter):
         """Leading tokens of the transfer this engine caches already (after begin; 0 without skip_cached)."""
         return 0 if self.progress is None else self.progress.first_token
 
-    async def commit(self) -> str:
-        """Register the blocks in this engine's cache (unreferenced); returns this engine's name."""
+    async def commit(self, wake_loop: bool = True) -> str:
+        """Register the blocks in this engine's cache (unreferenced); returns this engine's name.
+        wake_loop as KvImporter.commit's."""
         progress = await self.prepare()
         header = progress.header
         scheduler = self.loop.core.scheduler
@@ -83,7 +84,7 @@ class HostTierImporter(KvImporter):
         def store() -> int:
             return scheduler.commit_cache_import(header.request_id, list(header.prompt_token_ids))
 
-        self.num_new_blocks = await self.loop.call(store)
+        self.num_new_blocks = await self.loop.call(store, wake=wake_loop)
         self._committed = True
         log.debug("host tier: %d new blocks of %d tokens from %s", self.num_new_blocks,
                   len(header.prompt_token_ids), header.source_engine)

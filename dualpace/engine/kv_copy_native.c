@@ -8,10 +8,10 @@
  *
  * The CRC instruction has a latency of about 3 cycles and a throughput of one per cycle, so one
  * chain of it runs at a third of what the core can do. Large spans are cut into three lanes of
- * LANE_BYTES each, CRC'd as three independent chains interleaved in the loop, and the lanes'
+ * lane_sizes bytes each, CRC'd as three independent chains interleaved in the loop, and the lanes'
  * CRCs are then joined: a CRC register r run over a span X gives r * x^(8|X|) xor crc0(X) (mod P),
  * so a lane's register is moved past the next lane by one carry-less multiply modulo P with the
- * constant x^(8 LANE_BYTES), computed once.
+ * constant x^(8 lane), computed once.
  *
  * Stores are ordinary (not non-temporal): the target reads its blocks back soon after to verify
  * them, and a transfer is often smaller than the last-level cache.
@@ -21,10 +21,14 @@
 #include <stdint.h>
 #include <string.h>
 
-#define LANE_BYTES 16384 /* per lane; three lanes per round (4096 measured slower) */
+/* Lane sizes, largest first: a span takes the largest whose round of three lanes fits in it (so a
+ * 16-token layer of the default model, 12 KB per K or V, still runs three chains, not one). For
+ * large spans 16 KB lanes: 4 KB lanes alone measured slower there (two joins per round). */
+#define NUM_LANE_SIZES 3
+static const size_t lane_sizes[NUM_LANE_SIZES] = {16384, 4096, 1024};
 #define POLY_REFLECTED 0x82f63b78u
 
-static uint32_t lane_shift_constant; /* x^(8 LANE_BYTES) mod P, reflected; 0 until computed */
+static uint32_t lane_shift_constants[NUM_LANE_SIZES]; /* x^(8 lane) mod P, reflected; 0 until computed */
 
 /* a * b modulo P, both reflected (bit 31 is x^0). */
 static uint32_t multiply_mod_p(uint32_t a, uint32_t b) {
@@ -36,14 +40,14 @@ static uint32_t multiply_mod_p(uint32_t a, uint32_t b) {
     return product;
 }
 
-static uint32_t shift_constant(void) {
-    uint32_t constant = lane_shift_constant;
+static uint32_t shift_constant(int size_index) {
+    uint32_t constant = lane_shift_constants[size_index];
     if (constant == 0) {
-        /* x^0 (reflected: bit 31) run over LANE_BYTES zero bytes is x^(8 LANE_BYTES) mod P. */
+        /* x^0 (reflected: bit 31) run over `lane` zero bytes is x^(8 lane) mod P. */
         uint64_t r = 0x80000000u;
-        for (int i = 0; i < LANE_BYTES / 8; i++) r = _mm_crc32_u64(r, 0);
+        for (size_t i = 0; i < lane_sizes[size_index] / 8; i++) r = _mm_crc32_u64(r, 0);
         constant = (uint32_t)r;
-        lane_shift_constant = constant; /* dp_kv_copy_supported computes it before any copy */
+        lane_shift_constants[size_index] = constant; /* dp_kv_copy_supported computes them before any copy */
     }
     return constant;
 }
@@ -59,34 +63,36 @@ static inline void store64(uint8_t *p, uint64_t word) { memcpy(p, &word, 8); }
 /* The raw CRC register `r` (no inversions) run over n bytes; copies them to dst when dst != 0. */
 static uint32_t crc_register(uint32_t r, uint8_t *dst, const uint8_t *src, size_t n) {
     uint64_t r0 = r;
-    if (n >= 3 * LANE_BYTES) {
-        const uint32_t constant = shift_constant();
-        while (n >= 3 * LANE_BYTES) {
+    for (int size_index = 0; size_index < NUM_LANE_SIZES; size_index++) {
+        const size_t lane = lane_sizes[size_index];
+        if (n < 3 * lane) continue;
+        const uint32_t constant = shift_constant(size_index);
+        while (n >= 3 * lane) {
             uint64_t r1 = 0, r2 = 0;
             const uint8_t *s = src;
             if (dst) {
                 uint8_t *d = dst;
-                for (size_t i = 0; i < LANE_BYTES; i += 8) {
-                    uint64_t w0 = load64(s + i), w1 = load64(s + LANE_BYTES + i), w2 = load64(s + 2 * LANE_BYTES + i);
+                for (size_t i = 0; i < lane; i += 8) {
+                    uint64_t w0 = load64(s + i), w1 = load64(s + lane + i), w2 = load64(s + 2 * lane + i);
                     store64(d + i, w0);
-                    store64(d + LANE_BYTES + i, w1);
-                    store64(d + 2 * LANE_BYTES + i, w2);
+                    store64(d + lane + i, w1);
+                    store64(d + 2 * lane + i, w2);
                     r0 = _mm_crc32_u64(r0, w0);
                     r1 = _mm_crc32_u64(r1, w1);
                     r2 = _mm_crc32_u64(r2, w2);
                 }
-                dst += 3 * LANE_BYTES;
+                dst += 3 * lane;
             } else {
-                for (size_t i = 0; i < LANE_BYTES; i += 8) {
+                for (size_t i = 0; i < lane; i += 8) {
                     r0 = _mm_crc32_u64(r0, load64(s + i));
-                    r1 = _mm_crc32_u64(r1, load64(s + LANE_BYTES + i));
-                    r2 = _mm_crc32_u64(r2, load64(s + 2 * LANE_BYTES + i));
+                    r1 = _mm_crc32_u64(r1, load64(s + lane + i));
+                    r2 = _mm_crc32_u64(r2, load64(s + 2 * lane + i));
                 }
             }
             r0 = multiply_mod_p((uint32_t)r0, constant) ^ (uint32_t)r1;
             r0 = multiply_mod_p((uint32_t)r0, constant) ^ (uint32_t)r2;
-            src += 3 * LANE_BYTES;
-            n -= 3 * LANE_BYTES;
+            src += 3 * lane;
+            n -= 3 * lane;
         }
     }
     for (; n >= 8; n -= 8, src += 8) {
@@ -110,7 +116,7 @@ int dp_kv_copy_supported(void) {
 #if defined(__x86_64__) || defined(__i386__)
     __builtin_cpu_init();
     if (!__builtin_cpu_supports("sse4.2")) return 0;
-    shift_constant(); /* computed here, once, before any thread copies */
+    for (int i = 0; i < NUM_LANE_SIZES; i++) shift_constant(i); /* here, once, before any thread copies */
     return 1;
 #else
     return 0;
@@ -138,4 +144,19 @@ uint32_t dp_kv_layer_copy_crc32c(uint8_t *dst_k, uint8_t *dst_v, const uint8_t *
         }
     }
     return ~r;
+}
+
+/* dp_kv_layer_copy_crc32c over num_layers consecutive layers in one call (the layers of each pool
+ * src_layer_bytes / dst_layer_bytes apart; the pointers are those of the first layer), the layers'
+ * CRC32Cs written to crc32s[0 .. num_layers - 1]. One call instead of one per layer: the per-call
+ * cost from Python (argument conversion, the GIL's release and retake) was about 10 us a layer,
+ * more than checksumming a layer of a 16-token transfer. */
+void dp_kv_layers_copy_crc32c(uint8_t *dst_k, uint8_t *dst_v, const uint8_t *src_k, const uint8_t *src_v,
+                              int64_t src_layer_bytes, int64_t dst_layer_bytes, int64_t num_layers,
+                              const int64_t *runs, int64_t num_runs, int64_t slot_bytes, uint32_t *crc32s) {
+    for (int64_t layer = 0; layer < num_layers; layer++) {
+        int64_t src_offset = layer * src_layer_bytes, dst_offset = layer * dst_layer_bytes;
+        crc32s[layer] = dp_kv_layer_copy_crc32c(dst_k ? dst_k + dst_offset : 0, dst_v ? dst_v + dst_offset : 0,
+                                                src_k + src_offset, src_v + src_offset, runs, num_runs, slot_bytes);
+    }
 }

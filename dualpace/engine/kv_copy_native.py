@@ -34,6 +34,7 @@ _SIGNATURES = {
     "dp_kv_copy_supported": ([], ctypes.c_int),
     "dp_copy_crc32c": ([_ptr, _ptr, _i64, _u32], _u32),
     "dp_kv_layer_copy_crc32c": ([_ptr, _ptr, _ptr, _ptr, _ptr, _i64, _i64], _u32),
+    "dp_kv_layers_copy_crc32c": ([_ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _ptr, _i64, _i64, _ptr], None),
 }
 _state: dict[str, ctypes.CDLL | None] = {}
 _lock = threading.Lock()

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from dataclasses import dataclass
 
 from dualpace.engine.kv_shm_protocol import ShmDeclined, ShmOffer, ShmReservation, ShmWritten
@@ -89,6 +90,7 @@ class ShmImport:
                                   f"{len(written.layer_crc32s)} checksums for {layout.num_layers} layers")
         self.pool.server.revoke(self._ticket)
         await self._lease.wait_ended()  # the sender closed it before saying written: normally at once
+        self.importer.marks.append(("lease_ended", time.perf_counter()))
         self._written = True
         kv = self.importer.loop.core.runner.kv
         slot_ids = list(self.importer.slot_ids)

@@ -11,6 +11,7 @@ import concurrent.futures
 import contextlib
 import logging
 import threading
+import time
 
 from dualpace.engine.kv_shm_protocol import ShmReservation, ShmWritten
 from dualpace.engine.kv_source import OutgoingKv
@@ -75,11 +76,14 @@ async def _copy_in_workers(storage, src_slot_ids: list[int], segment: MappedKvSe
 
 
 async def write_in_place(segment: MappedKvSegment, reservation: ShmReservation, source: OutgoingKv,
-                         faults: FaultConfig, lease: contextlib.AbstractAsyncContextManager | None = None) -> ShmWritten:
+                         faults: FaultConfig, lease: contextlib.AbstractAsyncContextManager | None = None,
+                         marks: list[tuple[str, float]] | None = None) -> ShmWritten:
     """Copy the request's KV into the target's reserved slots, holding the import's write lease:
     `lease` (MappedPools.lease: over the mapping's watch connection, where the target offers it) or
     a connection of its own. The lease ends only after the copy has stopped (also when this call
-    is cancelled); the caller holds the mapping (MappedPools.using) for the whole call."""
+    is cancelled); the caller holds the mapping (MappedPools.using) for the whole call. `marks`: where
+    the moments the lease was held, the copy ended and the lease ended are appended (timelines)."""
+    marks = [] if marks is None else marks
     storage = source.storage
     dst_slot_ids = list(reservation.slot_ids)
     stop = threading.Event()
@@ -87,6 +91,7 @@ async def write_in_place(segment: MappedKvSegment, reservation: ShmReservation, 
         lease = held_lease(reservation.socket_name, reservation.import_token)
     try:
         async with lease:
+            marks.append(("lease_held", time.perf_counter()))
             if transfer_bytes(storage, len(dst_slot_ids)) <= INLINE_MAX_BYTES:
                 layer_crc32s = copy_in_place(storage.k, storage.v, source.slot_ids, segment.k, segment.v,
                                              dst_slot_ids)
@@ -96,6 +101,8 @@ async def write_in_place(segment: MappedKvSegment, reservation: ShmReservation, 
                 _inject_fault(faults, segment, dst_slot_ids)
                 if faults.kv_shm_hold_ms:
                     await asyncio.sleep(faults.kv_shm_hold_ms / 1e3)  # the window the kill tests aim at
+            marks.append(("copied", time.perf_counter()))
+        marks.append(("lease_ended", time.perf_counter()))
     finally:
         segment = None  # no reference to the mapping kept alive by a traceback (see shm_mapped_pools)
     return ShmWritten(tuple(layer_crc32s))

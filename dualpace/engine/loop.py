@@ -80,8 +80,11 @@ class EngineLoop:
 
     # ----------------------------------------------------------------- commands
 
-    async def call(self, command: Callable[[], T]) -> T:
-        """Run `command` in the loop between steps and return its result (or raise its error)."""
+    async def call(self, command: Callable[[], T], wake: bool = True) -> T:
+        """Run `command` in the loop between steps and return its result (or raise its error).
+        wake=False: an idle loop is not woken to look for the work the command made; the caller
+        calls wake() soon (an import's commit: after its reply is sent, so that the first step of
+        the request it made does not hold up that reply)."""
         if self.fatal_error is not None or self._stopping:
             raise Unavailable(f"engine {self.core.config.name} is not serving")
         if self._parked and not self._commands:
@@ -91,7 +94,8 @@ class EngineLoop:
             # that task and back. The loop is woken to look for work the command made.
             result = command()
             self.update_metrics()
-            self._wake.set()
+            if wake:
+                self._wake.set()
             return result
         future = asyncio.get_running_loop().create_future()
         self._commands.append((command, future))
@@ -136,6 +140,10 @@ class EngineLoop:
         await self._dispatch(events)
 
     # ----------------------------------------------------------------- the loop
+
+    def wake(self) -> None:
+        """Look for work now (after call(..., wake=False))."""
+        self._wake.set()
 
     def _wake_from_any_thread(self) -> None:
         event_loop = self._event_loop

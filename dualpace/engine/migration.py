@@ -202,6 +202,7 @@ class KvImporter:
         self._slot_ids: list[int] = []
         self._reserved = False
         self._committed = False
+        self.marks: list[tuple[str, float]] = []  # (event, perf_counter s) for the import's debug log
 
     async def begin(self, header: KvTransferHeader) -> None:
         core = self.loop.core
@@ -266,8 +267,9 @@ class KvImporter:
         progress.check_complete()
         return progress
 
-    async def commit(self) -> str:
-        """Make the request live here; returns this engine's name."""
+    async def commit(self, wake_loop: bool = True) -> str:
+        """Make the request live here; returns this engine's name. wake_loop=False: an idle engine
+        starts its first step only once the caller calls loop.wake() (EngineLoop.call)."""
         progress = await self.prepare()
         header = progress.header
         request = EngineRequest(
@@ -288,7 +290,7 @@ class KvImporter:
             self.loop.add_channel(channel)
             self._committed = True  # in the command: a caller cancelled meanwhile must not cancel a live import
 
-        await self.loop.call(commit)
+        await self.loop.call(commit, wake=wake_loop)
         return self.loop.core.config.name
 
     async def cancel(self) -> None:

@@ -86,7 +86,8 @@ def _bytes(array: np.ndarray) -> memoryview:
 def _native_layers(src_k: torch.Tensor, src_v: torch.Tensor, dst_k: torch.Tensor | None, dst_v: torch.Tensor | None,
                    runs: list[tuple[int, int, int]], layers: range, stop: threading.Event | None) -> list[int] | None:
     """Per layer: the fused C copy (none when dst_k is None) + CRC32C of kv_copy_native; None where
-    it cannot be used (not built here, or a pool not contiguous), for the numpy + crc32c path."""
+    it cannot be used (not built here, or a pool not contiguous), for the numpy + crc32c path. One
+    C call over all the layers where there is no `stop` to look at between them, else one per layer."""
     lib = kv_copy_native.get()
     pools = [t for t in (src_k, src_v, dst_k, dst_v) if t is not None]
     if lib is None or not all(t.is_contiguous() for t in pools):
@@ -96,6 +97,13 @@ def _native_layers(src_k: torch.Tensor, src_v: torch.Tensor, dst_k: torch.Tensor
     slot_bytes = src_k[0, 0, 0].numel() * src_k.element_size()
     layer_bytes = [t.stride(0) * t.element_size() for t in (src_k, dst_k if dst_k is not None else src_k)]
     base = [t.data_ptr() if t is not None else None for t in (src_k, src_v, dst_k, dst_v)]
+    if stop is None and len(layers):  # nothing to stop between layers: all of them in one call
+        out = np.zeros(len(layers), dtype=np.uint32)
+        src = [b + layers.start * layer_bytes[0] for b in base[:2]]
+        dst = [b + layers.start * layer_bytes[1] if b is not None else None for b in base[2:]]
+        lib.dp_kv_layers_copy_crc32c(*dst, *src, layer_bytes[0], layer_bytes[1], len(layers),
+                                     run_array.ctypes.data, len(runs), slot_bytes, out.ctypes.data)
+        return out.tolist()
     checksums = []
     for layer in layers:
         _check_stop(stop)

@@ -51,6 +51,7 @@ class SameHostKvSender(GrpcKvSender):
         self.declined_until = declined_until  # target address -> monotonic time; shared by the engine's senders
         self.used_shm = False  # for the caller's logs and the tests
         self.phase_ms: dict[str, float] = {}  # the last transfer's phases, in order
+        self.marks: list[tuple[str, float]] = []  # the last transfer's events (name, perf_counter s)
 
     def _offer(self, header: KvTransferHeader, chunks) -> ShmOffer | None:
         host = boot_id()
@@ -65,9 +66,11 @@ class SameHostKvSender(GrpcKvSender):
         if offer is None:
             return await super().__call__(header, chunks)
         laps = self.phase_ms = {}  # where the time of this transfer went (bench.data_plane reports it)
-        lap = _lap_timer(laps)
+        self.marks = [("start", time.perf_counter())]
+        lap = _lap_timer(laps, self.marks)
         async with self._channel() as channel:
             call = self._open_import(channel)
+            self.marks.append(("stream_opened", time.perf_counter()))
             try:
                 await self._write(call, kv_header_with_offer_to_pb(header, offer), "the header")
                 lap("header_ms")
@@ -128,7 +131,8 @@ class SameHostKvSender(GrpcKvSender):
                 return None
             try:
                 lease = self.pools.lease(answer) if answer.lease_on_watch else None  # else a connection of its own
-                return await write_in_place(segment, answer, chunks, self.faults, lease)
+                self.marks.append(("mapped", time.perf_counter()))
+                return await write_in_place(segment, answer, chunks, self.faults, lease, self.marks)
             finally:
                 # No reference to the mapping may outlive the call in a traceback: once the target is
                 # gone and the pool dropped, the memory must go back to the kernel at once.
@@ -148,13 +152,15 @@ class SameHostKvSender(GrpcKvSender):
         return answer
 
 
-def _lap_timer(laps: dict[str, float]):
-    """lap(name): records the milliseconds since the previous lap (or since this call) under name."""
+def _lap_timer(laps: dict[str, float], marks: list[tuple[str, float]]):
+    """lap(name): records the milliseconds since the previous lap (or since this call) under name,
+    and the moment itself in marks."""
     last = [time.perf_counter()]
 
     def lap(name: str) -> None:
         now = time.perf_counter()
         laps[name] = (now - last[0]) * 1e3
+        marks.append((name.removesuffix("_ms"), now))
         last[0] = now
     return lap
 

@@ -4,6 +4,7 @@ checksums do not depend on which path computed them (they are on the wire)."""
 from __future__ import annotations
 
 import ctypes
+import threading
 
 import crc32c
 import numpy as np
@@ -16,10 +17,12 @@ from dualpace.engine.shm_kv_copy import copy_in_place, layer_checksums
 lib = kv_copy_native.get()
 needs_native = pytest.mark.skipif(lib is None, reason="fused KV copy not built here (no gcc or no SSE4.2)")
 LANES = 3 * 16384  # kv_copy_native.c's round: sizes around it take both the lane and the tail loops
+SMALL_ROUNDS = [3 * 4096 - 1, 3 * 4096, 3 * 4096 + 3 * 1024 + 8, 3 * 1024, LANES + 3 * 4096 + 3 * 1024 + 5]  # the smaller lanes
 
 
 @needs_native
-@pytest.mark.parametrize("num_bytes", [0, 1, 7, 8, 9, 63, LANES - 1, LANES, LANES + 13, 5 * LANES + 4095, 200_003])
+@pytest.mark.parametrize("num_bytes", [0, 1, 7, 8, 9, 63, LANES - 1, LANES, LANES + 13, 5 * LANES + 4095, 200_003,
+                                       *SMALL_ROUNDS])
 @pytest.mark.parametrize("offset", [0, 1, 5])
 def test_copy_and_checksum_equal_the_package_on_odd_sizes_and_offsets(num_bytes, offset):
     data = np.random.default_rng(num_bytes + offset).integers(0, 256, num_bytes + offset, dtype=np.uint8)
@@ -53,7 +56,7 @@ def test_copy_in_place_checksums_and_bytes_are_the_same_with_and_without_the_fus
     dst_slot_ids = [*range(320, 617), *range(10, 20), 639]
     results = []
     for native in (True, False):
-        if not native:
+        if not native:  # (copy_in_place without a stop event: all layers in one C call)
             monkeypatch.setattr(kv_copy_native, "get", lambda: None)
         dst_k, dst_v = _pools(dtype, 1)
         sent = copy_in_place(src_k, src_v, src_slot_ids, dst_k, dst_v, dst_slot_ids)
@@ -63,6 +66,20 @@ def test_copy_in_place_checksums_and_bytes_are_the_same_with_and_without_the_fus
     assert sent == sent_np == landed == landed_np
     assert part == part_np == sent[1:]
     assert torch.equal(k, k_np) and torch.equal(v, v_np)
+
+
+@needs_native
+def test_one_call_over_all_layers_equals_one_call_per_layer():
+    """Without a stop event the layers go in one C call; with one, a call per layer (to stop between)."""
+    src_k, src_v = _pools(torch.float32, 0)
+    slot_ids = [*range(5, 21), *range(100, 103)]  # 16 + 3 tokens: the small lanes and the tail
+    per_layer_k, per_layer_v = _pools(torch.float32, 1)
+    all_k, all_v = _pools(torch.float32, 1)
+    per_layer = copy_in_place(src_k, src_v, slot_ids, per_layer_k, per_layer_v, slot_ids, stop=threading.Event())
+    at_once = copy_in_place(src_k, src_v, slot_ids, all_k, all_v, slot_ids)
+    assert per_layer == at_once == layer_checksums(all_k, all_v, slot_ids)
+    assert at_once[1:] == layer_checksums(all_k, all_v, slot_ids, layers=range(1, 3))
+    assert torch.equal(per_layer_k, all_k) and torch.equal(per_layer_v, all_v)
 
 
 @needs_native
