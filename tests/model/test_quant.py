@@ -235,6 +235,30 @@ def test_the_cpu_kernels_seam_uses_the_header(name, activations):
 
 
 @needs_kernels
+@pytest.mark.parametrize("name", FORMATS)
+@pytest.mark.parametrize("threads", [1, 2])
+def test_batch_1_chunks_read_in_two_streams(name, threads, activations):
+    """At batch 1 a chunk of >= 64 W rows is read as its two halves alternating (quant_gemv_i16.h,
+    rows_two_streams): 261 rows make chunks of 132 + 129 rows on one thread (an odd one, its last
+    row read on its own) and of 64 + ... + 5 on two."""
+    kernels = cpu_kernels.get()
+    if kernels is None or not kernels.supports_format(FORMAT_BY_NAME[name].ggml_type):
+        pytest.skip("cpu_kernels without quantized formats here")
+    qw, w = weight(name, 261, 256)
+    x = torch.randn(1, 256)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        y = kernels.linear(x, qw)
+    finally:
+        torch.set_num_threads(before)
+    if activations == "fp32":
+        assert_close(y, x @ w.T)
+    else:
+        assert_linear_close(y, x, w, rounding=scheme(name, activations))
+
+
+@needs_kernels
 @pytest.mark.parametrize("mode", ["int16", "int16-split"])
 @pytest.mark.parametrize("name", FORMATS)
 def test_int16_mode_is_the_rounded_activations_times_the_weights(name, mode):
