@@ -8,6 +8,12 @@ niced. Needs pip, cmake, ninja and a C++ compiler.
 
     python -m bench.llamacpp_peer --build     # fetch + build (idempotent), print the binary path
 
+Its `llama-quantize` (same source, same build folder, a few minutes more) makes the K-quant files
+the `gguf` package cannot (it has no Q4_K/Q6_K quantizer): from an F32 GGUF
+(`dualpace model export --gguf f32 --out F32.gguf`),
+
+    python -m bench.llamacpp_peer --quantize F32.gguf OUT.gguf Q4_K_M
+
 A decode point (batch B, context C): `-npp C -ntg T -npl B -pps`: one shared C-token prompt,
 then T decode steps of B sequences, each attending over its own C + t tokens (as our rows,
 which fill the KV with C random tokens per sequence). S_TG = B T / (decode time). Prefill:
@@ -26,6 +32,7 @@ from pathlib import Path
 
 VERSION = "0.3.36"
 BINARY = "llama-batched-bench"
+QUANTIZE_BINARY = "llama-quantize"
 
 
 def cache_dir() -> Path:
@@ -33,8 +40,8 @@ def cache_dir() -> Path:
     return Path(base) / "dualpace" / "llamacpp"
 
 
-def binary_path() -> Path:
-    return cache_dir() / f"build-{VERSION}" / "bin" / BINARY
+def binary_path(target: str = BINARY) -> Path:
+    return cache_dir() / f"build-{VERSION}" / "bin" / target
 
 
 def _run(cmd: list[str], log: Path) -> None:
@@ -44,9 +51,9 @@ def _run(cmd: list[str], log: Path) -> None:
         raise RuntimeError(f"{' '.join(cmd[:3])}... failed (exit {result.returncode}); see {log}")
 
 
-def build() -> Path:
-    """The batched-bench binary, fetched and built if it is not in the cache."""
-    binary = binary_path()
+def build(target: str = BINARY) -> Path:
+    """The target's binary (batched-bench by default), fetched and built if it is not in the cache."""
+    binary = binary_path(target)
     if binary.exists():
         return binary
     root = cache_dir()
@@ -60,12 +67,30 @@ def build() -> Path:
         with tarfile.open(sdist) as tar:
             tar.extractall(root, filter="data")
     build_dir = binary.parent.parent
+    if not (build_dir / "build.ninja").exists():
+        _configure(source, build_dir, root)
+    _run(["nice", "-n", "10", "ninja", "-C", str(build_dir), target], root / f"ninja-{target}.log")
+    return binary
+
+
+def _configure(source: Path, build_dir: Path, root: Path) -> None:
     _run(["nice", "-n", "10", "cmake", "-S", str(source), "-B", str(build_dir), "-G", "Ninja",
           "-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON", "-DBUILD_SHARED_LIBS=OFF", "-DLLAMA_CURL=OFF",
           "-DLLAMA_OPENSSL=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_SERVER=OFF",
           "-DLLAMA_BUILD_EXAMPLES=OFF"], root / "cmake.log")
-    _run(["nice", "-n", "10", "ninja", "-C", str(build_dir), BINARY], root / "ninja.log")
-    return binary
+
+
+def quantize(source_gguf: Path, out_gguf: Path, file_type: str = "Q4_K_M", threads: int = 2) -> str:
+    """`llama-quantize SOURCE OUT FILE_TYPE THREADS` (built if needed); its log. Where a row length is
+    not a multiple of 256 it stores that tensor in a fallback format (Q4_K -> Q5_0, Q6_K -> Q8_0)
+    and says so in the log."""
+    if Path(out_gguf).exists():
+        raise FileExistsError(f"{out_gguf} exists")
+    cmd = [str(build(QUANTIZE_BINARY)), str(source_gguf), str(out_gguf), file_type, str(threads)]
+    result = subprocess.run(cmd, capture_output=True, text=True)
+    if result.returncode != 0:
+        raise RuntimeError(f"llama-quantize failed (exit {result.returncode}): {result.stderr[-2000:]}")
+    return result.stdout + result.stderr
 
 
 def batched_bench(gguf: Path, threads: int, prompt_tokens: int, new_tokens: int, batch: int,
@@ -95,9 +120,20 @@ def prefill_tokens_per_s(gguf: Path, threads: int, prompt_tokens: int) -> float:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--build", action="store_true", help="fetch and build if needed, print the binary")
+    parser.add_argument("--quantize", nargs=3, metavar=("SOURCE_GGUF", "OUT_GGUF", "FILE_TYPE"),
+                        help="llama-quantize SOURCE_GGUF (F32/F16) into OUT_GGUF as FILE_TYPE (e.g. Q4_K_M)")
     args = parser.parse_args(argv)
     if args.build:
         print(build())
+    if args.quantize:
+        source, out, file_type = args.quantize
+        if not Path(source).is_file():
+            parser.error(f"{source}: no such file")
+        if Path(out).exists():
+            parser.error(f"{out} exists")
+        log = quantize(Path(source), Path(out), file_type)
+        print("\n".join(line for line in log.splitlines() if "fallback" in line or "quant size" in line))
+        print(out)
     return 0
 
 

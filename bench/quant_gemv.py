@@ -4,6 +4,7 @@ thread, interleaved, min of N samples of the calling thread's CPU time (time it 
 other work on a loaded machine left out).
 
     python -m bench.quant_gemv --format Q8_0 --shapes 576x1536,1536x576,49152x576 --batches 1,8
+    python -m bench.quant_gemv --format Q4_K --shapes 576x1536 --modes int16,fp32   # K-quants too
 
 Shapes are N x K (output x input). Prints one line per shape x batch: microseconds per call for
 each mode (preparing the activations included), the ratio, and weight GB/s of the faster one.
@@ -38,6 +39,26 @@ def parse_shapes(text: str) -> list[tuple[int, int]]:
             raise SystemExit(f"--shapes: {item!r} is not NxK with N > 0 and K a multiple of 32")
         shapes.append((int(n), int(k)))
     return shapes
+
+
+# Byte offset of the fp16 super-block scale d in a K-quant block (Q4_K: d, dmin first; Q6_K: d last).
+_K_QUANT_SCALE_OFFSETS = {"Q4_K": (0, 2), "Q6_K": (208,)}
+
+
+def bench_blocks(name: str, n: int, k: int, rng: np.random.Generator) -> np.ndarray:
+    """uint8 [n, row_bytes]: quantized random weights where the gguf package has a quantizer, else
+    (K-quants) random bytes whose fp16 scales are set small and finite (speed does not depend on
+    the values)."""
+    fmt = FORMAT_BY_NAME[name]
+    if name not in _K_QUANT_SCALE_OFFSETS:
+        return np.asarray(quantize(rng.standard_normal((n, k)).astype(np.float32) * 0.05, fmt.ggml_type)).reshape(n, -1)
+    if k % fmt.block_elems:
+        raise SystemExit(f"--shapes: K = {k} is not a multiple of {name}'s {fmt.block_elems}")
+    blocks = rng.integers(0, 256, (n * k // fmt.block_elems, fmt.block_bytes), dtype=np.uint8)
+    scales = np.full(blocks.shape[0], 0.004, dtype=np.float16).view(np.uint8).reshape(-1, 2)
+    for offset in _K_QUANT_SCALE_OFFSETS[name]:
+        blocks[:, offset:offset + 2] = scales
+    return blocks.reshape(n, -1)
 
 
 def call_seconds(qw: QuantizedWeight, x: torch.Tensor, y: torch.Tensor, calls: int) -> float:
@@ -96,7 +117,7 @@ def decode_steps(model: str, batches: list[int], context: int, modes: list[str],
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--format", default="Q8_0", choices=["Q8_0", "Q4_0", "Q4_1"])
+    parser.add_argument("--format", default="Q8_0", choices=sorted(FORMAT_BY_NAME))
     parser.add_argument("--shapes", default="576x1536,1536x576,49152x576")
     parser.add_argument("--batches", default="1,8")
     parser.add_argument("--modes", default="int16,int16-split", help="activation modes to compare (first: base)")
@@ -127,8 +148,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     print(f"load average {os.getloadavg()[0]:.2f}; one thread; {args.format}; min of {args.rounds}")
     for n, k in parse_shapes(args.shapes):
-        blocks = np.asarray(quantize(rng.standard_normal((n, k)).astype(np.float32) * 0.05, fmt.ggml_type))
-        qw = QuantizedWeight.from_blocks(blocks.reshape(n, -1), fmt, k)
+        qw = QuantizedWeight.from_blocks(bench_blocks(args.format, n, k, rng), fmt, k)
         for m in batches:
             best = measure(qw, m, modes, args.rounds, args.budget_ms / 1e3)
             base = best[modes[0]]

@@ -59,13 +59,14 @@ def test_prompt_logits_match_dequantized_fp32(native_fp32, default_model_fp32, a
     assert diff < LOGIT_TOLERANCE[activations], diff
 
 
+def greedy_token_ids(loaded, prompts: list[str], max_tokens: int = 32) -> list[list[int]]:
+    ids = [loaded.tokenizer.encode(p, add_special_tokens=True) for p in prompts]
+    seqs = OfflineGenerator(loaded).generate(ids, [SamplingParams(max_tokens=max_tokens, ignore_eos=True)] * len(ids))
+    return [s.output_token_ids for s in seqs]
+
+
 def test_greedy_tokens_match_dequantized_fp32(native_fp32, default_model_fp32):
-    outputs = []
-    for loaded in (native_fp32, default_model_fp32):
-        ids = [loaded.tokenizer.encode(p, add_special_tokens=True) for p in PROMPTS]
-        seqs = OfflineGenerator(loaded).generate(ids, [SamplingParams(max_tokens=32, ignore_eos=True)] * len(ids))
-        outputs.append([s.output_token_ids for s in seqs])
-    assert outputs[0] == outputs[1]
+    assert greedy_token_ids(native_fp32, PROMPTS) == greedy_token_ids(default_model_fp32, PROMPTS)
 
 
 def test_chat_answers_paris(native_fp32):
