@@ -242,10 +242,13 @@ class AssistClient:
         stream = self._stream
         batch = len(begin.token_ids)
         wait_budget_s = self.iteration_timeout_s
-        shm_fits = self._shm is not None and self._shm.fits(batch, assist_messages.begin_to_bytes(begin))
-        begin = self._downgrades.begin_for_peer(begin, shm_fits and self._shm.accepts_join)
+        begin_bytes = assist_messages.begin_to_bytes(begin) if self._shm is not None else b""
+        shm_fits = self._shm is not None and self._shm.fits(batch, begin_bytes)
+        downgraded = self._downgrades.begin_for_peer(begin, shm_fits and self._shm.accepts_join)
+        if downgraded is not begin:  # the join asks were dropped: the bytes change (once per iteration)
+            begin = downgraded
+            begin_bytes = assist_messages.begin_to_bytes(begin) if shm_fits else b""
         if shm_fits:
-            begin_bytes = assist_messages.begin_to_bytes(begin)
             deadline_s = assist_shm.deadline_after(wait_budget_s)
             result = self._shm.run(begin, begin_bytes, attend, deadline_s, stream.ended.is_set, self)
             if result is None:  # on the stream: the result did not fit a slot, or an error

@@ -29,7 +29,7 @@ from dualpace.engine.assist_types import (
     AssistShmOffer,
     ShmSlotKind,
 )
-from dualpace.engine.shm_ring import ShmEndpoint, ShmProtocolError, ShmSegment, SlotMessage, boot_id, message_bytes
+from dualpace.engine.shm_ring import ShmEndpoint, ShmProtocolError, ShmSegment, boot_id, message_bytes
 from dualpace.wire import assist_messages
 
 NUM_SLOTS = 2  # one iteration's messages alternate down and up: two slots a direction suffice
@@ -75,29 +75,32 @@ class ShmIterations:
         stream (the caller reads it there). `stream_ended()` is true once the stream has ended (the
         caller reads why from it); `errors` builds AssistUnavailable."""
         endpoint = self._endpoint
-        endpoint.send(SlotMessage(ShmSlotKind.BEGIN, begin.iteration_id, 0, [], begin_bytes))
+        iteration_id = begin.iteration_id
+        endpoint.send_parts(ShmSlotKind.BEGIN, iteration_id, 0, (), begin_bytes)
         batch = len(begin.token_ids)
         expected_layer = 0
+        checked_qkv: dict[int, tuple] = {}  # the slot view tuples whose shapes were checked (held: ids stay theirs)
+        receive, send_parts = endpoint.receive, endpoint.send_parts
+        qkv_kind, output_kind = ShmSlotKind.QKV, ShmSlotKind.ATTENTION_OUTPUT
         while True:
             try:
-                message = endpoint.receive(deadline_s, stream_ended)
+                message = receive(deadline_s, stream_ended)
             except ShmProtocolError as exc:
                 raise errors.protocol(str(exc)) from None
             if message is None:
                 if stream_ended():
                     return None  # the stream has the answer: the status it ended with
                 raise errors.timeout()
-            if message.iteration_id != begin.iteration_id:
-                raise errors.protocol(f"slot for iteration {message.iteration_id}, expected {begin.iteration_id}")
-            if message.kind == ShmSlotKind.QKV:
-                if (message.layer != expected_layer or len(message.tensors) != 3
-                        or any(t.dim() != 3 or t.shape[0] != batch for t in message.tensors)):
+            if message.iteration_id != iteration_id:
+                raise errors.protocol(f"slot for iteration {message.iteration_id}, expected {iteration_id}")
+            if message.kind == qkv_kind:
+                tensors = message.tensors
+                if message.layer != expected_layer or (id(tensors) not in checked_qkv and not _qkv_fits(tensors, batch)):
                     raise errors.protocol(f"unexpected qkv slot for layer {message.layer} "
                                           f"(expected layer {expected_layer})")
-                q, k, v = message.tensors
-                attention_output = attend(message.layer, q, k, v)
-                endpoint.send(SlotMessage(ShmSlotKind.ATTENTION_OUTPUT, begin.iteration_id, message.layer,
-                                          [attention_output.contiguous()]))
+                checked_qkv[id(tensors)] = tensors
+                q, k, v = tensors
+                send_parts(output_kind, iteration_id, expected_layer, (attend(expected_layer, q, k, v),))
                 expected_layer += 1
             elif message.kind == ShmSlotKind.RESULT_TOKENS and len(message.tensors) == 1:
                 return AssistResult(begin.iteration_id, token_ids=message.tensors[0].tolist(),
@@ -121,6 +124,11 @@ class ShmIterations:
             if not self._closed:
                 self._closed = True
                 self._segment.close()
+
+
+def _qkv_fits(tensors, batch: int) -> bool:
+    """q, k, v of this batch: three 3-d tensors of `batch` rows."""
+    return len(tensors) == 3 and all(t.dim() == 3 and t.shape[0] == batch for t in tensors)
 
 
 def _join_info(payload: bytes, errors) -> AssistJoinInfo | None:

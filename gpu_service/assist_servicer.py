@@ -118,11 +118,12 @@ class DenseAssistServicer(assist_pb2_grpc.DenseAssistServicer):
 
     async def _finish_stage(self, stage: asyncio.Future) -> assist_pb2.AssistDown:
         timeout_s = self._limits.stage_timeout_s
-        try:
-            # shield: a timeout stops the wait, not the stage (a thread cannot be interrupted)
-            return await asyncio.wait_for(asyncio.shield(stage), timeout_s)
-        except TimeoutError:
-            raise stage_expired(timeout_s) from None
+        # asyncio.wait leaves the stage running past a timeout (a thread cannot be interrupted), and
+        # wakes this task one callback after the stage ends (wait_for over shield took three)
+        done, _ = await asyncio.wait((stage,), timeout=timeout_s)
+        if not done:
+            raise stage_expired(timeout_s)
+        return stage.result()
 
 
 def _reply_to(session: AssistSession, message: assist_pb2.AssistUp, lock: threading.Lock) -> assist_pb2.AssistDown:

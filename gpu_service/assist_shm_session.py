@@ -224,8 +224,7 @@ class ShmStream:
         if reply is RESULT_SENT:  # a joined step sent it through the ring already
             return
         if isinstance(reply, AssistQkv):
-            self._endpoint.send(SlotMessage(ShmSlotKind.QKV, reply.iteration_id, reply.layer,
-                                            [reply.q, reply.k, reply.v]))
+            self._endpoint.send_parts(ShmSlotKind.QKV, reply.iteration_id, reply.layer, (reply.q, reply.k, reply.v))
         else:
             send_result(self._endpoint, reply, self._put_on_stream)
 

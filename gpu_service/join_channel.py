@@ -92,7 +92,7 @@ class RingJoinChannel:
         self.num_layers_sent = 0
 
     def send_qkv(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        self._endpoint.send(SlotMessage(ShmSlotKind.QKV, self._begin.iteration_id, layer, [q, k, v]))
+        self._endpoint.send_parts(ShmSlotKind.QKV, self._begin.iteration_id, layer, (q, k, v))
         self.num_layers_sent = layer + 1
 
     def receive_attention(self, layer: int, deadline_s: float) -> torch.Tensor | None:

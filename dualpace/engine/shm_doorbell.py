@@ -63,6 +63,7 @@ class Doorbell:
         self._anchor = ctypes.c_uint32.from_buffer(mapping, offset)
         self._address = ctypes.addressof(self._anchor)
         self._words = memoryview(mapping)[offset:offset + WORDS_BYTES].cast("I")
+        self.words = self._words  # [seq, sleeping]: a reader may look at seq itself before calling wait()
         self._fence_lock = threading.Lock()
         self.spin_s = spin_s
         self.num_sleeps = 0  # how often wait() went to the kernel (a measure of the spin's reach)

@@ -24,11 +24,13 @@ the reply after next). A malformed header raises ShmProtocolError naming the fie
 
 from __future__ import annotations
 
+import ctypes
 import math
 import mmap
 import os
 import struct
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -52,19 +54,24 @@ _TENSOR_ENTRY = struct.Struct("=II3IIQ")  # dtype code, ndim, dims[3], pad, offs
 _DTYPE_CODES = {torch.float32: 1, torch.bfloat16: 2, torch.float16: 3, torch.int64: 4}
 _MAX_CACHED_LAYOUTS = 64
 _DTYPES = {code: dtype for dtype, code in _DTYPE_CODES.items()}
+_memmove = ctypes.memmove
 
 
 class ShmProtocolError(ValueError):
     """The peer wrote something the segment's format does not allow (the message names the field)."""
 
 
-@dataclass
+@dataclass(slots=True)
 class SlotMessage:
     kind: int
     iteration_id: int = 0
     layer: int = 0
-    tensors: list[torch.Tensor] = field(default_factory=list)
+    tensors: Sequence[torch.Tensor] = ()  # received: the slot's cached views (a tuple; do not mutate)
     payload: bytes = b""
+
+
+def _never() -> bool:
+    return False
 
 
 def boot_id() -> str:
@@ -196,6 +203,8 @@ class ShmEndpoint:
         self._mapping = segment.mapping
         self._num_slots = segment.num_slots
         self._bases = [segment.ring_offset(incoming, index) for index in range(segment.num_slots)]
+        self._tables_written: list[bytes | None] = [None] * segment.num_slots  # per outgoing slot
+        self._incoming_words = self.incoming.words
         self.num_sent = 0
         self.num_received = 0
         self.slot_bytes = segment.slot_bytes
@@ -205,26 +214,37 @@ class ShmEndpoint:
 
     def send(self, message: SlotMessage) -> None:
         """Write the message into the next outgoing slot and ring the doorbell (tensors on any device)."""
+        self.send_parts(message.kind, message.iteration_id, message.layer, message.tensors, message.payload)
+
+    def send_parts(self, kind: int, iteration_id: int, layer: int, tensors: Sequence[torch.Tensor],
+                   payload: bytes = b"") -> None:
+        """send() without building a SlotMessage (the per-layer path). A contiguous CPU tensor is
+        copied with one memmove into its cached slot address (its size is the layout's: the layout
+        is keyed on every tensor's shape and dtype); any other goes through Tensor.copy_."""
         index = self.num_sent % self._num_slots
-        tensors = message.tensors
-        key = (index, tuple((t.dtype, t.shape) for t in tensors), len(message.payload))
+        key = (index, len(payload), *[t.shape for t in tensors], *[t.dtype for t in tensors])
         layout = self._send_layouts.get(key)
         if layout is None:
-            layout = self._send_layouts[key] = self._send_layout(index, tensors, len(message.payload))
-        base, table, views, payload_at = layout
-        for view, tensor in zip(views, tensors):
-            view.copy_(tensor)
+            layout = self._send_layouts[key] = self._send_layout(index, tensors, len(payload))
+        base, table, copies, payload_at = layout
+        for (view, address, num_bytes), tensor in zip(copies, tensors):
+            if tensor.is_cpu and tensor.is_contiguous():
+                _memmove(address, tensor.data_ptr(), num_bytes)
+            else:
+                view.copy_(tensor)
         mapping = self._mapping
-        if message.payload:
-            mapping[payload_at:payload_at + len(message.payload)] = message.payload
-        mapping[base + _SLOT_HEADER.size:base + _SLOT_HEADER.size + len(table)] = table
-        _SLOT_HEADER.pack_into(mapping, base, message.kind, message.layer, message.iteration_id,
-                               len(tensors), len(message.payload))
+        if payload:
+            mapping[payload_at:payload_at + len(payload)] = payload
+        if self._tables_written[index] is not table:  # the peer never writes our slots: once per layout
+            mapping[base + _SLOT_HEADER.size:base + _SLOT_HEADER.size + len(table)] = table
+            self._tables_written[index] = table
+        _SLOT_HEADER.pack_into(mapping, base, kind, layer, iteration_id, len(tensors), len(payload))
         self.num_sent += 1
         self.outgoing.post(self.num_sent)
 
     def _send_layout(self, index: int, tensors: list[torch.Tensor], payload_bytes: int):
-        """Where a message of these tensors goes in slot `index`: (slot offset, tensor table, views, payload offset)."""
+        """Where a message of these tensors goes in slot `index`: (slot offset, tensor table,
+        (view, its address, its bytes) per tensor, payload offset)."""
         sizes = [t.numel() * t.element_size() for t in tensors]
         if not self.fits(sizes, payload_bytes):
             raise ValueError(f"a message of {message_bytes(sizes, payload_bytes)} bytes does not fit a "
@@ -236,19 +256,27 @@ class ShmEndpoint:
                 raise ValueError(f"a slot holds tensors of <= {MAX_DIMS} dims in {sorted(map(str, _DTYPE_CODES))}")
             dims = list(tensor.shape) + [0] * (MAX_DIMS - tensor.dim())
             table += _TENSOR_ENTRY.pack(_DTYPE_CODES[tensor.dtype], tensor.dim(), *dims, 0, offset)
-            views.append(slot[offset:offset + num_bytes].view(tensor.dtype).view(tensor.shape))
+            view = slot[offset:offset + num_bytes].view(tensor.dtype).view(tensor.shape)
+            views.append((view, view.data_ptr(), num_bytes))
             offset += _aligned(num_bytes)
         base = self._segment.ring_offset(self._outgoing_name, index)
         self._trim(self._send_layouts)
-        return base, bytes(table), views, base + offset
+        return base, bytes(table), tuple(views), base + offset
 
-    def receive(self, deadline_s: float | None, should_stop=lambda: False) -> SlotMessage | None:
-        """The next incoming message; None when should_stop() or the deadline (monotonic) comes first."""
+    def receive(self, deadline_s: float | None, should_stop=_never) -> SlotMessage | None:
+        """The next incoming message; None when should_stop() or the deadline (monotonic) comes first.
+        Its tensors are the slot's cached views (a tuple shared by every message of that layout)."""
         expected = (self.num_received + 1) & 0xFFFFFFFF
-        if not self.incoming.wait(expected, deadline_s, should_stop) or should_stop():
+        if self._incoming_words[0] != expected:  # not there yet: wait (spin, then futex)
+            if not self.incoming.wait(expected, deadline_s, should_stop):
+                return None
+            seq = self._incoming_words[0]
+            if seq != expected:
+                if should_stop():
+                    return None
+                raise ShmProtocolError(f"doorbell: sequence {seq}, expected {expected}")
+        if should_stop():
             return None
-        if self.incoming.seq != expected:
-            raise ShmProtocolError(f"doorbell: sequence {self.incoming.seq}, expected {expected}")
         index = self.num_received % self._num_slots
         base = self._bases[index]
         mapping = self._mapping
@@ -264,9 +292,9 @@ class ShmEndpoint:
             raise ShmProtocolError(f"slot.payload_bytes: {payload_bytes} bytes do not fit after the tensors")
         payload = mapping[base + end:base + end + payload_bytes] if payload_bytes else b""
         self.num_received += 1
-        return SlotMessage(kind, iteration_id, layer, list(tensors), payload)
+        return SlotMessage(kind, iteration_id, layer, tensors, payload)
 
-    def _receive_layout(self, index: int, table: bytes) -> tuple[list[torch.Tensor], int]:
+    def _receive_layout(self, index: int, table: bytes) -> tuple[tuple[torch.Tensor, ...], int]:
         """The views a tensor table describes in slot `index`, checked; and where the payload starts."""
         slot = self._slots[self._incoming_name][index]
         tensors, end = [], SLOT_HEADER_BYTES
@@ -282,7 +310,7 @@ class ShmEndpoint:
             tensors.append(slot[offset:offset + num_bytes].view(dtype).view(shape))
             end = offset + _aligned(num_bytes)
         self._trim(self._receive_layouts)
-        return tensors, end
+        return tuple(tensors), end
 
     @staticmethod
     def _trim(cache: dict) -> None:
@@ -294,5 +322,6 @@ class ShmEndpoint:
         self._send_layouts.clear()
         self._receive_layouts.clear()
         self._slots.clear()
+        self._tables_written = [None] * self._num_slots
         self.outgoing.release()
         self.incoming.release()
