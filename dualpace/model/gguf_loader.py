@@ -16,7 +16,7 @@ import torch
 
 from dualpace.errors import ModelLoadError
 from dualpace.model.config import ModelConfig
-from dualpace.model.quant import FORMATS, QuantizedWeight
+from dualpace.model.quant import FORMAT_BY_NAME, FORMATS, Q5_0_GGML_TYPE, QuantizedWeight, repack_q5_0_as_q8_0
 from dualpace.model.transformer import ModelWeights
 from dualpace.model.weights import TensorSource, weights_from_hf_names
 
@@ -130,6 +130,10 @@ def gguf_tensor_source(reader, config: ModelConfig, keep_quantized: bool = False
         if tensor is None:
             return None
         fmt = FORMATS.get(int(tensor.tensor_type))
+        if keep_quantized and len(tensor.shape) == 2 and int(tensor.tensor_type) == Q5_0_GGML_TYPE:
+            fmt = FORMAT_BY_NAME["Q8_0"]  # held as Q8_0, value for value (repack_q5_0_as_q8_0)
+            blocks = repack_q5_0_as_q8_0(np.asarray(tensor.data).reshape(int(tensor.shape[1]), -1))
+            return QuantizedWeight.from_blocks(unpermute(name, blocks), fmt, int(tensor.shape[0]))
         if keep_quantized and fmt is not None and len(tensor.shape) == 2:
             k = int(tensor.shape[0])
             blocks = np.asarray(tensor.data).reshape(int(tensor.shape[1]), -1)

@@ -1,4 +1,4 @@
-"""Weight matrices kept in GGUF block formats (Q8_0, Q4_0, Q4_1, Q4_K, Q6_K) in host memory.
+"""Weight matrices kept in GGUF block formats (Q8_0, Q4_0, Q4_1, Q4_K, Q6_K; Q5_0 as Q8_0) in host memory.
 
 A QuantizedWeight is W [N, K] (y = x W^T) stored as the file's raw blocks, one uint8 row of
 `row_bytes` per output row, so row operations (llama.cpp's Q/K un-permute, concatenating Q, K, V
@@ -309,6 +309,30 @@ def quantize_q8_0(weight: torch.Tensor) -> QuantizedWeight:
         raise ModelLoadError(f"int8 weights need K a multiple of 32; this matrix is [{n}, {k}]")
     blocks = quantize(weight.detach().to(torch.float32).numpy(), fmt.ggml_type)
     return QuantizedWeight.from_blocks(np.asarray(blocks).reshape(n, -1), fmt, k)
+
+
+# GGML's Q5_0: per 32 weights an fp16 scale d, 4 bytes of high bits (bit j of a little-endian
+# uint32 for weight j) and 16 bytes of low nibbles (weight j in the low nibble of byte j, weight
+# j + 16 in its high nibble); weight = (5-bit value - 16) * d. That is an int8 in [-16, 15] times
+# the same d, i.e. exactly a Q8_0 block: no kernel of its own, and no value changes.
+Q5_0_GGML_TYPE = 6
+_Q5_0_BLOCK_BYTES = 22
+
+
+def repack_q5_0_as_q8_0(blocks: np.ndarray) -> np.ndarray:
+    """uint8 [N, nb * 22] Q5_0 rows -> uint8 [N, nb * 34] Q8_0 rows with the same values."""
+    rows, row_bytes = blocks.shape
+    if row_bytes % _Q5_0_BLOCK_BYTES:
+        raise ModelLoadError(f"Q5_0 rows of {row_bytes} bytes are not whole 22-byte blocks")
+    q5 = np.ascontiguousarray(blocks, dtype=np.uint8).reshape(-1, _Q5_0_BLOCK_BYTES)
+    high_bits = q5[:, 2:6].copy().view("<u4")  # [blocks, 1]
+    bit_of_weight = (high_bits >> np.arange(32, dtype=np.uint32)) & 1  # [blocks, 32]
+    nibbles = np.concatenate([q5[:, 6:] & 0x0F, q5[:, 6:] >> 4], axis=1)  # weights 0..15, 16..31
+    values = (nibbles | (bit_of_weight.astype(np.uint8) << 4)).astype(np.int16) - 16
+    q8 = np.empty((q5.shape[0], 34), dtype=np.uint8)
+    q8[:, :2] = q5[:, :2]
+    q8[:, 2:] = values.astype(np.int8).view(np.uint8)
+    return q8.reshape(rows, -1)
 
 
 def cat_rows(parts: list) -> torch.Tensor | QuantizedWeight:

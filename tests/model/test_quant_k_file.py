@@ -3,7 +3,7 @@ export (`dualpace model export --gguf f32`), run with native block weights again
 dequantized to fp32 at load. SmolLM2-135M's rows of 576 are not a multiple of Q4_K's 256, so
 llama-quantize stores most matrices in its fallback Q5_0 (attn_v: Q8_0 for Q6_K) and only
 ffn_down (rows of 1536) in Q4_K / Q6_K: the K-quant kernels run on real file blocks there, the
-Q5_0 matrices are dequantized at load (no Q5_0 kernel).
+Q5_0 matrices are held as Q8_0 blocks of the same values (no Q5_0 kernel of their own).
 
 Skipped by name where llama-quantize is not built (`python -m bench.llamacpp_peer --quantize`
 builds it from the llama.cpp peer's cached source)."""
@@ -83,6 +83,15 @@ def test_k_quant_matrices_stay_in_their_blocks(q4_k_m_path, native_and_dense):
         down_formats.update(layer.down_proj.formats)
         assert torch.equal(layer.down_proj.dequantize(), dense.model.weights.layers[i].down_proj)
     assert down_formats == {"Q4_K", "Q6_K"}
+
+
+def test_q5_0_matrices_are_held_as_q8_0_blocks_of_the_same_values(native_and_dense):
+    native, dense = native_and_dense
+    for name in ("o_proj", "gate_up_proj"):  # Q5_0 in every layer of this file
+        for i in (0, len(native.model.weights.layers) - 1):
+            weight = getattr(native.model.weights.layers[i], name)
+            assert isinstance(weight, QuantizedWeight) and weight.formats == ["Q8_0"], (name, i, weight)
+            assert torch.equal(weight.dequantize(), getattr(dense.model.weights.layers[i], name))
 
 
 def test_prompt_logits_and_greedy_tokens_match_dequantized_fp32(native_and_dense):
