@@ -315,9 +315,11 @@ async def test_joins_ride_in_a_real_gpu_engine_beside_its_own_requests(loaded, p
         reference = OfflineGenerator(loaded, block_size=4)
         assert cpu_outputs == [s.output_token_ids for s in reference.generate(cpu_prompts, [params] * 2)]
         assert gpu_outputs == [s.output_token_ids for s in reference.generate(gpu_prompts, [params] * 2)]
-        assert cpu_runner.num_assist_fallbacks == 0 and desk.num_steps > 0 and not desk.has_pending
+        assert cpu_runner.num_assist_fallbacks == 0 and not desk.has_pending
         by_mode = cpu_runner.num_steps_by_mode
         if policy == "gated":  # dualpace joins only where a step begins within its slack: timing, not asserted
+            # (under the full suite's load a dualpace run may well join no step at all)
+            assert desk.num_steps > 0
             assert by_mode[ExecutionMode.COOPERATIVE] > 0 and by_mode[ExecutionMode.ASSISTED] == 0
         # Identity, not timing: each cooperative CPU iteration names a GPU step whose record lists it.
         joins_by_step = {r["step_id"]: {j.iteration_id for j in r["joins"]} for r in gpu_timeline.records}
