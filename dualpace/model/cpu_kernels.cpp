@@ -89,7 +89,10 @@ inline void with_rows(int64_t M, F&& f) {
 
 // MR rows of fp32 x (from row m0, ldx apart) against W rows [n0, n0 + NR) of element type WT
 // (ldw elements apart; rows past N are clamped to N - 1 and not stored). The weights are widened
-// to fp32 in registers; MR = NR = 1 keeps two accumulators (two dependency chains per vf).
+// to fp32 in registers. Every output is one accumulator over k in steps of 16 whatever MR and NR
+// are, so a row of x gets bitwise the same outputs alone as in any batch (batch invariance:
+// tests/model/test_batch_invariance.py); a lone row gets its second dependency chain from a second
+// W row (rows_f32), not from splitting k.
 template <int MR, int NR, typename WT, class EP>
 inline void tile_f32(const float* x, int64_t ldx, int64_t m0, int64_t K, const WT* w, int64_t ldw, int64_t n0,
                      int64_t N, const EP& ep) {
@@ -99,18 +102,6 @@ inline void tile_f32(const float* x, int64_t ldx, int64_t m0, int64_t K, const W
   for (int m = 0; m < MR; ++m)
     for (int r = 0; r < NR; ++r) acc[m][r] = vzero();
   int64_t k = 0;
-  if constexpr (MR == 1 && NR == 1) {
-    vf a1 = vzero();
-    const float* xr = x + m0 * ldx;
-    for (; k + 32 <= K; k += 32) {
-      // software prefetch 2 KB ahead in the row stream (one line per 64 bytes consumed)
-      if (DP_PREFETCH_BYTES) prefetch(reinterpret_cast<const char*>(rows[0] + k) + DP_PREFETCH_BYTES);
-      if (DP_PREFETCH_BYTES && sizeof(WT) == 4) prefetch(reinterpret_cast<const char*>(rows[0] + k) + DP_PREFETCH_BYTES + 64);
-      acc[0][0] = vfma(vload(xr + k), vload(rows[0] + k), acc[0][0]);
-      a1 = vfma(vload(xr + k + 16), vload(rows[0] + k + 16), a1);
-    }
-    acc[0][0] = vadd(acc[0][0], a1);
-  }
   for (; k < K; k += 16) {
     const int64_t n = K - k;
     vf wv[NR];
@@ -182,6 +173,12 @@ void walk_tiles(int64_t M, int64_t n_begin, int64_t n_end, Tile&& tile) {
 template <typename WT, class EP>
 void rows_f32(const float* x, int64_t M, int64_t ldx, int64_t K, const WT* w, int64_t ldw, int64_t n_begin,
               int64_t n_end, const EP& ep) {
+  if (M == 1) {  // two W rows at a time: two dependency chains, two read streams
+    int64_t n = n_begin;
+    for (; n + 2 <= n_end; n += 2) tile_f32<1, 2>(x, ldx, 0, K, w, ldw, n, n_end, ep);
+    if (n < n_end) tile_f32<1, 1>(x, ldx, 0, K, w, ldw, n, n_end, ep);
+    return;
+  }
   walk_tiles(M, n_begin, n_end, [&](auto mr, auto nr, int64_t m0, int64_t n0) {
     tile_f32<decltype(mr)::value, decltype(nr)::value>(x, ldx, m0, K, w, ldw, n0, n_end, ep);
   });
@@ -193,8 +190,10 @@ void rows_f32(const float* x, int64_t M, int64_t ldx, int64_t K, const WT* w, in
 template <class EP>
 void rows_bf16dot(const bf16* x, int64_t M, int64_t ldx, int64_t K, const bf16* w, int64_t ldw, int64_t n_begin,
                   int64_t n_end, const EP& ep) {
-  if (M == 1) {
-    for (int64_t n = n_begin; n < n_end; ++n) linear_row1_dot(x, K, w, ldw, n, ep);
+  if (M == 1) {  // as rows_f32: two W rows at a time, each output in linear_tile_dot's order
+    int64_t n = n_begin;
+    for (; n + 2 <= n_end; n += 2) linear_tile_dot<1, 2>(x, ldx, 0, K, w, ldw, n, n_end, ep);
+    if (n < n_end) linear_tile_dot<1, 1>(x, ldx, 0, K, w, ldw, n, n_end, ep);
     return;
   }
   walk_tiles(M, n_begin, n_end, [&](auto mr, auto nr, int64_t m0, int64_t n0) {

@@ -232,12 +232,16 @@ class Kernels:
         """The weight's descriptor when linear(x, weight) would run in the kernels, else None."""
         return self._kernel_desc(x, weight) if _supported(x) else None
 
-    def _kernel_desc(self, x: torch.Tensor, weight) -> WeightDescC | None:
-        """The weight's descriptor when this product should run in the kernels, else None."""
+    def _kernel_desc(self, x: torch.Tensor, weight, max_rows: int | None = None) -> WeightDescC | None:
+        """The weight's descriptor when this product should run in the kernels, else None.
+        max_rows: run the kernel up to this many rows whatever is faster (the invariant rows)."""
         rows = x.shape[0]
         if rows == 0:
             return None
-        if isinstance(weight, torch.Tensor):
+        if max_rows is not None:
+            if rows > max_rows:
+                return None
+        elif isinstance(weight, torch.Tensor):
             limit = LINEAR_MAX_ROWS if weight.dtype == x.dtype else MIXED_MAX_ROWS
             if rows > limit:
                 return None
@@ -249,27 +253,49 @@ class Kernels:
     # -- linear -----------------------------------------------------------------------------
 
     def linear(self, x: torch.Tensor, weight, bias: torch.Tensor | None = None,
-               residual: torch.Tensor | None = None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+               residual: torch.Tensor | None = None, out_dtype: torch.dtype | None = None,
+               kernel_rows: torch.Tensor | None = None) -> torch.Tensor:
         """x [M, K] @ weight[N, K]^T (+ bias) (+ residual [M, N]). The GEMV kernel for at most
         LINEAR_MAX_ROWS rows of a same-dtype tensor weight (MIXED_MAX_ROWS for another dtype, any
-        number for a quantized weight whose format the kernels have), torch (oneDNN) otherwise."""
+        number for a quantized weight whose format the kernels have), torch (oneDNN) otherwise.
+
+        kernel_rows: indices of rows (a step's decode rows) whose outputs must be the kernel's even
+        where the product as a whole goes to torch, so that such a row gets bitwise what it gets
+        alone or beside other decode rows (batch invariance, tests/model/test_batch_invariance.py;
+        the kernel's tiles sum every output in one order). Up to MIXED_MAX_ROWS of them; more, or
+        a weight the kernels lack, and the rows keep torch's outputs. It costs one more weight
+        read in a step that mixes prefill and decode rows."""
         out_dtype = out_dtype or x.dtype
-        desc = None
-        if (_supported(x) and (bias is None or bias.dtype == x.dtype)
-                and (residual is None or residual.dtype == x.dtype) and out_dtype in (x.dtype, torch.float32)):
-            desc = self._kernel_desc(x, weight)
-        if desc is None:
-            if isinstance(weight, torch.Tensor) and weight.dtype == torch.bfloat16 and x.dtype == torch.float32:
-                weight = self.widen(weight)
-            if residual is not None and bias is None and isinstance(weight, torch.Tensor) and weight.dtype == x.dtype:
-                y = torch.addmm(residual, x, weight.t())  # the residual add fused into the GEMM
-            elif residual is not None and hasattr(weight, "kernel_desc"):
-                y = weight.linear(x, bias, residual=residual)  # a quantized weight fuses it too
-            else:
-                y = torch_linear(x, weight, bias)
-                if residual is not None:
-                    y = y + residual
-            return y.to(out_dtype)
+        eligible = (_supported(x) and (bias is None or bias.dtype == x.dtype)
+                    and (residual is None or residual.dtype == x.dtype) and out_dtype in (x.dtype, torch.float32))
+        desc = self._kernel_desc(x, weight) if eligible else None
+        if desc is not None:
+            return self._run_kernel(x, desc, bias, residual, out_dtype)
+        y = self._torch_linear(x, weight, bias, residual, out_dtype)
+        if eligible and kernel_rows is not None and kernel_rows.numel() > 0:
+            sub = x.index_select(0, kernel_rows)
+            sub_desc = self._kernel_desc(sub, weight, max_rows=MIXED_MAX_ROWS)
+            if sub_desc is not None:
+                sub_residual = None if residual is None else residual.index_select(0, kernel_rows)
+                y.index_copy_(0, kernel_rows, self._run_kernel(sub, sub_desc, bias, sub_residual, out_dtype))
+        return y
+
+    def _torch_linear(self, x: torch.Tensor, weight, bias: torch.Tensor | None, residual: torch.Tensor | None,
+                      out_dtype: torch.dtype) -> torch.Tensor:
+        if isinstance(weight, torch.Tensor) and weight.dtype == torch.bfloat16 and x.dtype == torch.float32:
+            weight = self.widen(weight)
+        if residual is not None and bias is None and isinstance(weight, torch.Tensor) and weight.dtype == x.dtype:
+            y = torch.addmm(residual, x, weight.t())  # the residual add fused into the GEMM
+        elif residual is not None and hasattr(weight, "kernel_desc"):
+            y = weight.linear(x, bias, residual=residual)  # a quantized weight fuses it too
+        else:
+            y = torch_linear(x, weight, bias)
+            if residual is not None:
+                y = y + residual
+        return y.to(out_dtype)
+
+    def _run_kernel(self, x: torch.Tensor, desc: WeightDescC, bias: torch.Tensor | None,
+                    residual: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
         if x.stride(-1) != 1:
             x = x.contiguous()
         if residual is not None and residual.stride(-1) != 1:

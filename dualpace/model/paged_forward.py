@@ -193,13 +193,15 @@ class PagedForward:
             if fused.head_applies(hidden):  # a decode-only step returns every row's logits, in order
                 return fused.run(*args, with_logits=True)
             fused.run(*args)
-            return model.logits(hidden[step.logit_token_index])
+            return model.logits(hidden[step.logit_token_index], invariant=True)
         between_layers = self.between_layers
+        # decode rows get the kernels' products even beside a prefill (batch invariance)
+        decode_rows = step.decode_token_index if step.decode_token_index.numel() else None
         for layer_index in range(model.config.num_layers):
             if layer_index > 0 and between_layers is not None:
                 between_layers()
-            q, k, v = model.pre_attention(layer_index, hidden, rope)
+            q, k, v = model.pre_attention(layer_index, hidden, rope, kernel_rows=decode_rows)
             self.kv.write(layer_index, step.slot_ids, k, v)
             attention_out = attend(q, layer_index, step, self.kv, self.scale, (k, v))
-            hidden = model.post_attention(layer_index, hidden, attention_out)
-        return model.logits(hidden[step.logit_token_index])
+            hidden = model.post_attention(layer_index, hidden, attention_out, kernel_rows=decode_rows)
+        return model.logits(hidden[step.logit_token_index], invariant=True)

@@ -137,11 +137,13 @@ class Transformer:
         return self.rotary.cos_sin(positions, self.dtype)
 
     def pre_attention(
-        self, layer_index: int, hidden: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]
+        self, layer_index: int, hidden: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
+        kernel_rows: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Norm, fused QKV projection and RoPE.
 
-        Returns q [T, num_heads, head_dim], k and v [T, num_kv_heads, head_dim].
+        Returns q [T, num_heads, head_dim], k and v [T, num_kv_heads, head_dim]. kernel_rows: rows
+        that get the CPU kernels' products whatever the others get (Kernels.linear).
         """
         layer = self.weights.layers[layer_index]
         cfg = self.config
@@ -150,7 +152,7 @@ class Transformer:
         if kernels is not None and isinstance(rope, HalfAngles):
             # q, k, v are views of one qkv buffer, rotated in place
             x = kernels.rms_norm(hidden, layer.input_norm, cfg.rms_norm_eps)
-            qkv = kernels.linear(x, layer.qkv_proj, layer.qkv_bias)
+            qkv = kernels.linear(x, layer.qkv_proj, layer.qkv_bias, kernel_rows=kernel_rows)
             kernels.rotary_(qkv, cfg.num_heads + cfg.num_kv_heads, cfg.head_dim, rope.cos, rope.sin)
             q, k, v = qkv.split((self._q_size, self._kv_size, self._kv_size), dim=-1)
             return (q.view(num_tokens, cfg.num_heads, cfg.head_dim), k.view(num_tokens, cfg.num_kv_heads, cfg.head_dim),
@@ -169,15 +171,16 @@ class Transformer:
         k = apply_rotary(k.view(num_tokens, cfg.num_kv_heads, cfg.head_dim), cos, sin)
         return q, k, v.view(num_tokens, cfg.num_kv_heads, cfg.head_dim)
 
-    def post_attention(self, layer_index: int, hidden: torch.Tensor, attention_out: torch.Tensor) -> torch.Tensor:
+    def post_attention(self, layer_index: int, hidden: torch.Tensor, attention_out: torch.Tensor,
+                       kernel_rows: torch.Tensor | None = None) -> torch.Tensor:
         """O projection + residual, then norm, SwiGLU MLP + residual. attention_out: [T, num_heads * head_dim]."""
         layer = self.weights.layers[layer_index]
         kernels = self._kernels()
         if kernels is not None:
-            hidden = kernels.linear(attention_out, layer.o_proj, residual=hidden)
+            hidden = kernels.linear(attention_out, layer.o_proj, residual=hidden, kernel_rows=kernel_rows)
             x = kernels.rms_norm(hidden, layer.post_attention_norm, self.config.rms_norm_eps)
-            gated = kernels.silu_mul(kernels.linear(x, layer.gate_up_proj))
-            return kernels.linear(gated, layer.down_proj, residual=hidden)
+            gated = kernels.silu_mul(kernels.linear(x, layer.gate_up_proj, kernel_rows=kernel_rows))
+            return kernels.linear(gated, layer.down_proj, residual=hidden, kernel_rows=kernel_rows)
         if self._fused_triton:  # the residual add and the norm in one launch, then SiLU * up in one
             hidden, x = triton_fused.add_rms_norm(hidden, linear(attention_out, layer.o_proj),
                                                   layer.post_attention_norm, self.config.rms_norm_eps)
@@ -187,12 +190,14 @@ class Transformer:
         gate, up = linear(x, layer.gate_up_proj).chunk(2, dim=-1)
         return hidden + linear(F.silu(gate) * up, layer.down_proj)
 
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Final norm and LM head: hidden [N, hidden] -> logits [N, vocab] in float32."""
+    def logits(self, hidden: torch.Tensor, invariant: bool = False) -> torch.Tensor:
+        """Final norm and LM head: hidden [N, hidden] -> logits [N, vocab] in float32. invariant:
+        every row gets the CPU kernels' product where they take N rows (Kernels.linear)."""
         kernels = self._kernels()
         if kernels is not None:
             x = kernels.rms_norm(hidden, self.weights.final_norm, self.config.rms_norm_eps)
-            return kernels.linear(x, self.weights.lm_head, out_dtype=torch.float32)
+            rows = torch.arange(x.shape[0]) if invariant else None
+            return kernels.linear(x, self.weights.lm_head, out_dtype=torch.float32, kernel_rows=rows)
         x = self._rms_norm(hidden, self.weights.final_norm)
         return linear(x, self.weights.lm_head).float()
 
