@@ -11,7 +11,8 @@ Here a source engine starts NUM_REQUESTS requests, then moves them all to a fres
 once (the first transfers to a pool are the ones that map it), then all back at once (the
 other direction maps the other pool). Every move must go through shared memory, both engines
 must survive, each pool is mapped once by the other engine, and every request ends exactly
-as its solo greedy run.
+as its solo greedy run (up to a near-tie of the two most likely tokens, where fp32 rounding
+may pick either: `near_tie_position`).
 """
 
 from __future__ import annotations
@@ -51,7 +52,7 @@ def move_all(source: EngineClient, target: EngineClient, responses: dict, tokens
             is None
 
 
-def test_concurrent_shm_transfers_both_ways(tiny_folder, reference):
+def test_concurrent_shm_transfers_both_ways(tiny_folder, reference, near_tie_position):
     daemons = start_all(
         gpu=lambda: start_gpu(tiny_folder, "--name", "conc-gpu", "--kv-transport", "auto", "--block-size", "8",
                               "--kv-blocks", "256", step_delay_ms=20),
@@ -68,7 +69,10 @@ def test_concurrent_shm_transfers_both_ways(tiny_folder, reference):
         move_all(cpu, gpu, responses, tokens, daemons["cpu"].log)
         for request_id, stream in responses.items():
             assert read_until(stream, tokens[request_id]).finish_reason == FinishReason.LENGTH
-            assert tokens[request_id] == reference(PROMPTS[request_id], MAX_TOKENS), request_id
+            expected = reference(PROMPTS[request_id], MAX_TOKENS)
+            tie = near_tie_position(tiny_folder, PROMPTS[request_id], expected)
+            assert len(tokens[request_id]) == MAX_TOKENS, request_id
+            assert tokens[request_id][:tie] == expected[:tie], (request_id, tie)
         for name, daemon in daemons.items():
             assert daemon.process.poll() is None, (name, daemon.log()[-4000:])
             assert daemon.log().count("mapped the KV pool") == 1, (name, daemon.log()[-4000:])
