@@ -26,6 +26,8 @@ import asyncio
 import threading
 import time
 
+import torch
+
 from dualpace.engine import shm_doorbell
 from dualpace.engine.assist_types import (
     AssistAttentionOutput,
@@ -163,7 +165,11 @@ class ShmStream:
     def _run(self) -> None:
         error: BaseException | None = None
         try:
-            self._serve()
+            # The whole thread in inference mode, as the engine's step thread: a tensor one of them
+            # made there (a staged iteration's rows, a join's) may be updated in place by the other,
+            # and torch refuses an in-place update of an inference tensor outside inference mode.
+            with torch.inference_mode():
+                self._serve()
         except BaseException as exc:  # reported to the event loop, which ends the stream with its status
             error = exc
         finally:
