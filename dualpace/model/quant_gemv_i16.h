@@ -183,6 +183,38 @@ template <> inline __m256 scales4<DP_W_Q6_K>(const uint8_t* row, int64_t b, int)
   return _mm256_set1_ps(half_to_float(load_u16(row + (b / 8) * Fmt<DP_W_Q6_K>::BYTES + 208)));
 }
 
+// The 8 sub-blocks' float scales and mins of a Q4_K super-block at once:
+// dw = d sc_j, mw = -dmin mn_j (the same values as q4k_scale_min, decoded with 32-bit masks).
+inline void q4k_group_scales8(const uint8_t* g, __m256* dw, __m256* mw) {
+  uint32_t u[4];
+  std::memcpy(u, g + 4, 12);
+  u[3] = ((u[2] >> 4) & 0x0f0f0f0fu) | (((u[1] >> 6) & 0x03030303u) << 4);  // mn 4..7
+  const uint32_t mins_lo = u[1] & 0x3f3f3f3fu;                                // mn 0..3
+  u[1] = (u[2] & 0x0f0f0f0fu) | (((u[0] >> 6) & 0x03030303u) << 4);           // sc 4..7
+  u[2] = mins_lo;
+  u[0] &= 0x3f3f3f3fu;                                                         // sc 0..3
+  const __m128i sc = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(u));
+  const __m128i mn = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(u + 2));
+  *dw = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(sc)), _mm256_set1_ps(half_to_float(load_u16(g))));
+  *mw = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(mn)), _mm256_set1_ps(-half_to_float(load_u16(g + 2))));
+}
+
+// [dw_b .. dw_b+3 | mw_b .. mw_b+3] of the quad at sub-block b0, called for b0 = 0, 4, 8, ... in order
+// (the K-quant super-block's scales decoded at its first quad).
+template <int32_t F>
+struct QuadScales {
+  __m256 get(const uint8_t* row, int64_t b0, int count) { return scales4<F>(row, b0, count); }
+};
+template <>
+struct QuadScales<DP_W_Q4_K> {
+  __m256 dw8 = _mm256_setzero_ps(), mw8 = _mm256_setzero_ps();
+  __m256 get(const uint8_t* row, int64_t b0, int) {
+    if (b0 % 8 == 0) q4k_group_scales8(row + (b0 / 8) * Fmt<DP_W_Q4_K>::BYTES, &dw8, &mw8);
+    if (b0 % 8 == 0) return _mm256_permute2f128_ps(dw8, mw8, 0x20);  // [dw 0..3 | mw 0..3]
+    return _mm256_permute2f128_ps(dw8, mw8, 0x31);                   // [dw 4..7 | mw 4..7]
+  }
+};
+
 // How far ahead of the quad being read its weight row is prefetched.
 constexpr int64_t I16_PREFETCH_BYTES = 4096;
 
@@ -198,6 +230,7 @@ inline void tile_i16(const uint8_t* row, const uint8_t* const* arows, int64_t K,
     acc[m] = _mm256_setzero_ps();
     macc[m] = _mm_setzero_ps();
   }
+  QuadScales<F> quad_scales;
   for (int64_t qd = 0; qd < nq; ++qd) {
     const int64_t b0 = 4 * qd;
     const int count = static_cast<int>(std::min<int64_t>(4, nb - b0));
@@ -212,7 +245,7 @@ inline void tile_i16(const uint8_t* row, const uint8_t* const* arows, int64_t K,
       if (i < count) load_i16<F>(row, b0 + i, &wl[i], &wh[i]);
       else wl[i] = wh[i] = _mm256_setzero_si256();
     }
-    const __m256 ws = scales4<F>(row, b0, count);
+    const __m256 ws = quad_scales.get(row, b0, count);
     const __m256 dw = _mm256_permute2f128_ps(ws, ws, 0x00);  // [dw_0..3 | dw_0..3]
     const __m128 mw = _mm256_extractf128_ps(ws, 1);
     for (int m = 0; m < MR; ++m) {
@@ -309,10 +342,22 @@ inline void rows_tiled(const WeightDesc& w, const uint8_t* act, int64_t stride, 
   }
 }
 
+}  // namespace dp_quant
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+#include "quant_gemv_avx512.h"  // the same arithmetic on 512-bit vectors
+#endif
+namespace dp_quant {
+
 template <int32_t F>
 struct I16Tile {
   template <int MR>
   static void run(const uint8_t* row, const uint8_t* const* arows, int64_t K, float* out) {
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+    if (I16_512_ROWS<F>) {
+      tile_i16_512<F, MR>(row, arows, K, out);
+      return;
+    }
+#endif
     tile_i16<F, MR>(row, arows, K, out);
   }
 };
