@@ -8,7 +8,8 @@
 // tests and benchmarks):
 // - `int16` (default): activations rounded to int16 per 16 elements and integer dot products with
 //   the weights widened to int16 (quant_gemv_i16.h). The rounding is 1.5e-5 of each 16's max,
-//   finer than bf16 activations: greedy output matches the dequantized fp32 model.
+//   finer than bf16 activations: greedy output matches the dequantized fp32 model. In AVX-512
+//   builds a call with >= 8 rows of x computes as `fp32` instead (quant_gemv_avx512.h: faster there).
 // - `int16-split`: int16, except that Q8_0 weights take activations rounded to 6.2e-5 of each
 //   16's max and split in two bytes, for int8 x int8 products on 32 lanes (quant_gemv_q8_split.h).
 //   Opt-in: on an AVX2 Zen 3 it measured no faster at batch 1 and slower from batch 2 (two

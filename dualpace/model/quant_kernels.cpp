@@ -25,8 +25,8 @@ int dp_quant_has_avx2() {
 #endif
 }
 
-// 512 when the int16 mode's rows run on 512-bit vectors (quant_gemv_avx512.h), 256 on AVX2, 0 on
-// the plain C++ path.
+// 512 when the build has quant_gemv_avx512.h's 512-bit fp32 tiles, 256 on AVX2, 0 on the plain
+// C++ path.
 int dp_quant_vector_bits() {
 #if defined(__AVX512F__) && defined(__AVX512BW__)
   return 512;
