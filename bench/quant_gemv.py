@@ -65,6 +65,12 @@ def bench_blocks(name: str, n: int, k: int, rng: np.random.Generator) -> np.ndar
 _foreign: dict[str, ctypes.CDLL] = {}
 
 
+def arm_label(arm: str) -> str:
+    """The arm as results name it: a library built elsewhere by its file name only."""
+    variant, _, mode = arm.rpartition(":")
+    return f"{os.path.basename(variant)}:{mode}" if variant.endswith(".so") else arm
+
+
 def arm_library(arm: str) -> tuple[ctypes.CDLL, str]:
     """An arm `MODE` (the library in use) or `VARIANT:MODE` (the library built for that ISA variant,
     e.g. avx2:int16 against avx512_bf16:int16): the library, with the arm's mode set in it."""
@@ -178,14 +184,16 @@ def main(argv: list[str] | None = None) -> int:
         for m in batches:
             best = measure(qw, m, modes, args.rounds, args.budget_ms / 1e3)
             base = best[modes[0]]
-            cells = "  ".join(f"{mode} {best[mode] * 1e6:9.1f} us ({base / best[mode]:.2f}x)" for mode in modes)
+            cells = "  ".join(f"{arm_label(mode)} {best[mode] * 1e6:9.1f} us ({base / best[mode]:.2f}x)"
+                              for mode in modes)
             gbps = qw.num_bytes() / min(best.values()) / 1e9
             print(f"{n:>6}x{k:<5} batch {m:>3}  {cells}  {gbps:5.1f} GB/s")
-            rows.append({"n": n, "k": k, "batch": m, "seconds": best})
+            rows.append({"n": n, "k": k, "batch": m, "seconds": {arm_label(a): t for a, t in best.items()}})
     print(f"load average {os.getloadavg()[0]:.2f}")
     if args.out:
         with open(args.out, "w") as f:
-            json.dump({"format": args.format, "modes": modes, "rounds": args.rounds, "rows": rows}, f, indent=1)
+            json.dump({"format": args.format, "modes": [arm_label(a) for a in modes], "rounds": args.rounds,
+                       "rows": rows}, f, indent=1)
     return 0
 
 
