@@ -5,6 +5,7 @@ other work on a loaded machine left out).
 
     python -m bench.quant_gemv --format Q8_0 --shapes 576x1536,1536x576,49152x576 --batches 1,8
     python -m bench.quant_gemv --format Q4_K --shapes 576x1536 --modes int16,fp32   # K-quants too
+    python -m bench.quant_gemv --format Q4_1 --modes avx2:int16,avx512_bf16:int16  # ISA variants
 
 Shapes are N x K (output x input). Prints one line per shape x batch: microseconds per call for
 each mode (preparing the activations included), the ratio, and weight GB/s of the faster one.
@@ -61,9 +62,35 @@ def bench_blocks(name: str, n: int, k: int, rng: np.random.Generator) -> np.ndar
     return blocks.reshape(n, -1)
 
 
-def call_seconds(qw: QuantizedWeight, x: torch.Tensor, y: torch.Tensor, calls: int) -> float:
+_foreign: dict[str, ctypes.CDLL] = {}
+
+
+def arm_label(arm: str) -> str:
+    """The arm as results name it: a library built elsewhere by its file name only."""
+    variant, _, mode = arm.rpartition(":")
+    return f"{os.path.basename(variant)}:{mode}" if variant.endswith(".so") else arm
+
+
+def arm_library(arm: str) -> tuple[ctypes.CDLL, str]:
+    """An arm `MODE` (the library in use) or `VARIANT:MODE` (the library built for that ISA variant,
+    e.g. avx2:int16 against avx512_bf16:int16): the library, with the arm's mode set in it."""
+    variant, _, mode = arm.rpartition(":")
+    if variant.endswith(".so"):  # a library built elsewhere (e.g. another commit's sources)
+        lib = _foreign.get(variant) or _foreign.setdefault(variant, ctypes.CDLL(variant))
+        lib.dp_quant_set_activations.argtypes, lib.dp_quant_linear.restype = [ctypes.c_int32], ctypes.c_int
+        lib.dp_quant_linear.argtypes = quant_kernels._SIGNATURES["dp_quant_linear"][0]
+        lib.dp_quant_set_activations(quant_kernels.ACTIVATION_MODES[mode])
+        return lib, mode
+    lib = quant_kernels.load_variant(variant) if variant else quant_kernels.get()
+    if lib is None:
+        raise SystemExit(f"{arm}: the kernels of variant {variant!r} did not build or load here")
+    lib.dp_quant_set_activations(quant_kernels.ACTIVATION_MODES[mode])
+    return lib, mode
+
+
+def call_seconds(qw: QuantizedWeight, x: torch.Tensor, y: torch.Tensor, calls: int, lib=None) -> float:
     """Seconds per dp_quant_linear call (straight through ctypes: no Python-side allocation)."""
-    lib, desc = quant_kernels.get(), ctypes.byref(qw.segments[0].desc)
+    lib, desc = lib or quant_kernels.get(), ctypes.byref(qw.segments[0].desc)
     x_ptr, y_ptr, m = x.data_ptr(), y.data_ptr(), x.shape[0]
     start = time.thread_time()
     for _ in range(calls):
@@ -73,13 +100,12 @@ def call_seconds(qw: QuantizedWeight, x: torch.Tensor, y: torch.Tensor, calls: i
 
 def measure(qw: QuantizedWeight, m: int, modes: list[str], rounds: int, budget_s: float) -> dict[str, float]:
     x, y = torch.randn(m, qw.k), torch.empty(m, qw.n)
-    quant_kernels.set_activations(modes[0])
-    calls = max(1, int(budget_s / max(call_seconds(qw, x, y, 3), 1e-6)))
+    calls = max(1, int(budget_s / max(call_seconds(qw, x, y, 3, arm_library(modes[0])[0]), 1e-6)))
     best = {mode: float("inf") for mode in modes}
     for r in range(rounds):
         for mode in modes if r % 2 == 0 else modes[::-1]:  # interleaved, order alternating
-            quant_kernels.set_activations(mode)
-            best[mode] = min(best[mode], call_seconds(qw, x, y, calls))
+            lib, _ = arm_library(mode)
+            best[mode] = min(best[mode], call_seconds(qw, x, y, calls, lib))
     quant_kernels.set_activations("int16")
     return best
 
@@ -120,7 +146,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--format", default="Q8_0", choices=sorted(FORMAT_BY_NAME))
     parser.add_argument("--shapes", default="576x1536,1536x576,49152x576")
     parser.add_argument("--batches", default="1,8")
-    parser.add_argument("--modes", default="int16,int16-split", help="activation modes to compare (first: base)")
+    parser.add_argument("--modes", default="int16,int16-split",
+                        help="activation modes to compare (first: base); VARIANT:MODE (avx2:int16) "
+                             "uses the library built for that ISA variant, LIB.so:MODE a library built elsewhere")
     parser.add_argument("--rounds", type=int, default=9)
     parser.add_argument("--budget-ms", type=float, default=20.0, help="time per sample")
     parser.add_argument("--decode-model", help="time decode steps of this GGUF instead (native weights)")
@@ -131,8 +159,12 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit("the quantized-weight kernels are not built here")
     modes = args.modes.split(",")
     for mode in modes:
-        if mode not in quant_kernels.ACTIVATION_MODES:
+        variant, _, name = mode.rpartition(":")
+        known = not variant or variant.endswith(".so") or variant in quant_kernels.kbuild.VARIANTS
+        if name not in quant_kernels.ACTIVATION_MODES or not known:
             raise SystemExit(f"--modes: unknown mode {mode!r}")
+    if args.decode_model and any(":" in mode for mode in modes):
+        raise SystemExit("--decode-model compares modes of one library (VARIANT:MODE arms are for the GEMV)")
     batches = [int(b) for b in args.batches.split(",")]
     if args.decode_model:
         print(f"load average {os.getloadavg()[0]:.2f}; {torch.get_num_threads()} threads; min of {args.rounds * 3}")
@@ -152,14 +184,16 @@ def main(argv: list[str] | None = None) -> int:
         for m in batches:
             best = measure(qw, m, modes, args.rounds, args.budget_ms / 1e3)
             base = best[modes[0]]
-            cells = "  ".join(f"{mode} {best[mode] * 1e6:9.1f} us ({base / best[mode]:.2f}x)" for mode in modes)
+            cells = "  ".join(f"{arm_label(mode)} {best[mode] * 1e6:9.1f} us ({base / best[mode]:.2f}x)"
+                              for mode in modes)
             gbps = qw.num_bytes() / min(best.values()) / 1e9
             print(f"{n:>6}x{k:<5} batch {m:>3}  {cells}  {gbps:5.1f} GB/s")
-            rows.append({"n": n, "k": k, "batch": m, "seconds": best})
+            rows.append({"n": n, "k": k, "batch": m, "seconds": {arm_label(a): t for a, t in best.items()}})
     print(f"load average {os.getloadavg()[0]:.2f}")
     if args.out:
         with open(args.out, "w") as f:
-            json.dump({"format": args.format, "modes": modes, "rounds": args.rounds, "rows": rows}, f, indent=1)
+            json.dump({"format": args.format, "modes": [arm_label(a) for a in modes], "rounds": args.rounds,
+                       "rows": rows}, f, indent=1)
     return 0
 
 

@@ -39,8 +39,9 @@ class Variant:
 
 # best first
 X86_VARIANTS = (
-    Variant("avx512_bf16", _AVX512_COMMON + ("avx512_bf16",),
-            ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16", "-mavx2", "-mfma", "-mf16c")),
+    Variant("avx512_bf16", _AVX512_COMMON + ("avx512_bf16", "avx512_vnni"),  # every avx512_bf16 CPU has VNNI
+            ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16", "-mavx512vnni", "-mavx2", "-mfma",
+             "-mf16c")),
     Variant("avx512", _AVX512_COMMON, ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2", "-mfma",
                                        "-mf16c")),
     Variant("avx2", ("avx2", "fma", "f16c"), ("-mavx2", "-mfma", "-mf16c")),

@@ -8,7 +8,8 @@
 // tests and benchmarks):
 // - `int16` (default): activations rounded to int16 per 16 elements and integer dot products with
 //   the weights widened to int16 (quant_gemv_i16.h). The rounding is 1.5e-5 of each 16's max,
-//   finer than bf16 activations: greedy output matches the dequantized fp32 model.
+//   finer than bf16 activations: greedy output matches the dequantized fp32 model. In AVX-512
+//   builds a call with >= 8 rows of x computes as `fp32` instead (quant_gemv_avx512.h: faster there).
 // - `int16-split`: int16, except that Q8_0 weights take activations rounded to 6.2e-5 of each
 //   16's max and split in two bytes, for int8 x int8 products on 32 lanes (quant_gemv_q8_split.h).
 //   Opt-in: on an AVX2 Zen 3 it measured no faster at batch 1 and slower from batch 2 (two
@@ -452,7 +453,13 @@ inline void tile_f32(const uint8_t* const* wrows, const float* x, int64_t ldx, i
     for (int r = 0; r < NR; ++r) out[m][r] = hsum8(acc[m][r]);
 }
 
-template <int32_t F, int MR, int NR>
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+template <int32_t F, int MR, int NR>  // quant_gemv_avx512.h
+inline void tile_f32_512(const uint8_t* const* wrows, const float* x, int64_t ldx, int64_t K, float (*out)[NR]);
+#endif
+
+// WIDE: by tile_f32_512 (AVX-512 builds only).
+template <int32_t F, int MR, int NR, bool WIDE = false>
 inline void rows_tile_f32(const WeightDesc& w, const float* x, int64_t ldx, int64_t m0, int64_t n0, int64_t n1,
                           float* y, int64_t ldy) {
   for (int64_t n = n0; n < n1; n += NR) {
@@ -460,7 +467,11 @@ inline void rows_tile_f32(const WeightDesc& w, const float* x, int64_t ldx, int6
     for (int r = 0; r < NR; ++r)
       wrows[r] = static_cast<const uint8_t*>(w.data) + std::min(n + r, n1 - 1) * w.row_bytes;
     float out[MR][NR];
-    tile_f32<F, MR, NR>(wrows, x + m0 * ldx, ldx, w.K, out);
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+    if constexpr (WIDE) tile_f32_512<F, MR, NR>(wrows, x + m0 * ldx, ldx, w.K, out);
+    else
+#endif
+      tile_f32<F, MR, NR>(wrows, x + m0 * ldx, ldx, w.K, out);
     for (int m = 0; m < MR; ++m)
       for (int r = 0; r < NR && n + r < n1; ++r) y[(m0 + m) * ldy + (n - n0 + r)] = out[m][r];
   }
@@ -483,6 +494,15 @@ namespace dp_quant {
 constexpr int32_t PREPARED_Q8_SPLIT = 16;
 
 
+// Rows of x from which the int16 mode computes in fp32 instead (quant_gemv_avx512.h); never on AVX2.
+inline int64_t fp32_min_rows() {
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+  return F32_512_MIN_ROWS;
+#else
+  return INT64_MAX;
+#endif
+}
+
 // The prepared activations: a header (the mode, padded to 64 bytes) and the mode's rows.
 constexpr int64_t PREPARED_HEADER_BYTES = 64;
 
@@ -501,6 +521,8 @@ inline void prepare(const WeightDesc& w, const float* x, int64_t M, int64_t ldx,
   if (mode == ACT_INT16_SPLIT && w.format == DP_W_Q8_0) {
     mode = PREPARED_Q8_SPLIT;
     for (int64_t m = 0; m < M; ++m) quantize_row_split(x + m * ldx, w.K, body + m * split_row_bytes(w.K));
+  } else if ((mode == ACT_INT16 || mode == ACT_INT16_SPLIT) && M >= fp32_min_rows()) {
+    mode = ACT_FP32;  // AVX-512: the fp32 tiles beat the int16 ones on compute-bound batches
   } else if (mode == ACT_INT16 || mode == ACT_INT16_SPLIT) {
     mode = ACT_INT16;
     for (int64_t m = 0; m < M; ++m) quantize_row_i16(x + m * ldx, w.K, body + m * i16_row_bytes(w.K));
@@ -524,12 +546,17 @@ inline void rows(const WeightDesc& w, const float* x, int64_t M, int64_t ldx, co
     rows_q8_split(w, body, M, n0, n1, y, ldy);
     return;
   }
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+#define DP_QUANT_ROWS_F32(F) rows_f32_512_t<F>(w, x, M, ldx, n0, n1, y, ldy)
+#else
+#define DP_QUANT_ROWS_F32(F) rows_f32_t<F>(w, x, M, ldx, n0, n1, y, ldy)
+#endif
   switch (w.format) {
 #define DP_QUANT_CASE(F)                                           \
   case F:                                                          \
     if (mode == ACT_INT16) rows_i16<F>(w, body, M, n0, n1, y, ldy); \
     else if (mode == ACT_INT8) rows_t<F>(w, act, M, n0, n1, y, ldy); \
-    else rows_f32_t<F>(w, x, M, ldx, n0, n1, y, ldy);              \
+    else DP_QUANT_ROWS_F32(F);                                     \
     break;
     DP_QUANT_CASE(DP_W_Q8_0)
     DP_QUANT_CASE(DP_W_Q4_0)
@@ -537,6 +564,7 @@ inline void rows(const WeightDesc& w, const float* x, int64_t M, int64_t ldx, co
     DP_QUANT_CASE(DP_W_Q4_K)
     DP_QUANT_CASE(DP_W_Q6_K)
 #undef DP_QUANT_CASE
+#undef DP_QUANT_ROWS_F32
     default: break;
   }
 }

@@ -10,6 +10,10 @@
 // activation row, and the per-block float work (convert, scale, accumulate) is done for 4 blocks
 // at once after a horizontal add puts each block's integer sum in its own lane.
 //
+// Built with AVX-512 VNNI (the avx512_bf16 variant), vpdpwssd does a block half's second madd and
+// the add in one instruction (4-9% faster at batch 1-4 on an Intel Xeon with AMX). Q4_K's 6-bit
+// scales are decoded for a whole super-block at its first quad (QuadScales).
+//
 // Exactness: each half (16 floats: elements 0-7 and 16-23, or 8-15 and 24-31) of an activation
 // block is stored as q = round(x / dx), dx = max|x| / 32767, so |x - dx q| <= dx / 2 = 1.5e-5 of
 // the half's max (int8 per 32 would be
@@ -183,6 +187,38 @@ template <> inline __m256 scales4<DP_W_Q6_K>(const uint8_t* row, int64_t b, int)
   return _mm256_set1_ps(half_to_float(load_u16(row + (b / 8) * Fmt<DP_W_Q6_K>::BYTES + 208)));
 }
 
+// The 8 sub-blocks' float scales and mins of a Q4_K super-block at once:
+// dw = d sc_j, mw = -dmin mn_j (the same values as q4k_scale_min, decoded with 32-bit masks).
+inline void q4k_group_scales8(const uint8_t* g, __m256* dw, __m256* mw) {
+  uint32_t u[4];
+  std::memcpy(u, g + 4, 12);
+  u[3] = ((u[2] >> 4) & 0x0f0f0f0fu) | (((u[1] >> 6) & 0x03030303u) << 4);  // mn 4..7
+  const uint32_t mins_lo = u[1] & 0x3f3f3f3fu;                                // mn 0..3
+  u[1] = (u[2] & 0x0f0f0f0fu) | (((u[0] >> 6) & 0x03030303u) << 4);           // sc 4..7
+  u[2] = mins_lo;
+  u[0] &= 0x3f3f3f3fu;                                                         // sc 0..3
+  const __m128i sc = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(u));
+  const __m128i mn = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(u + 2));
+  *dw = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(sc)), _mm256_set1_ps(half_to_float(load_u16(g))));
+  *mw = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(mn)), _mm256_set1_ps(-half_to_float(load_u16(g + 2))));
+}
+
+// [dw_b .. dw_b+3 | mw_b .. mw_b+3] of the quad at sub-block b0, called for b0 = 0, 4, 8, ... in order
+// (the K-quant super-block's scales decoded at its first quad).
+template <int32_t F>
+struct QuadScales {
+  __m256 get(const uint8_t* row, int64_t b0, int count) { return scales4<F>(row, b0, count); }
+};
+template <>
+struct QuadScales<DP_W_Q4_K> {
+  __m256 dw8 = _mm256_setzero_ps(), mw8 = _mm256_setzero_ps();
+  __m256 get(const uint8_t* row, int64_t b0, int) {
+    if (b0 % 8 == 0) q4k_group_scales8(row + (b0 / 8) * Fmt<DP_W_Q4_K>::BYTES, &dw8, &mw8);
+    if (b0 % 8 == 0) return _mm256_permute2f128_ps(dw8, mw8, 0x20);  // [dw 0..3 | mw 0..3]
+    return _mm256_permute2f128_ps(dw8, mw8, 0x31);                   // [dw 4..7 | mw 4..7]
+  }
+};
+
 // How far ahead of the quad being read its weight row is prefetched.
 constexpr int64_t I16_PREFETCH_BYTES = 4096;
 
@@ -198,6 +234,7 @@ inline void tile_i16(const uint8_t* row, const uint8_t* const* arows, int64_t K,
     acc[m] = _mm256_setzero_ps();
     macc[m] = _mm_setzero_ps();
   }
+  QuadScales<F> quad_scales;
   for (int64_t qd = 0; qd < nq; ++qd) {
     const int64_t b0 = 4 * qd;
     const int count = static_cast<int>(std::min<int64_t>(4, nb - b0));
@@ -212,7 +249,7 @@ inline void tile_i16(const uint8_t* row, const uint8_t* const* arows, int64_t K,
       if (i < count) load_i16<F>(row, b0 + i, &wl[i], &wh[i]);
       else wl[i] = wh[i] = _mm256_setzero_si256();
     }
-    const __m256 ws = scales4<F>(row, b0, count);
+    const __m256 ws = quad_scales.get(row, b0, count);
     const __m256 dw = _mm256_permute2f128_ps(ws, ws, 0x00);  // [dw_0..3 | dw_0..3]
     const __m128 mw = _mm256_extractf128_ps(ws, 1);
     for (int m = 0; m < MR; ++m) {
@@ -221,7 +258,11 @@ inline void tile_i16(const uint8_t* row, const uint8_t* const* arows, int64_t K,
       for (int i = 0; i < 4; ++i) {
         const __m256i x0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + 32 * i));
         const __m256i x1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + 32 * i + 16));
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+        s[i] = _mm256_dpwssd_epi32(_mm256_madd_epi16(wl[i], x0), wh[i], x1);  // VNNI: madd + add in one
+#else
         s[i] = _mm256_add_epi32(_mm256_madd_epi16(wl[i], x0), _mm256_madd_epi16(wh[i], x1));
+#endif
       }
       // lanes [sum of block i over its elements A (i = 0..3) | over its elements B]
       const __m256i h = _mm256_hadd_epi32(_mm256_hadd_epi32(s[0], s[1]), _mm256_hadd_epi32(s[2], s[3]));
@@ -308,6 +349,12 @@ inline void rows_tiled(const WeightDesc& w, const uint8_t* act, int64_t stride, 
     }
   }
 }
+
+}  // namespace dp_quant
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+#include "quant_gemv_avx512.h"  // the fp32 tiles of the compute-bound batches
+#endif
+namespace dp_quant {
 
 template <int32_t F>
 struct I16Tile {

@@ -25,6 +25,24 @@ int dp_quant_has_avx2() {
 #endif
 }
 
+// 512 when the build has quant_gemv_avx512.h's 512-bit fp32 tiles, 256 on AVX2, 0 on the plain
+// C++ path.
+int dp_quant_vector_bits() {
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+  return 512;
+#elif defined(__AVX2__)
+  return 256;
+#else
+  return 0;
+#endif
+}
+
+// Rows of x from which the int16 mode computes with fp32 activations (AVX-512 builds); 0: never.
+int64_t dp_quant_fp32_min_rows() {
+  const int64_t rows = dp_quant::fp32_min_rows();
+  return rows == INT64_MAX ? 0 : rows;
+}
+
 int dp_quant_format_supported(int32_t format) { return dp_quant::supported(format) ? 1 : 0; }
 
 // The activation arithmetic of later calls (quant_gemv.h: 0 fp32, 1 int16, 2 int8, 3 int16-split;

@@ -1,10 +1,11 @@
 """ctypes access to quant_kernels.cpp (linear and row dequantization on GGUF block weights).
 
 These serve the per-stage path (QuantizedWeight.linear / .embedding). The fused decode path of
-cpu_kernels.cpp includes quant_gemv.h itself. Built on first use with g++ (AVX2 + FMA + F16C
-where the CPU has them, else -march=native and the header's plain C++ path), cached under
-`$XDG_CACHE_HOME/dualpace/kernels/` keyed by the sources, the flags, the compiler and the CPU
-flags; the .so shares torch's OpenMP runtime (one pool, torch.set_num_threads).
+cpu_kernels.cpp includes quant_gemv.h itself. Built on first use with g++ with the ISA flags of
+cpu_kernels_build's variant for this CPU (avx512_bf16, avx512, avx2; -march=native and the
+header's plain C++ path for generic), the one DUALPACE_CPU_KERNELS names when it names one,
+cached under `$XDG_CACHE_HOME/dualpace/kernels/` keyed by the sources, the flags, the compiler
+and the CPU flags; the .so shares torch's OpenMP runtime (one pool, torch.set_num_threads).
 `DUALPACE_CPU_KERNELS=0` turns these off too, leaving the torch fallback of QuantizedWeight.
 
 Activation arithmetic (quant_gemv.h): `int16` by default, `fp32`, `int8` or `int16-split` with
@@ -20,15 +21,15 @@ import os
 import subprocess
 from pathlib import Path
 
+from dualpace.model import cpu_kernels_build as kbuild
 from dualpace.model.native_build import build_atomically, compiler_version, kernel_cache_dir
 
 log = logging.getLogger(__name__)
 
 _HERE = Path(__file__).parent
 SOURCES = [_HERE / "quant_kernels.cpp", _HERE / "quant_gemv.h", _HERE / "quant_gemv_i16.h",
-           _HERE / "quant_gemv_q8_split.h", _HERE / "kernel_weights.h"]
+           _HERE / "quant_gemv_avx512.h", _HERE / "quant_gemv_q8_split.h", _HERE / "kernel_weights.h"]
 _BASE_FLAGS = ["-O3", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
-_AVX2_FLAGS = ["-mavx2", "-mfma", "-mf16c"]
 
 
 class WeightDescC(ctypes.Structure):
@@ -41,6 +42,8 @@ class WeightDescC(ctypes.Structure):
 _i64, _ptr = ctypes.c_int64, ctypes.c_void_p
 _SIGNATURES = {
     "dp_quant_has_avx2": ([], ctypes.c_int),
+    "dp_quant_vector_bits": ([], ctypes.c_int),
+    "dp_quant_fp32_min_rows": ([], ctypes.c_int64),
     "dp_quant_format_supported": ([ctypes.c_int32], ctypes.c_int),
     "dp_quant_set_activations": ([ctypes.c_int32], ctypes.c_int32),
     "dp_quant_linear": ([ctypes.POINTER(WeightDescC), _ptr, _i64, _i64, _ptr, _i64], ctypes.c_int),
@@ -50,24 +53,25 @@ _SIGNATURES = {
 _state: dict[str, object] = {}
 
 
-def _cpu_flags() -> set[str]:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return set()
+def chosen_variant() -> str:
+    """The instruction-set variant (cpu_kernels_build's names) these kernels are built for: the one
+    DUALPACE_CPU_KERNELS names when this CPU runs it, else the best this CPU runs."""
+    supported = kbuild.supported_variants()
+    requested = os.environ.get("DUALPACE_CPU_KERNELS", "").strip().lower()
+    return requested if requested in supported else supported[0]
 
 
-def compile_flags() -> list[str]:
-    has_avx2 = {"avx2", "fma", "f16c"} <= _cpu_flags()
-    return [*_BASE_FLAGS, *(_AVX2_FLAGS if has_avx2 else ["-march=native"]), f"-I{_HERE}"]
+def compile_flags(variant: str | None = None) -> list[str]:
+    """A variant's ISA flags (generic: -march=native, whose plain C++ path quant_gemv.h takes without AVX2)."""
+    name = variant or chosen_variant()
+    isa = ["-march=native"] if name == kbuild.GENERIC.name else list(kbuild.VARIANTS[name].flags)
+    return [*_BASE_FLAGS, *isa, f"-I{_HERE}"]
 
 
 def library_path(flags: list[str]) -> Path:
     compiler = compiler_version("g++")
-    text = "\n".join([*(p.read_text() for p in SOURCES), " ".join(flags), compiler, " ".join(sorted(_cpu_flags()))])
+    text = "\n".join([*(p.read_text() for p in SOURCES), " ".join(flags), compiler,
+                      " ".join(sorted(kbuild.cpu_flags()))])
     return kernel_cache_dir() / f"quant_kernels-{hashlib.sha256(text.encode()).hexdigest()[:16]}.so"
 
 
@@ -75,13 +79,13 @@ def _build(path: Path, flags: list[str]) -> None:
     build_atomically(path, lambda out: ["g++", *flags, "-o", str(out), str(SOURCES[0])])
 
 
-def _load() -> ctypes.CDLL | None:
-    flags = compile_flags()
+def _load(variant: str) -> ctypes.CDLL | None:
+    flags = compile_flags(variant)
     try:
         path = library_path(flags)
         if not path.exists():
             _build(path, flags)
-            log.info("built quantized-weight kernels (%s) at %s", "avx2" if "-mavx2" in flags else "generic", path)
+            log.info("built quantized-weight kernels (%s) at %s", variant, path)
         lib = ctypes.CDLL(str(path))
     except (OSError, subprocess.CalledProcessError) as exc:
         detail = getattr(exc, "stderr", "") or str(exc)
@@ -96,14 +100,29 @@ def _load() -> ctypes.CDLL | None:
     return lib
 
 
+def load_variant(variant: str) -> ctypes.CDLL | None:
+    """The library built for `variant` (one of kbuild.supported_variants()), loaded once per process;
+    None when it cannot be built here. Benchmarks load two to compare them; get() is the one in use."""
+    libs = _state.setdefault("variants", {})
+    if variant not in libs:
+        import torch  # noqa: F401  (torch's libgomp first, so the .so shares its OpenMP runtime)
+
+        libs[variant] = _load(variant)
+    return libs[variant]
+
+
+def select_variant(variant: str) -> ctypes.CDLL | None:
+    """Make get() return the library of `variant` from now on (tests run every variant the CPU runs)."""
+    _state["lib"] = load_variant(variant)
+    return _state["lib"]  # type: ignore[return-value]
+
+
 def get() -> ctypes.CDLL | None:
     """The loaded library, or None when turned off or not buildable here."""
     if os.environ.get("DUALPACE_CPU_KERNELS", "1") in ("0", "false", "off"):
         return None
     if "lib" not in _state:
-        import torch  # noqa: F401  (torch's libgomp first, so the .so shares its OpenMP runtime)
-
-        _state["lib"] = _load()
+        _state["lib"] = load_variant(chosen_variant())
     return _state["lib"]  # type: ignore[return-value]
 
 
@@ -117,7 +136,7 @@ def set_activations(mode: str) -> None:
         raise ValueError(f"activation mode {mode!r}: expected one of {', '.join(ACTIVATION_MODES)}")
     from dualpace.model import cpu_kernels
 
-    libs = [get(), *(k.lib for k in cpu_kernels.loaded_kernels())]
+    libs = [get(), *_state.get("variants", {}).values(), *(k.lib for k in cpu_kernels.loaded_kernels())]
     for lib in libs:
         if lib is not None:
             lib.dp_quant_set_activations(ACTIVATION_MODES[mode])

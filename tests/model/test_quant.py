@@ -2,7 +2,9 @@
 package's dequantization, odd N, K a multiple of the block, 1..70 rows of x, through the
 standalone kernels, the torch fallback, the cpu_kernels seam, in each activation mode: int16 (the
 default: within the bound its rounding allows), fp32 (exact up to summation order), int8 and
-int16-split (Q8_0 split into two bytes per activation)."""
+int16-split (Q8_0 split into two bytes per activation), and in every ISA variant this CPU runs
+(avx512_bf16, avx512, avx2, generic; the others skipped by name): the AVX-512 builds have rows of
+their own (quant_gemv_avx512.h)."""
 
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ from gguf.quants import dequantize, quantize
 from dualpace.errors import ModelLoadError
 from dualpace.model import cpu_kernels, quant, quant_kernels
 from dualpace.model.quant import FORMAT_BY_NAME, QuantizedWeight, cat_rows, quantize_q8_0
+from tests.model.test_cpu_kernels import VARIANTS  # every variant, those this CPU lacks skipped by name
 
 FORMATS = ["Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K"]
 SHAPES = [(1, 37, 256), (3, 19, 512), (8, 33, 768), (13, 5, 256), (70, 9, 512), (130, 7, 256), (5, 11, 96),
@@ -110,8 +113,29 @@ def assert_linear_close(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor, rel: 
     assert excess <= rel * scale, excess / scale
 
 
+@pytest.fixture(params=VARIANTS)
+def variant(request):
+    """One ISA variant for both libraries (the standalone quant kernels and cpu_kernels), the
+    defaults restored after."""
+    previous_quant, previous_cpu = quant_kernels._state.get("lib", False), cpu_kernels._state.copy()
+    if quant_kernels.select_variant(request.param) is None or cpu_kernels.select_variant(request.param) is None:
+        pytest.fail(f"variant {request.param} did not build or load (see the log)")
+    yield request.param
+    if previous_quant is False:
+        quant_kernels._state.pop("lib", None)
+    else:
+        quant_kernels._state["lib"] = previous_quant
+    cpu_kernels._state.clear()
+    cpu_kernels._state.update(previous_cpu)
+
+
+def fp32_from_rows() -> int:
+    """Rows of x from which the loaded standalone library's int16 mode computes in fp32 (0: never)."""
+    return quant_kernels.get().dp_quant_fp32_min_rows()
+
+
 @pytest.fixture(params=["int16", "fp32", "int16-split"])
-def activations(request):
+def activations(request, variant):
     """Each activation mode of the kernels for one test, the default (int16) restored after."""
     quant_kernels.set_activations(request.param)
     yield request.param
@@ -136,7 +160,7 @@ def test_linear_matches_dequantized_reference(name, m, n, k, activations):
 
 @needs_kernels
 @pytest.mark.parametrize("name", FORMATS)
-def test_dequantize_and_embedding_are_exact(name):
+def test_dequantize_and_embedding_are_exact(name, variant):
     qw, w = weight(name, 23, 512)
     assert torch.equal(qw.dequantize(), w)
     ids = torch.tensor([[0, 22], [11, 0]])
@@ -207,7 +231,7 @@ def test_bad_blocks_are_refused():
 
 
 @needs_kernels
-def test_int8_quantization_at_load_is_q8_0():
+def test_int8_quantization_at_load_is_q8_0(variant):
     w = torch.randn(17, 96)
     qw = quantize_q8_0(w)
     assert qw.formats == ["Q8_0"]
@@ -261,17 +285,21 @@ def test_batch_1_chunks_read_in_two_streams(name, threads, activations):
 @needs_kernels
 @pytest.mark.parametrize("mode", ["int16", "int16-split"])
 @pytest.mark.parametrize("name", FORMATS)
-def test_int16_mode_is_the_rounded_activations_times_the_weights(name, mode):
+def test_int16_mode_is_the_rounded_activations_times_the_weights(name, mode, variant):
     """The default mode equals x rounded per 16 elements (Q8_0 in int16-split: to 8127, for the split
     kernel) times the dequantized weights, up to fp32 summation order: the min terms use the
-    rounded sums, nothing else is approximated."""
+    rounded sums, nothing else is approximated. AVX-512 builds compute from fp32_from_rows() rows
+    of x on with the fp32 activations (exact), except int16-split's Q8_0 kernel."""
     kernels = cpu_kernels.get()
     quant_kernels.set_activations(mode)
+    from_rows = fp32_from_rows()
     try:
-        for m, n, k in [(1, 37, 256), (6, 19, 512), (33, 8, 768), (127, 5, 256)]:
+        for m, n, k in [(1, 37, 256), (6, 19, 512), (7, 11, 256), (8, 13, 256), (33, 8, 768), (127, 5, 256)]:
             qw, w = weight(name, n, k)
             x = torch.randn(m, k) * torch.rand(m, k) * 4
-            ref = int16_rounded(x, scheme(name, mode)) @ w.double().T
+            split = name == "Q8_0" and mode == "int16-split"
+            exact = from_rows and m >= from_rows and not split
+            ref = (x.double() if exact else int16_rounded(x, scheme(name, mode))) @ w.double().T
             assert_close(qw.linear(x).double(), ref, rel=1e-6)
             if kernels is not None and kernels.supports_format(FORMAT_BY_NAME[name].ggml_type):
                 assert_close(kernels.linear(x, qw).double(), ref, rel=1e-6)
@@ -280,7 +308,7 @@ def test_int16_mode_is_the_rounded_activations_times_the_weights(name, mode):
 
 
 @needs_kernels
-def test_q8_0_split_kernel_at_the_extremes():
+def test_q8_0_split_kernel_at_the_extremes(variant):
     """int16-split on Q8_0: every int8 weight (-128 and 127 included) against activations whose split digits reach the
     ends of -64..63 (a half all at +max or -max: q = +-8127; q = 128 k - 64: lo = -64): the
     maddubs pair sums must not saturate, so the result stays the rounded x times the weights."""
@@ -310,7 +338,8 @@ def test_q8_0_split_kernel_at_the_extremes():
 
 
 @needs_kernels
-def test_int8_activation_mode_matches_quantized_activations():
+@pytest.mark.parametrize("isa", VARIANTS)
+def test_int8_activation_mode_matches_quantized_activations(isa):
     """DUALPACE_QUANT_ACTIVATIONS=int8 (read once per process, hence a subprocess): equal to the
     dequantized weights times x rounded to int8 per block of 32 (scale max|x| / 127)."""
     script = textwrap.dedent("""
@@ -329,6 +358,20 @@ def test_int8_activation_mode_matches_quantized_activations():
                 assert_close(qw.linear(x), xq @ w.T, rel=2e-3)
         print("ok")
     """)
-    env = {**os.environ, "DUALPACE_QUANT_ACTIVATIONS": "int8", "PYTHONPATH": os.getcwd()}
+    env = {**os.environ, "DUALPACE_QUANT_ACTIVATIONS": "int8", "DUALPACE_CPU_KERNELS": isa, "PYTHONPATH": os.getcwd()}
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
     assert result.returncode == 0 and "ok" in result.stdout, result.stderr[-3000:]
+
+
+@needs_kernels
+def test_each_variant_builds_the_rows_it_names(variant):
+    """AVX-512 builds (avx512, avx512_bf16, and generic where -march=native has AVX-512) run the
+    512-bit rows and switch the int16 mode to fp32 from 8 rows; AVX2 builds never switch."""
+    lib = quant_kernels.get()
+    bits, from_rows = lib.dp_quant_vector_bits(), lib.dp_quant_fp32_min_rows()
+    if variant.startswith("avx512"):
+        assert (bits, from_rows) == (512, 8)
+    elif variant == "avx2":
+        assert (bits, from_rows) == (256, 0)
+    else:
+        assert bits in (0, 256, 512) and from_rows == (8 if bits == 512 else 0)
