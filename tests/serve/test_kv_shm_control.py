@@ -183,3 +183,25 @@ async def test_a_cancelled_sender_abandons_the_stream(tiny, monkeypatch, phase):
     sender, tokens = await migrated(served, "after")
     assert sender.used_watch_control and tokens == expected(tiny)
     await served.close()
+
+
+async def test_concurrent_transfers_share_the_watch(tiny):
+    """Several streams at once over one watch connection: records of different streams interleave,
+    each transfer gets its own replies (and the lease verdicts theirs)."""
+    served = await Served().start(tiny)
+    await first_transfer(served, tiny)
+    channels = {}
+    for i in range(3):
+        channels[i] = await served.source[0].add_request(f"c{i}", PROMPT, PARAMS)
+    for channel in channels.values():
+        await wait_tokens(channel, 4)
+    senders = [served.sender() for _ in channels]
+    await asyncio.gather(*(migrate_out(served.source[0], f"c{i}", senders[i], migrated_to="dst") for i in channels))
+    for i, channel in channels.items():
+        assert senders[i].used_watch_control and channel.migrated_to == "dst"
+        rest = [t async for update in served.target[0].channel(f"c{i}").follow(len(channel.output_token_ids))
+                for t in update.new_token_ids]
+        assert channel.output_token_ids + rest == expected(tiny)
+    assert served.mapped.num_mapped == 1
+    assert served.source[0].load().kv_blocks_used == 0 and served.target[0].load().kv_blocks_used == 0
+    await served.close()
