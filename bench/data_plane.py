@@ -216,9 +216,10 @@ def main() -> None:
                                                        args.settle_s)
             grpc_times, _ = await time_transfers(lambda: GrpcKvSender(target.address), storage, info, sizes,
                                                  args.repeats, args.settle_s)
-            return shm, grpc_times, phase_medians(shm_sender)
+            control = "watch" if getattr(shm_sender, "used_watch_control", False) else "grpc"
+            return shm, grpc_times, phase_medians(shm_sender), control
 
-        shm, grpc_times, shm_phases = asyncio.run(run())
+        shm, grpc_times, shm_phases, shm_control = asyncio.run(run())
         memcpy_after = memcpy_gbps(context_bytes, max(5, args.repeats))
     finally:
         target.stop()
@@ -236,6 +237,7 @@ def main() -> None:
         "kv_shm": shm_summary, "kv_grpc": grpc_summary,
         "kv_shm_breakdown_at_context": shm_breakdown(storage, args.context_tokens, args.repeats),
         "kv_shm_phase_ms_median": shm_phases,
+        "kv_shm_control": shm_control,  # where the timed shm transfers' messages went (after the first: the watch)
         "context_tokens": args.context_tokens, "context_bytes": context_bytes,
         "model": args.model, "dtype": info.dtype, "cpu_kind": cpu_kind(), "load_average": os.getloadavg(),
         **assist_round_trips(args.model, args.assist_iterations),

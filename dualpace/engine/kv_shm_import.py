@@ -77,7 +77,7 @@ class ShmImport:
         self._ticket, self._lease = self.pool.server.open_lease()
         return ShmReservation(self.pool.server.name, self.pool.segment_ticket, self._ticket,
                               tuple(self.importer.slot_ids), accepts_written_with_commit=True,
-                              lease_on_watch=True)
+                              lease_on_watch=True, control_on_watch=self.pool.server.stream_handler is not None)
 
     async def written(self, written: ShmWritten) -> None:
         """Verify what landed in the reserved blocks; then the import is complete (prepare may follow)."""

@@ -26,6 +26,7 @@ class ShmReservation:
     slot_ids: tuple[int, ...]  # target slots of tokens 0 .. num_computed_tokens - 1
     accepts_written_with_commit: bool = False  # the target takes ShmWritten(commit=True)
     lease_on_watch: bool = False  # the target grants the write lease over the sender's watch connection
+    control_on_watch: bool = False  # later transfers may run their messages over that watch (shm_control)
 
 
 @dataclass(frozen=True)

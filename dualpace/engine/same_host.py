@@ -32,8 +32,18 @@ import os
 import secrets
 import socket
 import struct
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
+from dualpace.engine.shm_control import (
+    CODE_UNAVAILABLE,
+    KIND_ABANDON,
+    KIND_MESSAGE,
+    BadRecord,
+    IncomingStream,
+    ended_record,
+    split_record,
+)
 from dualpace.errors import Unavailable
 
 log = logging.getLogger(__name__)
@@ -92,6 +102,9 @@ class TicketServer:
         self._socket: socket.socket | None = None
         self._task: asyncio.Task | None = None
         self._connections: set[asyncio.Task] = set()
+        # Runs one control stream over a watch connection (dualpace.engine.shm_control); None: none taken.
+        self.stream_handler: Callable[[IncomingStream], Awaitable[None]] | None = None
+        self._finished_streams: set[bytes] = set()  # random ids: a late message starts nothing
 
     async def start(self) -> None:
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -140,27 +153,68 @@ class TicketServer:
     async def _serve_watch(self, loop: asyncio.AbstractEventLoop, connection: socket.socket) -> None:
         """The fd's caller keeps this connection as its watch, and asks for the write leases of its
         jobs over it (dualpace.engine.shm_watch_leases): `L` + ticket, answered with the verdict and
-        the ticket; `E` + ticket ends that lease. Every lease granted here ends with the connection."""
+        the ticket; `E` + ticket ends that lease. Every lease granted here ends with the connection.
+        Control streams (dualpace.engine.shm_control) go to `stream_handler`, one task each; they
+        are cancelled when the connection ends (their imports then wait for the leases' end)."""
         granted: dict[bytes, Lease] = {}
+        streams: dict[bytes, IncomingStream] = {}
+        sending = asyncio.Lock()  # replies of several streams and lease verdicts never interleave
+
+        async def send(data: bytes) -> None:
+            async with sending:
+                await loop.sock_sendall(connection, data)
+
         received = b""
+        fixed = {KIND_LEASE: REQUEST_BYTES, KIND_END: REQUEST_BYTES, KIND_ABANDON: REQUEST_BYTES}
         try:
-            while data := await loop.sock_recv(connection, 4096):
+            while data := await loop.sock_recv(connection, 65536):
                 received += data
-                while len(received) >= REQUEST_BYTES:
-                    kind, ticket = received[:1], received[1:REQUEST_BYTES]
-                    received = received[REQUEST_BYTES:]
+                while True:
+                    try:
+                        record, size = split_record(received, 1, fixed)
+                    except BadRecord:
+                        return  # not this protocol: end the connection (and its leases and streams)
+                    if record is None:
+                        break
+                    received = received[size:]
+                    kind, ticket, _, body = record
                     if kind == KIND_LEASE:
                         lease = self._grant(ticket)
                         if lease is not None:
                             granted[ticket] = lease
-                        await loop.sock_sendall(connection, (GRANTED if lease is not None else REFUSED) + ticket)
+                        await send((GRANTED if lease is not None else REFUSED) + ticket)
                     elif kind == KIND_END and (lease := granted.pop(ticket, None)) is not None:
                         lease.ended.set()
-                    elif kind != KIND_END:  # not this protocol: end the connection (and its leases)
-                        return
+                    elif kind == KIND_MESSAGE:
+                        if not self._deliver(streams, ticket, body, send):
+                            await send(ended_record(ticket, CODE_UNAVAILABLE, "no control streams here"))
+                    elif kind == KIND_ABANDON and (stream := streams.pop(ticket, None)) is not None:
+                        stream.task.cancel()
         finally:
             for lease in granted.values():
                 lease.ended.set()
+            for stream in list(streams.values()):
+                stream.task.cancel()
+
+    def _deliver(self, streams: dict[bytes, IncomingStream], stream_id: bytes, body: bytes, send) -> bool:
+        """Hand a control message to its stream, starting the stream's handler on its first one."""
+        stream = streams.get(stream_id)
+        if stream is None:
+            if self.stream_handler is None:
+                return False
+            if stream_id in self._finished_streams:
+                return True  # a late message of a stream that ended (its sender learns that from CX)
+            stream = streams[stream_id] = IncomingStream(stream_id, send)
+            stream.task = asyncio.create_task(self.stream_handler(stream))
+            stream.task.add_done_callback(lambda _: self._stream_done(streams, stream_id))
+        stream.deliver(body)
+        return True
+
+    def _stream_done(self, streams: dict[bytes, IncomingStream], stream_id: bytes) -> None:
+        streams.pop(stream_id, None)
+        if len(self._finished_streams) >= 4096:
+            self._finished_streams.clear()
+        self._finished_streams.add(stream_id)
 
     async def _accept_loop(self) -> None:
         loop = asyncio.get_running_loop()

@@ -36,6 +36,7 @@ from dataclasses import dataclass
 
 from dualpace.engine.kv_shm_protocol import ShmReservation
 from dualpace.engine.same_host import SameHostRefused, fetch_fd
+from dualpace.engine.shm_control import OutgoingStream
 from dualpace.engine.shm_segment import MappedKvSegment
 from dualpace.engine.shm_watch_leases import WatchLeases
 
@@ -72,6 +73,7 @@ class MappedPools:
         self._pools: dict[str, _Mapped] = {}
         self._locks: dict[str, asyncio.Lock] = {}
         self._num_in_use = 0
+        self._control: dict[str, tuple[str, bytes]] = {}  # target address -> its pool (socket, token)
 
     @property
     def num_mapped(self) -> int:
@@ -107,6 +109,24 @@ class MappedPools:
             raise SameHostRefused(f"no mapping of @{reservation.socket_name} to take a lease over")
         async with mapped.leases.held(reservation.import_token):
             yield
+
+    def remember_control(self, target_address: str, reservation: ShmReservation) -> None:
+        """After a transfer into that pool: the target takes control streams over its watch
+        (`reservation.control_on_watch`), so its next transfers need no gRPC stream."""
+        if reservation.control_on_watch and reservation.socket_name in self._pools:
+            self._control[target_address] = (reservation.socket_name, reservation.segment_token)
+
+    def control_stream(self, target_address: str) -> OutgoingStream | None:
+        """A control stream to the target over the watch of its mapped pool; None where there is none
+        (never mapped, the mapping dropped: its owner went away or restarted): gRPC then."""
+        route = self._control.get(target_address)
+        if route is None:
+            return None
+        mapped = self._pools.get(route[0])
+        if mapped is None or mapped.token != route[1] or mapped.leases.closed:
+            del self._control[target_address]
+            return None
+        return mapped.leases.open_stream()
 
     async def _mapping(self, reservation: ShmReservation) -> _Mapped:
         name = reservation.socket_name
@@ -148,6 +168,7 @@ class MappedPools:
         for name in list(self._pools):
             self.drop(name)
         self._locks.clear()
+        self._control.clear()
 
     def _on_watch(self, name: str, mapped: _Mapped) -> None:
         if self._pools.get(name) is not mapped:

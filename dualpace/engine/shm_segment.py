@@ -7,7 +7,8 @@ geometry, so a process that maps it needs nothing else to address its blocks.
 
 The owner (`SharedKvMemory`) is passed to KVStorage as its memory; fresh memfd pages read
 as zeros, as torch.zeros would give. A memfd has no name: it goes away with the last
-process that maps it, however that process ends.
+process that maps it, however that process ends. Both the owner's mapping and another
+process's are faulted in ahead by a background thread (dualpace.engine.shm_populate).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from dualpace.engine.kv_bytes import DTYPE_NAMES, DTYPES_BY_NAME
+from dualpace.engine.shm_populate import populate
 from dualpace.errors import InvalidArgument
 
 MAGIC = b"DPKVSEG1"
@@ -92,6 +94,7 @@ class SharedKvMemory:
             geometry.head_dim, geometry.dtype.encode(), geometry.k_offset_bytes, geometry.v_offset_bytes,
             geometry.total_bytes)
         self.fd, self.geometry, self._buffer = fd, geometry, buffer
+        populate(buffer, "this engine's shared KV pool")  # no first-touch faults in the first hand-offs
         return _tensors(buffer, geometry)
 
 
@@ -125,4 +128,5 @@ class MappedKvSegment:
                 geometry.shape, DTYPES_BY_NAME[dtype]):
             buffer.close()
             raise InvalidArgument("shm segment", f"inconsistent geometry {geometry} for {total} bytes")
+        populate(buffer, "a mapped KV pool")  # the sender's page-table entries, before its first copies
         return cls(buffer, geometry)

@@ -13,8 +13,10 @@ those of dualpace.engine.same_host, unchanged:
   connection ends (the sender died, or dropped the mapping once no copy used it); the owner
   frees a failed job's memory only after that.
 
-Everything here runs on the event loop's thread. Messages are fixed-size: requests
-`same_host.REQUEST_BYTES`, answers `same_host.ANSWER_BYTES`.
+The same connection carries control streams too (dualpace.engine.shm_control: a transfer's
+import messages without gRPC). Everything here runs on the event loop's thread. Lease messages
+are fixed-size: requests `same_host.REQUEST_BYTES`, answers `same_host.ANSWER_BYTES`; stream
+records carry their length.
 """
 
 from __future__ import annotations
@@ -23,7 +25,10 @@ import asyncio
 import contextlib
 import socket
 
-from dualpace.engine.same_host import ANSWER_BYTES, GRANTED, KIND_END, KIND_LEASE, SameHostRefused
+from dualpace.engine.same_host import ANSWER_BYTES, GRANTED, KIND_END, KIND_LEASE, REFUSED, SameHostRefused, new_ticket
+from dualpace.engine.shm_control import CODE_UNAVAILABLE, REPLY, BadRecord, OutgoingStream, split_record
+
+_VERDICTS = {GRANTED: ANSWER_BYTES, REFUSED: ANSWER_BYTES}
 
 
 class WatchLeases:
@@ -36,6 +41,7 @@ class WatchLeases:
         self._received = b""
         self._pending = b""  # bytes the socket did not take yet (it is non-blocking)
         self._writer_added = False
+        self._streams: dict[bytes, OutgoingStream] = {}  # control streams under way, by stream id
         self.closed = False
 
     def readable(self) -> bool:
@@ -50,13 +56,41 @@ class WatchLeases:
             self._refuse_waiting("the owner closed the connection")
             return False
         self._received += data
-        while len(self._received) >= ANSWER_BYTES:
-            answer, self._received = self._received[:ANSWER_BYTES], self._received[ANSWER_BYTES:]
-            verdict, ticket = answer[:len(GRANTED)], answer[len(GRANTED):]
-            waiting = self._answers.pop(ticket, None)
-            if waiting is not None and not waiting.done():
-                waiting.set_result(verdict == GRANTED)
-        return True
+        while True:
+            try:
+                record, size = split_record(self._received, len(GRANTED), _VERDICTS)
+            except BadRecord:
+                self._refuse_waiting("the owner sent something else")
+                return False
+            if record is None:
+                return True
+            self._received = self._received[size:]
+            kind, ticket, code, body = record
+            if kind in _VERDICTS:
+                waiting = self._answers.pop(ticket, None)
+                if waiting is not None and not waiting.done():
+                    waiting.set_result(kind == GRANTED)
+            elif (stream := self._streams.get(ticket)) is not None:
+                if kind == REPLY:
+                    stream.deliver(body)
+                else:
+                    stream._ended(code, body.decode("utf-8", "replace"))
+
+    def open_stream(self) -> OutgoingStream:
+        """A new control stream to the owner (dualpace.engine.shm_control)."""
+        if self.closed:
+            raise SameHostRefused("the watch connection was closed")
+        stream = OutgoingStream(new_ticket(), self._send_or_end, self._streams.pop)
+        self._streams[stream.stream_id] = stream
+        return stream
+
+    def _send_or_end(self, data: bytes) -> None:
+        """A stream's record; a broken connection ends every stream (the owner sees the end too)."""
+        try:
+            self._send(data)
+        except SameHostRefused as exc:
+            self._refuse_waiting(str(exc))
+            raise
 
     @contextlib.asynccontextmanager
     async def held(self, ticket: bytes):
@@ -102,6 +136,8 @@ class WatchLeases:
         for answer in waiting.values():
             if not answer.done():
                 answer.set_exception(SameHostRefused(f"no lease: {why}"))
+        for stream in list(self._streams.values()):
+            stream._ended(CODE_UNAVAILABLE, f"the watch connection ended: {why}")
 
     def _send(self, data: bytes) -> None:
         """Send in order; what the socket cannot take now is sent when it can (never dropped)."""

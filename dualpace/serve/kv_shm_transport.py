@@ -1,5 +1,7 @@
 """The same-host KV transport: gRPC carries the header, the slots, checksums, prepare and commit;
-the bytes go straight from this engine's pool into the target's reserved blocks.
+the bytes go straight from this engine's pool into the target's reserved blocks. Once a
+transfer has mapped the target's pool, the next ones to that target send those same messages
+over the pool's watch connection instead of a gRPC stream (dualpace.engine.shm_control).
 
 The header offers shared memory; the target answers with a reservation (it proved nothing
 yet: the sender then maps the pool it names and checks the token in its header) or with the
@@ -28,11 +30,13 @@ from dualpace.engine.migration import KvImporter
 from dualpace.engine.same_host import SameHostRefused, boot_id
 from dualpace.errors import InvalidArgument, Unavailable
 from dualpace.faults import FaultConfig
+from dualpace.serve.kv_shm_control import WatchImportCall
 from dualpace.serve.kv_transport import GrpcKvSender, _ended
 from dualpace.serve.peer_channels import PeerChannels
 from dualpace.serve.security import TlsConfig, peer_channel
 from dualpace.serve.server import channel_options
 from dualpace.wire.kv_shm_messages import kv_header_with_offer_to_pb, shm_answer_from_pb, shm_written_to_pb
+from dualpace.wire.v1 import engine_pb2
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +54,7 @@ class SameHostKvSender(GrpcKvSender):
         self.channels = channels  # None: a channel of its own per transfer
         self.declined_until = declined_until  # target address -> monotonic time; shared by the engine's senders
         self.used_shm = False  # for the caller's logs and the tests
+        self.used_watch_control = False  # the last transfer's messages went over the pool's watch, not gRPC
         self.phase_ms: dict[str, float] = {}  # the last transfer's phases, in order
         self.marks: list[tuple[str, float]] = []  # the last transfer's events (name, perf_counter s)
 
@@ -68,42 +73,57 @@ class SameHostKvSender(GrpcKvSender):
         laps = self.phase_ms = {}  # where the time of this transfer went (bench.data_plane reports it)
         self.marks = [("start", time.perf_counter())]
         lap = _lap_timer(laps, self.marks)
+        self.used_watch_control = False
+        try:
+            control = self.pools.control_stream(self.target_address)
+        except SameHostRefused:
+            control = None
+        if control is not None:  # this host, proven, pool mapped: the messages go over its watch
+            self.used_watch_control = True
+            call = WatchImportCall(control, engine_pb2.ImportKvReply.FromString)
+            self.marks.append(("stream_opened", time.perf_counter()))
+            return await self._transfer(call, header, chunks, offer, lap)
         async with self._channel() as channel:
             call = self._open_import(channel)
             self.marks.append(("stream_opened", time.perf_counter()))
-            try:
-                await self._write(call, kv_header_with_offer_to_pb(header, offer), "the header")
-                lap("header_ms")
-                answer = await self._expect_answer(call)
-                lap("reservation_ms")
-                written = None
-                if isinstance(answer, ShmDeclined):
-                    log.info("KV to %s over gRPC: %s", self.target_address, answer.reason)
-                    self.declined_until[self.target_address] = time.monotonic() + DECLINE_MEMORY_S
-                else:
-                    written = await self._write_in_place(answer, header, chunks)
-                    lap("lease_and_copy_ms")
-                if written is None:
-                    await self._send_chunks(call, chunks)
-                    lap("written_ms")
-                    engine = await self._prepare_and_commit(call)
-                else:
-                    with_commit = answer.accepts_written_with_commit
-                    if with_commit:
-                        chunks.safe_point()  # the last chance to back out (a cancelled MigrateOut): commit follows
-                        written = dataclasses.replace(written, commit=True)
-                    await self._write(call, shm_written_to_pb(written), "shm_written")
-                    self.used_shm = True
-                    lap("written_ms")
-                    # with commit: the target verified, prepared and committed on that one message
-                    engine = ((await self._expect(call, "committed")).engine if with_commit
-                              else await self._prepare_and_commit(call))
-                lap("verify_prepare_commit_ms")
-                log.debug("KV to %s: %s", self.target_address, {k: round(v, 3) for k, v in laps.items()})
-                return engine
-            except BaseException:
-                call.cancel()  # the target drops the partial import (once our write lease has ended)
-                raise
+            return await self._transfer(call, header, chunks, offer, lap)
+
+    async def _transfer(self, call, header: KvTransferHeader, chunks: OutgoingKv, offer: ShmOffer, lap) -> str:
+        """Header to committed on one import stream: a gRPC call, or a WatchImportCall."""
+        try:
+            await self._write(call, kv_header_with_offer_to_pb(header, offer), "the header")
+            lap("header_ms")
+            answer = await self._expect_answer(call)
+            lap("reservation_ms")
+            written = None
+            if isinstance(answer, ShmDeclined):
+                log.info("KV to %s over gRPC: %s", self.target_address, answer.reason)
+                self.declined_until[self.target_address] = time.monotonic() + DECLINE_MEMORY_S
+            else:
+                written = await self._write_in_place(answer, header, chunks)
+                lap("lease_and_copy_ms")
+            if written is None:
+                await self._send_chunks(call, chunks)
+                lap("written_ms")
+                engine = await self._prepare_and_commit(call)
+            else:
+                with_commit = answer.accepts_written_with_commit
+                if with_commit:
+                    chunks.safe_point()  # the last chance to back out (a cancelled MigrateOut): commit follows
+                    written = dataclasses.replace(written, commit=True)
+                await self._write(call, shm_written_to_pb(written), "shm_written")
+                self.used_shm = True
+                lap("written_ms")
+                # with commit: the target verified, prepared and committed on that one message
+                engine = ((await self._expect(call, "committed")).engine if with_commit
+                          else await self._prepare_and_commit(call))
+                self.pools.remember_control(self.target_address, answer)
+            lap("verify_prepare_commit_ms")
+            log.debug("KV to %s: %s", self.target_address, {k: round(v, 3) for k, v in self.phase_ms.items()})
+            return engine
+        except BaseException:
+            call.cancel()  # the target drops the partial import (once our write lease has ended)
+            raise
 
     @contextlib.asynccontextmanager
     async def _channel(self):

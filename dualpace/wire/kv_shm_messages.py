@@ -25,7 +25,7 @@ def shm_answer_to_pb(answer: ShmReservation | ShmDeclined) -> engine_pb2.ImportK
     return engine_pb2.ImportKvReply(shm_reserved=engine_pb2.KvShmReserved(
         socket_name=answer.socket_name, segment_token=answer.segment_token, import_token=answer.import_token,
         slot_ids=answer.slot_ids, accepts_written_with_commit=answer.accepts_written_with_commit,
-        lease_on_watch=answer.lease_on_watch))
+        lease_on_watch=answer.lease_on_watch, control_on_watch=answer.control_on_watch))
 
 
 def shm_answer_from_pb(reply: engine_pb2.ImportKvReply) -> ShmReservation | ShmDeclined | None:
@@ -37,7 +37,7 @@ def shm_answer_from_pb(reply: engine_pb2.ImportKvReply) -> ShmReservation | ShmD
         reserved = reply.shm_reserved
         return ShmReservation(reserved.socket_name, bytes(reserved.segment_token), bytes(reserved.import_token),
                               tuple(reserved.slot_ids), reserved.accepts_written_with_commit,
-                              reserved.lease_on_watch)
+                              reserved.lease_on_watch, reserved.control_on_watch)
     return None
 
 
