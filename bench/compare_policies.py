@@ -52,10 +52,8 @@ def start_system(args: argparse.Namespace, policy: str) -> list[Daemon]:
     timelines = timeline_paths(args.step_timeline_dir, policy, clear=True) if args.step_timeline_dir else {}
     daemons: list[Daemon] = []
     try:
-        # The stand-in GPU is a CPU core: a long prefill step may outlast the 5 s default stage timeout,
-        # which would end gated joins waiting for it (a local redo), so both sides get 120 s.
-        gpu = start_daemon("gpu_service", *common, "--name", "gpu", "--kv-blocks", str(args.gpu_kv_blocks),
-                           "--assist-stage-timeout-s", "120", cpu_cores="0", step_timeline=timelines.get("gpu"))
+        gpu = start_daemon("gpu_service", *common, *gpu_service_flags(args, policy), cpu_cores="0",
+                           step_timeline=timelines.get("gpu"))
         daemons.append(gpu)
         router_flags = ["serve", "--gpu", gpu.address, "--policy", policy, "--model", args.model]
         if policy != "gpu-only":
@@ -65,7 +63,7 @@ def start_system(args: argparse.Namespace, policy: str) -> list[Daemon]:
                                cpu_cores="1", step_timeline=timelines.get("cpu"))
             daemons.append(cpu)
             router_flags += ["--cpu", cpu.address]
-        router_flags += profile
+        router_flags += [*profile, *router_queue_flags(args)]
         if args.admission_itl_target_ms is not None:
             router_flags += ["--itl-target-ms", str(args.admission_itl_target_ms)]
         daemons.append(start_daemon("router", *router_flags))
@@ -73,6 +71,30 @@ def start_system(args: argparse.Namespace, policy: str) -> list[Daemon]:
         stop_system(daemons)
         raise
     return daemons
+
+
+def gpu_service_flags(args: argparse.Namespace, policy: str) -> list[str]:
+    """gpu_service's own flags for one policy's run.
+
+    The stand-in GPU is a CPU core: a long prefill step may outlast the 5 s default stage timeout,
+    which would end gated joins waiting for it (a local redo), so both sides get 120 s. Under
+    `gated` the join's per-layer wait floor is raised too (--gated-join-layer-wait-ms): NEO has no
+    local fallback, and on a shared 2-core host a CPU engine descheduled for more than the 50 ms
+    default dropped joins and sent gated into local iterations (session 8, run 1). dualpace keeps
+    the server's default: dropping a late join and redoing it locally is its design."""
+    flags = ["--name", "gpu", "--kv-blocks", str(args.gpu_kv_blocks), "--assist-stage-timeout-s", "120"]
+    if policy == "gated" and args.gated_join_layer_wait_ms is not None:
+        flags += ["--assist-join-min-layer-wait-ms", f"{args.gated_join_layer_wait_ms:g}"]
+    return flags
+
+
+def router_queue_flags(args: argparse.Namespace) -> list[str]:
+    """How long the router lets a request wait for room (its --ttft-target-ms): by default as long
+    as the load generator waits for it (--timeout-s), for every policy. vLLM queues without a time
+    limit; the router's 30 s default refused 10 of 24 gpu-only requests at 4 req/s on a loaded host
+    (session 8, run 1), which is a limit of the bench's router, not of the policy."""
+    queue_s = args.timeout_s if args.router_queue_timeout_s is None else args.router_queue_timeout_s
+    return ["--ttft-target-ms", f"{1000 * queue_s:g}"] if queue_s > 0 else []
 
 
 def stop_system(daemons: list[Daemon]) -> None:
@@ -185,10 +207,13 @@ def write_reports(report: dict, json_path: Path, itl_target_ms: float) -> str:
     return table + "\n\n" + points + (f"\n\nno plot: {problem}" if problem else f"\n\nplot: {png}")
 
 
-def sim_config(config: dict, policy: str, engine_overhead_ms: float = 0.0):
+def sim_config(config: dict, policy: str, engine_overhead_ms: float = 0.0, assist_device_hold: str = "cooperative"):
     """The simulator's configuration of the deployment start_system starts: the engine daemons'
     scheduler defaults (512 tokens, 64 sequences per step), the same KV pools, the router's
-    ITL target."""
+    ITL target, and Dense Assist as the daemons run it: "cooperative" (gated: every CPU iteration
+    inside a GPU step, cpu_service's default `--gated-hold join`; dualpace: joins where they pay).
+    The simulator's own default ("layer") holds the GPU through a gated CPU iteration, the legacy
+    `--gated-hold held`; the session-8 rerun found its gated rows simulating that instead."""
     from dualpace.engine.scheduler import SchedulerConfig
     from dualpace.policy.views import Policy
     from profiles.sim import SimConfig
@@ -197,7 +222,7 @@ def sim_config(config: dict, policy: str, engine_overhead_ms: float = 0.0):
     return SimConfig(policy=Policy(policy), gpu_scheduler=step, cpu_scheduler=step,
                      itl_target_ms=config.get("admission_itl_target_ms"),
                      gpu_kv_blocks=config["gpu_kv_blocks"], cpu_kv_blocks=config["cpu_kv_blocks"],
-                     engine_overhead_ms=engine_overhead_ms)
+                     engine_overhead_ms=engine_overhead_ms, assist_device_hold=assist_device_hold)
 
 
 def _run_specs(config: dict, rate: float, trace_dir: str | None) -> list:
@@ -335,6 +360,12 @@ def main(argv: list[str] | None = None) -> int:
                         help="the router's --itl-target-ms (admission and migration ITL target); unset: capacity rules")
     parser.add_argument("--cpu-assist", default="auto", choices=["auto", "never", "always"],
                         help="cpu_service --assist (dualpace policy; e.g. never: no Dense Assist probes)")
+    parser.add_argument("--router-queue-timeout-s", type=float, default=None,
+                        help="the router's queue timeout (its --ttft-target-ms); default --timeout-s; 0: the "
+                             "router's own default (30 s)")
+    parser.add_argument("--gated-join-layer-wait-ms", type=float, default=1000.0,
+                        help="gated only: gpu_service --assist-join-min-layer-wait-ms (how long a GPU step waits "
+                             "for a join's attention of one layer before it drops the join)")
     parser.add_argument("--step-timeline-dir", default=None, metavar="DIR",
                         help="engines write DIR/<policy>_<engine>.jsonl; bench.cooperative_timeline checks them")
     parser.add_argument("--trace-dir", default=None,

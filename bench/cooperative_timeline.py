@@ -9,7 +9,8 @@
    `--policy dualpace` local and staged iterations are allowed; the cooperative ones are checked.
 2. **The GPU is not idle while the CPU attends**: the GPU's wait on the CPU (Σ `gpu_wait_ns` of GPU
    steps with own rows and joins) over the CPU's attention time of the joins in those steps
-   (Σ `attention_ns`); target below 5%. The held gated baseline is 100% by construction.
+   (Σ `attention_ns`); target below 5%. The held gated baseline is 100% by construction. Also
+   reported: the same wait over those GPU steps' length (how much of the GPU's time it idled).
 
 Beside the verdict it reports the intervals: how long a CPU iteration waited for its GPU step to
 begin, the GPU step's length, and the tail after the GPU step until the CPU iteration ended.
@@ -47,6 +48,7 @@ class TimelineCheck:
     num_unclaimed_joins: int = 0  # GPU joins no CPU record claims (a dropped join, a lost record)
     gpu_wait_ns: int = 0
     cpu_attention_ns: int = 0
+    gpu_step_ns: int = 0  # Σ length of the GPU steps point 2 counts (own rows and joins)
     wait_and_attention_ns_by_how: dict = field(default_factory=dict)  # how -> [Σ GPU wait, Σ CPU attention]
     join_wait_s: list[float] = field(default_factory=list)  # CPU iteration start -> its GPU step start
     gpu_step_s: list[float] = field(default_factory=list)
@@ -60,6 +62,11 @@ class TimelineCheck:
     @property
     def wait_share(self) -> float | None:
         return self.gpu_wait_ns / self.cpu_attention_ns if self.cpu_attention_ns > 0 else None
+
+    @property
+    def wait_share_of_steps(self) -> float | None:
+        """The same wait over those GPU steps' own length: the part of the GPU's time it stood idle."""
+        return self.gpu_wait_ns / self.gpu_step_ns if self.gpu_step_ns > 0 else None
 
     @property
     def gpu_not_idle(self) -> bool:
@@ -88,6 +95,8 @@ class TimelineCheck:
             "gpu_wait_ms": round(self.gpu_wait_ns / 1e6, 3),
             "cpu_attention_ms": round(self.cpu_attention_ns / 1e6, 3),
             "gpu_wait_share": None if share is None else round(share, 4),
+            "gpu_step_ms": round(self.gpu_step_ns / 1e6, 3),
+            "gpu_wait_share_of_steps": None if self.wait_share_of_steps is None else round(self.wait_share_of_steps, 4),
             "gpu_wait_share_by_how": {how: round(wait / attention, 4) if attention else None
                                       for how, (wait, attention) in sorted(self.wait_and_attention_ns_by_how.items())},
             "max_wait_share": self.max_wait_share,
@@ -156,6 +165,7 @@ def check_timelines(gpu_records: list[StepRecord], cpu_records: list[StepRecord]
         if gpu.num_own_rows > 0:  # a step of remote rows alone has nothing to overlap with
             check.gpu_wait_ns += gpu.gpu_wait_ns
             check.cpu_attention_ns += attention_ns
+            check.gpu_step_ns += gpu.duration_ns
             totals = check.wait_and_attention_ns_by_how.setdefault(gpu.how or "unsaid", [0, 0])
             totals[0] += gpu.gpu_wait_ns
             totals[1] += attention_ns
@@ -201,6 +211,8 @@ def format_report(check: TimelineCheck) -> str:
         f"[{verdict(check.gpu_not_idle)}] GPU wait / CPU attention: {s['gpu_wait_ms']} / "
         f"{s['cpu_attention_ms']} ms = {share}",
         *(f"    {how}: {'-' if value is None else f'{100 * value:.2f}%'}" for how, value in s["gpu_wait_share_by_how"].items()),
+        *([f"    the wait is {100 * s['gpu_wait_share_of_steps']:.2f}% of those GPU steps' {s['gpu_step_ms']} ms"]
+          if s["gpu_wait_share_of_steps"] is not None else []),
     ]
     for key, label in (("join_wait", "CPU iteration start -> GPU step start"), ("gpu_step", "GPU step"),
                        ("tail_after_gpu_step", "GPU step end -> CPU iteration end")):

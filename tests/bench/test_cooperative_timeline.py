@@ -45,6 +45,9 @@ def test_a_clean_gated_run_passes_and_reports_intervals():
     summary = check.summary()
     assert summary["num_cpu_matched"] == 4 and summary["num_unclaimed_joins"] == 0
     assert summary["gpu_wait_share"] == pytest.approx(0.02)
+    assert summary["gpu_step_ms"] == 160.0  # four 40 ms GPU steps
+    assert summary["gpu_wait_share_of_steps"] == pytest.approx(0.8 / 160)
+    assert "0.50% of those GPU steps' 160.0 ms" in format_report(check)
     assert summary["join_wait"]["p50_ms"] == 2.0  # CPU iteration began 2 ms before its GPU step
     assert summary["tail_after_gpu_step"]["max_ms"] == 3.0
     assert summary["cpu_decode_iterations_by_mode"] == {"cooperative": 4}

@@ -31,6 +31,7 @@ def test_sim_config_mirrors_the_started_deployment():
     assert config.cpu_scheduler.max_running == 64
     assert (config.gpu_kv_blocks, config.cpu_kv_blocks, config.itl_target_ms, config.engine_overhead_ms) == \
         (8, 64, 80.0, 1.5)
+    assert config.assist_device_hold == "cooperative"  # gated as the daemons run it (joins), not held
 
 
 @pytest.mark.parametrize("with_trace", [False, True])
