@@ -278,7 +278,7 @@ int linear_any(const T* x, int64_t M, int64_t ldx, const WeightDesc& w, const Ep
   }
 #if DP_HAS_QUANT
   std::vector<char> prepared(static_cast<size_t>(dp_quant::prepare_bytes(w, M)));
-  dp_quant::prepare(w, xf, M, ldf, prepared.data());
+  dp_quant::prepare(w, xf, M, ldf, prepared.data(), sizeof(T) == 2);  // fp32 compute: batch-invariant
   for_row_chunks(M, N, K, [&](int64_t n0, int64_t n1) { quant_rows(w, xf, M, ldf, prepared.data(), n0, n1, ep); });
   return 0;
 #else
@@ -706,7 +706,7 @@ int decode_layers_staged(T* hidden, const LayerArgs* layers, int64_t num_layers,
     auto fp32_in = [&](const T* in) { return sizeof(T) == 2 ? xf : reinterpret_cast<const float*>(in); };
     auto prepare = [&](const T* in, int64_t ld_in, const WeightDesc& w) {
 #if DP_HAS_QUANT
-      if (!is_dense(w)) dp_quant::prepare(w, fp32_in(in), M, sizeof(T) == 2 ? w.K : ld_in, prepared);
+      if (!is_dense(w)) dp_quant::prepare(w, fp32_in(in), M, sizeof(T) == 2 ? w.K : ld_in, prepared, sizeof(T) == 2);
 #endif
     };
     auto chunk = [&](const T* in, int64_t ld_in, const WeightDesc& w, const Epilogue<T>& ep) {

@@ -514,14 +514,19 @@ inline int64_t prepare_bytes(const WeightDesc& w, int64_t M) {
 }
 
 // Quantizes x as the mode in force asks and writes that mode into the header for rows().
-inline void prepare(const WeightDesc& w, const float* x, int64_t M, int64_t ldx, void* prepared) {
+// fp32_switch: whether the int16 mode may compute in fp32 from fp32_min_rows() rows. The engine
+// passes false for fp32 compute: the switch changes the activations' arithmetic at a batch size, so
+// a row's output would depend on how many rows share its call (tests/model/test_batch_invariance.py);
+// bf16 compute is not batch-invariant anyway (its AMX tiles start at 4 rows) and takes the speed.
+inline void prepare(const WeightDesc& w, const float* x, int64_t M, int64_t ldx, void* prepared,
+                    bool fp32_switch = true) {
   uint8_t* out = static_cast<uint8_t*>(prepared);
   int32_t mode = activation_mode();
   uint8_t* body = out + PREPARED_HEADER_BYTES;
   if (mode == ACT_INT16_SPLIT && w.format == DP_W_Q8_0) {
     mode = PREPARED_Q8_SPLIT;
     for (int64_t m = 0; m < M; ++m) quantize_row_split(x + m * ldx, w.K, body + m * split_row_bytes(w.K));
-  } else if ((mode == ACT_INT16 || mode == ACT_INT16_SPLIT) && M >= fp32_min_rows()) {
+  } else if ((mode == ACT_INT16 || mode == ACT_INT16_SPLIT) && fp32_switch && M >= fp32_min_rows()) {
     mode = ACT_FP32;  // AVX-512: the fp32 tiles beat the int16 ones on compute-bound batches
   } else if (mode == ACT_INT16 || mode == ACT_INT16_SPLIT) {
     mode = ACT_INT16;
