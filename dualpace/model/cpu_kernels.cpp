@@ -806,8 +806,12 @@ int decode_layers_staged(T* hidden, const LayerArgs* layers, int64_t num_layers,
   std::vector<char> prepared_buf(static_cast<size_t>(prepared_bytes));
   char* const prepared = prepared_buf.data();
   // The next AMX matrix's x packed for B tiles (amx_pack), by the same single-task stages.
+#if defined(DP_AMX_BUILT)
   std::vector<bf16> amx_buf(any_amx ? static_cast<size_t>(amx_pack_elems(M, widest)) : 0);
   bf16* const amx_pack_out = amx_buf.data();
+#else
+  (void)any_amx;
+#endif
   std::atomic<int> failed{0};
   run_stages(begin, [&](int64_t stage, int64_t task) {
     const LayerArgs& a = layers[std::min(stage / STAGES, num_layers - 1)];
