@@ -227,6 +227,32 @@ bool amx_applies(const WeightDesc& w, int64_t M) {
          w.K % 32 == 0 && amx_on();
 }
 
+// C blocks ([rows of W][ldc], x rows from m0) through the epilogue: 16 W rows of one x row at a
+// time, gathered from the block's column, bias and residual added as 16-lane vectors.
+template <class EP>
+inline void store_tiles(const EP& ep, const float* c, int64_t ldc, int64_t m0, int64_t m_end, int64_t n0,
+                        int64_t num_rows) {
+  const __m512i column = _mm512_mullo_epi32(_mm512_set1_epi32(static_cast<int>(ldc)),
+                                            _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
+  auto widen16 = [](const bf16* p) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
+  };
+  for (int64_t r0 = 0; r0 < num_rows; r0 += 16) {
+    const int64_t n = n0 + r0;
+    const __m512 bias = ep.bias ? widen16(ep.bias + n) : _mm512_setzero_ps();
+    for (int64_t m = m0; m < m_end; ++m) {
+      __m512 v = _mm512_add_ps(_mm512_i32gather_ps(column, c + r0 * ldc + (m - m0), 4), bias);
+      if (ep.residual) v = _mm512_add_ps(v, widen16(ep.residual + m * ep.ld_residual + n));
+      if (ep.out_fp32) {
+        _mm512_storeu_ps(static_cast<float*>(ep.out) + m * ep.ld_out + n, v);
+      } else {
+        const __m256bh h = _mm512_cvtneps_pbh(v);  // round to nearest even, as f2bf
+        std::memcpy(static_cast<bf16*>(ep.out) + m * ep.ld_out + n, &h, 32);
+      }
+    }
+  }
+}
+
 // W rows [n_begin, n_end) against all M rows of x on AMX tiles (xpack: x packed by amx_pack);
 // the last n_end - n_begin mod 16 rows on the vdpbf16ps GEMV.
 template <class EP>
@@ -248,8 +274,7 @@ __attribute__((target("amx-tile,amx-bf16"))) void rows_amx(const bf16* xpack, co
         else if (mbs == 2) amx_block<1, 2>(w, ldw, n, pf_end, K, xpack, mb, c);
         else amx_block<1, 1>(w, ldw, n, pf_end, K, xpack, mb, c);
         const int64_t m_end = std::min(M, 16 * (mb + mbs)), ldc = 16 * mbs;
-        for (int64_t r = 0; r < 16 * nb; ++r)
-          for (int64_t m = 16 * mb; m < m_end; ++m) ep.store(m, n + r, c[r * ldc + m - 16 * mb]);
+        store_tiles(ep, c, ldc, 16 * mb, m_end, n, 16 * nb);
       }
       n += 16 * nb;
     }
