@@ -1,7 +1,8 @@
 """The whole decode step of a CPU model in one kernel call (dp_decode_layers_* in cpu_kernels.cpp).
 
-All decoder layers of a decode-only step of at most `max_rows` sequences (LINEAR_MAX_ROWS when a
-matrix is a dense tensor of the compute dtype, which oneDNN takes beyond that; MIXED_MAX_ROWS when
+All decoder layers of a decode-only step of at most `max_rows` sequences (Kernels.dense_max_rows when a
+matrix is a dense tensor of the compute dtype, which oneDNN takes beyond that: LINEAR_MAX_ROWS, or
+AMX_MAX_ROWS for bf16 where the kernels run AMX tiles; MIXED_MAX_ROWS when
 every matrix is block-quantized or of another dtype than the activations, where the per-stage
 path would run the same GEMV kernels, only with ~10 calls and parallel regions per layer): per layer
 RMSNorm, QKV (+bias), RoPE, KV write, paged attention, O + residual, RMSNorm, gate/up, SiLU*up,
@@ -20,7 +21,7 @@ import ctypes
 
 import torch
 
-from dualpace.model.cpu_kernels import LINEAR_MAX_ROWS, MIXED_MAX_ROWS, Kernels, WeightDescC, weight_desc
+from dualpace.model.cpu_kernels import MIXED_MAX_ROWS, Kernels, WeightDescC, weight_desc
 
 _i64, _f32, _ptr = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
 
@@ -82,7 +83,7 @@ class FusedDecode:
         self._fn = kernels.lib.dp_decode_layers_bf16 if self.dtype == torch.bfloat16 else kernels.lib.dp_decode_layers_f32
         same_dtype_dense = any(isinstance(m, torch.Tensor) and m.dtype == self.dtype
                                for layer in model.weights.layers for m in (getattr(layer, n) for n in _MATRICES))
-        self.max_rows = LINEAR_MAX_ROWS if same_dtype_dense else MIXED_MAX_ROWS
+        self.max_rows = kernels.dense_max_rows(self.dtype) if same_dtype_dense else MIXED_MAX_ROWS
         self._lm_head = model.weights.lm_head
         final_norm, head = model.weights.final_norm, weight_desc(model.weights.lm_head)
         self._head = None

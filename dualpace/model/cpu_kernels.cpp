@@ -28,6 +28,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "cpu_amx.h"
 #include "cpu_attention.h"
 #include "cpu_bf16dot.h"
 #include "cpu_simd.h"
@@ -139,9 +140,15 @@ inline int64_t chunk_rows(int64_t M, int64_t N, int threads) {
   return tiles_per_chunk * NR;
 }
 
+// W rows per chunk on AMX tiles: chunk_rows rounded up to whole 32-row blocks.
+inline int64_t amx_chunk_rows(int64_t M, int64_t N, int threads) {
+  return (chunk_rows(M, N, threads) + 31) / 32 * 32;
+}
+
 template <typename Fn>
-void for_row_chunks(int64_t M, int64_t N, int64_t K, Fn&& fn) {
-  const int64_t rows_per_chunk = chunk_rows(M, N, omp_get_max_threads());
+void for_row_chunks(int64_t M, int64_t N, int64_t K, Fn&& fn, bool amx = false) {
+  const int threads = omp_get_max_threads();
+  const int64_t rows_per_chunk = amx ? amx_chunk_rows(M, N, threads) : chunk_rows(M, N, threads);
   const int64_t num_chunks = (N + rows_per_chunk - 1) / rows_per_chunk;
   // Small products stay on the calling thread: a parallel region costs a few microseconds, and
   // when several threads of one process run kernels at once (a server beside its client) their
@@ -203,6 +210,90 @@ void rows_bf16dot(const bf16* x, int64_t M, int64_t ldx, int64_t K, const bf16* 
 #else
 #define DP_BF16DOT_ON 0
 #endif
+
+#if defined(DP_AMX_BUILT)
+// From this many rows of x, bf16 x bf16 products run on AMX tiles (where amx_on()); below, the
+// vdpbf16ps GEMV (docs/perf.md, "Intel Xeon with AMX"). dp_amx_set_min_rows changes it (tests).
+constexpr int64_t AMX_MIN_ROWS = 4;
+inline std::atomic<int64_t>& amx_min_rows() {
+  static std::atomic<int64_t> rows{AMX_MIN_ROWS};
+  return rows;
+}
+
+template <typename T>
+bool amx_applies(const WeightDesc& w, int64_t M) {
+  return std::is_same_v<T, bf16> && w.format == DP_W_BF16 && M >= amx_min_rows().load(std::memory_order_relaxed) &&
+         w.K % 32 == 0 && amx_on();
+}
+
+// C blocks ([rows of W][ldc], x rows from m0) through the epilogue: 16 W rows of one x row at a
+// time, gathered from the block's column, bias and residual added as 16-lane vectors.
+template <class EP>
+inline void store_tiles(const EP& ep, const float* c, int64_t ldc, int64_t m0, int64_t m_end, int64_t n0,
+                        int64_t num_rows) {
+  const __m512i column = _mm512_mullo_epi32(_mm512_set1_epi32(static_cast<int>(ldc)),
+                                            _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
+  auto widen16 = [](const bf16* p) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
+  };
+  for (int64_t r0 = 0; r0 < num_rows; r0 += 16) {
+    const int64_t n = n0 + r0;
+    const __m512 bias = ep.bias ? widen16(ep.bias + n) : _mm512_setzero_ps();
+    for (int64_t m = m0; m < m_end; ++m) {
+      __m512 v = _mm512_add_ps(_mm512_i32gather_ps(column, c + r0 * ldc + (m - m0), 4), bias);
+      if (ep.residual) v = _mm512_add_ps(v, widen16(ep.residual + m * ep.ld_residual + n));
+      if (ep.out_fp32) {
+        _mm512_storeu_ps(static_cast<float*>(ep.out) + m * ep.ld_out + n, v);
+      } else {
+        const __m256bh h = _mm512_cvtneps_pbh(v);  // round to nearest even, as f2bf
+        std::memcpy(static_cast<bf16*>(ep.out) + m * ep.ld_out + n, &h, 32);
+      }
+    }
+  }
+}
+
+// W rows [n_begin, n_end) against all M rows of x on AMX tiles (xpack: x packed by amx_pack);
+// the last n_end - n_begin mod 16 rows on the vdpbf16ps GEMV.
+template <class EP>
+__attribute__((target("amx-tile,amx-bf16"))) void rows_amx(const bf16* xpack, const bf16* x, int64_t ldx, int64_t M,
+                                                          int64_t K, const bf16* w, int64_t ldw, int64_t n_begin,
+                                                          int64_t n_end, const EP& ep) {
+  const int64_t num_mb = (M + 15) / 16;
+  alignas(64) float c[32 * 32];
+  int64_t n = n_begin;
+  if (n + 16 <= n_end) {
+    amx_configure();
+    while (n + 16 <= n_end) {
+      const int nb = n + 32 <= n_end ? 2 : 1;
+      for (int64_t mb = 0; mb < num_mb; mb += 2) {
+        const int mbs = mb + 2 <= num_mb ? 2 : 1;
+        const int64_t pf_end = mb + mbs >= num_mb ? n_end : n;  // prefetch the next W block on the last pass
+        if (nb == 2 && mbs == 2) amx_block<2, 2>(w, ldw, n, pf_end, K, xpack, mb, c);
+        else if (nb == 2) amx_block<2, 1>(w, ldw, n, pf_end, K, xpack, mb, c);
+        else if (mbs == 2) amx_block<1, 2>(w, ldw, n, pf_end, K, xpack, mb, c);
+        else amx_block<1, 1>(w, ldw, n, pf_end, K, xpack, mb, c);
+        const int64_t m_end = std::min(M, 16 * (mb + mbs)), ldc = 16 * mbs;
+        store_tiles(ep, c, ldc, 16 * mb, m_end, n, 16 * nb);
+      }
+      n += 16 * nb;
+    }
+    amx_release();
+  }
+  if (n < n_end) rows_bf16dot(x, M, ldx, K, w, ldw, n, n_end, ep);
+}
+#endif
+
+// Whether a product of M rows of x (element type T) with w runs on AMX tiles here.
+template <typename T>
+bool use_amx(const WeightDesc& w, int64_t M) {
+#if defined(DP_AMX_BUILT)
+  return amx_applies<T>(w, M);
+#else
+  (void)w;
+  (void)M;
+  return false;
+#endif
+}
 
 // x as fp32 rows: itself for fp32, else converted once per call into a per-thread buffer.
 template <typename T>
@@ -272,6 +363,20 @@ int linear_any(const T* x, int64_t M, int64_t ldx, const WeightDesc& w, const Ep
   const bool bf16dot = std::is_same_v<T, bf16> && w.format == DP_W_BF16 && DP_BF16DOT_ON;
   int64_t ldf = 0;
   const float* xf = bf16dot ? nullptr : fp32_rows(x, M, ldx, K, &ldf);
+#if defined(DP_AMX_BUILT)
+  if constexpr (std::is_same_v<T, bf16>) {
+    if (amx_applies<T>(w, M)) {
+      thread_local std::vector<bf16> pack;
+      if (static_cast<int64_t>(pack.size()) < amx_pack_elems(M, K)) pack.resize(amx_pack_elems(M, K));
+      amx_pack(x, M, ldx, K, pack.data());
+      const bf16* xpack = pack.data();
+      const bf16* wd = static_cast<const bf16*>(w.data);
+      for_row_chunks(M, N, K, [&](int64_t n0, int64_t n1) { rows_amx(xpack, x, ldx, M, K, wd, w.row_bytes / 2, n0, n1, ep); },
+                     true);
+      return 0;
+    }
+  }
+#endif
   if (w.format == DP_W_F32 || w.format == DP_W_BF16) {
     for_row_chunks(M, N, K, [&](int64_t n0, int64_t n1) { dense_rows(x, ldx, xf, ldf, M, w, n0, n1, ep); });
     return 0;
@@ -384,6 +489,30 @@ int dp_variant_supported() {
 }
 
 int dp_weight_format_supported(int32_t format) { return format_supported(format) ? 1 : 0; }
+
+// AMX tiles for bf16 x bf16 products of AMX_MIN_ROWS+ rows: 1 to allow (the default), 0 to turn
+// them off, another value leaves it; returns 1 when they run from now on (built into this
+// variant, amx_bf16 on the CPU, tile data permitted to the process), else 0.
+int dp_amx_set_enabled(int enable) {
+#if defined(DP_AMX_BUILT)
+  if (enable == 0 || enable == 1) amx_enabled_flag().store(enable);
+  return amx_on() ? 1 : 0;
+#else
+  (void)enable;
+  return 0;
+#endif
+}
+
+// The fewest rows of x that run on AMX tiles: set to `rows` when it is >= 1; returns the value
+// in force before the call (0 in a build without AMX tiles).
+int64_t dp_amx_min_rows(int64_t rows) {
+#if defined(DP_AMX_BUILT)
+  return rows >= 1 ? amx_min_rows().exchange(rows) : amx_min_rows().load();
+#else
+  (void)rows;
+  return 0;
+#endif
+}
 
 // quant_gemv.h's activation arithmetic for block formats (0 fp32, 1 int16, 2 int8, 3 int16-split;
 // another value leaves it); returns the mode in force, -1 in a build without quant_gemv.h.
@@ -659,6 +788,7 @@ int decode_layers_staged(T* hidden, const LayerArgs* layers, int64_t num_layers,
   const int threads = omp_get_max_threads();
   std::vector<int64_t> begin(1, 0), rows_per_chunk(head_stage + 2, 0);
   int64_t widest = 0, prepared_bytes = 0;
+  bool any_amx = false;
   for (int64_t i = 0; i < num_layers; ++i) {
     const LayerArgs& a = layers[i];
     for (int64_t m = 0; m < M; ++m)
@@ -672,7 +802,9 @@ int decode_layers_staged(T* hidden, const LayerArgs* layers, int64_t num_layers,
     for (int64_t s = 0; s < STAGES; ++s) {
       int64_t tasks = s == 3 ? M : 1;  // attention: one task per sequence
       if (mats[s] != nullptr) {
-        rows_per_chunk[i * STAGES + s] = chunk_rows(M, mats[s]->N, threads);
+        const bool amx = use_amx<T>(*mats[s], M);
+        any_amx = any_amx || amx;
+        rows_per_chunk[i * STAGES + s] = amx ? amx_chunk_rows(M, mats[s]->N, threads) : chunk_rows(M, mats[s]->N, threads);
         tasks = (mats[s]->N + rows_per_chunk[i * STAGES + s] - 1) / rows_per_chunk[i * STAGES + s];
         widest = std::max(widest, mats[s]->K);
       }
@@ -684,7 +816,9 @@ int decode_layers_staged(T* hidden, const LayerArgs* layers, int64_t num_layers,
 #if DP_HAS_QUANT
     if (!is_dense(w)) prepared_bytes = std::max(prepared_bytes, dp_quant::prepare_bytes(w, M));
 #endif
-    rows_per_chunk[head_stage + 1] = chunk_rows(M, w.N, threads);
+    const bool amx = use_amx<T>(w, M);
+    any_amx = any_amx || amx;
+    rows_per_chunk[head_stage + 1] = amx ? amx_chunk_rows(M, w.N, threads) : chunk_rows(M, w.N, threads);
     widest = std::max(widest, w.K);
     begin.push_back(begin.back() + 1);
     begin.push_back(begin.back() + (w.N + rows_per_chunk[head_stage + 1] - 1) / rows_per_chunk[head_stage + 1]);
@@ -695,6 +829,13 @@ int decode_layers_staged(T* hidden, const LayerArgs* layers, int64_t num_layers,
   // once every task of the earlier ones is done.
   std::vector<char> prepared_buf(static_cast<size_t>(prepared_bytes));
   char* const prepared = prepared_buf.data();
+  // The next AMX matrix's x packed for B tiles (amx_pack), by the same single-task stages.
+#if defined(DP_AMX_BUILT)
+  std::vector<bf16> amx_buf(any_amx ? static_cast<size_t>(amx_pack_elems(M, widest)) : 0);
+  bf16* const amx_pack_out = amx_buf.data();
+#else
+  (void)any_amx;
+#endif
   std::atomic<int> failed{0};
   run_stages(begin, [&](int64_t stage, int64_t task) {
     const LayerArgs& a = layers[std::min(stage / STAGES, num_layers - 1)];
@@ -705,12 +846,23 @@ int decode_layers_staged(T* hidden, const LayerArgs* layers, int64_t num_layers,
     const int64_t rows = rows_per_chunk[stage];
     auto fp32_in = [&](const T* in) { return sizeof(T) == 2 ? xf : reinterpret_cast<const float*>(in); };
     auto prepare = [&](const T* in, int64_t ld_in, const WeightDesc& w) {
+#if defined(DP_AMX_BUILT)
+      if constexpr (std::is_same_v<T, bf16>)
+        if (use_amx<T>(w, M)) amx_pack(in, M, ld_in, w.K, amx_pack_out);
+#endif
 #if DP_HAS_QUANT
       if (!is_dense(w)) dp_quant::prepare(w, fp32_in(in), M, sizeof(T) == 2 ? w.K : ld_in, prepared, sizeof(T) == 2);
 #endif
     };
     auto chunk = [&](const T* in, int64_t ld_in, const WeightDesc& w, const Epilogue<T>& ep) {
       const int64_t ldf = sizeof(T) == 2 ? w.K : ld_in, n0 = task * rows, n1 = std::min(w.N, (task + 1) * rows);
+#if defined(DP_AMX_BUILT)
+      if constexpr (std::is_same_v<T, bf16>)
+        if (use_amx<T>(w, M)) {
+          rows_amx(amx_pack_out, in, ld_in, M, w.K, static_cast<const bf16*>(w.data), w.row_bytes / 2, n0, n1, ep);
+          return;
+        }
+#endif
       if (is_dense(w)) {
         dense_rows(in, ld_in, fp32_in(in), ldf, M, w, n0, n1, ep);
         return;

@@ -42,6 +42,11 @@ LINEAR_MAX_ROWS = 8
 # rows; beyond, the matrix is widened to fp32 once per call for oneDNN (crossover between 32 and 64
 # rows on the AVX2 Zen 3 machine, docs/perf.md).
 MIXED_MAX_ROWS = 32
+# bf16 x and bf16 matrices where the kernels run AMX tiles (amx_bf16 CPU, tile data permitted):
+# the kernel up to this many rows (its AMX tiles from dp_amx_min_rows() rows), oneDNN beyond.
+# Per call on the Intel Xeon with AMX, ours against oneDNN (itself on AMX at every M there):
+# 0.4-0.6x its time at 8-32 rows, even at 64, 1.3x at 128, 2.6x at 512 (docs/perf.md).
+AMX_MAX_ROWS = 32
 FORMAT_F32, FORMAT_BF16 = 0, 30  # kernel_weights.h (GGML type ids)
 
 _i64 = ctypes.c_int64
@@ -62,6 +67,8 @@ _SIGNATURES = {
     "dp_variant_supported": ([], ctypes.c_int),
     "dp_weight_format_supported": ([_i32], ctypes.c_int),
     "dp_quant_set_activations": ([_i32], _i32),
+    "dp_amx_set_enabled": ([ctypes.c_int], ctypes.c_int),
+    "dp_amx_min_rows": ([_i64], _i64),
     "dp_linear_bf16": ([_ptr, _i64, _i64, _desc_p, _ptr, _ptr, _i64, _ptr, _i64, ctypes.c_int], ctypes.c_int),
     "dp_linear_f32": ([_ptr, _i64, _i64, _desc_p, _ptr, _ptr, _i64, _ptr, _i64, ctypes.c_int], ctypes.c_int),
     "dp_decode_layers_bf16": ([_ptr, _ptr, _i64, _ptr], ctypes.c_int),
@@ -127,6 +134,7 @@ def load_variant(name: str) -> Kernels | None:
             fn.restype = restype
         if lib.dp_variant_supported():
             kernels = Kernels(lib, name)
+            _log_amx(kernels)
         else:
             log.warning("CPU kernels (%s) do not run on this CPU", name)
     except (OSError, subprocess.CalledProcessError) as exc:
@@ -134,6 +142,22 @@ def load_variant(name: str) -> Kernels | None:
         log.warning("CPU kernels (%s) unavailable, using torch ops: %s", name, detail.strip()[:500])
     _loaded[name] = kernels
     return kernels
+
+
+def _amx_requested() -> bool:
+    return os.environ.get("DUALPACE_CPU_AMX", "1").strip().lower() not in ("0", "false", "off")
+
+
+def _log_amx(kernels: Kernels) -> None:
+    """Logs once per variant loaded whether bf16 products of several rows run on AMX tiles."""
+    if kernels.amx:
+        log.info("CPU kernels (%s): AMX-BF16 tiles for bf16 products of %d-%d rows", kernels.variant,
+                 kernels.lib.dp_amx_min_rows(0), AMX_MAX_ROWS)
+    elif "amx_bf16" in kbuild.cpu_flags() and kernels.variant == "avx512_bf16":
+        why = ("DUALPACE_CPU_AMX=0" if not _amx_requested()
+               else "the kernel did not grant the tile data state (arch_prctl ARCH_REQ_XCOMP_PERM)")
+        log.warning("CPU kernels: the CPU has amx_bf16 but AMX tiles are off (%s); the GEMV up to %d rows",
+                    why, LINEAR_MAX_ROWS)
 
 
 def loaded_kernels() -> list[Kernels]:
@@ -222,6 +246,19 @@ class Kernels:
         self.lib = lib
         self.variant = variant
         self._formats: dict[int, bool] = {}
+        # AMX tiles for bf16 x bf16 products (only the avx512_bf16 variant has them, where the CPU
+        # and the kernel allow); DUALPACE_CPU_AMX=0 turns them off (read here, on the first load).
+        self.amx = bool(lib.dp_amx_set_enabled(1 if _amx_requested() else 0))
+
+    def dense_max_rows(self, dtype: torch.dtype) -> int:
+        """Most rows of x that run in the kernels against a dense matrix of x's own dtype."""
+        return AMX_MAX_ROWS if self.amx and dtype == torch.bfloat16 else LINEAR_MAX_ROWS
+
+    def set_amx(self, enabled: bool) -> bool:
+        """AMX tiles on or off for this library (benchmarks and tests compare both); returns
+        whether they run now. FusedDecode objects built before keep their max_rows."""
+        self.amx = bool(self.lib.dp_amx_set_enabled(1 if enabled else 0))
+        return self.amx
 
     def supports_format(self, fmt: int) -> bool:
         if fmt not in self._formats:
@@ -242,7 +279,7 @@ class Kernels:
             if rows > max_rows:
                 return None
         elif isinstance(weight, torch.Tensor):
-            limit = LINEAR_MAX_ROWS if weight.dtype == x.dtype else MIXED_MAX_ROWS
+            limit = self.dense_max_rows(x.dtype) if weight.dtype == x.dtype else MIXED_MAX_ROWS
             if rows > limit:
                 return None
         elif rows >= getattr(weight, "dense_min_rows", rows + 1):
@@ -255,16 +292,17 @@ class Kernels:
     def linear(self, x: torch.Tensor, weight, bias: torch.Tensor | None = None,
                residual: torch.Tensor | None = None, out_dtype: torch.dtype | None = None,
                kernel_rows: torch.Tensor | None = None) -> torch.Tensor:
-        """x [M, K] @ weight[N, K]^T (+ bias) (+ residual [M, N]). The GEMV kernel for at most
-        LINEAR_MAX_ROWS rows of a same-dtype tensor weight (MIXED_MAX_ROWS for another dtype, any
-        number for a quantized weight whose format the kernels have), torch (oneDNN) otherwise.
+        """x [M, K] @ weight[N, K]^T (+ bias) (+ residual [M, N]). The kernels for at most
+        dense_max_rows(x.dtype) rows of a same-dtype tensor weight (LINEAR_MAX_ROWS, AMX_MAX_ROWS
+        for bf16 on AMX tiles; MIXED_MAX_ROWS for another dtype, any number for a quantized weight
+        whose format the kernels have), torch (oneDNN) otherwise.
 
         kernel_rows: indices of rows (a step's decode rows) whose outputs must be the kernel's even
         where the product as a whole goes to torch, so that such a row gets bitwise what it gets
         alone or beside other decode rows (batch invariance, tests/model/test_batch_invariance.py;
-        the kernel's tiles sum every output in one order). Up to MIXED_MAX_ROWS of them; more, or
-        a weight the kernels lack, and the rows keep torch's outputs. It costs one more weight
-        read in a step that mixes prefill and decode rows."""
+        in fp32 the kernel's tiles sum every output in one order). Up to MIXED_MAX_ROWS of them;
+        more, or a weight the kernels lack, and the rows keep torch's outputs. It costs one more
+        weight read in a step that mixes prefill and decode rows."""
         out_dtype = out_dtype or x.dtype
         eligible = (_supported(x) and (bias is None or bias.dtype == x.dtype)
                     and (residual is None or residual.dtype == x.dtype) and out_dtype in (x.dtype, torch.float32))
