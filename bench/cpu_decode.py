@@ -334,6 +334,7 @@ def main(argv: list[str] | None = None) -> int:
         "dtype": str(loaded.model.dtype).removeprefix("torch."),
         "quant_activations": os.environ.get("DUALPACE_QUANT_ACTIVATIONS", "int16"),
         "peer": args.peer,
+        "peer_flags": peer.peer_flags() if args.peer == "llamacpp" else [],
         "prefill": prefill,
         "threads": args.threads,
         "new_tokens": args.new_tokens,

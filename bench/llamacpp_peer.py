@@ -93,13 +93,25 @@ def quantize(source_gguf: Path, out_gguf: Path, file_type: str = "Q4_K_M", threa
     return result.stdout + result.stderr
 
 
+def peer_flags(cpu_flags: frozenset[str] | None = None) -> list[str]:
+    """Extra llama-batched-bench flags for this CPU. On an AMX CPU its repacking of the weights
+    into AMX tiles (the extra buffer type) ends the process with SIGSEGV in
+    ggml_backend_amx_mul_mat at start-up in this vendored version (seen on a 2-core Intel Xeon
+    with AMX, llama.cpp issue #20824), so the peer runs with --no-repack: its AVX-512 VNNI CPU
+    kernels, no AMX."""
+    from dualpace.model.cpu_kernels_build import cpu_flags as read_flags
+
+    flags = read_flags() if cpu_flags is None else cpu_flags
+    return ["--no-repack"] if "amx_int8" in flags else []
+
+
 def batched_bench(gguf: Path, threads: int, prompt_tokens: int, new_tokens: int, batch: int,
                   timeout_s: float = 1200.0) -> dict:
     """One llama-batched-bench point: its JSON line (speed_pp, speed_tg, t_pp, t_tg, ...)."""
     kv_tokens = batch * (prompt_tokens + new_tokens) + 64  # not unified: each sequence holds a copy of the prompt
     cmd = [str(build()), "-m", str(gguf), "-t", str(threads), "-c", str(kv_tokens), "-b", "2048", "-ub", "512",
            "-npp", str(prompt_tokens), "-ntg", str(new_tokens), "-npl", str(batch), "-pps",
-           "--output-format", "jsonl"]
+           "--output-format", "jsonl", *peer_flags()]
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
     if result.returncode != 0:
         raise RuntimeError(f"llama-batched-bench failed (exit {result.returncode}): {result.stderr[-2000:]}")
