@@ -383,7 +383,7 @@ int linear_any(const T* x, int64_t M, int64_t ldx, const WeightDesc& w, const Ep
   }
 #if DP_HAS_QUANT
   std::vector<char> prepared(static_cast<size_t>(dp_quant::prepare_bytes(w, M)));
-  dp_quant::prepare(w, xf, M, ldf, prepared.data(), sizeof(T) == 2);  // fp32 compute: batch-invariant
+  dp_quant::prepare(w, xf, M, ldf, prepared.data(), false);  // int16 at every batch: see dp_quant::prepare
   for_row_chunks(M, N, K, [&](int64_t n0, int64_t n1) { quant_rows(w, xf, M, ldf, prepared.data(), n0, n1, ep); });
   return 0;
 #else
@@ -851,7 +851,7 @@ int decode_layers_staged(T* hidden, const LayerArgs* layers, int64_t num_layers,
         if (use_amx<T>(w, M)) amx_pack(in, M, ld_in, w.K, amx_pack_out);
 #endif
 #if DP_HAS_QUANT
-      if (!is_dense(w)) dp_quant::prepare(w, fp32_in(in), M, sizeof(T) == 2 ? w.K : ld_in, prepared, sizeof(T) == 2);
+      if (!is_dense(w)) dp_quant::prepare(w, fp32_in(in), M, sizeof(T) == 2 ? w.K : ld_in, prepared, false);
 #endif
     };
     auto chunk = [&](const T* in, int64_t ld_in, const WeightDesc& w, const Epilogue<T>& ep) {
