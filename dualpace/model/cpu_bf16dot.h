@@ -52,27 +52,6 @@ inline void linear_tile_dot(const bf16* x, int64_t ldx, int64_t m0, int64_t K, c
       if (n0 + r < N) ep.store(m0 + m, n0 + r, _mm512_reduce_add_ps(acc[m][r]));
 }
 
-// M = 1: one row of x against one row of W (bf16) with two accumulators, so that the dot
-// products of a row (18 for K = 576) are two chains instead of one (latency 6 cycles each);
-// measured +4% on the batch-1 step, one thread.
-template <class EP>
-inline void linear_row1_dot(const bf16* x, int64_t K, const bf16* w, int64_t ldw, int64_t n, const EP& ep) {
-  const bf16* row = w + n * ldw;
-  __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
-  int64_t k = 0;
-  for (; k + 64 <= K; k += 64) {
-    _mm_prefetch(reinterpret_cast<const char*>(row + k) + 2048, _MM_HINT_T0);  // 2 KB ahead, as linear_tile
-    _mm_prefetch(reinterpret_cast<const char*>(row + k) + 2048 + 64, _MM_HINT_T0);
-    a0 = _mm512_dpbf16_ps(a0, as_bh(_mm512_loadu_si512(x + k)), as_bh(_mm512_loadu_si512(row + k)));
-    a1 = _mm512_dpbf16_ps(a1, as_bh(_mm512_loadu_si512(x + k + 32)), as_bh(_mm512_loadu_si512(row + k + 32)));
-  }
-  for (; k < K; k += 32) {
-    const __mmask32 mask = K - k >= 32 ? ~__mmask32(0) : static_cast<__mmask32>((1ull << (K - k)) - 1);
-    a0 = _mm512_dpbf16_ps(a0, as_bh(_mm512_maskz_loadu_epi16(mask, x + k)), as_bh(_mm512_maskz_loadu_epi16(mask, row + k)));
-  }
-  ep.store(0, n, _mm512_reduce_add_ps(_mm512_add_ps(a0, a1)));
-}
-
 // p @ V over one chunk of n <= 16 tokens (rows `stride` elements apart), query heads
 // [g0, g0 + NG), accumulated into acc (float32 [group, D], in the kernel's lane order):
 // token pairs are interleaved so one dpbf16 multiplies two tokens' values by their two
