@@ -516,9 +516,9 @@ inline int64_t prepare_bytes(const WeightDesc& w, int64_t M) {
 // Quantizes x as the mode in force asks and writes that mode into the header for rows().
 // fp32_switch: whether the int16 mode may compute in fp32 from fp32_min_rows() rows. The engine
 // (cpu_kernels.cpp) passes false: the switch changes the activations' arithmetic at a batch size, so
-// a row's output would depend on how many rows share its call (tests/model/test_batch_invariance.py),
-// and with it on, bf16 compute turned the default model's chat answer wrong from its first token
-// (every linear call checked alone was right; not explained yet: docs/perf.md, session 8).
+// a row's output would depend on how many rows share its call (tests/model/test_batch_invariance.py).
+// (With it on, bf16 compute once changed the default model's chat answer: not a fault of these
+// tiles but a near tie of the model's first answer token, margin 0.08 logits; docs/perf.md.)
 inline void prepare(const WeightDesc& w, const float* x, int64_t M, int64_t ldx, void* prepared,
                     bool fp32_switch = true) {
   uint8_t* out = static_cast<uint8_t*>(prepared);
