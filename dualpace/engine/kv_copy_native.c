@@ -13,10 +13,16 @@
  * so a lane's register is moved past the next lane by one carry-less multiply modulo P with the
  * constant x^(8 lane), computed once.
  *
+ * Where the CPU has VPCLMULQDQ on 512-bit registers (and AVX-512 F/BW), spans of 256 bytes and more
+ * take a folding loop instead (kv_crc_fold below): 64 bytes per load and store, the CRC carried as
+ * 128-bit remainders folded forward by carry-less multiplies, several times the crc32 instruction's
+ * rate. dp_kv_set_crc_path(0) forces the crc32 lanes (tests compare the two).
+ *
  * Stores are ordinary (not non-temporal): the target reads its blocks back soon after to verify
  * them, and a transfer is often smaller than the last-level cache.
  */
 
+#include <immintrin.h>
 #include <nmmintrin.h>
 #include <stdint.h>
 #include <string.h>
@@ -60,8 +66,141 @@ static inline uint64_t load64(const uint8_t *p) {
 
 static inline void store64(uint8_t *p, uint64_t word) { memcpy(p, &word, 8); }
 
+
+/* ---- Folding CRC32C (VPCLMULQDQ, 512-bit) ----
+ *
+ * Reflected convention: a 128-bit chunk loaded little-endian from the stream has its bit i as the
+ * coefficient of x^(127-i) (bit 0 is sent first and is the highest power). Its low qword XL covers
+ * x^127..x^64, the high qword XH x^63..x^0. Moving a chunk X forward by D bits, to be xored into
+ * the chunk D bits later, is X * x^D = XL * x^(64+D) + XH * x^D; mod P both powers shrink to
+ * degree < 32 and the products to degree < 96, inside the later chunk. A carry-less multiply of two
+ * reflected qwords (bit i <-> x^(63-i)) gives bit k <-> x^(126-k), one power short of the chunk's
+ * x^(127-k): hence the constants are x^(64+D-1) and x^(D-1) mod P, each as a reflected qword (x^j at
+ * bit 63-j). All folding keeps the raw CRC of the stream (register 0 at its start) unchanged, so
+ * the last 128-bit remainder is run through the crc32 instruction as 16 data bytes; the CRC's
+ * starting register is xored into the first 4 data bytes, the same thing as starting from it. */
+
+#define POLY_NORMAL 0x11edc6f41ull /* x^32 + ... , bit j <-> x^j */
+
+/* x^n mod P, bit j <-> x^j. */
+static uint32_t x_power_mod_p(unsigned n) {
+    uint64_t v = 1;
+    for (unsigned i = 0; i < n; i++) {
+        v <<= 1;
+        if (v & (1ull << 32)) v ^= POLY_NORMAL;
+    }
+    return (uint32_t)v;
+}
+
+/* The polynomial p (bit j <-> x^j, degree < 32) as a reflected qword (x^j at bit 63 - j). */
+static uint64_t reflected_qword(uint32_t p) {
+    uint64_t q = 0;
+    for (int j = 0; j < 32; j++)
+        if (p & (1u << j)) q |= 1ull << (63 - j);
+    return q;
+}
+
+/* Folding by D bits: low qword x^(64+D-1), high qword x^(D-1), mod P. */
+typedef struct { uint64_t low, high; } fold_constant;
+static fold_constant fold_constant_for(unsigned distance_bits) {
+    fold_constant c = {reflected_qword(x_power_mod_p(64 + distance_bits - 1)),
+                       reflected_qword(x_power_mod_p(distance_bits - 1))};
+    return c;
+}
+
+static fold_constant fold_2048, fold_512, fold_384, fold_256, fold_128; /* set by crc_fold_init */
+static int crc_fold_available; /* the CPU has what kv_crc_fold needs (set once, before any copy) */
+static int crc_fold_enabled;   /* and it is in use (dp_kv_set_crc_path) */
+#define FOLD_MIN_BYTES 256
+
+static void crc_fold_init(void) {
+    fold_2048 = fold_constant_for(2048);
+    fold_512 = fold_constant_for(512);
+    fold_384 = fold_constant_for(384);
+    fold_256 = fold_constant_for(256);
+    fold_128 = fold_constant_for(128);
+}
+
+#define FOLD_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,vpclmulqdq,pclmul,sse4.2")))
+
+FOLD_TARGET static inline __m512i fold_512bit(__m512i x, __m512i k, __m512i next) {
+    __m512i a = _mm512_clmulepi64_epi128(x, k, 0x00), b = _mm512_clmulepi64_epi128(x, k, 0x11);
+    return _mm512_ternarylogic_epi64(a, b, next, 0x96); /* a ^ b ^ next */
+}
+
+FOLD_TARGET static inline __m128i fold_128bit(__m128i x, fold_constant c, __m128i next) {
+    __m128i k = _mm_set_epi64x((long long)c.high, (long long)c.low);
+    __m128i a = _mm_clmulepi64_si128(x, k, 0x00), b = _mm_clmulepi64_si128(x, k, 0x11);
+    return _mm_xor_si128(_mm_xor_si128(a, b), next);
+}
+
+FOLD_TARGET static inline __m512i broadcast_constant(fold_constant c) {
+    return _mm512_broadcast_i32x4(_mm_set_epi64x((long long)c.high, (long long)c.low));
+}
+
+/* The raw CRC register r run over the largest multiple of 16 bytes of n (at least FOLD_MIN_BYTES),
+ * copying them to dst when COPY; returns the register, *done the bytes consumed. */
+FOLD_TARGET static inline uint32_t kv_crc_fold_impl(uint32_t r, uint8_t *dst, const uint8_t *src, size_t n,
+                                                    size_t *done, const int copy) {
+    __m512i a0 = _mm512_loadu_si512(src), a1 = _mm512_loadu_si512(src + 64);
+    __m512i a2 = _mm512_loadu_si512(src + 128), a3 = _mm512_loadu_si512(src + 192);
+    if (copy) {
+        _mm512_storeu_si512(dst, a0);
+        _mm512_storeu_si512(dst + 64, a1);
+        _mm512_storeu_si512(dst + 128, a2);
+        _mm512_storeu_si512(dst + 192, a3);
+    }
+    a0 = _mm512_xor_si512(a0, _mm512_zextsi128_si512(_mm_cvtsi32_si128((int)r))); /* the starting register */
+    size_t i = 256;
+    const __m512i k2048 = broadcast_constant(fold_2048);
+    for (; i + 256 <= n; i += 256) {
+        __m512i d0 = _mm512_loadu_si512(src + i), d1 = _mm512_loadu_si512(src + i + 64);
+        __m512i d2 = _mm512_loadu_si512(src + i + 128), d3 = _mm512_loadu_si512(src + i + 192);
+        if (copy) {
+            _mm512_storeu_si512(dst + i, d0);
+            _mm512_storeu_si512(dst + i + 64, d1);
+            _mm512_storeu_si512(dst + i + 128, d2);
+            _mm512_storeu_si512(dst + i + 192, d3);
+        }
+        a0 = fold_512bit(a0, k2048, d0);
+        a1 = fold_512bit(a1, k2048, d1);
+        a2 = fold_512bit(a2, k2048, d2);
+        a3 = fold_512bit(a3, k2048, d3);
+    }
+    const __m512i k512 = broadcast_constant(fold_512);
+    a1 = fold_512bit(a0, k512, a1);
+    a2 = fold_512bit(a1, k512, a2);
+    a3 = fold_512bit(a2, k512, a3); /* one 64-byte remainder, its four lanes in stream order */
+    __m128i x = fold_128bit(_mm512_extracti32x4_epi32(a3, 0), fold_384, _mm512_extracti32x4_epi32(a3, 3));
+    x = fold_128bit(_mm512_extracti32x4_epi32(a3, 1), fold_256, x);
+    x = fold_128bit(_mm512_extracti32x4_epi32(a3, 2), fold_128, x);
+    for (; i + 16 <= n; i += 16) {
+        __m128i d = _mm_loadu_si128((const __m128i *)(src + i));
+        if (copy) _mm_storeu_si128((__m128i *)(dst + i), d);
+        x = fold_128bit(x, fold_128, d);
+    }
+    *done = i;
+    uint64_t reg = _mm_crc32_u64(0, (uint64_t)_mm_cvtsi128_si64(x));
+    return (uint32_t)_mm_crc32_u64(reg, (uint64_t)_mm_extract_epi64(x, 1));
+}
+
+FOLD_TARGET static uint32_t kv_crc_fold_copy(uint32_t r, uint8_t *dst, const uint8_t *src, size_t n, size_t *done) {
+    return kv_crc_fold_impl(r, dst, src, n, done, 1);
+}
+
+FOLD_TARGET static uint32_t kv_crc_fold_read(uint32_t r, const uint8_t *src, size_t n, size_t *done) {
+    return kv_crc_fold_impl(r, 0, src, n, done, 0);
+}
+
 /* The raw CRC register `r` (no inversions) run over n bytes; copies them to dst when dst != 0. */
 static uint32_t crc_register(uint32_t r, uint8_t *dst, const uint8_t *src, size_t n) {
+    if (crc_fold_enabled && n >= FOLD_MIN_BYTES) {
+        size_t done;
+        r = dst ? kv_crc_fold_copy(r, dst, src, n, &done) : kv_crc_fold_read(r, src, n, &done);
+        src += done;
+        n -= done;
+        if (dst) dst += done;
+    }
     uint64_t r0 = r;
     for (int size_index = 0; size_index < NUM_LANE_SIZES; size_index++) {
         const size_t lane = lane_sizes[size_index];
@@ -117,10 +256,25 @@ int dp_kv_copy_supported(void) {
     __builtin_cpu_init();
     if (!__builtin_cpu_supports("sse4.2")) return 0;
     for (int i = 0; i < NUM_LANE_SIZES; i++) shift_constant(i); /* here, once, before any thread copies */
+    crc_fold_init();
+    crc_fold_available = __builtin_cpu_supports("vpclmulqdq") && __builtin_cpu_supports("pclmul")
+                         && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw")
+                         && __builtin_cpu_supports("avx512vl");
+    crc_fold_enabled = crc_fold_available;
     return 1;
 #else
     return 0;
 #endif
+}
+
+/* Which CRC loop runs: 1 the folding one, 0 the crc32 lanes. */
+int dp_kv_crc_path(void) { return crc_fold_enabled; }
+
+/* Choose the CRC loop (1: folding where the CPU has it, 0: the crc32 lanes); returns the one in
+ * force. For tests and benchmarks; call it while no copy runs. */
+int dp_kv_set_crc_path(int fold) {
+    crc_fold_enabled = fold && crc_fold_available;
+    return crc_fold_enabled;
 }
 
 /* crc32c.crc32c(src[:n], crc), copying the bytes to dst on the way (dst may be 0: no copy). */

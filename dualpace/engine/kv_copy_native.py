@@ -1,6 +1,8 @@
 """ctypes access to kv_copy_native.c: a layer's KV copied and CRC32C'd in one pass.
 
-Built with gcc (-O3 -msse4.2) at `make venv` time where a compiler exists, else on first use,
+The CRC runs as 512-bit carry-less multiply folding where the CPU has VPCLMULQDQ and AVX-512
+(chosen at load), else as three interleaved crc32 instruction chains. Built with gcc (-O3 -msse4.2;
+the folding functions carry their own target attribute) at `make venv` time where a compiler exists, else on first use,
 and cached under `$XDG_CACHE_HOME/dualpace/kernels/` keyed by the source, the flags and the
 compiler's version. Where it cannot be used (no compiler, not x86, no SSE4.2, or
 `DUALPACE_CPU_KERNELS=0`), `get()` is None and the caller keeps numpy's copy plus the `crc32c`
@@ -35,7 +37,10 @@ _SIGNATURES = {
     "dp_copy_crc32c": ([_ptr, _ptr, _i64, _u32], _u32),
     "dp_kv_layer_copy_crc32c": ([_ptr, _ptr, _ptr, _ptr, _ptr, _i64, _i64], _u32),
     "dp_kv_layers_copy_crc32c": ([_ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _ptr, _i64, _i64, _ptr], None),
+    "dp_kv_crc_path": ([], ctypes.c_int),
+    "dp_kv_set_crc_path": ([ctypes.c_int], ctypes.c_int),
 }
+CRC_PATHS = ("crc32 lanes", "vpclmulqdq folding")
 _state: dict[str, ctypes.CDLL | None] = {}
 _lock = threading.Lock()
 
@@ -87,12 +92,28 @@ def get() -> ctypes.CDLL | None:
     return _state["lib"]
 
 
+def crc_path() -> str:
+    """The CRC loop in use: "vpclmulqdq folding" (512-bit carry-less multiply folding, where the
+    CPU has VPCLMULQDQ and AVX-512), "crc32 lanes" (the SSE4.2 instruction) or "numpy + crc32c"."""
+    lib = get()
+    return CRC_PATHS[lib.dp_kv_crc_path()] if lib is not None else "numpy + crc32c"
+
+
+def set_crc_path(fold: bool) -> str:
+    """Force the crc32 lanes (fold=False) or the folding loop where the CPU has it (tests, benches);
+    only while no copy runs. Returns the path now in force."""
+    lib = get()
+    if lib is not None:
+        lib.dp_kv_set_crc_path(int(fold))
+    return crc_path()
+
+
 def main() -> int:
     lib, why = _load()
     if lib is None:
         print(f"fused KV copy + CRC32C not built; the shm transfer will use numpy + crc32c: {why}", file=sys.stderr)
         return 1
-    print(f"fused KV copy + CRC32C: {library_path()}")
+    print(f"fused KV copy + CRC32C ({CRC_PATHS[lib.dp_kv_crc_path()]}): {library_path()}")
     return 0
 
 
