@@ -3,7 +3,7 @@
 Pools of the default model's shape (30 layers, 3 KV heads x 64, bf16: 384 bytes per token per
 layer for K and as much for V), the source a private pool of `--tokens` tokens, the target a
 memfd-backed pool of `--target-slots` slots (as SharedKvMemory makes it, pages faulted in first),
-the transfer's slots contiguous on both sides unless `--scatter` (blocks of 16 in reverse order on
+the transfer's slots (the first `--tokens` of a source pool of `--source-tokens`) contiguous on both sides unless `--scatter` (blocks of 16 in reverse order on
 the target). Each figure is the median of `--repeats`, "warm" back to back, "cold" after
 `--idle-s` of sleep (the bench's settle time) with the caches' share of the pools evicted by a
 64 MiB sweep. The reference is numpy's copy of the same runs (one thread).
@@ -32,6 +32,8 @@ def pools(tokens: int, target_slots: int):
     rng = np.random.default_rng(0)
     src_k = rng.integers(0, 256, (LAYERS, tokens * SLOT_BYTES), dtype=np.uint8)
     src_v = rng.integers(0, 256, (LAYERS, tokens * SLOT_BYTES), dtype=np.uint8)
+    if target_slots < tokens:
+        raise SystemExit("--target-slots below --source-tokens")
     per_pool = LAYERS * target_slots * SLOT_BYTES
     fd = os.memfd_create("kv-micro", os.MFD_CLOEXEC)
     os.ftruncate(fd, 2 * per_pool)
@@ -67,6 +69,8 @@ def timed(fn, repeats: int, idle_s: float, sweep: np.ndarray | None) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, default=1024)
+    parser.add_argument("--source-tokens", type=int, default=0,
+                        help="the source pool's size (default --tokens; the benches' pool is their largest size)")
     parser.add_argument("--target-slots", type=int, default=4096)
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--idle-s", type=float, default=0.3)
@@ -76,7 +80,7 @@ def main() -> None:
     parser.add_argument("--only", default="", help="comma list of figures to time (default all)")
     args = parser.parse_args()
     lib = kv_copy_native.get()
-    src_k, src_v, dst_k, dst_v, _keep = pools(args.tokens, args.target_slots)
+    src_k, src_v, dst_k, dst_v, _keep = pools(max(args.tokens, args.source_tokens), args.target_slots)
     runs = runs_for(args.tokens, args.scatter)
     out = np.zeros(LAYERS, dtype=np.uint32)
     nbytes = 2 * LAYERS * args.tokens * SLOT_BYTES

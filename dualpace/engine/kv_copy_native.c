@@ -13,10 +13,10 @@
  * so a lane's register is moved past the next lane by one carry-less multiply modulo P with the
  * constant x^(8 lane), computed once.
  *
- * Where the CPU has VPCLMULQDQ on 512-bit registers (and AVX-512 F/BW), spans of 256 bytes and more
- * take a folding loop instead (kv_crc_fold below): 64 bytes per load and store, the CRC carried as
- * 128-bit remainders folded forward by carry-less multiplies, several times the crc32 instruction's
- * rate. dp_kv_set_crc_path(0) forces the crc32 lanes (tests compare the two).
+ * Where the CPU has VPCLMULQDQ, spans of 256 bytes and more take a folding loop instead (below): the
+ * CRC carried as 128-bit remainders folded forward by carry-less multiplies, 64-byte loads and
+ * stores on AVX-512 (zmm), 32-byte ones where only AVX2 is there (ymm, e.g. Zen 3); in cache about
+ * twice the crc32 lanes' rate. dp_kv_set_crc_path forces a loop (tests compare them).
  *
  * Stores are ordinary (not non-temporal): the target reads its blocks back soon after to verify
  * them, and a transfer is often smaller than the last-level cache.
@@ -108,13 +108,17 @@ static fold_constant fold_constant_for(unsigned distance_bits) {
     return c;
 }
 
-static fold_constant fold_2048, fold_512, fold_384, fold_256, fold_128; /* set by crc_fold_init */
-static int crc_fold_available; /* the CPU has what kv_crc_fold needs (set once, before any copy) */
-static int crc_fold_enabled;   /* and it is in use (dp_kv_set_crc_path) */
+static fold_constant fold_2048, fold_1024, fold_512, fold_384, fold_256, fold_128; /* set by crc_fold_init */
+/* The folding loops: FOLD_512 on zmm registers (AVX-512 + VPCLMULQDQ), FOLD_256 on ymm ones (AVX2 +
+ * VPCLMULQDQ: e.g. Zen 3); NO_FOLD is the crc32 lanes. */
+enum { NO_FOLD = 0, FOLD_512 = 1, FOLD_256 = 2 };
+static int fold_512_available, fold_256_available; /* what the CPU has (set once, before any copy) */
+static int crc_fold_enabled;                      /* the loop in use (dp_kv_set_crc_path) */
 #define FOLD_MIN_BYTES 256
 
 static void crc_fold_init(void) {
     fold_2048 = fold_constant_for(2048);
+    fold_1024 = fold_constant_for(1024);
     fold_512 = fold_constant_for(512);
     fold_384 = fold_constant_for(384);
     fold_256 = fold_constant_for(256);
@@ -192,11 +196,85 @@ FOLD_TARGET static uint32_t kv_crc_fold_read(uint32_t r, const uint8_t *src, siz
     return kv_crc_fold_impl(r, 0, src, n, done, 0);
 }
 
+/* The same on 256-bit registers (two 128-bit lanes each, four accumulators: 128 bytes a round). */
+#define FOLD256_TARGET __attribute__((target("avx2,vpclmulqdq,pclmul,sse4.2")))
+
+FOLD256_TARGET static inline __m256i fold_256bit(__m256i x, __m256i k, __m256i next) {
+    __m256i a = _mm256_clmulepi64_epi128(x, k, 0x00), b = _mm256_clmulepi64_epi128(x, k, 0x11);
+    return _mm256_xor_si256(_mm256_xor_si256(a, b), next);
+}
+
+FOLD256_TARGET static inline __m128i fold_128bit_v(__m128i x, fold_constant c, __m128i next) {
+    __m128i k = _mm_set_epi64x((long long)c.high, (long long)c.low);
+    __m128i a = _mm_clmulepi64_si128(x, k, 0x00), b = _mm_clmulepi64_si128(x, k, 0x11);
+    return _mm_xor_si128(_mm_xor_si128(a, b), next);
+}
+
+FOLD256_TARGET static inline __m256i broadcast_constant_256(fold_constant c) {
+    return _mm256_broadcastsi128_si256(_mm_set_epi64x((long long)c.high, (long long)c.low));
+}
+
+FOLD256_TARGET static inline uint32_t kv_crc_fold256_impl(uint32_t r, uint8_t *dst, const uint8_t *src, size_t n,
+                                                          size_t *done, const int copy) {
+    __m256i a0 = _mm256_loadu_si256((const __m256i *)src), a1 = _mm256_loadu_si256((const __m256i *)(src + 32));
+    __m256i a2 = _mm256_loadu_si256((const __m256i *)(src + 64)), a3 = _mm256_loadu_si256((const __m256i *)(src + 96));
+    if (copy) {
+        _mm256_storeu_si256((__m256i *)dst, a0);
+        _mm256_storeu_si256((__m256i *)(dst + 32), a1);
+        _mm256_storeu_si256((__m256i *)(dst + 64), a2);
+        _mm256_storeu_si256((__m256i *)(dst + 96), a3);
+    }
+    a0 = _mm256_xor_si256(a0, _mm256_set_m128i(_mm_setzero_si128(), _mm_cvtsi32_si128((int)r)));
+    size_t i = 128;
+    const __m256i k1024 = broadcast_constant_256(fold_1024);
+    for (; i + 128 <= n; i += 128) {
+        __m256i d0 = _mm256_loadu_si256((const __m256i *)(src + i));
+        __m256i d1 = _mm256_loadu_si256((const __m256i *)(src + i + 32));
+        __m256i d2 = _mm256_loadu_si256((const __m256i *)(src + i + 64));
+        __m256i d3 = _mm256_loadu_si256((const __m256i *)(src + i + 96));
+        if (copy) {
+            _mm256_storeu_si256((__m256i *)(dst + i), d0);
+            _mm256_storeu_si256((__m256i *)(dst + i + 32), d1);
+            _mm256_storeu_si256((__m256i *)(dst + i + 64), d2);
+            _mm256_storeu_si256((__m256i *)(dst + i + 96), d3);
+        }
+        a0 = fold_256bit(a0, k1024, d0);
+        a1 = fold_256bit(a1, k1024, d1);
+        a2 = fold_256bit(a2, k1024, d2);
+        a3 = fold_256bit(a3, k1024, d3);
+    }
+    const __m256i k256 = broadcast_constant_256(fold_256);
+    a1 = fold_256bit(a0, k256, a1);
+    a2 = fold_256bit(a1, k256, a2);
+    a3 = fold_256bit(a2, k256, a3); /* one 32-byte remainder, its two lanes in stream order */
+    __m128i x = fold_128bit_v(_mm256_castsi256_si128(a3), fold_128, _mm256_extracti128_si256(a3, 1));
+    for (; i + 16 <= n; i += 16) {
+        __m128i d = _mm_loadu_si128((const __m128i *)(src + i));
+        if (copy) _mm_storeu_si128((__m128i *)(dst + i), d);
+        x = fold_128bit_v(x, fold_128, d);
+    }
+    *done = i;
+    uint64_t reg = _mm_crc32_u64(0, (uint64_t)_mm_cvtsi128_si64(x));
+    return (uint32_t)_mm_crc32_u64(reg, (uint64_t)_mm_extract_epi64(x, 1));
+}
+
+FOLD256_TARGET static uint32_t kv_crc_fold256_copy(uint32_t r, uint8_t *dst, const uint8_t *src, size_t n,
+                                                   size_t *done) {
+    return kv_crc_fold256_impl(r, dst, src, n, done, 1);
+}
+
+FOLD256_TARGET static uint32_t kv_crc_fold256_read(uint32_t r, const uint8_t *src, size_t n, size_t *done) {
+    return kv_crc_fold256_impl(r, 0, src, n, done, 0);
+}
+
 /* The raw CRC register `r` (no inversions) run over n bytes; copies them to dst when dst != 0. */
 static uint32_t crc_register(uint32_t r, uint8_t *dst, const uint8_t *src, size_t n) {
-    if (crc_fold_enabled && n >= FOLD_MIN_BYTES) {
+    if (crc_fold_enabled != NO_FOLD && n >= FOLD_MIN_BYTES) {
         size_t done;
-        r = dst ? kv_crc_fold_copy(r, dst, src, n, &done) : kv_crc_fold_read(r, src, n, &done);
+        if (crc_fold_enabled == FOLD_512)
+            r = dst ? kv_crc_fold_copy(r, dst, src, n, &done) : kv_crc_fold_read(r, src, n, &done);
+        else
+            r = dst ? kv_crc_fold256_copy(r, dst, src, n, &done) : kv_crc_fold256_read(r, src, n, &done);
         src += done;
         n -= done;
         if (dst) dst += done;
@@ -257,23 +335,27 @@ int dp_kv_copy_supported(void) {
     if (!__builtin_cpu_supports("sse4.2")) return 0;
     for (int i = 0; i < NUM_LANE_SIZES; i++) shift_constant(i); /* here, once, before any thread copies */
     crc_fold_init();
-    crc_fold_available = __builtin_cpu_supports("vpclmulqdq") && __builtin_cpu_supports("pclmul")
-                         && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw")
-                         && __builtin_cpu_supports("avx512vl");
-    crc_fold_enabled = crc_fold_available;
+    fold_256_available = __builtin_cpu_supports("vpclmulqdq") && __builtin_cpu_supports("pclmul")
+                         && __builtin_cpu_supports("avx2");
+    fold_512_available = fold_256_available && __builtin_cpu_supports("avx512f")
+                         && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl");
+    crc_fold_enabled = fold_512_available ? FOLD_512 : fold_256_available ? FOLD_256 : NO_FOLD;
     return 1;
 #else
     return 0;
 #endif
 }
 
-/* Which CRC loop runs: 1 the folding one, 0 the crc32 lanes. */
+/* Which CRC loop runs: 1 folding on zmm, 2 folding on ymm, 0 the crc32 lanes. */
 int dp_kv_crc_path(void) { return crc_fold_enabled; }
 
-/* Choose the CRC loop (1: folding where the CPU has it, 0: the crc32 lanes); returns the one in
- * force. For tests and benchmarks; call it while no copy runs. */
-int dp_kv_set_crc_path(int fold) {
-    crc_fold_enabled = fold && crc_fold_available;
+/* Choose the CRC loop: 1 the widest folding the CPU has, 2 the ymm folding, 0 the crc32 lanes (each
+ * where the CPU has it, else the next narrower); returns the one in force. For tests and
+ * benchmarks; call it while no copy runs. */
+int dp_kv_set_crc_path(int path) {
+    if (path == FOLD_512 && fold_512_available) crc_fold_enabled = FOLD_512;
+    else if (path != NO_FOLD && fold_256_available) crc_fold_enabled = FOLD_256;
+    else crc_fold_enabled = NO_FOLD;
     return crc_fold_enabled;
 }
 

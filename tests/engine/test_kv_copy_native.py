@@ -20,18 +20,17 @@ needs_native = pytest.mark.skipif(lib is None, reason="fused KV copy not built h
 LANES = 3 * 16384  # kv_copy_native.c's round: sizes around it take both the lane and the tail loops
 SMALL_ROUNDS = [3 * 4096 - 1, 3 * 4096, 3 * 4096 + 3 * 1024 + 8, 3 * 1024, LANES + 3 * 4096 + 3 * 1024 + 5]  # the smaller lanes
 FOLD_SIZES = [255, 256, 257, 271, 272, 300, 511, 512, 513, 767, 768 + 15, 4096 + 16 * 7 + 3]  # the folding loop's edges
-HAS_FOLD = lib is not None and lib.dp_kv_set_crc_path(1) == 1
-CRC_PATHS = [pytest.param(True, id="fold", marks=pytest.mark.skipif(not HAS_FOLD, reason="no VPCLMULQDQ + AVX-512")),
-             pytest.param(False, id="crc32-lanes")]
+PATHS_HERE = {lib.dp_kv_set_crc_path(path) for path in (0, 1, 2)} if lib is not None else set()
+CRC_PATHS = [pytest.param(path, id=name, marks=pytest.mark.skipif(path not in PATHS_HERE, reason=f"no {name} here"))
+             for path, name in ((1, "fold-zmm"), (2, "fold-ymm"), (0, "crc32-lanes"))]
 
 
 @pytest.fixture(params=CRC_PATHS)
 def crc_path(request):
-    """Each test below on both CRC loops of the library (the folding one where the CPU has it)."""
-    fold = request.param
+    """Each test below on every CRC loop of the library the CPU has (back to the widest after)."""
     if lib is not None:
-        lib.dp_kv_set_crc_path(int(fold))
-    yield fold
+        assert lib.dp_kv_set_crc_path(request.param) == request.param
+    yield request.param
     if lib is not None:
         lib.dp_kv_set_crc_path(1)
 
@@ -61,12 +60,13 @@ def test_the_known_check_value(crc_path):
 
 
 @needs_native
-def test_the_folding_loop_is_chosen_where_the_cpu_has_vpclmulqdq():
+def test_the_widest_folding_loop_is_chosen_where_the_cpu_has_it():
     cpuinfo = Path("/proc/cpuinfo")
     flags = cpuinfo.read_text().split("\n\n")[0].split() if cpuinfo.exists() else []
-    expected = all(f in flags for f in ("vpclmulqdq", "pclmulqdq", "avx512f", "avx512bw", "avx512vl"))
-    assert lib.dp_kv_set_crc_path(1) == int(expected)
-    assert kv_copy_native.crc_path() == ("vpclmulqdq folding" if expected else "crc32 lanes")
+    ymm = all(f in flags for f in ("vpclmulqdq", "pclmulqdq", "avx2"))
+    zmm = ymm and all(f in flags for f in ("avx512f", "avx512bw", "avx512vl"))
+    assert lib.dp_kv_set_crc_path(1) == (1 if zmm else 2 if ymm else 0)
+    assert kv_copy_native.crc_path() == kv_copy_native.CRC_PATHS[1 if zmm else 2 if ymm else 0]
 
 
 def _pools(dtype, seed, num_blocks=40):
