@@ -132,10 +132,26 @@ FOLD_TARGET static inline __m512i fold_512bit(__m512i x, __m512i k, __m512i next
     return _mm512_ternarylogic_epi64(a, b, next, 0x96); /* a ^ b ^ next */
 }
 
-FOLD_TARGET static inline __m128i fold_128bit(__m128i x, fold_constant c, __m128i next) {
+#define FOLD128_TARGET __attribute__((target("pclmul,sse4.2"))) /* a subset of both wide loops' targets */
+
+FOLD128_TARGET static inline __m128i fold_128bit(__m128i x, fold_constant c, __m128i next) {
     __m128i k = _mm_set_epi64x((long long)c.high, (long long)c.low);
     __m128i a = _mm_clmulepi64_si128(x, k, 0x00), b = _mm_clmulepi64_si128(x, k, 0x11);
     return _mm_xor_si128(_mm_xor_si128(a, b), next);
+}
+
+/* After a wide loop: its 128-bit remainder x folded on over the 16-byte blocks from src + i (copied
+ * when COPY), then run through the crc32 instruction as 16 data bytes; *done the bytes consumed. */
+FOLD128_TARGET static inline uint32_t fold_tail(__m128i x, uint8_t *dst, const uint8_t *src, size_t i, size_t n,
+                                                size_t *done, const int copy) {
+    for (; i + 16 <= n; i += 16) {
+        __m128i d = _mm_loadu_si128((const __m128i *)(src + i));
+        if (copy) _mm_storeu_si128((__m128i *)(dst + i), d);
+        x = fold_128bit(x, fold_128, d);
+    }
+    *done = i;
+    uint64_t reg = _mm_crc32_u64(0, (uint64_t)_mm_cvtsi128_si64(x));
+    return (uint32_t)_mm_crc32_u64(reg, (uint64_t)_mm_extract_epi64(x, 1));
 }
 
 FOLD_TARGET static inline __m512i broadcast_constant(fold_constant c) {
@@ -178,14 +194,7 @@ FOLD_TARGET static inline uint32_t kv_crc_fold_impl(uint32_t r, uint8_t *dst, co
     __m128i x = fold_128bit(_mm512_extracti32x4_epi32(a3, 0), fold_384, _mm512_extracti32x4_epi32(a3, 3));
     x = fold_128bit(_mm512_extracti32x4_epi32(a3, 1), fold_256, x);
     x = fold_128bit(_mm512_extracti32x4_epi32(a3, 2), fold_128, x);
-    for (; i + 16 <= n; i += 16) {
-        __m128i d = _mm_loadu_si128((const __m128i *)(src + i));
-        if (copy) _mm_storeu_si128((__m128i *)(dst + i), d);
-        x = fold_128bit(x, fold_128, d);
-    }
-    *done = i;
-    uint64_t reg = _mm_crc32_u64(0, (uint64_t)_mm_cvtsi128_si64(x));
-    return (uint32_t)_mm_crc32_u64(reg, (uint64_t)_mm_extract_epi64(x, 1));
+    return fold_tail(x, dst, src, i, n, done, copy);
 }
 
 FOLD_TARGET static uint32_t kv_crc_fold_copy(uint32_t r, uint8_t *dst, const uint8_t *src, size_t n, size_t *done) {
@@ -202,12 +211,6 @@ FOLD_TARGET static uint32_t kv_crc_fold_read(uint32_t r, const uint8_t *src, siz
 FOLD256_TARGET static inline __m256i fold_256bit(__m256i x, __m256i k, __m256i next) {
     __m256i a = _mm256_clmulepi64_epi128(x, k, 0x00), b = _mm256_clmulepi64_epi128(x, k, 0x11);
     return _mm256_xor_si256(_mm256_xor_si256(a, b), next);
-}
-
-FOLD256_TARGET static inline __m128i fold_128bit_v(__m128i x, fold_constant c, __m128i next) {
-    __m128i k = _mm_set_epi64x((long long)c.high, (long long)c.low);
-    __m128i a = _mm_clmulepi64_si128(x, k, 0x00), b = _mm_clmulepi64_si128(x, k, 0x11);
-    return _mm_xor_si128(_mm_xor_si128(a, b), next);
 }
 
 FOLD256_TARGET static inline __m256i broadcast_constant_256(fold_constant c) {
@@ -247,15 +250,8 @@ FOLD256_TARGET static inline uint32_t kv_crc_fold256_impl(uint32_t r, uint8_t *d
     a1 = fold_256bit(a0, k256, a1);
     a2 = fold_256bit(a1, k256, a2);
     a3 = fold_256bit(a2, k256, a3); /* one 32-byte remainder, its two lanes in stream order */
-    __m128i x = fold_128bit_v(_mm256_castsi256_si128(a3), fold_128, _mm256_extracti128_si256(a3, 1));
-    for (; i + 16 <= n; i += 16) {
-        __m128i d = _mm_loadu_si128((const __m128i *)(src + i));
-        if (copy) _mm_storeu_si128((__m128i *)(dst + i), d);
-        x = fold_128bit_v(x, fold_128, d);
-    }
-    *done = i;
-    uint64_t reg = _mm_crc32_u64(0, (uint64_t)_mm_cvtsi128_si64(x));
-    return (uint32_t)_mm_crc32_u64(reg, (uint64_t)_mm_extract_epi64(x, 1));
+    __m128i x = fold_128bit(_mm256_castsi256_si128(a3), fold_128, _mm256_extracti128_si256(a3, 1));
+    return fold_tail(x, dst, src, i, n, done, copy);
 }
 
 FOLD256_TARGET static uint32_t kv_crc_fold256_copy(uint32_t r, uint8_t *dst, const uint8_t *src, size_t n,
