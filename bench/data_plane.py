@@ -30,6 +30,7 @@ import time
 
 import torch
 
+from dualpace.engine import kv_copy_native
 from dualpace.engine.kv_bytes import DTYPES_BY_NAME, tensor_bytes
 from dualpace.engine.kv_shm_send import MappedPools
 from dualpace.engine.kv_source import OutgoingKv
@@ -238,6 +239,7 @@ def main() -> None:
         "kv_shm_breakdown_at_context": shm_breakdown(storage, args.context_tokens, args.repeats),
         "kv_shm_phase_ms_median": shm_phases,
         "kv_shm_control": shm_control,  # where the timed shm transfers' messages went (after the first: the watch)
+        "kv_crc_path": kv_copy_native.crc_path(),  # the CRC loop of the fused copy and the verify (this process)
         "context_tokens": args.context_tokens, "context_bytes": context_bytes,
         "model": args.model, "dtype": info.dtype, "cpu_kind": cpu_kind(), "load_average": os.getloadavg(),
         **assist_round_trips(args.model, args.assist_iterations),

@@ -13,10 +13,16 @@
  * so a lane's register is moved past the next lane by one carry-less multiply modulo P with the
  * constant x^(8 lane), computed once.
  *
+ * Where the CPU has VPCLMULQDQ, spans of 256 bytes and more take a folding loop instead (below): the
+ * CRC carried as 128-bit remainders folded forward by carry-less multiplies, 64-byte loads and
+ * stores on AVX-512 (zmm), 32-byte ones where only AVX2 is there (ymm, e.g. Zen 3); in cache about
+ * twice the crc32 lanes' rate. dp_kv_set_crc_path forces a loop (tests compare them).
+ *
  * Stores are ordinary (not non-temporal): the target reads its blocks back soon after to verify
  * them, and a transfer is often smaller than the last-level cache.
  */
 
+#include <immintrin.h>
 #include <nmmintrin.h>
 #include <stdint.h>
 #include <string.h>
@@ -60,8 +66,215 @@ static inline uint64_t load64(const uint8_t *p) {
 
 static inline void store64(uint8_t *p, uint64_t word) { memcpy(p, &word, 8); }
 
+
+/* ---- Folding CRC32C (VPCLMULQDQ, 512-bit) ----
+ *
+ * Reflected convention: a 128-bit chunk loaded little-endian from the stream has its bit i as the
+ * coefficient of x^(127-i) (bit 0 is sent first and is the highest power). Its low qword XL covers
+ * x^127..x^64, the high qword XH x^63..x^0. Moving a chunk X forward by D bits, to be xored into
+ * the chunk D bits later, is X * x^D = XL * x^(64+D) + XH * x^D; mod P both powers shrink to
+ * degree < 32 and the products to degree < 96, inside the later chunk. A carry-less multiply of two
+ * reflected qwords (bit i <-> x^(63-i)) gives bit k <-> x^(126-k), one power short of the chunk's
+ * x^(127-k): hence the constants are x^(64+D-1) and x^(D-1) mod P, each as a reflected qword (x^j at
+ * bit 63-j). All folding keeps the raw CRC of the stream (register 0 at its start) unchanged, so
+ * the last 128-bit remainder is run through the crc32 instruction as 16 data bytes; the CRC's
+ * starting register is xored into the first 4 data bytes, the same thing as starting from it. */
+
+#define POLY_NORMAL 0x11edc6f41ull /* x^32 + ... , bit j <-> x^j */
+
+/* x^n mod P, bit j <-> x^j. */
+static uint32_t x_power_mod_p(unsigned n) {
+    uint64_t v = 1;
+    for (unsigned i = 0; i < n; i++) {
+        v <<= 1;
+        if (v & (1ull << 32)) v ^= POLY_NORMAL;
+    }
+    return (uint32_t)v;
+}
+
+/* The polynomial p (bit j <-> x^j, degree < 32) as a reflected qword (x^j at bit 63 - j). */
+static uint64_t reflected_qword(uint32_t p) {
+    uint64_t q = 0;
+    for (int j = 0; j < 32; j++)
+        if (p & (1u << j)) q |= 1ull << (63 - j);
+    return q;
+}
+
+/* Folding by D bits: low qword x^(64+D-1), high qword x^(D-1), mod P. */
+typedef struct { uint64_t low, high; } fold_constant;
+static fold_constant fold_constant_for(unsigned distance_bits) {
+    fold_constant c = {reflected_qword(x_power_mod_p(64 + distance_bits - 1)),
+                       reflected_qword(x_power_mod_p(distance_bits - 1))};
+    return c;
+}
+
+static fold_constant fold_2048, fold_1024, fold_512, fold_384, fold_256, fold_128; /* set by crc_fold_init */
+/* The folding loops: FOLD_512 on zmm registers (AVX-512 + VPCLMULQDQ), FOLD_256 on ymm ones (AVX2 +
+ * VPCLMULQDQ: e.g. Zen 3); NO_FOLD is the crc32 lanes. */
+enum { NO_FOLD = 0, FOLD_512 = 1, FOLD_256 = 2 };
+static int fold_512_available, fold_256_available; /* what the CPU has (set once, before any copy) */
+static int crc_fold_enabled;                      /* the loop in use (dp_kv_set_crc_path) */
+#define FOLD_MIN_BYTES 256
+
+static void crc_fold_init(void) {
+    fold_2048 = fold_constant_for(2048);
+    fold_1024 = fold_constant_for(1024);
+    fold_512 = fold_constant_for(512);
+    fold_384 = fold_constant_for(384);
+    fold_256 = fold_constant_for(256);
+    fold_128 = fold_constant_for(128);
+}
+
+#define FOLD_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,vpclmulqdq,pclmul,sse4.2")))
+
+FOLD_TARGET static inline __m512i fold_512bit(__m512i x, __m512i k, __m512i next) {
+    __m512i a = _mm512_clmulepi64_epi128(x, k, 0x00), b = _mm512_clmulepi64_epi128(x, k, 0x11);
+    return _mm512_ternarylogic_epi64(a, b, next, 0x96); /* a ^ b ^ next */
+}
+
+#define FOLD128_TARGET __attribute__((target("pclmul,sse4.2"))) /* a subset of both wide loops' targets */
+
+FOLD128_TARGET static inline __m128i fold_128bit(__m128i x, fold_constant c, __m128i next) {
+    __m128i k = _mm_set_epi64x((long long)c.high, (long long)c.low);
+    __m128i a = _mm_clmulepi64_si128(x, k, 0x00), b = _mm_clmulepi64_si128(x, k, 0x11);
+    return _mm_xor_si128(_mm_xor_si128(a, b), next);
+}
+
+/* After a wide loop: its 128-bit remainder x folded on over the 16-byte blocks from src + i (copied
+ * when COPY), then run through the crc32 instruction as 16 data bytes; *done the bytes consumed. */
+FOLD128_TARGET static inline uint32_t fold_tail(__m128i x, uint8_t *dst, const uint8_t *src, size_t i, size_t n,
+                                                size_t *done, const int copy) {
+    for (; i + 16 <= n; i += 16) {
+        __m128i d = _mm_loadu_si128((const __m128i *)(src + i));
+        if (copy) _mm_storeu_si128((__m128i *)(dst + i), d);
+        x = fold_128bit(x, fold_128, d);
+    }
+    *done = i;
+    uint64_t reg = _mm_crc32_u64(0, (uint64_t)_mm_cvtsi128_si64(x));
+    return (uint32_t)_mm_crc32_u64(reg, (uint64_t)_mm_extract_epi64(x, 1));
+}
+
+FOLD_TARGET static inline __m512i broadcast_constant(fold_constant c) {
+    return _mm512_broadcast_i32x4(_mm_set_epi64x((long long)c.high, (long long)c.low));
+}
+
+/* The raw CRC register r run over the largest multiple of 16 bytes of n (at least FOLD_MIN_BYTES),
+ * copying them to dst when COPY; returns the register, *done the bytes consumed. */
+FOLD_TARGET static inline uint32_t kv_crc_fold_impl(uint32_t r, uint8_t *dst, const uint8_t *src, size_t n,
+                                                    size_t *done, const int copy) {
+    __m512i a0 = _mm512_loadu_si512(src), a1 = _mm512_loadu_si512(src + 64);
+    __m512i a2 = _mm512_loadu_si512(src + 128), a3 = _mm512_loadu_si512(src + 192);
+    if (copy) {
+        _mm512_storeu_si512(dst, a0);
+        _mm512_storeu_si512(dst + 64, a1);
+        _mm512_storeu_si512(dst + 128, a2);
+        _mm512_storeu_si512(dst + 192, a3);
+    }
+    a0 = _mm512_xor_si512(a0, _mm512_zextsi128_si512(_mm_cvtsi32_si128((int)r))); /* the starting register */
+    size_t i = 256;
+    const __m512i k2048 = broadcast_constant(fold_2048);
+    for (; i + 256 <= n; i += 256) {
+        __m512i d0 = _mm512_loadu_si512(src + i), d1 = _mm512_loadu_si512(src + i + 64);
+        __m512i d2 = _mm512_loadu_si512(src + i + 128), d3 = _mm512_loadu_si512(src + i + 192);
+        if (copy) {
+            _mm512_storeu_si512(dst + i, d0);
+            _mm512_storeu_si512(dst + i + 64, d1);
+            _mm512_storeu_si512(dst + i + 128, d2);
+            _mm512_storeu_si512(dst + i + 192, d3);
+        }
+        a0 = fold_512bit(a0, k2048, d0);
+        a1 = fold_512bit(a1, k2048, d1);
+        a2 = fold_512bit(a2, k2048, d2);
+        a3 = fold_512bit(a3, k2048, d3);
+    }
+    const __m512i k512 = broadcast_constant(fold_512);
+    a1 = fold_512bit(a0, k512, a1);
+    a2 = fold_512bit(a1, k512, a2);
+    a3 = fold_512bit(a2, k512, a3); /* one 64-byte remainder, its four lanes in stream order */
+    __m128i x = fold_128bit(_mm512_extracti32x4_epi32(a3, 0), fold_384, _mm512_extracti32x4_epi32(a3, 3));
+    x = fold_128bit(_mm512_extracti32x4_epi32(a3, 1), fold_256, x);
+    x = fold_128bit(_mm512_extracti32x4_epi32(a3, 2), fold_128, x);
+    return fold_tail(x, dst, src, i, n, done, copy);
+}
+
+FOLD_TARGET static uint32_t kv_crc_fold_copy(uint32_t r, uint8_t *dst, const uint8_t *src, size_t n, size_t *done) {
+    return kv_crc_fold_impl(r, dst, src, n, done, 1);
+}
+
+FOLD_TARGET static uint32_t kv_crc_fold_read(uint32_t r, const uint8_t *src, size_t n, size_t *done) {
+    return kv_crc_fold_impl(r, 0, src, n, done, 0);
+}
+
+/* The same on 256-bit registers (two 128-bit lanes each, four accumulators: 128 bytes a round). */
+#define FOLD256_TARGET __attribute__((target("avx2,vpclmulqdq,pclmul,sse4.2")))
+
+FOLD256_TARGET static inline __m256i fold_256bit(__m256i x, __m256i k, __m256i next) {
+    __m256i a = _mm256_clmulepi64_epi128(x, k, 0x00), b = _mm256_clmulepi64_epi128(x, k, 0x11);
+    return _mm256_xor_si256(_mm256_xor_si256(a, b), next);
+}
+
+FOLD256_TARGET static inline __m256i broadcast_constant_256(fold_constant c) {
+    return _mm256_broadcastsi128_si256(_mm_set_epi64x((long long)c.high, (long long)c.low));
+}
+
+FOLD256_TARGET static inline uint32_t kv_crc_fold256_impl(uint32_t r, uint8_t *dst, const uint8_t *src, size_t n,
+                                                          size_t *done, const int copy) {
+    __m256i a0 = _mm256_loadu_si256((const __m256i *)src), a1 = _mm256_loadu_si256((const __m256i *)(src + 32));
+    __m256i a2 = _mm256_loadu_si256((const __m256i *)(src + 64)), a3 = _mm256_loadu_si256((const __m256i *)(src + 96));
+    if (copy) {
+        _mm256_storeu_si256((__m256i *)dst, a0);
+        _mm256_storeu_si256((__m256i *)(dst + 32), a1);
+        _mm256_storeu_si256((__m256i *)(dst + 64), a2);
+        _mm256_storeu_si256((__m256i *)(dst + 96), a3);
+    }
+    a0 = _mm256_xor_si256(a0, _mm256_set_m128i(_mm_setzero_si128(), _mm_cvtsi32_si128((int)r)));
+    size_t i = 128;
+    const __m256i k1024 = broadcast_constant_256(fold_1024);
+    for (; i + 128 <= n; i += 128) {
+        __m256i d0 = _mm256_loadu_si256((const __m256i *)(src + i));
+        __m256i d1 = _mm256_loadu_si256((const __m256i *)(src + i + 32));
+        __m256i d2 = _mm256_loadu_si256((const __m256i *)(src + i + 64));
+        __m256i d3 = _mm256_loadu_si256((const __m256i *)(src + i + 96));
+        if (copy) {
+            _mm256_storeu_si256((__m256i *)(dst + i), d0);
+            _mm256_storeu_si256((__m256i *)(dst + i + 32), d1);
+            _mm256_storeu_si256((__m256i *)(dst + i + 64), d2);
+            _mm256_storeu_si256((__m256i *)(dst + i + 96), d3);
+        }
+        a0 = fold_256bit(a0, k1024, d0);
+        a1 = fold_256bit(a1, k1024, d1);
+        a2 = fold_256bit(a2, k1024, d2);
+        a3 = fold_256bit(a3, k1024, d3);
+    }
+    const __m256i k256 = broadcast_constant_256(fold_256);
+    a1 = fold_256bit(a0, k256, a1);
+    a2 = fold_256bit(a1, k256, a2);
+    a3 = fold_256bit(a2, k256, a3); /* one 32-byte remainder, its two lanes in stream order */
+    __m128i x = fold_128bit(_mm256_castsi256_si128(a3), fold_128, _mm256_extracti128_si256(a3, 1));
+    return fold_tail(x, dst, src, i, n, done, copy);
+}
+
+FOLD256_TARGET static uint32_t kv_crc_fold256_copy(uint32_t r, uint8_t *dst, const uint8_t *src, size_t n,
+                                                   size_t *done) {
+    return kv_crc_fold256_impl(r, dst, src, n, done, 1);
+}
+
+FOLD256_TARGET static uint32_t kv_crc_fold256_read(uint32_t r, const uint8_t *src, size_t n, size_t *done) {
+    return kv_crc_fold256_impl(r, 0, src, n, done, 0);
+}
+
 /* The raw CRC register `r` (no inversions) run over n bytes; copies them to dst when dst != 0. */
 static uint32_t crc_register(uint32_t r, uint8_t *dst, const uint8_t *src, size_t n) {
+    if (crc_fold_enabled != NO_FOLD && n >= FOLD_MIN_BYTES) {
+        size_t done;
+        if (crc_fold_enabled == FOLD_512)
+            r = dst ? kv_crc_fold_copy(r, dst, src, n, &done) : kv_crc_fold_read(r, src, n, &done);
+        else
+            r = dst ? kv_crc_fold256_copy(r, dst, src, n, &done) : kv_crc_fold256_read(r, src, n, &done);
+        src += done;
+        n -= done;
+        if (dst) dst += done;
+    }
     uint64_t r0 = r;
     for (int size_index = 0; size_index < NUM_LANE_SIZES; size_index++) {
         const size_t lane = lane_sizes[size_index];
@@ -117,10 +330,29 @@ int dp_kv_copy_supported(void) {
     __builtin_cpu_init();
     if (!__builtin_cpu_supports("sse4.2")) return 0;
     for (int i = 0; i < NUM_LANE_SIZES; i++) shift_constant(i); /* here, once, before any thread copies */
+    crc_fold_init();
+    fold_256_available = __builtin_cpu_supports("vpclmulqdq") && __builtin_cpu_supports("pclmul")
+                         && __builtin_cpu_supports("avx2");
+    fold_512_available = fold_256_available && __builtin_cpu_supports("avx512f")
+                         && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl");
+    crc_fold_enabled = fold_512_available ? FOLD_512 : fold_256_available ? FOLD_256 : NO_FOLD;
     return 1;
 #else
     return 0;
 #endif
+}
+
+/* Which CRC loop runs: 1 folding on zmm, 2 folding on ymm, 0 the crc32 lanes. */
+int dp_kv_crc_path(void) { return crc_fold_enabled; }
+
+/* Choose the CRC loop: 1 the widest folding the CPU has, 2 the ymm folding, 0 the crc32 lanes (each
+ * where the CPU has it, else the next narrower); returns the one in force. For tests and
+ * benchmarks; call it while no copy runs. */
+int dp_kv_set_crc_path(int path) {
+    if (path == FOLD_512 && fold_512_available) crc_fold_enabled = FOLD_512;
+    else if (path != NO_FOLD && fold_256_available) crc_fold_enabled = FOLD_256;
+    else crc_fold_enabled = NO_FOLD;
+    return crc_fold_enabled;
 }
 
 /* crc32c.crc32c(src[:n], crc), copying the bytes to dst on the way (dst may be 0: no copy). */

@@ -1,11 +1,17 @@
 """ctypes access to kv_copy_native.c: a layer's KV copied and CRC32C'd in one pass.
 
-Built with gcc (-O3 -msse4.2) at `make venv` time where a compiler exists, else on first use,
+The CRC runs as carry-less multiply folding where the CPU has VPCLMULQDQ (on 512-bit registers
+with AVX-512, else on 256-bit ones with AVX2; chosen at load), else as three interleaved crc32
+instruction chains. Built with gcc (-O3 -msse4.2;
+the folding functions carry their own target attribute) at `make venv` time where a compiler exists, else on first use,
 and cached under `$XDG_CACHE_HOME/dualpace/kernels/` keyed by the source, the flags and the
 compiler's version. Where it cannot be used (no compiler, not x86, no SSE4.2, or
 `DUALPACE_CPU_KERNELS=0`), `get()` is None and the caller keeps numpy's copy plus the `crc32c`
 package; that is logged once. Its checksums are the package's exactly (the values on the wire).
 ctypes releases the GIL for each call, so several threads copy at once.
+
+`DUALPACE_KV_CRC=lanes` (or `ymm`) keeps the crc32 lanes (or the 256-bit folding) where the
+widest folding loop would run (A/B benchmarks).
 
     python -m dualpace.engine.kv_copy_native     # build it now (make venv)
 """
@@ -35,7 +41,10 @@ _SIGNATURES = {
     "dp_copy_crc32c": ([_ptr, _ptr, _i64, _u32], _u32),
     "dp_kv_layer_copy_crc32c": ([_ptr, _ptr, _ptr, _ptr, _ptr, _i64, _i64], _u32),
     "dp_kv_layers_copy_crc32c": ([_ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _ptr, _i64, _i64, _ptr], None),
+    "dp_kv_crc_path": ([], ctypes.c_int),
+    "dp_kv_set_crc_path": ([ctypes.c_int], ctypes.c_int),
 }
+CRC_PATHS = ("crc32 lanes", "vpclmulqdq folding", "vpclmulqdq folding (ymm)")  # by dp_kv_crc_path()
 _state: dict[str, ctypes.CDLL | None] = {}
 _lock = threading.Lock()
 
@@ -81,10 +90,31 @@ def get() -> ctypes.CDLL | None:
                     lib, why = None, "DUALPACE_CPU_KERNELS=0"
                 else:
                     lib, why = _load()
+                forced = {"lanes": 0, "ymm": 2}.get(os.environ.get("DUALPACE_KV_CRC", ""))
+                if lib is not None and forced is not None:
+                    lib.dp_kv_set_crc_path(forced)  # A/B runs: the crc32 lanes (or the ymm folding) instead
                 if lib is None:
                     log.warning("fused KV copy + CRC32C unavailable (%s): numpy copy + crc32c package", why)
                 _state["lib"] = lib
     return _state["lib"]
+
+
+def crc_path() -> str:
+    """The CRC loop in use: "vpclmulqdq folding" (carry-less multiply folding on 512-bit registers,
+    where the CPU has VPCLMULQDQ and AVX-512), "vpclmulqdq folding (ymm)" (on 256-bit ones: AVX2 +
+    VPCLMULQDQ), "crc32 lanes" (the SSE4.2 instruction) or "numpy + crc32c" (no library)."""
+    lib = get()
+    return CRC_PATHS[lib.dp_kv_crc_path()] if lib is not None else "numpy + crc32c"
+
+
+def set_crc_path(path: int) -> str:
+    """Force a CRC loop (tests, benches; only while no copy runs): 1 the widest folding the CPU has,
+    2 the ymm folding, 0 the crc32 lanes, each falling back to the next narrower one the CPU has.
+    Returns the loop now in force."""
+    lib = get()
+    if lib is not None:
+        lib.dp_kv_set_crc_path(path)
+    return crc_path()
 
 
 def main() -> int:
@@ -92,7 +122,7 @@ def main() -> int:
     if lib is None:
         print(f"fused KV copy + CRC32C not built; the shm transfer will use numpy + crc32c: {why}", file=sys.stderr)
         return 1
-    print(f"fused KV copy + CRC32C: {library_path()}")
+    print(f"fused KV copy + CRC32C ({CRC_PATHS[lib.dp_kv_crc_path()]}): {library_path()}")
     return 0
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ctypes
 import threading
+from pathlib import Path
 
 import crc32c
 import numpy as np
@@ -18,13 +19,27 @@ lib = kv_copy_native.get()
 needs_native = pytest.mark.skipif(lib is None, reason="fused KV copy not built here (no gcc or no SSE4.2)")
 LANES = 3 * 16384  # kv_copy_native.c's round: sizes around it take both the lane and the tail loops
 SMALL_ROUNDS = [3 * 4096 - 1, 3 * 4096, 3 * 4096 + 3 * 1024 + 8, 3 * 1024, LANES + 3 * 4096 + 3 * 1024 + 5]  # the smaller lanes
+FOLD_SIZES = [255, 256, 257, 271, 272, 300, 511, 512, 513, 767, 768 + 15, 4096 + 16 * 7 + 3]  # the folding loop's edges
+PATHS_HERE = {lib.dp_kv_set_crc_path(path) for path in (0, 1, 2)} if lib is not None else set()
+CRC_PATHS = [pytest.param(path, id=name, marks=pytest.mark.skipif(path not in PATHS_HERE, reason=f"no {name} here"))
+             for path, name in ((1, "fold-zmm"), (2, "fold-ymm"), (0, "crc32-lanes"))]
+
+
+@pytest.fixture(params=CRC_PATHS)
+def crc_path(request):
+    """Each test below on every CRC loop of the library the CPU has (back to the widest after)."""
+    if lib is not None:
+        assert lib.dp_kv_set_crc_path(request.param) == request.param
+    yield request.param
+    if lib is not None:
+        lib.dp_kv_set_crc_path(1)
 
 
 @needs_native
 @pytest.mark.parametrize("num_bytes", [0, 1, 7, 8, 9, 63, LANES - 1, LANES, LANES + 13, 5 * LANES + 4095, 200_003,
-                                       *SMALL_ROUNDS])
+                                       *SMALL_ROUNDS, *FOLD_SIZES])
 @pytest.mark.parametrize("offset", [0, 1, 5])
-def test_copy_and_checksum_equal_the_package_on_odd_sizes_and_offsets(num_bytes, offset):
+def test_copy_and_checksum_equal_the_package_on_odd_sizes_and_offsets(num_bytes, offset, crc_path):
     data = np.random.default_rng(num_bytes + offset).integers(0, 256, num_bytes + offset, dtype=np.uint8)
     src = data[offset:]
     dst_buffer = np.zeros(num_bytes + 3, dtype=np.uint8)
@@ -37,9 +52,21 @@ def test_copy_and_checksum_equal_the_package_on_odd_sizes_and_offsets(num_bytes,
 
 
 @needs_native
-def test_the_known_check_value():
+def test_the_known_check_value(crc_path):
     message = ctypes.create_string_buffer(b"123456789", 9)
     assert lib.dp_copy_crc32c(None, ctypes.addressof(message), 9, 0) == 0xE3069283
+    zeros = ctypes.create_string_buffer(1024)  # long enough for the folding loop: 32 zero bytes x 32
+    assert lib.dp_copy_crc32c(None, ctypes.addressof(zeros), 1024, 0) == crc32c.crc32c(bytes(1024))
+
+
+@needs_native
+def test_the_widest_folding_loop_is_chosen_where_the_cpu_has_it():
+    cpuinfo = Path("/proc/cpuinfo")
+    flags = cpuinfo.read_text().split("\n\n")[0].split() if cpuinfo.exists() else []
+    ymm = all(f in flags for f in ("vpclmulqdq", "pclmulqdq", "avx2"))
+    zmm = ymm and all(f in flags for f in ("avx512f", "avx512bw", "avx512vl"))
+    assert lib.dp_kv_set_crc_path(1) == (1 if zmm else 2 if ymm else 0)
+    assert kv_copy_native.crc_path() == kv_copy_native.CRC_PATHS[1 if zmm else 2 if ymm else 0]
 
 
 def _pools(dtype, seed, num_blocks=40):
@@ -50,7 +77,7 @@ def _pools(dtype, seed, num_blocks=40):
 
 @needs_native
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_copy_in_place_checksums_and_bytes_are_the_same_with_and_without_the_fused_loop(monkeypatch, dtype):
+def test_copy_in_place_checksums_and_bytes_are_the_same_with_and_without_the_fused_loop(monkeypatch, dtype, crc_path):
     src_k, src_v = _pools(dtype, 0)
     src_slot_ids = [*range(3, 300), *range(400, 410), 7]  # runs broken on both sides
     dst_slot_ids = [*range(320, 617), *range(10, 20), 639]
@@ -69,7 +96,7 @@ def test_copy_in_place_checksums_and_bytes_are_the_same_with_and_without_the_fus
 
 
 @needs_native
-def test_one_call_over_all_layers_equals_one_call_per_layer():
+def test_one_call_over_all_layers_equals_one_call_per_layer(crc_path):
     """Without a stop event the layers go in one C call; with one, a call per layer (to stop between)."""
     src_k, src_v = _pools(torch.float32, 0)
     slot_ids = [*range(5, 21), *range(100, 103)]  # 16 + 3 tokens: the small lanes and the tail
