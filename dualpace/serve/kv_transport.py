@@ -26,9 +26,10 @@ from dualpace.wire.kv_chunk_wire import (
 from dualpace.wire.v1 import engine_pb2
 
 TRANSFER_TIMEOUT_S = 120.0
-# Chunks go together in one message up to this many K + V bytes (0: one message per chunk). Chunks
-# themselves are up to DEFAULT_CHUNK_BYTES (4 MiB); messages stay far under the 64 MiB limit.
-DEFAULT_BATCH_BYTES = 8 * 2**20
+# Chunks go together in one message while their K + V bytes stay within this (0: one message per
+# chunk; a larger chunk goes alone). Bare gRPC over loopback moved 0.75 MB messages no slower than
+# 4 or 8 MB ones (docs/perf.md, session 9): batches are for the many small chunks of a short context.
+DEFAULT_BATCH_BYTES = 2**20
 READ_AHEAD_CHUNKS = 8  # chunks read (or being read) before the writes take them (a chunk is at most 4 MiB)
 # Targets that refused a KvChunkBatch (an older version): sent one chunk per message.
 _TARGETS_WITHOUT_BATCHES: set[str] = set()
@@ -130,14 +131,13 @@ class GrpcKvSender:
         try:
             while (chunk := await _next_ready(ready)) is not None:
                 batch, size = [chunk], len(chunk.k) + len(chunk.v)
-                while batches and not ready.empty() and size < self.batch_bytes:
-                    following = ready.get_nowait()
-                    if following is None:
-                        ready.put_nowait(None)  # the end: seen again by the outer loop
+                while batches and not ready.empty():
+                    following = ready._queue[0]  # noqa: SLF001 - a peek: asyncio.Queue has none
+                    if following is None or isinstance(following, BaseException):
+                        break  # the end or an error: the outer loop takes it
+                    if size + len(following.k) + len(following.v) > self.batch_bytes:
                         break
-                    if isinstance(following, BaseException):
-                        raise following
-                    batch.append(following)
+                    batch.append(ready.get_nowait())
                     size += len(following.k) + len(following.v)
                 message = encode_kv_chunk_message(chunk) if len(batch) == 1 else encode_chunk_batch(batch)
                 await self._write(call, message, f"chunk {chunk.seq}" if len(batch) == 1
