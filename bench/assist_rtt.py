@@ -66,6 +66,9 @@ class InstantSession:
     def in_iteration(self) -> bool:
         return self._begin is not None
 
+    def device_free_now(self) -> bool:
+        return True  # no device: the servicer may run its stages inline, as a real session's short ones
+
     @property
     def accepts_join(self) -> bool:
         return False  # the round trip measured is the staged exchange's

@@ -20,8 +20,8 @@ and the next run_iteration opens a fresh stream. An exception raised by
 transport "auto" (the default) offers a shared-memory segment on each fresh stream
 (cpu_service/assist_shm.py): where gpu_service is on the same host and maps it, iterations
 whose batch fits a slot run through it, the rest over gRPC; elsewhere, or with "grpc",
-everything goes over the stream. In `attend` the q/k/v of the shared-memory path are views
-into the segment, valid until attend returns.
+everything goes over the stream. In `attend` the q/k/v are valid until attend returns: on the
+shared-memory path views into the segment, over gRPC tensors the client reuses for the next layer.
 """
 
 from __future__ import annotations
@@ -42,8 +42,8 @@ from dualpace.errors import InvalidArgument, Unavailable
 from dualpace.sampling import SamplingParams, sample_next_tokens
 from dualpace.serve.auth import token_metadata
 from dualpace.serve.logging_setup import get_logger
-from dualpace.wire import assist_messages
-from dualpace.wire.v1 import assist_pb2, assist_pb2_grpc
+from dualpace.wire import assist_messages, assist_wire
+from dualpace.wire.v1 import assist_pb2
 
 # (layer, q, k, v) -> attention output [batch, num_heads * head_dim]
 AttendFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -80,18 +80,18 @@ class _StreamEnded:
 class _AssistStream:
     """One open Assist call: a queue feeds its requests, a reader thread drains its replies."""
 
-    def __init__(self, stub: assist_pb2_grpc.DenseAssistStub, address: str,
+    def __init__(self, assist: grpc.StreamStreamMultiCallable, address: str,
                  metadata: tuple[tuple[str, str], ...] = ()):
         self._address = address
         self._requests: queue.Queue = queue.Queue()
         self._replies: queue.Queue = queue.Queue()
         self.ended = threading.Event()  # the call is over (the reason waits in the reply queue)
         self.on_end: Callable[[], None] | None = None
-        self._call = stub.Assist(self._request_iterator(), metadata=metadata)
+        self._call = assist(self._request_iterator(), metadata=metadata)
         self._reader = threading.Thread(target=self._read_replies, name="assist-reply-reader", daemon=True)
         self._reader.start()
 
-    def _request_iterator(self) -> Iterator[assist_pb2.AssistUp]:
+    def _request_iterator(self) -> Iterator[assist_pb2.AssistUp | bytes]:
         while True:
             message = self._requests.get()
             if message is _END_OF_REQUESTS:
@@ -109,7 +109,8 @@ class _AssistStream:
         if self.on_end is not None:
             self.on_end()
 
-    def send(self, message: assist_pb2.AssistUp) -> None:
+    def send(self, message: assist_pb2.AssistUp | bytes) -> None:
+        """A message, or one already serialized (dualpace/wire/assist_wire.py)."""
         self._requests.put(message)
 
     def receive(self, timeout_s: float) -> assist_pb2.AssistDown:
@@ -166,7 +167,10 @@ class AssistClient:
                 ("grpc.max_reconnect_backoff_ms", _MAX_RECONNECT_BACKOFF_MS),
             ],
         )
-        self._stub = assist_pb2_grpc.DenseAssistStub(self._channel)
+        # the generated stub's method, with serializers that let pre-encoded per-layer messages pass
+        self._assist = self._channel.stream_stream(assist_wire.ASSIST_METHOD, request_serializer=assist_wire.serialize_up,
+                                                   response_deserializer=assist_pb2.AssistDown.FromString)
+        self._qkv = assist_wire.QkvReceiver()
         self._stream: _AssistStream | None = None
         self._iteration_ids = itertools.count(1)
         self._lock = threading.Lock()
@@ -236,7 +240,7 @@ class AssistClient:
     def _exchange(self, begin: assist_types.AssistBegin, attend: AttendFn) -> assist_types.AssistResult:
         """Send begin, answer each layer's qkv with attend, return the result."""
         if self._stream is None:
-            self._stream = _AssistStream(self._stub, self.address, self._metadata)
+            self._stream = _AssistStream(self._assist, self.address, self._metadata)
             if self.transport == "auto" and not self._shm_unsupported:
                 self._shm = self._offer_shm(self._stream)
         stream = self._stream
@@ -261,7 +265,7 @@ class AssistClient:
         stream.send(assist_messages.assist_up_to_pb(begin))
         for expected_layer in itertools.count():
             started_s = time.monotonic()
-            reply = self._decode(stream.receive(wait_budget_s))
+            reply = self._decode_reply(stream.receive(wait_budget_s))
             wait_budget_s -= time.monotonic() - started_s
             if isinstance(reply, assist_types.AssistShmAnswer):
                 raise self._protocol_error("a shared-memory answer nobody asked for")
@@ -273,11 +277,7 @@ class AssistClient:
             if reply.layer != expected_layer or not reply.q.shape[0] == reply.k.shape[0] == reply.v.shape[0] == batch:
                 raise self._protocol_error(f"unexpected qkv for layer {reply.layer} (expected layer {expected_layer})")
             attention_output = attend(reply.layer, reply.q, reply.k, reply.v)
-            stream.send(
-                assist_messages.assist_up_to_pb(
-                    assist_types.AssistAttentionOutput(begin.iteration_id, reply.layer, attention_output)
-                )
-            )
+            stream.send(assist_wire.encode_attention_output_up(begin.iteration_id, reply.layer, attention_output))
         raise AssertionError("unreachable")
 
     def _offer_shm(self, stream: _AssistStream) -> assist_shm.ShmIterations | None:
@@ -323,6 +323,15 @@ class AssistClient:
 
     def timeout(self) -> AssistUnavailable:
         return AssistUnavailable(f"dense assist at {self.address}: no reply within the iteration timeout")
+
+    def _decode_reply(self, message: assist_pb2.AssistDown):
+        """Like _decode; a layer's q/k/v land in the receiver's tensors (valid until attend returns)."""
+        if message.WhichOneof("kind") != "qkv":
+            return self._decode(message)
+        try:
+            return self._qkv.qkv(message.qkv)
+        except ValueError as exc:
+            raise self._protocol_error(str(exc)) from None
 
     def _decode(self, message: assist_pb2.AssistDown):
         try:

@@ -24,6 +24,10 @@ stall gpu_service.
 - stage workers (`--assist-workers`): the bounded pool that runs the stages (device work and
   tensor (de)serialisation), apart from asyncio's default pool and from the KV transfer pools
   (dualpace.engine.worker_pools), so a burst of waiting stages delays neither.
+- inline stages (`--assist-inline-stage-us`): over gRPC, a layer's stage runs on the event loop
+  itself (no hop to the pool and back, two thread wake-ups) when the stream's previous stage
+  ran within this bound and the session says the device is free now, so the loop is held at most
+  about that long; begins, slow sessions and a busy device keep the pool.
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ DEFAULT_IDLE_TIMEOUT_S = 5.0
 DEFAULT_STAGE_TIMEOUT_S = 5.0
 DEFAULT_STAGE_WORKERS = 4
 DEFAULT_MAX_SHM_STREAMS = 16
+DEFAULT_INLINE_STAGE_US = 150.0
 TRANSPORTS = ("auto", "grpc")
 STAGE_POOL = "assist-stage"
 
@@ -65,6 +70,7 @@ class AssistLimits:
     max_shm_streams: int = DEFAULT_MAX_SHM_STREAMS
     join_min_layer_wait_ms: float = DEFAULT_JOIN_MIN_LAYER_WAIT_MS
     join_enabled: bool = True
+    inline_stage_us: float = DEFAULT_INLINE_STAGE_US
 
     def __post_init__(self) -> None:
         for flag, value in (("--assist-idle-timeout-s", self.idle_timeout_s),
@@ -73,6 +79,8 @@ class AssistLimits:
                 raise InvalidArgument(flag, f"must be > 0, got {value}")
         if not self.join_min_layer_wait_ms > 0:
             raise InvalidArgument("--assist-join-min-layer-wait-ms", f"must be > 0, got {self.join_min_layer_wait_ms}")
+        if not self.inline_stage_us >= 0:
+            raise InvalidArgument("--assist-inline-stage-us", f"must be >= 0, got {self.inline_stage_us}")
         if self.num_stage_workers < 1:
             raise InvalidArgument("--assist-workers", f"must be >= 1, got {self.num_stage_workers}")
         if self.max_shm_streams < 0:
@@ -88,6 +96,9 @@ def add_assist_limit_arguments(parser: argparse.ArgumentParser) -> None:
                              "client set no max_device_wait_ms (then DEADLINE_EXCEEDED)")
     parser.add_argument("--assist-workers", type=int, default=DEFAULT_STAGE_WORKERS,
                         help="Dense Assist: threads running the sessions' stages (a pool of its own)")
+    parser.add_argument("--assist-inline-stage-us", type=float, default=DEFAULT_INLINE_STAGE_US,
+                        help="Dense Assist over gRPC: a layer's stage runs on the event loop (no pool hop) when the "
+                             "stream's previous stage took at most this long and the device is free; 0: never")
     parser.add_argument("--assist-transport", default="auto", choices=TRANSPORTS,
                         help="Dense Assist: auto accepts a same-host client's shared memory; grpc: streams only")
     parser.add_argument("--assist-max-shm-streams", type=int, default=DEFAULT_MAX_SHM_STREAMS,
@@ -104,4 +115,4 @@ def limits_from_args(args: argparse.Namespace) -> AssistLimits:
     return AssistLimits(args.assist_idle_timeout_s, args.assist_stage_timeout_s, args.assist_workers,
                         shm_enabled=args.assist_transport == "auto", max_shm_streams=args.assist_max_shm_streams,
                         join_min_layer_wait_ms=args.assist_join_min_layer_wait_ms,
-                        join_enabled=args.assist_join == "on")
+                        join_enabled=args.assist_join == "on", inline_stage_us=args.assist_inline_stage_us)

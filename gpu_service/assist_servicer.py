@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from collections.abc import AsyncIterator
 
 import grpc
@@ -25,7 +26,8 @@ import grpc
 from dualpace.engine.worker_pools import pool
 from dualpace.errors import InvalidArgument, Overloaded
 from dualpace.serve.logging_setup import get_logger
-from dualpace.wire import assist_messages
+from dualpace.engine.assist_types import AssistQkv
+from dualpace.wire import assist_messages, assist_wire
 from dualpace.wire.v1 import assist_pb2, assist_pb2_grpc
 from gpu_service.assist_limits import STAGE_POOL, AssistExpired, AssistLimits, idle_expired, stage_expired
 from gpu_service.assist_shm_session import ShmStream, accept_offer
@@ -45,11 +47,12 @@ class DenseAssistServicer(assist_pb2_grpc.DenseAssistServicer):
 
     async def Assist(
         self, request_iterator: AsyncIterator[assist_pb2.AssistUp], context: grpc.aio.ServicerContext
-    ) -> AsyncIterator[assist_pb2.AssistDown]:
+    ) -> AsyncIterator[assist_pb2.AssistDown | bytes]:
         session = self._executor.new_session()
         lock = threading.Lock()  # the session runs one stage at a time, from the pool or the ring thread
         stage: asyncio.Future | None = None
         shm: ShmStream | None = None
+        last_stage_s: float | None = None  # how long this stream's previous stage ran (None: none yet)
         try:
             while True:
                 if shm is None:
@@ -66,9 +69,12 @@ class DenseAssistServicer(assist_pb2_grpc.DenseAssistServicer):
                     answer, shm = await self._accept(message, session, lock, shm)
                     yield answer
                     continue
-                stage = asyncio.get_running_loop().run_in_executor(self._stages, _reply_to, session, message, lock)
-                reply = await self._finish_stage(stage)
-                stage = None
+                if self._stage_inline(session, message, last_stage_s):
+                    reply, last_stage_s = _reply_to(session, message, lock)
+                else:
+                    stage = asyncio.get_running_loop().run_in_executor(self._stages, _reply_to, session, message, lock)
+                    reply, last_stage_s = await self._finish_stage(stage)
+                    stage = None
                 yield reply
         except (InvalidArgument, ValueError) as exc:
             # Mapped here too so the servicer works without the status interceptor.
@@ -116,7 +122,19 @@ class DenseAssistServicer(assist_pb2_grpc.DenseAssistServicer):
         except TimeoutError:
             raise idle_expired(timeout_s) from None
 
-    async def _finish_stage(self, stage: asyncio.Future) -> assist_pb2.AssistDown:
+    def _stage_inline(self, session: AssistSession, message: assist_pb2.AssistUp, last_stage_s: float | None) -> bool:
+        """Run a layer's stage on the event loop itself, saving the pool's two thread hops, when it
+        cannot hold the loop long: the stream's previous stage ran within --assist-inline-stage-us and
+        the session says the device is free now (the stage will not wait for it). Begins (which may wait
+        for the engine's iteration) always go to the pool, as does every stage of a session that does
+        not say (device_free_now) and every stage after one that ran past the bound."""
+        if last_stage_s is None or last_stage_s * 1e6 > self._limits.inline_stage_us:
+            return False
+        device_free_now = getattr(session, "device_free_now", None)
+        return (device_free_now is not None and message.WhichOneof("kind") == "attention_output"
+                and device_free_now())
+
+    async def _finish_stage(self, stage: asyncio.Future) -> tuple[assist_pb2.AssistDown | bytes, float]:
         timeout_s = self._limits.stage_timeout_s
         # asyncio.wait leaves the stage running past a timeout (a thread cannot be interrupted), and
         # wakes this task one callback after the stage ends (wait_for over shield took three)
@@ -126,10 +144,18 @@ class DenseAssistServicer(assist_pb2_grpc.DenseAssistServicer):
         return stage.result()
 
 
-def _reply_to(session: AssistSession, message: assist_pb2.AssistUp, lock: threading.Lock) -> assist_pb2.AssistDown:
-    """Decode, run one step of the session, encode (in a worker thread)."""
+def _reply_to(session: AssistSession, message: assist_pb2.AssistUp,
+              lock: threading.Lock) -> tuple[assist_pb2.AssistDown | bytes, float]:
+    """Decode, run one step of the session, encode (in a worker thread, or inline); the reply and
+    how long all that took in seconds."""
+    started_s = time.perf_counter()
     with lock:
-        return assist_messages.assist_down_to_pb(session.handle(assist_messages.assist_up_from_pb(message)))
+        reply = session.handle(assist_messages.assist_up_from_pb(message))
+        if isinstance(reply, AssistQkv):  # a layer's q/k/v: encoded by hand (dualpace/wire/assist_wire.py)
+            encoded = assist_wire.encode_qkv_down(reply.iteration_id, reply.layer, reply.q, reply.k, reply.v)
+        else:
+            encoded = assist_messages.assist_down_to_pb(reply)
+    return encoded, time.perf_counter() - started_s
 
 
 def _close(session: AssistSession, lock: threading.Lock) -> None:
@@ -139,5 +165,13 @@ def _close(session: AssistSession, lock: threading.Lock) -> None:
 
 def add_dense_assist_servicer(executor: DenseAssistExecutor, server: grpc.aio.Server,
                               limits: AssistLimits | None = None) -> None:
-    """Register DenseAssist on a server (use as, or inside, a daemon's register callback)."""
-    assist_pb2_grpc.add_DenseAssistServicer_to_server(DenseAssistServicer(executor, limits), server)
+    """Register DenseAssist on a server (use as, or inside, a daemon's register callback).
+
+    As the generated add_DenseAssistServicer_to_server, but replies may be pre-encoded bytes."""
+    servicer = DenseAssistServicer(executor, limits)
+    handlers = {"Assist": grpc.stream_stream_rpc_method_handler(
+        servicer.Assist, request_deserializer=assist_pb2.AssistUp.FromString,
+        response_serializer=assist_wire.serialize_down)}
+    service = assist_pb2.DESCRIPTOR.services_by_name["DenseAssist"].full_name
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service, handlers),))
+    server.add_registered_method_handlers(service, handlers)

@@ -245,22 +245,32 @@ class KvImporter:
     async def chunk(self, chunk: KvChunk) -> None:
         progress = self._require_header()
         progress.check_order(chunk)
+        # One hop to a worker thread per chunk, off the event loop (which runs this engine's
+        # steps and streams): the CRC, bytes -> tensor and one vectorised scatter per K and V
+        # into blocks reserved for this request, which no step reads or writes until the commit.
+        await run_in_pool("kv-import", self._verify_and_write, progress, chunk)
+        progress.accept(chunk)
+
+    async def chunks(self, chunks) -> None:
+        """Consecutive chunks (a KvChunkBatch), each checked, verified and written as chunk() does,
+        in one hop to a worker thread for all of them."""
+        progress = self._require_header()
+
+        def verify_and_write_all() -> None:
+            for chunk in chunks:
+                progress.check_order(chunk)
+                self._verify_and_write(progress, chunk)
+                progress.accept(chunk)
+
+        await run_in_pool("kv-import", verify_and_write_all)
+
+    def _verify_and_write(self, progress: ImportProgress, chunk: KvChunk) -> None:
         layout = progress.header.layout
         shape = (chunk.token_end - chunk.token_start, layout.num_kv_heads, layout.head_dim)
-        slot_ids = self._slot_ids[chunk.token_start:chunk.token_end]
-        runner = self.loop.core.runner
-
-        def verify_and_write() -> None:
-            # One hop to a worker thread per chunk, off the event loop (which runs this engine's
-            # steps and streams): the CRC, bytes -> tensor and one vectorised scatter per K and V
-            # into blocks reserved for this request, which no step reads or writes until the commit.
-            progress.check_checksum(chunk)
-            k = tensor_from_bytes(chunk.k, layout.dtype, shape)
-            v = tensor_from_bytes(chunk.v, layout.dtype, shape)
-            runner.write_kv(slot_ids, chunk.layer, k, v)
-
-        await run_in_pool("kv-import", verify_and_write)
-        progress.accept(chunk)
+        progress.check_checksum(chunk)
+        k = tensor_from_bytes(chunk.k, layout.dtype, shape)
+        v = tensor_from_bytes(chunk.v, layout.dtype, shape)
+        self.loop.core.runner.write_kv(self._slot_ids[chunk.token_start:chunk.token_end], chunk.layer, k, v)
 
     async def prepare(self) -> ImportProgress:
         progress = self._require_header()

@@ -174,9 +174,12 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
                         yield await self._commit_import(importer)
                         _log_import(importer, started, chunk_ms)  # once the reply is on its way
                         return
-                elif kind == "chunk":
+                elif kind in ("chunk", "chunk_batch"):
                     chunk_start = time.perf_counter()
-                    await importer.chunk(messages.kv_chunk_from_pb(message.chunk))
+                    if kind == "chunk":
+                        await importer.chunk(messages.kv_chunk_from_pb(message.chunk))
+                    else:  # several in one message: one hop to the import pool for all of them
+                        await importer.chunks([messages.kv_chunk_from_pb(c) for c in message.chunk_batch.chunks])
                     chunk_ms += (time.perf_counter() - chunk_start) * 1e3
                 elif kind == "prepare":
                     progress = await importer.prepare()

@@ -8,6 +8,7 @@ from dataclasses import replace
 
 import grpc
 
+from dualpace.engine.kv_source import OutgoingKv
 from dualpace.engine.kv_transfer import KvChunk, KvTransferHeader
 from dualpace.engine.prefix_copy import ChunksFrom
 from dualpace.errors import Unavailable
@@ -16,10 +17,43 @@ from dualpace.serve.auth import token_metadata
 from dualpace.serve.security import TlsConfig, peer_channel
 from dualpace.serve.server import channel_options
 from dualpace.wire.engine_messages import kv_header_to_pb
-from dualpace.wire.kv_chunk_wire import IMPORT_KV_METHOD, encode_kv_chunk_message, serialize_import_message
+from dualpace.wire.kv_chunk_wire import (
+    IMPORT_KV_METHOD,
+    encode_chunk_batch,
+    encode_kv_chunk_message,
+    serialize_import_message,
+)
 from dualpace.wire.v1 import engine_pb2
 
 TRANSFER_TIMEOUT_S = 120.0
+# Chunks go together in one message while their K + V bytes stay within this (0: one message per
+# chunk; a larger chunk goes alone). Bare gRPC over loopback moved 0.75 MB messages no slower than
+# 4 or 8 MB ones (docs/perf.md, session 9): batches are for the many small chunks of a short context.
+DEFAULT_BATCH_BYTES = 2**20
+READ_AHEAD_CHUNKS = 8  # chunks read (or being read) before the writes take them (a chunk is at most 4 MiB)
+# Targets that refused a KvChunkBatch (an older version): sent one chunk per message.
+_TARGETS_WITHOUT_BATCHES: set[str] = set()
+_END = None
+
+
+async def _read_into(chunks: AsyncIterator[KvChunk], ready: asyncio.Queue, faults: FaultConfig) -> None:
+    """Puts each chunk to send (after fault injection) on `ready`, then None; or the error that ended it."""
+    try:
+        async for chunk in chunks:
+            outgoing = faults.outgoing_chunk(chunk)
+            if outgoing is not None:
+                await ready.put(outgoing)
+    except Exception as exc:  # noqa: BLE001 - raised where the writes take it (e.g. a cancelled move)
+        await ready.put(exc)
+        return
+    await ready.put(_END)
+
+
+async def _next_ready(ready: asyncio.Queue) -> KvChunk | None:
+    item = await ready.get()
+    if isinstance(item, BaseException):
+        raise item
+    return item
 
 
 class GrpcKvSender:
@@ -30,12 +64,16 @@ class GrpcKvSender:
     fails with one code however the failure was noticed."""
 
     def __init__(self, target_address: str, faults: FaultConfig | None = None, timeout_s: float = TRANSFER_TIMEOUT_S,
-                 auth_token: str | None = None, tls: TlsConfig | None = None):
+                 auth_token: str | None = None, tls: TlsConfig | None = None,
+                 batch_bytes: int = DEFAULT_BATCH_BYTES):
         self.target_address = target_address
         self.faults = faults or FaultConfig()
         self.timeout_s = timeout_s
         self.auth_token = auth_token  # the shared --auth-token-file token the target requires, if any
         self.tls = tls  # this daemon's TLS settings: a TLS engine reaches its TCP peers over TLS
+        self.batch_bytes = batch_bytes
+        self.num_messages = 0  # chunk messages written by the last call (a batch counts once)
+        self.sent_batches = False  # the last call sent a KvChunkBatch
 
     async def __call__(self, header: KvTransferHeader, chunks: AsyncIterator[KvChunk]) -> str:
         async with peer_channel(self.target_address, self.tls, channel_options()) as channel:
@@ -44,8 +82,9 @@ class GrpcKvSender:
                 await self._write(call, kv_header_to_pb(header), "the header")
                 await self._send_chunks(call, chunks)
                 return await self._prepare_and_commit(call)
-            except BaseException:
+            except BaseException as exc:
                 call.cancel()  # the target drops the partial import
+                self._note_refused_batches(exc)
                 raise
 
     async def send_cache(self, header: KvTransferHeader, chunks_from: ChunksFrom) -> tuple[str, int]:
@@ -60,9 +99,16 @@ class GrpcKvSender:
                 held = await self._expect(call, "cache_held")
                 await self._send_chunks(call, chunks_from(held.num_held_tokens))
                 return await self._prepare_and_commit(call), held.num_held_tokens
-            except BaseException:
+            except BaseException as exc:
                 call.cancel()  # the target drops the partial import and its hold on the shared blocks
+                self._note_refused_batches(exc)
                 raise
+
+    def _note_refused_batches(self, error: BaseException) -> None:
+        """A target of an older version ends the stream at a KvChunkBatch (a message of no kind it
+        knows): that transfer fails (the request stays on the source), later ones send single chunks."""
+        if self.sent_batches and isinstance(error, Unavailable) and "empty ImportKv message" in str(error):
+            _TARGETS_WITHOUT_BATCHES.add(self.target_address)
 
     def _open_import(self, channel):
         """The ImportKv stream; chunks go pre-encoded, straight from the exported KV buffers (one copy:
@@ -72,10 +118,36 @@ class GrpcKvSender:
         return import_kv(timeout=self.timeout_s, metadata=token_metadata(self.auth_token))
 
     async def _send_chunks(self, call, chunks: AsyncIterator[KvChunk]) -> None:
-        async for chunk in chunks:
-            outgoing = self.faults.outgoing_chunk(chunk)
-            if outgoing is not None:
-                await self._write(call, encode_kv_chunk_message(outgoing), f"chunk {chunk.seq}")
+        """Every chunk, read ahead of the writes: while one gRPC message is written (a wait for its
+        completion) the next chunks are read (each a hop to a worker thread), and the chunks read
+        meanwhile go together as one KvChunkBatch message of up to batch_bytes (a short context's
+        many small chunks: a few messages, not one per layer)."""
+        self.num_messages, self.sent_batches = 0, False
+        ready: asyncio.Queue = asyncio.Queue(READ_AHEAD_CHUNKS)
+        if isinstance(chunks, OutgoingKv):  # several reads in flight (a migration's chunks)
+            chunks = chunks.read_ahead(READ_AHEAD_CHUNKS)
+        reader = asyncio.ensure_future(_read_into(chunks, ready, self.faults))
+        batches = self.batch_bytes > 0 and self.target_address not in _TARGETS_WITHOUT_BATCHES
+        try:
+            while (chunk := await _next_ready(ready)) is not None:
+                batch, size = [chunk], len(chunk.k) + len(chunk.v)
+                while batches and not ready.empty():
+                    following = ready._queue[0]  # noqa: SLF001 - a peek: asyncio.Queue has none
+                    if following is None or isinstance(following, BaseException):
+                        break  # the end or an error: the outer loop takes it
+                    if size + len(following.k) + len(following.v) > self.batch_bytes:
+                        break
+                    batch.append(ready.get_nowait())
+                    size += len(following.k) + len(following.v)
+                message = encode_kv_chunk_message(chunk) if len(batch) == 1 else encode_chunk_batch(batch)
+                await self._write(call, message, f"chunk {chunk.seq}" if len(batch) == 1
+                                  else f"chunks {chunk.seq}-{batch[-1].seq}")
+                self.num_messages += 1
+                self.sent_batches = self.sent_batches or len(batch) > 1
+        finally:
+            if not reader.done():  # a write failed (or the move was cancelled) with reads ahead
+                reader.cancel()
+            await asyncio.gather(reader, return_exceptions=True)
 
     async def _prepare_and_commit(self, call) -> str:
         """The second phase; returns the target engine's name once it has committed."""

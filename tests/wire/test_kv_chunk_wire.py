@@ -41,3 +41,15 @@ def test_other_messages_serialize_as_before():
     assert serialize_import_message(prepare) == prepare.SerializeToString()
     assert serialize_import_message(b"raw") == b"raw"
     assert IMPORT_KV_METHOD == "/dualpace.v1.Engine/ImportKv"
+
+
+def test_a_batch_is_what_protobuf_writes_and_parses_back_to_its_chunks():
+    from dualpace.wire.kv_chunk_wire import encode_chunk_batch
+
+    chunks = [KvChunk(seq, seq % 3, 0, 2, bytes(range(seq, seq + 24)), bytes(24), 1000 + seq) for seq in range(5)]
+    expected = engine_pb2.ImportKvMessage(chunk_batch=engine_pb2.KvChunkBatch(
+        chunks=[kv_chunk_to_pb(chunk).chunk for chunk in chunks]))
+    encoded = encode_chunk_batch(chunks)
+    assert encoded == expected.SerializeToString()
+    parsed = engine_pb2.ImportKvMessage.FromString(encoded).chunk_batch.chunks
+    assert [kv_chunk_from_pb(chunk) for chunk in parsed] == chunks

@@ -94,18 +94,26 @@ class MigrateOutResponse(_message.Message):
     def __init__(self, target_engine: _Optional[str] = ..., num_chunks: _Optional[int] = ..., total_bytes: _Optional[int] = ..., duration_ms: _Optional[float] = ..., transport: _Optional[str] = ...) -> None: ...
 
 class ImportKvMessage(_message.Message):
-    __slots__ = ("header", "chunk", "prepare", "commit", "shm_written")
+    __slots__ = ("header", "chunk", "prepare", "commit", "shm_written", "chunk_batch")
     HEADER_FIELD_NUMBER: _ClassVar[int]
     CHUNK_FIELD_NUMBER: _ClassVar[int]
     PREPARE_FIELD_NUMBER: _ClassVar[int]
     COMMIT_FIELD_NUMBER: _ClassVar[int]
     SHM_WRITTEN_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_BATCH_FIELD_NUMBER: _ClassVar[int]
     header: ImportKvHeader
     chunk: KvChunk
     prepare: ImportKvPrepare
     commit: ImportKvCommit
     shm_written: KvShmWritten
-    def __init__(self, header: _Optional[_Union[ImportKvHeader, _Mapping]] = ..., chunk: _Optional[_Union[KvChunk, _Mapping]] = ..., prepare: _Optional[_Union[ImportKvPrepare, _Mapping]] = ..., commit: _Optional[_Union[ImportKvCommit, _Mapping]] = ..., shm_written: _Optional[_Union[KvShmWritten, _Mapping]] = ...) -> None: ...
+    chunk_batch: KvChunkBatch
+    def __init__(self, header: _Optional[_Union[ImportKvHeader, _Mapping]] = ..., chunk: _Optional[_Union[KvChunk, _Mapping]] = ..., prepare: _Optional[_Union[ImportKvPrepare, _Mapping]] = ..., commit: _Optional[_Union[ImportKvCommit, _Mapping]] = ..., shm_written: _Optional[_Union[KvShmWritten, _Mapping]] = ..., chunk_batch: _Optional[_Union[KvChunkBatch, _Mapping]] = ...) -> None: ...
+
+class KvChunkBatch(_message.Message):
+    __slots__ = ("chunks",)
+    CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    chunks: _containers.RepeatedCompositeFieldContainer[KvChunk]
+    def __init__(self, chunks: _Optional[_Iterable[_Union[KvChunk, _Mapping]]] = ...) -> None: ...
 
 class KvLayout(_message.Message):
     __slots__ = ("num_layers", "num_kv_heads", "head_dim", "block_size", "dtype")

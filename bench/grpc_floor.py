@@ -1,0 +1,251 @@
+"""The floor under Dense Assist over gRPC: a bare bidi echo of the same message sizes, no protobuf.
+
+    python -m bench.grpc_floor                          # batch 8 sizes, every client mode, aio server
+    python -m bench.grpc_floor --batch 1 --batch 32 --server sync --out floor.json
+
+A server subprocess (grpc.aio, as gpu_service's, or the sync thread-pool server) answers each
+message of one stream at once with a prepared reply of q/k/v's size; bytes cross as they are
+(identity serializers). The client times one round trip: send the attention output's bytes,
+wait for the reply. Client modes:
+
+- `thread-stream`: the sync stub with a queue-fed request iterator and a reader thread (the
+  structure of cpu_service/assist_client.py before session 9: caller -> gRPC's consumer thread,
+  reader thread -> caller);
+- `direct-stream`: the sync stub, the caller reads the reply iterator itself (no reader thread);
+- `aio-loop-thread`: a grpc.aio stream on an event loop in a thread of its own; the caller
+  submits each round trip with run_coroutine_threadsafe;
+- `aio-inline`: the whole exchange in one coroutine on the caller's loop (no thread hop at all;
+  the floor of aio on both ends, not usable from the engine's worker thread as it stands);
+- `unary`: one blocking unary call per round trip on the caller's thread.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import queue
+import subprocess
+import sys
+import threading
+import time
+
+import grpc
+
+from dualpace.stats import percentile
+
+METHOD_STREAM = "/floor.Echo/Stream"
+METHOD_UNARY = "/floor.Echo/Unary"
+MODES = ("thread-stream", "direct-stream", "aio-loop-thread", "aio-inline", "unary")
+# The default model's (SmolLM2-135M) per-layer bytes per row, bf16: up attention output 576 x 2,
+# down q [9, 64], k and v [3, 64] x 2.
+UP_BYTES_PER_ROW = 576 * 2
+DOWN_BYTES_PER_ROW = (9 + 3 + 3) * 64 * 2
+_END = object()
+SERVERS = ("aio", "aio-hop", "sync")  # aio-hop: each reply made in a pool thread (the stage hop)
+
+
+def _identity(data: bytes) -> bytes:
+    return data
+
+
+def _handlers(reply_for, hop_pool=None):
+    def stream(request_iterator, context):
+        for request in request_iterator:
+            yield reply_for(request)
+
+    async def stream_aio(request_iterator, context):
+        async for request in request_iterator:
+            yield reply_for(request)
+
+    async def stream_aio_hop(request_iterator, context):  # each reply made in a pool thread, as the servicer's stages
+        loop = asyncio.get_running_loop()
+        async for request in request_iterator:
+            yield await loop.run_in_executor(hop_pool, reply_for, request)
+
+    def unary(request, context):
+        return reply_for(request)
+
+    async def unary_aio(request, context):
+        return reply_for(request)
+
+    return stream, stream_aio_hop if hop_pool is not None else stream_aio, unary, unary_aio
+
+
+def _serve(kind: str) -> None:
+    replies: dict[int, bytes] = {}
+
+    def reply_for(request: bytes) -> bytes:  # the request's first 4 bytes say the batch
+        batch = int.from_bytes(request[:4], "little")
+        reply = replies.get(batch)
+        if reply is None:
+            reply = replies[batch] = bytes(DOWN_BYTES_PER_ROW * batch)
+        return reply
+
+    from concurrent.futures import ThreadPoolExecutor
+    stream, stream_aio, unary, unary_aio = _handlers(reply_for, ThreadPoolExecutor(4) if kind == "aio-hop" else None)
+    aio = kind.startswith("aio")
+    handler = grpc.method_handlers_generic_handler("floor.Echo", {
+        "Stream": grpc.stream_stream_rpc_method_handler(stream_aio if aio else stream, _identity, _identity),
+        "Unary": grpc.unary_unary_rpc_method_handler(unary_aio if aio else unary, _identity, _identity)})
+    if aio:
+        async def run() -> None:
+            server = grpc.aio.server()
+            server.add_generic_rpc_handlers((handler,))
+            port = server.add_insecure_port("127.0.0.1:0")
+            await server.start()
+            print(port, flush=True)
+            await asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)
+            await server.stop(grace=None)
+        asyncio.run(run())
+        return
+    server = grpc.server(ThreadPoolExecutor(4))
+    server.add_generic_rpc_handlers((handler,))
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    print(port, flush=True)
+    sys.stdin.read()
+    server.stop(None)
+
+
+def _request(batch: int) -> bytes:
+    return batch.to_bytes(4, "little") + bytes(UP_BYTES_PER_ROW * batch - 4)
+
+
+def _time(round_trip, batch: int, count: int, warmup: int) -> list[float]:
+    request = _request(batch)
+    for _ in range(warmup):
+        round_trip(request)
+    times_us = []
+    for _ in range(count):
+        start = time.perf_counter()
+        round_trip(request)
+        times_us.append((time.perf_counter() - start) * 1e6)
+    return times_us
+
+
+def _thread_stream(channel, batch, count, warmup, direct: bool) -> list[float]:
+    requests: queue.Queue = queue.Queue()
+
+    def request_iterator():
+        while (item := requests.get()) is not _END:
+            yield item
+
+    call = channel.stream_stream(METHOD_STREAM, _identity, _identity)(request_iterator())
+    if direct:
+        def round_trip(request):
+            requests.put(request)
+            next(call)
+    else:
+        replies: queue.Queue = queue.Queue()
+        threading.Thread(target=lambda: [replies.put(r) for r in call], daemon=True).start()
+
+        def round_trip(request):
+            requests.put(request)
+            replies.get()
+    try:
+        return _time(round_trip, batch, count, warmup)
+    finally:
+        requests.put(_END)
+        call.cancel()
+
+
+def _aio_loop_thread(address, batch, count, warmup) -> list[float]:
+    loop = asyncio.new_event_loop()
+    threading.Thread(target=loop.run_forever, daemon=True).start()
+
+    async def open_call():
+        channel = grpc.aio.insecure_channel(address)
+        return channel, channel.stream_stream(METHOD_STREAM, _identity, _identity)()
+
+    channel, call = asyncio.run_coroutine_threadsafe(open_call(), loop).result()
+
+    async def exchange(request):
+        await call.write(request)
+        return await call.read()
+
+    def round_trip(request):
+        asyncio.run_coroutine_threadsafe(exchange(request), loop).result()
+    try:
+        return _time(round_trip, batch, count, warmup)
+    finally:
+        asyncio.run_coroutine_threadsafe(channel.close(), loop).result()
+        loop.call_soon_threadsafe(loop.stop)
+
+
+def _aio_inline(address, batch, count, warmup) -> list[float]:
+    async def run():
+        async with grpc.aio.insecure_channel(address) as channel:
+            call = channel.stream_stream(METHOD_STREAM, _identity, _identity)()
+            request = _request(batch)
+            times_us = []
+            for i in range(warmup + count):
+                start = time.perf_counter()
+                await call.write(request)
+                await call.read()
+                if i >= warmup:
+                    times_us.append((time.perf_counter() - start) * 1e6)
+            await call.done_writing()
+            return times_us
+    return asyncio.run(run())
+
+
+def measure(server_kind: str = "aio", batch_sizes=(8,), modes=MODES, count: int = 2000, warmup: int = 200) -> dict:
+    process = subprocess.Popen([sys.executable, "-m", "bench.grpc_floor", "--serve", server_kind],
+                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    address = f"127.0.0.1:{process.stdout.readline().strip()}"
+    results: dict[str, dict] = {}
+    try:
+        for mode in modes:
+            for batch in batch_sizes:
+                if mode in ("aio-loop-thread", "aio-inline"):
+                    runner = _aio_loop_thread if mode == "aio-loop-thread" else _aio_inline
+                    times_us = runner(address, batch, count, warmup)
+                else:
+                    with grpc.insecure_channel(address) as channel:
+                        if mode == "unary":
+                            call = channel.unary_unary(METHOD_UNARY, _identity, _identity)
+                            times_us = _time(call, batch, count, warmup)
+                        else:
+                            times_us = _thread_stream(channel, batch, count, warmup, mode == "direct-stream")
+                results.setdefault(mode, {})[str(batch)] = {
+                    "p50_us": round(percentile(times_us, 50), 1), "p99_us": round(percentile(times_us, 99), 1)}
+    finally:
+        process.stdin.close()
+        try:
+            process.wait(10)
+        except subprocess.TimeoutExpired:
+            process.kill()
+    return {"server": server_kind, "round_trips": count, "up_bytes_per_row": UP_BYTES_PER_ROW,
+            "down_bytes_per_row": DOWN_BYTES_PER_ROW, "modes": results,
+            "load_average_1m": round(os.getloadavg()[0], 2)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.grpc_floor", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--server", default="aio", choices=SERVERS)
+    parser.add_argument("--batch", type=int, action="append", help="rows (repeatable; default 8)")
+    parser.add_argument("--mode", choices=MODES, action="append", help="client mode (repeatable; default all)")
+    parser.add_argument("--count", type=int, default=2000, help="timed round trips per point")
+    parser.add_argument("--out", default=None)
+    parser.add_argument("--serve", choices=SERVERS, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.serve:
+        _serve(args.serve)
+        return 0
+    result = measure(args.server, tuple(args.batch or (8,)), tuple(args.mode or MODES), max(args.count, 1))
+    for mode, by_batch in result["modes"].items():
+        for batch, row in by_batch.items():
+            print(f"{result['server']:>4} server {mode:>16} batch {batch:>3}: p50 {row['p50_us']:8.1f} µs"
+                  f"  p99 {row['p99_us']:8.1f} µs")
+    if args.out:
+        with open(args.out, "w", encoding="utf-8") as out:
+            json.dump(result, out, indent=2)
+    print(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
