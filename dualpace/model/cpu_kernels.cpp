@@ -31,6 +31,7 @@
 #include "cpu_amx.h"
 #include "cpu_attention.h"
 #include "cpu_bf16dot.h"
+#include "cpu_pairs_avx2.h"
 #include "cpu_simd.h"
 #include "cpu_step_stages.h"
 #include "kernel_weights.h"
@@ -181,6 +182,17 @@ template <typename WT, class EP>
 void rows_f32(const float* x, int64_t M, int64_t ldx, int64_t K, const WT* w, int64_t ldw, int64_t n_begin,
               int64_t n_end, const EP& ep) {
   if (M == 1) {  // two W rows at a time: two dependency chains, two read streams
+#if defined(DP_ISA_AVX2)
+    if constexpr (std::is_same_v<WT, bf16>) {  // bf16 W widened without shuffles (cpu_pairs_avx2.h)
+      thread_local std::vector<float> xs;
+      if (static_cast<int64_t>(xs.size()) < K + 16) xs.resize(K + 16);
+      split_pairs(x, K, xs.data());
+      int64_t n = n_begin;  // 4 rows at a time measured slower (four read streams)
+      for (; n + 2 <= n_end; n += 2) row_tile_pairs<2>(xs.data(), K, w, ldw, n, n_end, DP_PREFETCH_BYTES, ep);
+      if (n < n_end) row_tile_pairs<1>(xs.data(), K, w, ldw, n, n_end, DP_PREFETCH_BYTES, ep);
+      return;
+    }
+#endif
     int64_t n = n_begin;
     for (; n + 2 <= n_end; n += 2) tile_f32<1, 2>(x, ldx, 0, K, w, ldw, n, n_end, ep);
     if (n < n_end) tile_f32<1, 1>(x, ldx, 0, K, w, ldw, n, n_end, ep);

@@ -29,7 +29,7 @@ def assert_rows_invariant(kernels, x: torch.Tensor, w, max_rows: int, first_rows
                 assert torch.equal(batch[i:i + 1], expected), f"row {i} of a batch of {m} differs"
 
 
-@pytest.mark.parametrize("n,k", [(37, 576), (64, 100), (9, 33)])
+@pytest.mark.parametrize("n,k", [(37, 576), (64, 100), (9, 33), (13, 80)])
 @pytest.mark.parametrize("dtype", ["fp32", "bf16", "fp32-over-bf16"])
 def test_dense_rows_alone_equal_rows_in_a_batch(kernels, n, k, dtype):
     torch.manual_seed(n + k)
