@@ -36,6 +36,9 @@ constexpr int64_t PARALLEL_MIN_MACS = 1 << 18;
 
 struct AttnShape {
   int64_t block_size, num_kv_heads, group, head_dim;
+  // elements between one token's rows in a block; 0: num_kv_heads * head_dim. A call over some of
+  // the kv heads (the caches and q offset to the first) sets it to the cache's full row.
+  int64_t row_stride = 0;
 };
 
 // partial dot products (16 lanes, to be summed) of one key row with one query head; ND = D / 16
@@ -244,7 +247,7 @@ void attn_task(const T* q /* [kv heads, group, D] */, float scale, const T* k_ca
                const int64_t* table, int64_t blk0, int64_t blk1, int64_t len, const AttnShape& s, float* m_out,
                float* l_out, float* out) {
   constexpr int WINDOW = 4;  // chunks
-  const int64_t G = s.group, D = s.head_dim, stride = s.num_kv_heads * D;
+  const int64_t G = s.group, D = s.head_dim, stride = s.row_stride ? s.row_stride : s.num_kv_heads * D;
   constexpr int64_t LANES = kLanes<T> ? 2 * ND : ND;
   const int64_t num_q = s.num_kv_heads * G;  // query heads of this task
   ScratchBuf<32 * 8 * 16> acc_buf;

@@ -31,6 +31,7 @@
 #include "cpu_amx.h"
 #include "cpu_attention.h"
 #include "cpu_bf16dot.h"
+#include "cpu_pairs_avx2.h"
 #include "cpu_simd.h"
 #include "cpu_step_stages.h"
 #include "kernel_weights.h"
@@ -181,6 +182,17 @@ template <typename WT, class EP>
 void rows_f32(const float* x, int64_t M, int64_t ldx, int64_t K, const WT* w, int64_t ldw, int64_t n_begin,
               int64_t n_end, const EP& ep) {
   if (M == 1) {  // two W rows at a time: two dependency chains, two read streams
+#if defined(DP_ISA_AVX2)
+    if constexpr (std::is_same_v<WT, bf16>) {  // bf16 W widened without shuffles (cpu_pairs_avx2.h)
+      thread_local std::vector<float> xs;
+      if (static_cast<int64_t>(xs.size()) < K + 16) xs.resize(K + 16);
+      split_pairs(x, K, xs.data());
+      int64_t n = n_begin;  // 4 rows at a time measured slower (four read streams)
+      for (; n + 2 <= n_end; n += 2) row_tile_pairs<2>(xs.data(), K, w, ldw, n, n_end, DP_PREFETCH_BYTES, ep);
+      if (n < n_end) row_tile_pairs<1>(xs.data(), K, w, ldw, n, n_end, DP_PREFETCH_BYTES, ep);
+      return;
+    }
+#endif
     int64_t n = n_begin;
     for (; n + 2 <= n_end; n += 2) tile_f32<1, 2>(x, ldx, 0, K, w, ldw, n, n_end, ep);
     if (n < n_end) tile_f32<1, 1>(x, ldx, 0, K, w, ldw, n, n_end, ep);
@@ -771,6 +783,26 @@ void widen_rows(const T* src, int64_t M, int64_t K, int64_t ld, float* dst) {
       for (int64_t k = 0; k < K; ++k) dst[m * K + k] = bf2f(src[m * ld + k]);
 }
 
+// Query heads of kv head h of the step's only sequence: RoPE over them and over k head h, k and v
+// head h into the cache slot, then their attention. The same arithmetic per head as
+// rope_and_write_kv + attend_layer (every head's rotation and attention is its own), split so that
+// a lone sequence's attention runs on several threads (kv heads) instead of one.
+template <typename T>
+int rope_kv_attend_head(const LayerArgs& a, const StepArgs& st, const LayerBuffers<T>& b, int64_t h) {
+  const int64_t G = a.num_heads / a.num_kv_heads, D = b.D;
+  T* q = b.qkv + h * G * D;
+  T* k = b.qkv + b.q_size + h * D;
+  rotary(q, 1, b.qkv_size, G, D, st.cos, st.sin);
+  rotary(k, 1, b.qkv_size, 1, D, st.cos, st.sin);
+  T* k_cache = static_cast<T*>(a.k_cache) + h * D;
+  T* v_cache = static_cast<T*>(a.v_cache) + h * D;
+  std::memcpy(k_cache + st.slots[0] * b.kv_size, k, D * sizeof(T));
+  std::memcpy(v_cache + st.slots[0] * b.kv_size, k + b.kv_size, D * sizeof(T));
+  const AttnShape shape{a.block_size, 1, G, D, b.kv_size};
+  return decode_attention_any<T>(q, b.qkv_size, k_cache, v_cache, a.num_blocks, st.tables, st.ld_tables, st.lens, 1,
+                                 shape, a.scale, b.attn + h * G * D, b.q_size);
+}
+
 // decode_layer's stages for every layer, in one parallel region: per layer 0 norm, 1 qkv, 2 rope +
 // KV write, 3 attention (a task per sequence), 4 the o matrix's activations prepared (block
 // formats; nothing for a dense one), 5 o + residual, 6 norm, 7 gate/up, 8 silu*up, 9 down +
@@ -787,6 +819,8 @@ int decode_layers_staged(T* hidden, const LayerArgs* layers, int64_t num_layers,
   const int64_t M = st.M, head_stage = num_layers * STAGES;
   const int threads = omp_get_max_threads();
   std::vector<int64_t> begin(1, 0), rows_per_chunk(head_stage + 2, 0);
+  // A lone sequence's RoPE, KV write and attention as one task per kv head (rope_kv_attend_head).
+  const bool per_head = M == 1 && threads > 1;
   int64_t widest = 0, prepared_bytes = 0;
   bool any_amx = false;
   for (int64_t i = 0; i < num_layers; ++i) {
@@ -801,6 +835,9 @@ int decode_layers_staged(T* hidden, const LayerArgs* layers, int64_t num_layers,
 #endif
     for (int64_t s = 0; s < STAGES; ++s) {
       int64_t tasks = s == 3 ? M : 1;  // attention: one task per sequence
+      if (per_head && s == 2) tasks = 0;  // RoPE and the KV write are done per kv head, in stage 3
+      if (per_head && s == 3) tasks = a.num_kv_heads;
+      if (s == 4 && is_dense(a.o_w) && !use_amx<T>(a.o_w, M)) tasks = 0;  // nothing to prepare
       if (mats[s] != nullptr) {
         const bool amx = use_amx<T>(*mats[s], M);
         any_amx = any_amx || amx;
@@ -895,6 +932,12 @@ int decode_layers_staged(T* hidden, const LayerArgs* layers, int64_t num_layers,
         rope_and_write_kv(a, st, b);
         break;
       case 3:
+        if (per_head) {  // task = kv head of the only sequence
+          const int64_t gd = q_size / a.num_kv_heads;
+          if (rope_kv_attend_head(a, st, b, task) != 0) failed.store(1);
+          widen_rows(attn + task * gd, 1, gd, gd, xf + task * gd);
+          break;
+        }
         if (attend_layer(a, st, b, task, 1) != 0) failed.store(1);
         widen_rows(attn + task * q_size, 1, q_size, q_size, xf + task * q_size);
         break;

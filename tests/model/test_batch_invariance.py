@@ -29,7 +29,7 @@ def assert_rows_invariant(kernels, x: torch.Tensor, w, max_rows: int, first_rows
                 assert torch.equal(batch[i:i + 1], expected), f"row {i} of a batch of {m} differs"
 
 
-@pytest.mark.parametrize("n,k", [(37, 576), (64, 100), (9, 33)])
+@pytest.mark.parametrize("n,k", [(37, 576), (64, 100), (9, 33), (13, 80)])
 @pytest.mark.parametrize("dtype", ["fp32", "bf16", "fp32-over-bf16"])
 def test_dense_rows_alone_equal_rows_in_a_batch(kernels, n, k, dtype):
     torch.manual_seed(n + k)
@@ -97,3 +97,44 @@ def test_decode_rows_beside_a_prefill_get_what_they_get_alone(kernels, dtype):
     others[decode_rows] = False  # the prefill rows keep torch's outputs
     plain = kernels.linear(x, w, residual=residual, out_dtype=torch.float32)
     assert torch.equal(mixed[others], plain[others])
+
+
+@pytest.mark.parametrize("dtype,weights", [("fp32", "fp32"), ("bf16", "bf16"), ("fp32", "bf16")])
+@pytest.mark.parametrize("preset", ["tiny-qwen2", "tiny-mistral"])
+def test_lone_sequence_step_in_one_region_equals_per_operation(kernels, preset, dtype, weights, synth_checkpoint,
+                                                                monkeypatch):
+    """A lone sequence's step in one region runs RoPE, the KV write and attention as one task per
+    kv head (cpu_kernels.cpp rope_kv_attend_head); per operation they run over all heads at once.
+    Logits and the cache rows written are bitwise the same."""
+    from dualpace.model.loader import load_model
+
+    loaded = load_model(str(synth_checkpoint(preset)), dtype=dtype, weights=weights)
+    model, cfg = loaded.model, loaded.config
+    results = []
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)  # the per-head tasks need more than one thread (tests run on one)
+    try:
+        _lone_steps(model, cfg, results, monkeypatch)
+    finally:
+        torch.set_num_threads(before)
+    (logits_1, k_1, v_1), (logits_0, k_0, v_0) = results
+    assert torch.equal(logits_1, logits_0)
+    assert torch.equal(k_1, k_0) and torch.equal(v_1, v_0)
+
+
+def _lone_steps(model, cfg, results, monkeypatch):
+    from dualpace.kv.storage import KVStorage
+    from dualpace.model.paged_forward import PagedForward, SequenceWork, build_step_tensors
+
+    for one_region in ("1", "0"):
+        monkeypatch.setenv("DUALPACE_DECODE_ONE_REGION", one_region)
+        torch.manual_seed(3)
+        kv = KVStorage(cfg.num_layers, 16, 4, cfg.num_kv_heads, cfg.head_dim, model.dtype)
+        kv.k.normal_()
+        kv.v.normal_()
+        forward = PagedForward(model, kv)
+        step = build_step_tensors([SequenceWork([7], 29, list(range(2, 10)))], kv.block_size, kv.device)
+        if forward._fused_decode(step) is None:
+            pytest.skip("head_dim not covered by the fused kernels")
+        logits = forward.forward_tensors(step)
+        results.append((logits, kv.k.clone(), kv.v.clone()))

@@ -43,7 +43,7 @@ def _close(actual: torch.Tensor, expected: torch.Tensor, rel: float) -> None:
 
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 9, 12, 16])
-@pytest.mark.parametrize("k", [64, 576, 100])
+@pytest.mark.parametrize("k", [64, 576, 100, 80, 17])  # 80, 17: the lone-row AVX2 path's half block and tail
 def test_linear_bf16_matches_fp32_math(kernels, rows, k):
     torch.manual_seed(rows * 1000 + k)
     x = torch.randn(rows, k).bfloat16()
@@ -87,6 +87,7 @@ def test_linear_weight_rows_with_padding(kernels):
         w = wide[:, :130]
         x = torch.randn(3, 130).to(dtype)
         _close(kernels.linear(x, w, out_dtype=torch.float32), x.double() @ w.double().t(), 1e-5)
+        _close(kernels.linear(x[:1], w, out_dtype=torch.float32), x[:1].double() @ w.double().t(), 1e-5)
 
 
 def test_widen_bf16(kernels):
