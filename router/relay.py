@@ -20,7 +20,7 @@ import grpc
 
 from dualpace.client_request import ClientRequest
 from dualpace.errors import InvalidArgument, Overloaded, Unavailable
-from dualpace.policy.admission import Placement, admit, handoff_source
+from dualpace.policy.admission import Placement, admit, handoff_source, holds_for_handoff
 from dualpace.kv.prefix_index import longest_cached_prefix
 from dualpace.policy.host_tier import HostTierChoice, place_host_prefix
 from dualpace.logprobs import TokenLogprobs
@@ -90,7 +90,7 @@ class Relay:
             log.info("admitted on %s%s (%d prompt tokens)", engine.name,
                      f", hand-off to {handoff_to.name}" if handoff_to is not None else "", len(self.prompt_token_ids))
             engine_metrics(engine.name).prompt_tokens.inc(len(self.prompt_token_ids))
-            call = self._submit(engine, hold_after_first_token=handoff_to is not None)
+            call = self._submit(engine, hold_after_first_token=self._holds(handoff_to))
             recovered = False
             while True:
                 try:
@@ -131,7 +131,7 @@ class Relay:
                         await self._abort_quietly(engine)
                         engine, handoff_to = await self._admit()
                         log.info("re-admitted on %s", engine.name)
-                        call = self._submit(engine, hold_after_first_token=handoff_to is not None)
+                        call = self._submit(engine, hold_after_first_token=self._holds(handoff_to))
                         recovered = True
                         continue
                     engine, call = await self._recover(engine)
@@ -212,6 +212,10 @@ class Relay:
         log.info("copied %d cached prompt tokens (%d sent) from %s to %s in %.1f ms", num_tokens, num_sent,
                  cpu_name, gpu_name, duration_ms)
         return num_tokens > 0
+
+    def _holds(self, handoff_to: EngineHandle | None) -> bool:
+        """Whether the prefilling engine holds the request after its first token for the hand-off."""
+        return handoff_to is not None and holds_for_handoff(self.core.config.policy)
 
     def _submit(self, engine: EngineHandle, params: SamplingParams | None = None,
                 hold_after_first_token: bool = False) -> EngineStream:

@@ -18,8 +18,8 @@ How the engines share the GPU is profiles/sim/device.py; the policies:
   request by recompute when a decode needs a block (`--gpu-admission reserve`: the old rule,
   every placed request at prompt + max_tokens, which never preempts).
 - **hand-off and migrations** (profiles/sim/moves.py): paused at the source's step boundary
-  (a hand-off already in the apply of the step that sampled its first token, the hold gpu_service
-  makes for the relay's `hold_after_first_token`), reserved on the target, the KV over one PCIe link (transfers queue on it), committed on
+  (under dualpace a hand-off already in the apply of the step that sampled its first token, the
+  hold gpu_service makes for the relay's `hold_after_first_token`, holds_for_handoff), reserved on the target, the KV over one PCIe link (transfers queue on it), committed on
   the target, released by the source. A request placed on the CPU is prefilled on the GPU
   when the GPU could ever hold it (handoff_source, as the relay decides), else on the CPU.
 
@@ -38,7 +38,7 @@ from dualpace.engine.request import EngineRequest
 from dualpace.engine.scheduler import Scheduler, StepPlan, StepResult
 from dualpace.policy.host_tier import continue_on_host_tier
 from dualpace.errors import InvalidArgument, Overloaded
-from dualpace.policy.admission import AdmissionConfig, Placement, admit, handoff_source
+from dualpace.policy.admission import AdmissionConfig, Placement, admit, handoff_source, holds_for_handoff
 from dualpace.policy.migration_planner import MigrationConfig, plan_migrations
 from dualpace.policy.views import Policy
 from dualpace.profile.cost_model import CostModel, DecodeBatch
@@ -241,7 +241,7 @@ class Simulator(CpuSteps, Cooperative, JoinRules, Moves, RouterViews):
                 source = handoff_source(track.spec.input_len, track.spec.output_len, [views[GPU]])
                 if source is not None:
                     first, track.handoff_to = source, name
-                    request.hold_after_first_token = True  # as the relay asks: paused in the step of token 1
+                    request.hold_after_first_token = holds_for_handoff(self.config.policy)  # as the relay asks
             try:
                 self.engines[first].scheduler.add(request)
             except (InvalidArgument, Overloaded):

@@ -154,3 +154,11 @@ def test_the_flag_crosses_the_wire():
     options = new_request_options_from_pb(message.new_request)
     assert options.hold_after_first_token and options.keep_running_on_disconnect
     assert not new_request_options_from_pb(new_request_to_pb("r", PROMPT, GREEDY).new_request).hold_after_first_token
+
+
+def test_only_dualpace_holds_for_the_hand_off():
+    from dualpace.policy.admission import holds_for_handoff
+    from dualpace.policy.views import Policy
+
+    assert holds_for_handoff(Policy.DUALPACE)
+    assert not holds_for_handoff(Policy.GATED) and not holds_for_handoff(Policy.GPU_ONLY)
