@@ -10,7 +10,11 @@
 2. **The GPU is not idle while the CPU attends**: the GPU's wait on the CPU (Σ `gpu_wait_ns` of GPU
    steps with own rows and joins) over the CPU's attention time of the joins in those steps
    (Σ `attention_ns`); target below 5%. The held gated baseline is 100% by construction. Also
-   reported: the same wait over those GPU steps' length (how much of the GPU's time it idled).
+   reported: the same wait over those GPU steps' length (how much of the GPU's time it idled),
+   and the wait split in two, per GPU step: the CPU's attention that the GPU's own overlapping work
+   (`cover_ns`: S0's layers and D1's attention) was too short to hide, `max(0, attention - cover)`,
+   which no transport could remove; and the rest, `wait - that`: ring hops, wake-ups of either
+   process and time without a core (transport and scheduling).
 
 Beside the verdict it reports the intervals: how long a CPU iteration waited for its GPU step to
 begin, the GPU step's length, and the tail after the GPU step until the CPU iteration ended.
@@ -49,6 +53,9 @@ class TimelineCheck:
     gpu_wait_ns: int = 0
     cpu_attention_ns: int = 0
     gpu_step_ns: int = 0  # Σ length of the GPU steps point 2 counts (own rows and joins)
+    cover_ns: int = 0  # Σ of those steps' work overlapping the CPU's attention (0: not recorded)
+    uncovered_ns: int = 0  # Σ max(0, attention - cover) per step: attention longer than the GPU's own work
+    transport_ns: int = 0  # Σ max(0, wait - uncovered) per step: ring hops, wake-ups, no core
     wait_and_attention_ns_by_how: dict = field(default_factory=dict)  # how -> [Σ GPU wait, Σ CPU attention]
     join_wait_s: list[float] = field(default_factory=list)  # CPU iteration start -> its GPU step start
     gpu_step_s: list[float] = field(default_factory=list)
@@ -97,6 +104,9 @@ class TimelineCheck:
             "gpu_wait_share": None if share is None else round(share, 4),
             "gpu_step_ms": round(self.gpu_step_ns / 1e6, 3),
             "gpu_wait_share_of_steps": None if self.wait_share_of_steps is None else round(self.wait_share_of_steps, 4),
+            "cover_ms": round(self.cover_ns / 1e6, 3),
+            "gpu_wait_uncovered_ms": round(self.uncovered_ns / 1e6, 3),
+            "gpu_wait_transport_ms": round(self.transport_ns / 1e6, 3),
             "gpu_wait_share_by_how": {how: round(wait / attention, 4) if attention else None
                                       for how, (wait, attention) in sorted(self.wait_and_attention_ns_by_how.items())},
             "max_wait_share": self.max_wait_share,
@@ -166,6 +176,11 @@ def check_timelines(gpu_records: list[StepRecord], cpu_records: list[StepRecord]
             check.gpu_wait_ns += gpu.gpu_wait_ns
             check.cpu_attention_ns += attention_ns
             check.gpu_step_ns += gpu.duration_ns
+            if gpu.cover_ns:
+                uncovered = max(0, attention_ns - gpu.cover_ns)
+                check.cover_ns += gpu.cover_ns
+                check.uncovered_ns += min(uncovered, gpu.gpu_wait_ns)
+                check.transport_ns += max(0, gpu.gpu_wait_ns - uncovered)
             totals = check.wait_and_attention_ns_by_how.setdefault(gpu.how or "unsaid", [0, 0])
             totals[0] += gpu.gpu_wait_ns
             totals[1] += attention_ns
@@ -213,6 +228,9 @@ def format_report(check: TimelineCheck) -> str:
         *(f"    {how}: {'-' if value is None else f'{100 * value:.2f}%'}" for how, value in s["gpu_wait_share_by_how"].items()),
         *([f"    the wait is {100 * s['gpu_wait_share_of_steps']:.2f}% of those GPU steps' {s['gpu_step_ms']} ms"]
           if s["gpu_wait_share_of_steps"] is not None else []),
+        *([f"    of the wait: {s['gpu_wait_uncovered_ms']} ms attention longer than the GPU's own overlapping "
+           f"work ({s['cover_ms']} ms), {s['gpu_wait_transport_ms']} ms transport and scheduling"]
+          if s["cover_ms"] else []),
     ]
     for key, label in (("join_wait", "CPU iteration start -> GPU step start"), ("gpu_step", "GPU step"),
                        ("tail_after_gpu_step", "GPU step end -> CPU iteration end")):

@@ -88,12 +88,14 @@ class EngineHandle:
     # -- calls (the router's only way to talk to an engine) ---------------------------------
 
     def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                 num_prior_output_tokens: int = 0) -> EngineStream:
+                 num_prior_output_tokens: int = 0, hold_after_first_token: bool = False) -> EngineStream:
         """A new request that keeps running when the router's stream drops (the router resumes it);
-        num_prior_output_tokens: the prompt's last tokens that it output before (a re-submission)."""
+        num_prior_output_tokens: the prompt's last tokens that it output before (a re-submission);
+        hold_after_first_token: the router hands it to another engine after its first token."""
         return EngineStream(self.stub.Generate(
             new_request_to_pb(request_id, prompt_token_ids, params, keep_running_on_disconnect=True,
-                              num_prior_output_tokens=num_prior_output_tokens),
+                              num_prior_output_tokens=num_prior_output_tokens,
+                              hold_after_first_token=hold_after_first_token),
             metadata=request_metadata(request_id)))
 
     def resume(self, request_id: str, from_token_index: int) -> EngineStream:

@@ -20,7 +20,7 @@ import grpc
 
 from dualpace.client_request import ClientRequest
 from dualpace.errors import InvalidArgument, Overloaded, Unavailable
-from dualpace.policy.admission import Placement, admit, handoff_source
+from dualpace.policy.admission import Placement, admit, handoff_source, holds_for_handoff
 from dualpace.kv.prefix_index import longest_cached_prefix
 from dualpace.policy.host_tier import HostTierChoice, place_host_prefix
 from dualpace.logprobs import TokenLogprobs
@@ -90,7 +90,7 @@ class Relay:
             log.info("admitted on %s%s (%d prompt tokens)", engine.name,
                      f", hand-off to {handoff_to.name}" if handoff_to is not None else "", len(self.prompt_token_ids))
             engine_metrics(engine.name).prompt_tokens.inc(len(self.prompt_token_ids))
-            call = self._submit(engine)
+            call = self._submit(engine, hold_after_first_token=self._holds(handoff_to))
             recovered = False
             while True:
                 try:
@@ -131,7 +131,7 @@ class Relay:
                         await self._abort_quietly(engine)
                         engine, handoff_to = await self._admit()
                         log.info("re-admitted on %s", engine.name)
-                        call = self._submit(engine)
+                        call = self._submit(engine, hold_after_first_token=self._holds(handoff_to))
                         recovered = True
                         continue
                     engine, call = await self._recover(engine)
@@ -213,14 +213,20 @@ class Relay:
                  cpu_name, gpu_name, duration_ms)
         return num_tokens > 0
 
-    def _submit(self, engine: EngineHandle, params: SamplingParams | None = None) -> EngineStream:
-        """A new engine request: the prompt plus what was relayed so far (after a failure)."""
+    def _holds(self, handoff_to: EngineHandle | None) -> bool:
+        """Whether the prefilling engine holds the request after its first token for the hand-off."""
+        return handoff_to is not None and holds_for_handoff(self.core.config.policy)
+
+    def _submit(self, engine: EngineHandle, params: SamplingParams | None = None,
+                hold_after_first_token: bool = False) -> EngineStream:
+        """A new engine request: the prompt plus what was relayed so far (after a failure).
+        hold_after_first_token: a hand-off follows its first token (the engine holds it for the move)."""
         prompt = self.prompt_token_ids + self.output_token_ids
         self.engine_base = len(self.output_token_ids)
         params = params or self.params
         if params.guided is not None:  # the grammar consumes the re-submitted outputs first
             params = replace(params, guided=replace(params.guided, num_output_tokens_in_prompt=self.engine_base))
-        return engine.generate(self.request_id, prompt, params, self.engine_base)
+        return engine.generate(self.request_id, prompt, params, self.engine_base, hold_after_first_token)
 
     def _resume(self, engine: EngineHandle) -> EngineStream:
         """Follow the same engine request on `engine` from the first output not yet relayed."""

@@ -38,10 +38,19 @@ def value_at_itl(rows: list[dict], itl_ms: float, y_key: str) -> tuple[float | N
     """y (e.g. throughput, or rate) at P99 ITL = itl_ms, interpolated linearly along the rate
     sweep between the last row at or under the target and the first row above it.
     Returns (value, how): how is "interpolated", "measured", "all under target" (the largest
-    measured value: the sweep did not reach the target) or "never under target" (None)."""
+    measured value: the sweep did not reach the target) or "never under target" (None). Leading
+    rates over the target followed by ones under it (a fresh system's first rate, say) are left
+    out, and how says so (it used to say "never under target" then)."""
     points = _points(sorted(rows, key=lambda r: r["rate_rps"]), y_key)
-    if not points or points[0][0] > itl_ms:
+    first_under = next((i for i, (x, _) in enumerate(points) if x <= itl_ms), None)
+    if first_under is None:
         return None, "never under target"
+    value, how = _along(points[first_under:], itl_ms)
+    return value, how if first_under == 0 else f"{how}; lowest {first_under} rate(s) over it, left out"
+
+
+def _along(points: list[tuple[float, float]], itl_ms: float) -> tuple[float | None, str]:
+    """value_at_itl over points whose first is at or under the target."""
     best_under = None
     for (x0, y0), (x1, y1) in pairwise(points):
         if x0 <= itl_ms:

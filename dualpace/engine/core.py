@@ -54,15 +54,17 @@ class EngineCore:
         self.num_steps = 0
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    num_prior_output_tokens: int = 0) -> EngineRequest:
+                    num_prior_output_tokens: int = 0, hold_after_first_token: bool = False) -> EngineRequest:
         """Validate and queue a new request (raises InvalidArgument / Overloaded). A re-submission
-        after an engine failure names how many of the prompt's last tokens were output before."""
+        after an engine failure names how many of the prompt's last tokens were output before;
+        hold_after_first_token: it is paused after its first token for a hand-off (Scheduler.apply)."""
         validate_request(prompt_token_ids, params, self.loaded.config.vocab_size, self.loaded.max_context_tokens)
         if not 0 <= num_prior_output_tokens < len(prompt_token_ids):
             raise InvalidArgument("num_prior_output_tokens",
                                   f"must be in [0, {len(prompt_token_ids)}) (below the prompt's length)")
         request = EngineRequest(request_id, list(prompt_token_ids), params, pick_seed(params),
-                                num_prior_output_tokens=num_prior_output_tokens)
+                                num_prior_output_tokens=num_prior_output_tokens,
+                                hold_after_first_token=hold_after_first_token)
         self.scheduler.add(request)
         return request
 

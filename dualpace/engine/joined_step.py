@@ -120,6 +120,7 @@ class JoinedStep:
             "joins": [(str(getattr(j.channel, "peer", "")), int(getattr(j.begin, "iteration_id", 0)), j.num_rows)
                       for j in joins],  # (peer, iteration_id, rows)
             "how": how, "gpu_wait_ns": int(sum(r.gpu_wait_s for r in remote.joins) * 1e9),
+            "cover_ns": int(self.split.last_cover_s * 1e9),
             "num_weight_passes": 2 if s0 is not None else 1}
         for rows, logits in out.finished:
             join = joins[remote.joins.index(rows)]

@@ -30,6 +30,7 @@ from typing import Any, TypeVar
 from dualpace.engine.channel import RequestChannel
 from dualpace.engine.core import EngineCore
 from dualpace.engine.gate import IterationGate
+from dualpace.engine.handoff_holds import HandoffHolds
 from dualpace.engine.load import EngineLoad
 from dualpace.engine.metrics_sink import MetricsSink, NoMetrics
 from dualpace.engine.request import RequestEvent
@@ -77,6 +78,8 @@ class EngineLoop:
         self.step_timeline = None  # a StepTimeline (dualpace.engine.step_timeline): one record per step run
         self._last_recorded_step_id = -1
         self._event_loop: asyncio.AbstractEventLoop | None = None
+        # Requests held after their first token for a hand-off: their move takes them without a boundary.
+        self.holds = HandoffHolds(core, self.call)
 
     # ----------------------------------------------------------------- commands
 
@@ -103,11 +106,12 @@ class EngineLoop:
         return await future
 
     async def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                          num_prior_output_tokens: int = 0) -> RequestChannel:
+                          num_prior_output_tokens: int = 0, hold_after_first_token: bool = False) -> RequestChannel:
         def add() -> RequestChannel:
             self.check_accepting()
             # The channel is registered in the same command, so no step can emit before it exists.
-            request = self.core.add_request(request_id, prompt_token_ids, params, num_prior_output_tokens)
+            request = self.core.add_request(request_id, prompt_token_ids, params, num_prior_output_tokens,
+                                            hold_after_first_token)
             channel = RequestChannel(request_id, len(request.prompt_token_ids))
             self.channels[request_id] = channel
             self.metrics.request_added(request_id, len(request.prompt_token_ids))
@@ -177,6 +181,7 @@ class EngineLoop:
                     self.metrics.iteration(self._iteration_mode(), self._iteration_s)
                 self.update_metrics()
                 self._maybe_alive()
+                self.holds.register(events)  # at this boundary, before the router can see the first token
                 await self._dispatch(events)
         except Exception as exc:  # the forward pass failed: this engine cannot continue
             log.exception("engine step failed")

@@ -117,7 +117,9 @@ async def _move(
             return request, []
         return request, core.kv_slot_ids(request_id, request.num_computed_tokens)
 
-    request, slot_ids = await loop.call(pause)
+    # Held after its first token for this hand-off: taken now, not at the boundary after the step in flight.
+    held = loop.holds.take(request_id)
+    request, slot_ids = held if held is not None else await loop.call(pause)
     paused = time.perf_counter()
     chunk_plan = plan_chunks(request.num_computed_tokens, layout, chunk_bytes)
     total_bytes = 2 * layout.num_layers * request.num_computed_tokens * layout.bytes_per_token_per_layer
@@ -179,8 +181,8 @@ async def _move(
         log.info("migrate out: %s committed on %s; this engine stopped before freeing its blocks",
                  request_id, destination)
     released = time.perf_counter()
-    log.debug("migrate out phases: request %s, pause wait %.1f ms, send %.1f ms, release wait %.1f ms",
-              request_id, (paused - start) * 1e3, (sent - paused) * 1e3, (released - sent) * 1e3)
+    log.debug("migrate out phases: request %s%s, pause wait %.1f ms, send %.1f ms, release wait %.1f ms",
+              request_id, " (held after its first token)" if held is not None else "", (paused - start) * 1e3, (sent - paused) * 1e3, (released - sent) * 1e3)
     return MigrationStats(target_engine, len(chunk_plan), total_bytes, (time.perf_counter() - start) * 1e3)
 
 

@@ -33,6 +33,8 @@ class EngineRequest:
     # Re-submitted after an engine failure: the prompt's last tokens were output before (penalties count them so).
     num_prior_output_tokens: int = 0
     prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)  # positions 1.. while being computed
+    # Moved elsewhere right after its first token (the hand-off): paused in the step that samples it.
+    hold_after_first_token: bool = False
 
     @property
     def num_tokens(self) -> int:
@@ -70,3 +72,4 @@ class RequestEvent:
     num_cached_tokens: int | None = None  # with new tokens: prompt tokens served from the prefix cache
     logprobs: tuple[TokenLogprobs | None, ...] = ()  # per new token when the request asked for them
     prompt_logprobs: tuple[TokenLogprobs, ...] | None = None  # with the first token, when asked for
+    held: bool = False  # with the first token: the request is now paused for its hand-off (hold_after_first_token)

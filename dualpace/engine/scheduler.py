@@ -10,6 +10,10 @@ longest run of cached full blocks matching its tokens, at most all but its last 
 first sampled token's logits are computed), and its prefill starts at the end of that run. Each
 block a request fills is registered in the cache as soon as its KV is computed. Cached blocks
 count as available: they are evicted before any running request is preempted.
+
+Hand-off hold: a request marked `hold_after_first_token` is paused in the apply of the step that
+samples its first token (its event says `held`), so the next step never runs it and its move
+(`pause` takes it as it is) need not wait for that step; `release_hold` lets it decode here.
 """
 
 from __future__ import annotations
@@ -88,8 +92,12 @@ class Scheduler:
     def pause(self, request_id: str) -> EngineRequest:
         """Hold a request at this step boundary for export, keeping its blocks. A decoding
         request's cache then holds every token but the last sampled one; a waiting request
-        (queued or preempted) holds no KV and moves without any (the target recomputes it)."""
+        (queued or preempted) holds no KV and moves without any (the target recomputes it).
+        A request held after its first token (`apply`) is already paused: the move takes it."""
         request = self._get(request_id)
+        if request.state == RequestState.PAUSED and request.hold_after_first_token:
+            request.hold_after_first_token = False  # taken by this move: no longer waiting for one
+            return request
         if request.state == RequestState.WAITING:
             self.waiting.remove(request)
         elif request.state == RequestState.RUNNING and request.num_pending_tokens == 1 and request.output_token_ids:
@@ -104,12 +112,22 @@ class Scheduler:
         request = self._get(request_id)
         if request.state != RequestState.PAUSED:
             raise InvalidArgument("request_id", f"request {request_id!r} is not paused")
+        request.hold_after_first_token = False
         if request.num_computed_tokens == 0:
             request.state = RequestState.WAITING
             self._insert_waiting(request)
         else:
             request.state = RequestState.RUNNING
             self._insert_running(request)
+
+    def release_hold(self, request_id: str) -> bool:
+        """A request held after its first token that no move took: it decodes here after all.
+        False when there is no such request (taken by a move, aborted or finished meanwhile)."""
+        request = self.requests.get(request_id)
+        if request is None or request.state != RequestState.PAUSED or not request.hold_after_first_token:
+            return False
+        self.resume(request_id)
+        return True
 
     def release(self, request_id: str, migrated_to: str) -> RequestEvent:
         """A paused request now lives elsewhere: free its blocks and forget it."""
@@ -225,11 +243,15 @@ class Scheduler:
             reason = stop_reason(token_id, len(request.output_token_ids), request.params, self.eos_token_ids)
             if reason is None and request.num_tokens >= self.max_context_tokens:
                 reason = FinishReason.LENGTH
+            held = reason is None and request.hold_after_first_token and len(request.output_token_ids) == 1
             if reason is not None:
                 self._finish(request, reason)
+            elif held:  # its hand-off follows: out of the next steps, so the move starts at once
+                self.running.remove(request)
+                request.state = RequestState.PAUSED
             events.append(RequestEvent(seq.request_id, (token_id,), reason, num_cached_tokens=request.num_cached_tokens,
                                        logprobs=(result.logprobs.get(seq.request_id),),
-                                       prompt_logprobs=prompt_logprobs_with_first_token(request)))
+                                       prompt_logprobs=prompt_logprobs_with_first_token(request), held=held))
         return events
 
     # ----------------------------------------------------------------- queries

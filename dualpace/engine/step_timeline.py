@@ -59,6 +59,9 @@ class StepRecord:
     joins: tuple[JoinedRows, ...] = ()
     how: str = ""
     gpu_wait_ns: int = 0
+    # A joined GPU step: its time in the work that overlaps the CPU's attention (S0's layers, D1's
+    # attention), summed over layers (SplitForward.last_cover_s).
+    cover_ns: int = 0
     num_weight_passes: int = 1
     # The CPU engine's side of a cooperative (or assisted) iteration; None on GPU records.
     num_prefill_rows: int = 0
@@ -79,7 +82,8 @@ class StepRecord:
             raise InvalidArgument("how", f"must be one of {', '.join(h for h in HOWS if h)} or empty, got {self.how!r}")
         if self.end_ns < self.start_ns:
             raise InvalidArgument("end_ns", f"step {self.step_id} of {self.engine} ends before it starts")
-        for name in ("num_own_rows", "gpu_wait_ns", "num_weight_passes", "num_prefill_rows", "attention_ns"):
+        for name in ("num_own_rows", "gpu_wait_ns", "cover_ns", "num_weight_passes", "num_prefill_rows",
+                     "attention_ns"):
             if getattr(self, name) < 0:
                 raise InvalidArgument(name, f"must be >= 0, got {getattr(self, name)}")
 

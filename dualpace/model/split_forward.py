@@ -92,6 +92,9 @@ class SplitForward:
         self.between_layers: Callable[[], None] | None = None  # as PagedForward's: staged sessions' turn
         self.layer_done: Callable[[int, float], None] | None = None  # (layer, layer_ms): JoinDesk.step_progress
         self.clock: Callable[[], float] = time.monotonic  # the channels' deadlines are on this clock
+        # The last run's time in the work that covers the CPU's attention (S0's layers, D1's attention),
+        # summed over layers, for step timelines; host time (on CUDA: the launches, not the kernels).
+        self.last_cover_s = 0.0
 
     @torch.inference_mode()
     def run(self, s0: StepTensors | None, s1_own: StepTensors | None, remote: RemoteBatch,
@@ -114,6 +117,7 @@ class SplitForward:
         live = list(remote.joins)
         dropped: list[RemoteRows] = []
         layer_start = self.clock()
+        self.last_cover_s = 0.0
         for layer in range(model.config.num_layers):
             if layer > 0:
                 if self.layer_done is not None:
@@ -133,12 +137,14 @@ class SplitForward:
                 end = row + join.num_rows
                 join.channel.send_qkv(layer, q1[row:end], k1[row:end], v1[row:end])
                 row = end
+            cover_start = self.clock()
             if s0 is not None:
                 hidden0 = self._full_layer(layer, s0, hidden0, rope0, kv)
             attention1 = q1.new_empty((q1.shape[0], q1.shape[1] * q1.shape[2]))
             if num_own:
                 attention1[:num_own] = attend(q1[:num_own], layer, s1_own, kv, self.scale,
                                               (k1[:num_own], v1[:num_own]))
+            self.last_cover_s += self.clock() - cover_start
             keep = self._receive(layer, live, attention1, num_own)
             if keep is not None:  # some join was dropped: its rows leave S1 for good
                 dropped.extend(j for j in live if j.dropped_at_layer is not None)

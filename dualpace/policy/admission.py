@@ -286,3 +286,14 @@ def handoff_source(num_prompt_tokens: int, max_tokens: int, gpu_engines: Sequenc
     hands the KV to the CPU engine. None: no GPU engine could, the CPU engine prefills itself."""
     final_tokens = num_prompt_tokens + max_tokens - 1
     return next((engine.name for engine in gpu_engines if engine.could_ever_hold(final_tokens)), None)
+
+
+def holds_for_handoff(policy: Policy) -> bool:
+    """Whether the GPU engine holds a request it will hand off, out of every step after the one
+    that samples its first token (NewEngineRequest.hold_after_first_token), so the move starts at
+    once. dualpace: yes, the CPU engine decodes on its own clock, and otherwise token 2 waits for
+    the GPU's next step (often the next prompts' prefill) before the move even starts. gated: no,
+    a CPU-resident request advances only inside GPU steps; held, it would miss the GPU's next step
+    and join the one after it, so its token 2 would come one GPU step later than unheld, where the
+    GPU decodes it in that next step, as NEO does with a request whose KV it has just offloaded."""
+    return policy is Policy.DUALPACE

@@ -70,11 +70,12 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
         bind_request_id(request_id_from_context(context) or _generate_request_id(request, kind))
         if kind == "new_request":
             request_id, prompt_token_ids, params = messages.new_request_from_pb(request.new_request)
+            options = messages.new_request_options_from_pb(request.new_request)
             log.info("generate", prompt_tokens=len(prompt_token_ids), max_tokens=params.max_tokens)
-            channel = await loop.add_request(request_id, prompt_token_ids, params,
-                                             request.new_request.num_prior_output_tokens)
+            channel = await loop.add_request(request_id, prompt_token_ids, params, options.num_prior_output_tokens,
+                                             options.hold_after_first_token)
             start = 0
-            abort_on_disconnect = not request.new_request.keep_running_on_disconnect
+            abort_on_disconnect = not options.keep_running_on_disconnect
         elif kind == "resume":
             request_id = request.resume.request_id
             channel = loop.channel(request_id)

@@ -6,6 +6,8 @@ service convert here and nowhere else.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from dualpace import __version__
 from dualpace.engine.channel import ChannelUpdate
 from dualpace.engine.kv_transfer import KvChunk, KvLayout, KvTransferHeader, PrefixCopy
@@ -84,13 +86,29 @@ def new_request_from_pb(message: engine_pb2.NewEngineRequest):
 
 
 def new_request_to_pb(request_id: str, prompt_token_ids, params, keep_running_on_disconnect: bool = False,
-                      num_prior_output_tokens: int = 0) -> engine_pb2.EngineGenerateRequest:
+                      num_prior_output_tokens: int = 0,
+                      hold_after_first_token: bool = False) -> engine_pb2.EngineGenerateRequest:
     return engine_pb2.EngineGenerateRequest(
         new_request=engine_pb2.NewEngineRequest(
             request_id=request_id, prompt_token_ids=list(prompt_token_ids), sampling=sampling_params_to_pb(params),
             keep_running_on_disconnect=keep_running_on_disconnect, num_prior_output_tokens=num_prior_output_tokens,
+            hold_after_first_token=hold_after_first_token,
         )
     )
+
+
+@dataclass(frozen=True)
+class NewRequestOptions:
+    """How a new request runs, beside its prompt and sampling (NewEngineRequest's other fields)."""
+
+    keep_running_on_disconnect: bool
+    num_prior_output_tokens: int
+    hold_after_first_token: bool  # paused after its first token for the router's hand-off
+
+
+def new_request_options_from_pb(message: engine_pb2.NewEngineRequest) -> NewRequestOptions:
+    return NewRequestOptions(message.keep_running_on_disconnect, message.num_prior_output_tokens,
+                             message.hold_after_first_token)
 
 
 def resume_request_to_pb(request_id: str, from_token_index: int) -> engine_pb2.EngineGenerateRequest:

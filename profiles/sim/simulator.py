@@ -17,8 +17,9 @@ How the engines share the GPU is profiles/sim/device.py; the policies:
   watermark (GpuAdmission.OPTIMISTIC, as vLLM V1), and the GPU scheduler preempts its newest
   request by recompute when a decode needs a block (`--gpu-admission reserve`: the old rule,
   every placed request at prompt + max_tokens, which never preempts).
-- **hand-off and migrations** (profiles/sim/moves.py): paused at the source's step boundary,
-  reserved on the target, the KV over one PCIe link (transfers queue on it), committed on
+- **hand-off and migrations** (profiles/sim/moves.py): paused at the source's step boundary
+  (under dualpace a hand-off already in the apply of the step that sampled its first token, the
+  hold gpu_service makes for the relay's `hold_after_first_token`, holds_for_handoff), reserved on the target, the KV over one PCIe link (transfers queue on it), committed on
   the target, released by the source. A request placed on the CPU is prefilled on the GPU
   when the GPU could ever hold it (handoff_source, as the relay decides), else on the CPU.
 
@@ -37,7 +38,7 @@ from dualpace.engine.request import EngineRequest
 from dualpace.engine.scheduler import Scheduler, StepPlan, StepResult
 from dualpace.policy.host_tier import continue_on_host_tier
 from dualpace.errors import InvalidArgument, Overloaded
-from dualpace.policy.admission import AdmissionConfig, Placement, admit, handoff_source
+from dualpace.policy.admission import AdmissionConfig, Placement, admit, handoff_source, holds_for_handoff
 from dualpace.policy.migration_planner import MigrationConfig, plan_migrations
 from dualpace.policy.views import Policy
 from dualpace.profile.cost_model import CostModel, DecodeBatch
@@ -240,6 +241,7 @@ class Simulator(CpuSteps, Cooperative, JoinRules, Moves, RouterViews):
                 source = handoff_source(track.spec.input_len, track.spec.output_len, [views[GPU]])
                 if source is not None:
                     first, track.handoff_to = source, name
+                    request.hold_after_first_token = holds_for_handoff(self.config.policy)  # as the relay asks
             try:
                 self.engines[first].scheduler.add(request)
             except (InvalidArgument, Overloaded):
@@ -323,6 +325,8 @@ class Simulator(CpuSteps, Cooperative, JoinRules, Moves, RouterViews):
             if track.handoff_to is not None and track.token_times_ms and not track.migrating:
                 target = track.handoff_to
                 self._move(track, engine, self.engines[target], handoff=True)
+            elif event.held:  # no hand-off follows after all (another move is under way): it decodes here
+                engine.scheduler.release_hold(event.request_id)
         self._run_commands(engine)
 
     def _run_commands(self, engine: SimEngine) -> None:

@@ -161,3 +161,17 @@ def test_bench_paths_are_cleared_and_checked(tmp_path):
     assert not check_files(paths, "gated")["passed"]
     assert timeline_paths(directory, "gated", clear=True) == paths
     assert not any(Path(p).exists() for p in paths.values())
+
+
+def test_the_wait_splits_into_uncovered_attention_and_transport():
+    """Step 1: attention 10 ms, cover 7 ms, wait 5 ms -> 3 ms the GPU's own work could not hide,
+    2 ms transport and scheduling. Step 2: cover 12 ms hides it all; its 1 ms wait is transport."""
+    from dataclasses import replace
+
+    gpu = [replace(gpu_step(1, [("stream-1", 1)], wait_ms=5.0), cover_ns=7 * MS),
+           replace(gpu_step(2, [("stream-1", 2)], wait_ms=1.0), cover_ns=12 * MS)]
+    cpu = [cpu_iteration(1, 1, 1), cpu_iteration(2, 2, 2)]
+    summary = check_timelines(gpu, cpu).summary()
+    assert summary["cover_ms"] == 19.0
+    assert summary["gpu_wait_uncovered_ms"] == 3.0 and summary["gpu_wait_transport_ms"] == 3.0
+    assert "3.0 ms attention longer than the GPU's own overlapping work" in format_report(check_timelines(gpu, cpu))

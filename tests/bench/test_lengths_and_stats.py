@@ -202,6 +202,19 @@ def test_value_at_equal_itl_and_highest_rate():
     assert "| a | 1.400 |" in table and "| b |" in table and "all under target" in table
 
 
+def test_a_lowest_rate_over_the_target_is_left_out_not_called_never_under():
+    rows = [  # session 8 run 3's dualpace: its first rate over 1000 ms, the others under
+        {"rate_rps": 1.0, "request_throughput_rps": 0.94, "itl_p99_ms": 1118.0, "failed": 0},
+        {"rate_rps": 2.0, "request_throughput_rps": 1.80, "itl_p99_ms": 251.0, "failed": 0},
+        {"rate_rps": 4.0, "request_throughput_rps": 1.70, "itl_p99_ms": 556.0, "failed": 0},
+    ]
+    value, how = value_at_itl(rows, 1000.0, "request_throughput_rps")
+    assert value == 1.80 and how == "all under target; lowest 1 rate(s) over it, left out"
+    assert "1.800 (all under target; lowest 1 rate(s) over it, left out)" in comparison_table({"d": rows}, 1000.0)
+    assert value_at_itl(rows, 300.0, "rate_rps") == (pytest.approx(2.0 + 2 * 49 / 305),
+                                                     "interpolated; lowest 1 rate(s) over it, left out")
+
+
 def test_report_json_is_strict():
     from dualpace_cli.bench import strict_json
 

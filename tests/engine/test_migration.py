@@ -36,8 +36,10 @@ def direct_send(target: EngineLoop, fault=None):
     return send
 
 
-async def started(tiny, name: str, block_size: int = 8) -> tuple[EngineLoop, asyncio.Task]:
-    loop = EngineLoop(EngineCore(tiny, EngineConfig(name=name, num_kv_blocks=NUM_BLOCKS, block_size=block_size)))
+async def started(tiny, name: str, block_size: int = 8, step_lock=None) -> tuple[EngineLoop, asyncio.Task]:
+    """A running engine loop; step_lock: held for each step (a test holds it to keep a step from ending)."""
+    loop = EngineLoop(EngineCore(tiny, EngineConfig(name=name, num_kv_blocks=NUM_BLOCKS, block_size=block_size)),
+                      step_lock=step_lock)
     return loop, asyncio.create_task(loop.run())
 
 

@@ -13,14 +13,11 @@ from __future__ import annotations
 import asyncio
 import threading
 
-from dualpace.engine.core import EngineConfig, EngineCore
 from dualpace.engine.kv_transfer import ImportProgress
-from dualpace.engine.loop import EngineLoop
 from dualpace.engine.migration import migrate_out
 from dualpace.generation import OfflineGenerator
 from dualpace.sampling import SamplingParams
 from tests.engine.test_migration import (
-    NUM_BLOCKS,
     direct_send,
     started,
     stop,
@@ -38,9 +35,8 @@ async def until_moved(channel) -> None:
 
 async def test_stream_ends_at_commit_without_waiting_for_a_source_step(tiny):
     lock = threading.Lock()
-    source_loop = EngineLoop(EngineCore(tiny, EngineConfig(name="src", num_kv_blocks=NUM_BLOCKS, block_size=8)),
-                             step_lock=lock)
-    source = (source_loop, asyncio.create_task(source_loop.run()))
+    source = await started(tiny, "src", step_lock=lock)
+    source_loop = source[0]
     target = await started(tiny, "dst", block_size=4)
     # Another request keeps the source stepping, so its commands wait for step boundaries.
     busy = await source_loop.add_request("busy", PROMPT, SamplingParams(max_tokens=400, ignore_eos=True))

@@ -16,18 +16,20 @@ class EngineGenerateRequest(_message.Message):
     def __init__(self, new_request: _Optional[_Union[NewEngineRequest, _Mapping]] = ..., resume: _Optional[_Union[ResumeEngineRequest, _Mapping]] = ...) -> None: ...
 
 class NewEngineRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "keep_running_on_disconnect", "num_prior_output_tokens")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "keep_running_on_disconnect", "num_prior_output_tokens", "hold_after_first_token")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     KEEP_RUNNING_ON_DISCONNECT_FIELD_NUMBER: _ClassVar[int]
     NUM_PRIOR_OUTPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    HOLD_AFTER_FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _common_pb2.SamplingParams
     keep_running_on_disconnect: bool
     num_prior_output_tokens: int
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., keep_running_on_disconnect: _Optional[bool] = ..., num_prior_output_tokens: _Optional[int] = ...) -> None: ...
+    hold_after_first_token: bool
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., keep_running_on_disconnect: _Optional[bool] = ..., num_prior_output_tokens: _Optional[int] = ..., hold_after_first_token: _Optional[bool] = ...) -> None: ...
 
 class ResumeEngineRequest(_message.Message):
     __slots__ = ("request_id", "from_token_index")
