@@ -6,7 +6,9 @@ memfd-backed pool of `--target-slots` slots (as SharedKvMemory makes it, pages f
 the transfer's slots (the first `--tokens` of a source pool of `--source-tokens`) contiguous on both sides unless `--scatter` (blocks of 16 in reverse order on
 the target). Each figure is the median of `--repeats`, "warm" back to back, "cold" after
 `--idle-s` of sleep (the bench's settle time) with the caches' share of the pools evicted by a
-64 MiB sweep. The reference is numpy's copy of the same runs (one thread).
+64 MiB sweep ("slept": sleep only, "swept": sweep only). The reference is numpy's copy of the same
+runs (one thread); `copy_then_verify` is the fused copy followed at once by the target's verify pass.
+`--stream 1`: the copy's non-temporal stores; `DUALPACE_KV_CRC=lanes|ymm` picks the CRC loop.
 
     python -m bench.kv_shm_copy_micro --repeats 20
 """
