@@ -3,8 +3,8 @@
 Pools of the default model's shape (30 layers, 3 KV heads x 64, bf16: 384 bytes per token per
 layer for K and as much for V), the source a private pool of `--tokens` tokens, the target a
 memfd-backed pool of `--target-slots` slots (as SharedKvMemory makes it, pages faulted in first),
-the transfer's slots (the first `--tokens` of a source pool of `--source-tokens`) contiguous on both sides unless `--scatter` (blocks of 16 in reverse order on
-the target). Each figure is the median of `--repeats`, "warm" back to back, "cold" after
+the transfer's slots (the first `--tokens` of a source pool of `--source-tokens`) contiguous on
+both sides unless `--scatter` (blocks of 16 in reverse order on the target). Each figure is the median of `--repeats`, "warm" back to back, "cold" after
 `--idle-s` of sleep (the bench's settle time) with the caches' share of the pools evicted by a
 64 MiB sweep ("slept": sleep only, "swept": sweep only). The reference is numpy's copy of the same
 runs (one thread); `copy_then_verify` is the fused copy followed at once by the target's verify pass.
