@@ -3,10 +3,12 @@
 Pools of the default model's shape (30 layers, 3 KV heads x 64, bf16: 384 bytes per token per
 layer for K and as much for V), the source a private pool of `--tokens` tokens, the target a
 memfd-backed pool of `--target-slots` slots (as SharedKvMemory makes it, pages faulted in first),
-the transfer's slots (the first `--tokens` of a source pool of `--source-tokens`) contiguous on both sides unless `--scatter` (blocks of 16 in reverse order on
-the target). Each figure is the median of `--repeats`, "warm" back to back, "cold" after
+the transfer's slots (the first `--tokens` of a source pool of `--source-tokens`) contiguous on
+both sides unless `--scatter` (blocks of 16 in reverse order on the target). Each figure is the median of `--repeats`, "warm" back to back, "cold" after
 `--idle-s` of sleep (the bench's settle time) with the caches' share of the pools evicted by a
-64 MiB sweep. The reference is numpy's copy of the same runs (one thread).
+64 MiB sweep ("slept": sleep only, "swept": sweep only). The reference is numpy's copy of the same
+runs (one thread); `copy_then_verify` is the fused copy followed at once by the target's verify pass.
+`--stream 1`: the copy's non-temporal stores; `DUALPACE_KV_CRC=lanes|ymm` picks the CRC loop.
 
     python -m bench.kv_shm_copy_micro --repeats 20
 """
@@ -76,6 +78,7 @@ def main() -> None:
     parser.add_argument("--idle-s", type=float, default=0.3)
     parser.add_argument("--scatter", action="store_true")
     parser.add_argument("--states", default="warm,cold", help="of warm, cold (idle + sweep), slept, swept")
+    parser.add_argument("--stream", type=int, default=0, help="1: the fused copy's non-temporal stores")
     parser.add_argument("--threads", type=int, default=1, help="the fused copy's layers split over N threads")
     parser.add_argument("--only", default="", help="comma list of figures to time (default all)")
     args = parser.parse_args()
@@ -100,7 +103,7 @@ def main() -> None:
         lib.dp_kv_layers_copy_crc32c(dk.ctypes.data if dst else None, dv.ctypes.data if dst else None,
                                      sk.ctypes.data, sv.ctypes.data, src_k.strides[0], dst_k.strides[0],
                                      len(layers), runs.ctypes.data, len(runs), SLOT_BYTES,
-                                     out[layers.start:].ctypes.data)
+                                     out[layers.start:].ctypes.data, args.stream)
 
     def fused(dst=True):
         if args.threads == 1:
@@ -110,13 +113,18 @@ def main() -> None:
     def verify():  # the target's pass: CRC of its own blocks, no store
         lib.dp_kv_layers_copy_crc32c(None, None, dst_k.ctypes.data, dst_v.ctypes.data, dst_k.strides[0],
                                      dst_k.strides[0], LAYERS, runs[:, [1, 1, 2]].copy().ctypes.data, len(runs),
-                                     SLOT_BYTES, out.ctypes.data)
+                                     SLOT_BYTES, out.ctypes.data, 0)
 
-    figures = {"numpy_copy": numpy_copy, "fused_copy_crc": fused, "crc_source_only": lambda: fused(False),
+    def copy_then_verify():
+        fused()
+        verify()
+
+    figures = {"copy_then_verify": copy_then_verify, "numpy_copy": numpy_copy, "fused_copy_crc": fused, "crc_source_only": lambda: fused(False),
                "verify": verify}
     only = [f for f in args.only.split(",") if f] or list(figures)
     sweep = np.zeros(64 * 2**20, dtype=np.uint8)
-    result = {"tokens": args.tokens, "bytes": nbytes, "scatter": args.scatter, "threads": args.threads, "crc_path": kv_copy_native.crc_path()}
+    result = {"tokens": args.tokens, "bytes": nbytes, "scatter": args.scatter, "threads": args.threads,
+              "stream": args.stream, "crc_path": kv_copy_native.crc_path()}
     for name in only:
         states = {"warm": (0.0, None), "cold": (args.idle_s, sweep), "slept": (args.idle_s, None), "swept": (0.0, sweep)}
         for state in args.states.split(","):

@@ -39,8 +39,8 @@ _ptr, _i64, _u32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_uint32
 _SIGNATURES = {
     "dp_kv_copy_supported": ([], ctypes.c_int),
     "dp_copy_crc32c": ([_ptr, _ptr, _i64, _u32], _u32),
-    "dp_kv_layer_copy_crc32c": ([_ptr, _ptr, _ptr, _ptr, _ptr, _i64, _i64], _u32),
-    "dp_kv_layers_copy_crc32c": ([_ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _ptr, _i64, _i64, _ptr], None),
+    "dp_kv_layer_copy_crc32c": ([_ptr, _ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64], _u32),
+    "dp_kv_layers_copy_crc32c": ([_ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _ptr, _i64, _i64, _ptr, _i64], None),
     "dp_kv_crc_path": ([], ctypes.c_int),
     "dp_kv_set_crc_path": ([ctypes.c_int], ctypes.c_int),
 }

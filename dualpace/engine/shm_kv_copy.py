@@ -19,6 +19,7 @@ the whole layer would carry. Each side computes it over its own memory, once:
 
 from __future__ import annotations
 
+import os
 import threading
 from typing import Protocol
 
@@ -34,6 +35,15 @@ from dualpace.engine import kv_copy_native
 # pass over it, about 0.5 ms. Larger ones go to the worker pools, so that the loop keeps serving
 # streams meanwhile.
 INLINE_MAX_BYTES = 4 * 2**20
+
+# A transfer at least this large is copied with non-temporal stores (kv_copy_native, where its zmm
+# folding loop runs): larger than the two cores' L2 caches, its target blocks are not in cache when
+# written, and an ordinary store first reads the line it writes. Measured (docs/perf.md, session 9):
+# the sender's copy of 1024 tokens (23.6 MB) faster, the target's verify after it
+# slightly slower (alternated medians over six pairs at load 3-4: copy 4.8 against 5.7 ms, verify 4.0
+# against 3.5, the transfer 11.9 against 12.4). Smaller ones keep ordinary stores: their lines are
+# still in cache for the verify. `DUALPACE_KV_STREAM_MIN_BYTES` sets it (A/B runs: a huge value = off).
+STREAM_MIN_BYTES = int(os.environ.get("DUALPACE_KV_STREAM_MIN_BYTES", 8 * 2**20))
 
 # The piece copied and then CRC'd at once on the sender: small enough to be still in the core's
 # L2 cache (512 KB per core on Zen 3, 1-2 MB on recent Xeons) when the CRC reads it back.
@@ -84,10 +94,12 @@ def _bytes(array: np.ndarray) -> memoryview:
 
 
 def _native_layers(src_k: torch.Tensor, src_v: torch.Tensor, dst_k: torch.Tensor | None, dst_v: torch.Tensor | None,
-                   runs: list[tuple[int, int, int]], layers: range, stop: threading.Event | None) -> list[int] | None:
+                   runs: list[tuple[int, int, int]], layers: range, stop: threading.Event | None,
+                   stream: bool = False) -> list[int] | None:
     """Per layer: the fused C copy (none when dst_k is None) + CRC32C of kv_copy_native; None where
     it cannot be used (not built here, or a pool not contiguous), for the numpy + crc32c path. One
-    C call over all the layers where there is no `stop` to look at between them, else one per layer."""
+    C call over all the layers where there is no `stop` to look at between them, else one per layer.
+    `stream`: non-temporal stores (see STREAM_MIN_BYTES)."""
     lib = kv_copy_native.get()
     pools = [t for t in (src_k, src_v, dst_k, dst_v) if t is not None]
     if lib is None or not all(t.is_contiguous() for t in pools):
@@ -102,14 +114,15 @@ def _native_layers(src_k: torch.Tensor, src_v: torch.Tensor, dst_k: torch.Tensor
         src = [b + layers.start * layer_bytes[0] for b in base[:2]]
         dst = [b + layers.start * layer_bytes[1] if b is not None else None for b in base[2:]]
         lib.dp_kv_layers_copy_crc32c(*dst, *src, layer_bytes[0], layer_bytes[1], len(layers),
-                                     run_array.ctypes.data, len(runs), slot_bytes, out.ctypes.data)
+                                     run_array.ctypes.data, len(runs), slot_bytes, out.ctypes.data, int(stream))
         return out.tolist()
     checksums = []
     for layer in layers:
         _check_stop(stop)
         src = [b + layer * layer_bytes[0] for b in base[:2]]
         dst = [b + layer * layer_bytes[1] if b is not None else None for b in base[2:]]
-        checksums.append(lib.dp_kv_layer_copy_crc32c(*dst, *src, run_array.ctypes.data, len(runs), slot_bytes))
+        checksums.append(lib.dp_kv_layer_copy_crc32c(*dst, *src, run_array.ctypes.data, len(runs), slot_bytes,
+                                                     int(stream)))
     return checksums
 
 
@@ -167,7 +180,8 @@ def copy_in_place(src_k: torch.Tensor, src_v: torch.Tensor, src_slot_ids: list[i
             raise ValueError("a device source is copied over all layers at once")
         return _copy_from_device(src_k, src_v, dst_k, dst_v, dst_slot_ids, runs, stop)
     layers = layers if layers is not None else range(src_k.shape[0])
-    native = _native_layers(src_k, src_v, dst_k, dst_v, runs, layers, stop)
+    whole_transfer_bytes = 2 * src_k.shape[0] * len(src_slot_ids) * src_k[0, 0, 0].numel() * src_k.element_size()
+    native = _native_layers(src_k, src_v, dst_k, dst_v, runs, layers, stop, whole_transfer_bytes >= STREAM_MIN_BYTES)
     if native is not None:
         return native
     src_k_flat, src_v_flat = _array(_flat(src_k)), _array(_flat(src_v))

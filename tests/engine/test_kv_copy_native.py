@@ -69,6 +69,20 @@ def test_the_widest_folding_loop_is_chosen_where_the_cpu_has_it():
     assert kv_copy_native.crc_path() == kv_copy_native.CRC_PATHS[1 if zmm else 2 if ymm else 0]
 
 
+@needs_native
+@pytest.mark.parametrize("dst_offset", [0, 3, 64])
+def test_streaming_stores_copy_the_same_bytes_aligned_or_not(crc_path, dst_offset):
+    """Non-temporal stores where the target is 64-byte aligned, ordinary ones where it is not."""
+    src = np.random.default_rng(dst_offset).integers(0, 256, 70_001, dtype=np.uint8)
+    buffer = np.zeros(70_001 + 128, dtype=np.uint8)
+    dst = buffer[(-buffer.ctypes.data) % 64 + dst_offset:][:70_001]
+    runs = np.array([[0, 0, 30_000], [30_000, 30_000, 40_001]], dtype=np.int64)  # slots of one byte
+    # K copied to dst, V (the same source) only checksummed: the layer's CRC is over both, in order.
+    crc = lib.dp_kv_layer_copy_crc32c(dst.ctypes.data, None, src.ctypes.data, src.ctypes.data, runs.ctypes.data, 2, 1, 1)
+    assert crc == crc32c.crc32c(src, crc32c.crc32c(src))
+    assert np.array_equal(dst, src)
+
+
 def _pools(dtype, seed, num_blocks=40):
     generator = torch.Generator().manual_seed(seed)
     shape = (3, num_blocks, 16, 2, 64)  # a layer's runs long enough for the three lanes
@@ -77,7 +91,10 @@ def _pools(dtype, seed, num_blocks=40):
 
 @needs_native
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_copy_in_place_checksums_and_bytes_are_the_same_with_and_without_the_fused_loop(monkeypatch, dtype, crc_path):
+@pytest.mark.parametrize("stream", [False, True], ids=["stores", "streaming-stores"])
+def test_copy_in_place_checksums_and_bytes_are_the_same_with_and_without_the_fused_loop(monkeypatch, dtype, crc_path,
+                                                                                        stream):
+    monkeypatch.setattr(shm_kv_copy, "STREAM_MIN_BYTES", 0 if stream else 2**62)
     src_k, src_v = _pools(dtype, 0)
     src_slot_ids = [*range(3, 300), *range(400, 410), 7]  # runs broken on both sides
     dst_slot_ids = [*range(320, 617), *range(10, 20), 639]
