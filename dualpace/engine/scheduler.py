@@ -102,6 +102,8 @@ class Scheduler:
             self.waiting.remove(request)
         elif request.state == RequestState.RUNNING and request.num_pending_tokens == 1 and request.output_token_ids:
             self.running.remove(request)
+        elif request.state == RequestState.PAUSED:
+            raise InvalidArgument("request_id", f"request {request_id!r} is already paused for another move")
         else:
             raise InvalidArgument("request_id", f"request {request_id!r} is still prefilling (state {request.state.value})")
         request.state = RequestState.PAUSED

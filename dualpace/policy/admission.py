@@ -295,5 +295,5 @@ def holds_for_handoff(policy: Policy) -> bool:
     the GPU's next step (often the next prompts' prefill) before the move even starts. gated: no,
     a CPU-resident request advances only inside GPU steps; held, it would miss the GPU's next step
     and join the one after it, so its token 2 would come one GPU step later than unheld, where the
-    GPU decodes it in that next step, as NEO does with a request whose KV it has just offloaded."""
+    GPU decodes it in that next step (measured: docs/results.md, session 9)."""
     return policy is Policy.DUALPACE

@@ -13,11 +13,13 @@ from __future__ import annotations
 import asyncio
 import threading
 
+import pytest
+
 from dualpace.engine.migration import migrate_out
 from dualpace.engine.request import EngineRequest, RequestState
 from dualpace.engine.scheduler import Scheduler, SchedulerConfig
 from dualpace.engine.step_plan import StepResult
-from dualpace.errors import Unavailable
+from dualpace.errors import InvalidArgument, Unavailable
 from dualpace.generation import OfflineGenerator
 from dualpace.sampling import FinishReason, SamplingParams
 from tests.engine.test_migration import direct_send, started, stop, wait_tokens
@@ -48,6 +50,8 @@ def test_scheduler_holds_the_flagged_request_after_its_first_token():
     plan, _ = step(scheduler)
     assert [seq.request_id for seq in plan.sequences] == ["o"]  # the next step never runs it
     assert scheduler.pause("h") is held  # the move takes it as it is
+    with pytest.raises(InvalidArgument, match="already paused"):  # a second move does not
+        scheduler.pause("h")
     assert not scheduler.release_hold("h")  # taken: a late timeout leaves it alone
     scheduler.resume("h")  # e.g. the transfer failed
     assert held.state == RequestState.RUNNING
