@@ -27,9 +27,10 @@ from dualpace.wire.v1 import engine_pb2
 
 TRANSFER_TIMEOUT_S = 120.0
 # Chunks go together in one message while their K + V bytes stay within this (0: one message per
-# chunk; a larger chunk goes alone). Bare gRPC over loopback moved 0.75 MB messages no slower than
-# 4 or 8 MB ones (docs/perf.md, session 9): batches are for the many small chunks of a short context.
-DEFAULT_BATCH_BYTES = 2**20
+# chunk; a larger chunk goes alone): the chunk size limit itself, 4 MiB. On the session 9 host bare
+# gRPC moved 4 MB messages faster than 0.75 or 8 MB ones (bench.grpc_bulk_floor), and a 1024-token
+# transfer (0.79 MB chunks) took 48 / 66 ms batched to 4 MiB against 56 / 69 ms to 1 MiB (docs/perf.md).
+DEFAULT_BATCH_BYTES = 4 * 2**20
 READ_AHEAD_CHUNKS = 8  # chunks read (or being read) before the writes take them (a chunk is at most 4 MiB)
 # Targets that refused a KvChunkBatch (an older version): sent one chunk per message.
 _TARGETS_WITHOUT_BATCHES: set[str] = set()
