@@ -27,18 +27,18 @@ shared-memory path views into the segment, over gRPC tensors the client reuses f
 from __future__ import annotations
 
 import itertools
-import queue
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 
 import grpc
 import torch
 
 from cpu_service import assist_shm
 from cpu_service.assist_join import NO_JOIN, JoinAsk, JoinDowngrades
+from cpu_service.assist_stream import AssistStream, AssistUnavailable  # noqa: F401 - AssistUnavailable is this module's API
 from dualpace.engine import assist_types
-from dualpace.errors import InvalidArgument, Unavailable
+from dualpace.errors import InvalidArgument
 from dualpace.sampling import SamplingParams, sample_next_tokens
 from dualpace.serve.auth import token_metadata
 from dualpace.serve.logging_setup import get_logger
@@ -53,85 +53,8 @@ DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 # Reconnect quickly after gpu_service restarts (gRPC's default backoff grows to 120 s).
 _MAX_RECONNECT_BACKOFF_MS = 2000
 
-_END_OF_REQUESTS = object()
 DEFAULT_SHM_SLOT_BYTES = 1 << 20
 log = get_logger(__name__)
-
-
-class AssistUnavailable(Unavailable):
-    """Dense Assist could not finish this iteration; run it locally.
-
-    code is the gRPC status code when the server ended the stream, else None
-    (timeout, protocol error).
-    """
-
-    def __init__(self, message: str, code: grpc.StatusCode | None = None):
-        super().__init__(message)
-        self.code = code
-
-
-class _StreamEnded:
-    """Put on the reply queue when the call ends; error is None for a clean end."""
-
-    def __init__(self, error: grpc.RpcError | None):
-        self.error = error
-
-
-class _AssistStream:
-    """One open Assist call: a queue feeds its requests, a reader thread drains its replies."""
-
-    def __init__(self, assist: grpc.StreamStreamMultiCallable, address: str,
-                 metadata: tuple[tuple[str, str], ...] = ()):
-        self._address = address
-        self._requests: queue.Queue = queue.Queue()
-        self._replies: queue.Queue = queue.Queue()
-        self.ended = threading.Event()  # the call is over (the reason waits in the reply queue)
-        self.on_end: Callable[[], None] | None = None
-        self._call = assist(self._request_iterator(), metadata=metadata)
-        self._reader = threading.Thread(target=self._read_replies, name="assist-reply-reader", daemon=True)
-        self._reader.start()
-
-    def _request_iterator(self) -> Iterator[assist_pb2.AssistUp | bytes]:
-        while True:
-            message = self._requests.get()
-            if message is _END_OF_REQUESTS:
-                return
-            yield message
-
-    def _read_replies(self) -> None:
-        try:
-            for reply in self._call:
-                self._replies.put(reply)
-            self._replies.put(_StreamEnded(None))
-        except grpc.RpcError as exc:
-            self._replies.put(_StreamEnded(exc))
-        self.ended.set()
-        if self.on_end is not None:
-            self.on_end()
-
-    def send(self, message: assist_pb2.AssistUp | bytes) -> None:
-        """A message, or one already serialized (dualpace/wire/assist_wire.py)."""
-        self._requests.put(message)
-
-    def receive(self, timeout_s: float) -> assist_pb2.AssistDown:
-        """The next reply; AssistUnavailable when none comes within timeout_s or the call ended."""
-        try:
-            reply = self._replies.get(timeout=max(timeout_s, 0.0))
-        except queue.Empty:
-            raise AssistUnavailable(f"dense assist at {self._address}: no reply within the iteration timeout") from None
-        if isinstance(reply, _StreamEnded):
-            if reply.error is None:
-                raise AssistUnavailable(f"dense assist at {self._address}: the server ended the stream")
-            code = reply.error.code() if isinstance(reply.error, grpc.Call) else None
-            details = reply.error.details() if isinstance(reply.error, grpc.Call) else str(reply.error)
-            name = code.name if code is not None else "error"
-            raise AssistUnavailable(f"dense assist at {self._address}: {name}: {details}", code)
-        return reply
-
-    def close(self) -> None:
-        """Half-close (ends the request iterator) and cancel; idempotent."""
-        self._requests.put(_END_OF_REQUESTS)
-        self._call.cancel()
 
 
 class AssistClient:
@@ -171,7 +94,7 @@ class AssistClient:
         self._assist = self._channel.stream_stream(assist_wire.ASSIST_METHOD, request_serializer=assist_wire.serialize_up,
                                                    response_deserializer=assist_pb2.AssistDown.FromString)
         self._qkv = assist_wire.QkvReceiver()
-        self._stream: _AssistStream | None = None
+        self._stream: AssistStream | None = None
         self._iteration_ids = itertools.count(1)
         self._lock = threading.Lock()
         self._closed = False
@@ -240,7 +163,7 @@ class AssistClient:
     def _exchange(self, begin: assist_types.AssistBegin, attend: AttendFn) -> assist_types.AssistResult:
         """Send begin, answer each layer's qkv with attend, return the result."""
         if self._stream is None:
-            self._stream = _AssistStream(self._assist, self.address, self._metadata)
+            self._stream = AssistStream(self._assist, self.address, self._metadata)
             if self.transport == "auto" and not self._shm_unsupported:
                 self._shm = self._offer_shm(self._stream)
         stream = self._stream
@@ -280,7 +203,7 @@ class AssistClient:
             stream.send(assist_wire.encode_attention_output_up(begin.iteration_id, reply.layer, attention_output))
         raise AssertionError("unreachable")
 
-    def _offer_shm(self, stream: _AssistStream) -> assist_shm.ShmIterations | None:
+    def _offer_shm(self, stream: AssistStream) -> assist_shm.ShmIterations | None:
         """Offer a segment on a fresh stream; the accepted rings, or None (then all goes over gRPC)."""
         try:
             made = assist_shm.new_offer(self._shm_slot_bytes)

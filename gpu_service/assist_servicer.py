@@ -118,7 +118,8 @@ class DenseAssistServicer(assist_pb2_grpc.DenseAssistServicer):
             return await anext(request_iterator, None)
         timeout_s = self._limits.idle_timeout_s
         try:
-            return await asyncio.wait_for(anext(request_iterator, None), timeout_s)
+            async with asyncio.timeout(timeout_s):  # a timer on this task, not a task per message (wait_for)
+                return await anext(request_iterator, None)
         except TimeoutError:
             raise idle_expired(timeout_s) from None
 

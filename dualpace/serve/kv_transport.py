@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import AsyncIterator
 from dataclasses import replace
+from typing import TYPE_CHECKING
 
 import grpc
 
@@ -25,11 +27,15 @@ from dualpace.wire.kv_chunk_wire import (
 )
 from dualpace.wire.v1 import engine_pb2
 
+if TYPE_CHECKING:
+    from dualpace.serve.peer_channels import PeerChannels  # it imports this module
+
 TRANSFER_TIMEOUT_S = 120.0
 # Chunks go together in one message while their K + V bytes stay within this (0: one message per
-# chunk; a larger chunk goes alone). Bare gRPC over loopback moved 0.75 MB messages no slower than
-# 4 or 8 MB ones (docs/perf.md, session 9): batches are for the many small chunks of a short context.
-DEFAULT_BATCH_BYTES = 2**20
+# chunk; a larger chunk goes alone): the chunk size limit itself, 4 MiB. On the session 9 host bare
+# gRPC moved 4 MB messages faster than 0.75 or 8 MB ones (bench.grpc_bulk_floor), and a 1024-token
+# transfer (0.79 MB chunks) took 48 / 66 ms batched to 4 MiB against 56 / 69 ms to 1 MiB (docs/perf.md).
+DEFAULT_BATCH_BYTES = 4 * 2**20
 READ_AHEAD_CHUNKS = 8  # chunks read (or being read) before the writes take them (a chunk is at most 4 MiB)
 # Targets that refused a KvChunkBatch (an older version): sent one chunk per message.
 _TARGETS_WITHOUT_BATCHES: set[str] = set()
@@ -65,8 +71,12 @@ class GrpcKvSender:
 
     def __init__(self, target_address: str, faults: FaultConfig | None = None, timeout_s: float = TRANSFER_TIMEOUT_S,
                  auth_token: str | None = None, tls: TlsConfig | None = None,
-                 batch_bytes: int = DEFAULT_BATCH_BYTES):
+                 batch_bytes: int = DEFAULT_BATCH_BYTES, channels: PeerChannels | None = None):
         self.target_address = target_address
+        # Channels kept open across transfers (dualpace.serve.peer_channels): a 1-token transfer took
+        # 8.5 / 11.3 ms on a kept channel against 12.9 / 14.6 ms on a fresh one (docs/perf.md, session 9).
+        # None: a channel of its own per transfer, closed after it.
+        self.channels = channels
         self.faults = faults or FaultConfig()
         self.timeout_s = timeout_s
         self.auth_token = auth_token  # the shared --auth-token-file token the target requires, if any
@@ -75,8 +85,21 @@ class GrpcKvSender:
         self.num_messages = 0  # chunk messages written by the last call (a batch counts once)
         self.sent_batches = False  # the last call sent a KvChunkBatch
 
+    @contextlib.asynccontextmanager
+    async def _channel(self):
+        if self.channels is None:
+            async with peer_channel(self.target_address, self.tls, channel_options()) as channel:
+                yield channel
+            return
+        channel = self.channels.get(self.target_address, self.tls)
+        try:
+            yield channel
+        except BaseException:
+            self.channels.drop(self.target_address, self.tls, channel)  # the next transfer connects afresh
+            raise
+
     async def __call__(self, header: KvTransferHeader, chunks: AsyncIterator[KvChunk]) -> str:
-        async with peer_channel(self.target_address, self.tls, channel_options()) as channel:
+        async with self._channel() as channel:
             call = self._open_import(channel)
             try:
                 await self._write(call, kv_header_to_pb(header), "the header")
@@ -92,7 +115,7 @@ class GrpcKvSender:
         answers the header with the leading tokens it holds, and only the chunks after them are sent.
         Returns (the target engine's name, those held tokens)."""
         header = replace(header, skip_cached=True)
-        async with peer_channel(self.target_address, self.tls, channel_options()) as channel:
+        async with self._channel() as channel:
             call = self._open_import(channel)
             try:
                 await self._write(call, kv_header_to_pb(header), "the header")
