@@ -33,8 +33,7 @@ from dualpace.faults import FaultConfig
 from dualpace.serve.kv_shm_control import WatchImportCall
 from dualpace.serve.kv_transport import GrpcKvSender, _ended
 from dualpace.serve.peer_channels import PeerChannels
-from dualpace.serve.security import TlsConfig, peer_channel
-from dualpace.serve.server import channel_options
+from dualpace.serve.security import TlsConfig
 from dualpace.wire.kv_shm_messages import kv_header_with_offer_to_pb, shm_answer_from_pb, shm_written_to_pb
 from dualpace.wire.v1 import engine_pb2
 
@@ -49,9 +48,8 @@ class SameHostKvSender(GrpcKvSender):
 
     def __init__(self, target_address: str, pools: MappedPools, declined_until: dict[str, float],
                  channels: PeerChannels | None = None, **kwargs):
-        super().__init__(target_address, **kwargs)
+        super().__init__(target_address, channels=channels, **kwargs)  # channels None: one per transfer
         self.pools = pools
-        self.channels = channels  # None: a channel of its own per transfer
         self.declined_until = declined_until  # target address -> monotonic time; shared by the engine's senders
         self.used_shm = False  # for the caller's logs and the tests
         self.used_watch_control = False  # the last transfer's messages went over the pool's watch, not gRPC
@@ -123,20 +121,6 @@ class SameHostKvSender(GrpcKvSender):
             return engine
         except BaseException:
             call.cancel()  # the target drops the partial import (once our write lease has ended)
-            raise
-
-    @contextlib.asynccontextmanager
-    async def _channel(self):
-        """The channel of one transfer: the cached one to the target, dropped when the transfer fails."""
-        if self.channels is None:
-            async with peer_channel(self.target_address, self.tls, channel_options()) as channel:
-                yield channel
-            return
-        channel = self.channels.get(self.target_address, self.tls)
-        try:
-            yield channel
-        except BaseException:
-            self.channels.drop(self.target_address, self.tls, channel)
             raise
 
     async def _write_in_place(self, answer: ShmReservation, header: KvTransferHeader,
