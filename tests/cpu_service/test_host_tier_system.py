@@ -9,6 +9,7 @@ new tokens, with the same reply. Blocks in use return to 0 on both engines."""
 
 from __future__ import annotations
 
+import shutil
 import tempfile
 import time
 from pathlib import Path
@@ -120,5 +121,7 @@ def test_a_conversation_resumes_from_the_host_tier(loaded, model_folder, path):
             assert client.wait_idle().kv_blocks_used == 0
     finally:
         channel.close()
-        for daemon in (router, cpu, gpu):
-            assert daemon.stop() == 0, daemon.log()
+        codes = [(daemon.stop(), daemon) for daemon in (router, cpu, gpu)]
+        shutil.rmtree(sockets, ignore_errors=True)  # the sockets' folder (it was left in /tmp after every run)
+        for code, daemon in codes:
+            assert code == 0, daemon.log()
