@@ -6,14 +6,22 @@ engines' own senders (SameHostKvSender for shm, GrpcKvSender for gRPC) from head
 so the target reserves, verifies and commits each transfer as a migration would (the imported
 request then decodes one token there and ends). Sizes are token counts; each transport's rate
 and fixed cost come from a least-squares fit of ms = fixed + bytes / rate over them, and the
-time at `--context-tokens` (1024) is reported as measured. memcpy is torch's copy of a buffer
-of the same size as that transfer. Both rates count bytes the same way: payload bytes, once
-(memcpy_gbps = buffer bytes / copy time, not read + written bytes; kv_*_gbps = K + V bytes of
-the transfer / its time), so kv_shm_gbps / memcpy_gbps is the fraction of a plain copy reached.
+time at `--context-tokens` (1024) is reported as measured. Two copy references, both at that size:
+- memcpy_gbps: torch's copy of a private buffer of the transfer's size into another, back to back
+  (warm: what the caches hold is the buffer just copied), before and after the transfers.
+- memcpy_cold_gbps: a plain one-thread copy (ctypes.memmove, one call per layer for K and one for
+  V) of the SAME source runs the transfer sends, from the bench's source pool into a memfd mapping
+  of the target pool's size faulted in by the pools' own populate(), each copy after the same
+  `--settle-s` of sleep the transfers see, right after the shm transfers (same run, same minute).
+  The transfer's source is as cold as this one's; kv_shm_fraction_of_cold_memcpy =
+  kv_shm_gbps / memcpy_cold_gbps is the like-for-like ratio, kv_shm_gbps / memcpy_gbps is not.
+All rates count bytes the same way: payload bytes, once (memcpy = bytes copied / copy time, not
+read + written bytes; kv_*_gbps = K + V bytes of the transfer / its time, header to commit).
 
     python -m bench.data_plane --out bench/results/data_plane.json
 
-The last output line is one JSON object (memcpy_gbps, kv_shm_gbps, kv_grpc_gbps, kv_fixed_ms, ...).
+The last output line is one JSON object (memcpy_gbps, memcpy_cold_gbps, kv_shm_gbps, kv_grpc_gbps,
+kv_fixed_ms, kv_shm_fraction_of_cold_memcpy, assist_rtt_us_p50_shm, assist_rtt_us_p50_grpc, ...).
 The Dense Assist round trips per layer come from bench.assist_rtt.measure (shm and gRPC, batch 1/8/32).
 """
 
@@ -21,8 +29,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import ctypes
 import itertools
 import json
+import mmap
 import os
 import platform
 import statistics
@@ -36,6 +46,7 @@ from dualpace.engine.kv_shm_send import MappedPools
 from dualpace.engine.kv_source import OutgoingKv
 from dualpace.engine.kv_transfer import KvChunk, KvLayout, KvTransferHeader, checksum, plan_chunks
 from dualpace.engine.shm_kv_copy import copy_in_place, layer_checksums
+from dualpace.engine.shm_populate import populate
 from dualpace.kv.storage import KVStorage
 from dualpace.model.registry import DEFAULT_MODEL_NAME
 from dualpace.sampling import SamplingParams
@@ -70,6 +81,56 @@ def memcpy_gbps(num_bytes: int, repeats: int) -> float:
         dst.copy_(src)
         times.append(time.perf_counter() - start)
     return num_bytes / statistics.median(times) / 1e9
+
+
+def shm_mapping(num_bytes: int) -> mmap.mmap:
+    """A memfd mapping of `num_bytes`, its pages faulted in (and waited for) by the pools' populate()."""
+    fd = os.memfd_create("data-plane-memcpy", os.MFD_CLOEXEC)
+    try:
+        os.ftruncate(fd, num_bytes)
+        buffer = mmap.mmap(fd, num_bytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+    finally:
+        os.close(fd)
+    thread = populate(buffer, "the cold memcpy's target")
+    if thread is not None:
+        thread.join()
+    return buffer
+
+
+def memcpy_cold(storage: KVStorage, target_blocks: int, num_tokens: int, repeats: int, idle_s: float) -> dict:
+    """One thread's ctypes.memmove of the transfer's source runs (slots 0..num_tokens-1 of each layer's
+    K and V in `storage`) into a shm mapping of a `target_blocks` pool, each copy after `idle_s` of
+    sleep; one untimed copy first. The copied bytes are checked against the source after the last."""
+    slot_bytes = storage.num_kv_heads * storage.head_dim * storage.k.element_size()
+    run_bytes, layer_bytes = num_tokens * slot_bytes, target_blocks * storage.block_size * slot_bytes
+    if num_tokens > storage.num_blocks * storage.block_size or num_tokens > target_blocks * storage.block_size:
+        raise ValueError(f"{num_tokens} tokens do not fit the source or the target pool")
+    pool_bytes = storage.num_layers * layer_bytes
+    buffer = shm_mapping(2 * pool_bytes)
+    view = ctypes.c_char.from_buffer(buffer)
+    base = ctypes.addressof(view)
+    pairs = [(base + side * pool_bytes + layer * layer_bytes, source[layer].data_ptr())
+             for side, source in enumerate((storage.k, storage.v)) for layer in range(storage.num_layers)]
+    times = []
+    try:
+        for i in range(repeats + 1):
+            if i:
+                time.sleep(idle_s)
+            start = time.perf_counter()
+            for dst, src in pairs:
+                ctypes.memmove(dst, src, run_bytes)
+            if i:
+                times.append(time.perf_counter() - start)
+        sources = [pool[layer] for pool in (storage.k, storage.v) for layer in range(storage.num_layers)]
+        for (dst, _), source in zip(pairs, sources):
+            if ctypes.string_at(dst, run_bytes) != tensor_bytes(source.reshape(-1)[:run_bytes // source.element_size()]):
+                raise RuntimeError("the cold memcpy's target does not hold the source bytes")
+    finally:
+        del view
+        buffer.close()
+    seconds = statistics.median(times)
+    return {"gbps": 2 * storage.num_layers * run_bytes / seconds / 1e9, "ms": seconds * 1e3,
+            "ms_all": [round(t * 1e3, 3) for t in times], "idle_s": idle_s}
 
 
 def source_pool(info, num_tokens: int) -> KVStorage:
@@ -201,8 +262,9 @@ def main() -> None:
     args = parser.parse_args()
     sizes = sorted({int(s) for s in args.sizes.split(",")} | {args.context_tokens})
     max_tokens = max(sizes)
+    target_blocks = 4 * (max_tokens // 16 + 2)
     target = start_daemon("cpu_service", "--model", args.model, "--dtype", args.dtype, "--threads", "1",
-                          "--name", "data-plane-target", "--kv-blocks", str(4 * (max_tokens // 16 + 2)),
+                          "--name", "data-plane-target", "--kv-blocks", str(target_blocks),
                           "--block-size", "16", "--assist", "never")
     try:
         client = EngineClient(target.address)
@@ -215,12 +277,13 @@ def main() -> None:
         async def run():
             shm, shm_sender = await time_shm_transfers(target.address, storage, info, sizes, args.repeats,
                                                        args.settle_s)
+            cold = memcpy_cold(storage, target_blocks, args.context_tokens, max(5, args.repeats), args.settle_s)
             grpc_times, _ = await time_transfers(lambda: GrpcKvSender(target.address), storage, info, sizes,
                                                  args.repeats, args.settle_s)
             control = "watch" if getattr(shm_sender, "used_watch_control", False) else "grpc"
-            return shm, grpc_times, phase_medians(shm_sender), control
+            return shm, cold, grpc_times, phase_medians(shm_sender), control
 
-        shm, grpc_times, shm_phases, shm_control = asyncio.run(run())
+        shm, cold, grpc_times, shm_phases, shm_control = asyncio.run(run())
         memcpy_after = memcpy_gbps(context_bytes, max(5, args.repeats))
     finally:
         target.stop()
@@ -229,7 +292,11 @@ def main() -> None:
     result = {
         "memcpy_gbps": round(statistics.mean([memcpy, memcpy_after]), 3),
         "memcpy_gbps_before_after": [round(memcpy, 3), round(memcpy_after, 3)],
+        "memcpy_cold_gbps": round(cold["gbps"], 3),  # same source runs, shm target, after the settle gap
+        "memcpy_cold": cold,
         "kv_shm_gbps": round(shm_summary["gbps_at_context"], 3),
+        "kv_shm_fraction_of_cold_memcpy": round(shm_summary["gbps_at_context"] / cold["gbps"], 3),
+        "kv_shm_fraction_of_memcpy": round(shm_summary["gbps_at_context"] / statistics.mean([memcpy, memcpy_after]), 3),
         "kv_grpc_gbps": round(grpc_summary["gbps_at_context"], 3),
         "kv_fixed_ms": round(shm_summary["fixed_ms"], 3),
         "kv_grpc_fixed_ms": round(grpc_summary["fixed_ms"], 3),
