@@ -313,6 +313,8 @@ def main(argv: list[str] | None = None) -> int:
                 # the fastest single iteration, like the copy bandwidth (best of a few copies):
                 # on a loaded machine the mean also counts the time other tenants took the cores
                 "ours_fastest_step_tokens_per_s": round(1e3 * batch / ours["fastest_step_ms"], 1),
+                # the median iteration of every timed step (all repeats): what issue 16's 80% is judged on
+                "ours_median_step_over_weights_limit": round(1e3 * batch / ours["median_step_ms"] / weights_limit, 3),
                 "ours_fastest_step_over_weights_kv_limit": round(
                     1e3 * batch / ours["fastest_step_ms"] / weights_kv_limit, 3),
                 **{k: round(v, 3) for k, v in ours.items() if k != "tokens_per_s"},
@@ -355,14 +357,15 @@ def main(argv: list[str] | None = None) -> int:
     if peer is not None:
         print_peer_table(rows, prefill)
     print("| batch | context | ours tok/s | HF tok/s | ours/HF | copy GB/s | weights limit | ours/limit "
-          "| weights+KV limit | ours/limit | fastest step tok/s | fastest/limit | iteration ms | overhead |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "| weights+KV limit | ours/limit | fastest step tok/s | fastest/limit | median step/limit | iteration ms | overhead |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['batch']} | {r['context_tokens']} | {r['ours_tokens_per_s']} | {r['hf_tokens_per_s']} | "
               f"{r['ours_over_hf']} | {r['copy_bandwidth_gb_per_s']} | {r['weights_limit_tokens_per_s']} | "
               f"{r['ours_over_weights_limit']:.0%} | {r['weights_kv_limit_tokens_per_s']} | "
               f"{r['ours_over_weights_kv_limit']:.0%} | {r['ours_fastest_step_tokens_per_s']} | "
-              f"{r['ours_fastest_step_over_weights_kv_limit']:.0%} | {r['iteration_ms']:.2f} | "
+              f"{r['ours_fastest_step_over_weights_kv_limit']:.0%} | {r['ours_median_step_over_weights_limit']:.0%} | "
+              f"{r['iteration_ms']:.2f} | "
               f"{r['overhead_fraction']:.1%} |")
     a = attention
     print(f"\nattention (batch {a['batch']}, {a['context_tokens']} tokens): ours {a['ours_gb_per_s']} GB/s "
