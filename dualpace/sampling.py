@@ -67,14 +67,14 @@ def sample_next_tokens(
     if logits.shape[0] == 0:
         return SampleResult(token_ids=[], finite=[])
     scores = logits.float()
-    finite = torch.isfinite(scores).all(dim=1)
+    finite = all_finite_rows(scores)
     all_finite = bool(finite.all())
     if not all_finite:
         scores = scores.masked_fill(~finite[:, None], 0.0)
     logprob_rows, log_probs = raw_log_probs(scores, params)
     if contexts is not None:
         scores = apply_penalties(scores, params, contexts)
-    token_ids = scores.argmax(dim=1)
+    token_ids = first_max_ids(scores)
     sampled_rows = [i for i, p in enumerate(params) if not p.is_greedy]
     if sampled_rows:
         row_index = torch.tensor(sampled_rows, device=scores.device)
@@ -94,6 +94,21 @@ def sample_next_tokens(
         for row, entry in zip(logprob_rows, entries):
             logprobs[row] = entry if finite_rows[row] else None
     return SampleResult(token_ids=ids, finite=finite_rows, logprobs=logprobs)
+
+
+def all_finite_rows(scores: torch.Tensor) -> torch.Tensor:
+    """Whether each row of scores is all finite: its max and min are (both carry a NaN or an inf).
+    Two plain reductions instead of torch.isfinite(scores).all(dim=1), which built a boolean copy
+    and reduced it at a tenth of the speed (batch 1 / 8 / 32 x 49,152: 59 / 518 / 2050 us against
+    12 / 31 / 220, 2 threads, Intel Xeon with AMX; docs/perf.md, session 9)."""
+    return torch.isfinite(scores.amax(dim=1)) & torch.isfinite(scores.amin(dim=1))
+
+
+def first_max_ids(scores: torch.Tensor) -> torch.Tensor:
+    """The column of each row's maximum, the lowest among ties: what argmax(dim=1) returns, by
+    torch.max(dim=1), a faster kernel on the CPU (batch 1 / 8 / 32 x 49,152: 21 / 85 / 439 us
+    against 62 / 264 / 1160 for argmax, same machine and threads)."""
+    return scores.max(dim=1).indices
 
 
 def _check_batch(
@@ -141,7 +156,7 @@ def _sample_rows(
         log_probs = log_probs[:, column_ids]
     race = log_probs.add_(_gumbel_noise(_token_hashes(_row_keys(seeds, positions, device), column_ids)))
     race.masked_fill_(~candidates, -math.inf)
-    return column_ids[race.argmax(dim=1)]
+    return column_ids[first_max_ids(race)]
 
 
 def _filter_mask(scaled: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
