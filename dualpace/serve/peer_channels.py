@@ -14,10 +14,12 @@ import asyncio
 
 import grpc
 
-from dualpace.serve.kv_transport import TRANSFER_TIMEOUT_S
 from dualpace.serve.security import TlsConfig, peer_channel
 from dualpace.serve.server import channel_options
 
+# The deadline of one KV transfer's call (GrpcKvSender's default), so the grace the calls still on
+# a dropped channel get. Here, not in kv_transport, which imports this module.
+TRANSFER_TIMEOUT_S = 120.0
 # A channel of its own connections: by default gRPC shares connections (subchannels) across the
 # process's channels, so a new channel to a target that just refused would inherit that failed
 # connection and its reconnect backoff, and fail at once too (tests/serve/test_daemon_peer_channels).
