@@ -48,6 +48,7 @@ from dualpace.serve.event_loop import serve_forever
 from dualpace.serve.logging_setup import configure_logging, get_logger
 from dualpace.serve.metrics import add_metrics_argument, start_from_args
 from dualpace.serve.orphan_lease import DEFAULT_ORPHAN_TIMEOUT_S
+from dualpace.serve.peer_channels import PeerChannels
 from dualpace.serve.peers import PeerList
 from dualpace.serve.sd_notify import Notifier, watchdog_interval_s
 from dualpace.serve.security import (
@@ -249,12 +250,13 @@ def run_engine_daemon(
 
     async def main(stop: asyncio.Event) -> int:
         service_names = [ENGINE_SERVICE]
-        same_host = SameHostKv(args.kv_transport, await SharedKvPool.start(parts.kv_memory))
+        channels = PeerChannels()  # to the peers this daemon sends KV to, kept open across transfers
+        same_host = SameHostKv(args.kv_transport, await SharedKvPool.start(parts.kv_memory), channels=channels)
 
         def register(server: grpc.aio.Server) -> None:
             servicer = EngineServicer(parts.loop, faults, auth_token=security.auth_token,
                                       orphan_timeout_s=args.orphan_timeout_s, same_host=same_host, peers=peers,
-                                      tls=security.tls)
+                                      tls=security.tls, channels=channels)
             engine_pb2_grpc.add_EngineServicer_to_server(servicer, server)
             if extra_services is not None:
                 service_names.extend(extra_services(parts, server))
@@ -279,6 +281,7 @@ def run_engine_daemon(
         parts.loop.stop()
         await loop_task
         await running.stop(grace_s=FLUSH_GRACE_S)
+        await channels.close()  # after the server stopped: no MigrateOut or CopyPrefix is left on them
         await same_host.close()
         parts.loop.close()
         if timeline is not None:

@@ -34,6 +34,7 @@ from dualpace.serve.logging_setup import (
     unbind_request_id,
 )
 from dualpace.serve.orphan_lease import DEFAULT_ORPHAN_TIMEOUT_S, OrphanLeases
+from dualpace.serve.peer_channels import PeerChannels
 from dualpace.serve.peers import PeerList
 from dualpace.serve.security import TlsConfig
 from dualpace.serve.status import status_for
@@ -51,7 +52,8 @@ log = get_logger(__name__)
 class EngineServicer(engine_pb2_grpc.EngineServicer):
     def __init__(self, loop: EngineLoop, faults: FaultConfig | None = None, auth_token: str | None = None,
                  orphan_timeout_s: float = DEFAULT_ORPHAN_TIMEOUT_S, same_host: SameHostKv | None = None,
-                 peers: PeerList | None = None, tls: TlsConfig | None = None):
+                 peers: PeerList | None = None, tls: TlsConfig | None = None,
+                 channels: PeerChannels | None = None):
         self.loop = loop
         self.same_host = same_host  # KV through shared memory with daemons on this host (None: gRPC only)
         self.peers = peers or PeerList()  # MigrateOut targets allowed (--peer); none by default
@@ -59,6 +61,9 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
         self.faults = faults or FaultConfig()
         self.auth_token = auth_token  # sent on this engine's own calls (KV migration to the target)
         self.tls = tls  # this daemon's TLS: its migrations to TCP peers go over TLS too
+        # The daemon's channels to its peers, kept open across transfers (it closes them at shutdown);
+        # with same_host, the same object as same_host.channels. None: a channel per transfer.
+        self.channels = channels
         self._next_copy = 0  # CopyPrefix calls so far (their pins' table ids)
         if same_host is not None and same_host.pool.server is not None:
             same_host.pool.server.stream_handler = self.import_over_watch  # same-host imports without gRPC
@@ -130,7 +135,8 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
         if self.same_host is not None:
             sender = self.same_host.sender(request.target_address, self.faults, self.auth_token, self.tls)
         else:
-            sender = GrpcKvSender(request.target_address, self.faults, auth_token=self.auth_token, tls=self.tls)
+            sender = GrpcKvSender(request.target_address, self.faults, auth_token=self.auth_token, tls=self.tls,
+                                  channels=self.channels)
         stats = await migrate_out(self.loop, request.request_id, sender, migrated_to=request.target_address)
         if isinstance(sender, SameHostKvSender) and sender.used_shm:
             stats = dataclasses.replace(stats, transport="shm")
@@ -229,7 +235,7 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
         token_ids, target = messages.copy_prefix_request_from_pb(request)
         self.peers.check(target)  # before anything is pinned or sent
         started = time.perf_counter()
-        sender = GrpcKvSender(target, self.faults, auth_token=self.auth_token, tls=self.tls)
+        sender = GrpcKvSender(target, self.faults, auth_token=self.auth_token, tls=self.tls, channels=self.channels)
         self._next_copy += 1
         pin_id = f"{COPY_PIN_PREFIX}{self._next_copy}"
         copy = await send_cached_prefix(self.loop, sender.send_cache, token_ids, pin_id)

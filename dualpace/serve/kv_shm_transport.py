@@ -182,7 +182,7 @@ class SameHostKv:
     def sender(self, target_address: str, faults: FaultConfig, auth_token: str | None,
                tls: TlsConfig | None = None) -> GrpcKvSender:
         if self.transport == "grpc":
-            return GrpcKvSender(target_address, faults, auth_token=auth_token, tls=tls)
+            return GrpcKvSender(target_address, faults, auth_token=auth_token, tls=tls, channels=self.channels)
         return SameHostKvSender(target_address, self.mapped, self.declined_until, self.channels, faults=faults,
                                 auth_token=auth_token, tls=tls)
 

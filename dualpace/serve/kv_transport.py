@@ -6,7 +6,6 @@ import asyncio
 import contextlib
 from collections.abc import AsyncIterator
 from dataclasses import replace
-from typing import TYPE_CHECKING
 
 import grpc
 
@@ -16,6 +15,7 @@ from dualpace.engine.prefix_copy import ChunksFrom
 from dualpace.errors import Unavailable
 from dualpace.faults import FaultConfig
 from dualpace.serve.auth import token_metadata
+from dualpace.serve.peer_channels import TRANSFER_TIMEOUT_S, PeerChannels
 from dualpace.serve.security import TlsConfig, peer_channel
 from dualpace.serve.server import channel_options
 from dualpace.wire.engine_messages import kv_header_to_pb
@@ -27,10 +27,6 @@ from dualpace.wire.kv_chunk_wire import (
 )
 from dualpace.wire.v1 import engine_pb2
 
-if TYPE_CHECKING:
-    from dualpace.serve.peer_channels import PeerChannels  # it imports this module
-
-TRANSFER_TIMEOUT_S = 120.0
 # Chunks go together in one message while their K + V bytes stay within this (0: one message per
 # chunk; a larger chunk goes alone): the chunk size limit itself, 4 MiB. On the session 9 host bare
 # gRPC moved 4 MB messages faster than 0.75 or 8 MB ones (bench.grpc_bulk_floor), and a 1024-token

@@ -14,9 +14,16 @@ import asyncio
 
 import grpc
 
-from dualpace.serve.kv_transport import TRANSFER_TIMEOUT_S
 from dualpace.serve.security import TlsConfig, peer_channel
 from dualpace.serve.server import channel_options
+
+# The deadline of one KV transfer's call (GrpcKvSender's default), so the grace the calls still on
+# a dropped channel get. Here, not in kv_transport, which imports this module.
+TRANSFER_TIMEOUT_S = 120.0
+# A channel of its own connections: by default gRPC shares connections (subchannels) across the
+# process's channels, so a new channel to a target that just refused would inherit that failed
+# connection and its reconnect backoff, and fail at once too (tests/serve/test_daemon_peer_channels).
+CHANNEL_OPTIONS = [*channel_options(), ("grpc.use_local_subchannel_pool", 1)]
 
 
 class PeerChannels:
@@ -30,8 +37,12 @@ class PeerChannels:
     def get(self, address: str, tls: TlsConfig | None) -> grpc.aio.Channel:
         channel = self._channels.get((address, tls))
         if channel is None:
-            channel = self._channels[(address, tls)] = peer_channel(address, tls, channel_options())
+            channel = self._channels[(address, tls)] = peer_channel(address, tls, CHANNEL_OPTIONS)
         return channel
+
+    def kept(self, address: str, tls: TlsConfig | None) -> grpc.aio.Channel | None:
+        """The channel the next transfer to `address` would use, if one is open (opens none)."""
+        return self._channels.get((address, tls))
 
     def drop(self, address: str, tls: TlsConfig | None, channel: grpc.aio.Channel) -> None:
         """After a failed transfer on `channel`: the next transfer opens a new one."""

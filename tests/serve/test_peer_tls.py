@@ -1,5 +1,6 @@
 """A TLS engine's KV migration reaches its peer over TLS (mutual, with its own certificate),
-with the token; plaintext to the same TLS port does not get through."""
+with the token; plaintext to the same TLS port does not get through. The same on channels kept
+across transfers, as a daemon's senders share them (PeerChannels: one per address and TLS settings)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from dualpace.engine.kv_transfer import KvLayout, KvTransferHeader
 from dualpace.errors import Unavailable
 from dualpace.sampling import SamplingParams
 from dualpace.serve.kv_transport import GrpcKvSender
+from dualpace.serve.peer_channels import PeerChannels
 from dualpace.serve.security import ServerSecurity, load_tls
 from dualpace.serve.server import start_server
 from tests.serve.fake_services import ENGINE_SERVICE, FailingEngine, register_all
@@ -27,7 +29,9 @@ async def no_chunks():
 
 
 @pytest.mark.skipif(shutil.which("openssl") is None, reason="openssl is not installed")
-async def test_migration_channel_uses_the_daemons_tls_and_token(tmp_path: Path) -> None:
+@pytest.mark.parametrize("kept", [False, True])
+async def test_migration_channel_uses_the_daemons_tls_and_token(tmp_path: Path, kept: bool) -> None:
+    channels = PeerChannels() if kept else None
     cert, key = _self_signed(tmp_path, "engine")  # both engines' certificate, and their CA (self-signed)
     tls = load_tls(str(cert), str(key), str(cert))  # mutual TLS: clients need a certificate from that CA
     target = await start_server("127.0.0.1:0", lambda server: register_all(server, FailingEngine()),
@@ -35,14 +39,19 @@ async def test_migration_channel_uses_the_daemons_tls_and_token(tmp_path: Path) 
     try:
         # Past TLS and the token, the fake target answers 'prepared' where 'committed' is due.
         with pytest.raises(Unavailable, match="expected 'committed'"):
-            await GrpcKvSender(target.address, auth_token=TOKEN, tls=tls)(HEADER, no_chunks())
+            await GrpcKvSender(target.address, auth_token=TOKEN, tls=tls, channels=channels)(HEADER, no_chunks())
         with pytest.raises(Unavailable) as plaintext:
-            await GrpcKvSender(target.address, auth_token=TOKEN, timeout_s=10)(HEADER, no_chunks())
+            await GrpcKvSender(target.address, auth_token=TOKEN, timeout_s=10, channels=channels)(HEADER, no_chunks())
         assert "expected 'committed'" not in str(plaintext.value)
         other_cert, other_key = _self_signed(tmp_path, "stranger")  # a certificate the target does not trust
         stranger = load_tls(str(other_cert), str(other_key), str(cert))
         with pytest.raises(Unavailable) as untrusted:
-            await GrpcKvSender(target.address, auth_token=TOKEN, tls=stranger, timeout_s=10)(HEADER, no_chunks())
+            await GrpcKvSender(target.address, auth_token=TOKEN, tls=stranger, timeout_s=10,
+                               channels=channels)(HEADER, no_chunks())
         assert "expected 'committed'" not in str(untrusted.value)
+        with pytest.raises(Unavailable, match="expected 'committed'"):  # after those failures, TLS again
+            await GrpcKvSender(target.address, auth_token=TOKEN, tls=tls, channels=channels)(HEADER, no_chunks())
     finally:
+        if channels is not None:
+            await channels.close()
         await target.stop(grace_s=None)

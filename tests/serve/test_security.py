@@ -152,7 +152,11 @@ async def test_client_interceptors_add_the_token_to_every_kind(guarded) -> None:
         assert await collect(iter([b"a", b"b"])) == b"ab"
 
 
-async def test_kv_sender_sends_the_token(guarded) -> None:
+@pytest.mark.parametrize("kept", [False, True])
+async def test_kv_sender_sends_the_token(guarded, kept: bool) -> None:
+    from dualpace.serve.peer_channels import PeerChannels
+
+    channels = PeerChannels() if kept else None  # kept: the token goes on each call, not the channel
     header = KvTransferHeader("ok", (1, 2), (3,), SamplingParams(seed=1), 2, KvLayout(1, 1, 4, 8, "float32"),
                               0, 0, "source")
 
@@ -164,9 +168,11 @@ async def test_kv_sender_sends_the_token(guarded) -> None:
     # a reply that is not 'committed'; without it, the import ends at once (UNAUTHENTICATED, or
     # INTERNAL when the sender's next write races the server's early end of the stream).
     with pytest.raises(Unavailable, match="UNAUTHENTICATED|INTERNAL"):
-        await GrpcKvSender(guarded.address)(header, no_chunks())
+        await GrpcKvSender(guarded.address, channels=channels)(header, no_chunks())
     with pytest.raises(Unavailable, match="expected 'committed'"):
-        await GrpcKvSender(guarded.address, auth_token=TOKEN)(header, no_chunks())
+        await GrpcKvSender(guarded.address, auth_token=TOKEN, channels=channels)(header, no_chunks())
+    if channels is not None:
+        await channels.close()
 
 
 # ---------------------------------------------------------------------- TLS, in process
