@@ -14,22 +14,18 @@ import argparse
 import asyncio
 import json
 import os
-import subprocess
 import sys
 import time
 
 import grpc
 
+from bench.floor_server import identity, served
 from dualpace.serve.server import DEFAULT_MAX_MESSAGE_BYTES
 
 METHOD = "/floor.Bulk/Sink"
 OPTIONS = [("grpc.max_send_message_length", DEFAULT_MAX_MESSAGE_BYTES),
            ("grpc.max_receive_message_length", DEFAULT_MAX_MESSAGE_BYTES)]
 BEST_OF = 5
-
-
-def _identity(data: bytes) -> bytes:
-    return data
 
 
 async def _serve() -> None:
@@ -41,7 +37,7 @@ async def _serve() -> None:
 
     server = grpc.aio.server(options=OPTIONS)
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(
-        "floor.Bulk", {"Sink": grpc.stream_unary_rpc_method_handler(sink, _identity, _identity)}),))
+        "floor.Bulk", {"Sink": grpc.stream_unary_rpc_method_handler(sink, identity, identity)}),))
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
     print(port, flush=True)
@@ -54,7 +50,7 @@ async def _aio_gbps(address: str, message: bytes, count: int) -> float:
         best_s = float("inf")
         for _ in range(BEST_OF):
             start = time.perf_counter()
-            call = channel.stream_unary(METHOD, _identity, _identity)()
+            call = channel.stream_unary(METHOD, identity, identity)()
             for _ in range(count):
                 await call.write(message)
             await call.done_writing()
@@ -68,7 +64,7 @@ def _sync_gbps(address: str, message: bytes, count: int) -> float:
         best_s = float("inf")
         for _ in range(BEST_OF):
             start = time.perf_counter()
-            channel.stream_unary(METHOD, _identity, _identity)(iter([message] * count))
+            channel.stream_unary(METHOD, identity, identity)(iter([message] * count))
             best_s = min(best_s, time.perf_counter() - start)
     return len(message) * count / best_s / 1e9
 
@@ -84,11 +80,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.serve:
         asyncio.run(_serve())
         return 0
-    process = subprocess.Popen([sys.executable, "-m", "bench.grpc_bulk_floor", "--serve"],
-                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-    address = f"127.0.0.1:{process.stdout.readline().strip()}"
     points = []
-    try:
+    with served("bench.grpc_bulk_floor") as address:
         for message_mb in args.message_mb or (0.75, 4.0, 8.0):
             message = os.urandom(int(message_mb * 1e6))
             count = max(1, round(args.total_mb / message_mb))
@@ -96,12 +89,6 @@ def main(argv: list[str] | None = None) -> int:
                      "sync_gbps": round(_sync_gbps(address, message, count), 3)}
             points.append(point)
             print(f"{message_mb:6.2f} MB messages: aio {point['aio_gbps']:.2f} GB/s, sync {point['sync_gbps']:.2f} GB/s")
-    finally:
-        process.stdin.close()
-        try:
-            process.wait(10)
-        except subprocess.TimeoutExpired:
-            process.kill()
     result = {"total_mb": args.total_mb, "points": points, "load_average_1m": round(os.getloadavg()[0], 2)}
     if args.out:
         with open(args.out, "w", encoding="utf-8") as out:

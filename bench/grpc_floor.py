@@ -26,13 +26,13 @@ import asyncio
 import json
 import os
 import queue
-import subprocess
 import sys
 import threading
 import time
 
 import grpc
 
+from bench.floor_server import identity, served
 from dualpace.stats import percentile
 
 METHOD_STREAM = "/floor.Echo/Stream"
@@ -44,10 +44,6 @@ UP_BYTES_PER_ROW = 576 * 2
 DOWN_BYTES_PER_ROW = (9 + 3 + 3) * 64 * 2
 _END = object()
 SERVERS = ("aio", "aio-hop", "sync")  # aio-hop: each reply made in a pool thread (the stage hop)
-
-
-def _identity(data: bytes) -> bytes:
-    return data
 
 
 def _handlers(reply_for, hop_pool=None):
@@ -87,8 +83,8 @@ def _serve(kind: str) -> None:
     stream, stream_aio, unary, unary_aio = _handlers(reply_for, ThreadPoolExecutor(4) if kind == "aio-hop" else None)
     aio = kind.startswith("aio")
     handler = grpc.method_handlers_generic_handler("floor.Echo", {
-        "Stream": grpc.stream_stream_rpc_method_handler(stream_aio if aio else stream, _identity, _identity),
-        "Unary": grpc.unary_unary_rpc_method_handler(unary_aio if aio else unary, _identity, _identity)})
+        "Stream": grpc.stream_stream_rpc_method_handler(stream_aio if aio else stream, identity, identity),
+        "Unary": grpc.unary_unary_rpc_method_handler(unary_aio if aio else unary, identity, identity)})
     if aio:
         async def run() -> None:
             server = grpc.aio.server()
@@ -132,7 +128,7 @@ def _thread_stream(channel, batch, count, warmup, direct: bool) -> list[float]:
         while (item := requests.get()) is not _END:
             yield item
 
-    call = channel.stream_stream(METHOD_STREAM, _identity, _identity)(request_iterator())
+    call = channel.stream_stream(METHOD_STREAM, identity, identity)(request_iterator())
     if direct:
         def round_trip(request):
             requests.put(request)
@@ -157,7 +153,7 @@ def _aio_loop_thread(address, batch, count, warmup) -> list[float]:
 
     async def open_call():
         channel = grpc.aio.insecure_channel(address)
-        return channel, channel.stream_stream(METHOD_STREAM, _identity, _identity)()
+        return channel, channel.stream_stream(METHOD_STREAM, identity, identity)()
 
     channel, call = asyncio.run_coroutine_threadsafe(open_call(), loop).result()
 
@@ -177,7 +173,7 @@ def _aio_loop_thread(address, batch, count, warmup) -> list[float]:
 def _aio_inline(address, batch, count, warmup) -> list[float]:
     async def run():
         async with grpc.aio.insecure_channel(address) as channel:
-            call = channel.stream_stream(METHOD_STREAM, _identity, _identity)()
+            call = channel.stream_stream(METHOD_STREAM, identity, identity)()
             request = _request(batch)
             times_us = []
             for i in range(warmup + count):
@@ -192,11 +188,8 @@ def _aio_inline(address, batch, count, warmup) -> list[float]:
 
 
 def measure(server_kind: str = "aio", batch_sizes=(8,), modes=MODES, count: int = 2000, warmup: int = 200) -> dict:
-    process = subprocess.Popen([sys.executable, "-m", "bench.grpc_floor", "--serve", server_kind],
-                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-    address = f"127.0.0.1:{process.stdout.readline().strip()}"
     results: dict[str, dict] = {}
-    try:
+    with served("bench.grpc_floor", server_kind) as address:
         for mode in modes:
             for batch in batch_sizes:
                 if mode in ("aio-loop-thread", "aio-inline"):
@@ -205,18 +198,12 @@ def measure(server_kind: str = "aio", batch_sizes=(8,), modes=MODES, count: int 
                 else:
                     with grpc.insecure_channel(address) as channel:
                         if mode == "unary":
-                            call = channel.unary_unary(METHOD_UNARY, _identity, _identity)
+                            call = channel.unary_unary(METHOD_UNARY, identity, identity)
                             times_us = _time(call, batch, count, warmup)
                         else:
                             times_us = _thread_stream(channel, batch, count, warmup, mode == "direct-stream")
                 results.setdefault(mode, {})[str(batch)] = {
                     "p50_us": round(percentile(times_us, 50), 1), "p99_us": round(percentile(times_us, 99), 1)}
-    finally:
-        process.stdin.close()
-        try:
-            process.wait(10)
-        except subprocess.TimeoutExpired:
-            process.kill()
     return {"server": server_kind, "round_trips": count, "up_bytes_per_row": UP_BYTES_PER_ROW,
             "down_bytes_per_row": DOWN_BYTES_PER_ROW, "modes": results,
             "load_average_1m": round(os.getloadavg()[0], 2)}

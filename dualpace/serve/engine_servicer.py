@@ -186,7 +186,7 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
                     if kind == "chunk":
                         await importer.chunk(messages.kv_chunk_from_pb(message.chunk))
                     else:  # several in one message: one hop to the import pool for all of them
-                        await importer.chunks([messages.kv_chunk_from_pb(c) for c in message.chunk_batch.chunks])
+                        await importer.chunks(messages.kv_chunk_batch_from_pb(message.chunk_batch))
                     chunk_ms += (time.perf_counter() - chunk_start) * 1e3
                 elif kind == "prepare":
                     progress = await importer.prepare()

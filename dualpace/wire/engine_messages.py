@@ -255,6 +255,11 @@ def kv_chunk_from_pb(message: engine_pb2.KvChunk) -> KvChunk:
                    token_end=message.token_end, k=message.k, v=message.v, crc32=message.crc32)
 
 
+def kv_chunk_batch_from_pb(message: engine_pb2.KvChunkBatch) -> list[KvChunk]:
+    """The consecutive chunks of one ImportKvMessage.chunk_batch, in order."""
+    return [kv_chunk_from_pb(chunk) for chunk in message.chunks]
+
+
 def engine_info_to_pb(core) -> engine_pb2.EngineInfo:
     """The identity and model shape of an EngineCore."""
     cfg = core.loaded.config
