@@ -120,7 +120,8 @@ def main(argv: list[str] | None = None) -> int:
             client = AssistClient(args.gpu_service, iteration_timeout_s=args.assist_timeout_s,
                                   auth_token=read_token_file(args.auth_token_file), transport=args.assist_transport,
                                   shm_slot_bytes=slot_bytes_for(config.scheduler.max_running, cfg.num_heads,
-                                                                cfg.num_kv_heads, cfg.head_dim))
+                                                                cfg.num_kv_heads, cfg.head_dim),
+                                  credentials=peer_credentials_for(args.gpu_service, security_from_args(args).tls))
         chooser = ModeChooser(setting, assist_configured=client is not None)
         if profile is not None:
             from dualpace.profile.data_paths import assist_path, for_paths, on_this_host
