@@ -28,6 +28,7 @@ from dualpace.errors import InvalidArgument
 from dualpace.model.loader import LoadedModel
 from dualpace.serve.auth import read_token_file
 from dualpace.serve.config import parse_with_config
+from dualpace.serve.security import peer_credentials_for, security_from_args
 from dualpace.serve.engine_daemon import (
     EngineDaemonParts,
     add_engine_arguments,
