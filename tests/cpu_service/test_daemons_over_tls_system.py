@@ -23,18 +23,6 @@ PROMPT = [(i * 29 + 7) % 300 + 1 for i in range(12)]
 PARAMS = SamplingParams(max_tokens=6, ignore_eos=True)
 
 
-@pytest.fixture(scope="module")
-def model_folder(synth_checkpoint):
-    return str(synth_checkpoint("tiny-llama"))
-
-
-@pytest.fixture(scope="module")
-def loaded(model_folder):
-    from dualpace.model.loader import load_model
-
-    return load_model(model_folder, dtype="fp32")
-
-
 @pytest.mark.skipif(shutil.which("openssl") is None, reason="openssl is not installed")
 def test_assist_and_router_calls_go_over_mutual_tls(tmp_path, model_folder, loaded):
     cert, key = _self_signed(tmp_path, "localhost")  # one certificate for every daemon, its own CA
