@@ -20,7 +20,7 @@ from collections.abc import Callable
 
 import torch
 
-from dualpace.engine import shm_doorbell
+from dualpace.engine import ring_pacing, shm_doorbell
 from dualpace.engine.assist_types import (
     AssistBegin,
     AssistJoinInfo,
@@ -65,6 +65,8 @@ class ShmIterations:
         self.accepts_join = answer.accepts_join  # begins through these rings may join the GPU engine's step
         self._lock = threading.Lock()  # interrupt (reader thread) vs close
         self._closed = False
+        # from this side's answer to the GPU's next q/k/v (its post stamp), across iterations
+        self._next_qkv = ring_pacing.AnswerPredictor()
 
     def fits(self, batch: int, begin_bytes: bytes) -> bool:
         return batch <= self.max_batch_rows and self._endpoint.fits([], len(begin_bytes))
@@ -82,9 +84,14 @@ class ShmIterations:
         checked_qkv: dict[int, tuple] = {}  # the slot view tuples whose shapes were checked (held: ids stay theirs)
         receive, send_parts = endpoint.receive, endpoint.send_parts
         qkv_kind, output_kind = ShmSlotKind.QKV, ShmSlotKind.ATTENTION_OUTPUT
+        next_qkv, monotonic_ns, pack_stamp = self._next_qkv, time.monotonic_ns, ring_pacing.OUTPUT_STAMP.pack
+        # this side's last answer, when the q/k/v it answered were stamped (0: no busy spin;
+        # the first q/k/v wait for the GPU step to begin, a staged server's are not stamped)
+        posted_ns = 0
         while True:
+            busy_spin_s = next_qkv.busy_spin_s(posted_ns, monotonic_ns()) if posted_ns else 0.0
             try:
-                message = receive(deadline_s, stream_ended)
+                message = receive(deadline_s, stream_ended, busy_spin_s)
             except ShmProtocolError as exc:
                 raise errors.protocol(str(exc)) from None
             if message is None:
@@ -99,8 +106,15 @@ class ShmIterations:
                     raise errors.protocol(f"unexpected qkv slot for layer {message.layer} "
                                           f"(expected layer {expected_layer})")
                 checked_qkv[id(tensors)] = tensors
+                seen_ns = monotonic_ns()
+                sent_ns = ring_pacing.qkv_stamp(message.payload)
+                if posted_ns and sent_ns is not None:
+                    next_qkv.observe(sent_ns - posted_ns)
                 q, k, v = tensors
-                send_parts(output_kind, iteration_id, expected_layer, (attend(expected_layer, q, k, v),))
+                output = attend(expected_layer, q, k, v)
+                answered_ns = monotonic_ns()
+                send_parts(output_kind, iteration_id, expected_layer, (output,), pack_stamp(seen_ns, answered_ns))
+                posted_ns = answered_ns if sent_ns is not None else 0
                 expected_layer += 1
             elif message.kind == ShmSlotKind.RESULT_TOKENS and len(message.tensors) == 1:
                 return AssistResult(begin.iteration_id, token_ids=message.tensors[0].tolist(),

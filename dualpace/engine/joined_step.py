@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from dualpace.engine.join_desk import JoinDesk, JoinOutcome, JoinRequest, JoinStepInfo
+from dualpace.engine.ring_pacing import LayerMarks
 from dualpace.model.paged_forward import SequenceWork, build_step_tensors
 from dualpace.model.split_forward import RemoteBatch, RemoteRows, SplitForward
 from dualpace.model.transformer import Transformer
@@ -121,7 +122,7 @@ class JoinedStep:
                       for j in joins],  # (peer, iteration_id, rows)
             "how": how, "gpu_wait_ns": int(sum(r.gpu_wait_s for r in remote.joins) * 1e9),
             "cover_ns": int(self.split.last_cover_s * 1e9),
-            "num_weight_passes": 2 if s0 is not None else 1}
+            "num_weight_passes": 2 if s0 is not None else 1, **self._marks(joins)}
         for rows, logits in out.finished:
             join = joins[remote.joins.index(rows)]
             info = JoinStepInfo(step_id, how, int(rows.gpu_wait_s * 1e6), start_ns, end_ns)
@@ -133,6 +134,16 @@ class JoinedStep:
                 continue
             self.desk.settle(join, JoinOutcome.TAKEN_DONE)
         return self._in_work_order(work, s0_index, s1_index, out.own_logits)
+
+    @staticmethod
+    def _marks(joins: list[JoinRequest]) -> dict:
+        """Where the joins' per-layer round trips went (their channels' LayerMarks, summed)."""
+        total = LayerMarks()
+        for join in joins:
+            marks = getattr(join.channel, "marks", None)
+            if isinstance(marks, LayerMarks):
+                total.merge(marks)
+        return total.record_fields()
 
     @staticmethod
     def _in_work_order(work, s0_index, s1_index, own_logits: torch.Tensor) -> torch.Tensor:

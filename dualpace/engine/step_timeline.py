@@ -62,6 +62,16 @@ class StepRecord:
     # A joined GPU step: its time in the work that overlaps the CPU's attention (S0's layers, D1's
     # attention), summed over layers (SplitForward.last_cover_s).
     cover_ns: int = 0
+    # A joined GPU step's per-layer round trips, summed over its joins' stamped layers
+    # (dualpace/engine/ring_pacing.py LayerMarks): q/k/v post -> the CPU saw them; the CPU's own time;
+    # the GPU's wait before the CPU answered; the CPU's answer -> the GPU's receive returned; and
+    # how many of the GPU's waits went to a futex sleep.
+    num_marked_layers: int = 0
+    down_hop_ns: int = 0
+    cpu_layer_ns: int = 0
+    wait_before_answer_ns: int = 0
+    up_hop_ns: int = 0
+    num_wait_sleeps: int = 0
     num_weight_passes: int = 1
     # The CPU engine's side of a cooperative (or assisted) iteration; None on GPU records.
     num_prefill_rows: int = 0
@@ -83,7 +93,8 @@ class StepRecord:
         if self.end_ns < self.start_ns:
             raise InvalidArgument("end_ns", f"step {self.step_id} of {self.engine} ends before it starts")
         for name in ("num_own_rows", "gpu_wait_ns", "cover_ns", "num_weight_passes", "num_prefill_rows",
-                     "attention_ns"):
+                     "attention_ns", "num_marked_layers", "down_hop_ns", "cpu_layer_ns", "wait_before_answer_ns",
+                     "up_hop_ns", "num_wait_sleeps"):
             if getattr(self, name) < 0:
                 raise InvalidArgument(name, f"must be >= 0, got {getattr(self, name)}")
 
