@@ -65,8 +65,6 @@ class ShmIterations:
         self.accepts_join = answer.accepts_join  # begins through these rings may join the GPU engine's step
         self._lock = threading.Lock()  # interrupt (reader thread) vs close
         self._closed = False
-        # from this side's answer to the GPU's next q/k/v (its post stamp), across iterations
-        self._next_qkv = ring_pacing.AnswerPredictor()
 
     def fits(self, batch: int, begin_bytes: bytes) -> bool:
         return batch <= self.max_batch_rows and self._endpoint.fits([], len(begin_bytes))
@@ -84,14 +82,11 @@ class ShmIterations:
         checked_qkv: dict[int, tuple] = {}  # the slot view tuples whose shapes were checked (held: ids stay theirs)
         receive, send_parts = endpoint.receive, endpoint.send_parts
         qkv_kind, output_kind = ShmSlotKind.QKV, ShmSlotKind.ATTENTION_OUTPUT
-        next_qkv, monotonic_ns, pack_stamp = self._next_qkv, time.monotonic_ns, ring_pacing.OUTPUT_STAMP.pack
-        # this side's last answer, when the q/k/v it answered were stamped (0: no busy spin;
-        # the first q/k/v wait for the GPU step to begin, a staged server's are not stamped)
-        posted_ns = 0
+        # the answer carries when this side saw the q/k/v and when it answered (ring_pacing.py)
+        monotonic_ns, pack_stamp = time.monotonic_ns, ring_pacing.OUTPUT_STAMP.pack
         while True:
-            busy_spin_s = next_qkv.busy_spin_s(posted_ns, monotonic_ns()) if posted_ns else 0.0
             try:
-                message = receive(deadline_s, stream_ended, busy_spin_s)
+                message = receive(deadline_s, stream_ended)
             except ShmProtocolError as exc:
                 raise errors.protocol(str(exc)) from None
             if message is None:
@@ -107,14 +102,9 @@ class ShmIterations:
                                           f"(expected layer {expected_layer})")
                 checked_qkv[id(tensors)] = tensors
                 seen_ns = monotonic_ns()
-                sent_ns = ring_pacing.qkv_stamp(message.payload)
-                if posted_ns and sent_ns is not None:
-                    next_qkv.observe(sent_ns - posted_ns)
                 q, k, v = tensors
                 output = attend(expected_layer, q, k, v)
-                answered_ns = monotonic_ns()
-                send_parts(output_kind, iteration_id, expected_layer, (output,), pack_stamp(seen_ns, answered_ns))
-                posted_ns = answered_ns if sent_ns is not None else 0
+                send_parts(output_kind, iteration_id, expected_layer, (output,), pack_stamp(seen_ns, monotonic_ns()))
                 expected_layer += 1
             elif message.kind == ShmSlotKind.RESULT_TOKENS and len(message.tensors) == 1:
                 return AssistResult(begin.iteration_id, token_ids=message.tensors[0].tolist(),

@@ -28,7 +28,7 @@ import time
 
 import torch
 
-from dualpace.engine import ring_pacing, shm_doorbell
+from dualpace.engine import shm_doorbell
 from dualpace.engine.assist_types import (
     AssistAttentionOutput,
     AssistQkv,
@@ -114,7 +114,6 @@ class ShmStream:
         self._segment_closed = False
         self._ring_iteration = False  # a ring begin was answered; its result is not sent yet
         self._last_upstream_s = time.monotonic()
-        self._pacing = ring_pacing.AnswerPredictor()  # the CPU's answer time per layer, across joins
         self._thread = threading.Thread(target=self._run, name="assist-shm", daemon=True)
 
     def start(self) -> None:
@@ -215,7 +214,7 @@ class ShmStream:
             if begin.join_engine_iteration and self._session.accepts_join:
                 # the step thread drives the ring through it while this thread waits in the desk
                 channel = RingJoinChannel(self._endpoint, self._model, begin, self._stop.is_set, self._put_on_stream,
-                                          self._peer, self._pacing)
+                                          self._peer)
             reply = self._session.begin(begin, channel)
             self._ring_iteration = reply is not RESULT_SENT
             return reply

@@ -78,16 +78,11 @@ class RingJoinChannel:
     `stopped()` is true once the stream is ending (its stop() also interrupts the ring's wait),
     so a receive for a CPU that is gone returns None at once.
 
-    Each layer's q/k/v carry their post time; the CPU's answer carries when it saw them and when
-    it answered (dualpace/engine/ring_pacing.py): `marks` sums where the round trips went, and the
-    wait for an answer first busy-spins as long as `predictor` (the stream's, kept across
-    iterations) expects the answer to take, within bounds."""
+    The CPU's answer of each layer carries when it saw the q/k/v and when it answered (dualpace/engine/ring_pacing.py): `marks` sums where the round trips went."""
 
     def __init__(self, endpoint: ShmEndpoint, model: Transformer, begin: AssistBegin,
-                 stopped: Callable[[], bool], put_on_stream: Callable[[object], None], peer: str = "",
-                 predictor: ring_pacing.AnswerPredictor | None = None):
+                 stopped: Callable[[], bool], put_on_stream: Callable[[object], None], peer: str = ""):
         self._endpoint = endpoint
-        self.predictor = predictor if predictor is not None else ring_pacing.AnswerPredictor()
         self.marks = ring_pacing.LayerMarks()
         self._sent_ns = 0
         self.peer = peer  # the CPU engine's stream, as step timelines name the join's peer
@@ -104,8 +99,7 @@ class RingJoinChannel:
 
     def send_qkv(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         self._sent_ns = time.monotonic_ns()
-        self._endpoint.send_parts(ShmSlotKind.QKV, self._begin.iteration_id, layer, (q, k, v),
-                                  ring_pacing.QKV_STAMP.pack(self._sent_ns))
+        self._endpoint.send_parts(ShmSlotKind.QKV, self._begin.iteration_id, layer, (q, k, v))
         self.num_layers_sent = layer + 1
 
     def receive_attention(self, layer: int, deadline_s: float) -> torch.Tensor | None:
@@ -115,8 +109,7 @@ class RingJoinChannel:
         wait_start_ns = time.monotonic_ns()
         sleeps_before = endpoint.incoming.num_sleeps
         try:
-            busy_spin_s = self.predictor.busy_spin_s(self._sent_ns, wait_start_ns)
-            message = endpoint.receive(deadline_s, self._stopped, busy_spin_s)
+            message = endpoint.receive(deadline_s, self._stopped)
         except ShmProtocolError as exc:
             self.error = exc
             return None
@@ -127,7 +120,6 @@ class RingJoinChannel:
         stamp = ring_pacing.output_stamp(message.payload)
         if stamp is not None:
             marks.add(self._sent_ns, wait_start_ns, time.monotonic_ns(), stamp)
-            self.predictor.observe(stamp[1] - self._sent_ns)
         expected_shape = [self._num_rows, self._attention_width]
         if (message.kind != ShmSlotKind.ATTENTION_OUTPUT or message.iteration_id != self._begin.iteration_id
                 or message.layer != layer or len(message.tensors) != 1

@@ -86,28 +86,18 @@ class Doorbell:
         self._words[0] = (self._words[0] + 0x80000000) & 0xFFFFFFFF
         self._futex(_FUTEX_WAKE, 1 << 30, None)
 
-    def wait(self, seq: int, deadline_s: float | None, should_stop: Callable[[], bool] = lambda: False,
-             busy_spin_s: float = 0.0) -> bool:
+    def wait(self, seq: int, deadline_s: float | None, should_stop: Callable[[], bool] = lambda: False) -> bool:
         """Consumer: wait until the doorbell reads `seq` (True), or stop / deadline (False).
 
         deadline_s is on time.monotonic(); None waits until should_stop() or a change. A value
-        other than the one expected also returns True: the caller compares and reports it.
-        busy_spin_s: first look this long without yielding (nor releasing the GIL), for a caller
-        that expects the peer's answer that soon (dualpace/engine/ring_pacing.py): a sched_yield
-        on a core with another runnable task hands it the core for up to a scheduler slice."""
+        other than the one expected also returns True: the caller compares and reports it."""
         words = self._words
         target = seq & 0xFFFFFFFF
         if words[0] == target:
             return True
         previous = (target - 1) & 0xFFFFFFFF
-        clock = time.perf_counter
-        if busy_spin_s > 0:
-            busy_until = clock() + busy_spin_s
-            while clock() < busy_until:
-                if words[0] != previous:
-                    return True
-        spin_until = clock() + self.spin_s
-        while clock() < spin_until:
+        spin_until = time.perf_counter() + self.spin_s
+        while time.perf_counter() < spin_until:
             if words[0] != previous:
                 return True
             os.sched_yield()  # a spinning waiter gives way to whoever else is runnable (the peer, say)

@@ -263,13 +263,12 @@ class ShmEndpoint:
         self._trim(self._send_layouts)
         return base, bytes(table), tuple(views), base + offset
 
-    def receive(self, deadline_s: float | None, should_stop=_never, busy_spin_s: float = 0.0) -> SlotMessage | None:
+    def receive(self, deadline_s: float | None, should_stop=_never) -> SlotMessage | None:
         """The next incoming message; None when should_stop() or the deadline (monotonic) comes first.
-        Its tensors are the slot's cached views (a tuple shared by every message of that layout).
-        busy_spin_s: how long the wait first spins without yielding (Doorbell.wait)."""
+        Its tensors are the slot's cached views (a tuple shared by every message of that layout)."""
         expected = (self.num_received + 1) & 0xFFFFFFFF
         if self._incoming_words[0] != expected:  # not there yet: wait (spin, then futex)
-            if not self.incoming.wait(expected, deadline_s, should_stop, busy_spin_s):
+            if not self.incoming.wait(expected, deadline_s, should_stop):
                 return None
             seq = self._incoming_words[0]
             if seq != expected:

@@ -185,13 +185,16 @@ def test_the_layer_stamps_are_summed_over_the_counted_steps_and_reported_per_lay
     def stamped(step, own_rows=2):
         return replace(gpu_step(step, [("stream-1", step)], own_rows=own_rows, wait_ms=1.0), num_marked_layers=30,
                        down_hop_ns=3 * MS, cpu_layer_ns=6 * MS, wait_before_answer_ns=int(0.6 * MS),
-                       up_hop_ns=int(0.3 * MS), num_wait_sleeps=3)
+                       up_hop_ns=int(0.3 * MS), num_wait_sleeps=3, num_long_waits=1, long_wait_ns=2 * MS,
+                       runqueue_delay_ns=MS)
 
     gpu = [stamped(1), stamped(2), stamped(3, own_rows=0)]
-    cpu = [cpu_iteration(s, s, s) for s in (1, 2, 3)]
+    cpu = [replace(cpu_iteration(s, s, s), runqueue_delay_ns=3 * MS) for s in (1, 2, 3)]
     check = check_timelines(gpu, cpu)
     assert check.summary()["layer_marks"] == {"num_layers": 60, "down_hop_us": 100.0, "cpu_layer_us": 200.0,
                                               "wait_before_answer_us": 20.0, "up_hop_us": 10.0,
-                                              "sleeps_per_layer": 0.1}
-    assert "q/k/v -> CPU 100.0 us" in format_report(check) and "slept 10%" in format_report(check)
+                                              "sleeps_per_layer": 0.1, "num_long_waits": 2, "long_wait_ms": 4.0,
+                                              "gpu_runqueue_ms": 2.0, "cpu_runqueue_ms": 6.0}
+    report = format_report(check)
+    assert "q/k/v -> CPU 100.0 us" in report and "slept 10%" in report and "CPU iterations 6.0 ms" in report
     assert check_timelines(*clean_run()).summary()["layer_marks"] == {"num_layers": 0}
