@@ -37,6 +37,8 @@ from dualpace.engine.step_timeline import StepRecord, read_timeline
 from dualpace.errors import DualPaceError
 
 DEFAULT_MAX_WAIT_SHARE = 0.05
+# The GPU records' per-layer round-trip stamps (dualpace/engine/ring_pacing.py LayerMarks)
+MARK_FIELDS = ("down_hop_ns", "cpu_layer_ns", "wait_before_answer_ns", "up_hop_ns")
 NUM_EXAMPLES = 5  # failures quoted in the report
 
 
@@ -60,6 +62,9 @@ class TimelineCheck:
     join_wait_s: list[float] = field(default_factory=list)  # CPU iteration start -> its GPU step start
     gpu_step_s: list[float] = field(default_factory=list)
     tail_s: list[float] = field(default_factory=list)  # GPU step end -> CPU iteration end
+    # Σ of MARK_FIELDS, num_marked_layers, num_wait_sleeps, num_long_waits, long_wait_ns over the counted GPU
+    # steps; gpu_runqueue_ns / cpu_runqueue_ns: their threads' time runnable without a core (GPU steps, CPU iterations)
+    marks: Counter = field(default_factory=Counter)
     max_wait_share: float = DEFAULT_MAX_WAIT_SHARE
 
     @property
@@ -113,7 +118,22 @@ class TimelineCheck:
             "join_wait": distribution_ms(self.join_wait_s),
             "gpu_step": distribution_ms(self.gpu_step_s),
             "tail_after_gpu_step": distribution_ms(self.tail_s),
+            "layer_marks": self.layer_marks(),
         }
+
+    def layer_marks(self) -> dict:
+        """Per stamped layer, means in µs: q/k/v post -> the CPU saw them (down hop), the CPU's own
+        time, the GPU's wait before the CPU answered, the answer -> the GPU had it (up hop); and the
+        share of the GPU's waits that slept on the futex."""
+        layers = self.marks["num_marked_layers"]
+        if not layers:
+            return {"num_layers": 0}
+        marks = self.marks
+        means = {name.removesuffix("_ns") + "_us": round(marks[name] / layers / 1e3, 1) for name in MARK_FIELDS}
+        return {"num_layers": layers, **means, "sleeps_per_layer": round(marks["num_wait_sleeps"] / layers, 3),
+                "num_long_waits": marks["num_long_waits"], "long_wait_ms": round(marks["long_wait_ns"] / 1e6, 3),
+                "gpu_runqueue_ms": round(marks["gpu_runqueue_ns"] / 1e6, 3),
+                "cpu_runqueue_ms": round(marks["cpu_runqueue_ns"] / 1e6, 3)}
 
 
 def check_timelines(gpu_records: list[StepRecord], cpu_records: list[StepRecord], policy: str = "gated",
@@ -132,6 +152,7 @@ def check_timelines(gpu_records: list[StepRecord], cpu_records: list[StepRecord]
     claimed: dict[tuple[str, int], str] = {}  # (peer, iteration_id) -> the CPU record that claimed it
     peer_of: dict[str, str] = {}  # GPU-side peer -> CPU engine
     attention_by_step: Counter = Counter()
+    cpu_runqueue_by_step: Counter = Counter()
     for record in cpu_records:
         if not record.is_decode_only:
             continue  # prefills never join: they stay local or go to the GPU by hand-off
@@ -165,6 +186,7 @@ def check_timelines(gpu_records: list[StepRecord], cpu_records: list[StepRecord]
         peer_of[join.peer] = record.engine
         check.num_cpu_matched += 1
         attention_by_step[gpu.step_id] += record.attention_ns
+        cpu_runqueue_by_step[gpu.step_id] += record.runqueue_delay_ns
         check.join_wait_s.append(max(0, gpu.start_ns - record.start_ns) / 1e9)
         check.gpu_step_s.append(gpu.duration_ns / 1e9)
         check.tail_s.append(max(0, record.end_ns - gpu.end_ns) / 1e9)
@@ -181,6 +203,10 @@ def check_timelines(gpu_records: list[StepRecord], cpu_records: list[StepRecord]
                 check.cover_ns += gpu.cover_ns
                 check.uncovered_ns += min(uncovered, gpu.gpu_wait_ns)
                 check.transport_ns += max(0, gpu.gpu_wait_ns - uncovered)
+            for name in (*MARK_FIELDS, "num_marked_layers", "num_wait_sleeps", "num_long_waits", "long_wait_ns"):
+                check.marks[name] += getattr(gpu, name)
+            check.marks["gpu_runqueue_ns"] += gpu.runqueue_delay_ns
+            check.marks["cpu_runqueue_ns"] += cpu_runqueue_by_step[step_id]
             totals = check.wait_and_attention_ns_by_how.setdefault(gpu.how or "unsaid", [0, 0])
             totals[0] += gpu.gpu_wait_ns
             totals[1] += attention_ns
@@ -232,6 +258,14 @@ def format_report(check: TimelineCheck) -> str:
            f"work ({s['cover_ms']} ms), {s['gpu_wait_transport_ms']} ms transport and scheduling"]
           if s["cover_ms"] else []),
     ]
+    marks = s["layer_marks"]
+    if marks["num_layers"]:
+        lines.append(f"    per layer ({marks['num_layers']} stamped), mean: q/k/v -> CPU {marks['down_hop_us']} us, "
+                     f"CPU {marks['cpu_layer_us']} us, GPU wait before the answer {marks['wait_before_answer_us']} us, "
+                     f"answer -> GPU {marks['up_hop_us']} us; GPU waits that slept {100 * marks['sleeps_per_layer']:.0f}%")
+        lines.append(f"    layer waits >= 1 ms: {marks['num_long_waits']}, {marks['long_wait_ms']} ms of the wait; "
+                     f"runnable without a core: GPU step threads {marks['gpu_runqueue_ms']} ms, "
+                     f"CPU iterations {marks['cpu_runqueue_ms']} ms")
     for key, label in (("join_wait", "CPU iteration start -> GPU step start"), ("gpu_step", "GPU step"),
                        ("tail_after_gpu_step", "GPU step end -> CPU iteration end")):
         d = s[key]

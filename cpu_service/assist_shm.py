@@ -20,7 +20,7 @@ from collections.abc import Callable
 
 import torch
 
-from dualpace.engine import shm_doorbell
+from dualpace.engine import ring_pacing, shm_doorbell
 from dualpace.engine.assist_types import (
     AssistBegin,
     AssistJoinInfo,
@@ -82,6 +82,8 @@ class ShmIterations:
         checked_qkv: dict[int, tuple] = {}  # the slot view tuples whose shapes were checked (held: ids stay theirs)
         receive, send_parts = endpoint.receive, endpoint.send_parts
         qkv_kind, output_kind = ShmSlotKind.QKV, ShmSlotKind.ATTENTION_OUTPUT
+        # the answer carries when this side saw the q/k/v and when it answered (ring_pacing.py)
+        monotonic_ns, pack_stamp = time.monotonic_ns, ring_pacing.OUTPUT_STAMP.pack
         while True:
             try:
                 message = receive(deadline_s, stream_ended)
@@ -99,8 +101,10 @@ class ShmIterations:
                     raise errors.protocol(f"unexpected qkv slot for layer {message.layer} "
                                           f"(expected layer {expected_layer})")
                 checked_qkv[id(tensors)] = tensors
+                seen_ns = monotonic_ns()
                 q, k, v = tensors
-                send_parts(output_kind, iteration_id, expected_layer, (attend(expected_layer, q, k, v),))
+                output = attend(expected_layer, q, k, v)
+                send_parts(output_kind, iteration_id, expected_layer, (output,), pack_stamp(seen_ns, monotonic_ns()))
                 expected_layer += 1
             elif message.kind == ShmSlotKind.RESULT_TOKENS and len(message.tensors) == 1:
                 return AssistResult(begin.iteration_id, token_ids=message.tensors[0].tolist(),

@@ -15,6 +15,7 @@ import torch
 
 from cpu_service.assist_client import AssistClient
 from cpu_service.assist_join import MAX_JOIN_WAIT_US, NO_JOIN, JoinAsk
+from dualpace.engine.run_delay import runqueue_wait_ns
 from dualpace.engine.scheduler import StepPlan, StepResult
 from dualpace.engine.step_sampling import needs_logits_here, sample_step
 from dualpace.kv.storage import KVStorage
@@ -31,6 +32,7 @@ class AssistedForward:
         self.gated = gated  # the NEO-like baseline: wait for the GPU engine's iteration boundary
         self.expected_layer_us = 0.0  # EMA of this side's attention time per layer (0: not measured yet)
         self.last_attention_ns = 0  # the last iteration's attention time here, all layers
+        self.last_runqueue_delay_ns = 0  # the last iteration's time runnable without a core (run_delay.py)
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan, max_device_wait_ms: int = 0, join: JoinAsk = NO_JOIN) -> StepResult:
@@ -54,6 +56,7 @@ class AssistedForward:
         # Penalties and log-probabilities need the requests' state, which lives here: then the GPU
         # returns the logits and this side samples them exactly as a local iteration would.
         sample_here = needs_logits_here(plan)
+        runqueue_before_ns = runqueue_wait_ns()
         token_ids = self.client.run_iteration(
             [s.token_ids[0] for s in plan.sequences],
             [s.start_pos for s in plan.sequences],
@@ -64,6 +67,7 @@ class AssistedForward:
             join=join,
         )
         self.last_attention_ns = attend_ns[0]
+        self.last_runqueue_delay_ns = max(0, runqueue_wait_ns() - runqueue_before_ns)
         if attend_ns[1]:
             layer_us = attend_ns[0] / attend_ns[1] / 1e3
             previous = self.expected_layer_us

@@ -77,7 +77,8 @@ class CpuRunner(ModelRunner):
                 ran = ExecutionMode.COOPERATIVE if ran_in_engine_step(info) else ExecutionMode.ASSISTED
                 self._record(ran, batch_size, start, asked_to_join=info is not None)
                 self.last_step_record_fields = assisted_record_fields(  # for the step timeline
-                    self.client.last_iteration_id, self.client.last_join_info, self.assisted.last_attention_ns)
+                    self.client.last_iteration_id, self.client.last_join_info, self.assisted.last_attention_ns,
+                    self.assisted.last_runqueue_delay_ns)
                 return result
             finally:
                 self.chooser.cooperative_configured = self.client.peer_accepts_join

@@ -16,10 +16,12 @@ attention_output(0), ..., result.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 
 import torch
 
+from dualpace.engine import ring_pacing
 from dualpace.engine.assist_types import AssistBegin, AssistJoinInfo, AssistResult, JoinHow, ShmSlotKind
 from dualpace.engine.shm_ring import ShmEndpoint, ShmProtocolError, SlotMessage
 from dualpace.model.transformer import Transformer
@@ -74,11 +76,15 @@ class RingJoinChannel:
 
     Called from the engine's step thread only, while the stream's thread waits in the desk.
     `stopped()` is true once the stream is ending (its stop() also interrupts the ring's wait),
-    so a receive for a CPU that is gone returns None at once."""
+    so a receive for a CPU that is gone returns None at once.
+
+    The CPU's answer of each layer carries when it saw the q/k/v and when it answered (dualpace/engine/ring_pacing.py): `marks` sums where the round trips went."""
 
     def __init__(self, endpoint: ShmEndpoint, model: Transformer, begin: AssistBegin,
                  stopped: Callable[[], bool], put_on_stream: Callable[[object], None], peer: str = ""):
         self._endpoint = endpoint
+        self.marks = ring_pacing.LayerMarks()
+        self._sent_ns = 0
         self.peer = peer  # the CPU engine's stream, as step timelines name the join's peer
         self._model = model
         self._begin = begin
@@ -92,19 +98,28 @@ class RingJoinChannel:
         self.num_layers_sent = 0
 
     def send_qkv(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        self._sent_ns = time.monotonic_ns()
         self._endpoint.send_parts(ShmSlotKind.QKV, self._begin.iteration_id, layer, (q, k, v))
         self.num_layers_sent = layer + 1
 
     def receive_attention(self, layer: int, deadline_s: float) -> torch.Tensor | None:
         """The CPU's attention output of `layer` on the model's device, or None: past the deadline, the
         stream ending, or a slot that is not that layer's attention output (recorded in `error`)."""
+        endpoint, marks = self._endpoint, self.marks
+        wait_start_ns = time.monotonic_ns()
+        sleeps_before = endpoint.incoming.num_sleeps
         try:
-            message = self._endpoint.receive(deadline_s, self._stopped)
+            message = endpoint.receive(deadline_s, self._stopped)
         except ShmProtocolError as exc:
             self.error = exc
             return None
+        finally:
+            marks.num_sleeps += endpoint.incoming.num_sleeps - sleeps_before
         if message is None:
             return None
+        stamp = ring_pacing.output_stamp(message.payload)
+        if stamp is not None:
+            marks.add(self._sent_ns, wait_start_ns, time.monotonic_ns(), stamp)
         expected_shape = [self._num_rows, self._attention_width]
         if (message.kind != ShmSlotKind.ATTENTION_OUTPUT or message.iteration_id != self._begin.iteration_id
                 or message.layer != layer or len(message.tensors) != 1

@@ -18,6 +18,8 @@ from dataclasses import dataclass
 import torch
 
 from dualpace.engine.join_desk import JoinDesk, JoinOutcome, JoinRequest, JoinStepInfo
+from dualpace.engine.ring_pacing import LayerMarks
+from dualpace.engine.run_delay import runqueue_wait_ns
 from dualpace.model.paged_forward import SequenceWork, build_step_tensors
 from dualpace.model.split_forward import RemoteBatch, RemoteRows, SplitForward
 from dualpace.model.transformer import Transformer
@@ -110,7 +112,9 @@ class JoinedStep:
                        join_wait_bound_ms(int(getattr(j.begin, "expected_layer_us", 0)),
                                           self.settings.min_layer_wait_ms) / 1e3)
             for j in joins])
+        runqueue_before_ns = runqueue_wait_ns()
         out = self.split.run(s0, s1, remote, self.kv)
+        runqueue_delay_ns = max(0, runqueue_wait_ns() - runqueue_before_ns)
         end_ns = time.monotonic_ns()
         for join, rows in zip(joins, remote.joins):
             if rows.dropped_at_layer is not None:
@@ -121,7 +125,8 @@ class JoinedStep:
                       for j in joins],  # (peer, iteration_id, rows)
             "how": how, "gpu_wait_ns": int(sum(r.gpu_wait_s for r in remote.joins) * 1e9),
             "cover_ns": int(self.split.last_cover_s * 1e9),
-            "num_weight_passes": 2 if s0 is not None else 1}
+            "num_weight_passes": 2 if s0 is not None else 1, "runqueue_delay_ns": runqueue_delay_ns,
+            **self._marks(joins)}
         for rows, logits in out.finished:
             join = joins[remote.joins.index(rows)]
             info = JoinStepInfo(step_id, how, int(rows.gpu_wait_s * 1e6), start_ns, end_ns)
@@ -133,6 +138,16 @@ class JoinedStep:
                 continue
             self.desk.settle(join, JoinOutcome.TAKEN_DONE)
         return self._in_work_order(work, s0_index, s1_index, out.own_logits)
+
+    @staticmethod
+    def _marks(joins: list[JoinRequest]) -> dict:
+        """Where the joins' per-layer round trips went (their channels' LayerMarks, summed)."""
+        total = LayerMarks()
+        for join in joins:
+            marks = getattr(join.channel, "marks", None)
+            if isinstance(marks, LayerMarks):
+                total.merge(marks)
+        return total.record_fields()
 
     @staticmethod
     def _in_work_order(work, s0_index, s1_index, own_logits: torch.Tensor) -> torch.Tensor:

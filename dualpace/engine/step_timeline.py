@@ -62,6 +62,21 @@ class StepRecord:
     # A joined GPU step: its time in the work that overlaps the CPU's attention (S0's layers, D1's
     # attention), summed over layers (SplitForward.last_cover_s).
     cover_ns: int = 0
+    # A joined GPU step's per-layer round trips, summed over its joins' stamped layers
+    # (dualpace/engine/ring_pacing.py LayerMarks): q/k/v post -> the CPU saw them; the CPU's own time;
+    # the GPU's wait before the CPU answered; the CPU's answer -> the GPU's receive returned; and
+    # how many of the GPU's waits went to a futex sleep.
+    num_marked_layers: int = 0
+    down_hop_ns: int = 0
+    cpu_layer_ns: int = 0
+    wait_before_answer_ns: int = 0
+    up_hop_ns: int = 0
+    num_wait_sleeps: int = 0
+    num_long_waits: int = 0  # of those layers, the GPU waits of 1 ms or more (ring_pacing.LONG_WAIT_NS)
+    long_wait_ns: int = 0
+    # The step's thread runnable without a core during the step (GPU: the joined step's layers;
+    # CPU: the assisted iteration), from /proc/thread-self/schedstat (dualpace/engine/run_delay.py).
+    runqueue_delay_ns: int = 0
     num_weight_passes: int = 1
     # The CPU engine's side of a cooperative (or assisted) iteration; None on GPU records.
     num_prefill_rows: int = 0
@@ -83,7 +98,8 @@ class StepRecord:
         if self.end_ns < self.start_ns:
             raise InvalidArgument("end_ns", f"step {self.step_id} of {self.engine} ends before it starts")
         for name in ("num_own_rows", "gpu_wait_ns", "cover_ns", "num_weight_passes", "num_prefill_rows",
-                     "attention_ns"):
+                     "attention_ns", "num_marked_layers", "down_hop_ns", "cpu_layer_ns", "wait_before_answer_ns",
+                     "up_hop_ns", "num_wait_sleeps", "num_long_waits", "long_wait_ns", "runqueue_delay_ns"):
             if getattr(self, name) < 0:
                 raise InvalidArgument(name, f"must be >= 0, got {getattr(self, name)}")
 
@@ -114,12 +130,13 @@ def how_name(how) -> str:
     return "" if name.upper() == "UNSPECIFIED" else name.upper()
 
 
-def assisted_record_fields(iteration_id: int | None, join_info, attention_ns: int) -> dict:
+def assisted_record_fields(iteration_id: int | None, join_info, attention_ns: int, runqueue_delay_ns: int = 0) -> dict:
     """The CPU engine's StepRecord fields of an assisted or cooperative iteration: the assist
     iteration id it sent, the result's join info (AssistJoinInfo: the GPU step that made it and
     that step's times; engine_step_id 0 or no info: it ran staged) and this side's attention time.
     A runner sets them as its `last_step_record_fields`; EngineLoop adds the rest."""
-    values = {"iteration_id": iteration_id, "attention_ns": max(0, int(attention_ns))}
+    values = {"iteration_id": iteration_id, "attention_ns": max(0, int(attention_ns)),
+              "runqueue_delay_ns": max(0, int(runqueue_delay_ns))}
     if join_info is None or not getattr(join_info, "engine_step_id", 0):
         return values
     return {**values, "how": how_name(join_info.how), "engine_step_id": int(join_info.engine_step_id),

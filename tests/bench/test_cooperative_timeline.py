@@ -175,3 +175,26 @@ def test_the_wait_splits_into_uncovered_attention_and_transport():
     assert summary["cover_ms"] == 19.0
     assert summary["gpu_wait_uncovered_ms"] == 3.0 and summary["gpu_wait_transport_ms"] == 3.0
     assert "3.0 ms attention longer than the GPU's own overlapping work" in format_report(check_timelines(gpu, cpu))
+
+
+def test_the_layer_stamps_are_summed_over_the_counted_steps_and_reported_per_layer():
+    """Two steps of 30 stamped layers each (the GPU records' LayerMarks fields); a step of remote
+    rows alone is not counted, as for the wait."""
+    from dataclasses import replace
+
+    def stamped(step, own_rows=2):
+        return replace(gpu_step(step, [("stream-1", step)], own_rows=own_rows, wait_ms=1.0), num_marked_layers=30,
+                       down_hop_ns=3 * MS, cpu_layer_ns=6 * MS, wait_before_answer_ns=int(0.6 * MS),
+                       up_hop_ns=int(0.3 * MS), num_wait_sleeps=3, num_long_waits=1, long_wait_ns=2 * MS,
+                       runqueue_delay_ns=MS)
+
+    gpu = [stamped(1), stamped(2), stamped(3, own_rows=0)]
+    cpu = [replace(cpu_iteration(s, s, s), runqueue_delay_ns=3 * MS) for s in (1, 2, 3)]
+    check = check_timelines(gpu, cpu)
+    assert check.summary()["layer_marks"] == {"num_layers": 60, "down_hop_us": 100.0, "cpu_layer_us": 200.0,
+                                              "wait_before_answer_us": 20.0, "up_hop_us": 10.0,
+                                              "sleeps_per_layer": 0.1, "num_long_waits": 2, "long_wait_ms": 4.0,
+                                              "gpu_runqueue_ms": 2.0, "cpu_runqueue_ms": 6.0}
+    report = format_report(check)
+    assert "q/k/v -> CPU 100.0 us" in report and "slept 10%" in report and "CPU iterations 6.0 ms" in report
+    assert check_timelines(*clean_run()).summary()["layer_marks"] == {"num_layers": 0}

@@ -129,7 +129,8 @@ def test_assisted_record_fields_from_the_join_info():
     assert record.attention_ns == 700
     staged = StepRecord("cpu", 6, 0, 1, "assisted", 1, **assisted_record_fields(13, JoinInfo(JoinHow.STAGED), 5))
     assert (staged.engine_step_id, staged.how, staged.iteration_id) == (None, "", 13)
-    assert assisted_record_fields(14, None, -1) == {"iteration_id": 14, "attention_ns": 0}
+    assert assisted_record_fields(14, None, -1) == {"iteration_id": 14, "attention_ns": 0, "runqueue_delay_ns": 0}
+    assert StepRecord("cpu", 7, 0, 1, "assisted", 1, **assisted_record_fields(15, None, 5, 4000)).runqueue_delay_ns == 4000
     assert StepRecord("gpu", 1, 0, 1, "gpu", 1, how=JoinHow.UNSPECIFIED).how == ""
 
 
