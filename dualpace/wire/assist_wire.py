@@ -112,6 +112,12 @@ def encode_attention_output_up(iteration_id: int, layer: int, attention_output: 
     return _field(_UP_OUTPUT, _ids(iteration_id, layer) + _field(_OUTPUT, _tensor(attention_output)))
 
 
+# The stream's deserializers (the generated parsers themselves; named here so that code outside
+# dualpace/wire, bench/assist_hops.py's marks among it, can wrap them without importing protobuf).
+parse_up = assist_pb2.AssistUp.FromString
+parse_down = assist_pb2.AssistDown.FromString
+
+
 def serialize_up(message: assist_pb2.AssistUp | bytes) -> bytes:
     return message if isinstance(message, bytes) else message.SerializeToString()
 
