@@ -2,6 +2,7 @@
 
     python -m bench.assist_hops                     # batch 8, default model's shapes, 30 iterations
     python -m bench.assist_hops --batch 1 --iterations 50 --out hops.json
+    python -m bench.assist_hops --stage-gaps        # the stage alone, back to back and after gaps
 
 The same exchange as bench/assist_rtt.py over gRPC (the real AssistClient against the real
 DenseAssist servicer with InstantSession stages), with marks taken by wrapping, not by editing,
@@ -166,6 +167,46 @@ def _hops(client: dict[str, list[int]], server: dict[str, list[int]], timed, bat
             "load_average_1m": round(os.getloadavg()[0], 2)}
 
 
+def stage_after_gaps(gaps_us=(0, 300, 2000), batch: int = 8, model: str = DEFAULT_MODEL_NAME, dtype: str = "bf16",
+                     count: int = 2000) -> dict:
+    """The servicer's inline stage (`_reply_to`: parse, InstantSession, encode of q/k/v) timed alone in
+    this process, back to back and after each gap (sleeping, or busy in a Python loop): how much slower
+    the same Python runs when something else ran, or nothing did, since its last call. p50 µs."""
+    import threading
+
+    from dualpace.engine.assist_types import AssistBegin
+    from dualpace.wire import assist_wire
+    from gpu_service.assist_servicer import _reply_to
+
+    shapes = Shapes.of(model)
+    session = InstantExecutor(shapes, DTYPES[dtype]).new_session()
+    session.begin(AssistBegin(iteration_id=1, token_ids=[1] * batch, positions=[7] * batch,
+                              sampling=[(SamplingParams(), row) for row in range(batch)]))
+    up = assist_wire.encode_attention_output_up(1, 0, torch.zeros(batch, shapes.num_heads * shapes.head_dim,
+                                                                  dtype=DTYPES[dtype]))
+    lock = threading.Lock()
+
+    def busy(gap_s: float) -> None:
+        end_s = time.perf_counter() + gap_s
+        while time.perf_counter() < end_s:
+            pass
+
+    results: dict[str, float] = {}
+    for how, wait in (("sleep", time.sleep), ("busy", busy)):
+        for gap_us in gaps_us:
+            if how == "busy" and not gap_us:
+                continue
+            times_us = []
+            for _ in range(count):
+                if gap_us:
+                    wait(gap_us / 1e6)
+                session._next_layer = 0  # the same layer's stage again
+                times_us.append(_reply_to(session, assist_wire.parse_up(up), lock)[1] * 1e6)
+            results[f"{how}_{gap_us}us"] = round(percentile(times_us, 50), 1)
+    return {"batch": batch, "stage_us_p50_after_gap": results, "cpu": cpu_model(),
+            "load_average_1m": round(os.getloadavg()[0], 2)}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.assist_hops", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -174,10 +215,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--iterations", type=int, default=30)
     parser.add_argument("--out", default=None)
+    parser.add_argument("--stage-gaps", action="store_true",
+                        help="instead: the inline stage alone, back to back and after sleeping/busy gaps")
     parser.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.serve:
         asyncio.run(_serve(Shapes.of(args.model), DTYPES[args.dtype]))
+        return 0
+    if args.stage_gaps:
+        result = stage_after_gaps(batch=args.batch, model=args.model, dtype=args.dtype)
+        print(json.dumps(result))
         return 0
     result = measure(args.batch, args.model, args.dtype, args.iterations)
     print("  ".join(f"{name} {value}" for name, value in result["hops_us_p50"].items()),

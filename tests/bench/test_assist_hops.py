@@ -15,3 +15,12 @@ def test_measure_splits_every_round_trip_into_ordered_hops(synth_checkpoint):
     assert set(result["hops_us_p50"]) == set(HOPS) | {"total"}
     assert all(value >= 0 for value in result["hops_us_p50"].values())
     assert result["hops_us_p50"]["total"] <= result["total_us_p99"]
+
+
+def test_stage_after_gaps_times_every_gap(synth_checkpoint):
+    from bench.assist_hops import stage_after_gaps
+
+    result = stage_after_gaps(gaps_us=(0, 50), batch=2, model=str(synth_checkpoint("tiny-llama")), dtype="fp32",
+                              count=5)
+    assert set(result["stage_us_p50_after_gap"]) == {"sleep_0us", "sleep_50us", "busy_50us"}
+    assert all(value > 0 for value in result["stage_us_p50_after_gap"].values())
