@@ -36,6 +36,7 @@ import time
 import torch
 
 from bench.assist_rtt import DTYPES, InstantExecutor, Shapes, cpu_model
+from bench.floor_server import leave_result
 from dualpace.model.registry import DEFAULT_MODEL_NAME
 from dualpace.sampling import SamplingParams
 from dualpace.stats import percentile
@@ -229,10 +230,7 @@ def main(argv: list[str] | None = None) -> int:
     result = measure(args.batch, args.model, args.dtype, args.iterations)
     print("  ".join(f"{name} {value}" for name, value in result["hops_us_p50"].items()),
           f"(µs p50; total p99 {result['total_us_p99']}; load {result['load_average_1m']})")
-    if args.out:
-        with open(args.out, "w", encoding="utf-8") as out:
-            json.dump(result, out, indent=2)
-    print(json.dumps(result))
+    leave_result(result, args.out)
     return 0
 
 

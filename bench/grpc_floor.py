@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import queue
 import sys
@@ -34,7 +33,7 @@ import time
 
 import grpc
 
-from bench.floor_server import identity, served
+from bench.floor_server import identity, leave_result, served
 from dualpace.stats import percentile
 
 METHOD_STREAM = "/floor.Echo/Stream"
@@ -271,10 +270,7 @@ def main(argv: list[str] | None = None) -> int:
         for batch, row in by_batch.items():
             print(f"{result['server']:>4} server {mode:>16} batch {batch:>3}: p50 {row['p50_us']:8.1f} µs"
                   f"  p99 {row['p99_us']:8.1f} µs")
-    if args.out:
-        with open(args.out, "w", encoding="utf-8") as out:
-            json.dump(result, out, indent=2)
-    print(json.dumps(result))
+    leave_result(result, args.out)
     return 0
 
 
