@@ -16,6 +16,8 @@ wait for the reply. Client modes:
   submits each round trip with run_coroutine_threadsafe;
 - `aio-inline`: the whole exchange in one coroutine on the caller's loop (no thread hop at all;
   the floor of aio on both ends, not usable from the engine's worker thread as it stands);
+- `aio-inline-beside-server`: aio-inline while another thread's loop serves a grpc.aio server, as
+  in cpu_service (the process's one grpc.aio poller wakes every loop bound to it);
 - `unary`: one blocking unary call per round trip on the caller's thread.
 """
 
@@ -23,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import queue
 import sys
@@ -32,12 +33,12 @@ import time
 
 import grpc
 
-from bench.floor_server import identity, served
+from bench.floor_server import identity, leave_result, served
 from dualpace.stats import percentile
 
 METHOD_STREAM = "/floor.Echo/Stream"
 METHOD_UNARY = "/floor.Echo/Unary"
-MODES = ("thread-stream", "direct-stream", "aio-loop-thread", "aio-inline", "unary")
+MODES = ("thread-stream", "direct-stream", "aio-loop-thread", "aio-inline", "aio-inline-beside-server", "unary")
 # The default model's (SmolLM2-135M) per-layer bytes per row, bf16: up attention output 576 x 2,
 # down q [9, 64], k and v [3, 64] x 2.
 UP_BYTES_PER_ROW = 576 * 2
@@ -69,7 +70,7 @@ def _handlers(reply_for, hop_pool=None):
     return stream, stream_aio_hop if hop_pool is not None else stream_aio, unary, unary_aio
 
 
-def _serve(kind: str) -> None:
+def _serve(kind: str, options: tuple = ()) -> None:
     replies: dict[int, bytes] = {}
 
     def reply_for(request: bytes) -> bytes:  # the request's first 4 bytes say the batch
@@ -87,7 +88,7 @@ def _serve(kind: str) -> None:
         "Unary": grpc.unary_unary_rpc_method_handler(unary_aio if aio else unary, identity, identity)})
     if aio:
         async def run() -> None:
-            server = grpc.aio.server()
+            server = grpc.aio.server(options=options)
             server.add_generic_rpc_handlers((handler,))
             port = server.add_insecure_port("127.0.0.1:0")
             await server.start()
@@ -96,7 +97,7 @@ def _serve(kind: str) -> None:
             await server.stop(grace=None)
         asyncio.run(run())
         return
-    server = grpc.server(ThreadPoolExecutor(4))
+    server = grpc.server(ThreadPoolExecutor(4), options=options)
     server.add_generic_rpc_handlers((handler,))
     port = server.add_insecure_port("127.0.0.1:0")
     server.start()
@@ -147,12 +148,12 @@ def _thread_stream(channel, batch, count, warmup, direct: bool) -> list[float]:
         call.cancel()
 
 
-def _aio_loop_thread(address, batch, count, warmup) -> list[float]:
+def _aio_loop_thread(address, batch, count, warmup, options=()) -> list[float]:
     loop = asyncio.new_event_loop()
     threading.Thread(target=loop.run_forever, daemon=True).start()
 
     async def open_call():
-        channel = grpc.aio.insecure_channel(address)
+        channel = grpc.aio.insecure_channel(address, options=options)
         return channel, channel.stream_stream(METHOD_STREAM, identity, identity)()
 
     channel, call = asyncio.run_coroutine_threadsafe(open_call(), loop).result()
@@ -170,9 +171,9 @@ def _aio_loop_thread(address, batch, count, warmup) -> list[float]:
         loop.call_soon_threadsafe(loop.stop)
 
 
-def _aio_inline(address, batch, count, warmup) -> list[float]:
+def _aio_inline(address, batch, count, warmup, options=()) -> list[float]:
     async def run():
-        async with grpc.aio.insecure_channel(address) as channel:
+        async with grpc.aio.insecure_channel(address, options=options) as channel:
             call = channel.stream_stream(METHOD_STREAM, identity, identity)()
             request = _request(batch)
             times_us = []
@@ -187,16 +188,49 @@ def _aio_inline(address, batch, count, warmup) -> list[float]:
     return asyncio.run(run())
 
 
-def measure(server_kind: str = "aio", batch_sizes=(8,), modes=MODES, count: int = 2000, warmup: int = 200) -> dict:
+def _aio_inline_beside_a_server(address, batch, count, warmup, options=()) -> list[float]:
+    """aio-inline while another thread's loop holds a grpc.aio server (as cpu_service's main loop does):
+    grpc.aio has one completion-queue poller per process, and every loop bound to it is woken by it."""
+    loop = asyncio.new_event_loop()
+    ready = threading.Event()
+
+    async def idle_server():
+        server = grpc.aio.server()
+        server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        ready.set()
+        return server
+
+    def run_loop():
+        asyncio.set_event_loop(loop)
+        server = loop.run_until_complete(idle_server())
+        loop.run_forever()
+        loop.run_until_complete(server.stop(None))
+
+    thread = threading.Thread(target=run_loop, daemon=True)
+    thread.start()
+    ready.wait()
+    try:
+        return _aio_inline(address, batch, count, warmup, options)
+    finally:
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(10)
+
+
+def measure(server_kind: str = "aio", batch_sizes=(8,), modes=MODES, count: int = 2000, warmup: int = 200,
+            options: tuple[tuple[str, int], ...] = ()) -> dict:
+    """options: gRPC channel arguments, given to the client's channel and to the server alike."""
     results: dict[str, dict] = {}
-    with served("bench.grpc_floor", server_kind) as address:
+    serve_args = [f"--arg={name}={value}" for name, value in options]
+    with served("bench.grpc_floor", server_kind, *serve_args) as address:
         for mode in modes:
             for batch in batch_sizes:
-                if mode in ("aio-loop-thread", "aio-inline"):
-                    runner = _aio_loop_thread if mode == "aio-loop-thread" else _aio_inline
-                    times_us = runner(address, batch, count, warmup)
+                if mode.startswith("aio"):
+                    runner = {"aio-loop-thread": _aio_loop_thread, "aio-inline": _aio_inline,
+                              "aio-inline-beside-server": _aio_inline_beside_a_server}[mode]
+                    times_us = runner(address, batch, count, warmup, options)
                 else:
-                    with grpc.insecure_channel(address) as channel:
+                    with grpc.insecure_channel(address, options=options) as channel:
                         if mode == "unary":
                             call = channel.unary_unary(METHOD_UNARY, identity, identity)
                             times_us = _time(call, batch, count, warmup)
@@ -205,8 +239,13 @@ def measure(server_kind: str = "aio", batch_sizes=(8,), modes=MODES, count: int 
                 results.setdefault(mode, {})[str(batch)] = {
                     "p50_us": round(percentile(times_us, 50), 1), "p99_us": round(percentile(times_us, 99), 1)}
     return {"server": server_kind, "round_trips": count, "up_bytes_per_row": UP_BYTES_PER_ROW,
-            "down_bytes_per_row": DOWN_BYTES_PER_ROW, "modes": results,
+            "down_bytes_per_row": DOWN_BYTES_PER_ROW, "modes": results, "options": dict(options),
             "load_average_1m": round(os.getloadavg()[0], 2)}
+
+
+def _channel_arg(text: str) -> tuple[str, int]:
+    name, _, value = text.partition("=")
+    return name, int(value)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -216,21 +255,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch", type=int, action="append", help="rows (repeatable; default 8)")
     parser.add_argument("--mode", choices=MODES, action="append", help="client mode (repeatable; default all)")
     parser.add_argument("--count", type=int, default=2000, help="timed round trips per point")
+    parser.add_argument("--arg", action="append", default=[], metavar="NAME=INT",
+                        help="a gRPC channel argument for both ends, e.g. grpc.http2.bdp_probe=0 (repeatable)")
     parser.add_argument("--out", default=None)
     parser.add_argument("--serve", choices=SERVERS, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    options = tuple(_channel_arg(text) for text in args.arg)
     if args.serve:
-        _serve(args.serve)
+        _serve(args.serve, options)
         return 0
-    result = measure(args.server, tuple(args.batch or (8,)), tuple(args.mode or MODES), max(args.count, 1))
+    result = measure(args.server, tuple(args.batch or (8,)), tuple(args.mode or MODES), max(args.count, 1),
+                     options=options)
     for mode, by_batch in result["modes"].items():
         for batch, row in by_batch.items():
             print(f"{result['server']:>4} server {mode:>16} batch {batch:>3}: p50 {row['p50_us']:8.1f} µs"
                   f"  p99 {row['p99_us']:8.1f} µs")
-    if args.out:
-        with open(args.out, "w", encoding="utf-8") as out:
-            json.dump(result, out, indent=2)
-    print(json.dumps(result))
+    leave_result(result, args.out)
     return 0
 
 

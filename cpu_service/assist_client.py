@@ -93,7 +93,7 @@ class AssistClient:
             grpc.secure_channel(address, credentials, options=options)
         # the generated stub's method, with serializers that let pre-encoded per-layer messages pass
         self._assist = self._channel.stream_stream(assist_wire.ASSIST_METHOD, request_serializer=assist_wire.serialize_up,
-                                                   response_deserializer=assist_pb2.AssistDown.FromString)
+                                                   response_deserializer=assist_wire.parse_down)
         self._qkv = assist_wire.QkvReceiver()
         self._stream: AssistStream | None = None
         self._iteration_ids = itertools.count(1)

@@ -171,7 +171,7 @@ def add_dense_assist_servicer(executor: DenseAssistExecutor, server: grpc.aio.Se
     As the generated add_DenseAssistServicer_to_server, but replies may be pre-encoded bytes."""
     servicer = DenseAssistServicer(executor, limits)
     handlers = {"Assist": grpc.stream_stream_rpc_method_handler(
-        servicer.Assist, request_deserializer=assist_pb2.AssistUp.FromString,
+        servicer.Assist, request_deserializer=assist_wire.parse_up,
         response_serializer=assist_wire.serialize_down)}
     service = assist_pb2.DESCRIPTOR.services_by_name["DenseAssist"].full_name
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service, handlers),))

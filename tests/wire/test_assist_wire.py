@@ -35,6 +35,19 @@ def test_strided_tensors_are_encoded_as_their_contiguous_copies():
     assert assist_wire.encode_qkv_down(5, 2, q, k, v) == expected
 
 
+def test_heads_kept_per_shape_follow_shape_dtype_and_field():
+    # the same shapes in another dtype, a strided attention output, then the first shapes again:
+    # every message is still protobuf's bytes (a head kept for one (field, dtype, shape) is not reused
+    # for another)
+    for dtype in (torch.float32, torch.bfloat16, torch.float32):
+        q, k, v = _qkv(3, dtype)
+        assert assist_wire.encode_qkv_down(7, 1, q, k, v) == assist_messages.assist_down_to_pb(
+            AssistQkv(7, 1, q, k, v)).SerializeToString()
+        output = torch.randn(576, 3).to(dtype).t()
+        assert assist_wire.encode_attention_output_up(7, 1, output) == assist_messages.assist_up_to_pb(
+            AssistAttentionOutput(7, 1, output)).SerializeToString()
+
+
 def test_serializers_pass_bytes_and_serialize_messages():
     up = assist_pb2.AssistUp(begin=assist_pb2.AssistBegin(iteration_id=4))
     assert assist_wire.serialize_up(b"\x01") == b"\x01"
