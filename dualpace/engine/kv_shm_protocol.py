@@ -16,6 +16,7 @@ from dataclasses import dataclass
 @dataclass(frozen=True)
 class ShmOffer:
     boot_id: str
+    lease_ticket: bytes | None = None  # the sender's own lease ticket, asked for ahead (same_host.KIND_ASK)
 
 
 @dataclass(frozen=True)
@@ -27,6 +28,7 @@ class ShmReservation:
     accepts_written_with_commit: bool = False  # the target takes ShmWritten(commit=True)
     lease_on_watch: bool = False  # the target grants the write lease over the sender's watch connection
     control_on_watch: bool = False  # later transfers may run their messages over that watch (shm_control)
+    asks_lease_ahead: bool = False  # later transfers over that watch may ask for their lease ahead (ShmOffer)
 
 
 @dataclass(frozen=True)

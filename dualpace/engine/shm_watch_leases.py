@@ -13,6 +13,10 @@ those of dualpace.engine.same_host, unchanged:
   connection ends (the sender died, or dropped the mapping once no copy used it); the owner
   frees a failed job's memory only after that.
 
+A lease may be asked for ahead (`ask`: `A` + a ticket of the sender's own, sent before the job
+exists, e.g. right after an import's header) and then held with `held(ticket)`, which awaits
+that answer instead of asking again; an ask that is never held is ended with `withdraw`.
+
 The same connection carries control streams too (dualpace.engine.shm_control: a transfer's
 import messages without gRPC). Everything here runs on the event loop's thread. Lease messages
 are fixed-size: requests `same_host.REQUEST_BYTES`, answers `same_host.ANSWER_BYTES`; stream
@@ -25,7 +29,16 @@ import asyncio
 import contextlib
 import socket
 
-from dualpace.engine.same_host import ANSWER_BYTES, GRANTED, KIND_END, KIND_LEASE, REFUSED, SameHostRefused, new_ticket
+from dualpace.engine.same_host import (
+    ANSWER_BYTES,
+    GRANTED,
+    KIND_ASK,
+    KIND_END,
+    KIND_LEASE,
+    REFUSED,
+    SameHostRefused,
+    new_ticket,
+)
 from dualpace.engine.shm_control import CODE_UNAVAILABLE, REPLY, BadRecord, OutgoingStream, split_record
 
 _VERDICTS = {GRANTED: ANSWER_BYTES, REFUSED: ANSWER_BYTES}
@@ -42,6 +55,7 @@ class WatchLeases:
         self._pending = b""  # bytes the socket did not take yet (it is non-blocking)
         self._writer_added = False
         self._streams: dict[bytes, OutgoingStream] = {}  # control streams under way, by stream id
+        self._asked: dict[bytes, asyncio.Future] = {}  # asked ahead (ask), not held yet: ticket -> answer
         self.closed = False
 
     def readable(self) -> bool:
@@ -92,17 +106,46 @@ class WatchLeases:
             self._refuse_waiting(str(exc))
             raise
 
-    @contextlib.asynccontextmanager
-    async def held(self, ticket: bytes):
-        """The job's lease, held while the body writes; its end is sent when the body is done (also
-        when it fails or is cancelled: the body must have stopped writing by then)."""
+    def ask(self, ticket: bytes) -> None:
+        """Ask now for the lease of the job the owner will open under `ticket` (ours); `held(ticket)`
+        takes the answer, or `withdraw(ticket)` ends the ask. Raises SameHostRefused (nothing asked)."""
         if self.closed:
             raise SameHostRefused("the watch connection was closed")
         if ticket in self._answers:
             raise SameHostRefused("a lease for that job is already asked for")
         answer = self._answers[ticket] = asyncio.get_running_loop().create_future()
         try:
-            self._send(KIND_LEASE + ticket)
+            self._send(KIND_ASK + ticket)
+        except BaseException:
+            self._answers.pop(ticket, None)
+            raise
+        self._asked[ticket] = answer
+
+    def withdraw(self, ticket: bytes) -> None:
+        """End an ask that was not held (no job came, or it got another ticket); else nothing."""
+        answer = self._asked.pop(ticket, None)
+        if answer is None:
+            return
+        self._answers.pop(ticket, None)
+        if answer.done() and not answer.cancelled():
+            answer.exception()  # retrieved: a refusal nobody awaits is no error
+        answer.cancel()
+        self._end(ticket)  # granted or still waiting for its job: the owner ends or drops it
+
+    @contextlib.asynccontextmanager
+    async def held(self, ticket: bytes):
+        """The job's lease, held while the body writes; its end is sent when the body is done (also
+        when it fails or is cancelled: the body must have stopped writing by then). Asked for now,
+        or ahead (`ask`)."""
+        if self.closed:
+            raise SameHostRefused("the watch connection was closed")
+        answer = self._asked.pop(ticket, None)
+        if answer is None and ticket in self._answers:
+            raise SameHostRefused("a lease for that job is already asked for")
+        try:
+            if answer is None:
+                answer = self._answers[ticket] = asyncio.get_running_loop().create_future()
+                self._send(KIND_LEASE + ticket)
             granted = await answer
         except BaseException:
             # Asked but not answered (cancelled, or the connection broke): the owner may have granted
