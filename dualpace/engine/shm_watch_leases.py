@@ -13,9 +13,11 @@ those of dualpace.engine.same_host, unchanged:
   connection ends (the sender died, or dropped the mapping once no copy used it); the owner
   frees a failed job's memory only after that.
 
-A lease may be asked for ahead (`ask`: `A` + a ticket of the sender's own, sent before the job
-exists, e.g. right after an import's header) and then held with `held(ticket)`, which awaits
-that answer instead of asking again; an ask that is never held is ended with `withdraw`.
+A lease may be asked for ahead (`ask`: `A` + a ticket of the sender's own, before the job exists)
+and then held with `held(ticket)`, which awaits that answer instead of asking again; an ask
+that is never held is ended with `withdraw`. The ask leaves with the next record sent (an import's
+header, right after it), in one send, or at the event loop's next turn: one wake-up of the owner
+for both (sent apart, the owner woke on the first and the sender's next send waited behind it).
 
 The same connection carries control streams too (dualpace.engine.shm_control: a transfer's
 import messages without gRPC). Everything here runs on the event loop's thread. Lease messages
@@ -56,6 +58,7 @@ class WatchLeases:
         self._writer_added = False
         self._streams: dict[bytes, OutgoingStream] = {}  # control streams under way, by stream id
         self._asked: dict[bytes, asyncio.Future] = {}  # asked ahead (ask), not held yet: ticket -> answer
+        self._ahead = b""  # asks not sent yet: they go with the next record (or at the loop's next turn)
         self.closed = False
 
     def readable(self) -> bool:
@@ -113,13 +116,18 @@ class WatchLeases:
             raise SameHostRefused("the watch connection was closed")
         if ticket in self._answers:
             raise SameHostRefused("a lease for that job is already asked for")
-        answer = self._answers[ticket] = asyncio.get_running_loop().create_future()
-        try:
-            self._send(KIND_ASK + ticket)
-        except BaseException:
-            self._answers.pop(ticket, None)
-            raise
-        self._asked[ticket] = answer
+        loop = asyncio.get_running_loop()
+        self._answers[ticket] = self._asked[ticket] = loop.create_future()
+        if not self._ahead:
+            loop.call_soon(self._send_ahead)
+        self._ahead += KIND_ASK + ticket
+
+    def _send_ahead(self) -> None:
+        if self._ahead and not self.closed:
+            try:
+                self._send(b"")  # the asks, if no record took them along
+            except SameHostRefused as exc:
+                self._refuse_waiting(str(exc))
 
     def withdraw(self, ticket: bytes) -> None:
         """End an ask that was not held (no job came, or it got another ticket); else nothing."""
@@ -183,7 +191,10 @@ class WatchLeases:
             stream._ended(CODE_UNAVAILABLE, f"the watch connection ended: {why}")
 
     def _send(self, data: bytes) -> None:
-        """Send in order; what the socket cannot take now is sent when it can (never dropped)."""
+        """Send in order (asks ahead first); what the socket cannot take now is sent when it can (never
+        dropped)."""
+        if self._ahead:
+            data, self._ahead = self._ahead + data, b""
         if self._pending:
             self._pending += data
             return

@@ -94,10 +94,9 @@ class SameHostKvSender(GrpcKvSender):
         names a lease ticket, that lease is asked for ahead; withdrawn at the end unless the copy held it)."""
         asked = None
         try:
-            await self._write(call, kv_header_with_offer_to_pb(header, offer), "the header")
-            if offer.lease_ticket is not None:
+            if offer.lease_ticket is not None:  # the ask leaves with the header, in one send
                 asked = self.pools.ask_lease_ahead(self.target_address, offer.lease_ticket)
-                self.marks.append(("lease_asked", time.perf_counter()))
+            await self._write(call, kv_header_with_offer_to_pb(header, offer), "the header")
             lap("header_ms")
             answer = await self._expect_answer(call)
             lap("reservation_ms")
