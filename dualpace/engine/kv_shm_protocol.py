@@ -1,6 +1,7 @@
 """The messages of a same-host KV transfer, beside the chunks of kv_transfer.py (torch-free).
 
-Over the import stream: the header carries an offer (the sender's boot id); the target
+Over the import stream: the header carries an offer (the sender's boot id; over a watch, also
+a lease ticket of the sender's, whose lease it asks for ahead: dualpace.engine.same_host); the target
 answers with a reservation (where its pool is, which slots to write, the tickets) or a
 refusal with its reason (then chunks follow as usual); after writing, the sender says so
 with the layer checksums. Where the target's reservation allows it, prepare and commit ride
