@@ -69,6 +69,7 @@ class AssistClient:
         transport: str = "auto",
         shm_slot_bytes: int = DEFAULT_SHM_SLOT_BYTES,
         shm_spin_s: float = assist_shm.shm_doorbell.DEFAULT_SPIN_S,
+        credentials: grpc.ChannelCredentials | None = None,
     ):
         if transport not in assist_shm.TRANSPORTS:
             raise InvalidArgument("--assist-transport", f"unknown transport {transport!r}; use "
@@ -82,14 +83,14 @@ class AssistClient:
         self.num_shm_iterations = 0
         self.iteration_timeout_s = iteration_timeout_s
         self._metadata = token_metadata(auth_token)  # gpu_service's --auth-token-file token, if it requires one
-        self._channel = grpc.insecure_channel(
-            address,
-            options=[
-                ("grpc.max_send_message_length", max_message_bytes),
-                ("grpc.max_receive_message_length", max_message_bytes),
-                ("grpc.max_reconnect_backoff_ms", _MAX_RECONNECT_BACKOFF_MS),
-            ],
-        )
+        options = [
+            ("grpc.max_send_message_length", max_message_bytes),
+            ("grpc.max_receive_message_length", max_message_bytes),
+            ("grpc.max_reconnect_backoff_ms", _MAX_RECONNECT_BACKOFF_MS),
+        ]
+        # credentials: TLS to a gpu_service that serves it (dualpace.serve.security.peer_credentials_for)
+        self._channel = grpc.insecure_channel(address, options=options) if credentials is None else \
+            grpc.secure_channel(address, credentials, options=options)
         # the generated stub's method, with serializers that let pre-encoded per-layer messages pass
         self._assist = self._channel.stream_stream(assist_wire.ASSIST_METHOD, request_serializer=assist_wire.serialize_up,
                                                    response_deserializer=assist_pb2.AssistDown.FromString)

@@ -75,7 +75,9 @@ def start_host_tier(args: argparse.Namespace, parts: EngineDaemonParts) -> None:
     from dualpace.serve.kv_transport import GrpcKvSender
     from dualpace.serve.security import read_token_file
 
-    sender = GrpcKvSender(args.host_tier, auth_token=read_token_file(args.auth_token_file))
+    # as the daemon's migrations: over TLS when it serves TLS, on the channel it keeps to that peer
+    sender = GrpcKvSender(args.host_tier, auth_token=read_token_file(args.auth_token_file), tls=parts.peer_tls,
+                          channels=parts.channels)
     offers = HostTierOffers(parts.loop, sender.send_cache)
     _background.add(asyncio.get_running_loop().create_task(offers.run()))
     counts, name = offers.counts, parts.loop.core.config.name

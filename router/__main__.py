@@ -93,6 +93,10 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     add_config_argument(parser)
     add_metrics_argument(parser)
     add_security_arguments(parser)
+    parser.add_argument("--engine-tls", default="off", choices=["off", "on"],
+                        help="on: reach TCP engines over TLS (engines that serve --tls-cert), presenting this "
+                             "router's certificate and checking theirs against --tls-client-ca; unix: engines "
+                             "stay plaintext. Needs --tls-cert/--tls-key")
 
 
 def _gpu_admission(args: argparse.Namespace) -> GpuAdmission | None:
@@ -169,6 +173,9 @@ def serve(args: argparse.Namespace) -> int:
         check_listen_security(args.listen, security.tls)
         if args.http_listen is not None:
             check_listen_security(args.http_listen, security.tls, "--http-listen", allow_unix=False)
+        if args.engine_tls == "on" and security.tls is None:
+            raise InvalidArgument("--engine-tls", "on needs --tls-cert and --tls-key (the router's client certificate)")
+        engine_tls = security.tls if args.engine_tls == "on" else None
         if args.grace_s < 0:
             raise InvalidArgument("--grace-s", f"must be >= 0, got {args.grace_s}")
         notifier.status(f"loading the tokenizer of {args.model}")
@@ -198,9 +205,9 @@ def serve(args: argparse.Namespace) -> int:
 
     async def main(stop: asyncio.Event) -> int:
         token = security.auth_token  # the engines require the same shared token
-        handles = [EngineHandle(args.gpu, "gpu", token)] if args.gpu else []
+        handles = [EngineHandle(args.gpu, "gpu", token, engine_tls)] if args.gpu else []
         if args.cpu and config.policy != Policy.GPU_ONLY:
-            handles.append(EngineHandle(args.cpu, "cpu", token))
+            handles.append(EngineHandle(args.cpu, "cpu", token, engine_tls))
         notifier.status("waiting for the engines")
         core = RouterCore(EnginePool(handles), tokenizer, model_config, config)
         core.start()

@@ -17,6 +17,7 @@ from dualpace.policy.views import EngineView
 from dualpace.sampling_params import SamplingParams
 from dualpace.serve.auth import aio_token_interceptors
 from dualpace.serve.logging_setup import request_metadata
+from dualpace.serve.security import TlsConfig, peer_channel
 from dualpace.serve.server import channel_options
 from dualpace.wire.engine_messages import (
     abort_request_to_pb,
@@ -56,14 +57,15 @@ class EngineStream:
 class EngineHandle:
     """One engine as the router sees it: its latest load view (watched) and typed calls."""
 
-    def __init__(self, address: str, expected_kind: str, auth_token: str | None = None):
+    def __init__(self, address: str, expected_kind: str, auth_token: str | None = None,
+                 tls: TlsConfig | None = None):
         self.address = address
         self.expected_kind = expected_kind
         self.name = expected_kind  # replaced by the engine's own name once Info answers
-        # With a shared token (--auth-token-file) every call on this channel carries it.
-        self.channel = grpc.aio.insecure_channel(address, options=[
-            *channel_options(), ("grpc.max_reconnect_backoff_ms", 1000)],
-            interceptors=aio_token_interceptors(auth_token))
+        # With a shared token (--auth-token-file) every call on this channel carries it; with
+        # `tls` (--engine-tls on) a TCP engine is reached over TLS, as the engines reach each other.
+        self.channel = peer_channel(address, tls, [*channel_options(), ("grpc.max_reconnect_backoff_ms", 1000)],
+                                    interceptors=aio_token_interceptors(auth_token))
         self.stub = engine_pb2_grpc.EngineStub(self.channel)
         self.view: EngineView | None = None
         self.changed = asyncio.Condition()

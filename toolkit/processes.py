@@ -45,13 +45,15 @@ class Daemon:
 
 
 def start_daemon(module: str, *args: str, env: dict[str, str] | None = None, cpu_cores: str | None = None,
-                 listen: str = "127.0.0.1:0", step_timeline: str | None = None) -> Daemon:
+                 listen: str = "127.0.0.1:0", step_timeline: str | None = None,
+                 credentials=None) -> Daemon:
     """`python -m module args... --listen LISTEN` (an ephemeral port by default, or a fixed address to
     restart an engine where it was); waits for the address line and health SERVING.
     cpu_cores (e.g. "0" or "0,1") pins the process with taskset. An engine whose args name no
     --peer gets `--peer 127.0.0.1:*` (it may migrate to the other engines started here; give
     --peer to test the refusal, or for engines on unix: sockets). step_timeline: an engine writes
-    a JSON line per step there (--step-timeline; bench/cooperative_timeline.py reads it)."""
+    a JSON line per step there (--step-timeline; bench/cooperative_timeline.py reads it).
+    credentials: grpc channel credentials for the health check of a daemon that serves TLS."""
     pin = ["taskset", "-c", cpu_cores] if cpu_cores is not None else []
     peers = LOOPBACK_PEERS if module in ENGINE_MODULES and "--peer" not in args else ()
     if step_timeline is not None and module not in ENGINE_MODULES:
@@ -80,7 +82,7 @@ def start_daemon(module: str, *args: str, env: dict[str, str] | None = None, cpu
         process.kill()
         raise RuntimeError(f"{module} did not start:\n{''.join(output)}")
     daemon = Daemon(process, address[0], output)
-    wait_serving(daemon.address)
+    wait_serving(daemon.address, credentials=credentials)
     return daemon
 
 

@@ -52,6 +52,8 @@ async def _one(stub, spec: RequestSpec, record: RequestRecord, seed: int, run_ta
             record.output_token_ids.extend(piece["token_ids"])
             if piece["usage"] is not None:
                 record.num_cached_tokens = piece["usage"]["cached_tokens"]
+            if piece["engine"]:
+                record.tokens_by_engine[piece["engine"]] += len(piece["token_ids"])
             if piece["engine"] and (not record.engines or record.engines[-1] != piece["engine"]):
                 record.engines.append(piece["engine"])
             if piece["finish_reason"]:

@@ -40,6 +40,7 @@ class RequestRecord:
     finish_reason: str | None = None
     detail: str = ""
     engines: list[str] = field(default_factory=list)
+    tokens_by_engine: Counter = field(default_factory=Counter)  # tokens each engine sent (by its name)
     num_cached_tokens: int = 0  # prompt tokens served from a prefix cache (the final usage)
     output_token_ids: list[int] = field(default_factory=list)  # what it generated (multi-turn history)
 
@@ -154,6 +155,7 @@ def summarize(records: list[RequestRecord], num_requests: int, duration_s: float
         "e2e": distribution_ms([t for r in completed if (t := r.e2e_s()) is not None]),
         "failures": dict(sorted(failures.items())),
         "engines": dict(sorted(Counter(" -> ".join(r.engines) or "-" for r in completed).items())),
+        "tokens_by_engine": dict(sorted(sum((r.tokens_by_engine for r in completed), Counter()).items())),
     }
 
 

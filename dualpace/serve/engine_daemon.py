@@ -52,6 +52,7 @@ from dualpace.serve.peer_channels import PeerChannels
 from dualpace.serve.peers import PeerList
 from dualpace.serve.sd_notify import Notifier, watchdog_interval_s
 from dualpace.serve.security import (
+    TlsConfig,
     add_security_arguments,
     check_listen_security,
     security_from_args,
@@ -112,6 +113,10 @@ class EngineDaemonParts:
     loop: EngineLoop
     device_lock: threading.Lock
     kv_memory: SharedKvMemory | None = None  # the KV pool's shared segment (host pool, --kv-transport auto)
+    # Set once the daemon's event loop runs, before extra services are added: the TLS settings
+    # this daemon's own calls to its peers use, and the channels to them it keeps open.
+    peer_tls: TlsConfig | None = None
+    channels: PeerChannels | None = None
 
 
 def kv_blocks_from_args(args: argparse.Namespace, loaded: LoadedModel, default_kv_blocks: int) -> int:
@@ -251,6 +256,7 @@ def run_engine_daemon(
     async def main(stop: asyncio.Event) -> int:
         service_names = [ENGINE_SERVICE]
         channels = PeerChannels()  # to the peers this daemon sends KV to, kept open across transfers
+        parts.peer_tls, parts.channels = security.tls, channels
         same_host = SameHostKv(args.kv_transport, await SharedKvPool.start(parts.kv_memory), channels=channels)
 
         def register(server: grpc.aio.Server) -> None:

@@ -12,10 +12,13 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 LISTENING = re.compile(r"listening on (\S+)")
 
 
-def wait_serving(address: str, timeout_s: float = 30.0) -> None:
-    """Poll the gRPC health service until it reports SERVING (RuntimeError after timeout_s)."""
+def wait_serving(address: str, timeout_s: float = 30.0,
+                 credentials: grpc.ChannelCredentials | None = None) -> None:
+    """Poll the gRPC health service until it reports SERVING (RuntimeError after timeout_s);
+    over TLS with `credentials` (a daemon that serves TLS), else plaintext."""
     deadline = time.monotonic() + timeout_s
-    with grpc.insecure_channel(address) as channel:
+    channel = grpc.insecure_channel(address) if credentials is None else grpc.secure_channel(address, credentials)
+    with channel:
         stub = health_pb2_grpc.HealthStub(channel)
         while True:
             try:

@@ -48,14 +48,24 @@ class TlsConfig:
                                             certificate_chain=self.cert_chain)
 
 
-def peer_channel(address: str, tls: TlsConfig | None, options: list[tuple[str, int]]) -> grpc.aio.Channel:
-    """A channel from this daemon to another daemon at `address` (KV migration): over TLS when
-    this daemon serves TLS itself and the address is TCP (engines with certificates serve TLS
-    on every address, loopback too), plaintext otherwise (no TLS here, or a unix: socket, which
+def peer_credentials_for(address: str, tls: TlsConfig | None) -> grpc.ChannelCredentials | None:
+    """The credentials of this daemon's calls to the daemon at `address`: TLS when this daemon
+    serves TLS itself and the address is TCP (engines with certificates serve TLS on every
+    address, loopback too), None (plaintext) otherwise (no TLS here, or a unix: socket, which
     only this machine reaches)."""
     if tls is None or address.startswith(UNIX_PREFIX):
-        return grpc.aio.insecure_channel(address, options=options)
-    return grpc.aio.secure_channel(address, tls.peer_credentials(), options=options)
+        return None
+    return tls.peer_credentials()
+
+
+def peer_channel(address: str, tls: TlsConfig | None, options: list[tuple[str, int]],
+                 interceptors=None) -> grpc.aio.Channel:
+    """A channel from this daemon to another daemon at `address` (KV migration, the router's
+    engines with --engine-tls on): over TLS or plaintext as peer_credentials_for says."""
+    credentials = peer_credentials_for(address, tls)
+    if credentials is None:
+        return grpc.aio.insecure_channel(address, options=options, interceptors=interceptors)
+    return grpc.aio.secure_channel(address, credentials, options=options, interceptors=interceptors)
 
 
 @dataclass(frozen=True)

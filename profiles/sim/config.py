@@ -130,6 +130,7 @@ class SimResult:
     num_joins_declined_to_local: int = 0  # the join rule found no step to join in time: ran locally
     mean_join_wait_ms: float | None = None  # the CPU's wait from its ask (or its meeting layer) to the shared layer
     num_layers_shared: int = 0  # layers in which remote rows shared the GPU's weight read, over all joins
+    num_gpu_engine_tokens: int = 0  # tokens emitted by the GPU engine (compare: the load generator's tokens_by_engine)
 
     def as_dict(self) -> dict:
         out = {}

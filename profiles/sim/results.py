@@ -47,7 +47,7 @@ def summarize(sim: Simulator, rate: float) -> SimResult:
         num_split_layouts=sim.num_split_iterations, num_joins_declined_to_staged=sim.num_joins_declined_to_staged,
         num_joins_declined_to_local=sim.num_joins_declined_to_local,
         mean_join_wait_ms=sim.join_wait_ms_total / sim.num_joined_iterations if sim.num_joined_iterations else None,
-        num_layers_shared=sim.num_layers_shared,
+        num_layers_shared=sim.num_layers_shared, num_gpu_engine_tokens=sim.num_gpu_engine_tokens,
     )
 
 

@@ -139,6 +139,7 @@ class Simulator(CpuSteps, Cooperative, JoinRules, Moves, RouterViews):
         self.queue: list[str] = []  # the router's wait queue
         self.num_rejected = 0
         self.num_handoffs = 0
+        self.num_gpu_engine_tokens = 0  # tokens the GPU engine's own iterations emitted (the rest: the CPU engine's)
         self.num_migrations = 0
         self.num_moves_without_kv = 0
         self._planner_armed = False
@@ -317,6 +318,8 @@ class Simulator(CpuSteps, Cooperative, JoinRules, Moves, RouterViews):
         engine.busy_ms += self.now_ms - engine.started_ms
         for event in events:
             track = self.tracks[event.request_id]
+            if engine.kind == "gpu":
+                self.num_gpu_engine_tokens += len(event.new_token_ids)
             for _ in event.new_token_ids:
                 track.token_times_ms.append(self.now_ms)
             if event.finish_reason is not None:

@@ -51,6 +51,9 @@ def test_bench_accounts_for_every_request(router, tmp_path):
     assert len(requests) == 10 and all(r["status"] == "OK" and r["finish_reason"] == "length" for r in requests)
     assert all(r["tokens"] == r["output_len"] for r in requests)  # ignore_eos, max_tokens = output length
     assert summary["output_tokens"] == sum(r["output_len"] for r in requests)
+    # every token is counted against the engine that sent it (up names them gpu and cpu)
+    assert set(summary["tokens_by_engine"]) <= {"gpu", "cpu"}
+    assert sum(summary["tokens_by_engine"].values()) == summary["output_tokens"]
 
 
 def test_bench_flag_errors_name_the_flag(router, tmp_path):

@@ -69,3 +69,26 @@ def test_largest_gaps_say_where_they_happened():
     assert gaps[0] == {"gap_ms": 500.0, "request": 0, "token": 2, "tokens_in_message": 1, "engines": "gpu -> cpu",
                        "at_s": 0.2}
     assert gaps[1]["gap_ms"] == 100.0 and len(gaps) == 2
+
+
+@pytest.mark.parametrize("policy", ["gpu-only", "dualpace"])
+def test_comparison_says_where_the_tokens_were_decoded(tmp_path, policy):
+    """Real tokens by the GPU engine (the load generator's tokens_by_engine) beside the simulated
+    ones: gpu-only decodes every token there; dualpace hands requests to the CPU engine."""
+    profile = tmp_path / "p.json"
+    profile.write_text(json.dumps(tiny_profile_dict()))
+    summary = {"tokens_by_engine": {"gpu": 7, "cpu": 20}}
+    (row,), table = sim_comparison(_report(policy, summary=summary), str(profile))
+    assert row["real_gpu_engine_tokens"] == 7
+    from profiles.sim import simulate
+
+    specs = build_requests(6, 5.0, 1.0, 0, 100, parse_length_spec("4:8", "i"), parse_length_spec("3:6", "o"))
+    from dualpace.profile.cost_model import CostModel
+    from dualpace.profile.files import load_profile
+
+    sim = simulate(CostModel(load_profile(str(profile))), sim_config(CONFIG, policy), specs, 5.0)
+    assert row["sim_gpu_engine_tokens"] == sim.num_gpu_engine_tokens
+    assert 0 < sim.num_gpu_engine_tokens <= sim.num_generated_tokens
+    # all of them unless a request decoded on the CPU engine
+    assert (sim.num_gpu_engine_tokens == sim.num_generated_tokens) == (sim.requests_touching_cpu == 0)
+    assert f"| 7 / {sim.num_gpu_engine_tokens} |" in table
