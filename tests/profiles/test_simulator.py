@@ -299,3 +299,31 @@ def test_the_join_rule_leaves_gated_alone_and_meet_joins_a_busy_gpu():
 def test_an_unknown_join_rule_is_a_clear_error():
     with pytest.raises(ValueError, match="join rule"):
         SimConfig(join_rule="sometimes")
+
+
+def test_a_handoff_waiting_for_its_gpu_prefill_counts_on_the_gpu_as_the_router_counts_it():
+    """The relay starts a hand-off's move when its first token comes (router/relay.py), so until then
+    the router's planner sees the request on the GPU engine, not migrating: its prompt's blocks
+    count there, and the GPU requests already decoding move to the CPU under that pressure. The
+    simulator marked it migrating from admission on, left the GPU looking emptier than the real
+    router sees it and kept those requests on the GPU (session 9's quiet take, req-0..req-4)."""
+    from dualpace.policy.migration_planner import plan_migrations
+    from dualpace.policy.views import EngineView
+    from profiles.sim.simulator import Track
+
+    sim = Simulator(_cost(), SimConfig(policy=Policy.DUALPACE))
+    decoding = sim.tracks["a"] = Track(RequestSpec(0, 0.0, tuple(range(28)), 24), "a", engine=GPU,
+                                       token_times_ms=[float(t) for t in range(10)])
+    waiting = sim.tracks["b"] = Track(RequestSpec(1, 0.0, tuple(range(32)), 8), "b", engine=GPU, handoff_to=CPU)
+    routed = {r.request_id: r for r in sim._routed()}
+    assert not routed["b"].migrating and routed["b"].engine == GPU
+    views = {GPU: EngineView(GPU, "gpu", True, 16, 0, 4, 1, 1, 10.0, 10.0),
+             CPU: EngineView(CPU, "cpu", True, 256, 0, 4, 0, 0, 20.0, 20.0)}
+    (move,) = plan_migrations(list(routed.values()), views, Policy.DUALPACE, sim.migration)
+    assert (move.request_id, move.source, move.target) == ("a", GPU, CPU)  # 10 + 8 of 16 blocks
+    waiting.token_times_ms.append(11.0)
+    waiting.migrating = True  # its hand-off started (Moves._move): now it is leaving the GPU
+    assert {r.request_id: r.migrating for r in sim._routed()} == {"a": False, "b": True}
+    decoding.migrating = True
+    assert plan_migrations(sim._routed(), views, Policy.DUALPACE, sim.migration) == []
+
