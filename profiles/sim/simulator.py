@@ -139,6 +139,7 @@ class Simulator(CpuSteps, Cooperative, JoinRules, Moves, RouterViews):
         self.queue: list[str] = []  # the router's wait queue
         self.num_rejected = 0
         self.num_handoffs = 0
+        self.num_staged_refusals = 0  # staged Assisted iterations refused mid-way (their device wait ran out)
         self.num_gpu_engine_tokens = 0  # tokens the GPU engine's own iterations emitted (the rest: the CPU engine's)
         self.num_migrations = 0
         self.num_moves_without_kv = 0

@@ -327,3 +327,47 @@ def test_a_handoff_waiting_for_its_gpu_prefill_counts_on_the_gpu_as_the_router_c
     decoding.migrating = True
     assert plan_migrations(sim._routed(), views, Policy.DUALPACE, sim.migration) == []
 
+
+def _pump(sim, until_kind: str, name: str):
+    """Run the simulator's queued calls until `name`'s iteration-end event; returns its time."""
+    import heapq
+
+    while sim._events:
+        at_ms, _, kind, payload = heapq.heappop(sim._events)
+        sim.now_ms = at_ms
+        if kind == "call":
+            payload()
+        elif kind == until_kind and payload[0] == name and payload[1] == sim.engines[name].done_version:
+            return at_ms
+    raise AssertionError(f"no {until_kind} event for {name}")
+
+
+def test_a_staged_iteration_whose_stage_waits_past_its_device_budget_is_redone_locally():
+    """gpu_service charges each stage's wait for the engine's next layer boundary to the begin's
+    max_device_wait_ms and refuses the stage when it runs out (RESOURCE_EXHAUSTED); cpu_service
+    backs off and redoes the iteration locally. Without that the simulated staged iteration rode
+    out a whole long prefill step (820 ms gaps in session 9's quiet take, none in the real run)."""
+    from dualpace.engine.request import EngineRequest
+    from dualpace.sampling_params import SamplingParams
+
+    sim = Simulator(_cost(), SimConfig(policy=Policy.DUALPACE, assist_device_hold="layer"))
+    cpu = sim.engines[CPU]
+    cpu.scheduler.add(EngineRequest("r", [1, 2, 3], SamplingParams(max_tokens=4, ignore_eos=True), seed=0))
+    plan = cpu.scheduler.schedule()
+    budget_ms = sim._stage_budget_ms(1)
+    assert budget_ms is not None and budget_ms > 0
+    assert sim.device.stage_start_ms(0.0) == 0.0
+    sim.device.start_engine(0.0, 3000.0)  # a long prefill step: 2 layers of 1500 ms
+    assert sim.device.stage_start_ms(10.0) == 1500.0  # its next layer boundary; nothing booked
+    assert sim.device.engine_run.end_ms == 3000.0
+    sim._start_staged(cpu, plan, 3.0, 25.0)  # 3 stages of 1 ms; the first runs at once (layer 0 begins)
+    assert sim.device.engine_run.end_ms == 3001.0
+    end_ms = _pump(sim, "done", CPU)
+    refused_at_ms = 1.0 + 22.0 / 2 + budget_ms  # after the first stage and its CPU side, the budget's wait
+    prefill_tokens, contexts, sampled = sim._plan_shape(plan)
+    local_ms = sim.cost.cpu_iteration(DecodeBatch.of(contexts), prefill_tokens, sampled).local_ms
+    assert end_ms == pytest.approx(refused_at_ms + local_ms)
+    assert sim.num_staged_refusals == 1 and cpu.num_local == 1 and cpu.num_assisted == 0
+    assert cpu.num_iterations == 1 and cpu.staged_batch is None
+    assert sim.chooser.backoff_until > sim.chooser.num_iterations  # it runs locally for a while
+    assert sim.device.engine_run.end_ms == 3001.0  # the stage that ran stays in the GPU's step
