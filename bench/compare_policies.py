@@ -108,6 +108,15 @@ def stop_system(daemons: list[Daemon]) -> None:
         daemon.stop()
 
 
+def keep_logs(log_dir: Path, policy: str, daemons: list[Daemon]) -> None:
+    """Each daemon's last output lines (the router's: placements and every migration it started) as
+    LOG_DIR/<policy>_<daemon>.log."""
+    log_dir.mkdir(parents=True, exist_ok=True)
+    names = ["gpu_service", *(["cpu_service"] if len(daemons) == 3 else []), "router"]
+    for name, daemon in zip(names, daemons):
+        (log_dir / f"{policy}_{name}.log").write_text(daemon.log())
+
+
 def cpu_seconds(pid: int) -> float | None:  # user + system CPU time so far (Linux /proc), None where unreadable
     try:
         fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
@@ -191,6 +200,8 @@ def run_policy(args: argparse.Namespace, policy: str, rates: list[float]) -> dic
             time.sleep(1.0)  # let aborted requests drain before the next rate
     finally:
         stop_system(daemons)  # the engines write their last timeline records on the way out
+        if args.log_dir:
+            keep_logs(Path(args.log_dir), policy, daemons)
     if args.step_timeline_dir and policy != "gpu-only":  # the acceptance points of issue 18 (gated)
         timeline = check_files(timeline_paths(args.step_timeline_dir, policy), policy)
         print(f"   {policy} step timelines:\n{timeline['report']}", file=sys.stderr)
@@ -248,6 +259,8 @@ def main(argv: list[str] | None = None) -> int:
                              "for a join's attention of one layer before it drops the join)")
     parser.add_argument("--step-timeline-dir", default=None, metavar="DIR",
                         help="engines write DIR/<policy>_<engine>.jsonl; bench.cooperative_timeline checks them")
+    parser.add_argument("--log-dir", default=None, metavar="DIR",
+                        help="keep each daemon's last output lines as DIR/<policy>_<daemon>.log")
     parser.add_argument("--trace-dir", default=None,
                         help="write each rate's requests (prompts, output lengths, arrival times) here as "
                              "trace_r<RATE>.jsonl, for `dualpace sim --trace`")

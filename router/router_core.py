@@ -159,6 +159,8 @@ class RouterCore:
         record = MigrationRecord(tracked.request_id, source.name, target.name, "in_progress", int(time.time() * 1000),
                                  reason)
         self.migrations.append(record)
+        log.info("migration of %s %s -> %s started (%s, %d tokens generated)", tracked.request_id, source.name,
+                 target.name, reason, tracked.num_generated_tokens)
         try:
             await source.migrate_out(tracked.request_id, target.address, timeout_s=60)
             record.outcome = "committed"

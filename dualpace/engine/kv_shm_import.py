@@ -74,10 +74,12 @@ class ShmImport:
         reason = self.pool.decline_reason(offer)
         if reason is not None:
             return ShmDeclined(reason)
-        self._ticket, self._lease = self.pool.server.open_lease()
+        # Under the sender's own ticket where it named one: a lease it asked for ahead is granted now.
+        self._ticket, self._lease = self.pool.server.open_lease(offer.lease_ticket)
         return ShmReservation(self.pool.server.name, self.pool.segment_ticket, self._ticket,
                               tuple(self.importer.slot_ids), accepts_written_with_commit=True,
-                              lease_on_watch=True, control_on_watch=self.pool.server.stream_handler is not None)
+                              lease_on_watch=True, control_on_watch=self.pool.server.stream_handler is not None,
+                              asks_lease_ahead=True)
 
     async def written(self, written: ShmWritten) -> None:
         """Verify what landed in the reserved blocks; then the import is complete (prepare may follow)."""

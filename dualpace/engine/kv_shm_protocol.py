@@ -1,6 +1,7 @@
 """The messages of a same-host KV transfer, beside the chunks of kv_transfer.py (torch-free).
 
-Over the import stream: the header carries an offer (the sender's boot id); the target
+Over the import stream: the header carries an offer (the sender's boot id; over a watch, also
+a lease ticket of the sender's, whose lease it asks for ahead: dualpace.engine.same_host); the target
 answers with a reservation (where its pool is, which slots to write, the tickets) or a
 refusal with its reason (then chunks follow as usual); after writing, the sender says so
 with the layer checksums. Where the target's reservation allows it, prepare and commit ride
@@ -16,6 +17,7 @@ from dataclasses import dataclass
 @dataclass(frozen=True)
 class ShmOffer:
     boot_id: str
+    lease_ticket: bytes | None = None  # the sender's own lease ticket, asked for ahead (same_host.KIND_ASK)
 
 
 @dataclass(frozen=True)
@@ -27,6 +29,7 @@ class ShmReservation:
     accepts_written_with_commit: bool = False  # the target takes ShmWritten(commit=True)
     lease_on_watch: bool = False  # the target grants the write lease over the sender's watch connection
     control_on_watch: bool = False  # later transfers may run their messages over that watch (shm_control)
+    asks_lease_ahead: bool = False  # later transfers over that watch may ask for their lease ahead (ShmOffer)
 
 
 @dataclass(frozen=True)

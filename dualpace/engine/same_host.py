@@ -21,6 +21,13 @@ handed to someone else. A lease is taken either on a connection of its own, or (
 owner offers it, `lease_on_watch`) over the caller's watch connection, which then carries the
 leases of all its jobs with the same rules (dualpace.engine.shm_watch_leases): no connection,
 no thread, per job. Used by the KV transfer; meant for the Dense Assist rings too.
+
+On a watch connection a caller may also ask for a lease *ahead* (`A` + a ticket of its own
+choosing), before the job exists: the owner holds the request until a job is opened under
+that ticket (`open_lease(ticket)`), then grants it as if it had just been asked for (refused:
+the job was revoked first). So the request's round trip overlaps whatever makes the job (the
+KV import's reservation), and the caller still asks for and ends every lease it holds: an ask
+it no longer wants (no job came, or the job got another ticket) it ends with `E` like a lease.
 """
 
 from __future__ import annotations
@@ -54,6 +61,7 @@ REQUEST_BYTES = 1 + TICKET_BYTES  # kind + ticket
 KIND_FD = b"F"  # hand me the memfd behind this ticket (and keep this connection as the watch)
 KIND_LEASE = b"L"  # I am about to write for the job behind this ticket
 KIND_END = b"E"  # on a watch connection: I stopped writing for the job behind this ticket
+KIND_ASK = b"A"  # on a watch connection: I will write for the job to be opened under this ticket of mine
 GRANTED, REFUSED = b"OK", b"NO"
 ANSWER_BYTES = len(GRANTED) + TICKET_BYTES  # on a watch connection: the verdict, then the ticket it answers
 HANDSHAKE_TIMEOUT_S = 5.0
@@ -105,6 +113,10 @@ class TicketServer:
         # Runs one control stream over a watch connection (dualpace.engine.shm_control); None: none taken.
         self.stream_handler: Callable[[IncomingStream], Awaitable[None]] | None = None
         self._finished_streams: set[bytes] = set()  # random ids: a late message starts nothing
+        # Leases asked for ahead (KIND_ASK) of their job: ticket -> (that watch's granted leases, its send).
+        self._asked: dict[bytes, tuple[dict[bytes, Lease], Callable[[bytes], Awaitable[None]]]] = {}
+        self._revoked: set[bytes] = set()  # an ask ahead for one of these is refused (bounded)
+        self._grants: set[asyncio.Task] = set()  # verdicts of asks ahead being sent
 
     async def start(self) -> None:
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -128,17 +140,35 @@ class TicketServer:
         self._fds[ticket] = fd
         return ticket
 
-    def open_lease(self) -> tuple[bytes, Lease]:
-        """A ticket for one job; the job may write once a caller holds its lease."""
-        ticket = new_ticket()
+    def open_lease(self, ticket: bytes | None = None) -> tuple[bytes, Lease]:
+        """A ticket for one job (the caller's own `ticket` where it is new here, else a new one); the
+        job may write once a caller holds its lease. A lease asked for ahead under it is granted now."""
+        if ticket is None or len(ticket) != TICKET_BYTES or ticket in self._leases or ticket in self._revoked:
+            ticket = new_ticket()
         lease = self._leases[ticket] = Lease()
+        asked = self._asked.pop(ticket, None)
+        if asked is not None:
+            granted, send = asked
+            lease.granted = True  # no await since the job was opened: a revoke cannot slip in between
+            granted[ticket] = lease  # ends with that connection, as any lease granted over it
+            task = asyncio.get_running_loop().create_task(send(GRANTED + ticket))
+            self._grants.add(task)
+            task.add_done_callback(self._grant_sent)
         return ticket, lease
+
+    def _grant_sent(self, task: asyncio.Task) -> None:
+        self._grants.discard(task)
+        if not task.cancelled() and task.exception() is not None:  # the connection broke: its end ends the lease
+            log.debug("an asked-ahead lease's verdict was not sent: %s", task.exception())
 
     def revoke(self, ticket: bytes) -> Lease | None:
         """No new lease for this job from now on; returns it (wait_ended() before freeing its memory)."""
         lease = self._leases.pop(ticket, None)
         if lease is not None:
             lease.revoked = True
+            if len(self._revoked) >= 4096:
+                self._revoked.clear()
+            self._revoked.add(ticket)
         return lease
 
     def _grant(self, ticket: bytes) -> Lease | None:
@@ -157,6 +187,7 @@ class TicketServer:
         Control streams (dualpace.engine.shm_control) go to `stream_handler`, one task each; they
         are cancelled when the connection ends (their imports then wait for the leases' end)."""
         granted: dict[bytes, Lease] = {}
+        asked: set[bytes] = set()  # this connection's asks ahead (KIND_ASK) that may still wait for a job
         streams: dict[bytes, IncomingStream] = {}
         sending = asyncio.Lock()  # replies of several streams and lease verdicts never interleave
 
@@ -165,7 +196,8 @@ class TicketServer:
                 await loop.sock_sendall(connection, data)
 
         received = b""
-        fixed = {KIND_LEASE: REQUEST_BYTES, KIND_END: REQUEST_BYTES, KIND_ABANDON: REQUEST_BYTES}
+        fixed = {KIND_LEASE: REQUEST_BYTES, KIND_END: REQUEST_BYTES, KIND_ABANDON: REQUEST_BYTES,
+                 KIND_ASK: REQUEST_BYTES}
         try:
             while data := await loop.sock_recv(connection, 65536):
                 received += data
@@ -178,19 +210,32 @@ class TicketServer:
                         break
                     received = received[size:]
                     kind, ticket, _, body = record
-                    if kind == KIND_LEASE:
+                    if kind == KIND_ASK and ticket not in self._leases and ticket not in self._revoked:
+                        if ticket in self._asked:  # asked twice: refused (the first ask still waits)
+                            await send(REFUSED + ticket)
+                        else:  # no job yet: open_lease(ticket) grants it
+                            self._asked[ticket] = (granted, send)
+                            asked.add(ticket)
+                    elif kind in (KIND_LEASE, KIND_ASK):
                         lease = self._grant(ticket)
                         if lease is not None:
                             granted[ticket] = lease
                         await send((GRANTED if lease is not None else REFUSED) + ticket)
-                    elif kind == KIND_END and (lease := granted.pop(ticket, None)) is not None:
-                        lease.ended.set()
+                    elif kind == KIND_END:
+                        if (lease := granted.pop(ticket, None)) is not None:
+                            lease.ended.set()
+                        elif ticket in asked and self._asked.get(ticket, (None,))[0] is granted:
+                            del self._asked[ticket]  # an ask ahead withdrawn before its job came
+                        asked.discard(ticket)
                     elif kind == KIND_MESSAGE:
                         if not self._deliver(streams, ticket, body, send):
                             await send(ended_record(ticket, CODE_UNAVAILABLE, "no control streams here"))
                     elif kind == KIND_ABANDON and (stream := streams.pop(ticket, None)) is not None:
                         stream.task.cancel()
         finally:
+            for ticket in asked:
+                if self._asked.get(ticket, (None,))[0] is granted:
+                    del self._asked[ticket]  # no grant may go to this connection any more
             for lease in granted.values():
                 lease.ended.set()
             for stream in list(streams.values()):

@@ -73,7 +73,8 @@ class MappedPools:
         self._pools: dict[str, _Mapped] = {}
         self._locks: dict[str, asyncio.Lock] = {}
         self._num_in_use = 0
-        self._control: dict[str, tuple[str, bytes]] = {}  # target address -> its pool (socket, token)
+        # target address -> its pool (socket, token) and whether it takes leases asked for ahead
+        self._control: dict[str, tuple[str, bytes, bool]] = {}
 
     @property
     def num_mapped(self) -> int:
@@ -114,7 +115,8 @@ class MappedPools:
         """After a transfer into that pool: the target takes control streams over its watch
         (`reservation.control_on_watch`), so its next transfers need no gRPC stream."""
         if reservation.control_on_watch and reservation.socket_name in self._pools:
-            self._control[target_address] = (reservation.socket_name, reservation.segment_token)
+            self._control[target_address] = (reservation.socket_name, reservation.segment_token,
+                                             reservation.asks_lease_ahead)
 
     def control_stream(self, target_address: str) -> OutgoingStream | None:
         """A control stream to the target over the watch of its mapped pool; None where there is none
@@ -127,6 +129,22 @@ class MappedPools:
             del self._control[target_address]
             return None
         return mapped.leases.open_stream()
+
+    def ask_lease_ahead(self, target_address: str, ticket: bytes) -> WatchLeases | None:
+        """Ask over the watch of the target's mapped pool, now, for the write lease of the import to
+        come under `ticket` (ours: ShmOffer.lease_ticket), where the target takes that; None: not
+        asked. The caller then withdraws it (`WatchLeases.withdraw`) unless a copy held it."""
+        route = self._control.get(target_address)
+        if route is None or not route[2]:
+            return None
+        mapped = self._pools.get(route[0])
+        if mapped is None or mapped.token != route[1] or mapped.leases.closed:
+            return None
+        try:
+            mapped.leases.ask(ticket)
+        except SameHostRefused:
+            return None
+        return mapped.leases
 
     async def _mapping(self, reservation: ShmReservation) -> _Mapped:
         name = reservation.socket_name

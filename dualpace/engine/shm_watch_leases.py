@@ -13,6 +13,12 @@ those of dualpace.engine.same_host, unchanged:
   connection ends (the sender died, or dropped the mapping once no copy used it); the owner
   frees a failed job's memory only after that.
 
+A lease may be asked for ahead (`ask`: `A` + a ticket of the sender's own, before the job exists)
+and then held with `held(ticket)`, which awaits that answer instead of asking again; an ask
+that is never held is ended with `withdraw`. The ask leaves with the next record sent (an import's
+header, right after it), in one send, or at the event loop's next turn: one wake-up of the owner
+for both (sent apart, the owner woke on the first and the sender's next send waited behind it).
+
 The same connection carries control streams too (dualpace.engine.shm_control: a transfer's
 import messages without gRPC). Everything here runs on the event loop's thread. Lease messages
 are fixed-size: requests `same_host.REQUEST_BYTES`, answers `same_host.ANSWER_BYTES`; stream
@@ -25,7 +31,16 @@ import asyncio
 import contextlib
 import socket
 
-from dualpace.engine.same_host import ANSWER_BYTES, GRANTED, KIND_END, KIND_LEASE, REFUSED, SameHostRefused, new_ticket
+from dualpace.engine.same_host import (
+    ANSWER_BYTES,
+    GRANTED,
+    KIND_ASK,
+    KIND_END,
+    KIND_LEASE,
+    REFUSED,
+    SameHostRefused,
+    new_ticket,
+)
 from dualpace.engine.shm_control import CODE_UNAVAILABLE, REPLY, BadRecord, OutgoingStream, split_record
 
 _VERDICTS = {GRANTED: ANSWER_BYTES, REFUSED: ANSWER_BYTES}
@@ -42,6 +57,8 @@ class WatchLeases:
         self._pending = b""  # bytes the socket did not take yet (it is non-blocking)
         self._writer_added = False
         self._streams: dict[bytes, OutgoingStream] = {}  # control streams under way, by stream id
+        self._asked: dict[bytes, asyncio.Future] = {}  # asked ahead (ask), not held yet: ticket -> answer
+        self._ahead = b""  # asks not sent yet: they go with the next record (or at the loop's next turn)
         self.closed = False
 
     def readable(self) -> bool:
@@ -92,17 +109,51 @@ class WatchLeases:
             self._refuse_waiting(str(exc))
             raise
 
-    @contextlib.asynccontextmanager
-    async def held(self, ticket: bytes):
-        """The job's lease, held while the body writes; its end is sent when the body is done (also
-        when it fails or is cancelled: the body must have stopped writing by then)."""
+    def ask(self, ticket: bytes) -> None:
+        """Ask now for the lease of the job the owner will open under `ticket` (ours); `held(ticket)`
+        takes the answer, or `withdraw(ticket)` ends the ask. Raises SameHostRefused (nothing asked)."""
         if self.closed:
             raise SameHostRefused("the watch connection was closed")
         if ticket in self._answers:
             raise SameHostRefused("a lease for that job is already asked for")
-        answer = self._answers[ticket] = asyncio.get_running_loop().create_future()
+        loop = asyncio.get_running_loop()
+        self._answers[ticket] = self._asked[ticket] = loop.create_future()
+        if not self._ahead:
+            loop.call_soon(self._send_ahead)
+        self._ahead += KIND_ASK + ticket
+
+    def _send_ahead(self) -> None:
+        if self._ahead and not self.closed:
+            try:
+                self._send(b"")  # the asks, if no record took them along
+            except SameHostRefused as exc:
+                self._refuse_waiting(str(exc))
+
+    def withdraw(self, ticket: bytes) -> None:
+        """End an ask that was not held (no job came, or it got another ticket); else nothing."""
+        answer = self._asked.pop(ticket, None)
+        if answer is None:
+            return
+        self._answers.pop(ticket, None)
+        if answer.done() and not answer.cancelled():
+            answer.exception()  # retrieved: a refusal nobody awaits is no error
+        answer.cancel()
+        self._end(ticket)  # granted or still waiting for its job: the owner ends or drops it
+
+    @contextlib.asynccontextmanager
+    async def held(self, ticket: bytes):
+        """The job's lease, held while the body writes; its end is sent when the body is done (also
+        when it fails or is cancelled: the body must have stopped writing by then). Asked for now,
+        or ahead (`ask`)."""
+        if self.closed:
+            raise SameHostRefused("the watch connection was closed")
+        answer = self._asked.pop(ticket, None)
+        if answer is None and ticket in self._answers:
+            raise SameHostRefused("a lease for that job is already asked for")
         try:
-            self._send(KIND_LEASE + ticket)
+            if answer is None:
+                answer = self._answers[ticket] = asyncio.get_running_loop().create_future()
+                self._send(KIND_LEASE + ticket)
             granted = await answer
         except BaseException:
             # Asked but not answered (cancelled, or the connection broke): the owner may have granted
@@ -140,7 +191,10 @@ class WatchLeases:
             stream._ended(CODE_UNAVAILABLE, f"the watch connection ended: {why}")
 
     def _send(self, data: bytes) -> None:
-        """Send in order; what the socket cannot take now is sent when it can (never dropped)."""
+        """Send in order (asks ahead first); what the socket cannot take now is sent when it can (never
+        dropped)."""
+        if self._ahead:
+            data, self._ahead = self._ahead + data, b""
         if self._pending:
             self._pending += data
             return

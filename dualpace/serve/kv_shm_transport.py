@@ -27,7 +27,7 @@ from dualpace.engine.kv_shm_send import MappedPools, check_geometry, write_in_pl
 from dualpace.engine.kv_source import OutgoingKv
 from dualpace.engine.kv_transfer import KvChunk, KvTransferHeader
 from dualpace.engine.migration import KvImporter
-from dualpace.engine.same_host import SameHostRefused, boot_id
+from dualpace.engine.same_host import SameHostRefused, boot_id, new_ticket
 from dualpace.errors import InvalidArgument, Unavailable
 from dualpace.faults import FaultConfig
 from dualpace.serve.kv_shm_control import WatchImportCall
@@ -80,6 +80,9 @@ class SameHostKvSender(GrpcKvSender):
             self.used_watch_control = True
             call = WatchImportCall(control, engine_pb2.ImportKvReply.FromString)
             self.marks.append(("stream_opened", time.perf_counter()))
+            # The import's lease is asked for right after the header, under a ticket of ours that
+            # the target then names it by: its answer comes with the reservation, not a round trip later.
+            offer = dataclasses.replace(offer, lease_ticket=new_ticket())
             return await self._transfer(call, header, chunks, offer, lap)
         async with self._channel() as channel:
             call = self._open_import(channel)
@@ -87,8 +90,12 @@ class SameHostKvSender(GrpcKvSender):
             return await self._transfer(call, header, chunks, offer, lap)
 
     async def _transfer(self, call, header: KvTransferHeader, chunks: OutgoingKv, offer: ShmOffer, lap) -> str:
-        """Header to committed on one import stream: a gRPC call, or a WatchImportCall."""
+        """Header to committed on one import stream: a gRPC call, or a WatchImportCall (where the offer
+        names a lease ticket, that lease is asked for ahead; withdrawn at the end unless the copy held it)."""
+        asked = None
         try:
+            if offer.lease_ticket is not None:  # the ask leaves with the header, in one send
+                asked = self.pools.ask_lease_ahead(self.target_address, offer.lease_ticket)
             await self._write(call, kv_header_with_offer_to_pb(header, offer), "the header")
             lap("header_ms")
             answer = await self._expect_answer(call)
@@ -122,6 +129,9 @@ class SameHostKvSender(GrpcKvSender):
         except BaseException:
             call.cancel()  # the target drops the partial import (once our write lease has ended)
             raise
+        finally:
+            if asked is not None:  # not held (declined, failed before the copy, another ticket): end it
+                asked.withdraw(offer.lease_ticket)
 
     async def _write_in_place(self, answer: ShmReservation, header: KvTransferHeader,
                               chunks: OutgoingKv) -> ShmWritten | None:

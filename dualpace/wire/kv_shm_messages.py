@@ -12,11 +12,15 @@ def kv_header_with_offer_to_pb(header: KvTransferHeader, offer: ShmOffer | None)
     message = kv_header_to_pb(header)
     if offer is not None:
         message.header.shm_offer.boot_id = offer.boot_id
+        if offer.lease_ticket is not None:
+            message.header.shm_offer.lease_ticket = offer.lease_ticket
     return message
 
 
 def shm_offer_from_pb(header: engine_pb2.ImportKvHeader) -> ShmOffer | None:
-    return ShmOffer(header.shm_offer.boot_id) if header.HasField("shm_offer") else None
+    if not header.HasField("shm_offer"):
+        return None
+    return ShmOffer(header.shm_offer.boot_id, bytes(header.shm_offer.lease_ticket) or None)
 
 
 def shm_answer_to_pb(answer: ShmReservation | ShmDeclined) -> engine_pb2.ImportKvReply:
@@ -25,7 +29,8 @@ def shm_answer_to_pb(answer: ShmReservation | ShmDeclined) -> engine_pb2.ImportK
     return engine_pb2.ImportKvReply(shm_reserved=engine_pb2.KvShmReserved(
         socket_name=answer.socket_name, segment_token=answer.segment_token, import_token=answer.import_token,
         slot_ids=answer.slot_ids, accepts_written_with_commit=answer.accepts_written_with_commit,
-        lease_on_watch=answer.lease_on_watch, control_on_watch=answer.control_on_watch))
+        lease_on_watch=answer.lease_on_watch, control_on_watch=answer.control_on_watch,
+        asks_lease_ahead=answer.asks_lease_ahead))
 
 
 def shm_answer_from_pb(reply: engine_pb2.ImportKvReply) -> ShmReservation | ShmDeclined | None:
@@ -37,7 +42,7 @@ def shm_answer_from_pb(reply: engine_pb2.ImportKvReply) -> ShmReservation | ShmD
         reserved = reply.shm_reserved
         return ShmReservation(reserved.socket_name, bytes(reserved.segment_token), bytes(reserved.import_token),
                               tuple(reserved.slot_ids), reserved.accepts_written_with_commit,
-                              reserved.lease_on_watch, reserved.control_on_watch)
+                              reserved.lease_on_watch, reserved.control_on_watch, reserved.asks_lease_ahead)
     return None
 
 

@@ -137,7 +137,8 @@ class Cooperative:
         self.num_joins_declined_to_staged += 1
         self.cpu_ran_staged = True  # a staged run of a cooperative request
         num_stages = self.num_layers + 1
-        self._next_stage(self._cpu_engine(), num_stages, join.device_ms / num_stages, join.cpu_side_ms / self.num_layers)
+        self._next_stage(self._cpu_engine(), num_stages, join.device_ms / num_stages, join.cpu_side_ms / self.num_layers,
+                         self._stage_budget_ms(join.batch))
 
     def _cpu_engine(self):
         return self.engines[next(name for name in self.engines if name != GPU)]

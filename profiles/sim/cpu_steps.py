@@ -6,8 +6,11 @@ runner feeds it measured ones (an Assisted latency includes its waits for the sh
 An Assisted iteration that would wait for the GPU longer than the chooser's bound
 (`max_device_wait_ms`, as the client sends it) is refused by gpu_service and redone locally
 after that wait, and the chooser backs off (`record_assist_failure`), as in cpu_service. With
-per-layer sharing ("layer") the waits are only known stage by stage, so there is no refusal:
-the measured latency carries them into the next choices.
+per-layer sharing ("layer", "cooperative": a staged iteration) each stage's wait for the GPU
+engine's next layer boundary is charged to that same bound, as gpu_service charges it
+(DenseAssistSession._device_stage): a stage that would wait past what is left of it is refused
+when it runs out, and the iteration is redone locally from there (the stages already run stay
+in the GPU's step), the chooser backing off.
 
 A part of profiles.sim.simulator.Simulator (it uses the simulator's clock, device and event
 queue); kept apart so each file reads on its own.
@@ -118,9 +121,20 @@ class CpuSteps:
         num_stages = self.num_layers + 1
         stage_ms = device_ms / num_stages
         between_ms = max(0.0, assisted_ms - device_ms) / self.num_layers
-        self._next_stage(cpu, num_stages, stage_ms, between_ms)
+        self._next_stage(cpu, num_stages, stage_ms, between_ms, self._stage_budget_ms(len(plan.sequences)))
 
-    def _next_stage(self, cpu, stages_left: int, stage_ms: float, between_ms: float) -> None:
+    def _stage_budget_ms(self, batch: int) -> float | None:
+        """The device wait a staged iteration may spend in all (the begin's max_device_wait_ms; None: no bound)."""
+        return float(self.chooser.max_device_wait_ms(batch)) or None
+
+    def _next_stage(self, cpu, stages_left: int, stage_ms: float, between_ms: float,
+                    budget_ms: float | None = None) -> None:
+        if budget_ms is not None:
+            wait_ms = self.device.stage_start_ms(self.now_ms) - self.now_ms
+            if wait_ms > budget_ms:
+                self._push(self.now_ms + budget_ms, "call", lambda: self._staged_refused(cpu))
+                return
+            budget_ms -= wait_ms
         end_ms, gpu_end_ms = self.device.run_stage(self.now_ms, stage_ms)
         if gpu_end_ms is not None:
             gpu = self.engines[GPU]
@@ -131,4 +145,20 @@ class CpuSteps:
             self._push(end_ms + self.config.engine_overhead_ms, "done", (cpu.name, cpu.done_version))
         else:
             self._push(end_ms + between_ms, "call",
-                       lambda: self._next_stage(cpu, stages_left - 1, stage_ms, between_ms))
+                       lambda: self._next_stage(cpu, stages_left - 1, stage_ms, between_ms, budget_ms))
+
+    def _staged_refused(self, cpu) -> None:
+        """gpu_service refused a stage (RESOURCE_EXHAUSTED): cpu_service backs off and redoes the
+        iteration locally, in the same step (CpuRunner.run_plan)."""
+        plan, started_ms = cpu.plan, cpu.started_ms
+        prefill_tokens, contexts, sampled = self._plan_shape(plan)
+        local_ms = self.cost.cpu_iteration(DecodeBatch.of(contexts), prefill_tokens, sampled).local_ms
+        cpu.staged_batch = None  # nothing is recorded as assisted or cooperative when it ends
+        cpu.num_assisted -= 1
+        cpu.num_local += 1
+        cpu.num_iterations -= 1  # the same step
+        self.num_staged_refusals += 1
+        self.chooser.record_assist_failure()
+        self.chooser.record(ExecutionMode.LOCAL, len(plan.sequences), local_ms)
+        self._start(cpu, plan, self.now_ms + local_ms + self.config.engine_overhead_ms)
+        cpu.started_ms = started_ms

@@ -77,24 +77,34 @@ class SharedDevice:
         self.last_user = "cpu"
         return start_ms
 
+    def stage_start_ms(self, now_ms: float) -> float:
+        """When a stage asked for at now_ms would start (nothing is booked)."""
+        return self._place_stage(now_ms)[0]
+
+    def _place_stage(self, now_ms: float) -> tuple[float, float | None]:
+        """(the stage's start, the engine's work done at it when it goes inside the engine's iteration)."""
+        start_ms = max(now_ms, self.held_until_ms)
+        run = self.engine_run
+        if run is None or run.end_ms <= start_ms + _EPS_MS:
+            return start_ms, None
+        start_ms = max(start_ms, run.resumed_at_ms)  # (with one CPU engine stages never overlap)
+        work_ms = run.work_done_at_resume_ms + (start_ms - run.resumed_at_ms)
+        boundary_ms = math.ceil(work_ms / run.layer_ms - _EPS_MS) * run.layer_ms if run.layer_ms > 0 else work_ms
+        if boundary_ms >= run.work_ms - _EPS_MS:  # the last layer: no yield point before its end
+            return run.end_ms, None
+        return run.resumed_at_ms + (boundary_ms - run.work_done_at_resume_ms), boundary_ms
+
     def run_stage(self, now_ms: float, stage_ms: float) -> tuple[float, float | None]:
         """Run one assist stage as soon as the device is offered. Returns (the stage's end,
         the engine iteration's new end if the stage went inside it, else None)."""
-        start_ms = max(now_ms, self.held_until_ms)
-        run = self.engine_run
+        start_ms, boundary_ms = self._place_stage(now_ms)
         moved_end = None
-        if run is not None and run.end_ms > start_ms + _EPS_MS:
-            start_ms = max(start_ms, run.resumed_at_ms)  # (with one CPU engine stages never overlap)
-            work_ms = run.work_done_at_resume_ms + (start_ms - run.resumed_at_ms)
-            boundary_ms = math.ceil(work_ms / run.layer_ms - _EPS_MS) * run.layer_ms if run.layer_ms > 0 else work_ms
-            if boundary_ms >= run.work_ms - _EPS_MS:  # the last layer: no yield point before its end
-                start_ms = run.end_ms
-            else:
-                start_ms = run.resumed_at_ms + (boundary_ms - run.work_done_at_resume_ms)
-                run.work_done_at_resume_ms = boundary_ms
-                run.resumed_at_ms = start_ms + stage_ms
-                run.end_ms += stage_ms
-                moved_end = run.end_ms
+        if boundary_ms is not None:
+            run = self.engine_run
+            run.work_done_at_resume_ms = boundary_ms
+            run.resumed_at_ms = start_ms + stage_ms
+            run.end_ms += stage_ms
+            moved_end = run.end_ms
         self.stage_wait_ms += start_ms - now_ms
         self.held_until_ms = start_ms + stage_ms
         return self.held_until_ms, moved_end

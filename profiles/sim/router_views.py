@@ -65,6 +65,6 @@ class RouterViews:
                 continue
             out.append(RoutedRequest(track.request_id, track.engine, track.spec.input_len,
                                      len(track.token_times_ms), track.spec.output_len,
-                                     migrating=track.migrating or track.handoff_to is not None,
+                                     migrating=track.migrating,
                                      num_migrations=track.num_moves))
         return out

@@ -9,7 +9,8 @@ How the engines share the GPU is profiles/sim/device.py; the policies:
 - **dualpace**: the CPU engine runs on its own clock. Per iteration cpu_service's own
   ModeChooser picks Local or Assisted from the latencies it has seen (profiles/sim/cpu_steps.py);
   Local iterations do not touch the device. An Assisted iteration's dense work goes to the
-  device stage by stage (hold "layer"), interleaved with the GPU engine's layers.
+  device stage by stage (hold "layer"), interleaved with the GPU engine's layers, its waits
+  charged to the device budget gpu_service gives it (refused and redone locally past it).
 - **gated** (NEO-like): a CPU iteration starts only at a GPU iteration boundary (or while
   the GPU engine is idle), is always Assisted and holds the device for the whole iteration,
   so the engines take turns and a CPU-resident request advances at most once per GPU iteration.
@@ -21,7 +22,8 @@ How the engines share the GPU is profiles/sim/device.py; the policies:
   (under dualpace a hand-off already in the apply of the step that sampled its first token, the
   hold gpu_service makes for the relay's `hold_after_first_token`, holds_for_handoff), reserved on the target, the KV over one PCIe link (transfers queue on it), committed on
   the target, released by the source. A request placed on the CPU is prefilled on the GPU
-  when the GPU could ever hold it (handoff_source, as the relay decides), else on the CPU.
+  when the GPU could ever hold it (handoff_source, as the relay decides), else on the CPU;
+  until its first token it counts on the GPU, not migrating, as the relay starts its move then.
 
 Commands that touch a scheduler (pause, commit) run only at that engine's step boundary,
 as the real engine loop does.
@@ -139,6 +141,7 @@ class Simulator(CpuSteps, Cooperative, JoinRules, Moves, RouterViews):
         self.queue: list[str] = []  # the router's wait queue
         self.num_rejected = 0
         self.num_handoffs = 0
+        self.num_staged_refusals = 0  # staged Assisted iterations refused mid-way (their device wait ran out)
         self.num_gpu_engine_tokens = 0  # tokens the GPU engine's own iterations emitted (the rest: the CPU engine's)
         self.num_migrations = 0
         self.num_moves_without_kv = 0

@@ -35,3 +35,21 @@ def test_the_router_queues_as_long_as_the_client_waits_unless_told():
     assert router_queue_flags(argparse.Namespace(timeout_s=150.0, router_queue_timeout_s=40.0)) == \
         ["--ttft-target-ms", "40000"]
     assert router_queue_flags(argparse.Namespace(timeout_s=150.0, router_queue_timeout_s=0.0)) == []
+
+
+def test_kept_logs_are_named_by_policy_and_daemon(tmp_path):
+    from collections import deque
+
+    from bench.compare_policies import keep_logs
+    from toolkit.processes import Daemon
+
+    def daemon(*lines):
+        return Daemon(process=None, address="127.0.0.1:1", output=deque(lines))
+
+    keep_logs(tmp_path / "logs", "dualpace", [daemon("g\n"), daemon("c\n"), daemon("r1\n", "r2\n")])
+    keep_logs(tmp_path / "logs", "gpu-only", [daemon("g\n"), daemon("r\n")])
+    assert sorted(p.name for p in (tmp_path / "logs").iterdir()) == [
+        "dualpace_cpu_service.log", "dualpace_gpu_service.log", "dualpace_router.log",
+        "gpu-only_gpu_service.log", "gpu-only_router.log"]
+    assert (tmp_path / "logs" / "dualpace_router.log").read_text() == "r1\nr2\n"
+    assert (tmp_path / "logs" / "gpu-only_router.log").read_text() == "r\n"

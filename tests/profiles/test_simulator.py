@@ -299,3 +299,75 @@ def test_the_join_rule_leaves_gated_alone_and_meet_joins_a_busy_gpu():
 def test_an_unknown_join_rule_is_a_clear_error():
     with pytest.raises(ValueError, match="join rule"):
         SimConfig(join_rule="sometimes")
+
+
+def test_a_handoff_waiting_for_its_gpu_prefill_counts_on_the_gpu_as_the_router_counts_it():
+    """The relay starts a hand-off's move when its first token comes (router/relay.py), so until then
+    the router's planner sees the request on the GPU engine, not migrating: its prompt's blocks
+    count there, and the GPU requests already decoding move to the CPU under that pressure. The
+    simulator marked it migrating from admission on, left the GPU looking emptier than the real
+    router sees it and kept those requests on the GPU (session 9's quiet take, req-0..req-4)."""
+    from dualpace.policy.migration_planner import plan_migrations
+    from dualpace.policy.views import EngineView
+    from profiles.sim.simulator import Track
+
+    sim = Simulator(_cost(), SimConfig(policy=Policy.DUALPACE))
+    decoding = sim.tracks["a"] = Track(RequestSpec(0, 0.0, tuple(range(28)), 24), "a", engine=GPU,
+                                       token_times_ms=[float(t) for t in range(10)])
+    waiting = sim.tracks["b"] = Track(RequestSpec(1, 0.0, tuple(range(32)), 8), "b", engine=GPU, handoff_to=CPU)
+    routed = {r.request_id: r for r in sim._routed()}
+    assert not routed["b"].migrating and routed["b"].engine == GPU
+    views = {GPU: EngineView(GPU, "gpu", True, 16, 0, 4, 1, 1, 10.0, 10.0),
+             CPU: EngineView(CPU, "cpu", True, 256, 0, 4, 0, 0, 20.0, 20.0)}
+    (move,) = plan_migrations(list(routed.values()), views, Policy.DUALPACE, sim.migration)
+    assert (move.request_id, move.source, move.target) == ("a", GPU, CPU)  # 10 + 8 of 16 blocks
+    waiting.token_times_ms.append(11.0)
+    waiting.migrating = True  # its hand-off started (Moves._move): now it is leaving the GPU
+    assert {r.request_id: r.migrating for r in sim._routed()} == {"a": False, "b": True}
+    decoding.migrating = True
+    assert plan_migrations(sim._routed(), views, Policy.DUALPACE, sim.migration) == []
+
+
+def _pump(sim, until_kind: str, name: str):
+    """Run the simulator's queued calls until `name`'s iteration-end event; returns its time."""
+    import heapq
+
+    while sim._events:
+        at_ms, _, kind, payload = heapq.heappop(sim._events)
+        sim.now_ms = at_ms
+        if kind == "call":
+            payload()
+        elif kind == until_kind and payload[0] == name and payload[1] == sim.engines[name].done_version:
+            return at_ms
+    raise AssertionError(f"no {until_kind} event for {name}")
+
+
+def test_a_staged_iteration_whose_stage_waits_past_its_device_budget_is_redone_locally():
+    """gpu_service charges each stage's wait for the engine's next layer boundary to the begin's
+    max_device_wait_ms and refuses the stage when it runs out (RESOURCE_EXHAUSTED); cpu_service
+    backs off and redoes the iteration locally. Without that the simulated staged iteration rode
+    out a whole long prefill step (820 ms gaps in session 9's quiet take, none in the real run)."""
+    from dualpace.engine.request import EngineRequest
+    from dualpace.sampling_params import SamplingParams
+
+    sim = Simulator(_cost(), SimConfig(policy=Policy.DUALPACE, assist_device_hold="layer"))
+    cpu = sim.engines[CPU]
+    cpu.scheduler.add(EngineRequest("r", [1, 2, 3], SamplingParams(max_tokens=4, ignore_eos=True), seed=0))
+    plan = cpu.scheduler.schedule()
+    budget_ms = sim._stage_budget_ms(1)
+    assert budget_ms is not None and budget_ms > 0
+    assert sim.device.stage_start_ms(0.0) == 0.0
+    sim.device.start_engine(0.0, 3000.0)  # a long prefill step: 2 layers of 1500 ms
+    assert sim.device.stage_start_ms(10.0) == 1500.0  # its next layer boundary; nothing booked
+    assert sim.device.engine_run.end_ms == 3000.0
+    sim._start_staged(cpu, plan, 3.0, 25.0)  # 3 stages of 1 ms; the first runs at once (layer 0 begins)
+    assert sim.device.engine_run.end_ms == 3001.0
+    end_ms = _pump(sim, "done", CPU)
+    refused_at_ms = 1.0 + 22.0 / 2 + budget_ms  # after the first stage and its CPU side, the budget's wait
+    prefill_tokens, contexts, sampled = sim._plan_shape(plan)
+    local_ms = sim.cost.cpu_iteration(DecodeBatch.of(contexts), prefill_tokens, sampled).local_ms
+    assert end_ms == pytest.approx(refused_at_ms + local_ms)
+    assert sim.num_staged_refusals == 1 and cpu.num_local == 1 and cpu.num_assisted == 0
+    assert cpu.num_iterations == 1 and cpu.staged_batch is None
+    assert sim.chooser.backoff_until > sim.chooser.num_iterations  # it runs locally for a while
+    assert sim.device.engine_run.end_ms == 3001.0  # the stage that ran stays in the GPU's step

@@ -153,14 +153,18 @@ async def test_a_cancelled_sender_abandons_the_stream(tiny, monkeypatch, phase):
     sender abandons the control stream (`X`), the target drops the import; the watch stays usable."""
     served = await Served().start(tiny)
     await first_transfer(served, tiny)
-    reached = asyncio.Event()
+    reached, proceed = asyncio.Event(), asyncio.Event()
     if phase == "header":
-        answer = ShmImport.answer
+        # The reservation is read only once the cancel has landed: with the lease asked for ahead,
+        # nothing else is left to wait for before the copy, which could otherwise pass the last safe
+        # point before the cancel reaches the move (then the move commits, as it must after it).
+        expect_answer = SameHostKvSender._expect_answer
 
-        def slow_answer(self, offer):
+        async def held_answer(self, call):
             reached.set()
-            return answer(self, offer)
-        monkeypatch.setattr(ShmImport, "answer", slow_answer)
+            await proceed.wait()
+            return await expect_answer(self, call)
+        monkeypatch.setattr(SameHostKvSender, "_expect_answer", held_answer)
         faults = FaultConfig()
     else:
         write_in_place = kv_shm_transport.write_in_place
@@ -178,6 +182,7 @@ async def test_a_cancelled_sender_abandons_the_stream(tiny, monkeypatch, phase):
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
+    proceed.set()
     await finishes_on_source(served, channel, tiny)
     monkeypatch.undo()
     sender, tokens = await migrated(served, "after")

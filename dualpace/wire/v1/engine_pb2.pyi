@@ -168,13 +168,15 @@ class ImportKvHeader(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., output_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., num_computed_tokens: _Optional[int] = ..., num_tokens_emitted: _Optional[int] = ..., layout: _Optional[_Union[KvLayout, _Mapping]] = ..., total_chunks: _Optional[int] = ..., total_bytes: _Optional[int] = ..., source_engine: _Optional[str] = ..., num_cached_tokens: _Optional[int] = ..., shm_offer: _Optional[_Union[KvShmOffer, _Mapping]] = ..., cache_only: _Optional[bool] = ..., cache_salt: _Optional[str] = ..., skip_cached: _Optional[bool] = ..., num_prior_output_tokens: _Optional[int] = ...) -> None: ...
 
 class KvShmOffer(_message.Message):
-    __slots__ = ("boot_id",)
+    __slots__ = ("boot_id", "lease_ticket")
     BOOT_ID_FIELD_NUMBER: _ClassVar[int]
+    LEASE_TICKET_FIELD_NUMBER: _ClassVar[int]
     boot_id: str
-    def __init__(self, boot_id: _Optional[str] = ...) -> None: ...
+    lease_ticket: bytes
+    def __init__(self, boot_id: _Optional[str] = ..., lease_ticket: _Optional[bytes] = ...) -> None: ...
 
 class KvShmReserved(_message.Message):
-    __slots__ = ("socket_name", "segment_token", "import_token", "slot_ids", "accepts_written_with_commit", "lease_on_watch", "control_on_watch")
+    __slots__ = ("socket_name", "segment_token", "import_token", "slot_ids", "accepts_written_with_commit", "lease_on_watch", "control_on_watch", "asks_lease_ahead")
     SOCKET_NAME_FIELD_NUMBER: _ClassVar[int]
     SEGMENT_TOKEN_FIELD_NUMBER: _ClassVar[int]
     IMPORT_TOKEN_FIELD_NUMBER: _ClassVar[int]
@@ -182,6 +184,7 @@ class KvShmReserved(_message.Message):
     ACCEPTS_WRITTEN_WITH_COMMIT_FIELD_NUMBER: _ClassVar[int]
     LEASE_ON_WATCH_FIELD_NUMBER: _ClassVar[int]
     CONTROL_ON_WATCH_FIELD_NUMBER: _ClassVar[int]
+    ASKS_LEASE_AHEAD_FIELD_NUMBER: _ClassVar[int]
     socket_name: str
     segment_token: bytes
     import_token: bytes
@@ -189,7 +192,8 @@ class KvShmReserved(_message.Message):
     accepts_written_with_commit: bool
     lease_on_watch: bool
     control_on_watch: bool
-    def __init__(self, socket_name: _Optional[str] = ..., segment_token: _Optional[bytes] = ..., import_token: _Optional[bytes] = ..., slot_ids: _Optional[_Iterable[int]] = ..., accepts_written_with_commit: _Optional[bool] = ..., lease_on_watch: _Optional[bool] = ..., control_on_watch: _Optional[bool] = ...) -> None: ...
+    asks_lease_ahead: bool
+    def __init__(self, socket_name: _Optional[str] = ..., segment_token: _Optional[bytes] = ..., import_token: _Optional[bytes] = ..., slot_ids: _Optional[_Iterable[int]] = ..., accepts_written_with_commit: _Optional[bool] = ..., lease_on_watch: _Optional[bool] = ..., control_on_watch: _Optional[bool] = ..., asks_lease_ahead: _Optional[bool] = ...) -> None: ...
 
 class KvShmDeclined(_message.Message):
     __slots__ = ("reason",)
