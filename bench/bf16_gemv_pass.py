@@ -31,18 +31,6 @@ SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]
 LAYERS = int(os.environ.get("GEMV_PASS_LAYERS", "30"))  # fewer: the pass fits in the caches
 
 
-def random_copy_bandwidth(num_bytes: int = 512 * 2**20, repeats: int = 6) -> float:
-    src = torch.rand(num_bytes // 4)
-    dst = torch.empty_like(src)
-    dst.copy_(src)
-    best_s = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        dst.copy_(src)
-        best_s = min(best_s, time.perf_counter() - start)
-    return 2 * num_bytes / best_s
-
-
 def huge_page_copies(tensors: list) -> list:
     """The tensors copied into one 2 MiB-aligned buffer advised MADV_HUGEPAGE before first touch."""
     total = sum(-(-t.numel() * t.element_size() // 4096) * 4096 for t in tensors)
@@ -107,7 +95,7 @@ def main() -> None:
     for _ in range(args.rounds):
         row = {"load_average": [round(v, 2) for v in os.getloadavg()],
                "copy_ones_gb_per_s": round(copy_bandwidth_bytes_per_s(repeats=6) / 1e9, 1),
-               "copy_random_gb_per_s": round(random_copy_bandwidth() / 1e9, 1),
+               "copy_random_gb_per_s": round(copy_bandwidth_bytes_per_s(repeats=6, random=True) / 1e9, 1),
                "read_gb_per_s": round(read_bandwidth_bytes_per_s() / 1e9, 1)}
         for name, kernels in variants.items():
             row[f"{name}_gemv_gb_per_s"] = round(weight_bytes / gemv_pass_s(kernels, xs, matrices, args.passes) / 1e9, 1)
