@@ -7,10 +7,11 @@ import time
 import torch
 
 
-def copy_bandwidth_bytes_per_s(num_bytes: int = 512 * 2**20, repeats: int = 8) -> float:
+def copy_bandwidth_bytes_per_s(num_bytes: int = 512 * 2**20, repeats: int = 8, random: bool = False) -> float:
     """Best-of-`repeats` bandwidth of a large tensor copy, counting bytes read plus bytes written
-    (the convention of ARCHITECTURE.md §7, where it measured about 34 GB/s)."""
-    src = torch.ones(num_bytes // 4, dtype=torch.float32)
+    (the convention of ARCHITECTURE.md §7, where it measured about 34 GB/s); of ones, or of
+    random values (`random`, to rule out a memory system that gains from uniform data)."""
+    src = torch.rand(num_bytes // 4) if random else torch.ones(num_bytes // 4, dtype=torch.float32)
     dst = torch.empty_like(src)
     dst.copy_(src)  # fault the pages in before timing
     best_s = float("inf")

@@ -30,8 +30,8 @@ inline void linear_tile_dot(const bf16* x, int64_t ldx, int64_t m0, int64_t K, c
   int64_t k = 0;
   for (; k + 32 <= K; k += 32) {
     __m512i wv[NR];
-    for (int r = 0; r < NR; ++r)  // software prefetch 2 KB ahead in each row stream
-      _mm_prefetch(reinterpret_cast<const char*>(rows[r] + k) + 2048, _MM_HINT_T0);
+    for (int r = 0; r < NR; ++r)  // software prefetch DP_PREFETCH_BYTES ahead in each row stream
+      if (DP_PREFETCH_BYTES) _mm_prefetch(reinterpret_cast<const char*>(rows[r] + k) + DP_PREFETCH_BYTES, DP_PREFETCH_HINT);
     for (int r = 0; r < NR; ++r) wv[r] = _mm512_loadu_si512(rows[r] + k);
     for (int m = 0; m < MR; ++m) {
       __m512i xv = _mm512_loadu_si512(x + (m0 + m) * ldx + k);

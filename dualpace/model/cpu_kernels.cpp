@@ -85,10 +85,6 @@ inline void with_rows(int64_t M, F&& f) {
   }
 }
 
-#ifndef DP_PREFETCH_BYTES
-#define DP_PREFETCH_BYTES 2048
-#endif
-
 // MR rows of fp32 x (from row m0, ldx apart) against W rows [n0, n0 + NR) of element type WT
 // (ldw elements apart; rows past N are clamped to N - 1 and not stored). The weights are widened
 // to fp32 in registers. Every output is one accumulator over k in steps of 16 whatever MR and NR

@@ -62,7 +62,7 @@ inline void row_tile_pairs(const float* xs, int64_t K, const bf16* w, int64_t ld
   for (; k + 32 <= K; k += 32) {
     for (int r = 0; r < NR; ++r) {
       p[r] = rows[r] + k;
-      if (prefetch_bytes) _mm_prefetch(reinterpret_cast<const char*>(p[r]) + prefetch_bytes, _MM_HINT_T0);
+      if (prefetch_bytes) _mm_prefetch(reinterpret_cast<const char*>(p[r]) + prefetch_bytes, DP_PREFETCH_HINT);
     }
     pairs_block<NR>(xs + k, p, ae, ao);
     for (int r = 0; r < NR; ++r) p[r] += 16;
