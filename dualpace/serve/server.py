@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import logging
+import sys
 from collections.abc import Callable, Sequence
 
 import grpc
@@ -137,7 +138,11 @@ async def start_server(
 def print_listening(name: str, address: str) -> None:
     """Prints and logs `{name} listening on {address}`; launchers and tests parse this line."""
     line = f"{name} listening on {address}"
-    print(line, flush=True)
+    # One write with its newline: print() writes the text and the newline apart, and unbuffered
+    # (PYTHONUNBUFFERED) another thread's log line on the same pipe could land between them
+    # ("...cpu.sock{"event": ...}"), which a launcher then parsed as the address.
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
     logger.info(line)
 
 
