@@ -28,7 +28,7 @@ from dualpace.errors import InvalidArgument
 from dualpace.model.loader import LoadedModel
 from dualpace.serve.auth import read_token_file
 from dualpace.serve.config import parse_with_config
-from dualpace.serve.security import peer_credentials_for, security_from_args
+from dualpace.serve.security import load_tls, peer_credentials_for
 from dualpace.serve.engine_daemon import (
     EngineDaemonParts,
     add_engine_arguments,
@@ -122,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
                                   auth_token=read_token_file(args.auth_token_file), transport=args.assist_transport,
                                   shm_slot_bytes=slot_bytes_for(config.scheduler.max_running, cfg.num_heads,
                                                                 cfg.num_kv_heads, cfg.head_dim),
-                                  credentials=peer_credentials_for(args.gpu_service, security_from_args(args).tls))
+                                  credentials=peer_credentials_for(args.gpu_service, load_tls(args.tls_cert, args.tls_key, args.tls_client_ca)))
         chooser = ModeChooser(setting, assist_configured=client is not None)
         if profile is not None:
             from dualpace.profile.data_paths import assist_path, for_paths, on_this_host
