@@ -6,7 +6,7 @@ stopped only once they are done (router/__main__.py)."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
+from collections.abc import AsyncGenerator, Iterator
 from contextlib import contextmanager
 
 from dualpace.errors import Unavailable
@@ -18,6 +18,7 @@ class StreamDrain:
         self._idle = asyncio.Event()  # set while no stream is running
         self._idle.set()
         self._tasks: set[asyncio.Task] = set()  # the tasks running streams
+        self._yielded: set[asyncio.Task] = set()  # of those, the ones gRPC runs (see updates)
         self._cancel_reason: str | None = None  # set by cancel_streams
 
     @property
@@ -49,6 +50,32 @@ class StreamDrain:
             if not self._tasks:
                 self._idle.set()
 
+    async def updates(self, source: AsyncGenerator):
+        """`source`'s items, for a stream's task inside stream(): ends the stream with the
+        cancel reason at the first item after cancel_streams.
+
+        Between two items a stream's task runs gRPC's code (writing the last item), and a
+        cancel delivered there would reach gRPC, not the stream: the call would stay open until
+        the server stopped, and the client would read gRPC's "Cancelling all calls" instead of
+        the reason. So cancel_streams leaves such a task alone, and it ends here when gRPC asks
+        for its next item."""
+        task = asyncio.current_task()
+        try:
+            while True:
+                if self._cancel_reason is not None:
+                    raise Unavailable(self._cancel_reason)
+                try:
+                    item = await anext(source)
+                except StopAsyncIteration:
+                    return
+                self._yielded.add(task)
+                try:
+                    yield item
+                finally:
+                    self._yielded.discard(task)
+        finally:
+            await source.aclose()  # its clean-up (e.g. the engine request aborted) now, not when collected
+
     async def wait_drained(self, timeout_s: float) -> bool:
         """Waits up to timeout_s for every running stream to end; whether they did."""
         if self._idle.is_set():
@@ -60,8 +87,9 @@ class StreamDrain:
         return True
 
     def cancel_streams(self, reason: str) -> int:
-        """Ends every running stream with UNAVAILABLE `reason`; returns how many there were."""
+        """Ends every running stream with UNAVAILABLE `reason`: now if it is in its own code,
+        else when gRPC asks for its next item (see updates). Returns how many there were."""
         self._cancel_reason = reason
-        for task in self._tasks:
+        for task in self._tasks - self._yielded:
             task.cancel()
         return len(self._tasks)

@@ -28,7 +28,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             remaining_s = context.time_remaining()  # None without a client deadline
             client_deadline = time.monotonic() + remaining_s if remaining_s is not None else None
             relay = await open_request(self.core, client, request_id, client_deadline)
-            async for update in relay.run():
+            async for update in self.drain.updates(relay.run()):
                 yield messages.generate_response_to_pb(
                     request_id, update.token_ids, update.text, update.engine, update.finish_reason,
                     len(relay.prompt_token_ids), len(relay.output_token_ids), relay.num_cached_tokens,
