@@ -15,9 +15,10 @@ tried in session 10 and did not lower the wait on a shared 2-core host (docs/res
 10: gated's GPU wait"). What the CPU side does instead (`WakeAhead`, session 11): between its
 answer of one layer and the next layer's q/k/v it waits about as long as the GPU's layer, longer
 than any spin, so it slept on the futex and each q/k/v paid a sleeping thread's wake-up (~90 µs
-on a KVM guest whose idle vCPU halts; bench/ring_wakeup.py). It now sleeps until shortly before
-the q/k/v are due (the shortest of this iteration's earlier gaps, less a margin) and spins from
-there: the wake-up happens before the post, not after it.
+on a KVM guest whose idle vCPU halts; bench/ring_wakeup.py). With DUALPACE_WAKE_AHEAD=1 it sleeps
+until shortly before the q/k/v are due (the shortest of this iteration's earlier gaps, less a
+margin) and spins from there: the wake-up happens before the post, not after it. Off by default:
+on a loaded 2-core host it did not lower the GPU's wait (docs/results.md, session 11).
 Pure arithmetic on nanosecond stamps the caller takes: no clock here.
 """
 
