@@ -17,6 +17,9 @@ consumer sleeps one slice at most, never for ever. The words are accessed throug
 memoryview cast to 'I': each access is one aligned 32-bit load or store (struct's
 little-endian codes would write byte by byte, which a spinning reader could see half done).
 
+`seen_ns` is when the last wait() saw the change (CLOCK_MONOTONIC; 0 when the value was already
+there), so a caller can tell the wake-up from the time its own thread needed after it.
+
 x86-64 Linux only: its total store order is what makes the payload visible before `seq`
 without further barriers (SUPPORTED says whether this process can use it).
 """
@@ -67,6 +70,7 @@ class Doorbell:
         self._fence_lock = threading.Lock()
         self.spin_s = spin_s
         self.num_sleeps = 0  # how often wait() went to the kernel (a measure of the spin's reach)
+        self.seen_ns = 0  # when the last wait() saw the change (0: it was there already)
 
     @property
     def seq(self) -> int:
@@ -86,19 +90,29 @@ class Doorbell:
         self._words[0] = (self._words[0] + 0x80000000) & 0xFFFFFFFF
         self._futex(_FUTEX_WAKE, 1 << 30, None)
 
-    def wait(self, seq: int, deadline_s: float | None, should_stop: Callable[[], bool] = lambda: False) -> bool:
+    def wait(self, seq: int, deadline_s: float | None, should_stop: Callable[[], bool] = lambda: False,
+             sleep_first_s: float = 0.0, spin_s: float | None = None) -> bool:
         """Consumer: wait until the doorbell reads `seq` (True), or stop / deadline (False).
 
         deadline_s is on time.monotonic(); None waits until should_stop() or a change. A value
-        other than the one expected also returns True: the caller compares and reports it."""
+        other than the one expected also returns True: the caller compares and reports it.
+
+        sleep_first_s > 0 (the caller does not expect the value before then): sleep on the futex
+        for that long first (a post wakes it as usual), then spin for spin_s (default self.spin_s),
+        then sleep as usual. A sleeping thread's wake-up by the peer's post costs the kernel's (and
+        a hypervisor's, for an idle vCPU) wake latency; a timed wake ahead of the post hides it."""
         words = self._words
         target = seq & 0xFFFFFFFF
+        self.seen_ns = 0
         if words[0] == target:
             return True
         previous = (target - 1) & 0xFFFFFFFF
-        spin_until = time.perf_counter() + self.spin_s
+        if sleep_first_s > 0 and self._sleep(previous, min(sleep_first_s, SLEEP_SLICE_S)):
+            return True
+        spin_until = time.perf_counter() + (self.spin_s if spin_s is None else spin_s)
         while time.perf_counter() < spin_until:
             if words[0] != previous:
+                self.seen_ns = time.monotonic_ns()
                 return True
             os.sched_yield()  # a spinning waiter gives way to whoever else is runnable (the peer, say)
         while True:
@@ -107,16 +121,23 @@ class Doorbell:
             remaining_s = SLEEP_SLICE_S if deadline_s is None else min(SLEEP_SLICE_S, deadline_s - time.monotonic())
             if remaining_s <= 0:
                 return words[0] != previous
-            words[1] = 1
-            try:
-                if words[0] != previous:
-                    return True
-                self.num_sleeps += 1
-                self._futex(_FUTEX_WAIT, previous, remaining_s)
-            finally:
-                words[1] = 0
-            if words[0] != previous:
+            if self._sleep(previous, remaining_s):
                 return True
+
+    def _sleep(self, previous: int, timeout_s: float) -> bool:
+        """One futex sleep while seq reads `previous`, for at most timeout_s; True once it changed."""
+        words = self._words
+        words[1] = 1
+        try:
+            if words[0] == previous:
+                self.num_sleeps += 1
+                self._futex(_FUTEX_WAIT, previous, timeout_s)
+        finally:
+            words[1] = 0
+        if words[0] != previous:
+            self.seen_ns = time.monotonic_ns()
+            return True
+        return False
 
     def _futex(self, op: int, value: int, timeout_s: float | None) -> None:
         timeout = None
