@@ -25,7 +25,7 @@ import crc32c
 import torch
 
 from dualpace.engine.same_host import TICKET_BYTES
-from dualpace.engine.shm_kv_copy import layer_checksums, slot_runs
+from dualpace.engine.shm_kv_copy import layer_checksummer, slot_runs
 from dualpace.errors import Unavailable
 
 MAGIC = b"DPK1"
@@ -112,13 +112,14 @@ def send_layers(connection: socket.socket, k_pool: torch.Tensor, v_pool: torch.T
     runs = slot_runs(slot_ids, slot_ids)
     flats = (_flat_bytes(k_pool), _flat_bytes(v_pool)) if direct else None
     index = None if direct else torch.tensor(slot_ids, dtype=torch.long, device=k_pool.device)
+    layer_checksum = layer_checksummer(k_pool, v_pool, slot_ids) if direct else None
     checksums = []
     for layer in range(num_layers):
         safe_point()
         if cut_after is not None and layer >= cut_after:
             raise Unavailable(f"fault injected: KV data socket cut after {cut_after} layers")
         if direct:
-            crc = layer_checksums(k_pool, v_pool, slot_ids, range(layer, layer + 1))[0]
+            crc = layer_checksum(layer)
             buffers = _layer_views(*flats, layer, runs)
         else:  # a device pool: the layer gathered to the host first
             parts = [pool[layer].view(-1, *pool.shape[3:]).index_select(0, index).cpu() for pool in (k_pool, v_pool)]
@@ -145,9 +146,10 @@ def receive_layers(connection: socket.socket, k_pool: torch.Tensor, v_pool: torc
     if write_layer is None:
         runs = slot_runs(slot_ids, slot_ids)
         flats = _flat_bytes(k_pool), _flat_bytes(v_pool)
+        layer_checksum = layer_checksummer(k_pool, v_pool, slot_ids)
         for layer in range(num_layers):
             receive_all(connection, _layer_views(*flats, layer, runs))
-            checksums.append(layer_checksums(k_pool, v_pool, slot_ids, range(layer, layer + 1))[0])
+            checksums.append(layer_checksum(layer))
         return checksums
     staging = memoryview(bytearray(layer_bytes))
     half = layer_bytes // 2
