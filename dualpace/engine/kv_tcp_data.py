@@ -19,6 +19,7 @@ one reusable staging buffer per transfer, written into the pool layer by layer (
 from __future__ import annotations
 
 import socket
+import ssl
 from collections.abc import Callable
 
 import crc32c
@@ -33,6 +34,9 @@ HELLO_BYTES = len(MAGIC) + TICKET_BYTES
 SOCKET_BUFFER_BYTES = 4 * 2**20  # per direction: a few ms of data in flight at loopback speed
 MAX_IOV = 512  # buffers per sendmsg / recvmsg_into call (Linux allows 1024)
 CONNECT_TIMEOUT_S = 5.0
+# The threads of the data sockets' blocking work (TLS handshakes, sends, receives): a pool of their
+# own, so stalled handshakes never hold up the event loop's default executor.
+POOL, POOL_WORKERS = "kv-tcp", 8
 
 
 def tune(connection: socket.socket) -> None:
@@ -42,11 +46,15 @@ def tune(connection: socket.socket) -> None:
     connection.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, SOCKET_BUFFER_BYTES)
 
 
-def connect(host: str, port: int, ticket: bytes, timeout_s: float) -> socket.socket:
-    """The sender's connection to the target's data socket, the hello sent."""
+def connect(host: str, port: int, ticket: bytes, timeout_s: float,
+            tls: ssl.SSLContext | None = None) -> socket.socket:
+    """The sender's connection to the target's data socket (over TLS with `tls`, the target's
+    certificate checked for `host`), the hello sent."""
     connection = socket.create_connection((host, port), timeout=CONNECT_TIMEOUT_S)
     try:
         tune(connection)
+        if tls is not None:
+            connection = tls.wrap_socket(connection, server_hostname=host)
         connection.settimeout(timeout_s)
         connection.sendall(MAGIC + ticket)
     except BaseException:
@@ -68,6 +76,9 @@ def _advance(buffers: list[memoryview], num_bytes: int) -> list[memoryview]:
 
 
 def send_all(connection: socket.socket, buffers: list[memoryview]) -> None:
+    if isinstance(connection, ssl.SSLSocket):  # no sendmsg over TLS: one record stream per layer
+        connection.sendall(b"".join(buffers))
+        return
     buffers = [b for b in buffers if len(b)]
     while buffers:
         sent = connection.sendmsg(buffers[:MAX_IOV])
@@ -77,7 +88,10 @@ def send_all(connection: socket.socket, buffers: list[memoryview]) -> None:
 def receive_all(connection: socket.socket, buffers: list[memoryview]) -> None:
     buffers = [b for b in buffers if len(b)]
     while buffers:
-        received, _, _, _ = connection.recvmsg_into(buffers[:MAX_IOV], 0, socket.MSG_WAITALL)
+        if isinstance(connection, ssl.SSLSocket):  # no recvmsg_into over TLS: buffer by buffer
+            received = connection.recv_into(buffers[0])
+        else:
+            received, _, _, _ = connection.recvmsg_into(buffers[:MAX_IOV], 0, socket.MSG_WAITALL)
         if received == 0:
             raise EOFError("the data socket closed before the whole KV arrived")
         buffers = _advance(buffers, received)

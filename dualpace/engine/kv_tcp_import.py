@@ -16,12 +16,14 @@ import asyncio
 import contextlib
 import logging
 import socket
+import ssl
 from dataclasses import dataclass
 
 from dualpace.engine import kv_tcp_data
 from dualpace.engine.kv_bytes import DTYPE_NAMES, tensor_from_bytes
 from dualpace.engine.migration import KvImporter
 from dualpace.engine.same_host import HANDSHAKE_TIMEOUT_S, new_ticket, recv_exactly
+from dualpace.engine.worker_pools import run_in_pool
 from dualpace.errors import InvalidArgument
 
 log = logging.getLogger(__name__)
@@ -33,6 +35,7 @@ RECEIVE_TIMEOUT_S = 120.0  # a stalled sender: the receive gives up (the import'
 class TcpReservation:
     port: int
     ticket: bytes
+    tls: bool = False  # the data socket speaks TLS
 
 
 @dataclass(frozen=True)
@@ -49,8 +52,9 @@ class TcpWritten:
 class TcpDataServer:
     """The listening data socket and the tickets of the imports waiting for their connection."""
 
-    def __init__(self, listener: socket.socket):
+    def __init__(self, listener: socket.socket, tls: ssl.SSLContext | None = None):
         self._listener = listener
+        self.tls = tls  # the daemon's TLS (its --tls-cert): every connection is wrapped before its hello
         self.port = listener.getsockname()[1]
         self._waiting: dict[bytes, asyncio.Future] = {}  # ticket -> the import's connection
         self._tasks: set[asyncio.Task] = set()
@@ -58,12 +62,12 @@ class TcpDataServer:
         self.num_refused = 0  # connections closed for a bad hello (the tests read it)
 
     @classmethod
-    async def start(cls, host: str) -> TcpDataServer:
+    async def start(cls, host: str, tls: ssl.SSLContext | None = None) -> TcpDataServer:
         """Listen on `host` (the daemon's own gRPC host; never a wider one) at an ephemeral port."""
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         listener = socket.create_server((host, 0), family=family, backlog=64)
         listener.setblocking(False)
-        server = cls(listener)
+        server = cls(listener, tls)
         server._accepting = asyncio.create_task(server._accept_loop())
         log.info("KV data socket open: host %s, port %d", host, server.port)
         return server
@@ -99,8 +103,12 @@ class TcpDataServer:
         loop = asyncio.get_running_loop()
         connection.setblocking(False)
         try:
-            hello = await asyncio.wait_for(recv_exactly(loop, connection, kv_tcp_data.HELLO_BYTES),
-                                           HANDSHAKE_TIMEOUT_S)
+            if self.tls is not None:  # the handshake and the hello in a thread (blocking, bounded)
+                connection, hello = await run_in_pool(kv_tcp_data.POOL, _tls_hello, self.tls, connection,
+                                                       max_workers=kv_tcp_data.POOL_WORKERS)
+            else:
+                hello = await asyncio.wait_for(recv_exactly(loop, connection, kv_tcp_data.HELLO_BYTES),
+                                               HANDSHAKE_TIMEOUT_S)
             magic, ticket = hello[:len(kv_tcp_data.MAGIC)], hello[len(kv_tcp_data.MAGIC):]
             waiting = self._waiting.pop(ticket, None) if magic == kv_tcp_data.MAGIC else None
             if waiting is None or waiting.done():
@@ -112,11 +120,30 @@ class TcpDataServer:
             connection.settimeout(RECEIVE_TIMEOUT_S)
             waiting.set_result(connection)
             connection = None  # the import's now
-        except (OSError, EOFError, asyncio.TimeoutError) as exc:
+        except (OSError, EOFError, asyncio.TimeoutError) as exc:  # ssl.SSLError is an OSError
             log.debug("KV data socket: hello failed: %s", exc)
         finally:
             if connection is not None:
                 connection.close()
+
+
+def _tls_hello(tls: ssl.SSLContext, connection: socket.socket) -> tuple[socket.socket, bytes]:
+    """Blocking: the TLS handshake (the client's certificate checked where the context requires
+    one), then the hello; the connection is closed on any failure."""
+    try:
+        connection.setblocking(True)
+        connection.settimeout(HANDSHAKE_TIMEOUT_S)
+        connection = tls.wrap_socket(connection, server_side=True)
+        hello = b""
+        while len(hello) < kv_tcp_data.HELLO_BYTES:
+            more = connection.recv(kv_tcp_data.HELLO_BYTES - len(hello))
+            if not more:
+                raise EOFError("closed before the hello")
+            hello += more
+    except BaseException:
+        connection.close()
+        raise
+    return connection, hello
 
 
 class TcpImport:
@@ -137,7 +164,7 @@ class TcpImport:
             return TcpDeclined(self.declined)
         self._ticket, waiting = self.server.open()
         self._receive = asyncio.ensure_future(self._accept_and_receive(waiting))
-        return TcpReservation(self.server.port, self._ticket)
+        return TcpReservation(self.server.port, self._ticket, self.server.tls is not None)
 
     async def _accept_and_receive(self, waiting: asyncio.Future) -> list[int] | None:
         """The landed layer checksums, once the ticket's connection came and the whole KV arrived;
@@ -155,9 +182,9 @@ class TcpImport:
         layer_bytes = 2 * header.num_computed_tokens * header.layout.bytes_per_token_per_layer
         direct = (kv_tcp_data.direct_pool(kv.k) and kv_tcp_data.direct_pool(kv.v)
                   and DTYPE_NAMES[kv.dtype] == header.layout.dtype)
-        return await asyncio.to_thread(kv_tcp_data.receive_layers, connection, kv.k, kv.v,
-                                       list(self.importer.slot_ids), layer_bytes,
-                                       None if direct else self._write_layer)
+        return await run_in_pool(kv_tcp_data.POOL, kv_tcp_data.receive_layers, connection, kv.k, kv.v,
+                                 list(self.importer.slot_ids), layer_bytes, None if direct else self._write_layer,
+                                 max_workers=kv_tcp_data.POOL_WORKERS)
 
     def _write_layer(self, layer: int, k: memoryview, v: memoryview) -> None:
         """The staging path: one layer's bytes into the reserved blocks (another dtype or a device pool)."""

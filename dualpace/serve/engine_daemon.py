@@ -102,7 +102,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser, default_name: str, def
                              "data socket to others), tcp (the data socket even on this host) or grpc (always "
                              "chunks over gRPC; the KV pool stays private, no data socket). The data socket "
                              "listens on the --listen host (127.0.0.1 for unix:) at a port the kernel picks, "
-                             "announced per transfer over gRPC; with --tls-cert KV stays on gRPC")
+                             "announced per transfer over gRPC; over TLS with --tls-cert")
     parser.add_argument("--step-timeline", default=None, metavar="PATH",
                         help="append one JSON line per engine step to PATH (when, mode, rows, joins; "
                              "written off the step thread): the input of bench/cooperative_timeline.py")
@@ -262,9 +262,9 @@ def run_engine_daemon(
         service_names = [ENGINE_SERVICE]
         channels = PeerChannels()  # to the peers this daemon sends KV to, kept open across transfers
         parts.peer_tls, parts.channels = security.tls, channels
-        # The KV data socket to engines on other hosts (not under TLS: it is not encrypted yet).
-        tcp = (await TcpDataServer.start(data_socket_host(args.listen))
-               if args.kv_transport != "grpc" and security.tls is None else None)
+        # The KV data socket to engines on other hosts (over TLS where this daemon serves TLS).
+        tls = security.tls.data_server_context() if security.tls is not None else None
+        tcp = await TcpDataServer.start(data_socket_host(args.listen), tls) if args.kv_transport != "grpc" else None
         same_host = SameHostKv(args.kv_transport, await SharedKvPool.start(parts.kv_memory), channels=channels,
                                tcp=tcp)
 

@@ -2,12 +2,13 @@
 commit; the KV bytes go over the target's TCP data socket (dualpace.engine.kv_tcp_data).
 
 Python gRPC moves bulk bytes at about 1 GB/s here whatever the messages (bench.grpc_bulk_floor,
-docs/perf.md), a few percent of memcpy; a plain socket fed with views of the pool moves them at
-several GB/s. The header offers the data socket; the target answers with a port and a one-time
+docs/perf.md), a few percent of memcpy; a socket fed with views of the pool moved the same KV about
+twice as fast (docs/perf.md, session 11). The header offers the data socket; the target answers with a port and a one-time
 ticket, or with the reason it declines (then chunks follow on the gRPC stream, as GrpcKvSender
 sends them). A connection that cannot be made falls back to chunks for that transfer; a failure
 after it (a corrupt layer, a dropped connection, a cancel) fails the transfer with the two-phase
-rules intact: the request runs on the source, the target frees its blocks.
+rules intact: the request runs on the source, the target frees its blocks. Where the target serves
+TLS (KvTcpReserved.tls) the connection is TLS with this daemon's credentials, as its gRPC calls are.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import ssl
 import threading
 import time
 from collections.abc import AsyncIterator
@@ -26,7 +28,8 @@ from dualpace.engine.kv_source import OutgoingKv
 from dualpace.engine.kv_tcp_import import TcpDeclined, TcpReservation, TcpWritten
 from dualpace.engine.kv_transfer import KvChunk, KvTransferHeader
 from dualpace.errors import Unavailable
-from dualpace.serve.address import data_socket_peer_host
+from dualpace.engine.worker_pools import run_in_pool
+from dualpace.serve.address import UNIX_PREFIX, data_socket_peer_host
 from dualpace.serve.kv_transport import GrpcKvSender, _ended
 from dualpace.wire.engine_messages import kv_header_to_pb
 from dualpace.wire.kv_tcp_messages import add_tcp_offer, tcp_answer_from_pb, tcp_written_to_pb
@@ -46,10 +49,18 @@ class TcpKvSender(GrpcKvSender):
         self.phase_ms: dict[str, float] = {}  # the last transfer's phases (bench.data_plane reports them)
 
     def offers_tcp(self, header: KvTransferHeader, chunks) -> bool:
-        """Only a migration's KV (not a cache copy, not a request without KV); not under TLS (the data
-        socket is not encrypted yet: those transfers stay on the TLS gRPC stream)."""
-        return (self.tls is None and isinstance(chunks, OutgoingKv) and header.num_computed_tokens > 0
+        """Only a migration's KV (not a cache copy, not a request without KV)."""
+        return (isinstance(chunks, OutgoingKv) and header.num_computed_tokens > 0
                 and time.monotonic() >= _DECLINED_UNTIL.get(self.target_address, 0.0))
+
+    def _tls_for(self, answer: TcpReservation) -> ssl.SSLContext | None:
+        """The TLS of the connection to the data socket (as on this daemon's gRPC calls to the target);
+        raises OSError where the two sides' settings do not meet (then chunks go over gRPC)."""
+        if not answer.tls:
+            return None
+        if self.tls is None or self.target_address.startswith(UNIX_PREFIX):
+            raise OSError("the data socket speaks TLS; this sender has no TLS to a TCP address of the target")
+        return self.tls.data_client_context()
 
     async def __call__(self, header: KvTransferHeader, chunks: AsyncIterator[KvChunk]) -> str:
         self.used_tcp = False
@@ -77,9 +88,9 @@ class TcpKvSender(GrpcKvSender):
             return await self._chunks_then_commit(call, chunks)
         started = time.perf_counter()
         try:
-            connection = await asyncio.to_thread(
-                kv_tcp_data.connect, data_socket_peer_host(self.target_address), answer.port, answer.ticket,
-                self.timeout_s)
+            connection = await run_in_pool(
+                kv_tcp_data.POOL, kv_tcp_data.connect, data_socket_peer_host(self.target_address), answer.port,
+                answer.ticket, self.timeout_s, self._tls_for(answer), max_workers=kv_tcp_data.POOL_WORKERS)
         except OSError as exc:
             log.warning("KV to %s over gRPC: cannot reach its data socket (port %d): %s",
                         self.target_address, answer.port, exc)
@@ -111,9 +122,10 @@ class TcpKvSender(GrpcKvSender):
             chunks.safe_point()  # raises once the move is abandoned (an Event read: safe from a thread)
 
         storage = chunks.storage
-        job = asyncio.ensure_future(asyncio.to_thread(
-            kv_tcp_data.send_layers, connection, storage.k, storage.v, list(chunks.slot_ids), safe_point,
-            self.faults.kv_corrupt_chunk, self.faults.kv_cut_after, self.faults.kv_drop_chunk))
+        job = asyncio.ensure_future(run_in_pool(
+            kv_tcp_data.POOL, kv_tcp_data.send_layers, connection, storage.k, storage.v, list(chunks.slot_ids),
+            safe_point, self.faults.kv_corrupt_chunk, self.faults.kv_cut_after, self.faults.kv_drop_chunk,
+            max_workers=kv_tcp_data.POOL_WORKERS))
         try:
             return await asyncio.shield(job)
         except asyncio.CancelledError:

@@ -19,7 +19,8 @@ def has_tcp_offer(header: engine_pb2.ImportKvHeader) -> bool:
 def tcp_answer_to_pb(answer: TcpReservation | TcpDeclined) -> engine_pb2.ImportKvReply:
     if isinstance(answer, TcpDeclined):
         return engine_pb2.ImportKvReply(tcp_declined=engine_pb2.KvTcpDeclined(reason=answer.reason))
-    return engine_pb2.ImportKvReply(tcp_reserved=engine_pb2.KvTcpReserved(port=answer.port, ticket=answer.ticket))
+    return engine_pb2.ImportKvReply(tcp_reserved=engine_pb2.KvTcpReserved(
+        port=answer.port, ticket=answer.ticket, tls=answer.tls))
 
 
 def tcp_answer_from_pb(reply: engine_pb2.ImportKvReply) -> TcpReservation | TcpDeclined | None:
@@ -28,7 +29,7 @@ def tcp_answer_from_pb(reply: engine_pb2.ImportKvReply) -> TcpReservation | TcpD
     if kind == "tcp_declined":
         return TcpDeclined(reply.tcp_declined.reason)
     if kind == "tcp_reserved":
-        return TcpReservation(reply.tcp_reserved.port, bytes(reply.tcp_reserved.ticket))
+        return TcpReservation(reply.tcp_reserved.port, bytes(reply.tcp_reserved.ticket), reply.tcp_reserved.tls)
     return None
 
 

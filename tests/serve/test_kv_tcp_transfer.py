@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import shutil
 import socket
+import ssl
 import time
 
 import grpc
@@ -29,31 +31,34 @@ from dualpace.sampling import FinishReason, SamplingParams
 from dualpace.serve.engine_servicer import EngineServicer
 from dualpace.serve.kv_shm_transport import SameHostKv
 from dualpace.serve.kv_tcp_transport import TcpKvSender
+from dualpace.serve.security import ServerSecurity, load_tls
 from dualpace.serve.server import channel_options, start_server
 from dualpace.wire.engine_messages import kv_header_to_pb
 from dualpace.wire.kv_chunk_wire import IMPORT_KV_METHOD, serialize_import_message
 from dualpace.wire.kv_tcp_messages import add_tcp_offer, tcp_answer_from_pb, tcp_written_to_pb
 from dualpace.wire.v1 import engine_pb2, engine_pb2_grpc
 from tests.engine.test_migration import started, stop, wait_tokens
+from tests.serve.test_security import _self_signed
 
 PROMPT = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8, 9, 7, 9, 3, 2, 3, 8, 4, 6]
 PARAMS = SamplingParams(max_tokens=24, ignore_eos=True)
 
 
 class Served:
-    async def start(self, tiny) -> Served:
+    async def start(self, tiny, tls=None) -> Served:
         self.source = await started(tiny, "src")
         self.target = await started(tiny, "dst", block_size=4)  # other runs than the source's 8-token blocks
-        self.data = await TcpDataServer.start("127.0.0.1")
+        self.tls = tls
+        self.data = await TcpDataServer.start("127.0.0.1", tls.data_server_context() if tls else None)
         self.kv = SameHostKv("tcp", SharedKvPool(None), tcp=self.data)
-        servicer = EngineServicer(self.target[0], same_host=self.kv)
+        servicer = EngineServicer(self.target[0], same_host=self.kv, tls=tls)
         self.server = await start_server(
             "127.0.0.1:0", lambda server: engine_pb2_grpc.add_EngineServicer_to_server(servicer, server),
-            ["dualpace.v1.Engine"])
+            ["dualpace.v1.Engine"], security=ServerSecurity(tls=tls))
         return self
 
     def sender(self, faults: FaultConfig | None = None) -> TcpKvSender:
-        return TcpKvSender(self.server.address, faults=faults or FaultConfig())
+        return TcpKvSender(self.server.address, faults=faults or FaultConfig(), tls=self.tls)
 
     async def close(self) -> None:
         await self.server.stop(0)
@@ -214,5 +219,29 @@ async def test_an_unreachable_data_socket_falls_back_to_grpc_chunks(tiny, monkey
         await migrate_out(served.source[0], "u", sender)
         assert not sender.used_tcp and sender.num_messages >= 1
         await assert_continues_on_target(served, channel, "u", expected(tiny))
+    finally:
+        await served.close()
+
+
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="openssl is not installed")
+async def test_under_tls_the_data_socket_speaks_tls_and_refuses_strangers(tiny, tmp_path):
+    cert, key = _self_signed(tmp_path, "engine")  # both engines' certificate, and their CA (mutual TLS)
+    served = await Served().start(tiny, load_tls(str(cert), str(key), str(cert)))
+    try:
+        channel = await served.source[0].add_request("s", PROMPT, PARAMS)
+        await wait_tokens(channel, 4)
+        sender = served.sender()
+        await migrate_out(served.source[0], "s", sender)
+        assert sender.used_tcp
+        await assert_continues_on_target(served, channel, "s", expected(tiny))
+        # Plaintext, or TLS with a certificate the target does not trust, gets no further than the handshake.
+        assert await asyncio.to_thread(_refused, served.data.port, kv_tcp_data.MAGIC + bytes(16))
+        other_cert, other_key = _self_signed(tmp_path, "stranger")
+        stranger = load_tls(str(other_cert), str(other_key), str(cert)).data_client_context()
+        with pytest.raises(ssl.SSLError):  # the target refuses its certificate (at the handshake or first read)
+            connection = await asyncio.to_thread(kv_tcp_data.connect, "127.0.0.1", served.data.port, bytes(16), 10,
+                                                 stranger)
+            with connection:
+                connection.recv(1)
     finally:
         await served.close()

@@ -218,12 +218,14 @@ class KvTcpOffer(_message.Message):
     def __init__(self) -> None: ...
 
 class KvTcpReserved(_message.Message):
-    __slots__ = ("port", "ticket")
+    __slots__ = ("port", "ticket", "tls")
     PORT_FIELD_NUMBER: _ClassVar[int]
     TICKET_FIELD_NUMBER: _ClassVar[int]
+    TLS_FIELD_NUMBER: _ClassVar[int]
     port: int
     ticket: bytes
-    def __init__(self, port: _Optional[int] = ..., ticket: _Optional[bytes] = ...) -> None: ...
+    tls: bool
+    def __init__(self, port: _Optional[int] = ..., ticket: _Optional[bytes] = ..., tls: _Optional[bool] = ...) -> None: ...
 
 class KvTcpDeclined(_message.Message):
     __slots__ = ("reason",)
