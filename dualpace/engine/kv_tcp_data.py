@@ -34,9 +34,11 @@ HELLO_BYTES = len(MAGIC) + TICKET_BYTES
 SOCKET_BUFFER_BYTES = 4 * 2**20  # per direction: a few ms of data in flight at loopback speed
 MAX_IOV = 512  # buffers per sendmsg / recvmsg_into call (Linux allows 1024)
 CONNECT_TIMEOUT_S = 5.0
-# The threads of the data sockets' blocking work (TLS handshakes, sends, receives): a pool of their
-# own, so stalled handshakes never hold up the event loop's default executor.
+# The threads of the data sockets' blocking work (sends, receives): a pool of their own; TLS
+# handshakes in another (a connection stalling its handshake holds one of those for up to
+# HANDSHAKE_TIMEOUT_S, never a transfer's receive or the event loop's default executor).
 POOL, POOL_WORKERS = "kv-tcp", 8
+HELLO_POOL = "kv-tcp-hello"
 
 
 def tune(connection: socket.socket) -> None:

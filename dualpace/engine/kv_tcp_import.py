@@ -104,7 +104,7 @@ class TcpDataServer:
         connection.setblocking(False)
         try:
             if self.tls is not None:  # the handshake and the hello in a thread (blocking, bounded)
-                connection, hello = await run_in_pool(kv_tcp_data.POOL, _tls_hello, self.tls, connection,
+                connection, hello = await run_in_pool(kv_tcp_data.HELLO_POOL, _tls_hello, self.tls, connection,
                                                        max_workers=kv_tcp_data.POOL_WORKERS)
             else:
                 hello = await asyncio.wait_for(recv_exactly(loop, connection, kv_tcp_data.HELLO_BYTES),
