@@ -276,7 +276,7 @@ class TicketServer:
         try:
             if _peer_uid(connection) not in (os.getuid(), 0):
                 return
-            request = await asyncio.wait_for(_recv_exactly(loop, connection, REQUEST_BYTES), HANDSHAKE_TIMEOUT_S)
+            request = await asyncio.wait_for(recv_exactly(loop, connection, REQUEST_BYTES), HANDSHAKE_TIMEOUT_S)
             kind, ticket = request[:1], request[1:]
             if kind == KIND_FD and ticket in self._fds:
                 socket.send_fds(connection, [GRANTED], [self._fds[ticket]])
@@ -297,7 +297,7 @@ class TicketServer:
             connection.close()
 
 
-async def _recv_exactly(loop: asyncio.AbstractEventLoop, connection: socket.socket, num_bytes: int) -> bytes:
+async def recv_exactly(loop: asyncio.AbstractEventLoop, connection: socket.socket, num_bytes: int) -> bytes:
     data = b""
     while len(data) < num_bytes:
         more = await loop.sock_recv(connection, num_bytes - len(data))

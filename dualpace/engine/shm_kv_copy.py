@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import os
 import threading
+from collections.abc import Callable
 from typing import Protocol
 
 import crc32c
@@ -155,6 +156,28 @@ def layer_checksums(k_pool: torch.Tensor, v_pool: torch.Tensor, slot_ids: list[i
                 crc = crc32c.crc32c(_bytes(flat[layer, start:start + length]), crc)
         checksums.append(crc)
     return checksums
+
+
+def layer_checksummer(k_pool: torch.Tensor, v_pool: torch.Tensor, slot_ids: list[int]) -> Callable[[int], int]:
+    """checksum(layer): layer_checksums of one layer, its runs and bounds prepared once (a stream that
+    checksums each layer next to moving it: per call, layer_checksums' setup cost ~0.5 ms on a busy
+    2-core machine, more than the CRC of a 0.8 MB layer)."""
+    lib = kv_copy_native.get()
+    if lib is None or not (k_pool.is_contiguous() and v_pool.is_contiguous()) or k_pool.device.type != "cpu":
+        return lambda layer: layer_checksums(k_pool, v_pool, slot_ids, range(layer, layer + 1))[0]
+    runs = slot_runs(slot_ids, slot_ids)
+    run_array = np.ascontiguousarray(np.asarray(runs, dtype=np.int64).reshape(-1, 3))
+    _check_bounds(run_array, k_pool, None, range(k_pool.shape[0]))
+    slot_bytes = k_pool[0, 0, 0].numel() * k_pool.element_size()
+    layer_bytes = k_pool.stride(0) * k_pool.element_size()
+    k_base, v_base = k_pool.data_ptr(), v_pool.data_ptr()
+
+    def checksum(layer: int) -> int:
+        if not 0 <= layer < k_pool.shape[0]:
+            raise IndexError(f"layer {layer} outside a pool of {k_pool.shape[0]} layers")
+        return lib.dp_kv_layer_copy_crc32c(None, None, k_base + layer * layer_bytes, v_base + layer * layer_bytes,
+                                           run_array.ctypes.data, len(runs), slot_bytes, 0)
+    return checksum
 
 
 def layer_ranges(num_layers: int, num_parts: int) -> list[range]:

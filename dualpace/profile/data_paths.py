@@ -10,7 +10,9 @@ so `for_paths` returns the profile with those set to the figures of the paths in
 The rules:
 
 - KV: shared memory iff the sender's `--kv-transport` is auto, both engines are on this host,
-  and the target's pool is in host memory (a CUDA pool is not shared: transfers into it use gRPC).
+  and the target's pool is in host memory (a CUDA pool is not shared); else the target's TCP data
+  socket with `--kv-transport` auto or tcp (priced at the gRPC figures where the profile has none
+  for it); gRPC chunks with `--kv-transport grpc`.
 - Assist: shared memory iff cpu_service's `--assist-transport` is auto and gpu_service is on
   this host.
 - "On this host" is proved by the daemons themselves at run time (boot ids and a memfd
@@ -27,8 +29,9 @@ import ipaddress
 
 from dualpace.profile.schema import DATA_PATHS, Profile, ProfileError
 
-SHM, GRPC = DATA_PATHS
-TRANSPORT_SETTINGS = ("auto", "grpc")  # the daemons' --kv-transport / --assist-transport values
+SHM, GRPC, TCP = DATA_PATHS
+TRANSPORT_SETTINGS = ("auto", "grpc")  # the daemons' --assist-transport values
+KV_TRANSPORT_SETTINGS = ("auto", "tcp", "grpc")  # the engines' --kv-transport values
 
 
 def on_this_host(address: str) -> bool:
@@ -45,15 +48,17 @@ def on_this_host(address: str) -> bool:
         return False
 
 
-def _check_setting(setting: str, flag: str) -> None:
-    if setting not in TRANSPORT_SETTINGS:
-        raise ProfileError(f"{flag}: expected one of {', '.join(TRANSPORT_SETTINGS)}, got {setting!r}")
+def _check_setting(setting: str, flag: str, settings: tuple[str, ...] = TRANSPORT_SETTINGS) -> None:
+    if setting not in settings:
+        raise ProfileError(f"{flag}: expected one of {', '.join(settings)}, got {setting!r}")
 
 
 def kv_path(kv_transport: str, same_host: bool, target_pool_in_host_memory: bool = True) -> str:
     """The path a KV transfer takes (see the module doc)."""
-    _check_setting(kv_transport, "--kv-transport")
-    return SHM if kv_transport == "auto" and same_host and target_pool_in_host_memory else GRPC
+    _check_setting(kv_transport, "--kv-transport", KV_TRANSPORT_SETTINGS)
+    if kv_transport == "auto" and same_host and target_pool_in_host_memory:
+        return SHM
+    return TCP if kv_transport in ("auto", "tcp") else GRPC
 
 
 def assist_path(assist_transport: str, same_host: bool) -> str:
@@ -69,6 +74,8 @@ def for_paths(profile: Profile, kv: str | None = None, assist: str | None = None
         if path is not None and path not in DATA_PATHS:
             raise ProfileError(f"data path: expected one of {', '.join(DATA_PATHS)}, got {path!r}")
     changes = {}
+    if kv == TCP and TCP not in profile.kv_transfer_paths:
+        kv = GRPC  # a profile without the data socket's figures: the slower gRPC ones never overstate a move
     if kv is not None and kv in profile.kv_transfer_paths:
         changes["kv_transfer"] = profile.kv_transfer_paths[kv]
     if assist is not None and f"assist_ms_{assist}" in profile.tables:

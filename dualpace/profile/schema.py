@@ -63,7 +63,7 @@ Optional tables (informative; the cost model does not need them):
 
 Data paths (issue 17): KV transfer and Dense Assist run through shared memory between daemons
 on one host and over gRPC otherwise, at very different costs. A profile may carry both:
-`kv_transfer_paths` ("shm", "grpc") and the tables assist_ms_shm / assist_ms_grpc. The plain
+`kv_transfer_paths` ("shm", "grpc", "tcp") and the tables assist_ms_shm / assist_ms_grpc. The plain
 `kv_transfer` and `assist_ms` stay (older profiles have only them) and hold the path the
 profiler's daemons used by default; dualpace.profile.data_paths picks the figures of the path
 in force, falling back to the plain ones.
@@ -98,7 +98,8 @@ OPTIONAL_TABLES_1D = {
     "assist_ms_shm": "batch",
     "assist_ms_grpc": "batch",
 }
-DATA_PATHS = ("shm", "grpc")  # shared memory on one host; gRPC (the only path across hosts)
+# shared memory on one host; gRPC; the TCP data socket (KV across hosts, gRPC as its control plane)
+DATA_PATHS = ("shm", "grpc", "tcp")
 
 # Relative tolerance when comparing memory sizes of two fingerprints: the OS reports
 # slightly different totals on the same machine (kernel reservations, firmware).

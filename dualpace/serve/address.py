@@ -159,3 +159,19 @@ def _parse_port(port_text: str, text: str, field: str) -> int:
     if port > _MAX_PORT:
         raise InvalidArgument(field, f"{text!r}: port {port} is outside [0, {_MAX_PORT}]")
     return port
+
+
+def data_socket_host(listen: str) -> str:
+    """Where a daemon's KV data socket listens: its gRPC listen host (never a wider one), and
+    127.0.0.1 for a unix: or localhost daemon (dualpace.engine.kv_tcp_import)."""
+    address = parse_listen(listen, allow_unix=True)
+    if address.is_unix or address.host.lower().rstrip(".") == "localhost":
+        return "127.0.0.1"
+    return address.host
+
+
+def data_socket_peer_host(target_address: str) -> str:
+    """Where a sender reaches a target's KV data socket: the host of its gRPC address (127.0.0.1 for
+    a unix: address)."""
+    address = parse_listen(target_address, "target_address", allow_unix=True)
+    return "127.0.0.1" if address.is_unix else address.host

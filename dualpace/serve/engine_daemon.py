@@ -31,6 +31,7 @@ import grpc
 from dualpace.engine.core import EngineConfig, EngineCore
 from dualpace.engine.loop import EngineLoop
 from dualpace.engine.kv_shm_import import SharedKvPool
+from dualpace.engine.kv_tcp_import import TcpDataServer
 from dualpace.engine.runner import ModelRunner
 from dualpace.engine.shm_segment import SharedKvMemory
 from dualpace.engine.step_timeline import StepTimeline
@@ -57,6 +58,7 @@ from dualpace.serve.security import (
     check_listen_security,
     security_from_args,
 )
+from dualpace.serve.address import data_socket_host
 from dualpace.serve.server import print_listening, start_server
 from dualpace.wire.v1 import engine_pb2_grpc
 
@@ -96,8 +98,11 @@ def add_engine_arguments(parser: argparse.ArgumentParser, default_name: str, def
                         help="a request kept running for a reader that went away (the router) is aborted "
                              "unless a stream re-attaches within this many seconds")
     parser.add_argument("--kv-transport", default="auto", choices=KV_TRANSPORTS,
-                        help="KV migration data plane: auto (shared memory with engines on this host, "
-                             "gRPC otherwise) or grpc (always gRPC; the KV pool stays private)")
+                        help="KV migration data plane: auto (shared memory with engines on this host, a TCP "
+                             "data socket to others), tcp (the data socket even on this host) or grpc (always "
+                             "chunks over gRPC; the KV pool stays private, no data socket). The data socket "
+                             "listens on the --listen host (127.0.0.1 for unix:) at a port the kernel picks, "
+                             "announced per transfer over gRPC; over TLS with --tls-cert")
     parser.add_argument("--step-timeline", default=None, metavar="PATH",
                         help="append one JSON line per engine step to PATH (when, mode, rows, joins; "
                              "written off the step thread): the input of bench/cooperative_timeline.py")
@@ -257,7 +262,11 @@ def run_engine_daemon(
         service_names = [ENGINE_SERVICE]
         channels = PeerChannels()  # to the peers this daemon sends KV to, kept open across transfers
         parts.peer_tls, parts.channels = security.tls, channels
-        same_host = SameHostKv(args.kv_transport, await SharedKvPool.start(parts.kv_memory), channels=channels)
+        # The KV data socket to engines on other hosts (over TLS where this daemon serves TLS).
+        tls = security.tls.data_server_context() if security.tls is not None else None
+        tcp = await TcpDataServer.start(data_socket_host(args.listen), tls) if args.kv_transport != "grpc" else None
+        same_host = SameHostKv(args.kv_transport, await SharedKvPool.start(parts.kv_memory), channels=channels,
+                               tcp=tcp)
 
         def register(server: grpc.aio.Server) -> None:
             servicer = EngineServicer(parts.loop, faults, auth_token=security.auth_token,

@@ -15,7 +15,7 @@ import dataclasses
 import time
 
 from dualpace.engine.kv_shm_import import ShmImport
-from dualpace.engine.kv_shm_protocol import ShmDeclined
+from dualpace.engine.kv_shm_protocol import ShmDeclined, ShmReservation
 from dualpace.engine.shm_control import IncomingStream
 from dualpace.engine.loop import EngineLoop
 from dualpace.engine.host_tier_import import HostTierImporter
@@ -25,7 +25,9 @@ from dualpace.engine.prefix_copy import send_cached_prefix
 from dualpace.errors import DataLoss, InvalidArgument, RequestNotFound, Unavailable
 from dualpace.faults import FaultConfig
 from dualpace.serve.kv_events_stream import watch_kv_events
+from dualpace.engine.kv_tcp_import import TcpImport
 from dualpace.serve.kv_shm_transport import SameHostKv, SameHostKvSender
+from dualpace.serve.kv_tcp_transport import TcpKvSender
 from dualpace.serve.kv_transport import GrpcKvSender
 from dualpace.serve.logging_setup import (
     bind_request_id,
@@ -40,6 +42,7 @@ from dualpace.serve.security import TlsConfig
 from dualpace.serve.status import status_for
 from dualpace.wire import engine_messages as messages
 from dualpace.wire import kv_shm_messages as shm_messages
+from dualpace.wire import kv_tcp_messages as tcp_messages
 from dualpace.wire.v1 import engine_pb2, engine_pb2_grpc
 
 MIN_WATCH_INTERVAL_MS = 20
@@ -140,11 +143,14 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
         stats = await migrate_out(self.loop, request.request_id, sender, migrated_to=request.target_address)
         if isinstance(sender, SameHostKvSender) and sender.used_shm:
             stats = dataclasses.replace(stats, transport="shm")
+        elif isinstance(sender, TcpKvSender) and sender.used_tcp:
+            stats = dataclasses.replace(stats, transport="tcp")
         return messages.migrate_out_response_to_pb(stats)
 
     async def ImportKv(self, request_iterator, context):
         importer = KvImporter(self.loop)
         shm = self.same_host.importer_side(importer) if self.same_host is not None else None
+        tcp: TcpImport | None = None  # the data-socket side, made when the header offers it
         started = time.perf_counter()
         marks = importer.marks  # (event, perf_counter s): this process's clock, the sender's too on one host
         marks.append(("stream_start", started))
@@ -167,10 +173,26 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
                     if header.cache_only and header.skip_cached:  # say what is held here: the rest follows
                         yield messages.cache_held_to_pb(importer.num_held_tokens)
                     offer = shm_messages.shm_offer_from_pb(message.header)
+                    answer = None
                     if offer is not None:
-                        yield shm_messages.shm_answer_to_pb(
-                            shm.answer(offer) if shm is not None else ShmDeclined("the target takes gRPC only"))
+                        answer = shm.answer(offer) if shm is not None else ShmDeclined("the target takes gRPC only")
+                    if tcp_messages.has_tcp_offer(message.header) and not isinstance(answer, ShmReservation):
+                        tcp = self._tcp_side(importer)  # shared memory declined (another host) or not offered
+                        yield tcp_messages.tcp_answer_to_pb(tcp.answer())
                         marks.append(("answer_written", time.perf_counter()))
+                    elif answer is not None:
+                        yield shm_messages.shm_answer_to_pb(answer)
+                        marks.append(("answer_written", time.perf_counter()))
+                elif kind == "tcp_written":
+                    if tcp is None:
+                        raise InvalidArgument("tcp_written", "no data-socket reservation was made for this import")
+                    written = tcp_messages.tcp_written_from_pb(message.tcp_written)
+                    await tcp.written(written)
+                    marks.append(("verified", time.perf_counter()))
+                    if written.commit:
+                        yield await self._commit_import(importer)
+                        _log_import(importer, started, chunk_ms)
+                        return
                 elif kind == "shm_written":
                     if shm is None:
                         raise InvalidArgument("shm_written", "this engine takes KV over gRPC only")
@@ -182,6 +204,8 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
                         _log_import(importer, started, chunk_ms)  # once the reply is on its way
                         return
                 elif kind in ("chunk", "chunk_batch"):
+                    if tcp is not None:  # the sender could not reach the data socket: chunks instead
+                        tcp.before_chunks()
                     chunk_start = time.perf_counter()
                     if kind == "chunk":
                         await importer.chunk(messages.kv_chunk_from_pb(message.chunk))
@@ -204,7 +228,7 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
             # does not hold up the reply the source waits for (1-2 ms measured, bench.kv_shm_timeline).
             self.loop.wake()
             # Shielded as one: the blocks are freed only after any shared-memory write has stopped.
-            await asyncio.shield(_end_import(shm, importer))
+            await asyncio.shield(_end_import(shm, importer, tcp))
 
     async def import_over_watch(self, stream: IncomingStream) -> None:
         """ImportKv over a sender's watch connection (dualpace.engine.shm_control): the same handler,
@@ -223,6 +247,13 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
             log.debug("kv import over the watch ended", code=code.name, details=message)
             with contextlib.suppress(OSError, ConnectionError):
                 await stream.end(code.value[0], message)
+
+    def _tcp_side(self, importer: KvImporter) -> TcpImport:
+        if importer.progress.header.cache_only:
+            return TcpImport(None, importer, "a cache-only import goes over gRPC")
+        if self.same_host is None:
+            return TcpImport(None, importer)
+        return self.same_host.tcp_side(importer)
 
     async def _commit_import(self, importer: KvImporter) -> engine_pb2.ImportKvReply:
         engine_name = await importer.commit(wake_loop=False)
@@ -284,9 +315,11 @@ def _log_import(importer: KvImporter, started: float, chunk_ms: float) -> None:
               total_ms=round((committed_at - started) * 1e3, 2))
 
 
-async def _end_import(shm: ShmImport | None, importer: KvImporter) -> None:
+async def _end_import(shm: ShmImport | None, importer: KvImporter, tcp: TcpImport | None = None) -> None:
     if shm is not None:
         await shm.close()
+    if tcp is not None:
+        await tcp.close()
     await importer.cancel()
 
 

@@ -19,32 +19,37 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-import grpc
 
 from dualpace.engine.kv_shm_import import SharedKvPool, ShmImport
 from dualpace.engine.kv_shm_protocol import ShmDeclined, ShmOffer, ShmReservation, ShmWritten
 from dualpace.engine.kv_shm_send import MappedPools, check_geometry, write_in_place
 from dualpace.engine.kv_source import OutgoingKv
+from dualpace.engine.kv_tcp_import import TcpDataServer, TcpDeclined, TcpImport, TcpReservation
 from dualpace.engine.kv_transfer import KvChunk, KvTransferHeader
 from dualpace.engine.migration import KvImporter
 from dualpace.engine.same_host import SameHostRefused, boot_id, new_ticket
 from dualpace.errors import InvalidArgument, Unavailable
 from dualpace.faults import FaultConfig
 from dualpace.serve.kv_shm_control import WatchImportCall
-from dualpace.serve.kv_transport import GrpcKvSender, _ended
+from dualpace.serve.kv_tcp_transport import TcpKvSender
+from dualpace.serve.kv_transport import GrpcKvSender
 from dualpace.serve.peer_channels import PeerChannels
 from dualpace.serve.security import TlsConfig
 from dualpace.wire.kv_shm_messages import kv_header_with_offer_to_pb, shm_answer_from_pb, shm_written_to_pb
+from dualpace.wire.kv_tcp_messages import add_tcp_offer, tcp_answer_from_pb
 from dualpace.wire.v1 import engine_pb2
 
 log = logging.getLogger(__name__)
 
-KV_TRANSPORTS = ("auto", "grpc")  # auto: shared memory where the target is on this host, else gRPC
+# auto: shared memory where the target is on this host, else the target's TCP data socket (else gRPC);
+# tcp: the data socket even on this host; grpc: chunks on the gRPC stream (the KV pool stays private).
+KV_TRANSPORTS = ("auto", "tcp", "grpc")
 DECLINE_MEMORY_S = 60.0  # a target that declined is offered shared memory again after this
 
 
-class SameHostKvSender(GrpcKvSender):
-    """send(header, chunks) for migrate_out: shared memory when the target proves it is on this host."""
+class SameHostKvSender(TcpKvSender):
+    """send(header, chunks) for migrate_out: shared memory when the target proves it is on this host;
+    else its TCP data socket (offered in the same header), else chunks over gRPC."""
 
     def __init__(self, target_address: str, pools: MappedPools, declined_until: dict[str, float],
                  channels: PeerChannels | None = None, **kwargs):
@@ -96,11 +101,16 @@ class SameHostKvSender(GrpcKvSender):
         try:
             if offer.lease_ticket is not None:  # the ask leaves with the header, in one send
                 asked = self.pools.ask_lease_ahead(self.target_address, offer.lease_ticket)
-            await self._write(call, kv_header_with_offer_to_pb(header, offer), "the header")
+            message = kv_header_with_offer_to_pb(header, offer)
+            await self._write(call, add_tcp_offer(message) if self.offers_tcp(header, chunks) else message,
+                              "the header")
             lap("header_ms")
             answer = await self._expect_answer(call)
             lap("reservation_ms")
             written = None
+            if isinstance(answer, (TcpReservation, TcpDeclined)):  # another host: shared memory declined
+                self.declined_until[self.target_address] = time.monotonic() + DECLINE_MEMORY_S
+                return await self.send_answered(call, answer, header, chunks)
             if isinstance(answer, ShmDeclined):
                 log.info("KV to %s over gRPC: %s", self.target_address, answer.reason)
                 self.declined_until[self.target_address] = time.monotonic() + DECLINE_MEMORY_S
@@ -153,17 +163,9 @@ class SameHostKvSender(GrpcKvSender):
                 segment = None
 
     async def _expect_answer(self, call):
-        try:
-            reply = await call.read()
-        except grpc.aio.AioRpcError:  # the target ended the stream with an error status (e.g. no room)
-            raise await _ended(call, "before answering the shared-memory offer") from None
-        if reply is grpc.aio.EOF:
-            await call.wait_for_connection()
-            raise await _ended(call, "before answering the shared-memory offer")
-        answer = shm_answer_from_pb(reply)
-        if answer is None:
-            raise Unavailable(f"KV import answered the offer with {reply.WhichOneof('kind')!r}")
-        return answer
+        """The answer to the header's offers: a shared-memory reservation or refusal, or (another host)
+        the data socket's."""
+        return await self.expect_answer(call, lambda reply: shm_answer_from_pb(reply) or tcp_answer_from_pb(reply))
 
 
 def _lap_timer(laps: dict[str, float], marks: list[tuple[str, float]]):
@@ -188,18 +190,26 @@ class SameHostKv:
     mapped: MappedPools = field(default_factory=MappedPools)
     channels: PeerChannels = field(default_factory=PeerChannels)
     declined_until: dict[str, float] = field(default_factory=dict)
+    tcp: TcpDataServer | None = None  # this engine's KV data socket (None: it takes KV over gRPC only)
 
     def sender(self, target_address: str, faults: FaultConfig, auth_token: str | None,
                tls: TlsConfig | None = None) -> GrpcKvSender:
         if self.transport == "grpc":
             return GrpcKvSender(target_address, faults, auth_token=auth_token, tls=tls, channels=self.channels)
+        if self.transport == "tcp":
+            return TcpKvSender(target_address, faults=faults, auth_token=auth_token, tls=tls, channels=self.channels)
         return SameHostKvSender(target_address, self.mapped, self.declined_until, self.channels, faults=faults,
                                 auth_token=auth_token, tls=tls)
 
     def importer_side(self, importer: KvImporter) -> ShmImport:
         return ShmImport(self.pool, importer)
 
+    def tcp_side(self, importer: KvImporter) -> TcpImport:
+        return TcpImport(self.tcp, importer)
+
     async def close(self) -> None:
         self.mapped.close()
         await self.channels.close()
         await self.pool.close()
+        if self.tcp is not None:
+            await self.tcp.close()

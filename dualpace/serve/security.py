@@ -13,6 +13,9 @@ naming its flag, so the daemon refuses to start with one line (exit status 2).
 from __future__ import annotations
 
 import argparse
+import os
+import ssl
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -46,6 +49,36 @@ class TlsConfig:
         certificate goes along, for peers that require client certificates."""
         return grpc.ssl_channel_credentials(root_certificates=self.client_ca, private_key=self.private_key,
                                             certificate_chain=self.cert_chain)
+
+    def data_server_context(self) -> ssl.SSLContext:
+        """The KV data socket's TLS (dualpace.engine.kv_tcp_import), as server_credentials: this
+        certificate, and client certificates required where --tls-client-ca is given."""
+        context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        self._load_chain(context)
+        if self.client_ca is not None:
+            context.verify_mode = ssl.CERT_REQUIRED
+            context.load_verify_locations(cadata=self.client_ca.decode("ascii"))
+        return context
+
+    def data_client_context(self) -> ssl.SSLContext:
+        """A sender's TLS to a peer's KV data socket, as peer_credentials: the peer's certificate checked
+        against --tls-client-ca (else the system's roots) and its host name; this certificate sent."""
+        context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+        if self.client_ca is not None:
+            context.load_verify_locations(cadata=self.client_ca.decode("ascii"))
+        else:
+            context.load_default_certs()
+        self._load_chain(context)
+        return context
+
+    def _load_chain(self, context: ssl.SSLContext) -> None:
+        """ssl loads a certificate chain only from files: written to a private directory and removed."""
+        with tempfile.TemporaryDirectory(prefix="dualpace-tls-") as folder:
+            cert, key = os.path.join(folder, "cert.pem"), os.path.join(folder, "key.pem")
+            for path, data in ((cert, self.cert_chain), (key, self.private_key)):
+                with open(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "wb") as file:
+                    file.write(data)
+            context.load_cert_chain(cert, key)
 
 
 def peer_credentials_for(address: str, tls: TlsConfig | None) -> grpc.ChannelCredentials | None:

@@ -208,19 +208,22 @@ async def _send_once(sender, runner: ModelRunner, num_tokens: int, vocab_size: i
 def kv_transfer(address: str, runner: ModelRunner, vocab_size: int, num_tokens: int, warmup: int,
                 repeats: int, settle_s: float = 0.2, path: str = "grpc") -> Sample | None:
     """Time KV migrations of num_tokens tokens into the gpu_service at `address`, header to commit,
-    over `path` ("grpc": chunks; "shm": straight into the target's blocks, which needs its pool in
-    host memory on this host: None when the target declined). Each imported request decodes one
+    over `path` ("grpc": chunks; "tcp": the target's TCP data socket; "shm": straight into the target's
+    blocks, which needs its pool in host memory on this host; None when the target declined either). Each imported request decodes one
     token there and finishes; settle_s (untimed) lets it."""
     from dualpace.engine.kv_shm_send import MappedPools
     from dualpace.serve.kv_shm_transport import SameHostKvSender
+    from dualpace.serve.kv_tcp_transport import TcpKvSender
     from dualpace.serve.kv_transport import GrpcKvSender
 
     if num_tokens > runner.kv.num_blocks * runner.kv.block_size:
         raise ValueError(f"{num_tokens} tokens do not fit the bench's KV pool")
-    if path not in ("grpc", "shm"):
+    if path not in ("grpc", "shm", "tcp"):
         raise ValueError(f"unknown KV transfer path {path!r}")
     pools = MappedPools()
-    sender = GrpcKvSender(address) if path == "grpc" else SameHostKvSender(address, pools, {})
+    senders = {"grpc": lambda: GrpcKvSender(address), "shm": lambda: SameHostKvSender(address, pools, {}),
+               "tcp": lambda: TcpKvSender(address)}
+    sender = senders[path]()
 
     async def run() -> list[float] | None:
         times = []
@@ -228,8 +231,8 @@ def kv_transfer(address: str, runner: ModelRunner, vocab_size: int, num_tokens: 
             for i in range(warmup + max(1, repeats)):
                 sender.used_shm = False
                 elapsed = await _send_once(sender, runner, num_tokens, vocab_size)
-                if path == "shm" and not sender.used_shm:
-                    return None  # it went over gRPC: not a shared-memory figure
+                if (path == "shm" and not sender.used_shm) or (path == "tcp" and not sender.used_tcp):
+                    return None  # it went over gRPC: not a shared-memory (or data-socket) figure
                 await asyncio.sleep(settle_s)
                 if i >= warmup:
                     times.append(elapsed)

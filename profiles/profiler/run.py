@@ -255,12 +255,12 @@ def run_profile(request: ProfileRequest) -> tuple[Path, Profile, bool]:
         assisted_whole = [point("cpu_assisted_iteration", f"{b}x{check_context}",
                                 assisted(cpu_bench.decode_plan(b, check_context)),
                                 f"CPU assisted decode {b}x{check_context}") for b in grids.batch]
-        transfers: dict[str, list[tuple[int, float]]] = {"shm": [], "grpc": []}
-        for path_name, table in (("grpc", "kv_transfer"), ("shm", "kv_transfer_shm")):
+        transfers: dict[str, list[tuple[int, float]]] = {"shm": [], "grpc": [], "tcp": []}
+        for path_name, table in (("grpc", "kv_transfer"), ("shm", "kv_transfer_shm"), ("tcp", "kv_transfer_tcp")):
             for t in grids.kv_transfer_tokens:
                 sample = m.kv_transfer(service.address, cpu_bench.runner, cfg.vocab_size, t, grids.warmup,
                                        KV_TRANSFER_REPEAT_FACTOR * grids.repeats, path=path_name)
-                if sample is None:  # the target declined shared memory (e.g. a CUDA pool)
+                if sample is None:  # the target declined shared memory (e.g. a CUDA pool) or its data socket
                     break
                 samples.setdefault(table, {})[str(t)] = sample.as_dict()
                 transfers[path_name].append((t * model_fp.kv_bytes_per_token, pick(sample)))

@@ -44,7 +44,8 @@ DAEMON_SPECS: dict[str, tuple[tuple[str, ...], dict[str, str]]] = {
     "queue": (("--name", "gpu-queue", "--max-running", "1", "--max-waiting", "1"), {}),
     # Migration sources whose outgoing KV transfers fail. Without CUDA the pools are in host
     # memory, so a source with --kv-transport auto sends through shared memory (a fault on
-    # "chunk N" then hits layer N); the -grpc kinds send chunks over gRPC.
+    # "chunk N" then hits layer N); the -grpc kinds send chunks over gRPC, the -tcp kinds stream the
+    # layers over the target's TCP data socket (the fault on layer N).
     "corrupt": (("--name", "gpu-corrupt", "--block-size", "8"), {"DUALPACE_FAULT_KV_CORRUPT_CHUNK": str(FAULT_CHUNK)}),
     "drop": (("--name", "gpu-drop", "--block-size", "8"), {"DUALPACE_FAULT_KV_DROP_CHUNK": str(FAULT_CHUNK)}),
     "cut": (("--name", "gpu-cut", "--block-size", "8"), {"DUALPACE_FAULT_KV_CUT_AFTER": str(FAULT_CHUNK)}),
@@ -55,7 +56,8 @@ DAEMON_SPECS: dict[str, tuple[tuple[str, ...], dict[str, str]]] = {
 for _kind in ("main", "corrupt", "drop", "cut"):
     _flags, _env = DAEMON_SPECS[_kind]
     DAEMON_SPECS[f"{_kind}-grpc"] = (_flags + ("--kv-transport", "grpc"), _env)
-KV_TRANSPORTS = {"shm": "", "grpc": "-grpc"}  # transport -> suffix of the source kinds that use it
+    DAEMON_SPECS[f"{_kind}-tcp"] = (_flags + ("--kv-transport", "tcp"), _env)  # the cross-host data socket
+KV_TRANSPORTS = {"shm": "", "grpc": "-grpc", "tcp": "-tcp"}  # transport -> suffix of the source kinds that use it
 STOP_TIMEOUT_S = 30.0
 RPC_TIMEOUT_S = 60.0
 

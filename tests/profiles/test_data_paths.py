@@ -32,9 +32,10 @@ def test_on_this_host_reads_addresses(address, local):
 
 def test_kv_path_rule():
     assert kv_path("auto", same_host=True) == "shm"
-    assert kv_path("auto", same_host=False) == "grpc"
-    assert kv_path("grpc", same_host=True) == "grpc"
-    assert kv_path("auto", same_host=True, target_pool_in_host_memory=False) == "grpc"  # into a CUDA pool
+    assert kv_path("auto", same_host=False) == "tcp"  # the target's data socket
+    assert kv_path("grpc", same_host=True) == "grpc" and kv_path("grpc", same_host=False) == "grpc"
+    assert kv_path("tcp", same_host=True) == "tcp"
+    assert kv_path("auto", same_host=True, target_pool_in_host_memory=False) == "tcp"  # into a CUDA pool
     with pytest.raises(ProfileError, match="--kv-transport"):
         kv_path("shared", same_host=True)
 
@@ -83,4 +84,14 @@ def test_an_older_profile_keeps_its_plain_figures():
         stored = load_profile(path)
         assert for_paths(stored, kv="shm", assist="grpc").kv_transfer == stored.kv_transfer, path
     with pytest.raises(ProfileError, match="data path"):
-        for_paths(profile, kv="tcp")
+        for_paths(profile, kv="rdma")
+
+
+def test_the_data_socket_is_priced_at_its_figures_else_at_grpcs():
+    data = two_path_profile_dict()
+    without = parse_profile(data)
+    assert for_paths(without, kv="tcp").kv_transfer == KVTransfer(32000.0, 2.0)  # the gRPC figures
+    data["kv_transfer_paths"]["tcp"] = {"bytes_per_s": 96000.0, "fixed_ms": 1.0}
+    with_tcp = parse_profile(data)
+    assert for_paths(with_tcp, kv="tcp").kv_transfer == KVTransfer(96000.0, 1.0)
+    assert parse_profile(profile_to_dict(with_tcp)) == with_tcp

@@ -96,20 +96,22 @@ class MigrateOutResponse(_message.Message):
     def __init__(self, target_engine: _Optional[str] = ..., num_chunks: _Optional[int] = ..., total_bytes: _Optional[int] = ..., duration_ms: _Optional[float] = ..., transport: _Optional[str] = ...) -> None: ...
 
 class ImportKvMessage(_message.Message):
-    __slots__ = ("header", "chunk", "prepare", "commit", "shm_written", "chunk_batch")
+    __slots__ = ("header", "chunk", "prepare", "commit", "shm_written", "tcp_written", "chunk_batch")
     HEADER_FIELD_NUMBER: _ClassVar[int]
     CHUNK_FIELD_NUMBER: _ClassVar[int]
     PREPARE_FIELD_NUMBER: _ClassVar[int]
     COMMIT_FIELD_NUMBER: _ClassVar[int]
     SHM_WRITTEN_FIELD_NUMBER: _ClassVar[int]
+    TCP_WRITTEN_FIELD_NUMBER: _ClassVar[int]
     CHUNK_BATCH_FIELD_NUMBER: _ClassVar[int]
     header: ImportKvHeader
     chunk: KvChunk
     prepare: ImportKvPrepare
     commit: ImportKvCommit
     shm_written: KvShmWritten
+    tcp_written: KvTcpWritten
     chunk_batch: KvChunkBatch
-    def __init__(self, header: _Optional[_Union[ImportKvHeader, _Mapping]] = ..., chunk: _Optional[_Union[KvChunk, _Mapping]] = ..., prepare: _Optional[_Union[ImportKvPrepare, _Mapping]] = ..., commit: _Optional[_Union[ImportKvCommit, _Mapping]] = ..., shm_written: _Optional[_Union[KvShmWritten, _Mapping]] = ..., chunk_batch: _Optional[_Union[KvChunkBatch, _Mapping]] = ...) -> None: ...
+    def __init__(self, header: _Optional[_Union[ImportKvHeader, _Mapping]] = ..., chunk: _Optional[_Union[KvChunk, _Mapping]] = ..., prepare: _Optional[_Union[ImportKvPrepare, _Mapping]] = ..., commit: _Optional[_Union[ImportKvCommit, _Mapping]] = ..., shm_written: _Optional[_Union[KvShmWritten, _Mapping]] = ..., tcp_written: _Optional[_Union[KvTcpWritten, _Mapping]] = ..., chunk_batch: _Optional[_Union[KvChunkBatch, _Mapping]] = ...) -> None: ...
 
 class KvChunkBatch(_message.Message):
     __slots__ = ("chunks",)
@@ -132,7 +134,7 @@ class KvLayout(_message.Message):
     def __init__(self, num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., block_size: _Optional[int] = ..., dtype: _Optional[str] = ...) -> None: ...
 
 class ImportKvHeader(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "output_token_ids", "sampling", "num_computed_tokens", "num_tokens_emitted", "layout", "total_chunks", "total_bytes", "source_engine", "num_cached_tokens", "shm_offer", "cache_only", "cache_salt", "skip_cached", "num_prior_output_tokens")
+    __slots__ = ("request_id", "prompt_token_ids", "output_token_ids", "sampling", "num_computed_tokens", "num_tokens_emitted", "layout", "total_chunks", "total_bytes", "source_engine", "num_cached_tokens", "shm_offer", "tcp_offer", "cache_only", "cache_salt", "skip_cached", "num_prior_output_tokens")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -145,6 +147,7 @@ class ImportKvHeader(_message.Message):
     SOURCE_ENGINE_FIELD_NUMBER: _ClassVar[int]
     NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     SHM_OFFER_FIELD_NUMBER: _ClassVar[int]
+    TCP_OFFER_FIELD_NUMBER: _ClassVar[int]
     CACHE_ONLY_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     SKIP_CACHED_FIELD_NUMBER: _ClassVar[int]
@@ -161,11 +164,12 @@ class ImportKvHeader(_message.Message):
     source_engine: str
     num_cached_tokens: int
     shm_offer: KvShmOffer
+    tcp_offer: KvTcpOffer
     cache_only: bool
     cache_salt: str
     skip_cached: bool
     num_prior_output_tokens: int
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., output_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., num_computed_tokens: _Optional[int] = ..., num_tokens_emitted: _Optional[int] = ..., layout: _Optional[_Union[KvLayout, _Mapping]] = ..., total_chunks: _Optional[int] = ..., total_bytes: _Optional[int] = ..., source_engine: _Optional[str] = ..., num_cached_tokens: _Optional[int] = ..., shm_offer: _Optional[_Union[KvShmOffer, _Mapping]] = ..., cache_only: _Optional[bool] = ..., cache_salt: _Optional[str] = ..., skip_cached: _Optional[bool] = ..., num_prior_output_tokens: _Optional[int] = ...) -> None: ...
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., output_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., num_computed_tokens: _Optional[int] = ..., num_tokens_emitted: _Optional[int] = ..., layout: _Optional[_Union[KvLayout, _Mapping]] = ..., total_chunks: _Optional[int] = ..., total_bytes: _Optional[int] = ..., source_engine: _Optional[str] = ..., num_cached_tokens: _Optional[int] = ..., shm_offer: _Optional[_Union[KvShmOffer, _Mapping]] = ..., tcp_offer: _Optional[_Union[KvTcpOffer, _Mapping]] = ..., cache_only: _Optional[bool] = ..., cache_salt: _Optional[str] = ..., skip_cached: _Optional[bool] = ..., num_prior_output_tokens: _Optional[int] = ...) -> None: ...
 
 class KvShmOffer(_message.Message):
     __slots__ = ("boot_id", "lease_ticket")
@@ -209,6 +213,34 @@ class KvShmWritten(_message.Message):
     commit: bool
     def __init__(self, layer_crc32: _Optional[_Iterable[int]] = ..., commit: _Optional[bool] = ...) -> None: ...
 
+class KvTcpOffer(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class KvTcpReserved(_message.Message):
+    __slots__ = ("port", "ticket", "tls")
+    PORT_FIELD_NUMBER: _ClassVar[int]
+    TICKET_FIELD_NUMBER: _ClassVar[int]
+    TLS_FIELD_NUMBER: _ClassVar[int]
+    port: int
+    ticket: bytes
+    tls: bool
+    def __init__(self, port: _Optional[int] = ..., ticket: _Optional[bytes] = ..., tls: _Optional[bool] = ...) -> None: ...
+
+class KvTcpDeclined(_message.Message):
+    __slots__ = ("reason",)
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    reason: str
+    def __init__(self, reason: _Optional[str] = ...) -> None: ...
+
+class KvTcpWritten(_message.Message):
+    __slots__ = ("layer_crc32", "commit")
+    LAYER_CRC32_FIELD_NUMBER: _ClassVar[int]
+    COMMIT_FIELD_NUMBER: _ClassVar[int]
+    layer_crc32: _containers.RepeatedScalarFieldContainer[int]
+    commit: bool
+    def __init__(self, layer_crc32: _Optional[_Iterable[int]] = ..., commit: _Optional[bool] = ...) -> None: ...
+
 class KvChunk(_message.Message):
     __slots__ = ("seq", "layer", "token_start", "token_end", "k", "v", "crc32")
     SEQ_FIELD_NUMBER: _ClassVar[int]
@@ -236,18 +268,22 @@ class ImportKvCommit(_message.Message):
     def __init__(self) -> None: ...
 
 class ImportKvReply(_message.Message):
-    __slots__ = ("prepared", "committed", "shm_reserved", "shm_declined", "cache_held")
+    __slots__ = ("prepared", "committed", "shm_reserved", "shm_declined", "tcp_reserved", "tcp_declined", "cache_held")
     PREPARED_FIELD_NUMBER: _ClassVar[int]
     COMMITTED_FIELD_NUMBER: _ClassVar[int]
     SHM_RESERVED_FIELD_NUMBER: _ClassVar[int]
     SHM_DECLINED_FIELD_NUMBER: _ClassVar[int]
+    TCP_RESERVED_FIELD_NUMBER: _ClassVar[int]
+    TCP_DECLINED_FIELD_NUMBER: _ClassVar[int]
     CACHE_HELD_FIELD_NUMBER: _ClassVar[int]
     prepared: ImportKvPrepared
     committed: ImportKvCommitted
     shm_reserved: KvShmReserved
     shm_declined: KvShmDeclined
+    tcp_reserved: KvTcpReserved
+    tcp_declined: KvTcpDeclined
     cache_held: ImportKvCacheHeld
-    def __init__(self, prepared: _Optional[_Union[ImportKvPrepared, _Mapping]] = ..., committed: _Optional[_Union[ImportKvCommitted, _Mapping]] = ..., shm_reserved: _Optional[_Union[KvShmReserved, _Mapping]] = ..., shm_declined: _Optional[_Union[KvShmDeclined, _Mapping]] = ..., cache_held: _Optional[_Union[ImportKvCacheHeld, _Mapping]] = ...) -> None: ...
+    def __init__(self, prepared: _Optional[_Union[ImportKvPrepared, _Mapping]] = ..., committed: _Optional[_Union[ImportKvCommitted, _Mapping]] = ..., shm_reserved: _Optional[_Union[KvShmReserved, _Mapping]] = ..., shm_declined: _Optional[_Union[KvShmDeclined, _Mapping]] = ..., tcp_reserved: _Optional[_Union[KvTcpReserved, _Mapping]] = ..., tcp_declined: _Optional[_Union[KvTcpDeclined, _Mapping]] = ..., cache_held: _Optional[_Union[ImportKvCacheHeld, _Mapping]] = ...) -> None: ...
 
 class ImportKvCacheHeld(_message.Message):
     __slots__ = ("num_held_tokens",)

@@ -1,0 +1,153 @@
+"""The cross-host KV transport: gRPC carries the header, the reservation, the layer checksums and the
+commit; the KV bytes go over the target's TCP data socket (dualpace.engine.kv_tcp_data).
+
+Python gRPC moves bulk bytes at about 1 GB/s here whatever the messages (bench.grpc_bulk_floor,
+docs/perf.md), a few percent of memcpy; a socket fed with views of the pool moved the same KV about
+twice as fast (docs/perf.md, session 11). The header offers the data socket; the target answers with a port and a one-time
+ticket, or with the reason it declines (then chunks follow on the gRPC stream, as GrpcKvSender
+sends them). A connection that cannot be made falls back to chunks for that transfer; a failure
+after it (a corrupt layer, a dropped connection, a cancel) fails the transfer with the two-phase
+rules intact: the request runs on the source, the target frees its blocks. Where the target serves
+TLS (KvTcpReserved.tls) the connection is TLS with this daemon's credentials, as its gRPC calls are.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import ssl
+import threading
+import time
+from collections.abc import AsyncIterator
+
+import grpc
+
+from dualpace.engine import kv_tcp_data
+from dualpace.engine.kv_source import OutgoingKv
+from dualpace.engine.kv_tcp_import import TcpDeclined, TcpReservation, TcpWritten
+from dualpace.engine.kv_transfer import KvChunk, KvTransferHeader
+from dualpace.errors import Unavailable
+from dualpace.engine.worker_pools import run_in_pool
+from dualpace.serve.address import UNIX_PREFIX, data_socket_peer_host
+from dualpace.serve.kv_transport import GrpcKvSender, _ended
+from dualpace.wire.engine_messages import kv_header_to_pb
+from dualpace.wire.kv_tcp_messages import add_tcp_offer, tcp_answer_from_pb, tcp_written_to_pb
+
+log = logging.getLogger(__name__)
+
+DECLINE_MEMORY_S = 60.0  # a target that declined is offered the data socket again after this
+_DECLINED_UNTIL: dict[str, float] = {}  # target address -> monotonic time
+
+
+class TcpKvSender(GrpcKvSender):
+    """send(header, chunks) for migrate_out: the KV over the target's data socket where it takes it."""
+
+    def __init__(self, target_address: str, **kwargs):
+        super().__init__(target_address, **kwargs)
+        self.used_tcp = False  # the last transfer's KV went over the data socket
+        self.phase_ms: dict[str, float] = {}  # the last transfer's phases (bench.data_plane reports them)
+
+    def offers_tcp(self, header: KvTransferHeader, chunks) -> bool:
+        """Only a migration's KV (not a cache copy, not a request without KV)."""
+        return (isinstance(chunks, OutgoingKv) and header.num_computed_tokens > 0
+                and time.monotonic() >= _DECLINED_UNTIL.get(self.target_address, 0.0))
+
+    def _tls_for(self, answer: TcpReservation) -> ssl.SSLContext | None:
+        """The TLS of the connection to the data socket (as on this daemon's gRPC calls to the target);
+        raises OSError where the two sides' settings do not meet (then chunks go over gRPC)."""
+        if not answer.tls:
+            return None
+        if self.tls is None or self.target_address.startswith(UNIX_PREFIX):
+            raise OSError("the data socket speaks TLS; this sender has no TLS to a TCP address of the target")
+        return self.tls.data_client_context()
+
+    async def __call__(self, header: KvTransferHeader, chunks: AsyncIterator[KvChunk]) -> str:
+        self.used_tcp = False
+        if not self.offers_tcp(header, chunks):
+            return await super().__call__(header, chunks)
+        self.phase_ms = {}
+        started = time.perf_counter()
+        async with self._channel() as channel:
+            call = self._open_import(channel)
+            try:
+                await self._write(call, add_tcp_offer(kv_header_to_pb(header)), "the header")
+                answer = await self.expect_answer(call)
+                self.phase_ms["reservation_ms"] = (time.perf_counter() - started) * 1e3
+                return await self.send_answered(call, answer, header, chunks)
+            except BaseException:
+                call.cancel()  # the target drops the partial import (once its receive stopped)
+                raise
+
+    async def send_answered(self, call, answer: TcpReservation | TcpDeclined, header: KvTransferHeader,
+                            chunks: OutgoingKv) -> str:
+        """After the target's answer to the offer: the KV over the data socket, or chunks on `call`."""
+        if isinstance(answer, TcpDeclined):
+            log.info("KV to %s over gRPC: %s", self.target_address, answer.reason)
+            _DECLINED_UNTIL[self.target_address] = time.monotonic() + DECLINE_MEMORY_S
+            return await self._chunks_then_commit(call, chunks)
+        started = time.perf_counter()
+        try:
+            connection = await run_in_pool(
+                kv_tcp_data.POOL, kv_tcp_data.connect, data_socket_peer_host(self.target_address), answer.port,
+                answer.ticket, self.timeout_s, self._tls_for(answer), max_workers=kv_tcp_data.POOL_WORKERS)
+        except OSError as exc:
+            log.warning("KV to %s over gRPC: cannot reach its data socket (port %d): %s",
+                        self.target_address, answer.port, exc)
+            return await self._chunks_then_commit(call, chunks)
+        try:
+            checksums = await self._stream(connection, chunks)
+        finally:
+            connection.close()
+        self.phase_ms["stream_ms"] = (time.perf_counter() - started) * 1e3
+        chunks.safe_point()  # the last chance to back out (a cancelled MigrateOut): the commit follows
+        await self._write(call, tcp_written_to_pb(TcpWritten(tuple(checksums), commit=True)), "tcp_written")
+        committed = await self._expect(call, "committed")
+        self.used_tcp = True
+        self.phase_ms["verify_commit_ms"] = (time.perf_counter() - started) * 1e3 - self.phase_ms["stream_ms"]
+        return committed.engine
+
+    async def _chunks_then_commit(self, call, chunks: OutgoingKv) -> str:
+        await self._send_chunks(call, chunks)
+        return await self._prepare_and_commit(call)
+
+    async def _stream(self, connection, chunks: OutgoingKv) -> list[int]:
+        """Every layer over the connection, in a thread; once cancelled, waits until the thread stopped
+        (the connection shut down: a blocked send returns at once)."""
+        stop = threading.Event()
+
+        def safe_point() -> None:
+            if stop.is_set():
+                raise InterruptedError("KV stream stopped")
+            chunks.safe_point()  # raises once the move is abandoned (an Event read: safe from a thread)
+
+        storage = chunks.storage
+        job = asyncio.ensure_future(run_in_pool(
+            kv_tcp_data.POOL, kv_tcp_data.send_layers, connection, storage.k, storage.v, list(chunks.slot_ids),
+            safe_point, self.faults.kv_corrupt_chunk, self.faults.kv_cut_after, self.faults.kv_drop_chunk,
+            max_workers=kv_tcp_data.POOL_WORKERS))
+        try:
+            return await asyncio.shield(job)
+        except asyncio.CancelledError:
+            stop.set()
+            with contextlib.suppress(OSError):
+                connection.shutdown(2)  # SHUT_RDWR
+            await asyncio.gather(job, return_exceptions=True)
+            raise
+        except OSError as exc:
+            raise Unavailable(f"KV data socket to {self.target_address} failed: {exc}") from exc
+
+    @staticmethod
+    async def expect_answer(call, parse=tcp_answer_from_pb):
+        """The target's answer to the header's offer (`parse` returns None for any other reply)."""
+        try:
+            reply = await call.read()
+        except grpc.aio.AioRpcError:  # the target ended the stream with an error status (e.g. no room)
+            raise await _ended(call, "before answering the offer") from None
+        if reply is grpc.aio.EOF:
+            await call.wait_for_connection()
+            raise await _ended(call, "before answering the offer")
+        answer = parse(reply)
+        if answer is None:
+            raise Unavailable(f"KV import answered the offer with {reply.WhichOneof('kind')!r}")
+        return answer

@@ -1,0 +1,247 @@
+"""KV migration over the target's TCP data socket (gRPC as the control plane only).
+
+A real ImportKv target (an in-process EngineServicer on loopback with a TcpDataServer on
+127.0.0.1, no shared memory) and a real source engine: the KV lands in the target's reserved
+blocks, straight or through its staging buffer, and the request continues token-identical there;
+a wrong or replayed ticket is refused; a corrupt layer, a connection cut part-way and a cancel
+mid-stream leave the request running on the source and no block held on either side; a data
+socket that cannot be reached falls back to chunks over gRPC for that transfer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import shutil
+import socket
+import ssl
+import time
+
+import grpc
+import pytest
+
+from dualpace.engine import kv_tcp_data, kv_tcp_import
+from dualpace.engine.kv_shm_import import SharedKvPool
+from dualpace.engine.kv_tcp_import import TcpDataServer, TcpWritten
+from dualpace.engine.migration import KvImporter, migrate_out
+from dualpace.errors import Unavailable
+from dualpace.faults import FaultConfig
+from dualpace.generation import OfflineGenerator
+from dualpace.sampling import FinishReason, SamplingParams
+from dualpace.serve.engine_servicer import EngineServicer
+from dualpace.serve.kv_shm_transport import SameHostKv
+from dualpace.serve.kv_tcp_transport import TcpKvSender
+from dualpace.serve.security import ServerSecurity, load_tls
+from dualpace.serve.server import channel_options, start_server
+from dualpace.wire.engine_messages import kv_header_to_pb
+from dualpace.wire.kv_chunk_wire import IMPORT_KV_METHOD, serialize_import_message
+from dualpace.wire.kv_tcp_messages import add_tcp_offer, tcp_answer_from_pb, tcp_written_to_pb
+from dualpace.wire.v1 import engine_pb2, engine_pb2_grpc
+from tests.engine.test_migration import started, stop, wait_tokens
+from tests.serve.test_security import _self_signed
+
+PROMPT = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8, 9, 7, 9, 3, 2, 3, 8, 4, 6]
+PARAMS = SamplingParams(max_tokens=24, ignore_eos=True)
+
+
+class Served:
+    async def start(self, tiny, tls=None) -> Served:
+        self.source = await started(tiny, "src")
+        self.target = await started(tiny, "dst", block_size=4)  # other runs than the source's 8-token blocks
+        self.tls = tls
+        self.data = await TcpDataServer.start("127.0.0.1", tls.data_server_context() if tls else None)
+        self.kv = SameHostKv("tcp", SharedKvPool(None), tcp=self.data)
+        servicer = EngineServicer(self.target[0], same_host=self.kv, tls=tls)
+        self.server = await start_server(
+            "127.0.0.1:0", lambda server: engine_pb2_grpc.add_EngineServicer_to_server(servicer, server),
+            ["dualpace.v1.Engine"], security=ServerSecurity(tls=tls))
+        return self
+
+    def sender(self, faults: FaultConfig | None = None) -> TcpKvSender:
+        return TcpKvSender(self.server.address, faults=faults or FaultConfig(), tls=self.tls)
+
+    async def close(self) -> None:
+        await self.server.stop(0)
+        await self.kv.close()
+        await stop(self.source, self.target)
+
+
+def expected(tiny) -> list[int]:
+    return OfflineGenerator(tiny).generate([PROMPT], [PARAMS])[0].output_token_ids
+
+
+async def assert_continues_on_target(served, channel, request_id: str, tokens: list[int]) -> None:
+    emitted = len(channel.output_token_ids)
+    rest = [t async for update in served.target[0].channel(request_id).follow(emitted) for t in update.new_token_ids]
+    assert channel.output_token_ids + rest == tokens
+    assert served.source[0].load().kv_blocks_used == 0
+
+
+async def assert_stays_on_source(tiny, served, channel) -> None:
+    tokens = [t async for update in channel.follow() for t in update.new_token_ids]
+    assert tokens == expected(tiny)
+    assert channel.finish_reason == FinishReason.LENGTH and channel.migrated_to is None
+    for _ in range(300):  # the target drops the import when it sees the stream cancelled (its cleanup)
+        if served.target[0].load().kv_blocks_used == 0:
+            break
+        await asyncio.sleep(0.01)
+    assert served.target[0].load().kv_blocks_used == 0 and not served.target[0].core.scheduler.requests
+    assert served.source[0].load().kv_blocks_used == 0
+
+
+@pytest.mark.parametrize("receive", ["direct", "staging"])
+async def test_kv_over_the_data_socket_continues_exactly(tiny, monkeypatch, receive):
+    if receive == "staging":  # the target's pool taken for another dtype's: received via its staging buffer
+        monkeypatch.setattr(kv_tcp_import, "DTYPE_NAMES", collections.defaultdict(lambda: "another"))
+    served = await Served().start(tiny)
+    try:
+        channel = await served.source[0].add_request("t", PROMPT, PARAMS)
+        await wait_tokens(channel, 4)
+        sender = served.sender()
+        stats = await migrate_out(served.source[0], "t", sender)
+        assert sender.used_tcp and stats.target_engine == "dst"
+        await assert_continues_on_target(served, channel, "t", expected(tiny))
+        assert served.data.num_refused == 0
+    finally:
+        await served.close()
+
+
+def _refused(port: int, hello: bytes) -> bool:
+    """True when the data socket closes a connection that sent `hello` and a layer's worth of junk."""
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as connection:
+        connection.sendall(hello)
+        try:
+            connection.sendall(b"\x7f" * 4096)
+            return connection.recv(1) == b""
+        except ConnectionResetError:
+            return True
+
+
+async def test_a_wrong_or_replayed_ticket_is_refused_and_writes_nothing(tiny):
+    served = await Served().start(tiny)
+    try:
+        channel = await served.source[0].add_request("w", PROMPT, PARAMS)
+        await wait_tokens(channel, 4)
+
+        async def send(header, chunks) -> str:
+            async with grpc.aio.insecure_channel(served.server.address, options=channel_options()) as grpc_channel:
+                call = grpc_channel.stream_stream(IMPORT_KV_METHOD, request_serializer=serialize_import_message,
+                                                  response_deserializer=engine_pb2.ImportKvReply.FromString)()
+                await call.write(add_tcp_offer(kv_header_to_pb(header)))
+                answer = tcp_answer_from_pb(await call.read())
+                wrong = kv_tcp_data.MAGIC + bytes(a ^ 1 for a in answer.ticket)
+                assert await asyncio.to_thread(_refused, answer.port, wrong)
+                connection = await asyncio.to_thread(kv_tcp_data.connect, "127.0.0.1", answer.port, answer.ticket, 30)
+                with connection:
+                    checksums = await asyncio.to_thread(kv_tcp_data.send_layers, connection, chunks.storage.k,
+                                                        chunks.storage.v, chunks.slot_ids)
+                replay = kv_tcp_data.MAGIC + answer.ticket
+                assert await asyncio.to_thread(_refused, answer.port, replay)
+                await call.write(tcp_written_to_pb(TcpWritten(tuple(checksums), commit=True)))
+                committed = await call.read()
+                await call.done_writing()
+                return committed.committed.engine
+
+        await migrate_out(served.source[0], "w", send)
+        await assert_continues_on_target(served, channel, "w", expected(tiny))
+        assert served.data.num_refused == 2
+    finally:
+        await served.close()
+
+
+@pytest.mark.parametrize("faults", [FaultConfig(kv_corrupt_chunk=1), FaultConfig(kv_cut_after=1)],
+                         ids=["corrupt_layer", "connection_cut"])
+async def test_a_fault_on_the_data_socket_leaves_the_request_on_the_source(tiny, faults):
+    served = await Served().start(tiny)
+    try:
+        channel = await served.source[0].add_request("f", PROMPT, PARAMS)
+        await wait_tokens(channel, 3)
+        with pytest.raises(Unavailable):
+            await migrate_out(served.source[0], "f", served.sender(faults))
+        await assert_stays_on_source(tiny, served, channel)
+    finally:
+        await served.close()
+
+
+async def test_a_cancel_mid_stream_leaves_the_request_on_the_source(tiny, monkeypatch):
+    streaming = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    send_all = kv_tcp_data.send_all
+
+    def slow_send_all(connection, buffers):
+        loop.call_soon_threadsafe(streaming.set)
+        time.sleep(0.05)  # the stream lasts a while: the cancel lands in the middle of it
+        send_all(connection, buffers)
+
+    monkeypatch.setattr(kv_tcp_data, "send_all", slow_send_all)
+    receiving, freed_while_receiving = [0], []
+    receive_layers, cancel = kv_tcp_data.receive_layers, KvImporter.cancel
+
+    def watched_receive(*args):
+        receiving[0] += 1
+        try:
+            return receive_layers(*args)
+        finally:
+            time.sleep(0.1)  # a receive slow to notice the shutdown: the blocks must wait for it
+            receiving[0] -= 1
+
+    async def watched_cancel(self):
+        freed_while_receiving.append(receiving[0])
+        await cancel(self)
+
+    monkeypatch.setattr(kv_tcp_data, "receive_layers", watched_receive)
+    monkeypatch.setattr(KvImporter, "cancel", watched_cancel)
+    served = await Served().start(tiny)
+    try:
+        channel = await served.source[0].add_request("c", PROMPT, PARAMS)
+        await wait_tokens(channel, 3)
+        move = asyncio.ensure_future(migrate_out(served.source[0], "c", served.sender()))
+        await streaming.wait()
+        move.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await move
+        await assert_stays_on_source(tiny, served, channel)
+        assert freed_while_receiving and not any(freed_while_receiving)  # the receive stopped before the free
+    finally:
+        await served.close()
+
+
+async def test_an_unreachable_data_socket_falls_back_to_grpc_chunks(tiny, monkeypatch):
+    def refused(*args):
+        raise ConnectionRefusedError("refused (test)")
+
+    monkeypatch.setattr(kv_tcp_data, "connect", refused)
+    served = await Served().start(tiny)
+    try:
+        channel = await served.source[0].add_request("u", PROMPT, PARAMS)
+        await wait_tokens(channel, 4)
+        sender = served.sender()
+        await migrate_out(served.source[0], "u", sender)
+        assert not sender.used_tcp and sender.num_messages >= 1
+        await assert_continues_on_target(served, channel, "u", expected(tiny))
+    finally:
+        await served.close()
+
+
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="openssl is not installed")
+async def test_under_tls_the_data_socket_speaks_tls_and_refuses_strangers(tiny, tmp_path):
+    cert, key = _self_signed(tmp_path, "engine")  # both engines' certificate, and their CA (mutual TLS)
+    served = await Served().start(tiny, load_tls(str(cert), str(key), str(cert)))
+    try:
+        channel = await served.source[0].add_request("s", PROMPT, PARAMS)
+        await wait_tokens(channel, 4)
+        sender = served.sender()
+        await migrate_out(served.source[0], "s", sender)
+        assert sender.used_tcp
+        await assert_continues_on_target(served, channel, "s", expected(tiny))
+        # Plaintext, or TLS with a certificate the target does not trust, gets no further than the handshake.
+        assert await asyncio.to_thread(_refused, served.data.port, kv_tcp_data.MAGIC + bytes(16))
+        other_cert, other_key = _self_signed(tmp_path, "stranger")
+        stranger = load_tls(str(other_cert), str(other_key), str(cert)).data_client_context()
+        with pytest.raises(ssl.SSLError):  # the target refuses its certificate (at the handshake or first read)
+            connection = await asyncio.to_thread(kv_tcp_data.connect, "127.0.0.1", served.data.port, bytes(16), 10,
+                                                 stranger)
+            with connection:
+                connection.recv(1)
+    finally:
+        await served.close()
