@@ -5,12 +5,13 @@ runner feeds it measured ones (an Assisted latency includes its waits for the sh
 
 An Assisted iteration that would wait for the GPU longer than the chooser's bound
 (`max_device_wait_ms`, as the client sends it) is refused by gpu_service and redone locally
-after that wait, and the chooser backs off (`record_assist_failure`), as in cpu_service. With
+after that wait, and the chooser learns the whole iteration as that mode's latency
+(`record_device_busy`), as cpu_service does on RESOURCE_EXHAUSTED. With
 per-layer sharing ("layer", "cooperative": a staged iteration) each stage's wait for the GPU
 engine's next layer boundary is charged to that same bound, as gpu_service charges it
 (DenseAssistSession._device_stage): a stage that would wait past what is left of it is refused
 when it runs out, and the iteration is redone locally from there (the stages already run stay
-in the GPU's step), the chooser backing off.
+in the GPU's step), learnt the same way.
 
 A part of profiles.sim.simulator.Simulator (it uses the simulator's clock, device and event
 queue); kept apart so each file reads on its own.
@@ -85,7 +86,8 @@ class CpuSteps:
             wait = device.wait_ms(self.now_ms)
             bound_ms = self.chooser.max_device_wait_ms(batch)
             if bound_ms and wait > bound_ms:
-                self.chooser.record_assist_failure()  # refused after bound_ms, redone locally
+                # refused after bound_ms (the GPU is busy), redone locally: learnt as a latency
+                self.chooser.record_device_busy(ExecutionMode.ASSISTED, batch, bound_ms + cost.local_ms)
                 local_start_ms = self.now_ms + bound_ms
             else:
                 held_ms = self.cost.assist_ms(decode.batch) if hold == "dense" else cost.assisted_ms
@@ -148,8 +150,9 @@ class CpuSteps:
                        lambda: self._next_stage(cpu, stages_left - 1, stage_ms, between_ms, budget_ms))
 
     def _staged_refused(self, cpu) -> None:
-        """gpu_service refused a stage (RESOURCE_EXHAUSTED): cpu_service backs off and redoes the
-        iteration locally, in the same step (CpuRunner.run_plan)."""
+        """gpu_service refused a stage (RESOURCE_EXHAUSTED): cpu_service redoes the iteration
+        locally, in the same step, and the chooser learns the whole iteration as the mode it chose
+        (CpuRunner.run_plan, ModeChooser.record_device_busy)."""
         plan, started_ms = cpu.plan, cpu.started_ms
         prefill_tokens, contexts, sampled = self._plan_shape(plan)
         local_ms = self.cost.cpu_iteration(DecodeBatch.of(contexts), prefill_tokens, sampled).local_ms
@@ -158,7 +161,8 @@ class CpuSteps:
         cpu.num_local += 1
         cpu.num_iterations -= 1  # the same step
         self.num_staged_refusals += 1
-        self.chooser.record_assist_failure()
+        chosen = ExecutionMode.COOPERATIVE if self.cpu_joining else ExecutionMode.ASSISTED
+        self.chooser.record_device_busy(chosen, len(plan.sequences), self.now_ms - started_ms + local_ms)
         self.chooser.record(ExecutionMode.LOCAL, len(plan.sequences), local_ms)
         self._start(cpu, plan, self.now_ms + local_ms + self.config.engine_overhead_ms)
         cpu.started_ms = started_ms
