@@ -62,7 +62,9 @@ class Case:
 
 
 CASES = (
-    Case("h100", "h100_sapphire_rapids_llama3_8b", "neo", *NEO_WORKLOAD, (20, 30, 40, 50), 2.0),
+    # the H100 GPU saturates near 18 req/s on this workload (~4,150 tok/s, assumed); its P99 ITL stays
+    # under 70 ms at any rate (2048-token chunks), so the TTFT bound sets the max rate: swept past it
+    Case("h100", "h100_sapphire_rapids_llama3_8b", "neo", *NEO_WORKLOAD, (10, 20, 30, 50, 100), 2.0),
     Case("h100-long", "h100_sapphire_rapids_llama3_8b", "long", *LONG_WORKLOAD, (1, 2, 3, 4, 6)),
     Case("a10g", "a10g_epyc_avx2_llama3_8b", "neo", *NEO_WORKLOAD, (0.5, 1, 1.5, 2, 3)),
     Case("l4", "l4_sapphire_rapids_llama3_8b", "neo", *NEO_WORKLOAD, (0.5, 1, 1.5, 2, 3)),
