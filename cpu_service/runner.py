@@ -1,7 +1,8 @@
 """The CPU engine's runner: each iteration Local, Assisted or Cooperative, chosen per iteration.
 
 A failed assisted iteration is redone locally in the same step, so no request
-is lost or corrupted when gpu_service is unreachable, slow or dies mid-iteration.
+is lost or corrupted when gpu_service is unreachable, slow or dies mid-iteration. A failure backs
+the chooser off; a refusal because the GPU is busy (RESOURCE_EXHAUSTED) is learnt as a latency.
 
 Cooperative (docs/design_cooperative_execution.md): the iteration asks gpu_service to run its
 dense rows inside the GPU engine's next step (a join). dualpace asks when the ModeChooser picks
@@ -16,6 +17,8 @@ from __future__ import annotations
 
 import logging
 import time
+
+import grpc
 
 from cpu_service.assist_client import AssistClient, AssistUnavailable
 from cpu_service.assist_join import NO_JOIN, JoinAsk, ran_in_engine_step
@@ -59,6 +62,7 @@ class CpuRunner(ModelRunner):
         # (structured-output) requests always run their steps here.
         guided = any(s.params.guided is not None for s in plan.sequences)
         self.last_step_record_fields = {}  # what the step's StepRecord learns from here (EngineLoop)
+        refused = None  # (the device mode chosen, its start) when the GPU server refused it as busy
         if mode in DEVICE_MODES and self.assisted is not None and not guided:
             batch_size = len(plan.sequences)
             join = self._join_ask(mode, batch_size)
@@ -68,7 +72,10 @@ class CpuRunner(ModelRunner):
             except AssistUnavailable as exc:
                 self.num_assist_fallbacks += 1
                 self._assist_fallback.inc()
-                self.chooser.record_assist_failure()
+                if exc.code == grpc.StatusCode.RESOURCE_EXHAUSTED:  # the GPU was busy past the budget
+                    refused = (ExecutionMode.COOPERATIVE if join.join else ExecutionMode.ASSISTED, start)
+                else:
+                    self.chooser.record_assist_failure()
                 log.warning("assisted iteration failed (%s); redoing it locally", exc)
             else:
                 self._assist_ok.inc()
@@ -85,6 +92,8 @@ class CpuRunner(ModelRunner):
         start = time.perf_counter()
         result = super().run_plan(plan)
         self._record(ExecutionMode.LOCAL, len(plan.sequences), start)
+        if refused is not None:  # learnt as the chosen mode's latency, the refusal and redo included
+            self.chooser.record_device_busy(refused[0], len(plan.sequences), (time.perf_counter() - refused[1]) * 1e3)
         return result
 
     def _join_ask(self, mode: ExecutionMode, batch_size: int) -> JoinAsk:

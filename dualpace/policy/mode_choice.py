@@ -7,7 +7,8 @@ predicted latencies per batch bucket (`seed`, from the profile's cost model); a
 bucket's first measurement of a mode then replaces that mode's prediction, so the
 measurements take over. Without a profile the first iterations of each bucket
 measure both modes before comparing. After a failure of the
-assist path it backs off (exponentially, in iterations) before trying again, and
+assist path it backs off (exponentially, in iterations) before trying again (a refusal because the GPU is
+busy is not a failure: record_device_busy learns it as a latency), and
 it re-probes the slower mode now and then so a change (the GPU getting busy or
 free) is noticed.
 
@@ -163,6 +164,22 @@ class ModeChooser:
             self.record(ExecutionMode.ASSISTED, batch_size, latency_ms)
         if ran_local:
             self.record(ExecutionMode.LOCAL, batch_size, latency_ms)
+
+    def record_device_busy(self, mode: ExecutionMode, batch_size: int, latency_ms: float) -> None:
+        """The GPU server refused an Assisted or Cooperative iteration because its device wait ran
+        past the budget (RESOURCE_EXHAUSTED: the GPU is busy, the path works) and it was redone
+        locally; latency_ms is the whole iteration, refusal and local redo. That is the outcome of
+        choosing `mode` on a busy GPU, so it is learnt as `mode`'s latency (a cooperative ask that
+        was refused ran staged: learnt as assisted too) and the chooser compares it with Local as
+        it does any measurement. No backoff: backing off to Local whatever its estimate ran batches
+        whose Local iteration is several times slower than the device's (and past the ITL target)
+        locally for 8-128 iterations after a single refusal (docs/results.md, session 11)."""
+        if mode not in (ExecutionMode.ASSISTED, ExecutionMode.COOPERATIVE):
+            raise ValueError(f"only a device mode can be refused, got {mode!r}")
+        if mode is ExecutionMode.COOPERATIVE:
+            self.record_cooperative(batch_size, latency_ms, ran_staged=True)
+        else:
+            self.record(mode, batch_size, latency_ms)
 
     def record_assist_failure(self) -> None:
         """The assist path failed mid-iteration: run locally for a while, longer each time."""

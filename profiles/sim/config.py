@@ -59,6 +59,10 @@ class SimConfig:
     # (dualpace.policy.join_rule.JoinRule: "within-layer" as designed first, "meet", "slack";
     # profiles/sim/join_rules.py). The gated policy always joins the next step, whatever this says.
     join_rule: str = "within-layer"
+    # A staged iteration whose waits in the GPU engine's step in progress already exceed its
+    # device budget is refused at its begin instead of when the budget runs out
+    # (dualpace.policy.stage_budget.refuse_at_begin).
+    refuse_staged_at_begin: bool = False
     # What-if: drop planned moves of requests that have no token yet. The planner itself now
     # never plans those (dualpace.policy.migration_planner), so this changes nothing; kept for the CLI.
     skip_unprefilled_moves: bool = False

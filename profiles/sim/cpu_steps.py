@@ -5,12 +5,15 @@ runner feeds it measured ones (an Assisted latency includes its waits for the sh
 
 An Assisted iteration that would wait for the GPU longer than the chooser's bound
 (`max_device_wait_ms`, as the client sends it) is refused by gpu_service and redone locally
-after that wait, and the chooser backs off (`record_assist_failure`), as in cpu_service. With
+after that wait, and the chooser learns the whole iteration as that mode's latency
+(`record_device_busy`), as cpu_service does on RESOURCE_EXHAUSTED. With
 per-layer sharing ("layer", "cooperative": a staged iteration) each stage's wait for the GPU
 engine's next layer boundary is charged to that same bound, as gpu_service charges it
 (DenseAssistSession._device_stage): a stage that would wait past what is left of it is refused
 when it runs out, and the iteration is redone locally from there (the stages already run stay
-in the GPU's step), the chooser backing off.
+in the GPU's step), learnt the same way. With `refuse_staged_at_begin` the begin is refused at
+once when the GPU engine's step in progress alone would exhaust the budget
+(dualpace.policy.stage_budget.refuse_at_begin).
 
 A part of profiles.sim.simulator.Simulator (it uses the simulator's clock, device and event
 queue); kept apart so each file reads on its own.
@@ -21,6 +24,7 @@ from __future__ import annotations
 from dualpace.engine.scheduler import StepPlan
 from dualpace.policy.join_rule import JoinAction
 from dualpace.policy.mode_choice import AssistSetting, ExecutionMode, ModeChooser
+from dualpace.policy.stage_budget import EngineStepProgress, refuse_at_begin
 from dualpace.policy.views import Policy
 from dualpace.profile.cost_model import CostModel, DecodeBatch, predicted_mode_latencies
 from profiles.sim.config import GPU
@@ -85,7 +89,8 @@ class CpuSteps:
             wait = device.wait_ms(self.now_ms)
             bound_ms = self.chooser.max_device_wait_ms(batch)
             if bound_ms and wait > bound_ms:
-                self.chooser.record_assist_failure()  # refused after bound_ms, redone locally
+                # refused after bound_ms (the GPU is busy), redone locally: learnt as a latency
+                self.chooser.record_device_busy(ExecutionMode.ASSISTED, batch, bound_ms + cost.local_ms)
                 local_start_ms = self.now_ms + bound_ms
             else:
                 held_ms = self.cost.assist_ms(decode.batch) if hold == "dense" else cost.assisted_ms
@@ -129,6 +134,12 @@ class CpuSteps:
 
     def _next_stage(self, cpu, stages_left: int, stage_ms: float, between_ms: float,
                     budget_ms: float | None = None) -> None:
+        if budget_ms is not None and stages_left == self.num_layers + 1 and self.config.refuse_staged_at_begin:
+            step = EngineStepProgress(self.device.engine_layers_left(self.now_ms), self.device.engine_layer_ms())
+            if refuse_at_begin(budget_ms, stages_left, step, between_ms):
+                self.num_staged_refusals_at_begin += 1
+                self._staged_refused(cpu)  # at once: the step in progress alone would exhaust the budget
+                return
         if budget_ms is not None:
             wait_ms = self.device.stage_start_ms(self.now_ms) - self.now_ms
             if wait_ms > budget_ms:
@@ -148,8 +159,9 @@ class CpuSteps:
                        lambda: self._next_stage(cpu, stages_left - 1, stage_ms, between_ms, budget_ms))
 
     def _staged_refused(self, cpu) -> None:
-        """gpu_service refused a stage (RESOURCE_EXHAUSTED): cpu_service backs off and redoes the
-        iteration locally, in the same step (CpuRunner.run_plan)."""
+        """gpu_service refused a stage (RESOURCE_EXHAUSTED): cpu_service redoes the iteration
+        locally, in the same step, and the chooser learns the whole iteration as the mode it chose
+        (CpuRunner.run_plan, ModeChooser.record_device_busy)."""
         plan, started_ms = cpu.plan, cpu.started_ms
         prefill_tokens, contexts, sampled = self._plan_shape(plan)
         local_ms = self.cost.cpu_iteration(DecodeBatch.of(contexts), prefill_tokens, sampled).local_ms
@@ -158,7 +170,8 @@ class CpuSteps:
         cpu.num_local += 1
         cpu.num_iterations -= 1  # the same step
         self.num_staged_refusals += 1
-        self.chooser.record_assist_failure()
+        chosen = ExecutionMode.COOPERATIVE if self.cpu_joining else ExecutionMode.ASSISTED
+        self.chooser.record_device_busy(chosen, len(plan.sequences), self.now_ms - started_ms + local_ms)
         self.chooser.record(ExecutionMode.LOCAL, len(plan.sequences), local_ms)
         self._start(cpu, plan, self.now_ms + local_ms + self.config.engine_overhead_ms)
         cpu.started_ms = started_ms

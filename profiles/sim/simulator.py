@@ -142,6 +142,7 @@ class Simulator(CpuSteps, Cooperative, JoinRules, Moves, RouterViews):
         self.num_rejected = 0
         self.num_handoffs = 0
         self.num_staged_refusals = 0  # staged Assisted iterations refused mid-way (their device wait ran out)
+        self.num_staged_refusals_at_begin = 0  # of those, refused at their begin (refuse_staged_at_begin)
         self.num_gpu_engine_tokens = 0  # tokens the GPU engine's own iterations emitted (the rest: the CPU engine's)
         self.num_migrations = 0
         self.num_moves_without_kv = 0

@@ -279,3 +279,31 @@ def test_a_cooperative_request_run_locally_teaches_the_local_mode_too():
     assert chooser.estimate_ms(ASSISTED, 8) is None
     with pytest.raises(ValueError):
         chooser.record_cooperative(8, 90.0, ran_staged=True, ran_local=True)
+
+
+def test_a_busy_refusal_is_learnt_as_a_latency_not_a_backoff():
+    """A device mode refused because the GPU was busy past the budget (RESOURCE_EXHAUSTED) keeps
+    the chooser on it while its learnt latency, the refusal and local redo included, still beats
+    Local: a backoff ran batches whose Local iteration was 5x slower locally (A10G, session 11)."""
+    chooser = ModeChooser(AssistSetting.AUTO, assist_configured=True)
+    chooser.seed({(LOCAL, 64): 540.0, (ASSISTED, 64): 110.0})
+    assert chooser.choose(50, decode_only=True) == ASSISTED
+    chooser.record(ASSISTED, 50, 110.0)  # measured once (the first measurement replaces the seed)
+    assert chooser.choose(50, decode_only=True) == ASSISTED
+    chooser.record_device_busy(ASSISTED, 50, 300.0 + 540.0)  # refused after its budget, redone locally
+    assert chooser.backoff_until == 0
+    assert chooser.estimate_ms(ASSISTED, 64) == pytest.approx((1 - EMA_WEIGHT) * 110.0 + EMA_WEIGHT * 840.0)
+    assert chooser.choose(50, decode_only=True) == ASSISTED  # 256 ms learnt, still faster than 540 local
+    for _ in range(10):  # refused every time: its latency rises past Local's, which then wins
+        chooser.record_device_busy(ASSISTED, 50, 840.0)
+    assert chooser.estimate_ms(ASSISTED, 64) > 540.0
+    assert chooser.choose(50, decode_only=True) == LOCAL
+
+
+def test_a_refused_cooperative_ask_is_learnt_as_cooperative_and_assisted():
+    chooser = ModeChooser(AssistSetting.AUTO, assist_configured=True, cooperative_configured=True)
+    chooser.record_device_busy(ExecutionMode.COOPERATIVE, 8, 200.0)
+    assert chooser.latency_ms == {(ExecutionMode.COOPERATIVE, 8): 200.0, (ASSISTED, 8): 200.0}
+    assert chooser.backoff_until == 0
+    with pytest.raises(ValueError):
+        chooser.record_device_busy(LOCAL, 8, 200.0)

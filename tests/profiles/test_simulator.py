@@ -4,6 +4,7 @@ import pytest
 
 from dualpace.policy.admission import GpuAdmission
 from dualpace.policy.cooperative_plan import JoinHow
+from dualpace.policy.mode_choice import ExecutionMode
 from dualpace.policy.views import Policy
 from dualpace.profile.cost_model import CostModel, DecodeBatch
 from dualpace.profile.files import parse_profile
@@ -345,7 +346,7 @@ def _pump(sim, until_kind: str, name: str):
 def test_a_staged_iteration_whose_stage_waits_past_its_device_budget_is_redone_locally():
     """gpu_service charges each stage's wait for the engine's next layer boundary to the begin's
     max_device_wait_ms and refuses the stage when it runs out (RESOURCE_EXHAUSTED); cpu_service
-    backs off and redoes the iteration locally. Without that the simulated staged iteration rode
+    redoes the iteration locally and learns the whole of it as the assisted latency. Without that the simulated staged iteration rode
     out a whole long prefill step (820 ms gaps in session 9's quiet take, none in the real run)."""
     from dualpace.engine.request import EngineRequest
     from dualpace.sampling_params import SamplingParams
@@ -369,5 +370,8 @@ def test_a_staged_iteration_whose_stage_waits_past_its_device_budget_is_redone_l
     assert end_ms == pytest.approx(refused_at_ms + local_ms)
     assert sim.num_staged_refusals == 1 and cpu.num_local == 1 and cpu.num_assisted == 0
     assert cpu.num_iterations == 1 and cpu.staged_batch is None
-    assert sim.chooser.backoff_until > sim.chooser.num_iterations  # it runs locally for a while
+    # the busy GPU's refusal is learnt as the assisted iteration's latency (refusal and local
+    # redo), not a backoff to Local (ModeChooser.record_device_busy, as cpu_service records it)
+    assert sim.chooser.backoff_until <= sim.chooser.num_iterations
+    assert sim.chooser.latency_ms[(ExecutionMode.ASSISTED, 1)] == pytest.approx(end_ms - sim.config.engine_overhead_ms)
     assert sim.device.engine_run.end_ms == 3001.0  # the stage that ran stays in the GPU's step
