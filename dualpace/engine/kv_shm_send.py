@@ -3,8 +3,8 @@
 The mapping itself comes from MappedPools (dualpace.engine.shm_mapped_pools): one per target
 pool per process, held by each copy for as long as it runs.
 
-Where the target takes progress reports (ShmReservation.takes_progress) and the transfer is large
-enough for the workers, the layers are copied in PROGRESS_GROUPS consecutive ranges, and each range
+Where the target takes progress reports (ShmReservation.takes_progress), PROGRESS_GROUPS is set and
+the transfer is large enough for the workers, the layers are copied in PROGRESS_GROUPS consecutive ranges, and each range
 is reported (ShmWritten.progress, with its checksums) as soon as its copy returned: the target
 verifies it while the workers copy the next ones. A range is reported only after the C call that
 wrote it returned in its worker (its streamed stores fenced), and is never written again: the
@@ -53,9 +53,15 @@ def check_geometry(segment: MappedKvSegment, layout: KvLayout, reservation: ShmR
 
 
 # Layer ranges reported one by one to a target that takes progress (0: no reports, the whole copy
-# verified after it, as before; `DUALPACE_KV_PROGRESS_GROUPS` sets it for A/B runs). Each report is one
-# record to the target and one wake-up of its loop; the last range is verified after the copy.
-PROGRESS_GROUPS = int(os.environ.get("DUALPACE_KV_PROGRESS_GROUPS", 6))
+# verified after it, as before). Each report is one record to the target and one wake-up of its loop;
+# the last range is verified after the copy. Off by default: on a two-core host the overlap puts the
+# target's verify threads beside the sender's copy threads and the 1024-token transfer got slower in
+# every setting tried (docs/perf.md, session 11: 13.3-13.8 ms without, 14.2-20.6 ms with, interleaved).
+# `DUALPACE_KV_PROGRESS_GROUPS=6` turns it on where cores are to spare (bench.kv_shm_progress_ab).
+PROGRESS_GROUPS = int(os.environ.get("DUALPACE_KV_PROGRESS_GROUPS", 0))
+# The sender's copy threads while it reports: with one, the target's verify of the reported ranges has
+# the other core of a two-core host, instead of four threads sharing two (`DUALPACE_KV_PROGRESS_WORKERS`).
+PROGRESS_WORKERS = int(os.environ.get("DUALPACE_KV_PROGRESS_WORKERS", KV_TRANSFER_WORKERS))
 
 
 def _inject_fault(faults: FaultConfig, segment: MappedKvSegment, dst_slot_ids: list[int],
@@ -95,7 +101,10 @@ async def _copy_in_workers(storage, src_slot_ids: list[int], segment: MappedKvSe
         parts = layer_ranges(storage.num_layers, KV_TRANSFER_WORKERS)
     else:
         parts = [None]
-    executor = pool("kv-export", KV_TRANSFER_WORKERS)
+    if report is not None and PROGRESS_WORKERS != KV_TRANSFER_WORKERS:
+        executor = pool(f"kv-export-{PROGRESS_WORKERS}", PROGRESS_WORKERS)
+    else:
+        executor = pool("kv-export", KV_TRANSFER_WORKERS)
     jobs = [executor.submit(_copy_range, storage, src_slot_ids, segment, dst_slot_ids, stop, layers,
                             faults if report is not None else None) for layers in parts]
     checksums = [0] * storage.num_layers

@@ -149,8 +149,8 @@ def _without_merge(answer):
 
 
 def pipelined(monkeypatch) -> list[tuple]:
-    """Every transfer through the sender's workers with progress reports (the tiny model's KV is far
-    below INLINE_MAX_BYTES): ("copied", layers) when a range's copy returned in its worker,
+    """Every transfer through the sender's workers with progress reports in up to 6 ranges (the tiny
+    model's KV is far below INLINE_MAX_BYTES): ("copied", layers) when a range's copy returned in its worker,
     ("reported", layers) when the target took its report, ("written",) when the final message came."""
     events: list[tuple] = []
     copy_in_place, progress, written = kv_shm_send.copy_in_place, ShmImport.progress, ShmImport.written
@@ -168,6 +168,7 @@ def pipelined(monkeypatch) -> list[tuple]:
         events.append(("written",))
         return await written(self, message)
     monkeypatch.setattr(kv_shm_send, "INLINE_MAX_BYTES", 0)
+    monkeypatch.setattr(kv_shm_send, "PROGRESS_GROUPS", 6)  # off by default (two cores: no gain)
     monkeypatch.setattr(kv_shm_send, "copy_in_place", copied)
     monkeypatch.setattr(ShmImport, "progress", reported)
     monkeypatch.setattr(ShmImport, "written", final)
