@@ -115,7 +115,7 @@ class SameHostKvSender(TcpKvSender):
                 log.info("KV to %s over gRPC: %s", self.target_address, answer.reason)
                 self.declined_until[self.target_address] = time.monotonic() + DECLINE_MEMORY_S
             else:
-                written = await self._write_in_place(answer, header, chunks)
+                written = await self._write_in_place(call, answer, header, chunks)
                 lap("lease_and_copy_ms")
             if written is None:
                 await self._send_chunks(call, chunks)
@@ -143,7 +143,7 @@ class SameHostKvSender(TcpKvSender):
             if asked is not None:  # not held (declined, failed before the copy, another ticket): end it
                 asked.withdraw(offer.lease_ticket)
 
-    async def _write_in_place(self, answer: ShmReservation, header: KvTransferHeader,
+    async def _write_in_place(self, call, answer: ShmReservation, header: KvTransferHeader,
                               chunks: OutgoingKv) -> ShmWritten | None:
         """Copy into the target's reserved blocks; None: its pool cannot be used (send chunks instead)."""
         async with contextlib.AsyncExitStack() as held:
@@ -156,7 +156,8 @@ class SameHostKvSender(TcpKvSender):
             try:
                 lease = self.pools.lease(answer) if answer.lease_on_watch else None  # else a connection of its own
                 self.marks.append(("mapped", time.perf_counter()))
-                return await write_in_place(segment, answer, chunks, self.faults, lease, self.marks)
+                return await write_in_place(segment, answer, chunks, self.faults, lease, self.marks,
+                                            _reporter(call) if answer.takes_progress else None)
             finally:
                 # No reference to the mapping may outlive the call in a traceback: once the target is
                 # gone and the pool dropped, the memory must go back to the kernel at once.
@@ -166,6 +167,13 @@ class SameHostKvSender(TcpKvSender):
         """The answer to the header's offers: a shared-memory reservation or refusal, or (another host)
         the data socket's."""
         return await self.expect_answer(call, lambda reply: shm_answer_from_pb(reply) or tcp_answer_from_pb(reply))
+
+
+def _reporter(call):
+    """report(written) for write_in_place: a progress report on the import stream."""
+    async def report(written: ShmWritten) -> None:
+        await GrpcKvSender._write(call, shm_written_to_pb(written), "a progress report")
+    return report
 
 
 def _lap_timer(laps: dict[str, float], marks: list[tuple[str, float]]):
