@@ -173,7 +173,8 @@ class AssistClient:
         """Send begin, answer each layer's qkv with attend, return the result."""
         if self._stream is None:
             self._stream = AssistStream(self._assist, self.address, self._metadata)
-            if self.transport != "grpc" and not self._shm_unsupported:
+            if self.transport != "grpc" and not self._shm_unsupported and not (
+                    self.transport == "tcp" and self._tcp_unreachable):
                 self._shm = self._offer_shm(self._stream)
         stream = self._stream
         batch = len(begin.token_ids)

@@ -66,6 +66,7 @@ class _ServerThread:
         self.executor = executor
         self.limits = None  # AssistLimits for the servicer; None: its defaults
         self.data_socket = None  # the TcpDataServer it serves assist frames on (as gpu_service's KV one)
+        self.data_tls = None  # that socket's ssl.SSLContext (None: plaintext)
         self.port = 0
         self._started = threading.Event()
         self._loop = asyncio.new_event_loop()
@@ -81,7 +82,7 @@ class _ServerThread:
 
     async def _serve(self) -> None:
         server = grpc.aio.server()
-        self.data_socket = await TcpDataServer.start("127.0.0.1")
+        self.data_socket = await TcpDataServer.start("127.0.0.1", self.data_tls)
         add_dense_assist_servicer(self.executor, server, self.limits, self.data_socket)
         self.port = server.add_insecure_port("127.0.0.1:0")
         self._stop_event = asyncio.Event()

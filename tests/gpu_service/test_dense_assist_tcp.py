@@ -3,6 +3,8 @@ test_dense_assist.py run on it as transport "tcp").
 
 - a connection with a wrong ticket is refused by the data socket: the iteration fails over to the
   caller (AssistUnavailable, it runs locally), and the next stream's ticket works;
+- where the data socket speaks TLS, a client with the daemons' TLS runs its iterations through it
+  (the same logits as over gRPC), one without runs that iteration locally and the next ones over gRPC;
 - the frame format round-trips every dtype and shape the session sends, and a malformed frame
   (a size past the buffer) is refused with TcpLinkError.
 """
@@ -19,8 +21,12 @@ import torch
 from cpu_service.assist_client import AssistClient, AssistUnavailable
 from dualpace.engine.assist_tcp_link import TcpLink, TcpLinkError
 from dualpace.engine.assist_types import ShmSlotKind
+from tests.serve.test_security import _self_signed
+from dualpace.serve.security import load_tls
 from tests.gpu_service.test_dense_assist import (
     HANG_GUARD_S,
+    _CountingExecutor,
+    _ServerThread,
     _zeros_attend,
     loaded,  # noqa: F401 - the module's model fixture
     server,  # noqa: F401
@@ -47,6 +53,29 @@ def test_a_wrong_ticket_is_refused_and_the_next_stream_connects(loaded, server) 
         logits = client.run_iteration([1, 2], [0, 0], _zeros_attend(loaded))  # a fresh stream, its own ticket
         assert logits.shape == (2, loaded.config.vocab_size)
         assert client.data_path == "tcp" and client.num_shm_iterations == 1
+
+
+def test_a_tls_data_socket_serves_a_client_with_tls_only(loaded, tmp_path) -> None:  # noqa: F811
+    cert, key = _self_signed(tmp_path, "engine")  # the certificate, and the CA both sides trust
+    tls = load_tls(str(cert), str(key), str(cert))
+    running = _ServerThread(_CountingExecutor(loaded.model))
+    running.data_tls = tls.data_server_context()
+    running.start()
+    try:
+        attend = _zeros_attend(loaded)
+        with AssistClient(running.address, iteration_timeout_s=HANG_GUARD_S, transport="grpc") as plain:
+            expected = plain.run_iteration([1, 2], [0, 0], attend)
+        with AssistClient(running.address, iteration_timeout_s=HANG_GUARD_S, transport="tcp",
+                          data_tls=tls.data_client_context()) as client:
+            assert torch.equal(client.run_iteration([1, 2], [0, 0], attend), expected)
+            assert client.data_path == "tcp" and client.num_shm_iterations == 1
+        with AssistClient(running.address, iteration_timeout_s=HANG_GUARD_S, transport="tcp") as client:
+            with pytest.raises(AssistUnavailable, match="TLS"):
+                client.run_iteration([1, 2], [0, 0], attend)
+            assert torch.equal(client.run_iteration([1, 2], [0, 0], attend), expected)  # over gRPC now
+            assert client.data_path == "grpc"
+    finally:
+        running.stop()
 
 
 @pytest.fixture
