@@ -3,6 +3,8 @@ test_dense_assist.py run on it as transport "tcp").
 
 - a connection with a wrong ticket is refused by the data socket: the iteration fails over to the
   caller (AssistUnavailable, it runs locally), and the next stream's ticket works;
+- the data socket failing mid-iteration while the gRPC stream is up: AssistUnavailable (the
+  iteration runs locally), and the next iteration runs on a fresh stream and connection;
 - where the data socket speaks TLS, a client with the daemons' TLS runs its iterations through it
   (the same logits as over gRPC), one without runs that iteration locally and the next ones over gRPC;
 - the frame format round-trips every dtype and shape the session sends, and a malformed frame
@@ -14,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import socket
 import struct
+import time
 
 import pytest
 import torch
@@ -53,6 +56,23 @@ def test_a_wrong_ticket_is_refused_and_the_next_stream_connects(loaded, server) 
         logits = client.run_iteration([1, 2], [0, 0], _zeros_attend(loaded))  # a fresh stream, its own ticket
         assert logits.shape == (2, loaded.config.vocab_size)
         assert client.data_path == "tcp" and client.num_shm_iterations == 1
+
+
+def test_a_data_socket_failing_mid_iteration_fails_only_that_iteration(loaded, server) -> None:  # noqa: F811
+    client = AssistClient(server.address, iteration_timeout_s=HANG_GUARD_S, transport="tcp")
+    zeros = _zeros_attend(loaded)
+
+    def attend(layer, q, k, v):
+        if layer == 1:  # the connection breaks under the session (a NIC or a middlebox), the stream does not
+            client._shm._segment.connection().shutdown(socket.SHUT_RDWR)
+        return zeros(layer, q, k, v)
+
+    with client:
+        with pytest.raises(AssistUnavailable, match="data socket"):
+            client.run_iteration([1, 2], [0, 0], attend)
+        logits = client.run_iteration([1, 2], [0, 0], zeros)
+        assert logits.shape == (2, loaded.config.vocab_size) and client.data_path == "tcp"
+    assert server.executor.num_sessions == 2
 
 
 def test_a_tls_data_socket_serves_a_client_with_tls_only(loaded, tmp_path) -> None:  # noqa: F811
@@ -103,4 +123,4 @@ def test_a_frame_larger_than_the_buffer_is_refused(pair) -> None:
     up, down = pair
     up._link.connection().sendall(struct.pack("=Q", 1 << 30) + bytes(248))
     with pytest.raises(TcpLinkError, match="frame"):
-        down.receive(None)
+        down.receive(time.monotonic() + HANG_GUARD_S / 10)  # (a hang guard: the refusal comes at once)
