@@ -1,7 +1,8 @@
-"""Dense Assist round trip per layer, through shared memory and over gRPC.
+"""Dense Assist round trip per layer, through shared memory, over the TCP data socket and over gRPC.
 
-    python -m bench.assist_rtt                      # default model's shapes, batch 1, 8, 32, both transports
+    python -m bench.assist_rtt                      # default model's shapes, batch 1, 8, 32, shm and grpc
     python -m bench.assist_rtt --batch 8 --iterations 50 --out rtt.json
+    python -m bench.assist_rtt --transport tcp --transport grpc --transport tcp --transport grpc  # alternated
 
 What is timed is the transport alone: a gpu_service-side process (a subprocess running the real
 DenseAssist servicer, with sessions that answer every stage at once with q/k/v of the model's
@@ -32,7 +33,7 @@ from dualpace.model.registry import DEFAULT_MODEL_NAME
 from dualpace.sampling import SamplingParams
 from dualpace.stats import percentile
 
-TRANSPORTS = {"shm": "auto", "grpc": "grpc"}  # bench name -> the client's --assist-transport
+TRANSPORTS = {"shm": "auto", "grpc": "grpc", "tcp": "tcp"}  # bench name -> the client's --assist-transport
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 DEFAULT_BATCH_SIZES = (1, 8, 32)
 START_TIMEOUT_S = 120.0
@@ -115,15 +116,18 @@ async def _serve(shapes: Shapes, dtype: torch.dtype) -> None:
     import grpc
 
     from gpu_service.assist_limits import AssistLimits
+    from dualpace.engine.kv_tcp_import import TcpDataServer
     from gpu_service.assist_servicer import add_dense_assist_servicer
 
     server = grpc.aio.server()
-    add_dense_assist_servicer(InstantExecutor(shapes, dtype), server, AssistLimits())
+    data_socket = await TcpDataServer.start("127.0.0.1")  # as gpu_service's (its KV data socket)
+    add_dense_assist_servicer(InstantExecutor(shapes, dtype), server, AssistLimits(), data_socket)
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
     print(port, flush=True)
     await asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)  # until the parent closes it
     await server.stop(grace=None)
+    await data_socket.close()
 
 
 def _start_server(model: str, dtype_name: str) -> tuple[subprocess.Popen, str]:
@@ -138,7 +142,7 @@ def _start_server(model: str, dtype_name: str) -> tuple[subprocess.Popen, str]:
 
 def measure(transport: str, batch_sizes=DEFAULT_BATCH_SIZES, model: str = DEFAULT_MODEL_NAME,
             dtype: str = "bf16", num_iterations: int = 30, num_warmup: int = 5) -> dict:
-    """Round trip per layer (µs) at each batch size over `transport` ("shm" or "grpc")."""
+    """Round trip per layer (µs) at each batch size over `transport` ("shm", "tcp" or "grpc")."""
     from cpu_service.assist_client import AssistClient
     from cpu_service.assist_shm import slot_bytes_for
 
@@ -169,7 +173,7 @@ def measure(transport: str, batch_sizes=DEFAULT_BATCH_SIZES, model: str = DEFAUL
             results[str(batch)] = {"p50_us": round(percentile(round_trips_us, 50), 1),
                                    "p99_us": round(percentile(round_trips_us, 99), 1),
                                    "num_round_trips": len(round_trips_us)}
-        used_shm = client.num_shm_iterations
+        used_shm, data_path = client.num_shm_iterations, client.data_path
     finally:
         client.close()
         process.stdin.close()
@@ -179,6 +183,8 @@ def measure(transport: str, batch_sizes=DEFAULT_BATCH_SIZES, model: str = DEFAUL
             process.kill()
     if transport == "shm" and used_shm == 0:
         raise RuntimeError("the server refused shared memory: nothing was measured over shm")
+    if transport == "tcp" and (used_shm == 0 or data_path != "tcp"):
+        raise RuntimeError("no iteration went over the data socket: nothing was measured over tcp")
     return {"transport": transport, "model": model, "dtype": dtype, "num_layers": shapes.num_layers,
             "batch": results, "cpu": cpu_model(), "load_average_1m": round(os.getloadavg()[0], 2)}
 
@@ -200,7 +206,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", default=DEFAULT_MODEL_NAME, help="whose shapes (layers, heads, head_dim)")
     parser.add_argument("--dtype", default="bf16", choices=sorted(DTYPES), help="dtype of the tensors that cross")
     parser.add_argument("--batch", type=int, action="append", help="batch size (repeatable; default 1, 8, 32)")
-    parser.add_argument("--transport", choices=sorted(TRANSPORTS), action="append", help="default: both")
+    parser.add_argument("--transport", choices=sorted(TRANSPORTS), action="append",
+                        help="repeatable, run in the order given (default: shm, grpc)")
     parser.add_argument("--iterations", type=int, default=30, help="timed iterations per batch size")
     parser.add_argument("--out", default=None, help="also write the results as JSON here")
     parser.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)  # the server subprocess

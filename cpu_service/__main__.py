@@ -52,7 +52,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--assist-timeout-s", type=float, default=5.0,
                         help="an assisted iteration slower than this is redone locally")
     parser.add_argument("--assist-transport", default="auto", choices=TRANSPORTS,
-                        help="Dense Assist: auto (shared memory when gpu_service is on this host, else gRPC) or grpc")
+                        help="Dense Assist: auto (shared memory when gpu_service is on this host, else its TCP data "
+                             "socket where it has one, else gRPC), tcp (the data socket even on one host) or grpc")
     parser.add_argument("--policy", default="dualpace", choices=POLICIES,
                         help="dualpace: independent loop; gated: NEO-like baseline, CPU decodes advance only "
                              "inside GPU iterations with dense work on the GPU")
@@ -117,18 +118,20 @@ def main(argv: list[str] | None = None) -> int:
     def make_runner(loaded: LoadedModel, config: EngineConfig, kv_memory=None) -> CpuRunner:
         client = None
         if args.gpu_service is not None and setting != AssistSetting.NEVER:
+            tls = load_tls(args.tls_cert, args.tls_key, args.tls_client_ca)
             cfg = loaded.config  # a slot holds the largest batch's q/k/v in float32 (the widest dtype)
             client = AssistClient(args.gpu_service, iteration_timeout_s=args.assist_timeout_s,
                                   auth_token=read_token_file(args.auth_token_file), transport=args.assist_transport,
                                   shm_slot_bytes=slot_bytes_for(config.scheduler.max_running, cfg.num_heads,
                                                                 cfg.num_kv_heads, cfg.head_dim),
-                                  credentials=peer_credentials_for(args.gpu_service, load_tls(args.tls_cert, args.tls_key, args.tls_client_ca)))
+                                  credentials=peer_credentials_for(args.gpu_service, tls), data_tls=tls and tls.data_client_context())
         chooser = ModeChooser(setting, assist_configured=client is not None)
         if profile is not None:
             from dualpace.profile.data_paths import assist_path, for_paths, on_this_host
 
             # The assist figures of the path this engine's iterations take (shm on one host).
-            path = assist_path(args.assist_transport, args.gpu_service is not None and on_this_host(args.gpu_service))
+            # (the data socket is priced at the gRPC figures: a profile has none of its own yet)
+            path = assist_path("grpc" if args.assist_transport == "tcp" else args.assist_transport, args.gpu_service is not None and on_this_host(args.gpu_service))
             predicted = seed_chooser(chooser, for_paths(profile, assist=path), client is not None,
                                      config.scheduler.max_running,
                                      args.profile_context_tokens)

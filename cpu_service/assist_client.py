@@ -19,14 +19,17 @@ and the next run_iteration opens a fresh stream. An exception raised by
 
 transport "auto" (the default) offers a shared-memory segment on each fresh stream
 (cpu_service/assist_shm.py): where gpu_service is on the same host and maps it, iterations
-whose batch fits a slot run through it, the rest over gRPC; elsewhere, or with "grpc",
-everything goes over the stream. In `attend` the q/k/v are valid until attend returns: on the
+whose batch fits a slot run through it, the rest over gRPC; on another host, where gpu_service
+has a data socket, the same messages go as frames on a TCP connection to it instead
+(dualpace/engine/assist_tcp_link.py; "tcp" asks for that path even on one host); with "grpc",
+or where neither is offered, everything goes over the stream. In `attend` the q/k/v are valid until attend returns: on the
 shared-memory path views into the segment, over gRPC tensors the client reuses for the next layer.
 """
 
 from __future__ import annotations
 
 import itertools
+import ssl
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -37,9 +40,11 @@ import torch
 from cpu_service import assist_shm
 from cpu_service.assist_join import NO_JOIN, JoinAsk, JoinDowngrades
 from cpu_service.assist_stream import AssistStream, AssistUnavailable  # noqa: F401 - AssistUnavailable is this module's API
-from dualpace.engine import assist_types
+from dualpace.engine import assist_types, kv_tcp_data
+from dualpace.engine.assist_tcp_link import TcpLink, slot_bytes_of_offer
 from dualpace.errors import InvalidArgument
 from dualpace.sampling import SamplingParams, sample_next_tokens
+from dualpace.serve.address import data_socket_peer_host
 from dualpace.serve.auth import token_metadata
 from dualpace.serve.logging_setup import get_logger
 from dualpace.wire import assist_messages, assist_wire
@@ -70,6 +75,7 @@ class AssistClient:
         shm_slot_bytes: int = DEFAULT_SHM_SLOT_BYTES,
         shm_spin_s: float = assist_shm.shm_doorbell.DEFAULT_SPIN_S,
         credentials: grpc.ChannelCredentials | None = None,
+        data_tls: ssl.SSLContext | None = None,
     ):
         if transport not in assist_shm.TRANSPORTS:
             raise InvalidArgument("--assist-transport", f"unknown transport {transport!r}; use "
@@ -80,6 +86,8 @@ class AssistClient:
         self._shm_spin_s = shm_spin_s
         self._shm: assist_shm.ShmIterations | None = None  # the open stream's accepted segment
         self._shm_unsupported = False  # the server did not understand an offer: never offer again
+        self._tcp_unreachable = False  # its data socket could not be reached: never ask for it again
+        self._data_tls = data_tls  # TLS to the server's data socket (this daemon's, as `credentials`)
         self.num_shm_iterations = 0
         self.iteration_timeout_s = iteration_timeout_s
         self._metadata = token_metadata(auth_token)  # gpu_service's --auth-token-file token, if it requires one
@@ -165,7 +173,8 @@ class AssistClient:
         """Send begin, answer each layer's qkv with attend, return the result."""
         if self._stream is None:
             self._stream = AssistStream(self._assist, self.address, self._metadata)
-            if self.transport == "auto" and not self._shm_unsupported:
+            if self.transport != "grpc" and not self._shm_unsupported and not (
+                    self.transport == "tcp" and self._tcp_unreachable):
                 self._shm = self._offer_shm(self._stream)
         stream = self._stream
         batch = len(begin.token_ids)
@@ -205,16 +214,21 @@ class AssistClient:
         raise AssertionError("unreachable")
 
     def _offer_shm(self, stream: AssistStream) -> assist_shm.ShmIterations | None:
-        """Offer a segment on a fresh stream; the accepted rings, or None (then all goes over gRPC)."""
-        try:
-            made = assist_shm.new_offer(self._shm_slot_bytes)
-        except OSError as exc:
-            log.warning("dense assist: no shared memory here, using gRPC", error=str(exc))
-            made = None
-        if made is None:
-            self._shm_unsupported = True
-            return None
-        segment, offer = made
+        """Offer a segment (or, with transport tcp, none) on a fresh stream; the accepted rings, the
+        data socket the server named where it refused the segment, or None (then all goes over gRPC)."""
+        segment = None
+        if self.transport == "tcp":
+            offer = assist_shm.tcp_only_offer(self._shm_slot_bytes)
+        else:
+            try:
+                made = assist_shm.new_offer(self._shm_slot_bytes, tcp=not self._tcp_unreachable)
+            except OSError as exc:
+                log.warning("dense assist: no shared memory here, using gRPC", error=str(exc))
+                made = None
+            if made is None:
+                self._shm_unsupported = True
+                return None
+            segment, offer = made
         try:
             stream.send(assist_messages.assist_up_to_pb(offer))
             try:
@@ -226,12 +240,25 @@ class AssistClient:
             if not isinstance(answer, assist_types.AssistShmAnswer):
                 raise self._protocol_error("expected the answer to the shared-memory offer")
             if not answer.accepted:
+                if segment is not None:
+                    segment.close()
+                    segment = None
+                if answer.tcp_port and offer.tcp:
+                    return self._attach(stream, self._connect_tcp(answer, offer), answer)
                 log.info("dense assist over gRPC: the server refused shared memory", reason=answer.reason)
-                segment.close()
                 return None
             if not segment.verify_server_token(answer.token):
                 raise self._protocol_error("the server's token is not in the segment it accepted")
             segment.close_fd()  # both sides hold only their mappings now
+            return self._attach(stream, segment, answer)
+        except BaseException:
+            if segment is not None:
+                segment.close()
+            raise
+
+    def _attach(self, stream: AssistStream, segment, answer: assist_types.AssistShmAnswer) -> assist_shm.ShmIterations:
+        """The rings (or the data socket) of this stream; a stream that ends wakes their wait."""
+        try:
             rings = assist_shm.ShmIterations(segment, answer, self._shm_spin_s)
         except BaseException:
             segment.close()
@@ -239,8 +266,29 @@ class AssistClient:
         stream.on_end = rings.interrupt
         if stream.ended.is_set():
             rings.interrupt()
-        log.info("dense assist through shared memory", max_batch_rows=answer.max_batch_rows)
+        log.info("dense assist through " + ("a TCP data socket" if rings.over_tcp else "shared memory"),
+                 max_batch_rows=answer.max_batch_rows)
         return rings
+
+    def _connect_tcp(self, answer: assist_types.AssistShmAnswer, offer: assist_types.AssistShmOffer) -> TcpLink:
+        """The connection to the server's data socket with its ticket. A server this client cannot
+        reach there (or whose TLS it cannot speak) is not asked again: this iteration runs locally,
+        the next stream goes over gRPC."""
+        if answer.tcp_tls and self._data_tls is None:
+            self._tcp_unreachable = True
+            raise AssistUnavailable(f"dense assist at {self.address}: its data socket speaks TLS, this client has none")
+        try:
+            connection = kv_tcp_data.connect(data_socket_peer_host(self.address), answer.tcp_port, answer.tcp_ticket,
+                                             self.iteration_timeout_s, self._data_tls if answer.tcp_tls else None)
+        except OSError as exc:
+            self._tcp_unreachable = True
+            raise AssistUnavailable(f"dense assist at {self.address}: cannot reach its data socket: {exc}") from None
+        return TcpLink(slot_bytes_of_offer(offer.size_bytes), connection=connection)
+
+    @property
+    def data_path(self) -> str:
+        """Where the open stream's ring iterations go: "shm", "tcp", or "grpc" (none open: "grpc")."""
+        return "grpc" if self._shm is None else "tcp" if self._shm.over_tcp else "shm"
 
     def protocol(self, problem: str) -> AssistUnavailable:
         return self._protocol_error(problem)

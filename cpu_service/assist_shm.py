@@ -30,11 +30,11 @@ from dualpace.engine.assist_types import (
     AssistShmOffer,
     ShmSlotKind,
 )
-from dualpace.engine.shm_ring import ShmEndpoint, ShmProtocolError, ShmSegment, boot_id, message_bytes
+from dualpace.engine.shm_ring import ShmEndpoint, ShmProtocolError, ShmSegment, boot_id, message_bytes, segment_bytes
 from dualpace.wire import assist_messages
 
 NUM_SLOTS = 2  # one iteration's messages alternate down and up: two slots a direction suffice
-TRANSPORTS = ("auto", "grpc")
+TRANSPORTS = ("auto", "grpc", "tcp")  # tcp: never shared memory, the data socket (else gRPC)
 
 # (layer, q, k, v) -> attention output [batch, num_heads * head_dim]
 AttendFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -46,22 +46,30 @@ def slot_bytes_for(max_batch_rows: int, num_heads: int, num_kv_heads: int, head_
     return -(-message_bytes(qkv_bytes, 4096) // 4096) * 4096
 
 
-def new_offer(slot_bytes: int) -> tuple[ShmSegment, AssistShmOffer] | None:
-    """A fresh segment and its offer; None where this process cannot share memory (not Linux x86-64)."""
+def new_offer(slot_bytes: int, tcp: bool = True) -> tuple[ShmSegment, AssistShmOffer] | None:
+    """A fresh segment and its offer (tcp: the data socket is welcome where it is refused); None where
+    this process cannot share memory (not Linux x86-64)."""
     host = boot_id()
     if not shm_doorbell.SUPPORTED or not host:
         return None
     segment = ShmSegment.create(NUM_SLOTS, slot_bytes)
     return segment, AssistShmOffer(boot_id=host, path=segment.peer_path, size_bytes=segment.size_bytes,
-                                   token=segment.client_token)
+                                   token=segment.client_token, tcp=tcp)
+
+
+def tcp_only_offer(slot_bytes: int) -> AssistShmOffer:
+    """An offer with no segment (no boot id: the server refuses it) that asks for the data socket;
+    its size tells the server the frame size (that of a segment of these slots)."""
+    return AssistShmOffer(boot_id="", path="", size_bytes=segment_bytes(NUM_SLOTS, slot_bytes), token=b"", tcp=True)
 
 
 class ShmIterations:
     """The rings of one accepted stream, client side (one iteration at a time)."""
 
-    def __init__(self, segment: ShmSegment, answer: AssistShmAnswer, spin_s: float):
-        self._segment = segment
+    def __init__(self, segment, answer: AssistShmAnswer, spin_s: float):
+        self._segment = segment  # a ShmSegment, or a TcpLink (dualpace/engine/assist_tcp_link.py)
         self._endpoint: ShmEndpoint = segment.endpoint("up", spin_s)
+        self.over_tcp = not isinstance(segment, ShmSegment)
         self.max_batch_rows = answer.max_batch_rows
         self.accepts_join = answer.accepts_join  # begins through these rings may join the GPU engine's step
         self._spin_ns = int(spin_s * 1e9)
@@ -80,6 +88,13 @@ class ShmIterations:
         """One iteration through the rings. Returns the result, or None when it comes on the gRPC
         stream (the caller reads it there). `stream_ended()` is true once the stream has ended (the
         caller reads why from it); `errors` builds AssistUnavailable."""
+        try:
+            return self._run(begin, begin_bytes, attend, deadline_s, stream_ended, errors)
+        except ShmProtocolError as exc:  # a data socket's send failed (TcpLinkError)
+            raise errors.protocol(str(exc)) from None
+
+    def _run(self, begin: AssistBegin, begin_bytes: bytes, attend: AttendFn, deadline_s: float,
+             stream_ended: Callable[[], bool], errors) -> AssistResult | None:
         endpoint = self._endpoint
         iteration_id = begin.iteration_id
         endpoint.send_parts(ShmSlotKind.BEGIN, iteration_id, 0, (), begin_bytes)

@@ -112,7 +112,7 @@ def assist_services(args: argparse.Namespace, limits: AssistLimits):
         runner.forward.between_layers = handoff.yield_to_waiting
         executor = DenseAssistExecutor(parts.loaded.model, handoff, parts.loop.gate, limits.stage_timeout_s,
                                        runner.desk)
-        add_dense_assist_servicer(executor, server, limits)
+        add_dense_assist_servicer(executor, server, limits, parts.data_socket)
         return [DENSE_ASSIST_SERVICE]
 
     return add_assist

@@ -30,7 +30,7 @@ from dualpace.engine.assist_types import AssistQkv
 from dualpace.wire import assist_messages, assist_wire
 from dualpace.wire.v1 import assist_pb2, assist_pb2_grpc
 from gpu_service.assist_limits import STAGE_POOL, AssistExpired, AssistLimits, idle_expired, stage_expired
-from gpu_service.assist_shm_session import ShmStream, accept_offer
+from gpu_service.assist_shm_session import ShmStream, accept_offer, open_tcp
 from gpu_service.dense_assist import AssistSession, DenseAssistExecutor
 
 log = get_logger(__name__)
@@ -39,8 +39,9 @@ log = get_logger(__name__)
 class DenseAssistServicer(assist_pb2_grpc.DenseAssistServicer):
     """Serves dualpace.v1.DenseAssist from a DenseAssistExecutor."""
 
-    def __init__(self, executor: DenseAssistExecutor, limits: AssistLimits | None = None):
+    def __init__(self, executor: DenseAssistExecutor, limits: AssistLimits | None = None, data_socket=None):
         self._executor = executor
+        self._data_socket = data_socket  # the daemon's TcpDataServer: assist from other hosts (None: gRPC only)
         self._limits = limits or AssistLimits(stage_timeout_s=executor.stage_timeout_s)
         self._stages = pool(STAGE_POOL, self._limits.num_stage_workers)
         self.num_shm_streams = 0  # streams whose rings are open now
@@ -104,8 +105,12 @@ class DenseAssistServicer(assist_pb2_grpc.DenseAssistServicer):
         loop = asyncio.get_running_loop()
         answer, segment = await loop.run_in_executor(self._stages, accept_offer, offer, self._executor.model,
                                                      self._limits, self.num_shm_streams, session.accepts_join)
+        joins = segment is not None
+        if segment is None and offer.tcp and self._data_socket is not None and self._limits.shm_enabled \
+                and self.num_shm_streams < self._limits.max_shm_streams:
+            answer, segment = open_tcp(self._data_socket, answer, offer, self._executor.model, loop)
         if segment is not None:
-            shm = ShmStream(session, segment, lock, self._limits, loop, self._executor.model, offer.path)
+            shm = ShmStream(session, segment, lock, self._limits, loop, self._executor.model, offer.path, joins)
             self.num_shm_streams += 1
             shm.start()
         else:
@@ -165,11 +170,11 @@ def _close(session: AssistSession, lock: threading.Lock) -> None:
 
 
 def add_dense_assist_servicer(executor: DenseAssistExecutor, server: grpc.aio.Server,
-                              limits: AssistLimits | None = None) -> None:
+                              limits: AssistLimits | None = None, data_socket=None) -> None:
     """Register DenseAssist on a server (use as, or inside, a daemon's register callback).
 
     As the generated add_DenseAssistServicer_to_server, but replies may be pre-encoded bytes."""
-    servicer = DenseAssistServicer(executor, limits)
+    servicer = DenseAssistServicer(executor, limits, data_socket)
     handlers = {"Assist": grpc.stream_stream_rpc_method_handler(
         servicer.Assist, request_deserializer=assist_wire.parse_up,
         response_serializer=assist_wire.serialize_down)}

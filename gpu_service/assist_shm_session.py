@@ -37,6 +37,7 @@ from dualpace.engine.assist_types import (
     AssistShmOffer,
     ShmSlotKind,
 )
+from dualpace.engine.assist_tcp_link import TcpLink, slot_bytes_of_offer
 from dualpace.engine.shm_ring import ShmProtocolError, ShmSegment, SlotMessage, boot_id, message_bytes
 from dualpace.model.transformer import Transformer
 from dualpace.wire import assist_messages
@@ -90,14 +91,29 @@ def accept_offer(offer: AssistShmOffer, model: Transformer, limits: AssistLimits
                            accepts_join=accepts_join), segment
 
 
+def open_tcp(data_socket, refused: AssistShmAnswer, offer: AssistShmOffer, model: Transformer,
+             loop: asyncio.AbstractEventLoop) -> tuple[AssistShmAnswer, TcpLink | None]:
+    """The segment refused (another host) and the client takes a data socket: a one-time ticket on
+    the daemon's TcpDataServer, the answer that names it, and the link that waits for the connection."""
+    slot_bytes = slot_bytes_of_offer(offer.size_bytes)
+    rows = max_batch_rows(model, slot_bytes)
+    if rows < 1:
+        return refused, None
+    ticket, pending = data_socket.open()
+    link = TcpLink(slot_bytes, pending=pending, loop=loop, revoke=lambda: data_socket.revoke(ticket))
+    return AssistShmAnswer(accepted=False, reason=refused.reason, max_batch_rows=rows, tcp_port=data_socket.port,
+                           tcp_ticket=ticket, tcp_tls=data_socket.tls is not None), link
+
+
 class ShmStream:
     """The ring side of one stream: a thread that serves ring messages, watched from the event loop."""
 
     def __init__(self, session: AssistSession, segment: ShmSegment, lock: threading.Lock, limits: AssistLimits,
-                 loop: asyncio.AbstractEventLoop, model: Transformer, peer: str = ""):
+                 loop: asyncio.AbstractEventLoop, model: Transformer, peer: str = "", joins: bool = True):
         self._session = session
         self._model = model
         self._peer = peer  # names the client in step timelines (the offer's path: its pid and memfd)
+        self._joins = joins  # begins may join the engine's step (shared memory only, not a TcpLink)
         session.host_outputs = False  # q/k/v go from the device straight into the slot: one copy
         self._segment = segment
         self._endpoint = segment.endpoint("down", shm_doorbell.DEFAULT_SPIN_S)
@@ -211,7 +227,7 @@ class ShmStream:
         if message.kind == ShmSlotKind.BEGIN and not message.tensors:
             begin = assist_messages.begin_from_bytes(message.payload)
             channel = None
-            if begin.join_engine_iteration and self._session.accepts_join:
+            if begin.join_engine_iteration and self._session.accepts_join and self._joins:
                 # the step thread drives the ring through it while this thread waits in the desk
                 channel = RingJoinChannel(self._endpoint, self._model, begin, self._stop.is_set, self._put_on_stream,
                                           self._peer)

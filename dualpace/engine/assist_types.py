@@ -86,6 +86,7 @@ class AssistShmOffer:
     path: str
     size_bytes: int
     token: bytes
+    tcp: bool = False  # refused (another host): the client would take the data socket instead
 
 
 @dataclass(frozen=True)
@@ -97,6 +98,9 @@ class AssistShmAnswer:
     reason: str = ""
     max_batch_rows: int = 0
     accepts_join: bool = False  # begins may set join_engine_iteration
+    tcp_port: int = 0  # refused, offer.tcp: the data socket's port (0: none) and its one-time ticket
+    tcp_ticket: bytes = b""
+    tcp_tls: bool = False
 
 
 class ShmSlotKind(IntEnum):

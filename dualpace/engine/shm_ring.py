@@ -184,7 +184,42 @@ class ShmSegment:
             pass  # a tensor view is still alive; the mapping goes with it
 
 
-class ShmEndpoint:
+def table_views(slot: torch.Tensor, table: bytes, what: str = "slot") -> tuple[tuple[torch.Tensor, ...], int]:
+    """The tensors a tensor table describes, as views of `slot` (uint8, a slot or a frame), checked
+    (ShmProtocolError naming the entry); and where the payload starts."""
+    tensors, end = [], SLOT_HEADER_BYTES
+    for position in range(len(table) // _TENSOR_ENTRY.size):
+        code, ndim, *dims, _, offset = _TENSOR_ENTRY.unpack_from(table, position * _TENSOR_ENTRY.size)
+        dtype = _DTYPES.get(code)
+        if dtype is None or ndim > MAX_DIMS:
+            raise ShmProtocolError(f"{what}.tensors[{position}]: dtype code {code} or {ndim} dims is not allowed")
+        shape = dims[:ndim]
+        num_bytes = math.prod(shape) * dtype.itemsize
+        if offset < end or offset % ALIGN_BYTES or offset + num_bytes > len(slot):
+            raise ShmProtocolError(f"{what}.tensors[{position}]: {num_bytes} bytes at {offset} are outside the {what}")
+        tensors.append(slot[offset:offset + num_bytes].view(dtype).view(shape))
+        end = offset + _aligned(num_bytes)
+    return tuple(tensors), end
+
+
+class SlotSender:
+    """fits() and send() over a send_parts() (ShmEndpoint; the TCP link's TcpEndpoint)."""
+
+    slot_bytes: int
+
+    def fits(self, tensor_bytes: list[int], payload_bytes: int = 0) -> bool:
+        return len(tensor_bytes) <= MAX_TENSORS and message_bytes(tensor_bytes, payload_bytes) <= self.slot_bytes
+
+    def send(self, message: SlotMessage) -> None:
+        """Send the message (tensors on any device): into the next outgoing slot, or as a frame."""
+        self.send_parts(message.kind, message.iteration_id, message.layer, message.tensors, message.payload)
+
+    def send_parts(self, kind: int, iteration_id: int, layer: int, tensors: Sequence[torch.Tensor],
+                   payload: bytes = b"") -> None:
+        raise NotImplementedError
+
+
+class ShmEndpoint(SlotSender):
     """One side's sender on its outgoing ring and receiver on its incoming ring (one thread at a time)."""
 
     def __init__(self, segment: ShmSegment, outgoing: str, incoming: str, spin_s: float):
@@ -208,13 +243,6 @@ class ShmEndpoint:
         self.num_sent = 0
         self.num_received = 0
         self.slot_bytes = segment.slot_bytes
-
-    def fits(self, tensor_bytes: list[int], payload_bytes: int = 0) -> bool:
-        return len(tensor_bytes) <= MAX_TENSORS and message_bytes(tensor_bytes, payload_bytes) <= self.slot_bytes
-
-    def send(self, message: SlotMessage) -> None:
-        """Write the message into the next outgoing slot and ring the doorbell (tensors on any device)."""
-        self.send_parts(message.kind, message.iteration_id, message.layer, message.tensors, message.payload)
 
     def send_parts(self, kind: int, iteration_id: int, layer: int, tensors: Sequence[torch.Tensor],
                    payload: bytes = b"") -> None:
@@ -299,21 +327,9 @@ class ShmEndpoint:
 
     def _receive_layout(self, index: int, table: bytes) -> tuple[tuple[torch.Tensor, ...], int]:
         """The views a tensor table describes in slot `index`, checked; and where the payload starts."""
-        slot = self._slots[self._incoming_name][index]
-        tensors, end = [], SLOT_HEADER_BYTES
-        for position in range(len(table) // _TENSOR_ENTRY.size):
-            code, ndim, *dims, _, offset = _TENSOR_ENTRY.unpack_from(table, position * _TENSOR_ENTRY.size)
-            dtype = _DTYPES.get(code)
-            if dtype is None or ndim > MAX_DIMS:
-                raise ShmProtocolError(f"slot.tensors[{position}]: dtype code {code} or {ndim} dims is not allowed")
-            shape = dims[:ndim]
-            num_bytes = math.prod(shape) * dtype.itemsize
-            if offset < end or offset % ALIGN_BYTES or offset + num_bytes > self.slot_bytes:
-                raise ShmProtocolError(f"slot.tensors[{position}]: {num_bytes} bytes at {offset} are outside the slot")
-            tensors.append(slot[offset:offset + num_bytes].view(dtype).view(shape))
-            end = offset + _aligned(num_bytes)
+        views, end = table_views(self._slots[self._incoming_name][index], table)
         self._trim(self._receive_layouts)
-        return tuple(tensors), end
+        return views, end
 
     @staticmethod
     def _trim(cache: dict) -> None:

@@ -122,6 +122,7 @@ class EngineDaemonParts:
     # this daemon's own calls to its peers use, and the channels to them it keeps open.
     peer_tls: TlsConfig | None = None
     channels: PeerChannels | None = None
+    data_socket: TcpDataServer | None = None  # the KV data socket, which Dense Assist from other hosts shares
 
 
 def kv_blocks_from_args(args: argparse.Namespace, loaded: LoadedModel, default_kv_blocks: int) -> int:
@@ -265,6 +266,7 @@ def run_engine_daemon(
         # The KV data socket to engines on other hosts (over TLS where this daemon serves TLS).
         tls = security.tls.data_server_context() if security.tls is not None else None
         tcp = await TcpDataServer.start(data_socket_host(args.listen), tls) if args.kv_transport != "grpc" else None
+        parts.data_socket = tcp
         same_host = SameHostKv(args.kv_transport, await SharedKvPool.start(parts.kv_memory), channels=channels,
                                tcp=tcp)
 

@@ -27,7 +27,7 @@ def assist_up_to_pb(item: AssistBegin | AssistAttentionOutput | AssistShmOffer) 
     """Core begin / attention output / shm offer -> AssistUp; each row's seed is written into its SamplingParams."""
     if isinstance(item, AssistShmOffer):
         return assist_pb2.AssistUp(shm_offer=assist_pb2.AssistShmOffer(
-            boot_id=item.boot_id, path=item.path, size_bytes=item.size_bytes, token=item.token))
+            boot_id=item.boot_id, path=item.path, size_bytes=item.size_bytes, token=item.token, tcp=item.tcp))
     if isinstance(item, AssistBegin):
         begin = assist_pb2.AssistBegin(
             iteration_id=item.iteration_id,
@@ -64,7 +64,8 @@ def assist_up_from_pb(message: assist_pb2.AssistUp) -> AssistBegin | AssistAtten
     kind = message.WhichOneof("kind")
     if kind == "shm_offer":
         offer = message.shm_offer
-        return AssistShmOffer(boot_id=offer.boot_id, path=offer.path, size_bytes=offer.size_bytes, token=offer.token)
+        return AssistShmOffer(boot_id=offer.boot_id, path=offer.path, size_bytes=offer.size_bytes, token=offer.token,
+                              tcp=offer.tcp)
     if kind == "begin":
         begin = message.begin
         sampling = None
@@ -103,7 +104,7 @@ def assist_down_to_pb(item: AssistQkv | AssistResult | AssistShmAnswer) -> assis
     if isinstance(item, AssistShmAnswer):
         return assist_pb2.AssistDown(shm_answer=assist_pb2.AssistShmAnswer(
             accepted=item.accepted, token=item.token, reason=item.reason, max_batch_rows=item.max_batch_rows,
-            accepts_join=item.accepts_join))
+            accepts_join=item.accepts_join, tcp_port=item.tcp_port, tcp_ticket=item.tcp_ticket, tcp_tls=item.tcp_tls))
     if isinstance(item, AssistQkv):
         return assist_pb2.AssistDown(
             qkv=assist_pb2.AssistQkv(
@@ -132,7 +133,8 @@ def assist_down_from_pb(message: assist_pb2.AssistDown) -> AssistQkv | AssistRes
     if kind == "shm_answer":
         answer = message.shm_answer
         return AssistShmAnswer(accepted=answer.accepted, token=answer.token, reason=answer.reason,
-                               max_batch_rows=answer.max_batch_rows, accepts_join=answer.accepts_join)
+                               max_batch_rows=answer.max_batch_rows, accepts_join=answer.accepts_join,
+                               tcp_port=answer.tcp_port, tcp_ticket=answer.tcp_ticket, tcp_tls=answer.tcp_tls)
     if kind == "qkv":
         qkv = message.qkv
         return AssistQkv(

@@ -1,6 +1,7 @@
 """cpu_service with gpu_service as real processes: handoff after a GPU prefill, decode on the
 CPU (Local and Assisted, the latter through shared memory and over gRPC), migrations both ways,
-and either daemon SIGKILLed under assisted load on both transports: no request lost, no
+and either daemon SIGKILLed under assisted load on the three transports (shm, gRPC, the TCP data
+socket): no request lost, no
 shared-memory segment left mapped or open in the survivor. Hand-offs and migrations run on both
 KV data planes: shared memory (--kv-transport auto; both pools are in host memory here) and gRPC
 chunks (--kv-transport grpc on both engines; with the Local CPU engine only, to bound the time)."""
@@ -19,7 +20,8 @@ from toolkit.engine_client import EngineClient, read_until
 from toolkit.processes import start_daemon
 
 SEGMENT_NAME = "memfd:dualpace-assist"
-ASSIST_TRANSPORTS = ("auto", "grpc")
+ASSIST_TRANSPORTS = ("auto", "grpc", "tcp")  # tcp: gpu_service's data socket, as across hosts
+TCP_LOG = "dense assist through a TCP data socket"
 
 
 def segments_held(pid: int) -> int:
@@ -161,6 +163,7 @@ def test_gpu_service_killed_during_assisted_decoding(loaded, model_folder, trans
     assert cpu.stop() == 0, cpu.log()
     assert "redoing it locally" in cpu.log()
     assert ("dense assist through shared memory" in cpu.log()) == (transport == "auto")
+    assert (TCP_LOG in cpu.log()) == (transport == "tcp")
 
 
 @pytest.mark.parametrize("transport", ASSIST_TRANSPORTS)

@@ -2,8 +2,9 @@
 
 The client keeps its own paged KV (prefilled in-process) and computes decode
 attention there; the assisted logits must equal an in-process PagedForward step.
-Each client test runs on both transports: "shm" (the per-layer tensors through the
-stream's shared-memory rings, checked to have been used) and "grpc" (all on the stream).
+Each client test runs on the three transports: "shm" (the per-layer tensors through the
+stream's shared-memory rings, checked to have been used), "tcp" (the same messages as frames on
+the server's TCP data socket, as between hosts) and "grpc" (all on the stream).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import torch
 
 from cpu_service.assist_client import AssistClient, AssistUnavailable
 from dualpace.engine import assist_types
+from dualpace.engine.kv_tcp_import import TcpDataServer
 from dualpace.kv.storage import KVStorage
 from dualpace.model.attention import decode_attention
 from dualpace.model.loader import LoadedModel, load_model
@@ -32,7 +34,7 @@ from gpu_service.dense_assist import DenseAssistExecutor
 BLOCK_SIZE = 4
 HANG_GUARD_S = 60.0  # the longest a client waits for a reply here: a hang guard, never a criterion
 PROMPT_LENGTHS = (3, 9, 17)
-TRANSPORTS = {"shm": "auto", "grpc": "grpc"}
+TRANSPORTS = {"shm": "auto", "grpc": "grpc", "tcp": "tcp"}
 
 
 @pytest.fixture(params=sorted(TRANSPORTS))
@@ -42,8 +44,9 @@ def transport(request) -> str:
 
 
 def assert_used(client: AssistClient, transport: str, num_iterations: int) -> None:
-    """The iterations ran through shared memory exactly when the transport allows it."""
-    assert client.num_shm_iterations == (num_iterations if transport == "auto" else 0)
+    """The iterations ran through shared memory (or the data socket) exactly when the transport allows it."""
+    assert client.num_shm_iterations == (0 if transport == "grpc" else num_iterations)
+    assert client.data_path == {"auto": "shm", "tcp": "tcp", "grpc": "grpc"}[transport]
 
 
 class _CountingExecutor(DenseAssistExecutor):
@@ -62,6 +65,8 @@ class _ServerThread:
     def __init__(self, executor: DenseAssistExecutor):
         self.executor = executor
         self.limits = None  # AssistLimits for the servicer; None: its defaults
+        self.data_socket = None  # the TcpDataServer it serves assist frames on (as gpu_service's KV one)
+        self.data_tls = None  # that socket's ssl.SSLContext (None: plaintext)
         self.port = 0
         self._started = threading.Event()
         self._loop = asyncio.new_event_loop()
@@ -77,13 +82,15 @@ class _ServerThread:
 
     async def _serve(self) -> None:
         server = grpc.aio.server()
-        add_dense_assist_servicer(self.executor, server, self.limits)
+        self.data_socket = await TcpDataServer.start("127.0.0.1", self.data_tls)
+        add_dense_assist_servicer(self.executor, server, self.limits, self.data_socket)
         self.port = server.add_insecure_port("127.0.0.1:0")
         self._stop_event = asyncio.Event()
         await server.start()
         self._started.set()
         await self._stop_event.wait()
         await server.stop(grace=None)
+        await self.data_socket.close()
 
     @property
     def address(self) -> str:

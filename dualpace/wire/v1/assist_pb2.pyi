@@ -30,30 +30,38 @@ class AssistUp(_message.Message):
     def __init__(self, begin: _Optional[_Union[AssistBegin, _Mapping]] = ..., attention_output: _Optional[_Union[AssistAttentionOutput, _Mapping]] = ..., shm_offer: _Optional[_Union[AssistShmOffer, _Mapping]] = ...) -> None: ...
 
 class AssistShmOffer(_message.Message):
-    __slots__ = ("boot_id", "path", "size_bytes", "token")
+    __slots__ = ("boot_id", "path", "size_bytes", "token", "tcp")
     BOOT_ID_FIELD_NUMBER: _ClassVar[int]
     PATH_FIELD_NUMBER: _ClassVar[int]
     SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
     TOKEN_FIELD_NUMBER: _ClassVar[int]
+    TCP_FIELD_NUMBER: _ClassVar[int]
     boot_id: str
     path: str
     size_bytes: int
     token: bytes
-    def __init__(self, boot_id: _Optional[str] = ..., path: _Optional[str] = ..., size_bytes: _Optional[int] = ..., token: _Optional[bytes] = ...) -> None: ...
+    tcp: bool
+    def __init__(self, boot_id: _Optional[str] = ..., path: _Optional[str] = ..., size_bytes: _Optional[int] = ..., token: _Optional[bytes] = ..., tcp: _Optional[bool] = ...) -> None: ...
 
 class AssistShmAnswer(_message.Message):
-    __slots__ = ("accepted", "token", "reason", "max_batch_rows", "accepts_join")
+    __slots__ = ("accepted", "token", "reason", "max_batch_rows", "accepts_join", "tcp_port", "tcp_ticket", "tcp_tls")
     ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     TOKEN_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
     MAX_BATCH_ROWS_FIELD_NUMBER: _ClassVar[int]
     ACCEPTS_JOIN_FIELD_NUMBER: _ClassVar[int]
+    TCP_PORT_FIELD_NUMBER: _ClassVar[int]
+    TCP_TICKET_FIELD_NUMBER: _ClassVar[int]
+    TCP_TLS_FIELD_NUMBER: _ClassVar[int]
     accepted: bool
     token: bytes
     reason: str
     max_batch_rows: int
     accepts_join: bool
-    def __init__(self, accepted: _Optional[bool] = ..., token: _Optional[bytes] = ..., reason: _Optional[str] = ..., max_batch_rows: _Optional[int] = ..., accepts_join: _Optional[bool] = ...) -> None: ...
+    tcp_port: int
+    tcp_ticket: bytes
+    tcp_tls: bool
+    def __init__(self, accepted: _Optional[bool] = ..., token: _Optional[bytes] = ..., reason: _Optional[str] = ..., max_batch_rows: _Optional[int] = ..., accepts_join: _Optional[bool] = ..., tcp_port: _Optional[int] = ..., tcp_ticket: _Optional[bytes] = ..., tcp_tls: _Optional[bool] = ...) -> None: ...
 
 class AssistBegin(_message.Message):
     __slots__ = ("iteration_id", "token_ids", "positions", "return_logits", "sampling", "wait_for_engine_iteration", "max_device_wait_ms", "join_engine_iteration", "max_join_wait_us", "expected_layer_us")
