@@ -99,15 +99,18 @@ def test_decode_rows_beside_a_prefill_get_what_they_get_alone(kernels, dtype):
     assert torch.equal(mixed[others], plain[others])
 
 
+@pytest.mark.parametrize("fold", ["1", "0"])
 @pytest.mark.parametrize("dtype,weights", [("fp32", "fp32"), ("bf16", "bf16"), ("fp32", "bf16")])
 @pytest.mark.parametrize("preset", ["tiny-qwen2", "tiny-mistral"])
-def test_lone_sequence_step_in_one_region_equals_per_operation(kernels, preset, dtype, weights, synth_checkpoint,
+def test_lone_sequence_step_in_one_region_equals_per_operation(kernels, preset, dtype, weights, fold, synth_checkpoint,
                                                                 monkeypatch):
     """A lone sequence's step in one region runs RoPE, the KV write and attention as one task per
-    kv head (cpu_kernels.cpp rope_kv_attend_head); per operation they run over all heads at once.
-    Logits and the cache rows written are bitwise the same."""
+    kv head (cpu_kernels.cpp rope_kv_attend_head), and (fold "1", the default) every thread computes
+    the norms and SiLU x up feeding its matrix chunks itself; per operation they run over all heads
+    at once, norms and SiLU once. Logits and the cache rows written are bitwise the same."""
     from dualpace.model.loader import load_model
 
+    monkeypatch.setenv("DUALPACE_DECODE_FOLD", fold)
     loaded = load_model(str(synth_checkpoint(preset)), dtype=dtype, weights=weights)
     model, cfg = loaded.model, loaded.config
     results = []
