@@ -28,6 +28,7 @@ from dualpace.errors import InvalidArgument
 
 log = logging.getLogger(__name__)
 
+ACCEPT_RETRY_S = 0.1  # after a failed accept (a full file table, say)
 RECEIVE_TIMEOUT_S = 120.0  # a stalled sender: the receive gives up (the import's gRPC deadline is the same)
 
 
@@ -94,7 +95,12 @@ class TcpDataServer:
     async def _accept_loop(self) -> None:
         loop = asyncio.get_running_loop()
         while True:
-            connection, _ = await loop.sock_accept(self._listener)
+            try:
+                connection, _ = await loop.sock_accept(self._listener)
+            except OSError as exc:  # e.g. out of file descriptors: the listener stays, accepting again soon
+                log.warning("KV data socket: accept failed: %s", exc)
+                await asyncio.sleep(ACCEPT_RETRY_S)
+                continue
             task = asyncio.create_task(self._hello(connection))
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
