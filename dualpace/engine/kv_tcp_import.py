@@ -22,13 +22,12 @@ from dataclasses import dataclass
 from dualpace.engine import kv_tcp_data
 from dualpace.engine.kv_bytes import DTYPE_NAMES, tensor_from_bytes
 from dualpace.engine.migration import KvImporter
-from dualpace.engine.same_host import HANDSHAKE_TIMEOUT_S, new_ticket, recv_exactly
+from dualpace.engine.same_host import HANDSHAKE_TIMEOUT_S, accept_forever, new_ticket, recv_exactly
 from dualpace.engine.worker_pools import run_in_pool
 from dualpace.errors import InvalidArgument
 
 log = logging.getLogger(__name__)
 
-ACCEPT_RETRY_S = 0.1  # after a failed accept (a full file table, say)
 RECEIVE_TIMEOUT_S = 120.0  # a stalled sender: the receive gives up (the import's gRPC deadline is the same)
 
 
@@ -93,17 +92,7 @@ class TcpDataServer:
         self._listener.close()
 
     async def _accept_loop(self) -> None:
-        loop = asyncio.get_running_loop()
-        while True:
-            try:
-                connection, _ = await loop.sock_accept(self._listener)
-            except OSError as exc:  # e.g. out of file descriptors: the listener stays, accepting again soon
-                log.warning("KV data socket: accept failed: %s", exc)
-                await asyncio.sleep(ACCEPT_RETRY_S)
-                continue
-            task = asyncio.create_task(self._hello(connection))
-            self._tasks.add(task)
-            task.add_done_callback(self._tasks.discard)
+        await accept_forever(self._listener, self._hello, self._tasks, "KV data socket")
 
     async def _hello(self, connection: socket.socket) -> None:
         loop = asyncio.get_running_loop()

@@ -65,6 +65,25 @@ KIND_ASK = b"A"  # on a watch connection: I will write for the job to be opened 
 GRANTED, REFUSED = b"OK", b"NO"
 ANSWER_BYTES = len(GRANTED) + TICKET_BYTES  # on a watch connection: the verdict, then the ticket it answers
 HANDSHAKE_TIMEOUT_S = 5.0
+ACCEPT_RETRY_S = 0.1  # after a failed accept
+
+
+async def accept_forever(listener: socket.socket, serve: Callable[[socket.socket], Awaitable[None]],
+                         tasks: set[asyncio.Task], what: str) -> None:
+    """Accepts connections on a non-blocking listener until cancelled, each served by its own task
+    (kept in `tasks` while it runs). A failed accept (a full file table, say) is logged and retried
+    a little later: the listener stays, and later peers are still served."""
+    loop = asyncio.get_running_loop()
+    while True:
+        try:
+            connection, _ = await loop.sock_accept(listener)
+        except OSError as exc:
+            log.warning("%s: accept failed: %s", what, exc)
+            await asyncio.sleep(ACCEPT_RETRY_S)
+            continue
+        task = asyncio.create_task(serve(connection))
+        tasks.add(task)
+        task.add_done_callback(tasks.discard)
 
 
 def boot_id() -> str | None:
@@ -262,12 +281,7 @@ class TicketServer:
         self._finished_streams.add(stream_id)
 
     async def _accept_loop(self) -> None:
-        loop = asyncio.get_running_loop()
-        while True:
-            connection, _ = await loop.sock_accept(self._socket)
-            task = asyncio.create_task(self._serve(connection))
-            self._connections.add(task)
-            task.add_done_callback(self._connections.discard)
+        await accept_forever(self._socket, self._serve, self._connections, "ticket socket")
 
     async def _serve(self, connection: socket.socket) -> None:
         loop = asyncio.get_running_loop()
