@@ -129,9 +129,9 @@ def main(argv: list[str] | None = None) -> int:
         if profile is not None:
             from dualpace.profile.data_paths import assist_path, for_paths, on_this_host
 
-            # The assist figures of the path this engine's iterations take (shm on one host).
-            # (the data socket is priced at the gRPC figures: a profile has none of its own yet)
-            path = assist_path("grpc" if args.assist_transport == "tcp" else args.assist_transport, args.gpu_service is not None and on_this_host(args.gpu_service))
+            # The assist figures of the path this engine's iterations take (shm on one host, else
+            # the data socket's, else gRPC's: dualpace.profile.data_paths).
+            path = assist_path(args.assist_transport, args.gpu_service is not None and on_this_host(args.gpu_service))
             predicted = seed_chooser(chooser, for_paths(profile, assist=path), client is not None,
                                      config.scheduler.max_running,
                                      args.profile_context_tokens)

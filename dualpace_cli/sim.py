@@ -55,12 +55,15 @@ def register(subparsers) -> None:
                    help="how old the router's view of an engine's KV use may be (WatchLoad interval; 0: instantaneous)")
     p.add_argument("--gpu-kv-blocks", type=int, default=None, help="GPU engine's KV pool in blocks (default: the profile's)")
     p.add_argument("--cpu-kv-blocks", type=int, default=None, help="CPU engine's KV pool in blocks (default: the profile's)")
-    p.add_argument("--assist-device-hold", choices=("layer", "iteration", "dense", "cooperative"),
-                   default="layer",
-                   help="how an Assisted CPU iteration holds the GPU: per layer's dense stage (as built), "
-                        "the whole iteration (before), only its dense part in one piece (what-if), or "
-                        "cooperative: its decode rows join the GPU engine's next step, laid out by the "
-                        "daemons' planner (dualpace.policy.cooperative_plan; with --policy gated, NEO as built)")
+    p.add_argument("--assist-device-hold", choices=("cooperative", "layer", "iteration", "dense"),
+                   default="cooperative",
+                   help="how an Assisted CPU iteration holds the GPU. cooperative (default, what the daemons run): "
+                        "its decode rows join the GPU engine's next step, laid out by the daemons' planner "
+                        "(dualpace.policy.cooperative_plan); dualpace joins where --join-rule lets it, else runs "
+                        "per-layer stages; gated is NEO as built (CPU requests advance only inside GPU steps). "
+                        "Older models: layer (dualpace per-layer stages only, never joins; gated holds the GPU "
+                        "for the whole iteration, the daemons' --gated-hold held), iteration (the whole "
+                        "iteration), dense (only its dense part, in one piece)")
     p.add_argument("--join-rule", choices=[r.value for r in JoinRule], default=JoinRule.WITHIN_A_LAYER.value,
                    help="dualpace with --assist-device-hold cooperative: when a cooperative CPU iteration joins a "
                         "busy GPU's step (dualpace.policy.join_rule): within-layer (only if the next step begins "

@@ -1,9 +1,9 @@
 """Which data path a KV transfer or a Dense Assist iteration takes, and the profile's figures for it.
 
 Pure (no torch, grpc, asyncio or clock). Two daemons on one host move KV and assist tensors
-through shared memory; anything else goes over gRPC (docs/architecture.md, "KV data plane on one
-host", "Dense Assist through shared memory"), and the two differ by an order of magnitude
-(docs/perf.md). A profile may hold both paths' figures (dualpace.profile.schema); the cost model,
+through shared memory; anything else goes over a TCP data socket or gRPC (docs/architecture.md,
+"KV data plane on one host", "Dense Assist through shared memory"), at very different costs
+(docs/perf.md). A profile may hold each path's figures (dualpace.profile.schema); the cost model,
 the mode chooser and the migration planner read `profile.kv_transfer` and the `assist_ms` table,
 so `for_paths` returns the profile with those set to the figures of the paths in force.
 
@@ -14,12 +14,14 @@ The rules:
   socket with `--kv-transport` auto or tcp (priced at the gRPC figures where the profile has none
   for it); gRPC chunks with `--kv-transport grpc`.
 - Assist: shared memory iff cpu_service's `--assist-transport` is auto and gpu_service is on
-  this host.
+  this host; else gpu_service's TCP data socket with `--assist-transport` auto or tcp (priced at
+  the gRPC figures where the profile has none for it); the gRPC stream with `--assist-transport grpc`.
 - "On this host" is proved by the daemons themselves at run time (boot ids and a memfd
   handshake); a planner only knows addresses, so `on_this_host` reads an address the way the
   daemons are deployed: a Unix socket or a loopback address is on the host of whoever dials it.
-  An address that is not (a host name, another IP) may still be local, but is priced as gRPC:
-  the slower figure never overstates what a move or an assisted iteration gains.
+  An address that is not (a host name, another IP) may still be local, but is priced as another
+  host's: the slower figure never overstates what shared memory would give a move or an
+  assisted iteration.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ import ipaddress
 from dualpace.profile.schema import DATA_PATHS, Profile, ProfileError
 
 SHM, GRPC, TCP = DATA_PATHS
-TRANSPORT_SETTINGS = ("auto", "grpc")  # the daemons' --assist-transport values
+TRANSPORT_SETTINGS = ("auto", "grpc", "tcp")  # cpu_service's --assist-transport values
 KV_TRANSPORT_SETTINGS = ("auto", "tcp", "grpc")  # the engines' --kv-transport values
 
 
@@ -64,7 +66,9 @@ def kv_path(kv_transport: str, same_host: bool, target_pool_in_host_memory: bool
 def assist_path(assist_transport: str, same_host: bool) -> str:
     """The path Dense Assist takes (see the module doc)."""
     _check_setting(assist_transport, "--assist-transport")
-    return SHM if assist_transport == "auto" and same_host else GRPC
+    if assist_transport == "auto" and same_host:
+        return SHM
+    return TCP if assist_transport in ("auto", "tcp") else GRPC
 
 
 def for_paths(profile: Profile, kv: str | None = None, assist: str | None = None) -> Profile:
@@ -78,6 +82,8 @@ def for_paths(profile: Profile, kv: str | None = None, assist: str | None = None
         kv = GRPC  # a profile without the data socket's figures: the slower gRPC ones never overstate a move
     if kv is not None and kv in profile.kv_transfer_paths:
         changes["kv_transfer"] = profile.kv_transfer_paths[kv]
+    if assist == TCP and "assist_ms_tcp" not in profile.tables:
+        assist = GRPC  # likewise for an assisted iteration
     if assist is not None and f"assist_ms_{assist}" in profile.tables:
         changes["tables"] = {**profile.tables, "assist_ms": profile.tables[f"assist_ms_{assist}"]}
     return dataclasses.replace(profile, **changes) if changes else profile

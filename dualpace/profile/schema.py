@@ -23,10 +23,11 @@ Layout (version 1)::
         optional: "gpu_dense_ms": {"batch": [...], "ms": [...]},
                   "assist_round_trip_ms": {"batch": [...], "ms": [...]},
                   "assist_ms_shm": {"batch": [...], "ms": [...]},
-                  "assist_ms_grpc": {"batch": [...], "ms": [...]}
+                  "assist_ms_grpc": {"batch": [...], "ms": [...]},
+                  "assist_ms_tcp": {"batch": [...], "ms": [...]}
       },
       "kv_transfer": {"bytes_per_s": float, "fixed_ms": float},
-      "kv_transfer_paths": {"shm": {"bytes_per_s", "fixed_ms"}, "grpc": {...}} (optional),
+      "kv_transfer_paths": {"shm": {"bytes_per_s", "fixed_ms"}, "grpc": {...}, "tcp": {...}} (optional),
       "capacities": {"gpu_kv_blocks": int, "cpu_kv_blocks": int, "bytes_per_block": int},
       "notes": str (optional),
       "profiler": {...} (optional: how the profile was measured — grids, repeats, spread,
@@ -62,11 +63,12 @@ Optional tables (informative; the cost model does not need them):
   round trip per layer plus serialisation), which decides whether assist pays off.
 
 Data paths (issue 17): KV transfer and Dense Assist run through shared memory between daemons
-on one host and over gRPC otherwise, at very different costs. A profile may carry both:
-`kv_transfer_paths` ("shm", "grpc", "tcp") and the tables assist_ms_shm / assist_ms_grpc. The plain
-`kv_transfer` and `assist_ms` stay (older profiles have only them) and hold the path the
-profiler's daemons used by default; dualpace.profile.data_paths picks the figures of the path
-in force, falling back to the plain ones.
+on one host and over a TCP data socket or gRPC otherwise, at very different costs. A profile may
+carry each: `kv_transfer_paths` ("shm", "grpc", "tcp") and the tables assist_ms_shm /
+assist_ms_grpc / assist_ms_tcp. The plain `kv_transfer` and `assist_ms` stay (older profiles have
+only them) and hold the path the profiler's daemons used by default; dualpace.profile.data_paths
+picks the figures of the path in force, the data socket's falling back to gRPC's, and those to
+the plain ones.
 
 A 2-D table's "ms" is indexed [batch index][context index]. Grids must be strictly
 increasing; values finite and >= 0.
@@ -97,8 +99,9 @@ OPTIONAL_TABLES_1D = {
     "assist_round_trip_ms": "batch",
     "assist_ms_shm": "batch",
     "assist_ms_grpc": "batch",
+    "assist_ms_tcp": "batch",
 }
-# shared memory on one host; gRPC; the TCP data socket (KV across hosts, gRPC as its control plane)
+# shared memory on one host; gRPC; the TCP data socket (KV and assist across hosts, gRPC as its control plane)
 DATA_PATHS = ("shm", "grpc", "tcp")
 
 # Relative tolerance when comparing memory sizes of two fingerprints: the OS reports

@@ -15,6 +15,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from dualpace.errors import InvalidArgument
 from dualpace.profile.cost_model import CostModel, DecodeBatch
 from dualpace.profile.files import load_profile, save_profile
 from dualpace.profile.schema import (
@@ -138,7 +139,7 @@ def run_profile(request: ProfileRequest) -> tuple[Path, Profile, bool]:
     """(path, profile, reused)."""
     import torch
 
-    from dualpace.model.loader import load_model, resolve_device, resolve_dtype
+    from dualpace.model.loader import load_model, load_tokenizer_and_config, resolve_device, resolve_dtype
     from dualpace.profile.fingerprint import meminfo_bytes, model_fingerprint
     from profiles.profiler import measure as m
     from profiles.profiler.hardware import hardware_fingerprint
@@ -152,14 +153,10 @@ def run_profile(request: ProfileRequest) -> tuple[Path, Profile, bool]:
     if device == "cuda":
         device = "cuda:0"
     torch_dtype = resolve_dtype(request.dtype, torch.device(device).type)  # auto: what is fastest on that device
-    from dualpace.model.loader import load_tokenizer_and_config
-
     _, config = load_tokenizer_and_config(request.model)
     for flag, values in (("--prefill-tokens", grids.prefill_tokens), ("--context-tokens", grids.context_tokens),
                          ("--kv-transfer-tokens", [t + 1 for t in grids.kv_transfer_tokens])):
         if max(values) > config.max_position_embeddings:
-            from dualpace.errors import InvalidArgument
-
             raise InvalidArgument(flag, f"{max(values)} tokens exceed the model's context of "
                                         f"{config.max_position_embeddings}")
     model_fp = model_fingerprint(config, torch_dtype, request.block_size)
@@ -203,12 +200,13 @@ def run_profile(request: ProfileRequest) -> tuple[Path, Profile, bool]:
     def pick(sample) -> float:
         return sample.min_ms if grids.statistic == "min" else sample.median_ms
     num_points = (len(grids.prefill_tokens) + 2 * len(grids.batch) * len(grids.context_tokens) * (1 if device == "cpu" else 1.5)
-                  + 5 * len(grids.batch) + 2 * len(grids.kv_transfer_tokens))
+                  + 6 * len(grids.batch) + 3 * len(grids.kv_transfer_tokens))
     progress = _Progress(request.progress, int(num_points))
     from cpu_service.assist_client import AssistClient
 
     client = AssistClient(service.address, iteration_timeout_s=60.0)  # auto: the shm rings on this host
     grpc_client = AssistClient(service.address, iteration_timeout_s=60.0, transport="grpc")
+    tcp_client = AssistClient(service.address, iteration_timeout_s=60.0, transport="tcp")
     try:
         def point(table: str, key: str, fn, description: str):
             sample = measure(fn, grids.warmup, grids.repeats)
@@ -237,12 +235,16 @@ def run_profile(request: ProfileRequest) -> tuple[Path, Profile, bool]:
                    for b in grids.batch]
         gpu_dense = [point("gpu_dense", str(b), gpu_bench.dense(b), f"GPU dense {b}") for b in grids.batch]
         cfg = loaded.config
-        assist = [point("assist", str(b), m.assist_iteration(client, b, cfg.num_heads, cfg.head_dim, loaded.model.dtype),
-                        f"Dense Assist {b}") for b in grids.batch]
-        assist_path = "shm" if client.num_shm_iterations > 0 else "grpc"  # the ring may have been refused
-        assist_grpc = [point("assist_grpc", str(b), m.assist_iteration(grpc_client, b, cfg.num_heads, cfg.head_dim,
-                                                                       loaded.model.dtype),
-                             f"Dense Assist {b} over gRPC") for b in grids.batch]
+
+        def assist_over(table: str, over, label: str) -> list[float]:
+            return [point(table, str(b), m.assist_iteration(over, b, cfg.num_heads, cfg.head_dim, loaded.model.dtype),
+                          f"Dense Assist {b}{label}") for b in grids.batch]
+
+        assist = assist_over("assist", client, "")
+        assist_grpc = assist_over("assist_grpc", grpc_client, " over gRPC")
+        assist_tcp = assist_over("assist_tcp", tcp_client, " over TCP")  # gpu_service's data socket
+        assist_path = client.data_path if client.num_shm_iterations > 0 else "grpc"  # the ring may have been refused
+        measured_tcp = tcp_client.num_shm_iterations > 0  # else the data socket was unreachable: gRPC ran
         # Whole Assisted iterations (cpu_service's AssistedForward: real attention over host KV
         # between the round trips) at one context, to check assist_ms + cpu_attention_ms.
         from cpu_service.assisted_forward import AssistedForward
@@ -269,6 +271,7 @@ def run_profile(request: ProfileRequest) -> tuple[Path, Profile, bool]:
         progress.close()
         client.close()
         grpc_client.close()
+        tcp_client.close()
         service.stop()
 
     # The cost model adds dense + attention + LM head for a Local iteration; the dense part is
@@ -318,6 +321,7 @@ def run_profile(request: ProfileRequest) -> tuple[Path, Profile, bool]:
         "assist_round_trip_ms": Table1D("batch", batch, t1(round_trip)),
         f"assist_ms_{assist_path}": Table1D("batch", batch, t1(assist)),
         "assist_ms_grpc": Table1D("batch", batch, t1(assist_grpc)),
+        **({"assist_ms_tcp": Table1D("batch", batch, t1(assist_tcp))} if measured_tcp else {}),
     }
     spreads = [s["max_ms"] / s["median_ms"] - s["min_ms"] / s["median_ms"]
                for table in samples.values() for s in table.values() if s["median_ms"] > 0]

@@ -43,15 +43,17 @@ class SimConfig:
     max_context_tokens: int = 1 << 20
     migration_overhead_ms: float = 10.0
     max_queue: int = 1 << 30  # the router's wait queue (a simulation should not reject by default)
-    # How an Assisted CPU iteration of the dualpace policy holds the GPU:
-    # "layer" (as built): each layer's dense stage takes the device at the GPU engine's next
-    #   layer boundary; the CPU's attention runs with the device free;
+    # How an Assisted CPU iteration of the dualpace policy holds the GPU ("cooperative" is what
+    # the daemons run and `dualpace sim`'s default; this default stays "layer"):
+    # "layer": each layer's dense stage takes the device at the GPU engine's next
+    #   layer boundary (staged, never joined); the CPU's attention runs with the device free;
     # "iteration": from its start to its result (gpu_service before per-stage sharing);
     # "dense": only its dense part, in one piece at its start (an earlier what-if);
     # "cooperative": its decode rows join the GPU engine's next step as remote rows, laid out by
     #   dualpace.policy.cooperative_plan.plan_layout (profiles/sim/cooperative.py; the daemons'
-    #   design: docs/design_cooperative_execution.md); with the gated policy this is NEO as built
-    #   (CPU requests advance only inside GPU steps, asymmetric pipelining, no held device).
+    #   design: docs/design_cooperative_execution.md), else what join_rule says; with the gated
+    #   policy this is NEO as built (CPU requests advance only inside GPU steps, asymmetric
+    #   pipelining, no held device).
     # The gated policy otherwise holds it for the whole iteration (the daemons' legacy
     # `--gated-hold held`; "dense" what-if aside).
     assist_device_hold: str = "layer"

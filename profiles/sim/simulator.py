@@ -7,13 +7,20 @@ model's predicted time. New requests go through the real `admit`; every
 How the engines share the GPU is profiles/sim/device.py; the policies:
 
 - **dualpace**: the CPU engine runs on its own clock. Per iteration cpu_service's own
-  ModeChooser picks Local or Assisted from the latencies it has seen (profiles/sim/cpu_steps.py);
-  Local iterations do not touch the device. An Assisted iteration's dense work goes to the
-  device stage by stage (hold "layer"), interleaved with the GPU engine's layers, its waits
-  charged to the device budget gpu_service gives it (refused and redone locally past it).
-- **gated** (NEO-like): a CPU iteration starts only at a GPU iteration boundary (or while
-  the GPU engine is idle), is always Assisted and holds the device for the whole iteration,
-  so the engines take turns and a CPU-resident request advances at most once per GPU iteration.
+  ModeChooser picks Local, Assisted or Cooperative from the latencies it has seen
+  (profiles/sim/cpu_steps.py); Local iterations do not touch the device. With hold
+  "cooperative" (what the daemons run; `dualpace sim`'s default, SimConfig's is "layer") a
+  Cooperative iteration's decode rows join the GPU engine's next step where `join_rule` lets
+  them (profiles/sim/cooperative.py), else as the rule says (staged under "within-layer"); a
+  staged (Assisted) iteration's dense work goes to the device stage by stage, interleaved with
+  the GPU engine's layers, its waits charged to the device budget gpu_service gives it (refused
+  and redone locally past it). Hold "layer" runs staged iterations only, never joins.
+- **gated**: with hold "cooperative", NEO as built (the daemons' default `--gated-hold join`):
+  every CPU decode iteration's rows ride in the GPU engine's next step, so CPU-resident requests
+  advance only inside GPU steps and the device is never held apart. With the older holds, the
+  legacy `--gated-hold held`: a CPU iteration starts only at a GPU iteration boundary (or while
+  the GPU engine is idle), is always Assisted and holds the device for the whole iteration
+  ("dense": only its dense part), so the engines take turns.
 - **gpu-only** (vLLM-like): no CPU engine; admission counts the KV allocated now plus a
   watermark (GpuAdmission.OPTIMISTIC, as vLLM V1), and the GPU scheduler preempts its newest
   request by recompute when a decode needs a block (`--gpu-admission reserve`: the old rule,

@@ -1,12 +1,14 @@
-"""The data path in force (shared memory or gRPC) and the profile figures the planners then use."""
+"""The data path in force (shared memory, the TCP data socket or gRPC) and the profile figures the
+planners then use."""
 
 import glob
 
 import pytest
 
 from dualpace.policy.migration_planner import MigrationConfig, transfer_ms
-from dualpace.profile.cost_model import CostModel
-from dualpace.profile.data_paths import assist_path, for_paths, kv_path, on_this_host
+from dualpace.policy.mode_choice import ExecutionMode
+from dualpace.profile.cost_model import CostModel, predicted_mode_latencies
+from dualpace.profile.data_paths import TRANSPORT_SETTINGS, assist_path, for_paths, kv_path, on_this_host
 from dualpace.profile.files import load_profile, parse_profile, profile_to_dict
 from dualpace.profile.schema import KVTransfer, ProfileError
 from tests.profiles.tiny import tiny_profile_dict
@@ -41,9 +43,13 @@ def test_kv_path_rule():
 
 
 def test_assist_path_rule():
+    from cpu_service.assist_shm import TRANSPORTS
+
     assert assist_path("auto", same_host=True) == "shm"
-    assert assist_path("auto", same_host=False) == "grpc"
-    assert assist_path("grpc", same_host=True) == "grpc"
+    assert assist_path("auto", same_host=False) == "tcp"  # gpu_service's data socket
+    assert assist_path("tcp", same_host=True) == "tcp" and assist_path("tcp", same_host=False) == "tcp"
+    assert assist_path("grpc", same_host=True) == "grpc" and assist_path("grpc", same_host=False) == "grpc"
+    assert set(TRANSPORT_SETTINGS) == set(TRANSPORTS)  # cpu_service's --assist-transport choices
     with pytest.raises(ProfileError, match="--assist-transport"):
         assist_path("ring", same_host=True)
 
@@ -95,3 +101,22 @@ def test_the_data_socket_is_priced_at_its_figures_else_at_grpcs():
     with_tcp = parse_profile(data)
     assert for_paths(with_tcp, kv="tcp").kv_transfer == KVTransfer(96000.0, 1.0)
     assert parse_profile(profile_to_dict(with_tcp)) == with_tcp
+
+
+def test_assist_over_the_data_socket_seeds_the_chooser_at_its_figures_else_at_grpcs():
+    def seeded_assisted_ms(data: dict, assist_transport: str, same_host: bool) -> float:
+        profile = for_paths(parse_profile(data), assist=assist_path(assist_transport, same_host))
+        # context 0: no attention, so the Assisted seed is the assist figure itself
+        return predicted_mode_latencies(CostModel(profile), 1, 0, assist_available=True)[(ExecutionMode.ASSISTED, 1)]
+
+    data = two_path_profile_dict()
+    data["tables"]["assist_ms_tcp"] = {"batch": [1, 11], "ms": [8.0, 9.0]}
+    assert seeded_assisted_ms(data, "tcp", same_host=True) == pytest.approx(8.0)
+    assert seeded_assisted_ms(data, "auto", same_host=False) == pytest.approx(8.0)
+    assert seeded_assisted_ms(data, "auto", same_host=True) == pytest.approx(3.0)
+    assert seeded_assisted_ms(data, "grpc", same_host=True) == pytest.approx(25.0)
+    profile = parse_profile(data)
+    assert parse_profile(profile_to_dict(profile)) == profile
+    older = two_path_profile_dict()  # no assist_ms_tcp: the gRPC figure, not the plain (shm) one
+    older["tables"]["assist_ms"] = older["tables"]["assist_ms_shm"]  # as the profiler writes it on one host
+    assert seeded_assisted_ms(older, "tcp", same_host=True) == pytest.approx(25.0)

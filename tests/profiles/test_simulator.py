@@ -119,6 +119,7 @@ def test_cli_sweep_writes_json(tmp_path, capsys):
                  "--num-requests", "10", "--input-len", "64", "--output-len", "8", "--out", str(out)]) == 0
     data = json.loads(out.read_text())
     assert data["simulated"] is True
+    assert data["assist_device_hold"] == "cooperative"  # by default what the daemons run (joins), not the held gate
     assert [(r["policy"], r["rate"]) for r in data["results"]] == [
         ("gpu-only", 5.0), ("gpu-only", 10.0), ("gated", 5.0), ("gated", 10.0)]
 
