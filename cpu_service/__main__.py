@@ -93,8 +93,9 @@ def load_profile_for(args: argparse.Namespace):
     dtype = str(resolve_dtype(args.dtype)).removeprefix("torch.")
     from dualpace.model.cpu_kernels import kernel_info
 
+    kernels = kernel_info()
     return load_daemon_profile(args.profile, model_config, dtype, args.block_size, args.profile_ignore_fingerprint,
-                               cpu_kernel_variant=kernel_info()["variant"])
+                               cpu_kernel_variant=kernels["variant"], cpu_amx=kernels["amx"])
 
 
 def seed_chooser(chooser: ModeChooser, profile, assist_available: bool, max_batch_size: int,

@@ -3,7 +3,10 @@ the default model."""
 
 from __future__ import annotations
 
+import logging
+
 import pytest
+import structlog
 import torch
 
 from dualpace.model.loader import load_model
@@ -12,6 +15,25 @@ from dualpace.model.registry import DEFAULT_MODEL_NAME, resolve_model_path
 # Two cores are shared by everything on these machines; one intra-op thread keeps
 # tests predictable when daemons run beside them.
 torch.set_num_threads(1)
+
+
+@pytest.fixture(autouse=True)
+def restore_logging():
+    """A command run in-process (`dualpace generate`) sets up the daemons' logging, on capsys's
+    stream in a test: undone after each test, so later ones do not log to a closed stream."""
+    from dualpace.serve.logging_setup import _DaemonHandler
+
+    root, ours = logging.getLogger(), logging.getLogger("dualpace")
+    levels = root.level, ours.level
+    yield
+    added = [h for h in root.handlers if isinstance(h, _DaemonHandler)]
+    if added:
+        for handler in added:
+            root.removeHandler(handler)
+        root.setLevel(levels[0])
+        ours.setLevel(levels[1])
+        logging.captureWarnings(False)
+        structlog.reset_defaults()
 
 
 @pytest.fixture(scope="session")

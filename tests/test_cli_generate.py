@@ -17,9 +17,17 @@ def run_cli(capsys, *args: str) -> tuple[int, str, str]:
     return code, captured.out, captured.err
 
 
+def is_log_line(line: str) -> bool:
+    """A start-up log line (one JSON object: stderr is not a terminal here)."""
+    try:
+        return "event" in json.loads(line)
+    except (ValueError, TypeError):
+        return False
+
+
 def assert_one_line_error(code: int, err: str, *needles: str) -> None:
     assert code == 2
-    lines = [line for line in err.splitlines() if line.strip()]
+    lines = [line for line in err.splitlines() if line.strip() and not is_log_line(line)]
     assert len(lines) == 1, err
     assert "Traceback" not in err
     for needle in needles:
@@ -36,13 +44,19 @@ def test_chat_demo_answers_paris():
     )
     assert result.returncode == 0, result.stderr
     assert "Paris" in result.stdout
+    # the start-up lines: the kernels' variant (or why there are none), the dtype decision, the weights' memory
+    events = [json.loads(line)["event"] for line in result.stderr.splitlines() if is_log_line(line)]
+    assert any(e.startswith("CPU kernels: variant ") or "unavailable, using torch ops" in e for e in events), events
+    assert any(e.startswith("--dtype auto: ") for e in events), events
+    assert any(e.startswith("weights: ") and " MB in cpu memory" in e for e in events), events
 
 
 def test_json_output_and_batch(capsys, synth_checkpoint):
     folder = str(synth_checkpoint("tiny-llama"))
-    code, out, _ = run_cli(capsys, "generate", "--model", folder, "--prompt-ids", "5,6,7,8", "--batch", "3",
-                           "--max-tokens", "5", "--ignore-eos", "--dtype", "fp32", "--json")
+    code, out, err = run_cli(capsys, "generate", "--model", folder, "--prompt-ids", "5,6,7,8", "--batch", "3",
+                             "--max-tokens", "5", "--ignore-eos", "--dtype", "fp32", "--json")
     assert code == 0
+    assert any(is_log_line(line) and "MB in cpu memory" in json.loads(line)["event"] for line in err.splitlines())
     rows = [json.loads(line) for line in out.splitlines()]
     assert len(rows) == 3
     assert all(len(row["token_ids"]) == 5 and isinstance(row["text"], str) for row in rows)

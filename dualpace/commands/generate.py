@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import random
 import sys
 
@@ -33,6 +34,9 @@ def register(subparsers) -> None:
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's choice)")
     p.add_argument("--block-size", type=int, default=16, help="KV block size in tokens")
     p.add_argument("--json", action="store_true", help="one JSON object per sequence, one per line")
+    p.add_argument("--log-level", default="INFO",
+                   help="dualpace's own log lines on stderr (INFO: the CPU kernel variant, the --dtype auto "
+                        "decision, the weights' host memory; WARNING hides them); other libraries log warnings only")
 
 
 def parse_prompt_ids(text: str) -> list[int]:
@@ -55,7 +59,18 @@ def batch_variants(prompt_ids: list[int], batch: int, seed: int) -> list[list[in
     return prompts
 
 
+def configure_cli_logging(level: str) -> None:
+    """The daemons' log lines (JSON on a pipe, readable on a terminal) on stderr: dualpace's own
+    loggers at `level`, other libraries' at WARNING."""
+    from dualpace.serve.logging_setup import configure_logging, parse_level
+
+    dualpace_level = parse_level(level)  # InvalidArgument("--log-level") before anything is set up
+    configure_logging("WARNING")
+    logging.getLogger("dualpace").setLevel(dualpace_level)
+
+
 def run(args: argparse.Namespace) -> int:
+    configure_cli_logging(args.log_level)
     if args.batch < 1:
         raise InvalidArgument("--batch", f"must be >= 1, got {args.batch}")
     if args.threads is not None and args.threads < 1:

@@ -154,11 +154,12 @@ def select_variant(name: str | None) -> Kernels | None:
 
 
 def kernel_info() -> dict:
-    """{"variant": the variant in use or "off", "cpu_flags": the CPU's flags that the variants use}."""
+    """{"variant": the variant in use or "off", "cpu_flags": the CPU's flags that the variants and their
+    AMX tiles use, "amx": whether bf16 products of several rows run on AMX tiles}."""
     kernels = get()
-    relevant = {flag for v in kbuild.X86_VARIANTS for flag in v.needs}
+    relevant = {flag for v in kbuild.X86_VARIANTS for flag in v.needs} | {"amx_tile", "amx_bf16"}
     return {"variant": kernels.variant if kernels is not None else "off",
-            "cpu_flags": sorted(kbuild.cpu_flags() & relevant)}
+            "cpu_flags": sorted(kbuild.cpu_flags() & relevant), "amx": kernels is not None and kernels.amx}
 
 
 def library_path() -> Path:

@@ -4,8 +4,9 @@ The variants (KERNELS.md) are one source tree compiled with different instructio
 Detection reads the CPU's flags from /proc/cpuinfo; the library checks them again itself
 (`dp_variant_supported`) once loaded. Built libraries are cached under
 `$XDG_CACHE_HOME/dualpace/kernels/` (default `~/.cache/...`); the cache key covers every source
-file, the compile flags and the compiler's version, never the machine, so a cache shared by
-several machines stays correct.
+file, the compile flags and the compiler's version, and for `-march=native` (generic) also the
+machine (its architecture and CPU flags, `native_machine_key`), since that code may use every
+instruction of the CPU that built it; so a cache shared by several machines stays correct.
 
     python -m dualpace.model.cpu_kernels_build          # build the variant for this CPU (make venv)
     python -m dualpace.model.cpu_kernels_build --all    # every variant this CPU can run
@@ -87,12 +88,25 @@ def compile_command(variant: Variant, out: Path) -> list[str]:
     return ["g++", *BASE_FLAGS, *variant.flags, "-I", str(SOURCE_DIR), "-o", str(out), str(MAIN_SOURCE)]
 
 
+def native_machine_key(flags: list[str] | tuple[str, ...]) -> str:
+    """What a build with `flags` depends on of the machine that compiles it: with -march=native, the
+    architecture and every CPU flag (the compiler may use any instruction this CPU has); else nothing
+    (explicit ISA flags name all the code may use)."""
+    if "-march=native" not in flags:
+        return ""
+    return platform.machine() + ":" + " ".join(sorted(cpu_flags()))
+
+
 def library_path(variant: Variant) -> Path:
-    """Where the built library of this variant, for these sources and this compiler, lives."""
+    """Where the built library of this variant, for these sources and this compiler (and, for
+    -march=native, this machine), lives."""
     digest = hashlib.sha256()
     for path in source_files():
         digest.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
     digest.update(" ".join((*BASE_FLAGS, *variant.flags)).encode() + b"\0" + compiler_version("g++").encode())
+    machine = native_machine_key(variant.flags)
+    if machine:  # (explicit-ISA variants keep the key they had before the machine was part of it)
+        digest.update(b"\0" + machine.encode())
     return kernel_cache_dir() / f"cpu_kernels-{variant.name}-{digest.hexdigest()[:16]}.so"
 
 

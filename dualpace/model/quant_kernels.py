@@ -1,7 +1,8 @@
 """ctypes access to quant_kernels.cpp (linear and row dequantization on GGUF block weights).
 
 These serve the per-stage path (QuantizedWeight.linear / .embedding). The fused decode path of
-cpu_kernels.cpp includes quant_gemv.h itself. Built on first use with g++ with the ISA flags of
+cpu_kernels.cpp includes quant_gemv.h itself. Built at `make venv` time where a compiler exists
+(`python -m dualpace.model.quant_kernels`), else on first use, with g++ with the ISA flags of
 cpu_kernels_build's variant for this CPU (avx512_bf16, avx512, avx2; -march=native and the
 header's plain C++ path for generic), the one DUALPACE_CPU_KERNELS names when it names one,
 cached under `$XDG_CACHE_HOME/dualpace/kernels/` keyed by the sources, the flags, the compiler
@@ -19,6 +20,7 @@ import hashlib
 import logging
 import os
 import subprocess
+import sys
 from pathlib import Path
 
 from dualpace.model import cpu_kernels_build as kbuild
@@ -79,14 +81,20 @@ def _build(path: Path, flags: list[str]) -> None:
     build_atomically(path, lambda out: ["g++", *flags, "-o", str(out), str(SOURCES[0])])
 
 
+def ensure_built(variant: str) -> Path:
+    """The library of `variant`, built first when not cached. Raises CalledProcessError/OSError."""
+    flags = compile_flags(variant)
+    path = library_path(flags)
+    if not path.exists():
+        _build(path, flags)
+        log.info("built quantized-weight kernels (%s) at %s", variant, path)
+    return path
+
+
 def _load(variant: str) -> ctypes.CDLL | None:
     flags = compile_flags(variant)
     try:
-        path = library_path(flags)
-        if not path.exists():
-            _build(path, flags)
-            log.info("built quantized-weight kernels (%s) at %s", variant, path)
-        lib = ctypes.CDLL(str(path))
+        lib = ctypes.CDLL(str(ensure_built(variant)))
     except (OSError, subprocess.CalledProcessError) as exc:
         detail = getattr(exc, "stderr", "") or str(exc)
         log.warning("quantized-weight kernels unavailable, dequantizing in torch: %s", detail.strip()[:500])
@@ -140,3 +148,21 @@ def set_activations(mode: str) -> None:
     for lib in libs:
         if lib is not None:
             lib.dp_quant_set_activations(ACTIVATION_MODES[mode])
+
+
+def main() -> int:
+    """Build the library of this CPU's variant now (`make venv`); 1, with the reason, where it cannot be."""
+    variant = chosen_variant()
+    try:
+        path = ensure_built(variant)
+    except (OSError, subprocess.CalledProcessError) as exc:
+        detail = (getattr(exc, "stderr", "") or str(exc)).strip()[:500]
+        print(f"quantized-weight kernels ({variant}) not built; GGUF weights will be dequantized in torch: {detail}",
+              file=sys.stderr)
+        return 1
+    print(f"quantized-weight kernels ({variant}): {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

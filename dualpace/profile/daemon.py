@@ -2,9 +2,10 @@
 it was made for the model being served, and say clearly when not.
 
 One-line errors (ProfileError, printed by the daemons as `NAME: error: ...`): unreadable
-file, wrong version, missing table or field, model fingerprint mismatch (unless
---profile-ignore-fingerprint). A hardware mismatch is only a warning: a profile from a
-similar machine is still a better guide than none, and the measured latencies correct it.
+file, wrong version, missing table or field, model fingerprint mismatch, CPU kernels other than
+those it was measured with (variant, AMX tiles) (each unless --profile-ignore-fingerprint). A
+hardware mismatch is only a warning: a profile from a similar machine is still a better guide
+than none, and the measured latencies correct it.
 """
 
 from __future__ import annotations
@@ -25,11 +26,14 @@ IGNORE_FLAG = "--profile-ignore-fingerprint"
 
 
 def load_daemon_profile(path: str, config: ModelConfig, dtype: str | None = None, block_size: int | None = None,
-                        ignore_fingerprint: bool = False, cpu_kernel_variant: str | None = None) -> Profile:
+                        ignore_fingerprint: bool = False, cpu_kernel_variant: str | None = None,
+                        cpu_amx: bool | None = None) -> Profile:
     """The profile at `path`, checked against the served model. dtype / block_size None: not
-    compared (the router does not know the engines' dtype). `cpu_kernel_variant` (cpu_service:
-    the kernels it computes with): a profile whose CPU tables were measured with another
-    variant is refused, naming both, since its latencies describe other code."""
+    compared (the router does not know the engines' dtype). `cpu_kernel_variant` and `cpu_amx`
+    (cpu_service: the kernels it computes with, and whether they run AMX tiles): a profile whose
+    CPU tables were measured with another variant, or with AMX tiles where this engine has none
+    (or the reverse), is refused, naming the difference, since its latencies describe other code.
+    A profile that does not record them (an older one) is accepted."""
     try:
         profile = load_profile(path)
     except ProfileError as exc:
@@ -42,10 +46,9 @@ def load_daemon_profile(path: str, config: ModelConfig, dtype: str | None = None
             raise ProfileError(f"--profile {path}: made for another model ({'; '.join(problems)}); "
                                f"pass {IGNORE_FLAG} to use it anyway")
         log.warning("profile %s: model fingerprint mismatch ignored (%s)", path, "; ".join(problems))
-    measured_with = profile.hardware.cpu_kernel_variant
-    if cpu_kernel_variant is not None and measured_with is not None and measured_with != cpu_kernel_variant:
-        message = (f"--profile {path}: measured with CPU kernel variant {measured_with!r}, this engine runs "
-                   f"{cpu_kernel_variant!r}")
+    difference = _kernel_difference(profile.hardware, cpu_kernel_variant, cpu_amx)
+    if difference:
+        message = f"--profile {path}: measured with {difference}"
         if not ignore_fingerprint:
             raise ProfileError(f"{message}; pass {IGNORE_FLAG} to use it anyway")
         log.warning("%s (ignored)", message)
@@ -56,6 +59,17 @@ def load_daemon_profile(path: str, config: ModelConfig, dtype: str | None = None
         log.warning("profile %s was measured on other hardware (%s); its predictions seed decisions until "
                     "measurements take over", path, "; ".join(hardware_problems))
     return profile
+
+
+def _kernel_difference(measured: HardwareFingerprint, variant: str | None, amx: bool | None) -> str:
+    """How the CPU kernels a profile was measured with differ from this engine's ("" where they do
+    not, or where either side is unknown)."""
+    if variant is not None and measured.cpu_kernel_variant is not None and measured.cpu_kernel_variant != variant:
+        return f"CPU kernel variant {measured.cpu_kernel_variant!r}, this engine runs {variant!r}"
+    if amx is not None and measured.cpu_amx is not None and measured.cpu_amx != amx:
+        return ("AMX tiles on, this engine's CPU kernels run without them" if measured.cpu_amx
+                else "no AMX tiles, this engine's CPU kernels run them")
+    return ""
 
 
 def _cores() -> int:

@@ -115,6 +115,7 @@ def _parse_hardware(raw: Any) -> HardwareFingerprint:
         device=_optional_str(raw, "device", where),
         cpu_kernel_variant=_optional_str(raw, "cpu_kernel_variant", where),
         cpu_flags=_optional_flags(raw, where),
+        cpu_amx=_optional_bool(raw, "cpu_amx", where),
     )
 
 
@@ -125,6 +126,13 @@ def _optional_flags(raw: Mapping[str, Any], where: str) -> tuple[str, ...] | Non
     if not isinstance(value, list) or not all(isinstance(flag, str) and flag for flag in value):
         raise ProfileError(f"{where}.cpu_flags: expected a list of flag names")
     return tuple(value)
+
+
+def _optional_bool(raw: Mapping[str, Any], key: str, where: str) -> bool | None:
+    value = raw.get(key)
+    if value is not None and not isinstance(value, bool):
+        raise ProfileError(f"{where}.{key}: expected true, false or null")
+    return value
 
 
 def _optional_str(raw: Mapping[str, Any], key: str, where: str) -> str | None:

@@ -108,7 +108,7 @@ DATA_PATHS = ("shm", "grpc", "tcp")
 # slightly different totals on the same machine (kernel reservations, firmware).
 MEMORY_TOLERANCE = 0.05
 # Hardware fields a hand-assembled profile may leave out (absent = null).
-OPTIONAL_HARDWARE_FIELDS = ("cpu_threads", "torch_version", "device", "cpu_kernel_variant", "cpu_flags")
+OPTIONAL_HARDWARE_FIELDS = ("cpu_threads", "torch_version", "device", "cpu_kernel_variant", "cpu_flags", "cpu_amx")
 
 
 class ProfileError(DualPaceError):
@@ -127,7 +127,8 @@ class HardwareFingerprint:
     torch_version: str | None = None
     device: str | None = None
     cpu_kernel_variant: str | None = None  # dualpace.model.cpu_kernels' variant the CPU tables were measured with
-    cpu_flags: tuple[str, ...] | None = None  # the CPU flags the kernel variants depend on
+    cpu_flags: tuple[str, ...] | None = None  # the CPU flags the kernel variants (and their AMX tiles) depend on
+    cpu_amx: bool | None = None  # whether those kernels ran bf16 products on AMX tiles (None: not recorded)
 
 
 @dataclass(frozen=True)
@@ -231,7 +232,8 @@ def fingerprint_mismatches(profile: Profile, hardware: HardwareFingerprint | Non
             if ours != theirs:
                 problems.append(f"model.{f.name}: profile has {ours!r}, this deployment has {theirs!r}")
     if hardware is not None:
-        for name in ("cpu_model", "cpu_cores", "gpu_model", "cpu_threads", "torch_version", "device", "cpu_kernel_variant"):
+        for name in ("cpu_model", "cpu_cores", "gpu_model", "cpu_threads", "torch_version", "device", "cpu_kernel_variant",
+                     "cpu_amx"):
             if f"hardware.{name}" in ignore:
                 continue
             ours, theirs = getattr(profile.hardware, name), getattr(hardware, name)

@@ -31,4 +31,5 @@ def hardware_fingerprint(threads: int, device: str, bandwidth_bytes_per_s: float
         device=device,
         cpu_kernel_variant=kernels["variant"],
         cpu_flags=tuple(kernels["cpu_flags"]),
+        cpu_amx=kernels["amx"],
     )
