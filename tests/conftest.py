@@ -6,11 +6,11 @@ from __future__ import annotations
 import logging
 
 import pytest
-import structlog
 import torch
 
 from dualpace.model.loader import load_model
 from dualpace.model.registry import DEFAULT_MODEL_NAME, resolve_model_path
+from dualpace.serve.logging_setup import reset_logging
 
 # Two cores are shared by everything on these machines; one intra-op thread keeps
 # tests predictable when daemons run beside them.
@@ -21,19 +21,12 @@ torch.set_num_threads(1)
 def restore_logging():
     """A command run in-process (`dualpace generate`) sets up the daemons' logging, on capsys's
     stream in a test: undone after each test, so later ones do not log to a closed stream."""
-    from dualpace.serve.logging_setup import _DaemonHandler
-
     root, ours = logging.getLogger(), logging.getLogger("dualpace")
     levels = root.level, ours.level
     yield
-    added = [h for h in root.handlers if isinstance(h, _DaemonHandler)]
-    if added:
-        for handler in added:
-            root.removeHandler(handler)
+    if reset_logging():
         root.setLevel(levels[0])
         ours.setLevel(levels[1])
-        logging.captureWarnings(False)
-        structlog.reset_defaults()
 
 
 @pytest.fixture(scope="session")

@@ -88,6 +88,21 @@ def configure_logging(level: str | int = "INFO", stream: TextIO | None = None, j
     )
 
 
+def reset_logging() -> bool:
+    """Undo configure_logging, if it ran: its handler off the root logger, warnings back to stderr,
+    structlog's defaults (an in-process command run by a test must not leave them pointing at a
+    closed stream). False where there was nothing to undo. Log levels are the caller's to restore."""
+    root = logging.getLogger()
+    ours = [h for h in root.handlers if isinstance(h, _DaemonHandler)]
+    if not ours:
+        return False
+    for handler in ours:
+        root.removeHandler(handler)
+    logging.captureWarnings(False)
+    structlog.reset_defaults()
+    return True
+
+
 def get_logger(name: str) -> Any:
     return structlog.stdlib.get_logger(name)
 
