@@ -1,4 +1,11 @@
-"""Model configuration shared by loaders, the model core and synthetic checkpoints."""
+"""The model description shared by loaders, every forward path and synthetic checkpoints.
+
+A family (Hugging Face `model_type`, GGUF `general.architecture`) is one row of FAMILIES: how its
+checkpoints name and lay out tensors and which features it always has. A model is a ModelConfig:
+its shapes plus the features this checkpoint sets (q/k norms, sliding window, RoPE variant).
+Adding a family is a FAMILIES entry plus its tests; a feature the forward paths do not compute is
+refused at load, by name.
+"""
 
 from __future__ import annotations
 
@@ -6,7 +13,37 @@ from dataclasses import dataclass, field
 
 from dualpace.errors import ModelLoadError
 
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
+
+@dataclass(frozen=True)
+class Family:
+    """How one architecture's checkpoints are written, and what it always has."""
+
+    name: str  # Hugging Face model_type and GGUF general.architecture
+    hf_class: str  # transformers' causal-LM class (config.json "architectures")
+    qkv_bias: bool = False  # biases on q/k/v (not on o)
+    qk_norm: bool = False  # RMSNorm over each q and k head before RoPE (Qwen3)
+    fused_hf_projections: bool = False  # one qkv_proj and one gate_up_proj in the HF checkpoint (Phi-3)
+    gguf_permuted_qk: bool = False  # llama.cpp's converter interleaves the rotary halves of Q/K rows
+    has_sliding_window: bool = False  # config.json's sliding_window applies to every layer
+
+
+FAMILIES: dict[str, Family] = {
+    family.name: family
+    for family in (
+        Family("llama", "LlamaForCausalLM", gguf_permuted_qk=True),
+        Family("mistral", "MistralForCausalLM", gguf_permuted_qk=True, has_sliding_window=True),
+        Family("qwen2", "Qwen2ForCausalLM", qkv_bias=True),
+        Family("qwen3", "Qwen3ForCausalLM", qk_norm=True),
+        Family("phi3", "Phi3ForCausalLM", fused_hf_projections=True, has_sliding_window=True),
+    )
+}
+SUPPORTED_ARCHITECTURES = tuple(FAMILIES)
+
+
+def unsupported(what: str) -> ModelLoadError:
+    """The one-line refusal of an architecture or a feature, listing what is supported."""
+    return ModelLoadError(f"unsupported {what}; supported architectures: {', '.join(SUPPORTED_ARCHITECTURES)} "
+                          "(README.md, Supported models)")
 
 
 @dataclass(frozen=True)
@@ -21,7 +58,7 @@ class RopeScaling:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Shape and hyper-parameters of a Llama-family decoder."""
+    """Shape, hyper-parameters and features of one decoder-only model."""
 
     architecture: str
     vocab_size: int
@@ -34,47 +71,74 @@ class ModelConfig:
     rms_norm_eps: float = 1e-5
     rope_theta: float = 10000.0
     rope_scaling: RopeScaling | None = None
+    # A GGUF's rope_freqs tensor: each rotation frequency is divided by its factor (llama3 scaling
+    # as llama.cpp's converter stores it), [rotary_dim / 2]
+    rope_freq_factors: tuple[float, ...] | None = None
+    rotary_dim: int | None = None  # dims of each head that RoPE rotates (the first ones); None: all
     max_position_embeddings: int = 4096
     tie_word_embeddings: bool = False
     qkv_bias: bool = False
+    qk_norm: bool = False
+    sliding_window: int | None = None  # tokens each query sees (itself included) in every layer; None: all
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
 
     def __post_init__(self):
-        if self.architecture not in SUPPORTED_ARCHITECTURES:
-            raise ModelLoadError(
-                f"unsupported architecture {self.architecture!r}; "
-                f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
-            )
+        if self.architecture not in FAMILIES:
+            raise unsupported(f"architecture {self.architecture!r}")
         if self.num_heads % self.num_kv_heads:
             raise ModelLoadError(
                 f"num_heads ({self.num_heads}) is not a multiple of num_kv_heads ({self.num_kv_heads})"
             )
+        if self.rotary_dim is not None and (self.rotary_dim % 2 or not 0 < self.rotary_dim <= self.head_dim):
+            raise ModelLoadError(f"rotary dims {self.rotary_dim} must be even and at most head_dim {self.head_dim}")
+        if self.rope_freq_factors is not None and len(self.rope_freq_factors) != self.num_rotary_dims // 2:
+            raise ModelLoadError(f"rope_freqs has {len(self.rope_freq_factors)} factors, expected "
+                                 f"{self.num_rotary_dims // 2}")
+        if self.sliding_window is not None and self.sliding_window < 1:
+            raise ModelLoadError(f"sliding_window must be positive, got {self.sliding_window}")
+
+    @property
+    def family(self) -> Family:
+        return FAMILIES[self.architecture]
 
     @property
     def num_queries_per_kv(self) -> int:
         return self.num_heads // self.num_kv_heads
 
+    @property
+    def num_rotary_dims(self) -> int:
+        return self.head_dim if self.rotary_dim is None else self.rotary_dim
+
+    @property
+    def attention_scale(self) -> float:
+        return self.head_dim**-0.5
+
+    def layer_window(self, layer_index: int) -> int | None:
+        """How many tokens a query of `layer_index` sees (itself included); None: the whole context."""
+        return self.sliding_window
+
     @classmethod
     def from_hf_dict(cls, hf: dict) -> "ModelConfig":
         """Build from a Hugging Face config.json dictionary."""
         model_type = hf.get("model_type", "")
-        if model_type not in SUPPORTED_ARCHITECTURES:
-            raise ModelLoadError(
-                f"unsupported architecture {model_type!r} in config.json; "
-                f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
-            )
-        if model_type != "qwen2" and hf.get("attention_bias"):
-            raise ModelLoadError(
-                f"{model_type} with attention_bias (biases on the q/k/v/o projections) is not supported"
-            )
+        if model_type not in FAMILIES:
+            raise unsupported(f"architecture {model_type!r} in config.json")
+        family = FAMILIES[model_type]
+        if not family.qkv_bias and hf.get("attention_bias"):
+            raise unsupported(f"feature of {model_type}: attention_bias (biases on the q/k/v/o projections)")
+        if hf.get("hidden_act", "silu") != "silu":
+            raise unsupported(f"feature of {model_type}: hidden_act {hf.get('hidden_act')!r} (SiLU-gated MLPs are)")
         try:
             num_heads = int(hf["num_attention_heads"])
             hidden = int(hf["hidden_size"])
+            head_dim = int(hf.get("head_dim") or hidden // num_heads)
             eos = hf.get("eos_token_id")
             eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
             rope = hf.get("rope_scaling") or hf.get("rope_parameters") or {}
             rope_theta = float(hf.get("rope_theta", rope.get("rope_theta", 10000.0)))
+            partial = float(hf.get("partial_rotary_factor", rope.get("partial_rotary_factor", 1.0)))
+            rotary_dim = None if partial == 1.0 else int(head_dim * partial)
             scaling = None
             if rope.get("rope_type", rope.get("type")) == "llama3":
                 scaling = RopeScaling(
@@ -84,7 +148,12 @@ class ModelConfig:
                     original_max_position_embeddings=int(rope["original_max_position_embeddings"]),
                 )
             elif rope.get("rope_type", rope.get("type")) not in (None, "default"):
-                raise ModelLoadError(f"unsupported rope scaling {rope!r}")
+                raise unsupported(f"feature of {model_type}: rope scaling {rope.get('rope_type', rope.get('type'))!r} "
+                                  "(plain and llama3 are)")
+            window = hf.get("sliding_window") if family.has_sliding_window else None
+            if model_type == "qwen3" and hf.get("use_sliding_window"):
+                raise unsupported("feature of qwen3: use_sliding_window")
+            max_positions = int(hf.get("max_position_embeddings", 4096))
             return cls(
                 architecture=model_type,
                 vocab_size=int(hf["vocab_size"]),
@@ -93,13 +162,17 @@ class ModelConfig:
                 num_layers=int(hf["num_hidden_layers"]),
                 num_heads=num_heads,
                 num_kv_heads=int(hf.get("num_key_value_heads") or num_heads),
-                head_dim=int(hf.get("head_dim") or hidden // num_heads),
+                head_dim=head_dim,
                 rms_norm_eps=float(hf.get("rms_norm_eps", 1e-5)),
                 rope_theta=rope_theta,
                 rope_scaling=scaling,
-                max_position_embeddings=int(hf.get("max_position_embeddings", 4096)),
+                rotary_dim=rotary_dim,
+                max_position_embeddings=max_positions,
                 tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-                qkv_bias=model_type == "qwen2",
+                qkv_bias=family.qkv_bias,
+                qk_norm=family.qk_norm,
+                # a window as long as the context is no window
+                sliding_window=int(window) if window is not None and int(window) < max_positions else None,
                 bos_token_id=hf.get("bos_token_id"),
                 eos_token_ids=eos_ids,
             )
@@ -108,12 +181,10 @@ class ModelConfig:
 
     def to_hf_dict(self) -> dict:
         """The Hugging Face config.json dictionary for this configuration."""
+        if self.rope_freq_factors is not None:
+            raise unsupported("export: a GGUF's rope_freqs factors have no Hugging Face config form")
         hf = {
-            "architectures": [
-                {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}[
-                    self.architecture
-                ]
-            ],
+            "architectures": [self.family.hf_class],
             "model_type": self.architecture,
             "vocab_size": self.vocab_size,
             "hidden_size": self.hidden_size,
@@ -130,11 +201,14 @@ class ModelConfig:
             "torch_dtype": "float32",
             "bos_token_id": self.bos_token_id,
             "eos_token_id": list(self.eos_token_ids) if len(self.eos_token_ids) != 1 else self.eos_token_ids[0],
+            "pad_token_id": None,  # Phi-3's default (32000) lies outside a small vocabulary
         }
-        if self.architecture == "llama":
+        if not self.family.qkv_bias:
             hf["attention_bias"] = False  # Qwen2 has q/k/v biases by definition; Llama's flag would add o_proj too
-        if self.architecture == "mistral":
-            hf["sliding_window"] = None
+        if self.family.has_sliding_window:
+            hf["sliding_window"] = self.sliding_window
+        if self.rotary_dim is not None:
+            hf["partial_rotary_factor"] = self.rotary_dim / self.head_dim
         if self.rope_scaling is not None:
             hf["rope_scaling"] = {
                 "rope_type": "llama3",

@@ -98,9 +98,18 @@ class FusedDecode:
         return self._head is not None and self.kernels.linear_desc(hidden, self._lm_head) is not None
 
     @staticmethod
+    def missing_features(config) -> list[str]:
+        """The model's features the fused call does not compute (the per-stage path runs such a model)."""
+        return [name for name, present in (("q/k norms", config.qk_norm),
+                                           ("partial rotary", config.rotary_dim is not None),
+                                           ("sliding-window attention", config.sliding_window is not None)) if present]
+
+    @staticmethod
     def applies(model, kv, kernels: Kernels | None = None) -> bool:
-        """Whether the model's shapes, dtypes and (with `kernels`) weight formats fit the fused call."""
+        """Whether the model's shapes, features, dtypes and (with `kernels`) weight formats fit the fused call."""
         cfg = model.config
+        if FusedDecode.missing_features(cfg):
+            return False
         head_dims = fused_head_dims(model.dtype, None if kernels is None else kernels.variant)
         if not (model.device.type == "cpu" and kv.device.type == "cpu" and model.dtype == kv.dtype
                 and model.dtype in (torch.float32, torch.bfloat16) and cfg.head_dim in head_dims

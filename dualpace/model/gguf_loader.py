@@ -3,8 +3,10 @@
 
 llama.cpp's converter permutes the rows of Q and K for Llama-architecture models
 (its RoPE pairs adjacent dimensions; Hugging Face's pairs the two halves of each
-head), so those two weights are permuted back here. Qwen2 GGUFs are not permuted. A quantized row
-holds whole blocks of one output row, so the un-permute moves raw block rows unchanged.
+head), so those two weights are permuted back here (Family.gguf_permuted_qk; Qwen and Phi-3 GGUFs
+are not permuted). A quantized row holds whole blocks of one output row, so the un-permute moves
+raw block rows unchanged. Llama 3's RoPE scaling is the rope_freqs tensor (a divisor per rotation
+frequency), read into ModelConfig.rope_freq_factors.
 """
 
 from __future__ import annotations
@@ -15,12 +17,10 @@ import numpy as np
 import torch
 
 from dualpace.errors import ModelLoadError
-from dualpace.model.config import ModelConfig
+from dualpace.model.config import FAMILIES, ModelConfig, unsupported
 from dualpace.model.quant import FORMAT_BY_NAME, FORMATS, Q5_0_GGML_TYPE, QuantizedWeight, repack_q5_0_as_q8_0
 from dualpace.model.transformer import ModelWeights
 from dualpace.model.weights import TensorSource, weights_from_hf_names
-
-_PERMUTED_ARCHITECTURES = ("llama", "mistral")
 
 _LAYER_NAMES = {
     "attn_norm.weight": "input_layernorm.weight",
@@ -30,6 +30,9 @@ _LAYER_NAMES = {
     "attn_q.bias": "self_attn.q_proj.bias",
     "attn_k.bias": "self_attn.k_proj.bias",
     "attn_v.bias": "self_attn.v_proj.bias",
+    "attn_qkv.weight": "self_attn.qkv_proj.weight",
+    "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
     "attn_output.weight": "self_attn.o_proj.weight",
     "ffn_norm.weight": "post_attention_layernorm.weight",
     "ffn_gate.weight": "mlp.gate_proj.weight",
@@ -61,24 +64,36 @@ def _field(reader, key: str, default=None):
     return field.contents()
 
 
-def gguf_hf_name(gguf_name: str) -> str | None:
-    """Hugging Face tensor name for a GGUF tensor name (None when not used)."""
+def gguf_hf_name(gguf_name: str, fused_hf_projections: bool = False) -> str | None:
+    """Hugging Face tensor name for a GGUF tensor name (None when not used). With
+    fused_hf_projections (Phi-3), ffn_up is the fused [gate | up] matrix."""
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
     parts = gguf_name.split(".", 2)
     if len(parts) == 3 and parts[0] == "blk" and parts[2] in _LAYER_NAMES:
-        return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}"
+        name = _LAYER_NAMES[parts[2]]
+        if fused_hf_projections and name == "mlp.up_proj.weight":
+            name = "mlp.gate_up_proj.weight"
+        return f"model.layers.{parts[1]}.{name}"
     return None
 
 
 def read_gguf_config(reader) -> ModelConfig:
     arch = _field(reader, "general.architecture")
-    tensor_names = {t.name for t in reader.tensors}
-    if "rope_freqs.weight" in tensor_names:
-        raise ModelLoadError("GGUF with rope_freqs (llama3 rope scaling) is not supported; use the HF folder")
+    if arch not in FAMILIES:
+        raise unsupported(f"architecture {arch!r} in the GGUF")
+    tensors = {t.name: t for t in reader.tensors}
     token_count = len(reader.fields["tokenizer.ggml.tokens"].data) if "tokenizer.ggml.tokens" in reader.fields else 0
     num_heads = int(_field(reader, f"{arch}.attention.head_count"))
     hidden = int(_field(reader, f"{arch}.embedding_length"))
+    rotary_dim = int(_field(reader, f"{arch}.rope.dimension_count", hidden // num_heads))
+    # llama.cpp writes key_length where a head is not hidden / heads; without it, Llama-family files
+    # rotate whole heads (rope.dimension_count is head_dim), Phi-3's may rotate part of each
+    default_head_dim = hidden // num_heads if arch == "phi3" else rotary_dim
+    head_dim = int(_field(reader, f"{arch}.attention.key_length", default_head_dim))
+    window = int(_field(reader, f"{arch}.attention.sliding_window", 0)) if FAMILIES[arch].has_sliding_window else 0
+    max_positions = int(_field(reader, f"{arch}.context_length"))
+    rope_freqs = tensors.get("rope_freqs.weight")
     eos = _field(reader, "tokenizer.ggml.eos_token_id", -1)
     bos = _field(reader, "tokenizer.ggml.bos_token_id", -1)
     return ModelConfig(
@@ -89,12 +104,17 @@ def read_gguf_config(reader) -> ModelConfig:
         num_layers=int(_field(reader, f"{arch}.block_count")),
         num_heads=num_heads,
         num_kv_heads=int(_field(reader, f"{arch}.attention.head_count_kv", num_heads)),
-        head_dim=int(_field(reader, f"{arch}.rope.dimension_count", hidden // num_heads)),
+        head_dim=head_dim,
+        rotary_dim=None if rotary_dim == head_dim else rotary_dim,
         rms_norm_eps=float(_field(reader, f"{arch}.attention.layer_norm_rms_epsilon")),
         rope_theta=float(_field(reader, f"{arch}.rope.freq_base", 10000.0)),
-        max_position_embeddings=int(_field(reader, f"{arch}.context_length")),
-        tie_word_embeddings="output.weight" not in tensor_names,
-        qkv_bias="blk.0.attn_q.bias" in tensor_names,
+        rope_freq_factors=None if rope_freqs is None else tuple(
+            float(f) for f in np.asarray(rope_freqs.data, dtype=np.float32).reshape(-1)),
+        max_position_embeddings=max_positions,
+        tie_word_embeddings="output.weight" not in tensors,
+        qkv_bias="blk.0.attn_q.bias" in tensors,
+        qk_norm=FAMILIES[arch].qk_norm,
+        sliding_window=window if 0 < window < max_positions else None,
         bos_token_id=int(bos) if bos >= 0 else None,
         eos_token_ids=(int(eos),) if eos >= 0 else (),
     )
@@ -113,10 +133,10 @@ def gguf_tensor_source(reader, config: ModelConfig, keep_quantized: bool = False
 
     by_hf_name = {}
     for tensor in reader.tensors:
-        hf_name = gguf_hf_name(tensor.name)
+        hf_name = gguf_hf_name(tensor.name, config.family.fused_hf_projections)
         if hf_name is not None:
             by_hf_name[hf_name] = tensor
-    permute = config.architecture in _PERMUTED_ARCHITECTURES
+    permute = config.family.gguf_permuted_qk
 
     def unpermute(name: str, values: np.ndarray) -> np.ndarray:
         if permute and name.endswith(("q_proj.weight", "q_proj.bias")):

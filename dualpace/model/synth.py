@@ -93,6 +93,19 @@ PRESETS: dict[str, Preset] = {
             **_TINY_LLAMA, rope_theta=500000.0, tie_word_embeddings=True,
             rope_scaling=RopeScaling(8.0, 1.0, 4.0, 64),
         ),
+        _tiny(
+            "tiny-qwen3", "qwen3, q/k RMSNorm, head_dim 32 != hidden/heads, GQA 4q/2kv, tied, theta 1e6",
+            **{**_TINY_LLAMA, "head_dim": 32, "architecture": "qwen3"}, rms_norm_eps=1e-6, rope_theta=1e6,
+            tie_word_embeddings=True, qk_norm=True,
+        ),
+        _tiny(
+            "tiny-phi3", "phi3, fused qkv and gate_up, partial rotary (12 of 16 dims), untied",
+            **{**_TINY_LLAMA, "architecture": "phi3"}, rotary_dim=12,
+        ),
+        _tiny(
+            "tiny-mistral-swa", "mistral, sliding window of 12 tokens, GQA 4q/2kv, untied",
+            **{**_TINY_LLAMA, "architecture": "mistral"}, sliding_window=12,
+        ),
         _large(
             "qwen2.5-0.5b", "Qwen2.5-0.5B shapes (random weights, speed only)",
             architecture="qwen2", vocab_size=151936, hidden_size=896, intermediate_size=4864, num_layers=24,
@@ -105,6 +118,18 @@ PRESETS: dict[str, Preset] = {
             num_heads=32, num_kv_heads=8, head_dim=64, rms_norm_eps=1e-5, rope_theta=500000.0,
             max_position_embeddings=131072, tie_word_embeddings=True,
             rope_scaling=RopeScaling(32.0, 1.0, 4.0, 8192),
+        ),
+        _large(
+            "qwen3-1.7b", "Qwen3-1.7B shapes (random weights, speed only)",
+            architecture="qwen3", vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_layers=28,
+            num_heads=16, num_kv_heads=8, head_dim=128, rms_norm_eps=1e-6, rope_theta=1e6,
+            max_position_embeddings=40960, tie_word_embeddings=True, qk_norm=True,
+        ),
+        _large(
+            "phi-4-mini", "Phi-4-mini shapes, 4k context without LongRoPE (random weights, speed only)",
+            architecture="phi3", vocab_size=200064, hidden_size=3072, intermediate_size=8192, num_layers=32,
+            num_heads=24, num_kv_heads=8, head_dim=128, rotary_dim=96, rms_norm_eps=1e-5, rope_theta=10000.0,
+            max_position_embeddings=4096, tie_word_embeddings=True,
         ),
     )
 }

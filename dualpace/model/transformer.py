@@ -1,4 +1,4 @@
-"""A Llama-family decoder (Llama, Mistral, Qwen2) split into stages.
+"""A decoder of any family in dualpace.model.config.FAMILIES, split into stages.
 
 The forward pass is exposed as stages callable on their own, so that dense
 layers and attention can run in different places (Dense Assist keeps the
@@ -50,6 +50,8 @@ class LayerWeights:
     post_attention_norm: torch.Tensor  # [hidden]
     gate_up_proj: torch.Tensor  # [2 * intermediate, hidden]
     down_proj: torch.Tensor  # [hidden, intermediate]
+    q_norm: torch.Tensor | None = None  # [head_dim], RMSNorm weight of every q head (Qwen3)
+    k_norm: torch.Tensor | None = None  # [head_dim], of every k head
 
 
 @dataclass
@@ -140,7 +142,7 @@ class Transformer:
         self, layer_index: int, hidden: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
         kernel_rows: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Norm, fused QKV projection and RoPE.
+        """Norm, fused QKV projection, q/k norms where the model has them, and RoPE.
 
         Returns q [T, num_heads, head_dim], k and v [T, num_kv_heads, head_dim]. kernel_rows: rows
         that get the CPU kernels' products whatever the others get (Kernels.linear).
@@ -149,27 +151,28 @@ class Transformer:
         cfg = self.config
         num_tokens = hidden.shape[0]
         kernels = self._kernels()
-        if kernels is not None and isinstance(rope, HalfAngles):
-            # q, k, v are views of one qkv buffer, rotated in place
+        on_kernels = kernels is not None and isinstance(rope, HalfAngles)
+        if on_kernels:
             x = kernels.rms_norm(hidden, layer.input_norm, cfg.rms_norm_eps)
             qkv = kernels.linear(x, layer.qkv_proj, layer.qkv_bias, kernel_rows=kernel_rows)
-            kernels.rotary_(qkv, cfg.num_heads + cfg.num_kv_heads, cfg.head_dim, rope.cos, rope.sin)
-            q, k, v = qkv.split((self._q_size, self._kv_size, self._kv_size), dim=-1)
-            return (q.view(num_tokens, cfg.num_heads, cfg.head_dim), k.view(num_tokens, cfg.num_kv_heads, cfg.head_dim),
-                    v.view(num_tokens, cfg.num_kv_heads, cfg.head_dim))
-        x = self._rms_norm(hidden, layer.input_norm)
-        qkv = linear(x, layer.qkv_proj, layer.qkv_bias)
-        if self._fused_triton and isinstance(rope, HalfAngles) and qkv.dtype == self.dtype:
-            # q and k heads rotated in place, one launch
-            triton_fused.rotary_(qkv, cfg.num_heads + cfg.num_kv_heads, cfg.head_dim, rope.cos, rope.sin)
-            q, k, v = qkv.split((self._q_size, self._kv_size, self._kv_size), dim=-1)
-            return (q.view(num_tokens, cfg.num_heads, cfg.head_dim), k.view(num_tokens, cfg.num_kv_heads, cfg.head_dim),
-                    v.view(num_tokens, cfg.num_kv_heads, cfg.head_dim))
+        else:
+            qkv = linear(self._rms_norm(hidden, layer.input_norm), layer.qkv_proj, layer.qkv_bias)
         q, k, v = qkv.split((self._q_size, self._kv_size, self._kv_size), dim=-1)
+        q = q.view(num_tokens, cfg.num_heads, cfg.head_dim)
+        k = k.view(num_tokens, cfg.num_kv_heads, cfg.head_dim)
+        v = v.view(num_tokens, cfg.num_kv_heads, cfg.head_dim)
+        if layer.q_norm is not None:  # q, k are views of qkv: normalized in place
+            q.copy_(rms_norm(q, layer.q_norm, cfg.rms_norm_eps))
+            k.copy_(rms_norm(k, layer.k_norm, cfg.rms_norm_eps))
+        if cfg.rotary_dim is None and on_kernels:  # q and k heads rotated in place
+            kernels.rotary_(qkv, cfg.num_heads + cfg.num_kv_heads, cfg.head_dim, rope.cos, rope.sin)
+            return q, k, v
+        if (cfg.rotary_dim is None and self._fused_triton and isinstance(rope, HalfAngles)
+                and qkv.dtype == self.dtype):  # in place, one launch
+            triton_fused.rotary_(qkv, cfg.num_heads + cfg.num_kv_heads, cfg.head_dim, rope.cos, rope.sin)
+            return q, k, v
         cos, sin = rope.full(self.dtype) if isinstance(rope, HalfAngles) else rope
-        q = apply_rotary(q.view(num_tokens, cfg.num_heads, cfg.head_dim), cos, sin)
-        k = apply_rotary(k.view(num_tokens, cfg.num_kv_heads, cfg.head_dim), cos, sin)
-        return q, k, v.view(num_tokens, cfg.num_kv_heads, cfg.head_dim)
+        return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v
 
     def post_attention(self, layer_index: int, hidden: torch.Tensor, attention_out: torch.Tensor,
                        kernel_rows: torch.Tensor | None = None) -> torch.Tensor:

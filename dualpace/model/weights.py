@@ -36,25 +36,23 @@ def weights_from_hf_names(config: ModelConfig, get_tensor: TensorSource, dtype: 
     layers = []
     for i in range(config.num_layers):
         p = f"model.layers.{i}."
-        qkv = cat_rows(
-            [
-                get(p + "self_attn.q_proj.weight", (q_rows, hidden)),
-                get(p + "self_attn.k_proj.weight", (kv_rows, hidden)),
-                get(p + "self_attn.v_proj.weight", (kv_rows, hidden)),
-            ]
-        )
+        qkv_shapes = ((q_rows, hidden), (kv_rows, hidden), (kv_rows, hidden))
+        if config.family.fused_hf_projections:  # Phi-3: already one qkv and one [gate | up] matrix
+            qkv = get(p + "self_attn.qkv_proj.weight", (q_rows + 2 * kv_rows, hidden))
+            gate_up = get(p + "mlp.gate_up_proj.weight", (2 * ffn, hidden))
+        else:
+            qkv = cat_rows([get(p + f"self_attn.{name}_proj.weight", shape) for name, shape in zip("qkv", qkv_shapes)])
+            gate_up = cat_rows(
+                [get(p + "mlp.gate_proj.weight", (ffn, hidden)), get(p + "mlp.up_proj.weight", (ffn, hidden))]
+            )
         qkv_bias = None
         if config.qkv_bias:
-            qkv_bias = torch.cat(
-                [
-                    get(p + "self_attn.q_proj.bias", (q_rows,)),
-                    get(p + "self_attn.k_proj.bias", (kv_rows,)),
-                    get(p + "self_attn.v_proj.bias", (kv_rows,)),
-                ]
-            )
-        gate_up = cat_rows(
-            [get(p + "mlp.gate_proj.weight", (ffn, hidden)), get(p + "mlp.up_proj.weight", (ffn, hidden))]
-        )
+            qkv_bias = torch.cat([get(p + f"self_attn.{name}_proj.bias", shape[:1])
+                                  for name, shape in zip("qkv", qkv_shapes)])
+        q_norm = k_norm = None
+        if config.qk_norm:
+            q_norm = get(p + "self_attn.q_norm.weight", (head_dim,))
+            k_norm = get(p + "self_attn.k_norm.weight", (head_dim,))
         layers.append(
             LayerWeights(
                 input_norm=get(p + "input_layernorm.weight", (hidden,)),
@@ -64,6 +62,8 @@ def weights_from_hf_names(config: ModelConfig, get_tensor: TensorSource, dtype: 
                 post_attention_norm=get(p + "post_attention_layernorm.weight", (hidden,)),
                 gate_up_proj=gate_up,
                 down_proj=get(p + "mlp.down_proj.weight", (hidden, ffn)),
+                q_norm=q_norm,
+                k_norm=k_norm,
             )
         )
     embed = get("model.embed_tokens.weight", (config.vocab_size, hidden))

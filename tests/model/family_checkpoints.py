@@ -1,0 +1,54 @@
+"""Tiny checkpoints of each supported family, made with transformers' own model classes.
+
+Random weights as ARCHITECTURE.md section 9 asks (linear std 0.2, embeddings 0.6, norms 1 +
+N(0, 0.1)) so greedy top-1 margins are clear; the synthetic tokenizer of dualpace.model.synth.
+Each family sets the features it exercises: llama3 RoPE scaling (and rope_freqs in its GGUF),
+Qwen3's q/k norms, Phi-3's fused projections with partial rotation, Mistral's sliding window
+shorter than the test's context.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+import transformers
+
+from dualpace.model import synth_tokenizer as stok
+
+_COMMON = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+               num_key_value_heads=2, max_position_embeddings=256, bos_token_id=stok.BOS_ID,
+               eos_token_id=list(stok.EOS_IDS), pad_token_id=stok.PAD_ID)
+
+FAMILY_CHECKPOINTS = {
+    "llama3": ("LlamaConfig", dict(head_dim=16, tie_word_embeddings=True, rope_parameters=dict(
+        rope_type="llama3", rope_theta=500000.0, factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+        original_max_position_embeddings=64))),
+    "qwen3": ("Qwen3Config", dict(head_dim=32, tie_word_embeddings=True, rms_norm_eps=1e-6,
+                                  rope_parameters=dict(rope_type="default", rope_theta=1e6))),
+    "phi3": ("Phi3Config", dict(tie_word_embeddings=False, rope_parameters=dict(
+        rope_type="default", rope_theta=1e4, partial_rotary_factor=0.75))),
+    "mistral-swa": ("MistralConfig", dict(head_dim=16, sliding_window=12,
+                                          rope_parameters=dict(rope_type="default", rope_theta=1e4))),
+}
+
+
+def write_family_checkpoint(family: str, out_dir: Path, seed: int = 0) -> Path:
+    config_class, extra = FAMILY_CHECKPOINTS[family]
+    config = getattr(transformers, config_class)(**_COMMON, **extra)
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.copy_(1 + 0.1 * torch.randn_like(param))
+            elif "embed_tokens" in name or "lm_head" in name:
+                param.normal_(0.0, 0.6)
+            else:
+                param.normal_(0.0, 0.2)
+    model.save_pretrained(out_dir)
+    stok.build_tokenizer(config.vocab_size).save(str(out_dir / "tokenizer.json"))
+    tokenizer_config = stok.tokenizer_config_dict(config.max_position_embeddings)
+    (out_dir / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2) + "\n")
+    return out_dir
