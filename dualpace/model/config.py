@@ -24,7 +24,15 @@ class Family:
     qk_norm: bool = False  # RMSNorm over each q and k head before RoPE (Qwen3)
     fused_hf_projections: bool = False  # one qkv_proj and one gate_up_proj in the HF checkpoint (Phi-3)
     gguf_permuted_qk: bool = False  # llama.cpp's converter interleaves the rotary halves of Q/K rows
-    has_sliding_window: bool = False  # config.json's sliding_window applies to every layer
+    has_sliding_window: bool = False  # config.json's sliding_window applies (to every layer, or per layer_types)
+    # Gemma: sandwich norms (after attention and after the MLP too), RMSNorm weights stored as
+    # w - 1 (HF; a GGUF stores w), GELU-tanh gates, embeddings scaled by sqrt(hidden)
+    gemma: bool = False
+    gguf_arch: str = ""  # GGUF general.architecture where it differs from name
+
+    @property
+    def gguf_name(self) -> str:
+        return self.gguf_arch or self.name
 
 
 FAMILIES: dict[str, Family] = {
@@ -35,9 +43,12 @@ FAMILIES: dict[str, Family] = {
         Family("qwen2", "Qwen2ForCausalLM", qkv_bias=True),
         Family("qwen3", "Qwen3ForCausalLM", qk_norm=True),
         Family("phi3", "Phi3ForCausalLM", fused_hf_projections=True, has_sliding_window=True),
+        Family("gemma3_text", "Gemma3ForCausalLM", qk_norm=True, has_sliding_window=True, gemma=True,
+               gguf_arch="gemma3"),
     )
 }
 SUPPORTED_ARCHITECTURES = tuple(FAMILIES)
+FAMILY_BY_GGUF_ARCH = {family.gguf_name: family for family in FAMILIES.values()}
 
 
 def unsupported(what: str) -> ModelLoadError:
@@ -79,7 +90,11 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     qkv_bias: bool = False
     qk_norm: bool = False
-    sliding_window: int | None = None  # tokens each query sees (itself included) in every layer; None: all
+    sliding_window: int | None = None  # tokens each query sees (itself included) in a windowed layer; None: all
+    # which layers the window applies to (Gemma 3's interleaved local/global layers); None: every layer
+    window_layers: tuple[bool, ...] | None = None
+    local_rope_theta: float | None = None  # RoPE theta of windowed layers where it differs (Gemma 3)
+    query_pre_attn_scalar: float | None = None  # attention scale is its -1/2 power (Gemma); None: head_dim
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
 
@@ -97,6 +112,8 @@ class ModelConfig:
                                  f"{self.num_rotary_dims // 2}")
         if self.sliding_window is not None and self.sliding_window < 1:
             raise ModelLoadError(f"sliding_window must be positive, got {self.sliding_window}")
+        if self.window_layers is not None and len(self.window_layers) != self.num_layers:
+            raise ModelLoadError(f"layer_types names {len(self.window_layers)} layers, the model has {self.num_layers}")
 
     @property
     def family(self) -> Family:
@@ -112,11 +129,23 @@ class ModelConfig:
 
     @property
     def attention_scale(self) -> float:
-        return self.head_dim**-0.5
+        return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
+
+    @property
+    def embedding_scale(self) -> float | None:
+        """What embeddings are multiplied by (in the embedding's dtype, as transformers does); None: 1."""
+        return self.hidden_size**0.5 if self.family.gemma else None
 
     def layer_window(self, layer_index: int) -> int | None:
         """How many tokens a query of `layer_index` sees (itself included); None: the whole context."""
+        if self.window_layers is not None and not self.window_layers[layer_index]:
+            return None
         return self.sliding_window
+
+    def layer_rope_theta(self, layer_index: int) -> float:
+        if self.local_rope_theta is not None and self.layer_window(layer_index) is not None:
+            return self.local_rope_theta
+        return self.rope_theta
 
     @classmethod
     def from_hf_dict(cls, hf: dict) -> "ModelConfig":
@@ -125,34 +154,13 @@ class ModelConfig:
         if model_type not in FAMILIES:
             raise unsupported(f"architecture {model_type!r} in config.json")
         family = FAMILIES[model_type]
-        if not family.qkv_bias and hf.get("attention_bias"):
-            raise unsupported(f"feature of {model_type}: attention_bias (biases on the q/k/v/o projections)")
-        if hf.get("hidden_act", "silu") != "silu":
-            raise unsupported(f"feature of {model_type}: hidden_act {hf.get('hidden_act')!r} (SiLU-gated MLPs are)")
+        _refuse_unsupported_hf_features(hf, family)
         try:
             num_heads = int(hf["num_attention_heads"])
             hidden = int(hf["hidden_size"])
             head_dim = int(hf.get("head_dim") or hidden // num_heads)
             eos = hf.get("eos_token_id")
             eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
-            rope = hf.get("rope_scaling") or hf.get("rope_parameters") or {}
-            rope_theta = float(hf.get("rope_theta", rope.get("rope_theta", 10000.0)))
-            partial = float(hf.get("partial_rotary_factor", rope.get("partial_rotary_factor", 1.0)))
-            rotary_dim = None if partial == 1.0 else int(head_dim * partial)
-            scaling = None
-            if rope.get("rope_type", rope.get("type")) == "llama3":
-                scaling = RopeScaling(
-                    factor=float(rope["factor"]),
-                    low_freq_factor=float(rope["low_freq_factor"]),
-                    high_freq_factor=float(rope["high_freq_factor"]),
-                    original_max_position_embeddings=int(rope["original_max_position_embeddings"]),
-                )
-            elif rope.get("rope_type", rope.get("type")) not in (None, "default"):
-                raise unsupported(f"feature of {model_type}: rope scaling {rope.get('rope_type', rope.get('type'))!r} "
-                                  "(plain and llama3 are)")
-            window = hf.get("sliding_window") if family.has_sliding_window else None
-            if model_type == "qwen3" and hf.get("use_sliding_window"):
-                raise unsupported("feature of qwen3: use_sliding_window")
             max_positions = int(hf.get("max_position_embeddings", 4096))
             return cls(
                 architecture=model_type,
@@ -164,17 +172,15 @@ class ModelConfig:
                 num_kv_heads=int(hf.get("num_key_value_heads") or num_heads),
                 head_dim=head_dim,
                 rms_norm_eps=float(hf.get("rms_norm_eps", 1e-5)),
-                rope_theta=rope_theta,
-                rope_scaling=scaling,
-                rotary_dim=rotary_dim,
                 max_position_embeddings=max_positions,
                 tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
                 qkv_bias=family.qkv_bias,
                 qk_norm=family.qk_norm,
-                # a window as long as the context is no window
-                sliding_window=int(window) if window is not None and int(window) < max_positions else None,
+                query_pre_attn_scalar=float(hf["query_pre_attn_scalar"]) if family.gemma else None,
                 bos_token_id=hf.get("bos_token_id"),
                 eos_token_ids=eos_ids,
+                **_rope_from_hf(hf, model_type, head_dim),
+                **_windows_from_hf(hf, family, max_positions),
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise ModelLoadError(f"config.json is missing or has a bad value: {exc}") from exc
@@ -197,7 +203,7 @@ class ModelConfig:
             "rope_theta": self.rope_theta,
             "max_position_embeddings": self.max_position_embeddings,
             "tie_word_embeddings": self.tie_word_embeddings,
-            "hidden_act": "silu",
+            "hidden_act": "gelu_pytorch_tanh" if self.family.gemma else "silu",
             "torch_dtype": "float32",
             "bos_token_id": self.bos_token_id,
             "eos_token_id": list(self.eos_token_ids) if len(self.eos_token_ids) != 1 else self.eos_token_ids[0],
@@ -209,6 +215,13 @@ class ModelConfig:
             hf["sliding_window"] = self.sliding_window
         if self.rotary_dim is not None:
             hf["partial_rotary_factor"] = self.rotary_dim / self.head_dim
+        if self.family.gemma:
+            hf["hidden_activation"] = hf["hidden_act"]
+            scalar = self.query_pre_attn_scalar or self.head_dim
+            hf["query_pre_attn_scalar"] = int(scalar) if float(scalar).is_integer() else scalar  # transformers: an int
+            hf["rope_local_base_freq"] = self.local_rope_theta or self.rope_theta
+            hf["layer_types"] = ["sliding_attention" if self.layer_window(i) else "full_attention"
+                                 for i in range(self.num_layers)]
         if self.rope_scaling is not None:
             hf["rope_scaling"] = {
                 "rope_type": "llama3",
@@ -218,3 +231,65 @@ class ModelConfig:
                 "original_max_position_embeddings": self.rope_scaling.original_max_position_embeddings,
             }
         return hf
+
+
+def _refuse_unsupported_hf_features(hf: dict, family: Family) -> None:
+    name = family.name
+    if not family.qkv_bias and hf.get("attention_bias"):
+        raise unsupported(f"feature of {name}: attention_bias (biases on the q/k/v/o projections)")
+    activation = hf.get("hidden_activation") or hf.get("hidden_act") or "silu"
+    if activation != ("gelu_pytorch_tanh" if family.gemma else "silu"):
+        raise unsupported(f"feature of {name}: hidden_act {activation!r} (SiLU-gated MLPs are, GELU-tanh for Gemma)")
+    for feature in ("attn_logit_softcapping", "final_logit_softcapping", "use_bidirectional_attention"):
+        if hf.get(feature):
+            raise unsupported(f"feature of {name}: {feature}")
+    if name == "qwen3" and hf.get("use_sliding_window"):
+        raise unsupported("feature of qwen3: use_sliding_window")
+
+
+def _rope_type(params: dict) -> str | None:
+    return params.get("rope_type", params.get("type"))
+
+
+def _rope_from_hf(hf: dict, model_type: str, head_dim: int) -> dict:
+    """rope_theta, rope_scaling, local_rope_theta and rotary_dim from a config.json (either the
+    old top-level keys or transformers 5's rope_parameters, per layer type for Gemma 3)."""
+    rope = hf.get("rope_scaling") or hf.get("rope_parameters") or {}
+    local_rope = None
+    if "full_attention" in rope:  # per layer type (Gemma 3)
+        rope, local_rope = rope["full_attention"], rope.get("sliding_attention") or {}
+    theta = float(hf.get("rope_theta", rope.get("rope_theta", 10000.0)))
+    partial = float(hf.get("partial_rotary_factor", rope.get("partial_rotary_factor", 1.0)))
+    scaling = None
+    if _rope_type(rope) == "llama3":
+        scaling = RopeScaling(
+            factor=float(rope["factor"]),
+            low_freq_factor=float(rope["low_freq_factor"]),
+            high_freq_factor=float(rope["high_freq_factor"]),
+            original_max_position_embeddings=int(rope["original_max_position_embeddings"]),
+        )
+    for params in ([] if scaling else [rope]) + ([local_rope] if local_rope is not None else []):
+        if _rope_type(params) not in (None, "default"):
+            raise unsupported(f"feature of {model_type}: rope scaling {_rope_type(params)!r} (plain and llama3 are)")
+    local_theta = None
+    if local_rope is not None or "rope_local_base_freq" in hf:
+        local_theta = float(hf.get("rope_local_base_freq", (local_rope or {}).get("rope_theta", 10000.0)))
+    return dict(rope_theta=theta, rope_scaling=scaling, rotary_dim=None if partial == 1.0 else int(head_dim * partial),
+                local_rope_theta=local_theta if local_theta != theta else None)
+
+
+def _windows_from_hf(hf: dict, family: Family, max_positions: int) -> dict:
+    """sliding_window and window_layers: a window as long as the context is no window; layer_types
+    (Gemma 3: every sliding_window_pattern-th layer global) say which layers have it."""
+    window = hf.get("sliding_window") if family.has_sliding_window else None
+    if window is None or int(window) >= max_positions:
+        return dict(sliding_window=None, window_layers=None)
+    layer_types = hf.get("layer_types")
+    if family.gemma and layer_types is None:
+        pattern = int(hf.get("sliding_window_pattern", 6))
+        layer_types = ["sliding_attention" if (i + 1) % pattern else "full_attention"
+                       for i in range(int(hf["num_hidden_layers"]))]
+    windowed = tuple(t == "sliding_attention" for t in layer_types or [])
+    if layer_types is not None and not any(windowed):
+        return dict(sliding_window=None, window_layers=None)
+    return dict(sliding_window=int(window), window_layers=None if all(windowed) else windowed)

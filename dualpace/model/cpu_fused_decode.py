@@ -102,7 +102,9 @@ class FusedDecode:
         """The model's features the fused call does not compute (the per-stage path runs such a model)."""
         return [name for name, present in (("q/k norms", config.qk_norm),
                                            ("partial rotary", config.rotary_dim is not None),
-                                           ("sliding-window attention", config.sliding_window is not None)) if present]
+                                           ("sliding-window attention", config.sliding_window is not None),
+                                           ("Gemma's sandwich norms and GELU-tanh gate", config.family.gemma))
+                if present]
 
     @staticmethod
     def applies(model, kv, kernels: Kernels | None = None) -> bool:

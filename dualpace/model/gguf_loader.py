@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from dualpace.errors import ModelLoadError
-from dualpace.model.config import FAMILIES, ModelConfig, unsupported
+from dualpace.model.config import FAMILY_BY_GGUF_ARCH, Family, ModelConfig, unsupported
 from dualpace.model.quant import FORMAT_BY_NAME, FORMATS, Q5_0_GGML_TYPE, QuantizedWeight, repack_q5_0_as_q8_0
 from dualpace.model.transformer import ModelWeights
 from dualpace.model.weights import TensorSource, weights_from_hf_names
@@ -64,15 +64,25 @@ def _field(reader, key: str, default=None):
     return field.contents()
 
 
-def gguf_hf_name(gguf_name: str, fused_hf_projections: bool = False) -> str | None:
-    """Hugging Face tensor name for a GGUF tensor name (None when not used). With
+# Gemma's sandwich norms: ffn_norm is the norm before the MLP, the others follow attention and MLP
+_GEMMA_LAYER_NAMES = {
+    **_LAYER_NAMES,
+    "ffn_norm.weight": "pre_feedforward_layernorm.weight",
+    "post_attention_norm.weight": "post_attention_layernorm.weight",
+    "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
+}
+
+
+def gguf_hf_name(gguf_name: str, family: Family) -> str | None:
+    """Hugging Face tensor name for a GGUF tensor name of `family` (None when not used). For
     fused_hf_projections (Phi-3), ffn_up is the fused [gate | up] matrix."""
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
+    names = _GEMMA_LAYER_NAMES if family.gemma else _LAYER_NAMES
     parts = gguf_name.split(".", 2)
-    if len(parts) == 3 and parts[0] == "blk" and parts[2] in _LAYER_NAMES:
-        name = _LAYER_NAMES[parts[2]]
-        if fused_hf_projections and name == "mlp.up_proj.weight":
+    if len(parts) == 3 and parts[0] == "blk" and parts[2] in names:
+        name = names[parts[2]]
+        if family.fused_hf_projections and name == "mlp.up_proj.weight":
             name = "mlp.gate_up_proj.weight"
         return f"model.layers.{parts[1]}.{name}"
     return None
@@ -80,8 +90,9 @@ def gguf_hf_name(gguf_name: str, fused_hf_projections: bool = False) -> str | No
 
 def read_gguf_config(reader) -> ModelConfig:
     arch = _field(reader, "general.architecture")
-    if arch not in FAMILIES:
+    if arch not in FAMILY_BY_GGUF_ARCH:
         raise unsupported(f"architecture {arch!r} in the GGUF")
+    family = FAMILY_BY_GGUF_ARCH[arch]
     tensors = {t.name: t for t in reader.tensors}
     token_count = len(reader.fields["tokenizer.ggml.tokens"].data) if "tokenizer.ggml.tokens" in reader.fields else 0
     num_heads = int(_field(reader, f"{arch}.attention.head_count"))
@@ -91,17 +102,20 @@ def read_gguf_config(reader) -> ModelConfig:
     # rotate whole heads (rope.dimension_count is head_dim), Phi-3's may rotate part of each
     default_head_dim = hidden // num_heads if arch == "phi3" else rotary_dim
     head_dim = int(_field(reader, f"{arch}.attention.key_length", default_head_dim))
-    window = int(_field(reader, f"{arch}.attention.sliding_window", 0)) if FAMILIES[arch].has_sliding_window else 0
+    window = int(_field(reader, f"{arch}.attention.sliding_window", 0)) if family.has_sliding_window else 0
     max_positions = int(_field(reader, f"{arch}.context_length"))
     rope_freqs = tensors.get("rope_freqs.weight")
     eos = _field(reader, "tokenizer.ggml.eos_token_id", -1)
     bos = _field(reader, "tokenizer.ggml.bos_token_id", -1)
+    if _field(reader, f"{arch}.rope.scaling.type", "none") not in ("none", ""):
+        raise unsupported(f"feature of {arch}: rope scaling {_field(reader, f'{arch}.rope.scaling.type')!r} in the GGUF")
+    num_layers = int(_field(reader, f"{arch}.block_count"))
     return ModelConfig(
-        architecture=arch,
+        architecture=family.name,
         vocab_size=int(_field(reader, f"{arch}.vocab_size", token_count or -1)),
         hidden_size=hidden,
         intermediate_size=int(_field(reader, f"{arch}.feed_forward_length")),
-        num_layers=int(_field(reader, f"{arch}.block_count")),
+        num_layers=num_layers,
         num_heads=num_heads,
         num_kv_heads=int(_field(reader, f"{arch}.attention.head_count_kv", num_heads)),
         head_dim=head_dim,
@@ -113,11 +127,28 @@ def read_gguf_config(reader) -> ModelConfig:
         max_position_embeddings=max_positions,
         tie_word_embeddings="output.weight" not in tensors,
         qkv_bias="blk.0.attn_q.bias" in tensors,
-        qk_norm=FAMILIES[arch].qk_norm,
+        qk_norm=family.qk_norm,
         sliding_window=window if 0 < window < max_positions else None,
+        **(_gemma_fields(reader, arch, num_layers, hidden, num_heads, head_dim) if family.gemma else {}),
         bos_token_id=int(bos) if bos >= 0 else None,
         eos_token_ids=(int(eos),) if eos >= 0 else (),
     )
+
+
+def _gemma_fields(reader, arch: str, num_layers: int, hidden: int, num_heads: int, head_dim: int) -> dict:
+    """Gemma 3's per-layer windows, local theta and query scale, with llama.cpp's defaults where a
+    file does not say: every 6th layer global, local theta 10000, scale 1/sqrt(head_dim) (27B,
+    62 layers: 1/sqrt(hidden / heads)); attention.scale where written is the scale itself."""
+    pattern = _field(reader, f"{arch}.attention.sliding_window_pattern", 6)
+    if isinstance(pattern, (list, tuple)):
+        windowed = tuple(bool(w) for w in pattern)
+    else:
+        windowed = tuple(bool((i + 1) % int(pattern)) for i in range(num_layers))
+    return dict(window_layers=None if all(windowed) else windowed,
+                local_rope_theta=float(_field(reader, f"{arch}.rope.freq_base_swa", 10000.0)),
+                query_pre_attn_scalar=(float(_field(reader, f"{arch}.attention.scale", 0.0)) ** -2
+                                       if f"{arch}.attention.scale" in reader.fields
+                                       else float(hidden // num_heads if num_layers == 62 else head_dim)))
 
 
 def _unpermute_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:
@@ -133,7 +164,7 @@ def gguf_tensor_source(reader, config: ModelConfig, keep_quantized: bool = False
 
     by_hf_name = {}
     for tensor in reader.tensors:
-        hf_name = gguf_hf_name(tensor.name, config.family.fused_hf_projections)
+        hf_name = gguf_hf_name(tensor.name, config.family)
         if hf_name is not None:
             by_hf_name[hf_name] = tensor
     permute = config.family.gguf_permuted_qk
@@ -164,6 +195,8 @@ def gguf_tensor_source(reader, config: ModelConfig, keep_quantized: bool = False
             raise ModelLoadError(f"cannot dequantize {tensor.name} ({tensor.tensor_type.name}): {exc}") from exc
         values = np.asarray(values, dtype=np.float32).reshape([int(d) for d in reversed(tensor.shape.tolist())])
         values = unpermute(name, values)
+        if config.family.gemma and name.endswith("norm.weight"):  # llama.cpp stores Gemma's w; HF w - 1
+            values = values - 1.0
         if not values.flags.writeable:  # F32 tensors are views of the memory-mapped file
             values = values.copy()
         return torch.from_numpy(np.ascontiguousarray(values))

@@ -26,7 +26,8 @@ from dualpace.model.rope import inverse_frequencies
 _GLOBAL_GGUF_NAMES = ("token_embd.weight", "output_norm.weight", "output.weight")
 _LAYER_GGUF_NAMES = ("attn_norm.weight", "attn_q.weight", "attn_k.weight", "attn_v.weight", "attn_q.bias",
                      "attn_k.bias", "attn_v.bias", "attn_qkv.weight", "attn_q_norm.weight", "attn_k_norm.weight",
-                     "attn_output.weight", "ffn_norm.weight", "ffn_gate.weight", "ffn_up.weight", "ffn_down.weight")
+                     "attn_output.weight", "ffn_norm.weight", "ffn_gate.weight", "ffn_up.weight", "ffn_down.weight",
+                     "post_attention_norm.weight", "post_ffw_norm.weight")
 # tokenizer.ggml.pre for the split rules gguf_tokenizer knows, by the rule's pattern
 _PRE_BY_PATTERN = {
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+":
@@ -40,7 +41,7 @@ def gguf_names(config: ModelConfig) -> dict[str, str]:
     """Hugging Face tensor name -> GGUF tensor name, for every tensor of `config`."""
     candidates = list(_GLOBAL_GGUF_NAMES) + [f"blk.{i}.{n}" for i in range(config.num_layers)
                                              for n in _LAYER_GGUF_NAMES]
-    by_hf = {gguf_hf_name(name, config.family.fused_hf_projections): name for name in candidates}
+    by_hf = {gguf_hf_name(name, config.family): name for name in candidates}
     return {spec.name: by_hf[spec.name] for spec in tensor_specs(config)}
 
 
@@ -99,8 +100,7 @@ def write_gguf_from_hf(folder: Path, out_path: Path, target: str) -> Path:
     from gguf.quants import quantize
 
     config = read_hf_config(folder)
-    arch = config.architecture
-    writer = gguf.GGUFWriter(str(out_path), arch)
+    writer = gguf.GGUFWriter(str(out_path), config.family.gguf_name)
     writer.add_name(folder.name)
     writer.add_file_type({"f32": gguf.LlamaFileType.ALL_F32, "f16": gguf.LlamaFileType.MOSTLY_F16,
                           "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0}[target])
@@ -116,6 +116,10 @@ def write_gguf_from_hf(folder: Path, out_path: Path, target: str) -> Path:
         add(value)
     if config.sliding_window is not None:
         writer.add_sliding_window(config.sliding_window)
+    if config.family.gemma:
+        writer.add_sliding_window_pattern([config.layer_window(i) is not None for i in range(config.num_layers)])
+        writer.add_rope_freq_base_swa(config.local_rope_theta or config.rope_theta)
+        writer.add_attention_scale(config.attention_scale)
     _add_tokenizer(writer, folder, config)
     if config.rope_scaling is not None:  # llama.cpp's form: each frequency's divisor
         plain = inverse_frequencies(dataclasses.replace(config, rope_scaling=None))
@@ -127,6 +131,8 @@ def write_gguf_from_hf(folder: Path, out_path: Path, target: str) -> Path:
             values = _permute_rows(values, config.num_heads)
         elif config.family.gguf_permuted_qk and name.endswith(("attn_k.weight", "attn_k.bias")):
             values = _permute_rows(values, config.num_kv_heads)
+        if config.family.gemma and name.endswith("norm.weight"):  # llama.cpp's form: w, not HF's w - 1
+            values = values + 1.0
         values = np.ascontiguousarray(values, dtype=np.float32)
         if values.ndim == 2 and target == "f16":
             writer.add_tensor(name, values.astype(np.float16))

@@ -41,6 +41,9 @@ def tensor_specs(config: ModelConfig) -> list[TensorSpec]:
                 specs.append(TensorSpec(f"{prefix}.self_attn.{name}.weight", (config.head_dim,), "norm"))
         specs.append(TensorSpec(f"{prefix}.self_attn.o_proj.weight", (hidden, q_dim), "linear"))
         specs.append(TensorSpec(f"{prefix}.post_attention_layernorm.weight", (hidden,), "norm"))
+        if config.family.gemma:
+            for name in ("pre_feedforward_layernorm", "post_feedforward_layernorm"):
+                specs.append(TensorSpec(f"{prefix}.{name}.weight", (hidden,), "norm"))
         if config.family.fused_hf_projections:
             specs.append(TensorSpec(f"{prefix}.mlp.gate_up_proj.weight", (2 * config.intermediate_size, hidden),
                                     "linear"))

@@ -28,7 +28,7 @@ from dualpace.errors import Overloaded
 from dualpace.kv.storage import KVStorage
 from dualpace.model.paged_forward import StepTensors, attend
 from dualpace.model.rope import HalfAngles
-from dualpace.model.transformer import Transformer
+from dualpace.model.transformer import LayerKindAngles, Transformer
 
 
 @dataclass
@@ -77,7 +77,9 @@ class SplitOutput:
 
 
 def rope_rows(rope, index: torch.Tensor):
-    """The rows `index` of a step's RoPE angles (HalfAngles or a (cos, sin) pair)."""
+    """The rows `index` of a step's RoPE angles (HalfAngles, a (cos, sin) pair, or LayerKindAngles of those)."""
+    if isinstance(rope, LayerKindAngles):
+        return LayerKindAngles(rope_rows(rope.full, index), rope_rows(rope.local, index))
     if isinstance(rope, HalfAngles):
         return HalfAngles(rope.cos[index], rope.sin[index])
     return tuple(t[index] for t in rope)

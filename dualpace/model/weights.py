@@ -33,6 +33,12 @@ def weights_from_hf_names(config: ModelConfig, get_tensor: TensorSource, dtype: 
     def get(name: str, shape: tuple[int, ...]) -> torch.Tensor:
         return _require(get_tensor, name, shape).to(dtype)
 
+    def get_norm(name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        """Gemma's checkpoints hold RMSNorm weights as w - 1: stored here as w, in float32 first."""
+        if not config.family.gemma:
+            return get(name, shape)
+        return (_require(get_tensor, name, shape).to(torch.float32) + 1.0).to(dtype)
+
     layers = []
     for i in range(config.num_layers):
         p = f"model.layers.{i}."
@@ -51,19 +57,25 @@ def weights_from_hf_names(config: ModelConfig, get_tensor: TensorSource, dtype: 
                                   for name, shape in zip("qkv", qkv_shapes)])
         q_norm = k_norm = None
         if config.qk_norm:
-            q_norm = get(p + "self_attn.q_norm.weight", (head_dim,))
-            k_norm = get(p + "self_attn.k_norm.weight", (head_dim,))
+            q_norm = get_norm(p + "self_attn.q_norm.weight", (head_dim,))
+            k_norm = get_norm(p + "self_attn.k_norm.weight", (head_dim,))
+        sandwich = {}
+        if config.family.gemma:  # HF's post_attention_layernorm is over the attention output here
+            sandwich = dict(attention_out_norm=get_norm(p + "post_attention_layernorm.weight", (hidden,)),
+                            mlp_out_norm=get_norm(p + "post_feedforward_layernorm.weight", (hidden,)))
+        pre_mlp_norm = "pre_feedforward_layernorm" if config.family.gemma else "post_attention_layernorm"
         layers.append(
             LayerWeights(
-                input_norm=get(p + "input_layernorm.weight", (hidden,)),
+                input_norm=get_norm(p + "input_layernorm.weight", (hidden,)),
                 qkv_proj=qkv,
                 qkv_bias=qkv_bias,
                 o_proj=get(p + "self_attn.o_proj.weight", (hidden, q_rows)),
-                post_attention_norm=get(p + "post_attention_layernorm.weight", (hidden,)),
+                post_attention_norm=get_norm(p + f"{pre_mlp_norm}.weight", (hidden,)),
                 gate_up_proj=gate_up,
                 down_proj=get(p + "mlp.down_proj.weight", (hidden, ffn)),
                 q_norm=q_norm,
                 k_norm=k_norm,
+                **sandwich,
             )
         )
     embed = get("model.embed_tokens.weight", (config.vocab_size, hidden))
@@ -72,5 +84,5 @@ def weights_from_hf_names(config: ModelConfig, get_tensor: TensorSource, dtype: 
     else:
         lm_head = get("lm_head.weight", (config.vocab_size, hidden))
     return ModelWeights(
-        embed_tokens=embed, layers=layers, final_norm=get("model.norm.weight", (hidden,)), lm_head=lm_head
+        embed_tokens=embed, layers=layers, final_norm=get_norm("model.norm.weight", (hidden,)), lm_head=lm_head
     )

@@ -4,7 +4,8 @@ Random weights as ARCHITECTURE.md section 9 asks (linear std 0.2, embeddings 0.6
 N(0, 0.1)) so greedy top-1 margins are clear; the synthetic tokenizer of dualpace.model.synth.
 Each family sets the features it exercises: llama3 RoPE scaling (and rope_freqs in its GGUF),
 Qwen3's q/k norms, Phi-3's fused projections with partial rotation, Mistral's sliding window
-shorter than the test's context.
+shorter than the test's context, Gemma 3's interleaved windowed/global layers with their two
+thetas, sandwich norms, GELU-tanh, scaled embeddings and query scale.
 """
 
 from __future__ import annotations
@@ -29,6 +30,11 @@ FAMILY_CHECKPOINTS = {
                                   rope_parameters=dict(rope_type="default", rope_theta=1e6))),
     "phi3": ("Phi3Config", dict(tie_word_embeddings=False, rope_parameters=dict(
         rope_type="default", rope_theta=1e4, partial_rotary_factor=0.75))),
+    "gemma3": ("Gemma3TextConfig", dict(
+        head_dim=32, num_hidden_layers=4, tie_word_embeddings=True, sliding_window=12, query_pre_attn_scalar=24,
+        layer_types=["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"],
+        rope_parameters={"full_attention": dict(rope_type="default", rope_theta=1e6),
+                         "sliding_attention": dict(rope_type="default", rope_theta=1e4)})),
     "mistral-swa": ("MistralConfig", dict(head_dim=16, sliding_window=12,
                                           rope_parameters=dict(rope_type="default", rope_theta=1e4))),
 }
@@ -36,13 +42,13 @@ FAMILY_CHECKPOINTS = {
 
 def write_family_checkpoint(family: str, out_dir: Path, seed: int = 0) -> Path:
     config_class, extra = FAMILY_CHECKPOINTS[family]
-    config = getattr(transformers, config_class)(**_COMMON, **extra)
+    config = getattr(transformers, config_class)(**{**_COMMON, **extra})
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     with torch.no_grad():
         for name, param in model.named_parameters():
-            if "norm" in name:
-                param.copy_(1 + 0.1 * torch.randn_like(param))
+            if "norm" in name:  # Gemma's norms hold w - 1
+                param.copy_((0 if config.model_type.startswith("gemma") else 1) + 0.1 * torch.randn_like(param))
             elif "embed_tokens" in name or "lm_head" in name:
                 param.normal_(0.0, 0.6)
             else:

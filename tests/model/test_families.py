@@ -144,7 +144,7 @@ def test_the_sliding_window_is_exercised(family_folders):
 
 
 @pytest.mark.parametrize("change, named", [
-    ({"model_type": "gemma3_text"}, "architecture 'gemma3_text'"),
+    ({"model_type": "gemma3"}, "architecture 'gemma3'"),
     ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope scaling 'yarn'"),
     ({"hidden_act": "gelu_pytorch_tanh"}, "hidden_act"),
 ])
