@@ -9,6 +9,7 @@ refused at load, by name.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from dualpace.errors import ModelLoadError
@@ -86,6 +87,7 @@ class ModelConfig:
     # as llama.cpp's converter stores it), [rotary_dim / 2]
     rope_freq_factors: tuple[float, ...] | None = None
     rotary_dim: int | None = None  # dims of each head that RoPE rotates (the first ones); None: all
+    rope_attention_factor: float = 1.0  # cos and sin are multiplied by it (LongRoPE)
     max_position_embeddings: int = 4096
     tie_word_embeddings: bool = False
     qkv_bias: bool = False
@@ -161,7 +163,9 @@ class ModelConfig:
             head_dim = int(hf.get("head_dim") or hidden // num_heads)
             eos = hf.get("eos_token_id")
             eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
-            max_positions = int(hf.get("max_position_embeddings", 4096))
+            rope = _rope_from_hf(hf, model_type, head_dim)
+            # LongRoPE's short factors hold up to the original context; the served context stops there
+            max_positions = rope.pop("context_limit", None) or int(hf.get("max_position_embeddings", 4096))
             return cls(
                 architecture=model_type,
                 vocab_size=int(hf["vocab_size"]),
@@ -179,7 +183,7 @@ class ModelConfig:
                 query_pre_attn_scalar=float(hf["query_pre_attn_scalar"]) if family.gemma else None,
                 bos_token_id=hf.get("bos_token_id"),
                 eos_token_ids=eos_ids,
-                **_rope_from_hf(hf, model_type, head_dim),
+                **rope,
                 **_windows_from_hf(hf, family, max_positions),
             )
         except (KeyError, TypeError, ValueError) as exc:
@@ -188,7 +192,8 @@ class ModelConfig:
     def to_hf_dict(self) -> dict:
         """The Hugging Face config.json dictionary for this configuration."""
         if self.rope_freq_factors is not None:
-            raise unsupported("export: a GGUF's rope_freqs factors have no Hugging Face config form")
+            raise unsupported("export: rope frequency factors (a GGUF's rope_freqs, LongRoPE) have no plain "
+                              "Hugging Face config form")
         hf = {
             "architectures": [self.family.hf_class],
             "model_type": self.architecture,
@@ -253,7 +258,8 @@ def _rope_type(params: dict) -> str | None:
 
 def _rope_from_hf(hf: dict, model_type: str, head_dim: int) -> dict:
     """rope_theta, rope_scaling, local_rope_theta and rotary_dim from a config.json (either the
-    old top-level keys or transformers 5's rope_parameters, per layer type for Gemma 3)."""
+    old top-level keys or transformers 5's rope_parameters, per layer type for Gemma 3); for
+    LongRoPE the short factors, the cos/sin factor and the original context (context_limit)."""
     rope = hf.get("rope_scaling") or hf.get("rope_parameters") or {}
     local_rope = None
     if "full_attention" in rope:  # per layer type (Gemma 3)
@@ -268,14 +274,24 @@ def _rope_from_hf(hf: dict, model_type: str, head_dim: int) -> dict:
             high_freq_factor=float(rope["high_freq_factor"]),
             original_max_position_embeddings=int(rope["original_max_position_embeddings"]),
         )
-    for params in ([] if scaling else [rope]) + ([local_rope] if local_rope is not None else []):
+    longrope = {}
+    if _rope_type(rope) == "longrope":
+        original = int(rope.get("original_max_position_embeddings") or hf["original_max_position_embeddings"])
+        factor = float(rope.get("factor") or int(hf["max_position_embeddings"]) / original)
+        attention_factor = rope.get("attention_factor")
+        if attention_factor is None:
+            attention_factor = math.sqrt(1 + math.log(factor) / math.log(original)) if factor > 1.0 else 1.0
+        longrope = dict(rope_freq_factors=tuple(float(f) for f in rope["short_factor"]),
+                        rope_attention_factor=float(attention_factor), context_limit=original)
+    for params in ([] if scaling or longrope else [rope]) + ([local_rope] if local_rope is not None else []):
         if _rope_type(params) not in (None, "default"):
-            raise unsupported(f"feature of {model_type}: rope scaling {_rope_type(params)!r} (plain and llama3 are)")
+            raise unsupported(f"feature of {model_type}: rope scaling {_rope_type(params)!r} (plain, llama3 and "
+                              "longrope are)")
     local_theta = None
     if local_rope is not None or "rope_local_base_freq" in hf:
         local_theta = float(hf.get("rope_local_base_freq", (local_rope or {}).get("rope_theta", 10000.0)))
     return dict(rope_theta=theta, rope_scaling=scaling, rotary_dim=None if partial == 1.0 else int(head_dim * partial),
-                local_rope_theta=local_theta if local_theta != theta else None)
+                local_rope_theta=local_theta if local_theta != theta else None, **longrope)
 
 
 def _windows_from_hf(hf: dict, family: Family, max_positions: int) -> dict:

@@ -6,7 +6,8 @@ llama.cpp's converter permutes the rows of Q and K for Llama-architecture models
 head), so those two weights are permuted back here (Family.gguf_permuted_qk; Qwen and Phi-3 GGUFs
 are not permuted). A quantized row holds whole blocks of one output row, so the un-permute moves
 raw block rows unchanged. Llama 3's RoPE scaling is the rope_freqs tensor (a divisor per rotation
-frequency), read into ModelConfig.rope_freq_factors.
+frequency), read into ModelConfig.rope_freq_factors, as are LongRoPE's rope_factors_short (the
+context then stops at the original one, where those factors hold).
 """
 
 from __future__ import annotations
@@ -105,6 +106,12 @@ def read_gguf_config(reader) -> ModelConfig:
     window = int(_field(reader, f"{arch}.attention.sliding_window", 0)) if family.has_sliding_window else 0
     max_positions = int(_field(reader, f"{arch}.context_length"))
     rope_freqs = tensors.get("rope_freqs.weight")
+    longrope = {}
+    if "rope_factors_short.weight" in tensors:  # LongRoPE (Phi-3): short factors, up to the original context
+        rope_freqs = tensors["rope_factors_short.weight"]
+        max_positions = min(max_positions, int(_field(reader, f"{arch}.rope.scaling.original_context_length",
+                                                      max_positions)))
+        longrope = dict(rope_attention_factor=float(_field(reader, f"{arch}.rope.scaling.attn_factor", 1.0)))
     eos = _field(reader, "tokenizer.ggml.eos_token_id", -1)
     bos = _field(reader, "tokenizer.ggml.bos_token_id", -1)
     if _field(reader, f"{arch}.rope.scaling.type", "none") not in ("none", ""):
@@ -130,6 +137,7 @@ def read_gguf_config(reader) -> ModelConfig:
         qk_norm=family.qk_norm,
         sliding_window=window if 0 < window < max_positions else None,
         **(_gemma_fields(reader, arch, num_layers, hidden, num_heads, head_dim) if family.gemma else {}),
+        **longrope,
         bos_token_id=int(bos) if bos >= 0 else None,
         eos_token_ids=(int(eos),) if eos >= 0 else (),
     )

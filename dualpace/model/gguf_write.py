@@ -121,6 +121,13 @@ def write_gguf_from_hf(folder: Path, out_path: Path, target: str) -> Path:
         writer.add_rope_freq_base_swa(config.local_rope_theta or config.rope_theta)
         writer.add_attention_scale(config.attention_scale)
     _add_tokenizer(writer, folder, config)
+    if config.rope_attention_factor != 1.0 or config.rope_freq_factors is not None:  # LongRoPE, as llama.cpp has it
+        long_factor = json.loads((folder / "config.json").read_text())
+        long_factor = (long_factor.get("rope_scaling") or long_factor.get("rope_parameters") or {})["long_factor"]
+        writer.add_tensor("rope_factors_short.weight", np.asarray(config.rope_freq_factors, dtype=np.float32))
+        writer.add_tensor("rope_factors_long.weight", np.asarray(long_factor, dtype=np.float32))
+        writer.add_rope_scaling_attn_factors(config.rope_attention_factor)
+        writer.add_rope_scaling_orig_ctx_len(config.max_position_embeddings)
     if config.rope_scaling is not None:  # llama.cpp's form: each frequency's divisor
         plain = inverse_frequencies(dataclasses.replace(config, rope_scaling=None))
         writer.add_tensor("rope_freqs.weight", (plain / inverse_frequencies(config)).numpy().astype(np.float32))

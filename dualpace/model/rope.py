@@ -1,5 +1,6 @@
 """Rotary position embeddings (the Hugging Face "rotate half" layout), with llama3 scaling (from
-config.json or a GGUF's rope_freqs factors) and partial rotation (the first rotary_dim dims of a head)."""
+config.json or a GGUF's rope_freqs factors), LongRoPE's short factors and cos/sin factor, and partial
+rotation (the first rotary_dim dims of a head)."""
 
 from __future__ import annotations
 
@@ -54,17 +55,21 @@ class RotaryEmbedding:
 
     def __init__(self, config: ModelConfig, device: torch.device):
         self.inv_freq = inverse_frequencies(config).to(device)
+        self.attention_factor = config.rope_attention_factor  # LongRoPE scales cos and sin
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin, each [num_tokens, 1, head_dim], for integer positions [num_tokens]."""
         freqs = positions.to(torch.float32)[:, None] * self.inv_freq[None, :]
         angles = torch.cat((freqs, freqs), dim=-1)[:, None, :]
-        return angles.cos().to(dtype), angles.sin().to(dtype)
+        return self._scaled(angles.cos()).to(dtype), self._scaled(angles.sin()).to(dtype)
+
+    def _scaled(self, values: torch.Tensor) -> torch.Tensor:
+        return values if self.attention_factor == 1.0 else values * self.attention_factor
 
     def half_angles(self, positions: torch.Tensor) -> HalfAngles:
         """cos and sin [num_tokens, head_dim / 2] in float32, for the CPU kernels."""
         freqs = positions.to(torch.float32)[:, None] * self.inv_freq[None, :]
-        return HalfAngles(freqs.cos(), freqs.sin())
+        return HalfAngles(self._scaled(freqs.cos()), self._scaled(freqs.sin()))
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -132,7 +132,7 @@ PRESETS: dict[str, Preset] = {
             max_position_embeddings=40960, tie_word_embeddings=True, qk_norm=True,
         ),
         _large(
-            "phi-4-mini", "Phi-4-mini shapes, 4k context without LongRoPE (random weights, speed only)",
+            "phi-4-mini", "Phi-4-mini shapes, its 4k original context, plain RoPE (random weights, speed only)",
             architecture="phi3", vocab_size=200064, hidden_size=3072, intermediate_size=8192, num_layers=32,
             num_heads=24, num_kv_heads=8, head_dim=128, rotary_dim=96, rms_norm_eps=1e-5, rope_theta=10000.0,
             max_position_embeddings=4096, tie_word_embeddings=True,

@@ -3,7 +3,8 @@
 Random weights as ARCHITECTURE.md section 9 asks (linear std 0.2, embeddings 0.6, norms 1 +
 N(0, 0.1)) so greedy top-1 margins are clear; the synthetic tokenizer of dualpace.model.synth.
 Each family sets the features it exercises: llama3 RoPE scaling (and rope_freqs in its GGUF),
-Qwen3's q/k norms, Phi-3's fused projections with partial rotation, Mistral's sliding window
+Qwen3's q/k norms, Phi-3's fused projections with partial rotation (and Phi-4-mini's LongRoPE, whose
+short factors and cos/sin factor hold within its original 64-token context), Mistral's sliding window
 shorter than the test's context, Gemma 3's interleaved windowed/global layers with their two
 thetas, sandwich norms, GELU-tanh, scaled embeddings and query scale.
 """
@@ -30,6 +31,10 @@ FAMILY_CHECKPOINTS = {
                                   rope_parameters=dict(rope_type="default", rope_theta=1e6))),
     "phi3": ("Phi3Config", dict(tie_word_embeddings=False, rope_parameters=dict(
         rope_type="default", rope_theta=1e4, partial_rotary_factor=0.75))),
+    "phi4-longrope": ("Phi3Config", dict(
+        tie_word_embeddings=True, original_max_position_embeddings=64, rope_parameters=dict(
+            rope_type="longrope", rope_theta=1e4, partial_rotary_factor=0.75, original_max_position_embeddings=64,
+            short_factor=[1.0, 1.1, 1.3, 1.8, 2.5, 3.0], long_factor=[1.0, 1.5, 2.5, 4.0, 6.0, 8.0]))),
     "gemma3": ("Gemma3TextConfig", dict(
         head_dim=32, num_hidden_layers=4, tie_word_embeddings=True, sliding_window=12, query_pre_attn_scalar=24,
         layer_types=["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"],
