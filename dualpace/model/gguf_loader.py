@@ -154,7 +154,8 @@ def _gemma_fields(reader, arch: str, num_layers: int, hidden: int, num_heads: in
         windowed = tuple(bool((i + 1) % int(pattern)) for i in range(num_layers))
     return dict(window_layers=None if all(windowed) else windowed,
                 local_rope_theta=float(_field(reader, f"{arch}.rope.freq_base_swa", 10000.0)),
-                query_pre_attn_scalar=(float(_field(reader, f"{arch}.attention.scale", 0.0)) ** -2
+                # the scale is stored in float32; the scalar it came from is an integer (transformers' type)
+                query_pre_attn_scalar=(float(round(float(_field(reader, f"{arch}.attention.scale", 0.0)) ** -2))
                                        if f"{arch}.attention.scale" in reader.fields
                                        else float(hidden // num_heads if num_layers == 62 else head_dim)))
 

@@ -159,3 +159,14 @@ def test_unsupported_architectures_and_features_are_refused_in_one_line(change, 
         ModelConfig.from_hf_dict(hf)
     message = str(refused.value)
     assert "\n" not in message and named in message and "llama, mistral, qwen2, qwen3, phi3" in message
+
+
+@pytest.mark.parametrize("family", [f for f in FAMILIES if f not in ("llama3", "phi4-longrope")])
+def test_family_gguf_exports_back_to_a_folder_transformers_decodes_alike(family, family_folders, family_gguf,
+                                                                          tmp_path):
+    """GGUF -> Hugging Face folder (`dualpace model export`): transformers decodes it as the original
+    (Gemma's w / w - 1 norms, Phi-3's fused matrices, Q/K order, windows and scales survive both ways)."""
+    assert main(["model", "export", "--model", str(family_gguf(family)), "--out", str(tmp_path / "back")]) == 0
+    prompt = _prompt(family, 512)
+    assert (hf_greedy(_hf(tmp_path / "back"), prompt, NUM_NEW_TOKENS)
+            == hf_greedy(_hf(family_folders(family)), prompt, NUM_NEW_TOKENS))
