@@ -9,7 +9,6 @@ the survivor idle and leak-free afterwards.
 
 from __future__ import annotations
 
-import time
 
 import grpc
 import pytest
@@ -90,9 +89,10 @@ def test_no_survivor_before_the_first_token_is_unavailable_at_once(lone_engine):
     held = wait_for(probe.requests, lambda requests: "lone-before-first" in requests, timeout_s=10)
     assert "lone-before-first" in held and not stream.tokens
     probe.close()
-    killed = time.monotonic()
     gpu.kill()
     assert stream.wait(30)
+    # Re-admitted as a new request and refused by admission itself (no engine is up), not by a
+    # recovery that waited for one to come back ("no surviving engine could take ...").
     assert stream.code == grpc.StatusCode.UNAVAILABLE, stream.error
-    assert time.monotonic() - killed < 5.0
+    assert stream.error.details() == "no engine is available", stream.error.details()
     assert not stream.tokens

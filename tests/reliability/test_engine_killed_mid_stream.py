@@ -103,6 +103,8 @@ def test_no_survivor_is_unavailable_within_the_client_deadline(lone_engine):
     assert stream.wait_tokens(TOKENS_BEFORE_KILL), stream.error
     gpu.kill()
     assert stream.wait(CLIENT_DEADLINE_S + 5)
+    # The router's own answer before the client's deadline (past it, gRPC would end the call
+    # DEADLINE_EXCEEDED): its recovery gave up in time, saying why.
     assert stream.code == grpc.StatusCode.UNAVAILABLE, stream.error
-    assert stream.ended_s - stream.started_s < CLIENT_DEADLINE_S
+    assert stream.error.details() == "no surviving engine could take request lone", stream.error.details()
     assert 0 < len(stream.tokens) < MAX_TOKENS
