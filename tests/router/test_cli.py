@@ -43,11 +43,6 @@ class Up:
 
 
 @pytest.fixture(scope="module")
-def model_folder(synth_checkpoint):
-    return str(synth_checkpoint("tiny-llama"))
-
-
-@pytest.fixture(scope="module")
 def up(model_folder):
     process = subprocess.Popen(
         [sys.executable, "-m", "dualpace", "up", "--model", model_folder, "--dtype", "fp32",

@@ -20,11 +20,6 @@ STOP = router_pb2.GenerateResponse  # for readability below
 
 
 @pytest.fixture(scope="module")
-def model_folder(synth_checkpoint):
-    return str(synth_checkpoint("tiny-llama"))
-
-
-@pytest.fixture(scope="module")
 def reference(model_folder):
     loaded = load_model(model_folder, dtype="fp32")
     cache = {}
