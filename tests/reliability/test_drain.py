@@ -11,19 +11,17 @@ from __future__ import annotations
 import signal
 
 import grpc
-import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from dualpace.sampling import FinishReason
 from tests.reliability.conftest import (
     EngineProbe,
+    EngineSpec,
     EngineStream,
     RouterStream,
-    assert_clean_exit,
+    SystemSpec,
     prompt_for,
     router_stub,
-    start_gpu,
-    start_router,
 )
 from tests.helpers import wait_for
 
@@ -33,16 +31,10 @@ MAX_TOKENS = 60  # about 2 s of steps: still running when the refusals are teste
 EXIT_TIMEOUT_S = 30
 
 
-@pytest.fixture
-def system(tiny_folder):
-    gpu = start_gpu(tiny_folder, "--name", "gpu-drain", "--kv-blocks", "128", "--block-size", "8",
-                    step_delay_ms=STEP_DELAY_MS)
-    router = None
-    try:
-        router = start_router(tiny_folder, gpu, None, "--policy", "gpu-only", "--no-migrate")
-        yield gpu, router
-    finally:
-        assert_clean_exit([d for d in (router, gpu) if d is not None])
+SYSTEM = SystemSpec(
+    engines=(EngineSpec("gpu", "gpu", ("--name", "gpu-drain", "--kv-blocks", "128", "--block-size", "8"),
+                        step_delay_ms=STEP_DELAY_MS),),
+    router_flags=("--policy", "gpu-only", "--no-migrate"))
 
 
 def health(channel: grpc.Channel) -> int:
@@ -58,8 +50,8 @@ def assert_completed(streams, prompts, reference) -> None:
         assert stream.tokens == reference(prompts[rid], MAX_TOKENS), rid
 
 
-def test_engine_drains_direct_and_relayed_requests(system, reference):
-    gpu, router_daemon = system
+def test_engine_drains_direct_and_relayed_requests(fresh_system, reference):
+    gpu, router_daemon = fresh_system.engines["gpu"], fresh_system.router
     probe = EngineProbe(gpu.address)
     with grpc.insecure_channel(router_daemon.address) as channel:
         router = router_stub(channel)
@@ -84,8 +76,8 @@ def test_engine_drains_direct_and_relayed_requests(system, reference):
     probe.close()
 
 
-def test_router_drains_relayed_requests(system, reference):
-    gpu, router_daemon = system
+def test_router_drains_relayed_requests(fresh_system, reference):
+    gpu, router_daemon = fresh_system.engines["gpu"], fresh_system.router
     probe = EngineProbe(gpu.address)
     with grpc.insecure_channel(router_daemon.address) as channel:
         router = router_stub(channel)
