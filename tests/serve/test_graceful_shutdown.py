@@ -29,6 +29,7 @@ from dualpace.wire.v1 import (
     router_pb2,
     router_pb2_grpc,
 )
+from tests.helpers import wait_for
 from toolkit.processes import Daemon, start_daemon
 
 STEP_DELAY_MS = 40
@@ -180,7 +181,9 @@ def test_router_keeps_answering_not_serving_while_it_drains(folder: str) -> None
                 assert late.error.code() == grpc.StatusCode.UNAVAILABLE, late.error
                 assert "shutting down" in late.error.details()
                 assert health(channel) == health_pb2.HealthCheckResponse.NOT_SERVING
-                time.sleep(0.1)
+                # The next check comes later in the drain: after another token of the relayed stream.
+                num_tokens = len(stream.tokens)
+                wait_for(lambda: len(stream.tokens), lambda n: n > num_tokens or stream.done.is_set(), HANG_GUARD_S)
             assert not stream.done.is_set(), "the request ended before the refusals were tested"
         assert stream.done.wait(HANG_GUARD_S)
         assert stream.error is None, stream.error
