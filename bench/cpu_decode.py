@@ -134,7 +134,7 @@ def ours_decode(loaded: LoadedModel, batch: int, context: int, new_tokens: int, 
 
 
 def load_hf(loaded: LoadedModel):
-    from bench.decode_speed import load_hf_model
+    from toolkit.hf_reference import load_hf_model
 
     return load_hf_model(loaded)
 

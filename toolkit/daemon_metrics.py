@@ -1,6 +1,6 @@
-"""The soak's daemons: one slot per role with its RSS samples, reading a process's RSS, and
-counters scraped from a daemon's Prometheus endpoint (the router's migrations; an engine's
-preemptions, which bench.compare_policies reports per rate)."""
+"""Watching daemons from outside: one slot per role with its RSS samples (the soak), reading a
+process's RSS, and counters scraped from a daemon's Prometheus endpoint (the router's migrations;
+an engine's preemptions, which bench.compare_policies reports per rate)."""
 
 from __future__ import annotations
 

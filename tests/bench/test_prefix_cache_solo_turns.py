@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from bench.load.closed_loop import cold_twin
-from bench.multi_turn_solo import pair_row, solo_prompt, solo_summary
+from bench.load.workloads import cold_twin
+from bench.prefix_cache import pair_row, solo_prompt, solo_summary
 
 
 def test_cold_twin_changes_only_the_first_token_within_the_vocabulary():
