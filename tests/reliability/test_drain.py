@@ -1,4 +1,4 @@
-"""Issue #9, item 11: graceful drain under load (SIGTERM).
+"""Graceful drain under load (SIGTERM).
 
 Criteria, for the engine and for the router: once SIGTERM arrives, every in-flight request
 completes (exactly max_tokens tokens, its solo greedy output), new requests are refused with
