@@ -41,7 +41,7 @@ PROTOBUF_ALLOWED = (
     "dualpace.serve.kv_transport",        # an engine's ImportKv stream to another;
     "dualpace.serve.kv_shm_transport",    # the same stream carrying only control on one host;
     "cpu_service.assist_client",          # Assist;
-    "dualpace.commands.client",           # Router: `dualpace client`, `dualpace-router placement`,
+    "dualpace_cli.client",                # Router: `dualpace client`, `dualpace-router placement`,
     "router.placement_cli",
     "dynamo_worker.router_client",        # the Dynamo worker's (typed, async),
     "dynamo_worker.engine_client",        # and its engines' KV events,

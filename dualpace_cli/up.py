@@ -26,8 +26,8 @@ import sys
 import threading
 import time
 
-from dualpace.commands.restart_budget import DEFAULT_MAX_RESTARTS, DEFAULT_WINDOW_S, RestartBudget
-from dualpace.commands.supervise import Child, supervise_once
+from dualpace_cli.restart_budget import DEFAULT_MAX_RESTARTS, DEFAULT_WINDOW_S, RestartBudget
+from dualpace_cli.supervise import Child, supervise_once
 
 POLICIES = ("dualpace", "gated", "gpu-only")
 START_TIMEOUT_S = 120.0  # loading the weights of a larger model takes a while
