@@ -7,8 +7,8 @@ rate under that SLO. dualpace (staged) is the per-layer staged assist alone, for
     python -m bench.sim_acceptance                       # all cases -> bench/results/sim_acceptance.{json,md}
     python -m bench.sim_acceptance --cases a10g --num-requests 60   # a quicker subset
     python -m bench.sim_acceptance --gpu-wait-offload slo --out bench/results/sim_acceptance_gpu_wait_offload.json
-    python -m bench.sim_acceptance --join-rule meet --reuse bench/results/sim_acceptance.json \
-        --out bench/results/sim_acceptance_join_meet.json   # dualpace only; the other rows reused
+    python -m bench.sim_acceptance --staged-refusal begin --reuse bench/results/sim_acceptance.json \
+        --out bench/results/sim_acceptance_refuse_at_begin.json   # dualpace only; the other rows reused
 
 Simulated (profiles.sim, the real schedulers/admission/planner timed by a profile's tables); the
 profiles are rooflines of published figures (profiles/reference/*.md), each in two variants: the
@@ -36,8 +36,7 @@ from pathlib import Path
 
 from bench.load.report import value_at_itl
 from dualpace.engine.scheduler import SchedulerConfig
-from dualpace.policy.join_rule import JoinRule
-from dualpace.policy.views import Policy
+from dualpace.policy.policies import Policy
 from dualpace.profile.cost_model import CostModel
 from dualpace.profile.files import load_profile
 from profiles.reference.reference_profiles import MEASURED_SUFFIX, path_of
@@ -82,7 +81,7 @@ COUNTERS = ("throughput_tokens_per_s", "requests_per_s", "p50_ttft_ms", "p99_ttf
             "num_preemptions", "cpu_local_iterations", "cpu_assisted_iterations", "requests_touching_cpu",
             "num_handoffs", "num_migrations", "gpu_busy_fraction", "cpu_busy_fraction", "requests_completed",
             "num_cooperative_choices", "num_joined_iterations", "num_joined_layouts", "num_split_layouts",
-            "num_joins_declined_to_staged", "num_joins_declined_to_local", "mean_join_wait_ms", "num_layers_shared")
+            "num_joins_declined_to_staged", "mean_join_wait_ms", "num_layers_shared")
 
 
 def slo_for(gpu_only_rows: list[dict]) -> tuple[float, str]:
@@ -128,9 +127,9 @@ def gain(a: float | None, b: float | None) -> float | None:
 
 
 def run_case(case: Case, variant: str, num_requests: int, seed: int, gpu_wait_offload: str = "off",
-             join_rule: str = "within-layer", reused: dict | None = None, staged_refusal: str = "budget") -> dict:
+             reused: dict | None = None, staged_refusal: str = "budget") -> dict:
     """One case and variant. reused: an earlier report's entry for the same case, variant, requests
-    and seed; its rows of every policy the join rule and the staged refusal do not touch (all but
+    and seed; its rows of every policy the staged refusal does not touch (all but
     the dualpace ones) are taken as they are instead of simulated again (the simulation is deterministic)."""
     profile_name = case.box + (MEASURED_SUFFIX if variant == "measured_overheads" else "")
     profile = load_profile(path_of(profile_name))
@@ -149,9 +148,8 @@ def run_case(case: Case, variant: str, num_requests: int, seed: int, gpu_wait_of
         # SLO (the router's --itl-target-ms); gpu-only, as vLLM, has no such target
         # --gpu-wait-offload slo: admission's opt-in time rule with the SLO as its bound (dualpace only)
         offload_ms = slo_ms if gpu_wait_offload == "slo" else None
-        # --join-rule: when dualpace's cooperative iterations join a busy GPU (gated always joins)
         config = SimConfig(policy=policy, assist_device_hold=hold, itl_target_ms=slo_ms, gpu_wait_offload_ms=offload_ms,
-                           join_rule=join_rule, refuse_staged_at_begin=staged_refusal == "begin",
+                           refuse_staged_at_begin=staged_refusal == "begin",
                            gpu_scheduler=SchedulerConfig(max_batch_tokens=2048, max_running=256, max_waiting=1 << 30))
         for rate in case.rates:
             specs = build_requests(num_requests, rate, 1.0, seed, profile.model.vocab_size, input_len, output_len)
@@ -172,7 +170,7 @@ def run_case(case: Case, variant: str, num_requests: int, seed: int, gpu_wait_of
             summary[label][f"rate_gain_{key}"] = gain(summary[label]["max_rate"], summary[other]["max_rate"])
     return {"case": case.key, "profile": profile_name, "variant": variant, "workload": case.workload,
             "input_len": case.input_len, "output_len": case.output_len, "rates": list(case.rates),
-            "num_requests": num_requests, "gpu_wait_offload": gpu_wait_offload, "join_rule": join_rule,
+            "num_requests": num_requests, "gpu_wait_offload": gpu_wait_offload,
             "slo_p99_itl_ms": slo_ms, "slo_rule": slo_rule, "ttft_bound_ms": TTFT_BOUND_MS,
             "summary": summary, "runs": runs}
 
@@ -195,14 +193,14 @@ def _joins(point: dict) -> str:
     if not choices:
         return "-"
     return (f"{point['num_joined_layouts']}+{point['num_split_layouts']} / {choices}, "
-            f"{point['num_joins_declined_to_staged']} / {point['num_joins_declined_to_local']}, "
+            f"{point['num_joins_declined_to_staged']}, "
             f"{_f(point['mean_join_wait_ms'])}, {point['num_layers_shared']}")
 
 
 def markdown(report: dict) -> str:
     flag = " --gpu-wait-offload slo" if report.get("gpu_wait_offload") == "slo" else ""
-    if report.get("join_rule", JoinRule.WITHIN_A_LAYER.value) != JoinRule.WITHIN_A_LAYER.value:
-        flag += f" --join-rule {report['join_rule']}"
+    if report.get("staged_refusal", "budget") != "budget":
+        flag += f" --staged-refusal {report['staged_refusal']}"
     lines = [f"Simulated (`python -m bench.sim_acceptance{flag}`), {report['num_requests']} requests per rate "
              f"(x2 on the H100 NEO-workload case), seed "
              f"{report['seed']}, Poisson. Throughput gains are at P99 ITL = SLO (interpolated along the sweep); "
@@ -227,7 +225,7 @@ def markdown(report: dict) -> str:
     lines += ["", "The simulator's breakdown at each policy's best swept point within the SLO:", "",
               "| case | variant | policy | rate | tok/s | P99 ITL ms | P50 TTFT ms | CPU local / assisted | "
               "requests on CPU | preemptions | GPU busy | CPU busy | joins: joined+split / cooperative, declined "
-              "to staged / local, mean wait ms, layers shared |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+              "to staged, mean wait ms, layers shared |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for c in report["cases"]:
         for label, s in c["summary"].items():
             b = s["best_point"]
@@ -267,9 +265,6 @@ def main(argv: list[str] | None = None) -> int:
                              "exceeds the SLO (AdmissionConfig.gpu_wait_offload_ms)")
     parser.add_argument("--reuse", help="an earlier report (same --num-requests, --seed, --gpu-wait-offload): take "
                                            "its rows of every policy but dualpace instead of simulating them again")
-    parser.add_argument("--join-rule", choices=[r.value for r in JoinRule], default=JoinRule.WITHIN_A_LAYER.value,
-                        help="when dualpace's cooperative CPU iterations join a busy GPU's step "
-                             "(dualpace.policy.join_rule; gated always joins the next step)")
     parser.add_argument("--staged-refusal", choices=("budget", "begin"), default="budget",
                         help="begin: a staged iteration whose waits in the GPU's step in progress already exceed "
                              "its device budget is refused at its begin (dualpace.policy.stage_budget); "
@@ -284,7 +279,7 @@ def main(argv: list[str] | None = None) -> int:
               f"measured_overheads), or --num-requests < 1", file=sys.stderr)
         return 2
     report = {"simulated": True, "num_requests": args.num_requests, "seed": args.seed,
-              "gpu_wait_offload": args.gpu_wait_offload, "join_rule": args.join_rule,
+              "gpu_wait_offload": args.gpu_wait_offload,
               "staged_refusal": args.staged_refusal, "cases": []}
     reused = _reusable(args) if args.reuse else {}
     if reused is None:
@@ -297,7 +292,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"--reuse: {args.reuse} has no {key} {variant} case with rates {by_key[key].rates}", file=sys.stderr)
                 return 2
             report["cases"].append(run_case(by_key[key], variant, args.num_requests, args.seed, args.gpu_wait_offload,
-                                            args.join_rule, earlier, args.staged_refusal))
+                                            earlier, args.staged_refusal))
             print(f"{key} {variant}: {time.monotonic() - started:.0f} s", file=sys.stderr, flush=True)
     out = Path(args.out)
     out.write_text(json.dumps(report, indent=1) + "\n")

@@ -16,10 +16,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 
+from dualpace.policy.policies import Policy, traits
 from dualpace.policy.views import (
     EngineView,
     LatencyPredictor,
-    Policy,
     RoutedRequest,
     blocks_for,
     count_held,
@@ -90,7 +90,7 @@ class AdmissionConfig:
     def resolved_gpu_admission(self) -> GpuAdmission:
         if self.gpu_admission is not None:
             return self.gpu_admission
-        return GpuAdmission.OPTIMISTIC if self.policy is Policy.GPU_ONLY else GpuAdmission.RESERVE
+        return GpuAdmission.RESERVE if traits(self.policy).uses_cpu_engine else GpuAdmission.OPTIMISTIC
 
 
 def _ceil_share(count: int, fraction: float) -> int:
@@ -132,7 +132,7 @@ def _gpu_behind(engine_name: str, engines: Mapping[str, EngineView], config: Adm
     runs on the GPU on either path (a CPU request is prefilled there, then its KV is handed
     off). Not when that hand-off alone would exceed the ITL target: the transfer is a gap in
     the request's tokens, and the moves queue on one link."""
-    if config.policy is not Policy.DUALPACE or config.predictor is None or config.itl_target_ms is None:
+    if not traits(config.policy).offloads_on_gpu_wait or config.predictor is None or config.itl_target_ms is None:
         return False
     if config.gpu_wait_offload_ms is None or math.isinf(config.gpu_wait_offload_ms):
         return False
@@ -225,7 +225,7 @@ def admit(num_prompt_tokens: int, max_tokens: int, engines: Mapping[str, EngineV
     events), then the one with the most free blocks (ties by name).
     """
     cached_prefix_tokens = cached_prefix_tokens or {}
-    kinds = ("gpu",) if config.policy is Policy.GPU_ONLY else ("gpu", "cpu")
+    kinds = ("gpu", "cpu") if traits(config.policy).uses_cpu_engine else ("gpu",)
     usable = [e for e in engines.values() if e.kind in kinds]
     if not any(_can_place(e) for e in usable):
         return Placement.REJECT, None
@@ -286,14 +286,3 @@ def handoff_source(num_prompt_tokens: int, max_tokens: int, gpu_engines: Sequenc
     hands the KV to the CPU engine. None: no GPU engine could, the CPU engine prefills itself."""
     final_tokens = num_prompt_tokens + max_tokens - 1
     return next((engine.name for engine in gpu_engines if engine.could_ever_hold(final_tokens)), None)
-
-
-def holds_for_handoff(policy: Policy) -> bool:
-    """Whether the GPU engine holds a request it will hand off, out of every step after the one
-    that samples its first token (NewEngineRequest.hold_after_first_token), so the move starts at
-    once. dualpace: yes, the CPU engine decodes on its own clock, and otherwise token 2 waits for
-    the GPU's next step (often the next prompts' prefill) before the move even starts. gated: no,
-    a CPU-resident request advances only inside GPU steps; held, it would miss the GPU's next step
-    and join the one after it, so its token 2 would come one GPU step later than unheld, where the
-    GPU decodes it in that next step (measured: docs/results.md, session 9)."""
-    return policy is Policy.DUALPACE

@@ -8,14 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from enum import Enum
 from typing import Protocol
-
-
-class Policy(str, Enum):
-    DUALPACE = "dualpace"  # independent CPU engine loop
-    GATED = "gated"        # NEO-like baseline: CPU decodes advance inside GPU iterations
-    GPU_ONLY = "gpu-only"  # vLLM-like baseline: the GPU engine alone
 
 
 @dataclass(frozen=True)

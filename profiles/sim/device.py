@@ -4,14 +4,15 @@ Bookings, all in simulated ms:
 
 - **engine iteration**: the GPU engine's iteration, `work_ms` of device time split into
   `num_layers` equal layers. It starts only when the device is free.
-- **stage** (Assisted CPU iteration, dualpace policy, hold "layer"): one layer's dense work
+- **stage** (a staged Assisted CPU iteration, dualpace policy): one layer's dense work
   of an assisted iteration. Asked for while an engine iteration is on the device, it runs at
   the engine's next layer boundary (gpu_service: PagedForward.between_layers ->
   DeviceHandoff.yield_to_waiting) and the rest of the engine's iteration moves later by the
   stage's time; asked for during the engine's last layer, it runs at the iteration's end,
   before the engine's next iteration. Otherwise it runs at once.
-- **block** (gated policy; the "iteration" and "dense" holds): one piece that starts once the
-  device is free and keeps it for its whole length; no engine layer boundary is offered.
+- **block** (gated policy, hold "layer": gpu_service holds the device for a join it cannot
+  take): one piece that starts once the device is free and keeps it for its whole length; no
+  engine layer boundary is offered.
 
 The engine's layers are not events: a stage request computes where the engine's iteration
 stands (work done since it last resumed) and reschedules its end. Pure arithmetic.

@@ -76,16 +76,16 @@ def test_gpu_wait_offload_slo_gives_the_slo_as_the_bound_to_the_policies_after_g
     assert [bound for _, bound, _ in seen] == [None, None, None, None]
 
 
-def test_reuse_takes_the_rows_the_join_rule_does_not_touch_and_checks_the_report_matches(tmp_path, monkeypatch):
+def test_reuse_takes_the_rows_the_staged_refusal_does_not_touch_and_checks_the_report_matches(tmp_path, monkeypatch):
     small = acc.Case("tiny-a10g", "a10g_epyc_avx2_llama3_8b", "neo", "800:1200", "50:100", (0.5, 2.0))
     monkeypatch.setattr(acc, "CASES", (small,))
     first, second = tmp_path / "first.json", tmp_path / "second.json"
     common = ["--cases", "tiny-a10g", "--variants", "assumed", "--num-requests", "10"]
     assert acc.main([*common, "--out", str(first)]) == 0
-    assert acc.main([*common, "--join-rule", "meet", "--reuse", str(first), "--out", str(second)]) == 0
+    assert acc.main([*common, "--staged-refusal", "begin", "--reuse", str(first), "--out", str(second)]) == 0
     (a,), (b,) = json.loads(first.read_text())["cases"], json.loads(second.read_text())["cases"]
-    assert b["join_rule"] == "meet" and b["slo_p99_itl_ms"] == a["slo_p99_itl_ms"]
+    assert b["slo_p99_itl_ms"] == a["slo_p99_itl_ms"]
     for label in ("gpu-only", "gated (as built)", "dualpace (staged)"):
         assert b["runs"][label] == a["runs"][label]
-    assert "--join-rule meet" in second.with_suffix(".md").read_text()
+    assert "--staged-refusal begin" in second.with_suffix(".md").read_text()
     assert acc.main([*common, "--seed", "1", "--reuse", str(first), "--out", str(second)]) == 2  # another seed

@@ -8,7 +8,8 @@ import math
 import pytest
 
 from dualpace.policy.admission import AdmissionConfig, Placement, admit, gpu_prefill_wait_ms
-from dualpace.policy.views import EngineView, Policy, RoutedRequest
+from dualpace.policy.policies import Policy
+from dualpace.policy.views import EngineView, RoutedRequest
 
 BS = 16
 

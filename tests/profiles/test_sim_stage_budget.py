@@ -5,7 +5,7 @@ import pytest
 
 from dualpace.engine.request import EngineRequest
 from dualpace.policy.mode_choice import ExecutionMode
-from dualpace.policy.views import Policy
+from dualpace.policy.policies import Policy
 from dualpace.profile.cost_model import DecodeBatch
 from dualpace.sampling_params import SamplingParams
 from profiles.sim import CPU, SimConfig, Simulator
