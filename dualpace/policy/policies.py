@@ -45,12 +45,6 @@ class PolicyTraits:
         return self.cpu_on_own_clock
 
     @property
-    def offloads_on_gpu_wait(self) -> bool:
-        """Admission may send a request to the CPU engine when the GPU engine's predicted prefill
-        wait is long (gated's CPU-resident requests borrow GPU iterations: no relief there)."""
-        return self.cpu_on_own_clock
-
-    @property
     def continues_on_host_tier(self) -> bool:
         """The router may continue a conversation on the CPU engine that caches its prefix."""
         return self.cpu_on_own_clock

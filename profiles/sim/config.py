@@ -54,10 +54,6 @@ class SimConfig:
     #   stages take the device at the GPU engine's layer boundaries (staged); gated holds the
     #   device for the whole iteration (gpu_service's held downgrade of a join it cannot take).
     assist_device_hold: str = "cooperative"
-    # A staged iteration whose waits in the GPU engine's step in progress already exceed its
-    # device budget is refused at its begin instead of when the budget runs out
-    # (dualpace.policy.stage_budget.refuse_at_begin).
-    refuse_staged_at_begin: bool = False
     # KV pool sizes in blocks (None: the profile's capacities), e.g. to replay a deployment
     # started with --kv-blocks (bench/compare_policies.py's small GPU pool).
     gpu_kv_blocks: int | None = None
@@ -65,9 +61,6 @@ class SimConfig:
     # How the router counts the GPU engine's KV room (dualpace.policy.admission.GpuAdmission);
     # None: the policy's default (optimistic for gpu-only, reserve for dualpace and gated).
     gpu_admission: GpuAdmission | None = None
-    # dualpace with itl_target_ms: the GPU engine's predicted prefill wait above which a new
-    # request goes to the CPU engine (AdmissionConfig.gpu_wait_offload_ms; None: off).
-    gpu_wait_offload_ms: float | None = None
     # Each engine's prefix cache, as on the daemons (profiles/sim/prefix.py), and the router's
     # rule for continuing a request on the CPU engine that caches its prefix.
     prefix_caching: bool = True

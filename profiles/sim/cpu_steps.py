@@ -11,9 +11,7 @@ per-layer sharing ("layer", "cooperative": a staged iteration) each stage's wait
 engine's next layer boundary is charged to that same bound, as gpu_service charges it
 (DenseAssistSession._device_stage): a stage that would wait past what is left of it is refused
 when it runs out, and the iteration is redone locally from there (the stages already run stay
-in the GPU's step), learnt the same way. With `refuse_staged_at_begin` the begin is refused at
-once when the GPU engine's step in progress alone would exhaust the budget
-(dualpace.policy.stage_budget.refuse_at_begin).
+in the GPU's step), learnt the same way.
 
 A part of profiles.sim.simulator.Simulator (it uses the simulator's clock, device and event
 queue); kept apart so each file reads on its own.
@@ -23,7 +21,6 @@ from __future__ import annotations
 
 from dualpace.engine.scheduler import StepPlan
 from dualpace.policy.mode_choice import AssistSetting, ExecutionMode, ModeChooser
-from dualpace.policy.stage_budget import EngineStepProgress, refuse_at_begin
 from dualpace.policy.policies import Policy, traits
 from dualpace.profile.cost_model import CostModel, DecodeBatch, predicted_mode_latencies
 from profiles.sim.config import GPU
@@ -135,12 +132,6 @@ class CpuSteps:
 
     def _next_stage(self, cpu, stages_left: int, stage_ms: float, between_ms: float,
                     budget_ms: float | None = None) -> None:
-        if budget_ms is not None and stages_left == self.num_layers + 1 and self.config.refuse_staged_at_begin:
-            step = EngineStepProgress(self.device.engine_layers_left(self.now_ms), self.device.engine_layer_ms())
-            if refuse_at_begin(budget_ms, stages_left, step, between_ms):
-                self.num_staged_refusals_at_begin += 1
-                self._staged_refused(cpu)  # at once: the step in progress alone would exhaust the budget
-                return
         if budget_ms is not None:
             wait_ms = self.device.stage_start_ms(self.now_ms) - self.now_ms
             if wait_ms > budget_ms:

@@ -57,14 +57,6 @@ class SharedDevice:
         """The running engine iteration's layer time (0 when the engine is not on the device)."""
         return self.engine_run.layer_ms if self.engine_run is not None else 0.0
 
-    def engine_layers_left(self, now_ms: float) -> int:
-        """The running engine iteration's layers not yet finished at now_ms (0 when none runs)."""
-        run = self.engine_run
-        if run is None or run.end_ms <= now_ms + _EPS_MS or run.layer_ms <= 0:
-            return 0
-        work_ms = run.work_done_at_resume_ms + max(0.0, now_ms - run.resumed_at_ms)
-        return max(0, math.ceil((run.work_ms - work_ms) / run.layer_ms - _EPS_MS))
-
     # ------------------------------------------------------------------ engine
 
     def start_engine(self, now_ms: float, work_ms: float) -> float:

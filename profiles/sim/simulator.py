@@ -124,8 +124,7 @@ class Simulator(CpuSteps, Cooperative, Moves, RouterViews):
         # The profile's cost model drives admission and migration as the router's --profile does.
         self.admission = AdmissionConfig(config.policy, itl_target_ms=config.itl_target_ms, max_queue=config.max_queue,
                                          cpu_max_running=config.cpu_scheduler.max_running, predictor=cost,
-                                         gpu_admission=config.gpu_admission,
-                                         gpu_wait_offload_ms=config.gpu_wait_offload_ms)
+                                         gpu_admission=config.gpu_admission)
         self.migration = MigrationConfig(
             predictor=cost,
             cpu_itl_target_ms=config.itl_target_ms,
@@ -148,7 +147,6 @@ class Simulator(CpuSteps, Cooperative, Moves, RouterViews):
         self.num_rejected = 0
         self.num_handoffs = 0
         self.num_staged_refusals = 0  # staged Assisted iterations refused mid-way (their device wait ran out)
-        self.num_staged_refusals_at_begin = 0  # of those, refused at their begin (refuse_staged_at_begin)
         self.num_gpu_engine_tokens = 0  # tokens the GPU engine's own iterations emitted (the rest: the CPU engine's)
         self.num_migrations = 0
         self.num_moves_without_kv = 0
