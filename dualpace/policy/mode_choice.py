@@ -168,7 +168,7 @@ class ModeChooser:
         was refused ran staged: learnt as assisted too) and the chooser compares it with Local as
         it does any measurement. No backoff: backing off to Local whatever its estimate ran batches
         whose Local iteration is several times slower than the device's (and past the ITL target)
-        locally for 8-128 iterations after a single refusal (docs/results.md, session 11)."""
+        locally for 8-128 iterations after a single refusal."""
         if mode not in (ExecutionMode.ASSISTED, ExecutionMode.COOPERATIVE):
             raise ValueError(f"only a device mode can be refused, got {mode!r}")
         if mode is ExecutionMode.COOPERATIVE:
