@@ -1,5 +1,5 @@
 """The simulator's side of bench/compare_policies.py: the same traces through `dualpace sim` with
-the policy's configuration, and the real-vs-simulated table (docs/results.md "Simulator vs real")."""
+the policy's configuration, and the real-vs-simulated table."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """Admission: where a new request goes — the GPU engine, the CPU engine, the router's
-bounded wait queue, or nowhere (ARCHITECTURE §4). Pure: views in, a decision out.
+bounded wait queue, or nowhere. Pure: views in, a decision out.
 
 Without a profile, capacity rules decide (KV room, a cap on CPU requests, the engines'
 measured p50 ITL against the target). With a profile (`AdmissionConfig.predictor`, a
