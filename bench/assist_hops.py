@@ -175,7 +175,7 @@ def stage_after_gaps(gaps_us=(0, 300, 2000), batch: int = 8, model: str = DEFAUL
     the same Python runs when something else ran, or nothing did, since its last call. p50 µs."""
     import threading
 
-    from dualpace.engine.assist_types import AssistBegin
+    from dualpace.engine.assist.assist_types import AssistBegin
     from dualpace.wire import assist_wire
     from gpu_service.assist_servicer import _reply_to
 

@@ -3,7 +3,7 @@
     python -m bench.assist_ring_cpu                 # batch 8, bf16, the default model's shapes
     python -m bench.assist_ring_cpu --batch 1 --repeats 5000
 
-One process plays both ends of one segment (dualpace/engine/shm_ring.py): the server side sends
+One process plays both ends of one segment (dualpace/engine/assist/shm_ring.py): the server side sends
 a layer's q/k/v, the client side receives them and sends the attention output, the server side
 receives it. No waiting is involved (each doorbell already reads what the receiver expects), so
 `time.thread_time_ns` over many round trips is the work the transport itself costs on a core,
@@ -22,8 +22,8 @@ import torch
 
 from bench.assist_rtt import DTYPES, Shapes, cpu_model
 from cpu_service.assist_shm import NUM_SLOTS, slot_bytes_for
-from dualpace.engine.assist_types import ShmSlotKind
-from dualpace.engine.shm_ring import ShmSegment
+from dualpace.engine.assist.assist_types import ShmSlotKind
+from dualpace.engine.assist.shm_ring import ShmSegment
 from dualpace.model.registry import DEFAULT_MODEL_NAME
 
 

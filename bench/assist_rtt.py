@@ -27,7 +27,7 @@ from types import SimpleNamespace
 
 import torch
 
-from dualpace.engine.assist_types import AssistAttentionOutput, AssistBegin, AssistQkv, AssistResult
+from dualpace.engine.assist.assist_types import AssistAttentionOutput, AssistBegin, AssistQkv, AssistResult
 from dualpace.model.loader import load_tokenizer_and_config
 from dualpace.model.registry import DEFAULT_MODEL_NAME
 from dualpace.sampling import SamplingParams
@@ -116,7 +116,7 @@ async def _serve(shapes: Shapes, dtype: torch.dtype) -> None:
     import grpc
 
     from gpu_service.assist_limits import AssistLimits
-    from dualpace.engine.kv_tcp_import import TcpDataServer
+    from dualpace.engine.transfer.kv_tcp_import import TcpDataServer
     from gpu_service.assist_servicer import add_dense_assist_servicer
 
     server = grpc.aio.server()

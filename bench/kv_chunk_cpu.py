@@ -21,9 +21,9 @@ import time
 
 import torch
 
-from dualpace.engine.kv_bytes import tensor_buffer, tensor_bytes, tensor_from_bytes
-from dualpace.engine.kv_checksum import kv_checksum
-from dualpace.engine.kv_transfer import KvChunk
+from dualpace.engine.transfer.kv_bytes import tensor_buffer, tensor_bytes, tensor_from_bytes
+from dualpace.engine.transfer.kv_checksum import kv_checksum
+from dualpace.engine.transfer.kv_transfer import KvChunk
 from dualpace.model.loader import load_tokenizer_and_config
 from dualpace.model.registry import DEFAULT_MODEL_NAME
 from dualpace.wire.engine_messages import kv_chunk_to_pb

@@ -24,9 +24,9 @@ import zlib
 import torch
 
 from dualpace.engine.core import EngineConfig, EngineCore
-from dualpace.engine.kv_checksum import CHECKSUM_NAME, is_hardware_accelerated, kv_checksum
+from dualpace.engine.transfer.kv_checksum import CHECKSUM_NAME, is_hardware_accelerated, kv_checksum
 from dualpace.engine.loop import EngineLoop
-from dualpace.engine.migration import migrate_out
+from dualpace.engine.transfer.migration import migrate_out
 from dualpace.model.loader import load_model
 from dualpace.model.registry import DEFAULT_MODEL_NAME
 from dualpace.sampling import SamplingParams

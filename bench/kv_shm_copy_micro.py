@@ -25,7 +25,7 @@ import time
 
 import numpy as np
 
-from dualpace.engine import kv_copy_native
+from dualpace.engine.transfer import kv_copy_native
 
 LAYERS, SLOT_BYTES, BLOCK = 30, 3 * 64 * 2, 16
 

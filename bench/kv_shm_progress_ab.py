@@ -1,7 +1,7 @@
 """A/B of the same-host KV transfer with and without progress reports, interleaved transfer by transfer.
 
 On a shared machine the load moves between whole bench runs by more than the effect of the verify
-overlapped with the copy (dualpace.engine.kv_shm_send.PROGRESS_GROUPS), so here one sender, one
+overlapped with the copy (dualpace.engine.transfer.kv_shm_send.PROGRESS_GROUPS), so here one sender, one
 target and one source pool time transfers of `--tokens` (default 1024, 23.6 MB of the default model's
 bf16 KV) with the settings of `--groups` taking turns (0: no reports, the verify after the copy, as
 before them; 6x1: six reported ranges copied by one thread, PROGRESS_WORKERS), with
@@ -24,8 +24,8 @@ import time
 
 from bench.data_plane import source_pool, transfer
 from bench.kv_shm_fixed_cost import start_target
-from dualpace.engine import kv_shm_send
-from dualpace.engine.kv_shm_send import MappedPools
+from dualpace.engine.transfer import kv_shm_send
+from dualpace.engine.transfer.kv_shm_send import MappedPools
 from dualpace.model.registry import DEFAULT_MODEL_NAME
 from dualpace.serve.kv_shm_transport import SameHostKvSender
 from dualpace.serve.peer_channels import PeerChannels

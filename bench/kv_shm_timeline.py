@@ -24,7 +24,7 @@ import statistics
 
 from bench.data_plane import source_pool, transfer
 from bench.kv_shm_fixed_cost import start_target
-from dualpace.engine.kv_shm_send import MappedPools
+from dualpace.engine.transfer.kv_shm_send import MappedPools
 from dualpace.model.registry import DEFAULT_MODEL_NAME
 from dualpace.serve.kv_shm_transport import SameHostKvSender
 from dualpace.serve.peer_channels import PeerChannels

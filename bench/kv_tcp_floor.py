@@ -5,7 +5,7 @@ by default: 30 layers, 3 KV heads, head_dim 64, bf16: 23.6 MB):
 - memcpy: torch's copy of a buffer of that size into another;
 - plain: one sendall of the whole buffer over a loopback socket into one recv_into loop (the
   bare floor of Python + the kernel's TCP path, no checksum, no layout);
-- kv: dualpace.engine.kv_tcp_data.send_layers -> receive_layers between two KV pools (what the
+- kv: dualpace.engine.transfer.kv_tcp_data.send_layers -> receive_layers between two KV pools (what the
   migration streams: views of the pool's runs, CRC32C per layer on both sides).
 No gRPC and no engine here (bench.data_plane times the whole transfer, header to commit).
 
@@ -26,7 +26,7 @@ import time
 
 import torch
 
-from dualpace.engine import kv_tcp_data
+from dualpace.engine.transfer import kv_tcp_data
 from dualpace.kv.storage import KVStorage
 
 

@@ -1,6 +1,6 @@
 """Where one layer's ring round trip of a joined iteration goes, without the daemons: two
 processes, each pinned to its own core (where there are two), exchange q/k/v and attention
-outputs of the default model's shapes through a real shared-memory ring (dualpace/engine/shm_ring.py)
+outputs of the default model's shapes through a real shared-memory ring (dualpace/engine/assist/shm_ring.py)
 in the pattern of a gated joined step: the "GPU" side posts a layer's q/k/v, works `--cover-us`
 (S0's layer), waits for the answer, works `--post-us` (the joined rows' dense work); the "CPU"
 side waits for the q/k/v, works `--attend-us`, posts the output. The variants of the CPU side's
@@ -32,11 +32,11 @@ import time
 
 import torch
 
-from dualpace.engine.assist_types import ShmSlotKind
-from dualpace.engine.ring_pacing import WakeAhead
-from dualpace.engine.shm_doorbell import DEFAULT_SPIN_S
+from dualpace.engine.assist.assist_types import ShmSlotKind
+from dualpace.engine.assist.ring_pacing import WakeAhead
+from dualpace.engine.assist.shm_doorbell import DEFAULT_SPIN_S
 from dualpace.engine.run_delay import runqueue_wait_ns
-from dualpace.engine.shm_ring import ShmSegment
+from dualpace.engine.assist.shm_ring import ShmSegment
 
 QKV_STAMP = struct.Struct("=q")  # the GPU side: q/k/v posted
 # the CPU side: its wait saw them (0: already there), its Python had them, output posted, its wait

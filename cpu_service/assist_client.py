@@ -21,7 +21,7 @@ transport "auto" (the default) offers a shared-memory segment on each fresh stre
 (cpu_service/assist_shm.py): where gpu_service is on the same host and maps it, iterations
 whose batch fits a slot run through it, the rest over gRPC; on another host, where gpu_service
 has a data socket, the same messages go as frames on a TCP connection to it instead
-(dualpace/engine/assist_tcp_link.py; "tcp" asks for that path even on one host); with "grpc",
+(dualpace/engine/assist/assist_tcp_link.py; "tcp" asks for that path even on one host); with "grpc",
 or where neither is offered, everything goes over the stream. In `attend` the q/k/v are valid until attend returns: on the
 shared-memory path views into the segment, over gRPC tensors the client reuses for the next layer.
 """
@@ -40,8 +40,9 @@ import torch
 from cpu_service import assist_shm
 from cpu_service.assist_join import NO_JOIN, JoinAsk, JoinDowngrades
 from cpu_service.assist_stream import AssistStream, AssistUnavailable  # noqa: F401 - AssistUnavailable is this module's API
-from dualpace.engine import assist_types, kv_tcp_data
-from dualpace.engine.assist_tcp_link import TcpLink, slot_bytes_of_offer
+from dualpace.engine.assist import assist_types
+from dualpace.engine.transfer import kv_tcp_data
+from dualpace.engine.assist.assist_tcp_link import TcpLink, slot_bytes_of_offer
 from dualpace.errors import InvalidArgument
 from dualpace.sampling import SamplingParams, sample_next_tokens
 from dualpace.serve.address import data_socket_peer_host

@@ -1,6 +1,6 @@
 """The CPU engine's side of Dense Assist through shared memory (same host only).
 
-On a fresh stream the client offers a segment (dualpace/engine/shm_ring.py): its boot id,
+On a fresh stream the client offers a segment (dualpace/engine/assist/shm_ring.py): its boot id,
 the memfd's /proc path, its size and a random token. When gpu_service maps it, finds the
 token and writes its own (checked here), every iteration whose batch fits a slot runs through
 the rings: the begin goes up as bytes, each layer's q/k/v come down and the attention output
@@ -21,8 +21,8 @@ from collections.abc import Callable
 
 import torch
 
-from dualpace.engine import ring_pacing, shm_doorbell
-from dualpace.engine.assist_types import (
+from dualpace.engine.assist import ring_pacing, shm_doorbell
+from dualpace.engine.assist.assist_types import (
     AssistBegin,
     AssistJoinInfo,
     AssistResult,
@@ -30,7 +30,7 @@ from dualpace.engine.assist_types import (
     AssistShmOffer,
     ShmSlotKind,
 )
-from dualpace.engine.shm_ring import ShmEndpoint, ShmProtocolError, ShmSegment, boot_id, message_bytes, segment_bytes
+from dualpace.engine.assist.shm_ring import ShmEndpoint, ShmProtocolError, ShmSegment, boot_id, message_bytes, segment_bytes
 from dualpace.wire import assist_messages
 
 NUM_SLOTS = 2  # one iteration's messages alternate down and up: two slots a direction suffice
@@ -67,7 +67,7 @@ class ShmIterations:
     """The rings of one accepted stream, client side (one iteration at a time)."""
 
     def __init__(self, segment, answer: AssistShmAnswer, spin_s: float):
-        self._segment = segment  # a ShmSegment, or a TcpLink (dualpace/engine/assist_tcp_link.py)
+        self._segment = segment  # a ShmSegment, or a TcpLink (dualpace/engine/assist/assist_tcp_link.py)
         self._endpoint: ShmEndpoint = segment.endpoint("up", spin_s)
         self.over_tcp = not isinstance(segment, ShmSegment)
         self.max_batch_rows = answer.max_batch_rows

@@ -23,7 +23,7 @@ stall gpu_service.
   accepts_join); off serves every iteration in stages, as older servers do.
 - stage workers (`--assist-workers`): the bounded pool that runs the stages (device work and
   tensor (de)serialisation), apart from asyncio's default pool and from the KV transfer pools
-  (dualpace.engine.worker_pools), so a burst of waiting stages delays neither.
+  (dualpace.engine.transfer.worker_pools), so a burst of waiting stages delays neither.
 - inline stages (`--assist-inline-stage-us`): over gRPC, a layer's stage runs on the event loop
   itself (no hop to the pool and back, two thread wake-ups) when the stream's previous stage
   ran within this bound and the session says the device is free now, so the loop is held at most
@@ -35,7 +35,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
-from dualpace.engine.joined_step import DEFAULT_JOIN_MIN_LAYER_WAIT_MS
+from dualpace.engine.assist.joined_step import DEFAULT_JOIN_MIN_LAYER_WAIT_MS
 from dualpace.errors import DualPaceError, InvalidArgument
 
 DEFAULT_IDLE_TIMEOUT_S = 5.0

@@ -23,10 +23,10 @@ from collections.abc import AsyncIterator
 
 import grpc
 
-from dualpace.engine.worker_pools import pool
+from dualpace.engine.transfer.worker_pools import pool
 from dualpace.errors import InvalidArgument, Overloaded
 from dualpace.serve.logging_setup import get_logger
-from dualpace.engine.assist_types import AssistQkv
+from dualpace.engine.assist.assist_types import AssistQkv
 from dualpace.wire import assist_messages, assist_wire
 from dualpace.wire.v1 import assist_pb2, assist_pb2_grpc
 from gpu_service.assist_limits import STAGE_POOL, AssistExpired, AssistLimits, idle_expired, stage_expired

@@ -55,7 +55,7 @@ from dualpace.errors import InvalidArgument, Overloaded
 from dualpace.model.transformer import Transformer
 from dualpace.penalties import has_penalties
 from dualpace.sampling import SamplingParams
-from dualpace.engine.assist_types import (
+from dualpace.engine.assist.assist_types import (
     AssistAttentionOutput,
     AssistBegin,
     AssistJoinInfo,
@@ -63,7 +63,7 @@ from dualpace.engine.assist_types import (
     AssistResult,
     JoinHow,
 )
-from dualpace.engine.join_desk import JoinDesk, JoinOutcome, JoinRequest, RemoteRowsChannel
+from dualpace.engine.assist.join_desk import JoinDesk, JoinOutcome, JoinRequest, RemoteRowsChannel
 from gpu_service.assist_limits import DEFAULT_STAGE_TIMEOUT_S, AssistExpired
 from gpu_service.join_channel import result_from_logits
 

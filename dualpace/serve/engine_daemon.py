@@ -30,10 +30,10 @@ import grpc
 
 from dualpace.engine.core import EngineConfig, EngineCore
 from dualpace.engine.loop import EngineLoop
-from dualpace.engine.kv_shm_import import SharedKvPool
-from dualpace.engine.kv_tcp_import import TcpDataServer
+from dualpace.engine.transfer.kv_shm_import import SharedKvPool
+from dualpace.engine.transfer.kv_tcp_import import TcpDataServer
 from dualpace.engine.runner import ModelRunner
-from dualpace.engine.shm_segment import SharedKvMemory
+from dualpace.engine.transfer.shm_segment import SharedKvMemory
 from dualpace.engine.step_timeline import StepTimeline
 from dualpace.engine.scheduler import SchedulerConfig
 from dualpace.errors import DualPaceError, InvalidArgument, ModelLoadError

@@ -1,7 +1,7 @@
 """The same-host KV transport: gRPC carries the header, the slots, checksums, prepare and commit;
 the bytes go straight from this engine's pool into the target's reserved blocks. Once a
 transfer has mapped the target's pool, the next ones to that target send those same messages
-over the pool's watch connection instead of a gRPC stream (dualpace.engine.shm_control).
+over the pool's watch connection instead of a gRPC stream (dualpace.engine.transfer.shm_control).
 
 The header offers shared memory; the target answers with a reservation (it proved nothing
 yet: the sender then maps the pool it names and checks the token in its header) or with the
@@ -20,14 +20,14 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 
-from dualpace.engine.kv_shm_import import SharedKvPool, ShmImport
-from dualpace.engine.kv_shm_protocol import ShmDeclined, ShmOffer, ShmReservation, ShmWritten
-from dualpace.engine.kv_shm_send import MappedPools, check_geometry, write_in_place
-from dualpace.engine.kv_source import OutgoingKv
-from dualpace.engine.kv_tcp_import import TcpDataServer, TcpDeclined, TcpImport, TcpReservation
-from dualpace.engine.kv_transfer import KvChunk, KvTransferHeader
-from dualpace.engine.migration import KvImporter
-from dualpace.engine.same_host import SameHostRefused, boot_id, new_ticket
+from dualpace.engine.transfer.kv_shm_import import SharedKvPool, ShmImport
+from dualpace.engine.transfer.kv_shm_protocol import ShmDeclined, ShmOffer, ShmReservation, ShmWritten
+from dualpace.engine.transfer.kv_shm_send import MappedPools, check_geometry, write_in_place
+from dualpace.engine.transfer.kv_source import OutgoingKv
+from dualpace.engine.transfer.kv_tcp_import import TcpDataServer, TcpDeclined, TcpImport, TcpReservation
+from dualpace.engine.transfer.kv_transfer import KvChunk, KvTransferHeader
+from dualpace.engine.transfer.migration import KvImporter
+from dualpace.engine.transfer.same_host import SameHostRefused, boot_id, new_ticket
 from dualpace.errors import InvalidArgument, Unavailable
 from dualpace.faults import FaultConfig
 from dualpace.serve.kv_shm_control import WatchImportCall

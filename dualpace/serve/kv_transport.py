@@ -9,9 +9,9 @@ from dataclasses import replace
 
 import grpc
 
-from dualpace.engine.kv_source import OutgoingKv
-from dualpace.engine.kv_transfer import KvChunk, KvTransferHeader
-from dualpace.engine.prefix_copy import ChunksFrom
+from dualpace.engine.transfer.kv_source import OutgoingKv
+from dualpace.engine.transfer.kv_transfer import KvChunk, KvTransferHeader
+from dualpace.engine.transfer.prefix_copy import ChunksFrom
 from dualpace.errors import Unavailable
 from dualpace.faults import FaultConfig
 from dualpace.serve.auth import token_metadata
@@ -59,7 +59,7 @@ async def _next_ready(ready: asyncio.Queue) -> KvChunk | None:
 
 
 class GrpcKvSender:
-    """send(header, chunks) for dualpace.engine.migration.migrate_out, over one ImportKv stream.
+    """send(header, chunks) for dualpace.engine.transfer.migration.migrate_out, over one ImportKv stream.
 
     Whatever ends the import before the commit (the target rejects a chunk, the link
     drops) raises Unavailable with the target's status in its message, so MigrateOut
@@ -107,7 +107,7 @@ class GrpcKvSender:
                 raise
 
     async def send_cache(self, header: KvTransferHeader, chunks_from: ChunksFrom) -> tuple[str, int]:
-        """A cache-only import with skip_cached (dualpace.engine.prefix_copy.SendCache): the target
+        """A cache-only import with skip_cached (dualpace.engine.transfer.prefix_copy.SendCache): the target
         answers the header with the leading tokens it holds, and only the chunks after them are sent.
         Returns (the target engine's name, those held tokens)."""
         header = replace(header, skip_cached=True)

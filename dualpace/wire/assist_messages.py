@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dualpace.engine.assist_types import (
+from dualpace.engine.assist.assist_types import (
     AssistAttentionOutput,
     AssistBegin,
     AssistJoinInfo,

@@ -27,7 +27,7 @@ import sys
 
 import torch
 
-from dualpace.engine.assist_types import AssistQkv
+from dualpace.engine.assist.assist_types import AssistQkv
 from dualpace.wire.tensors import tensor_to_pb
 from dualpace.wire.v1 import assist_pb2, common_pb2
 

@@ -1,9 +1,9 @@
-"""Conversion of the same-host KV transfer messages (dualpace.engine.kv_shm_protocol) <-> protobuf."""
+"""Conversion of the same-host KV transfer messages (dualpace.engine.transfer.kv_shm_protocol) <-> protobuf."""
 
 from __future__ import annotations
 
-from dualpace.engine.kv_shm_protocol import ShmDeclined, ShmOffer, ShmReservation, ShmWritten
-from dualpace.engine.kv_transfer import KvTransferHeader
+from dualpace.engine.transfer.kv_shm_protocol import ShmDeclined, ShmOffer, ShmReservation, ShmWritten
+from dualpace.engine.transfer.kv_transfer import KvTransferHeader
 from dualpace.wire.engine_messages import kv_header_to_pb
 from dualpace.wire.v1 import engine_pb2
 

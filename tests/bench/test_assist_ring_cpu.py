@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from bench.assist_ring_cpu import measure
-from dualpace.engine.shm_doorbell import SUPPORTED
+from dualpace.engine.assist.shm_doorbell import SUPPORTED
 
 
 @pytest.mark.skipif(not SUPPORTED, reason="shared memory needs Linux x86-64")

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from bench.assist_rtt import measure
-from dualpace.engine.shm_doorbell import SUPPORTED
+from dualpace.engine.assist.shm_doorbell import SUPPORTED
 
 
 @pytest.mark.parametrize("transport", [pytest.param("shm", marks=pytest.mark.skipif(

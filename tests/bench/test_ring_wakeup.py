@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from dualpace.engine.shm_doorbell import SUPPORTED
+from dualpace.engine.assist.shm_doorbell import SUPPORTED
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

@@ -14,17 +14,17 @@ import pytest
 import torch
 
 from dualpace.engine.core import EngineConfig, EngineCore
-from dualpace.engine.kv_bytes import tensor_bytes
-from dualpace.engine.kv_shm_import import SharedKvPool, ShmImport
-from dualpace.engine.kv_shm_protocol import ShmOffer, ShmReservation, ShmWritten
-from dualpace.engine.kv_shm_send import MappedPools, check_geometry, write_in_place
+from dualpace.engine.transfer.kv_bytes import tensor_bytes
+from dualpace.engine.transfer.kv_shm_import import SharedKvPool, ShmImport
+from dualpace.engine.transfer.kv_shm_protocol import ShmOffer, ShmReservation, ShmWritten
+from dualpace.engine.transfer.kv_shm_send import MappedPools, check_geometry, write_in_place
 from dualpace.engine.loop import EngineLoop
-from dualpace.engine.migration import KvImporter, migrate_out
+from dualpace.engine.transfer.migration import KvImporter, migrate_out
 from dualpace.engine.runner import ModelRunner
-from dualpace.engine.same_host import SameHostRefused, boot_id, fetch_fd, held_lease
-from dualpace.engine.kv_checksum import kv_checksum
-from dualpace.engine.shm_kv_copy import layer_checksums, slot_runs
-from dualpace.engine.shm_segment import MappedKvSegment, SharedKvMemory
+from dualpace.engine.transfer.same_host import SameHostRefused, boot_id, fetch_fd, held_lease
+from dualpace.engine.transfer.kv_checksum import kv_checksum
+from dualpace.engine.transfer.shm_kv_copy import layer_checksums, slot_runs
+from dualpace.engine.transfer.shm_segment import MappedKvSegment, SharedKvMemory
 from dualpace.errors import InvalidArgument, Unavailable
 from dualpace.faults import FaultConfig
 from dualpace.generation import OfflineGenerator

@@ -22,7 +22,7 @@ import torch
 
 from cpu_service.assist_client import AssistClient, AssistUnavailable
 from dualpace.sampling import SamplingParams
-from dualpace.engine.assist_types import AssistBegin
+from dualpace.engine.assist.assist_types import AssistBegin
 from dualpace.wire import assist_messages
 from dualpace.wire.v1 import assist_pb2_grpc, engine_pb2_grpc
 from gpu_service.dense_assist import DenseAssistExecutor

@@ -19,8 +19,8 @@ import pytest
 import torch
 
 from cpu_service.assist_client import AssistClient, AssistUnavailable
-from dualpace.engine import assist_types
-from dualpace.engine.kv_tcp_import import TcpDataServer
+from dualpace.engine.assist import assist_types
+from dualpace.engine.transfer.kv_tcp_import import TcpDataServer
 from dualpace.kv.storage import KVStorage
 from dualpace.model.attention import decode_attention
 from dualpace.model.loader import LoadedModel, load_model

@@ -22,8 +22,8 @@ import pytest
 import torch
 
 from cpu_service.assist_client import AssistClient, AssistUnavailable
-from dualpace.engine.assist_tcp_link import TcpLink, TcpLinkError
-from dualpace.engine.assist_types import ShmSlotKind
+from dualpace.engine.assist.assist_tcp_link import TcpLink, TcpLinkError
+from dualpace.engine.assist.assist_types import ShmSlotKind
 from tests.serve.test_security import _self_signed
 from dualpace.serve.security import load_tls
 from tests.gpu_service.test_dense_assist import (

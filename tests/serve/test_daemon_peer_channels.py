@@ -13,7 +13,7 @@ from __future__ import annotations
 import grpc
 import pytest
 
-from dualpace.engine.kv_shm_import import SharedKvPool
+from dualpace.engine.transfer.kv_shm_import import SharedKvPool
 from dualpace.sampling import SamplingParams
 from dualpace.serve.engine_servicer import EngineServicer
 from dualpace.serve.kv_shm_transport import SameHostKv

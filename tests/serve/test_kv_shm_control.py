@@ -1,5 +1,5 @@
 """Same-host imports whose messages go over the pool's watch connection, not gRPC
-(dualpace.engine.shm_control): after a first transfer has mapped the target's pool, the next
+(dualpace.engine.transfer.shm_control): after a first transfer has mapped the target's pool, the next
 ones open no gRPC stream; the two-phase rules hold when either side's end of the connection
 closes at each phase (the sender's death, the target's), and when the sender abandons the
 stream (a cancelled MigrateOut): the request keeps running on the source, greedy-identical, and
@@ -15,10 +15,10 @@ import threading
 
 import pytest
 
-from dualpace.engine import kv_shm_send
-from dualpace.engine.kv_shm_import import ShmImport
-from dualpace.engine.migration import migrate_out
-from dualpace.engine.same_host import boot_id
+from dualpace.engine.transfer import kv_shm_send
+from dualpace.engine.transfer.kv_shm_import import ShmImport
+from dualpace.engine.transfer.migration import migrate_out
+from dualpace.engine.transfer.same_host import boot_id
 from dualpace.errors import Unavailable
 from dualpace.faults import FaultConfig
 from dualpace.sampling import FinishReason

@@ -17,11 +17,11 @@ import os
 
 import pytest
 
-from dualpace.engine import kv_shm_send
-from dualpace.engine.kv_shm_import import ShmImport
-from dualpace.engine.kv_shm_send import MappedPools
-from dualpace.engine.migration import migrate_out
-from dualpace.engine.same_host import boot_id
+from dualpace.engine.transfer import kv_shm_send
+from dualpace.engine.transfer.kv_shm_import import ShmImport
+from dualpace.engine.transfer.kv_shm_send import MappedPools
+from dualpace.engine.transfer.migration import migrate_out
+from dualpace.engine.transfer.same_host import boot_id
 from dualpace.errors import Unavailable
 from dualpace.faults import FaultConfig
 from dualpace.generation import OfflineGenerator

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dualpace.engine.assist_types import AssistAttentionOutput, AssistQkv
+from dualpace.engine.assist.assist_types import AssistAttentionOutput, AssistQkv
 from dualpace.wire import assist_messages, assist_wire
 from dualpace.wire.v1 import assist_pb2, common_pb2
 

@@ -1,7 +1,7 @@
 """The messages of a same-host KV transfer, beside the chunks of kv_transfer.py (torch-free).
 
 Over the import stream: the header carries an offer (the sender's boot id; over a watch, also
-a lease ticket of the sender's, whose lease it asks for ahead: dualpace.engine.same_host); the target
+a lease ticket of the sender's, whose lease it asks for ahead: dualpace.engine.transfer.same_host); the target
 answers with a reservation (where its pool is, which slots to write, the tickets) or a
 refusal with its reason (then chunks follow as usual); after writing, the sender says so
 with the layer checksums; where the target takes them, progress reports of finished layer ranges
@@ -24,7 +24,7 @@ class ShmOffer:
 
 @dataclass(frozen=True)
 class ShmReservation:
-    socket_name: str  # abstract Unix socket of the target's dualpace.engine.same_host.TicketServer
+    socket_name: str  # abstract Unix socket of the target's dualpace.engine.transfer.same_host.TicketServer
     segment_token: bytes  # ticket for the pool's memfd; also the token in its header
     import_token: bytes  # ticket for this import's write lease
     slot_ids: tuple[int, ...]  # target slots of tokens 0 .. num_computed_tokens - 1
@@ -42,7 +42,7 @@ class ShmDeclined:
 
 @dataclass(frozen=True)
 class ShmWritten:
-    layer_crc32s: tuple[int, ...]  # dualpace.engine.shm_kv_copy.layer_checksums
+    layer_crc32s: tuple[int, ...]  # dualpace.engine.transfer.shm_kv_copy.layer_checksums
     commit: bool = False  # prepare and commit in this same message (one round trip instead of two)
     # A progress report during the copy: layers first_layer .. + len(layer_crc32s) - 1 are written and
     # final (the sender will not write them again), so the target may verify them while it copies on.

@@ -1,6 +1,6 @@
 """The sender's half of a same-host KV transfer: check the target's mapped pool, copy under a lease.
 
-The mapping itself comes from MappedPools (dualpace.engine.shm_mapped_pools): one per target
+The mapping itself comes from MappedPools (dualpace.engine.transfer.shm_mapped_pools): one per target
 pool per process, held by each copy for as long as it runs.
 
 Where the target takes progress reports (ShmReservation.takes_progress), PROGRESS_GROUPS is set and
@@ -23,14 +23,14 @@ import threading
 import time
 from collections.abc import Awaitable, Callable
 
-from dualpace.engine.kv_shm_protocol import ShmReservation, ShmWritten
-from dualpace.engine.kv_source import OutgoingKv
-from dualpace.engine.kv_transfer import KvLayout
-from dualpace.engine.same_host import held_lease
-from dualpace.engine.shm_kv_copy import INLINE_MAX_BYTES, copy_in_place, layer_ranges, transfer_bytes
-from dualpace.engine.shm_mapped_pools import MappedPools  # noqa: F401  (its callers' one import)
-from dualpace.engine.shm_segment import MappedKvSegment
-from dualpace.engine.worker_pools import KV_TRANSFER_WORKERS, pool
+from dualpace.engine.transfer.kv_shm_protocol import ShmReservation, ShmWritten
+from dualpace.engine.transfer.kv_source import OutgoingKv
+from dualpace.engine.transfer.kv_transfer import KvLayout
+from dualpace.engine.transfer.same_host import held_lease
+from dualpace.engine.transfer.shm_kv_copy import INLINE_MAX_BYTES, copy_in_place, layer_ranges, transfer_bytes
+from dualpace.engine.transfer.shm_mapped_pools import MappedPools  # noqa: F401  (its callers' one import)
+from dualpace.engine.transfer.shm_segment import MappedKvSegment
+from dualpace.engine.transfer.worker_pools import KV_TRANSFER_WORKERS, pool
 from dualpace.errors import InvalidArgument, Unavailable
 from dualpace.faults import FaultConfig
 

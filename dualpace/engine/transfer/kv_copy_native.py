@@ -13,7 +13,7 @@ ctypes releases the GIL for each call, so several threads copy at once.
 `DUALPACE_KV_CRC=lanes` (or `ymm`) keeps the crc32 lanes (or the 256-bit folding) where the
 widest folding loop would run (A/B benchmarks).
 
-    python -m dualpace.engine.kv_copy_native     # build it now (make venv)
+    python -m dualpace.engine.transfer.kv_copy_native     # build it now (make venv)
 """
 
 from __future__ import annotations

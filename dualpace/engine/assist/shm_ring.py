@@ -34,8 +34,8 @@ from dataclasses import dataclass
 
 import torch
 
-from dualpace.engine import same_host
-from dualpace.engine.shm_doorbell import Doorbell
+from dualpace.engine.transfer import same_host
+from dualpace.engine.assist.shm_doorbell import Doorbell
 
 MAGIC = b"DPASHM01"
 VERSION = 1

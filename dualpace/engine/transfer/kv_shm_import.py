@@ -1,6 +1,6 @@
 """The target's half of a same-host KV transfer: offer -> reservation, written -> verified.
 
-The two-phase rules of dualpace.engine.migration hold unchanged: the sender writes only into
+The two-phase rules of dualpace.engine.transfer.migration hold unchanged: the sender writes only into
 blocks reserved for this import, which no step reads until the commit; verification happens
 before prepare answers; and a failure frees the reserved blocks — but only once the sender's
 write lease has ended, so a sender still copying can never write into blocks that were
@@ -26,12 +26,12 @@ import logging
 import time
 from dataclasses import dataclass
 
-from dualpace.engine.kv_shm_protocol import ShmDeclined, ShmOffer, ShmReservation, ShmWritten
-from dualpace.engine.migration import KvImporter
-from dualpace.engine.same_host import Lease, TicketServer, boot_id
-from dualpace.engine.shm_kv_copy import INLINE_MAX_BYTES, layer_checksums, layer_ranges, transfer_bytes
-from dualpace.engine.shm_segment import SharedKvMemory
-from dualpace.engine.worker_pools import KV_TRANSFER_WORKERS, run_in_pool
+from dualpace.engine.transfer.kv_shm_protocol import ShmDeclined, ShmOffer, ShmReservation, ShmWritten
+from dualpace.engine.transfer.migration import KvImporter
+from dualpace.engine.transfer.same_host import Lease, TicketServer, boot_id
+from dualpace.engine.transfer.shm_kv_copy import INLINE_MAX_BYTES, layer_checksums, layer_ranges, transfer_bytes
+from dualpace.engine.transfer.shm_segment import SharedKvMemory
+from dualpace.engine.transfer.worker_pools import KV_TRANSFER_WORKERS, run_in_pool
 from dualpace.errors import InvalidArgument
 
 log = logging.getLogger(__name__)

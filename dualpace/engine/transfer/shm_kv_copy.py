@@ -4,7 +4,7 @@ Both pools are [num_layers, num_blocks, block_size, num_kv_heads, head_dim] for 
 (dualpace.kv.storage). Slots are flat (block * block_size + offset). A transfer's source
 slots and target slots are cut into runs that are contiguous on both sides.
 
-The checksum of a layer is the CRC32C (dualpace.engine.kv_checksum's, in hardware) of its K
+The checksum of a layer is the CRC32C (dualpace.engine.transfer.kv_checksum's, in hardware) of its K
 bytes in token order followed by its V bytes in token order: the checksum a gRPC chunk covering
 the whole layer would carry. Each side computes it over its own memory, once:
 - the sender copies each layer and CRCs its source in the same pass: in C where
@@ -28,7 +28,7 @@ import crc32c
 import numpy as np
 import torch
 
-from dualpace.engine import kv_copy_native
+from dualpace.engine.transfer import kv_copy_native
 
 # A transfer this small is copied (and verified) on the event loop itself: the hop to a worker
 # thread costs a wake-up (tens of microseconds idle, milliseconds on a loaded machine), more than
