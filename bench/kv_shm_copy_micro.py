@@ -8,7 +8,7 @@ both sides unless `--scatter` (blocks of 16 in reverse order on the target). Eac
 `--idle-s` of sleep (the bench's settle time) with the caches' share of the pools evicted by a
 64 MiB sweep ("slept": sleep only, "swept": sweep only). The reference is numpy's copy of the same
 runs (one thread); `copy_then_verify` is the fused copy followed at once by the target's verify pass.
-`--stream 1`: the copy's non-temporal stores; `DUALPACE_KV_CRC=lanes|ymm` picks the CRC loop.
+`--stream 1`: the copy's non-temporal stores.
 
     python -m bench.kv_shm_copy_micro --repeats 20
 """

@@ -30,7 +30,8 @@ from dualpace.engine.assist.assist_types import (
     AssistShmOffer,
     ShmSlotKind,
 )
-from dualpace.engine.assist.shm_ring import ShmEndpoint, ShmProtocolError, ShmSegment, boot_id, message_bytes, segment_bytes
+from dualpace.engine.transfer.same_host import boot_id
+from dualpace.engine.assist.shm_ring import ShmEndpoint, ShmProtocolError, ShmSegment, message_bytes, segment_bytes
 from dualpace.wire import assist_messages
 
 NUM_SLOTS = 2  # one iteration's messages alternate down and up: two slots a direction suffice

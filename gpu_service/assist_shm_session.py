@@ -38,7 +38,8 @@ from dualpace.engine.assist.assist_types import (
     ShmSlotKind,
 )
 from dualpace.engine.assist.assist_tcp_link import TcpLink, slot_bytes_of_offer
-from dualpace.engine.assist.shm_ring import ShmProtocolError, ShmSegment, SlotMessage, boot_id, message_bytes
+from dualpace.engine.transfer.same_host import boot_id
+from dualpace.engine.assist.shm_ring import ShmProtocolError, ShmSegment, SlotMessage, message_bytes
 from dualpace.model.transformer import Transformer
 from dualpace.wire import assist_messages
 from gpu_service.assist_limits import AssistExpired, AssistLimits, idle_expired, stage_expired

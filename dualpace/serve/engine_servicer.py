@@ -197,9 +197,6 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
                     if shm is None:
                         raise InvalidArgument("shm_written", "this engine takes KV over gRPC only")
                     written = shm_messages.shm_written_from_pb(message.shm_written)
-                    if written.progress:  # layers finished during the copy: verified while it goes on
-                        shm.progress(written)
-                        continue
                     await shm.written(written)
                     marks.append(("verified", time.perf_counter()))
                     if written.commit:  # prepare and commit in the same message (commit prepares first)

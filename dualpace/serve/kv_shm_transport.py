@@ -156,8 +156,7 @@ class SameHostKvSender(TcpKvSender):
             try:
                 lease = self.pools.lease(answer) if answer.lease_on_watch else None  # else a connection of its own
                 self.marks.append(("mapped", time.perf_counter()))
-                return await write_in_place(segment, answer, chunks, self.faults, lease, self.marks,
-                                            _reporter(call) if answer.takes_progress else None)
+                return await write_in_place(segment, answer, chunks, self.faults, lease, self.marks)
             finally:
                 # No reference to the mapping may outlive the call in a traceback: once the target is
                 # gone and the pool dropped, the memory must go back to the kernel at once.
@@ -167,13 +166,6 @@ class SameHostKvSender(TcpKvSender):
         """The answer to the header's offers: a shared-memory reservation or refusal, or (another host)
         the data socket's."""
         return await self.expect_answer(call, lambda reply: shm_answer_from_pb(reply) or tcp_answer_from_pb(reply))
-
-
-def _reporter(call):
-    """report(written) for write_in_place: a progress report on the import stream."""
-    async def report(written: ShmWritten) -> None:
-        await GrpcKvSender._write(call, shm_written_to_pb(written), "a progress report")
-    return report
 
 
 def _lap_timer(laps: dict[str, float], marks: list[tuple[str, float]]):

@@ -23,7 +23,8 @@ import torch
 from cpu_service import assist_shm
 from cpu_service.assist_client import AssistClient, AssistUnavailable
 from dualpace.engine.assist.assist_types import AssistBegin, AssistShmOffer, ShmSlotKind
-from dualpace.engine.assist.shm_ring import ShmSegment, SlotMessage, boot_id
+from dualpace.engine.transfer.same_host import boot_id
+from dualpace.engine.assist.shm_ring import ShmSegment, SlotMessage
 from dualpace.wire.assist_messages import begin_to_bytes
 from gpu_service.assist_limits import AssistLimits
 from gpu_service.assist_shm_session import accept_offer

@@ -2,14 +2,6 @@
 
 The mapping itself comes from MappedPools (dualpace.engine.transfer.shm_mapped_pools): one per target
 pool per process, held by each copy for as long as it runs.
-
-Where the target takes progress reports (ShmReservation.takes_progress), PROGRESS_GROUPS is set and
-the transfer is large enough for the workers, the layers are copied in PROGRESS_GROUPS consecutive ranges, and each range
-is reported (ShmWritten.progress, with its checksums) as soon as its copy returned: the target
-verifies it while the workers copy the next ones. A range is reported only after the C call that
-wrote it returned in its worker (its streamed stores fenced), and is never written again: the
-faults that stand for a byte changed in transit are injected inside the range's job, before its
-report, as a real fault in the copy would be.
 """
 
 from __future__ import annotations
@@ -18,10 +10,8 @@ import asyncio
 import concurrent.futures
 import contextlib
 import logging
-import os
 import threading
 import time
-from collections.abc import Awaitable, Callable
 
 from dualpace.engine.transfer.kv_shm_protocol import ShmReservation, ShmWritten
 from dualpace.engine.transfer.kv_source import OutgoingKv
@@ -52,69 +42,30 @@ def check_geometry(segment: MappedKvSegment, layout: KvLayout, reservation: ShmR
         raise InvalidArgument("shm_reserved.slot_ids", f"expected {num_tokens} slots below {num_slots}")
 
 
-# Layer ranges reported one by one to a target that takes progress (0: no reports, the whole copy
-# verified after it, as before). Each report is one record to the target and one wake-up of its loop;
-# the last range is verified after the copy. Off by default: on a two-core host the overlap puts the
-# target's verify threads beside the sender's copy threads and the 1024-token transfer got slower in
-# every setting tried (docs/perf.md, session 11: 13.3-13.8 ms without, 14.2-20.6 ms with, interleaved).
-# `DUALPACE_KV_PROGRESS_GROUPS=6` turns it on where cores are to spare (bench.kv_shm_progress_ab).
-PROGRESS_GROUPS = int(os.environ.get("DUALPACE_KV_PROGRESS_GROUPS", 0))
-# The sender's copy threads while it reports: with one, the target's verify of the reported ranges has
-# the other core of a two-core host, instead of four threads sharing two (`DUALPACE_KV_PROGRESS_WORKERS`).
-PROGRESS_WORKERS = int(os.environ.get("DUALPACE_KV_PROGRESS_WORKERS", KV_TRANSFER_WORKERS))
-
-
-def _inject_fault(faults: FaultConfig, segment: MappedKvSegment, dst_slot_ids: list[int],
-                  layers: range | None = None) -> None:
-    """Test-only faults of dualpace.faults, with "chunk N" read as "layer N" on this path; only
-    those in `layers` (default: all)."""
+def _inject_fault(faults: FaultConfig, segment: MappedKvSegment, dst_slot_ids: list[int]) -> None:
+    """Test-only faults of dualpace.faults, with "chunk N" read as "layer N" on this path."""
     flat = segment.k.view(segment.geometry.num_layers, -1, segment.geometry.num_kv_heads, segment.geometry.head_dim)
-    layers = range(segment.geometry.num_layers) if layers is None else layers
+    layers = range(segment.geometry.num_layers)
     if faults.kv_corrupt_chunk in layers:
         flat[faults.kv_corrupt_chunk, dst_slot_ids[0]].view(-1)[0] += 1  # one value changed in transit
     if faults.kv_drop_chunk in layers:
         flat[faults.kv_drop_chunk, dst_slot_ids[0]].fill_(-1.0)  # the layer's first token never arrived
 
 
-def _copy_range(storage, src_slot_ids: list[int], segment: MappedKvSegment, dst_slot_ids: list[int],
-                stop: threading.Event, layers: range | None, faults: FaultConfig | None) -> tuple[int, list[int]]:
-    """One job: its copy (and, in tests, its faults, where given), all done before it returns; its
-    first layer and checksums."""
-    crcs = copy_in_place(storage.k, storage.v, src_slot_ids, segment.k, segment.v, dst_slot_ids, stop, layers)
-    if faults is not None and faults.any:
-        _inject_fault(faults, segment, dst_slot_ids, layers)
-    return (layers.start if layers is not None else 0), crcs
-
-
 async def _copy_in_workers(storage, src_slot_ids: list[int], segment: MappedKvSegment, dst_slot_ids: list[int],
-                           stop: threading.Event, faults: FaultConfig | None = None,
-                           report: Callable[[ShmWritten], Awaitable[None]] | None = None,
-                           safe_point: Callable[[], None] = lambda: None) -> list[int]:
+                           stop: threading.Event) -> list[int]:
     """The copy in the kv-export workers: a host pool's layers split between them (numpy's copy and
-    the CRC drop the GIL), a device pool in one job. With `report`: in PROGRESS_GROUPS ranges of
-    layers (`faults` injected in each range's job), each reported once its job returned (in the order
-    they finish), after a safe point (a move abandoned by its caller ends there, as the gRPC path
-    does before each chunk). Once cancelled or failed, waits for the jobs to stop."""
-    if report is not None:
-        parts = layer_ranges(storage.num_layers, PROGRESS_GROUPS)
-    elif storage.k.device.type == "cpu":
-        parts = layer_ranges(storage.num_layers, KV_TRANSFER_WORKERS)
-    else:
-        parts = [None]
-    if report is not None and PROGRESS_WORKERS != KV_TRANSFER_WORKERS:
-        executor = pool(f"kv-export-{PROGRESS_WORKERS}", PROGRESS_WORKERS)
-    else:
-        executor = pool("kv-export", KV_TRANSFER_WORKERS)
-    jobs = [executor.submit(_copy_range, storage, src_slot_ids, segment, dst_slot_ids, stop, layers,
-                            faults if report is not None else None) for layers in parts]
+    the CRC drop the GIL), a device pool in one job. Once cancelled or failed, waits for the jobs to stop."""
+    parts = layer_ranges(storage.num_layers, KV_TRANSFER_WORKERS) if storage.k.device.type == "cpu" else [None]
+    executor = pool("kv-export", KV_TRANSFER_WORKERS)
+    jobs = [executor.submit(copy_in_place, storage.k, storage.v, src_slot_ids, segment.k, segment.v, dst_slot_ids,
+                            stop, layers) for layers in parts]
     checksums = [0] * storage.num_layers
     try:
-        for finished in asyncio.as_completed([asyncio.wrap_future(job) for job in jobs]):
-            first_layer, crcs = await finished
+        for layers, job in zip(parts, jobs):
+            crcs = await asyncio.wrap_future(job)
+            first_layer = layers.start if layers is not None else 0
             checksums[first_layer:first_layer + len(crcs)] = crcs
-            if report is not None:
-                safe_point()
-                await report(ShmWritten(tuple(crcs), progress=True, first_layer=first_layer))
     except BaseException:
         stop.set()
         concurrent.futures.wait(jobs)  # brief: each copy stops at its next layer
@@ -126,14 +77,12 @@ async def _copy_in_workers(storage, src_slot_ids: list[int], segment: MappedKvSe
 
 async def write_in_place(segment: MappedKvSegment, reservation: ShmReservation, source: OutgoingKv,
                          faults: FaultConfig, lease: contextlib.AbstractAsyncContextManager | None = None,
-                         marks: list[tuple[str, float]] | None = None,
-                         report: Callable[[ShmWritten], Awaitable[None]] | None = None) -> ShmWritten:
+                         marks: list[tuple[str, float]] | None = None) -> ShmWritten:
     """Copy the request's KV into the target's reserved slots, holding the import's write lease:
     `lease` (MappedPools.lease: over the mapping's watch connection, where the target offers it) or
     a connection of its own. The lease ends only after the copy has stopped (also when this call
     is cancelled); the caller holds the mapping (MappedPools.using) for the whole call. `marks`: where
-    the moments the lease was held, the copy ended and the lease ended are appended (timelines). `report`:
-    sends a progress report to the target (where it takes them; see PROGRESS_GROUPS)."""
+    the moments the lease was held, the copy ended and the lease ended are appended (timelines)."""
     marks = [] if marks is None else marks
     storage = source.storage
     dst_slot_ids = list(reservation.slot_ids)
@@ -143,19 +92,13 @@ async def write_in_place(segment: MappedKvSegment, reservation: ShmReservation, 
     try:
         async with lease:
             marks.append(("lease_held", time.perf_counter()))
-            reporting = (report is not None and PROGRESS_GROUPS > 0 and storage.k.device.type == "cpu"
-                         and transfer_bytes(storage, len(dst_slot_ids)) > INLINE_MAX_BYTES)
-            if reporting:  # its faults are injected range by range, before each report
-                layer_crc32s = await _copy_in_workers(storage, source.slot_ids, segment, dst_slot_ids, stop, faults,
-                                                      report, source.safe_point)
-            elif transfer_bytes(storage, len(dst_slot_ids)) <= INLINE_MAX_BYTES:
+            if transfer_bytes(storage, len(dst_slot_ids)) <= INLINE_MAX_BYTES:
                 layer_crc32s = copy_in_place(storage.k, storage.v, source.slot_ids, segment.k, segment.v,
                                              dst_slot_ids)
             else:
                 layer_crc32s = await _copy_in_workers(storage, source.slot_ids, segment, dst_slot_ids, stop)
             if faults.any:
-                if not reporting:
-                    _inject_fault(faults, segment, dst_slot_ids)
+                _inject_fault(faults, segment, dst_slot_ids)
                 if faults.kv_cut_after is not None:
                     raise Unavailable(f"fault injected: shared-memory KV transfer cut after "
                                       f"{faults.kv_cut_after} layers")
