@@ -72,7 +72,7 @@ def accept_offer(offer: AssistShmOffer, model: Transformer, limits: AssistLimits
         return AssistShmAnswer(accepted=False, reason=reason), None
 
     if not limits.shm_enabled:
-        return refuse("this server runs with --assist-transport grpc")
+        return refuse("this server runs with --assist-transport tcp")
     if not shm_doorbell.SUPPORTED:
         return refuse("shared-memory doorbells need Linux on x86-64")
     if num_open >= limits.max_shm_streams:

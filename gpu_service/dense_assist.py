@@ -137,17 +137,6 @@ class AssistSession:
         """True between a begin and its result."""
         return self._iteration is not None
 
-    def handle(self, message: AssistBegin | AssistAttentionOutput) -> AssistQkv | AssistResult:
-        """The reply to one upstream message."""
-        if isinstance(message, AssistBegin):
-            return self.begin(message)
-        return self.attention_output(message)
-
-    def device_free_now(self) -> bool:
-        """True when a stage would not wait for the device now (a hint: the engine may take it
-        right after; then the stage waits for the engine's next layer, as any stage does)."""
-        return self._holding_lock or not self._lock.locked()
-
     @property
     def accepts_join(self) -> bool:
         """True when ring begins may join the GPU engine's steps (the server has a desk)."""

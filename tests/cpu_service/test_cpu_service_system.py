@@ -1,6 +1,6 @@
 """cpu_service with gpu_service as real processes: handoff after a GPU prefill, decode on the
 CPU (Local and Assisted, the latter through shared memory and over gRPC), migrations both ways,
-and either daemon SIGKILLed under assisted load on the three transports (shm, gRPC, the TCP data
+and either daemon SIGKILLed under assisted load on both assist transports (shm, the TCP data
 socket): no request lost, no
 shared-memory segment left mapped or open in the survivor. Hand-offs and migrations run on both
 KV data planes: shared memory (--kv-transport auto; both pools are in host memory here) and gRPC
@@ -20,7 +20,7 @@ from toolkit.engine_client import EngineClient, read_until
 from toolkit.processes import start_daemon
 
 SEGMENT_NAME = "memfd:dualpace-assist"
-ASSIST_TRANSPORTS = ("auto", "grpc", "tcp")  # tcp: gpu_service's data socket, as across hosts
+ASSIST_TRANSPORTS = ("auto", "tcp")  # tcp: gpu_service's data socket, as across hosts
 TCP_LOG = "dense assist through a TCP data socket"
 
 
@@ -73,8 +73,8 @@ def gpu(request, model_folder):
     assert daemon.stop() == 0, daemon.log()
 
 
-@pytest.fixture(scope="module", params=[("never", "auto"), ("always", "auto"), ("always", "grpc")],
-                ids=["local", "assisted-shm", "assisted-grpc"])
+@pytest.fixture(scope="module", params=[("never", "auto"), ("always", "auto"), ("always", "tcp")],
+                ids=["local", "assisted-shm", "assisted-tcp"])
 def cpu(request, model_folder, gpu):
     assist, transport = request.param
     if gpu.kv_transport == "grpc" and assist != "never":
