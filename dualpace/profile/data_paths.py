@@ -11,8 +11,7 @@ The rules:
 
 - KV: shared memory iff the sender's `--kv-transport` is auto, both engines are on this host,
   and the target's pool is in host memory (a CUDA pool is not shared); else the target's TCP data
-  socket with `--kv-transport` auto or tcp (priced at the gRPC figures where the profile has none
-  for it); gRPC chunks with `--kv-transport grpc`.
+  socket (priced at the gRPC figures where the profile has none for it).
 - Assist: shared memory iff cpu_service's `--assist-transport` is auto and gpu_service is on
   this host; else gpu_service's TCP data socket (priced at the profile's plain assist figures
   where it has none for the data socket).
@@ -34,7 +33,7 @@ from dualpace.profile.schema import DATA_PATHS, Profile, ProfileError
 SHM, GRPC, TCP = DATA_PATHS
 ASSIST_PATHS = (SHM, TCP)  # Dense Assist's: the per-session rings, or gpu_service's data socket
 TRANSPORT_SETTINGS = ("auto", "tcp")  # the daemons' --assist-transport values
-KV_TRANSPORT_SETTINGS = ("auto", "tcp", "grpc")  # the engines' --kv-transport values
+KV_TRANSPORT_SETTINGS = ("auto", "tcp")  # the engines' --kv-transport values
 
 
 def on_this_host(address: str) -> bool:
@@ -59,9 +58,7 @@ def _check_setting(setting: str, flag: str, settings: tuple[str, ...] = TRANSPOR
 def kv_path(kv_transport: str, same_host: bool, target_pool_in_host_memory: bool = True) -> str:
     """The path a KV transfer takes (see the module doc)."""
     _check_setting(kv_transport, "--kv-transport", KV_TRANSPORT_SETTINGS)
-    if kv_transport == "auto" and same_host and target_pool_in_host_memory:
-        return SHM
-    return TCP if kv_transport in ("auto", "tcp") else GRPC
+    return SHM if kv_transport == "auto" and same_host and target_pool_in_host_memory else TCP
 
 
 def assist_path(assist_transport: str, same_host: bool) -> str:

@@ -41,9 +41,9 @@ from dualpace.wire.v1 import engine_pb2
 
 log = logging.getLogger(__name__)
 
-# auto: shared memory where the target is on this host, else the target's TCP data socket (else gRPC);
-# tcp: the data socket even on this host; grpc: chunks on the gRPC stream (the KV pool stays private).
-KV_TRANSPORTS = ("auto", "tcp", "grpc")
+# auto: shared memory where the target is on this host, else the target's TCP data socket;
+# tcp: the data socket even on this host (the KV pool stays private).
+KV_TRANSPORTS = ("auto", "tcp")
 DECLINE_MEMORY_S = 60.0  # a target that declined is offered shared memory again after this
 
 
@@ -190,12 +190,10 @@ class SameHostKv:
     mapped: MappedPools = field(default_factory=MappedPools)
     channels: PeerChannels = field(default_factory=PeerChannels)
     declined_until: dict[str, float] = field(default_factory=dict)
-    tcp: TcpDataServer | None = None  # this engine's KV data socket (None: it takes KV over gRPC only)
+    tcp: TcpDataServer | None = None  # this engine's KV data socket (None: in-process tests only)
 
     def sender(self, target_address: str, faults: FaultConfig, auth_token: str | None,
                tls: TlsConfig | None = None) -> GrpcKvSender:
-        if self.transport == "grpc":
-            return GrpcKvSender(target_address, faults, auth_token=auth_token, tls=tls, channels=self.channels)
         if self.transport == "tcp":
             return TcpKvSender(target_address, faults=faults, auth_token=auth_token, tls=tls, channels=self.channels)
         return SameHostKvSender(target_address, self.mapped, self.declined_until, self.channels, faults=faults,

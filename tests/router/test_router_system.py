@@ -110,7 +110,7 @@ def prompts(count: int) -> dict[str, list[int]]:
     return {f"q{i}": [(i * 13 + j * 7) % 500 + 1 for j in range(3 + i % 9)] for i in range(count)}
 
 
-@pytest.mark.parametrize("kv_transport", ["auto", "grpc"])
+@pytest.mark.parametrize("kv_transport", ["auto", "tcp"])
 def test_both_engines_used_with_migrations_and_exact_outputs(model_folder, reference, kv_transport):
     gpu, cpu, router = start_system(model_folder, gpu_kv_blocks=24, kv_transport=kv_transport)
     try:

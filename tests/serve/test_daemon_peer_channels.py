@@ -79,7 +79,7 @@ class Pair:
         await stop(self.source, self.target)
 
 
-@pytest.mark.parametrize("transport", ["auto", "grpc"])
+@pytest.mark.parametrize("transport", ["auto", "tcp"])
 async def test_migrations_and_a_prefix_copy_share_one_connection(tiny, transport):
     pair = await Pair().start(tiny, transport)
     for request_id in ("a", "b", "c"):

@@ -53,7 +53,7 @@ class SharedKvPool:
 
     def decline_reason(self, offer: ShmOffer) -> str | None:
         if self.memory is None or self.server is None:
-            return "the target's KV pool is not in shared memory (--kv-transport grpc, or a device pool)"
+            return "the target's KV pool is not in shared memory (--kv-transport tcp, or a device pool)"
         if self.boot_id is None or offer.boot_id != self.boot_id:
             return "another host (boot ids differ)"
         return None
