@@ -1,4 +1,4 @@
-"""What the gRPC floor benchmarks (bench.grpc_floor, bench.grpc_bulk_floor, bench.assist_hops) share:
+"""What the gRPC floor benchmarks (bench.grpc_floor, bench.grpc_bulk_floor) share:
 bytes through identity serializers, their server run as a subprocess of the same module (`--serve
 ...`) that prints its port on stdout and serves until its stdin closes, and how a result is left."""
 
