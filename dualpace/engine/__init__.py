@@ -1,4 +1,4 @@
-"""The engine core shared by gpu_service and cpu_service (no asyncio, no grpc below the loop).
+"""The engine core shared by gpu_service and cpu_service (no grpc: the servicers are in dualpace.serve).
 
 The scheduling core is this package's top level: the pure scheduler (scheduler, step_plan,
 request, prefix_cache), the model runner (runner, step_sampling), EngineCore that joins them
