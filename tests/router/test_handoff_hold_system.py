@@ -30,11 +30,6 @@ NUM_REQUESTS = 4
 HELD = "(held after its first token)"
 
 
-@pytest.fixture(scope="module")
-def model_folder(synth_checkpoint):
-    return str(synth_checkpoint("tiny-llama"))
-
-
 def hold_prompts() -> dict[str, list[int]]:
     return {f"h{i}": [(i * 17 + j * 5) % 400 + 1 for j in range(6)] for i in range(NUM_REQUESTS)}
 
