@@ -39,7 +39,7 @@ def start_system(model_folder: str, gpu_kv_blocks: int = 24, step_delay_ms: int 
                  kv_transport: str = "auto", engine_flags: tuple[str, ...] = ()):
     """The three daemons (the engines start in parallel); step_delay_ms slows every engine step (a
     test-only fault) so that requests are still running when a test acts on them. kv_transport:
-    the engines' KV data plane for hand-offs and migrations (auto: shared memory here, grpc: chunks)."""
+    the engines' KV data plane for hand-offs and migrations (auto: shared memory here, tcp: the data socket)."""
     env = {"DUALPACE_FAULT_STEP_DELAY_MS": str(step_delay_ms)} if step_delay_ms else None
     flags = ("--model", model_folder, *ENGINE_FLAGS, "--kv-transport", kv_transport, *engine_flags)
     with ThreadPoolExecutor(2) as pool:
