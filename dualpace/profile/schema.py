@@ -1,6 +1,6 @@
-"""The profile file: a versioned JSON description of one machine running one model
-(ARCHITECTURE §6): its types, its format and the fingerprint comparison; files.py parses,
-validates, reads and writes it. Pure: no torch, grpc, asyncio or clock.
+"""The profile file: a versioned JSON description of one machine running one model (what the daemons
+read to seed their decisions): its types, its format and the fingerprint comparison; files.py
+parses, validates, reads and writes it. Pure: no torch, grpc, asyncio or clock.
 
 Layout (version 1)::
 
