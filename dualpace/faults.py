@@ -35,7 +35,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from dualpace.engine.kv_transfer import KvChunk
+from dualpace.engine.transfer.kv_transfer import KvChunk
 from dualpace.errors import Unavailable
 
 _FLAG_PREFIX = "fault_"

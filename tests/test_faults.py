@@ -7,7 +7,7 @@ import argparse
 import pytest
 
 from dualpace.engine.core import EngineConfig, EngineCore
-from dualpace.engine.kv_transfer import KvChunk
+from dualpace.engine.transfer.kv_transfer import KvChunk
 from dualpace.errors import Unavailable
 from dualpace.faults import FaultConfig, InjectedFault, add_fault_arguments, flag_name
 from dualpace.generation import OfflineGenerator

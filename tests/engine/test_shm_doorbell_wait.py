@@ -1,5 +1,5 @@
-"""dualpace/engine/shm_doorbell.py's wait: when the value is seen (`seen_ns`), and how long the
-futex sleeps."""
+"""dualpace/engine/assist/shm_doorbell.py's wait: when the value is seen (`seen_ns`), and how long
+the futex sleeps."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import time
 
 import pytest
 
-from dualpace.engine import shm_doorbell
-from dualpace.engine.shm_doorbell import Doorbell
+from dualpace.engine.assist import shm_doorbell
+from dualpace.engine.assist.shm_doorbell import Doorbell
 
 pytestmark = pytest.mark.skipif(not shm_doorbell.SUPPORTED, reason="doorbells need Linux x86-64")
 
