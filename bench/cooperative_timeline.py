@@ -1,5 +1,5 @@
-"""Check issue 18's two gated acceptance points on the daemons' step timelines
-(`--step-timeline PATH` on gpu_service and cpu_service; docs/design_cooperative_execution.md, section 8):
+"""Check gated's two points on the daemons' step timelines (`--step-timeline PATH` on
+gpu_service and cpu_service):
 
 1. **CPU requests advance only inside GPU iterations** (`--policy gated`): every CPU-engine record
    of a decode iteration is `cooperative`, names the GPU step that made its tokens
@@ -37,7 +37,7 @@ from dualpace.engine.step_timeline import StepRecord, read_timeline
 from dualpace.errors import DualPaceError
 
 DEFAULT_MAX_WAIT_SHARE = 0.05
-# The GPU records' per-layer round-trip stamps (dualpace/engine/ring_pacing.py LayerMarks)
+# The GPU records' per-layer round-trip stamps (dualpace/engine/assist/ring_pacing.py LayerMarks)
 MARK_FIELDS = ("down_hop_ns", "cpu_layer_ns", "wait_before_answer_ns", "up_hop_ns")
 NUM_EXAMPLES = 5  # failures quoted in the report
 

@@ -44,13 +44,13 @@ import time
 
 import torch
 
-from dualpace.engine import kv_copy_native
-from dualpace.engine.kv_bytes import DTYPES_BY_NAME, tensor_bytes
-from dualpace.engine.kv_shm_send import MappedPools
-from dualpace.engine.kv_source import OutgoingKv
-from dualpace.engine.kv_transfer import KvChunk, KvLayout, KvTransferHeader, checksum, plan_chunks
-from dualpace.engine.shm_kv_copy import copy_in_place, layer_checksums
-from dualpace.engine.shm_populate import populate
+from dualpace.engine.transfer import kv_copy_native
+from dualpace.engine.transfer.kv_bytes import DTYPES_BY_NAME, tensor_bytes
+from dualpace.engine.transfer.kv_shm_send import MappedPools
+from dualpace.engine.transfer.kv_source import OutgoingKv
+from dualpace.engine.transfer.kv_transfer import KvChunk, KvLayout, KvTransferHeader, checksum, plan_chunks
+from dualpace.engine.transfer.shm_kv_copy import copy_in_place, layer_checksums
+from dualpace.engine.transfer.shm_populate import populate
 from dualpace.kv.storage import KVStorage
 from dualpace.model.registry import DEFAULT_MODEL_NAME
 from dualpace.sampling import SamplingParams
@@ -320,7 +320,7 @@ def main() -> None:
         "kv_fixed_ms": round(shm_summary["fixed_ms"], 3),
         "kv_grpc_fixed_ms": round(grpc_summary["fixed_ms"], 3),
         "kv_shm_fit_gbps": round(shm_summary["fit_gbps"], 3),
-        # The fitted (marginal) rate against both copy references: issue 17's bandwidth criterion, the
+        # The fitted (marginal) rate against both copy references: the bandwidth criterion, the
         # fixed cost (kv_fixed_ms) being counted apart.
         "kv_shm_fit_fraction_of_memcpy": round(shm_summary["fit_gbps"] / statistics.mean([memcpy, memcpy_after]), 3),
         "kv_shm_fit_fraction_of_cold_memcpy": round(shm_summary["fit_gbps"] / cold["gbps"], 3),

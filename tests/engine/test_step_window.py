@@ -1,4 +1,4 @@
-"""The ITL window behind LoadSnapshot's itl_p50_ms / itl_p99_ms (issue #20, item 4): empty steps
+"""The ITL window behind LoadSnapshot's itl_p50_ms / itl_p99_ms: empty steps
 are not counted. A known step sequence gives known percentiles, and through a real EngineLoop
 empty plans leave the window untouched."""
 

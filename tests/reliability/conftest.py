@@ -1,4 +1,4 @@
-"""Shared setup of the reliability suite (issue #9): real daemons on 127.0.0.1
+"""Shared setup of the reliability suite: real daemons on 127.0.0.1
 ephemeral ports serving a tiny synthetic model, clients that read whole streams on
 threads, and probes of an engine's KV and request table.
 

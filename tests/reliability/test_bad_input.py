@@ -1,4 +1,4 @@
-"""Issue #9, item 3: bad input at the router and at both engines, field by field.
+"""Bad input at the router and at both engines, field by field.
 
 Criteria: every bad field of GenerateRequest (router), NewEngineRequest / ResumeEngineRequest,
 AbortRequest and MigrateOutRequest (engines) fails with INVALID_ARGUMENT whose details name

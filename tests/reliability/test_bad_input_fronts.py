@@ -1,4 +1,4 @@
-"""Issue #20, item 6: bad input on both fronts of the router, then a bounded fuzz of both.
+"""Bad input on both fronts of the router, then a bounded fuzz of both.
 
 The two cases found by hand: a prompt holding a lone UTF-16 surrogate ("\\ud800") and a chat
 role outside system/user/assistant/tool. Each gets a 400 naming the field on the OpenAI front,

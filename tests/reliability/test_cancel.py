@@ -1,4 +1,4 @@
-"""Issue #9, item 1: cancel a stream after N tokens while 20 others run.
+"""Cancel a stream after N tokens while 20 others run.
 
 Criteria: the cancelled request leaves the engine within one step (it disappears from
 ListRequests by the engine's next step boundary, counted with the load snapshot's

@@ -1,4 +1,4 @@
-"""Issue #9, item 2: a short client deadline on a long generation.
+"""A short client deadline on a long generation.
 
 Criteria: the client gets DEADLINE_EXCEEDED mid-stream (some tokens, far from max_tokens),
 the request then leaves the engine (gone from ListRequests) and takes no further steps (the

@@ -1,4 +1,4 @@
-"""Issue #9, item 11: graceful drain under load (SIGTERM).
+"""Graceful drain under load (SIGTERM).
 
 Criteria, for the engine and for the router: once SIGTERM arrives, health says NOT_SERVING
 (the router's for its whole drain), new requests are refused with UNAVAILABLE saying it is

@@ -1,4 +1,4 @@
-"""Issue #9, item 6: the engine dies before the request's first token.
+"""The engine dies before the request's first token.
 
 gpu_service runs every step slowed to STEP_DELAY_MS (a test-only fault), so the request's
 prefill is still running when the engine is SIGKILLed. Criteria: the router retries on the

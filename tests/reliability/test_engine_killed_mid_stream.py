@@ -1,4 +1,4 @@
-"""Issue #9, item 7: an engine dies mid-stream.
+"""An engine dies mid-stream.
 
 gpu_service and cpu_service with every step slowed (a test-only fault) and no load-driven
 migration, so requests stay where admission (and the hand-off) put them. After every stream

@@ -1,4 +1,4 @@
-"""Issue #9: non-finite logits end only their request.
+"""Non-finite logits end only their request.
 
 DUALPACE_FAULT_NAN_LOGITS_REQUEST makes one request's logits NaN in a real gpu_service
 (on every step that samples for it, so at its first token). Criteria: that request's

@@ -1,4 +1,4 @@
-"""Issue #20, item 1: a router SIGKILLed with requests in flight and not restarted.
+"""A router SIGKILLed with requests in flight and not restarted.
 
 The router starts engine requests with keep_running_on_disconnect, so they outlive it; with
 nobody re-attaching, each engine's orphan lease (`--orphan-timeout-s`, small here) expires and

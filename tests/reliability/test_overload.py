@@ -1,4 +1,4 @@
-"""Issue #9, item 4: capacity + K concurrent requests.
+"""Capacity + K concurrent requests.
 
 How capacity is bounded:
 - an engine holds at most --max-running requests in its step loop and --max-waiting in its

@@ -1,4 +1,4 @@
-"""Issue #9, item 12: what arrives on the wire is not always gRPC, nor well-formed.
+"""What arrives on the wire is not always gRPC, nor well-formed.
 
 One gpu_service for the module. Criteria for every case: a clean gRPC error (or, for bytes
 that are not HTTP/2 at all, a closed connection), never a crash or a hang; afterwards the
@@ -192,7 +192,7 @@ def mutations(info: engine_pb2.EngineInfo):
 
 
 def crc(k: bytes, v: bytes) -> int:
-    from dualpace.engine.kv_checksum import kv_checksum
+    from dualpace.engine.transfer.kv_checksum import kv_checksum
 
     return kv_checksum(k, v)
 
