@@ -37,7 +37,7 @@ from dualpace.engine.step_timeline import StepRecord, read_timeline
 from dualpace.errors import DualPaceError
 
 DEFAULT_MAX_WAIT_SHARE = 0.05
-# The GPU records' per-layer round-trip stamps (dualpace/engine/ring_pacing.py LayerMarks)
+# The GPU records' per-layer round-trip stamps (dualpace/engine/assist/ring_pacing.py LayerMarks)
 MARK_FIELDS = ("down_hop_ns", "cpu_layer_ns", "wait_before_answer_ns", "up_hop_ns")
 NUM_EXAMPLES = 5  # failures quoted in the report
 

@@ -53,7 +53,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="an assisted iteration slower than this is redone locally")
     parser.add_argument("--assist-transport", default="auto", choices=TRANSPORTS,
                         help="Dense Assist: auto (shared memory when gpu_service is on this host, else its TCP data "
-                             "socket where it has one, else gRPC), tcp (the data socket even on one host) or grpc")
+                             "socket) or tcp (the data socket even on one host)")
     parser.add_argument("--policy", default="dualpace", choices=POLICIES,
                         help="dualpace: independent loop; gated: NEO-like baseline, CPU decodes advance only "
                              "inside GPU iterations with dense work on the GPU")

@@ -18,8 +18,8 @@ import sys
 import grpc
 
 from dualpace.engine.gate import DeviceHandoff
-from dualpace.engine.join_desk import JoinDesk
-from dualpace.engine.joined_step import JoinSettings
+from dualpace.engine.assist.join_desk import JoinDesk
+from dualpace.engine.assist.joined_step import JoinSettings
 from dualpace.engine.runner import ModelRunner
 from dualpace.errors import InvalidArgument
 from dualpace.model.loader import resolve_device
@@ -68,8 +68,8 @@ def decode_graph_batch(args: argparse.Namespace, device: str) -> int:
 
 
 def start_host_tier(args: argparse.Namespace, parts: EngineDaemonParts) -> None:
-    """Offer finished requests' cached blocks to --host-tier (dualpace.engine.host_tier), in the background."""
-    from dualpace.engine.host_tier import HostTierOffers
+    """Offer finished requests' cached blocks to --host-tier (dualpace.engine.transfer.host_tier), in the background."""
+    from dualpace.engine.transfer.host_tier import HostTierOffers
     from dualpace.serve import metrics
     from dualpace.serve.kv_transport import GrpcKvSender
     from dualpace.serve.security import read_token_file

@@ -14,6 +14,7 @@ from dataclasses import replace
 
 from dualpace.errors import DualPaceError, InvalidArgument
 from dualpace.model.registry import DEFAULT_MODEL_NAME
+from dualpace.profile.data_paths import KV_TRANSPORT_SETTINGS
 from dualpace.serve.config import (
     add_config_argument,
     effective_config,
@@ -67,11 +68,11 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ttft-target-ms", type=float, default=None,
                         help="how long a request may wait for room (default 30 s)")
     parser.add_argument("--no-migrate", action="store_true", help="no load-driven migrations (hand-offs still run)")
-    parser.add_argument("--kv-transport", default="auto", choices=["auto", "tcp", "grpc"],
+    parser.add_argument("--kv-transport", default="auto", choices=KV_TRANSPORT_SETTINGS,
                         help="the engines' --kv-transport, for pricing moves with --profile: auto prices them at "
                              "the profile's shared-memory figures when both engines are on this host (Unix socket "
                              "or loopback addresses), else (and with tcp) at its TCP data-socket figures (its gRPC "
-                             "figures where it has none); grpc: at its gRPC figures")
+                             "figures where it has none)")
     parser.add_argument("--host-tier", default="on", choices=["on", "off"],
                         help="dualpace: continue a request on the CPU engine when it caches (e.g. in the GPU "
                              "engine's host tier) a longer prefix of the prompt than any GPU engine")

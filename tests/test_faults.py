@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from dualpace.engine.core import EngineConfig, EngineCore
-from dualpace.engine.kv_transfer import KvChunk
+from dualpace.engine.transfer.kv_transfer import KvChunk
 from dualpace.errors import InvalidArgument, Unavailable
 from dualpace.faults import FaultConfig, InjectedFault, variable_name
 from dualpace.generation import OfflineGenerator

@@ -30,7 +30,7 @@ from typing import Any, TypeVar
 from dualpace.engine.channel import RequestChannel
 from dualpace.engine.core import EngineCore
 from dualpace.engine.gate import IterationGate
-from dualpace.engine.handoff_holds import HandoffHolds
+from dualpace.engine.transfer.handoff_holds import HandoffHolds
 from dualpace.engine.load import EngineLoad
 from dualpace.engine.metrics_sink import MetricsSink, NoMetrics
 from dualpace.engine.request import RequestEvent

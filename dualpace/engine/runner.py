@@ -13,8 +13,8 @@ import time
 
 import torch
 
-from dualpace.engine.join_desk import JoinDesk, JoinRequest
-from dualpace.engine.joined_step import JoinedStep, JoinSettings
+from dualpace.engine.assist.join_desk import JoinDesk, JoinRequest
+from dualpace.engine.assist.joined_step import JoinedStep, JoinSettings
 from dualpace.engine.scheduler import StepPlan, StepResult
 from dualpace.engine.step_sampling import sample_step, step_work
 from dualpace.errors import Unavailable

@@ -1,7 +1,7 @@
 """Where a request goes when its prefix lives in the host tier. Pure.
 
 The GPU engine offers the cached blocks of its finished requests to the CPU engine's pool
-(dualpace.engine.host_tier); once the GPU engine has evicted them, the CPU engine is the only
+(dualpace.engine.transfer.host_tier); once the GPU engine has evicted them, the CPU engine is the only
 one holding that history. A new request (the next turn of the conversation) then has three
 ways to go:
 

@@ -30,10 +30,10 @@ import grpc
 
 from dualpace.engine.core import EngineConfig, EngineCore
 from dualpace.engine.loop import EngineLoop
-from dualpace.engine.kv_shm_import import SharedKvPool
-from dualpace.engine.kv_tcp_import import TcpDataServer
+from dualpace.engine.transfer.kv_shm_import import SharedKvPool
+from dualpace.engine.transfer.kv_tcp_import import TcpDataServer
 from dualpace.engine.runner import ModelRunner
-from dualpace.engine.shm_segment import SharedKvMemory
+from dualpace.engine.transfer.shm_segment import SharedKvMemory
 from dualpace.engine.step_timeline import StepTimeline
 from dualpace.engine.scheduler import SchedulerConfig
 from dualpace.errors import DualPaceError, InvalidArgument, ModelLoadError
@@ -99,8 +99,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser, default_name: str, def
                              "unless a stream re-attaches within this many seconds")
     parser.add_argument("--kv-transport", default="auto", choices=KV_TRANSPORTS,
                         help="KV migration data plane: auto (shared memory with engines on this host, a TCP "
-                             "data socket to others), tcp (the data socket even on this host) or grpc (always "
-                             "chunks over gRPC; the KV pool stays private, no data socket). The data socket "
+                             "data socket to others) or tcp (the data socket even on this host; the KV pool stays "
+                             "private). The data socket "
                              "listens on the --listen host (127.0.0.1 for unix:) at a port the kernel picks, "
                              "announced per transfer over gRPC; over TLS with --tls-cert")
     parser.add_argument("--step-timeline", default=None, metavar="PATH",
@@ -265,7 +265,7 @@ def run_engine_daemon(
         parts.peer_tls, parts.channels = security.tls, channels
         # The KV data socket to engines on other hosts (over TLS where this daemon serves TLS).
         tls = security.tls.data_server_context() if security.tls is not None else None
-        tcp = await TcpDataServer.start(data_socket_host(args.listen), tls) if args.kv_transport != "grpc" else None
+        tcp = await TcpDataServer.start(data_socket_host(args.listen), tls)
         parts.data_socket = tcp
         same_host = SameHostKv(args.kv_transport, await SharedKvPool.start(parts.kv_memory), channels=channels,
                                tcp=tcp)

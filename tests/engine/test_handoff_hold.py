@@ -15,7 +15,7 @@ import threading
 
 import pytest
 
-from dualpace.engine.migration import migrate_out
+from dualpace.engine.transfer.migration import migrate_out
 from dualpace.engine.request import EngineRequest, RequestState
 from dualpace.engine.scheduler import Scheduler, SchedulerConfig
 from dualpace.engine.step_plan import StepResult

@@ -1,4 +1,4 @@
-"""dualpace/engine/ring_pacing.py: a layer's stamps split its round trip, a long wait is counted
+"""dualpace/engine/assist/ring_pacing.py: a layer's stamps split its round trip, a long wait is counted
 apart, and a payload that is not a stamp is none; dualpace/engine/run_delay.py reads this thread's
 run-queue time (tests/gpu_service/test_join_ring_stamps.py: a joined iteration through a real ring)."""
 
@@ -8,8 +8,8 @@ import os
 
 import pytest
 
-from dualpace.engine import ring_pacing
-from dualpace.engine.ring_pacing import LayerMarks
+from dualpace.engine.assist import ring_pacing
+from dualpace.engine.assist.ring_pacing import LayerMarks
 from dualpace.engine.run_delay import runqueue_wait_ns
 
 US = 1_000

@@ -1,4 +1,4 @@
-"""dualpace/engine/shm_doorbell.py's wait: when the value is seen (`seen_ns`), and a wait told the
+"""dualpace/engine/assist/shm_doorbell.py's wait: when the value is seen (`seen_ns`), and a wait told the
 value is not due yet sleeps on the futex first, then spins (ring_pacing.WakeAhead's use)."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ import time
 
 import pytest
 
-from dualpace.engine import shm_doorbell
-from dualpace.engine.shm_doorbell import Doorbell
+from dualpace.engine.assist import shm_doorbell
+from dualpace.engine.assist.shm_doorbell import Doorbell
 
 pytestmark = pytest.mark.skipif(not shm_doorbell.SUPPORTED, reason="doorbells need Linux x86-64")
 

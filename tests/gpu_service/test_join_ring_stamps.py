@@ -1,5 +1,5 @@
 """A joined iteration through a real ring (gpu_service/join_channel.py's RingJoinChannel against
-cpu_service/assist_shm.py's ShmIterations, dualpace/engine/ring_pacing.py): the GPU side stamps
+cpu_service/assist_shm.py's ShmIterations, dualpace/engine/assist/ring_pacing.py): the GPU side stamps
 the CPU side stamps its answers; the answers are the CPU's, and the channel's marks count each
 layer with times that add up."""
 
@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from cpu_service.assist_shm import ShmIterations
-from dualpace.engine.assist_types import AssistBegin, AssistResult, AssistShmAnswer
-from dualpace.engine.shm_doorbell import SUPPORTED
-from dualpace.engine.shm_ring import ShmSegment
+from dualpace.engine.assist.assist_types import AssistBegin, AssistResult, AssistShmAnswer
+from dualpace.engine.assist.shm_doorbell import SUPPORTED
+from dualpace.engine.assist.shm_ring import ShmSegment
 from gpu_service.join_channel import RingJoinChannel, send_result
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from dualpace.engine.kv_checksum import kv_checksum
+from dualpace.engine.transfer.kv_checksum import kv_checksum
 from dualpace.errors import InvalidArgument
 from dualpace.sampling_params import SamplingParams
 
@@ -46,17 +46,17 @@ class KvTransferHeader:
     total_bytes: int
     source_engine: str
     num_cached_tokens: int = 0  # prompt tokens the source served from its prefix cache
-    cache_only: bool = False  # host tier: prefix-cache blocks, not a live request (dualpace.engine.host_tier)
+    cache_only: bool = False  # host tier: prefix-cache blocks, not a live request (dualpace.engine.transfer.host_tier)
     cache_salt: str = ""  # with cache_only: the source's prefix-cache salt
     num_prior_output_tokens: int = 0  # the prompt's last tokens that were output before a re-submission
     # With cache_only: the target first answers which leading tokens it caches already
-    # (cache_held) and the sender sends only the rest (dualpace.engine.prefix_copy).
+    # (cache_held) and the sender sends only the rest (dualpace.engine.transfer.prefix_copy).
     skip_cached: bool = False
 
 
 @dataclass(frozen=True)
 class PrefixCopy:
-    """What one cache-only transfer of a cached prefix did (dualpace.engine.prefix_copy)."""
+    """What one cache-only transfer of a cached prefix did (dualpace.engine.transfer.prefix_copy)."""
 
     num_tokens: int  # leading tokens the target caches now from this transfer
     num_sent_tokens: int  # of those, the tokens whose KV was sent (the rest the target held already)

@@ -4,7 +4,7 @@ Both pools are [num_layers, num_blocks, block_size, num_kv_heads, head_dim] for 
 (dualpace.kv.storage). Slots are flat (block * block_size + offset). A transfer's source
 slots and target slots are cut into runs that are contiguous on both sides.
 
-The checksum of a layer is the CRC32C (dualpace.engine.kv_checksum's, in hardware) of its K
+The checksum of a layer is the CRC32C (dualpace.engine.transfer.kv_checksum's, in hardware) of its K
 bytes in token order followed by its V bytes in token order: the checksum a gRPC chunk covering
 the whole layer would carry. Each side computes it over its own memory, once:
 - the sender copies each layer and CRCs its source in the same pass: in C where
@@ -19,7 +19,6 @@ the whole layer would carry. Each side computes it over its own memory, once:
 
 from __future__ import annotations
 
-import os
 import threading
 from collections.abc import Callable
 from typing import Protocol
@@ -28,7 +27,7 @@ import crc32c
 import numpy as np
 import torch
 
-from dualpace.engine import kv_copy_native
+from dualpace.engine.transfer import kv_copy_native
 
 # A transfer this small is copied (and verified) on the event loop itself: the hop to a worker
 # thread costs a wake-up (tens of microseconds idle, milliseconds on a loaded machine), more than
@@ -39,12 +38,11 @@ INLINE_MAX_BYTES = 4 * 2**20
 
 # A transfer at least this large is copied with non-temporal stores (kv_copy_native, where its zmm
 # folding loop runs): larger than the two cores' L2 caches, its target blocks are not in cache when
-# written, and an ordinary store first reads the line it writes. Measured:
-# the sender's copy of 1024 tokens (23.6 MB) faster, the target's verify after it
-# slightly slower (alternated medians over six pairs at load 3-4: copy 4.8 against 5.7 ms, verify 4.0
-# against 3.5, the transfer 11.9 against 12.4). Smaller ones keep ordinary stores: their lines are
-# still in cache for the verify. `DUALPACE_KV_STREAM_MIN_BYTES` sets it (A/B runs: a huge value = off).
-STREAM_MIN_BYTES = int(os.environ.get("DUALPACE_KV_STREAM_MIN_BYTES", 8 * 2**20))
+# written, and an ordinary store first reads the line it writes. Measured on a 2-core host
+# (medians over six alternated pairs): the sender's copy of 1024 tokens (23.6 MB) 4.8 ms against 5.7,
+# the target's verify after it 4.0 against 3.5, the transfer 11.9 against 12.4. Smaller ones keep
+# ordinary stores: their lines are still in cache for the verify.
+STREAM_MIN_BYTES = 8 * 2**20
 
 # The piece copied and then CRC'd at once on the sender: small enough to be still in the core's
 # L2 cache (512 KB per core on Zen 3, 1-2 MB on recent Xeons) when the CRC reads it back.

@@ -34,8 +34,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dualpace.engine import same_host
-from dualpace.engine.shm_doorbell import Doorbell
+from dualpace.engine.assist.shm_doorbell import Doorbell
 
 MAGIC = b"DPASHM01"
 VERSION = 1
@@ -72,11 +71,6 @@ class SlotMessage:
 
 def _never() -> bool:
     return False
-
-
-def boot_id() -> str:
-    """This kernel's boot id ("" where it cannot be read: then no segment is offered or accepted)."""
-    return same_host.boot_id() or ""
 
 
 def _aligned(num_bytes: int) -> int:

@@ -17,8 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
-from dualpace.engine.join_desk import JoinDesk, JoinOutcome, JoinRequest, JoinStepInfo
-from dualpace.engine.ring_pacing import LayerMarks
+from dualpace.engine.assist.join_desk import JoinDesk, JoinOutcome, JoinRequest, JoinStepInfo
+from dualpace.engine.assist.ring_pacing import LayerMarks
 from dualpace.engine.run_delay import runqueue_wait_ns
 from dualpace.model.paged_forward import SequenceWork, build_step_tensors
 from dualpace.model.split_forward import RemoteBatch, RemoteRows, SplitForward

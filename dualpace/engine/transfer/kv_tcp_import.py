@@ -4,7 +4,7 @@ The daemon listens on one TCP port of its own host (TcpDataServer), advertised p
 the reservation over gRPC (KvTcpReserved). An import opens a one-time ticket there after its
 blocks are reserved; the first connection that presents it gets the import's receive, any other
 (a wrong, replayed or revoked ticket, or not this protocol) is closed without reading further.
-The two-phase rules of dualpace.engine.migration hold unchanged: the bytes land only in blocks
+The two-phase rules of dualpace.engine.transfer.migration hold unchanged: the bytes land only in blocks
 reserved for this import, which no step reads until the commit; verification happens before
 the commit; and when the import ends otherwise, the ticket is revoked and the connection shut
 down, and the blocks are freed only after the receive thread has stopped writing them.
@@ -19,11 +19,11 @@ import socket
 import ssl
 from dataclasses import dataclass
 
-from dualpace.engine import kv_tcp_data
-from dualpace.engine.kv_bytes import DTYPE_NAMES, tensor_from_bytes
-from dualpace.engine.migration import KvImporter
-from dualpace.engine.same_host import HANDSHAKE_TIMEOUT_S, accept_forever, new_ticket, recv_exactly
-from dualpace.engine.worker_pools import run_in_pool
+from dualpace.engine.transfer import kv_tcp_data
+from dualpace.engine.transfer.kv_bytes import DTYPE_NAMES, tensor_from_bytes
+from dualpace.engine.transfer.migration import KvImporter
+from dualpace.engine.transfer.same_host import HANDSHAKE_TIMEOUT_S, accept_forever, new_ticket, recv_exactly
+from dualpace.engine.transfer.worker_pools import run_in_pool
 from dualpace.errors import InvalidArgument
 
 log = logging.getLogger(__name__)

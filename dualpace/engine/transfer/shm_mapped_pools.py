@@ -14,7 +14,7 @@ Rules, all on the event loop's thread:
   when several hand-offs to one target started at once.)
 - **A watch descriptor leaves the event loop before it is closed**, always.
 - **The watch carries the write leases** of the copies into its pool (`lease()`,
-  dualpace.engine.shm_watch_leases), so its end would end them: a mapping dropped while copies
+  dualpace.engine.transfer.shm_watch_leases), so its end would end them: a mapping dropped while copies
   still use it closes its watch only after the last of them (unless the owner is gone already).
 - **Counted users.** A copy holds its mapping through `using()`; a mapping that was dropped
   (the target went away, or restarted with another segment) is given to no new copy, and this
@@ -34,11 +34,11 @@ import socket
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
-from dualpace.engine.kv_shm_protocol import ShmReservation
-from dualpace.engine.same_host import SameHostRefused, fetch_fd
-from dualpace.engine.shm_control import OutgoingStream
-from dualpace.engine.shm_segment import MappedKvSegment
-from dualpace.engine.shm_watch_leases import WatchLeases
+from dualpace.engine.transfer.kv_shm_protocol import ShmReservation
+from dualpace.engine.transfer.same_host import SameHostRefused, fetch_fd
+from dualpace.engine.transfer.shm_control import OutgoingStream
+from dualpace.engine.transfer.shm_segment import MappedKvSegment
+from dualpace.engine.transfer.shm_watch_leases import WatchLeases
 
 log = logging.getLogger(__name__)
 

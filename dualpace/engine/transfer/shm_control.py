@@ -1,7 +1,7 @@
 """Control streams over the watch connection: an import's messages on one host without gRPC.
 
 Once a sender has mapped a target's pool, it holds a watch connection to the target's
-TicketServer (dualpace.engine.same_host), proven same-host and same-user, opened with a ticket
+TicketServer (dualpace.engine.transfer.same_host), proven same-host and same-user, opened with a ticket
 the target gave it over the authenticated control plane. Where the target says so
 (`ShmReservation.control_on_watch`), the sender's later transfers to that target run their
 whole import stream over that connection instead of a new gRPC stream: the same messages

@@ -7,7 +7,7 @@ from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 
-from dualpace.engine.kv_transfer import KvChunk
+from dualpace.engine.transfer.kv_transfer import KvChunk
 from dualpace.kv.storage import KVStorage
 
 

@@ -23,9 +23,9 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, replace
 
 from dualpace.engine.channel import RequestChannel
-from dualpace.engine.kv_source import OutgoingKv
-from dualpace.engine.kv_bytes import DTYPE_NAMES, tensor_buffer, tensor_from_bytes
-from dualpace.engine.kv_transfer import (
+from dualpace.engine.transfer.kv_source import OutgoingKv
+from dualpace.engine.transfer.kv_bytes import DTYPE_NAMES, tensor_buffer, tensor_from_bytes
+from dualpace.engine.transfer.kv_transfer import (
     DEFAULT_CHUNK_BYTES,
     ImportProgress,
     KvChunk,
@@ -36,7 +36,7 @@ from dualpace.engine.kv_transfer import (
 )
 from dualpace.engine.loop import EngineLoop
 from dualpace.engine.request import EngineRequest, RequestEvent, RequestState
-from dualpace.engine.worker_pools import run_in_pool
+from dualpace.engine.transfer.worker_pools import run_in_pool
 from dualpace.errors import InvalidArgument, Unavailable
 from dualpace.validation import validate_request
 

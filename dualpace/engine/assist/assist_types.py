@@ -80,7 +80,7 @@ class AssistResult:
 
 @dataclass(frozen=True)
 class AssistShmOffer:
-    """Same host: the client's shared-memory segment for this stream (dualpace/engine/shm_ring.py)."""
+    """Same host: the client's shared-memory segment for this stream (dualpace/engine/assist/shm_ring.py)."""
 
     boot_id: str
     path: str
@@ -104,7 +104,7 @@ class AssistShmAnswer:
 
 
 class ShmSlotKind(IntEnum):
-    """What one shared-memory slot of a Dense Assist stream holds (dualpace/engine/shm_ring.py)."""
+    """What one shared-memory slot of a Dense Assist stream holds (dualpace/engine/assist/shm_ring.py)."""
 
     BEGIN = 1  # up: payload = the begin's AssistUp bytes
     ATTENTION_OUTPUT = 2  # up: one tensor [batch, num_heads * head_dim]

@@ -1,7 +1,7 @@
 """The bytes of a cross-host KV transfer on a TCP data socket (blocking calls: run them in threads).
 
 gRPC carries the header, the reservation, the layer checksums and the commit, as on the
-same-host path (dualpace.engine.kv_shm_protocol); this socket carries only the KV itself, because
+same-host path (dualpace.engine.transfer.kv_shm_protocol); this socket carries only the KV itself, because
 Python gRPC moves bulk bytes at a small fraction of memcpy (0.4-1.4 GB/s on loopback, whatever
 the message sizes).
 
@@ -26,8 +26,8 @@ from collections.abc import Callable
 import crc32c
 import torch
 
-from dualpace.engine.same_host import TICKET_BYTES
-from dualpace.engine.shm_kv_copy import layer_checksummer, slot_runs
+from dualpace.engine.transfer.same_host import TICKET_BYTES
+from dualpace.engine.transfer.shm_kv_copy import layer_checksummer, slot_runs
 from dualpace.errors import Unavailable
 
 MAGIC = b"DPK1"

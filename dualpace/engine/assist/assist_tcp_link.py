@@ -1,9 +1,9 @@
 """Dense Assist's per-layer messages over a TCP data socket (between hosts; blocking, one thread).
 
-The same-host rings (dualpace.engine.shm_ring) need shared memory; across hosts the gRPC stream
-costs 400-560 us a layer. This link carries the same messages as the rings (a
+The same-host rings (dualpace.engine.assist.shm_ring) need shared memory; across hosts this link
+carries the same messages as the rings (a
 SlotMessage: kind, iteration, layer, up to four tensors, a payload) as length-prefixed frames on
-one TCP connection to the server's data socket (dualpace.engine.kv_tcp_import.TcpDataServer: the
+one TCP connection to the server's data socket (dualpace.engine.transfer.kv_tcp_import.TcpDataServer: the
 client presents a one-time ticket from the gRPC answer), so cpu_service/assist_shm.py and
 gpu_service/assist_shm_session.py run their session logic unchanged over either: TcpLink stands in
 for the ShmSegment, TcpEndpoint for the ShmEndpoint.
@@ -28,7 +28,7 @@ from collections.abc import Sequence
 
 import torch
 
-from dualpace.engine.shm_ring import (
+from dualpace.engine.assist.shm_ring import (
     _DTYPE_CODES,
     _SLOT_HEADER,
     _TENSOR_ENTRY,
@@ -292,7 +292,7 @@ def _send_all(connection: socket.socket, buffers: list) -> None:
 def slot_bytes_of_offer(size_bytes: int, num_slots: int = 2) -> int:
     """The frame size both sides use: the slot size of the offered segment (the client sends its
     size even where no segment can be mapped), bounded."""
-    from dualpace.engine.shm_ring import HEADER_BYTES
+    from dualpace.engine.assist.shm_ring import HEADER_BYTES
 
     return max(0, min((size_bytes - HEADER_BYTES) // (2 * num_slots), MAX_FRAME_BYTES)) // 64 * 64
 

@@ -10,10 +10,7 @@ compiler's version. Where it cannot be used (no compiler, not x86, no SSE4.2, or
 package; that is logged once. Its checksums are the package's exactly (the values on the wire).
 ctypes releases the GIL for each call, so several threads copy at once.
 
-`DUALPACE_KV_CRC=lanes` (or `ymm`) keeps the crc32 lanes (or the 256-bit folding) where the
-widest folding loop would run (A/B benchmarks).
-
-    python -m dualpace.engine.kv_copy_native     # build it now (make venv)
+    python -m dualpace.engine.transfer.kv_copy_native     # build it now (make venv)
 """
 
 from __future__ import annotations
@@ -90,9 +87,6 @@ def get() -> ctypes.CDLL | None:
                     lib, why = None, "DUALPACE_CPU_KERNELS=0"
                 else:
                     lib, why = _load()
-                forced = {"lanes": 0, "ymm": 2}.get(os.environ.get("DUALPACE_KV_CRC", ""))
-                if lib is not None and forced is not None:
-                    lib.dp_kv_set_crc_path(forced)  # A/B runs: the crc32 lanes (or the ymm folding) instead
                 if lib is None:
                     log.warning("fused KV copy + CRC32C unavailable (%s): numpy copy + crc32c package", why)
                 _state["lib"] = lib

@@ -1,7 +1,7 @@
 """Send the cached leading blocks of a token sequence to another engine's prefix cache.
 
 The one transfer both host-tier directions use: the GPU engine offering a finished request's
-blocks to the CPU engine's pool (dualpace.engine.host_tier), and the CPU engine copying a
+blocks to the CPU engine's pool (dualpace.engine.transfer.host_tier), and the CPU engine copying a
 host-resident prefix back to the GPU engine (the CopyPrefix RPC, when the router's cost rule
 prefers that to decoding on the CPU engine; dualpace.policy.host_tier).
 
@@ -17,8 +17,8 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator, Awaitable, Callable, Container
 
-from dualpace.engine.kv_bytes import tensor_bytes
-from dualpace.engine.kv_transfer import (
+from dualpace.engine.transfer.kv_bytes import tensor_bytes
+from dualpace.engine.transfer.kv_transfer import (
     DEFAULT_CHUNK_BYTES,
     KvChunk,
     KvTransferHeader,
@@ -27,8 +27,8 @@ from dualpace.engine.kv_transfer import (
     plan_chunks,
 )
 from dualpace.engine.loop import EngineLoop
-from dualpace.engine.migration import engine_kv_layout
-from dualpace.engine.worker_pools import run_in_pool
+from dualpace.engine.transfer.migration import engine_kv_layout
+from dualpace.engine.transfer.worker_pools import run_in_pool
 from dualpace.errors import FailedPrecondition
 from dualpace.sampling_params import SamplingParams
 

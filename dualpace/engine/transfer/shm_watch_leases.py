@@ -5,7 +5,7 @@ A sender that maps a target's KV pool keeps the connection that fetched the memf
 transfer into that pool, so a transfer opens no connection of its own (before, each one
 connected to the owner's socket from a worker thread: a thread hop plus a connect and an
 accept, about 0.6 ms of a 64-token transfer on a loaded machine). The rules of a lease are
-those of dualpace.engine.same_host, unchanged:
+those of dualpace.engine.transfer.same_host, unchanged:
 
 - the sender asks for a job's lease (`L` + ticket) and writes only once granted (`OK` + ticket);
   a job the owner revoked first is refused (`NO` + ticket) and nothing is written;
@@ -19,7 +19,7 @@ that is never held is ended with `withdraw`. The ask leaves with the next record
 header, right after it), in one send, or at the event loop's next turn: one wake-up of the owner
 for both (sent apart, the owner woke on the first and the sender's next send waited behind it).
 
-The same connection carries control streams too (dualpace.engine.shm_control: a transfer's
+The same connection carries control streams too (dualpace.engine.transfer.shm_control: a transfer's
 import messages without gRPC). Everything here runs on the event loop's thread. Lease messages
 are fixed-size: requests `same_host.REQUEST_BYTES`, answers `same_host.ANSWER_BYTES`; stream
 records carry their length.
@@ -31,7 +31,7 @@ import asyncio
 import contextlib
 import socket
 
-from dualpace.engine.same_host import (
+from dualpace.engine.transfer.same_host import (
     ANSWER_BYTES,
     GRANTED,
     KIND_ASK,
@@ -41,7 +41,7 @@ from dualpace.engine.same_host import (
     SameHostRefused,
     new_ticket,
 )
-from dualpace.engine.shm_control import CODE_UNAVAILABLE, REPLY, BadRecord, OutgoingStream, split_record
+from dualpace.engine.transfer.shm_control import CODE_UNAVAILABLE, REPLY, BadRecord, OutgoingStream, split_record
 
 _VERDICTS = {GRANTED: ANSWER_BYTES, REFUSED: ANSWER_BYTES}
 
@@ -94,7 +94,7 @@ class WatchLeases:
                     stream._ended(code, body.decode("utf-8", "replace"))
 
     def open_stream(self) -> OutgoingStream:
-        """A new control stream to the owner (dualpace.engine.shm_control)."""
+        """A new control stream to the owner (dualpace.engine.transfer.shm_control)."""
         if self.closed:
             raise SameHostRefused("the watch connection was closed")
         stream = OutgoingStream(new_ticket(), self._send_or_end, self._streams.pop)

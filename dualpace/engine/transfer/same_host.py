@@ -8,7 +8,7 @@ segment one of them names is the one the other maps. The proof has two parts:
   namespace (so it is in the same network namespace and nothing is ever written to the
   filesystem), only to a caller of the same user that presents the ticket the owner gave
   it over the authenticated control plane; the caller then checks the random token the
-  owner wrote into the segment's header (dualpace.engine.shm_segment).
+  owner wrote into the segment's header (dualpace.engine.transfer.shm_segment).
 
 Nothing outlives a SIGKILLed daemon: a memfd has no name, an abstract socket goes with
 its process, and a caller that holds a mapping keeps a "watch" connection whose end tells
@@ -19,7 +19,7 @@ takes one for that job, and the owner frees what the job wrote into only once th
 has ended (the caller closed it, or died), so a late write never lands in memory that was
 handed to someone else. A lease is taken either on a connection of its own, or (where the
 owner offers it, `lease_on_watch`) over the caller's watch connection, which then carries the
-leases of all its jobs with the same rules (dualpace.engine.shm_watch_leases): no connection,
+leases of all its jobs with the same rules (dualpace.engine.transfer.shm_watch_leases): no connection,
 no thread, per job. Used by the KV transfer; meant for the Dense Assist rings too.
 
 On a watch connection a caller may also ask for a lease *ahead* (`A` + a ticket of its own
@@ -42,7 +42,7 @@ import struct
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
-from dualpace.engine.shm_control import (
+from dualpace.engine.transfer.shm_control import (
     CODE_UNAVAILABLE,
     KIND_ABANDON,
     KIND_MESSAGE,
@@ -129,7 +129,7 @@ class TicketServer:
         self._socket: socket.socket | None = None
         self._task: asyncio.Task | None = None
         self._connections: set[asyncio.Task] = set()
-        # Runs one control stream over a watch connection (dualpace.engine.shm_control); None: none taken.
+        # Runs one control stream over a watch connection (dualpace.engine.transfer.shm_control); None: none taken.
         self.stream_handler: Callable[[IncomingStream], Awaitable[None]] | None = None
         self._finished_streams: set[bytes] = set()  # random ids: a late message starts nothing
         # Leases asked for ahead (KIND_ASK) of their job: ticket -> (that watch's granted leases, its send).
@@ -201,9 +201,9 @@ class TicketServer:
 
     async def _serve_watch(self, loop: asyncio.AbstractEventLoop, connection: socket.socket) -> None:
         """The fd's caller keeps this connection as its watch, and asks for the write leases of its
-        jobs over it (dualpace.engine.shm_watch_leases): `L` + ticket, answered with the verdict and
+        jobs over it (dualpace.engine.transfer.shm_watch_leases): `L` + ticket, answered with the verdict and
         the ticket; `E` + ticket ends that lease. Every lease granted here ends with the connection.
-        Control streams (dualpace.engine.shm_control) go to `stream_handler`, one task each; they
+        Control streams (dualpace.engine.transfer.shm_control) go to `stream_handler`, one task each; they
         are cancelled when the connection ends (their imports then wait for the leases' end)."""
         granted: dict[bytes, Lease] = {}
         asked: set[bytes] = set()  # this connection's asks ahead (KIND_ASK) that may still wait for a job

@@ -1,4 +1,4 @@
-"""Host tier, target side: a cache-only KV import (dualpace.engine.host_tier) lands in this
+"""Host tier, target side: a cache-only KV import (dualpace.engine.transfer.host_tier) lands in this
 engine's prefix cache instead of becoming a live request.
 
 The transfer is verified chunk by chunk exactly as a migration's (KvImporter's checks and
@@ -22,8 +22,8 @@ from __future__ import annotations
 
 import logging
 
-from dualpace.engine.kv_transfer import ImportProgress, KvTransferHeader
-from dualpace.engine.migration import KvImporter, engine_kv_layout
+from dualpace.engine.transfer.kv_transfer import ImportProgress, KvTransferHeader
+from dualpace.engine.transfer.migration import KvImporter, engine_kv_layout
 from dualpace.errors import FailedPrecondition, InvalidArgument
 
 log = logging.getLogger(__name__)

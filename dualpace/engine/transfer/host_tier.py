@@ -6,7 +6,7 @@ conversation's history, the router can continue that conversation on the CPU eng
 then prefills only the new tokens (router: dualpace.policy.host_tier).
 
 When: a request that finished normally (stop or length) is offered after its step, from
-this engine's loop, with the existing KV transfer (dualpace.engine.kv_transfer's header and
+this engine's loop, with the existing KV transfer (dualpace.engine.transfer.kv_transfer's header and
 chunks over the gRPC sender a migration uses) marked ``cache_only``. That is a write-through at
 finish rather than a copy at eviction: an eviction happens inside the allocation of the step
 that needs the block, whose forward pass overwrites it at once, so copying then would put a
@@ -19,7 +19,7 @@ when the offer is made (found by hash, so a block evicted meanwhile ends the run
 stale is read). Chains already accepted by the host tier are not offered again (a bounded
 memory of their last block's hash), and of a chain that extends one sent before only the new
 blocks travel: the target answers the header with the leading tokens it holds (skip_cached,
-dualpace.engine.prefix_copy, which also does the pin, read and send). Offers wait in a bounded queue; when it is full the
+dualpace.engine.transfer.prefix_copy, which also does the pin, read and send). Offers wait in a bounded queue; when it is full the
 oldest is dropped (counted): the tier is best-effort, a request never waits for it.
 """
 
@@ -30,9 +30,9 @@ import logging
 from collections import OrderedDict, deque
 from dataclasses import dataclass
 
-from dualpace.engine.kv_transfer import DEFAULT_CHUNK_BYTES
+from dualpace.engine.transfer.kv_transfer import DEFAULT_CHUNK_BYTES
 from dualpace.engine.loop import EngineLoop
-from dualpace.engine.prefix_copy import SendCache, send_cached_prefix
+from dualpace.engine.transfer.prefix_copy import SendCache, send_cached_prefix
 from dualpace.engine.request import EngineRequest
 from dualpace.errors import FailedPrecondition
 from dualpace.sampling_params import FinishReason

@@ -8,7 +8,7 @@ geometry, so a process that maps it needs nothing else to address its blocks.
 The owner (`SharedKvMemory`) is passed to KVStorage as its memory; fresh memfd pages read
 as zeros, as torch.zeros would give. A memfd has no name: it goes away with the last
 process that maps it, however that process ends. Both the owner's mapping and another
-process's are faulted in ahead by a background thread (dualpace.engine.shm_populate).
+process's are faulted in ahead by a background thread (dualpace.engine.transfer.shm_populate).
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ from dataclasses import dataclass
 
 import torch
 
-from dualpace.engine.kv_bytes import DTYPE_NAMES, DTYPES_BY_NAME
-from dualpace.engine.shm_populate import populate
+from dualpace.engine.transfer.kv_bytes import DTYPE_NAMES, DTYPES_BY_NAME
+from dualpace.engine.transfer.shm_populate import populate
 from dualpace.errors import InvalidArgument
 
 MAGIC = b"DPKVSEG1"
