@@ -80,7 +80,7 @@ def test_requests_wait_for_their_engine_and_complete_exactly(up_with_a_small_poo
         for rid, stream in streams.items():
             assert stream.wait(HANG_GUARD_S), rid
     assert_exact(streams, prompts, MAX_TOKENS, reference, up.log())
-    assert up.pids[victim] != old_pid, f"{victim} was not restarted:\n{up.log()}"
+    assert up.wait_until(lambda: up.pids[victim] != old_pid), f"{victim} was not restarted:\n{up.log()}"
     for name in ("gpu_service", "cpu_service"):
         probe = EngineProbe(up.addresses[name])
         load = probe.wait_idle(HANG_GUARD_S)
