@@ -86,7 +86,7 @@ def gpu_service_flags(args: argparse.Namespace, policy: str) -> list[str]:
     which would end gated joins waiting for it (a local redo), so both sides get 120 s. Under
     `gated` the join's per-layer wait floor is raised too (--gated-join-layer-wait-ms): NEO has no
     local fallback, and on a shared 2-core host a CPU engine descheduled for more than the 50 ms
-    default dropped joins and sent gated into local iterations (session 8, run 1). dualpace keeps
+    default dropped joins and sent gated into local iterations on a loaded host. dualpace keeps
     the server's default: dropping a late join and redoing it locally is its design."""
     flags = ["--name", "gpu", "--kv-blocks", str(args.gpu_kv_blocks), "--assist-stage-timeout-s", "120"]
     if policy == "gated" and args.gated_join_layer_wait_ms is not None:
@@ -97,8 +97,8 @@ def gpu_service_flags(args: argparse.Namespace, policy: str) -> list[str]:
 def router_queue_flags(args: argparse.Namespace) -> list[str]:
     """How long the router lets a request wait for room (its --ttft-target-ms): by default as long
     as the load generator waits for it (--timeout-s), for every policy. vLLM queues without a time
-    limit; the router's 30 s default refused 10 of 24 gpu-only requests at 4 req/s on a loaded host
-    (session 8, run 1), which is a limit of the bench's router, not of the policy."""
+    limit; the router's 30 s default refused 10 of 24 gpu-only requests at 4 req/s on a loaded host,
+    which is a limit of the bench's router, not of the policy."""
     queue_s = args.timeout_s if args.router_queue_timeout_s is None else args.router_queue_timeout_s
     return ["--ttft-target-ms", f"{1000 * queue_s:g}"] if queue_s > 0 else []
 
@@ -202,7 +202,7 @@ def run_policy(args: argparse.Namespace, policy: str, rates: list[float]) -> dic
         stop_system(daemons)  # the engines write their last timeline records on the way out
         if args.log_dir:
             keep_logs(Path(args.log_dir), policy, daemons)
-    if args.step_timeline_dir and policy != "gpu-only":  # the acceptance points of issue 18 (gated)
+    if args.step_timeline_dir and policy != "gpu-only":  # gated's two points on the step timelines
         timeline = check_files(timeline_paths(args.step_timeline_dir, policy), policy)
         print(f"   {policy} step timelines:\n{timeline['report']}", file=sys.stderr)
         return {"rows": rows, "runs": summaries, "timeline": timeline}

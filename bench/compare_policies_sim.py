@@ -1,5 +1,5 @@
 """The simulator's side of bench/compare_policies.py: the same traces through `dualpace sim` with
-the policy's configuration, and the real-vs-simulated table (docs/results.md "Simulator vs real")."""
+the policy's configuration, and the real-vs-simulated table."""
 
 from __future__ import annotations
 
@@ -108,7 +108,7 @@ def sim_comparison(report: dict, profile_path: str, trace_dir: str | None = None
                    "sim_cpu_local_assisted": [sim["cpu_local_iterations"], sim["cpu_assisted_iterations"]],
                    "sim_moves": [sim["num_handoffs"], sim["num_migrations"]],
                    # where the tokens were decoded: a simulated request that stays on the GPU engine sees
-                   # its prefill steps as ITL gaps (docs/results.md, session 10)
+                   # its prefill steps as ITL gaps
                    "real_gpu_engine_tokens": (run.get("summary") or {}).get("tokens_by_engine", {}).get("gpu"),
                    "sim_gpu_engine_tokens": sim["num_gpu_engine_tokens"]}
             out["err_tps_pct"] = _error_pct(out["real_tps"], out["sim_tps"])

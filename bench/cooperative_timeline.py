@@ -1,5 +1,5 @@
-"""Check issue 18's two gated acceptance points on the daemons' step timelines
-(`--step-timeline PATH` on gpu_service and cpu_service; docs/design_cooperative_execution.md, section 8):
+"""Check gated's two points on the daemons' step timelines (`--step-timeline PATH` on
+gpu_service and cpu_service):
 
 1. **CPU requests advance only inside GPU iterations** (`--policy gated`): every CPU-engine record
    of a decode iteration is `cooperative`, names the GPU step that made its tokens

@@ -320,7 +320,7 @@ def main() -> None:
         "kv_fixed_ms": round(shm_summary["fixed_ms"], 3),
         "kv_grpc_fixed_ms": round(grpc_summary["fixed_ms"], 3),
         "kv_shm_fit_gbps": round(shm_summary["fit_gbps"], 3),
-        # The fitted (marginal) rate against both copy references: issue 17's bandwidth criterion, the
+        # The fitted (marginal) rate against both copy references: the bandwidth criterion, the
         # fixed cost (kv_fixed_ms) being counted apart.
         "kv_shm_fit_fraction_of_memcpy": round(shm_summary["fit_gbps"] / statistics.mean([memcpy, memcpy_after]), 3),
         "kv_shm_fit_fraction_of_cold_memcpy": round(shm_summary["fit_gbps"] / cold["gbps"], 3),

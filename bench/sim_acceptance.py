@@ -1,4 +1,4 @@
-"""Issue 18's simulated acceptance table: the same traces on every reference profile, dualpace
+"""The simulated acceptance table: the same traces on every reference profile, dualpace
 (cooperative: its CPU iterations' rows join the GPU engine's steps where the planner says so) vs
 gated as built (NEO: --assist-device-hold cooperative, CPU requests advance only inside GPU steps)
 and vs gpu-only (optimistic admission, preemption by recompute), at equal P99 ITL, and the highest
@@ -16,7 +16,8 @@ engine the design assumes, and the code's measured overheads. Deterministic: the
 machine changes only the wall time.
 
 Per case: SLO = 100 ms P99 ITL, unless gpu-only's P99 ITL at the lowest swept rate (its floor)
-is 100 ms or more; then 2 x that floor (the rule docs/results.md used for the A10G what-if).
+is 100 ms or more; then 2 x that floor (a step carrying a prefill chunk sets that floor on the
+24 GB boxes, and no policy can go below it).
 dualpace and gated run with the router's admission ITL target set to the SLO.
 - "tok/s at SLO": a policy's throughput at P99 ITL = SLO, interpolated along its rate sweep
   (bench.load.report.value_at_itl, as `dualpace sim --itl-targets-ms`); the best point within

@@ -1,4 +1,4 @@
-"""The soak's extra chaos (issue #20, item 8), run on a thread beside the load (bench/soak.py):
+"""The soak's extra chaos, run on a thread beside the load (bench/soak.py):
 
 - **orphans**: a second router on the same engines takes a few long requests and is SIGKILLed,
   not restarted; the engines must drop them within their orphan lease (`--orphan-timeout-s`),

@@ -4,7 +4,7 @@ A queue feeds the call's requests (gRPC's sync stub sends them from its own cons
 the caller reads each reply itself on its own thread, as it waits for it anyway. Until session
 9 a reader thread drained the replies into a second queue, which put one more thread wake-up
 (reader -> caller) into every layer's round trip; a bare bidi echo on this project's test host
-ran at 150-175 µs p50 read directly against 180-290 µs through such a thread (bench.grpc_floor).
+ran at 150-175 µs p50 read directly against 180-290 µs through such a thread.
 Reading on the caller's thread has no timeout of its own, so a watchdog thread cancels the call
 when a read outlives its timeout. It is woken only when a read starts while it is idle (it
 then sleeps until that read's deadline, and finds a later read's deadline when it wakes), so a

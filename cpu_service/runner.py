@@ -4,7 +4,7 @@ A failed assisted iteration is redone locally in the same step, so no request
 is lost or corrupted when gpu_service is unreachable, slow or dies mid-iteration. A failure backs
 the chooser off; a refusal because the GPU is busy (RESOURCE_EXHAUSTED) is learnt as a latency.
 
-Cooperative (docs/design_cooperative_execution.md): the iteration asks gpu_service to run its
+Cooperative: the iteration asks gpu_service to run its
 dense rows inside the GPU engine's next step (a join). dualpace asks when the ModeChooser picks
 COOPERATIVE, waiting at most its slack for the step; gated (`gated_hold="join"`) asks for every
 decode iteration and waits up to the server's stage timeout; `gated_hold="held"` is the old gated

@@ -5,8 +5,7 @@ and step loop (dualpace.v1.Engine), and serves Dense Assist to the CPU engine
 (dualpace.v1.DenseAssist), sharing one device lock: an assist stage takes it per layer's
 dense work, and the engine's forward hands it over between its own layers
 (DeviceHandoff; see gpu_service/dense_assist.py). With --assist-join on (the default) a
-same-host CPU engine's iterations may instead join this engine's steps through a JoinDesk
-(docs/design_cooperative_execution.md).
+same-host CPU engine's iterations may instead join this engine's steps through a JoinDesk.
 On a machine without CUDA the same code runs on the CPU device.
 """
 

@@ -27,7 +27,7 @@ cpu_service's `--gated-hold held`, and as the downgrade where a join cannot run)
 
 Joins (begin.join_engine_iteration, ring streams of a server with a JoinDesk): the begin's
 rows ride in the GPU engine's next step instead of stages of their own, driven by the step
-thread through a gpu_service/join_channel.py channel (docs/design_cooperative_execution.md).
+thread through a gpu_service/join_channel.py channel.
 
 Bounded wait (begin.max_device_wait_ms): a budget per iteration: the waits of all its
 stages for the device add up to at most that; past it the stage raises Overloaded
@@ -158,7 +158,7 @@ class AssistSession:
         """Start an iteration: embed the batch, compute RoPE once, return layer 0's q, k, v.
 
         A begin with join_engine_iteration and a ring `channel` is offered to the engine's next
-        step instead (docs/design_cooperative_execution.md): RESULT_SENT when that step ran it
+        step instead: RESULT_SENT when that step ran it
         (its result went down the ring); not taken within max_join_wait_us, it runs staged from
         here (dualpace); gated (max_join_wait_us 0) waits up to the stage timeout, then
         AssistExpired. Without a channel or a desk a join runs as if it were none: staged, or held

@@ -1,5 +1,5 @@
 """A joined iteration's exchange over its stream's shared-memory ring (the RemoteRowsChannel of
-dualpace/engine/join_desk.py, docs/design_cooperative_execution.md section 4).
+dualpace/engine/join_desk.py).
 
 When a ring begin asks to join the GPU engine's step, the stream's thread hands the join to the
 JoinDesk and waits there; the engine's step thread then drives the iteration through this

@@ -1,5 +1,4 @@
-"""The house has three floors and imports only run downwards (ARCHITECTURE.md §3, the
-"Floors" section of docs/architecture.md):
+"""The house has three floors and imports only run downwards:
 
     floor 3  tools    profiles/, bench/, toolkit/ (what the tools share), dualpace_cli/
     floor 2  daemons  gpu_service/, cpu_service/, router/   (never import one another)

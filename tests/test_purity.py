@@ -1,4 +1,4 @@
-"""The scheduling and decision code stays pure (ARCHITECTURE.md §5): no torch, grpc, asyncio,
+"""The scheduling and decision code stays pure: no torch, grpc, asyncio,
 clock, randomness or numpy, so it can be unit-tested and simulated. One list for the whole
 project: the engine's scheduler, cpu_service's mode choice, the GPU step's cooperative layout and
 join rule, the router's views, admission and migration planner, and the profiles' schema and cost model (the router and the simulator use them)."""

@@ -1,4 +1,4 @@
-"""`dualpace up`'s restart decisions (issue #20, item 0): the budget's backoff and window, and one
+"""`dualpace up`'s restart decisions: the budget's backoff and window, and one
 supervision pass over fake children (which restarts, which is left alone, when up gives up)."""
 
 from __future__ import annotations

@@ -3,8 +3,8 @@
     dualpace client --router 127.0.0.1:50051 --chat "What is the capital of France?"
     dualpace client --router 127.0.0.1:50051 --prompt-ids 1,4093,198 --max-tokens 16 --json
 
-Text is written as it arrives; a one-line summary (engines, tokens, finish reason, time to
-first token, decode speed) follows on stderr. --json prints one JSON object per streamed message.
+Text is written as it arrives and ends its line; a one-line summary in brackets (engines,
+tokens, finish reason, time to first token, decode speed) follows on stderr. --json prints one JSON object per streamed message.
 A gRPC error is one line, `dualpace client: error: CODE: details`, and exit status 2.
 """
 
@@ -63,7 +63,14 @@ def summary_line(engines: list[str], usage: dict | None, num_tokens: int, finish
         parts.append(f"TTFT {1e3 * (first_token - started):.0f} ms")
         if num_tokens > 1 and last_token is not None and last_token > first_token:
             parts.append(f"{(num_tokens - 1) / (last_token - first_token):.1f} tokens/s")
-    return ", ".join(parts)
+    return "[" + ", ".join(parts) + "]"
+
+
+def end_line(ends_line: bool) -> None:
+    """The answer ends its line on stdout before anything goes to stderr (the summary, an error)."""
+    if not ends_line:
+        sys.stdout.write("\n")
+    sys.stdout.flush()
 
 
 def run(args: argparse.Namespace) -> int:
@@ -79,7 +86,7 @@ def run(args: argparse.Namespace) -> int:
     engines: list[str] = []
     num_tokens, usage, finish_reason = 0, None, None
     first_token = last_token = None
-    wrote_text = False
+    ends_line = True  # nothing written yet, or the answer's text so far ends with a newline
     with grpc.insecure_channel(args.router) as channel:
         started = time.perf_counter()
         call = router_pb2_grpc.RouterStub(channel).Generate(request)
@@ -101,17 +108,15 @@ def run(args: argparse.Namespace) -> int:
                 elif piece["text"]:
                     sys.stdout.write(piece["text"])
                     sys.stdout.flush()
-                    wrote_text = True
+                    ends_line = piece["text"].endswith("\n")
         except grpc.RpcError as exc:
-            if wrote_text:
-                print(flush=True)
+            end_line(ends_line)
             code = exc.code().name if exc.code() is not None else "UNKNOWN"
             print(f"dualpace client: error: {code}: {exc.details()}", file=sys.stderr)
             return 2
         finally:
             call.cancel()  # no-op once the stream has ended; aborts the request on Ctrl-C
-    if not args.json:
-        print(flush=True)
+    end_line(ends_line)
     print(summary_line(engines, usage, num_tokens, finish_reason, started, first_token, last_token),
           file=sys.stderr, flush=True)
     return 0

@@ -288,8 +288,12 @@ class Up:
 
 
 def check_args(args: argparse.Namespace) -> None:
+    """Refuses bad flags before any daemon starts (a missing model would otherwise be found by
+    gpu_service, after its start)."""
     from dualpace.errors import InvalidArgument
+    from dualpace.model.registry import resolve_model_path
 
+    resolve_model_path(args.model)  # ModelLoadError naming the model
     for name in ("gpu_kv_blocks", "cpu_kv_blocks", "threads_per_engine"):
         value = getattr(args, name)
         if value is not None and value < 1:

@@ -1,7 +1,7 @@
 """Dense Assist's per-layer messages over a TCP data socket (between hosts; blocking, one thread).
 
 The same-host rings (dualpace.engine.shm_ring) need shared memory; across hosts the gRPC stream
-costs 400-560 us a layer (docs/perf.md). This link carries the same messages as the rings (a
+costs 400-560 us a layer. This link carries the same messages as the rings (a
 SlotMessage: kind, iteration, layer, up to four tensors, a payload) as length-prefixed frames on
 one TCP connection to the server's data socket (dualpace.engine.kv_tcp_import.TcpDataServer: the
 client presents a one-time ticket from the gRPC answer), so cpu_service/assist_shm.py and

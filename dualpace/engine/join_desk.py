@@ -1,5 +1,5 @@
 """The meeting point of assist sessions that want their rows in the GPU engine's next step
-(remote rows, docs/design_cooperative_execution.md section 4) and the engine's step thread.
+(remote rows: docs/architecture.md describes the timeline) and the engine's step thread.
 
 A session's thread calls `offer()` and blocks there until the step thread finished the join
 (TAKEN_DONE: its result went out through its channel), dropped it mid-step (DROPPED: its

@@ -1,6 +1,6 @@
-"""A GPU engine step that carries the joins the JoinDesk handed it (docs/design_cooperative_execution.md
-section 4): the layout from the pure planner (dualpace.policy.cooperative_plan), the layer loop in
-dualpace.model.split_forward, then each join's logits to its channel and its outcome to the desk.
+"""A GPU engine step that carries the joins the JoinDesk handed it: the layout from the pure planner
+(dualpace.policy.cooperative_plan), the layer loop in dualpace.model.split_forward, then each join's
+logits to its channel and its outcome to the desk.
 
 The own rows' logits come back in the plan's order, so sampling is the same as a plain step's.
 A join the planner declines (STAGED) is settled NOT_TAKEN before any of its rows ran: its

@@ -1,13 +1,12 @@
 """The one checksum over KV bytes that cross a process boundary (a migration's chunks).
 
-CRC32C (Castagnoli), from the `crc32c` package: the CPU's CRC instruction (SSE4.2 on
-x86-64, the CRC extension on ARMv8) with a software fallback, and the GIL released on
-large buffers, so the source's export and the target's import threads checksum in parallel
-with the step loop. A CRC (not a hash such as xxHash) because what it guards against is
-corruption, where a CRC's guarantee on burst and few-bit errors is the point; CRC32C rather
-than zlib's CRC32 because it has that hardware instruction (see docs/perf.md for both rates
-beside memcpy). Computed once per side: by the source when it reads a chunk, by the target
-before it writes one. Torch-free; takes any buffer (bytes, memoryview, a numpy array).
+CRC32C (Castagnoli), from the `crc32c` package: the CPU's CRC instruction (SSE4.2 on x86-64, the CRC
+extension on ARMv8) with a software fallback, and the GIL released on large buffers, so the source's
+export and the target's import threads checksum in parallel with the step loop. A CRC (not a hash
+such as xxHash) because what it guards against is corruption, where a CRC's guarantee on burst and
+few-bit errors is the point; CRC32C rather than zlib's CRC32 because it has that hardware
+instruction. Computed once per side: by the source when it reads a chunk, by the target before it
+writes one. Torch-free; takes any buffer (bytes, memoryview, a numpy array).
 """
 
 from __future__ import annotations

@@ -1,9 +1,9 @@
-"""Where each layer's ring round trip of a joined iteration went (docs/design_cooperative_execution.md,
-section 4), from CLOCK_MONOTONIC stamps (`time.monotonic_ns`, one clock for every process of the
-host; checked on this host: a stamp taken on one core and read on the other is sub-µs apart):
-the CPU's attention output carries, in the slot's payload (which older servers ignore), when it
-saw the layer's q/k/v and when it posted the output (`OUTPUT_STAMP`); the GPU side knows when it
-posted the q/k/v, when it began to wait and when its receive returned.
+"""Where each layer's ring round trip of a joined iteration went, from CLOCK_MONOTONIC stamps
+(`time.monotonic_ns`, one clock for every process of the host; checked on this host: a stamp taken
+on one core and read on the other is sub-µs apart): the CPU's attention output carries, in the
+slot's payload (which older servers ignore), when it saw the layer's q/k/v and when it posted the
+output (`OUTPUT_STAMP`); the GPU side knows when it posted the q/k/v, when it began to wait and when
+its receive returned.
 
 With them the GPU side splits each layer's round trip (`LayerMarks`): the hop down (its post
 until the CPU's receive returned: the doorbell, the CPU thread's wake-up, its GIL), the CPU's

@@ -62,7 +62,7 @@ class ModelRunner:
         self.last_step_record_fields: dict = {}  # the last step's joins, for its StepRecord (EngineLoop)
 
     def set_join_desk(self, desk: JoinDesk | None, settings: JoinSettings | None = None) -> None:
-        """Let assist sessions' rows join this engine's steps (docs/design_cooperative_execution.md);
+        """Let assist sessions' rows join this engine's steps;
         None: steps run their own rows only, as without a desk."""
         self.desk = desk
         self._joined = None if desk is None else JoinedStep(self.loaded.model, self.kv, desk,

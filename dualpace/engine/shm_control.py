@@ -7,7 +7,7 @@ the target gave it over the authenticated control plane. Where the target says s
 whole import stream over that connection instead of a new gRPC stream: the same messages
 (serialized ImportKvMessage / ImportKvReply, the same servicer code), framed as records
 beside the leases. Four gRPC messages of 0.6-1.0 ms each become Unix-socket records of a few
-tens of microseconds (docs/perf.md, "Session 8").
+tens of microseconds.
 
 Records (sender -> target, beside `L`/`E` + ticket):
     `M` + stream id (16) + u32 length + message     one import message, in order

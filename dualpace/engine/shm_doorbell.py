@@ -39,7 +39,7 @@ SUPPORTED = platform.system() == "Linux" and platform.machine() in ("x86_64", "A
 _SYS_FUTEX = 202  # x86-64
 _FUTEX_WAIT, _FUTEX_WAKE = 0, 1
 SLEEP_SLICE_S = 1.0  # the longest one futex wait; a missed wake or stop costs at most this
-DEFAULT_SPIN_S = 200e-6  # measured: 200 µs with yields beat 50 µs by 1.5x on a loaded 2-core host (docs/perf.md)
+DEFAULT_SPIN_S = 200e-6  # measured: 200 µs with yields beat 50 µs by 1.5x on a loaded 2-core host
 WORDS_BYTES = 8  # seq, sleeping
 
 _libc = ctypes.CDLL(None, use_errno=True) if SUPPORTED else None

@@ -39,7 +39,7 @@ INLINE_MAX_BYTES = 4 * 2**20
 
 # A transfer at least this large is copied with non-temporal stores (kv_copy_native, where its zmm
 # folding loop runs): larger than the two cores' L2 caches, its target blocks are not in cache when
-# written, and an ordinary store first reads the line it writes. Measured (docs/perf.md, session 9):
+# written, and an ordinary store first reads the line it writes. Measured:
 # the sender's copy of 1024 tokens (23.6 MB) faster, the target's verify after it
 # slightly slower (alternated medians over six pairs at load 3-4: copy 4.8 against 5.7 ms, verify 4.0
 # against 3.5, the transfer 11.9 against 12.4). Smaller ones keep ordinary stores: their lines are

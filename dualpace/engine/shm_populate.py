@@ -1,7 +1,7 @@
 """Fault a shared KV pool's pages in ahead of the transfers, in a background thread.
 
 A transfer into blocks never touched before pays a page fault per 4 KiB page on the side that
-writes (and the owner's pages are allocated then): measured in session 7, a 1024-token copy into
+writes (and the owner's pages are allocated then): measured, a 1024-token copy into
 a fresh pool took 165 ms the first time and 18 ms the second. So both mappings are populated
 once, off the event loop: the owner's right after the pool is made (a private pool is zeroed,
 i.e. committed, at start anyway; a shared one was committed lazily), the sender's right after it

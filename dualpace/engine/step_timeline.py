@@ -13,8 +13,7 @@ local, assisted or cooperative) and with whom:
   the GPU's wait and the GPU step's own start and end; `attention_ns` is the CPU's time
   computing that iteration's attention, the denominator of the GPU-wait share.
 
-bench/cooperative_timeline.py reads both daemons' files and checks the acceptance points of
-docs/design_cooperative_execution.md, section 8.
+bench/cooperative_timeline.py reads both daemons' files and checks gated's two points on them.
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@
 //   16's max and split in two bytes, for int8 x int8 products on 32 lanes (quant_gemv_q8_split.h).
 //   Opt-in: on an AVX2 Zen 3 it measured no faster at batch 1 and slower from batch 2 (two
 //   maddubs + two madd per 32 weights and row, where int16 needs two madd once the weights are
-//   widened; docs/perf.md).
+//   widened).
 // - `fp32`: each 8-weight chunk is unpacked and dequantized in registers to fp32
 //   (scale x q + min) and FMA'd with the fp32 activations. The result equals the dequantized fp32
 //   model up to summation order.
@@ -518,7 +518,7 @@ inline int64_t prepare_bytes(const WeightDesc& w, int64_t M) {
 // (cpu_kernels.cpp) passes false: the switch changes the activations' arithmetic at a batch size, so
 // a row's output would depend on how many rows share its call (tests/model/test_batch_invariance.py).
 // (With it on, bf16 compute once changed the default model's chat answer: not a fault of these
-// tiles but a near tie of the model's first answer token, margin 0.08 logits; docs/perf.md.)
+// tiles but a near tie of the model's first answer token, margin 0.08 logits.)
 inline void prepare(const WeightDesc& w, const float* x, int64_t M, int64_t ldx, void* prepared,
                     bool fp32_switch = true) {
   uint8_t* out = static_cast<uint8_t*>(prepared);

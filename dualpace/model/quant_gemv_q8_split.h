@@ -9,7 +9,7 @@
 // changed greedy output here. So each activation is rounded to a ~14-bit integer and split in
 // two bytes. Why it is not the default: per 32 weights and activation row it takes two maddubs
 // and two madd (the int16 kernel: two madd), which outweighs the widening it saves at batch 1
-// and loses from batch 2 (measured on an AVX2 Zen 3, bench/quant_gemv.py; docs/perf.md). With
+// and loses from batch 2 (measured on an AVX2 Zen 3, one thread, interleaved). With
 // VNNI (vpdpbusd) the two madd would go and the split could pay; not built here.
 //
 // Arithmetic. Per 16 elements of a block (A: elements 0-15, B: 16-31, the two 128-bit lanes of

@@ -1,5 +1,4 @@
-"""The layout of one GPU engine step that carries remote rows (docs/design_cooperative_execution.md,
-sections 2 and 5).
+"""The layout of one GPU engine step that carries remote rows.
 
 Pure (no torch, grpc, asyncio or clock): the runner passes in its own rows, the joins on offer and
 per-layer costs (measured, kept by LayerTimes; or from a profile, built by

@@ -24,7 +24,7 @@ left to prefill; copying back needs a healthy GPU engine with KV room. Between t
   KV transfer of the prefix (the profile's kv_transfer figures) plus the GPU prefill of the
   suffix plus the output at the GPU engine's ITL; copying back is taken only when its transfer
   plus suffix prefill is below recomputing the whole prompt on the GPU engine;
-- without one: continue when allowed (the measured case, docs/results.md), else copy back (a
+- without one: continue when allowed (what was measured to pay on CPU-only hosts), else copy back (a
   transfer of KV costs a small share of recomputing it on any hardware the profiles cover).
 
 Otherwise None, and the request goes through `admit` as before.

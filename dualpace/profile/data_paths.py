@@ -1,11 +1,11 @@
 """Which data path a KV transfer or a Dense Assist iteration takes, and the profile's figures for it.
 
-Pure (no torch, grpc, asyncio or clock). Two daemons on one host move KV and assist tensors
-through shared memory; anything else goes over a TCP data socket or gRPC (docs/architecture.md,
-"KV data plane on one host", "Dense Assist through shared memory"), at very different costs
-(docs/perf.md). A profile may hold each path's figures (dualpace.profile.schema); the cost model,
-the mode chooser and the migration planner read `profile.kv_transfer` and the `assist_ms` table,
-so `for_paths` returns the profile with those set to the figures of the paths in force.
+Pure (no torch, grpc, asyncio or clock). Two daemons on one host move KV and assist tensors through
+shared memory; anything else goes over a TCP data socket or gRPC, at very different costs (same-host
+shared memory runs several times the TCP socket's rate, gRPC a fraction of it). A profile may hold
+each path's figures (dualpace.profile.schema); the cost model, the mode chooser and the migration
+planner read `profile.kv_transfer` and the `assist_ms` table, so `for_paths` returns the profile
+with those set to the figures of the paths in force.
 
 The rules:
 

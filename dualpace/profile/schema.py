@@ -1,6 +1,6 @@
-"""The profile file: a versioned JSON description of one machine running one model
-(ARCHITECTURE §6): its types, its format and the fingerprint comparison; files.py parses,
-validates, reads and writes it. Pure: no torch, grpc, asyncio or clock.
+"""The profile file: a versioned JSON description of one machine running one model (what the daemons
+read to seed their decisions): its types, its format and the fingerprint comparison; files.py
+parses, validates, reads and writes it. Pure: no torch, grpc, asyncio or clock.
 
 Layout (version 1)::
 
@@ -62,7 +62,7 @@ Optional tables (informative; the cost model does not need them):
 - assist_round_trip_ms(batch): assist_ms - gpu_dense_ms, the transport's share (one
   round trip per layer plus serialisation), which decides whether assist pays off.
 
-Data paths (issue 17): KV transfer and Dense Assist run through shared memory between daemons
+Data paths: KV transfer and Dense Assist run through shared memory between daemons
 on one host and over a TCP data socket or gRPC otherwise, at very different costs. A profile may
 carry each: `kv_transfer_paths` ("shm", "grpc", "tcp") and the tables assist_ms_shm /
 assist_ms_grpc / assist_ms_tcp. The plain `kv_transfer` and `assist_ms` stay (older profiles have

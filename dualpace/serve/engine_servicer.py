@@ -228,7 +228,7 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
         finally:
             # The commit did not wake the engine's loop (_commit_import): it is woken here, once the
             # reply is sent or the stream ended, so that an idle engine's first step for the request
-            # does not hold up the reply the source waits for (1-2 ms measured, bench.kv_shm_timeline).
+            # does not hold up the reply the source waits for (1-2 ms measured).
             self.loop.wake()
             # Shielded as one: the blocks are freed only after any shared-memory write has stopped.
             await asyncio.shield(_end_import(shm, importer, tcp))
@@ -305,7 +305,7 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
 
 
 def _log_import(importer: KvImporter, started: float, chunk_ms: float) -> None:
-    """The import's debug line (its marks: bench.kv_shm_timeline), written after the committed reply
+    """The import's debug line (its marks: where the time went), written after the committed reply
     left (at DEBUG it took ~0.1-0.3 ms before the reply, on the transfer's path)."""
     marks = importer.marks
     committed_at = next((t for name, t in reversed(marks) if name == "committed"), time.perf_counter())

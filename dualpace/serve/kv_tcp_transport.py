@@ -1,14 +1,14 @@
 """The cross-host KV transport: gRPC carries the header, the reservation, the layer checksums and the
 commit; the KV bytes go over the target's TCP data socket (dualpace.engine.kv_tcp_data).
 
-Python gRPC moves bulk bytes at about 1 GB/s here whatever the messages (bench.grpc_bulk_floor,
-docs/perf.md), a few percent of memcpy; a socket fed with views of the pool moved the same KV about
-twice as fast (docs/perf.md, session 11). The header offers the data socket; the target answers with a port and a one-time
-ticket, or with the reason it declines (then chunks follow on the gRPC stream, as GrpcKvSender
-sends them). A connection that cannot be made falls back to chunks for that transfer; a failure
-after it (a corrupt layer, a dropped connection, a cancel) fails the transfer with the two-phase
-rules intact: the request runs on the source, the target frees its blocks. Where the target serves
-TLS (KvTcpReserved.tls) the connection is TLS with this daemon's credentials, as its gRPC calls are.
+Python gRPC moves bulk bytes at about 1 GB/s here whatever the messages, a few percent of memcpy; a
+socket fed with views of the pool moved the same KV about twice as fast. The header offers the data
+socket; the target answers with a port and a one-time ticket, or with the reason it declines (then
+chunks follow on the gRPC stream, as GrpcKvSender sends them). A connection that cannot be made
+falls back to chunks for that transfer; a failure after it (a corrupt layer, a dropped connection, a
+cancel) fails the transfer with the two-phase rules intact: the request runs on the source, the
+target frees its blocks. Where the target serves TLS (KvTcpReserved.tls) the connection is TLS with
+this daemon's credentials, as its gRPC calls are.
 """
 
 from __future__ import annotations

@@ -28,9 +28,9 @@ from dualpace.wire.kv_chunk_wire import (
 from dualpace.wire.v1 import engine_pb2
 
 # Chunks go together in one message while their K + V bytes stay within this (0: one message per
-# chunk; a larger chunk goes alone): the chunk size limit itself, 4 MiB. On the session 9 host bare
-# gRPC moved 4 MB messages faster than 0.75 or 8 MB ones (bench.grpc_bulk_floor), and a 1024-token
-# transfer (0.79 MB chunks) took 48 / 66 ms batched to 4 MiB against 56 / 69 ms to 1 MiB (docs/perf.md).
+# chunk; a larger chunk goes alone): the chunk size limit itself, 4 MiB. Bare gRPC moved
+# 4 MB messages faster than 0.75 or 8 MB ones (Intel Xeon with AMX), and a 1024-token
+# transfer (0.79 MB chunks) took 48 / 66 ms batched to 4 MiB against 56 / 69 ms to 1 MiB.
 DEFAULT_BATCH_BYTES = 4 * 2**20
 READ_AHEAD_CHUNKS = 8  # chunks read (or being read) before the writes take them (a chunk is at most 4 MiB)
 # Targets that refused a KvChunkBatch (an older version): sent one chunk per message.
@@ -70,7 +70,7 @@ class GrpcKvSender:
                  batch_bytes: int = DEFAULT_BATCH_BYTES, channels: PeerChannels | None = None):
         self.target_address = target_address
         # Channels kept open across transfers (dualpace.serve.peer_channels): a 1-token transfer took
-        # 8.5 / 11.3 ms on a kept channel against 12.9 / 14.6 ms on a fresh one (docs/perf.md, session 9).
+        # 8.5 / 11.3 ms on a kept channel against 12.9 / 14.6 ms on a fresh one.
         # None: a channel of its own per transfer, closed after it.
         self.channels = channels
         self.faults = faults or FaultConfig()

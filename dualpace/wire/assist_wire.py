@@ -7,7 +7,7 @@ four conversions cost 40-45 µs a layer on an idle host, several times that unde
 
 - `encode_qkv_down` / `encode_attention_output_up` write the serialized message by hand, each
   tensor's bytes read straight from its memory (`ctypes.string_at`) after a head (key, lengths,
-  dtype, shape) kept per shape, and the whole message joined once (session 10: -45% for q/k/v
+  dtype, shape) kept per shape, and the whole message joined once (-45% for q/k/v
   against joining each field in turn); the bytes
   are exactly what SerializeToString writes (tests/wire/test_assist_wire.py), so the peer may
   parse them with the generated classes;
@@ -157,7 +157,7 @@ def encode_attention_output_up(iteration_id: int, layer: int, attention_output: 
 
 
 # The stream's deserializers (the generated parsers themselves; named here so that code outside
-# dualpace/wire, bench/assist_hops.py's marks among it, can wrap them without importing protobuf).
+# dualpace/wire, a timing probe say, can wrap them without importing protobuf).
 parse_up = assist_pb2.AssistUp.FromString
 parse_down = assist_pb2.AssistDown.FromString
 

@@ -26,9 +26,9 @@ class MeasuredOverheads:
     kv_transfer_bytes_per_s: float = MEASURED_KV_TRANSFER_BYTES_PER_S
     kv_transfer_fixed_ms: float = MEASURED_KV_TRANSFER_FIXED_MS
     assist_round_trip_ms: float = 0.166  # shared-memory ring (the default on one host), p50 at batch 8
-    eager_ops_per_layer: int = 60  # torch ops per decode layer (docs/perf.md, torch profiler of PagedForward)
+    eager_ops_per_layer: int = 60  # torch ops per decode layer (torch profiler of PagedForward)
     launch_us_per_op: float = 10.0  # CPU-side CUDA launch, middle of the 5-20 us range (HTA docs)
-    engine_loop_overhead_ms: float = 1.9  # engine loop per iteration (docs/results.md, gpu_service CPU time)
+    engine_loop_overhead_ms: float = 1.9  # engine loop per iteration (from gpu_service's CPU time)
 
     @property
     def launch_ms_per_layer(self) -> float:

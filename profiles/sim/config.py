@@ -51,7 +51,7 @@ class SimConfig:
     # "dense": only its dense part, in one piece at its start (an earlier what-if);
     # "cooperative": its decode rows join the GPU engine's next step as remote rows, laid out by
     #   dualpace.policy.cooperative_plan.plan_layout (profiles/sim/cooperative.py; the daemons'
-    #   design: docs/design_cooperative_execution.md), else what join_rule says; with the gated
+    #   planner), else what join_rule says; with the gated
     #   policy this is NEO as built (CPU requests advance only inside GPU steps, asymmetric
     #   pipelining, no held device).
     # The gated policy otherwise holds it for the whole iteration (the daemons' legacy

@@ -1,5 +1,5 @@
 """Cooperative execution (assist hold "cooperative"), as built: an Assisted CPU iteration's decode
-rows join the GPU engine's next step as remote rows (docs/design_cooperative_execution.md).
+rows join the GPU engine's next step as remote rows.
 
 The GPU step's layout is the daemons' own call, dualpace.policy.cooperative_plan.plan_layout, on
 per-layer costs from the profile (dualpace.profile.cost_model.layer_costs_of_profile, the same

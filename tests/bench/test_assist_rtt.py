@@ -1,6 +1,6 @@
 """bench/assist_rtt.py runs end to end on both transports (the tiny model's shapes, a few
 iterations): every layer's round trip is measured, and the shm run really went through
-shared memory (measure raises otherwise). No figure is asserted: speed lives in docs/perf.md."""
+shared memory (measure raises otherwise). No figure is asserted: speed is measured, never tested."""
 
 from __future__ import annotations
 

@@ -118,11 +118,6 @@ class GpuDaemons:
 
 
 @pytest.fixture(scope="session")
-def tiny_folder(synth_checkpoint) -> str:
-    return str(synth_checkpoint("tiny-llama"))
-
-
-@pytest.fixture(scope="session")
 def gpu_daemons(tiny_folder):
     daemons = GpuDaemons(tiny_folder)
     try:

@@ -1,4 +1,4 @@
-"""Issue #20, item 3: a stalled Dense Assist client does not stall gpu_service.
+"""A stalled Dense Assist client does not stall gpu_service.
 
 A real gpu_service with a short `--assist-idle-timeout-s`. A client opens a session, gets its
 first stage's reply, and stops sending without closing its stream. For a gated session (the

@@ -284,7 +284,7 @@ def test_a_cooperative_request_run_locally_teaches_the_local_mode_too():
 def test_a_busy_refusal_is_learnt_as_a_latency_not_a_backoff():
     """A device mode refused because the GPU was busy past the budget (RESOURCE_EXHAUSTED) keeps
     the chooser on it while its learnt latency, the refusal and local redo included, still beats
-    Local: a backoff ran batches whose Local iteration was 5x slower locally (A10G, session 11)."""
+    Local: a backoff ran batches whose Local iteration was 5x slower locally (simulated A10G)."""
     chooser = ModeChooser(AssistSetting.AUTO, assist_configured=True)
     chooser.seed({(LOCAL, 64): 540.0, (ASSISTED, 64): 110.0})
     assert chooser.choose(50, decode_only=True) == ASSISTED

@@ -308,7 +308,7 @@ def test_a_handoff_waiting_for_its_gpu_prefill_counts_on_the_gpu_as_the_router_c
     the router's planner sees the request on the GPU engine, not migrating: its prompt's blocks
     count there, and the GPU requests already decoding move to the CPU under that pressure. The
     simulator marked it migrating from admission on, left the GPU looking emptier than the real
-    router sees it and kept those requests on the GPU (session 9's quiet take, req-0..req-4)."""
+    router sees it and kept those requests on the GPU (seen against a real run: req-0..req-4)."""
     from dualpace.policy.migration_planner import plan_migrations
     from dualpace.policy.views import EngineView
     from profiles.sim.simulator import Track
@@ -348,7 +348,7 @@ def test_a_staged_iteration_whose_stage_waits_past_its_device_budget_is_redone_l
     """gpu_service charges each stage's wait for the engine's next layer boundary to the begin's
     max_device_wait_ms and refuses the stage when it runs out (RESOURCE_EXHAUSTED); cpu_service
     redoes the iteration locally and learns the whole of it as the assisted latency. Without that the simulated staged iteration rode
-    out a whole long prefill step (820 ms gaps in session 9's quiet take, none in the real run)."""
+    out a whole long prefill step (820 ms gaps simulated where the real run had none)."""
     from dualpace.engine.request import EngineRequest
     from dualpace.sampling_params import SamplingParams
 

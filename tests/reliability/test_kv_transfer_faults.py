@@ -1,4 +1,4 @@
-"""Issue #9, item 8: KV transfers interrupted at 50%, with a corrupt chunk, with a sequence gap.
+"""KV transfers interrupted at 50%, with a corrupt chunk, with a sequence gap.
 
 The model here is tiny-qwen2: two layers, so a transfer is two chunks (one per layer) and
 "cut after 1 chunk" is exactly half of it. Each fault has its own source gpu_service

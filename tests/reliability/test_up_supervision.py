@@ -1,4 +1,4 @@
-"""Issue #20, item 0: `dualpace up` supervises its daemons like systemd's Restart=on-failure.
+"""`dualpace up` supervises its daemons like systemd's Restart=on-failure.
 
 One `dualpace up` on the tiny model (every engine step slowed by a test-only fault so that
 requests overlap; the engines on Unix sockets, as `up` starts them). With concurrent requests

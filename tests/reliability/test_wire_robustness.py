@@ -1,4 +1,4 @@
-"""Issue #9, item 12: what arrives on the wire is not always gRPC, nor well-formed.
+"""What arrives on the wire is not always gRPC, nor well-formed.
 
 One gpu_service for the module. Criteria for every case: a clean gRPC error (or, for bytes
 that are not HTTP/2 at all, a closed connection), never a crash or a hang; afterwards the

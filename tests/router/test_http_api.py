@@ -30,11 +30,6 @@ LONG_MAX_TOKENS = 400  # with the delay: at least 4 s of generation
 
 
 @pytest.fixture(scope="module")
-def model_folder(synth_checkpoint):
-    return str(synth_checkpoint("tiny-llama"))
-
-
-@pytest.fixture(scope="module")
 def up(model_folder):
     process = subprocess.Popen(
         [sys.executable, "-m", "dualpace", "up", "--model", model_folder, "--dtype", "fp32",

@@ -1,4 +1,4 @@
-"""Prompt work off the router's event loop (issue #20, item 2): an oversized prompt is refused
+"""Prompt work off the router's event loop: an oversized prompt is refused
 before any tokenizing, naming the limit; tokenizing runs in the bounded prompt pool, and the
 event loop keeps running other work while a slow one is in progress (order, not time)."""
 

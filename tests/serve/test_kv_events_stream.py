@@ -10,14 +10,9 @@ import pytest
 from dualpace.engine.core import EngineConfig, EngineCore
 from dualpace.engine.loop import EngineLoop
 from dualpace.errors import FailedPrecondition
-from dualpace.model.loader import load_model
 from dualpace.sampling import SamplingParams
 from dualpace.serve.kv_events_stream import watch_kv_events
-
-
-@pytest.fixture(scope="module")
-def tiny(synth_checkpoint):
-    return load_model(str(synth_checkpoint("tiny-llama")), dtype="fp32")
+from tests.helpers import until
 
 
 async def test_stream_reports_stored_blocks_and_ends_with_the_engine(tiny):
@@ -31,8 +26,12 @@ async def test_stream_reports_stored_blocks_and_ends_with_the_engine(tiny):
         pass
     batch = await anext(stream)
     assert batch.events[0].stored.token_ids == list(range(3, 11))  # the prompt's two full blocks
+    # A read pending inside the generator's polling (it has asked the log again) when the loop stops.
+    log = loop.core.scheduler.prefix_cache.events
+    asked, since = [], log.since
+    log.since = lambda last_id: asked.append(last_id) or since(last_id)
     pending = asyncio.ensure_future(anext(stream))
-    await asyncio.sleep(0.05)  # the generator is now polling the loop
+    await until(lambda: asked, "the generator polls the log again")
     loop.stop()
     await task
     with pytest.raises(StopAsyncIteration):
