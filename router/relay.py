@@ -322,12 +322,15 @@ class Relay:
                     self.tracked.waiting_for = None
                     return engine, call
             bound_s = core.config.resume_wait_s if waiting else core.config.recovery_timeout_s
-            remaining_s = self._bounded(started + bound_s) - time.monotonic()
+            deadline = self._bounded(started + bound_s)
+            remaining_s = deadline - time.monotonic()
             if remaining_s <= 0:
                 if waiting:
+                    ended_by = ("before the client's deadline" if deadline < started + bound_s
+                                else f"within {bound_s:g} s (--resume-wait-s)")
                     raise Unavailable(f"request {self.request_id} waited for engine {failed.name} at "
-                                      f"{failed.address} to come back (no other engine can hold it) and it did not "
-                                      f"within {bound_s:g} s (--resume-wait-s) or the client's deadline")
+                                      f"{failed.address} to come back (no other engine can hold it); it did not "
+                                      f"come back {ended_by}")
                 raise Unavailable(f"no surviving engine could take request {self.request_id}")
             await core.wait_for_change(min(remaining_s, 0.5))
 

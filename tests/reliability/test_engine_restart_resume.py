@@ -1,4 +1,4 @@
-"""Issue #40: an engine dies holding requests no surviving engine can ever hold.
+"""An engine dies holding requests no surviving engine can ever hold.
 
 The router keeps such a request paused and continues it on the same engine once that engine
 is back on its address (restarted by `dualpace up`, as systemd's Restart=on-failure would),
@@ -28,16 +28,13 @@ from dualpace.wire.v1 import router_pb2
 from tests.helpers import wait_for
 from tests.reliability.conftest import (
     EngineProbe,
+    EngineSpec,
     RouterStream,
-    assert_clean_exit,
+    SystemSpec,
     assert_exact,
     cancelled_if_unfinished,
     prompt_for,
     router_stub,
-    start_all,
-    start_cpu,
-    start_gpu,
-    start_router,
 )
 from tests.reliability.test_up_supervision import HANG_GUARD_S, running_up
 
@@ -92,30 +89,19 @@ def test_requests_wait_for_their_engine_and_complete_exactly(up_with_a_small_poo
 RESUME_WAIT_S = 3.0
 
 
-@pytest.fixture
-def engine_that_never_returns(tiny_folder):
-    """(engines, router stub, router address): gpu_service with a 6-block pool, cpu_service with a
-    large one, behind a router that waits RESUME_WAIT_S for an engine to come back."""
-    flags = ("--block-size", "16")
-    engines = start_all(
-        gpu=lambda: start_gpu(tiny_folder, "--name", "gpu-small", *flags, "--kv-blocks", SMALL_POOL_BLOCKS,
-                              step_delay_ms=10),
-        cpu=lambda: start_cpu(tiny_folder, "--name", "cpu-gone", *flags, "--kv-blocks", "1024", step_delay_ms=10),
-    )
-    router = None
-    try:
-        router = start_router(tiny_folder, engines["gpu"], engines["cpu"], "--no-migrate",
-                              "--resume-wait-s", str(RESUME_WAIT_S))
-        channel = grpc.insecure_channel(router.address)
-        yield engines, router_stub(channel), router.address
-        channel.close()
-    finally:
-        engines["cpu"].kill()
-        assert_clean_exit([d for d in (router, engines["gpu"]) if d is not None])
+# gpu_service with a 6-block pool, cpu_service with a large one, behind a router that waits
+# RESUME_WAIT_S for an engine to come back.
+NEVER_RETURNS = SystemSpec(
+    engines=(EngineSpec("gpu", "gpu", ("--name", "gpu-small", "--block-size", "16", "--kv-blocks", SMALL_POOL_BLOCKS),
+                        step_delay_ms=10),
+             EngineSpec("cpu", "cpu", ("--name", "cpu-gone", "--block-size", "16", "--kv-blocks", "1024"),
+                        step_delay_ms=10)),
+    router_flags=("--no-migrate", "--resume-wait-s", str(RESUME_WAIT_S)))
 
 
-def test_an_engine_that_never_returns_ends_them_unavailable(engine_that_never_returns):
-    engines, stub, router_address = engine_that_never_returns
+@pytest.mark.parametrize("fresh_system", [NEVER_RETURNS], indirect=True)
+def test_an_engine_that_never_returns_ends_them_unavailable(fresh_system):
+    engines, stub, router_address = fresh_system.engines, fresh_system.stub, fresh_system.router.address
     prompts = {f"gone-{i}": prompt_for(i, 4) for i in range(3)}
     streams = {rid: RouterStream.run(stub, rid, prompt, MAX_TOKENS) for rid, prompt in prompts.items()}
     with cancelled_if_unfinished(streams.values()):
@@ -141,9 +127,8 @@ def test_an_engine_that_never_returns_ends_them_unavailable(engine_that_never_re
         stream = streams[rid]
         assert stream.code == grpc.StatusCode.UNAVAILABLE, (rid, stream.error)
         assert "waited for engine cpu-gone" in stream.error.details(), stream.error.details()
+        assert stream.error.details().endswith("within 3 s (--resume-wait-s)"), stream.error.details()
         assert TOKENS_BEFORE_KILL <= len(stream.tokens) < MAX_TOKENS, rid
     assert wait_for(lambda: placements(stub)["requests"], lambda shown: not shown, HANG_GUARD_S) == []
-    probe = EngineProbe(engines["gpu"].address)
-    load = probe.wait_idle()
+    load = fresh_system.probes["gpu"].wait_idle()
     assert (load.kv_blocks_used, load.num_running, load.num_waiting) == (0, 0, 0)
-    probe.close()

@@ -1,5 +1,5 @@
 """`ignore_eos` ignores every end token, and the request shapes benchmark clients send are counted
-exactly (issue #40). Real daemons on the tiny model: gpu_service with a pool of 8 blocks of 8
+exactly. Real daemons on the tiny model: gpu_service with a pool of 8 blocks of 8
 tokens (64), cpu_service with a large one, the router with its HTTP front and without load-driven
 migration, so where a request runs follows from its size: one that fits the GPU pool alone runs
 there when the GPU engine is idle, a larger one on the CPU engine (which prefills it itself), and
@@ -15,50 +15,35 @@ end of turn (the tokenizer's chat stop ids hold them all).
 from __future__ import annotations
 
 import json
-import re
 import threading
 import urllib.error
 import urllib.request
 
-import grpc
 import pytest
 
 from dualpace.model.tokenizer import Tokenizer
 from dualpace.wire.router_messages import placements_to_dict
 from dualpace.wire.v1 import common_pb2, router_pb2
 from tests.helpers import wait_for
-from tests.reliability.conftest import assert_clean_exit, router_stub, start_all, start_cpu, start_gpu, start_router
+from tests.reliability.conftest import EngineSpec, SystemSpec, running
 
-HTTP = re.compile(r"http listening on (\S+)")
 HANG_GUARD_S = 120.0
 GPU_POOL_TOKENS = 8 * 8
 FORCED_BIAS = 100
 
 
-@pytest.fixture(scope="module")
-def tiny_folder(synth_checkpoint) -> str:
-    return str(synth_checkpoint("tiny-llama"))
+SPEC = SystemSpec(
+    engines=(EngineSpec("gpu", "gpu", ("--name", "gpu-eos", "--block-size", "8", "--kv-blocks", "8"), step_delay_ms=10),
+             EngineSpec("cpu", "cpu", ("--name", "cpu-eos", "--block-size", "8", "--kv-blocks", "512"),
+                        step_delay_ms=10)),
+    router_flags=("--no-migrate", "--http-listen", "127.0.0.1:0"))
 
 
 @pytest.fixture(scope="module")
 def system(tiny_folder):
     """(http base URL, router gRPC stub, model folder, tokenizer)."""
-    flags = ("--block-size", "8")
-    engines = start_all(
-        gpu=lambda: start_gpu(tiny_folder, "--name", "gpu-eos", *flags, "--kv-blocks", "8", step_delay_ms=10),
-        cpu=lambda: start_cpu(tiny_folder, "--name", "cpu-eos", *flags, "--kv-blocks", "512", step_delay_ms=10),
-    )
-    router = None
-    try:
-        router = start_router(tiny_folder, engines["gpu"], engines["cpu"], "--no-migrate",
-                              "--http-listen", "127.0.0.1:0")
-        found = wait_for(lambda: HTTP.search(router.log()), bool, HANG_GUARD_S, interval_s=0.05)
-        assert found, router.log()
-        channel = grpc.insecure_channel(router.address)
-        yield "http://" + found.group(1), router_stub(channel), tiny_folder, Tokenizer.from_path(tiny_folder)
-        channel.close()
-    finally:
-        assert_clean_exit([d for d in (router, *engines.values()) if d is not None])
+    with running(tiny_folder, SPEC) as started:
+        yield started.http, started.stub, tiny_folder, Tokenizer.from_path(tiny_folder)
 
 
 def post(http: str, path: str, body: dict) -> dict | list[dict]:

@@ -112,7 +112,7 @@ def test_the_receive_bound_leaves_room_for_any_prompt_within_the_limit():
 
 def test_a_chat_turn_ends_at_its_end_of_turn_unless_ignore_eos(tiny):
     """The chat template's end-of-turn ids join the client's stop ids; with ignore_eos they do not,
-    and the client's own stop_token_ids stay (issue #40)."""
+    and the client's own stop_token_ids stay."""
     from router.prompts import prepare_prompt
 
     tokenizer, config = tiny
