@@ -44,13 +44,13 @@ import time
 
 import torch
 
-from dualpace.engine import kv_copy_native
-from dualpace.engine.kv_bytes import DTYPES_BY_NAME, tensor_bytes
-from dualpace.engine.kv_shm_send import MappedPools
-from dualpace.engine.kv_source import OutgoingKv
-from dualpace.engine.kv_transfer import KvChunk, KvLayout, KvTransferHeader, checksum, plan_chunks
-from dualpace.engine.shm_kv_copy import copy_in_place, layer_checksums
-from dualpace.engine.shm_populate import populate
+from dualpace.engine.transfer import kv_copy_native
+from dualpace.engine.transfer.kv_bytes import DTYPES_BY_NAME, tensor_bytes
+from dualpace.engine.transfer.kv_shm_send import MappedPools
+from dualpace.engine.transfer.kv_source import OutgoingKv
+from dualpace.engine.transfer.kv_transfer import KvChunk, KvLayout, KvTransferHeader, checksum, plan_chunks
+from dualpace.engine.transfer.shm_kv_copy import copy_in_place, layer_checksums
+from dualpace.engine.transfer.shm_populate import populate
 from dualpace.kv.storage import KVStorage
 from dualpace.model.registry import DEFAULT_MODEL_NAME
 from dualpace.sampling import SamplingParams

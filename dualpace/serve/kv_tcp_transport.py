@@ -1,5 +1,5 @@
 """The cross-host KV transport: gRPC carries the header, the reservation, the layer checksums and the
-commit; the KV bytes go over the target's TCP data socket (dualpace.engine.kv_tcp_data).
+commit; the KV bytes go over the target's TCP data socket (dualpace.engine.transfer.kv_tcp_data).
 
 Python gRPC moves bulk bytes at about 1 GB/s here whatever the messages, a few percent of memcpy; a
 socket fed with views of the pool moved the same KV about twice as fast. The header offers the data
@@ -23,12 +23,12 @@ from collections.abc import AsyncIterator
 
 import grpc
 
-from dualpace.engine import kv_tcp_data
-from dualpace.engine.kv_source import OutgoingKv
-from dualpace.engine.kv_tcp_import import TcpDeclined, TcpReservation, TcpWritten
-from dualpace.engine.kv_transfer import KvChunk, KvTransferHeader
+from dualpace.engine.transfer import kv_tcp_data
+from dualpace.engine.transfer.kv_source import OutgoingKv
+from dualpace.engine.transfer.kv_tcp_import import TcpDeclined, TcpReservation, TcpWritten
+from dualpace.engine.transfer.kv_transfer import KvChunk, KvTransferHeader
 from dualpace.errors import Unavailable
-from dualpace.engine.worker_pools import run_in_pool
+from dualpace.engine.transfer.worker_pools import run_in_pool
 from dualpace.serve.address import UNIX_PREFIX, data_socket_peer_host
 from dualpace.serve.kv_transport import GrpcKvSender, _ended
 from dualpace.wire.engine_messages import kv_header_to_pb

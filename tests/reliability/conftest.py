@@ -440,7 +440,7 @@ DTYPE_SIZES = {"float32": 4, "bfloat16": 2, "float16": 2}
 def kv_chunk(seq: int, layer: int, token_start: int, token_end: int, info: engine_pb2.EngineInfo,
              dtype: str = "float32", fill: int = 0) -> engine_pb2.ImportKvMessage:
     """A well-formed chunk (right size, right crc32) of arbitrary KV values."""
-    from dualpace.engine.kv_checksum import kv_checksum
+    from dualpace.engine.transfer.kv_checksum import kv_checksum
 
     size = (token_end - token_start) * info.num_kv_heads * info.head_dim * DTYPE_SIZES[dtype]
     k = bytes((fill + i) % 7 for i in range(size))  # small values in any dtype's bytes

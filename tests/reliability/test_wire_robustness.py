@@ -195,7 +195,7 @@ def mutations(info: engine_pb2.EngineInfo):
 
 
 def crc(k: bytes, v: bytes) -> int:
-    from dualpace.engine.kv_checksum import kv_checksum
+    from dualpace.engine.transfer.kv_checksum import kv_checksum
 
     return kv_checksum(k, v)
 

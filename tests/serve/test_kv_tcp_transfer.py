@@ -20,10 +20,10 @@ import time
 import grpc
 import pytest
 
-from dualpace.engine import kv_tcp_data, kv_tcp_import
-from dualpace.engine.kv_shm_import import SharedKvPool
-from dualpace.engine.kv_tcp_import import TcpDataServer, TcpWritten
-from dualpace.engine.migration import KvImporter, migrate_out
+from dualpace.engine.transfer import kv_tcp_data, kv_tcp_import
+from dualpace.engine.transfer.kv_shm_import import SharedKvPool
+from dualpace.engine.transfer.kv_tcp_import import TcpDataServer, TcpWritten
+from dualpace.engine.transfer.migration import KvImporter, migrate_out
 from dualpace.errors import Unavailable
 from dualpace.faults import FaultConfig
 from dualpace.generation import OfflineGenerator
