@@ -15,7 +15,6 @@ status) wakes the wait at once (`interrupt`): nothing waits out a timeout for a 
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 from collections.abc import Callable
@@ -74,11 +73,6 @@ class ShmIterations:
         self.over_tcp = not isinstance(segment, ShmSegment)
         self.max_batch_rows = answer.max_batch_rows
         self.accepts_join = answer.accepts_join  # begins through these rings may join the GPU engine's step
-        self._spin_ns = int(spin_s * 1e9)
-        # DUALPACE_WAKE_AHEAD=1: sleep until shortly before each layer's q/k/v are due, then spin
-        # (ring_pacing.WakeAhead); off by default until a quiet host shows it lowers the GPU's wait
-        # (docs/results.md, "Session 11: gated's GPU wait")
-        self.wake_ahead = os.environ.get("DUALPACE_WAKE_AHEAD", "0") in ("1", "on", "true")
         self._lock = threading.Lock()  # interrupt (reader thread) vs close
         self._closed = False
 
@@ -107,13 +101,9 @@ class ShmIterations:
         qkv_kind, output_kind = ShmSlotKind.QKV, ShmSlotKind.ATTENTION_OUTPUT
         # the answer carries when this side saw the q/k/v and when it answered (ring_pacing.py)
         monotonic_ns, pack_stamp = time.monotonic_ns, ring_pacing.OUTPUT_STAMP.pack
-        ahead = ring_pacing.WakeAhead(self._spin_ns) if self.wake_ahead else None
         while True:
             try:
-                if ahead is None:
-                    message = receive(deadline_s, stream_ended)
-                else:
-                    message = receive(deadline_s, stream_ended, ahead.sleep_first_ns() / 1e9, ahead.spin_ns() / 1e9)
+                message = receive(deadline_s, stream_ended)
             except ShmProtocolError as exc:
                 raise errors.protocol(str(exc)) from None
             if message is None:
@@ -133,9 +123,6 @@ class ShmIterations:
                 output = attend(expected_layer, q, k, v)
                 posted_ns = monotonic_ns()
                 send_parts(output_kind, iteration_id, expected_layer, (output,), pack_stamp(seen_ns, posted_ns))
-                if ahead is not None:
-                    ahead.seen(seen_ns)  # no-op before the first answer
-                    ahead.posted(posted_ns)
                 expected_layer += 1
             elif message.kind == ShmSlotKind.RESULT_TOKENS and len(message.tensors) == 1:
                 return AssistResult(begin.iteration_id, token_ids=message.tensors[0].tolist(),

@@ -60,11 +60,12 @@ def decode_graph_batch(args: argparse.Namespace, device: str) -> int:
     """The largest decode batch replayed as a CUDA graph, or 0 for none (off, not CUDA, or no paged kernel)."""
     import torch
 
-    from dualpace.model.attention_backend import uses_triton
+    from dualpace.model.attention_backend import KernelChoices, uses_triton
 
     if args.cuda_graphs != "on" or not device.startswith("cuda"):
         return 0
-    return args.max_running if uses_triton(torch.device(device)) else 0
+    choices = KernelChoices(args.attention_backend, args.fused_kernels)
+    return args.max_running if uses_triton(torch.device(device), choices) else 0
 
 
 def start_host_tier(args: argparse.Namespace, parts: EngineDaemonParts) -> None:

@@ -22,8 +22,8 @@ share, read-only: the residual stream lives in the session, the KV on the CPU en
 
 Gated baseline (begin.wait_for_engine_iteration, NEO-like): unchanged from the coarse
 design: the iteration waits for the engine's iteration boundary, then holds the device
-lock from its begin to its result, so the GPU and CPU iterations take turns (kept as
-cpu_service's `--gated-hold held`, and as the downgrade where a join cannot run).
+lock from its begin to its result, so the GPU and CPU iterations take turns: the downgrade
+of a gated join this server cannot run (no shared memory, or no join desk).
 
 Joins (begin.join_engine_iteration, ring streams of a server with a JoinDesk): the begin's
 rows ride in the GPU engine's next step instead of stages of their own, driven by the step

@@ -38,7 +38,7 @@ from dualpace.policy.host_tier import HostTierRule
 from dualpace.policy.migration_planner import MigrationConfig
 from router.prompt_work import PromptLimits, add_prompt_arguments
 from router.service import RouterServicer
-from dualpace.policy.views import Policy
+from dualpace.policy.policies import POLICY_NAMES, Policy, policy_help, traits
 
 ROUTER_SERVICE = "dualpace.v1.Router"
 ENGINE_READY_TIMEOUT_S = 60.0
@@ -51,7 +51,7 @@ log = logging.getLogger(__name__)
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--gpu", help="gpu_service address HOST:PORT")
     parser.add_argument("--cpu", help="cpu_service address HOST:PORT (absent: GPU engine only)")
-    parser.add_argument("--policy", default="dualpace", choices=[p.value for p in Policy])
+    parser.add_argument("--policy", default=Policy.DUALPACE.value, choices=POLICY_NAMES, help=policy_help())
     parser.add_argument("--model", default=DEFAULT_MODEL_NAME, help="the engines' model (for its tokenizer)")
     parser.add_argument("--profile", default=None,
                         help="hardware profile JSON (`dualpace profile`): admission and migration use its cost model")
@@ -118,8 +118,8 @@ def router_config(args: argparse.Namespace, kv_bytes_per_token: int, profile=Non
     if args.gpu is None and args.cpu is None:
         raise InvalidArgument("--gpu", "give at least one engine address (--gpu and/or --cpu)")
     policy = Policy(args.policy)
-    if policy == Policy.GPU_ONLY and args.gpu is None:
-        raise InvalidArgument("--gpu", "policy gpu-only needs --gpu")
+    if not traits(policy).uses_cpu_engine and args.gpu is None:
+        raise InvalidArgument("--gpu", f"policy {policy.value} needs --gpu")
     for name in ("itl_target_ms", "ttft_target_ms"):
         value = getattr(args, name)
         if value is not None and value <= 0:
@@ -136,7 +136,7 @@ def router_config(args: argparse.Namespace, kv_bytes_per_token: int, profile=Non
                             assist=assist_path("auto", same_host))
 
         # Assisted CPU iterations need both engines; the cost model then predicts the faster mode.
-        predictor = CostModel(profile, assist_available=args.gpu is not None and policy != Policy.GPU_ONLY)
+        predictor = CostModel(profile, assist_available=args.gpu is not None and traits(policy).uses_cpu_engine)
     return RouterConfig(
         policy=policy,
         admission=AdmissionConfig(policy=policy, itl_target_ms=args.itl_target_ms, predictor=predictor,
@@ -208,7 +208,7 @@ def serve(args: argparse.Namespace) -> int:
     async def main(stop: asyncio.Event) -> int:
         token = security.auth_token  # the engines require the same shared token
         handles = [EngineHandle(args.gpu, "gpu", token, engine_tls)] if args.gpu else []
-        if args.cpu and config.policy != Policy.GPU_ONLY:
+        if args.cpu and traits(config.policy).uses_cpu_engine:
             handles.append(EngineHandle(args.cpu, "cpu", token, engine_tls))
         notifier.status("waiting for the engines")
         core = RouterCore(EnginePool(handles), tokenizer, model_config, config)

@@ -20,7 +20,8 @@ import grpc
 
 from dualpace.client_request import ClientRequest
 from dualpace.errors import InvalidArgument, Overloaded, Unavailable
-from dualpace.policy.admission import Placement, admit, handoff_source, holds_for_handoff
+from dualpace.policy.admission import Placement, admit, handoff_source
+from dualpace.policy.policies import traits
 from dualpace.kv.prefix_index import longest_cached_prefix
 from dualpace.policy.host_tier import HostTierChoice, place_host_prefix
 from dualpace.logprobs import TokenLogprobs
@@ -215,7 +216,7 @@ class Relay:
 
     def _holds(self, handoff_to: EngineHandle | None) -> bool:
         """Whether the prefilling engine holds the request after its first token for the hand-off."""
-        return handoff_to is not None and holds_for_handoff(self.core.config.policy)
+        return handoff_to is not None and traits(self.core.config.policy).holds_for_handoff
 
     def _submit(self, engine: EngineHandle, params: SamplingParams | None = None,
                 hold_after_first_token: bool = False) -> EngineStream:

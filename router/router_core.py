@@ -20,7 +20,8 @@ from dualpace.model.tokenizer import Tokenizer
 from dualpace.policy.admission import AdmissionConfig
 from dualpace.policy.host_tier import HostTierRule
 from dualpace.policy.migration_planner import MigrationConfig, plan_migrations
-from dualpace.policy.views import EngineView, Policy, RoutedRequest
+from dualpace.policy.policies import Policy, traits
+from dualpace.policy.views import EngineView, RoutedRequest
 from dualpace.serve import metrics
 from router.engines import EngineHandle, EnginePool
 from router.prompt_work import PromptLimits, PromptWork
@@ -119,7 +120,7 @@ class RouterCore:
 
     def start(self) -> None:
         self.pool.start()
-        if self.config.migrate_enabled and self.config.policy != Policy.GPU_ONLY:
+        if self.config.migrate_enabled and traits(self.config.policy).migrates:
             self._planner = asyncio.create_task(self._plan_forever())
 
     async def close(self) -> None:

@@ -66,7 +66,7 @@ class EngineLoop:
         self._stopping = False
         self.draining = False  # new requests refused; running ones continue
         self.serving = True
-        self.step_delay_s = 0.0  # test-only fault: each step sleeps this long (DUALPACE_FAULT_STEP_DELAY_MS)
+        self.step_delay_s = 0.0  # test-only fault: each step sleeps this long (--fault-step-delay-ms)
         self._on_alive: Callable[[], None] | None = None
         self._alive_interval_s = 0.0
         self._last_alive = float("-inf")

@@ -113,7 +113,7 @@ class ModelRunner:
         if masks is not None:
             guided_rows, future = masks
             guided = (guided_rows, future.result())
-        # DUALPACE_FAULT_NAN_LOGITS_REQUEST: the target's row becomes NaN whenever it is sampled.
+        # --fault-nan-logits-request: the target's row becomes NaN whenever it is sampled.
         return sample_step(plan, logits, self.faults.nan_logits_request, guided)
 
     def _forward(self, work) -> torch.Tensor:

@@ -43,6 +43,7 @@ from dualpace.serve.status import status_for
 from dualpace.wire import engine_messages as messages
 from dualpace.wire import kv_shm_messages as shm_messages
 from dualpace.wire import kv_tcp_messages as tcp_messages
+from dualpace.wire.kv_events import kv_event_batch_to_pb
 from dualpace.wire.v1 import engine_pb2, engine_pb2_grpc
 
 MIN_WATCH_INTERVAL_MS = 20
@@ -299,8 +300,9 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
         return messages.engine_info_to_pb(self.loop.core)
 
     async def WatchKvEvents(self, request, context):
-        async for batch in watch_kv_events(self.loop):
-            yield batch
+        name = self.loop.core.config.name
+        async for events in watch_kv_events(self.loop):
+            yield kv_event_batch_to_pb(events, name)
 
 
 def _log_import(importer: KvImporter, started: float, chunk_ms: float) -> None:

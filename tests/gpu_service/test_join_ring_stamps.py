@@ -25,13 +25,10 @@ class _Model:  # what RingJoinChannel reads of a model
 
 
 @pytest.mark.skipif(not SUPPORTED, reason="shared memory needs Linux x86-64")
-@pytest.mark.parametrize("wake_ahead", ["0", "1"])
-def test_a_joined_layer_through_the_ring_is_stamped_both_ways(wake_ahead, monkeypatch):
-    monkeypatch.setenv("DUALPACE_WAKE_AHEAD", wake_ahead)  # the CPU side's wait, either way the same answers
+def test_a_joined_layer_through_the_ring_is_stamped_both_ways():
     client_segment = ShmSegment.create(2, 64 * 1024)
     server_segment = ShmSegment.open(client_segment.peer_path, client_segment.size_bytes, client_segment.client_token)
     rings = ShmIterations(client_segment, AssistShmAnswer(accepted=True, max_batch_rows=8), 0.0)
-    assert rings.wake_ahead == (wake_ahead == "1")
     server = server_segment.endpoint("down", 0.0)
     begin = AssistBegin(iteration_id=7, token_ids=[1, 2], positions=[3, 4], sampling=None)
     num_layers, done = 5, {}

@@ -24,8 +24,9 @@ from dualpace.model.paged_forward import SequenceWork, build_step_tensors
 from dualpace.model.split_forward import RemoteBatch, RemoteRows, SplitForward
 from dualpace.model.transformer import Transformer
 from dualpace.kv.storage import KVStorage
-from dualpace.policy.cooperative_plan import (CooperativeLayout, CooperativePolicy, JoinHow, LayerCosts, LayerTimes,
+from dualpace.policy.cooperative_plan import (CooperativeLayout, JoinHow, LayerCosts, LayerTimes,
                                               OwnRows, RemoteJoin, join_wait_bound_ms, plan_layout)
+from dualpace.policy.policies import Policy
 from dualpace.profile.cost_model import layer_costs_measured
 
 log = logging.getLogger(__name__)
@@ -86,7 +87,7 @@ class JoinedStep:
         if costs is None:
             return fallback_layout(own)
         gated = any(int(getattr(j.begin, "max_join_wait_us", 0)) == 0 for j in joins)
-        policy = CooperativePolicy.GATED if gated else CooperativePolicy.DUALPACE
+        policy = Policy.GATED if gated else Policy.DUALPACE
         remote = [RemoteJoin(j.num_rows, int(getattr(j.begin, "expected_layer_us", 0)) / 1e3) for j in joins]
         return plan_layout(policy, own, remote, costs)
 

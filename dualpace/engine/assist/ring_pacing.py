@@ -10,15 +10,6 @@ until the CPU's receive returned: the doorbell, the CPU thread's wake-up, its GI
 own time for the layer (KV write, attention), the part of its own wait before the CPU had posted,
 and the hop up (the CPU's post until its own receive returned: its wake-up).
 
-A busy spin until the answer the previous layers predict (bounded at 1 ms, no sched_yield) was
-tried in session 10 and did not lower the wait on a shared 2-core host (docs/results.md, "Session
-10: gated's GPU wait"). What the CPU side does instead (`WakeAhead`, session 11): between its
-answer of one layer and the next layer's q/k/v it waits about as long as the GPU's layer, longer
-than any spin, so it slept on the futex and each q/k/v paid a sleeping thread's wake-up (~90 µs
-on a KVM guest whose idle vCPU halts; bench/ring_wakeup.py). With DUALPACE_WAKE_AHEAD=1 it sleeps
-until shortly before the q/k/v are due (the shortest of this iteration's earlier gaps, less a
-margin) and spins from there: the wake-up happens before the post, not after it. Off by default:
-on a loaded 2-core host it did not lower the GPU's wait (docs/results.md, session 11).
 Pure arithmetic on nanosecond stamps the caller takes: no clock here.
 """
 
@@ -29,8 +20,6 @@ from dataclasses import dataclass
 
 OUTPUT_STAMP = struct.Struct("=qq")  # the CPU: q/k/v seen, attention output posted (monotonic ns)
 LONG_WAIT_NS = 1_000_000  # a layer wait this long is counted apart (the tail that makes the sum)
-WAKE_MARGIN_NS = 300_000  # wake this long before the q/k/v are due: > a halted vCPU's wake-up (p90 ~140 µs)
-WAKE_AHEAD_GAPS = 4  # the prediction is the shortest of this many latest gaps
 
 
 def output_stamp(payload: bytes) -> tuple[int, int] | None:
@@ -74,39 +63,3 @@ class LayerMarks:
                 "cpu_layer_ns": self.cpu_layer_ns, "wait_before_answer_ns": self.wait_before_answer_ns,
                 "up_hop_ns": self.up_hop_ns, "num_wait_sleeps": self.num_sleeps,
                 "num_long_waits": self.num_long_waits, "long_wait_ns": self.long_wait_ns}
-
-
-class WakeAhead:
-    """The CPU side's wait for the next layer's q/k/v in one iteration: from the gaps seen so far
-    (its answer of layer l posted -> layer l + 1's q/k/v seen), how long to sleep before spinning.
-
-    The prediction is the shortest of the last WAKE_AHEAD_GAPS gaps (a late layer does not push it
-    out); the sleep ends WAKE_MARGIN_NS before it, and the spin then lasts twice the margin plus
-    `spin_ns` (the doorbell's usual spin) before the usual futex sleep. No gap seen yet: no
-    sleep first, the doorbell's usual wait."""
-
-    def __init__(self, spin_ns: int, margin_ns: int = WAKE_MARGIN_NS):
-        self._spin_ns = spin_ns
-        self._margin_ns = margin_ns
-        self._gaps_ns: list[int] = []
-        self._posted_ns = 0
-
-    def posted(self, posted_ns: int) -> None:
-        """This side posted a layer's answer at posted_ns."""
-        self._posted_ns = posted_ns
-
-    def seen(self, seen_ns: int) -> None:
-        """The next q/k/v were seen at seen_ns (after a posted())."""
-        if self._posted_ns and seen_ns > self._posted_ns:
-            self._gaps_ns = (self._gaps_ns + [seen_ns - self._posted_ns])[-WAKE_AHEAD_GAPS:]
-        self._posted_ns = 0
-
-    def sleep_first_ns(self) -> int:
-        """How long the next wait sleeps before it spins (0: spin at once)."""
-        if not self._gaps_ns:
-            return 0
-        return max(0, min(self._gaps_ns) - self._margin_ns)
-
-    def spin_ns(self) -> int:
-        """How long it spins after that sleep."""
-        return self._spin_ns + (2 * self._margin_ns if self._gaps_ns else 0)

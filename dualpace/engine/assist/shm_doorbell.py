@@ -90,26 +90,19 @@ class Doorbell:
         self._words[0] = (self._words[0] + 0x80000000) & 0xFFFFFFFF
         self._futex(_FUTEX_WAKE, 1 << 30, None)
 
-    def wait(self, seq: int, deadline_s: float | None, should_stop: Callable[[], bool] = lambda: False,
-             sleep_first_s: float = 0.0, spin_s: float | None = None) -> bool:
+    def wait(self, seq: int, deadline_s: float | None, should_stop: Callable[[], bool] = lambda: False) -> bool:
         """Consumer: wait until the doorbell reads `seq` (True), or stop / deadline (False).
 
         deadline_s is on time.monotonic(); None waits until should_stop() or a change. A value
-        other than the one expected also returns True: the caller compares and reports it.
-
-        sleep_first_s > 0 (the caller does not expect the value before then): sleep on the futex
-        for that long first (a post wakes it as usual), then spin for spin_s (default self.spin_s),
-        then sleep as usual. A sleeping thread's wake-up by the peer's post costs the kernel's (and
-        a hypervisor's, for an idle vCPU) wake latency; a timed wake ahead of the post hides it."""
+        other than the one expected also returns True: the caller compares and reports it. Spins
+        for self.spin_s first, then sleeps on the futex."""
         words = self._words
         target = seq & 0xFFFFFFFF
         self.seen_ns = 0
         if words[0] == target:
             return True
         previous = (target - 1) & 0xFFFFFFFF
-        if sleep_first_s > 0 and self._sleep(previous, min(sleep_first_s, SLEEP_SLICE_S)):
-            return True
-        spin_until = time.perf_counter() + (self.spin_s if spin_s is None else spin_s)
+        spin_until = time.perf_counter() + self.spin_s
         while time.perf_counter() < spin_until:
             if words[0] != previous:
                 self.seen_ns = time.monotonic_ns()

@@ -285,15 +285,13 @@ class ShmEndpoint(SlotSender):
         self._trim(self._send_layouts)
         return base, bytes(table), tuple(views), base + offset
 
-    def receive(self, deadline_s: float | None, should_stop=_never, sleep_first_s: float = 0.0,
-                spin_s: float | None = None) -> SlotMessage | None:
+    def receive(self, deadline_s: float | None, should_stop=_never) -> SlotMessage | None:
         """The next incoming message; None when should_stop() or the deadline (monotonic) comes first.
-        Its tensors are the slot's cached views (a tuple shared by every message of that layout).
-        sleep_first_s / spin_s: Doorbell.wait's (a message not expected before sleep_first_s)."""
+        Its tensors are the slot's cached views (a tuple shared by every message of that layout)."""
         expected = (self.num_received + 1) & 0xFFFFFFFF
         self.incoming.seen_ns = 0
         if self._incoming_words[0] != expected:  # not there yet: wait (spin, then futex)
-            if not self.incoming.wait(expected, deadline_s, should_stop, sleep_first_s, spin_s):
+            if not self.incoming.wait(expected, deadline_s, should_stop):
                 return None
             seq = self._incoming_words[0]
             if seq != expected:

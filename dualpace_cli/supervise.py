@@ -11,7 +11,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from dualpace.commands.restart_budget import RestartBudget
+from dualpace_cli.restart_budget import RestartBudget
 
 
 @dataclass
@@ -38,7 +38,7 @@ class LineWriter(Protocol):
 
 
 class Supervisor(Protocol):
-    """What supervision needs of `dualpace up` (dualpace.commands.up.Up)."""
+    """What supervision needs of `dualpace up` (dualpace_cli.up.Up)."""
 
     children: list[Child]
     console: LineWriter

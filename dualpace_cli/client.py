@@ -36,7 +36,7 @@ def register(subparsers) -> None:
 
 def build_request(args: argparse.Namespace):
     from dualpace.client_request import ClientRequest
-    from dualpace.commands.generate import parse_prompt_ids
+    from dualpace_cli.generate import parse_prompt_ids
     from dualpace.sampling_params import SamplingParams
 
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,

@@ -26,10 +26,10 @@ import sys
 import threading
 import time
 
-from dualpace.commands.restart_budget import DEFAULT_MAX_RESTARTS, DEFAULT_WINDOW_S, RestartBudget
-from dualpace.commands.supervise import Child, supervise_once
+from dualpace.policy.policies import POLICY_NAMES, Policy, policy_help, traits
+from dualpace_cli.restart_budget import DEFAULT_MAX_RESTARTS, DEFAULT_WINDOW_S, RestartBudget
+from dualpace_cli.supervise import Child, supervise_once
 
-POLICIES = ("dualpace", "gated", "gpu-only")
 START_TIMEOUT_S = 120.0  # loading the weights of a larger model takes a while
 STOP_TIMEOUT_S = 20.0  # each daemon drains for up to DRAIN_GRACE_S, then flushes its streams for up to 5 s
 DRAIN_GRACE_S = 10.0  # --grace-s of every daemon: running requests get this long to finish on Ctrl-C
@@ -44,8 +44,7 @@ def register(subparsers) -> None:
     p.add_argument("--model", default=DEFAULT_MODEL_NAME, help="known name, Hugging Face folder or .gguf file")
     p.add_argument("--gpu-kv-blocks", type=int, default=None, help="gpu_service KV pool in blocks (default: its own)")
     p.add_argument("--cpu-kv-blocks", type=int, default=None, help="cpu_service KV pool in blocks (default: its own)")
-    p.add_argument("--policy", default="dualpace", choices=POLICIES,
-                   help="dualpace: independent CPU engine; gated: NEO-like baseline; gpu-only: no cpu_service")
+    p.add_argument("--policy", default=Policy.DUALPACE.value, choices=POLICY_NAMES, help=policy_help())
     p.add_argument("--assist", default="auto", choices=["auto", "always", "never"],
                    help="cpu_service Dense Assist setting")
     p.add_argument("--port", type=int, default=0, help="the router's gRPC port on 127.0.0.1 (0: a free one)")
@@ -194,17 +193,18 @@ class Up:
         gpu_flags = engine_flags + (["--kv-blocks", str(args.gpu_kv_blocks)] if args.gpu_kv_blocks else [])
         if self.host_tier_enabled():  # cpu_service's socket path is known before it starts
             gpu_flags += ["--host-tier", self.engine_listen("cpu")]
-        if args.policy != "gpu-only":  # hand-offs and migrations go to cpu_service, whose address is fixed here
+        policy = traits(args.policy)
+        if policy.uses_cpu_engine:  # hand-offs and migrations go to cpu_service, whose address is fixed here
             gpu_flags += ["--peer", self.engine_peer("cpu")]
         gpu = self.wait_listening(self.spawn("gpu", "gpu_service", *gpu_flags, "--name", "gpu",
                                              "--listen", self.engine_listen("gpu")))
         cpu = None
-        if args.policy != "gpu-only":
+        if policy.uses_cpu_engine:
             cpu_flags = engine_flags + (["--kv-blocks", str(args.cpu_kv_blocks)] if args.cpu_kv_blocks else [])
             cpu = self.wait_listening(self.spawn(
                 "cpu", "cpu_service", *cpu_flags, "--name", "cpu", "--listen", self.engine_listen("cpu"),
                 "--gpu-service", gpu, "--peer", gpu, "--assist", args.assist,
-                "--policy", "gated" if args.policy == "gated" else "dualpace", *profile_flags))
+                "--policy", policy.cpu_service_policy.value, *profile_flags))
         router_flags = ["serve", "--gpu", gpu, "--policy", args.policy, "--model", args.model,
                         "--grace-s", str(DRAIN_GRACE_S),
                         "--listen", f"127.0.0.1:{args.port}", "--http-listen", f"127.0.0.1:{args.http_port}"]
@@ -226,7 +226,7 @@ class Up:
 
     def host_tier_enabled(self) -> bool:
         args = self.args
-        return (getattr(args, "host_tier", "on") == "on" and args.policy == "dualpace"
+        return (getattr(args, "host_tier", "on") == "on" and traits(args.policy).continues_on_host_tier
                 and args.prefix_caching == "on" and args.engine_listen == "unix")
 
     def engine_listen(self, name: str) -> str:
