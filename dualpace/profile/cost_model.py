@@ -1,4 +1,4 @@
-"""The cost model: predicted iteration latencies from a profile's tables (ARCHITECTURE §6).
+"""The cost model: predicted iteration latencies from a profile's tables (docs/profiles.md).
 
 Pure: no torch, grpc, asyncio or clock. Router, cpu_service and the simulator use it.
 
