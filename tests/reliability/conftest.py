@@ -387,6 +387,26 @@ class RouterStream(Stream):
         return cls(request_id)._start(call, check_index=False)
 
 
+@contextmanager
+def cancelled_if_unfinished(streams: Iterable[Stream]) -> Iterator[None]:
+    """Whatever happens inside, no stream is left running afterwards (a failed test cancels them)."""
+    try:
+        yield
+    finally:
+        for stream in streams:
+            if not stream.done.is_set():
+                stream.cancel()
+
+
+def assert_exact(streams: dict[str, Stream], prompts: dict[str, list[int]], max_tokens: int,
+                 reference: Callable[..., list[int]], context: str = "") -> None:
+    """Every stream finished LENGTH without an error, its tokens the solo greedy run's."""
+    for rid, stream in streams.items():
+        assert stream.error is None, (rid, stream.error, context)
+        assert stream.finish_reason == FinishReason.LENGTH, rid
+        assert stream.tokens == reference(prompts[rid], max_tokens), rid
+
+
 def router_stub(channel: grpc.Channel) -> router_pb2_grpc.RouterStub:
     return router_pb2_grpc.RouterStub(channel)
 
