@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from dualpace.engine.assist_types import AssistBegin, AssistJoinInfo, JoinHow
+from dualpace.engine.assist.assist_types import AssistBegin, AssistJoinInfo, JoinHow
 from dualpace.serve.logging_setup import get_logger
 
 log = get_logger(__name__)

@@ -22,8 +22,8 @@ share, read-only: the residual stream lives in the session, the KV on the CPU en
 
 Gated baseline (begin.wait_for_engine_iteration, NEO-like): unchanged from the coarse
 design: the iteration waits for the engine's iteration boundary, then holds the device
-lock from its begin to its result, so the GPU and CPU iterations take turns (kept as
-cpu_service's `--gated-hold held`, and as the downgrade where a join cannot run).
+lock from its begin to its result, so the GPU and CPU iterations take turns: the downgrade
+of a gated join this server cannot run (no shared memory, or no join desk).
 
 Joins (begin.join_engine_iteration, ring streams of a server with a JoinDesk): the begin's
 rows ride in the GPU engine's next step instead of stages of their own, driven by the step
@@ -55,7 +55,7 @@ from dualpace.errors import InvalidArgument, Overloaded
 from dualpace.model.transformer import Transformer
 from dualpace.penalties import has_penalties
 from dualpace.sampling import SamplingParams
-from dualpace.engine.assist_types import (
+from dualpace.engine.assist.assist_types import (
     AssistAttentionOutput,
     AssistBegin,
     AssistJoinInfo,
@@ -63,7 +63,7 @@ from dualpace.engine.assist_types import (
     AssistResult,
     JoinHow,
 )
-from dualpace.engine.join_desk import JoinDesk, JoinOutcome, JoinRequest, RemoteRowsChannel
+from dualpace.engine.assist.join_desk import JoinDesk, JoinOutcome, JoinRequest, RemoteRowsChannel
 from gpu_service.assist_limits import DEFAULT_STAGE_TIMEOUT_S, AssistExpired
 from gpu_service.join_channel import result_from_logits
 
@@ -136,17 +136,6 @@ class AssistSession:
     def in_iteration(self) -> bool:
         """True between a begin and its result."""
         return self._iteration is not None
-
-    def handle(self, message: AssistBegin | AssistAttentionOutput) -> AssistQkv | AssistResult:
-        """The reply to one upstream message."""
-        if isinstance(message, AssistBegin):
-            return self.begin(message)
-        return self.attention_output(message)
-
-    def device_free_now(self) -> bool:
-        """True when a stage would not wait for the device now (a hint: the engine may take it
-        right after; then the stage waits for the engine's next layer, as any stage does)."""
-        return self._holding_lock or not self._lock.locked()
 
     @property
     def accepts_join(self) -> bool:

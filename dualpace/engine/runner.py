@@ -13,8 +13,8 @@ import time
 
 import torch
 
-from dualpace.engine.join_desk import JoinDesk, JoinRequest
-from dualpace.engine.joined_step import JoinedStep, JoinSettings
+from dualpace.engine.assist.join_desk import JoinDesk, JoinRequest
+from dualpace.engine.assist.joined_step import JoinedStep, JoinSettings
 from dualpace.engine.scheduler import StepPlan, StepResult
 from dualpace.engine.step_sampling import sample_step, step_work
 from dualpace.errors import Unavailable
@@ -113,7 +113,7 @@ class ModelRunner:
         if masks is not None:
             guided_rows, future = masks
             guided = (guided_rows, future.result())
-        # DUALPACE_FAULT_NAN_LOGITS_REQUEST: the target's row becomes NaN whenever it is sampled.
+        # --fault-nan-logits-request: the target's row becomes NaN whenever it is sampled.
         return sample_step(plan, logits, self.faults.nan_logits_request, guided)
 
     def _forward(self, work) -> torch.Tensor:

@@ -62,7 +62,7 @@ class StepRecord:
     # attention), summed over layers (SplitForward.last_cover_s).
     cover_ns: int = 0
     # A joined GPU step's per-layer round trips, summed over its joins' stamped layers
-    # (dualpace/engine/ring_pacing.py LayerMarks): q/k/v post -> the CPU saw them; the CPU's own time;
+    # (dualpace/engine/assist/ring_pacing.py LayerMarks): q/k/v post -> the CPU saw them; the CPU's own time;
     # the GPU's wait before the CPU answered; the CPU's answer -> the GPU's receive returned; and
     # how many of the GPU's waits went to a futex sleep.
     num_marked_layers: int = 0

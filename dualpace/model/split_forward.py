@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from dualpace.engine.join_desk import RemoteRowsChannel
+from dualpace.engine.assist.join_desk import RemoteRowsChannel
 from dualpace.errors import Overloaded
 from dualpace.kv.storage import KVStorage
 from dualpace.model.paged_forward import StepTensors, attend

@@ -153,17 +153,12 @@ class ModeChooser:
         if mode != ExecutionMode.LOCAL:
             self.backoff_iterations = BACKOFF_MIN_ITERATIONS
 
-    def record_cooperative(self, batch_size: int, latency_ms: float, ran_staged: bool, ran_local: bool = False) -> None:
+    def record_cooperative(self, batch_size: int, latency_ms: float, ran_staged: bool) -> None:
         """A cooperative request's latency: the outcome of asking to join; when the server ran it
-        staged (not taken in time, or the step's planner declined) also a staged assisted one;
-        when the join rule ran it locally (dualpace.policy.join_rule: no step met it) a local one."""
-        if ran_staged and ran_local:
-            raise ValueError("a cooperative iteration ran either staged or locally, not both")
+        staged (not taken in time, or the step's planner declined) also a staged assisted one."""
         self.record(ExecutionMode.COOPERATIVE, batch_size, latency_ms)
         if ran_staged:
             self.record(ExecutionMode.ASSISTED, batch_size, latency_ms)
-        if ran_local:
-            self.record(ExecutionMode.LOCAL, batch_size, latency_ms)
 
     def record_device_busy(self, mode: ExecutionMode, batch_size: int, latency_ms: float) -> None:
         """The GPU server refused an Assisted or Cooperative iteration because its device wait ran

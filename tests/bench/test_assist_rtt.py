@@ -7,11 +7,11 @@ from __future__ import annotations
 import pytest
 
 from bench.assist_rtt import measure
-from dualpace.engine.shm_doorbell import SUPPORTED
+from dualpace.engine.assist.shm_doorbell import SUPPORTED
 
 
 @pytest.mark.parametrize("transport", [pytest.param("shm", marks=pytest.mark.skipif(
-    not SUPPORTED, reason="shared memory needs Linux x86-64")), "grpc"])
+    not SUPPORTED, reason="shared memory needs Linux x86-64")), "tcp"])
 def test_measure_reports_every_layer_round_trip(synth_checkpoint, transport):
     result = measure(transport, batch_sizes=(1, 3), model=str(synth_checkpoint("tiny-llama")), dtype="fp32",
                      num_iterations=2, num_warmup=1)

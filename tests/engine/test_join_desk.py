@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from dualpace.engine.core import EngineConfig, EngineCore
-from dualpace.engine.join_desk import JoinDesk, JoinOutcome, JoinRequest
-from dualpace.engine.joined_step import JoinSettings
+from dualpace.engine.assist.join_desk import JoinDesk, JoinOutcome, JoinRequest
+from dualpace.engine.assist.joined_step import JoinSettings
 from dualpace.engine.loop import EngineLoop
 from dualpace.errors import Overloaded, Unavailable
 from dualpace.kv.storage import KVStorage

@@ -17,7 +17,7 @@ import pytest
 
 from dualpace.engine.core import EngineConfig, EngineCore
 from dualpace.engine.loop import EngineLoop
-from dualpace.engine.migration import KvImporter, migrate_out
+from dualpace.engine.transfer.migration import KvImporter, migrate_out
 from dualpace.generation import OfflineGenerator
 from dualpace.sampling import FinishReason, SamplingParams
 from tests.helpers import until

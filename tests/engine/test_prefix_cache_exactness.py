@@ -17,7 +17,7 @@ from dualpace.policy.mode_choice import AssistSetting, ModeChooser
 from cpu_service.runner import CpuRunner
 from dualpace.engine.core import EngineConfig, EngineCore
 from dualpace.engine.loop import EngineLoop
-from dualpace.engine.migration import migrate_out
+from dualpace.engine.transfer.migration import migrate_out
 from dualpace.engine.scheduler import SchedulerConfig
 from dualpace.generation import OfflineGenerator
 from dualpace.sampling import SamplingParams

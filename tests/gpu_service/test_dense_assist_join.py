@@ -32,8 +32,8 @@ from dualpace.engine.loop import EngineLoop
 from dualpace.engine.runner import ModelRunner
 from dualpace.generation import OfflineGenerator
 from dualpace.policy.mode_choice import AssistSetting, ExecutionMode, ModeChooser
-from dualpace.engine.assist_types import AssistBegin, AssistQkv, JoinHow
-from dualpace.engine.join_desk import JoinDesk, JoinOutcome, JoinStepInfo
+from dualpace.engine.assist.assist_types import AssistBegin, AssistQkv, JoinHow
+from dualpace.engine.assist.join_desk import JoinDesk, JoinOutcome, JoinStepInfo
 from dualpace.errors import InvalidArgument, Overloaded
 from dualpace.sampling import SamplingParams
 from gpu_service.assist_limits import AssistLimits, add_assist_limit_arguments, limits_from_args

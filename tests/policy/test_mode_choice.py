@@ -272,15 +272,6 @@ def test_a_cooperative_request_run_staged_teaches_both_modes():
     assert chooser.estimate_ms(COOPERATIVE, 4) == pytest.approx((1 - EMA_WEIGHT) * 30.0 + EMA_WEIGHT * 130.0)
 
 
-def test_a_cooperative_request_run_locally_teaches_the_local_mode_too():
-    chooser = ModeChooser(AssistSetting.AUTO, assist_configured=True, cooperative_configured=True)
-    chooser.record_cooperative(8, 90.0, ran_staged=False, ran_local=True)  # no step met it (join rule "meet")
-    assert chooser.estimate_ms(LOCAL, 8) == 90.0 and chooser.estimate_ms(COOPERATIVE, 8) == 90.0
-    assert chooser.estimate_ms(ASSISTED, 8) is None
-    with pytest.raises(ValueError):
-        chooser.record_cooperative(8, 90.0, ran_staged=True, ran_local=True)
-
-
 def test_a_busy_refusal_is_learnt_as_a_latency_not_a_backoff():
     """A device mode refused because the GPU was busy past the budget (RESOURCE_EXHAUSTED) keeps
     the chooser on it while its learnt latency, the refusal and local redo included, still beats

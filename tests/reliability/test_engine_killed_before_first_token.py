@@ -71,7 +71,7 @@ def test_no_survivor_before_the_first_token_is_unavailable_at_once(fresh_system)
     gpu.kill()
     assert stream.wait(30)
     # Re-admitted as a new request and refused by admission itself (no engine is up), not by a
-    # recovery that waited for one to come back ("no surviving engine could take ...").
+    # recovery that waits for its engine to come back ("request ... waited for engine ...").
     assert stream.code == grpc.StatusCode.UNAVAILABLE, stream.error
     assert stream.error.details() == "no engine is available", stream.error.details()
     assert not stream.tokens

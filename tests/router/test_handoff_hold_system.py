@@ -5,7 +5,7 @@ the hold; under gated it does not ask, and the move pauses the request at a step
 way every output equals its solo greedy run.
 
 The observable is the GPU engine's migrate-out debug line, which says "(held after its first
-token)" exactly when the move took the request from the hold (dualpace.engine.migration._move).
+token)" exactly when the move took the request from the hold (dualpace.engine.transfer.migration._move).
 No timing is asserted; every wait is a hang guard.
 """
 
