@@ -25,16 +25,19 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
     actions.add_parser("presets", help="list the synthetic checkpoint presets")
 
-    export = actions.add_parser("export", help="write a GGUF model (e.g. the default) as a Hugging Face folder")
-    export.add_argument("--model", default="smollm2-135m", help="known name or .gguf file")
+    export = actions.add_parser("export", help="write a GGUF model (e.g. the default) as a Hugging Face folder, "
+                                               "or (--gguf) a GGUF or Hugging Face folder as a GGUF file")
+    export.add_argument("--model", default="smollm2-135m", help="known name, .gguf file, or (with --gguf) a Hugging "
+                                                                "Face folder")
     export.add_argument("--out", required=True, type=Path, help="output folder (created; must be empty)")
     export.add_argument("--dtype", default="fp32", choices=_DTYPE_CHOICES)
     export.add_argument("--tokenizer-only", action="store_true",
                         help="no weights: tokenizer.json, tokenizer_config.json (chat template), config.json — "
                              "the folder Dynamo's frontend tokenizes from (docs/scale-out.md)")
-    export.add_argument("--gguf", choices=["q8_0", "f32", "f16"],
-                        help="write a .gguf file (--out) with every matrix re-quantized to this format (or "
-                             "dense f32/f16, e.g. for llama.cpp's llama-quantize) instead")
+    export.add_argument("--gguf", choices=["q8_0", "f32", "f16", "bf16"],
+                        help="write a .gguf file (--out) with every matrix in this format instead: a GGUF re-encoded "
+                             "(q8_0, f32, f16), a Hugging Face folder (Llama, Mistral, Qwen2) converted (q8_0, f32, "
+                             "f16, bf16; e.g. for llama.cpp's llama-quantize)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -51,6 +54,11 @@ def _run_export(args: argparse.Namespace) -> int:
     from dualpace.model.export import export_hf_folder
 
     if args.gguf is not None:
+        if Path(args.model).is_dir():
+            from dualpace.model.gguf_export import export_gguf
+
+            print(export_gguf(Path(args.model), args.out, args.gguf))
+            return 0
         from dualpace.model.gguf_requant import requantize_gguf
 
         print(requantize_gguf(args.model, args.out, args.gguf))
