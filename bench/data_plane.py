@@ -24,9 +24,9 @@ read + written bytes; kv_*_gbps = K + V bytes of the transfer / its time, header
 The last output line is one JSON object (memcpy_gbps, memcpy_cold_gbps, kv_shm_gbps, kv_grpc_gbps,
 kv_tcp_gbps, kv_tcp_fixed_ms, kv_tcp_fraction_of_memcpy, kv_fixed_ms, kv_shm_fraction_of_cold_memcpy,
 kv_shm_fit_fraction_of_memcpy (the fitted rate over the warm memcpy; _cold_ beside it),
-assist_rtt_us_p50_shm, assist_rtt_us_p50_grpc, ...).
-The Dense Assist round trips per layer come from bench.assist_rtt.measure (shm, gRPC and the TCP data
-socket, batch 1/8/32; assist_rtt_us_p50_tcp beside the others).
+assist_rtt_us_p50_shm, assist_rtt_us_p50_tcp, ...).
+The Dense Assist round trips per layer come from bench.assist_rtt.measure (shm and the TCP data
+socket, batch 1/8/32).
 """
 
 from __future__ import annotations
@@ -44,13 +44,13 @@ import time
 
 import torch
 
-from dualpace.engine import kv_copy_native
-from dualpace.engine.kv_bytes import DTYPES_BY_NAME, tensor_bytes
-from dualpace.engine.kv_shm_send import MappedPools
-from dualpace.engine.kv_source import OutgoingKv
-from dualpace.engine.kv_transfer import KvChunk, KvLayout, KvTransferHeader, checksum, plan_chunks
-from dualpace.engine.shm_kv_copy import copy_in_place, layer_checksums
-from dualpace.engine.shm_populate import populate
+from dualpace.engine.transfer import kv_copy_native
+from dualpace.engine.transfer.kv_bytes import DTYPES_BY_NAME, tensor_bytes
+from dualpace.engine.transfer.kv_shm_send import MappedPools
+from dualpace.engine.transfer.kv_source import OutgoingKv
+from dualpace.engine.transfer.kv_transfer import KvChunk, KvLayout, KvTransferHeader, checksum, plan_chunks
+from dualpace.engine.transfer.shm_kv_copy import copy_in_place, layer_checksums
+from dualpace.engine.transfer.shm_populate import populate
 from dualpace.kv.storage import KVStorage
 from dualpace.model.registry import DEFAULT_MODEL_NAME
 from dualpace.sampling import SamplingParams
@@ -244,12 +244,12 @@ def shm_breakdown(storage: KVStorage, num_tokens: int, repeats: int) -> dict:
 
 def assist_round_trips(model: str, num_iterations: int) -> dict:
     """Dense Assist round trip per layer (bench.assist_rtt: real client, real servicer answering at
-    once) over shm, over the TCP data socket (as across hosts) and over gRPC at batch 1, 8, 32; the
+    once) over shm and over the TCP data socket (as across hosts) at batch 1, 8, 32; the
     summary keys are batch 8's p50."""
     from bench.assist_rtt import measure
 
     by_transport = {transport: measure(transport, batch_sizes=(1, 8, 32), model=model, num_iterations=num_iterations)
-                    for transport in ("shm", "grpc", "tcp")}
+                    for transport in ("shm", "tcp")}
     summary = {f"assist_rtt_us_p50_{t}": r["batch"]["8"]["p50_us"] for t, r in by_transport.items()}
     summary.update({f"assist_rtt_us_p99_{t}": r["batch"]["8"]["p99_us"] for t, r in by_transport.items()})
     return {**summary, "assist_rtt": {t: r["batch"] for t, r in by_transport.items()}}
@@ -320,7 +320,7 @@ def main() -> None:
         "kv_fixed_ms": round(shm_summary["fixed_ms"], 3),
         "kv_grpc_fixed_ms": round(grpc_summary["fixed_ms"], 3),
         "kv_shm_fit_gbps": round(shm_summary["fit_gbps"], 3),
-        # The fitted (marginal) rate against both copy references: issue 17's bandwidth criterion, the
+        # The fitted (marginal) rate against both copy references: the bandwidth criterion, the
         # fixed cost (kv_fixed_ms) being counted apart.
         "kv_shm_fit_fraction_of_memcpy": round(shm_summary["fit_gbps"] / statistics.mean([memcpy, memcpy_after]), 3),
         "kv_shm_fit_fraction_of_cold_memcpy": round(shm_summary["fit_gbps"] / cold["gbps"], 3),

@@ -58,10 +58,23 @@ def synth_checkpoint(tmp_path_factory):
     return make
 
 
+@pytest.fixture(scope="session")
+def tiny_folder(synth_checkpoint) -> str:
+    """The tiny synthetic Llama's checkpoint folder."""
+    return str(synth_checkpoint("tiny-llama"))
+
+
 @pytest.fixture(scope="module")
-def tiny(synth_checkpoint):
+def model_folder(tiny_folder) -> str:
+    """The folder a module's daemons serve: the tiny model, unless the module overrides this
+    fixture (tests/router/test_http_choices_guided_tools.py adds a chat template to a copy)."""
+    return tiny_folder
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_folder):
     """The tiny synthetic Llama (tiny-llama preset) loaded in float32, once per test module."""
-    return load_model(str(synth_checkpoint("tiny-llama")), dtype="fp32")
+    return load_model(tiny_folder, dtype="fp32")
 
 
 @pytest.fixture(scope="session")

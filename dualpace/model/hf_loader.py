@@ -11,7 +11,7 @@ from safetensors import SafetensorError, safe_open
 from dualpace.errors import ModelLoadError
 from dualpace.model.config import ModelConfig
 from dualpace.model.transformer import ModelWeights
-from dualpace.model.weights import TensorSource, weights_from_hf_names
+from dualpace.model.weights import weights_from_hf_names
 
 
 def read_hf_config(folder: Path) -> ModelConfig:
@@ -43,12 +43,14 @@ def _safetensors_files(folder: Path) -> list[Path]:
     return files
 
 
-def safetensors_tensor_source(folder: Path) -> TensorSource:
-    """A function from Hugging Face tensor name to the tensor (or None), every shard opened lazily."""
+def load_hf_weights(folder: Path, config: ModelConfig, dtype: torch.dtype) -> ModelWeights:
+    """Read every shard lazily and assemble the model's weights in `dtype` on the CPU."""
+    handles = {}
     name_to_file: dict[str, object] = {}
     try:
         for path in _safetensors_files(folder):
             handle = safe_open(str(path), framework="pt", device="cpu")
+            handles[path] = handle
             for name in handle.keys():
                 name_to_file[name] = handle
     except (SafetensorError, OSError, ValueError) as exc:
@@ -63,9 +65,4 @@ def safetensors_tensor_source(folder: Path) -> TensorSource:
         except (SafetensorError, OSError, ValueError) as exc:
             raise ModelLoadError(f"tensor {name} in {folder} is corrupt: {exc}") from exc
 
-    return get_tensor
-
-
-def load_hf_weights(folder: Path, config: ModelConfig, dtype: torch.dtype) -> ModelWeights:
-    """Read every shard lazily and assemble the model's weights in `dtype` on the CPU."""
-    return weights_from_hf_names(config, safetensors_tensor_source(folder), dtype)
+    return weights_from_hf_names(config, get_tensor, dtype)

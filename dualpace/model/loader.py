@@ -142,7 +142,8 @@ def weights_num_bytes(weights: ModelWeights) -> int:
     total = 0
     for t in _matrices(weights) + [weights.final_norm] + [t for layer in weights.layers for t in
                                                           (layer.input_norm, layer.post_attention_norm,
-                                                           layer.qkv_bias) if t is not None]:
+                                                           layer.qkv_bias, layer.q_norm, layer.k_norm)
+                                                          if t is not None]:
         total += t.num_bytes() if isinstance(t, QuantizedWeight) else t.numel() * t.element_size()
     return total
 

@@ -395,7 +395,7 @@ inline int64_t prepare_bytes(const WeightDesc& w, int64_t M) {
 // (cpu_kernels.cpp) passes false: the switch changes the activations' arithmetic at a batch size, so
 // a row's output would depend on how many rows share its call (tests/model/test_batch_invariance.py).
 // (With it on, bf16 compute once changed the default model's chat answer: not a fault of these
-// tiles but a near tie of the model's first answer token, margin 0.08 logits; docs/perf.md.)
+// tiles but a near tie of the model's first answer token, margin 0.08 logits.)
 // The int8 mode has no such invariance: below VNNI_MIN_ROWS rows (and without VNNI) it is int16.
 inline void prepare(const WeightDesc& w, const float* x, int64_t M, int64_t ldx, void* prepared,
                     bool fp32_switch = true) {

@@ -51,33 +51,3 @@ def test_tokenizer_only_folder_tokenizes_and_renders_chat_like_dualpace(tmp_path
     assert rendered == ours.apply_chat_template(messages)
     assert hf.encode(rendered, add_special_tokens=False) == ours.encode_chat(messages)
     assert hf.encode("The capital of France", add_special_tokens=True) == ours.encode("The capital of France")
-
-
-@pytest.mark.parametrize("preset", ["tiny-llama", "tiny-qwen2", "tiny-mistral"])
-@pytest.mark.parametrize("target", ["f32", "bf16", "q8_0"])
-def test_hf_folder_exports_to_a_gguf_that_loads_as_the_folder(tmp_path, synth_checkpoint, preset, target):
-    """`dualpace model export --gguf` on a Hugging Face folder: the GGUF's weights, dequantized by
-    the loader (Q/K rows un-permuted for Llama and Mistral), are the folder's in that format (f32:
-    equal; bf16: the bf16 values; q8_0: within a Q8_0 step), the tokenizer encodes alike."""
-    folder = synth_checkpoint(preset)
-    out = tmp_path / f"{preset}-{target}.gguf"
-    assert main(["model", "export", "--model", str(folder), "--gguf", target, "--out", str(out)]) == 0
-    hf, gguf = load_model(str(folder), dtype="fp32"), load_model(str(out), dtype="fp32", weights="fp32")
-    assert gguf.config.num_heads == hf.config.num_heads and gguf.config.head_dim == hf.config.head_dim
-    for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"):
-        ours, theirs = getattr(gguf.model.weights.layers[1], name), getattr(hf.model.weights.layers[1], name)
-        if target == "f32":
-            assert torch.equal(ours, theirs), name
-        elif target == "bf16":
-            assert torch.equal(ours, theirs.to(torch.bfloat16).float()), name
-        else:
-            assert (ours - theirs).abs().max() <= theirs.abs().amax() / 127, name
-    text = "The capital of France is Paris."
-    assert gguf.tokenizer.encode(text, add_special_tokens=False) == hf.tokenizer.encode(text, add_special_tokens=False)
-
-
-def test_export_refuses_rope_scaling(tmp_path, synth_checkpoint, capsys):
-    out = tmp_path / "x.gguf"
-    assert main(["model", "export", "--model", str(synth_checkpoint("tiny-llama3-rope")), "--gguf", "q8_0",
-                 "--out", str(out)]) != 0
-    assert "rope scaling" in capsys.readouterr().err and not out.exists()

@@ -43,11 +43,6 @@ class Up:
 
 
 @pytest.fixture(scope="module")
-def model_folder(synth_checkpoint):
-    return str(synth_checkpoint("tiny-llama"))
-
-
-@pytest.fixture(scope="module")
 def up(model_folder):
     process = subprocess.Popen(
         [sys.executable, "-m", "dualpace", "up", "--model", model_folder, "--dtype", "fp32",
@@ -80,9 +75,9 @@ def up(model_folder):
             process.kill()
 
 
-def cli(*argv: str) -> subprocess.CompletedProcess:
+def cli(*argv: str, columns: int = 120) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", *argv], check=False, capture_output=True, text=True,
-                          timeout=CLI_TIMEOUT_S, env={**os.environ, "COLUMNS": "120"})
+                          timeout=CLI_TIMEOUT_S, env={**os.environ, "COLUMNS": str(columns)})
 
 
 def test_client_json_streams_the_reference_tokens(up, model_folder):
@@ -107,7 +102,10 @@ def test_client_json_streams_the_reference_tokens(up, model_folder):
 def test_client_text_and_errors(up):
     done = cli("dualpace", "client", "--router", up.router, "--prompt", "hello", "--max-tokens", "4", "--ignore-eos")
     assert done.returncode == 0, done.stderr
-    assert done.stdout.endswith("\n") and "4 generated tokens" in done.stderr
+    # The answer ends its line (once) before the summary, which stands apart in brackets.
+    assert done.stdout.endswith("\n") and not done.stdout.endswith("\n\n")
+    assert done.stderr.startswith("[engine ") and done.stderr.endswith("]\n")
+    assert "4 generated tokens" in done.stderr
 
     bad = cli("dualpace", "client", "--router", up.router, "--prompt-ids", "99999999")
     assert bad.returncode == 2
@@ -129,10 +127,28 @@ def test_placement_json(up):
 
 
 def test_placement_table_names_the_engines(up):
-    done = cli("router", "placement", "--router", up.router)
+    done = cli("router", "placement", "--router", up.router, columns=40)
     assert done.returncode == 0, done.stderr
     assert "engines" in done.stdout and "requests" in done.stdout and "migrations" in done.stdout
     assert re.search(r"\bgpu\b", done.stdout) and re.search(r"\bcpu\b", done.stdout)
+    # Piped, the tables keep their full width, whatever the terminal's.
+    assert "…" not in done.stdout
+    for header in ("kind", "health", "KV blocks", "running", "waiting", "ITL p99", "generated", "outcome"):
+        assert header in done.stdout, header
+
+
+def test_up_prints_each_daemon_line_once(up):
+    for daemon, prefix in (("gpu_service", "[gpu]"), ("cpu_service", "[cpu]"), ("router", "[router]")):
+        relayed = [line for line in up.lines if line.startswith(prefix) and f"{daemon} listening on" in line]
+        assert len(relayed) == 1, relayed
+
+
+def test_up_refuses_a_missing_model_before_starting_anything(tmp_path):
+    done = cli("dualpace", "up", "--model", str(tmp_path / "missing"))
+    assert done.returncode == 2
+    assert done.stdout == ""  # no daemon's line relayed: none was started
+    assert done.stderr.startswith("dualpace up: error: model ") and "not found" in done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1
 
 
 def test_placement_unreachable_router_is_one_line_exit_2():

@@ -4,12 +4,6 @@
 from __future__ import annotations
 
 import json
-import os
-import re
-import signal
-import subprocess
-import sys
-import threading
 import time
 import urllib.error
 import urllib.request
@@ -22,50 +16,7 @@ from dualpace.wire.v1 import router_pb2, router_pb2_grpc
 
 openai = pytest.importorskip("openai")
 
-READY = re.compile(r"dualpace up: ready; router on (\S+)")
-HTTP = re.compile(r"dualpace up: OpenAI-compatible HTTP API on (\S+)")
-START_TIMEOUT_S = 180.0  # generous: the daemons start slowly on a loaded machine
-STEP_DELAY_MS = 10  # slows every engine step, so a long stream outlives the client that drops it
-LONG_MAX_TOKENS = 400  # with the delay: at least 4 s of generation
-
-
-@pytest.fixture(scope="module")
-def model_folder(synth_checkpoint):
-    return str(synth_checkpoint("tiny-llama"))
-
-
-@pytest.fixture(scope="module")
-def up(model_folder):
-    process = subprocess.Popen(
-        [sys.executable, "-m", "dualpace", "up", "--model", model_folder, "--dtype", "fp32",
-         "--threads-per-engine", "1"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        env={**os.environ, "DUALPACE_FAULT_STEP_DELAY_MS": str(STEP_DELAY_MS)})
-    found: dict[str, str] = {}
-    lines: list[str] = []
-    ready = threading.Event()
-
-    def pump() -> None:
-        for line in process.stdout:
-            lines.append(line)
-            if match := HTTP.search(line):
-                found["http"] = match.group(1)
-            if match := READY.search(line):
-                found["router"] = match.group(1)
-                ready.set()
-        ready.set()
-
-    threading.Thread(target=pump, daemon=True).start()
-    if not ready.wait(START_TIMEOUT_S) or "router" not in found or "http" not in found:
-        process.kill()
-        pytest.fail("dualpace up never became ready with an HTTP API:\n" + "".join(lines))
-    yield found
-    process.send_signal(signal.SIGTERM)
-    try:
-        assert process.wait(30) == 0, "".join(lines)
-    except subprocess.TimeoutExpired:
-        process.kill()
-        raise
+LONG_MAX_TOKENS = 400  # with the steps slowed (tests/router/conftest.py): at least 4 s of generation
 
 
 @pytest.fixture(scope="module")
