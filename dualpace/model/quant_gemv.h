@@ -4,7 +4,7 @@
 // once per ISA variant, and quant_kernels.cpp wraps it in extern "C" functions of its own.
 //
 // The arithmetic of the activations, per process (dp_quant_set_activations; the engines set it
-// from --quant-activations, dualpace/serve/config.py):
+// from --quant-activations: exact = int16, the default, or int8):
 // - `int16` (the exact mode, and the default until set): activations rounded to int16 per 16
 //   elements and integer dot products with the weights widened to int16 (quant_gemv_i16.h). The
 //   rounding is 1.5e-5 of each 16's max, finer than bf16 activations: greedy output matches the
