@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from dualpace.errors import ModelLoadError
-from dualpace.model.config import FAMILY_BY_GGUF_ARCH, Family, ModelConfig, unsupported
+from dualpace.model.config import FAMILIES, FAMILY_BY_GGUF_ARCH, Family, ModelConfig, unsupported
 from dualpace.model.quant import FORMAT_BY_NAME, FORMATS, Q5_0_GGML_TYPE, QuantizedWeight, repack_q5_0_as_q8_0
 from dualpace.model.transformer import ModelWeights
 from dualpace.model.weights import TensorSource, weights_from_hf_names
@@ -103,7 +103,9 @@ def read_gguf_config(reader) -> ModelConfig:
     # rotate whole heads (rope.dimension_count is head_dim), Phi-3's may rotate part of each
     default_head_dim = hidden // num_heads if arch == "phi3" else rotary_dim
     head_dim = int(_field(reader, f"{arch}.attention.key_length", default_head_dim))
-    window = int(_field(reader, f"{arch}.attention.sliding_window", 0)) if family.has_sliding_window else 0
+    window = int(_field(reader, f"{arch}.attention.sliding_window", 0))  # where a file has one, any family
+    if arch == "llama" and window:  # Mistral, written as llama (as llama.cpp does) with its window kept
+        family = FAMILIES["mistral"]
     max_positions = int(_field(reader, f"{arch}.context_length"))
     rope_freqs = tensors.get("rope_freqs.weight")
     longrope = {}
