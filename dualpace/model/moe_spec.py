@@ -1,0 +1,84 @@
+"""A mixture-of-experts MLP described as data, and the arithmetic of what a step reads.
+
+Pure (no torch): the loaders, the forward (dualpace.model.moe), the profile's fingerprint and the
+cost model all read it.
+
+Routing, as transformers' Qwen2-MoE / Qwen3-MoE / Mixtral blocks do: router logits = x W_router^T,
+softmax over all experts in float32, the top `num_experts_per_tok`; with `norm_topk_prob` the
+chosen weights are divided by their sum (Mixtral always, Qwen3-30B-A3B by its config), without it
+they stay the softmax's (Qwen2-MoE's default). Each chosen expert is a SwiGLU MLP of width
+`expert_intermediate_size`; the block's output is the weighted sum. A shared expert (Qwen2-MoE)
+runs for every row beside the routed ones, scaled by sigmoid(x w_shared_gate) when
+`shared_expert_gated`.
+
+Which layers are sparse: layer i is a MoE layer when i is not in `mlp_only_layers` and
+(i + 1) % decoder_sparse_step == 0, the rule of transformers' Qwen*-MoE decoder layers; the others
+keep a dense MLP of the model's `intermediate_size`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class MoeSpec:
+    num_experts: int
+    num_experts_per_tok: int
+    expert_intermediate_size: int
+    norm_topk_prob: bool
+    shared_expert_intermediate_size: int = 0  # 0: no shared expert
+    shared_expert_gated: bool = False
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple[int, ...] = field(default_factory=tuple)
+
+    def __post_init__(self):
+        if not 0 < self.num_experts_per_tok <= self.num_experts:
+            raise ValueError(f"num_experts_per_tok ({self.num_experts_per_tok}) must be in 1..num_experts "
+                             f"({self.num_experts})")
+        if self.decoder_sparse_step < 1:
+            raise ValueError(f"decoder_sparse_step must be >= 1, got {self.decoder_sparse_step}")
+
+    def is_sparse_layer(self, layer_index: int) -> bool:
+        return layer_index not in self.mlp_only_layers and (layer_index + 1) % self.decoder_sparse_step == 0
+
+    def num_sparse_layers(self, num_layers: int) -> int:
+        return sum(self.is_sparse_layer(i) for i in range(num_layers))
+
+    def expected_distinct_experts(self, num_rows: float) -> float:
+        """Experts a batch of `num_rows` rows selects in one layer, in expectation, when routing is
+        uniform and independent between rows: E * (1 - (1 - k/E)^B) (each expert is missed by a
+        row with probability 1 - k/E). Between k (one row) and E (a large batch)."""
+        if num_rows <= 0:
+            return 0.0
+        e, k = self.num_experts, self.num_experts_per_tok
+        return e * (1.0 - (1.0 - k / e) ** num_rows)
+
+
+@dataclass(frozen=True)
+class MoeWeightBytes:
+    """Bytes of a MoE model's weights read by a decode step, split by how often they are read.
+
+    dense_bytes: read once per step whatever the batch (attention projections, dense MLP layers,
+    routers, shared experts, LM head); expert_bytes: one routed expert of one sparse layer;
+    num_sparse_layers: layers whose MLP is routed."""
+
+    spec: MoeSpec
+    dense_bytes: int
+    expert_bytes: int
+    num_sparse_layers: int
+
+    def active_bytes_per_token(self) -> float:
+        """Bytes one row alone reads per step: the dense part and k experts per sparse layer."""
+        return self.dense_bytes + self.num_sparse_layers * self.spec.num_experts_per_tok * self.expert_bytes
+
+    def step_bytes(self, num_rows: float) -> float:
+        """Expected bytes a step of `num_rows` rows reads: each selected expert once, whatever the
+        number of rows routed to it."""
+        if num_rows <= 0:
+            return 0.0
+        return self.dense_bytes + self.num_sparse_layers * self.expert_bytes * self.spec.expected_distinct_experts(
+            num_rows)
+
+    def total_bytes(self) -> int:
+        return self.dense_bytes + self.num_sparse_layers * self.spec.num_experts * self.expert_bytes
