@@ -5,8 +5,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from dualpace.errors import ModelLoadError
+from dualpace.model.moe_spec import MoeSpec
 
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "mixtral", "qwen2_moe")
+_HF_CLASSES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+               "mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM"}
+_QKV_BIAS_ARCHITECTURES = ("qwen2", "qwen2_moe")
 
 
 @dataclass(frozen=True)
@@ -39,6 +43,7 @@ class ModelConfig:
     qkv_bias: bool = False
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    moe: MoeSpec | None = None  # mixture-of-experts MLPs (dualpace.model.moe_spec); None: dense
 
     def __post_init__(self):
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -64,7 +69,7 @@ class ModelConfig:
                 f"unsupported architecture {model_type!r} in config.json; "
                 f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
             )
-        if model_type != "qwen2" and hf.get("attention_bias"):
+        if model_type not in _QKV_BIAS_ARCHITECTURES and hf.get("attention_bias"):
             raise ModelLoadError(
                 f"{model_type} with attention_bias (biases on the q/k/v/o projections) is not supported"
             )
@@ -99,9 +104,10 @@ class ModelConfig:
                 rope_scaling=scaling,
                 max_position_embeddings=int(hf.get("max_position_embeddings", 4096)),
                 tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-                qkv_bias=model_type == "qwen2",
+                qkv_bias=model_type in _QKV_BIAS_ARCHITECTURES,
                 bos_token_id=hf.get("bos_token_id"),
                 eos_token_ids=eos_ids,
+                moe=MoeSpec.from_hf_dict(hf),
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise ModelLoadError(f"config.json is missing or has a bad value: {exc}") from exc
@@ -109,11 +115,7 @@ class ModelConfig:
     def to_hf_dict(self) -> dict:
         """The Hugging Face config.json dictionary for this configuration."""
         hf = {
-            "architectures": [
-                {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}[
-                    self.architecture
-                ]
-            ],
+            "architectures": [_HF_CLASSES[self.architecture]],
             "model_type": self.architecture,
             "vocab_size": self.vocab_size,
             "hidden_size": self.hidden_size,
@@ -133,8 +135,10 @@ class ModelConfig:
         }
         if self.architecture == "llama":
             hf["attention_bias"] = False  # Qwen2 has q/k/v biases by definition; Llama's flag would add o_proj too
-        if self.architecture == "mistral":
+        if self.architecture in ("mistral", "mixtral"):
             hf["sliding_window"] = None
+        if self.moe is not None:
+            hf.update(self.moe.hf_fields(self.architecture))
         if self.rope_scaling is not None:
             hf["rope_scaling"] = {
                 "rope_type": "llama3",

@@ -131,7 +131,9 @@ def _quant_kernels_available() -> bool:
 def _matrices(weights: ModelWeights) -> list:
     mats = [weights.embed_tokens] + ([] if weights.lm_head is weights.embed_tokens else [weights.lm_head])
     for layer in weights.layers:
-        mats.extend([layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj])
+        mats.extend(m for m in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj) if m is not None)
+        if layer.moe is not None:
+            mats.extend(layer.moe.matrices())
     return mats
 
 
@@ -183,7 +185,9 @@ def quantize_weights_q8_0(weights: ModelWeights) -> ModelWeights:
     for layer in weights.layers:
         fields = dict(vars(layer))
         for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"):
-            fields[name] = q(fields[name])
+            fields[name] = None if fields[name] is None else q(fields[name])
+        if layer.moe is not None:  # the experts; the router and shared-expert gate stay dense (they route)
+            fields["moe"] = layer.moe.map_matrices(q, routing_fn=lambda m: m)
         layers.append(type(layer)(**fields))
     lm_head = embed if weights.lm_head is weights.embed_tokens else q(weights.lm_head)
     return ModelWeights(embed_tokens=embed, layers=layers, final_norm=weights.final_norm, lm_head=lm_head)

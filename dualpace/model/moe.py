@@ -40,19 +40,24 @@ class MoeWeights:
         shared = [m for m in (self.shared_gate_up, self.shared_down, self.shared_gate) if m is not None]
         return [self.router, *self.expert_gate_up, *self.expert_down, *shared]
 
-    def map_matrices(self, fn: Callable) -> MoeWeights:
-        """A copy with fn applied to every matrix (moving, casting or quantizing)."""
-        def opt(m):
-            return None if m is None else fn(m)
+    def map_matrices(self, fn: Callable, routing_fn: Callable | None = None) -> MoeWeights:
+        """A copy with fn applied to every expert matrix (moving, casting or quantizing) and
+        routing_fn (default fn) to the router and the shared expert's gate, which decide the routing."""
+        routing_fn = routing_fn or fn
 
-        return MoeWeights(fn(self.router), [fn(m) for m in self.expert_gate_up], [fn(m) for m in self.expert_down],
-                          opt(self.shared_gate_up), opt(self.shared_down), opt(self.shared_gate))
+        def opt(m, f):
+            return None if m is None else f(m)
+
+        return MoeWeights(routing_fn(self.router), [fn(m) for m in self.expert_gate_up],
+                          [fn(m) for m in self.expert_down], opt(self.shared_gate_up, fn), opt(self.shared_down, fn),
+                          opt(self.shared_gate, routing_fn))
 
 
-def route(x: torch.Tensor, router: torch.Tensor, spec: MoeSpec, matmul: Matmul) -> tuple[torch.Tensor, torch.Tensor]:
+def route(x: torch.Tensor, router: torch.Tensor, spec: MoeSpec, matmul: Matmul,
+          kernel_rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(weights [T, k] in x's dtype, expert ids [T, k]): softmax in float32 over all experts, top k,
     renormalised when spec.norm_topk_prob."""
-    probs = torch.softmax(matmul(x, router, None).float(), dim=-1)
+    probs = torch.softmax(matmul(x, router, kernel_rows).float(), dim=-1)
     top_weights, top_ids = torch.topk(probs, spec.num_experts_per_tok, dim=-1)
     if spec.norm_topk_prob:
         top_weights = top_weights / top_weights.sum(dim=-1, keepdim=True)
@@ -77,7 +82,7 @@ def moe_mlp(x: torch.Tensor, weights: MoeWeights, spec: MoeSpec, matmul: Matmul,
     """The MoE MLP over x [T, hidden] (already normed) -> [T, hidden], without the residual.
     kernel_rows: rows of x handed on to matmul, translated to each expert's own rows."""
     num_rows, k = x.shape[0], spec.num_experts_per_tok
-    top_weights, top_ids = route(x, weights.router, spec, matmul)
+    top_weights, top_ids = route(x, weights.router, spec, matmul, kernel_rows)
     flat_ids = top_ids.reshape(-1)
     order = torch.argsort(flat_ids, stable=True)  # (row, choice) pairs grouped by expert
     counts = torch.bincount(flat_ids, minlength=spec.num_experts).tolist()

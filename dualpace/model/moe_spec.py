@@ -20,6 +20,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from dualpace.errors import ModelLoadError
+
+
+# Hugging Face model types whose MLPs are mixtures of experts (transformers' names)
+MOE_HF_MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe")
+
 
 @dataclass(frozen=True)
 class MoeSpec:
@@ -34,10 +40,38 @@ class MoeSpec:
 
     def __post_init__(self):
         if not 0 < self.num_experts_per_tok <= self.num_experts:
-            raise ValueError(f"num_experts_per_tok ({self.num_experts_per_tok}) must be in 1..num_experts "
+            raise ModelLoadError(f"num_experts_per_tok ({self.num_experts_per_tok}) must be in 1..num_experts "
                              f"({self.num_experts})")
         if self.decoder_sparse_step < 1:
-            raise ValueError(f"decoder_sparse_step must be >= 1, got {self.decoder_sparse_step}")
+            raise ModelLoadError(f"decoder_sparse_step must be >= 1, got {self.decoder_sparse_step}")
+
+    @classmethod
+    def from_hf_dict(cls, hf: dict) -> MoeSpec | None:
+        """The MoE fields of a Hugging Face config.json (Mixtral, Qwen2-MoE, Qwen3-MoE); None for a
+        dense model. Raises KeyError / ValueError on a missing or bad field."""
+        model_type = hf.get("model_type")
+        if model_type == "mixtral":
+            return cls(int(hf["num_local_experts"]), int(hf["num_experts_per_tok"]), int(hf["intermediate_size"]),
+                       norm_topk_prob=True)
+        if model_type not in MOE_HF_MODEL_TYPES or not hf.get("num_experts"):
+            return None
+        shared = int(hf.get("shared_expert_intermediate_size") or 0)
+        return cls(int(hf["num_experts"]), int(hf["num_experts_per_tok"]), int(hf["moe_intermediate_size"]),
+                   norm_topk_prob=bool(hf.get("norm_topk_prob", False)), shared_expert_intermediate_size=shared,
+                   shared_expert_gated=shared > 0, decoder_sparse_step=int(hf.get("decoder_sparse_step", 1)),
+                   mlp_only_layers=tuple(int(i) for i in hf.get("mlp_only_layers") or ()))
+
+    def hf_fields(self, model_type: str) -> dict:
+        """The config.json fields that describe this spec for `model_type` (the reverse of from_hf_dict)."""
+        if model_type == "mixtral":
+            return {"num_local_experts": self.num_experts, "num_experts_per_tok": self.num_experts_per_tok,
+                    "router_jitter_noise": 0.0}
+        fields = {"num_experts": self.num_experts, "num_experts_per_tok": self.num_experts_per_tok,
+                  "moe_intermediate_size": self.expert_intermediate_size, "norm_topk_prob": self.norm_topk_prob,
+                  "decoder_sparse_step": self.decoder_sparse_step, "mlp_only_layers": list(self.mlp_only_layers)}
+        if model_type == "qwen2_moe":
+            fields["shared_expert_intermediate_size"] = self.shared_expert_intermediate_size
+        return fields
 
     def is_sparse_layer(self, layer_index: int) -> bool:
         return layer_index not in self.mlp_only_layers and (layer_index + 1) % self.decoder_sparse_step == 0

@@ -28,6 +28,7 @@ from dualpace.errors import InvalidArgument
 from dualpace.model import synth_tokenizer as stok
 from dualpace.model.config import ModelConfig, RopeScaling
 from dualpace.model.hf_layout import TensorSpec, count_parameters, tensor_specs  # noqa: F401 (re-exported)
+from dualpace.model.moe_spec import MoeSpec
 
 DEFAULT_MAX_SHARD_BYTES = 1 << 30
 _RANDOM_CHUNK_NUM_ELEMENTS = 1 << 22
@@ -92,6 +93,20 @@ PRESETS: dict[str, Preset] = {
             "tiny-llama3-rope", "llama, llama3 rope scaling (factor 8, original 64), theta 5e5, tied",
             **_TINY_LLAMA, rope_theta=500000.0, tie_word_embeddings=True,
             rope_scaling=RopeScaling(8.0, 1.0, 4.0, 64),
+        ),
+        _tiny(
+            "tiny-mixtral", "mixtral, 8 experts top-2, GQA 4q/2kv, untied",
+            architecture="mixtral", vocab_size=512, hidden_size=64, intermediate_size=96, num_layers=2,
+            num_heads=4, num_kv_heads=2, head_dim=16, max_position_embeddings=1024,
+            moe=MoeSpec(num_experts=8, num_experts_per_tok=2, expert_intermediate_size=96, norm_topk_prob=True),
+        ),
+        _tiny(
+            "tiny-qwen2-moe", "qwen2_moe, 8 experts top-2 unnormalised, gated shared expert, layer 0 dense, tied",
+            architecture="qwen2_moe", vocab_size=600, hidden_size=64, intermediate_size=128, num_layers=3,
+            num_heads=4, num_kv_heads=2, head_dim=16, rms_norm_eps=1e-6, rope_theta=1e6,
+            max_position_embeddings=1024, tie_word_embeddings=True, qkv_bias=True,
+            moe=MoeSpec(num_experts=8, num_experts_per_tok=2, expert_intermediate_size=48, norm_topk_prob=False,
+                        shared_expert_intermediate_size=80, shared_expert_gated=True, mlp_only_layers=(0,)),
         ),
         _large(
             "qwen2.5-0.5b", "Qwen2.5-0.5B shapes (random weights, speed only)",

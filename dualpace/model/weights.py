@@ -8,6 +8,8 @@ import torch
 
 from dualpace.errors import ModelLoadError
 from dualpace.model.config import ModelConfig
+from dualpace.model.hf_layout import moe_tensor_names
+from dualpace.model.moe import MoeWeights
 from dualpace.model.quant import cat_rows
 from dualpace.model.transformer import LayerWeights, ModelWeights
 
@@ -23,6 +25,25 @@ def _require(get_tensor: TensorSource, name: str, shape: tuple[int, ...]) -> tor
     if tuple(tensor.shape) != shape:
         raise ModelLoadError(f"tensor {name} has shape {tuple(tensor.shape)}, expected {shape}")
     return tensor
+
+
+def _moe_weights(config: ModelConfig, prefix: str, get: Callable[[str, tuple[int, ...]], torch.Tensor]) -> MoeWeights:
+    """One sparse layer's router and experts (each expert's gate and up fused into one matrix)."""
+    spec, hidden = config.moe, config.hidden_size
+    names = moe_tensor_names(config.architecture)
+    ffn = spec.expert_intermediate_size
+    gate_up = [cat_rows([get(prefix + names.expert_gate.format(e=e), (ffn, hidden)),
+                         get(prefix + names.expert_up.format(e=e), (ffn, hidden))]) for e in range(spec.num_experts)]
+    down = [get(prefix + names.expert_down.format(e=e), (hidden, ffn)) for e in range(spec.num_experts)]
+    weights = MoeWeights(get(prefix + names.router, (spec.num_experts, hidden)), gate_up, down)
+    shared = spec.shared_expert_intermediate_size
+    if shared:
+        weights.shared_gate_up = cat_rows([get(prefix + names.shared_gate_proj, (shared, hidden)),
+                                           get(prefix + names.shared_up_proj, (shared, hidden))])
+        weights.shared_down = get(prefix + names.shared_down_proj, (hidden, shared))
+        if spec.shared_expert_gated:
+            weights.shared_gate = get(prefix + names.shared_gate, (1, hidden))
+    return weights
 
 
 def weights_from_hf_names(config: ModelConfig, get_tensor: TensorSource, dtype: torch.dtype) -> ModelWeights:
@@ -52,9 +73,14 @@ def weights_from_hf_names(config: ModelConfig, get_tensor: TensorSource, dtype: 
                     get(p + "self_attn.v_proj.bias", (kv_rows,)),
                 ]
             )
-        gate_up = cat_rows(
-            [get(p + "mlp.gate_proj.weight", (ffn, hidden)), get(p + "mlp.up_proj.weight", (ffn, hidden))]
-        )
+        moe = gate_up = down = None
+        if config.moe is not None and config.moe.is_sparse_layer(i):
+            moe = _moe_weights(config, p, get)
+        else:
+            gate_up = cat_rows(
+                [get(p + "mlp.gate_proj.weight", (ffn, hidden)), get(p + "mlp.up_proj.weight", (ffn, hidden))]
+            )
+            down = get(p + "mlp.down_proj.weight", (hidden, ffn))
         layers.append(
             LayerWeights(
                 input_norm=get(p + "input_layernorm.weight", (hidden,)),
@@ -63,7 +89,8 @@ def weights_from_hf_names(config: ModelConfig, get_tensor: TensorSource, dtype: 
                 o_proj=get(p + "self_attn.o_proj.weight", (hidden, q_rows)),
                 post_attention_norm=get(p + "post_attention_layernorm.weight", (hidden,)),
                 gate_up_proj=gate_up,
-                down_proj=get(p + "mlp.down_proj.weight", (hidden, ffn)),
+                down_proj=down,
+                moe=moe,
             )
         )
     embed = get("model.embed_tokens.weight", (config.vocab_size, hidden))

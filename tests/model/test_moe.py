@@ -9,6 +9,7 @@ from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
 from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeSparseMoeBlock
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
 
+from dualpace.errors import ModelLoadError
 from dualpace.model.cpu_kernels import torch_linear
 from dualpace.model.moe import MoeWeights, moe_mlp
 from dualpace.model.moe_spec import MoeSpec
@@ -111,8 +112,9 @@ def test_kernel_rows_are_translated_to_each_experts_rows():
         return torch_linear(rows, weight)
 
     moe_mlp(x, weights, spec, recording_matmul, kernel_rows=torch.tensor([4]))
-    marked = [rows[kernel_rows] for rows, kernel_rows in seen if kernel_rows is not None and kernel_rows.numel()]
-    assert marked and all(torch.equal(m, x[4:5]) for m in marked[::2])
+    inputs = [rows[kernel_rows] for rows, kernel_rows in seen  # the router's and each gate/up's, not down's
+              if kernel_rows is not None and kernel_rows.numel() and rows.shape[1] == HIDDEN]
+    assert len(inputs) == 1 + TOP_K and all(torch.equal(m, x[4:5]) for m in inputs)
 
 
 @pytest.mark.parametrize("num_rows", [1, 8, 32])
@@ -128,5 +130,27 @@ def test_expected_distinct_experts(num_rows):
 def test_sparse_layers_follow_step_and_mlp_only_layers():
     spec = MoeSpec(4, 2, 8, True, decoder_sparse_step=2, mlp_only_layers=(3,))
     assert [spec.is_sparse_layer(i) for i in range(6)] == [False, True, False, False, False, True]
-    with pytest.raises(ValueError):
+    with pytest.raises(ModelLoadError):
         MoeSpec(4, 5, 8, True)
+
+
+@pytest.mark.parametrize("preset", ["tiny-mixtral", "tiny-qwen2-moe"])
+def test_decode_rows_beside_a_prefill_get_what_they_get_alone(preset, synth_checkpoint):
+    """Through a MoE layer on the CPU kernels, a step's decode rows (kernel_rows) get bitwise what
+    they get alone, though the step's other rows send the router and the busiest experts to oneDNN."""
+    from dualpace.model.loader import load_model
+
+    model = load_model(str(synth_checkpoint(preset)), dtype="fp32").model
+    if not model.kernel_capable:
+        pytest.skip("the CPU kernels are off here")
+    cfg = model.config
+    generator = torch.Generator().manual_seed(11)
+    hidden = torch.randn(200, cfg.hidden_size, generator=generator)
+    attention_out = torch.randn(200, cfg.num_heads * cfg.head_dim, generator=generator)
+    decode_rows = torch.tensor([0, 7, 130, 199])
+    layer = cfg.num_layers - 1  # sparse in both presets
+    assert model.weights.layers[layer].moe is not None
+    mixed = model.post_attention(layer, hidden, attention_out, kernel_rows=decode_rows)
+    for i in decode_rows.tolist():
+        alone = model.post_attention(layer, hidden[i:i + 1], attention_out[i:i + 1])
+        assert torch.equal(mixed[i:i + 1], alone), f"decode row {i}"
