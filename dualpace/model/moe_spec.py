@@ -80,39 +80,43 @@ class MoeSpec:
         return sum(self.is_sparse_layer(i) for i in range(num_layers))
 
     def expected_distinct_experts(self, num_rows: float) -> float:
-        """Experts a batch of `num_rows` rows selects in one layer, in expectation, when routing is
-        uniform and independent between rows: E * (1 - (1 - k/E)^B) (each expert is missed by a
-        row with probability 1 - k/E). Between k (one row) and E (a large batch)."""
-        if num_rows <= 0:
-            return 0.0
-        e, k = self.num_experts, self.num_experts_per_tok
-        return e * (1.0 - (1.0 - k / e) ** num_rows)
+        return expected_distinct_experts(self.num_experts, self.num_experts_per_tok, num_rows)
+
+
+def expected_distinct_experts(num_experts: int, num_experts_per_tok: int, num_rows: float) -> float:
+    """Experts a batch of `num_rows` rows selects in one layer, in expectation, when routing is
+    uniform and independent between rows: E * (1 - (1 - k/E)^B) (each expert is missed by a row
+    with probability 1 - k/E). k for one row, towards E for a large batch."""
+    if num_rows <= 0:
+        return 0.0
+    return num_experts * (1.0 - (1.0 - num_experts_per_tok / num_experts) ** num_rows)
 
 
 @dataclass(frozen=True)
 class MoeWeightBytes:
-    """Bytes of a MoE model's weights read by a decode step, split by how often they are read.
+    """Bytes of a MoE model's weights a decode step reads, split by how often they are read.
 
     dense_bytes: read once per step whatever the batch (attention projections, dense MLP layers,
-    routers, shared experts, LM head); expert_bytes: one routed expert of one sparse layer;
-    num_sparse_layers: layers whose MLP is routed."""
+    routers, shared experts, LM head); expert_bytes: one routed expert of one sparse layer (in the
+    format held); num_sparse_layers: layers whose MLP is routed."""
 
-    spec: MoeSpec
+    num_experts: int
+    num_experts_per_tok: int
     dense_bytes: int
     expert_bytes: int
     num_sparse_layers: int
 
-    def active_bytes_per_token(self) -> float:
+    def active_bytes_per_token(self) -> int:
         """Bytes one row alone reads per step: the dense part and k experts per sparse layer."""
-        return self.dense_bytes + self.num_sparse_layers * self.spec.num_experts_per_tok * self.expert_bytes
+        return self.dense_bytes + self.num_sparse_layers * self.num_experts_per_tok * self.expert_bytes
 
     def step_bytes(self, num_rows: float) -> float:
         """Expected bytes a step of `num_rows` rows reads: each selected expert once, whatever the
         number of rows routed to it."""
         if num_rows <= 0:
             return 0.0
-        return self.dense_bytes + self.num_sparse_layers * self.expert_bytes * self.spec.expected_distinct_experts(
-            num_rows)
+        distinct = expected_distinct_experts(self.num_experts, self.num_experts_per_tok, num_rows)
+        return self.dense_bytes + self.num_sparse_layers * self.expert_bytes * distinct
 
     def total_bytes(self) -> int:
-        return self.dense_bytes + self.num_sparse_layers * self.spec.num_experts * self.expert_bytes
+        return self.dense_bytes + self.num_sparse_layers * self.num_experts * self.expert_bytes

@@ -154,3 +154,20 @@ def test_decode_rows_beside_a_prefill_get_what_they_get_alone(preset, synth_chec
     for i in decode_rows.tolist():
         alone = model.post_attention(layer, hidden[i:i + 1], attention_out[i:i + 1])
         assert torch.equal(mixed[i:i + 1], alone), f"decode row {i}"
+
+
+def test_host_memory_report_states_active_bytes_per_token(synth_checkpoint):
+    from dualpace.model.loader import describe_weights, load_model, moe_weight_bytes, weights_num_bytes
+
+    loaded = load_model(str(synth_checkpoint("tiny-mixtral")), dtype="fp32")
+    cfg, weights = loaded.config, loaded.model.weights
+    moe = moe_weight_bytes(weights, cfg)
+    hidden, ffn = cfg.hidden_size, cfg.moe.expert_intermediate_size
+    assert moe.expert_bytes == 3 * hidden * ffn * 4 and moe.num_sparse_layers == cfg.num_layers
+    embedding_bytes = cfg.vocab_size * hidden * 4  # untied: a step reads a row of it per token
+    assert moe.total_bytes() == weights_num_bytes(weights) - embedding_bytes
+    assert moe.active_bytes_per_token() == moe.dense_bytes + cfg.num_layers * 2 * moe.expert_bytes
+    line = describe_weights(weights, torch.device("cpu"), torch.float32, cfg)
+    assert f"active per token {moe.active_bytes_per_token() / 1e6:.1f} MB (2 of 8 experts in 2 layers" in line
+    dense = load_model(str(synth_checkpoint("tiny-llama")), dtype="fp32")
+    assert moe_weight_bytes(dense.model.weights, dense.config) is None
