@@ -1,48 +1,23 @@
-"""Mixture-of-experts checkpoints made with transformers' own classes decode greedy-identical to
-transformers in fp32, from the Hugging Face folder and from GGUF files made from it (F32, and Q8_0
-with the experts kept in their blocks against the same file dequantized at load).
-
-Weights are drawn with std 0.2 (embeddings 0.6, norms 1 + N(0, 0.1)) so that greedy top-1
-margins are clear (ARCHITECTURE.md §9)."""
+"""Mixture-of-experts checkpoints made with transformers' own classes (tests/model/moe_checkpoints.py)
+decode greedy-identical to transformers in fp32, from the Hugging Face folder and from GGUF files
+made from it (F32, and Q8_0 with the experts kept in their blocks against the same file dequantized
+at load)."""
 
 from __future__ import annotations
 
-import json
 import random
 from pathlib import Path
 
 import pytest
 import torch
-from transformers import MixtralConfig, MixtralForCausalLM, Qwen2MoeConfig, Qwen2MoeForCausalLM
 
-from dualpace.model import synth_tokenizer as stok
+from dualpace.model import cpu_kernels
 from dualpace.model.loader import load_model
 from dualpace.model.quant import QuantizedWeight
 from tests.model.hf_reference import hf_greedy, hf_prompt_logits
+from tests.model.moe_checkpoints import FAMILIES, VOCAB, load_reference, write_moe_checkpoint
 from tests.model.moe_gguf import write_moe_gguf
 from tests.model.test_parity import LOGIT_TOLERANCE, NUM_NEW_TOKENS, our_greedy, prompt_logits
-
-VOCAB = 512
-_COMMON = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
-               head_dim=16, max_position_embeddings=1024, num_experts_per_tok=2, bos_token_id=stok.BOS_ID,
-               eos_token_id=list(stok.EOS_IDS), tie_word_embeddings=False)
-FAMILIES = {
-    "mixtral": lambda: MixtralForCausalLM(MixtralConfig(**_COMMON, intermediate_size=96, num_local_experts=8)),
-    "qwen2_moe": lambda: Qwen2MoeForCausalLM(Qwen2MoeConfig(
-        **_COMMON, intermediate_size=128, moe_intermediate_size=64, num_experts=8, shared_expert_intermediate_size=96,
-        norm_topk_prob=False, decoder_sparse_step=1, mlp_only_layers=[1])),
-}
-
-
-def _randomise(model: torch.nn.Module, seed: int) -> None:
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.copy_(1 + 0.1 * torch.randn(p.shape, generator=generator))
-            else:
-                std = 0.6 if "embed_tokens" in name or "lm_head" in name else 0.2
-                p.copy_(std * torch.randn(p.shape, generator=generator))
 
 
 @pytest.fixture(scope="module")
@@ -51,14 +26,7 @@ def checkpoint(tmp_path_factory):
 
     def make(family: str) -> Path:
         if family not in made:
-            folder = tmp_path_factory.mktemp(family)
-            torch.manual_seed(0)
-            model = FAMILIES[family]().eval()
-            _randomise(model, seed=1)
-            model.save_pretrained(folder)
-            stok.build_tokenizer(VOCAB).save(str(folder / "tokenizer.json"))
-            (folder / "tokenizer_config.json").write_text(json.dumps(stok.tokenizer_config_dict(1024)))
-            made[family] = folder
+            made[family] = write_moe_checkpoint(family, tmp_path_factory.mktemp(family))
         return made[family]
 
     return make
@@ -74,12 +42,26 @@ def test_hf_folder_matches_transformers(family, checkpoint):
     folder = checkpoint(family)
     loaded = load_model(str(folder), dtype="fp32")
     assert loaded.config.moe is not None
-    hf_model = (MixtralForCausalLM if family == "mixtral" else Qwen2MoeForCausalLM).from_pretrained(
-        folder, dtype=torch.float32).eval()
+    hf_model = load_reference(family, folder)
     prompt = _prompt(family)
     diff = (prompt_logits(loaded, prompt) - hf_prompt_logits(hf_model, prompt)).abs().max().item()
     assert diff < LOGIT_TOLERANCE, f"{family}: max |logit diff| {diff}"
     assert our_greedy(loaded, prompt, NUM_NEW_TOKENS) == hf_greedy(hf_model, prompt, NUM_NEW_TOKENS)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_torch_path_matches_transformers(family, checkpoint):
+    """The stages as plain torch ops, the path a GPU engine runs (the CPU kernels off)."""
+    enabled = cpu_kernels._state.get("enabled", True)
+    cpu_kernels.set_enabled(False)
+    try:
+        loaded = load_model(str(checkpoint(family)), dtype="fp32")
+        assert cpu_kernels.get() is None
+        prompt = _prompt(family)
+        tokens = our_greedy(loaded, prompt, NUM_NEW_TOKENS)
+    finally:
+        cpu_kernels.set_enabled(enabled)
+    assert tokens == hf_greedy(load_reference(family, checkpoint(family)), prompt, NUM_NEW_TOKENS)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -89,8 +71,7 @@ def test_gguf_f32_matches_transformers(family, checkpoint, tmp_path):
     loaded = load_model(str(gguf_path), dtype="fp32")
     from_folder = load_model(str(folder), dtype="fp32")
     assert loaded.config.architecture == family and loaded.config.moe == from_folder.config.moe
-    hf_model = (MixtralForCausalLM if family == "mixtral" else Qwen2MoeForCausalLM).from_pretrained(
-        folder, dtype=torch.float32).eval()
+    hf_model = load_reference(family, folder)
     prompt = _prompt(family)
     assert our_greedy(loaded, prompt, NUM_NEW_TOKENS) == hf_greedy(hf_model, prompt, NUM_NEW_TOKENS)
 
