@@ -192,8 +192,6 @@ def gguf_tensor_source(reader, config: ModelConfig, keep_quantized: bool = False
         if expert is not None:
             shape = shape[1:]
             data = np.asarray(data).reshape(num_experts, shape[0], -1)[expert]
-        if len(shape) == 1 and name.endswith("shared_expert_gate.weight"):
-            shape = [1, shape[0]]  # llama.cpp holds the shared expert's gate as a vector
         is_matrix = len(shape) == 2
         if keep_quantized and is_matrix and int(tensor.tensor_type) == Q5_0_GGML_TYPE:
             fmt = FORMAT_BY_NAME["Q8_0"]  # held as Q8_0, value for value (repack_q5_0_as_q8_0)

@@ -1,10 +1,12 @@
-"""Write a mixture-of-experts Hugging Face folder as a GGUF file in llama.cpp's layout, for tests.
+"""Write a mixture-of-experts Hugging Face folder as a GGUF file in llama.cpp's layout, for tests
+(checked once against llama.cpp's own convert_hf_to_gguf.py, whose files of these checkpoints load and
+decode the same; it refuses Qwen2-MoE dense layers, which this writer stores as ffn_{gate,up,down}).
 
 What llama.cpp's convert_hf_to_gguf.py writes for these families: Mixtral as architecture "llama"
 with an expert count and its Q/K rows permuted; Qwen2-MoE as "qwen2moe" (Q/K as they are). Each
 sparse layer's experts are stacked into blk.N.ffn_{gate,up,down}_exps [num_experts, rows, K], its
 router is ffn_gate_inp, a shared expert ffn_{gate,up,down}_shexp with its gate ffn_gate_inp_shexp
-(a vector). Matrices are written F32 or Q8_0 (routers and norms stay F32, as llama-quantize keeps them).
+[1, hidden]. Matrices are written F32 or Q8_0 (routers and norms stay F32, as llama-quantize keeps them).
 """
 
 from __future__ import annotations
@@ -93,7 +95,7 @@ def write_moe_gguf(folder: Path, out_path: Path, q8_0: bool = False) -> Path:
             add(b + "ffn_gate_shexp.weight", state[p + names.shared_gate_proj])
             add(b + "ffn_up_shexp.weight", state[p + names.shared_up_proj])
             add(b + "ffn_down_shexp.weight", state[p + names.shared_down_proj])
-            add(b + "ffn_gate_inp_shexp.weight", state[p + names.shared_gate][0], quantizable=False)
+            add(b + "ffn_gate_inp_shexp.weight", state[p + names.shared_gate], quantizable=False)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
