@@ -19,15 +19,17 @@ from dualpace.engine.run_delay import runqueue_wait_ns
 from dualpace.engine.scheduler import StepPlan, StepResult
 from dualpace.engine.step_sampling import needs_logits_here, sample_step
 from dualpace.kv.storage import KVStorage
+from dualpace.model.config import ModelConfig
 from dualpace.model.paged_forward import SequenceWork, attend, build_step_tensors
 
 LAYER_TIME_EMA_WEIGHT = 0.2  # weight of a new iteration's mean attention time per layer
 
 
 class AssistedForward:
-    def __init__(self, kv: KVStorage, head_dim: int, client: AssistClient, gated: bool = False):
+    def __init__(self, kv: KVStorage, config: ModelConfig, client: AssistClient, gated: bool = False):
         self.kv = kv
-        self.scale = head_dim**-0.5
+        self.config = config
+        self.scale = config.attention_scale
         self.client = client
         self.gated = gated  # the NEO-like baseline: wait for the GPU engine's iteration boundary
         self.expected_layer_us = 0.0  # EMA of this side's attention time per layer (0: not measured yet)
@@ -46,7 +48,8 @@ class AssistedForward:
         def attend_here(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             started_ns = time.perf_counter_ns()
             self.kv.write(layer, step.slot_ids, k, v)
-            output = attend(q.to(self.kv.dtype), layer, step, self.kv, self.scale).to(q.dtype)
+            output = attend(q.to(self.kv.dtype), layer, step, self.kv, self.scale,
+                            window=self.config.layer_window(layer)).to(q.dtype)
             attend_ns[0] += time.perf_counter_ns() - started_ns
             attend_ns[1] += 1
             return output

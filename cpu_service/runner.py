@@ -45,7 +45,7 @@ class CpuRunner(ModelRunner):
         self.chooser = chooser
         self.client = client
         self.gated_join = gated and gated_hold == "join"  # gated as NEO: every iteration joins the GPU's step
-        self.assisted = None if client is None else AssistedForward(self.kv, loaded.config.head_dim, client, gated)
+        self.assisted = None if client is None else AssistedForward(self.kv, loaded.config, client, gated)
         self.num_steps_by_mode = {mode: 0 for mode in ExecutionMode}
         self.num_assist_fallbacks = 0
         self.last_mode = ExecutionMode.LOCAL

@@ -26,15 +26,17 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     actions.add_parser("presets", help="list the synthetic checkpoint presets")
 
     export = actions.add_parser("export", help="write a GGUF model (e.g. the default) as a Hugging Face folder")
-    export.add_argument("--model", default="smollm2-135m", help="known name or .gguf file")
+    export.add_argument("--model", default="smollm2-135m",
+                        help="known name or .gguf file (with --gguf, also a Hugging Face folder)")
     export.add_argument("--out", required=True, type=Path, help="output folder (created; must be empty)")
     export.add_argument("--dtype", default="fp32", choices=_DTYPE_CHOICES)
     export.add_argument("--tokenizer-only", action="store_true",
                         help="no weights: tokenizer.json, tokenizer_config.json (chat template), config.json — "
                              "the folder Dynamo's frontend tokenizes from (docs/scale-out.md)")
     export.add_argument("--gguf", choices=["q8_0", "f32", "f16"],
-                        help="write a .gguf file (--out) with every matrix re-quantized to this format (or "
-                             "dense f32/f16, e.g. for llama.cpp's llama-quantize) instead")
+                        help="write a .gguf file (--out) with every matrix in this format (re-quantized from a "
+                             ".gguf, or converted from a Hugging Face folder; dense f32/f16 e.g. for "
+                             "llama.cpp's llama-quantize) instead")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -3,10 +3,13 @@
 Decode on a CPU with AVX512_BF16 runs dualpace.model.cpu_kernels' decode attention, which
 reads the KV blocks in place (no gathered copy of the context), splits long contexts across
 threads when there are few sequences, and takes a bf16 or fp32 cache. Otherwise (GPU, other
-CPUs, kernels off) both functions gather the sequences' blocks into a dense
+CPUs, kernels off, or a sliding window) both functions gather the sequences' blocks into a dense
 [context, kv_heads, head_dim] view and compute matmul -> float32 softmax -> matmul: on these
 CPUs that is 4-5x faster than bf16 scaled_dot_product_attention for single-token queries
 (ARCHITECTURE.md §7). Query head h reads KV head h // (num_heads / num_kv_heads).
+
+`window`: a sliding-window layer's query at position p sees positions p - window + 1 .. p only
+(Hugging Face's sliding-window mask); None, the whole context.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ def decode_attention(
     block_tables: torch.Tensor,
     context_lens: torch.Tensor,
     scale: float,
+    window: int | None = None,
 ) -> torch.Tensor:
     """One query token per sequence.
 
@@ -31,7 +35,7 @@ def decode_attention(
     block_tables: [B, max_blocks] (padded with any valid id); context_lens: [B] tokens incl. the new one.
     Returns [B, num_heads * head_dim].
     """
-    kernels = cpu_kernels.usable_for(q)
+    kernels = cpu_kernels.usable_for(q) if window is None else None
     if kernels is not None and k_cache.device.type == "cpu":
         out = kernels.decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale)
         if out is not None:
@@ -47,6 +51,8 @@ def decode_attention(
     scores = torch.matmul(queries, keys.transpose(-1, -2)).float() * scale  # [B, kv, group, context]
     positions = torch.arange(max_context, device=q.device)
     padding = positions[None, :] >= context_lens[:, None]  # [B, context]
+    if window is not None:
+        padding |= positions[None, :] < (context_lens - window)[:, None]
     scores.masked_fill_(padding[:, None, None, :], float("-inf"))
     probs = torch.softmax(scores, dim=-1).to(values.dtype)
     out = torch.matmul(probs, values)  # [B, kv, group, head_dim]
@@ -61,6 +67,7 @@ def prefill_attention(
     start_pos: int,
     scale: float,
     new_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Causal attention for one sequence's new tokens at positions [start_pos, start_pos + n).
 
@@ -80,12 +87,14 @@ def prefill_attention(
         keys = k_cache.index_select(0, block_ids).view(-1, num_kv_heads, head_dim)[:context]
         values = v_cache.index_select(0, block_ids).view(-1, num_kv_heads, head_dim)[:context]
     if q.device.type == "cpu" and q.dtype == torch.float32:
-        return _prefill_sdpa(q, keys, values, start_pos, scale)
+        return _prefill_sdpa(q, keys, values, start_pos, scale, window)
     queries = q.view(num_new, num_kv_heads, group, head_dim).permute(1, 2, 0, 3)  # [kv, group, n, d]
     scores = torch.matmul(queries, keys.permute(1, 2, 0)[:, None]).float() * scale  # [kv, group, n, context]
     query_pos = torch.arange(start_pos, context, device=q.device)
     key_pos = torch.arange(context, device=q.device)
     future = key_pos[None, :] > query_pos[:, None]  # [n, context]
+    if window is not None:
+        future |= key_pos[None, :] <= query_pos[:, None] - window
     scores.masked_fill_(future, float("-inf"))
     probs = torch.softmax(scores, dim=-1).to(values.dtype)
     out = torch.matmul(probs, values.permute(1, 0, 2)[:, None])  # [kv, group, n, d]
@@ -93,16 +102,20 @@ def prefill_attention(
 
 
 def _prefill_sdpa(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start_pos: int,
-                  scale: float) -> torch.Tensor:
+                  scale: float, window: int | None) -> torch.Tensor:
     """The same causal attention through torch's fused CPU kernel (blocked, no [n, context]
     score tensor per head; fp32 on the CPU, where it measured faster than matmul -> softmax ->
     matmul for prefill chunks, docs/perf.md). keys/values [context, kv_heads, head_dim]."""
     num_new, num_heads, head_dim = q.shape
     context = keys.shape[0]
     mask = None
-    if start_pos:  # earlier tokens of the sequence are all visible; the new ones causally
-        mask = torch.arange(context, device=q.device)[None, :] <= torch.arange(start_pos, context, device=q.device)[:, None]
+    if start_pos or window is not None:  # earlier tokens of the sequence visible (within the window); new ones causally
+        key_pos = torch.arange(context, device=q.device)[None, :]
+        query_pos = torch.arange(start_pos, context, device=q.device)[:, None]
+        mask = key_pos <= query_pos
+        if window is not None:
+            mask &= key_pos > query_pos - window
     out = F.scaled_dot_product_attention(
         q.permute(1, 0, 2)[None], keys.permute(1, 0, 2)[None], values.permute(1, 0, 2)[None], attn_mask=mask,
-        is_causal=not start_pos, scale=scale, enable_gqa=True)  # query head h reads kv head h // group
+        is_causal=mask is None, scale=scale, enable_gqa=True)  # query head h reads kv head h // group
     return out[0].permute(1, 0, 2).reshape(num_new, num_heads * head_dim)

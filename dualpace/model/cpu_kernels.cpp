@@ -638,6 +638,7 @@ struct LayerArgs {
   WeightDesc qkv_w, o_w, gate_up_w, down_w;
   void *k_cache, *v_cache;  // [num_blocks, block_size, kv_heads, head_dim]
   int64_t num_blocks, block_size;
+  const void *q_norm, *k_norm;  // [head_dim] RMSNorm weights of every q / k head (Qwen3), or null
 };
 
 // Per step, shared by all layers.
@@ -675,9 +676,22 @@ struct LayerBuffers {
   }
 };
 
-// RoPE over q and k, then k and v into their cache slots (checked by the caller).
+// RMSNorm in place over num_q_heads q heads at q and num_k_heads k heads at k (one row of qkv), where
+// the layer has q/k norms: before RoPE, as the reference does.
+template <typename T>
+void qk_norm(const LayerArgs& a, T* q, int64_t num_q_heads, T* k, int64_t num_k_heads) {
+  if (a.q_norm == nullptr) return;
+  rms_norm(q, num_q_heads, a.head_dim, a.head_dim, static_cast<const T*>(a.q_norm), a.eps, q);
+  rms_norm(k, num_k_heads, a.head_dim, a.head_dim, static_cast<const T*>(a.k_norm), a.eps, k);
+}
+
+// q/k norms and RoPE over q and k, then k and v into their cache slots (checked by the caller).
 template <typename T>
 void rope_and_write_kv(const LayerArgs& a, const StepArgs& st, const LayerBuffers<T>& b) {
+  for (int64_t m = 0; m < b.M; ++m) {
+    T* row = b.qkv + m * b.qkv_size;
+    qk_norm(a, row, a.num_heads, row + b.q_size, a.num_kv_heads);
+  }
   rotary(b.qkv, b.M, b.qkv_size, a.num_heads + a.num_kv_heads, b.D, st.cos, st.sin);
   T* k_cache = static_cast<T*>(a.k_cache);
   T* v_cache = static_cast<T*>(a.v_cache);
@@ -779,7 +793,7 @@ void widen_rows(const T* src, int64_t M, int64_t K, int64_t ld, float* dst) {
       for (int64_t k = 0; k < K; k += 16) vstore(dst + m * K + k, vload(src + m * ld + k, K - k), K - k);
 }
 
-// Query heads of kv head h of the step's only sequence: RoPE over them and over k head h, k and v
+// Query heads of kv head h of the step's only sequence: q/k norms and RoPE over them and over k head h, k and v
 // head h into the cache slot, then their attention. The same arithmetic per head as
 // rope_and_write_kv + attend_layer (every head's rotation and attention is its own), split so that
 // a lone sequence's attention runs on several threads (kv heads) instead of one.
@@ -788,6 +802,7 @@ int rope_kv_attend_head(const LayerArgs& a, const StepArgs& st, const LayerBuffe
   const int64_t G = a.num_heads / a.num_kv_heads, D = b.D;
   T* q = b.qkv + h * G * D;
   T* k = b.qkv + b.q_size + h * D;
+  qk_norm(a, q, G, k, 1);
   rotary(q, 1, b.qkv_size, G, D, st.cos, st.sin);
   rotary(k, 1, b.qkv_size, 1, D, st.cos, st.sin);
   T* k_cache = static_cast<T*>(a.k_cache) + h * D;

@@ -1,4 +1,5 @@
-"""Write a GGUF's weights again in another format (Q8_0, or dense F32 / F16): same metadata,
+"""Write a GGUF's weights again in another format (Q8_0, or dense F32 / F16), or a Hugging Face
+folder as a GGUF (dualpace.model.gguf_write). A GGUF keeps its metadata,
 tokenizer and tensor names; 2-D tensors of another type are dequantized and quantized (Q8_0, with
 the `gguf` package) or stored dense, norms and other 1-D tensors copied. Q/K rows stay in the
 file's (llama.cpp's) order.
@@ -27,12 +28,14 @@ def requantize_gguf(model: str, out_path: Path, target: str = "q8_0") -> Path:
     if target not in TARGETS:
         raise InvalidArgument("--gguf", f"unknown target {target!r}; use {', '.join(TARGETS)}")
     path = resolve_model_path(model)
-    if path.is_dir():
-        raise InvalidArgument("--model", f"{path} is a Hugging Face folder; --gguf re-encodes a .gguf file")
     out_path = Path(out_path)
     if out_path.exists():
         raise InvalidArgument("--out", f"{out_path} exists")
     out_path.parent.mkdir(parents=True, exist_ok=True)
+    if path.is_dir():
+        from dualpace.model.gguf_write import write_gguf_from_hf
+
+        return write_gguf_from_hf(path, out_path, target)
     qtype, file_type = {
         "q8_0": (gguf.GGMLQuantizationType.Q8_0, gguf.LlamaFileType.MOSTLY_Q8_0),
         "f32": (gguf.GGMLQuantizationType.F32, gguf.LlamaFileType.ALL_F32),

@@ -1,4 +1,5 @@
-"""The tensor layout of a Hugging Face Llama-family checkpoint (mixture-of-experts MLPs included): names and shapes."""
+"""The tensor layout of a Hugging Face checkpoint of any supported family (mixture-of-experts MLPs
+included): names and shapes."""
 
 from __future__ import annotations
 
@@ -73,17 +74,30 @@ def tensor_specs(config: ModelConfig) -> list[TensorSpec]:
     for layer in range(config.num_layers):
         prefix = f"model.layers.{layer}"
         specs.append(TensorSpec(f"{prefix}.input_layernorm.weight", (hidden,), "norm"))
-        for proj, out_dim in (("q_proj", q_dim), ("k_proj", kv_dim), ("v_proj", kv_dim)):
-            specs.append(TensorSpec(f"{prefix}.self_attn.{proj}.weight", (out_dim, hidden), "linear"))
-            if config.qkv_bias:
-                specs.append(TensorSpec(f"{prefix}.self_attn.{proj}.bias", (out_dim,), "linear"))
+        if config.family.fused_hf_projections:
+            specs.append(TensorSpec(f"{prefix}.self_attn.qkv_proj.weight", (q_dim + 2 * kv_dim, hidden), "linear"))
+        else:
+            for proj, out_dim in (("q_proj", q_dim), ("k_proj", kv_dim), ("v_proj", kv_dim)):
+                specs.append(TensorSpec(f"{prefix}.self_attn.{proj}.weight", (out_dim, hidden), "linear"))
+                if config.qkv_bias:
+                    specs.append(TensorSpec(f"{prefix}.self_attn.{proj}.bias", (out_dim,), "linear"))
+        if config.qk_norm:
+            for name in ("q_norm", "k_norm"):
+                specs.append(TensorSpec(f"{prefix}.self_attn.{name}.weight", (config.head_dim,), "norm"))
         specs.append(TensorSpec(f"{prefix}.self_attn.o_proj.weight", (hidden, q_dim), "linear"))
         specs.append(TensorSpec(f"{prefix}.post_attention_layernorm.weight", (hidden,), "norm"))
+        if config.family.gemma:
+            for name in ("pre_feedforward_layernorm", "post_feedforward_layernorm"):
+                specs.append(TensorSpec(f"{prefix}.{name}.weight", (hidden,), "norm"))
         if config.moe is not None and config.moe.is_sparse_layer(layer):
             specs.extend(moe_layer_specs(config, prefix + "."))
             continue
-        for proj in ("gate_proj", "up_proj"):
-            specs.append(TensorSpec(f"{prefix}.mlp.{proj}.weight", (config.intermediate_size, hidden), "linear"))
+        if config.family.fused_hf_projections:
+            specs.append(TensorSpec(f"{prefix}.mlp.gate_up_proj.weight", (2 * config.intermediate_size, hidden),
+                                    "linear"))
+        else:
+            for proj in ("gate_proj", "up_proj"):
+                specs.append(TensorSpec(f"{prefix}.mlp.{proj}.weight", (config.intermediate_size, hidden), "linear"))
         specs.append(TensorSpec(f"{prefix}.mlp.down_proj.weight", (hidden, config.intermediate_size), "linear"))
     specs.append(TensorSpec("model.norm.weight", (hidden,), "norm"))
     if not config.tie_word_embeddings:

@@ -144,9 +144,7 @@ def _num_bytes(t) -> int:
 
 def weights_num_bytes(weights: ModelWeights) -> int:
     """Host (or device) bytes held by all weights, block-quantized or dense."""
-    vectors = [t for layer in weights.layers for t in (layer.input_norm, layer.post_attention_norm, layer.qkv_bias)
-               if t is not None]
-    return sum(_num_bytes(t) for t in _matrices(weights) + [weights.final_norm] + vectors)
+    return weights.num_bytes()
 
 
 def moe_weight_bytes(weights: ModelWeights, config: ModelConfig) -> MoeWeightBytes | None:

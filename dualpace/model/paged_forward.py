@@ -15,6 +15,7 @@ the step's end), so every step runs layer by layer.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -28,6 +29,8 @@ from dualpace.model.attention_backend import uses_triton
 from dualpace.model.triton_attention import VarlenBatch, paged_attention, supported
 from dualpace.model.rope import HalfAngles
 from dualpace.model.transformer import Transformer
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -119,29 +122,31 @@ def build_step_tensors(work: list[SequenceWork], block_size: int, device: torch.
 
 def attend(
     q: torch.Tensor, layer_index: int, step: StepTensors, kv: KVStorage, scale: float,
-    new_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
+    new_kv: tuple[torch.Tensor, torch.Tensor] | None = None, window: int | None = None,
 ) -> torch.Tensor:
     """Attention output [T, num_heads * head_dim] for all of a step's tokens (K/V already written;
     new_kv, the step's k and v [T, kv_heads, head_dim] as written, spares a prefill from position 0
-    the gathered copy of its blocks)."""
+    the gathered copy of its blocks; window: the layer's sliding window, ModelConfig.layer_window)."""
     k_cache, v_cache = kv.k[layer_index], kv.v[layer_index]
-    if step.varlen is not None and supported(q, k_cache):  # one launch, blocks read in place
+    if step.varlen is not None and window is None and supported(q, k_cache):  # one launch, blocks read in place
         return paged_attention(q, k_cache, v_cache, step.varlen, scale)
     num_tokens = q.shape[0]
     if not step.prefills:
-        return decode_attention(q, k_cache, v_cache, step.decode_block_tables, step.decode_context_lens, scale)
+        return decode_attention(q, k_cache, v_cache, step.decode_block_tables, step.decode_context_lens, scale,
+                                window)
 
     def prefill(first: int, num_new: int, start_pos: int, block_ids: torch.Tensor) -> torch.Tensor:
         fresh = None if new_kv is None else (new_kv[0][first:first + num_new], new_kv[1][first:first + num_new])
-        return prefill_attention(q[first:first + num_new], k_cache, v_cache, block_ids, start_pos, scale, fresh)
+        return prefill_attention(q[first:first + num_new], k_cache, v_cache, block_ids, start_pos, scale, fresh,
+                                 window)
 
     if len(step.prefills) == 1 and step.prefills[0][1] == num_tokens:  # one prompt is the whole step
         return prefill(*step.prefills[0])
     out = q.new_empty((num_tokens, q.shape[1] * q.shape[2]))
     if step.decode_token_index.numel():
         out[step.decode_token_index] = decode_attention(
-            q[step.decode_token_index], k_cache, v_cache, step.decode_block_tables, step.decode_context_lens, scale
-        )
+            q[step.decode_token_index], k_cache, v_cache, step.decode_block_tables, step.decode_context_lens, scale,
+            window)
     for first, num_new, start_pos, block_ids in step.prefills:
         out[first : first + num_new] = prefill(first, num_new, start_pos, block_ids)
     return out
@@ -153,7 +158,7 @@ class PagedForward:
     def __init__(self, model: Transformer, kv: KVStorage):
         self.model = model
         self.kv = kv
-        self.scale = model.config.head_dim**-0.5
+        self.scale = model.config.attention_scale
         self._fused: FusedDecode | None = None
         self._fused_for: cpu_kernels.Kernels | None = None  # the kernels _fused was decided for
         self.between_layers: Callable[[], None] | None = None  # a yield point, called between layers
@@ -171,6 +176,10 @@ class PagedForward:
         if self._fused_for is not kernels:  # checked once per kernels object, the answer kept
             self._fused_for = kernels
             applies = FusedDecode.applies(self.model, self.kv, kernels)
+            missing = FusedDecode.missing_features(self.model.config)
+            if missing:
+                log.info("decode runs stage by stage on the CPU kernels: the one-call fused step lacks %s",
+                         ", ".join(missing))
             self._fused = FusedDecode(kernels, self.model, self.kv) if applies else None
         if self._fused is None or num_tokens > self._fused.max_rows:
             return None
@@ -202,6 +211,7 @@ class PagedForward:
                 between_layers()
             q, k, v = model.pre_attention(layer_index, hidden, rope, kernel_rows=decode_rows)
             self.kv.write(layer_index, step.slot_ids, k, v)
-            attention_out = attend(q, layer_index, step, self.kv, self.scale, (k, v))
+            attention_out = attend(q, layer_index, step, self.kv, self.scale, (k, v),
+                                   model.config.layer_window(layer_index))
             hidden = model.post_attention(layer_index, hidden, attention_out, kernel_rows=decode_rows)
         return model.logits(hidden[step.logit_token_index], invariant=True)

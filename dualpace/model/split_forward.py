@@ -28,7 +28,7 @@ from dualpace.errors import Overloaded
 from dualpace.kv.storage import KVStorage
 from dualpace.model.paged_forward import StepTensors, attend
 from dualpace.model.rope import HalfAngles
-from dualpace.model.transformer import Transformer
+from dualpace.model.transformer import LayerKindAngles, Transformer
 
 
 @dataclass
@@ -77,7 +77,9 @@ class SplitOutput:
 
 
 def rope_rows(rope, index: torch.Tensor):
-    """The rows `index` of a step's RoPE angles (HalfAngles or a (cos, sin) pair)."""
+    """The rows `index` of a step's RoPE angles (HalfAngles, a (cos, sin) pair, or LayerKindAngles of those)."""
+    if isinstance(rope, LayerKindAngles):
+        return LayerKindAngles(rope_rows(rope.full, index), rope_rows(rope.local, index))
     if isinstance(rope, HalfAngles):
         return HalfAngles(rope.cos[index], rope.sin[index])
     return tuple(t[index] for t in rope)
@@ -88,7 +90,7 @@ class SplitForward:
 
     def __init__(self, model: Transformer):
         self.model = model
-        self.scale = model.config.head_dim**-0.5
+        self.scale = model.config.attention_scale
         self.between_layers: Callable[[], None] | None = None  # as PagedForward's: staged sessions' turn
         self.layer_done: Callable[[int, float], None] | None = None  # (layer, layer_ms): JoinDesk.step_progress
         self.clock: Callable[[], float] = time.monotonic  # the channels' deadlines are on this clock
@@ -143,7 +145,7 @@ class SplitForward:
             attention1 = q1.new_empty((q1.shape[0], q1.shape[1] * q1.shape[2]))
             if num_own:
                 attention1[:num_own] = attend(q1[:num_own], layer, s1_own, kv, self.scale,
-                                              (k1[:num_own], v1[:num_own]))
+                                              (k1[:num_own], v1[:num_own]), model.config.layer_window(layer))
             self.last_cover_s += self.clock() - cover_start
             keep = self._receive(layer, live, attention1, num_own)
             if keep is not None:  # some join was dropped: its rows leave S1 for good
@@ -158,7 +160,8 @@ class SplitForward:
         model = self.model
         q0, k0, v0 = model.pre_attention(layer, hidden0, rope0)
         kv.write(layer, s0.slot_ids, k0, v0)
-        return model.post_attention(layer, hidden0, attend(q0, layer, s0, kv, self.scale, (k0, v0)))
+        return model.post_attention(layer, hidden0, attend(q0, layer, s0, kv, self.scale, (k0, v0),
+                                                           model.config.layer_window(layer)))
 
     def _receive(self, layer: int, live: list[RemoteRows], attention1: torch.Tensor,
                  num_own: int) -> torch.Tensor | None:

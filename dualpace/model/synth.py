@@ -95,6 +95,25 @@ PRESETS: dict[str, Preset] = {
             rope_scaling=RopeScaling(8.0, 1.0, 4.0, 64),
         ),
         _tiny(
+            "tiny-qwen3", "qwen3, q/k RMSNorm, head_dim 32 != hidden/heads, GQA 4q/2kv, tied, theta 1e6",
+            **{**_TINY_LLAMA, "head_dim": 32, "architecture": "qwen3"}, rms_norm_eps=1e-6, rope_theta=1e6,
+            tie_word_embeddings=True, qk_norm=True,
+        ),
+        _tiny(
+            "tiny-phi3", "phi3, fused qkv and gate_up, partial rotary (12 of 16 dims), untied",
+            **{**_TINY_LLAMA, "architecture": "phi3"}, rotary_dim=12,
+        ),
+        _tiny(
+            "tiny-mistral-swa", "mistral, sliding window of 12 tokens, GQA 4q/2kv, untied",
+            **{**_TINY_LLAMA, "architecture": "mistral"}, sliding_window=12,
+        ),
+        _tiny(
+            "tiny-gemma3", "gemma3_text, windowed layers 0, 1, 3 (12 tokens, theta 1e4), global layer 2 (theta 1e6)",
+            **{**_TINY_LLAMA, "head_dim": 32, "num_layers": 4, "architecture": "gemma3_text"}, rms_norm_eps=1e-6,
+            rope_theta=1e6, local_rope_theta=1e4, sliding_window=12, window_layers=(True, True, False, True),
+            query_pre_attn_scalar=24.0, qk_norm=True, tie_word_embeddings=True,
+        ),
+        _tiny(
             "tiny-mixtral", "mixtral, 8 experts top-2, GQA 4q/2kv, untied",
             architecture="mixtral", vocab_size=512, hidden_size=64, intermediate_size=96, num_layers=2,
             num_heads=4, num_kv_heads=2, head_dim=16, max_position_embeddings=1024,
@@ -108,6 +127,21 @@ PRESETS: dict[str, Preset] = {
             moe=MoeSpec(num_experts=8, num_experts_per_tok=2, expert_intermediate_size=48, norm_topk_prob=False,
                         shared_expert_intermediate_size=80, shared_expert_gated=True, mlp_only_layers=(0,)),
         ),
+        _tiny(
+            "tiny-qwen3-moe", "qwen3_moe, q/k RMSNorm, 8 experts top-2 normalised, every 2nd layer sparse, tied",
+            **{**_TINY_LLAMA, "head_dim": 32, "num_layers": 4, "architecture": "qwen3_moe"}, rms_norm_eps=1e-6,
+            rope_theta=1e6, tie_word_embeddings=True, qk_norm=True,
+            moe=MoeSpec(num_experts=8, num_experts_per_tok=2, expert_intermediate_size=64, norm_topk_prob=True,
+                        decoder_sparse_step=2),
+        ),
+        _large(
+            "qwen3-30b-a3b-4l", "Qwen3-30B-A3B layer shapes (128 experts top-8, expert FFN 768, hidden 2048, "
+            "32q/4kv heads of 128), 4 of its 48 layers (random weights, speed only)",
+            architecture="qwen3_moe", vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_layers=4,
+            num_heads=32, num_kv_heads=4, head_dim=128, rms_norm_eps=1e-6, rope_theta=1e6,
+            max_position_embeddings=40960, tie_word_embeddings=False, qk_norm=True,
+            moe=MoeSpec(num_experts=128, num_experts_per_tok=8, expert_intermediate_size=768, norm_topk_prob=True),
+        ),
         _large(
             "qwen2.5-0.5b", "Qwen2.5-0.5B shapes (random weights, speed only)",
             architecture="qwen2", vocab_size=151936, hidden_size=896, intermediate_size=4864, num_layers=24,
@@ -120,6 +154,25 @@ PRESETS: dict[str, Preset] = {
             num_heads=32, num_kv_heads=8, head_dim=64, rms_norm_eps=1e-5, rope_theta=500000.0,
             max_position_embeddings=131072, tie_word_embeddings=True,
             rope_scaling=RopeScaling(32.0, 1.0, 4.0, 8192),
+        ),
+        _large(
+            "qwen3-1.7b", "Qwen3-1.7B shapes (random weights, speed only)",
+            architecture="qwen3", vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_layers=28,
+            num_heads=16, num_kv_heads=8, head_dim=128, rms_norm_eps=1e-6, rope_theta=1e6,
+            max_position_embeddings=40960, tie_word_embeddings=True, qk_norm=True,
+        ),
+        _large(
+            "phi-4-mini", "Phi-4-mini shapes, its 4k original context, plain RoPE (random weights, speed only)",
+            architecture="phi3", vocab_size=200064, hidden_size=3072, intermediate_size=8192, num_layers=32,
+            num_heads=24, num_kv_heads=8, head_dim=128, rotary_dim=96, rms_norm_eps=1e-5, rope_theta=10000.0,
+            max_position_embeddings=4096, tie_word_embeddings=True,
+        ),
+        _large(
+            "gemma-3-1b", "Gemma-3-1B shapes (random weights, speed only)",
+            architecture="gemma3_text", vocab_size=262144, hidden_size=1152, intermediate_size=6912, num_layers=26,
+            num_heads=4, num_kv_heads=1, head_dim=256, rms_norm_eps=1e-6, rope_theta=1e6, local_rope_theta=1e4,
+            sliding_window=512, window_layers=tuple(bool((i + 1) % 6) for i in range(26)), query_pre_attn_scalar=256.0,
+            max_position_embeddings=32768, tie_word_embeddings=True, qk_norm=True,
         ),
     )
 }
@@ -135,7 +188,7 @@ def get_preset(name: str) -> Preset:
 def _random_tensor(spec: TensorSpec, preset: Preset, dtype: torch.dtype, generator: torch.Generator) -> torch.Tensor:
     """Draw one tensor chunk by chunk, so fp32 scratch stays small for huge embeddings."""
     mean, std = {
-        "norm": (1.0, preset.norm_noise_std),
+        "norm": (0.0 if preset.config.family.gemma else 1.0, preset.norm_noise_std),  # Gemma stores w - 1
         "embedding": (0.0, preset.embedding_std),
         "linear": (0.0, preset.weight_std),
     }[spec.kind]

@@ -1,4 +1,4 @@
-"""A Llama-family decoder (Llama, Mistral, Qwen2) split into stages.
+"""A decoder of any family in dualpace.model.config.FAMILIES, split into stages.
 
 The forward pass is exposed as stages callable on their own, so that dense
 layers and attention can run in different places (Dense Assist keeps the
@@ -25,7 +25,10 @@ matrix_dtype=)`) or be a quantized-weight object (dualpace/model/KERNELS.md).
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
+
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -55,6 +58,11 @@ class LayerWeights:
     post_attention_norm: torch.Tensor  # [hidden]
     gate_up_proj: torch.Tensor | None  # [2 * intermediate, hidden]; None in a mixture-of-experts layer
     down_proj: torch.Tensor | None  # [hidden, intermediate]; None in a mixture-of-experts layer
+    q_norm: torch.Tensor | None = None  # [head_dim], RMSNorm weight of every q head (Qwen3, Gemma 3)
+    k_norm: torch.Tensor | None = None  # [head_dim], of every k head
+    # Gemma's sandwich norms: over the attention output and over the MLP output, before each residual add
+    attention_out_norm: torch.Tensor | None = None  # [hidden]
+    mlp_out_norm: torch.Tensor | None = None  # [hidden]
     moe: MoeWeights | None = None  # the routed experts of a sparse layer (dualpace.model.moe)
 
     def weight_tensors(self) -> list:
@@ -111,6 +119,13 @@ class ModelWeights:
 MATRIX_FIELDS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 
 
+class LayerKindAngles(NamedTuple):
+    """A step's RoPE angles for global layers and for windowed layers with their own theta."""
+
+    full: object
+    local: object
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm computed in float32 and cast back, as the reference implementation does."""
     x32 = x.to(torch.float32)
@@ -127,6 +142,10 @@ class Transformer:
         self.device = weights.final_norm.device
         self.dtype = weights.final_norm.dtype  # the compute dtype
         self.rotary = RotaryEmbedding(config, self.device)
+        self.local_rotary = None  # windowed layers' own theta (Gemma 3)
+        if config.local_rope_theta is not None:
+            self.local_rotary = RotaryEmbedding(dataclasses.replace(config, rope_theta=config.local_rope_theta),
+                                                self.device)
         self._q_size = config.num_heads * config.head_dim
         self._kv_size = config.num_kv_heads * config.head_dim
         # Triton's fused norm/RoPE (CUDA; CPU tensors only under the interpreter, in tests) replace the CPU kernels
@@ -144,20 +163,29 @@ class Transformer:
 
     def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
         """Token ids [num_tokens] -> hidden states [num_tokens, hidden]."""
-        return F.embedding(token_ids, self.weights.embed_tokens).to(self.dtype)
+        embedded = F.embedding(token_ids, self.weights.embed_tokens)
+        if self.config.embedding_scale is not None:  # in the embedding's dtype, as transformers does
+            embedded = embedded * torch.tensor(self.config.embedding_scale, dtype=embedded.dtype)
+        return embedded.to(self.dtype)
 
     def rope_angles(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos/sin for this step's positions, computed once and shared by all layers (a
-        HalfAngles tuple when the CPU kernels are in use; pass it back to pre_attention as is)."""
+        HalfAngles tuple when the CPU kernels are in use; a LayerKindAngles pair where windowed layers
+        have their own theta; pass it back to pre_attention as is)."""
+        if self.local_rotary is not None:
+            return LayerKindAngles(*(self._angles(rotary, positions) for rotary in (self.rotary, self.local_rotary)))
+        return self._angles(self.rotary, positions)
+
+    def _angles(self, rotary: RotaryEmbedding, positions: torch.Tensor):
         if self._kernels() is not None or self._fused_triton:
-            return self.rotary.half_angles(positions)
-        return self.rotary.cos_sin(positions, self.dtype)
+            return rotary.half_angles(positions)
+        return rotary.cos_sin(positions, self.dtype)
 
     def pre_attention(
         self, layer_index: int, hidden: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
         kernel_rows: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Norm, fused QKV projection and RoPE.
+        """Norm, fused QKV projection, q/k norms where the model has them, and RoPE.
 
         Returns q [T, num_heads, head_dim], k and v [T, num_kv_heads, head_dim]. kernel_rows: rows
         that get the CPU kernels' products whatever the others get (Kernels.linear).
@@ -165,28 +193,31 @@ class Transformer:
         layer = self.weights.layers[layer_index]
         cfg = self.config
         num_tokens = hidden.shape[0]
+        if isinstance(rope, LayerKindAngles):
+            rope = rope.local if cfg.layer_window(layer_index) is not None else rope.full
         kernels = self._kernels()
-        if kernels is not None and isinstance(rope, HalfAngles):
-            # q, k, v are views of one qkv buffer, rotated in place
+        on_kernels = kernels is not None and isinstance(rope, HalfAngles)
+        if on_kernels:
             x = kernels.rms_norm(hidden, layer.input_norm, cfg.rms_norm_eps)
             qkv = kernels.linear(x, layer.qkv_proj, layer.qkv_bias, kernel_rows=kernel_rows)
-            kernels.rotary_(qkv, cfg.num_heads + cfg.num_kv_heads, cfg.head_dim, rope.cos, rope.sin)
-            q, k, v = qkv.split((self._q_size, self._kv_size, self._kv_size), dim=-1)
-            return (q.view(num_tokens, cfg.num_heads, cfg.head_dim), k.view(num_tokens, cfg.num_kv_heads, cfg.head_dim),
-                    v.view(num_tokens, cfg.num_kv_heads, cfg.head_dim))
-        x = self._rms_norm(hidden, layer.input_norm)
-        qkv = linear(x, layer.qkv_proj, layer.qkv_bias)
-        if self._fused_triton and isinstance(rope, HalfAngles) and qkv.dtype == self.dtype:
-            # q and k heads rotated in place, one launch
-            triton_fused.rotary_(qkv, cfg.num_heads + cfg.num_kv_heads, cfg.head_dim, rope.cos, rope.sin)
-            q, k, v = qkv.split((self._q_size, self._kv_size, self._kv_size), dim=-1)
-            return (q.view(num_tokens, cfg.num_heads, cfg.head_dim), k.view(num_tokens, cfg.num_kv_heads, cfg.head_dim),
-                    v.view(num_tokens, cfg.num_kv_heads, cfg.head_dim))
+        else:
+            qkv = linear(self._rms_norm(hidden, layer.input_norm), layer.qkv_proj, layer.qkv_bias)
         q, k, v = qkv.split((self._q_size, self._kv_size, self._kv_size), dim=-1)
+        q = q.view(num_tokens, cfg.num_heads, cfg.head_dim)
+        k = k.view(num_tokens, cfg.num_kv_heads, cfg.head_dim)
+        v = v.view(num_tokens, cfg.num_kv_heads, cfg.head_dim)
+        if layer.q_norm is not None:  # q, k are views of qkv: normalized in place
+            q.copy_(rms_norm(q, layer.q_norm, cfg.rms_norm_eps))
+            k.copy_(rms_norm(k, layer.k_norm, cfg.rms_norm_eps))
+        if cfg.rotary_dim is None and on_kernels:  # q and k heads rotated in place
+            kernels.rotary_(qkv, cfg.num_heads + cfg.num_kv_heads, cfg.head_dim, rope.cos, rope.sin)
+            return q, k, v
+        if (cfg.rotary_dim is None and self._fused_triton and isinstance(rope, HalfAngles)
+                and qkv.dtype == self.dtype):  # in place, one launch
+            triton_fused.rotary_(qkv, cfg.num_heads + cfg.num_kv_heads, cfg.head_dim, rope.cos, rope.sin)
+            return q, k, v
         cos, sin = rope.full(self.dtype) if isinstance(rope, HalfAngles) else rope
-        q = apply_rotary(q.view(num_tokens, cfg.num_heads, cfg.head_dim), cos, sin)
-        k = apply_rotary(k.view(num_tokens, cfg.num_kv_heads, cfg.head_dim), cos, sin)
-        return q, k, v.view(num_tokens, cfg.num_kv_heads, cfg.head_dim)
+        return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v
 
     def post_attention(self, layer_index: int, hidden: torch.Tensor, attention_out: torch.Tensor,
                        kernel_rows: torch.Tensor | None = None) -> torch.Tensor:
@@ -194,6 +225,8 @@ class Transformer:
         residual. attention_out: [T, num_heads * head_dim]."""
         layer = self.weights.layers[layer_index]
         kernels = self._kernels()
+        if self.config.family.gemma:
+            return self._gemma_post_attention(layer, hidden, attention_out, kernels, kernel_rows)
         if kernels is not None:
             hidden = kernels.linear(attention_out, layer.o_proj, residual=hidden, kernel_rows=kernel_rows)
             x = kernels.rms_norm(hidden, layer.post_attention_norm, self.config.rms_norm_eps)
@@ -215,6 +248,19 @@ class Transformer:
         if layer.moe is not None:
             return hidden + moe_mlp(x, layer.moe, self.config.moe, _torch_matmul, silu_mul=silu_mul)
         return hidden + swiglu(x, layer.gate_up_proj, layer.down_proj, _torch_matmul, None, silu_mul)
+
+    def _gemma_post_attention(self, layer: LayerWeights, hidden: torch.Tensor, attention_out: torch.Tensor,
+                              kernels: cpu_kernels.Kernels | None, kernel_rows: torch.Tensor | None) -> torch.Tensor:
+        """Sandwich norms and a GELU-tanh gate: hidden + norm(O(attn)), then + norm(MLP(norm(hidden)))."""
+        eps = self.config.rms_norm_eps
+
+        def project(x: torch.Tensor, weight) -> torch.Tensor:
+            return linear(x, weight) if kernels is None else kernels.linear(x, weight, kernel_rows=kernel_rows)
+
+        hidden = hidden + rms_norm(project(attention_out, layer.o_proj), layer.attention_out_norm, eps)
+        gate, up = project(rms_norm(hidden, layer.post_attention_norm, eps), layer.gate_up_proj).chunk(2, dim=-1)
+        mlp = project(F.gelu(gate, approximate="tanh") * up, layer.down_proj)
+        return hidden + rms_norm(mlp, layer.mlp_out_norm, eps)
 
     def logits(self, hidden: torch.Tensor, invariant: bool = False) -> torch.Tensor:
         """Final norm and LM head: hidden [N, hidden] -> logits [N, vocab] in float32. invariant:

@@ -54,42 +54,55 @@ def weights_from_hf_names(config: ModelConfig, get_tensor: TensorSource, dtype: 
     def get(name: str, shape: tuple[int, ...]) -> torch.Tensor:
         return _require(get_tensor, name, shape).to(dtype)
 
+    def get_norm(name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        """Gemma's checkpoints hold RMSNorm weights as w - 1: stored here as w, in float32 first."""
+        if not config.family.gemma:
+            return get(name, shape)
+        return (_require(get_tensor, name, shape).to(torch.float32) + 1.0).to(dtype)
+
     layers = []
     for i in range(config.num_layers):
         p = f"model.layers.{i}."
-        qkv = cat_rows(
-            [
-                get(p + "self_attn.q_proj.weight", (q_rows, hidden)),
-                get(p + "self_attn.k_proj.weight", (kv_rows, hidden)),
-                get(p + "self_attn.v_proj.weight", (kv_rows, hidden)),
-            ]
-        )
-        qkv_bias = None
-        if config.qkv_bias:
-            qkv_bias = torch.cat(
-                [
-                    get(p + "self_attn.q_proj.bias", (q_rows,)),
-                    get(p + "self_attn.k_proj.bias", (kv_rows,)),
-                    get(p + "self_attn.v_proj.bias", (kv_rows,)),
-                ]
-            )
+        qkv_shapes = ((q_rows, hidden), (kv_rows, hidden), (kv_rows, hidden))
         moe = gate_up = down = None
         if config.moe is not None and config.moe.is_sparse_layer(i):
             moe = _moe_weights(config, p, get)
         else:
-            gate_up = cat_rows(
-                [get(p + "mlp.gate_proj.weight", (ffn, hidden)), get(p + "mlp.up_proj.weight", (ffn, hidden))]
-            )
             down = get(p + "mlp.down_proj.weight", (hidden, ffn))
+        if config.family.fused_hf_projections:  # Phi-3: already one qkv and one [gate | up] matrix
+            qkv = get(p + "self_attn.qkv_proj.weight", (q_rows + 2 * kv_rows, hidden))
+            gate_up = get(p + "mlp.gate_up_proj.weight", (2 * ffn, hidden))
+        else:
+            qkv = cat_rows([get(p + f"self_attn.{name}_proj.weight", shape) for name, shape in zip("qkv", qkv_shapes)])
+            if moe is None:
+                gate_up = cat_rows(
+                    [get(p + "mlp.gate_proj.weight", (ffn, hidden)), get(p + "mlp.up_proj.weight", (ffn, hidden))]
+                )
+        qkv_bias = None
+        if config.qkv_bias:
+            qkv_bias = torch.cat([get(p + f"self_attn.{name}_proj.bias", shape[:1])
+                                  for name, shape in zip("qkv", qkv_shapes)])
+        q_norm = k_norm = None
+        if config.qk_norm:
+            q_norm = get_norm(p + "self_attn.q_norm.weight", (head_dim,))
+            k_norm = get_norm(p + "self_attn.k_norm.weight", (head_dim,))
+        sandwich = {}
+        if config.family.gemma:  # HF's post_attention_layernorm is over the attention output here
+            sandwich = dict(attention_out_norm=get_norm(p + "post_attention_layernorm.weight", (hidden,)),
+                            mlp_out_norm=get_norm(p + "post_feedforward_layernorm.weight", (hidden,)))
+        pre_mlp_norm = "pre_feedforward_layernorm" if config.family.gemma else "post_attention_layernorm"
         layers.append(
             LayerWeights(
-                input_norm=get(p + "input_layernorm.weight", (hidden,)),
+                input_norm=get_norm(p + "input_layernorm.weight", (hidden,)),
                 qkv_proj=qkv,
                 qkv_bias=qkv_bias,
                 o_proj=get(p + "self_attn.o_proj.weight", (hidden, q_rows)),
-                post_attention_norm=get(p + "post_attention_layernorm.weight", (hidden,)),
+                post_attention_norm=get_norm(p + f"{pre_mlp_norm}.weight", (hidden,)),
                 gate_up_proj=gate_up,
                 down_proj=down,
+                q_norm=q_norm,
+                k_norm=k_norm,
+                **sandwich,
                 moe=moe,
             )
         )
@@ -99,5 +112,5 @@ def weights_from_hf_names(config: ModelConfig, get_tensor: TensorSource, dtype: 
     else:
         lm_head = get("lm_head.weight", (config.vocab_size, hidden))
     return ModelWeights(
-        embed_tokens=embed, layers=layers, final_norm=get("model.norm.weight", (hidden,)), lm_head=lm_head
+        embed_tokens=embed, layers=layers, final_norm=get_norm("model.norm.weight", (hidden,)), lm_head=lm_head
     )

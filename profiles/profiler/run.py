@@ -252,7 +252,7 @@ def run_profile(request: ProfileRequest) -> tuple[Path, Profile, bool]:
         # between the round trips) at one context, to check assist_ms + cpu_attention_ms.
         from cpu_service.assisted_forward import AssistedForward
 
-        assisted_forward = AssistedForward(cpu_bench.runner.kv, cfg.head_dim, client)
+        assisted_forward = AssistedForward(cpu_bench.runner.kv, cfg, client)
         check_context = grids.context_tokens[len(grids.context_tokens) // 2]
         def assisted(plan):
             return lambda: assisted_forward.execute(plan)

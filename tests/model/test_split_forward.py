@@ -30,8 +30,9 @@ LOGIT_TOLERANCE = 1e-4
 class AttendingChannel:
     """The CPU side of one join: writes the rows' K/V into its own storage and attends there."""
 
-    def __init__(self, kv: KVStorage, scale: float, stall_at_layer: int | None = None):
+    def __init__(self, kv: KVStorage, scale: float, stall_at_layer: int | None = None, layer_window=None):
         self.kv, self.scale, self.stall_at_layer = kv, scale, stall_at_layer
+        self.layer_window = layer_window or (lambda layer: None)  # ModelConfig.layer_window
         self.step = None  # the rows' StepTensors on the CPU side, set per step
         self.outputs: dict[int, torch.Tensor] = {}
         self.errors: list[BaseException] = []
@@ -39,7 +40,8 @@ class AttendingChannel:
 
     def send_qkv(self, layer, q, k, v):
         self.kv.write(layer, self.step.slot_ids, k, v)
-        self.outputs[layer] = attend(q.clone(), layer, self.step, self.kv, self.scale)
+        self.outputs[layer] = attend(q.clone(), layer, self.step, self.kv, self.scale,
+                                     window=self.layer_window(layer))
 
     def receive_attention(self, layer, deadline_s):
         if layer == self.stall_at_layer:
@@ -133,7 +135,8 @@ def run_split(loaded, seqs: list[Seq], stall: dict[str, int] | None = None):
     gpu_kv, cpu_kv = new_kv(loaded), new_kv(loaded)
     plain_gpu, plain_cpu = PagedForward(loaded.model, gpu_kv), PagedForward(loaded.model, cpu_kv)
     split = SplitForward(loaded.model)
-    channels = {s.name: AttendingChannel(cpu_kv, split.scale, (stall or {}).get(s.name)) for s in seqs if s.remote}
+    channels = {s.name: AttendingChannel(cpu_kv, split.scale, (stall or {}).get(s.name), loaded.config.layer_window)
+                for s in seqs if s.remote}
     first: dict[str, torch.Tensor] = {}
     for forward, group in ((plain_gpu, [s for s in seqs if not s.remote and not s.prefill_in_step]),
                            (plain_cpu, [s for s in seqs if s.remote])):  # the CPU engine prefills locally

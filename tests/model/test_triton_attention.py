@@ -81,7 +81,7 @@ def test_unsupported_shapes_are_refused_so_the_gather_path_runs():
     assert not triton_attention.supported(q.double(), torch.zeros(2, 16, 2, 16).double())
 
 
-@pytest.mark.parametrize("preset", ["tiny-llama", "tiny-qwen2", "tiny-mistral"])
+@pytest.mark.parametrize("preset", ["tiny-llama", "tiny-qwen2", "tiny-mistral", "tiny-qwen3", "tiny-phi3", "tiny-gemma3"])
 def test_whole_model_step_and_greedy_generation_match_gather(preset, synth_checkpoint, monkeypatch):
     loaded = load_model(str(synth_checkpoint(preset)), dtype="fp32")
     cfg = loaded.config
