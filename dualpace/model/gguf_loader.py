@@ -26,7 +26,7 @@ from dualpace.model.transformer import ModelWeights
 from dualpace.model.weights import TensorSource, weights_from_hf_names
 
 # what llama.cpp's graph of each mixture-of-experts family does with the top-k weights
-_MOE_NORMALISED_TOP_K = {"mixtral": True, "qwen2_moe": False, "qwen3_moe": True}
+MOE_NORMALISED_TOP_K = {"mixtral": True, "qwen2_moe": False, "qwen3_moe": True}
 # llama.cpp's stacked expert tensors [num_experts, rows, K] -> the MoeTensorNames field of one expert
 _EXPERT_TENSORS = {"ffn_gate_exps.weight": "expert_gate", "ffn_up_exps.weight": "expert_up",
                    "ffn_down_exps.weight": "expert_down"}
@@ -136,7 +136,7 @@ def _gguf_moe(reader, arch: str, family: Family, num_layers: int, feed_forward: 
         num_experts=int(_field(reader, f"{arch}.expert_count")),
         num_experts_per_tok=int(_field(reader, f"{arch}.expert_used_count")),
         expert_intermediate_size=int(_field(reader, f"{arch}.expert_feed_forward_length", feed_forward)),
-        norm_topk_prob=bool(_field(reader, f"{arch}.expert_weights_norm", _MOE_NORMALISED_TOP_K[family.name])),
+        norm_topk_prob=bool(_field(reader, f"{arch}.expert_weights_norm", MOE_NORMALISED_TOP_K[family.name])),
         shared_expert_intermediate_size=shared,
         shared_expert_gated=any(name.endswith("ffn_gate_inp_shexp.weight") for name in tensor_names),
         mlp_only_layers=tuple(i for i in range(num_layers) if f"blk.{i}.ffn_gate_inp.weight" not in tensor_names),

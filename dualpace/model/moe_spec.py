@@ -53,10 +53,11 @@ class MoeSpec:
         if model_type == "mixtral":
             return cls(int(hf["num_local_experts"]), int(hf["num_experts_per_tok"]), int(hf["intermediate_size"]),
                        norm_topk_prob=True)
-        if model_type not in MOE_HF_MODEL_TYPES or not hf.get("num_experts"):
+        num_experts = hf.get("num_experts", hf.get("num_local_experts"))  # transformers 5 writes the latter
+        if model_type not in MOE_HF_MODEL_TYPES or not num_experts:
             return None
         shared = int(hf.get("shared_expert_intermediate_size") or 0)
-        return cls(int(hf["num_experts"]), int(hf["num_experts_per_tok"]), int(hf["moe_intermediate_size"]),
+        return cls(int(num_experts), int(hf["num_experts_per_tok"]), int(hf["moe_intermediate_size"]),
                    norm_topk_prob=bool(hf.get("norm_topk_prob", False)), shared_expert_intermediate_size=shared,
                    shared_expert_gated=shared > 0, decoder_sparse_step=int(hf.get("decoder_sparse_step", 1)),
                    mlp_only_layers=tuple(int(i) for i in hf.get("mlp_only_layers") or ()))

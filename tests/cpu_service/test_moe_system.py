@@ -1,5 +1,5 @@
-"""Mixture-of-experts models on every path, daemons as real processes: tiny Mixtral and Qwen2-MoE
-checkpoints made with transformers' own classes decode greedy-identical to transformers (fp32) on
+"""Mixture-of-experts models on every path, daemons as real processes: tiny Mixtral, Qwen2-MoE and
+Qwen3-MoE checkpoints made with transformers' own classes (tests/model/family_checkpoints.py) decode greedy-identical to transformers (fp32) on
 the GPU engine, on the CPU engine Local and Assisted (Dense Assist: the GPU runs the routed experts
 of the CPU's rows, attention stays on the CPU), and across migrations both ways."""
 
@@ -8,12 +8,14 @@ from __future__ import annotations
 import random
 
 import pytest
+import torch
+from transformers import AutoModelForCausalLM
 
 from dualpace.sampling import FinishReason, SamplingParams
 from tests.cpu_service.conftest import ENGINE_FLAGS
 from tests.cpu_service.test_cpu_service_system import handoff
 from tests.model.hf_reference import hf_greedy
-from tests.model.moe_checkpoints import FAMILIES, VOCAB, load_reference, write_moe_checkpoint
+from tests.model.family_checkpoints import write_family_checkpoint
 from toolkit.engine_client import EngineClient, read_until
 from toolkit.processes import start_daemon
 
@@ -21,15 +23,16 @@ NUM_NEW_TOKENS = 32
 SLOW_STEPS = {"DUALPACE_FAULT_STEP_DELAY_MS": "5"}  # a test-only fault: still decoding when moved
 
 
-@pytest.fixture(scope="module", params=sorted(FAMILIES))
+@pytest.fixture(scope="module", params=["mixtral", "qwen2_moe", "qwen3_moe"])
 def family(request, tmp_path_factory):
-    folder = write_moe_checkpoint(request.param, tmp_path_factory.mktemp(request.param))
+    folder = write_family_checkpoint(request.param, tmp_path_factory.mktemp(request.param))
     gpu = start_daemon("gpu_service", "--model", str(folder), *ENGINE_FLAGS, "--kv-blocks", "64", env=SLOW_STEPS)
     local = start_daemon("cpu_service", "--model", str(folder), *ENGINE_FLAGS, "--kv-blocks", "256",
                          "--assist", "never", env=SLOW_STEPS)
     assisted = start_daemon("cpu_service", "--model", str(folder), *ENGINE_FLAGS, "--kv-blocks", "256",
                             "--assist", "always", "--gpu-service", gpu.address)
-    yield request.param, load_reference(request.param, folder), gpu, local, assisted
+    reference = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    yield request.param, reference, gpu, local, assisted
     for daemon in (assisted, local, gpu):
         assert daemon.stop() == 0, daemon.log()
     assert "iterations now run assisted" in assisted.log()
@@ -38,7 +41,7 @@ def family(request, tmp_path_factory):
 
 def _prompt(name: str) -> list[int]:
     rng = random.Random(name)
-    return [rng.randrange(VOCAB) for _ in range(13)]
+    return [rng.randrange(5, 512) for _ in range(13)]  # the checkpoints' vocabulary, special tokens apart
 
 
 def _greedy(num_tokens: int) -> SamplingParams:

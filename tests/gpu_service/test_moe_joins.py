@@ -1,7 +1,7 @@
 """Cooperative joins with a mixture-of-experts model: the CPU engine's decode rows ride in the GPU
 engine's steps, routed to their experts beside the GPU's own rows in one post_attention, and both
 engines' tokens equal the offline reference (which equals transformers: tests/model/test_parity.py).
-The joined-step test of test_dense_assist_join.py, run on tiny-mixtral and tiny-qwen2-moe."""
+The joined-step tests of test_dense_assist_join.py, run on the tiny MoE presets."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from tests.gpu_service.test_dense_assist_join import (  # noqa: F401 (collected 
 )
 
 
-@pytest.fixture(scope="module", params=["tiny-mixtral", "tiny-qwen2-moe"])
+@pytest.fixture(scope="module", params=["tiny-mixtral", "tiny-qwen2-moe", "tiny-qwen3-moe"])
 def loaded(request, synth_checkpoint) -> LoadedModel:
     model = load_model(str(synth_checkpoint(request.param)), dtype="fp32")
     assert model.config.moe is not None

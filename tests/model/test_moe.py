@@ -134,7 +134,7 @@ def test_sparse_layers_follow_step_and_mlp_only_layers():
         MoeSpec(4, 5, 8, True)
 
 
-@pytest.mark.parametrize("preset", ["tiny-mixtral", "tiny-qwen2-moe"])
+@pytest.mark.parametrize("preset", ["tiny-mixtral", "tiny-qwen2-moe", "tiny-qwen3-moe"])
 def test_decode_rows_beside_a_prefill_get_what_they_get_alone(preset, synth_checkpoint):
     """Through a MoE layer on the CPU kernels, a step's decode rows (kernel_rows) get bitwise what
     they get alone, though the step's other rows send the router and the busiest experts to oneDNN."""
