@@ -186,6 +186,10 @@ def run_profile(request: ProfileRequest) -> tuple[Path, Profile, bool]:
     loaded = load_model(request.model, dtype=torch_dtype, device="cpu")
     # a mixture-of-experts model: the bytes its steps read, for the cost model's CPU dense cost
     model_fp = replace(model_fp, moe=moe_weight_bytes(loaded.model.weights, loaded.config))
+    if model_fp.moe is not None:
+        request.log(f"mixture of experts: {model_fp.moe.active_bytes_per_token() / 1e6:.1f} MB read per token alone "
+                    f"({model_fp.moe.num_experts_per_tok} of {model_fp.moe.num_experts} experts in "
+                    f"{model_fp.moe.num_sparse_layers} layers), {model_fp.moe.total_bytes() / 1e6:.1f} MB in all")
     max_context = max(grids.context_tokens)
     cpu_blocks = max(max(grids.batch) * m.blocks_needed(max_context, request.block_size),
                      m.blocks_needed(max(max(grids.prefill_tokens), max(grids.kv_transfer_tokens)), request.block_size))
