@@ -187,10 +187,7 @@ def describe_weights(weights: ModelWeights, device: torch.device, dtype: torch.d
     line = (f"{weights_num_bytes(weights) / 1e6:.1f} MB in {device.type} memory (matrices: {formats}; "
             f"compute {str(dtype).removeprefix('torch.')})")
     moe = None if config is None else moe_weight_bytes(weights, config)
-    if moe is not None:
-        line += (f"; active per token {moe.active_bytes_per_token() / 1e6:.1f} MB ({moe.num_experts_per_tok} of "
-                 f"{moe.num_experts} experts in {moe.num_sparse_layers} layers, {moe.expert_bytes / 1e6:.2f} MB each)")
-    return line
+    return line if moe is None else f"{line}; {moe.summary()}"
 
 
 def quantize_weights_q8_0(weights: ModelWeights) -> ModelWeights:

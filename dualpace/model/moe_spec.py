@@ -119,5 +119,10 @@ class MoeWeightBytes:
         distinct = expected_distinct_experts(self.num_experts, self.num_experts_per_tok, num_rows)
         return self.dense_bytes + self.num_sparse_layers * self.expert_bytes * distinct
 
+    def summary(self) -> str:
+        """One line for logs: what a token alone reads, and of what."""
+        return (f"active per token {self.active_bytes_per_token() / 1e6:.1f} MB ({self.num_experts_per_tok} of "
+                f"{self.num_experts} experts in {self.num_sparse_layers} layers, {self.expert_bytes / 1e6:.2f} MB each)")
+
     def total_bytes(self) -> int:
         return self.dense_bytes + self.num_sparse_layers * self.num_experts * self.expert_bytes
