@@ -32,7 +32,7 @@ $(STAMP): pyproject.toml Makefile
 	-$(BIN)/python -m dualpace.model.cpu_kernels_build
 	-$(BIN)/python -m dualpace.model.quant_kernels
 	# The shm KV transfer's fused copy + CRC32C (without it: numpy's copy and the crc32c package).
-	-$(BIN)/python -m dualpace.engine.kv_copy_native
+	-$(BIN)/python -m dualpace.engine.transfer.kv_copy_native
 	touch $(STAMP)
 
 test: venv

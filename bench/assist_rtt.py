@@ -1,8 +1,8 @@
 """Dense Assist round trip per layer, through shared memory, over the TCP data socket and over gRPC.
 
-    python -m bench.assist_rtt                      # default model's shapes, batch 1, 8, 32, shm and grpc
+    python -m bench.assist_rtt                      # default model's shapes, batch 1, 8, 32, shm and tcp
     python -m bench.assist_rtt --batch 8 --iterations 50 --out rtt.json
-    python -m bench.assist_rtt --transport tcp --transport grpc --transport tcp --transport grpc  # alternated
+    python -m bench.assist_rtt --transport tcp --transport shm --transport tcp --transport shm  # alternated
 
 What is timed is the transport alone: a gpu_service-side process (a subprocess running the real
 DenseAssist servicer, with sessions that answer every stage at once with q/k/v of the model's
@@ -27,13 +27,13 @@ from types import SimpleNamespace
 
 import torch
 
-from dualpace.engine.assist_types import AssistAttentionOutput, AssistBegin, AssistQkv, AssistResult
+from dualpace.engine.assist.assist_types import AssistAttentionOutput, AssistBegin, AssistQkv, AssistResult
 from dualpace.model.loader import load_tokenizer_and_config
 from dualpace.model.registry import DEFAULT_MODEL_NAME
 from dualpace.sampling import SamplingParams
 from dualpace.stats import percentile
 
-TRANSPORTS = {"shm": "auto", "grpc": "grpc", "tcp": "tcp"}  # bench name -> the client's --assist-transport
+TRANSPORTS = {"shm": "auto", "tcp": "tcp"}  # bench name -> the client's --assist-transport
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 DEFAULT_BATCH_SIZES = (1, 8, 32)
 START_TIMEOUT_S = 120.0
@@ -67,15 +67,9 @@ class InstantSession:
     def in_iteration(self) -> bool:
         return self._begin is not None
 
-    def device_free_now(self) -> bool:
-        return True  # no device: the servicer may run its stages inline, as a real session's short ones
-
     @property
     def accepts_join(self) -> bool:
         return False  # the round trip measured is the staged exchange's
-
-    def handle(self, message):
-        return self.begin(message) if isinstance(message, AssistBegin) else self.attention_output(message)
 
     def begin(self, begin: AssistBegin, channel=None) -> AssistQkv:
         self._begin, self._next_layer = begin, 0
@@ -116,7 +110,7 @@ async def _serve(shapes: Shapes, dtype: torch.dtype) -> None:
     import grpc
 
     from gpu_service.assist_limits import AssistLimits
-    from dualpace.engine.kv_tcp_import import TcpDataServer
+    from dualpace.engine.transfer.kv_tcp_import import TcpDataServer
     from gpu_service.assist_servicer import add_dense_assist_servicer
 
     server = grpc.aio.server()
@@ -142,7 +136,7 @@ def _start_server(model: str, dtype_name: str) -> tuple[subprocess.Popen, str]:
 
 def measure(transport: str, batch_sizes=DEFAULT_BATCH_SIZES, model: str = DEFAULT_MODEL_NAME,
             dtype: str = "bf16", num_iterations: int = 30, num_warmup: int = 5) -> dict:
-    """Round trip per layer (µs) at each batch size over `transport` ("shm", "tcp" or "grpc")."""
+    """Round trip per layer (µs) at each batch size over `transport` ("shm" or "tcp")."""
     from cpu_service.assist_client import AssistClient
     from cpu_service.assist_shm import slot_bytes_for
 
@@ -207,7 +201,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtype", default="bf16", choices=sorted(DTYPES), help="dtype of the tensors that cross")
     parser.add_argument("--batch", type=int, action="append", help="batch size (repeatable; default 1, 8, 32)")
     parser.add_argument("--transport", choices=sorted(TRANSPORTS), action="append",
-                        help="repeatable, run in the order given (default: shm, grpc)")
+                        help="repeatable, run in the order given (default: shm, tcp)")
     parser.add_argument("--iterations", type=int, default=30, help="timed iterations per batch size")
     parser.add_argument("--out", default=None, help="also write the results as JSON here")
     parser.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)  # the server subprocess
@@ -218,7 +212,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.iterations < 1 or any(b < 1 for b in args.batch or ()):
         parser.error("--iterations and --batch must be >= 1")
     batch_sizes = tuple(args.batch or DEFAULT_BATCH_SIZES)
-    runs = [measure(t, batch_sizes, args.model, args.dtype, args.iterations) for t in args.transport or ("shm", "grpc")]
+    runs = [measure(t, batch_sizes, args.model, args.dtype, args.iterations) for t in args.transport or ("shm", "tcp")]
     print(f"Dense Assist round trip per layer, {args.model} shapes, {args.dtype}; {runs[0]['cpu']}; "
           f"load {os.getloadavg()[0]:.2f}")
     print(f"{'transport':>9} {'batch':>5} {'p50 µs':>9} {'p99 µs':>9}")

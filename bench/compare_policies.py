@@ -39,6 +39,7 @@ from bench.load.report import (
     sweep_table,
 )
 from bench.load.stats import summarize
+from dualpace.policy.policies import POLICY_NAMES, traits
 from toolkit.engine_client import snapshot_preemptions
 from toolkit.processes import Daemon, start_daemon
 from toolkit.workload import (
@@ -47,8 +48,6 @@ from toolkit.workload import (
     parse_rates,
     write_trace,
 )
-
-POLICIES = ("dualpace", "gated", "gpu-only")
 
 
 def start_system(args: argparse.Namespace, policy: str) -> list[Daemon]:
@@ -62,9 +61,9 @@ def start_system(args: argparse.Namespace, policy: str) -> list[Daemon]:
                            step_timeline=timelines.get("gpu"))
         daemons.append(gpu)
         router_flags = ["serve", "--gpu", gpu.address, "--policy", policy, "--model", args.model]
-        if policy != "gpu-only":
+        if traits(policy).uses_cpu_engine:
             cpu = start_daemon("cpu_service", *common, "--name", "cpu", "--kv-blocks", str(args.cpu_kv_blocks),
-                               "--gpu-service", gpu.address, "--policy", "gated" if policy == "gated" else "dualpace",
+                               "--gpu-service", gpu.address, "--policy", traits(policy).cpu_service_policy.value,
                                "--assist-timeout-s", "120", "--assist", args.cpu_assist, *profile,
                                cpu_cores="1", step_timeline=timelines.get("cpu"))
             daemons.append(cpu)
@@ -86,10 +85,10 @@ def gpu_service_flags(args: argparse.Namespace, policy: str) -> list[str]:
     which would end gated joins waiting for it (a local redo), so both sides get 120 s. Under
     `gated` the join's per-layer wait floor is raised too (--gated-join-layer-wait-ms): NEO has no
     local fallback, and on a shared 2-core host a CPU engine descheduled for more than the 50 ms
-    default dropped joins and sent gated into local iterations (session 8, run 1). dualpace keeps
+    default dropped joins and sent gated into local iterations on a loaded host. dualpace keeps
     the server's default: dropping a late join and redoing it locally is its design."""
     flags = ["--name", "gpu", "--kv-blocks", str(args.gpu_kv_blocks), "--assist-stage-timeout-s", "120"]
-    if policy == "gated" and args.gated_join_layer_wait_ms is not None:
+    if traits(policy).cpu_decodes_inside_gpu_steps and args.gated_join_layer_wait_ms is not None:
         flags += ["--assist-join-min-layer-wait-ms", f"{args.gated_join_layer_wait_ms:g}"]
     return flags
 
@@ -97,8 +96,8 @@ def gpu_service_flags(args: argparse.Namespace, policy: str) -> list[str]:
 def router_queue_flags(args: argparse.Namespace) -> list[str]:
     """How long the router lets a request wait for room (its --ttft-target-ms): by default as long
     as the load generator waits for it (--timeout-s), for every policy. vLLM queues without a time
-    limit; the router's 30 s default refused 10 of 24 gpu-only requests at 4 req/s on a loaded host
-    (session 8, run 1), which is a limit of the bench's router, not of the policy."""
+    limit; the router's 30 s default refused 10 of 24 gpu-only requests at 4 req/s on a loaded host,
+    which is a limit of the bench's router, not of the policy."""
     queue_s = args.timeout_s if args.router_queue_timeout_s is None else args.router_queue_timeout_s
     return ["--ttft-target-ms", f"{1000 * queue_s:g}"] if queue_s > 0 else []
 
@@ -202,7 +201,7 @@ def run_policy(args: argparse.Namespace, policy: str, rates: list[float]) -> dic
         stop_system(daemons)  # the engines write their last timeline records on the way out
         if args.log_dir:
             keep_logs(Path(args.log_dir), policy, daemons)
-    if args.step_timeline_dir and policy != "gpu-only":  # the acceptance points of issue 18 (gated)
+    if args.step_timeline_dir and traits(policy).uses_cpu_engine:  # gated's two points on the step timelines
         timeline = check_files(timeline_paths(args.step_timeline_dir, policy), policy)
         print(f"   {policy} step timelines:\n{timeline['report']}", file=sys.stderr)
         return {"rows": rows, "runs": summaries, "timeline": timeline}
@@ -230,7 +229,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tag", default=None, help="file name part (default: the model's name)")
     parser.add_argument("--dtype", default="bf16", choices=["auto", "fp32", "bf16"])
     parser.add_argument("--threads", type=int, default=1, help="torch threads per engine")
-    parser.add_argument("--policies", default=",".join(POLICIES))
+    parser.add_argument("--policies", default=",".join(POLICY_NAMES))
     parser.add_argument("--rates", default="0.4,0.8,1.6")
     parser.add_argument("--num-requests", type=int, default=24)
     parser.add_argument("--input-len", default="64:256")
@@ -291,9 +290,9 @@ def main(argv: list[str] | None = None) -> int:
         print(write_reports(report, path, args.itl_target_ms))
         return 0
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
-    unknown = [p for p in policies if p not in POLICIES]
+    unknown = [p for p in policies if p not in POLICY_NAMES]
     if unknown:
-        parser.error(f"--policies: unknown {unknown}; known: {', '.join(POLICIES)}")
+        parser.error(f"--policies: unknown {unknown}; known: {', '.join(POLICY_NAMES)}")
     rates = parse_rates(args.rates)
     parse_length_spec(args.input_len, "--input-len"), parse_length_spec(args.output_len, "--output-len")
     tag = args.tag or Path(args.model).name.removesuffix(".gguf")

@@ -1,5 +1,5 @@
 """The simulator's side of bench/compare_policies.py: the same traces through `dualpace sim` with
-the policy's configuration, and the real-vs-simulated table (docs/results.md "Simulator vs real")."""
+the policy's configuration, and the real-vs-simulated table."""
 
 from __future__ import annotations
 
@@ -9,22 +9,20 @@ from pathlib import Path
 from toolkit.workload import build_requests, parse_length_spec
 
 
-def sim_config(config: dict, policy: str, engine_overhead_ms: float = 0.0, assist_device_hold: str = "cooperative"):
+def sim_config(config: dict, policy: str, engine_overhead_ms: float = 0.0):
     """The simulator's configuration of the deployment start_system starts: the engine daemons'
     scheduler defaults (512 tokens, 64 sequences per step), the same KV pools, the router's
-    ITL target, and Dense Assist as the daemons run it: "cooperative" (gated: every CPU iteration
-    inside a GPU step, cpu_service's default `--gated-hold join`; dualpace: joins where they pay).
-    The simulator's own default ("layer") holds the GPU through a gated CPU iteration, the legacy
-    `--gated-hold held`; the session-8 rerun found its gated rows simulating that instead."""
+    ITL target, and Dense Assist as the daemons run it on one host (the simulator's default
+    hold, "cooperative": gated runs every CPU iteration inside a GPU step)."""
     from dualpace.engine.scheduler import SchedulerConfig
-    from dualpace.policy.views import Policy
+    from dualpace.policy.policies import Policy
     from profiles.sim import SimConfig
 
     step = SchedulerConfig(max_batch_tokens=512, max_running=64, max_waiting=1 << 30)
     return SimConfig(policy=Policy(policy), gpu_scheduler=step, cpu_scheduler=step,
                      itl_target_ms=config.get("admission_itl_target_ms"),
                      gpu_kv_blocks=config["gpu_kv_blocks"], cpu_kv_blocks=config["cpu_kv_blocks"],
-                     engine_overhead_ms=engine_overhead_ms, assist_device_hold=assist_device_hold)
+                     engine_overhead_ms=engine_overhead_ms)
 
 
 def _run_specs(config: dict, rate: float, trace_dir: str | None) -> list:
@@ -108,7 +106,7 @@ def sim_comparison(report: dict, profile_path: str, trace_dir: str | None = None
                    "sim_cpu_local_assisted": [sim["cpu_local_iterations"], sim["cpu_assisted_iterations"]],
                    "sim_moves": [sim["num_handoffs"], sim["num_migrations"]],
                    # where the tokens were decoded: a simulated request that stays on the GPU engine sees
-                   # its prefill steps as ITL gaps (docs/results.md, session 10)
+                   # its prefill steps as ITL gaps
                    "real_gpu_engine_tokens": (run.get("summary") or {}).get("tokens_by_engine", {}).get("gpu"),
                    "sim_gpu_engine_tokens": sim["num_gpu_engine_tokens"]}
             out["err_tps_pct"] = _error_pct(out["real_tps"], out["sim_tps"])

@@ -1,5 +1,5 @@
-"""Check issue 18's two gated acceptance points on the daemons' step timelines
-(`--step-timeline PATH` on gpu_service and cpu_service; docs/design_cooperative_execution.md, section 8):
+"""Check gated's two points on the daemons' step timelines (`--step-timeline PATH` on
+gpu_service and cpu_service):
 
 1. **CPU requests advance only inside GPU iterations** (`--policy gated`): every CPU-engine record
    of a decode iteration is `cooperative`, names the GPU step that made its tokens
@@ -35,9 +35,10 @@ from pathlib import Path
 from bench.load.stats import distribution_ms
 from dualpace.engine.step_timeline import StepRecord, read_timeline
 from dualpace.errors import DualPaceError
+from dualpace.policy.policies import CPU_SERVICE_POLICY_NAMES, Policy, traits
 
 DEFAULT_MAX_WAIT_SHARE = 0.05
-# The GPU records' per-layer round-trip stamps (dualpace/engine/ring_pacing.py LayerMarks)
+# The GPU records' per-layer round-trip stamps (dualpace/engine/assist/ring_pacing.py LayerMarks)
 MARK_FIELDS = ("down_hop_ns", "cpu_layer_ns", "wait_before_answer_ns", "up_hop_ns")
 NUM_EXAMPLES = 5  # failures quoted in the report
 
@@ -136,7 +137,7 @@ class TimelineCheck:
                 "cpu_runqueue_ms": round(marks["cpu_runqueue_ns"] / 1e6, 3)}
 
 
-def check_timelines(gpu_records: list[StepRecord], cpu_records: list[StepRecord], policy: str = "gated",
+def check_timelines(gpu_records: list[StepRecord], cpu_records: list[StepRecord], policy: str = Policy.GATED.value,
                     max_wait_share: float = DEFAULT_MAX_WAIT_SHARE) -> TimelineCheck:
     """Both acceptance points over one GPU engine's records and any CPU engines' records."""
     check = TimelineCheck(policy, max_wait_share=max_wait_share)
@@ -157,7 +158,7 @@ def check_timelines(gpu_records: list[StepRecord], cpu_records: list[StepRecord]
         if not record.is_decode_only:
             continue  # prefills never join: they stay local or go to the GPU by hand-off
         check.cpu_modes[record.mode] += 1
-        if record.mode != "cooperative" and policy != "gated":
+        if record.mode != "cooperative" and not traits(policy).cpu_decodes_inside_gpu_steps:
             continue  # dualpace may run an iteration locally or staged
         check.num_cpu_checked += 1
         name = f"{record.engine} step {record.step_id}"
@@ -279,7 +280,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--gpu", required=True, metavar="JSONL", help="gpu_service's --step-timeline file")
     parser.add_argument("--cpu", required=True, action="append", metavar="JSONL",
                         help="a cpu_service's --step-timeline file (repeat for each CPU engine)")
-    parser.add_argument("--policy", default="gated", choices=["gated", "dualpace"])
+    parser.add_argument("--policy", default=Policy.GATED.value, choices=CPU_SERVICE_POLICY_NAMES)
     parser.add_argument("--max-wait-share", type=float, default=DEFAULT_MAX_WAIT_SHARE)
     parser.add_argument("--json", default=None, metavar="PATH", help="also write the summary here")
     args = parser.parse_args(argv)

@@ -64,17 +64,13 @@ def stream_tokens(address: str, request_id: str, prompt: list[int], params: Samp
     return tokens, ttft_s or 0.0
 
 
-# name -> (environment, gpu_service arguments); "auto" means the Triton kernels on CUDA
+# name -> gpu_service arguments; "auto" means the Triton kernels on CUDA
 # (dualpace.model.attention_backend), the torch ops elsewhere.
 CONFIGS = {
-    "paged_fused_graphs": ({"DUALPACE_ATTENTION_BACKEND": "auto", "DUALPACE_FUSED_KERNELS": "auto"},
-                           ["--cuda-graphs", "on"]),
-    "paged_fused_eager": ({"DUALPACE_ATTENTION_BACKEND": "auto", "DUALPACE_FUSED_KERNELS": "auto"},
-                          ["--cuda-graphs", "off"]),
-    "paged_torchnorm_graphs": ({"DUALPACE_ATTENTION_BACKEND": "auto", "DUALPACE_FUSED_KERNELS": "torch"},
-                               ["--cuda-graphs", "on"]),
-    "gather_torch_eager": ({"DUALPACE_ATTENTION_BACKEND": "gather", "DUALPACE_FUSED_KERNELS": "torch"},
-                           ["--cuda-graphs", "off"]),
+    "paged_fused_graphs": ["--attention-backend", "auto", "--fused-kernels", "auto", "--cuda-graphs", "on"],
+    "paged_fused_eager": ["--attention-backend", "auto", "--fused-kernels", "auto", "--cuda-graphs", "off"],
+    "paged_torchnorm_graphs": ["--attention-backend", "auto", "--fused-kernels", "torch", "--cuda-graphs", "on"],
+    "gather_torch_eager": ["--attention-backend", "gather", "--fused-kernels", "torch", "--cuda-graphs", "off"],
 }
 
 
@@ -89,9 +85,7 @@ def cuda_tests() -> dict:
 
 
 def tiny_parity(folder: str, device: str, config: str) -> dict:
-    env, extra_args = CONFIGS[config]
-    daemon = start_daemon("gpu_service", "--model", folder, "--dtype", "fp32", "--device", device, *extra_args,
-                          env=env)
+    daemon = start_daemon("gpu_service", "--model", folder, "--dtype", "fp32", "--device", device, *CONFIGS[config])
     try:
         reference = load_model(folder, dtype="fp32", device="cpu")
         params = SamplingParams(max_tokens=32, ignore_eos=True)
@@ -156,10 +150,9 @@ def kv_copy_bandwidth(device: str, num_bytes: int = 256 << 20, repeats: int = 5)
 def throughput_sweep(folder: str, device: str, config: str, stream_counts: list[int], prompt_tokens: int,
                      new_tokens: int) -> dict:
     """One daemon per configuration, the stream counts run one after another on it."""
-    env, extra_args = CONFIGS[config]
     daemon = start_daemon("gpu_service", "--model", folder, "--dtype", "bf16", "--device", device,
                           "--kv-blocks", "4096", "--max-batch-tokens", "8192", "--max-running",
-                          str(max(stream_counts)), *extra_args, env=env)
+                          str(max(stream_counts)), *CONFIGS[config])
     try:
         stream_tokens(daemon.address, "warmup", list(range(10, 26)), SamplingParams(max_tokens=4, ignore_eos=True))
         return {f"streams_{n}": throughput(daemon.address, n, prompt_tokens, new_tokens) for n in stream_counts}

@@ -39,8 +39,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench.load.closed_loop import cold_twin, send_one as send
-from bench.load.workloads import conversations
+from bench.load.generator import send_one as send
+from bench.load.workloads import cold_twin, conversations
 from bench.prefix_cache import add_engine_arguments, cpu_vector_flags, load_average, write_report
 from dualpace.stats import percentile
 from toolkit.processes import start_daemon

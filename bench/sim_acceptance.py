@@ -1,4 +1,4 @@
-"""Issue 18's simulated acceptance table: the same traces on every reference profile, dualpace
+"""The simulated acceptance table: the same traces on every reference profile, dualpace
 (cooperative: its CPU iterations' rows join the GPU engine's steps where the planner says so) vs
 gated as built (NEO: --assist-device-hold cooperative, CPU requests advance only inside GPU steps)
 and vs gpu-only (optimistic admission, preemption by recompute), at equal P99 ITL, and the highest
@@ -6,9 +6,6 @@ rate under that SLO. dualpace (staged) is the per-layer staged assist alone, for
 
     python -m bench.sim_acceptance                       # all cases -> bench/results/sim_acceptance.{json,md}
     python -m bench.sim_acceptance --cases a10g --num-requests 60   # a quicker subset
-    python -m bench.sim_acceptance --gpu-wait-offload slo --out bench/results/sim_acceptance_gpu_wait_offload.json
-    python -m bench.sim_acceptance --join-rule meet --reuse bench/results/sim_acceptance.json \
-        --out bench/results/sim_acceptance_join_meet.json   # dualpace only; the other rows reused
 
 Simulated (profiles.sim, the real schedulers/admission/planner timed by a profile's tables); the
 profiles are rooflines of published figures (profiles/reference/*.md), each in two variants: the
@@ -16,7 +13,8 @@ engine the design assumes, and the code's measured overheads. Deterministic: the
 machine changes only the wall time.
 
 Per case: SLO = 100 ms P99 ITL, unless gpu-only's P99 ITL at the lowest swept rate (its floor)
-is 100 ms or more; then 2 x that floor (the rule docs/results.md used for the A10G what-if).
+is 100 ms or more; then 2 x that floor (a step carrying a prefill chunk sets that floor on the
+24 GB boxes, and no policy can go below it).
 dualpace and gated run with the router's admission ITL target set to the SLO.
 - "tok/s at SLO": a policy's throughput at P99 ITL = SLO, interpolated along its rate sweep
   (bench.load.report.value_at_itl, as `dualpace sim --itl-targets-ms`); the best point within
@@ -36,8 +34,7 @@ from pathlib import Path
 
 from bench.load.report import value_at_itl
 from dualpace.engine.scheduler import SchedulerConfig
-from dualpace.policy.join_rule import JoinRule
-from dualpace.policy.views import Policy
+from dualpace.policy.policies import Policy
 from dualpace.profile.cost_model import CostModel
 from dualpace.profile.files import load_profile
 from profiles.reference.reference_profiles import MEASURED_SUFFIX, path_of
@@ -82,7 +79,7 @@ COUNTERS = ("throughput_tokens_per_s", "requests_per_s", "p50_ttft_ms", "p99_ttf
             "num_preemptions", "cpu_local_iterations", "cpu_assisted_iterations", "requests_touching_cpu",
             "num_handoffs", "num_migrations", "gpu_busy_fraction", "cpu_busy_fraction", "requests_completed",
             "num_cooperative_choices", "num_joined_iterations", "num_joined_layouts", "num_split_layouts",
-            "num_joins_declined_to_staged", "num_joins_declined_to_local", "mean_join_wait_ms", "num_layers_shared")
+            "num_joins_declined_to_staged", "mean_join_wait_ms", "num_layers_shared")
 
 
 def slo_for(gpu_only_rows: list[dict]) -> tuple[float, str]:
@@ -127,11 +124,8 @@ def gain(a: float | None, b: float | None) -> float | None:
     return None if not a or not b else round(100.0 * (a / b - 1.0), 1)
 
 
-def run_case(case: Case, variant: str, num_requests: int, seed: int, gpu_wait_offload: str = "off",
-             join_rule: str = "within-layer", reused: dict | None = None, staged_refusal: str = "budget") -> dict:
-    """One case and variant. reused: an earlier report's entry for the same case, variant, requests
-    and seed; its rows of every policy the join rule and the staged refusal do not touch (all but
-    the dualpace ones) are taken as they are instead of simulated again (the simulation is deterministic)."""
+def run_case(case: Case, variant: str, num_requests: int, seed: int) -> dict:
+    """One case and variant."""
     profile_name = case.box + (MEASURED_SUFFIX if variant == "measured_overheads" else "")
     profile = load_profile(path_of(profile_name))
     cost = CostModel(profile)
@@ -140,18 +134,9 @@ def run_case(case: Case, variant: str, num_requests: int, seed: int, gpu_wait_of
     runs: dict[str, list[dict]] = {}
     slo_ms = slo_rule = None
     for label, policy, hold in POLICY_RUNS:
-        if reused is not None and not label.startswith("dualpace"):
-            runs[label] = reused["runs"][label]
-            if slo_ms is None:
-                slo_ms, slo_rule = slo_for(runs["gpu-only"])
-            continue
         # dualpace and gated admit to the CPU engine only while its predicted ITL stays within the
         # SLO (the router's --itl-target-ms); gpu-only, as vLLM, has no such target
-        # --gpu-wait-offload slo: admission's opt-in time rule with the SLO as its bound (dualpace only)
-        offload_ms = slo_ms if gpu_wait_offload == "slo" else None
-        # --join-rule: when dualpace's cooperative iterations join a busy GPU (gated always joins)
-        config = SimConfig(policy=policy, assist_device_hold=hold, itl_target_ms=slo_ms, gpu_wait_offload_ms=offload_ms,
-                           join_rule=join_rule, refuse_staged_at_begin=staged_refusal == "begin",
+        config = SimConfig(policy=policy, assist_device_hold=hold, itl_target_ms=slo_ms,
                            gpu_scheduler=SchedulerConfig(max_batch_tokens=2048, max_running=256, max_waiting=1 << 30))
         for rate in case.rates:
             specs = build_requests(num_requests, rate, 1.0, seed, profile.model.vocab_size, input_len, output_len)
@@ -172,7 +157,7 @@ def run_case(case: Case, variant: str, num_requests: int, seed: int, gpu_wait_of
             summary[label][f"rate_gain_{key}"] = gain(summary[label]["max_rate"], summary[other]["max_rate"])
     return {"case": case.key, "profile": profile_name, "variant": variant, "workload": case.workload,
             "input_len": case.input_len, "output_len": case.output_len, "rates": list(case.rates),
-            "num_requests": num_requests, "gpu_wait_offload": gpu_wait_offload, "join_rule": join_rule,
+            "num_requests": num_requests,
             "slo_p99_itl_ms": slo_ms, "slo_rule": slo_rule, "ttft_bound_ms": TTFT_BOUND_MS,
             "summary": summary, "runs": runs}
 
@@ -195,15 +180,12 @@ def _joins(point: dict) -> str:
     if not choices:
         return "-"
     return (f"{point['num_joined_layouts']}+{point['num_split_layouts']} / {choices}, "
-            f"{point['num_joins_declined_to_staged']} / {point['num_joins_declined_to_local']}, "
+            f"{point['num_joins_declined_to_staged']}, "
             f"{_f(point['mean_join_wait_ms'])}, {point['num_layers_shared']}")
 
 
 def markdown(report: dict) -> str:
-    flag = " --gpu-wait-offload slo" if report.get("gpu_wait_offload") == "slo" else ""
-    if report.get("join_rule", JoinRule.WITHIN_A_LAYER.value) != JoinRule.WITHIN_A_LAYER.value:
-        flag += f" --join-rule {report['join_rule']}"
-    lines = [f"Simulated (`python -m bench.sim_acceptance{flag}`), {report['num_requests']} requests per rate "
+    lines = [f"Simulated (`python -m bench.sim_acceptance`), {report['num_requests']} requests per rate "
              f"(x2 on the H100 NEO-workload case), seed "
              f"{report['seed']}, Poisson. Throughput gains are at P99 ITL = SLO (interpolated along the sweep); "
              f"rate gains at the highest rate with P99 ITL <= SLO and P50 TTFT <= {TTFT_BOUND_MS / 1000:g} s. "
@@ -227,7 +209,7 @@ def markdown(report: dict) -> str:
     lines += ["", "The simulator's breakdown at each policy's best swept point within the SLO:", "",
               "| case | variant | policy | rate | tok/s | P99 ITL ms | P50 TTFT ms | CPU local / assisted | "
               "requests on CPU | preemptions | GPU busy | CPU busy | joins: joined+split / cooperative, declined "
-              "to staged / local, mean wait ms, layers shared |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+              "to staged, mean wait ms, layers shared |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for c in report["cases"]:
         for label, s in c["summary"].items():
             b = s["best_point"]
@@ -241,20 +223,6 @@ def markdown(report: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _reusable(args: argparse.Namespace) -> dict | None:
-    """{(case, variant): entry} of the --reuse report, or None (with a message) when it does not match."""
-    try:
-        earlier = json.loads(Path(args.reuse).read_text())
-    except (OSError, ValueError) as error:
-        print(f"--reuse: cannot read {args.reuse}: {error}", file=sys.stderr)
-        return None
-    same = (earlier.get("num_requests"), earlier.get("seed"), earlier.get("gpu_wait_offload", "off"))
-    if same != (args.num_requests, args.seed, args.gpu_wait_offload):
-        print(f"--reuse: {args.reuse} was run with (num_requests, seed, gpu_wait_offload) = {same}", file=sys.stderr)
-        return None
-    return {(c["case"], c["variant"]): c for c in earlier.get("cases", [])}
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--cases", default=",".join(c.key for c in CASES), help="comma-separated case keys")
@@ -262,18 +230,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--num-requests", type=int, default=100)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default="bench/results/sim_acceptance.json")
-    parser.add_argument("--gpu-wait-offload", choices=("off", "slo"), default="off",
-                        help="slo: dualpace's admission also offloads when the GPU's predicted prefill wait "
-                             "exceeds the SLO (AdmissionConfig.gpu_wait_offload_ms)")
-    parser.add_argument("--reuse", help="an earlier report (same --num-requests, --seed, --gpu-wait-offload): take "
-                                           "its rows of every policy but dualpace instead of simulating them again")
-    parser.add_argument("--join-rule", choices=[r.value for r in JoinRule], default=JoinRule.WITHIN_A_LAYER.value,
-                        help="when dualpace's cooperative CPU iterations join a busy GPU's step "
-                             "(dualpace.policy.join_rule; gated always joins the next step)")
-    parser.add_argument("--staged-refusal", choices=("budget", "begin"), default="budget",
-                        help="begin: a staged iteration whose waits in the GPU's step in progress already exceed "
-                             "its device budget is refused at its begin (dualpace.policy.stage_budget); "
-                             "budget: when the budget runs out")
     args = parser.parse_args(argv)
     by_key = {c.key: c for c in CASES}
     keys = [k.strip() for k in args.cases.split(",") if k.strip()]
@@ -283,21 +239,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"unknown case or variant {unknown} (cases: {', '.join(by_key)}; variants: assumed, "
               f"measured_overheads), or --num-requests < 1", file=sys.stderr)
         return 2
-    report = {"simulated": True, "num_requests": args.num_requests, "seed": args.seed,
-              "gpu_wait_offload": args.gpu_wait_offload, "join_rule": args.join_rule,
-              "staged_refusal": args.staged_refusal, "cases": []}
-    reused = _reusable(args) if args.reuse else {}
-    if reused is None:
-        return 2
+    report = {"simulated": True, "num_requests": args.num_requests, "seed": args.seed, "cases": []}
     for key in keys:
         for variant in variants:
             started = time.monotonic()
-            earlier = reused.get((key, variant))
-            if args.reuse and (earlier is None or earlier["rates"] != list(by_key[key].rates)):
-                print(f"--reuse: {args.reuse} has no {key} {variant} case with rates {by_key[key].rates}", file=sys.stderr)
-                return 2
-            report["cases"].append(run_case(by_key[key], variant, args.num_requests, args.seed, args.gpu_wait_offload,
-                                            args.join_rule, earlier, args.staged_refusal))
+            report["cases"].append(run_case(by_key[key], variant, args.num_requests, args.seed))
             print(f"{key} {variant}: {time.monotonic() - started:.0f} s", file=sys.stderr, flush=True)
     out = Path(args.out)
     out.write_text(json.dumps(report, indent=1) + "\n")

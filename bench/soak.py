@@ -52,7 +52,7 @@ from bench.soak_client import (
 )
 from bench.soak_args import TINY, parse_soak_args
 from bench.soak_chaos import Chaos
-from bench.soak_daemons import DaemonSlot, metrics_address, router_migrations_from_metrics, rss_kib
+from toolkit.daemon_metrics import DaemonSlot, metrics_address, router_migrations_from_metrics, rss_kib
 from bench.soak_report import report, summary_table
 from dualpace.wire.v1 import router_pb2, router_pb2_grpc
 from toolkit.engine_client import EngineClient

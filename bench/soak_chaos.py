@@ -1,4 +1,4 @@
-"""The soak's extra chaos (issue #20, item 8), run on a thread beside the load (bench/soak.py):
+"""The soak's extra chaos, run on a thread beside the load (bench/soak.py):
 
 - **orphans**: a second router on the same engines takes a few long requests and is SIGKILLed,
   not restarted; the engines must drop them within their orphan lease (`--orphan-timeout-s`),
@@ -33,7 +33,7 @@ import grpc
 
 from router.prompt_work import DEFAULT_MAX_PROMPT_CHARS
 from toolkit.processes import Daemon, start_daemon
-from dualpace.engine.assist_types import AssistBegin
+from dualpace.engine.assist.assist_types import AssistBegin
 from dualpace.wire import assist_messages
 from dualpace.wire.v1 import assist_pb2_grpc, common_pb2, engine_pb2, engine_pb2_grpc, router_pb2, router_pb2_grpc
 

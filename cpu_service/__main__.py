@@ -20,9 +20,9 @@ import sys
 
 from cpu_service.assist_client import AssistClient
 from cpu_service.assist_shm import TRANSPORTS, slot_bytes_for
-from cpu_service.backend import BACKENDS, select_backend
 from dualpace.policy.mode_choice import AssistSetting, ModeChooser
-from cpu_service.runner import GATED_HOLDS, CpuRunner
+from dualpace.policy.policies import CPU_SERVICE_POLICY_NAMES, Policy, policy_help, traits
+from cpu_service.runner import CpuRunner
 from dualpace.engine.core import EngineConfig
 from dualpace.errors import InvalidArgument
 from dualpace.model.loader import LoadedModel
@@ -38,14 +38,12 @@ from dualpace.serve.engine_daemon import (
 
 log = logging.getLogger(__name__)
 DEFAULT_KV_BLOCKS = 4096  # host memory is the plentiful resource
-POLICIES = ("dualpace", "gated")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="dualpace-cpu", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     add_engine_arguments(parser, default_name="cpu", default_kv_blocks=DEFAULT_KV_BLOCKS)
-    parser.add_argument("--backend", default="auto", choices=BACKENDS, help="kernel backend (ipex: not available)")
     parser.add_argument("--assist", default="auto", choices=[s.value for s in AssistSetting],
                         help="Dense Assist per iteration: auto (the faster mode, measured), always, never")
     parser.add_argument("--gpu-service", default=None, help="gpu_service address for Dense Assist (HOST:PORT)")
@@ -53,14 +51,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="an assisted iteration slower than this is redone locally")
     parser.add_argument("--assist-transport", default="auto", choices=TRANSPORTS,
                         help="Dense Assist: auto (shared memory when gpu_service is on this host, else its TCP data "
-                             "socket where it has one, else gRPC), tcp (the data socket even on one host) or grpc")
-    parser.add_argument("--policy", default="dualpace", choices=POLICIES,
-                        help="dualpace: independent loop; gated: NEO-like baseline, CPU decodes advance only "
-                             "inside GPU iterations with dense work on the GPU")
-    parser.add_argument("--gated-hold", default="join", choices=GATED_HOLDS,
-                        help="gated only: join (NEO as built: each decode iteration's rows join the GPU engine's "
-                             "step, the GPU never held while this side attends; needs shared memory) or held (the "
-                             "old baseline: the GPU is held from an iteration's begin to its result)")
+                             "socket) or tcp (the data socket even on one host)")
+    parser.add_argument("--policy", default=Policy.DUALPACE.value, choices=CPU_SERVICE_POLICY_NAMES,
+                        help=policy_help(CPU_SERVICE_POLICY_NAMES))
     parser.add_argument("--profile", default=None,
                         help="hardware profile JSON (`dualpace profile`): seeds the Local/Assisted choice")
     parser.add_argument("--profile-ignore-fingerprint", action="store_true",
@@ -72,13 +65,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def check_args(args: argparse.Namespace):
     """Validate the flags; returns the checked profile (or None) before the slow model load."""
-    select_backend(args.backend)
     if args.profile_context_tokens < 1:
         raise InvalidArgument("--profile-context-tokens", f"must be >= 1, got {args.profile_context_tokens}")
     if args.assist == AssistSetting.ALWAYS.value and args.gpu_service is None:
         raise InvalidArgument("--assist", "always needs --gpu-service")
-    if args.policy == "gated" and args.gpu_service is None:
-        raise InvalidArgument("--policy", "gated needs --gpu-service (dense work always runs on the GPU)")
+    if traits(args.policy).cpu_decodes_inside_gpu_steps and args.gpu_service is None:
+        raise InvalidArgument("--policy", f"{args.policy} needs --gpu-service (dense work always runs on the GPU)")
     if args.assist_timeout_s <= 0:
         raise InvalidArgument("--assist-timeout-s", f"must be positive, got {args.assist_timeout_s}")
     return None if args.profile is None else load_profile_for(args)
@@ -111,7 +103,7 @@ def seed_chooser(chooser: ModeChooser, profile, assist_available: bool, max_batc
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    gated = args.policy == "gated"
+    gated = traits(args.policy).cpu_decodes_inside_gpu_steps
     setting = AssistSetting.ALWAYS if gated else AssistSetting(args.assist)
 
     profile = None
@@ -140,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
                      ", ".join(f"{mode.value}@{bucket}={ms:.1f}ms" for (mode, bucket), ms in sorted(
                          predicted.items(), key=lambda kv: (kv[0][1], kv[0][0].value))))
         return CpuRunner(loaded, config.num_kv_blocks, config.block_size, chooser, client, gated=gated,
-                         engine_name=config.name, kv_memory=kv_memory, gated_hold=args.gated_hold)
+                         engine_name=config.name, kv_memory=kv_memory)
 
     def build() -> EngineDaemonParts:
         nonlocal profile

@@ -17,13 +17,14 @@ for this iteration are rewritten by the redo: same slots, same positions),
 and the next run_iteration opens a fresh stream. An exception raised by
 `attend` itself also drops the stream and propagates unchanged.
 
-transport "auto" (the default) offers a shared-memory segment on each fresh stream
-(cpu_service/assist_shm.py): where gpu_service is on the same host and maps it, iterations
-whose batch fits a slot run through it, the rest over gRPC; on another host, where gpu_service
-has a data socket, the same messages go as frames on a TCP connection to it instead
-(dualpace/engine/assist_tcp_link.py; "tcp" asks for that path even on one host); with "grpc",
-or where neither is offered, everything goes over the stream. In `attend` the q/k/v are valid until attend returns: on the
-shared-memory path views into the segment, over gRPC tensors the client reuses for the next layer.
+Each fresh stream opens with an offer (cpu_service/assist_shm.py). With transport "auto" (the
+default) it is a shared-memory segment: where gpu_service is on the same host and maps it, the
+iterations run through its rings; on another host gpu_service answers with its TCP data socket, and
+the same messages go as frames on a TCP connection to it (dualpace/engine/assist/assist_tcp_link.py;
+"tcp" asks for that path even on one host). The gRPC stream carries only the offer, its answer, a
+result too large for a slot, errors and the end: where neither path is granted, or a batch does not
+fit a slot, run_iteration raises AssistUnavailable and the iteration runs locally. In `attend` the
+q/k/v are valid until attend returns (views into the segment, or into the link's frame).
 """
 
 from __future__ import annotations
@@ -40,15 +41,16 @@ import torch
 from cpu_service import assist_shm
 from cpu_service.assist_join import NO_JOIN, JoinAsk, JoinDowngrades
 from cpu_service.assist_stream import AssistStream, AssistUnavailable  # noqa: F401 - AssistUnavailable is this module's API
-from dualpace.engine import assist_types, kv_tcp_data
-from dualpace.engine.assist_tcp_link import TcpLink, slot_bytes_of_offer
+from dualpace.engine.assist import assist_types
+from dualpace.engine.transfer import kv_tcp_data
+from dualpace.engine.assist.assist_tcp_link import TcpLink, slot_bytes_of_offer
 from dualpace.errors import InvalidArgument
 from dualpace.sampling import SamplingParams, sample_next_tokens
 from dualpace.serve.address import data_socket_peer_host
 from dualpace.serve.auth import token_metadata
 from dualpace.serve.logging_setup import get_logger
-from dualpace.wire import assist_messages, assist_wire
-from dualpace.wire.v1 import assist_pb2
+from dualpace.wire import assist_messages
+from dualpace.wire.v1 import assist_pb2, assist_pb2_grpc
 
 # (layer, q, k, v) -> attention output [batch, num_heads * head_dim]
 AttendFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -84,9 +86,7 @@ class AssistClient:
         self.transport = transport
         self._shm_slot_bytes = shm_slot_bytes
         self._shm_spin_s = shm_spin_s
-        self._shm: assist_shm.ShmIterations | None = None  # the open stream's accepted segment
-        self._shm_unsupported = False  # the server did not understand an offer: never offer again
-        self._tcp_unreachable = False  # its data socket could not be reached: never ask for it again
+        self._shm: assist_shm.ShmIterations | None = None  # the open stream's rings (or data socket)
         self._data_tls = data_tls  # TLS to the server's data socket (this daemon's, as `credentials`)
         self.num_shm_iterations = 0
         self.iteration_timeout_s = iteration_timeout_s
@@ -99,10 +99,7 @@ class AssistClient:
         # credentials: TLS to a gpu_service that serves it (dualpace.serve.security.peer_credentials_for)
         self._channel = grpc.insecure_channel(address, options=options) if credentials is None else \
             grpc.secure_channel(address, credentials, options=options)
-        # the generated stub's method, with serializers that let pre-encoded per-layer messages pass
-        self._assist = self._channel.stream_stream(assist_wire.ASSIST_METHOD, request_serializer=assist_wire.serialize_up,
-                                                   response_deserializer=assist_wire.parse_down)
-        self._qkv = assist_wire.QkvReceiver()
+        self._assist = assist_pb2_grpc.DenseAssistStub(self._channel).Assist
         self._stream: AssistStream | None = None
         self._iteration_ids = itertools.count(1)
         self._lock = threading.Lock()
@@ -170,83 +167,57 @@ class AssistClient:
             return self._output(begin, result)
 
     def _exchange(self, begin: assist_types.AssistBegin, attend: AttendFn) -> assist_types.AssistResult:
-        """Send begin, answer each layer's qkv with attend, return the result."""
+        """Run the iteration through the stream's rings (or data socket), opened first where none is."""
         if self._stream is None:
             self._stream = AssistStream(self._assist, self.address, self._metadata)
-            if self.transport != "grpc" and not self._shm_unsupported and not (
-                    self.transport == "tcp" and self._tcp_unreachable):
-                self._shm = self._offer_shm(self._stream)
-        stream = self._stream
+            self._shm = self._offer(self._stream)
+        stream, rings = self._stream, self._shm
         batch = len(begin.token_ids)
-        wait_budget_s = self.iteration_timeout_s
-        begin_bytes = assist_messages.begin_to_bytes(begin) if self._shm is not None else b""
-        shm_fits = self._shm is not None and self._shm.fits(batch, begin_bytes)
-        downgraded = self._downgrades.begin_for_peer(begin, shm_fits and self._shm.accepts_join)
+        begin_bytes = assist_messages.begin_to_bytes(begin)
+        downgraded = self._downgrades.begin_for_peer(begin, rings.accepts_join)
         if downgraded is not begin:  # the join asks were dropped: the bytes change (once per iteration)
             begin = downgraded
-            begin_bytes = assist_messages.begin_to_bytes(begin) if shm_fits else b""
-        if shm_fits:
-            deadline_s = assist_shm.deadline_after(wait_budget_s)
-            result = self._shm.run(begin, begin_bytes, attend, deadline_s, stream.ended.is_set, self)
-            if result is None:  # on the stream: the result did not fit a slot, or an error
-                result = self._decode(stream.receive(deadline_s - time.monotonic()))
-                if not isinstance(result, assist_types.AssistResult) or result.iteration_id != begin.iteration_id:
-                    raise self._protocol_error("expected the iteration's result on the stream")
-            self._check_result(result, begin)
-            self.num_shm_iterations += 1
-            return result
-        stream.send(assist_messages.assist_up_to_pb(begin))
-        for expected_layer in itertools.count():
-            started_s = time.monotonic()
-            reply = self._decode_reply(stream.receive(wait_budget_s))
-            wait_budget_s -= time.monotonic() - started_s
-            if isinstance(reply, assist_types.AssistShmAnswer):
-                raise self._protocol_error("a shared-memory answer nobody asked for")
-            if reply.iteration_id != begin.iteration_id:
-                raise self._protocol_error(f"reply for iteration {reply.iteration_id}, expected {begin.iteration_id}")
-            if isinstance(reply, assist_types.AssistResult):
-                self._check_result(reply, begin)
-                return reply
-            if reply.layer != expected_layer or not reply.q.shape[0] == reply.k.shape[0] == reply.v.shape[0] == batch:
-                raise self._protocol_error(f"unexpected qkv for layer {reply.layer} (expected layer {expected_layer})")
-            attention_output = attend(reply.layer, reply.q, reply.k, reply.v)
-            stream.send(assist_wire.encode_attention_output_up(begin.iteration_id, reply.layer, attention_output))
-        raise AssertionError("unreachable")
+            begin_bytes = assist_messages.begin_to_bytes(begin)
+        if not rings.fits(batch, begin_bytes):
+            raise AssistUnavailable(f"dense assist at {self.address}: a batch of {batch} rows does not fit a slot "
+                                    f"(at most {rings.max_batch_rows} rows)")
+        deadline_s = assist_shm.deadline_after(self.iteration_timeout_s)
+        result = rings.run(begin, begin_bytes, attend, deadline_s, stream.ended.is_set, self)
+        if result is None:  # on the stream: the result did not fit a slot, or an error
+            result = self._decode(stream.receive(deadline_s - time.monotonic()))
+            if not isinstance(result, assist_types.AssistResult) or result.iteration_id != begin.iteration_id:
+                raise self._protocol_error("expected the iteration's result on the stream")
+        self._check_result(result, begin)
+        self.num_shm_iterations += 1
+        return result
 
-    def _offer_shm(self, stream: AssistStream) -> assist_shm.ShmIterations | None:
-        """Offer a segment (or, with transport tcp, none) on a fresh stream; the accepted rings, the
-        data socket the server named where it refused the segment, or None (then all goes over gRPC)."""
-        segment = None
-        if self.transport == "tcp":
-            offer = assist_shm.tcp_only_offer(self._shm_slot_bytes)
-        else:
+    def _offer(self, stream: AssistStream) -> assist_shm.ShmIterations:
+        """Offer a segment (with transport tcp, or where this process cannot share memory: the data
+        socket alone) on a fresh stream; the accepted rings, or the data socket the server named.
+        Raises AssistUnavailable where it grants neither."""
+        segment, offer = None, None
+        if self.transport == "auto":
             try:
-                made = assist_shm.new_offer(self._shm_slot_bytes, tcp=not self._tcp_unreachable)
+                made = assist_shm.new_offer(self._shm_slot_bytes)
             except OSError as exc:
-                log.warning("dense assist: no shared memory here, using gRPC", error=str(exc))
+                log.warning("dense assist: no shared memory here, asking for the data socket", error=str(exc))
                 made = None
-            if made is None:
-                self._shm_unsupported = True
-                return None
-            segment, offer = made
+            if made is not None:
+                segment, offer = made
+        if offer is None:
+            offer = assist_shm.tcp_only_offer(self._shm_slot_bytes)
         try:
             stream.send(assist_messages.assist_up_to_pb(offer))
-            try:
-                answer = self._decode(stream.receive(self.iteration_timeout_s))
-            except AssistUnavailable as exc:
-                if exc.code == grpc.StatusCode.INVALID_ARGUMENT:  # a server without shared memory support
-                    self._shm_unsupported = True
-                raise
+            answer = self._decode(stream.receive(self.iteration_timeout_s))
             if not isinstance(answer, assist_types.AssistShmAnswer):
                 raise self._protocol_error("expected the answer to the shared-memory offer")
             if not answer.accepted:
                 if segment is not None:
                     segment.close()
                     segment = None
-                if answer.tcp_port and offer.tcp:
-                    return self._attach(stream, self._connect_tcp(answer, offer), answer)
-                log.info("dense assist over gRPC: the server refused shared memory", reason=answer.reason)
-                return None
+                if not answer.tcp_port:
+                    raise AssistUnavailable(f"dense assist at {self.address}: refused: {answer.reason}")
+                return self._attach(stream, self._connect_tcp(answer, offer), answer)
             if not segment.verify_server_token(answer.token):
                 raise self._protocol_error("the server's token is not in the segment it accepted")
             segment.close_fd()  # both sides hold only their mappings now
@@ -271,39 +242,27 @@ class AssistClient:
         return rings
 
     def _connect_tcp(self, answer: assist_types.AssistShmAnswer, offer: assist_types.AssistShmOffer) -> TcpLink:
-        """The connection to the server's data socket with its ticket. A server this client cannot
-        reach there (or whose TLS it cannot speak) is not asked again: this iteration runs locally,
-        the next stream goes over gRPC."""
+        """The connection to the server's data socket with its ticket. Where it cannot be reached (or
+        its TLS cannot be spoken) this iteration runs locally; the next one tries a fresh stream."""
         if answer.tcp_tls and self._data_tls is None:
-            self._tcp_unreachable = True
             raise AssistUnavailable(f"dense assist at {self.address}: its data socket speaks TLS, this client has none")
         try:
             connection = kv_tcp_data.connect(data_socket_peer_host(self.address), answer.tcp_port, answer.tcp_ticket,
                                              self.iteration_timeout_s, self._data_tls if answer.tcp_tls else None)
         except OSError as exc:
-            self._tcp_unreachable = True
             raise AssistUnavailable(f"dense assist at {self.address}: cannot reach its data socket: {exc}") from None
         return TcpLink(slot_bytes_of_offer(offer.size_bytes), connection=connection)
 
     @property
-    def data_path(self) -> str:
-        """Where the open stream's ring iterations go: "shm", "tcp", or "grpc" (none open: "grpc")."""
-        return "grpc" if self._shm is None else "tcp" if self._shm.over_tcp else "shm"
+    def data_path(self) -> str | None:
+        """Where the open stream's iterations go: "shm" or "tcp" (None: no stream open)."""
+        return None if self._shm is None else "tcp" if self._shm.over_tcp else "shm"
 
     def protocol(self, problem: str) -> AssistUnavailable:
         return self._protocol_error(problem)
 
     def timeout(self) -> AssistUnavailable:
         return AssistUnavailable(f"dense assist at {self.address}: no reply within the iteration timeout")
-
-    def _decode_reply(self, message: assist_pb2.AssistDown):
-        """Like _decode; a layer's q/k/v land in the receiver's tensors (valid until attend returns)."""
-        if message.WhichOneof("kind") != "qkv":
-            return self._decode(message)
-        try:
-            return self._qkv.qkv(message.qkv)
-        except ValueError as exc:
-            raise self._protocol_error(str(exc)) from None
 
     def _decode(self, message: assist_pb2.AssistDown):
         try:

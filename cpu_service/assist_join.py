@@ -1,7 +1,7 @@
 """The CPU engine's side of cooperative execution: what a begin asks of the GPU engine's step.
 
 A begin with `join_engine_iteration` asks gpu_service to run its dense rows inside the GPU
-engine's next step (docs/design_cooperative_execution.md); the exchange the client sees is the
+engine's next step; the exchange the client sees is the
 same as for a staged iteration. Only servers that answered the stream's shared-memory offer with
 `accepts_join` are asked: for any other (an older server, a stream over gRPC only, a batch too
 large for the slots) the join fields are dropped here and the iteration runs as before, staged
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from dualpace.engine.assist_types import AssistBegin, AssistJoinInfo, JoinHow
+from dualpace.engine.assist.assist_types import AssistBegin, AssistJoinInfo, JoinHow
 from dualpace.serve.logging_setup import get_logger
 
 log = get_logger(__name__)

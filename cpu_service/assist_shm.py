@@ -1,12 +1,13 @@
 """The CPU engine's side of Dense Assist through shared memory (same host only).
 
-On a fresh stream the client offers a segment (dualpace/engine/shm_ring.py): its boot id,
+On a fresh stream the client offers a segment (dualpace/engine/assist/shm_ring.py): its boot id,
 the memfd's /proc path, its size and a random token. When gpu_service maps it, finds the
-token and writes its own (checked here), every iteration whose batch fits a slot runs through
-the rings: the begin goes up as bytes, each layer's q/k/v come down and the attention output
-goes up as tensors in place, the result comes down; the gRPC stream stays open for errors and
-the end. Any failure raises AssistUnavailable, as on the gRPC path: the engine redoes the
-iteration locally and the next one opens a fresh stream (and a fresh segment).
+token and writes its own (checked here), every iteration runs through the rings: the begin goes
+up as bytes, each layer's q/k/v come down and the attention output goes up as tensors in place,
+the result comes down; the gRPC stream stays open for errors and the end. On another host the same
+messages go as frames over gpu_service's TCP data socket (a TcpLink in the segment's place). Any
+failure raises AssistUnavailable: the engine redoes the iteration locally and the next one opens a
+fresh stream (and a fresh segment).
 
 A gRPC reply arriving while this side waits on the ring (the server ended the stream with a
 status) wakes the wait at once (`interrupt`): nothing waits out a timeout for a dead peer.
@@ -14,15 +15,14 @@ status) wakes the wait at once (`interrupt`): nothing waits out a timeout for a 
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 from collections.abc import Callable
 
 import torch
 
-from dualpace.engine import ring_pacing, shm_doorbell
-from dualpace.engine.assist_types import (
+from dualpace.engine.assist import ring_pacing, shm_doorbell
+from dualpace.engine.assist.assist_types import (
     AssistBegin,
     AssistJoinInfo,
     AssistResult,
@@ -30,11 +30,12 @@ from dualpace.engine.assist_types import (
     AssistShmOffer,
     ShmSlotKind,
 )
-from dualpace.engine.shm_ring import ShmEndpoint, ShmProtocolError, ShmSegment, boot_id, message_bytes, segment_bytes
+from dualpace.engine.transfer.same_host import boot_id
+from dualpace.engine.assist.shm_ring import ShmEndpoint, ShmProtocolError, ShmSegment, message_bytes, segment_bytes
 from dualpace.wire import assist_messages
 
 NUM_SLOTS = 2  # one iteration's messages alternate down and up: two slots a direction suffice
-TRANSPORTS = ("auto", "grpc", "tcp")  # tcp: never shared memory, the data socket (else gRPC)
+TRANSPORTS = ("auto", "tcp")  # tcp: never shared memory, the data socket
 
 # (layer, q, k, v) -> attention output [batch, num_heads * head_dim]
 AttendFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -46,15 +47,15 @@ def slot_bytes_for(max_batch_rows: int, num_heads: int, num_kv_heads: int, head_
     return -(-message_bytes(qkv_bytes, 4096) // 4096) * 4096
 
 
-def new_offer(slot_bytes: int, tcp: bool = True) -> tuple[ShmSegment, AssistShmOffer] | None:
-    """A fresh segment and its offer (tcp: the data socket is welcome where it is refused); None where
+def new_offer(slot_bytes: int) -> tuple[ShmSegment, AssistShmOffer] | None:
+    """A fresh segment and its offer (the data socket is welcome where it is refused); None where
     this process cannot share memory (not Linux x86-64)."""
     host = boot_id()
     if not shm_doorbell.SUPPORTED or not host:
         return None
     segment = ShmSegment.create(NUM_SLOTS, slot_bytes)
     return segment, AssistShmOffer(boot_id=host, path=segment.peer_path, size_bytes=segment.size_bytes,
-                                   token=segment.client_token, tcp=tcp)
+                                   token=segment.client_token, tcp=True)
 
 
 def tcp_only_offer(slot_bytes: int) -> AssistShmOffer:
@@ -67,16 +68,11 @@ class ShmIterations:
     """The rings of one accepted stream, client side (one iteration at a time)."""
 
     def __init__(self, segment, answer: AssistShmAnswer, spin_s: float):
-        self._segment = segment  # a ShmSegment, or a TcpLink (dualpace/engine/assist_tcp_link.py)
+        self._segment = segment  # a ShmSegment, or a TcpLink (dualpace/engine/assist/assist_tcp_link.py)
         self._endpoint: ShmEndpoint = segment.endpoint("up", spin_s)
         self.over_tcp = not isinstance(segment, ShmSegment)
         self.max_batch_rows = answer.max_batch_rows
         self.accepts_join = answer.accepts_join  # begins through these rings may join the GPU engine's step
-        self._spin_ns = int(spin_s * 1e9)
-        # DUALPACE_WAKE_AHEAD=1: sleep until shortly before each layer's q/k/v are due, then spin
-        # (ring_pacing.WakeAhead); off by default until a quiet host shows it lowers the GPU's wait
-        # (docs/results.md, "Session 11: gated's GPU wait")
-        self.wake_ahead = os.environ.get("DUALPACE_WAKE_AHEAD", "0") in ("1", "on", "true")
         self._lock = threading.Lock()  # interrupt (reader thread) vs close
         self._closed = False
 
@@ -105,13 +101,9 @@ class ShmIterations:
         qkv_kind, output_kind = ShmSlotKind.QKV, ShmSlotKind.ATTENTION_OUTPUT
         # the answer carries when this side saw the q/k/v and when it answered (ring_pacing.py)
         monotonic_ns, pack_stamp = time.monotonic_ns, ring_pacing.OUTPUT_STAMP.pack
-        ahead = ring_pacing.WakeAhead(self._spin_ns) if self.wake_ahead else None
         while True:
             try:
-                if ahead is None:
-                    message = receive(deadline_s, stream_ended)
-                else:
-                    message = receive(deadline_s, stream_ended, ahead.sleep_first_ns() / 1e9, ahead.spin_ns() / 1e9)
+                message = receive(deadline_s, stream_ended)
             except ShmProtocolError as exc:
                 raise errors.protocol(str(exc)) from None
             if message is None:
@@ -131,9 +123,6 @@ class ShmIterations:
                 output = attend(expected_layer, q, k, v)
                 posted_ns = monotonic_ns()
                 send_parts(output_kind, iteration_id, expected_layer, (output,), pack_stamp(seen_ns, posted_ns))
-                if ahead is not None:
-                    ahead.seen(seen_ns)  # no-op before the first answer
-                    ahead.posted(posted_ns)
                 expected_layer += 1
             elif message.kind == ShmSlotKind.RESULT_TOKENS and len(message.tensors) == 1:
                 return AssistResult(begin.iteration_id, token_ids=message.tensors[0].tolist(),

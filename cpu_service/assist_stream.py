@@ -1,11 +1,8 @@
 """One open Dense Assist call, read by its caller (cpu_service/assist_client.py's transport).
 
 A queue feeds the call's requests (gRPC's sync stub sends them from its own consumer thread);
-the caller reads each reply itself on its own thread, as it waits for it anyway. Until session
-9 a reader thread drained the replies into a second queue, which put one more thread wake-up
-(reader -> caller) into every layer's round trip; a bare bidi echo on this project's test host
-ran at 150-175 µs p50 read directly against 180-290 µs through such a thread (bench.grpc_floor).
-Reading on the caller's thread has no timeout of its own, so a watchdog thread cancels the call
+the caller reads each reply itself on its own thread, as it waits for it anyway (no reader
+thread, so no extra wake-up per reply). Reading on the caller's thread has no timeout of its own, so a watchdog thread cancels the call
 when a read outlives its timeout. It is woken only when a read starts while it is idle (it
 then sleeps until that read's deadline, and finds a later read's deadline when it wakes), so a
 stream in use costs it about one wake-up per timeout period, not one per layer.
@@ -73,7 +70,7 @@ class AssistStream:
             on_end()
 
     def send(self, message) -> None:
-        """An AssistUp, or one already serialized (dualpace/wire/assist_wire.py)."""
+        """An AssistUp."""
         self._requests.put(message)
 
     def receive(self, timeout_s: float):

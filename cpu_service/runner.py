@@ -4,11 +4,11 @@ A failed assisted iteration is redone locally in the same step, so no request
 is lost or corrupted when gpu_service is unreachable, slow or dies mid-iteration. A failure backs
 the chooser off; a refusal because the GPU is busy (RESOURCE_EXHAUSTED) is learnt as a latency.
 
-Cooperative (docs/design_cooperative_execution.md): the iteration asks gpu_service to run its
+Cooperative: the iteration asks gpu_service to run its
 dense rows inside the GPU engine's next step (a join). dualpace asks when the ModeChooser picks
-COOPERATIVE, waiting at most its slack for the step; gated (`gated_hold="join"`) asks for every
-decode iteration and waits up to the server's stage timeout; `gated_hold="held"` is the old gated
-baseline that holds the GPU from begin to result. A step is counted under the mode that ran:
+COOPERATIVE, waiting at most its slack for the step; gated asks for every decode iteration and
+waits up to the server's stage timeout (a server that cannot join it holds the GPU from begin to
+result instead). A step is counted under the mode that ran:
 COOPERATIVE when the server's join info says the rows rode in its step, else ASSISTED; the
 chooser learns a join ask's latency as cooperative either way (ModeChooser.record_cooperative).
 """
@@ -31,20 +31,17 @@ from dualpace.policy.mode_choice import AssistSetting, ExecutionMode, ModeChoose
 from dualpace.serve.metrics import DENSE_ASSIST_CALLS, DENSE_ASSIST_ROUND_TRIP
 
 log = logging.getLogger(__name__)
-GATED_HOLDS = ("join", "held")
 DEVICE_MODES = (ExecutionMode.ASSISTED, ExecutionMode.COOPERATIVE)
 
 
 class CpuRunner(ModelRunner):
     def __init__(self, loaded: LoadedModel, num_blocks: int, block_size: int, chooser: ModeChooser,
                  client: AssistClient | None = None, gated: bool = False, engine_name: str = "cpu",
-                 kv_memory=None, gated_hold: str = "join"):
+                 kv_memory=None):
         super().__init__(loaded, num_blocks, block_size, kv_memory)
-        if gated_hold not in GATED_HOLDS:
-            raise ValueError(f"gated_hold must be one of {GATED_HOLDS}, got {gated_hold!r}")
         self.chooser = chooser
         self.client = client
-        self.gated_join = gated and gated_hold == "join"  # gated as NEO: every iteration joins the GPU's step
+        self.gated = gated  # gated as NEO: every iteration joins the GPU's step
         self.assisted = None if client is None else AssistedForward(self.kv, loaded.config, client, gated)
         self.num_steps_by_mode = {mode: 0 for mode in ExecutionMode}
         self.num_assist_fallbacks = 0
@@ -97,7 +94,7 @@ class CpuRunner(ModelRunner):
         return result
 
     def _join_ask(self, mode: ExecutionMode, batch_size: int) -> JoinAsk:
-        if self.gated_join:
+        if self.gated:
             return JoinAsk.gated()
         if mode == ExecutionMode.COOPERATIVE:
             if self.chooser.setting == AssistSetting.ALWAYS:  # dualpace --assist always: no local to beat

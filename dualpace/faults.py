@@ -1,20 +1,22 @@
 """Fault injection for tests of failure handling (never enabled by default).
 
-Daemons read the environment once at start (`FaultConfig.from_environ`) and pass
-the config to the parts that honour it; nothing reads the environment at import.
+The engine daemons take one option per fault (`add_fault_arguments`), so each is set like any
+other daemon setting (dualpace.serve.config): a flag, its DUALPACE_<FLAG> environment variable
+(DUALPACE_FAULT_STEP_DELAY_MS=N), or a --config key. The daemon builds a FaultConfig from its
+arguments at start (`FaultConfig.from_args`) and passes it to the parts that honour it.
 
-    DUALPACE_FAULT_KV_CORRUPT_CHUNK=N   flip a bit in outgoing KV chunk N (N >= 0)
-    DUALPACE_FAULT_KV_DROP_CHUNK=N      skip outgoing KV chunk N (a sequence gap)
-    DUALPACE_FAULT_KV_CUT_AFTER=N       abandon an outgoing transfer after N chunks
-    DUALPACE_FAULT_KV_SHM_HOLD_MS=N     on the shared-memory path, hold the write lease N ms
+    --fault-kv-corrupt-chunk N          flip a bit in outgoing KV chunk N (N >= 0)
+    --fault-kv-drop-chunk N             skip outgoing KV chunk N (a sequence gap)
+    --fault-kv-cut-after N              abandon an outgoing transfer after N chunks
+    --fault-kv-shm-hold-ms N            on the shared-memory path, hold the write lease N ms
                                         after the copy, before saying written (kill tests)
-    DUALPACE_FAULT_STEP_DELAY_MS=N      sleep N ms inside every engine step (a stalled step loop)
-    DUALPACE_FAULT_FORWARD_RAISE_AT_STEP=N
+    --fault-step-delay-ms N             sleep N ms inside every engine step (a stalled step loop)
+    --fault-forward-raise-at-step N
                                         the forward pass raises (InjectedFault, as a device error
                                         would) on the N-th served step that runs one (N >= 1; the
                                         daemon's warm-up is not counted). The engine then fails as a
                                         whole: every stream UNAVAILABLE, health NOT_SERVING, exit 1
-    DUALPACE_FAULT_NAN_LOGITS_REQUEST=ID
+    --fault-nan-logits-request ID
                                         the logits row of request ID is NaN on every step that
                                         samples a token for it (so it fails at its first token);
                                         the engine ends that request alone (non-finite logits)
@@ -22,21 +24,21 @@ the config to the parts that honour it; nothing reads the environment at import.
                                         (gpu_service, cpu_service Local iterations), not by
                                         Dense Assist iterations, whose logits stay on gpu_service
 
-A bad value is refused at start with InvalidArgument naming the variable.
+A bad value is refused at start in one line naming the flag (or the variable, or the key).
 """
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
-import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from dualpace.engine.kv_transfer import KvChunk
-from dualpace.errors import InvalidArgument, Unavailable
+from dualpace.engine.transfer.kv_transfer import KvChunk
+from dualpace.errors import Unavailable
 
-_PREFIX = "DUALPACE_FAULT_"
+_FLAG_PREFIX = "fault_"
 
 
 class InjectedFault(RuntimeError):
@@ -48,48 +50,46 @@ def _int_at_least(minimum: int) -> Callable[[str], int]:
         try:
             value = int(text)
         except ValueError:
-            raise ValueError(f"expected an integer >= {minimum}, got {text!r}") from None
+            raise argparse.ArgumentTypeError(f"expected an integer >= {minimum}, got {text!r}") from None
         if value < minimum:
-            raise ValueError(f"expected an integer >= {minimum}, got {value}")
+            raise argparse.ArgumentTypeError(f"expected an integer >= {minimum}, got {value}")
         return value
 
+    parse.__name__ = f"integer >= {minimum}"
     return parse
 
 
-def _non_empty(text: str) -> str:
+def _request_id(text: str) -> str:
     if not text.strip():
-        raise ValueError("expected a request id, got an empty value")
+        raise argparse.ArgumentTypeError("expected a request id, got an empty value")
     return text
 
 
-def _fault(parse: Callable[[str], Any]) -> Any:
-    """A fault field: off (None) unless its variable is set; `parse` turns the text into the value."""
-    return field(default=None, metadata={"parse": parse})
+_request_id.__name__ = "request id"
+
+
+def _fault(parse: Callable[[str], Any], metavar: str, help: str) -> Any:
+    """A fault field: off (None) unless its option is set; `parse` turns the text into the value."""
+    return field(default=None, metadata={"parse": parse, "metavar": metavar, "help": help})
 
 
 @dataclass(frozen=True)
 class FaultConfig:
-    kv_corrupt_chunk: int | None = _fault(_int_at_least(0))
-    kv_drop_chunk: int | None = _fault(_int_at_least(0))
-    kv_cut_after: int | None = _fault(_int_at_least(0))
-    kv_shm_hold_ms: int | None = _fault(_int_at_least(0))
-    step_delay_ms: int | None = _fault(_int_at_least(0))
-    forward_raise_at_step: int | None = _fault(_int_at_least(1))
-    nan_logits_request: str | None = _fault(_non_empty)
+    kv_corrupt_chunk: int | None = _fault(_int_at_least(0), "N", "flip a bit in outgoing KV chunk N")
+    kv_drop_chunk: int | None = _fault(_int_at_least(0), "N", "skip outgoing KV chunk N (a sequence gap)")
+    kv_cut_after: int | None = _fault(_int_at_least(0), "N", "abandon an outgoing KV transfer after N chunks")
+    kv_shm_hold_ms: int | None = _fault(_int_at_least(0), "MS", "shared-memory KV path: hold the write lease "
+                                        "this long after the copy")
+    step_delay_ms: int | None = _fault(_int_at_least(0), "MS", "sleep this long inside every engine step")
+    forward_raise_at_step: int | None = _fault(_int_at_least(1), "N", "the forward pass raises on the N-th "
+                                               "served step (the engine then fails as a whole)")
+    nan_logits_request: str | None = _fault(_request_id, "ID", "request ID's logits row is NaN whenever it "
+                                            "samples (that request alone fails)")
 
     @classmethod
-    def from_environ(cls, environ: Mapping[str, str] | None = None) -> FaultConfig:
-        """Read DUALPACE_FAULT_<FIELD> for every field; raises InvalidArgument naming a bad variable."""
-        environ = os.environ if environ is None else environ
-        values = {}
-        for config_field in dataclasses.fields(cls):
-            name = variable_name(config_field.name)
-            if name in environ:
-                try:
-                    values[config_field.name] = config_field.metadata["parse"](environ[name])
-                except ValueError as exc:
-                    raise InvalidArgument(name, str(exc)) from None
-        return cls(**values)
+    def from_args(cls, args: argparse.Namespace) -> FaultConfig:
+        """The faults set by the options add_fault_arguments added (absent ones: off)."""
+        return cls(**{f.name: getattr(args, _FLAG_PREFIX + f.name, None) for f in dataclasses.fields(cls)})
 
     @property
     def any(self) -> bool:
@@ -115,6 +115,15 @@ class FaultConfig:
             raise InjectedFault(f"fault injected: the forward pass raised at step {num_forward_steps}")
 
 
-def variable_name(field_name: str) -> str:
-    """The environment variable of a FaultConfig field, e.g. DUALPACE_FAULT_STEP_DELAY_MS."""
-    return _PREFIX + field_name.upper()
+def add_fault_arguments(parser: argparse.ArgumentParser) -> None:
+    """One option per FaultConfig field: --fault-<field> (environment DUALPACE_FAULT_<FIELD>)."""
+    group = parser.add_argument_group("fault injection (tests of failure handling; all off by default)")
+    for config_field in dataclasses.fields(FaultConfig):
+        meta = config_field.metadata
+        group.add_argument(flag_name(config_field.name), type=meta["parse"], default=None, metavar=meta["metavar"],
+                           help=meta["help"])
+
+
+def flag_name(field_name: str) -> str:
+    """The option of a FaultConfig field, e.g. --fault-step-delay-ms (DUALPACE_FAULT_STEP_DELAY_MS)."""
+    return "--" + (_FLAG_PREFIX + field_name).replace("_", "-")

@@ -1,2 +1,3 @@
-"""The `dualpace` command line (tools floor): the dispatcher and the subcommands that drive
-the tools (bench, sim, profile). `python -m dualpace` runs it too."""
+"""The `dualpace` command line (tools floor): the dispatcher (main) and one module per
+subcommand: generate, model, up, client, bench, sim, profile, cluster. `python -m dualpace`
+runs it too."""

@@ -1,7 +1,5 @@
-"""The `dualpace` command: dispatches to the subcommand modules. The core's own commands
-(generate, model, up, client) live in dualpace.commands; the tools' commands (bench, sim,
-profile) live here on the tools floor, because they import bench/ and profiles/, which the
-core may not."""
+"""The `dualpace` command: dispatches to the subcommand modules of this package (each has
+register(subparsers) and run(args))."""
 
 from __future__ import annotations
 
@@ -14,10 +12,10 @@ from dualpace.errors import DualPaceError
 
 # Subcommand modules, imported lazily so `dualpace --help` stays fast.
 _COMMAND_MODULES = (
-    "dualpace.commands.generate",
-    "dualpace.commands.model",
-    "dualpace.commands.up",
-    "dualpace.commands.client",
+    "dualpace_cli.generate",
+    "dualpace_cli.model",
+    "dualpace_cli.up",
+    "dualpace_cli.client",
     "dualpace_cli.bench",
     "dualpace_cli.sim",
     "dualpace_cli.profile",

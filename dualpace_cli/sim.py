@@ -10,16 +10,15 @@ import sys
 from pathlib import Path
 
 from dualpace.errors import InvalidArgument
-from dualpace.policy.join_rule import JoinRule
-
-POLICIES = ("dualpace", "gated", "gpu-only")
+from dualpace.policy.policies import POLICY_NAMES, Policy, policy_help
+from profiles.sim.config import ASSIST_DEVICE_HOLDS
 
 
 def register(subparsers) -> None:
     p = subparsers.add_parser("sim", help="simulate serving a workload on a profiled machine (no GPU needed)")
     p.add_argument("--profile", required=True, help="profile JSON (e.g. profiles/reference/*.json)")
-    p.add_argument("--policy", default="dualpace",
-                   help="dualpace | gated | gpu-only, or several comma-separated (each is run)")
+    p.add_argument("--policy", default=Policy.DUALPACE.value,
+                   help=f"one or several comma-separated (each is run): {policy_help()}")
     rate = p.add_mutually_exclusive_group()
     rate.add_argument("--rate", type=float, default=math.inf, help="requests per second (inf: all at once)")
     rate.add_argument("--rates", help="sweep: comma-separated rates, e.g. 1,2,4,8")
@@ -55,23 +54,13 @@ def register(subparsers) -> None:
                    help="how old the router's view of an engine's KV use may be (WatchLoad interval; 0: instantaneous)")
     p.add_argument("--gpu-kv-blocks", type=int, default=None, help="GPU engine's KV pool in blocks (default: the profile's)")
     p.add_argument("--cpu-kv-blocks", type=int, default=None, help="CPU engine's KV pool in blocks (default: the profile's)")
-    p.add_argument("--assist-device-hold", choices=("cooperative", "layer", "iteration", "dense"),
-                   default="cooperative",
-                   help="how an Assisted CPU iteration holds the GPU. cooperative (default, what the daemons run): "
-                        "its decode rows join the GPU engine's next step, laid out by the daemons' planner "
-                        "(dualpace.policy.cooperative_plan); dualpace joins where --join-rule lets it, else runs "
-                        "per-layer stages; gated is NEO as built (CPU requests advance only inside GPU steps). "
-                        "Older models: layer (dualpace per-layer stages only, never joins; gated holds the GPU "
-                        "for the whole iteration, the daemons' --gated-hold held), iteration (the whole "
-                        "iteration), dense (only its dense part, in one piece)")
-    p.add_argument("--join-rule", choices=[r.value for r in JoinRule], default=JoinRule.WITHIN_A_LAYER.value,
-                   help="dualpace with --assist-device-hold cooperative: when a cooperative CPU iteration joins a "
-                        "busy GPU's step (dualpace.policy.join_rule): within-layer (only if the next step begins "
-                        "within one GPU layer, else staged), meet (start locally, join from the layer where a "
-                        "step's clock meets the CPU's), slack (wait for the next step within the CPU's slack, "
-                        "else local)")
-    p.add_argument("--skip-unprefilled-moves", action="store_true",
-                   help="no effect any more (the planner never moves a request with no token yet); kept for old commands")
+    p.add_argument("--assist-device-hold", choices=ASSIST_DEVICE_HOLDS, default=ASSIST_DEVICE_HOLDS[0],
+                   help="how an Assisted CPU iteration holds the GPU, as the daemons do. cooperative (default: "
+                        "gpu_service on the same host): its decode rows join the GPU engine's next step, laid out "
+                        "by the daemons' planner (dualpace.policy.cooperative_plan), dualpace's only when that "
+                        "step begins within one GPU layer, else per-layer stages; gated is NEO as built (CPU "
+                        "requests advance only inside GPU steps). layer (no joins: gpu_service on another host): "
+                        "dualpace per-layer stages; gated holds the GPU for the whole iteration")
     p.add_argument("--out", help="sweep: write the results JSON here (and a PNG beside it if matplotlib imports)")
     p.add_argument("--json", action="store_true", help="print one JSON object (a list for several runs)")
     p.add_argument("--itl-targets-ms", default=None,
@@ -81,11 +70,9 @@ def register(subparsers) -> None:
 
 
 def _policies(text: str):
-    from dualpace.policy.views import Policy
-
     names = [part.strip() for part in text.split(",") if part.strip()]
-    if not names or any(name not in POLICIES for name in names):
-        raise InvalidArgument("--policy", f"expected {', '.join(POLICIES)} (comma-separated), got {text!r}")
+    if not names or any(name not in POLICY_NAMES for name in names):
+        raise InvalidArgument("--policy", f"expected {', '.join(POLICY_NAMES)} (comma-separated), got {text!r}")
     return [Policy(name) for name in names]
 
 
@@ -130,12 +117,13 @@ def _target_tables(results: list[dict], targets: list[float], args: argparse.Nam
     parts = [f"Simulated with {args.profile} (`dualpace sim`), {args.num_requests} requests per rate, seed {args.seed}.\n"]
     for target in targets:
         parts.append(comparison_table(rows, target))
-        if "dualpace" in rows:
-            base, _ = value_at_itl(rows["dualpace"], target, "output_token_throughput_tps")
-            base_rate, _ = value_at_itl(rows["dualpace"], target, "rate_rps")
+        product = Policy.DUALPACE.value
+        if product in rows:
+            base, _ = value_at_itl(rows[product], target, "output_token_throughput_tps")
+            base_rate, _ = value_at_itl(rows[product], target, "rate_rps")
             gains = []
             for policy, other in rows.items():
-                if policy == "dualpace":
+                if policy == product:
                     continue
                 tps, _ = value_at_itl(other, target, "output_token_throughput_tps")
                 rate, _ = value_at_itl(other, target, "rate_rps")
@@ -144,7 +132,7 @@ def _target_tables(results: list[dict], targets: list[float], args: argparse.Nam
                 if base_rate and rate:
                     gains.append(f"rate {100 * (base_rate / rate - 1):+.1f}% vs {policy}")
             if gains:
-                parts.append(f"dualpace at P99 ITL = {target:g} ms: " + ", ".join(gains))
+                parts.append(f"{product} at P99 ITL = {target:g} ms: " + ", ".join(gains))
     return "\n\n".join(parts) + "\n"
 
 
@@ -209,8 +197,6 @@ def run(args: argparse.Namespace) -> int:
             view_interval_ms=args.view_interval_ms,
             itl_target_ms=args.itl_target_ms,
             assist_device_hold=args.assist_device_hold,
-            join_rule=args.join_rule,
-            skip_unprefilled_moves=args.skip_unprefilled_moves,
             gpu_admission=GpuAdmission(args.gpu_admission) if args.gpu_admission else None,
             prefix_caching=args.prefix_caching == "on",
         )
@@ -239,9 +225,8 @@ def run(args: argparse.Namespace) -> int:
                                    "gpu_kv_blocks": args.gpu_kv_blocks, "cpu_kv_blocks": args.cpu_kv_blocks,
                                    "engine_overhead_ms": args.engine_overhead_ms,
                                    "view_interval_ms": args.view_interval_ms,
-                                   "assist_device_hold": args.assist_device_hold, "join_rule": args.join_rule,
-                                   "gpu_admission": args.gpu_admission,
-                                   "skip_unprefilled_moves": args.skip_unprefilled_moves, "results": results}, indent=1) + "\n")
+                                   "assist_device_hold": args.assist_device_hold,
+                                   "gpu_admission": args.gpu_admission, "results": results}, indent=1) + "\n")
         png = _plot(results, out)
         if args.itl_targets_ms:
             md = out.with_suffix(".md")

@@ -36,6 +36,11 @@ class KvRelay:
     def start(self) -> None:
         self._tasks = [asyncio.create_task(self._follow(client)) for client in self.clients]
 
+    @property
+    def num_following(self) -> int:
+        """Engines whose KV events the relay follows or will reconnect to (not those that publish none)."""
+        return sum(not task.done() for task in self._tasks)
+
     async def close(self) -> None:
         self._closing = True
         for task in self._tasks:

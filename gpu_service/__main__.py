@@ -5,8 +5,7 @@ and step loop (dualpace.v1.Engine), and serves Dense Assist to the CPU engine
 (dualpace.v1.DenseAssist), sharing one device lock: an assist stage takes it per layer's
 dense work, and the engine's forward hands it over between its own layers
 (DeviceHandoff; see gpu_service/dense_assist.py). With --assist-join on (the default) a
-same-host CPU engine's iterations may instead join this engine's steps through a JoinDesk
-(docs/design_cooperative_execution.md).
+same-host CPU engine's iterations may instead join this engine's steps through a JoinDesk.
 On a machine without CUDA the same code runs on the CPU device.
 """
 
@@ -19,8 +18,8 @@ import sys
 import grpc
 
 from dualpace.engine.gate import DeviceHandoff
-from dualpace.engine.join_desk import JoinDesk
-from dualpace.engine.joined_step import JoinSettings
+from dualpace.engine.assist.join_desk import JoinDesk
+from dualpace.engine.assist.joined_step import JoinSettings
 from dualpace.engine.runner import ModelRunner
 from dualpace.errors import InvalidArgument
 from dualpace.model.loader import resolve_device
@@ -61,23 +60,25 @@ def decode_graph_batch(args: argparse.Namespace, device: str) -> int:
     """The largest decode batch replayed as a CUDA graph, or 0 for none (off, not CUDA, or no paged kernel)."""
     import torch
 
-    from dualpace.model.attention_backend import uses_triton
+    from dualpace.model.attention_backend import KernelChoices, uses_triton
 
     if args.cuda_graphs != "on" or not device.startswith("cuda"):
         return 0
-    return args.max_running if uses_triton(torch.device(device)) else 0
+    choices = KernelChoices(args.attention_backend, args.fused_kernels)
+    return args.max_running if uses_triton(torch.device(device), choices) else 0
 
 
 def start_host_tier(args: argparse.Namespace, parts: EngineDaemonParts) -> None:
-    """Offer finished requests' cached blocks to --host-tier (dualpace.engine.host_tier), in the background."""
-    from dualpace.engine.host_tier import HostTierOffers
+    """Offer finished requests' cached blocks to --host-tier (dualpace.engine.transfer.host_tier), in the background."""
+    from dualpace.engine.transfer.host_tier import HostTierOffers
     from dualpace.serve import metrics
-    from dualpace.serve.kv_transport import GrpcKvSender
+    from dualpace.serve.kv_tcp_transport import TcpKvSender
     from dualpace.serve.security import read_token_file
 
-    # as the daemon's migrations: over TLS when it serves TLS, on the channel it keeps to that peer
-    sender = GrpcKvSender(args.host_tier, auth_token=read_token_file(args.auth_token_file), tls=parts.peer_tls,
-                          channels=parts.channels)
+    # as the daemon's migrations: the KV over the target's data socket (TLS when this daemon serves
+    # TLS), the control messages on the channel it keeps to that peer
+    sender = TcpKvSender(args.host_tier, auth_token=read_token_file(args.auth_token_file), tls=parts.peer_tls,
+                         channels=parts.channels)
     offers = HostTierOffers(parts.loop, sender.send_cache)
     _background.add(asyncio.get_running_loop().create_task(offers.run()))
     counts, name = offers.counts, parts.loop.core.config.name

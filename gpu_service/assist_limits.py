@@ -12,8 +12,9 @@ stall gpu_service.
   included, when the client set no budget of its own (max_device_wait_ms). On expiry:
   DEADLINE_EXCEEDED; the client redoes the iteration locally.
 - transport (`--assist-transport`): auto accepts a same-host client's shared-memory segment
-  (gpu_service/assist_shm_session.py; at most --assist-max-shm-streams at once, each served by a
-  thread of its own), grpc refuses every offer (all iterations over the stream).
+  (gpu_service/assist_shm_session.py) and answers any other client with the TCP data socket; tcp
+  answers every client with the data socket. At most --assist-max-shm-streams streams at once,
+  each served by a thread of its own; past that an offer is refused (the client runs locally).
 - join layer wait (`--assist-join-min-layer-wait-ms`): the least time the GPU engine's step waits
   for a joined iteration's attention output of one layer before it drops the join (the bound is
   max(this, 2 x the begin's expected_layer_us), dualpace.policy.cooperative_plan.join_wait_bound_ms);
@@ -21,13 +22,6 @@ stall gpu_service.
   costs the GPU's own rows at most one bound, once.
 - joins (`--assist-join`): on lets ring begins join the GPU engine's steps (the shm answer says
   accepts_join); off serves every iteration in stages, as older servers do.
-- stage workers (`--assist-workers`): the bounded pool that runs the stages (device work and
-  tensor (de)serialisation), apart from asyncio's default pool and from the KV transfer pools
-  (dualpace.engine.worker_pools), so a burst of waiting stages delays neither.
-- inline stages (`--assist-inline-stage-us`): over gRPC, a layer's stage runs on the event loop
-  itself (no hop to the pool and back, two thread wake-ups) when the stream's previous stage
-  ran within this bound and the session says the device is free now, so the loop is held at most
-  about that long; begins, slow sessions and a busy device keep the pool.
 """
 
 from __future__ import annotations
@@ -35,16 +29,13 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
-from dualpace.engine.joined_step import DEFAULT_JOIN_MIN_LAYER_WAIT_MS
+from dualpace.engine.assist.joined_step import DEFAULT_JOIN_MIN_LAYER_WAIT_MS
 from dualpace.errors import DualPaceError, InvalidArgument
 
 DEFAULT_IDLE_TIMEOUT_S = 5.0
 DEFAULT_STAGE_TIMEOUT_S = 5.0
-DEFAULT_STAGE_WORKERS = 4
 DEFAULT_MAX_SHM_STREAMS = 16
-DEFAULT_INLINE_STAGE_US = 150.0
-TRANSPORTS = ("auto", "grpc")
-STAGE_POOL = "assist-stage"
+TRANSPORTS = ("auto", "tcp")  # as cpu_service's --assist-transport
 
 
 class AssistExpired(DualPaceError):
@@ -65,12 +56,10 @@ def stage_expired(stage_timeout_s: float) -> AssistExpired:
 class AssistLimits:
     idle_timeout_s: float = DEFAULT_IDLE_TIMEOUT_S
     stage_timeout_s: float = DEFAULT_STAGE_TIMEOUT_S
-    num_stage_workers: int = DEFAULT_STAGE_WORKERS
-    shm_enabled: bool = True
+    shm_enabled: bool = True  # --assist-transport auto
     max_shm_streams: int = DEFAULT_MAX_SHM_STREAMS
     join_min_layer_wait_ms: float = DEFAULT_JOIN_MIN_LAYER_WAIT_MS
     join_enabled: bool = True
-    inline_stage_us: float = DEFAULT_INLINE_STAGE_US
 
     def __post_init__(self) -> None:
         for flag, value in (("--assist-idle-timeout-s", self.idle_timeout_s),
@@ -79,10 +68,6 @@ class AssistLimits:
                 raise InvalidArgument(flag, f"must be > 0, got {value}")
         if not self.join_min_layer_wait_ms > 0:
             raise InvalidArgument("--assist-join-min-layer-wait-ms", f"must be > 0, got {self.join_min_layer_wait_ms}")
-        if not self.inline_stage_us >= 0:
-            raise InvalidArgument("--assist-inline-stage-us", f"must be >= 0, got {self.inline_stage_us}")
-        if self.num_stage_workers < 1:
-            raise InvalidArgument("--assist-workers", f"must be >= 1, got {self.num_stage_workers}")
         if self.max_shm_streams < 0:
             raise InvalidArgument("--assist-max-shm-streams", f"must be >= 0, got {self.max_shm_streams}")
 
@@ -94,15 +79,11 @@ def add_assist_limit_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--assist-stage-timeout-s", type=float, default=DEFAULT_STAGE_TIMEOUT_S,
                         help="Dense Assist: the longest one stage may wait for the device and run, when the "
                              "client set no max_device_wait_ms (then DEADLINE_EXCEEDED)")
-    parser.add_argument("--assist-workers", type=int, default=DEFAULT_STAGE_WORKERS,
-                        help="Dense Assist: threads running the sessions' stages (a pool of its own)")
-    parser.add_argument("--assist-inline-stage-us", type=float, default=DEFAULT_INLINE_STAGE_US,
-                        help="Dense Assist over gRPC: a layer's stage runs on the event loop (no pool hop) when the "
-                             "stream's previous stage took at most this long and the device is free; 0: never")
     parser.add_argument("--assist-transport", default="auto", choices=TRANSPORTS,
-                        help="Dense Assist: auto accepts a same-host client's shared memory; grpc: streams only")
+                        help="Dense Assist: auto accepts a same-host client's shared memory, else answers with the "
+                             "TCP data socket; tcp: the data socket for every client")
     parser.add_argument("--assist-max-shm-streams", type=int, default=DEFAULT_MAX_SHM_STREAMS,
-                        help="Dense Assist: the most streams served through shared memory at once")
+                        help="Dense Assist: the most streams served at once (through shared memory or the data socket)")
     parser.add_argument("--assist-join", default="on", choices=["on", "off"],
                         help="Dense Assist: on lets a same-host CPU engine's iterations join this engine's steps "
                              "(one weight read for both); off: every iteration in stages of its own")
@@ -112,7 +93,7 @@ def add_assist_limit_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def limits_from_args(args: argparse.Namespace) -> AssistLimits:
-    return AssistLimits(args.assist_idle_timeout_s, args.assist_stage_timeout_s, args.assist_workers,
+    return AssistLimits(args.assist_idle_timeout_s, args.assist_stage_timeout_s,
                         shm_enabled=args.assist_transport == "auto", max_shm_streams=args.assist_max_shm_streams,
                         join_min_layer_wait_ms=args.assist_join_min_layer_wait_ms,
-                        join_enabled=args.assist_join == "on", inline_stage_us=args.assist_inline_stage_us)
+                        join_enabled=args.assist_join == "on")

@@ -1,7 +1,7 @@
 """gpu_service's side of Dense Assist through shared memory (same host only).
 
 `accept_offer` checks a client's AssistShmOffer: shared memory enabled here, the same boot
-id, and the segment at the offered path holds the offered token (dualpace/engine/shm_ring.py);
+id, and the segment at the offered path holds the offered token (dualpace/engine/assist/shm_ring.py);
 then it writes its own token back and says how many rows a slot holds in this model's dtype.
 Anything else is a refusal with a reason, and the stream goes on over gRPC.
 
@@ -28,8 +28,8 @@ import time
 
 import torch
 
-from dualpace.engine import shm_doorbell
-from dualpace.engine.assist_types import (
+from dualpace.engine.assist import shm_doorbell
+from dualpace.engine.assist.assist_types import (
     AssistAttentionOutput,
     AssistQkv,
     AssistResult,
@@ -37,8 +37,9 @@ from dualpace.engine.assist_types import (
     AssistShmOffer,
     ShmSlotKind,
 )
-from dualpace.engine.assist_tcp_link import TcpLink, slot_bytes_of_offer
-from dualpace.engine.shm_ring import ShmProtocolError, ShmSegment, SlotMessage, boot_id, message_bytes
+from dualpace.engine.assist.assist_tcp_link import TcpLink, slot_bytes_of_offer
+from dualpace.engine.transfer.same_host import boot_id
+from dualpace.engine.assist.shm_ring import ShmProtocolError, ShmSegment, SlotMessage, message_bytes
 from dualpace.model.transformer import Transformer
 from dualpace.wire import assist_messages
 from gpu_service.assist_limits import AssistExpired, AssistLimits, idle_expired, stage_expired
@@ -71,7 +72,7 @@ def accept_offer(offer: AssistShmOffer, model: Transformer, limits: AssistLimits
         return AssistShmAnswer(accepted=False, reason=reason), None
 
     if not limits.shm_enabled:
-        return refuse("this server runs with --assist-transport grpc")
+        return refuse("this server runs with --assist-transport tcp")
     if not shm_doorbell.SUPPORTED:
         return refuse("shared-memory doorbells need Linux on x86-64")
     if num_open >= limits.max_shm_streams:

@@ -22,12 +22,12 @@ share, read-only: the residual stream lives in the session, the KV on the CPU en
 
 Gated baseline (begin.wait_for_engine_iteration, NEO-like): unchanged from the coarse
 design: the iteration waits for the engine's iteration boundary, then holds the device
-lock from its begin to its result, so the GPU and CPU iterations take turns (kept as
-cpu_service's `--gated-hold held`, and as the downgrade where a join cannot run).
+lock from its begin to its result, so the GPU and CPU iterations take turns: the downgrade
+of a gated join this server cannot run (no shared memory, or no join desk).
 
 Joins (begin.join_engine_iteration, ring streams of a server with a JoinDesk): the begin's
 rows ride in the GPU engine's next step instead of stages of their own, driven by the step
-thread through a gpu_service/join_channel.py channel (docs/design_cooperative_execution.md).
+thread through a gpu_service/join_channel.py channel.
 
 Bounded wait (begin.max_device_wait_ms): a budget per iteration: the waits of all its
 stages for the device add up to at most that; past it the stage raises Overloaded
@@ -55,7 +55,7 @@ from dualpace.errors import InvalidArgument, Overloaded
 from dualpace.model.transformer import Transformer
 from dualpace.penalties import has_penalties
 from dualpace.sampling import SamplingParams
-from dualpace.engine.assist_types import (
+from dualpace.engine.assist.assist_types import (
     AssistAttentionOutput,
     AssistBegin,
     AssistJoinInfo,
@@ -63,7 +63,7 @@ from dualpace.engine.assist_types import (
     AssistResult,
     JoinHow,
 )
-from dualpace.engine.join_desk import JoinDesk, JoinOutcome, JoinRequest, RemoteRowsChannel
+from dualpace.engine.assist.join_desk import JoinDesk, JoinOutcome, JoinRequest, RemoteRowsChannel
 from gpu_service.assist_limits import DEFAULT_STAGE_TIMEOUT_S, AssistExpired
 from gpu_service.join_channel import result_from_logits
 
@@ -137,17 +137,6 @@ class AssistSession:
         """True between a begin and its result."""
         return self._iteration is not None
 
-    def handle(self, message: AssistBegin | AssistAttentionOutput) -> AssistQkv | AssistResult:
-        """The reply to one upstream message."""
-        if isinstance(message, AssistBegin):
-            return self.begin(message)
-        return self.attention_output(message)
-
-    def device_free_now(self) -> bool:
-        """True when a stage would not wait for the device now (a hint: the engine may take it
-        right after; then the stage waits for the engine's next layer, as any stage does)."""
-        return self._holding_lock or not self._lock.locked()
-
     @property
     def accepts_join(self) -> bool:
         """True when ring begins may join the GPU engine's steps (the server has a desk)."""
@@ -158,7 +147,7 @@ class AssistSession:
         """Start an iteration: embed the batch, compute RoPE once, return layer 0's q, k, v.
 
         A begin with join_engine_iteration and a ring `channel` is offered to the engine's next
-        step instead (docs/design_cooperative_execution.md): RESULT_SENT when that step ran it
+        step instead: RESULT_SENT when that step ran it
         (its result went down the ring); not taken within max_join_wait_us, it runs staged from
         here (dualpace); gated (max_join_wait_us 0) waits up to the stage timeout, then
         AssistExpired. Without a channel or a desk a join runs as if it were none: staged, or held

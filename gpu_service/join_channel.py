@@ -1,5 +1,5 @@
 """A joined iteration's exchange over its stream's shared-memory ring (the RemoteRowsChannel of
-dualpace/engine/join_desk.py, docs/design_cooperative_execution.md section 4).
+dualpace/engine/assist/join_desk.py).
 
 When a ring begin asks to join the GPU engine's step, the stream's thread hands the join to the
 JoinDesk and waits there; the engine's step thread then drives the iteration through this
@@ -21,9 +21,9 @@ from collections.abc import Callable
 
 import torch
 
-from dualpace.engine import ring_pacing
-from dualpace.engine.assist_types import AssistBegin, AssistJoinInfo, AssistResult, JoinHow, ShmSlotKind
-from dualpace.engine.shm_ring import ShmEndpoint, ShmProtocolError, SlotMessage
+from dualpace.engine.assist import ring_pacing
+from dualpace.engine.assist.assist_types import AssistBegin, AssistJoinInfo, AssistResult, JoinHow, ShmSlotKind
+from dualpace.engine.assist.shm_ring import ShmEndpoint, ShmProtocolError, SlotMessage
 from dualpace.model.transformer import Transformer
 from dualpace.sampling import sample_next_tokens
 from dualpace.wire import assist_messages
@@ -78,7 +78,7 @@ class RingJoinChannel:
     `stopped()` is true once the stream is ending (its stop() also interrupts the ring's wait),
     so a receive for a CPU that is gone returns None at once.
 
-    The CPU's answer of each layer carries when it saw the q/k/v and when it answered (dualpace/engine/ring_pacing.py): `marks` sums where the round trips went."""
+    The CPU's answer of each layer carries when it saw the q/k/v and when it answered (dualpace/engine/assist/ring_pacing.py): `marks` sums where the round trips went."""
 
     def __init__(self, endpoint: ShmEndpoint, model: Transformer, begin: AssistBegin,
                  stopped: Callable[[], bool], put_on_stream: Callable[[object], None], peer: str = ""):

@@ -14,6 +14,7 @@ from dataclasses import replace
 
 from dualpace.errors import DualPaceError, InvalidArgument
 from dualpace.model.registry import DEFAULT_MODEL_NAME
+from dualpace.profile.data_paths import KV_TRANSPORT_SETTINGS
 from dualpace.serve.config import (
     add_config_argument,
     effective_config,
@@ -37,7 +38,7 @@ from dualpace.policy.host_tier import HostTierRule
 from dualpace.policy.migration_planner import MigrationConfig
 from router.prompt_work import PromptLimits, add_prompt_arguments
 from router.service import RouterServicer
-from dualpace.policy.views import Policy
+from dualpace.policy.policies import POLICY_NAMES, Policy, policy_help, traits
 
 ROUTER_SERVICE = "dualpace.v1.Router"
 ENGINE_READY_TIMEOUT_S = 60.0
@@ -50,7 +51,7 @@ log = logging.getLogger(__name__)
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--gpu", help="gpu_service address HOST:PORT")
     parser.add_argument("--cpu", help="cpu_service address HOST:PORT (absent: GPU engine only)")
-    parser.add_argument("--policy", default="dualpace", choices=[p.value for p in Policy])
+    parser.add_argument("--policy", default=Policy.DUALPACE.value, choices=POLICY_NAMES, help=policy_help())
     parser.add_argument("--model", default=DEFAULT_MODEL_NAME, help="the engines' model (for its tokenizer)")
     parser.add_argument("--profile", default=None,
                         help="hardware profile JSON (`dualpace profile`): admission and migration use its cost model")
@@ -67,11 +68,16 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ttft-target-ms", type=float, default=None,
                         help="how long a request may wait for room (default 30 s)")
     parser.add_argument("--no-migrate", action="store_true", help="no load-driven migrations (hand-offs still run)")
-    parser.add_argument("--kv-transport", default="auto", choices=["auto", "tcp", "grpc"],
+    parser.add_argument("--resume-wait-s", type=float, default=RouterConfig.resume_wait_s,
+                        help="when an engine dies holding a request no other engine can ever hold (its pool is too "
+                             "small, or it refuses the continuation), how long the request waits, paused, for that "
+                             "engine to come back on its address and continues there; then UNAVAILABLE. The "
+                             "default covers `dualpace up`'s and the systemd units' restart back-off")
+    parser.add_argument("--kv-transport", default="auto", choices=KV_TRANSPORT_SETTINGS,
                         help="the engines' --kv-transport, for pricing moves with --profile: auto prices them at "
                              "the profile's shared-memory figures when both engines are on this host (Unix socket "
                              "or loopback addresses), else (and with tcp) at its TCP data-socket figures (its gRPC "
-                             "figures where it has none); grpc: at its gRPC figures")
+                             "figures where it has none)")
     parser.add_argument("--host-tier", default="on", choices=["on", "off"],
                         help="dualpace: continue a request on the CPU engine when it caches (e.g. in the GPU "
                              "engine's host tier) a longer prefix of the prompt than any GPU engine")
@@ -117,12 +123,15 @@ def router_config(args: argparse.Namespace, kv_bytes_per_token: int, profile=Non
     if args.gpu is None and args.cpu is None:
         raise InvalidArgument("--gpu", "give at least one engine address (--gpu and/or --cpu)")
     policy = Policy(args.policy)
-    if policy == Policy.GPU_ONLY and args.gpu is None:
-        raise InvalidArgument("--gpu", "policy gpu-only needs --gpu")
+    if not traits(policy).uses_cpu_engine and args.gpu is None:
+        raise InvalidArgument("--gpu", f"policy {policy.value} needs --gpu")
     for name in ("itl_target_ms", "ttft_target_ms"):
         value = getattr(args, name)
         if value is not None and value <= 0:
             raise InvalidArgument(f"--{name.replace('_', '-')}", f"must be positive, got {value}")
+    resume_wait_s = getattr(args, "resume_wait_s", RouterConfig.resume_wait_s)
+    if not resume_wait_s >= 0:
+        raise InvalidArgument("--resume-wait-s", f"must be >= 0, got {resume_wait_s}")
     predictor = None
     if profile is not None:
         from dualpace.profile.cost_model import CostModel
@@ -135,7 +144,7 @@ def router_config(args: argparse.Namespace, kv_bytes_per_token: int, profile=Non
                             assist=assist_path("auto", same_host))
 
         # Assisted CPU iterations need both engines; the cost model then predicts the faster mode.
-        predictor = CostModel(profile, assist_available=args.gpu is not None and policy != Policy.GPU_ONLY)
+        predictor = CostModel(profile, assist_available=args.gpu is not None and traits(policy).uses_cpu_engine)
     return RouterConfig(
         policy=policy,
         admission=AdmissionConfig(policy=policy, itl_target_ms=args.itl_target_ms, predictor=predictor,
@@ -144,6 +153,7 @@ def router_config(args: argparse.Namespace, kv_bytes_per_token: int, profile=Non
                                   cpu_itl_target_ms=args.itl_target_ms if predictor is not None else None),
         queue_timeout_s=args.ttft_target_ms / 1e3 if args.ttft_target_ms else 30.0,
         migrate_enabled=not args.no_migrate,
+        resume_wait_s=resume_wait_s,
         host_tier=_host_tier_rule(args),
     )
 
@@ -207,7 +217,7 @@ def serve(args: argparse.Namespace) -> int:
     async def main(stop: asyncio.Event) -> int:
         token = security.auth_token  # the engines require the same shared token
         handles = [EngineHandle(args.gpu, "gpu", token, engine_tls)] if args.gpu else []
-        if args.cpu and config.policy != Policy.GPU_ONLY:
+        if args.cpu and traits(config.policy).uses_cpu_engine:
             handles.append(EngineHandle(args.cpu, "cpu", token, engine_tls))
         notifier.status("waiting for the engines")
         core = RouterCore(EnginePool(handles), tokenizer, model_config, config)

@@ -1,4 +1,4 @@
-"""The OpenAI front's log-probability and penalty fields (issue 22): parsing them into
+"""The OpenAI front's log-probability and penalty fields: parsing them into
 SamplingParams fields, and OpenAI's logprobs shapes in the answers. Pure (no aiohttp).
 
 Requests:

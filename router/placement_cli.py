@@ -24,6 +24,9 @@ from dualpace.wire.v1 import router_pb2, router_pb2_grpc
 PROG = "dualpace-router placement"
 CALL_TIMEOUT_S = 5.0
 MAX_MIGRATIONS_SHOWN = 10
+# Piped or redirected, the tables keep their natural width instead of a terminal's (rich's
+# default there is 80 columns, which cut the headers to "ki…", "heal…").
+UNCROPPED_WIDTH = 10_000
 
 
 class PlacementError(Exception):
@@ -128,6 +131,8 @@ def _print_tables(stub, args: argparse.Namespace, placements: dict) -> int:
     from rich.live import Live
 
     console = Console()
+    if not console.is_terminal:
+        console = Console(width=UNCROPPED_WIDTH)
     if not args.watch:
         console.print(render(placements, args.router))
         return 0

@@ -20,7 +20,8 @@ from dualpace.model.tokenizer import Tokenizer
 from dualpace.policy.admission import AdmissionConfig
 from dualpace.policy.host_tier import HostTierRule
 from dualpace.policy.migration_planner import MigrationConfig, plan_migrations
-from dualpace.policy.views import EngineView, Policy, RoutedRequest
+from dualpace.policy.policies import Policy, traits
+from dualpace.policy.views import EngineView, RoutedRequest
 from dualpace.serve import metrics
 from router.engines import EngineHandle, EnginePool
 from router.prompt_work import PromptLimits, PromptWork
@@ -52,9 +53,11 @@ class Tracked:
     num_generated_tokens: int = 0
     migrating: bool = False
     num_migrations: int = 0  # committed moves, the hand-off included
+    # Its engine failed and no other can hold it: the name of the engine it waits for (paused).
+    waiting_for: str | None = None
 
     def routed(self) -> RoutedRequest | None:
-        if self.engine is None:
+        if self.engine is None or self.waiting_for is not None:
             return None
         return RoutedRequest(self.request_id, self.engine.name, self.num_prompt_tokens, self.num_generated_tokens,
                              self.max_tokens, self.migrating, self.num_migrations)
@@ -72,6 +75,10 @@ class RouterConfig:
     migration: MigrationConfig = field(default_factory=MigrationConfig)
     queue_timeout_s: float = 30.0  # how long a request may wait for room before RESOURCE_EXHAUSTED
     recovery_timeout_s: float = 30.0  # how long a request may wait for a surviving engine
+    # How long a request no surviving engine can hold waits for its failed engine to come back
+    # (--resume-wait-s): `dualpace up`'s restart back-off (0.5 s doubling to 8 s) and the systemd
+    # units' RestartSec=2, plus an engine's start.
+    resume_wait_s: float = 60.0
     migrate_enabled: bool = True
     prompt_limits: PromptLimits = field(default_factory=PromptLimits)  # --max-prompt-chars, --prompt-workers
     host_tier: HostTierRule = field(default_factory=HostTierRule)  # continue on the CPU engine from its cached prefix
@@ -119,7 +126,7 @@ class RouterCore:
 
     def start(self) -> None:
         self.pool.start()
-        if self.config.migrate_enabled and self.config.policy != Policy.GPU_ONLY:
+        if self.config.migrate_enabled and traits(self.config.policy).migrates:
             self._planner = asyncio.create_task(self._plan_forever())
 
     async def close(self) -> None:

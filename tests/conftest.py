@@ -8,6 +8,7 @@ import logging
 import pytest
 import torch
 
+from dualpace.model import quant_kernels
 from dualpace.model.loader import load_model
 from dualpace.model.registry import DEFAULT_MODEL_NAME, resolve_model_path
 from dualpace.serve.logging_setup import reset_logging
@@ -29,6 +30,17 @@ def restore_logging():
         ours.setLevel(levels[1])
 
 
+@pytest.fixture(autouse=True)
+def restore_quant_activations():
+    """A command run in-process (`dualpace generate`) applies --quant-activations (int8 by default) to
+    the kernels of the whole process: the mode before the test is restored after it."""
+    before = quant_kernels.activation_mode_id()
+    yield
+    if quant_kernels.activation_mode_id() != before:
+        names = {v: k for k, v in quant_kernels.ACTIVATION_MODES.items()}
+        quant_kernels.set_activations(names[before])
+
+
 @pytest.fixture(scope="session")
 def synth_checkpoint(tmp_path_factory):
     """synth_checkpoint(preset) -> folder of a synthetic HF checkpoint, written once per session."""
@@ -46,10 +58,23 @@ def synth_checkpoint(tmp_path_factory):
     return make
 
 
+@pytest.fixture(scope="session")
+def tiny_folder(synth_checkpoint) -> str:
+    """The tiny synthetic Llama's checkpoint folder."""
+    return str(synth_checkpoint("tiny-llama"))
+
+
 @pytest.fixture(scope="module")
-def tiny(synth_checkpoint):
+def model_folder(tiny_folder) -> str:
+    """The folder a module's daemons serve: the tiny model, unless the module overrides this
+    fixture (tests/router/test_http_choices_guided_tools.py adds a chat template to a copy)."""
+    return tiny_folder
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_folder):
     """The tiny synthetic Llama (tiny-llama preset) loaded in float32, once per test module."""
-    return load_model(str(synth_checkpoint("tiny-llama")), dtype="fp32")
+    return load_model(tiny_folder, dtype="fp32")
 
 
 @pytest.fixture(scope="session")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Callable
 from typing import TypeVar
@@ -26,3 +27,11 @@ def wait_for(probe: Callable[[], T], done: Callable[[T], bool], timeout_s: float
         if done(value) or time.monotonic() > deadline:
             return value
         time.sleep(interval_s)
+
+
+async def until(condition: Callable[[], bool], what: str, timeout_s: float = 30.0) -> None:
+    """Yield to the event loop until `condition()` holds; fails naming `what` past timeout_s."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"never happened within {timeout_s:g} s: {what}"
+        await asyncio.sleep(0.001)

@@ -1,26 +1,35 @@
-"""FaultConfig: parsing the DUALPACE_FAULT_* variables, and what the faults do."""
+"""FaultConfig: the --fault-* options (and their DUALPACE_FAULT_* variables), and what the faults do."""
 
 from __future__ import annotations
+
+import argparse
 
 import pytest
 
 from dualpace.engine.core import EngineConfig, EngineCore
-from dualpace.engine.kv_transfer import KvChunk
-from dualpace.errors import InvalidArgument, Unavailable
-from dualpace.faults import FaultConfig, InjectedFault, variable_name
+from dualpace.engine.transfer.kv_transfer import KvChunk
+from dualpace.errors import Unavailable
+from dualpace.faults import FaultConfig, InjectedFault, add_fault_arguments, flag_name
 from dualpace.generation import OfflineGenerator
 from dualpace.sampling import FinishReason, SamplingParams
+from dualpace.serve.config import ConfigError, resolve_config
+
+
+def _parse(argv: list[str], environ: dict[str, str]):
+    parser = argparse.ArgumentParser(prog="engine")
+    add_fault_arguments(parser)
+    return FaultConfig.from_args(resolve_config(parser, argv, environ))
 
 
 def test_nothing_set_means_no_faults():
-    faults = FaultConfig.from_environ({"PATH": "/bin", "DUALPACE_OTHER": "1"})
-    assert faults == FaultConfig()
+    faults = _parse([], {"PATH": "/bin", "DUALPACE_OTHER": "1"})
+    assert faults == FaultConfig() == FaultConfig.from_args(argparse.Namespace())
     assert not faults.any
     assert faults.step_delay_s == 0.0
 
 
-def test_every_variable_is_read_with_its_type():
-    faults = FaultConfig.from_environ({
+def test_every_variable_is_read_with_its_type_through_the_config_module():
+    faults = _parse([], {
         "DUALPACE_FAULT_KV_CORRUPT_CHUNK": "0",
         "DUALPACE_FAULT_KV_DROP_CHUNK": "2",
         "DUALPACE_FAULT_KV_CUT_AFTER": "3",
@@ -32,10 +41,11 @@ def test_every_variable_is_read_with_its_type():
                                  forward_raise_at_step=7, nan_logits_request="victim-1")
     assert faults.any
     assert faults.step_delay_s == pytest.approx(0.025)
+    assert _parse(["--fault-step-delay-ms", "5"], {"DUALPACE_FAULT_STEP_DELAY_MS": "25"}).step_delay_ms == 5
 
 
 def test_a_request_id_is_kept_as_text():
-    faults = FaultConfig.from_environ({"DUALPACE_FAULT_NAN_LOGITS_REQUEST": "123"})
+    faults = _parse([], {"DUALPACE_FAULT_NAN_LOGITS_REQUEST": "123"})
     assert faults.nan_logits_request == "123" and faults.any
 
 
@@ -49,16 +59,14 @@ def test_a_request_id_is_kept_as_text():
     ("DUALPACE_FAULT_NAN_LOGITS_REQUEST", "  ", "expected a request id, got an empty value"),
 ])
 def test_a_bad_value_names_the_variable(name, text, problem):
-    with pytest.raises(InvalidArgument) as info:
-        FaultConfig.from_environ({name: text})
-    assert info.value.field == name
-    assert info.value.problem == problem
-    assert str(info.value) == f"{name}: {problem}"
+    with pytest.raises(ConfigError) as info:
+        _parse([], {name: text})
+    assert str(info.value).startswith(f"environment {name}: ") and problem in str(info.value)
 
 
-def test_variable_names_follow_the_fields():
-    assert variable_name("forward_raise_at_step") == "DUALPACE_FAULT_FORWARD_RAISE_AT_STEP"
-    assert variable_name("nan_logits_request") == "DUALPACE_FAULT_NAN_LOGITS_REQUEST"
+def test_flag_names_follow_the_fields_and_so_do_their_variables():
+    assert flag_name("forward_raise_at_step") == "--fault-forward-raise-at-step"
+    assert flag_name("nan_logits_request") == "--fault-nan-logits-request"
 
 
 def test_forward_raises_only_at_the_chosen_step():

@@ -1,5 +1,5 @@
-"""The house has three floors and imports only run downwards (ARCHITECTURE.md §3, the
-"Floors" section of docs/architecture.md):
+"""The house has three floors and imports only run downwards (docs/architecture.md, "Layout and
+floors"):
 
     floor 3  tools    profiles/, bench/, toolkit/ (what the tools share), dualpace_cli/
     floor 2  daemons  gpu_service/, cpu_service/, router/   (never import one another)
@@ -32,8 +32,7 @@ FLOOR_OF_MODULE = {"dualpace.__main__": 3}
 PROTOBUF_PACKAGE = "dualpace.wire.v1"
 PROTOBUF_ALLOWED = (
     "dualpace.wire.*",                    # conversion protobuf <-> core types
-    "dualpace.serve.engine_servicer",     # servicers (and the Engine servicer's WatchKvEvents stream)
-    "dualpace.serve.kv_events_stream",
+    "dualpace.serve.engine_servicer",     # servicers
     "gpu_service.assist_servicer",
     "router.service",
     "router.engines",                     # client handles. Engine: the router's (typed, async),
@@ -41,7 +40,7 @@ PROTOBUF_ALLOWED = (
     "dualpace.serve.kv_transport",        # an engine's ImportKv stream to another;
     "dualpace.serve.kv_shm_transport",    # the same stream carrying only control on one host;
     "cpu_service.assist_client",          # Assist;
-    "dualpace.commands.client",           # Router: `dualpace client`, `dualpace-router placement`,
+    "dualpace_cli.client",                # Router: `dualpace client`, `dualpace-router placement`,
     "router.placement_cli",
     "dynamo_worker.router_client",        # the Dynamo worker's (typed, async),
     "dynamo_worker.engine_client",        # and its engines' KV events,
@@ -130,10 +129,15 @@ def test_daemons_never_import_one_another():
     assert across == []
 
 
+def _is_protobuf(name: str) -> bool:
+    """An import that reaches the generated modules: the package itself (`from dualpace.wire import
+    v1` then `v1.engine_pb2`) or anything under it."""
+    return name == PROTOBUF_PACKAGE or name.startswith(PROTOBUF_PACKAGE + ".")
+
+
 def test_protobuf_modules_stay_behind_the_wire():
     leaks = sorted(f"{m} imports {name}" for m in modules() if not _matches(m, PROTOBUF_ALLOWED)
-                   for name in imported_names(m)
-                   if name.startswith(PROTOBUF_PACKAGE + ".") and "_pb2" in name)
+                   for name in imported_names(m) if _is_protobuf(name))
     assert leaks == []
 
 
@@ -216,6 +220,10 @@ def test_the_checks_see_what_they_should():
     assert "dualpace.engine.core" in graph["dualpace.engine.loop"]
     assert "dualpace.policy.admission" in graph["router.router_core"]
     assert _matches("router.relay", TORCH_FREE) and not _matches("routerx", TORCH_FREE)
+    assert "dualpace.wire.v1.engine_pb2" in imported_names("dualpace.wire.kv_events")
+    assert _is_protobuf("dualpace.wire.v1") and _is_protobuf("dualpace.wire.v1.engine_pb2")
+    assert not _is_protobuf("dualpace.wire.kv_events") and not _is_protobuf("dualpace.wire.v10")
+    assert not _matches("dualpace.serve.kv_events_stream", PROTOBUF_ALLOWED)  # it yields core events
     assert _strongly_connected({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
 
 

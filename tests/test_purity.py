@@ -1,7 +1,7 @@
-"""The scheduling and decision code stays pure (ARCHITECTURE.md §5): no torch, grpc, asyncio,
-clock, randomness or numpy, so it can be unit-tested and simulated. One list for the whole
-project: the engine's scheduler, cpu_service's mode choice, the GPU step's cooperative layout and
-join rule, the router's views, admission and migration planner, and the profiles' schema and cost model (the router and the simulator use them)."""
+"""The scheduling and decision code stays pure (docs/architecture.md, "Layout and floors"): no
+torch, grpc, asyncio, clock, randomness or numpy, so it can be unit-tested and simulated. One list for the whole
+project: the engine's scheduler, cpu_service's mode choice, the GPU step's cooperative layout, the
+serving policies' traits, the router's views, admission and migration planner, and the profiles' schema and cost model (the router and the simulator use them)."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ PURE_MODULES = (
     "dualpace.engine.scheduler",
     "dualpace.policy.mode_choice",
     "dualpace.policy.cooperative_plan",
-    "dualpace.policy.join_rule",
+    "dualpace.policy.policies",
     "dualpace.policy.views",
     "dualpace.policy.admission",
     "dualpace.policy.migration_planner",

@@ -1,4 +1,4 @@
-"""`dualpace up`'s restart decisions (issue #20, item 0): the budget's backoff and window, and one
+"""`dualpace up`'s restart decisions: the budget's backoff and window, and one
 supervision pass over fake children (which restarts, which is left alone, when up gives up)."""
 
 from __future__ import annotations
@@ -8,9 +8,9 @@ import threading
 
 import pytest
 
-from dualpace.commands.restart_budget import RestartBudget
-from dualpace.commands.supervise import pinned_argv, supervise_once
-from dualpace.commands.up import Child, Console
+from dualpace_cli.restart_budget import RestartBudget
+from dualpace_cli.supervise import pinned_argv, supervise_once
+from dualpace_cli.up import Child, Console
 
 
 def test_backoff_doubles_then_caps_and_the_budget_runs_out():

@@ -9,7 +9,7 @@ import torch
 
 def copy_bandwidth_bytes_per_s(num_bytes: int = 512 * 2**20, repeats: int = 8, random: bool = False) -> float:
     """Best-of-`repeats` bandwidth of a large tensor copy, counting bytes read plus bytes written
-    (the convention of ARCHITECTURE.md §7, where it measured about 34 GB/s); of ones, or of
+    (as STREAM's copy kernel counts it); of ones, or of
     random values (`random`, to rule out a memory system that gains from uniform data)."""
     src = torch.rand(num_bytes // 4) if random else torch.ones(num_bytes // 4, dtype=torch.float32)
     dst = torch.empty_like(src)

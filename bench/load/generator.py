@@ -1,7 +1,7 @@
 """The asyncio open-loop driver: sends RequestSpecs to the router's Generate stream (grpc.aio) at
 their arrival times and records each request's timings. Bounded in count (the specs given) and
 time (timeout_s: requests still running are cancelled and fail with DEADLINE_EXCEEDED; requests
-not yet due are not sent)."""
+not yet due are not sent). send_one: one request, waited for (closed loop)."""
 
 from __future__ import annotations
 
@@ -117,3 +117,17 @@ def run_result(records: list[RequestRecord], start_s: float) -> RunResult:
     first = min((r.sent_s for r in sent), default=start_s)
     last = max((r.end_s for r in sent if r.end_s is not None), default=first)
     return RunResult(records, last - first)
+
+
+def send_one(router: str, index: int, prompt: list[int], output_len: int, tag: str,
+             timeout_s: float = 600.0) -> dict:
+    """Closed loop: send one request and wait for it; SystemExit naming it if it does not complete."""
+    result = asyncio.run(run_load(router, [RequestSpec(index, 0.0, tuple(prompt), output_len)], timeout_s=timeout_s,
+                                  run_tag=tag))
+    record = result.records[0]
+    if not record.completed:
+        raise SystemExit(f"request {index} failed: {record.status} {record.detail}")
+    return {"prompt_tokens": len(prompt), "ttft_ms": round(record.ttft_s() * 1e3, 2),
+            "e2e_ms": round((record.end_s - record.sent_s) * 1e3, 2), "num_output_tokens": record.num_tokens,
+            "engines": record.engines, "cached_tokens": record.num_cached_tokens,
+            "output_token_ids": record.output_token_ids}

@@ -10,6 +10,7 @@
 
 Prompts are random token ids from their own seeded streams, so a run with prefix caching on and
 one with it off send exactly the same tokens (and, greedy with ignore_eos, get the same replies).
+cold_twin: the same prompt with its first token changed, so no prefix cache holds any block of it.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from toolkit.workload import LengthSpec, RequestSpec, _stream, arrival_times, pa
 from dualpace.errors import InvalidArgument
 
 WORKLOADS = ("random", "shared-prefix", "multi-turn")
-_SYSTEM, _QUESTIONS, _OUTPUTS = 11, 12, 13  # seed streams, apart from bench.load.lengths' ones
+_SYSTEM, _QUESTIONS, _OUTPUTS = 11, 12, 13  # seed streams, apart from toolkit.workload's ones
 
 
 def add_workload_arguments(parser: argparse.ArgumentParser) -> None:
@@ -96,3 +97,13 @@ def workload_plan(args: argparse.Namespace, rate: float) -> list:
     if args.workload == "shared-prefix":
         return shared_prefix_requests(args, rate)
     return conversations(args, rate)
+
+
+def cold_twin(prompt_token_ids: list[int], vocab_size: int) -> list[int]:
+    """prompt_token_ids with its first token replaced by another id in [1, vocab_size): the same length and
+    the same later tokens, but every block's chained hash differs from the original's."""
+    if vocab_size < 3:
+        raise ValueError(f"a cold twin needs a vocabulary of at least 3 ids, got {vocab_size}")
+    if not prompt_token_ids:
+        raise ValueError("a cold twin needs at least one prompt token")
+    return [prompt_token_ids[0] % (vocab_size - 1) + 1] + list(prompt_token_ids[1:])

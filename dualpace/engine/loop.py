@@ -30,7 +30,7 @@ from typing import Any, TypeVar
 from dualpace.engine.channel import RequestChannel
 from dualpace.engine.core import EngineCore
 from dualpace.engine.gate import IterationGate
-from dualpace.engine.handoff_holds import HandoffHolds
+from dualpace.engine.transfer.handoff_holds import HandoffHolds
 from dualpace.engine.load import EngineLoad
 from dualpace.engine.metrics_sink import MetricsSink, NoMetrics
 from dualpace.engine.request import RequestEvent
@@ -66,7 +66,7 @@ class EngineLoop:
         self._stopping = False
         self.draining = False  # new requests refused; running ones continue
         self.serving = True
-        self.step_delay_s = 0.0  # test-only fault: each step sleeps this long (DUALPACE_FAULT_STEP_DELAY_MS)
+        self.step_delay_s = 0.0  # test-only fault: each step sleeps this long (--fault-step-delay-ms)
         self._on_alive: Callable[[], None] | None = None
         self._alive_interval_s = 0.0
         self._last_alive = float("-inf")

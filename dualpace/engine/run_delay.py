@@ -1,7 +1,7 @@
 """How long the calling thread has been runnable without a core: the second field of Linux's
 /proc/thread-self/schedstat (time spent waiting on a run queue, ns; needs schedstats, on by
 default). A step timeline records its difference over a step, so "time without a core" is
-measured, not inferred (docs/results.md, "Session 10: gated's GPU wait"). 0 where it cannot be
+measured, not inferred. 0 where it cannot be
 read (another OS): then every difference is 0."""
 
 from __future__ import annotations

@@ -13,8 +13,8 @@ import time
 
 import torch
 
-from dualpace.engine.join_desk import JoinDesk, JoinRequest
-from dualpace.engine.joined_step import JoinedStep, JoinSettings
+from dualpace.engine.assist.join_desk import JoinDesk, JoinRequest
+from dualpace.engine.assist.joined_step import JoinedStep, JoinSettings
 from dualpace.engine.scheduler import StepPlan, StepResult
 from dualpace.engine.step_sampling import sample_step, step_work
 from dualpace.errors import Unavailable
@@ -62,7 +62,7 @@ class ModelRunner:
         self.last_step_record_fields: dict = {}  # the last step's joins, for its StepRecord (EngineLoop)
 
     def set_join_desk(self, desk: JoinDesk | None, settings: JoinSettings | None = None) -> None:
-        """Let assist sessions' rows join this engine's steps (docs/design_cooperative_execution.md);
+        """Let assist sessions' rows join this engine's steps;
         None: steps run their own rows only, as without a desk."""
         self.desk = desk
         self._joined = None if desk is None else JoinedStep(self.loaded.model, self.kv, desk,
@@ -113,7 +113,7 @@ class ModelRunner:
         if masks is not None:
             guided_rows, future = masks
             guided = (guided_rows, future.result())
-        # DUALPACE_FAULT_NAN_LOGITS_REQUEST: the target's row becomes NaN whenever it is sampled.
+        # --fault-nan-logits-request: the target's row becomes NaN whenever it is sampled.
         return sample_step(plan, logits, self.faults.nan_logits_request, guided)
 
     def _forward(self, work) -> torch.Tensor:

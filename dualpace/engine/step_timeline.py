@@ -13,8 +13,7 @@ local, assisted or cooperative) and with whom:
   the GPU's wait and the GPU step's own start and end; `attention_ns` is the CPU's time
   computing that iteration's attention, the denominator of the GPU-wait share.
 
-bench/cooperative_timeline.py reads both daemons' files and checks the acceptance points of
-docs/design_cooperative_execution.md, section 8.
+bench/cooperative_timeline.py reads both daemons' files and checks gated's two points on them.
 """
 
 from __future__ import annotations
@@ -63,7 +62,7 @@ class StepRecord:
     # attention), summed over layers (SplitForward.last_cover_s).
     cover_ns: int = 0
     # A joined GPU step's per-layer round trips, summed over its joins' stamped layers
-    # (dualpace/engine/ring_pacing.py LayerMarks): q/k/v post -> the CPU saw them; the CPU's own time;
+    # (dualpace/engine/assist/ring_pacing.py LayerMarks): q/k/v post -> the CPU saw them; the CPU's own time;
     # the GPU's wait before the CPU answered; the CPU's answer -> the GPU's receive returned; and
     # how many of the GPU's waits went to a futex sleep.
     num_marked_layers: int = 0

@@ -27,7 +27,7 @@ class KVStorage:
         memory=None,
     ):
         """`memory`, for a CPU pool: allocates K and V elsewhere than in private memory (e.g.
-        dualpace.engine.shm_segment.SharedKvMemory, so engines on this host can write into it)."""
+        dualpace.engine.transfer.shm_segment.SharedKvMemory, so engines on this host can write into it)."""
         shape = (num_layers, num_blocks, block_size, num_kv_heads, head_dim)
         self.num_layers = num_layers
         self.num_blocks = num_blocks

@@ -6,7 +6,7 @@ threads when there are few sequences, and takes a bf16 or fp32 cache. Otherwise 
 CPUs, kernels off, or a sliding window) both functions gather the sequences' blocks into a dense
 [context, kv_heads, head_dim] view and compute matmul -> float32 softmax -> matmul: on these
 CPUs that is 4-5x faster than bf16 scaled_dot_product_attention for single-token queries
-(ARCHITECTURE.md §7). Query head h reads KV head h // (num_heads / num_kv_heads).
+(measured on AVX2 and AVX-512 CPUs). Query head h reads KV head h // (num_heads / num_kv_heads).
 
 `window`: a sliding-window layer's query at position p sees positions p - window + 1 .. p only
 (Hugging Face's sliding-window mask); None, the whole context.
@@ -105,7 +105,7 @@ def _prefill_sdpa(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, sta
                   scale: float, window: int | None) -> torch.Tensor:
     """The same causal attention through torch's fused CPU kernel (blocked, no [n, context]
     score tensor per head; fp32 on the CPU, where it measured faster than matmul -> softmax ->
-    matmul for prefill chunks, docs/perf.md). keys/values [context, kv_heads, head_dim]."""
+    matmul for prefill chunks). keys/values [context, kv_heads, head_dim]."""
     num_new, num_heads, head_dim = q.shape
     context = keys.shape[0]
     mask = None

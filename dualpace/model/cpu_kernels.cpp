@@ -121,8 +121,8 @@ inline void tile_f32(const float* x, int64_t ldx, int64_t m0, int64_t K, const W
 // Chunks are handed out dynamically, so that a thread slowed by another tenant hands work to the
 // other. Up to SMALL_M rows of x stream W: about 2 chunks per thread, because every chunk
 // restarts a weight stream (the first 2 KB of it not prefetched, the hardware prefetchers
-// retraining); with 8 per thread the batch-1 step streamed ~10-20% slower on Zen 4
-// (docs/perf.md). Larger M is compute-bound: about 8 per thread, at most 64 tiles of 4 rows.
+// retraining); with 8 per thread the batch-1 step streamed ~10-20% slower on Zen 4.
+// Larger M is compute-bound: about 8 per thread, at most 64 tiles of 4 rows.
 constexpr int64_t SMALL_M = 8;
 constexpr int64_t NR = 4;
 // W rows per chunk for M rows of x against N rows of W with `threads` threads.
@@ -221,7 +221,7 @@ void rows_bf16dot(const bf16* x, int64_t M, int64_t ldx, int64_t K, const bf16* 
 
 #if defined(DP_AMX_BUILT)
 // From this many rows of x, bf16 x bf16 products run on AMX tiles (where amx_on()); below, the
-// vdpbf16ps GEMV (docs/perf.md, "Intel Xeon with AMX"). dp_amx_set_min_rows changes it (tests).
+// vdpbf16ps GEMV (faster there on the Intel Xeon with AMX). dp_amx_set_min_rows changes it (tests).
 constexpr int64_t AMX_MIN_ROWS = 4;
 inline std::atomic<int64_t>& amx_min_rows() {
   static std::atomic<int64_t> rows{AMX_MIN_ROWS};
@@ -522,7 +522,7 @@ int64_t dp_amx_min_rows(int64_t rows) {
 #endif
 }
 
-// quant_gemv.h's activation arithmetic for block formats (0 fp32, 1 int16, 2 int8, 3 int16-split;
+// quant_gemv.h's activation arithmetic for block formats (0 fp32, 1 int16, 2 int8;
 // another value leaves it); returns the mode in force, -1 in a build without quant_gemv.h.
 int32_t dp_quant_set_activations(int32_t mode) {
 #if DP_HAS_QUANT

@@ -31,6 +31,7 @@ from pathlib import Path
 
 import torch
 
+from dualpace.model import quant_kernels
 from dualpace.model import cpu_kernels_build as kbuild
 from dualpace.model.cpu_kernels_abi import SIGNATURES as _SIGNATURES
 from dualpace.model.cpu_kernels_abi import WeightDescC
@@ -38,16 +39,16 @@ from dualpace.model.cpu_kernels_abi import WeightDescC
 log = logging.getLogger(__name__)
 
 # Linear layers with at most this many rows of x use the kernel when the weight is a dense
-# tensor of x's dtype; more rows are GEMM-bound and go to oneDNN (crossover, docs/perf.md).
+# tensor of x's dtype; more rows are GEMM-bound and go to oneDNN (the crossover measured).
 LINEAR_MAX_ROWS = 8
 # A dense weight of another dtype than x (bf16 matrices, fp32 compute): the kernel up to this many
 # rows; beyond, the matrix is widened to fp32 once per call for oneDNN (crossover between 32 and 64
-# rows on the AVX2 Zen 3 machine, docs/perf.md).
+# rows on an AVX2 Zen 3: 224 against 360 ms at 32 rows, 269 against 208 at 64).
 MIXED_MAX_ROWS = 32
 # bf16 x and bf16 matrices where the kernels run AMX tiles (amx_bf16 CPU, tile data permitted):
 # the kernel up to this many rows (its AMX tiles from dp_amx_min_rows() rows), oneDNN beyond.
 # Per call on the Intel Xeon with AMX, ours against oneDNN (itself on AMX at every M there):
-# 0.4-0.6x its time at 8-32 rows, even at 64, 1.3x at 128, 2.6x at 512 (docs/perf.md).
+# 0.4-0.6x its time at 8-32 rows, even at 64, 1.3x at 128, 2.6x at 512.
 AMX_MAX_ROWS = 32
 FORMAT_F32, FORMAT_BF16 = 0, 30  # kernel_weights.h (GGML type ids)
 
@@ -97,6 +98,7 @@ def load_variant(name: str) -> Kernels | None:
             fn.restype = restype
         if lib.dp_variant_supported():
             kernels = Kernels(lib, name)
+            lib.dp_quant_set_activations(quant_kernels.activation_mode_id())
             _log_amx(kernels)
         else:
             log.warning("CPU kernels (%s) do not run on this CPU", name)

@@ -55,7 +55,7 @@ inline float round_like(float v, const bf16*) { return bf2f(f2bf(v)); }
 // The batch-1 GEMV's software prefetch in each W row stream: how far ahead, and into which level
 // (-D to try others). 8 KB, not 2 KB: on AMD EPYC Zen 5 one thread streaming the 212 MB of layer
 // matrices from DRAM read 12-15 GB/s at 2 KB and 17-22 GB/s at 8 KB (avx2; avx512_bf16 13-19
-// against 16-21), 12-16 KB no better (bench/bf16_gemv_pass.py, docs/perf.md session 10): the
+// against 16-21), 12-16 KB no better: the
 // lines in flight per core, not the arithmetic, bound it (in L3 the same pass reads 36-40 GB/s).
 #ifndef DP_PREFETCH_BYTES
 #define DP_PREFETCH_BYTES 8192

@@ -3,7 +3,7 @@
 //
 // Why: a decode step issued as one parallel region per operation forks and joins ~150 times,
 // and every join waits for the slowest thread of the team, including one that another tenant
-// has descheduled (docs/perf.md, issue 16). Here the step's tasks are numbered in stage order
+// has descheduled. Here the step's tasks are numbered in stage order
 // and claimed with one shared counter; the next task is claimed only once every task of the
 // earlier stages is done (a second counter of finished tasks reaching the first task number of
 // its stage: no task of a stage can finish before all earlier ones, so the count can only reach

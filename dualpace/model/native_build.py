@@ -1,6 +1,6 @@
 """What every native library of the project shares when it is built: the compiler's version (part
 of each cache key), the cache folder and an atomic install. Each library keeps its own sources,
-flags and cache key (cpu_kernels_build, quant_kernels, dualpace.engine.kv_copy_native)."""
+flags and cache key (cpu_kernels_build, quant_kernels, dualpace.engine.transfer.kv_copy_native)."""
 
 from __future__ import annotations
 

@@ -12,8 +12,8 @@
 // against the 256-bit tile on an Intel Xeon with AMX, one thread: Q8_0 / Q4_1 0.79-0.94x at
 // batch 1; Q4_K / Q6_K 0.83-1.08x once the 256-bit tile had VNNI and Q4_K's scales were decoded
 // once per super-block. Per block and activation row it needs a madd and a convert (both port 0
-// on these cores, by the published uop tables; not profiled here) that no wider register removes, since every block's integer sums need their own float scales
-// (docs/perf.md, "AVX-512 and VNNI rows"). The fp32 tile avoids that per-row work: the weights are
+// on these cores, by the published uop tables; not profiled here) that no wider register removes, since every block's integer sums need their own float scales.
+// The fp32 tile avoids that per-row work: the weights are
 // unpacked and scaled once per tile, and each activation row costs two FMAs per sub-block.
 
 #pragma once

@@ -1,5 +1,5 @@
 """A GPU engine step that carries remote rows: an assisted CPU iteration's decode rows, whose KV
-and attention live on the CPU (docs/design_cooperative_execution.md sections 2 and 4).
+and attention live on the CPU.
 
 The step runs two sub-batches layer by layer:
 - S1 = some own decode rows D1, then the remote rows R (last): one set of dense GEMMs over both;
@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from dualpace.engine.join_desk import RemoteRowsChannel
+from dualpace.engine.assist.join_desk import RemoteRowsChannel
 from dualpace.errors import Overloaded
 from dualpace.kv.storage import KVStorage
 from dualpace.model.paged_forward import StepTensors, attend

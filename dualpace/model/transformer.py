@@ -14,7 +14,7 @@ dualpace.model.attention.
 On a CPU the stages run through dualpace.model.cpu_kernels (a streaming GEMV for up to 8 rows,
 fused RMSNorm / RoPE / SiLU*up, residual adds fused into the output projections, one variant per
 instruction set); on CUDA, RMSNorm (with the residual add before the post-attention norm), RoPE and
-SiLU * up are fused Triton kernels (dualpace.model.triton_fused, DUALPACE_FUSED_KERNELS); elsewhere, or with
+SiLU * up are fused Triton kernels (dualpace.model.triton_fused, --fused-kernels); elsewhere, or with
 the kernels turned off, they are plain torch ops. All paths compute the same function; the torch
 path is the reference.
 

@@ -15,7 +15,7 @@ differ from it by summation order only.
 
 Like dualpace.model.triton_attention, this runs on CUDA and, for the tests, on CPU tensors under
 `TRITON_INTERPRET=1` (tests/model/test_triton_fused.py). dualpace.model.attention_backend says
-when the engines use it (DUALPACE_FUSED_KERNELS; on CUDA by default).
+when the engines use it (--fused-kernels; on CUDA by default).
 """
 
 from __future__ import annotations

@@ -1,13 +1,10 @@
 """Admission: where a new request goes — the GPU engine, the CPU engine, the router's
-bounded wait queue, or nowhere (ARCHITECTURE §4). Pure: views in, a decision out.
+bounded wait queue, or nowhere. Pure: views in, a decision out.
 
 Without a profile, capacity rules decide (KV room, a cap on CPU requests, the engines'
 measured p50 ITL against the target). With a profile (`AdmissionConfig.predictor`, a
 cost model) and an ITL target, an engine takes the request only if its *predicted* ITL
-with one more request of this prompt length stays within the target, and (dualpace) a
-request goes to the CPU engine when the GPU engine is behind on time (opt-in): its predicted
-prefill wait (`gpu_prefill_wait_ms`) exceeds the offload bound, the CPU engine's Local ITL
-with it stays within the target, and the hand-off of its KV fits within the target."""
+with one more request of this prompt length stays within the target."""
 
 from __future__ import annotations
 
@@ -16,10 +13,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 
+from dualpace.policy.policies import Policy, traits
 from dualpace.policy.views import (
     EngineView,
     LatencyPredictor,
-    Policy,
     RoutedRequest,
     blocks_for,
     count_held,
@@ -27,8 +24,7 @@ from dualpace.policy.views import (
     held_contexts,
 )
 
-__all__ = ["AdmissionConfig", "GpuAdmission", "Placement", "admit", "blocks_for", "gpu_prefill_wait_ms",
-           "predicted_itl_with_one_more_ms"]
+__all__ = ["AdmissionConfig", "GpuAdmission", "Placement", "admit", "blocks_for", "predicted_itl_with_one_more_ms"]
 
 # Guards ceil() against float products such as 300 * 0.1 == 30.000000000000004.
 _EPS = 1e-9
@@ -70,11 +66,6 @@ class AdmissionConfig:
     # A profile's cost model: with itl_target_ms set, an engine is within target when its
     # predicted ITL with one more request is (instead of its measured p50 ITL).
     predictor: LatencyPredictor | None = field(default=None, compare=False, repr=False)
-    # dualpace with a predictor and an ITL target: when the GPU engine's predicted prefill wait
-    # for a new request exceeds this bound, the request goes to the CPU engine if that one can
-    # take it within the target. None (the default): off; in the simulated acceptance table it
-    # gains +1.9% on the H100 and loses on the A10G and long-context cases (docs/results.md).
-    gpu_wait_offload_ms: float | None = None
 
     def __post_init__(self) -> None:
         if self.gpu_admission is not None and not isinstance(self.gpu_admission, GpuAdmission):
@@ -83,14 +74,12 @@ class AdmissionConfig:
         for name in ("gpu_kv_reserve_fraction", "gpu_kv_watermark_fraction"):
             if not 0.0 <= getattr(self, name) < 1.0:
                 raise ValueError(f"{name} must be in [0, 1), got {getattr(self, name)!r}")
-        if self.gpu_wait_offload_ms is not None and not self.gpu_wait_offload_ms >= 0.0:
-            raise ValueError(f"gpu_wait_offload_ms must be >= 0 or None, got {self.gpu_wait_offload_ms!r}")
 
     @property
     def resolved_gpu_admission(self) -> GpuAdmission:
         if self.gpu_admission is not None:
             return self.gpu_admission
-        return GpuAdmission.OPTIMISTIC if self.policy is Policy.GPU_ONLY else GpuAdmission.RESERVE
+        return GpuAdmission.RESERVE if traits(self.policy).uses_cpu_engine else GpuAdmission.OPTIMISTIC
 
 
 def _ceil_share(count: int, fraction: float) -> int:
@@ -111,42 +100,6 @@ def predicted_itl_with_one_more_ms(engine: EngineView, placed: Sequence[RoutedRe
                                    predictor: LatencyPredictor) -> float:
     """The engine's predicted ITL once a request of num_prompt_tokens joins what it holds."""
     return predictor.itl_ms(engine.kind, [*held_contexts(engine, placed), num_prompt_tokens])
-
-
-def gpu_prefill_wait_ms(engine: EngineView, placed: Sequence[RoutedRequest], predictor: LatencyPredictor) -> float:
-    """Predicted time a new request waits on a GPU engine before its own prefill starts: the
-    prefill of every prompt placed there that has no token yet (queued or mid-prefill, counted
-    whole), each priced alone by the cost model. A lower bound: the decodes sharing those
-    iterations and requests the router does not relay come on top."""
-    queued = [r.num_prompt_tokens for r in placed if r.engine == engine.name and r.num_generated_tokens == 0]
-    return sum(predictor.prefill_ms(engine.kind, n) for n in queued)
-
-
-def _gpu_behind(engine_name: str, engines: Mapping[str, EngineView], config: AdmissionConfig,
-                placed: Sequence[RoutedRequest], num_prompt_tokens: int) -> bool:
-    """dualpace only (gated's CPU-resident requests borrow GPU iterations, gpu-only has no CPU
-    engine), and only with a predictor and an ITL target (without one the CPU engine would
-    overfill): the chosen GPU engine's predicted prefill wait exceeds the offload bound. Its
-    queue of prefill work then delays every request placed there, while a request decoded on
-    the CPU engine takes its decode iterations off the GPU. Its own prefill is not counted: it
-    runs on the GPU on either path (a CPU request is prefilled there, then its KV is handed
-    off). Not when that hand-off alone would exceed the ITL target: the transfer is a gap in
-    the request's tokens, and the moves queue on one link."""
-    if config.policy is not Policy.DUALPACE or config.predictor is None or config.itl_target_ms is None:
-        return False
-    if config.gpu_wait_offload_ms is None or math.isinf(config.gpu_wait_offload_ms):
-        return False
-    if config.predictor.kv_transfer_ms(num_prompt_tokens) > config.itl_target_ms:
-        return False
-    return gpu_prefill_wait_ms(engines[engine_name], placed, config.predictor) > config.gpu_wait_offload_ms
-
-
-def _cpu_local_within_target(engine: EngineView, config: AdmissionConfig, placed: Sequence[RoutedRequest],
-                             num_prompt_tokens: int) -> bool:
-    """An offload on time is priced Local: the GPU is behind, so an Assisted iteration, whose
-    dense stages wait for the GPU, would be slower than the profile's idle-GPU prediction."""
-    contexts = [*held_contexts(engine, placed), num_prompt_tokens]
-    return config.predictor.itl_ms(engine.kind, contexts, local_only=True) <= config.itl_target_ms
 
 
 def _within_itl_target(engine: EngineView, config: AdmissionConfig, placed: Sequence[RoutedRequest],
@@ -212,10 +165,7 @@ def admit(num_prompt_tokens: int, max_tokens: int, engines: Mapping[str, EngineV
     ITL within target; else WAIT while num_queued < max_queue; else REJECT. The ITL
     checked is the engine's measured p50, or with a predictor (a profile's cost model)
     the predicted ITL with this request added (held requests at their current context,
-    this one at its prompt length). dualpace with a predictor and an ITL target: a request
-    the GPU would take goes to a CPU engine that could take it when the GPU's predicted
-    time-to-start exceeds config.gpu_wait_offload_ms (None, the default: never) and the
-    predicted hand-off of its prompt's KV fits within the ITL target.
+    this one at its prompt length).
 
     REJECT also when no engine the policy may use is healthy (the service answers
     UNAVAILABLE) and when prompt + max_tokens exceeds every usable engine's whole pool.
@@ -225,7 +175,7 @@ def admit(num_prompt_tokens: int, max_tokens: int, engines: Mapping[str, EngineV
     events), then the one with the most free blocks (ties by name).
     """
     cached_prefix_tokens = cached_prefix_tokens or {}
-    kinds = ("gpu",) if config.policy is Policy.GPU_ONLY else ("gpu", "cpu")
+    kinds = ("gpu", "cpu") if traits(config.policy).uses_cpu_engine else ("gpu",)
     usable = [e for e in engines.values() if e.kind in kinds]
     if not any(_can_place(e) for e in usable):
         return Placement.REJECT, None
@@ -248,12 +198,6 @@ def admit(num_prompt_tokens: int, max_tokens: int, engines: Mapping[str, EngineV
             gpu_candidates.append((free, engine.name))
     gpu = _pick(gpu_candidates, cached_prefix_tokens)
     if gpu is not None:
-        if _gpu_behind(gpu, engines, config, placed, num_prompt_tokens):
-            local_ready = [e for e in ready if e.kind != "cpu"
-                           or _cpu_local_within_target(e, config, placed, num_prompt_tokens)]
-            cpu = _pick_cpu(local_ready, expected_tokens, config, placed, cached_prefix_tokens)
-            if cpu is not None:
-                return Placement.CPU, cpu
         return Placement.GPU, gpu
 
     cpu = _pick_cpu(ready, expected_tokens, config, placed, cached_prefix_tokens)
@@ -286,14 +230,3 @@ def handoff_source(num_prompt_tokens: int, max_tokens: int, gpu_engines: Sequenc
     hands the KV to the CPU engine. None: no GPU engine could, the CPU engine prefills itself."""
     final_tokens = num_prompt_tokens + max_tokens - 1
     return next((engine.name for engine in gpu_engines if engine.could_ever_hold(final_tokens)), None)
-
-
-def holds_for_handoff(policy: Policy) -> bool:
-    """Whether the GPU engine holds a request it will hand off, out of every step after the one
-    that samples its first token (NewEngineRequest.hold_after_first_token), so the move starts at
-    once. dualpace: yes, the CPU engine decodes on its own clock, and otherwise token 2 waits for
-    the GPU's next step (often the next prompts' prefill) before the move even starts. gated: no,
-    a CPU-resident request advances only inside GPU steps; held, it would miss the GPU's next step
-    and join the one after it, so its token 2 would come one GPU step later than unheld, where the
-    GPU decodes it in that next step (measured: docs/results.md, session 9)."""
-    return policy is Policy.DUALPACE

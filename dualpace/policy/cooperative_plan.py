@@ -1,5 +1,4 @@
-"""The layout of one GPU engine step that carries remote rows (docs/design_cooperative_execution.md,
-sections 2 and 5).
+"""The layout of one GPU engine step that carries remote rows.
 
 Pure (no torch, grpc, asyncio or clock): the runner passes in its own rows, the joins on offer and
 per-layer costs (measured, kept by LayerTimes; or from a profile, built by
@@ -28,12 +27,9 @@ import enum
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from dualpace.policy.policies import Policy, parse_policy, traits
+
 LAYER_TIMES_EMA_WEIGHT = 0.2  # weight of a new per-layer measurement in LayerTimes
-
-
-class CooperativePolicy(str, enum.Enum):
-    GATED = "gated"  # NEO as built: no GPU wait while the CPU attends, then the shortest step; never staged
-    DUALPACE = "dualpace"  # the shortest GPU step; staged (decline) when that lengthens it least
 
 
 class JoinHow(str, enum.Enum):
@@ -123,19 +119,15 @@ def own_step_layer_ms(own: OwnRows, costs: LayerCosts) -> float:
     return costs.dense_ms(own.num_prefill_tokens + num_decodes) + costs.attention_ms(own.decode_context_tokens)
 
 
-def _policy(policy: CooperativePolicy | str) -> CooperativePolicy:
-    try:
-        return CooperativePolicy(policy)
-    except ValueError:
-        raise ValueError(f"policy must be 'gated' or 'dualpace', got {policy!r}") from None
-
-
-def plan_layout(policy: CooperativePolicy | str, own: OwnRows, joins: Sequence[RemoteJoin],
+def plan_layout(policy: Policy | str, own: OwnRows, joins: Sequence[RemoteJoin],
                 costs: LayerCosts) -> CooperativeLayout:
     """The step's layout: a 1-D scan over how many own decodes (longest context first) join S1.
-    gated: the least GPU wait, ties by the shortest layer; dualpace: the shortest layer, or STAGED
-    when the remote rows' own dense pass lengthens the step less."""
-    chosen = _policy(policy)
+    gated (CPU decodes only inside GPU steps, as NEO): the least GPU wait, ties by the shortest
+    layer, never staged; dualpace: the shortest layer, or STAGED when the remote rows' own dense
+    pass lengthens the step less."""
+    chosen = traits(policy)
+    if not chosen.uses_cpu_engine:
+        raise ValueError(f"plan_layout needs a policy with a CPU engine, got {parse_policy(policy).value!r}")
     if not joins:
         raise ValueError("plan_layout needs at least one join")
     num_remote = sum(j.num_rows for j in joins)
@@ -151,7 +143,7 @@ def plan_layout(policy: CooperativePolicy | str, own: OwnRows, joins: Sequence[R
         wait_ms = max(0.0, cpu_layer_ms - covered_ms)
         how = JoinHow.JOINED if s0_empty else JoinHow.SPLIT
         candidates.append(CooperativeLayout(how, d1_rows, layer_ms, wait_ms * costs.num_layers))
-    if chosen is CooperativePolicy.GATED:
+    if chosen.cpu_decodes_inside_gpu_steps:
         return min(candidates, key=lambda c: (_tie(c.predicted_gpu_wait_ms), _tie(c.predicted_layer_ms)))
     best = min(candidates, key=lambda c: (_tie(c.predicted_layer_ms), _tie(c.predicted_gpu_wait_ms)))
     staged_layer_ms = own_step_layer_ms(own, costs) + costs.dense_ms(num_remote)

@@ -1,7 +1,7 @@
 """Where a request goes when its prefix lives in the host tier. Pure.
 
 The GPU engine offers the cached blocks of its finished requests to the CPU engine's pool
-(dualpace.engine.host_tier); once the GPU engine has evicted them, the CPU engine is the only
+(dualpace.engine.transfer.host_tier); once the GPU engine has evicted them, the CPU engine is the only
 one holding that history. A new request (the next turn of the conversation) then has three
 ways to go:
 
@@ -24,7 +24,7 @@ left to prefill; copying back needs a healthy GPU engine with KV room. Between t
   KV transfer of the prefix (the profile's kv_transfer figures) plus the GPU prefill of the
   suffix plus the output at the GPU engine's ITL; copying back is taken only when its transfer
   plus suffix prefill is below recomputing the whole prompt on the GPU engine;
-- without one: continue when allowed (the measured case, docs/results.md), else copy back (a
+- without one: continue when allowed (what was measured to pay on CPU-only hosts), else copy back (a
   transfer of KV costs a small share of recomputing it on any hardware the profiles cover).
 
 Otherwise None, and the request goes through `admit` as before.
@@ -44,7 +44,8 @@ from dualpace.policy.admission import (
     _free_blocks_if_room,
     _within_itl_target,
 )
-from dualpace.policy.views import EngineView, Policy, RoutedRequest, count_held, held_contexts
+from dualpace.policy.policies import traits
+from dualpace.policy.views import EngineView, RoutedRequest, count_held, held_contexts
 
 
 @dataclass(frozen=True)
@@ -86,7 +87,7 @@ def place_host_prefix(num_prompt_tokens: int, max_tokens: int, engines: Mapping[
                       placed: Sequence[RoutedRequest], config: AdmissionConfig,
                       cached_prefix_tokens: Mapping[str, int], rule: HostTierRule) -> HostTierPlacement | None:
     """Continue on a CPU engine, copy its cached prefix back to a GPU engine, or None (admit as usual)."""
-    if not rule.enabled or config.policy is not Policy.DUALPACE:
+    if not rule.enabled or not traits(config.policy).continues_on_host_tier:
         return None
     best_gpu = max((cached_prefix_tokens.get(e.name, 0) for e in engines.values() if e.kind == "gpu"), default=0)
     holders = [e for e in sorted(engines.values(), key=lambda e: e.name)

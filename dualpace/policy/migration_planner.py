@@ -1,5 +1,5 @@
 """Migration planning: which requests move between the GPU and CPU engines this tick
-(ARCHITECTURE §4). Pure: views in, a list of planned moves out; the service runs them.
+(docs/architecture.md, "Router"). Pure: views in, a list of planned moves out; the service runs them.
 
 With a profile (`MigrationConfig.predictor`, a cost model), the CPU->GPU payoff uses the
 predicted ITLs (the CPU engine's current batch, the GPU engine's batch with the request
@@ -12,10 +12,10 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
+from dualpace.policy.policies import Policy, traits
 from dualpace.policy.views import (
     EngineView,
     LatencyPredictor,
-    Policy,
     RoutedRequest,
     blocks_for,
     count_held,
@@ -147,7 +147,7 @@ def plan_migrations(requests: Sequence[RoutedRequest], engines: Mapping[str, Eng
     with remaining_tokens <= 1, or a move from or to an unhealthy engine; at most
     max_per_tick; ties broken by request_id.
     """
-    if policy is Policy.GPU_ONLY or config.max_per_tick <= 0:
+    if not traits(policy).migrates or config.max_per_tick <= 0:
         return []
     live = {name: e for name, e in engines.items()
             if e.healthy and e.kv_blocks_total > 0 and e.block_size > 0 and e.kind in ("gpu", "cpu")}

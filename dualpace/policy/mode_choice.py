@@ -13,7 +13,7 @@ it re-probes the slower mode now and then so a change (the GPU getting busy or
 free) is noticed.
 
 Cooperative (when the GPU server accepts joins, `cooperative_configured`): the iteration's dense
-rows ride in the GPU engine's own step (docs/design_cooperative_execution.md). The chooser then
+rows ride in the GPU engine's own step. The chooser then
 keeps three latencies per bucket; `always` (the gated policy) means cooperative; a cooperative
 request that the server ran staged is recorded as ASSISTED too (record_cooperative), so both are
 learnt and the cooperative estimate is the outcome of asking to join, whatever ran.
@@ -153,17 +153,12 @@ class ModeChooser:
         if mode != ExecutionMode.LOCAL:
             self.backoff_iterations = BACKOFF_MIN_ITERATIONS
 
-    def record_cooperative(self, batch_size: int, latency_ms: float, ran_staged: bool, ran_local: bool = False) -> None:
+    def record_cooperative(self, batch_size: int, latency_ms: float, ran_staged: bool) -> None:
         """A cooperative request's latency: the outcome of asking to join; when the server ran it
-        staged (not taken in time, or the step's planner declined) also a staged assisted one;
-        when the join rule ran it locally (dualpace.policy.join_rule: no step met it) a local one."""
-        if ran_staged and ran_local:
-            raise ValueError("a cooperative iteration ran either staged or locally, not both")
+        staged (not taken in time, or the step's planner declined) also a staged assisted one."""
         self.record(ExecutionMode.COOPERATIVE, batch_size, latency_ms)
         if ran_staged:
             self.record(ExecutionMode.ASSISTED, batch_size, latency_ms)
-        if ran_local:
-            self.record(ExecutionMode.LOCAL, batch_size, latency_ms)
 
     def record_device_busy(self, mode: ExecutionMode, batch_size: int, latency_ms: float) -> None:
         """The GPU server refused an Assisted or Cooperative iteration because its device wait ran
@@ -173,7 +168,7 @@ class ModeChooser:
         was refused ran staged: learnt as assisted too) and the chooser compares it with Local as
         it does any measurement. No backoff: backing off to Local whatever its estimate ran batches
         whose Local iteration is several times slower than the device's (and past the ITL target)
-        locally for 8-128 iterations after a single refusal (docs/results.md, session 11)."""
+        locally for 8-128 iterations after a single refusal (simulated A10G)."""
         if mode not in (ExecutionMode.ASSISTED, ExecutionMode.COOPERATIVE):
             raise ValueError(f"only a device mode can be refused, got {mode!r}")
         if mode is ExecutionMode.COOPERATIVE:

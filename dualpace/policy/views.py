@@ -1,21 +1,14 @@
 """What the router's pure decision code sees: engine load views and the requests it relays.
 
-Plain frozen dataclasses and arithmetic only — no torch, grpc, asyncio or clock reads
-(ARCHITECTURE §5), so the simulator can run the same admission and migration code.
+Plain frozen dataclasses and arithmetic only — no torch, grpc, asyncio or clock reads,
+so the simulator can run the same admission and migration code.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from enum import Enum
 from typing import Protocol
-
-
-class Policy(str, Enum):
-    DUALPACE = "dualpace"  # independent CPU engine loop
-    GATED = "gated"        # NEO-like baseline: CPU decodes advance inside GPU iterations
-    GPU_ONLY = "gpu-only"  # vLLM-like baseline: the GPU engine alone
 
 
 @dataclass(frozen=True)
@@ -92,17 +85,12 @@ class LatencyPredictor(Protocol):
     """What admission and the migration planner ask a profile's cost model
     (dualpace.profile.cost_model.CostModel implements it); plain numbers in and out."""
 
-    def itl_ms(self, kind: str, context_tokens: Sequence[int], local_only: bool = False) -> float:
-        """Predicted ITL of an engine of `kind` ("gpu" | "cpu") decoding sequences of these contexts
-        (local_only: a CPU engine's Local iterations, not the faster of Local and Assisted)."""
+    def itl_ms(self, kind: str, context_tokens: Sequence[int]) -> float:
+        """Predicted ITL of an engine of `kind` ("gpu" | "cpu") decoding sequences of these contexts."""
         ...
 
     def kv_transfer_ms(self, num_tokens: int) -> float:
         """Predicted time to move num_tokens tokens of KV between the engines."""
-        ...
-
-    def prefill_ms(self, kind: str, num_tokens: int) -> float:
-        """Predicted time for an engine of `kind` to prefill a prompt of num_tokens tokens."""
         ...
 
 

@@ -1,4 +1,4 @@
-"""The cost model: predicted iteration latencies from a profile's tables (ARCHITECTURE §6).
+"""The cost model: predicted iteration latencies from a profile's tables (docs/profiles.md).
 
 Pure: no torch, grpc, asyncio or clock. Router, cpu_service and the simulator use it.
 
@@ -198,10 +198,10 @@ class CostModel:
         cost = self.cpu_iteration(decode)
         return cost.best_ms if assist_available else cost.local_ms
 
-    def itl_ms(self, kind: str, context_tokens: Sequence[int], local_only: bool = False) -> float:
+    def itl_ms(self, kind: str, context_tokens: Sequence[int]) -> float:
         """Predicted inter-token latency of engine `kind` ("gpu" or "cpu") decoding a batch of
         sequences with these contexts (one token per sequence per iteration, so the ITL is
-        the iteration latency; local_only: the CPU's Local mode). The router's admission and
+        the iteration latency). The router's admission and
         migration planner call this (dualpace.policy.views.LatencyPredictor)."""
         decode = DecodeBatch.of(context_tokens)
         if decode.batch == 0:
@@ -210,17 +210,7 @@ class CostModel:
             return self.gpu_decode_ms(decode.batch, decode.mean_context_tokens)
         if kind == "cpu":
             cost = self.cpu_iteration(decode)
-            return cost.best_ms if self.assist_available and not local_only else cost.local_ms
-        raise ValueError(f"engine kind must be 'gpu' or 'cpu', got {kind!r}")
-
-    def prefill_ms(self, kind: str, num_tokens: int) -> float:
-        """Prefilling a prompt of num_tokens tokens alone on engine `kind` ("gpu": the GPU prefill
-        table; "cpu": a Local CPU iteration of that many dense rows, no decode batch). The router's
-        admission prices the GPU engine's queue of unstarted prompts with it (LatencyPredictor)."""
-        if kind == "gpu":
-            return self.gpu_prefill_ms(num_tokens)
-        if kind == "cpu":
-            return self.cpu_local_ms(DecodeBatch.of([]), num_tokens, num_sampled=1) if num_tokens > 0 else 0.0
+            return cost.best_ms if self.assist_available else cost.local_ms
         raise ValueError(f"engine kind must be 'gpu' or 'cpu', got {kind!r}")
 
     def kv_transfer_ms(self, num_tokens: int) -> float:

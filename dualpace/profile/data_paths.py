@@ -1,21 +1,20 @@
 """Which data path a KV transfer or a Dense Assist iteration takes, and the profile's figures for it.
 
-Pure (no torch, grpc, asyncio or clock). Two daemons on one host move KV and assist tensors
-through shared memory; anything else goes over a TCP data socket or gRPC (docs/architecture.md,
-"KV data plane on one host", "Dense Assist through shared memory"), at very different costs
-(docs/perf.md). A profile may hold each path's figures (dualpace.profile.schema); the cost model,
-the mode chooser and the migration planner read `profile.kv_transfer` and the `assist_ms` table,
-so `for_paths` returns the profile with those set to the figures of the paths in force.
+Pure (no torch, grpc, asyncio or clock). Two daemons on one host move KV and assist tensors through
+shared memory; anything else goes over a TCP data socket or gRPC, at very different costs (same-host
+shared memory runs several times the TCP socket's rate, gRPC a fraction of it). A profile may hold
+each path's figures (dualpace.profile.schema); the cost model, the mode chooser and the migration
+planner read `profile.kv_transfer` and the `assist_ms` table, so `for_paths` returns the profile
+with those set to the figures of the paths in force.
 
 The rules:
 
 - KV: shared memory iff the sender's `--kv-transport` is auto, both engines are on this host,
   and the target's pool is in host memory (a CUDA pool is not shared); else the target's TCP data
-  socket with `--kv-transport` auto or tcp (priced at the gRPC figures where the profile has none
-  for it); gRPC chunks with `--kv-transport grpc`.
+  socket (priced at the gRPC figures where the profile has none for it).
 - Assist: shared memory iff cpu_service's `--assist-transport` is auto and gpu_service is on
-  this host; else gpu_service's TCP data socket with `--assist-transport` auto or tcp (priced at
-  the gRPC figures where the profile has none for it); the gRPC stream with `--assist-transport grpc`.
+  this host; else gpu_service's TCP data socket (priced at the profile's plain assist figures
+  where it has none for the data socket).
 - "On this host" is proved by the daemons themselves at run time (boot ids and a memfd
   handshake); a planner only knows addresses, so `on_this_host` reads an address the way the
   daemons are deployed: a Unix socket or a loopback address is on the host of whoever dials it.
@@ -32,8 +31,9 @@ import ipaddress
 from dualpace.profile.schema import DATA_PATHS, Profile, ProfileError
 
 SHM, GRPC, TCP = DATA_PATHS
-TRANSPORT_SETTINGS = ("auto", "grpc", "tcp")  # cpu_service's --assist-transport values
-KV_TRANSPORT_SETTINGS = ("auto", "tcp", "grpc")  # the engines' --kv-transport values
+ASSIST_PATHS = (SHM, TCP)  # Dense Assist's: the per-session rings, or gpu_service's data socket
+TRANSPORT_SETTINGS = ("auto", "tcp")  # the daemons' --assist-transport values
+KV_TRANSPORT_SETTINGS = ("auto", "tcp")  # the engines' --kv-transport values
 
 
 def on_this_host(address: str) -> bool:
@@ -58,32 +58,26 @@ def _check_setting(setting: str, flag: str, settings: tuple[str, ...] = TRANSPOR
 def kv_path(kv_transport: str, same_host: bool, target_pool_in_host_memory: bool = True) -> str:
     """The path a KV transfer takes (see the module doc)."""
     _check_setting(kv_transport, "--kv-transport", KV_TRANSPORT_SETTINGS)
-    if kv_transport == "auto" and same_host and target_pool_in_host_memory:
-        return SHM
-    return TCP if kv_transport in ("auto", "tcp") else GRPC
+    return SHM if kv_transport == "auto" and same_host and target_pool_in_host_memory else TCP
 
 
 def assist_path(assist_transport: str, same_host: bool) -> str:
     """The path Dense Assist takes (see the module doc)."""
     _check_setting(assist_transport, "--assist-transport")
-    if assist_transport == "auto" and same_host:
-        return SHM
-    return TCP if assist_transport in ("auto", "tcp") else GRPC
+    return SHM if assist_transport == "auto" and same_host else TCP
 
 
 def for_paths(profile: Profile, kv: str | None = None, assist: str | None = None) -> Profile:
     """`profile` with `kv_transfer` and the `assist_ms` table of the given paths, where it has them
     (an older profile, or one measured over one path only, keeps its plain figures)."""
-    for path in (kv, assist):
-        if path is not None and path not in DATA_PATHS:
-            raise ProfileError(f"data path: expected one of {', '.join(DATA_PATHS)}, got {path!r}")
+    for path, paths in ((kv, DATA_PATHS), (assist, ASSIST_PATHS)):
+        if path is not None and path not in paths:
+            raise ProfileError(f"data path: expected one of {', '.join(paths)}, got {path!r}")
     changes = {}
     if kv == TCP and TCP not in profile.kv_transfer_paths:
         kv = GRPC  # a profile without the data socket's figures: the slower gRPC ones never overstate a move
     if kv is not None and kv in profile.kv_transfer_paths:
         changes["kv_transfer"] = profile.kv_transfer_paths[kv]
-    if assist == TCP and "assist_ms_tcp" not in profile.tables:
-        assist = GRPC  # likewise for an assisted iteration
     if assist is not None and f"assist_ms_{assist}" in profile.tables:
         changes["tables"] = {**profile.tables, "assist_ms": profile.tables[f"assist_ms_{assist}"]}
     return dataclasses.replace(profile, **changes) if changes else profile

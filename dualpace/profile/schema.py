@@ -1,6 +1,6 @@
-"""The profile file: a versioned JSON description of one machine running one model
-(ARCHITECTURE §6): its types, its format and the fingerprint comparison; files.py parses,
-validates, reads and writes it. Pure: no torch, grpc, asyncio or clock.
+"""The profile file: a versioned JSON description of one machine running one model (what the daemons
+read to seed their decisions): its types, its format and the fingerprint comparison; files.py
+parses, validates, reads and writes it. Pure: no torch, grpc, asyncio or clock.
 
 Layout (version 1)::
 
@@ -25,7 +25,6 @@ Layout (version 1)::
         optional: "gpu_dense_ms": {"batch": [...], "ms": [...]},
                   "assist_round_trip_ms": {"batch": [...], "ms": [...]},
                   "assist_ms_shm": {"batch": [...], "ms": [...]},
-                  "assist_ms_grpc": {"batch": [...], "ms": [...]},
                   "assist_ms_tcp": {"batch": [...], "ms": [...]}
       },
       "kv_transfer": {"bytes_per_s": float, "fixed_ms": float},
@@ -64,13 +63,13 @@ Optional tables (informative; the cost model does not need them):
 - assist_round_trip_ms(batch): assist_ms - gpu_dense_ms, the transport's share (one
   round trip per layer plus serialisation), which decides whether assist pays off.
 
-Data paths (issue 17): KV transfer and Dense Assist run through shared memory between daemons
-on one host and over a TCP data socket or gRPC otherwise, at very different costs. A profile may
-carry each: `kv_transfer_paths` ("shm", "grpc", "tcp") and the tables assist_ms_shm /
-assist_ms_grpc / assist_ms_tcp. The plain `kv_transfer` and `assist_ms` stay (older profiles have
-only them) and hold the path the profiler's daemons used by default; dualpace.profile.data_paths
-picks the figures of the path in force, the data socket's falling back to gRPC's, and those to
-the plain ones.
+Data paths: KV transfer and Dense Assist run through shared memory between daemons on one host
+and over a TCP data socket otherwise (KV also over gRPC chunks), at very different costs. A
+profile may carry each: `kv_transfer_paths` ("shm", "grpc", "tcp") and the tables assist_ms_shm /
+assist_ms_tcp (an assist_ms_grpc table of an older profile is read and never priced). The plain
+`kv_transfer` and `assist_ms` stay (older profiles have only them) and hold the path the
+profiler's daemons used by default; dualpace.profile.data_paths picks the figures of the path in
+force, falling back to the plain ones.
 
 A 2-D table's "ms" is indexed [batch index][context index]. Grids must be strictly
 increasing; values finite and >= 0.

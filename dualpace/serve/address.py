@@ -163,7 +163,7 @@ def _parse_port(port_text: str, text: str, field: str) -> int:
 
 def data_socket_host(listen: str) -> str:
     """Where a daemon's KV data socket listens: its gRPC listen host (never a wider one), and
-    127.0.0.1 for a unix: or localhost daemon (dualpace.engine.kv_tcp_import)."""
+    127.0.0.1 for a unix: or localhost daemon (dualpace.engine.transfer.kv_tcp_import)."""
     address = parse_listen(listen, allow_unix=True)
     if address.is_unix or address.host.lower().rstrip(".") == "localhost":
         return "127.0.0.1"

@@ -30,15 +30,18 @@ import grpc
 
 from dualpace.engine.core import EngineConfig, EngineCore
 from dualpace.engine.loop import EngineLoop
-from dualpace.engine.kv_shm_import import SharedKvPool
-from dualpace.engine.kv_tcp_import import TcpDataServer
+from dualpace.engine.transfer.kv_shm_import import SharedKvPool
+from dualpace.engine.transfer.kv_tcp_import import TcpDataServer
 from dualpace.engine.runner import ModelRunner
-from dualpace.engine.shm_segment import SharedKvMemory
+from dualpace.engine.transfer.shm_segment import SharedKvMemory
 from dualpace.engine.step_timeline import StepTimeline
 from dualpace.engine.scheduler import SchedulerConfig
 from dualpace.errors import DualPaceError, InvalidArgument, ModelLoadError
-from dualpace.faults import FaultConfig
+from dualpace.faults import FaultConfig, add_fault_arguments
+from dualpace.model import attention_backend
+from dualpace.model.attention_backend import ATTENTION_BACKENDS, FUSED_KERNELS, KernelChoices
 from dualpace.model.loader import LoadedModel
+from dualpace.model.quant_kernels import add_quant_activations_argument, use_config_activations
 from dualpace.model.registry import DEFAULT_MODEL_NAME
 from dualpace.sampling import SamplingParams
 from dualpace.serve.config import add_config_argument, effective_config
@@ -76,6 +79,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser, default_name: str, def
     parser.add_argument("--name", default=default_name, help="engine name shown to the router and in logs")
     parser.add_argument("--dtype", default="auto", choices=["auto", "fp32", "bf16"])
     parser.add_argument("--weights", default="native", choices=["native", "bf16", "fp32", "int8"], help="native: a GGUF's quantized matrices stay in their block format (default); bf16/fp32: dequantized at load; int8: quantized at load to Q8_0 (per group of 32)")
+    add_quant_activations_argument(parser)
     kv = parser.add_mutually_exclusive_group()
     kv.add_argument("--kv-blocks", type=int, help=f"KV pool size in blocks (default {default_kv_blocks})")
     kv.add_argument("--kv-gb", type=float, help="KV pool size in GB (instead of --kv-blocks)")
@@ -99,17 +103,24 @@ def add_engine_arguments(parser: argparse.ArgumentParser, default_name: str, def
                              "unless a stream re-attaches within this many seconds")
     parser.add_argument("--kv-transport", default="auto", choices=KV_TRANSPORTS,
                         help="KV migration data plane: auto (shared memory with engines on this host, a TCP "
-                             "data socket to others), tcp (the data socket even on this host) or grpc (always "
-                             "chunks over gRPC; the KV pool stays private, no data socket). The data socket "
+                             "data socket to others) or tcp (the data socket even on this host; the KV pool stays "
+                             "private). The data socket "
                              "listens on the --listen host (127.0.0.1 for unix:) at a port the kernel picks, "
                              "announced per transfer over gRPC; over TLS with --tls-cert")
     parser.add_argument("--step-timeline", default=None, metavar="PATH",
                         help="append one JSON line per engine step to PATH (when, mode, rows, joins; "
                              "written off the step thread): the input of bench/cooperative_timeline.py")
     parser.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR (JSON lines on stderr)")
+    parser.add_argument("--attention-backend", default="auto", choices=ATTENTION_BACKENDS,
+                        help="paged attention: auto (the Triton kernel on CUDA, the gather path elsewhere), gather "
+                             "(always the gather path, the kernel's reference) or triton (always the kernel)")
+    parser.add_argument("--fused-kernels", default="auto", choices=FUSED_KERNELS,
+                        help="RMSNorm (+ residual add) and RoPE: auto (Triton on CUDA), torch (the torch ops, or "
+                             "the CPU kernels on a CPU) or triton (always Triton)")
     add_config_argument(parser)
     add_metrics_argument(parser)
     add_security_arguments(parser)
+    add_fault_arguments(parser)
 
 
 @dataclass
@@ -159,7 +170,9 @@ def build_engine(
     check_positive(args, "block-size", "max-batch-tokens", "max-running", "max-waiting", "threads")
     if args.threads:
         torch.set_num_threads(args.threads)
+    attention_backend.configure(KernelChoices(args.attention_backend, args.fused_kernels))
     loaded = load_model(args.model, dtype=args.dtype, device=device, weights=args.weights)
+    use_config_activations(args.quant_activations)
     config = EngineConfig(
         name=args.name,
         kind=kind,
@@ -229,7 +242,7 @@ def run_engine_daemon(
         return 2
     notifier = Notifier.from_environ()
     try:
-        faults = FaultConfig.from_environ()
+        faults = FaultConfig.from_args(args)
         security = security_from_args(args)
         check_listen_security(args.listen, security.tls)  # before the slow model load
         peers = PeerList(args.peer)
@@ -265,7 +278,7 @@ def run_engine_daemon(
         parts.peer_tls, parts.channels = security.tls, channels
         # The KV data socket to engines on other hosts (over TLS where this daemon serves TLS).
         tls = security.tls.data_server_context() if security.tls is not None else None
-        tcp = await TcpDataServer.start(data_socket_host(args.listen), tls) if args.kv_transport != "grpc" else None
+        tcp = await TcpDataServer.start(data_socket_host(args.listen), tls)
         parts.data_socket = tcp
         same_host = SameHostKv(args.kv_transport, await SharedKvPool.start(parts.kv_memory), channels=channels,
                                tcp=tcp)

@@ -14,18 +14,18 @@ import contextlib
 import dataclasses
 import time
 
-from dualpace.engine.kv_shm_import import ShmImport
-from dualpace.engine.kv_shm_protocol import ShmDeclined, ShmReservation
-from dualpace.engine.shm_control import IncomingStream
+from dualpace.engine.transfer.kv_shm_import import ShmImport
+from dualpace.engine.transfer.kv_shm_protocol import ShmDeclined, ShmReservation
+from dualpace.engine.transfer.shm_control import IncomingStream
 from dualpace.engine.loop import EngineLoop
-from dualpace.engine.host_tier_import import HostTierImporter
-from dualpace.engine.kv_transfer import PrefixCopy
-from dualpace.engine.migration import KvImporter, migrate_out
-from dualpace.engine.prefix_copy import send_cached_prefix
+from dualpace.engine.transfer.host_tier_import import HostTierImporter
+from dualpace.engine.transfer.kv_transfer import PrefixCopy
+from dualpace.engine.transfer.migration import KvImporter, migrate_out
+from dualpace.engine.transfer.prefix_copy import send_cached_prefix
 from dualpace.errors import DataLoss, InvalidArgument, RequestNotFound, Unavailable
 from dualpace.faults import FaultConfig
 from dualpace.serve.kv_events_stream import watch_kv_events
-from dualpace.engine.kv_tcp_import import TcpImport
+from dualpace.engine.transfer.kv_tcp_import import TcpImport
 from dualpace.serve.kv_shm_transport import SameHostKv, SameHostKvSender
 from dualpace.serve.kv_tcp_transport import TcpKvSender
 from dualpace.serve.kv_transport import GrpcKvSender
@@ -43,6 +43,7 @@ from dualpace.serve.status import status_for
 from dualpace.wire import engine_messages as messages
 from dualpace.wire import kv_shm_messages as shm_messages
 from dualpace.wire import kv_tcp_messages as tcp_messages
+from dualpace.wire.kv_events import kv_event_batch_to_pb
 from dualpace.wire.v1 import engine_pb2, engine_pb2_grpc
 
 MIN_WATCH_INTERVAL_MS = 20
@@ -135,17 +136,21 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
         self.peers.check(request.target_address)  # before anything is paused or sent
         log.info("migrate out", target=request.target_address)
         # The stream's migrated_to is the target's address: where the client resumes the request.
-        if self.same_host is not None:
-            sender = self.same_host.sender(request.target_address, self.faults, self.auth_token, self.tls)
-        else:
-            sender = GrpcKvSender(request.target_address, self.faults, auth_token=self.auth_token, tls=self.tls,
-                                  channels=self.channels)
+        sender = self._sender(request.target_address)
         stats = await migrate_out(self.loop, request.request_id, sender, migrated_to=request.target_address)
         if isinstance(sender, SameHostKvSender) and sender.used_shm:
             stats = dataclasses.replace(stats, transport="shm")
         elif isinstance(sender, TcpKvSender) and sender.used_tcp:
             stats = dataclasses.replace(stats, transport="tcp")
         return messages.migrate_out_response_to_pb(stats)
+
+    def _sender(self, target_address: str) -> GrpcKvSender:
+        """This engine's KV sender to another: shared memory or the data socket (gRPC alone: in-process
+        servicers without a same-host side)."""
+        if self.same_host is not None:
+            return self.same_host.sender(target_address, self.faults, self.auth_token, self.tls)
+        return GrpcKvSender(target_address, self.faults, auth_token=self.auth_token, tls=self.tls,
+                            channels=self.channels)
 
     async def ImportKv(self, request_iterator, context):
         importer = KvImporter(self.loop)
@@ -163,7 +168,7 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
                     if importer.progress is not None:
                         raise InvalidArgument("header", "sent twice")
                     header = messages.kv_header_from_pb(message.header)
-                    if header.cache_only:  # host-tier blocks for this engine's prefix cache, over gRPC
+                    if header.cache_only:  # host-tier blocks for this engine's prefix cache
                         importer = HostTierImporter(self.loop)
                         if shm is not None:
                             await shm.close()
@@ -197,9 +202,6 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
                     if shm is None:
                         raise InvalidArgument("shm_written", "this engine takes KV over gRPC only")
                     written = shm_messages.shm_written_from_pb(message.shm_written)
-                    if written.progress:  # layers finished during the copy: verified while it goes on
-                        shm.progress(written)
-                        continue
                     await shm.written(written)
                     marks.append(("verified", time.perf_counter()))
                     if written.commit:  # prepare and commit in the same message (commit prepares first)
@@ -228,13 +230,13 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
         finally:
             # The commit did not wake the engine's loop (_commit_import): it is woken here, once the
             # reply is sent or the stream ended, so that an idle engine's first step for the request
-            # does not hold up the reply the source waits for (1-2 ms measured, bench.kv_shm_timeline).
+            # does not hold up the reply the source waits for (1-2 ms measured).
             self.loop.wake()
             # Shielded as one: the blocks are freed only after any shared-memory write has stopped.
             await asyncio.shield(_end_import(shm, importer, tcp))
 
     async def import_over_watch(self, stream: IncomingStream) -> None:
-        """ImportKv over a sender's watch connection (dualpace.engine.shm_control): the same handler,
+        """ImportKv over a sender's watch connection (dualpace.engine.transfer.shm_control): the same handler,
         its status sent as the stream's end. Cancelled when the sender abandons the stream or the
         connection ends: ImportKv's cleanup then drops the import, as for a cancelled RPC."""
         requests = (engine_pb2.ImportKvMessage.FromString(payload) async for payload in stream.messages())
@@ -252,8 +254,6 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
                 await stream.end(code.value[0], message)
 
     def _tcp_side(self, importer: KvImporter) -> TcpImport:
-        if importer.progress.header.cache_only:
-            return TcpImport(None, importer, "a cache-only import goes over gRPC")
         if self.same_host is None:
             return TcpImport(None, importer)
         return self.same_host.tcp_side(importer)
@@ -269,7 +269,7 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
         token_ids, target = messages.copy_prefix_request_from_pb(request)
         self.peers.check(target)  # before anything is pinned or sent
         started = time.perf_counter()
-        sender = GrpcKvSender(target, self.faults, auth_token=self.auth_token, tls=self.tls, channels=self.channels)
+        sender = self._sender(target)
         self._next_copy += 1
         pin_id = f"{COPY_PIN_PREFIX}{self._next_copy}"
         copy = await send_cached_prefix(self.loop, sender.send_cache, token_ids, pin_id)
@@ -300,12 +300,13 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
         return messages.engine_info_to_pb(self.loop.core)
 
     async def WatchKvEvents(self, request, context):
-        async for batch in watch_kv_events(self.loop):
-            yield batch
+        name = self.loop.core.config.name
+        async for events in watch_kv_events(self.loop):
+            yield kv_event_batch_to_pb(events, name)
 
 
 def _log_import(importer: KvImporter, started: float, chunk_ms: float) -> None:
-    """The import's debug line (its marks: bench.kv_shm_timeline), written after the committed reply
+    """The import's debug line (its marks: where the time went), written after the committed reply
     left (at DEBUG it took ~0.1-0.3 ms before the reply, on the transfer's path)."""
     marks = importer.marks
     committed_at = next((t for name, t in reversed(marks) if name == "committed"), time.perf_counter())

@@ -1,4 +1,5 @@
-"""WatchKvEvents for the Engine servicer: a snapshot, then the prefix cache's events as they come.
+"""WatchKvEvents for the Engine servicer: a snapshot, then the prefix cache's events as they come,
+each batch as core KvEvents (the servicer converts them: dualpace.wire.kv_events).
 
 The event log lives in the scheduler, which the step thread mutates, so it is read only
 through EngineLoop.call (between steps), every `poll_s`. A stopping engine runs no more
@@ -14,8 +15,6 @@ from typing import TypeVar
 from dualpace.engine.loop import EngineLoop
 from dualpace.errors import FailedPrecondition, Unavailable
 from dualpace.kv.events import KvEvent
-from dualpace.wire.kv_events import kv_event_batch_to_pb
-from dualpace.wire.v1 import engine_pb2
 
 DEFAULT_POLL_S = 0.05
 T = TypeVar("T")
@@ -35,17 +34,18 @@ async def between_steps(loop: EngineLoop, read: Callable[[], T]) -> T:
     return call.result()
 
 
-async def watch_kv_events(loop: EngineLoop, poll_s: float = DEFAULT_POLL_S) -> AsyncIterator[engine_pb2.KvEventBatch]:
+async def watch_kv_events(loop: EngineLoop, poll_s: float = DEFAULT_POLL_S) -> AsyncIterator[list[KvEvent]]:
+    """The engine's event batches: first a snapshot (never empty: it starts with an all-cleared
+    event), then every non-empty batch of new events; FailedPrecondition without a prefix cache."""
     log = loop.core.scheduler.prefix_cache.events if loop.core.scheduler.prefix_cache is not None else None
     if log is None:
         raise FailedPrecondition(f"engine {loop.core.config.name} runs with --prefix-caching off: no KV events")
-    name = loop.core.config.name
 
     def snapshot() -> tuple[list[KvEvent], int]:
         return log.snapshot(), log.last_event_id
 
     events, last_id = await between_steps(loop, snapshot)
-    yield kv_event_batch_to_pb(events, name)
+    yield events
     while not loop.stopped.is_set():
         await asyncio.sleep(poll_s)
         try:
@@ -57,4 +57,4 @@ async def watch_kv_events(loop: EngineLoop, poll_s: float = DEFAULT_POLL_S) -> A
         except Unavailable:  # the engine stopped or failed: the stream ends
             return
         if events:
-            yield kv_event_batch_to_pb(events, name)
+            yield events

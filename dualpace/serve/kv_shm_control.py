@@ -2,7 +2,7 @@
 
 SameHostKvSender drives an ImportKv stream through `write`, `read`, `cancel`, `done_writing`,
 `code` and `details` (dualpace.serve.kv_transport). `WatchImportCall` gives the same over a
-control stream of dualpace.engine.shm_control, so the transfer's logic (two phases, checks,
+control stream of dualpace.engine.transfer.shm_control, so the transfer's logic (two phases, checks,
 faults) is one code for both: a stream that ended before a reply reads as `grpc.aio.EOF`,
 with the target's status code and details, and a write after the end raises as a write to
 an ended gRPC call does. The target side is EngineServicer.import_over_watch.
@@ -15,8 +15,8 @@ from collections.abc import Callable
 
 import grpc
 
-from dualpace.engine.same_host import SameHostRefused
-from dualpace.engine.shm_control import OutgoingStream
+from dualpace.engine.transfer.same_host import SameHostRefused
+from dualpace.engine.transfer.shm_control import OutgoingStream
 from dualpace.wire.kv_chunk_wire import serialize_import_message
 
 _CODES = {code.value[0]: code for code in grpc.StatusCode}

@@ -1,7 +1,7 @@
 """The same-host KV transport: gRPC carries the header, the slots, checksums, prepare and commit;
 the bytes go straight from this engine's pool into the target's reserved blocks. Once a
 transfer has mapped the target's pool, the next ones to that target send those same messages
-over the pool's watch connection instead of a gRPC stream (dualpace.engine.shm_control).
+over the pool's watch connection instead of a gRPC stream (dualpace.engine.transfer.shm_control).
 
 The header offers shared memory; the target answers with a reservation (it proved nothing
 yet: the sender then maps the pool it names and checks the token in its header) or with the
@@ -20,14 +20,14 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 
-from dualpace.engine.kv_shm_import import SharedKvPool, ShmImport
-from dualpace.engine.kv_shm_protocol import ShmDeclined, ShmOffer, ShmReservation, ShmWritten
-from dualpace.engine.kv_shm_send import MappedPools, check_geometry, write_in_place
-from dualpace.engine.kv_source import OutgoingKv
-from dualpace.engine.kv_tcp_import import TcpDataServer, TcpDeclined, TcpImport, TcpReservation
-from dualpace.engine.kv_transfer import KvChunk, KvTransferHeader
-from dualpace.engine.migration import KvImporter
-from dualpace.engine.same_host import SameHostRefused, boot_id, new_ticket
+from dualpace.engine.transfer.kv_shm_import import SharedKvPool, ShmImport
+from dualpace.engine.transfer.kv_shm_protocol import ShmDeclined, ShmOffer, ShmReservation, ShmWritten
+from dualpace.engine.transfer.kv_shm_send import MappedPools, check_geometry, write_in_place
+from dualpace.engine.transfer.kv_source import OutgoingKv
+from dualpace.engine.transfer.kv_tcp_import import TcpDataServer, TcpDeclined, TcpImport, TcpReservation
+from dualpace.engine.transfer.kv_transfer import KvChunk, KvTransferHeader
+from dualpace.engine.transfer.migration import KvImporter
+from dualpace.engine.transfer.same_host import SameHostRefused, boot_id, new_ticket
 from dualpace.errors import InvalidArgument, Unavailable
 from dualpace.faults import FaultConfig
 from dualpace.serve.kv_shm_control import WatchImportCall
@@ -41,9 +41,9 @@ from dualpace.wire.v1 import engine_pb2
 
 log = logging.getLogger(__name__)
 
-# auto: shared memory where the target is on this host, else the target's TCP data socket (else gRPC);
-# tcp: the data socket even on this host; grpc: chunks on the gRPC stream (the KV pool stays private).
-KV_TRANSPORTS = ("auto", "tcp", "grpc")
+# auto: shared memory where the target is on this host, else the target's TCP data socket;
+# tcp: the data socket even on this host (the KV pool stays private).
+KV_TRANSPORTS = ("auto", "tcp")
 DECLINE_MEMORY_S = 60.0  # a target that declined is offered shared memory again after this
 
 
@@ -156,8 +156,7 @@ class SameHostKvSender(TcpKvSender):
             try:
                 lease = self.pools.lease(answer) if answer.lease_on_watch else None  # else a connection of its own
                 self.marks.append(("mapped", time.perf_counter()))
-                return await write_in_place(segment, answer, chunks, self.faults, lease, self.marks,
-                                            _reporter(call) if answer.takes_progress else None)
+                return await write_in_place(segment, answer, chunks, self.faults, lease, self.marks)
             finally:
                 # No reference to the mapping may outlive the call in a traceback: once the target is
                 # gone and the pool dropped, the memory must go back to the kernel at once.
@@ -167,13 +166,6 @@ class SameHostKvSender(TcpKvSender):
         """The answer to the header's offers: a shared-memory reservation or refusal, or (another host)
         the data socket's."""
         return await self.expect_answer(call, lambda reply: shm_answer_from_pb(reply) or tcp_answer_from_pb(reply))
-
-
-def _reporter(call):
-    """report(written) for write_in_place: a progress report on the import stream."""
-    async def report(written: ShmWritten) -> None:
-        await GrpcKvSender._write(call, shm_written_to_pb(written), "a progress report")
-    return report
 
 
 def _lap_timer(laps: dict[str, float], marks: list[tuple[str, float]]):
@@ -198,12 +190,10 @@ class SameHostKv:
     mapped: MappedPools = field(default_factory=MappedPools)
     channels: PeerChannels = field(default_factory=PeerChannels)
     declined_until: dict[str, float] = field(default_factory=dict)
-    tcp: TcpDataServer | None = None  # this engine's KV data socket (None: it takes KV over gRPC only)
+    tcp: TcpDataServer | None = None  # this engine's KV data socket (None: in-process tests only)
 
     def sender(self, target_address: str, faults: FaultConfig, auth_token: str | None,
                tls: TlsConfig | None = None) -> GrpcKvSender:
-        if self.transport == "grpc":
-            return GrpcKvSender(target_address, faults, auth_token=auth_token, tls=tls, channels=self.channels)
         if self.transport == "tcp":
             return TcpKvSender(target_address, faults=faults, auth_token=auth_token, tls=tls, channels=self.channels)
         return SameHostKvSender(target_address, self.mapped, self.declined_until, self.channels, faults=faults,

@@ -1,20 +1,21 @@
 """The cross-host KV transport: gRPC carries the header, the reservation, the layer checksums and the
-commit; the KV bytes go over the target's TCP data socket (dualpace.engine.kv_tcp_data).
+commit; the KV bytes go over the target's TCP data socket (dualpace.engine.transfer.kv_tcp_data).
 
-Python gRPC moves bulk bytes at about 1 GB/s here whatever the messages (bench.grpc_bulk_floor,
-docs/perf.md), a few percent of memcpy; a socket fed with views of the pool moved the same KV about
-twice as fast (docs/perf.md, session 11). The header offers the data socket; the target answers with a port and a one-time
-ticket, or with the reason it declines (then chunks follow on the gRPC stream, as GrpcKvSender
-sends them). A connection that cannot be made falls back to chunks for that transfer; a failure
-after it (a corrupt layer, a dropped connection, a cancel) fails the transfer with the two-phase
-rules intact: the request runs on the source, the target frees its blocks. Where the target serves
-TLS (KvTcpReserved.tls) the connection is TLS with this daemon's credentials, as its gRPC calls are.
+Python gRPC moves bulk bytes at about 1 GB/s here whatever the messages, a few percent of memcpy; a
+socket fed with views of the pool moved the same KV about twice as fast. The header offers the data
+socket; the target answers with a port and a one-time ticket, or with the reason it declines (then
+chunks follow on the gRPC stream, as GrpcKvSender sends them). A connection that cannot be made
+falls back to chunks for that transfer; a failure after it (a corrupt layer, a dropped connection, a
+cancel) fails the transfer with the two-phase rules intact: the request runs on the source, the
+target frees its blocks. Where the target serves TLS (KvTcpReserved.tls) the connection is TLS with
+this daemon's credentials, as its gRPC calls are.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import ssl
 import threading
@@ -23,12 +24,13 @@ from collections.abc import AsyncIterator
 
 import grpc
 
-from dualpace.engine import kv_tcp_data
-from dualpace.engine.kv_source import OutgoingKv
-from dualpace.engine.kv_tcp_import import TcpDeclined, TcpReservation, TcpWritten
-from dualpace.engine.kv_transfer import KvChunk, KvTransferHeader
+from dualpace.engine.transfer import kv_tcp_data
+from dualpace.engine.transfer.kv_source import OutgoingKv
+from dualpace.engine.transfer.kv_tcp_import import TcpDeclined, TcpReservation, TcpWritten
+from dualpace.engine.transfer.kv_transfer import KvChunk, KvTransferHeader
+from dualpace.engine.transfer.prefix_copy import SourceFrom
 from dualpace.errors import Unavailable
-from dualpace.engine.worker_pools import run_in_pool
+from dualpace.engine.transfer.worker_pools import run_in_pool
 from dualpace.serve.address import UNIX_PREFIX, data_socket_peer_host
 from dualpace.serve.kv_transport import GrpcKvSender, _ended
 from dualpace.wire.engine_messages import kv_header_to_pb
@@ -77,6 +79,24 @@ class TcpKvSender(GrpcKvSender):
                 return await self.send_answered(call, answer, header, chunks)
             except BaseException:
                 call.cancel()  # the target drops the partial import (once its receive stopped)
+                raise
+
+    async def send_cache(self, header: KvTransferHeader, source_from: SourceFrom) -> tuple[str, int]:
+        """A cache-only import with skip_cached (dualpace.engine.transfer.prefix_copy.SendCache) over the
+        data socket: the target answers the header with the leading tokens it holds, then with its
+        socket; only the KV after those tokens is streamed. Returns (the target engine, held tokens)."""
+        header = dataclasses.replace(header, skip_cached=True)
+        async with self._channel() as channel:
+            call = self._open_import(channel)
+            try:
+                await self._write(call, add_tcp_offer(kv_header_to_pb(header)), "the header")
+                num_held = (await self._expect(call, "cache_held")).num_held_tokens
+                answer = await self.expect_answer(call)
+                if num_held >= header.num_computed_tokens:  # the target holds it all: nothing to send
+                    return await self._prepare_and_commit(call), num_held
+                return await self.send_answered(call, answer, header, source_from(num_held)), num_held
+            except BaseException:
+                call.cancel()  # the target drops the partial import and its hold on the shared blocks
                 raise
 
     async def send_answered(self, call, answer: TcpReservation | TcpDeclined, header: KvTransferHeader,

@@ -9,9 +9,9 @@ from dataclasses import replace
 
 import grpc
 
-from dualpace.engine.kv_source import OutgoingKv
-from dualpace.engine.kv_transfer import KvChunk, KvTransferHeader
-from dualpace.engine.prefix_copy import ChunksFrom
+from dualpace.engine.transfer.kv_source import OutgoingKv
+from dualpace.engine.transfer.kv_transfer import KvChunk, KvTransferHeader
+from dualpace.engine.transfer.prefix_copy import SourceFrom
 from dualpace.errors import Unavailable
 from dualpace.faults import FaultConfig
 from dualpace.serve.auth import token_metadata
@@ -28,13 +28,11 @@ from dualpace.wire.kv_chunk_wire import (
 from dualpace.wire.v1 import engine_pb2
 
 # Chunks go together in one message while their K + V bytes stay within this (0: one message per
-# chunk; a larger chunk goes alone): the chunk size limit itself, 4 MiB. On the session 9 host bare
-# gRPC moved 4 MB messages faster than 0.75 or 8 MB ones (bench.grpc_bulk_floor), and a 1024-token
-# transfer (0.79 MB chunks) took 48 / 66 ms batched to 4 MiB against 56 / 69 ms to 1 MiB (docs/perf.md).
+# chunk; a larger chunk goes alone): the chunk size limit itself, 4 MiB. Bare gRPC moved
+# 4 MB messages faster than 0.75 or 8 MB ones (Intel Xeon with AMX), and a 1024-token
+# transfer (0.79 MB chunks) took 48 / 66 ms batched to 4 MiB against 56 / 69 ms to 1 MiB.
 DEFAULT_BATCH_BYTES = 4 * 2**20
 READ_AHEAD_CHUNKS = 8  # chunks read (or being read) before the writes take them (a chunk is at most 4 MiB)
-# Targets that refused a KvChunkBatch (an older version): sent one chunk per message.
-_TARGETS_WITHOUT_BATCHES: set[str] = set()
 _END = None
 
 
@@ -59,7 +57,7 @@ async def _next_ready(ready: asyncio.Queue) -> KvChunk | None:
 
 
 class GrpcKvSender:
-    """send(header, chunks) for dualpace.engine.migration.migrate_out, over one ImportKv stream.
+    """send(header, chunks) for dualpace.engine.transfer.migration.migrate_out, over one ImportKv stream.
 
     Whatever ends the import before the commit (the target rejects a chunk, the link
     drops) raises Unavailable with the target's status in its message, so MigrateOut
@@ -70,7 +68,7 @@ class GrpcKvSender:
                  batch_bytes: int = DEFAULT_BATCH_BYTES, channels: PeerChannels | None = None):
         self.target_address = target_address
         # Channels kept open across transfers (dualpace.serve.peer_channels): a 1-token transfer took
-        # 8.5 / 11.3 ms on a kept channel against 12.9 / 14.6 ms on a fresh one (docs/perf.md, session 9).
+        # 8.5 / 11.3 ms on a kept channel against 12.9 / 14.6 ms on a fresh one.
         # None: a channel of its own per transfer, closed after it.
         self.channels = channels
         self.faults = faults or FaultConfig()
@@ -79,7 +77,6 @@ class GrpcKvSender:
         self.tls = tls  # this daemon's TLS settings: a TLS engine reaches its TCP peers over TLS
         self.batch_bytes = batch_bytes
         self.num_messages = 0  # chunk messages written by the last call (a batch counts once)
-        self.sent_batches = False  # the last call sent a KvChunkBatch
 
     @contextlib.asynccontextmanager
     async def _channel(self):
@@ -101,13 +98,12 @@ class GrpcKvSender:
                 await self._write(call, kv_header_to_pb(header), "the header")
                 await self._send_chunks(call, chunks)
                 return await self._prepare_and_commit(call)
-            except BaseException as exc:
+            except BaseException:
                 call.cancel()  # the target drops the partial import
-                self._note_refused_batches(exc)
                 raise
 
-    async def send_cache(self, header: KvTransferHeader, chunks_from: ChunksFrom) -> tuple[str, int]:
-        """A cache-only import with skip_cached (dualpace.engine.prefix_copy.SendCache): the target
+    async def send_cache(self, header: KvTransferHeader, source_from: SourceFrom) -> tuple[str, int]:
+        """A cache-only import with skip_cached (dualpace.engine.transfer.prefix_copy.SendCache): the target
         answers the header with the leading tokens it holds, and only the chunks after them are sent.
         Returns (the target engine's name, those held tokens)."""
         header = replace(header, skip_cached=True)
@@ -116,18 +112,11 @@ class GrpcKvSender:
             try:
                 await self._write(call, kv_header_to_pb(header), "the header")
                 held = await self._expect(call, "cache_held")
-                await self._send_chunks(call, chunks_from(held.num_held_tokens))
+                await self._send_chunks(call, source_from(held.num_held_tokens))
                 return await self._prepare_and_commit(call), held.num_held_tokens
-            except BaseException as exc:
+            except BaseException:
                 call.cancel()  # the target drops the partial import and its hold on the shared blocks
-                self._note_refused_batches(exc)
                 raise
-
-    def _note_refused_batches(self, error: BaseException) -> None:
-        """A target of an older version ends the stream at a KvChunkBatch (a message of no kind it
-        knows): that transfer fails (the request stays on the source), later ones send single chunks."""
-        if self.sent_batches and isinstance(error, Unavailable) and "empty ImportKv message" in str(error):
-            _TARGETS_WITHOUT_BATCHES.add(self.target_address)
 
     def _open_import(self, channel):
         """The ImportKv stream; chunks go pre-encoded, straight from the exported KV buffers (one copy:
@@ -141,12 +130,12 @@ class GrpcKvSender:
         completion) the next chunks are read (each a hop to a worker thread), and the chunks read
         meanwhile go together as one KvChunkBatch message of up to batch_bytes (a short context's
         many small chunks: a few messages, not one per layer)."""
-        self.num_messages, self.sent_batches = 0, False
+        self.num_messages = 0
         ready: asyncio.Queue = asyncio.Queue(READ_AHEAD_CHUNKS)
         if isinstance(chunks, OutgoingKv):  # several reads in flight (a migration's chunks)
             chunks = chunks.read_ahead(READ_AHEAD_CHUNKS)
         reader = asyncio.ensure_future(_read_into(chunks, ready, self.faults))
-        batches = self.batch_bytes > 0 and self.target_address not in _TARGETS_WITHOUT_BATCHES
+        batches = self.batch_bytes > 0
         try:
             while (chunk := await _next_ready(ready)) is not None:
                 batch, size = [chunk], len(chunk.k) + len(chunk.v)
@@ -162,7 +151,6 @@ class GrpcKvSender:
                 await self._write(call, message, f"chunk {chunk.seq}" if len(batch) == 1
                                   else f"chunks {chunk.seq}-{batch[-1].seq}")
                 self.num_messages += 1
-                self.sent_batches = self.sent_batches or len(batch) > 1
         finally:
             if not reader.done():  # a write failed (or the move was cancelled) with reads ahead
                 reader.cancel()

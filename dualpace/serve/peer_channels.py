@@ -1,8 +1,8 @@
 """Channels from this daemon to its peers, kept open across KV transfers to the same target.
 
 Opening a channel for each transfer costs a connection and an HTTP/2 handshake on the way in and
-a teardown on the way out, about 2 ms of a small transfer's 10 ms on a loaded 2-core machine
-(docs/perf.md). A cached channel is shared by concurrent transfers to that target (gRPC
+a teardown on the way out, about 2 ms of a small transfer's 10 ms on a loaded 2-core machine.
+A cached channel is shared by concurrent transfers to that target (gRPC
 multiplexes their streams). When a transfer fails the channel is dropped from the cache, so the
 next transfer connects afresh (the target may have restarted); it is closed with a grace period
 that lets the other transfers still on it finish.

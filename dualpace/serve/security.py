@@ -51,7 +51,7 @@ class TlsConfig:
                                             certificate_chain=self.cert_chain)
 
     def data_server_context(self) -> ssl.SSLContext:
-        """The KV data socket's TLS (dualpace.engine.kv_tcp_import), as server_credentials: this
+        """The KV data socket's TLS (dualpace.engine.transfer.kv_tcp_import), as server_credentials: this
         certificate, and client certificates required where --tls-client-ca is given."""
         context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
         self._load_chain(context)

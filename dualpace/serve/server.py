@@ -8,7 +8,6 @@
 
 from __future__ import annotations
 
-import logging
 import sys
 from collections.abc import Callable, Sequence
 
@@ -23,7 +22,6 @@ from dualpace.serve.interceptor import StatusInterceptor
 from dualpace.serve.security import ServerSecurity, TlsConfig, check_listen_security
 from dualpace.serve.unix_socket import bind_private, prepare_path
 
-logger = logging.getLogger(__name__)
 
 # KV chunks and Dense Assist payloads are large; 64 MiB leaves room for both.
 DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
@@ -136,14 +134,15 @@ async def start_server(
 
 
 def print_listening(name: str, address: str) -> None:
-    """Prints and logs `{name} listening on {address}`; launchers and tests parse this line."""
+    """Prints `{name} listening on {address}` on stdout; launchers and tests parse this line. It is
+    not logged as well: a launcher that relays both streams (`dualpace up`, systemd's journal)
+    would show it twice."""
     line = f"{name} listening on {address}"
     # One write with its newline: print() writes the text and the newline apart, and unbuffered
     # (PYTHONUNBUFFERED) another thread's log line on the same pipe could land between them
     # ("...cpu.sock{"event": ...}"), which a launcher then parsed as the address.
     sys.stdout.write(line + "\n")
     sys.stdout.flush()
-    logger.info(line)
 
 
 def _bind(server: grpc.aio.Server, address: ListenAddress, listen_field: str, tls: TlsConfig | None) -> int:

@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-from dualpace.engine.assist_types import (
-    AssistAttentionOutput,
+from dualpace.engine.assist.assist_types import (
     AssistBegin,
     AssistJoinInfo,
-    AssistQkv,
     AssistResult,
     AssistShmAnswer,
     AssistShmOffer,
@@ -23,43 +21,34 @@ from dualpace.wire.tensors import tensor_from_pb, tensor_to_pb
 from dualpace.wire.v1 import assist_pb2
 
 
-def assist_up_to_pb(item: AssistBegin | AssistAttentionOutput | AssistShmOffer) -> assist_pb2.AssistUp:
-    """Core begin / attention output / shm offer -> AssistUp; each row's seed is written into its SamplingParams."""
+def assist_up_to_pb(item: AssistBegin | AssistShmOffer) -> assist_pb2.AssistUp:
+    """Core begin / shm offer -> AssistUp; each row's seed is written into its SamplingParams."""
     if isinstance(item, AssistShmOffer):
         return assist_pb2.AssistUp(shm_offer=assist_pb2.AssistShmOffer(
             boot_id=item.boot_id, path=item.path, size_bytes=item.size_bytes, token=item.token, tcp=item.tcp))
-    if isinstance(item, AssistBegin):
-        begin = assist_pb2.AssistBegin(
-            iteration_id=item.iteration_id,
-            token_ids=token_ids_to_list(item.token_ids),
-            positions=token_ids_to_list(item.positions, field="positions"),
-            return_logits=item.sampling is None,
-            wait_for_engine_iteration=item.wait_for_engine_iteration,
-            max_device_wait_ms=item.max_device_wait_ms,
-            join_engine_iteration=item.join_engine_iteration,
-            max_join_wait_us=item.max_join_wait_us,
-            expected_layer_us=item.expected_layer_us,
-        )
-        for params, seed in item.sampling or ():
-            row = sampling_params_to_pb(params)
-            row.seed = seed
-            begin.sampling.append(row)
-        return assist_pb2.AssistUp(begin=begin)
-    return assist_pb2.AssistUp(
-        attention_output=assist_pb2.AssistAttentionOutput(
-            iteration_id=item.iteration_id,
-            layer=item.layer,
-            attention_output=tensor_to_pb(item.attention_output),
-        )
+    begin = assist_pb2.AssistBegin(
+        iteration_id=item.iteration_id,
+        token_ids=token_ids_to_list(item.token_ids),
+        positions=token_ids_to_list(item.positions, field="positions"),
+        return_logits=item.sampling is None,
+        wait_for_engine_iteration=item.wait_for_engine_iteration,
+        max_device_wait_ms=item.max_device_wait_ms,
+        join_engine_iteration=item.join_engine_iteration,
+        max_join_wait_us=item.max_join_wait_us,
+        expected_layer_us=item.expected_layer_us,
     )
+    for params, seed in item.sampling or ():
+        row = sampling_params_to_pb(params)
+        row.seed = seed
+        begin.sampling.append(row)
+    return assist_pb2.AssistUp(begin=begin)
 
 
-def assist_up_from_pb(message: assist_pb2.AssistUp) -> AssistBegin | AssistAttentionOutput | AssistShmOffer:
-    """AssistUp -> core begin / attention output / shm offer.
+def assist_up_from_pb(message: assist_pb2.AssistUp) -> AssistBegin | AssistShmOffer:
+    """AssistUp -> core begin / shm offer.
 
     Raises ValueError naming the field when no kind is set, when return_logits
-    is set together with sampling entries, when a sampling entry has no seed,
-    or when the tensor is malformed.
+    is set together with sampling entries, or when a sampling entry has no seed.
     """
     kind = message.WhichOneof("kind")
     if kind == "shm_offer":
@@ -89,32 +78,15 @@ def assist_up_from_pb(message: assist_pb2.AssistUp) -> AssistBegin | AssistAtten
             max_join_wait_us=begin.max_join_wait_us,
             expected_layer_us=begin.expected_layer_us,
         )
-    if kind == "attention_output":
-        output = message.attention_output
-        return AssistAttentionOutput(
-            iteration_id=output.iteration_id,
-            layer=output.layer,
-            attention_output=tensor_from_pb(output.attention_output, field="attention_output.attention_output"),
-        )
-    raise ValueError("kind: an AssistUp must set begin, attention_output or shm_offer")
+    raise ValueError("kind: an AssistUp must set begin or shm_offer")
 
 
-def assist_down_to_pb(item: AssistQkv | AssistResult | AssistShmAnswer) -> assist_pb2.AssistDown:
-    """Core qkv / result / shm answer -> AssistDown (tensors are copied to the host if needed)."""
+def assist_down_to_pb(item: AssistResult | AssistShmAnswer) -> assist_pb2.AssistDown:
+    """Core result / shm answer -> AssistDown (tensors are copied to the host if needed)."""
     if isinstance(item, AssistShmAnswer):
         return assist_pb2.AssistDown(shm_answer=assist_pb2.AssistShmAnswer(
             accepted=item.accepted, token=item.token, reason=item.reason, max_batch_rows=item.max_batch_rows,
             accepts_join=item.accepts_join, tcp_port=item.tcp_port, tcp_ticket=item.tcp_ticket, tcp_tls=item.tcp_tls))
-    if isinstance(item, AssistQkv):
-        return assist_pb2.AssistDown(
-            qkv=assist_pb2.AssistQkv(
-                iteration_id=item.iteration_id,
-                layer=item.layer,
-                q=tensor_to_pb(item.q),
-                k=tensor_to_pb(item.k),
-                v=tensor_to_pb(item.v),
-            )
-        )
     if (item.token_ids is None) == (item.logits is None):
         raise ValueError("result: exactly one of token_ids and logits must be set")
     result = assist_pb2.AssistResult(iteration_id=item.iteration_id)
@@ -127,23 +99,14 @@ def assist_down_to_pb(item: AssistQkv | AssistResult | AssistShmAnswer) -> assis
     return assist_pb2.AssistDown(result=result)
 
 
-def assist_down_from_pb(message: assist_pb2.AssistDown) -> AssistQkv | AssistResult | AssistShmAnswer:
-    """AssistDown -> core qkv / result / shm answer. Raises ValueError naming the field when malformed."""
+def assist_down_from_pb(message: assist_pb2.AssistDown) -> AssistResult | AssistShmAnswer:
+    """AssistDown -> core result / shm answer. Raises ValueError naming the field when malformed."""
     kind = message.WhichOneof("kind")
     if kind == "shm_answer":
         answer = message.shm_answer
         return AssistShmAnswer(accepted=answer.accepted, token=answer.token, reason=answer.reason,
                                max_batch_rows=answer.max_batch_rows, accepts_join=answer.accepts_join,
                                tcp_port=answer.tcp_port, tcp_ticket=answer.tcp_ticket, tcp_tls=answer.tcp_tls)
-    if kind == "qkv":
-        qkv = message.qkv
-        return AssistQkv(
-            iteration_id=qkv.iteration_id,
-            layer=qkv.layer,
-            q=tensor_from_pb(qkv.q, field="qkv.q"),
-            k=tensor_from_pb(qkv.k, field="qkv.k"),
-            v=tensor_from_pb(qkv.v, field="qkv.v"),
-        )
     if kind == "result":
         result = message.result
         output = result.WhichOneof("output")
@@ -155,7 +118,7 @@ def assist_down_from_pb(message: assist_pb2.AssistDown) -> AssistQkv | AssistRes
             return AssistResult(iteration_id=result.iteration_id,
                                 logits=tensor_from_pb(result.logits, field="result.logits"), join_info=join_info)
         raise ValueError("result.output: must set sampled or logits")
-    raise ValueError("kind: an AssistDown must set qkv, result or shm_answer")
+    raise ValueError("kind: an AssistDown must set result or shm_answer")
 
 
 def begin_to_bytes(begin: AssistBegin) -> bytes:

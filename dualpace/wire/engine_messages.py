@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 from dualpace import __version__
 from dualpace.engine.channel import ChannelUpdate
-from dualpace.engine.kv_transfer import KvChunk, KvLayout, KvTransferHeader, PrefixCopy
+from dualpace.engine.transfer.kv_transfer import KvChunk, KvLayout, KvTransferHeader, PrefixCopy
 from dualpace.errors import InvalidArgument
 from dualpace.engine.load import EngineLoad, RequestSummary
 from dualpace.engine.request import EngineRequest, RequestState
@@ -289,14 +289,14 @@ def migrate_out_request_to_pb(request_id: str, target_address: str) -> engine_pb
 
 
 def migrate_out_response_to_pb(stats) -> engine_pb2.MigrateOutResponse:
-    """From dualpace.engine.migration.MigrationStats."""
+    """From dualpace.engine.transfer.migration.MigrationStats."""
     return engine_pb2.MigrateOutResponse(target_engine=stats.target_engine, num_chunks=stats.num_chunks,
                                          total_bytes=stats.total_bytes, duration_ms=stats.duration_ms,
                                          transport=stats.transport)
 
 
 def import_prepared_to_pb(progress, num_kv_blocks: int) -> engine_pb2.ImportKvReply:
-    """From dualpace.engine.kv_transfer.ImportProgress, once every chunk is verified."""
+    """From dualpace.engine.transfer.kv_transfer.ImportProgress, once every chunk is verified."""
     return engine_pb2.ImportKvReply(prepared=engine_pb2.ImportKvPrepared(
         num_chunks=progress.next_seq, total_bytes=progress.num_bytes, kv_blocks=num_kv_blocks))
 

@@ -12,7 +12,7 @@ KvChunkBatch message (`encode_chunk_batch`), also one copy.
 
 from __future__ import annotations
 
-from dualpace.engine.kv_transfer import KvChunk
+from dualpace.engine.transfer.kv_transfer import KvChunk
 from dualpace.wire.v1 import engine_pb2
 
 _VARINT, _LENGTH_DELIMITED = 0, 2

@@ -1,9 +1,9 @@
-"""Conversion of the same-host KV transfer messages (dualpace.engine.kv_shm_protocol) <-> protobuf."""
+"""Conversion of the same-host KV transfer messages (dualpace.engine.transfer.kv_shm_protocol) <-> protobuf."""
 
 from __future__ import annotations
 
-from dualpace.engine.kv_shm_protocol import ShmDeclined, ShmOffer, ShmReservation, ShmWritten
-from dualpace.engine.kv_transfer import KvTransferHeader
+from dualpace.engine.transfer.kv_shm_protocol import ShmDeclined, ShmOffer, ShmReservation, ShmWritten
+from dualpace.engine.transfer.kv_transfer import KvTransferHeader
 from dualpace.wire.engine_messages import kv_header_to_pb
 from dualpace.wire.v1 import engine_pb2
 
@@ -30,7 +30,7 @@ def shm_answer_to_pb(answer: ShmReservation | ShmDeclined) -> engine_pb2.ImportK
         socket_name=answer.socket_name, segment_token=answer.segment_token, import_token=answer.import_token,
         slot_ids=answer.slot_ids, accepts_written_with_commit=answer.accepts_written_with_commit,
         lease_on_watch=answer.lease_on_watch, control_on_watch=answer.control_on_watch,
-        asks_lease_ahead=answer.asks_lease_ahead, takes_progress=answer.takes_progress))
+        asks_lease_ahead=answer.asks_lease_ahead))
 
 
 def shm_answer_from_pb(reply: engine_pb2.ImportKvReply) -> ShmReservation | ShmDeclined | None:
@@ -42,16 +42,14 @@ def shm_answer_from_pb(reply: engine_pb2.ImportKvReply) -> ShmReservation | ShmD
         reserved = reply.shm_reserved
         return ShmReservation(reserved.socket_name, bytes(reserved.segment_token), bytes(reserved.import_token),
                               tuple(reserved.slot_ids), reserved.accepts_written_with_commit,
-                              reserved.lease_on_watch, reserved.control_on_watch, reserved.asks_lease_ahead,
-                              reserved.takes_progress)
+                              reserved.lease_on_watch, reserved.control_on_watch, reserved.asks_lease_ahead)
     return None
 
 
 def shm_written_to_pb(written: ShmWritten) -> engine_pb2.ImportKvMessage:
     return engine_pb2.ImportKvMessage(shm_written=engine_pb2.KvShmWritten(
-        layer_crc32=written.layer_crc32s, commit=written.commit, progress=written.progress,
-        first_layer=written.first_layer))
+        layer_crc32=written.layer_crc32s, commit=written.commit))
 
 
 def shm_written_from_pb(message: engine_pb2.KvShmWritten) -> ShmWritten:
-    return ShmWritten(tuple(message.layer_crc32), message.commit, message.progress, message.first_layer)
+    return ShmWritten(tuple(message.layer_crc32), message.commit)

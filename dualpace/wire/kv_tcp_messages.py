@@ -1,8 +1,8 @@
-"""Conversion of the data-socket KV transfer messages (dualpace.engine.kv_tcp_import) <-> protobuf."""
+"""Conversion of the data-socket KV transfer messages (dualpace.engine.transfer.kv_tcp_import) <-> protobuf."""
 
 from __future__ import annotations
 
-from dualpace.engine.kv_tcp_import import TcpDeclined, TcpReservation, TcpWritten
+from dualpace.engine.transfer.kv_tcp_import import TcpDeclined, TcpReservation, TcpWritten
 from dualpace.wire.v1 import engine_pb2
 
 

@@ -1,4 +1,4 @@
-"""Conversions for the log-probability and penalty fields (issue 22): TokenLogprobs messages and
+"""Conversions for the log-probability and penalty fields: TokenLogprobs messages and
 SamplingParams' fields 70-76. common.py calls the sampling-params half; the engine and router
 message modules call the rest. Torch-free."""
 

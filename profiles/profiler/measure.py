@@ -23,9 +23,9 @@ from collections.abc import Callable
 
 import torch
 
-from dualpace.engine.kv_bytes import DTYPE_NAMES, tensor_bytes
-from dualpace.engine.kv_source import OutgoingKv
-from dualpace.engine.kv_transfer import (
+from dualpace.engine.transfer.kv_bytes import DTYPE_NAMES, tensor_bytes
+from dualpace.engine.transfer.kv_source import OutgoingKv
+from dualpace.engine.transfer.kv_transfer import (
     KvChunk,
     KvLayout,
     KvTransferHeader,
@@ -211,7 +211,7 @@ def kv_transfer(address: str, runner: ModelRunner, vocab_size: int, num_tokens: 
     over `path` ("grpc": chunks; "tcp": the target's TCP data socket; "shm": straight into the target's
     blocks, which needs its pool in host memory on this host; None when the target declined either). Each imported request decodes one
     token there and finishes; settle_s (untimed) lets it."""
-    from dualpace.engine.kv_shm_send import MappedPools
+    from dualpace.engine.transfer.kv_shm_send import MappedPools
     from dualpace.serve.kv_shm_transport import SameHostKvSender
     from dualpace.serve.kv_tcp_transport import TcpKvSender
     from dualpace.serve.kv_transport import GrpcKvSender

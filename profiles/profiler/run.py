@@ -201,12 +201,11 @@ def run_profile(request: ProfileRequest) -> tuple[Path, Profile, bool]:
     def pick(sample) -> float:
         return sample.min_ms if grids.statistic == "min" else sample.median_ms
     num_points = (len(grids.prefill_tokens) + 2 * len(grids.batch) * len(grids.context_tokens) * (1 if device == "cpu" else 1.5)
-                  + 6 * len(grids.batch) + 3 * len(grids.kv_transfer_tokens))
+                  + 5 * len(grids.batch) + 3 * len(grids.kv_transfer_tokens))
     progress = _Progress(request.progress, int(num_points))
     from cpu_service.assist_client import AssistClient
 
     client = AssistClient(service.address, iteration_timeout_s=60.0)  # auto: the shm rings on this host
-    grpc_client = AssistClient(service.address, iteration_timeout_s=60.0, transport="grpc")
     tcp_client = AssistClient(service.address, iteration_timeout_s=60.0, transport="tcp")
     try:
         def point(table: str, key: str, fn, description: str):
@@ -242,10 +241,8 @@ def run_profile(request: ProfileRequest) -> tuple[Path, Profile, bool]:
                           f"Dense Assist {b}{label}") for b in grids.batch]
 
         assist = assist_over("assist", client, "")
-        assist_grpc = assist_over("assist_grpc", grpc_client, " over gRPC")
         assist_tcp = assist_over("assist_tcp", tcp_client, " over TCP")  # gpu_service's data socket
-        assist_path = client.data_path if client.num_shm_iterations > 0 else "grpc"  # the ring may have been refused
-        measured_tcp = tcp_client.num_shm_iterations > 0  # else the data socket was unreachable: gRPC ran
+        assist_path = client.data_path  # shm on this host, tcp where the ring was refused
         # Whole Assisted iterations (cpu_service's AssistedForward: real attention over host KV
         # between the round trips) at one context, to check assist_ms + cpu_attention_ms.
         from cpu_service.assisted_forward import AssistedForward
@@ -271,7 +268,6 @@ def run_profile(request: ProfileRequest) -> tuple[Path, Profile, bool]:
     finally:
         progress.close()
         client.close()
-        grpc_client.close()
         tcp_client.close()
         service.stop()
 
@@ -321,8 +317,7 @@ def run_profile(request: ProfileRequest) -> tuple[Path, Profile, bool]:
         "gpu_dense_ms": Table1D("batch", batch, t1(gpu_dense)),
         "assist_round_trip_ms": Table1D("batch", batch, t1(round_trip)),
         f"assist_ms_{assist_path}": Table1D("batch", batch, t1(assist)),
-        "assist_ms_grpc": Table1D("batch", batch, t1(assist_grpc)),
-        **({"assist_ms_tcp": Table1D("batch", batch, t1(assist_tcp))} if measured_tcp else {}),
+        "assist_ms_tcp": Table1D("batch", batch, t1(assist_tcp)),
     }
     spreads = [s["max_ms"] / s["median_ms"] - s["min_ms"] / s["median_ms"]
                for table in samples.values() for s in table.values() if s["median_ms"] > 0]

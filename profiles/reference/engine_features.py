@@ -26,9 +26,9 @@ class MeasuredOverheads:
     kv_transfer_bytes_per_s: float = MEASURED_KV_TRANSFER_BYTES_PER_S
     kv_transfer_fixed_ms: float = MEASURED_KV_TRANSFER_FIXED_MS
     assist_round_trip_ms: float = 0.166  # shared-memory ring (the default on one host), p50 at batch 8
-    eager_ops_per_layer: int = 60  # torch ops per decode layer (docs/perf.md, torch profiler of PagedForward)
+    eager_ops_per_layer: int = 60  # torch ops per decode layer (torch profiler of PagedForward)
     launch_us_per_op: float = 10.0  # CPU-side CUDA launch, middle of the 5-20 us range (HTA docs)
-    engine_loop_overhead_ms: float = 1.9  # engine loop per iteration (docs/results.md, gpu_service CPU time)
+    engine_loop_overhead_ms: float = 1.9  # engine loop per iteration (from gpu_service's CPU time)
 
     @property
     def launch_ms_per_layer(self) -> float:
@@ -60,8 +60,8 @@ def features(*, kv_transfer_bytes_per_s: float, assumed_round_trip_ms: float, av
         {"feature": "cuda_graphs",
          "assumed": "decode iterations replay CUDA graphs: no per-op launch cost on the host",
          "status": "not built",
-         "code_today": f"eager PyTorch ops, about {m.eager_ops_per_layer} per layer (docs/perf.md, torch profiler "
-                       f"of PagedForward.forward), each launched from the host; CPU-side launch is 5-20 us per "
+         "code_today": f"eager PyTorch ops, about {m.eager_ops_per_layer} per layer (torch profiler of "
+                       f"PagedForward.forward), each launched from the host; CPU-side launch is 5-20 us per "
                        f"kernel (Holistic Trace Analysis docs, 'CUDA kernel launch stats')",
          "measured_variant": f"a layer cannot finish before the host has issued it: {m.eager_ops_per_layer} ops x "
                              f"{m.launch_us_per_op:g} us = {m.launch_ms_per_layer:g} ms per layer is a floor of "
@@ -77,7 +77,7 @@ def features(*, kv_transfer_bytes_per_s: float, assumed_round_trip_ms: float, av
          "assumed": "paged attention reading the KV blocks in place at 80% of the GPU's memory bandwidth",
          "status": "built, never run on a GPU",
          "code_today": "the Triton paged kernel (dualpace/model/triton_attention.py), tested under Triton's "
-                       "interpreter on CPU tensors; its speed on a GPU is unmeasured (docs/results.md, GPU device check)",
+                       "interpreter on CPU tensors; its speed on a GPU is unmeasured (docs/perf.md, GPU engine)",
          "measured_variant": "same KV term (no measurement exists)"},
         {"feature": "kv_transfer",
          "assumed": f"KV moved by PCIe DMA at {kv_transfer_bytes_per_s / 1e9:g} GB/s + 1 ms per transfer",

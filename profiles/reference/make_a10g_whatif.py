@@ -1,5 +1,5 @@
 """Build the WHAT-IF profile a10g_epyc_avx2_llama3_8b_whatif.json by scaling the reference H100
-profile (issue 18's KV-bound set-up: an AWS g5-like box, one A10G 24 GB and an AVX2 EPYC host).
+profile (a KV-bound set-up: an AWS g5-like box, one A10G 24 GB and an AVX2 EPYC host).
 
     python -m profiles.reference.make_a10g_whatif   # rewrites the JSON beside this file
 

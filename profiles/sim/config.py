@@ -9,13 +9,14 @@ from dualpace.engine.scheduler import SchedulerConfig
 from dualpace.errors import DualPaceError
 from dualpace.policy.admission import GpuAdmission
 from dualpace.policy.host_tier import HostTierRule
-from dualpace.policy.join_rule import join_rule
-from dualpace.policy.views import Policy
+from dualpace.policy.policies import Policy
 
 GPU, CPU = "gpu0", "cpu0"  # the simulated engines' names
 
-# How an Assisted CPU iteration (dualpace policy) shares the GPU; see profiles/sim/device.py.
-ASSIST_DEVICE_HOLDS = ("layer", "iteration", "dense", "cooperative")
+# How an Assisted CPU iteration shares the GPU (profiles/sim/device.py), as the daemons run it:
+# "cooperative" where gpu_service accepts joins (shared memory, one host), "layer" where it
+# cannot (another host, or gpu_service --assist-join off).
+ASSIST_DEVICE_HOLDS = ("cooperative", "layer")
 
 
 class SimulationError(DualPaceError):
@@ -43,31 +44,16 @@ class SimConfig:
     max_context_tokens: int = 1 << 20
     migration_overhead_ms: float = 10.0
     max_queue: int = 1 << 30  # the router's wait queue (a simulation should not reject by default)
-    # How an Assisted CPU iteration of the dualpace policy holds the GPU ("cooperative" is what
-    # the daemons run and `dualpace sim`'s default; this default stays "layer"):
-    # "layer": each layer's dense stage takes the device at the GPU engine's next
-    #   layer boundary (staged, never joined); the CPU's attention runs with the device free;
-    # "iteration": from its start to its result (gpu_service before per-stage sharing);
-    # "dense": only its dense part, in one piece at its start (an earlier what-if);
-    # "cooperative": its decode rows join the GPU engine's next step as remote rows, laid out by
-    #   dualpace.policy.cooperative_plan.plan_layout (profiles/sim/cooperative.py; the daemons'
-    #   design: docs/design_cooperative_execution.md), else what join_rule says; with the gated
-    #   policy this is NEO as built (CPU requests advance only inside GPU steps, asymmetric
-    #   pipelining, no held device).
-    # The gated policy otherwise holds it for the whole iteration (the daemons' legacy
-    # `--gated-hold held`; "dense" what-if aside).
-    assist_device_hold: str = "layer"
-    # dualpace with hold "cooperative": when a cooperative CPU iteration joins a busy GPU's step
-    # (dualpace.policy.join_rule.JoinRule: "within-layer" as designed first, "meet", "slack";
-    # profiles/sim/join_rules.py). The gated policy always joins the next step, whatever this says.
-    join_rule: str = "within-layer"
-    # A staged iteration whose waits in the GPU engine's step in progress already exceed its
-    # device budget is refused at its begin instead of when the budget runs out
-    # (dualpace.policy.stage_budget.refuse_at_begin).
-    refuse_staged_at_begin: bool = False
-    # What-if: drop planned moves of requests that have no token yet. The planner itself now
-    # never plans those (dualpace.policy.migration_planner), so this changes nothing; kept for the CLI.
-    skip_unprefilled_moves: bool = False
+    # How an Assisted CPU iteration holds the GPU:
+    # "cooperative" (gpu_service on the same host, joins on): its decode rows join the GPU
+    #   engine's next step as remote rows, laid out by dualpace.policy.cooperative_plan.plan_layout
+    #   (profiles/sim/cooperative.py). dualpace asks only when that step begins within one GPU
+    #   layer (as gpu_service's JoinDesk declines a late offer), else runs staged; gated is NEO as
+    #   built (CPU requests advance only inside GPU steps, no held device);
+    # "layer" (no joins: gpu_service on another host, or --assist-join off): dualpace's dense
+    #   stages take the device at the GPU engine's layer boundaries (staged); gated holds the
+    #   device for the whole iteration (gpu_service's held downgrade of a join it cannot take).
+    assist_device_hold: str = "cooperative"
     # KV pool sizes in blocks (None: the profile's capacities), e.g. to replay a deployment
     # started with --kv-blocks (bench/compare_policies.py's small GPU pool).
     gpu_kv_blocks: int | None = None
@@ -75,9 +61,6 @@ class SimConfig:
     # How the router counts the GPU engine's KV room (dualpace.policy.admission.GpuAdmission);
     # None: the policy's default (optimistic for gpu-only, reserve for dualpace and gated).
     gpu_admission: GpuAdmission | None = None
-    # dualpace with itl_target_ms: the GPU engine's predicted prefill wait above which a new
-    # request goes to the CPU engine (AdmissionConfig.gpu_wait_offload_ms; None: off).
-    gpu_wait_offload_ms: float | None = None
     # Each engine's prefix cache, as on the daemons (profiles/sim/prefix.py), and the router's
     # rule for continuing a request on the CPU engine that caches its prefix.
     prefix_caching: bool = True
@@ -89,7 +72,6 @@ class SimConfig:
         if self.assist_device_hold not in ASSIST_DEVICE_HOLDS:
             raise ValueError(f"assist_device_hold must be one of {', '.join(ASSIST_DEVICE_HOLDS)}, "
                              f"got {self.assist_device_hold!r}")
-        join_rule(self.join_rule)  # a clear ValueError for an unknown rule
 
 
 def deterministic_token(request_index: int, position: int, vocab_size: int) -> int:
@@ -133,8 +115,7 @@ class SimResult:
     num_joined_layouts: int = 0  # JOINED: S0 empty, one weight read per layer for both engines
     num_split_layouts: int = 0  # SPLIT: asymmetric pipelining
     num_joins_declined_to_staged: int = 0  # not taken in time, or the planner declined: ran staged
-    num_joins_declined_to_local: int = 0  # the join rule found no step to join in time: ran locally
-    mean_join_wait_ms: float | None = None  # the CPU's wait from its ask (or its meeting layer) to the shared layer
+    mean_join_wait_ms: float | None = None  # the CPU's wait from its ask to the shared layer
     num_layers_shared: int = 0  # layers in which remote rows shared the GPU's weight read, over all joins
     num_gpu_engine_tokens: int = 0  # tokens emitted by the GPU engine (compare: the load generator's tokens_by_engine)
 

@@ -1,5 +1,5 @@
 """Cooperative execution (assist hold "cooperative"), as built: an Assisted CPU iteration's decode
-rows join the GPU engine's next step as remote rows (docs/design_cooperative_execution.md).
+rows join the GPU engine's next step as remote rows.
 
 The GPU step's layout is the daemons' own call, dualpace.policy.cooperative_plan.plan_layout, on
 per-layer costs from the profile (dualpace.profile.cost_model.layer_costs_of_profile, the same
@@ -9,11 +9,10 @@ overlaps only S0's layer l and D1's attention, not the whole step, because the r
 post_attention(l) waits for it. The simulated step lasts the profile's own-step time plus the
 layout's extra per-layer time over all layers; the CPU iteration ends with the step.
 
-- dualpace: under SimConfig.join_rule "within-layer" the CPU asks to join only when the GPU's next
-  step begins within one GPU layer (the device is free, or the running step is in its last layer),
-  else its dense stages go staged at the GPU's layer boundaries (hold "layer"); the other rules are
-  profiles/sim/join_rules.py's. The planner may also decline (STAGED) when staged
-  stages lengthen the step less. A cooperative request's latency is recorded as COOPERATIVE, and as
+- dualpace: the CPU's rows join only when the GPU's next step begins within one GPU layer (the GPU
+  engine has work and the device is free, or the running step is in its last layer), as
+  gpu_service's JoinDesk declines a late offer; else its dense stages go staged at the GPU's layer
+  boundaries. The planner may also decline (STAGED) when staged stages lengthen the step less. A cooperative request's latency is recorded as COOPERATIVE, and as
   ASSISTED too when it ran staged (ModeChooser.record_cooperative), so the chooser learns both.
 - gated (NEO as built): every decode-only CPU iteration joins; the planner picks the layout with
   the least GPU wait (SPLIT: the other sub-batch covers the CPU's attention). With nothing of its
@@ -28,8 +27,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from dualpace.engine.scheduler import StepPlan
-from dualpace.policy.cooperative_plan import CooperativePolicy, JoinHow, OwnRows, RemoteJoin, own_step_layer_ms, plan_layout
-from dualpace.policy.views import Policy
+from dualpace.policy.cooperative_plan import JoinHow, OwnRows, RemoteJoin, own_step_layer_ms, plan_layout
 from dualpace.profile.cost_model import DecodeBatch, cpu_join_layer_ms, layer_costs_of_profile
 from profiles.sim.config import GPU
 
@@ -53,7 +51,6 @@ class Cooperative:
     num_joined_iterations = 0  # GPU steps that carried a CPU iteration's rows (JOINED or SPLIT)
     num_split_iterations = 0  # of those, SPLIT (S0 non-empty)
     num_joins_declined_to_staged = 0  # not taken in time (dualpace) or the planner declined: staged
-    num_joins_declined_to_local = 0  # the join rule ran it locally (profiles/sim/join_rules.py)
     join_wait_ms_total = 0.0  # the CPU's waits for the shared layer, over all joins
     num_layers_shared = 0  # layers in which remote rows shared the GPU's dense pass, over all joins
     # how the CPU's running assisted iteration is recorded: (asked to join, ran staged)
@@ -77,11 +74,10 @@ class Cooperative:
         step without the join)."""
         if self._layer_costs is None:
             self._layer_costs = layer_costs_of_profile(self.cost)
-        policy = CooperativePolicy.GATED if self.config.policy is Policy.GATED else CooperativePolicy.DUALPACE
         own = OwnRows(prefill_tokens, contexts)
         pending = pending or self.pending_join
         join = RemoteJoin(pending.batch, pending.cpu_layer_ms)
-        return plan_layout(policy, own, [join], self._layer_costs), own_step_layer_ms(own, self._layer_costs)
+        return plan_layout(self.config.policy, own, [join], self._layer_costs), own_step_layer_ms(own, self._layer_costs)
 
     def _start_with_join(self, gpu, plan: StepPlan, gpu_ms: float, prefill_tokens: int, contexts: list[int]) -> None:
         """The GPU step starts now with the pending join on offer: joined or split as planned

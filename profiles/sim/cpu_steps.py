@@ -11,9 +11,7 @@ per-layer sharing ("layer", "cooperative": a staged iteration) each stage's wait
 engine's next layer boundary is charged to that same bound, as gpu_service charges it
 (DenseAssistSession._device_stage): a stage that would wait past what is left of it is refused
 when it runs out, and the iteration is redone locally from there (the stages already run stay
-in the GPU's step), learnt the same way. With `refuse_staged_at_begin` the begin is refused at
-once when the GPU engine's step in progress alone would exhaust the budget
-(dualpace.policy.stage_budget.refuse_at_begin).
+in the GPU's step), learnt the same way.
 
 A part of profiles.sim.simulator.Simulator (it uses the simulator's clock, device and event
 queue); kept apart so each file reads on its own.
@@ -22,21 +20,20 @@ queue); kept apart so each file reads on its own.
 from __future__ import annotations
 
 from dualpace.engine.scheduler import StepPlan
-from dualpace.policy.join_rule import JoinAction
 from dualpace.policy.mode_choice import AssistSetting, ExecutionMode, ModeChooser
-from dualpace.policy.stage_budget import EngineStepProgress, refuse_at_begin
-from dualpace.policy.views import Policy
+from dualpace.policy.policies import Policy, traits
 from dualpace.profile.cost_model import CostModel, DecodeBatch, predicted_mode_latencies
 from profiles.sim.config import GPU
 
-SEED_CONTEXT_TOKENS = 512  # cpu_service's --profile-context-tokens default
+SEED_CONTEXT_TOKENS = 512
+_EPS_MS = 1e-9  # cpu_service's --profile-context-tokens default
 
 
 def make_chooser(cost: CostModel, policy: Policy, max_batch_size: int, cooperative: bool = False) -> ModeChooser:
     """The CPU engine's chooser: `always` under the gated policy (cpu_service --policy gated),
     else `auto`; assist is configured when the cost model has it; cooperative (hold
     "cooperative") when the GPU side joins iterations into its steps."""
-    setting = AssistSetting.ALWAYS if policy is Policy.GATED else AssistSetting.AUTO
+    setting = AssistSetting.ALWAYS if traits(policy).cpu_decodes_inside_gpu_steps else AssistSetting.AUTO
     cooperative = cooperative and cost.assist_available
     chooser = ModeChooser(setting, assist_configured=cost.assist_available, cooperative_configured=cooperative)
     chooser.seed(predicted_mode_latencies(cost, max_batch_size, SEED_CONTEXT_TOKENS, cost.assist_available, cooperative))
@@ -49,10 +46,10 @@ class CpuSteps:
     def _try_start_cpu(self, cpu) -> None:
         if cpu.busy or not cpu.scheduler.has_work:
             return
-        gated = self.config.policy is Policy.GATED
+        gated = traits(self.config.policy).cpu_decodes_inside_gpu_steps
         device = self.device
-        hold = self.config.assist_device_hold
-        if gated and hold != "cooperative" and device.wait_ms(self.now_ms) > 0:  # the gate: wait for the GPU iteration's end
+        held = gated and self.config.assist_device_hold == "layer"  # gpu_service cannot join: it holds
+        if held and device.wait_ms(self.now_ms) > 0:  # the gate: wait for the GPU iteration's end
             self._wake(device.free_at_ms())
             return
         plan = cpu.scheduler.schedule()
@@ -67,21 +64,16 @@ class CpuSteps:
         local_start_ms = self.now_ms
         if mode is ExecutionMode.COOPERATIVE and cost.assisted_ms is not None:
             self.num_cooperative_choices += 1
-            action = JoinAction.JOIN_NEXT_STEP if gated else self._cooperative_action(batch)
-            if action is JoinAction.JOIN_NEXT_STEP:
+            if gated or self._next_gpu_step_within_a_layer():
                 self._join_next_gpu_iteration(cpu, plan, decode, cost.assisted_ms)  # rows in the GPU's step
-            elif action is JoinAction.STAGED:
-                cpu.staged_batch = batch  # not within max_join_wait_us: the server runs it staged
+            else:
+                cpu.staged_batch = batch  # declined as late: the server runs it staged
                 self.cpu_joining, self.cpu_ran_staged = True, True
                 self.num_joins_declined_to_staged += 1
                 self._start_staged(cpu, plan, self._assist_device_ms(decode.batch), cost.assisted_ms)
-            elif action is JoinAction.MEET:
-                self._start_meeting(cpu, plan, decode, cost.local_ms)  # local until a step meets it
-            else:
-                self._unmet_local(cpu, plan, batch, cost.local_ms)
             return
         if mode is ExecutionMode.ASSISTED and cost.assisted_ms is not None:
-            if hold in ("layer", "cooperative") and not gated:
+            if not held:
                 cpu.staged_batch = batch  # its latency is recorded when it ends
                 self.cpu_joining = False
                 self._start_staged(cpu, plan, self._assist_device_ms(decode.batch), cost.assisted_ms)
@@ -93,8 +85,7 @@ class CpuSteps:
                 self.chooser.record_device_busy(ExecutionMode.ASSISTED, batch, bound_ms + cost.local_ms)
                 local_start_ms = self.now_ms + bound_ms
             else:
-                held_ms = self.cost.assist_ms(decode.batch) if hold == "dense" else cost.assisted_ms
-                device.book_block(self.now_ms, held_ms)
+                device.book_block(self.now_ms, cost.assisted_ms)
                 cpu.num_assisted += 1
                 self.chooser.record(ExecutionMode.ASSISTED, batch, wait + cost.assisted_ms)
                 self._start(cpu, plan, self.now_ms + wait + cost.assisted_ms + self.config.engine_overhead_ms)
@@ -103,10 +94,17 @@ class CpuSteps:
         self.chooser.record(ExecutionMode.LOCAL, batch, cost.local_ms)
         self._start(cpu, plan, local_start_ms + cost.local_ms + self.config.engine_overhead_ms)
 
+    def _next_gpu_step_within_a_layer(self) -> bool:
+        """The GPU engine's next step begins within one of its layers: it has work and the device
+        is free, or its running step is in its last layer (gpu_service's JoinDesk declines an
+        offer while a step has more left)."""
+        gpu = self.engines[GPU]
+        if not gpu.busy:
+            return gpu.scheduler.has_work
+        return self.device.wait_ms(self.now_ms) <= self.device.engine_layer_ms() + _EPS_MS
+
     def _staged_done(self, cpu) -> None:
         """A staged Assisted iteration ended: its latency, device waits included, is measured."""
-        if self._meeting_done(cpu):
-            return
         if cpu.staged_batch is not None:
             latency_ms = self.now_ms - cpu.started_ms - self.config.engine_overhead_ms
             if self.cpu_joining:
@@ -134,12 +132,6 @@ class CpuSteps:
 
     def _next_stage(self, cpu, stages_left: int, stage_ms: float, between_ms: float,
                     budget_ms: float | None = None) -> None:
-        if budget_ms is not None and stages_left == self.num_layers + 1 and self.config.refuse_staged_at_begin:
-            step = EngineStepProgress(self.device.engine_layers_left(self.now_ms), self.device.engine_layer_ms())
-            if refuse_at_begin(budget_ms, stages_left, step, between_ms):
-                self.num_staged_refusals_at_begin += 1
-                self._staged_refused(cpu)  # at once: the step in progress alone would exhaust the budget
-                return
         if budget_ms is not None:
             wait_ms = self.device.stage_start_ms(self.now_ms) - self.now_ms
             if wait_ms > budget_ms:

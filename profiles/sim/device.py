@@ -4,14 +4,15 @@ Bookings, all in simulated ms:
 
 - **engine iteration**: the GPU engine's iteration, `work_ms` of device time split into
   `num_layers` equal layers. It starts only when the device is free.
-- **stage** (Assisted CPU iteration, dualpace policy, hold "layer"): one layer's dense work
+- **stage** (a staged Assisted CPU iteration, dualpace policy): one layer's dense work
   of an assisted iteration. Asked for while an engine iteration is on the device, it runs at
   the engine's next layer boundary (gpu_service: PagedForward.between_layers ->
   DeviceHandoff.yield_to_waiting) and the rest of the engine's iteration moves later by the
   stage's time; asked for during the engine's last layer, it runs at the iteration's end,
   before the engine's next iteration. Otherwise it runs at once.
-- **block** (gated policy; the "iteration" and "dense" holds): one piece that starts once the
-  device is free and keeps it for its whole length; no engine layer boundary is offered.
+- **block** (gated policy, hold "layer": gpu_service holds the device for a join it cannot
+  take): one piece that starts once the device is free and keeps it for its whole length; no
+  engine layer boundary is offered.
 
 The engine's layers are not events: a stage request computes where the engine's iteration
 stands (work done since it last resumed) and reschedules its end. Pure arithmetic.
@@ -55,14 +56,6 @@ class SharedDevice:
     def engine_layer_ms(self) -> float:
         """The running engine iteration's layer time (0 when the engine is not on the device)."""
         return self.engine_run.layer_ms if self.engine_run is not None else 0.0
-
-    def engine_layers_left(self, now_ms: float) -> int:
-        """The running engine iteration's layers not yet finished at now_ms (0 when none runs)."""
-        run = self.engine_run
-        if run is None or run.end_ms <= now_ms + _EPS_MS or run.layer_ms <= 0:
-            return 0
-        work_ms = run.work_done_at_resume_ms + max(0.0, now_ms - run.resumed_at_ms)
-        return max(0, math.ceil((run.work_ms - work_ms) / run.layer_ms - _EPS_MS))
 
     # ------------------------------------------------------------------ engine
 

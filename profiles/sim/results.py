@@ -45,7 +45,6 @@ def summarize(sim: Simulator, rate: float) -> SimResult:
         num_cooperative_choices=sim.num_cooperative_choices, num_joined_iterations=sim.num_joined_iterations,
         num_joined_layouts=sim.num_joined_iterations - sim.num_split_iterations,
         num_split_layouts=sim.num_split_iterations, num_joins_declined_to_staged=sim.num_joins_declined_to_staged,
-        num_joins_declined_to_local=sim.num_joins_declined_to_local,
         mean_join_wait_ms=sim.join_wait_ms_total / sim.num_joined_iterations if sim.num_joined_iterations else None,
         num_layers_shared=sim.num_layers_shared, num_gpu_engine_tokens=sim.num_gpu_engine_tokens,
     )
@@ -58,6 +57,5 @@ def join_summary(result: dict) -> str:
         return ""
     wait = result.get("mean_join_wait_ms")
     return (f", joins {result['num_joined_iterations']}/{choices} cooperative ({result['num_joined_layouts']} joined, "
-            f"{result['num_split_layouts']} split; declined {result['num_joins_declined_to_staged']} to staged, "
-            f"{result['num_joins_declined_to_local']} to local), mean wait "
+            f"{result['num_split_layouts']} split; declined {result['num_joins_declined_to_staged']} to staged), mean wait "
             f"{'-' if wait is None else f'{wait:.1f}'} ms, {result['num_layers_shared']} layers shared")

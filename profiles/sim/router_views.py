@@ -6,7 +6,8 @@ A part of profiles.sim.simulator.Simulator (mixed in, like CpuSteps). Pure arith
 
 from __future__ import annotations
 
-from dualpace.policy.views import EngineView, Policy, RoutedRequest
+from dualpace.policy.policies import traits
+from dualpace.policy.views import EngineView, RoutedRequest
 from dualpace.profile.cost_model import DecodeBatch
 from profiles.sim.config import CPU, GPU
 
@@ -30,7 +31,7 @@ class RouterViews:
         if not contexts:
             return 0.0
         decode = DecodeBatch.of(contexts)
-        if self.config.policy is Policy.GATED:  # once per GPU iteration, always assisted
+        if traits(self.config.policy).cpu_decodes_inside_gpu_steps:  # once per GPU iteration, always assisted
             return self.cost.cpu_assisted_ms(decode) + self._gpu_itl_ms()
         return self.cost.cpu_iteration(decode).best_ms
 

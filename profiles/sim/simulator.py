@@ -9,18 +9,18 @@ How the engines share the GPU is profiles/sim/device.py; the policies:
 - **dualpace**: the CPU engine runs on its own clock. Per iteration cpu_service's own
   ModeChooser picks Local, Assisted or Cooperative from the latencies it has seen
   (profiles/sim/cpu_steps.py); Local iterations do not touch the device. With hold
-  "cooperative" (what the daemons run; `dualpace sim`'s default, SimConfig's is "layer") a
-  Cooperative iteration's decode rows join the GPU engine's next step where `join_rule` lets
-  them (profiles/sim/cooperative.py), else as the rule says (staged under "within-layer"); a
-  staged (Assisted) iteration's dense work goes to the device stage by stage, interleaved with
-  the GPU engine's layers, its waits charged to the device budget gpu_service gives it (refused
-  and redone locally past it). Hold "layer" runs staged iterations only, never joins.
-- **gated**: with hold "cooperative", NEO as built (the daemons' default `--gated-hold join`):
-  every CPU decode iteration's rows ride in the GPU engine's next step, so CPU-resident requests
-  advance only inside GPU steps and the device is never held apart. With the older holds, the
-  legacy `--gated-hold held`: a CPU iteration starts only at a GPU iteration boundary (or while
-  the GPU engine is idle), is always Assisted and holds the device for the whole iteration
-  ("dense": only its dense part), so the engines take turns.
+  "cooperative" (the default: gpu_service on the same host) a Cooperative iteration's decode
+  rows join the GPU engine's next step when it begins within one GPU layer
+  (profiles/sim/cooperative.py), else it runs staged; a staged (Assisted) iteration's dense
+  work goes to the device stage by stage, interleaved with the GPU engine's layers, its waits
+  charged to the device budget gpu_service gives it (refused and redone locally past it). Hold
+  "layer" (no joins: gpu_service on another host) runs staged iterations only.
+- **gated**: with hold "cooperative", NEO as built: every CPU decode iteration's rows ride in
+  the GPU engine's next step, so CPU-resident requests advance only inside GPU steps and the
+  device is never held apart. With hold "layer" (gpu_service cannot join: it holds the device
+  instead) a CPU iteration starts only at a GPU iteration boundary (or while the GPU engine is
+  idle), is always Assisted and holds the device for the whole iteration, so the engines take
+  turns.
 - **gpu-only** (vLLM-like): no CPU engine; admission counts the KV allocated now plus a
   watermark (GpuAdmission.OPTIMISTIC, as vLLM V1), and the GPU scheduler preempts its newest
   request by recompute when a decode needs a block (`--gpu-admission reserve`: the old rule,
@@ -47,9 +47,9 @@ from dualpace.engine.request import EngineRequest
 from dualpace.engine.scheduler import Scheduler, StepPlan, StepResult
 from dualpace.policy.host_tier import continue_on_host_tier
 from dualpace.errors import InvalidArgument, Overloaded
-from dualpace.policy.admission import AdmissionConfig, Placement, admit, handoff_source, holds_for_handoff
+from dualpace.policy.admission import AdmissionConfig, Placement, admit, handoff_source
 from dualpace.policy.migration_planner import MigrationConfig, plan_migrations
-from dualpace.policy.views import Policy
+from dualpace.policy.policies import traits
 from dualpace.profile.cost_model import CostModel, DecodeBatch
 from dualpace.sampling_params import SamplingParams
 from profiles.sim.config import (
@@ -62,7 +62,6 @@ from profiles.sim.config import (
 from profiles.sim.cooperative import Cooperative
 from profiles.sim.cpu_steps import CpuSteps, make_chooser
 from profiles.sim.device import SharedDevice
-from profiles.sim.join_rules import JoinRules
 from profiles.sim.moves import Moves
 from profiles.sim.prefix import SimPrefixIndex, make_scheduler
 from profiles.sim.router_views import RouterViews
@@ -103,7 +102,7 @@ class Track:
     engines_seen: list[str] = field(default_factory=list)
 
 
-class Simulator(CpuSteps, Cooperative, JoinRules, Moves, RouterViews):
+class Simulator(CpuSteps, Cooperative, Moves, RouterViews):
     def __init__(self, cost: CostModel, config: SimConfig):
         self.cost = cost
         self.config = config
@@ -116,7 +115,7 @@ class Simulator(CpuSteps, Cooperative, JoinRules, Moves, RouterViews):
         caching, max_context = config.prefix_caching, config.max_context_tokens
         self.engines: dict[str, SimEngine] = {GPU: SimEngine(GPU, "gpu", make_scheduler(
             config.gpu_scheduler, gpu_blocks, self.block_size, max_context, "gpu", caching))}
-        if config.policy is not Policy.GPU_ONLY:
+        if traits(config.policy).uses_cpu_engine:
             self.engines[CPU] = SimEngine(CPU, "cpu", make_scheduler(
                 config.cpu_scheduler, cpu_blocks, self.block_size, max_context, "cpu", caching))
         self.prefix = SimPrefixIndex({name: engine.scheduler for name, engine in self.engines.items()})
@@ -125,8 +124,7 @@ class Simulator(CpuSteps, Cooperative, JoinRules, Moves, RouterViews):
         # The profile's cost model drives admission and migration as the router's --profile does.
         self.admission = AdmissionConfig(config.policy, itl_target_ms=config.itl_target_ms, max_queue=config.max_queue,
                                          cpu_max_running=config.cpu_scheduler.max_running, predictor=cost,
-                                         gpu_admission=config.gpu_admission,
-                                         gpu_wait_offload_ms=config.gpu_wait_offload_ms)
+                                         gpu_admission=config.gpu_admission)
         self.migration = MigrationConfig(
             predictor=cost,
             cpu_itl_target_ms=config.itl_target_ms,
@@ -149,7 +147,6 @@ class Simulator(CpuSteps, Cooperative, JoinRules, Moves, RouterViews):
         self.num_rejected = 0
         self.num_handoffs = 0
         self.num_staged_refusals = 0  # staged Assisted iterations refused mid-way (their device wait ran out)
-        self.num_staged_refusals_at_begin = 0  # of those, refused at their begin (refuse_staged_at_begin)
         self.num_gpu_engine_tokens = 0  # tokens the GPU engine's own iterations emitted (the rest: the CPU engine's)
         self.num_migrations = 0
         self.num_moves_without_kv = 0
@@ -207,7 +204,7 @@ class Simulator(CpuSteps, Cooperative, JoinRules, Moves, RouterViews):
         self._admit_queued()
         gpu = self.engines[GPU]
         cpu = self.engines.get(CPU)
-        if cpu is not None and self.config.policy is Policy.GATED:
+        if cpu is not None and traits(self.config.policy).cpu_decodes_inside_gpu_steps:
             # the gate: the CPU goes at a GPU boundary, then the GPU; they take turns
             if self.device.last_user != "cpu" or not gpu.scheduler.has_work:
                 self._try_start_cpu(cpu)
@@ -217,7 +214,7 @@ class Simulator(CpuSteps, Cooperative, JoinRules, Moves, RouterViews):
             self._try_start_gpu(gpu)
             if cpu is not None:
                 self._try_start_cpu(cpu)
-        if (self.config.policy is not Policy.GPU_ONLY and not self._planner_armed
+        if (traits(self.config.policy).migrates and not self._planner_armed
                 and any(t.finish_ms is None and t.engine for t in self.tracks.values())):
             self._planner_armed = True
             self._push(self.now_ms + self.config.planner_interval_ms, "plan")
@@ -253,7 +250,7 @@ class Simulator(CpuSteps, Cooperative, JoinRules, Moves, RouterViews):
                 source = handoff_source(track.spec.input_len, track.spec.output_len, [views[GPU]])
                 if source is not None:
                     first, track.handoff_to = source, name
-                    request.hold_after_first_token = holds_for_handoff(self.config.policy)  # as the relay asks
+                    request.hold_after_first_token = traits(self.config.policy).holds_for_handoff  # as the relay asks
             try:
                 self.engines[first].scheduler.add(request)
             except (InvalidArgument, Overloaded):
@@ -295,8 +292,6 @@ class Simulator(CpuSteps, Cooperative, JoinRules, Moves, RouterViews):
         duration = self.cost.gpu_iteration_ms(prefill_tokens, DecodeBatch.of(contexts))
         if self.pending_join is not None:
             return self._start_with_join(gpu, plan, duration, prefill_tokens, contexts)
-        if self.meeting is not None and self._start_with_meeting(gpu, plan, duration):
-            return
         end_ms = self.device.start_engine(self.now_ms, duration)
         self._start(gpu, plan, end_ms + self.config.engine_overhead_ms)
 
@@ -359,7 +354,5 @@ class Simulator(CpuSteps, Cooperative, JoinRules, Moves, RouterViews):
         for move in plan_migrations(self._routed(), views, self.config.policy, self.migration):
             track = self.tracks[move.request_id]
             if track.migrating or track.finish_ms is not None:
-                continue
-            if self.config.skip_unprefilled_moves and not track.token_times_ms:
                 continue
             self._move(track, self.engines[move.source], self.engines[move.target])

@@ -203,7 +203,7 @@ def test_value_at_equal_itl_and_highest_rate():
 
 
 def test_a_lowest_rate_over_the_target_is_left_out_not_called_never_under():
-    rows = [  # session 8 run 3's dualpace: its first rate over 1000 ms, the others under
+    rows = [  # a measured dualpace sweep: its first rate over 1000 ms, the others under
         {"rate_rps": 1.0, "request_throughput_rps": 0.94, "itl_p99_ms": 1118.0, "failed": 0},
         {"rate_rps": 2.0, "request_throughput_rps": 1.80, "itl_p99_ms": 251.0, "failed": 0},
         {"rate_rps": 4.0, "request_throughput_rps": 1.70, "itl_p99_ms": 556.0, "failed": 0},

@@ -1,4 +1,4 @@
-"""bench.soak_daemons' counter scrape: what bench.compare_policies reports as an engine's preemptions."""
+"""toolkit.daemon_metrics' counter scrape: what bench.compare_policies reports as an engine's preemptions."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import threading
 
 import pytest
 
-from bench.soak_daemons import counter_total_from_metrics
+from toolkit.daemon_metrics import counter_total_from_metrics
 
 EXPOSITION = b"""# HELP dualpace_preemptions_total Requests preempted.
 # TYPE dualpace_preemptions_total counter

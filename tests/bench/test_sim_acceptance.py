@@ -55,37 +55,3 @@ def test_one_small_case_runs_and_writes_json_and_markdown(tmp_path, monkeypatch)
 def test_unknown_case_is_a_clear_error(capsys):
     assert acc.main(["--cases", "nope"]) == 2
     assert "unknown case" in capsys.readouterr().err
-
-
-def test_gpu_wait_offload_slo_gives_the_slo_as_the_bound_to_the_policies_after_gpu_only(monkeypatch):
-    small = acc.Case("tiny-a10g", "a10g_epyc_avx2_llama3_8b", "neo", "800:1200", "50:100", (0.5,))
-    seen = []
-    real_simulate = acc.simulate
-
-    def spy(cost, config, specs, rate):
-        seen.append((config.policy.value, config.gpu_wait_offload_ms, config.itl_target_ms))
-        return real_simulate(cost, config, specs, rate)
-
-    monkeypatch.setattr(acc, "simulate", spy)
-    case = acc.run_case(small, "assumed", 6, 0, "slo")
-    slo = case["slo_p99_itl_ms"]
-    assert seen == [("gpu-only", None, None), ("gated", slo, slo), ("dualpace", slo, slo), ("dualpace", slo, slo)]
-    assert case["gpu_wait_offload"] == "slo"
-    seen.clear()
-    acc.run_case(small, "assumed", 6, 0)
-    assert [bound for _, bound, _ in seen] == [None, None, None, None]
-
-
-def test_reuse_takes_the_rows_the_join_rule_does_not_touch_and_checks_the_report_matches(tmp_path, monkeypatch):
-    small = acc.Case("tiny-a10g", "a10g_epyc_avx2_llama3_8b", "neo", "800:1200", "50:100", (0.5, 2.0))
-    monkeypatch.setattr(acc, "CASES", (small,))
-    first, second = tmp_path / "first.json", tmp_path / "second.json"
-    common = ["--cases", "tiny-a10g", "--variants", "assumed", "--num-requests", "10"]
-    assert acc.main([*common, "--out", str(first)]) == 0
-    assert acc.main([*common, "--join-rule", "meet", "--reuse", str(first), "--out", str(second)]) == 0
-    (a,), (b,) = json.loads(first.read_text())["cases"], json.loads(second.read_text())["cases"]
-    assert b["join_rule"] == "meet" and b["slo_p99_itl_ms"] == a["slo_p99_itl_ms"]
-    for label in ("gpu-only", "gated (as built)", "dualpace (staged)"):
-        assert b["runs"][label] == a["runs"][label]
-    assert "--join-rule meet" in second.with_suffix(".md").read_text()
-    assert acc.main([*common, "--seed", "1", "--reuse", str(first), "--out", str(second)]) == 2  # another seed

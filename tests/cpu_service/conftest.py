@@ -11,11 +11,6 @@ ENGINE_FLAGS = ("--dtype", "fp32", "--threads", "1", "--block-size", "8")
 
 
 @pytest.fixture(scope="module")
-def model_folder(synth_checkpoint):
-    return str(synth_checkpoint("tiny-llama"))
-
-
-@pytest.fixture(scope="module")
 def loaded(model_folder):
     return load_model(model_folder, dtype="fp32")
 

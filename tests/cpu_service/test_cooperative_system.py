@@ -1,4 +1,4 @@
-"""Cooperative execution end to end (issue 18; docs/design_cooperative_execution.md, section 8):
+"""Cooperative execution end to end:
 gpu_service and cpu_service as real processes on loopback, Dense Assist over the shared-memory
 ring, both writing step timelines. Requests prefilled on the GPU engine and handed to the CPU engine
 decode there while the GPU engine serves a request of its own; then:
@@ -30,7 +30,7 @@ from toolkit.processes import start_daemon
 
 JOINS_BUILT = "join_engine_iteration" in assist_pb2.AssistBegin.DESCRIPTOR.fields_by_name
 pytestmark = pytest.mark.skipif(not JOINS_BUILT, reason="cooperative execution is not built in this tree: "
-                                "AssistBegin has no join_engine_iteration field (issue 18, tasks B and C)")
+                                "AssistBegin has no join_engine_iteration field")
 
 STREAM_TIMEOUT_S = 120.0  # per gRPC stream
 READER_JOIN_S = 150.0  # per reader thread, after the streams' own deadline

@@ -54,6 +54,6 @@ def test_bad_input_names_the_field_and_the_engine_stays_up(cpu, prompt, params, 
 
 def test_bad_flags_are_one_line_errors(synth_checkpoint):
     result = subprocess.run(
-        [sys.executable, "-m", "cpu_service", "--model", str(synth_checkpoint("tiny-llama")), "--backend", "ipex"],
+        [sys.executable, "-m", "cpu_service", "--model", str(synth_checkpoint("tiny-llama")), "--policy", "gated"],
         capture_output=True, text=True, timeout=60)
-    assert result.returncode == 2 and "--backend" in result.stderr and "Traceback" not in result.stderr
+    assert result.returncode == 2 and "--gpu-service" in result.stderr and "Traceback" not in result.stderr

@@ -1,10 +1,10 @@
 """cpu_service with gpu_service as real processes: handoff after a GPU prefill, decode on the
-CPU (Local and Assisted, the latter through shared memory and over gRPC), migrations both ways,
-and either daemon SIGKILLed under assisted load on the three transports (shm, gRPC, the TCP data
+CPU (Local and Assisted, the latter through shared memory and over the TCP data socket), migrations both ways,
+and either daemon SIGKILLed under assisted load on both assist transports (shm, the TCP data
 socket): no request lost, no
 shared-memory segment left mapped or open in the survivor. Hand-offs and migrations run on both
-KV data planes: shared memory (--kv-transport auto; both pools are in host memory here) and gRPC
-chunks (--kv-transport grpc on both engines; with the Local CPU engine only, to bound the time)."""
+KV data planes: shared memory (--kv-transport auto; both pools are in host memory here) and the TCP
+data socket (--kv-transport tcp on both engines; with the Local CPU engine only, to bound the time)."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from toolkit.engine_client import EngineClient, read_until
 from toolkit.processes import start_daemon
 
 SEGMENT_NAME = "memfd:dualpace-assist"
-ASSIST_TRANSPORTS = ("auto", "grpc", "tcp")  # tcp: gpu_service's data socket, as across hosts
+ASSIST_TRANSPORTS = ("auto", "tcp")  # tcp: gpu_service's data socket, as across hosts
 TCP_LOG = "dense assist through a TCP data socket"
 
 
@@ -60,7 +60,7 @@ def start_assisted_requests(gpu_client, cpu_client, prompts, params):
     return streams, outputs
 
 
-TRANSPORT_USED = {"auto": "shm", "grpc": "grpc"}  # --kv-transport -> MigrateOutResponse.transport
+TRANSPORT_USED = {"auto": "shm", "tcp": "tcp"}  # --kv-transport -> MigrateOutResponse.transport
 
 
 @pytest.fixture(scope="module", params=sorted(TRANSPORT_USED))
@@ -73,12 +73,12 @@ def gpu(request, model_folder):
     assert daemon.stop() == 0, daemon.log()
 
 
-@pytest.fixture(scope="module", params=[("never", "auto"), ("always", "auto"), ("always", "grpc")],
-                ids=["local", "assisted-shm", "assisted-grpc"])
+@pytest.fixture(scope="module", params=[("never", "auto"), ("always", "auto"), ("always", "tcp")],
+                ids=["local", "assisted-shm", "assisted-tcp"])
 def cpu(request, model_folder, gpu):
     assist, transport = request.param
-    if gpu.kv_transport == "grpc" and assist != "never":
-        pytest.skip("the gRPC KV data plane runs with the Local CPU engine only (assist runs on the shm plane)")
+    if gpu.kv_transport == "tcp" and assist != "never":
+        pytest.skip("the TCP KV data plane runs with the Local CPU engine only (assist runs on the shm plane)")
     daemon = start_daemon("cpu_service", "--model", model_folder, *ENGINE_FLAGS, "--kv-blocks", "512",
                           "--assist", assist, "--gpu-service", gpu.address, "--assist-transport", transport,
                           "--kv-transport", gpu.kv_transport)

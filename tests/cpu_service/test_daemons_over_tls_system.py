@@ -35,7 +35,7 @@ def test_assist_and_router_calls_go_over_mutual_tls(tmp_path, model_folder, load
                            *tls_flags, credentials=credentials)
         daemons.append(gpu)
         cpu = start_daemon("cpu_service", "--model", model_folder, *ENGINE_FLAGS, "--kv-blocks", "64",
-                           "--assist", "always", "--gpu-service", gpu.address, "--assist-transport", "grpc",
+                           "--assist", "always", "--gpu-service", gpu.address, "--assist-transport", "tcp",
                            *tls_flags, credentials=credentials)
         daemons.append(cpu)
         router = start_daemon("router", "serve", "--gpu", gpu.address, "--cpu", cpu.address, "--model", model_folder,
@@ -49,6 +49,7 @@ def test_assist_and_router_calls_go_over_mutual_tls(tmp_path, model_folder, load
                       for t in r.token_ids]
         assert tokens == expected
         assert "iterations now run assisted" in cpu.log() and "redoing it locally" not in cpu.log(), cpu.log()
+        assert "dense assist through a TCP data socket" in cpu.log(), cpu.log()  # over TLS, as its gRPC calls
 
         with grpc.secure_channel(router.address, credentials) as channel:  # through the router
             message = router_pb2.GenerateRequest(prompt_token_ids=common_pb2.TokenIds(token_ids=PROMPT),

@@ -13,6 +13,7 @@ from dualpace.kv.prefix_hash import BlockHasher
 from dynamo_worker.engine_client import EngineStreamError
 from dynamo_worker.kv_events import NodeKvView
 from dynamo_worker.kv_relay import KvRelay
+from tests.helpers import until
 
 BLOCK = 4
 TOKENS = list(range(100, 112))  # three blocks of 4
@@ -112,10 +113,7 @@ def test_the_relay_publishes_withdraws_on_a_lost_stream_reconnects_and_stops_on_
     async def scenario():
         relay = KvRelay(NodeKvView(BLOCK), published.append, [engine])
         relay.start()
-        for _ in range(200):
-            if engine.num_watches >= 2:
-                break
-            await asyncio.sleep(0.05)
+        await until(lambda: engine.num_watches >= 2, "the relay reconnects after the lost stream", 10.0)
         await relay.close()
         return relay
 
@@ -138,7 +136,7 @@ def test_an_engine_without_prefix_caching_is_not_asked_again():
     async def scenario():
         relay = KvRelay(NodeKvView(BLOCK), lambda events: None, [engine])
         relay.start()
-        await asyncio.sleep(1.0)  # two reconnect delays: a retry would have happened
+        await until(lambda: relay.num_following == 0, "the relay gives up an engine that publishes no events")
         await relay.close()
 
     asyncio.run(scenario())

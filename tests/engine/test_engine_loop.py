@@ -12,6 +12,7 @@ from dualpace.engine.loop import EngineLoop
 from dualpace.errors import RequestNotFound
 from dualpace.generation import OfflineGenerator
 from dualpace.sampling import FinishReason, SamplingParams
+from tests.helpers import until
 
 
 async def collect(channel, from_index: int = 0) -> tuple[list[int], FinishReason | None]:
@@ -59,26 +60,18 @@ async def test_abort_ends_stream_and_frees_blocks(tiny):
     loop.close()
 
 
-async def parked(loop: EngineLoop) -> None:
-    for _ in range(10_000):
-        if loop.parked:
-            return
-        await asyncio.sleep(0)
-    pytest.fail("the loop never parked")
-
-
 async def test_a_command_on_an_idle_loop_runs_at_once(tiny):
     """No step runs while the loop is parked, so call() runs the command without suspending (no
     hop through the loop's task and back); the loop then picks up the work the command made."""
     loop = EngineLoop(EngineCore(tiny, EngineConfig(num_kv_blocks=64, block_size=8)))
     runner = asyncio.create_task(loop.run())
-    await parked(loop)
+    await until(lambda: loop.parked, "the idle loop parks")
     call = loop.call(lambda: 42)
     with pytest.raises(StopIteration) as returned:
         call.send(None)  # completes on its first step: it never waited
     assert returned.value.value == 42
     params = SamplingParams(max_tokens=6, ignore_eos=True)
-    await parked(loop)
+    await until(lambda: loop.parked, "the idle loop parks")
     channel = await loop.add_request("idle", [4, 5, 6], params)
     tokens, reason = await collect(channel)
     assert tokens == OfflineGenerator(tiny).generate([[4, 5, 6]], [params])[0].output_token_ids

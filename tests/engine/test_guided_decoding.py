@@ -122,7 +122,7 @@ async def test_a_migrated_request_keeps_its_constraint(tiny):
     """Moved mid-generation (KV and parameters over the migration protocol, the spec in the
     proto): the target rebuilds the matcher from the tokens and continues exactly."""
     from tests.engine.test_migration import direct_send, started, stop, wait_tokens
-    from dualpace.engine.migration import migrate_out
+    from dualpace.engine.transfer.migration import migrate_out
 
     guided = GuidedSpec(GuidedKind.JSON_SCHEMA, json.dumps(SCHEMA))
     prompt = tiny.tokenizer.encode("JSON:")

@@ -15,7 +15,7 @@ import threading
 
 import pytest
 
-from dualpace.engine.migration import migrate_out
+from dualpace.engine.transfer.migration import migrate_out
 from dualpace.engine.request import EngineRequest, RequestState
 from dualpace.engine.scheduler import Scheduler, SchedulerConfig
 from dualpace.engine.step_plan import StepResult
@@ -161,8 +161,7 @@ def test_the_flag_crosses_the_wire():
 
 
 def test_only_dualpace_holds_for_the_hand_off():
-    from dualpace.policy.admission import holds_for_handoff
-    from dualpace.policy.views import Policy
+    from dualpace.policy.policies import Policy, traits
 
-    assert holds_for_handoff(Policy.DUALPACE)
-    assert not holds_for_handoff(Policy.GATED) and not holds_for_handoff(Policy.GPU_ONLY)
+    assert traits(Policy.DUALPACE).holds_for_handoff
+    assert not traits(Policy.GATED).holds_for_handoff and not traits(Policy.GPU_ONLY).holds_for_handoff

@@ -13,8 +13,8 @@ import pytest
 
 from cpu_service.runner import CpuRunner
 from dualpace.engine.core import EngineConfig, EngineCore
-from dualpace.engine.host_tier import HostTierOffers
-from dualpace.engine.host_tier_import import HostTierImporter
+from dualpace.engine.transfer.host_tier import HostTierOffers
+from dualpace.engine.transfer.host_tier_import import HostTierImporter
 from dualpace.engine.loop import EngineLoop
 from dualpace.errors import FailedPrecondition
 from dualpace.generation import OfflineGenerator

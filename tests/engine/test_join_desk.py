@@ -13,15 +13,15 @@ import pytest
 import torch
 
 from dualpace.engine.core import EngineConfig, EngineCore
-from dualpace.engine.join_desk import JoinDesk, JoinOutcome, JoinRequest
-from dualpace.engine.joined_step import JoinSettings
+from dualpace.engine.assist.join_desk import JoinDesk, JoinOutcome, JoinRequest
+from dualpace.engine.assist.joined_step import JoinSettings
 from dualpace.engine.loop import EngineLoop
 from dualpace.errors import Overloaded, Unavailable
 from dualpace.kv.storage import KVStorage
 from dualpace.profile.cost_model import layer_costs
 from dualpace.model.paged_forward import PagedForward, SequenceWork, build_step_tensors
 from dualpace.sampling import SamplingParams
-from tests.helpers import reference_tokens
+from tests.helpers import reference_tokens, until
 from tests.model.test_split_forward import AttendingChannel
 
 
@@ -291,8 +291,7 @@ def test_an_idle_engine_loop_wakes_for_a_join(tiny):
     async def main():
         loop = EngineLoop(core)
         task = asyncio.create_task(loop.run())
-        await asyncio.sleep(0.05)
-        assert loop.parked
+        await until(lambda: loop.parked, "the idle loop parks")
         outcome = await asyncio.to_thread(desk.offer, remote.next_join(1), 30, False)
         loop.stop()
         await task

@@ -1,5 +1,5 @@
-from dualpace.engine.kv_bytes import DTYPES_BY_NAME, tensor_bytes, tensor_from_bytes
-from dualpace.engine.kv_transfer import ITEMSIZE_BYTES
+from dualpace.engine.transfer.kv_bytes import DTYPES_BY_NAME, tensor_bytes, tensor_from_bytes
+from dualpace.engine.transfer.kv_transfer import ITEMSIZE_BYTES
 
 
 def test_torch_free_item_sizes_match_torch():

@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 import torch
 
-from dualpace.engine import kv_copy_native, shm_kv_copy
-from dualpace.engine.shm_kv_copy import copy_in_place, layer_checksums
+from dualpace.engine.transfer import kv_copy_native, shm_kv_copy
+from dualpace.engine.transfer.shm_kv_copy import copy_in_place, layer_checksums
 
 lib = kv_copy_native.get()
 needs_native = pytest.mark.skipif(lib is None, reason="fused KV copy not built here (no gcc or no SSE4.2)")

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from dualpace.engine.kv_transfer import ImportProgress, KvChunk, KvLayout, KvTransferHeader, checksum, plan_chunks
+from dualpace.engine.transfer.kv_transfer import ImportProgress, KvChunk, KvLayout, KvTransferHeader, checksum, plan_chunks
 from dualpace.errors import InvalidArgument
 from dualpace.sampling_params import SamplingParams
 

@@ -14,7 +14,7 @@ import torch
 
 from dualpace.engine.core import EngineConfig, EngineCore
 from dualpace.engine.loop import EngineLoop
-from dualpace.engine.migration import migrate_out
+from dualpace.engine.transfer.migration import migrate_out
 from dualpace.engine.scheduler import SchedulerConfig
 from dualpace.sampling import SamplingParams
 from tests.engine.test_migration import direct_send, stop, wait_tokens

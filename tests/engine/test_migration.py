@@ -9,7 +9,7 @@ import pytest
 
 from dualpace.engine.core import EngineConfig, EngineCore
 from dualpace.engine.loop import EngineLoop
-from dualpace.engine.migration import KvImporter, migrate_out
+from dualpace.engine.transfer.migration import KvImporter, migrate_out
 from dualpace.errors import InvalidArgument
 from dualpace.generation import OfflineGenerator
 from dualpace.sampling import FinishReason, SamplingParams

@@ -17,9 +17,10 @@ import pytest
 
 from dualpace.engine.core import EngineConfig, EngineCore
 from dualpace.engine.loop import EngineLoop
-from dualpace.engine.migration import KvImporter, migrate_out
+from dualpace.engine.transfer.migration import KvImporter, migrate_out
 from dualpace.generation import OfflineGenerator
 from dualpace.sampling import FinishReason, SamplingParams
+from tests.helpers import until
 
 NUM_BLOCKS = 64
 GUARD_S = 60.0  # a hang guard, not a timing assertion
@@ -63,17 +64,6 @@ async def started(tiny, name: str, step_lock: threading.Lock | None = None) -> t
     return loop, asyncio.create_task(loop.run())
 
 
-async def wait_until(condition, what: str) -> None:
-    async def poll() -> None:
-        while not condition():
-            await asyncio.sleep(0.005)
-
-    try:
-        await asyncio.wait_for(poll(), GUARD_S)
-    except TimeoutError:
-        pytest.fail(f"never happened: {what}")
-
-
 async def wait_tokens(channel, count: int) -> None:
     async for _ in channel.follow():
         if len(channel.output_token_ids) >= count:
@@ -98,7 +88,7 @@ async def test_cancelled_migrate_out_strands_nothing(tiny, phase, lands_on_targe
         step_lock.acquire()  # no step boundary: the pause command stays queued
         try:
             migration = asyncio.create_task(migrate_out(source, "m", send, chunk_bytes=700))
-            await wait_until(lambda: source._commands, "the pause is queued")
+            await until(lambda: source._commands, "the pause is queued", GUARD_S)
             await cancel_and_wait(migration)
         finally:
             step_lock.release()
@@ -120,10 +110,10 @@ async def test_cancelled_migrate_out_strands_nothing(tiny, phase, lands_on_targe
         assert tokens == expected
         with pytest.raises(Exception):
             target.channel("m")  # the target never made it live
-    await wait_until(lambda: not source.core.scheduler.requests and not target.core.scheduler.requests,
-                     "both engines hold no request")
-    await wait_until(lambda: source.load().kv_blocks_used == 0 and target.load().kv_blocks_used == 0,
-                     "every KV block is back in both free pools")
+    await until(lambda: not source.core.scheduler.requests and not target.core.scheduler.requests,
+                "both engines hold no request", GUARD_S)
+    await until(lambda: source.load().kv_blocks_used == 0 and target.load().kv_blocks_used == 0,
+                "every KV block is back in both free pools", GUARD_S)
     for loop, task in ((source, source_task), (target, target_task)):
         loop.stop()
         await task

@@ -13,8 +13,8 @@ from __future__ import annotations
 import asyncio
 import threading
 
-from dualpace.engine.kv_transfer import ImportProgress
-from dualpace.engine.migration import migrate_out
+from dualpace.engine.transfer.kv_transfer import ImportProgress
+from dualpace.engine.transfer.migration import migrate_out
 from dualpace.generation import OfflineGenerator
 from dualpace.sampling import SamplingParams
 from tests.engine.test_migration import (

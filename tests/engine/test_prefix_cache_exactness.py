@@ -17,20 +17,14 @@ from dualpace.policy.mode_choice import AssistSetting, ModeChooser
 from cpu_service.runner import CpuRunner
 from dualpace.engine.core import EngineConfig, EngineCore
 from dualpace.engine.loop import EngineLoop
-from dualpace.engine.migration import migrate_out
+from dualpace.engine.transfer.migration import migrate_out
 from dualpace.engine.scheduler import SchedulerConfig
 from dualpace.generation import OfflineGenerator
-from dualpace.model.loader import load_model
 from dualpace.sampling import SamplingParams
 from tests.engine.test_engine_core import run_to_completion
 from tests.engine.test_migration import direct_send, stop, wait_tokens
 
 BLOCK_SIZE = 8
-
-
-@pytest.fixture(scope="module")
-def tiny(synth_checkpoint):
-    return load_model(str(synth_checkpoint("tiny-llama")), dtype="fp32")
 
 
 def shared_prefix_requests(vocab_size: int, count: int, prefix_tokens: int = 37, seed: int = 19):

@@ -1,4 +1,4 @@
-"""dualpace/engine/ring_pacing.py: a layer's stamps split its round trip, a long wait is counted
+"""dualpace/engine/assist/ring_pacing.py: a layer's stamps split its round trip, a long wait is counted
 apart, and a payload that is not a stamp is none; dualpace/engine/run_delay.py reads this thread's
 run-queue time (tests/gpu_service/test_join_ring_stamps.py: a joined iteration through a real ring)."""
 
@@ -8,8 +8,8 @@ import os
 
 import pytest
 
-from dualpace.engine import ring_pacing
-from dualpace.engine.ring_pacing import LayerMarks
+from dualpace.engine.assist import ring_pacing
+from dualpace.engine.assist.ring_pacing import LayerMarks
 from dualpace.engine.run_delay import runqueue_wait_ns
 
 US = 1_000
@@ -43,22 +43,3 @@ def test_the_run_queue_time_is_read_and_never_goes_back():
     first = runqueue_wait_ns()
     sum(range(100_000))
     assert runqueue_wait_ns() >= first >= 0
-
-
-def test_wake_ahead_sleeps_until_shortly_before_the_shortest_recent_gap():
-    margin = ring_pacing.WAKE_MARGIN_NS
-    ahead = ring_pacing.WakeAhead(spin_ns=200 * US)
-    assert (ahead.sleep_first_ns(), ahead.spin_ns()) == (0, 200 * US)  # no gap yet: the usual wait
-    ahead.seen(5_000 * US)  # the first q/k/v: nothing posted before them, no gap
-    assert ahead.sleep_first_ns() == 0
-    ahead.posted(1_000 * US)
-    ahead.seen(3_000 * US)  # a 2 ms gap
-    assert ahead.sleep_first_ns() == 2_000 * US - margin and ahead.spin_ns() == 200 * US + 2 * margin
-    for posted, seen in ((4_000, 5_500), (6_000, 16_000), (17_000, 19_000)):  # 1.5 ms, a late 10 ms, 2 ms
-        ahead.posted(posted * US)
-        ahead.seen(seen * US)
-    assert ahead.sleep_first_ns() == 1_500 * US - margin  # the shortest: a late layer does not push it out
-    for _ in range(ring_pacing.WAKE_AHEAD_GAPS):
-        ahead.posted(20_000 * US)
-        ahead.seen(20_000 * US + margin // 2)  # gaps shorter than the margin: spin at once
-    assert ahead.sleep_first_ns() == 0

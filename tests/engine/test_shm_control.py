@@ -1,4 +1,4 @@
-"""Records of the control streams over a watch connection (dualpace.engine.shm_control), and what
+"""Records of the control streams over a watch connection (dualpace.engine.transfer.shm_control), and what
 the owner does with a record it does not know."""
 
 from __future__ import annotations
@@ -9,9 +9,9 @@ import struct
 
 import pytest
 
-from dualpace.engine import shm_control
-from dualpace.engine.same_host import KIND_FD, TicketServer, boot_id
-from dualpace.engine.shm_control import BadRecord, ended_record, message_record, reply_record, split_record
+from dualpace.engine.transfer import shm_control
+from dualpace.engine.transfer.same_host import KIND_FD, TicketServer, boot_id
+from dualpace.engine.transfer.shm_control import BadRecord, ended_record, message_record, reply_record, split_record
 
 pytestmark = pytest.mark.skipif(boot_id() is None or not hasattr(os, "memfd_create"), reason="Linux")
 

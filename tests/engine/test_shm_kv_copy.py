@@ -7,8 +7,8 @@ import threading
 import pytest
 import torch
 
-from dualpace.engine import shm_kv_copy
-from dualpace.engine.shm_kv_copy import copy_in_place, layer_checksums, layer_ranges
+from dualpace.engine.transfer import shm_kv_copy
+from dualpace.engine.transfer.shm_kv_copy import copy_in_place, layer_checksums, layer_ranges
 
 
 def _pools(dtype, seed):

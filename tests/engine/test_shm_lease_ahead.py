@@ -1,4 +1,4 @@
-"""Write leases asked for ahead of their job (dualpace.engine.same_host KIND_ASK, WatchLeases.ask):
+"""Write leases asked for ahead of their job (dualpace.engine.transfer.same_host KIND_ASK, WatchLeases.ask):
 the owner holds the ask until a job opens under the sender's ticket and grants it then; a job
 revoked first is refused; an ask withdrawn, or whose connection ended, grants nothing later, and
 the blocks of a job still wait for a granted lease's end. (Over a whole transfer, with the
@@ -12,11 +12,11 @@ import os
 
 import pytest
 
-from dualpace.engine.kv_shm_import import ShmImport
-from dualpace.engine.kv_shm_protocol import ShmOffer
-from dualpace.engine.kv_shm_send import MappedPools
-from dualpace.engine.migration import KvImporter
-from dualpace.engine.same_host import SameHostRefused, boot_id, new_ticket
+from dualpace.engine.transfer.kv_shm_import import ShmImport
+from dualpace.engine.transfer.kv_shm_protocol import ShmOffer
+from dualpace.engine.transfer.kv_shm_send import MappedPools
+from dualpace.engine.transfer.migration import KvImporter
+from dualpace.engine.transfer.same_host import SameHostRefused, boot_id, new_ticket
 from tests.engine.test_migration import stop
 from tests.engine.test_migration_shm import shared_target
 from tests.engine.test_shm_watch_leases import cancel_import, headers, still_waiting

@@ -17,11 +17,11 @@ import weakref
 import pytest
 import torch
 
-from dualpace.engine.kv_shm_import import SharedKvPool
-from dualpace.engine.kv_shm_protocol import ShmReservation
-from dualpace.engine.same_host import boot_id, fetch_fd
-from dualpace.engine.shm_mapped_pools import MappedPools
-from dualpace.engine.shm_segment import SharedKvMemory
+from dualpace.engine.transfer.kv_shm_import import SharedKvPool
+from dualpace.engine.transfer.kv_shm_protocol import ShmReservation
+from dualpace.engine.transfer.same_host import boot_id, fetch_fd
+from dualpace.engine.transfer.shm_mapped_pools import MappedPools
+from dualpace.engine.transfer.shm_segment import SharedKvMemory
 
 pytestmark = pytest.mark.skipif(boot_id() is None or not hasattr(os, "memfd_create"), reason="Linux shared memory")
 

@@ -1,4 +1,4 @@
-"""The shared KV pool's pages are faulted in ahead by a background thread (dualpace.engine.shm_populate)."""
+"""The shared KV pool's pages are faulted in ahead by a background thread (dualpace.engine.transfer.shm_populate)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import os
 
 import pytest
 
-from dualpace.engine import shm_populate
+from dualpace.engine.transfer import shm_populate
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "memfd_create"), reason="Linux memfd")
 

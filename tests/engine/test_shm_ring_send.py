@@ -1,4 +1,4 @@
-"""The ring's per-layer send path (dualpace/engine/shm_ring.py send_parts): what arrives equals what
+"""The ring's per-layer send path (dualpace/engine/assist/shm_ring.py send_parts): what arrives equals what
 was sent whether the tensor is copied by memmove (contiguous, CPU) or by copy_ (strided), and a slot
 whose layout changes (another batch, another dtype) carries the new shapes, also when it goes back."""
 
@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dualpace.engine.shm_doorbell import SUPPORTED
-from dualpace.engine.shm_ring import ShmSegment, SlotMessage
+from dualpace.engine.assist.shm_doorbell import SUPPORTED
+from dualpace.engine.assist.shm_ring import ShmSegment, SlotMessage
 
 pytestmark = pytest.mark.skipif(not SUPPORTED, reason="shared memory needs Linux x86-64")
 

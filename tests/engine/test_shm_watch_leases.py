@@ -1,4 +1,4 @@
-"""Write leases over the sender's watch connection (dualpace.engine.shm_watch_leases): the rules of
+"""Write leases over the sender's watch connection (dualpace.engine.transfer.shm_watch_leases): the rules of
 a lease on a connection of its own hold on the shared one, for each of several jobs at once.
 (A SIGKILLed sender, whose watch ends with it: tests/reliability/test_kv_shm_kill.py.)"""
 
@@ -9,11 +9,11 @@ import os
 
 import pytest
 
-from dualpace.engine.kv_shm_import import ShmImport
-from dualpace.engine.kv_shm_protocol import ShmOffer
-from dualpace.engine.kv_shm_send import MappedPools
-from dualpace.engine.migration import KvImporter, migrate_out
-from dualpace.engine.same_host import SameHostRefused, boot_id
+from dualpace.engine.transfer.kv_shm_import import ShmImport
+from dualpace.engine.transfer.kv_shm_protocol import ShmOffer
+from dualpace.engine.transfer.kv_shm_send import MappedPools
+from dualpace.engine.transfer.migration import KvImporter, migrate_out
+from dualpace.engine.transfer.same_host import SameHostRefused, boot_id
 from dualpace.errors import Unavailable
 from dualpace.sampling import SamplingParams
 from tests.engine.test_migration import started, stop, wait_tokens

@@ -105,7 +105,7 @@ def test_modes_and_hows_are_taken_in_either_case():
     assert StepRecord.from_dict(json.loads(record.to_json())) == record
 
 
-class JoinHow(enum.IntEnum):  # as dualpace.engine.assist_types.JoinHow
+class JoinHow(enum.IntEnum):  # as dualpace.engine.assist.assist_types.JoinHow
     UNSPECIFIED = 0
     JOINED = 1
     SPLIT = 2
@@ -113,7 +113,7 @@ class JoinHow(enum.IntEnum):  # as dualpace.engine.assist_types.JoinHow
 
 
 @dataclass
-class JoinInfo:  # as dualpace.engine.assist_types.AssistJoinInfo
+class JoinInfo:  # as dualpace.engine.assist.assist_types.AssistJoinInfo
     how: JoinHow = JoinHow.UNSPECIFIED
     engine_step_id: int = 0
     gpu_wait_us: int = 0

@@ -1,4 +1,4 @@
-"""The ITL window behind LoadSnapshot's itl_p50_ms / itl_p99_ms (issue #20, item 4): empty steps
+"""The ITL window behind LoadSnapshot's itl_p50_ms / itl_p99_ms: empty steps
 are not counted. A known step sequence gives known percentiles, and through a real EngineLoop
 empty plans leave the window untouched."""
 
@@ -6,13 +6,10 @@ from __future__ import annotations
 
 import asyncio
 
-import pytest
-
 from dualpace.engine.core import EngineConfig, EngineCore
 from dualpace.engine.loop import EngineLoop
 from dualpace.engine.scheduler import StepPlan
 from dualpace.engine.step_window import StepLatencyWindow, percentile
-from dualpace.model.loader import load_model
 from dualpace.sampling import SamplingParams
 
 
@@ -40,11 +37,6 @@ def test_percentile_nearest_rank():
     assert percentile([], 0.5) == 0.0
     assert percentile([3.0, 1.0, 2.0], 0.0) == 1.0
     assert percentile([3.0, 1.0, 2.0], 0.99) == 3.0
-
-
-@pytest.fixture(scope="module")
-def tiny(synth_checkpoint):
-    return load_model(str(synth_checkpoint("tiny-llama")), dtype="fp32")
 
 
 async def test_the_loop_records_only_steps_that_did_work(tiny):

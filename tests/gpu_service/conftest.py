@@ -28,7 +28,7 @@ from dualpace.wire.v1 import engine_pb2, engine_pb2_grpc
 from tests.helpers import wait_for
 from toolkit.processes import Daemon, start_daemon
 
-COMMON_FLAGS = ("--dtype", "fp32", "--threads", "1", "--kv-transport", "auto")  # -grpc kinds override it
+COMMON_FLAGS = ("--dtype", "fp32", "--threads", "1", "--kv-transport", "auto")  # -tcp kinds override it
 # The tiny model has 3 layers and its KV for a whole context fits one chunk per
 # layer, so every transfer has exactly 3 chunks (seq 0, 1, 2): each fault below
 # hits a chunk that exists. (A cut "after 3" chunks would never trigger.)
@@ -44,8 +44,8 @@ DAEMON_SPECS: dict[str, tuple[tuple[str, ...], dict[str, str]]] = {
     "queue": (("--name", "gpu-queue", "--max-running", "1", "--max-waiting", "1"), {}),
     # Migration sources whose outgoing KV transfers fail. Without CUDA the pools are in host
     # memory, so a source with --kv-transport auto sends through shared memory (a fault on
-    # "chunk N" then hits layer N); the -grpc kinds send chunks over gRPC, the -tcp kinds stream the
-    # layers over the target's TCP data socket (the fault on layer N).
+    # "chunk N" then hits layer N); the -tcp kinds stream the layers over the target's TCP data
+    # socket (the fault on layer N).
     "corrupt": (("--name", "gpu-corrupt", "--block-size", "8"), {"DUALPACE_FAULT_KV_CORRUPT_CHUNK": str(FAULT_CHUNK)}),
     "drop": (("--name", "gpu-drop", "--block-size", "8"), {"DUALPACE_FAULT_KV_DROP_CHUNK": str(FAULT_CHUNK)}),
     "cut": (("--name", "gpu-cut", "--block-size", "8"), {"DUALPACE_FAULT_KV_CUT_AFTER": str(FAULT_CHUNK)}),
@@ -55,9 +55,8 @@ DAEMON_SPECS: dict[str, tuple[tuple[str, ...], dict[str, str]]] = {
 }
 for _kind in ("main", "corrupt", "drop", "cut"):
     _flags, _env = DAEMON_SPECS[_kind]
-    DAEMON_SPECS[f"{_kind}-grpc"] = (_flags + ("--kv-transport", "grpc"), _env)
     DAEMON_SPECS[f"{_kind}-tcp"] = (_flags + ("--kv-transport", "tcp"), _env)  # the cross-host data socket
-KV_TRANSPORTS = {"shm": "", "grpc": "-grpc", "tcp": "-tcp"}  # transport -> suffix of the source kinds that use it
+KV_TRANSPORTS = {"shm": "", "tcp": "-tcp"}  # transport -> suffix of the source kinds that use it
 STOP_TIMEOUT_S = 30.0
 RPC_TIMEOUT_S = 60.0
 
@@ -115,11 +114,6 @@ class GpuDaemons:
             results[name] = (daemon.process.returncode, daemon.log())
         self.daemons.clear()
         return results
-
-
-@pytest.fixture(scope="session")
-def tiny_folder(synth_checkpoint) -> str:
-    return str(synth_checkpoint("tiny-llama"))
 
 
 @pytest.fixture(scope="session")

@@ -2,9 +2,9 @@
 
 The client keeps its own paged KV (prefilled in-process) and computes decode
 attention there; the assisted logits must equal an in-process PagedForward step.
-Each client test runs on the three transports: "shm" (the per-layer tensors through the
-stream's shared-memory rings, checked to have been used), "tcp" (the same messages as frames on
-the server's TCP data socket, as between hosts) and "grpc" (all on the stream).
+Each client test runs on both transports: "shm" (the per-layer tensors through the stream's
+shared-memory rings, checked to have been used) and "tcp" (the same messages as frames on the
+server's TCP data socket, as between hosts).
 """
 
 from __future__ import annotations
@@ -19,8 +19,9 @@ import pytest
 import torch
 
 from cpu_service.assist_client import AssistClient, AssistUnavailable
-from dualpace.engine import assist_types
-from dualpace.engine.kv_tcp_import import TcpDataServer
+from dualpace.engine.assist import assist_types
+from dualpace.engine.transfer.kv_tcp_import import TcpDataServer
+from dualpace.errors import InvalidArgument
 from dualpace.kv.storage import KVStorage
 from dualpace.model.attention import decode_attention
 from dualpace.model.loader import LoadedModel, load_model
@@ -34,7 +35,7 @@ from gpu_service.dense_assist import DenseAssistExecutor
 BLOCK_SIZE = 4
 HANG_GUARD_S = 60.0  # the longest a client waits for a reply here: a hang guard, never a criterion
 PROMPT_LENGTHS = (3, 9, 17)
-TRANSPORTS = {"shm": "auto", "grpc": "grpc", "tcp": "tcp"}
+TRANSPORTS = {"shm": "auto", "tcp": "tcp"}
 
 
 @pytest.fixture(params=sorted(TRANSPORTS))
@@ -44,9 +45,9 @@ def transport(request) -> str:
 
 
 def assert_used(client: AssistClient, transport: str, num_iterations: int) -> None:
-    """The iterations ran through shared memory (or the data socket) exactly when the transport allows it."""
-    assert client.num_shm_iterations == (0 if transport == "grpc" else num_iterations)
-    assert client.data_path == {"auto": "shm", "tcp": "tcp", "grpc": "grpc"}[transport]
+    """The iterations ran through shared memory, or through the data socket with transport tcp."""
+    assert client.num_shm_iterations == num_iterations
+    assert client.data_path == {"auto": "shm", "tcp": "tcp"}[transport]
 
 
 class _CountingExecutor(DenseAssistExecutor):
@@ -258,12 +259,8 @@ def test_unreachable_server_raises_unavailable(transport) -> None:
     client.close()
 
 
-def _attention_output(iteration_id: int, layer: int, shape: list[int]) -> assist_pb2.AssistUp:
-    return assist_messages.assist_up_to_pb(assist_types.AssistAttentionOutput(iteration_id, layer, torch.zeros(shape)))
-
-
-def _begin(iteration_id: int, num_rows: int = 2, sampling=None) -> assist_pb2.AssistUp:
-    return assist_messages.assist_up_to_pb(assist_types.AssistBegin(iteration_id, [1] * num_rows, [0] * num_rows, sampling))
+def _begin(iteration_id: int, num_rows: int = 2, sampling=None) -> assist_types.AssistBegin:
+    return assist_types.AssistBegin(iteration_id, [1] * num_rows, [0] * num_rows, sampling)
 
 
 def _stream_status(address: str, messages: list[assist_pb2.AssistUp]) -> tuple[grpc.StatusCode, str]:
@@ -275,30 +272,66 @@ def _stream_status(address: str, messages: list[assist_pb2.AssistUp]) -> tuple[g
         return raised.value.code(), raised.value.details()
 
 
-def test_bad_messages_end_the_stream_naming_the_field(loaded, server) -> None:
-    width = loaded.config.num_heads * loaded.config.head_dim
-    whole_iteration_5 = [_begin(5)] + [_attention_output(5, layer, [2, width])
-                                       for layer in range(loaded.config.num_layers)]
+def test_the_stream_takes_only_the_offer(loaded, server) -> None:
+    """A begin on the gRPC stream (the iteration's messages go through the rings or the data socket),
+    an empty message, or a second offer ends the stream with INVALID_ARGUMENT naming the field; the
+    server still serves new streams."""
+    offer = assist_messages.assist_up_to_pb(assist_types.AssistShmOffer("", "", 1 << 20, b"", tcp=True))
     cases = {
-        "attention_output: no iteration": [_attention_output(1, 0, [2, width])],
-        "attention_output.layer": [_begin(1), _attention_output(1, 1, [2, width])],
-        "attention_output.attention_output": [_begin(1), _attention_output(1, 0, [2, width + 1])],
-        "attention_output.iteration_id": [_begin(1), _attention_output(2, 0, [2, width])],
-        "begin: iteration 1 is still in progress": [_begin(1), _begin(2)],
-        "begin.iteration_id": [*whole_iteration_5, _begin(5)],
-        "begin.sampling[1].top_p": [_begin(1, sampling=[(SamplingParams(), 1), (SamplingParams(top_p=0.0), 2)])],
-        "begin.sampling[0].seed": [assist_pb2.AssistUp(begin=assist_pb2.AssistBegin(
-            iteration_id=1, token_ids=[1], positions=[0], sampling=[common.sampling_params_to_pb(SamplingParams())]))],
-        "begin.token_ids[0]": [assist_pb2.AssistUp(begin=assist_pb2.AssistBegin(
-            iteration_id=1, token_ids=[loaded.config.vocab_size], positions=[0], return_logits=True))],
+        "begin": [assist_messages.assist_up_to_pb(_begin(1))],
         "kind": [assist_pb2.AssistUp()],
+        "shm_offer": [offer, offer],
     }
     for expected_field, messages in cases.items():
         code, details = _stream_status(server.address, messages)
         assert code == grpc.StatusCode.INVALID_ARGUMENT, (expected_field, details)
         assert details.startswith(expected_field), (expected_field, details)
-    with AssistClient(server.address) as client:  # the server still serves new streams
+    with AssistClient(server.address) as client:
         assert client.run_iteration([1], [0], _zeros_attend(loaded)).shape == (1, loaded.config.vocab_size)
+
+
+def test_bad_begins_and_attention_outputs_are_refused_naming_the_field(loaded) -> None:
+    """What the ring thread hands the session: each malformed message raises InvalidArgument
+    naming its field (the stream then ends with INVALID_ARGUMENT), and the wire refuses a begin
+    whose sampling row has no seed."""
+    width = loaded.config.num_heads * loaded.config.head_dim
+    executor = DenseAssistExecutor(loaded.model)
+
+    def output(iteration_id: int, layer: int, num_columns: int = width) -> assist_types.AssistAttentionOutput:
+        return assist_types.AssistAttentionOutput(iteration_id, layer, torch.zeros(2, num_columns))
+
+    def whole_iteration_5(session) -> None:
+        session.begin(_begin(5))
+        for layer in range(loaded.config.num_layers):
+            session.attention_output(output(5, layer))
+
+    cases = {
+        "attention_output: no iteration": [lambda s: s.attention_output(output(1, 0))],
+        "attention_output.layer": [lambda s: s.begin(_begin(1)), lambda s: s.attention_output(output(1, 1))],
+        "attention_output.attention_output": [lambda s: s.begin(_begin(1)),
+                                              lambda s: s.attention_output(output(1, 0, width + 1))],
+        "attention_output.iteration_id": [lambda s: s.begin(_begin(1)), lambda s: s.attention_output(output(2, 0))],
+        "begin: iteration 1 is still in progress": [lambda s: s.begin(_begin(1)), lambda s: s.begin(_begin(2))],
+        "begin.iteration_id": [whole_iteration_5, lambda s: s.begin(_begin(5))],
+        "begin.sampling[1].top_p": [lambda s: s.begin(_begin(1, sampling=[(SamplingParams(), 1),
+                                                                           (SamplingParams(top_p=0.0), 2)]))],
+        "begin.token_ids[0]": [lambda s: s.begin(assist_types.AssistBegin(1, [loaded.config.vocab_size], [0], None))],
+    }
+    for expected_field, steps in cases.items():
+        session = executor.new_session()
+        try:
+            *before, last = steps
+            for step in before:
+                step(session)
+            with pytest.raises(InvalidArgument) as raised:
+                last(session)
+            assert str(raised.value).startswith(expected_field), (expected_field, str(raised.value))
+        finally:
+            session.close()
+    no_seed = assist_pb2.AssistUp(begin=assist_pb2.AssistBegin(
+        iteration_id=1, token_ids=[1], positions=[0], sampling=[common.sampling_params_to_pb(SamplingParams())]))
+    with pytest.raises(ValueError, match=r"^begin.sampling\[0\].seed"):
+        assist_messages.assist_up_from_pb(no_seed)
 
 
 def test_device_wait_budget_ends_the_iteration_with_resource_exhausted(loaded, server, transport) -> None:

@@ -2,7 +2,7 @@
 
 - a server with a JoinDesk says accepts_join; a dualpace join nobody takes in time runs staged
   (join_info STAGED) and equals the in-process forward;
-- a gated join nobody takes ends with DEADLINE_EXCEEDED at the issue-20 stage timeout, nothing is
+- a gated join nobody takes ends with DEADLINE_EXCEEDED at the server's stage timeout, nothing is
   held, and the server serves on;
 - a join taken by a step (a stand-in for the engine's step thread that drives the desk's joins
   through their ring channels, as B's SplitForward does) returns the same tokens and logits as
@@ -32,8 +32,8 @@ from dualpace.engine.loop import EngineLoop
 from dualpace.engine.runner import ModelRunner
 from dualpace.generation import OfflineGenerator
 from dualpace.policy.mode_choice import AssistSetting, ExecutionMode, ModeChooser
-from dualpace.engine.assist_types import AssistBegin, AssistQkv, JoinHow
-from dualpace.engine.join_desk import JoinDesk, JoinOutcome, JoinStepInfo
+from dualpace.engine.assist.assist_types import AssistBegin, AssistQkv, JoinHow
+from dualpace.engine.assist.join_desk import JoinDesk, JoinOutcome, JoinStepInfo
 from dualpace.errors import InvalidArgument, Overloaded
 from dualpace.sampling import SamplingParams
 from gpu_service.assist_limits import AssistLimits, add_assist_limit_arguments, limits_from_args

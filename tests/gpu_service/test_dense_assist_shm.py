@@ -22,8 +22,9 @@ import torch
 
 from cpu_service import assist_shm
 from cpu_service.assist_client import AssistClient, AssistUnavailable
-from dualpace.engine.assist_types import AssistBegin, AssistShmOffer, ShmSlotKind
-from dualpace.engine.shm_ring import ShmSegment, SlotMessage, boot_id
+from dualpace.engine.assist.assist_types import AssistBegin, AssistShmOffer, ShmSlotKind
+from dualpace.engine.transfer.same_host import boot_id
+from dualpace.engine.assist.shm_ring import ShmSegment, SlotMessage
 from dualpace.wire.assist_messages import begin_to_bytes
 from gpu_service.assist_limits import AssistLimits
 from gpu_service.assist_shm_session import accept_offer
@@ -59,24 +60,24 @@ def test_logits_too_large_for_a_slot_come_on_the_stream(loaded, server) -> None:
     assert server.executor.num_sessions == 1
 
 
-def test_a_batch_too_large_for_the_slots_runs_over_grpc_on_the_same_stream(loaded, server) -> None:  # noqa: F811
+def test_a_batch_too_large_for_the_slots_runs_locally(loaded, server) -> None:  # noqa: F811
     slot_bytes = 1280  # two rows of the tiny model's q/k/v in float32, not three
     with AssistClient(server.address, iteration_timeout_s=HANG_GUARD_S, shm_slot_bytes=slot_bytes) as client:
-        _logit_steps(client, loaded, 2)  # batch 3: over gRPC
+        with pytest.raises(AssistUnavailable, match="does not fit a slot"):
+            client.run_iteration([1, 2, 3], [0, 0, 0], _zeros_attend(loaded))  # the caller runs it locally
         assert client.num_shm_iterations == 0
         logits = client.run_iteration([1, 2], [0, 0], _zeros_attend(loaded))  # batch 2: through the rings
         assert logits.shape == (2, loaded.config.vocab_size) and client.num_shm_iterations == 1
-    assert server.executor.num_sessions == 1
 
 
-def test_a_server_without_shared_memory_refuses_and_grpc_serves(loaded) -> None:  # noqa: F811
+def test_a_server_without_shared_memory_answers_with_its_data_socket(loaded) -> None:  # noqa: F811
     running = _ServerThread(_CountingExecutor(loaded.model))
     running.limits = AssistLimits(shm_enabled=False)
     running.start()
     try:
         with AssistClient(running.address, iteration_timeout_s=HANG_GUARD_S) as client:
             _logit_steps(client, loaded, 2)
-            assert client.num_shm_iterations == 0
+            assert client.num_shm_iterations == 2 and client.data_path == "tcp"
     finally:
         running.stop()
 

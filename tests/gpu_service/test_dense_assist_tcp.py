@@ -22,8 +22,8 @@ import pytest
 import torch
 
 from cpu_service.assist_client import AssistClient, AssistUnavailable
-from dualpace.engine.assist_tcp_link import TcpLink, TcpLinkError
-from dualpace.engine.assist_types import ShmSlotKind
+from dualpace.engine.assist.assist_tcp_link import TcpLink, TcpLinkError
+from dualpace.engine.assist.assist_types import ShmSlotKind
 from tests.serve.test_security import _self_signed
 from dualpace.serve.security import load_tls
 from tests.gpu_service.test_dense_assist import (
@@ -83,17 +83,15 @@ def test_a_tls_data_socket_serves_a_client_with_tls_only(loaded, tmp_path) -> No
     running.start()
     try:
         attend = _zeros_attend(loaded)
-        with AssistClient(running.address, iteration_timeout_s=HANG_GUARD_S, transport="grpc") as plain:
-            expected = plain.run_iteration([1, 2], [0, 0], attend)
         with AssistClient(running.address, iteration_timeout_s=HANG_GUARD_S, transport="tcp",
                           data_tls=tls.data_client_context()) as client:
-            assert torch.equal(client.run_iteration([1, 2], [0, 0], attend), expected)
+            assert client.run_iteration([1, 2], [0, 0], attend).shape == (2, loaded.config.vocab_size)
             assert client.data_path == "tcp" and client.num_shm_iterations == 1
         with AssistClient(running.address, iteration_timeout_s=HANG_GUARD_S, transport="tcp") as client:
-            with pytest.raises(AssistUnavailable, match="TLS"):
-                client.run_iteration([1, 2], [0, 0], attend)
-            assert torch.equal(client.run_iteration([1, 2], [0, 0], attend), expected)  # over gRPC now
-            assert client.data_path == "grpc"
+            for _ in range(2):  # each iteration runs locally; the next one asks again
+                with pytest.raises(AssistUnavailable, match="TLS"):
+                    client.run_iteration([1, 2], [0, 0], attend)
+            assert client.data_path is None and client.num_shm_iterations == 0
     finally:
         running.stop()
 

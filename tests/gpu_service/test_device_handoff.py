@@ -15,7 +15,7 @@ import time
 import pytest
 import torch
 
-from dualpace.engine.assist_types import AssistAttentionOutput, AssistBegin, AssistQkv, AssistResult
+from dualpace.engine.assist.assist_types import AssistAttentionOutput, AssistBegin, AssistQkv, AssistResult
 from dualpace.engine.gate import DeviceHandoff, IterationGate
 from dualpace.errors import Overloaded
 from dualpace.kv.storage import KVStorage

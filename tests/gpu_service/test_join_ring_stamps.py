@@ -1,5 +1,5 @@
 """A joined iteration through a real ring (gpu_service/join_channel.py's RingJoinChannel against
-cpu_service/assist_shm.py's ShmIterations, dualpace/engine/ring_pacing.py): the GPU side stamps
+cpu_service/assist_shm.py's ShmIterations, dualpace/engine/assist/ring_pacing.py): the GPU side stamps
 the CPU side stamps its answers; the answers are the CPU's, and the channel's marks count each
 layer with times that add up."""
 
@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from cpu_service.assist_shm import ShmIterations
-from dualpace.engine.assist_types import AssistBegin, AssistResult, AssistShmAnswer
-from dualpace.engine.shm_doorbell import SUPPORTED
-from dualpace.engine.shm_ring import ShmSegment
+from dualpace.engine.assist.assist_types import AssistBegin, AssistResult, AssistShmAnswer
+from dualpace.engine.assist.shm_doorbell import SUPPORTED
+from dualpace.engine.assist.shm_ring import ShmSegment
 from gpu_service.join_channel import RingJoinChannel, send_result
 
 
@@ -25,13 +25,10 @@ class _Model:  # what RingJoinChannel reads of a model
 
 
 @pytest.mark.skipif(not SUPPORTED, reason="shared memory needs Linux x86-64")
-@pytest.mark.parametrize("wake_ahead", ["0", "1"])
-def test_a_joined_layer_through_the_ring_is_stamped_both_ways(wake_ahead, monkeypatch):
-    monkeypatch.setenv("DUALPACE_WAKE_AHEAD", wake_ahead)  # the CPU side's wait, either way the same answers
+def test_a_joined_layer_through_the_ring_is_stamped_both_ways():
     client_segment = ShmSegment.create(2, 64 * 1024)
     server_segment = ShmSegment.open(client_segment.peer_path, client_segment.size_bytes, client_segment.client_token)
     rings = ShmIterations(client_segment, AssistShmAnswer(accepted=True, max_batch_rows=8), 0.0)
-    assert rings.wake_ahead == (wake_ahead == "1")
     server = server_segment.endpoint("down", 0.0)
     begin = AssistBegin(iteration_id=7, token_ids=[1, 2], positions=[3, 4], sampling=None)
     num_layers, done = 5, {}

@@ -22,11 +22,6 @@ from toolkit.processes import start_daemon
 FLAGS = ("--dtype", "fp32", "--threads", "1", "--block-size", "4", "--kv-blocks", "32")
 
 
-@pytest.fixture(scope="module")
-def model_folder(synth_checkpoint):
-    return str(synth_checkpoint("tiny-llama"))
-
-
 def events_of(batch) -> list:
     return [kv_event_from_pb(e) for e in batch.events]
 

@@ -1,7 +1,7 @@
 """KV migration between two real gpu_service processes, and transfers that fail.
 
-Every test runs on the three data planes: shared memory (the sources' default on one host),
-gRPC chunks (sources started with --kv-transport grpc) and the TCP data socket (--kv-transport tcp).
+Every test runs on both data planes: shared memory (the sources' default on one host) and the TCP
+data socket (sources started with --kv-transport tcp).
 
 A client reads the source's stream until it ends with migrated_to, then resumes
 on the target from the number of tokens it has seen: the two parts together

@@ -1,7 +1,7 @@
 """Tiny checkpoints of each supported family, made with transformers' own model classes.
 
-Random weights as ARCHITECTURE.md section 9 asks (linear std 0.2, embeddings 0.6, norms 1 +
-N(0, 0.1)) so greedy top-1 margins are clear; the synthetic tokenizer of dualpace.model.synth.
+Random weights of the tiny presets' scales (linear std 0.2, embeddings 0.6, norms 1 + N(0, 0.1)),
+so greedy top-1 margins are clear; the synthetic tokenizer of dualpace.model.synth.
 Each family sets the features it exercises: llama3 RoPE scaling (and rope_freqs in its GGUF),
 Qwen3's q/k norms, Phi-3's fused projections with partial rotation (and Phi-4-mini's LongRoPE, whose
 short factors and cos/sin factor hold within its original 64-token context), Mistral's sliding window

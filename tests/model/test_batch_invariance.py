@@ -2,7 +2,7 @@
 inside any batch the kernels take, for every variant this CPU runs. Greedy decoding of a request
 then does not depend on which other requests share its steps (a migrated request, a solo run and
 a batched run agree token for token), except where a product leaves the kernels for oneDNN
-(above LINEAR_MAX_ROWS rows of a same-dtype dense matrix; docs/perf.md)."""
+(above LINEAR_MAX_ROWS rows of a same-dtype dense matrix)."""
 
 from __future__ import annotations
 

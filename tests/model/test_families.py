@@ -12,7 +12,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from dualpace.engine.migration import migrate_out
+from dualpace.engine.transfer.migration import migrate_out
 from dualpace.generation import OfflineGenerator
 from dualpace.model import cpu_kernels
 from dualpace.model.loader import load_model

@@ -47,7 +47,7 @@ def venv_recipe() -> list[str]:
 
 
 @pytest.mark.parametrize("module", ["dualpace.model.cpu_kernels_build", "dualpace.model.quant_kernels",
-                                    "dualpace.engine.kv_copy_native"])
+                                    "dualpace.engine.transfer.kv_copy_native"])
 def test_make_venv_builds_each_native_library(module):
     """Each built at `make venv` (the leading `-`: a failed build, say without a compiler, goes on)."""
     assert f"-$(BIN)/python -m {module}" in venv_recipe()

@@ -1,4 +1,4 @@
-"""SplitForward: a GPU step with remote rows (docs/design_cooperative_execution.md section 4).
+"""SplitForward: a GPU step with remote rows, JOINED and SPLIT.
 
 The remote rows' K/V and attention live on a fake CPU side: its own KVStorage, attended as
 AssistedForward does. Greedy tokens must equal Hugging Face's in fp32, logits a plain

@@ -188,7 +188,7 @@ def test_large_preset_shapes_without_allocating(name, expected_num_params, expec
 @pytest.fixture
 def model_cli(monkeypatch):
     """cli.main with only the `model` command registered, so sibling commands cannot break these tests."""
-    monkeypatch.setattr(cli, "_COMMAND_MODULES", ("dualpace.commands.model",))
+    monkeypatch.setattr(cli, "_COMMAND_MODULES", ("dualpace_cli.model",))
     return cli.main
 
 

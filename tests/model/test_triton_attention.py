@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-import tests.model.triton_interpreter  # noqa: F401  (sets TRITON_INTERPRET=1 before triton loads)
+from tests.model.triton_interpreter import use_kernels  # sets TRITON_INTERPRET=1 before triton loads
 
 from dualpace.generation import OfflineGenerator  # noqa: E402
 from dualpace.kv.storage import KVStorage  # noqa: E402
@@ -89,7 +89,7 @@ def test_whole_model_step_and_greedy_generation_match_gather(preset, synth_check
     params = [SamplingParams(max_tokens=12, ignore_eos=True)] * len(prompts)
     results = {}
     for backend in ("gather", "triton"):
-        monkeypatch.setenv("DUALPACE_ATTENTION_BACKEND", backend)
+        use_kernels(monkeypatch, attention_backend=backend)
         kv = KVStorage(cfg.num_layers, 8, 16, cfg.num_kv_heads, cfg.head_dim, torch.float32, loaded.model.device)
         logits = PagedForward(loaded.model, kv).forward([
             SequenceWork(prompts[0], 0, [5, 2], all_logits=True),

@@ -9,12 +9,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import tests.model.triton_interpreter  # noqa: F401  (sets TRITON_INTERPRET=1 before triton loads)
+from tests.model.triton_interpreter import use_kernels  # sets TRITON_INTERPRET=1 before triton loads
 
 from dualpace.generation import OfflineGenerator  # noqa: E402
 from dualpace.kv.storage import KVStorage  # noqa: E402
 from dualpace.model import cpu_kernels, triton_fused  # noqa: E402
-from dualpace.model.attention_backend import uses_fused_triton, uses_triton  # noqa: E402
+from dualpace.model.attention_backend import KernelChoices, uses_fused_triton, uses_triton  # noqa: E402
 from dualpace.model.loader import load_model  # noqa: E402
 from dualpace.model.paged_forward import PagedForward, SequenceWork  # noqa: E402
 from dualpace.model.rope import HalfAngles, apply_rotary  # noqa: E402
@@ -121,7 +121,7 @@ def test_rotary_refuses_angles_of_the_wrong_shape():
 
 
 def _logits_and_greedy(folder: str, fused: str, monkeypatch):
-    monkeypatch.setenv("DUALPACE_FUSED_KERNELS", fused)
+    use_kernels(monkeypatch, fused_kernels=fused)
     loaded = load_model(folder, dtype="fp32")
     assert loaded.model._fused_triton == (fused == "triton")
     cfg = loaded.config
@@ -136,7 +136,7 @@ def _logits_and_greedy(folder: str, fused: str, monkeypatch):
 @pytest.mark.parametrize("preset", ["tiny-llama", "tiny-qwen2", "tiny-mistral", "tiny-qwen3", "tiny-phi3", "tiny-gemma3",
                                     "tiny-mixtral", "tiny-qwen2-moe", "tiny-qwen3-moe"])
 def test_whole_model_with_fused_kernels_is_token_identical_to_torch(preset, synth_checkpoint, monkeypatch):
-    monkeypatch.setenv("DUALPACE_ATTENTION_BACKEND", "gather")
+    use_kernels(monkeypatch, attention_backend="gather")
     enabled = cpu_kernels._state.get("enabled", True)
     cpu_kernels.set_enabled(False)  # the reference: plain torch ops
     try:
@@ -151,20 +151,18 @@ def test_whole_model_with_fused_kernels_is_token_identical_to_torch(preset, synt
 
 def test_fused_kernels_auto_and_torch_mean_torch_ops_on_cpu(monkeypatch):
     for value in ("auto", "torch"):  # auto: Triton on CUDA only
-        monkeypatch.setenv("DUALPACE_FUSED_KERNELS", value)
+        use_kernels(monkeypatch, fused_kernels=value)
         assert not uses_fused_triton(torch.device("cpu"))
 
 
-@pytest.mark.parametrize("env_var, uses", [("DUALPACE_ATTENTION_BACKEND", uses_triton),
-                                           ("DUALPACE_FUSED_KERNELS", uses_fused_triton)])
-def test_forcing_triton_on_cpu_without_the_interpreter_is_a_clear_error(env_var, uses, monkeypatch):
-    monkeypatch.setenv(env_var, "triton")
+@pytest.mark.parametrize("name, uses", [("attention_backend", uses_triton), ("fused_kernels", uses_fused_triton)])
+def test_forcing_triton_on_cpu_without_the_interpreter_is_a_clear_error(name, uses, monkeypatch):
+    use_kernels(monkeypatch, **{name: "triton"})
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     with pytest.raises(ValueError, match="TRITON_INTERPRET=1"):
         uses(torch.device("cpu"))
-    monkeypatch.setenv(env_var, "fastest")
-    with pytest.raises(ValueError, match=env_var):
-        uses(torch.device("cpu"))
+    with pytest.raises(ValueError, match=name):
+        KernelChoices(**{name: "fastest"})
 
 
 def test_static_decode_buffers_through_the_triton_kernels_equal_the_torch_path(synth_checkpoint, monkeypatch):
@@ -184,8 +182,8 @@ def test_static_decode_buffers_through_the_triton_kernels_equal_the_torch_path(s
     cpu_kernels.set_enabled(False)
     try:
         for kernels, graph_batch in (("triton", 4), ("torch", 0)):
-            monkeypatch.setenv("DUALPACE_FUSED_KERNELS", kernels)
-            monkeypatch.setenv("DUALPACE_ATTENTION_BACKEND", "triton" if kernels == "triton" else "gather")
+            use_kernels(monkeypatch, fused_kernels=kernels)
+            use_kernels(monkeypatch, attention_backend="triton" if kernels == "triton" else "gather")
             outputs[kernels], runner = generate_through_engine(load_model(folder, dtype="fp32"), config, prompts,
                                                                params, graph_batch)
             if graph_batch:

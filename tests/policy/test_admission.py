@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from dualpace.policy.admission import AdmissionConfig, Placement, admit, blocks_for
-from dualpace.policy.views import EngineView, Policy, RoutedRequest
+from dualpace.policy.policies import Policy
+from dualpace.policy.views import EngineView, RoutedRequest
 
 BS = 16  # block size in every case below
 

@@ -2,8 +2,9 @@
 
 import pytest
 
-from dualpace.policy.cooperative_plan import (CooperativePolicy, JoinHow, LayerCosts, LayerTimes, OwnRows, RemoteJoin,
+from dualpace.policy.cooperative_plan import (JoinHow, LayerCosts, LayerTimes, OwnRows, RemoteJoin,
                                               join_wait_bound_ms, own_step_layer_ms, plan_layout)
+from dualpace.policy.policies import Policy
 from dualpace.profile.cost_model import layer_costs, layer_costs_measured
 
 # A GPU layer: dense 1.0 ms flat up to 64 rows, then 1/64 ms a row (memory-bound, then compute-bound);
@@ -32,7 +33,7 @@ def test_split_with_prefills_covers_the_cpu_with_the_prefill_layer():
 
 def test_dualpace_declines_to_staged_when_the_cpu_is_much_slower():
     own = OwnRows(0, [100] * 4)  # attend(D) = 0.4 ms: nothing to hide 20 ms of CPU attention behind
-    layout = plan_layout(CooperativePolicy.DUALPACE, own, [RemoteJoin(4, expected_layer_ms=20.0)], COSTS)
+    layout = plan_layout(Policy.DUALPACE, own, [RemoteJoin(4, expected_layer_ms=20.0)], COSTS)
     assert layout.how is JoinHow.STAGED and layout.d1_rows == 0 and layout.predicted_gpu_wait_ms == 0.0
     assert layout.predicted_layer_ms == pytest.approx(own_step_layer_ms(own, COSTS) + 1.0)
 

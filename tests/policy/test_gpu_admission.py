@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 
 from dualpace.policy.admission import AdmissionConfig, GpuAdmission, Placement, admit
-from dualpace.policy.views import Policy, RoutedRequest
+from dualpace.policy.policies import Policy
+from dualpace.policy.views import RoutedRequest
 from tests.policy.test_admission import BS, cpu, gpu
 
 OPTIMISTIC = AdmissionConfig(policy=Policy.GPU_ONLY)

@@ -13,7 +13,8 @@ from dualpace.policy.host_tier import (
     continue_on_host_tier,
     place_host_prefix,
 )
-from dualpace.policy.views import Policy, RoutedRequest
+from dualpace.policy.policies import Policy
+from dualpace.policy.views import RoutedRequest
 from tests.policy.test_admission import cpu, gpu
 
 RULE = HostTierRule(min_gain_tokens=64, max_suffix_tokens=256)

@@ -12,7 +12,8 @@ from dualpace.policy.migration_planner import (
     plan_migrations,
     transfer_ms,
 )
-from dualpace.policy.views import EngineView, Policy, RoutedRequest
+from dualpace.policy.policies import Policy
+from dualpace.policy.views import EngineView, RoutedRequest
 
 BS = 16
 

@@ -1,5 +1,5 @@
-"""The data path in force (shared memory, the TCP data socket or gRPC) and the profile figures the
-planners then use."""
+"""The data path in force (shared memory, the TCP data socket, or gRPC chunks for KV) and the
+profile figures the planners then use."""
 
 import glob
 
@@ -19,7 +19,7 @@ def two_path_profile_dict() -> dict:
     data["kv_transfer_paths"] = {"shm": {"bytes_per_s": 320000.0, "fixed_ms": 0.5},
                                  "grpc": {"bytes_per_s": 32000.0, "fixed_ms": 2.0}}
     data["tables"]["assist_ms_shm"] = {"batch": [1, 11], "ms": [3.0, 4.0]}
-    data["tables"]["assist_ms_grpc"] = {"batch": [1, 11], "ms": [25.0, 25.0]}
+    data["tables"]["assist_ms"] = {"batch": [1, 11], "ms": [25.0, 25.0]}  # the plain figures
     return data
 
 
@@ -35,11 +35,11 @@ def test_on_this_host_reads_addresses(address, local):
 def test_kv_path_rule():
     assert kv_path("auto", same_host=True) == "shm"
     assert kv_path("auto", same_host=False) == "tcp"  # the target's data socket
-    assert kv_path("grpc", same_host=True) == "grpc" and kv_path("grpc", same_host=False) == "grpc"
     assert kv_path("tcp", same_host=True) == "tcp"
     assert kv_path("auto", same_host=True, target_pool_in_host_memory=False) == "tcp"  # into a CUDA pool
-    with pytest.raises(ProfileError, match="--kv-transport"):
-        kv_path("shared", same_host=True)
+    for setting in ("grpc", "shared"):
+        with pytest.raises(ProfileError, match="--kv-transport"):
+            kv_path(setting, same_host=True)
 
 
 def test_assist_path_rule():
@@ -48,10 +48,12 @@ def test_assist_path_rule():
     assert assist_path("auto", same_host=True) == "shm"
     assert assist_path("auto", same_host=False) == "tcp"  # gpu_service's data socket
     assert assist_path("tcp", same_host=True) == "tcp" and assist_path("tcp", same_host=False) == "tcp"
-    assert assist_path("grpc", same_host=True) == "grpc" and assist_path("grpc", same_host=False) == "grpc"
-    assert set(TRANSPORT_SETTINGS) == set(TRANSPORTS)  # cpu_service's --assist-transport choices
-    with pytest.raises(ProfileError, match="--assist-transport"):
-        assist_path("ring", same_host=True)
+    from gpu_service.assist_limits import TRANSPORTS as SERVER_TRANSPORTS
+
+    assert set(TRANSPORT_SETTINGS) == set(TRANSPORTS) == set(SERVER_TRANSPORTS)  # both daemons' choices
+    for setting in ("grpc", "ring"):
+        with pytest.raises(ProfileError, match="--assist-transport"):
+            assist_path(setting, same_host=True)
 
 
 def test_both_paths_round_trip_through_the_file():
@@ -74,7 +76,7 @@ def test_bad_path_entries_are_named():
 
 def test_planner_and_cost_model_use_the_path_in_force():
     profile = parse_profile(two_path_profile_dict())
-    shm, grpc = for_paths(profile, kv="shm", assist="shm"), for_paths(profile, kv="grpc", assist="grpc")
+    shm, grpc = for_paths(profile, kv="shm", assist="shm"), for_paths(profile, kv="grpc")
     # 1000 tokens x 32 bytes: shm 0.5 ms + 100 ms, gRPC 2 ms + 1000 ms
     assert CostModel(shm).kv_transfer_ms(1000) == pytest.approx(100.5)
     assert CostModel(grpc).kv_transfer_ms(1000) == pytest.approx(1002.0)
@@ -88,9 +90,11 @@ def test_an_older_profile_keeps_its_plain_figures():
     assert for_paths(profile, kv="shm", assist="shm") is profile
     for path in sorted(glob.glob("profiles/local/smollm2-*-cpu*.json")):
         stored = load_profile(path)
-        assert for_paths(stored, kv="shm", assist="grpc").kv_transfer == stored.kv_transfer, path
+        assert for_paths(stored, kv="shm", assist="tcp").kv_transfer == stored.kv_transfer, path
     with pytest.raises(ProfileError, match="data path"):
         for_paths(profile, kv="rdma")
+    with pytest.raises(ProfileError, match="data path"):  # Dense Assist has no gRPC path to price
+        for_paths(profile, assist="grpc")
 
 
 def test_the_data_socket_is_priced_at_its_figures_else_at_grpcs():
@@ -103,7 +107,7 @@ def test_the_data_socket_is_priced_at_its_figures_else_at_grpcs():
     assert parse_profile(profile_to_dict(with_tcp)) == with_tcp
 
 
-def test_assist_over_the_data_socket_seeds_the_chooser_at_its_figures_else_at_grpcs():
+def test_assist_over_the_data_socket_seeds_the_chooser_at_its_figures_else_at_the_plain_ones():
     def seeded_assisted_ms(data: dict, assist_transport: str, same_host: bool) -> float:
         profile = for_paths(parse_profile(data), assist=assist_path(assist_transport, same_host))
         # context 0: no attention, so the Assisted seed is the assist figure itself
@@ -114,9 +118,7 @@ def test_assist_over_the_data_socket_seeds_the_chooser_at_its_figures_else_at_gr
     assert seeded_assisted_ms(data, "tcp", same_host=True) == pytest.approx(8.0)
     assert seeded_assisted_ms(data, "auto", same_host=False) == pytest.approx(8.0)
     assert seeded_assisted_ms(data, "auto", same_host=True) == pytest.approx(3.0)
-    assert seeded_assisted_ms(data, "grpc", same_host=True) == pytest.approx(25.0)
     profile = parse_profile(data)
     assert parse_profile(profile_to_dict(profile)) == profile
-    older = two_path_profile_dict()  # no assist_ms_tcp: the gRPC figure, not the plain (shm) one
-    older["tables"]["assist_ms"] = older["tables"]["assist_ms_shm"]  # as the profiler writes it on one host
+    older = two_path_profile_dict()  # no assist_ms_tcp: the plain figure
     assert seeded_assisted_ms(older, "tcp", same_host=True) == pytest.approx(25.0)

@@ -109,16 +109,6 @@ def test_itl_ms_without_assist_is_local():
     contexts = [100] * 11  # tiny: local 40 + 20 + 5 = 65; assisted 25 + 20 = 45
     assert CostModel(profile).itl_ms("cpu", contexts) == pytest.approx(45.0)
     assert CostModel(profile, assist_available=False).itl_ms("cpu", contexts) == pytest.approx(65.0)
-    assert CostModel(profile).itl_ms("cpu", contexts, local_only=True) == pytest.approx(65.0)
-
-
-def test_prefill_ms_per_engine_kind():
-    cost = CostModel(parse_profile(tiny_profile_dict()))
-    assert cost.prefill_ms("gpu", 64) == pytest.approx(cost.gpu_prefill_ms(64))
-    assert cost.prefill_ms("cpu", 64) == pytest.approx(cost.cpu_dense_ms(64) + cost.lm_head_sampling_ms(1))
-    assert cost.prefill_ms("gpu", 0) == cost.prefill_ms("cpu", 0) == 0.0
-    with pytest.raises(ValueError):
-        cost.prefill_ms("tpu", 64)
 
 
 # -- dualpace.profile.daemon.load_daemon_profile ------------------------------------------------

@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 
 from bench.load.workloads import shared_prefix_requests
-from dualpace.policy.views import Policy
+from dualpace.policy.policies import Policy
 from profiles.sim import CPU, GPU, SimConfig, Simulator, simulate
 from profiles.sim.results import summarize
 from tests.profiles.test_simulator import REFERENCE, _specs

@@ -5,7 +5,7 @@ import json
 import pytest
 
 from dualpace.errors import InvalidArgument
-from dualpace.policy.views import Policy
+from dualpace.policy.policies import Policy
 from dualpace.profile.cost_model import CostModel
 from dualpace.profile.files import parse_profile
 from dualpace_cli.main import main

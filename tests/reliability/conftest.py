@@ -1,4 +1,4 @@
-"""Shared setup of the reliability suite (issue #9): real daemons on 127.0.0.1
+"""Shared setup of the reliability suite: real daemons on 127.0.0.1
 ephemeral ports serving a tiny synthetic model, clients that read whole streams on
 threads, and probes of an engine's KV and request table.
 
@@ -9,20 +9,23 @@ wait is bounded.
 
 from __future__ import annotations
 
+import re
 import signal
 import subprocess
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
+from functools import cached_property
 
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from tests.reliability.near_tie import near_tie_finder
+from tests.reliability.system_specs import SystemSpec
 from toolkit.engine_client import EngineClient
 from dualpace.generation import OfflineGenerator
 from dualpace.model.loader import load_model
@@ -108,11 +111,6 @@ def assert_clean_exit(daemons: Iterable[Daemon]) -> None:
 
 
 @pytest.fixture(scope="session")
-def tiny_folder(synth_checkpoint) -> str:
-    return str(synth_checkpoint("tiny-llama"))
-
-
-@pytest.fixture(scope="session")
 def reference(tiny_folder) -> Callable[..., list[int]]:
     """reference(prompt, max_tokens, folder=tiny) -> the greedy output of the request run
     alone in-process (ignore_eos; cached)."""
@@ -139,44 +137,88 @@ def near_tie_position() -> Callable[..., int | None]:
     return near_tie_finder()
 
 
-SLOW_STEP_DELAY_MS = 30
+# ---------------------------------------------------------------------- systems
 
 
-@pytest.fixture(scope="session")
-def slow_gpu_behind_router(tiny_folder):
-    """(engine probe, router stub): one gpu_service whose every step lasts at least
-    SLOW_STEP_DELAY_MS (a test-only fault, so requests are measurably mid-stream), behind a
-    gpu-only router without load-driven migration. Shared by the modules that leave it idle."""
-    gpu = start_gpu(tiny_folder, "--name", "gpu-slow", "--kv-blocks", "256", "--block-size", "8",
-                    step_delay_ms=SLOW_STEP_DELAY_MS)
-    router = None
-    try:
-        router = start_router(tiny_folder, gpu, None, "--policy", "gpu-only", "--no-migrate")
-        probe = EngineProbe(gpu.address)
-        channel = grpc.insecure_channel(router.address)
-        yield probe, router_stub(channel)
-        channel.close()
-        probe.close()
-    finally:
-        assert_clean_exit([d for d in (router, gpu) if d is not None])
+@dataclass
+class System:
+    """A running SystemSpec (tests/reliability/system_specs.py): its daemons, a probe of each engine, a channel and stub to the router."""
 
+    folder: str
+    engines: dict[str, Daemon]
+    router: Daemon | None
+    probes: dict[str, EngineProbe] = field(default_factory=dict)
+    channel: grpc.Channel | None = None
+    stub: router_pb2_grpc.RouterStub | None = None
+
+    @cached_property
+    def http(self) -> str:
+        """The router's HTTP front (needs --http-listen among its flags), from its log line."""
+        found = wait_for(lambda: HTTP_LISTENING.search(self.router.log()), bool, STOP_TIMEOUT_S, interval_s=0.05)
+        assert found, self.router.log()  # printed right after the gRPC line
+        return "http://" + found.group(1)
+
+
+HTTP_LISTENING = re.compile(r"http listening on (\S+)")
 
 
 @contextmanager
-def lone_gpu_behind_router(tiny_folder: str, name: str, step_delay_ms: int) -> Iterator[tuple[Daemon, object]]:
-    """(gpu daemon, router stub): the only engine, behind a gpu-only router, for tests that kill
-    it and expect the router to refuse what nothing can take. The router must exit cleanly."""
-    gpu = start_gpu(tiny_folder, "--name", name, "--kv-blocks", "64", "--block-size", "8",
-                    step_delay_ms=step_delay_ms)
-    router = None
+def running(folder: str, spec: SystemSpec) -> Iterator[System]:
+    """Starts the engines in parallel, then the router; at the end every daemon still alive
+    (a test may have killed some) must exit 0 on SIGTERM."""
+    starters = {engine.kind: start_gpu if engine.kind == "gpu" else start_cpu for engine in spec.engines}
+    engines = start_all(**{e.name: (lambda e=e: starters[e.kind](folder, *e.flags, step_delay_ms=e.step_delay_ms))
+                           for e in spec.engines})
+    system = System(folder, engines, None)
     try:
-        router = start_router(tiny_folder, gpu, None, "--policy", "gpu-only", "--no-migrate")
-        channel = grpc.insecure_channel(router.address)
-        yield gpu, router_stub(channel)
-        channel.close()
+        if spec.router_flags is not None:
+            behind = {e.kind: engines[e.name] for e in spec.engines if e.behind_router}
+            system.router = start_router(folder, behind.get("gpu"), behind.get("cpu"), *spec.router_flags)
+            system.channel = grpc.insecure_channel(system.router.address)
+            system.stub = router_stub(system.channel)
+        system.probes = {name: EngineProbe(daemon.address) for name, daemon in engines.items()}
+        yield system
     finally:
-        gpu.kill()
-        assert_clean_exit([d for d in (router,) if d is not None])
+        for probe in system.probes.values():
+            probe.close()
+        if system.channel is not None:
+            system.channel.close()
+        assert_clean_exit([d for d in (system.router, *engines.values()) if d is not None])
+
+
+@pytest.fixture(scope="session")
+def shared_systems(tiny_folder) -> Iterator[Callable[[SystemSpec], System]]:
+    """shared_systems(spec) -> that system, started on first use and stopped at the session's end."""
+    systems: dict[SystemSpec, System] = {}
+    with ExitStack() as stack:
+        def get(spec: SystemSpec) -> System:
+            if spec not in systems:
+                systems[spec] = stack.enter_context(running(tiny_folder, spec))
+            return systems[spec]
+
+        yield get
+
+
+def _spec(request) -> SystemSpec:
+    return getattr(request, "param", None) or request.module.SYSTEM
+
+
+@pytest.fixture(scope="module")
+def system(request, tiny_folder, shared_systems) -> Iterator[System]:
+    """The module's SYSTEM (or the spec a test passes), once per module (per session if shared)."""
+    spec = _spec(request)
+    if spec.shared:
+        yield shared_systems(spec)
+        return
+    with running(tiny_folder, spec) as started:
+        yield started
+
+
+@pytest.fixture
+def fresh_system(request, tiny_folder) -> Iterator[System]:
+    """A system of its own for one test (one that drains, kills or stops its daemons)."""
+    with running(tiny_folder, _spec(request)) as started:
+        yield started
 
 
 # ---------------------------------------------------------------------- probes
@@ -305,6 +347,26 @@ class RouterStream(Stream):
         return cls(request_id)._start(call, check_index=False)
 
 
+@contextmanager
+def cancelled_if_unfinished(streams: Iterable[Stream]) -> Iterator[None]:
+    """Whatever happens inside, no stream is left running afterwards (a failed test cancels them)."""
+    try:
+        yield
+    finally:
+        for stream in streams:
+            if not stream.done.is_set():
+                stream.cancel()
+
+
+def assert_exact(streams: dict[str, Stream], prompts: dict[str, list[int]], max_tokens: int,
+                 reference: Callable[..., list[int]], context: str = "") -> None:
+    """Every stream finished LENGTH without an error, its tokens the solo greedy run's."""
+    for rid, stream in streams.items():
+        assert stream.error is None, (rid, stream.error, context)
+        assert stream.finish_reason == FinishReason.LENGTH, rid
+        assert stream.tokens == reference(prompts[rid], max_tokens), rid
+
+
 def router_stub(channel: grpc.Channel) -> router_pb2_grpc.RouterStub:
     return router_pb2_grpc.RouterStub(channel)
 
@@ -312,72 +374,3 @@ def router_stub(channel: grpc.Channel) -> router_pb2_grpc.RouterStub:
 def prompt_for(index: int, length: int = 6) -> list[int]:
     """A distinct small prompt (ids within the tiny models' vocabularies)."""
     return [(index * 13 + j * 7) % 500 + 1 for j in range(length)]
-
-
-# ---------------------------------------------------------------------- hand-made KV transfers
-
-
-def kv_header(request_id: str, prompt: list[int], outputs: list[int], max_tokens: int, info: engine_pb2.EngineInfo,
-              dtype: str = "float32") -> engine_pb2.ImportKvMessage:
-    """The header of a transfer carrying the KV of every token but the last sampled one,
-    one chunk per layer (what a source would send), for the engine described by `info`."""
-    num_computed = len(prompt) + len(outputs) - 1
-    chunk_bytes = 2 * num_computed * info.num_kv_heads * info.head_dim * DTYPE_SIZES[dtype]
-    return engine_pb2.ImportKvMessage(header=engine_pb2.ImportKvHeader(
-        request_id=request_id, prompt_token_ids=prompt, output_token_ids=outputs,
-        sampling=common_pb2.SamplingParams(max_tokens=max_tokens, ignore_eos=True, seed=7),
-        num_computed_tokens=num_computed, num_tokens_emitted=len(outputs),
-        layout=engine_pb2.KvLayout(num_layers=info.num_layers, num_kv_heads=info.num_kv_heads,
-                                   head_dim=info.head_dim, block_size=info.block_size, dtype=dtype),
-        total_chunks=info.num_layers, total_bytes=chunk_bytes * info.num_layers, source_engine="test"))
-
-
-DTYPE_SIZES = {"float32": 4, "bfloat16": 2, "float16": 2}
-
-
-def kv_chunk(seq: int, layer: int, token_start: int, token_end: int, info: engine_pb2.EngineInfo,
-             dtype: str = "float32", fill: int = 0) -> engine_pb2.ImportKvMessage:
-    """A well-formed chunk (right size, right crc32) of arbitrary KV values."""
-    from dualpace.engine.kv_checksum import kv_checksum
-
-    size = (token_end - token_start) * info.num_kv_heads * info.head_dim * DTYPE_SIZES[dtype]
-    k = bytes((fill + i) % 7 for i in range(size))  # small values in any dtype's bytes
-    v = bytes((fill + 3 * i) % 5 for i in range(size))
-    return engine_pb2.ImportKvMessage(chunk=engine_pb2.KvChunk(
-        seq=seq, layer=layer, token_start=token_start, token_end=token_end, k=k, v=v,
-        crc32=kv_checksum(k, v)))
-
-
-class ImportCall:
-    """An ImportKv stream fed message by message from the test (a hand-made source)."""
-
-    def __init__(self, stub: engine_pb2_grpc.EngineStub, timeout_s: float = 60.0):
-        import queue
-
-        self._queue: queue.Queue = queue.Queue()
-        self.call = stub.ImportKv(iter(self._queue.get, None), timeout=timeout_s)
-        self.replies: list[engine_pb2.ImportKvReply] = []
-        self.error: grpc.RpcError | None = None
-        self.done = threading.Event()
-        threading.Thread(target=self._read, daemon=True).start()
-
-    def _read(self) -> None:
-        try:
-            for reply in self.call:
-                self.replies.append(reply)
-        except grpc.RpcError as exc:
-            self.error = exc
-        finally:
-            self.done.set()
-
-    def send(self, *messages: engine_pb2.ImportKvMessage) -> None:
-        for message in messages:
-            self._queue.put(message)
-
-    def close(self) -> None:
-        """End the client side (the source finished sending)."""
-        self._queue.put(None)
-
-    def cancel(self) -> None:
-        self.call.cancel()
-        self._queue.put(None)

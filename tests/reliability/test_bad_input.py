@@ -1,4 +1,4 @@
-"""Issue #9, item 3: bad input at the router and at both engines, field by field.
+"""Bad input at the router and at both engines, field by field.
 
 Criteria: every bad field of GenerateRequest (router), NewEngineRequest / ResumeEngineRequest,
 AbortRequest and MigrateOutRequest (engines) fails with INVALID_ARGUMENT whose details name
@@ -20,13 +20,8 @@ from tests.reliability.conftest import (
     EngineProbe,
     EngineStream,
     RouterStream,
-    assert_clean_exit,
-    router_stub,
-    start_all,
-    start_cpu,
-    start_gpu,
-    start_router,
 )
+from tests.reliability.system_specs import EngineSpec, SystemSpec
 
 VOCAB = 512  # the tiny model's
 CONTEXT = 512
@@ -66,23 +61,10 @@ BAD_PROMPT_IDS = {
 }
 
 
-@pytest.fixture(scope="module")
-def system(tiny_folder):
-    engines = start_all(
-        gpu=lambda: start_gpu(tiny_folder, "--name", "gpu-bad", "--kv-blocks", "64", "--block-size", "8"),
-        cpu=lambda: start_cpu(tiny_folder, "--name", "cpu-bad", "--kv-blocks", "64", "--block-size", "8"),
-    )
-    router = None
-    try:
-        router = start_router(tiny_folder, engines["gpu"], engines["cpu"], "--no-migrate")
-        probes = {name: EngineProbe(daemon.address) for name, daemon in engines.items()}
-        channel = grpc.insecure_channel(router.address)
-        yield probes, router_stub(channel)
-        channel.close()
-        for probe in probes.values():
-            probe.close()
-    finally:
-        assert_clean_exit([d for d in (router, *engines.values()) if d is not None])
+SYSTEM = SystemSpec(engines=(
+    EngineSpec("gpu", "gpu", ("--name", "gpu-bad", "--kv-blocks", "64", "--block-size", "8")),
+    EngineSpec("cpu", "cpu", ("--name", "cpu-bad", "--kv-blocks", "64", "--block-size", "8")),
+))
 
 
 def expect_error(rpc, code: grpc.StatusCode, *words: str) -> None:
@@ -138,7 +120,7 @@ ENGINE_CASES = {
 @pytest.mark.parametrize("engine", ["gpu", "cpu"])
 @pytest.mark.parametrize("case", list(ENGINE_CASES))
 def test_engine_generate_bad_field(system, engine, case):
-    probes, _ = system
+    probes = system.probes
     build, code, words = ENGINE_CASES[case]
     probe = probes[engine]
     expect_error(lambda: probe.stub.Generate(build(), timeout=30), code, *words)
@@ -149,7 +131,7 @@ def test_engine_generate_bad_field(system, engine, case):
 def test_engine_requests_naming_a_live_or_unknown_request(system, engine):
     """Abort / MigrateOut / resume fields against an unknown id, and a live one where the
     mistake is another field (a duplicate id, a resume past the end, a missing target)."""
-    probes, _ = system
+    probes = system.probes
     probe = probes[engine]
     expect_error(lambda: probe.stub.Abort(engine_pb2.AbortRequest(request_id="nobody-here"), timeout=10),
                  NOT_FOUND, "nobody-here")
@@ -220,14 +202,14 @@ ROUTER_CASES = {
 
 @pytest.mark.parametrize("case", list(ROUTER_CASES))
 def test_router_generate_bad_field(system, case):
-    _, router = system
+    router = system.stub
     build, words = ROUTER_CASES[case]
     expect_error(lambda: router.Generate(build(), timeout=30), INVALID, *words)
     next_valid_on_router(router)
 
 
 def test_router_duplicate_request_id_while_running(system):
-    probes, router = system
+    probes, router = system.probes, system.stub
     live = RouterStream.run(router, "router-live", list(range(1, 11)), 480)
     try:
         assert live.wait_tokens(1), live.error

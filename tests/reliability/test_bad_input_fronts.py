@@ -1,4 +1,4 @@
-"""Issue #20, item 6: bad input on both fronts of the router, then a bounded fuzz of both.
+"""Bad input on both fronts of the router, then a bounded fuzz of both.
 
 The two cases found by hand: a prompt holding a lone UTF-16 surrogate ("\\ud800") and a chat
 role outside system/user/assistant/tool. Each gets a 400 naming the field on the OpenAI front,
@@ -19,7 +19,6 @@ import urllib.error
 import urllib.request
 
 import grpc
-import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -29,15 +28,10 @@ from router.http_api import MAX_BODY_BYTES
 from router.prompt_work import PromptLimits
 from tests.reliability.conftest import (
     RouterStream,
-    assert_clean_exit,
     prompt_for,
-    router_stub,
-    start_gpu,
-    start_router,
 )
-from tests.helpers import wait_for
+from tests.reliability.system_specs import EngineSpec, SystemSpec
 
-HTTP = re.compile(r"http listening on (\S+)")
 HANG_GUARD_S = 60.0
 MAX_PROMPT_CHARS = 100_000
 GENERATE = "/dualpace.v1.Router/Generate"
@@ -46,21 +40,10 @@ CLIENT_CODES = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAU
                 grpc.StatusCode.OUT_OF_RANGE, grpc.StatusCode.FAILED_PRECONDITION}
 
 
-@pytest.fixture(scope="module")
-def system(tiny_folder):
-    gpu = start_gpu(tiny_folder, "--name", "gpu-fuzz", "--kv-blocks", "128", "--block-size", "8")
-    router = None
-    try:
-        router = start_router(tiny_folder, gpu, None, "--policy", "gpu-only", "--no-migrate",
-                              "--http-listen", "127.0.0.1:0", "--max-prompt-chars", str(MAX_PROMPT_CHARS))
-        found = wait_for(lambda: HTTP.search(router.log()), bool, HANG_GUARD_S, interval_s=0.05)
-        assert found, router.log()  # printed right after the gRPC line
-        http = "http://" + found.group(1)
-        channel = grpc.insecure_channel(router.address)
-        yield channel, http, tiny_folder
-        channel.close()
-    finally:
-        assert_clean_exit([d for d in (router, gpu) if d is not None])
+SYSTEM = SystemSpec(
+    engines=(EngineSpec("gpu", "gpu", ("--name", "gpu-fuzz", "--kv-blocks", "128", "--block-size", "8")),),
+    router_flags=("--policy", "gpu-only", "--no-migrate", "--http-listen", "127.0.0.1:0",
+                  "--max-prompt-chars", str(MAX_PROMPT_CHARS)))
 
 
 def post(http: str, path: str, body: bytes) -> tuple[int, dict | str]:
@@ -109,7 +92,7 @@ def with_text(raw: bytes) -> bytes:
 
 
 def test_lone_surrogate_prompt_is_400_naming_prompt(system):
-    _, http, model = system
+    http, model = system.http, system.folder
     for body in ({"model": model, "prompt": "\ud800", "max_tokens": 2},
                  {"model": model, "prompt": "ok \udfff then", "max_tokens": 2}):
         status, answer = post_json(http, "/v1/completions", body)
@@ -121,7 +104,7 @@ def test_lone_surrogate_prompt_is_400_naming_prompt(system):
 
 
 def test_unknown_chat_role_is_400_naming_it(system):
-    _, http, model = system
+    http, model = system.http, system.folder
     messages = [{"role": "user", "content": "hi"}, {"role": "wizard", "content": "abracadabra"}]
     status, answer = post_json(http, "/v1/chat/completions", {"model": model, "messages": messages, "max_tokens": 2})
     assert status == 400, answer
@@ -129,7 +112,7 @@ def test_unknown_chat_role_is_400_naming_it(system):
 
 
 def test_grpc_front_names_the_same_fields(system):
-    channel, _, _ = system
+    channel = system.channel
     error = grpc_raw(channel, with_text(LONE_SURROGATE_UTF8))
     assert error is not None and error.code() == grpc.StatusCode.INVALID_ARGUMENT, error
     assert error.details().startswith("text: is not valid UTF-8"), error.details()
@@ -150,7 +133,7 @@ def test_grpc_front_names_the_same_fields(system):
 
 def test_oversized_prompt_is_refused_naming_the_limit(system):
     """Refused before tokenizing (router/prompt_work.py), on both fronts."""
-    channel, http, model = system
+    channel, http, model = system.channel, system.http, system.folder
     error = grpc_generate(channel, router_pb2.GenerateRequest(text="word " * (MAX_PROMPT_CHARS // 4),
                                                               sampling=SAMPLING))
     assert error is not None and error.code() == grpc.StatusCode.INVALID_ARGUMENT, error
@@ -164,7 +147,7 @@ def test_oversized_prompt_is_refused_naming_the_limit(system):
 def test_a_request_over_the_receive_bound_is_refused_before_the_router_reads_it(system):
     """gRPC's core refuses it (RESOURCE_EXHAUSTED naming the bound): decoding megabytes would stall
     the router's event loop, and with it every stream (router/prompt_work.py)."""
-    channel, http, model = system
+    channel, http, model = system.channel, system.http, system.folder
     bound = PromptLimits(MAX_PROMPT_CHARS).receive_bytes
     error = grpc_generate(channel, router_pb2.GenerateRequest(text="w" * bound, sampling=SAMPLING))
     assert error is not None and error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, error
@@ -174,7 +157,7 @@ def test_a_request_over_the_receive_bound_is_refused_before_the_router_reads_it(
 def test_an_http_body_declared_too_large_is_refused_unread(system):
     """The 413 comes from the Content-Length alone: the body never arrives, so a router that
     waited to read it would not answer at all (within the hang guard)."""
-    channel, http, model = system
+    channel, http, model = system.channel, system.http, system.folder
     host, port = http.removeprefix("http://").rsplit(":", 1)
     with socket.create_connection((host, int(port)), timeout=HANG_GUARD_S) as sock:
         sock.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
@@ -237,7 +220,7 @@ FUZZ = settings(max_examples=40, deadline=None, database=None,
 @FUZZ
 @given(body=st.one_of(http_bodies(chat=False), JSON_VALUE))
 def test_fuzz_completions(system, body):
-    _, http, model = system
+    http, model = system.http, system.folder
     if isinstance(body, dict) and "model" not in body:
         body = {**body, "model": model}
     assert_client_error_or_success(*post_json(http, "/v1/completions", body))
@@ -246,7 +229,7 @@ def test_fuzz_completions(system, body):
 @FUZZ
 @given(body=http_bodies(chat=True))
 def test_fuzz_chat(system, body):
-    _, http, model = system
+    http, model = system.http, system.folder
     body = {"model": model, **body} if "model" not in body else body
     assert_client_error_or_success(*post_json(http, "/v1/chat/completions", body))
 
@@ -254,7 +237,7 @@ def test_fuzz_chat(system, body):
 @FUZZ
 @given(data=st.one_of(st.binary(max_size=200), st.builds(with_text, st.binary(max_size=100))))
 def test_fuzz_grpc_bytes(system, data):
-    channel, _, _ = system
+    channel = system.channel
     error = grpc_raw(channel, data)
     if error is not None:
         assert error.code() in CLIENT_CODES, (error.code(), error.details(), data)
@@ -272,7 +255,7 @@ FLOATS = st.floats(width=32, allow_nan=True, allow_infinity=True)
        max_tokens=SIGNED, temperature=FLOATS, top_p=FLOATS, top_k=SIGNED, request_id=st.one_of(st.none(),
                                                                                                 st.text(max_size=20)))
 def test_fuzz_grpc_messages(system, text, ids, roles, max_tokens, temperature, top_p, top_k, request_id):
-    channel, _, _ = system
+    channel = system.channel
     request = router_pb2.GenerateRequest(sampling=common_pb2.SamplingParams(
         max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, ignore_eos=True))
     if text is not None:
@@ -293,10 +276,10 @@ def test_fuzz_grpc_messages(system, text, ids, roles, max_tokens, temperature, t
 
 def test_router_is_healthy_and_exact_after_the_fuzz(system, reference):
     """Last in this module."""
-    channel, http, model = system
+    channel, http, model = system.channel, system.http, system.folder
     status = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=""), timeout=10)
     assert status.status == health_pb2.HealthCheckResponse.SERVING
-    stream = RouterStream.run(router_stub(channel), "after-fuzz", prompt_for(4), 6)
+    stream = RouterStream.run(system.stub, "after-fuzz", prompt_for(4), 6)
     assert stream.wait(HANG_GUARD_S) and stream.error is None, stream.error
     assert stream.tokens == reference(prompt_for(4), 6)
     code, answer = post_json(http, "/v1/completions", {"model": model, "prompt": "hello", "max_tokens": 3})

@@ -1,4 +1,4 @@
-"""Issue #9, item 1: cancel a stream after N tokens while 20 others run.
+"""Cancel a stream after N tokens while 20 others run.
 
 Criteria: the cancelled request leaves the engine within one step (it disappears from
 ListRequests by the engine's next step boundary, counted with the load snapshot's
@@ -20,6 +20,7 @@ from tests.reliability.conftest import (
     RouterStream,
     prompt_for,
 )
+from tests.reliability.system_specs import SLOW_GPU
 from tests.helpers import wait_for
 
 NUM_OTHERS = 20
@@ -31,14 +32,12 @@ CANCEL_AFTER_TOKENS = 5
 MAX_STEPS_TO_FREE = 2
 
 
-@pytest.fixture(scope="module")
-def system(slow_gpu_behind_router):
-    return slow_gpu_behind_router
+SYSTEM = SLOW_GPU  # shared with the other modules that leave it idle
 
 
 @pytest.mark.parametrize("path", ["engine", "router"])
 def test_cancel_frees_within_one_step_and_others_finish_exactly(system, reference, path):
-    probe, router = system
+    probe, router = system.probes["gpu"], system.stub
     baseline = probe.wait_idle().kv_blocks_used
     assert baseline == 0
 

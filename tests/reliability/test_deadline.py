@@ -1,4 +1,4 @@
-"""Issue #9, item 2: a short client deadline on a long generation.
+"""A short client deadline on a long generation.
 
 Criteria: the client gets DEADLINE_EXCEEDED mid-stream (some tokens, far from max_tokens),
 the request then leaves the engine (gone from ListRequests) and takes no further steps (the
@@ -18,6 +18,7 @@ from tests.reliability.conftest import (
     RouterStream,
     prompt_for,
 )
+from tests.reliability.system_specs import SLOW_GPU
 from tests.helpers import wait_for
 
 MAX_TOKENS = 400  # about 12 s of steps: far past the deadline
@@ -26,14 +27,12 @@ HANG_GUARD_S = 120.0
 NEXT_MAX_TOKENS = 3  # the next request: one prefill step, then one decode step per further token
 
 
-@pytest.fixture(scope="module")
-def system(slow_gpu_behind_router):
-    return slow_gpu_behind_router
+SYSTEM = SLOW_GPU  # shared with the other modules that leave it idle
 
 
 @pytest.mark.parametrize("path", ["engine", "router"])
 def test_deadline_exceeded_stops_the_request_and_frees_its_kv(system, path):
-    probe, router = system
+    probe, router = system.probes["gpu"], system.stub
     assert probe.wait_idle().kv_blocks_used == 0
     request_id = f"deadline-{path}"
     if path == "engine":

@@ -1,4 +1,4 @@
-"""Issue #9: a forward pass that raises fails the whole engine.
+"""A forward pass that raises fails the whole engine.
 
 DUALPACE_FAULT_FORWARD_RAISE_AT_STEP=N raises inside the runner on the N-th served step,
 as a device error would. Criteria: every stream on that engine ends with UNAVAILABLE

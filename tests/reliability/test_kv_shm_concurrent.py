@@ -22,7 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from dualpace.engine.same_host import boot_id
+from dualpace.engine.transfer.same_host import boot_id
 from dualpace.sampling import FinishReason, SamplingParams
 from tests.reliability.conftest import prompt_for, start_all, start_cpu, start_gpu
 from tests.reliability.test_kv_shm_kill import pools_mapped

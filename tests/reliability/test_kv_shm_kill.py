@@ -19,7 +19,7 @@ import threading
 import grpc
 import pytest
 
-from dualpace.engine.same_host import boot_id
+from dualpace.engine.transfer.same_host import boot_id
 from dualpace.sampling import FinishReason
 from dualpace.wire.v1 import engine_pb2
 from tests.helpers import wait_for

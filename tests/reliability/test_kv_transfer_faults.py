@@ -1,4 +1,4 @@
-"""Issue #9, item 8: KV transfers interrupted at 50%, with a corrupt chunk, with a sequence gap.
+"""KV transfers interrupted at 50%, with a corrupt chunk, with a sequence gap.
 
 The model here is tiny-qwen2: two layers, so a transfer is two chunks (one per layer) and
 "cut after 1 chunk" is exactly half of it. Each fault has its own source gpu_service
@@ -22,15 +22,13 @@ from dualpace.wire.v1 import engine_pb2
 from tests.reliability.conftest import (
     EngineProbe,
     EngineStream,
-    ImportCall,
     assert_clean_exit,
-    kv_chunk,
-    kv_header,
     prompt_for,
     start_all,
     start_gpu,
 )
 from tests.helpers import wait_for
+from tests.reliability.kv_transfers import ImportCall, kv_chunk, kv_header
 
 NUM_LAYERS = 2
 FAULTS = {

@@ -1,4 +1,4 @@
-"""Issue #9: non-finite logits end only their request.
+"""Non-finite logits end only their request.
 
 DUALPACE_FAULT_NAN_LOGITS_REQUEST makes one request's logits NaN in a real gpu_service
 (on every step that samples for it, so at its first token). Criteria: that request's
@@ -11,7 +11,6 @@ gets the same explicit error at once (not retried), and the engine is not taken 
 from __future__ import annotations
 
 import re
-import time
 import urllib.request
 
 import grpc
@@ -128,11 +127,11 @@ def test_router_passes_the_error_through_and_keeps_the_engine(engine, tiny_folde
     try:
         with grpc.insecure_channel(router.address) as channel:
             stub = router_stub(channel)
-            started_s = time.monotonic()
             victim = RouterStream.run(stub, VICTIM, [9, 8, 7], 6)
             assert victim.wait()
+            # The engine's DATA_LOSS itself: passed through, not retried (a retry with no other
+            # engine would end UNAVAILABLE, or DEADLINE_EXCEEDED).
             assert_nonfinite_error(victim.error, VICTIM)
-            assert time.monotonic() - started_s < 10  # explicit at once, not retried until a deadline
             fine = RouterStream.run(stub, "fine", [4, 4, 2], 6)
             assert fine.wait()
             assert fine.error is None, fine.error

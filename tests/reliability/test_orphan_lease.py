@@ -1,4 +1,4 @@
-"""Issue #20, item 1: a router SIGKILLed with requests in flight and not restarted.
+"""A router SIGKILLed with requests in flight and not restarted.
 
 The router starts engine requests with keep_running_on_disconnect, so they outlive it; with
 nobody re-attaching, each engine's orphan lease (`--orphan-timeout-s`, small here) expires and
@@ -15,20 +15,13 @@ import re
 import urllib.request
 
 import grpc
-import pytest
 
 from dualpace.wire.v1 import router_pb2
 from tests.reliability.conftest import (
-    EngineProbe,
     RouterStream,
-    assert_clean_exit,
     prompt_for,
-    router_stub,
-    start_all,
-    start_cpu,
-    start_gpu,
-    start_router,
 )
+from tests.reliability.system_specs import EngineSpec, SystemSpec
 from tests.helpers import wait_for
 
 HANG_GUARD_S = 120.0
@@ -46,29 +39,16 @@ def orphaned_total(daemon) -> float:
         return float(ORPHANED.search(response.read().decode()).group(1))
 
 
-@pytest.fixture
-def system(tiny_folder):
-    flags = ("--block-size", "8", *LEASE)
-    engines = start_all(
-        gpu=lambda: start_gpu(tiny_folder, "--name", "gpu-orphan", *flags, "--kv-blocks", "256",
-                              step_delay_ms=STEP_DELAY_MS),
-        cpu=lambda: start_cpu(tiny_folder, "--name", "cpu-orphan", *flags, "--kv-blocks", "1024",
-                              step_delay_ms=STEP_DELAY_MS),
-    )
-    router = None
-    try:
-        router = start_router(tiny_folder, engines["gpu"], engines["cpu"], "--no-migrate")
-        yield engines, router
-    finally:
-        if router is not None:
-            router.kill()
-        assert_clean_exit(engines.values())
+SYSTEM = SystemSpec(engines=(
+    EngineSpec("gpu", "gpu", ("--name", "gpu-orphan", "--block-size", "8", *LEASE, "--kv-blocks", "256"),
+               step_delay_ms=STEP_DELAY_MS),
+    EngineSpec("cpu", "cpu", ("--name", "cpu-orphan", "--block-size", "8", *LEASE, "--kv-blocks", "1024"),
+               step_delay_ms=STEP_DELAY_MS),
+))
 
 
 def test_orphans_of_a_dead_router_are_aborted_within_the_lease(system):
-    engines, router = system
-    channel = grpc.insecure_channel(router.address)
-    stub = router_stub(channel)
+    engines, router, stub = system.engines, system.router, system.stub
     streams = [RouterStream.run(stub, f"orphan-{i}", prompt_for(i), MAX_TOKENS, timeout_s=HANG_GUARD_S)
                for i in range(NUM_REQUESTS)]
     for stream in streams:
@@ -79,9 +59,8 @@ def test_orphans_of_a_dead_router_are_aborted_within_the_lease(system):
     router.kill()
     for stream in streams:
         assert stream.wait(HANG_GUARD_S) and stream.code == grpc.StatusCode.UNAVAILABLE, stream.error
-    channel.close()
 
-    probes = {name: EngineProbe(daemon.address) for name, daemon in engines.items()}
+    probes = system.probes
     for name, probe in probes.items():
         load = probe.wait_idle(HANG_GUARD_S)
         assert (load.kv_blocks_used, load.num_running, load.num_waiting) == (0, 0, 0), (name, load)
@@ -93,4 +72,3 @@ def test_orphans_of_a_dead_router_are_aborted_within_the_lease(system):
     for name, probe in probes.items():
         probe.assert_serving_and_generates(f"after-orphans-{name}")
         assert wait_for(probe.blocks_used, lambda used: used == 0, HANG_GUARD_S) == 0
-        probe.close()

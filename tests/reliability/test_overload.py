@@ -1,4 +1,4 @@
-"""Issue #9, item 4: capacity + K concurrent requests.
+"""Capacity + K concurrent requests.
 
 How capacity is bounded:
 - an engine holds at most --max-running requests in its step loop and --max-waiting in its
@@ -17,21 +17,15 @@ afterwards). Order and outcome only: the waits are hang guards, not timing crite
 from __future__ import annotations
 
 import grpc
-import pytest
 
 from dualpace.sampling import FinishReason
 from dualpace.wire.v1 import router_pb2
 from tests.reliability.conftest import (
-    EngineProbe,
     EngineStream,
     RouterStream,
-    assert_clean_exit,
     prompt_for,
-    router_stub,
-    start_all,
-    start_gpu,
-    start_router,
 )
+from tests.reliability.system_specs import EngineSpec, SystemSpec
 from tests.helpers import wait_for
 
 STEP_DELAY_MS = 30
@@ -47,29 +41,19 @@ ROUTER_WAIT_MS = 500
 HANG_GUARD_S = 120.0
 
 
-@pytest.fixture(scope="module")
-def system(tiny_folder):
-    engines = start_all(
-        limited=lambda: start_gpu(tiny_folder, "--name", "gpu-limited", "--max-running", str(MAX_RUNNING),
-                                  "--max-waiting", str(MAX_WAITING), step_delay_ms=STEP_DELAY_MS),
-        small=lambda: start_gpu(tiny_folder, "--name", "gpu-small-pool", "--kv-blocks", "24", "--block-size", "8",
-                                step_delay_ms=STEP_DELAY_MS),
-    )
-    router = None
-    try:
-        # The reserve rule counts each placed request at its final size, so the router itself runs out
-        # of room (and its bounded wait is what is tested); gpu-only's default, optimistic admission,
-        # would admit them all and leave the engine to preempt (tests/policy/test_gpu_admission.py).
-        router = start_router(tiny_folder, engines["small"], None, "--policy", "gpu-only", "--no-migrate",
-                              "--gpu-admission", "reserve", "--ttft-target-ms", str(ROUTER_WAIT_MS))
-        probes = {name: EngineProbe(daemon.address) for name, daemon in engines.items()}
-        channel = grpc.insecure_channel(router.address)
-        yield probes, router_stub(channel)
-        channel.close()
-        for probe in probes.values():
-            probe.close()
-    finally:
-        assert_clean_exit([d for d in (router, *engines.values()) if d is not None])
+# The reserve rule counts each placed request at its final size, so the router itself runs out
+# of room (and its bounded wait is what is tested); gpu-only's default, optimistic admission,
+# would admit them all and leave the engine to preempt (tests/policy/test_gpu_admission.py).
+SYSTEM = SystemSpec(
+    engines=(
+        EngineSpec("limited", "gpu", ("--name", "gpu-limited", "--max-running", str(MAX_RUNNING),
+                                      "--max-waiting", str(MAX_WAITING)),
+                   step_delay_ms=STEP_DELAY_MS, behind_router=False),
+        EngineSpec("small", "gpu", ("--name", "gpu-small-pool", "--kv-blocks", "24", "--block-size", "8"),
+                   step_delay_ms=STEP_DELAY_MS),
+    ),
+    router_flags=("--policy", "gpu-only", "--no-migrate", "--gpu-admission", "reserve",
+                  "--ttft-target-ms", str(ROUTER_WAIT_MS)))
 
 
 def split(streams: dict[str, object]) -> tuple[list[str], list[str]]:
@@ -79,7 +63,7 @@ def split(streams: dict[str, object]) -> tuple[list[str], list[str]]:
 
 
 def test_engine_refuses_the_extra_requests_at_once(system, reference):
-    probes, _ = system
+    probes = system.probes
     probe = probes["limited"]
     assert probe.wait_idle().kv_blocks_used == 0
     capacity = MAX_RUNNING + MAX_WAITING
@@ -115,7 +99,7 @@ def test_engine_refuses_the_extra_requests_at_once(system, reference):
 
 
 def test_router_refuses_the_extra_requests_after_its_bounded_wait(system, reference):
-    probes, router = system
+    probes, router = system.probes, system.stub
     probe = probes["small"]
     assert probe.wait_idle().kv_blocks_used == 0
     prompts = {f"r-{i}": prompt_for(i, ROUTER_PROMPT_TOKENS) for i in range(ROUTER_CAPACITY + K)}

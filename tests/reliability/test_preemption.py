@@ -1,4 +1,4 @@
-"""Issue #9, item 5: a KV pool that fits one request, two greedy requests at once.
+"""A KV pool that fits one request, two greedy requests at once.
 
 Both are admitted (their prompts fit), then they grow until the pool runs out and the newer
 one is preempted (its blocks freed, recomputed later from prompt + generated tokens).

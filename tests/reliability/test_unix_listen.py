@@ -1,4 +1,4 @@
-"""Issue #20, item 5: the daemons on Unix domain sockets (`--listen unix:PATH`).
+"""The daemons on Unix domain sockets (`--listen unix:PATH`).
 
 gpu_service, cpu_service and the router each listen on a socket file in a private folder and
 reach one another there. Criteria: every socket file is mode 0600 (the daemons' user alone);

@@ -1,4 +1,4 @@
-"""Issue #9, item 12: what arrives on the wire is not always gRPC, nor well-formed.
+"""What arrives on the wire is not always gRPC, nor well-formed.
 
 One gpu_service for the module. Criteria for every case: a clean gRPC error (or, for bytes
 that are not HTTP/2 at all, a closed connection), never a crash or a hang; afterwards the
@@ -26,15 +26,12 @@ from hypothesis import strategies as st
 from dualpace.serve.server import DEFAULT_MAX_MESSAGE_BYTES
 from dualpace.wire.v1 import common_pb2, engine_pb2, engine_pb2_grpc
 from tests.reliability.conftest import (
-    DTYPE_SIZES,
     EngineProbe,
-    ImportCall,
     assert_clean_exit,
-    kv_chunk,
-    kv_header,
     start_gpu,
 )
 from tests.helpers import wait_for
+from tests.reliability.kv_transfers import DTYPE_SIZES, ImportCall, kv_chunk, kv_header
 
 PROMPT = [(5 * i + 2) % 500 + 1 for i in range(10)]
 OUTPUTS = [7, 8, 9]
@@ -195,7 +192,7 @@ def mutations(info: engine_pb2.EngineInfo):
 
 
 def crc(k: bytes, v: bytes) -> int:
-    from dualpace.engine.kv_checksum import kv_checksum
+    from dualpace.engine.transfer.kv_checksum import kv_checksum
 
     return kv_checksum(k, v)
 

@@ -1,4 +1,5 @@
-"""The user-facing commands end to end: `dualpace up` (three real daemons on the tiny model),
+"""The user-facing commands end to end: `dualpace up` (three real daemons on the tiny model: the
+package's, tests/router/conftest.py, which checks at its end that SIGTERM stops them all),
 `dualpace client`, `dualpace-router placement` and grpcurl against the router."""
 
 from __future__ import annotations
@@ -6,13 +7,9 @@ from __future__ import annotations
 import json
 import os
 import re
-import signal
 import socket
 import subprocess
 import sys
-import threading
-import time
-from dataclasses import dataclass, field
 
 import pytest
 
@@ -22,67 +19,15 @@ from dualpace.sampling import SamplingParams
 from dualpace.serve import grpcurl_path
 from dualpace.wire.router_messages import placements_to_dict
 from dualpace.wire.v1 import common_pb2, router_pb2
+from tests.router.conftest import GPU_KV_BLOCKS
 
-READY = re.compile(r"dualpace up: ready; router on (\S+)")
-CHILD = re.compile(r"dualpace up: (\S+) on \S+ \(pid (\d+)\)")
-START_TIMEOUT_S = 60.0
 CLI_TIMEOUT_S = 30.0
 PROMPT = [3, 14, 15, 92, 65, 35]
 
 
-@dataclass
-class Up:
-    process: subprocess.Popen
-    router: str = ""
-    child_pids: dict[str, int] = field(default_factory=dict)
-    lines: list[str] = field(default_factory=list)
-    pump: threading.Thread | None = None
-
-    def log(self) -> str:
-        return "".join(self.lines)
-
-
-@pytest.fixture(scope="module")
-def model_folder(synth_checkpoint):
-    return str(synth_checkpoint("tiny-llama"))
-
-
-@pytest.fixture(scope="module")
-def up(model_folder):
-    process = subprocess.Popen(
-        [sys.executable, "-m", "dualpace", "up", "--model", model_folder, "--dtype", "fp32",
-         "--threads-per-engine", "1", "--gpu-kv-blocks", "16"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    running = Up(process)
-    ready = threading.Event()
-
-    def pump() -> None:
-        for line in process.stdout:
-            running.lines.append(line)
-            if match := CHILD.search(line):
-                running.child_pids[match.group(1)] = int(match.group(2))
-            if match := READY.search(line):
-                running.router = match.group(1)
-                ready.set()
-        ready.set()
-
-    running.pump = threading.Thread(target=pump, daemon=True)
-    running.pump.start()
-    if not ready.wait(START_TIMEOUT_S) or not running.router:
-        process.kill()
-        pytest.fail(f"dualpace up never became ready:\n{running.log()}")
-    yield running
-    if process.poll() is None:  # test_up_stops_cleanly_on_sigterm did not run
-        process.send_signal(signal.SIGTERM)
-        try:
-            process.wait(30)
-        except subprocess.TimeoutExpired:
-            process.kill()
-
-
-def cli(*argv: str) -> subprocess.CompletedProcess:
+def cli(*argv: str, columns: int = 120) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", *argv], check=False, capture_output=True, text=True,
-                          timeout=CLI_TIMEOUT_S, env={**os.environ, "COLUMNS": "120"})
+                          timeout=CLI_TIMEOUT_S, env={**os.environ, "COLUMNS": str(columns)})
 
 
 def test_client_json_streams_the_reference_tokens(up, model_folder):
@@ -107,7 +52,10 @@ def test_client_json_streams_the_reference_tokens(up, model_folder):
 def test_client_text_and_errors(up):
     done = cli("dualpace", "client", "--router", up.router, "--prompt", "hello", "--max-tokens", "4", "--ignore-eos")
     assert done.returncode == 0, done.stderr
-    assert done.stdout.endswith("\n") and "4 generated tokens" in done.stderr
+    # The answer ends its line (once) before the summary, which stands apart in brackets.
+    assert done.stdout.endswith("\n") and not done.stdout.endswith("\n\n")
+    assert done.stderr.startswith("[engine ") and done.stderr.endswith("]\n")
+    assert "4 generated tokens" in done.stderr
 
     bad = cli("dualpace", "client", "--router", up.router, "--prompt-ids", "99999999")
     assert bad.returncode == 2
@@ -125,14 +73,32 @@ def test_placement_json(up):
         assert {"name", "kind", "kv_blocks_total", "kv_blocks_used", "kv_blocks_cached", "running", "waiting",
                 "healthy", "itl_p50_ms", "itl_p99_ms"} <= set(engine)
         assert engine["healthy"]
-    assert {e["name"]: e["kv_blocks_total"] for e in placements["engines"]}["gpu"] == 16
+    assert {e["name"]: e["kv_blocks_total"] for e in placements["engines"]}["gpu"] == GPU_KV_BLOCKS
 
 
 def test_placement_table_names_the_engines(up):
-    done = cli("router", "placement", "--router", up.router)
+    done = cli("router", "placement", "--router", up.router, columns=40)
     assert done.returncode == 0, done.stderr
     assert "engines" in done.stdout and "requests" in done.stdout and "migrations" in done.stdout
     assert re.search(r"\bgpu\b", done.stdout) and re.search(r"\bcpu\b", done.stdout)
+    # Piped, the tables keep their full width, whatever the terminal's.
+    assert "…" not in done.stdout
+    for header in ("kind", "health", "KV blocks", "running", "waiting", "ITL p99", "generated", "outcome"):
+        assert header in done.stdout, header
+
+
+def test_up_prints_each_daemon_line_once(up):
+    for daemon, prefix in (("gpu_service", "[gpu]"), ("cpu_service", "[cpu]"), ("router", "[router]")):
+        relayed = [line for line in up.lines if line.startswith(prefix) and f"{daemon} listening on" in line]
+        assert len(relayed) == 1, relayed
+
+
+def test_up_refuses_a_missing_model_before_starting_anything(tmp_path):
+    done = cli("dualpace", "up", "--model", str(tmp_path / "missing"))
+    assert done.returncode == 2
+    assert done.stdout == ""  # no daemon's line relayed: none was started
+    assert done.stderr.startswith("dualpace up: error: model ") and "not found" in done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1
 
 
 def test_placement_unreachable_router_is_one_line_exit_2():
@@ -183,25 +149,3 @@ def test_grpcurl_generate_with_reflection(up):
 
     assert sum(len(get(m, "token_ids") or []) for m in messages) == 6
     assert get(messages[-1], "finish_reason") == "FINISH_REASON_LENGTH"
-
-
-def test_up_stops_cleanly_on_sigterm(up):
-    """Last in this module: stops the shared `dualpace up`."""
-    assert set(up.child_pids) == {"gpu_service", "cpu_service", "router"}
-    up.process.send_signal(signal.SIGTERM)
-    assert up.process.wait(30) == 0, up.log()
-    up.pump.join(5)
-    deadline = time.monotonic() + 5
-    for pid in up.child_pids.values():
-        while _alive(pid) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert not _alive(pid), f"child {pid} outlived dualpace up"
-    assert "dualpace up: stopped" in up.log()
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True

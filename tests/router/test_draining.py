@@ -14,6 +14,7 @@ from dualpace.errors import Unavailable
 from router.draining import StreamDrain
 
 REASON = "router is shutting down and its grace of 0.5 s is over"
+HANG_GUARD_S = 5.0
 
 
 class Source:
@@ -21,13 +22,16 @@ class Source:
 
     def __init__(self) -> None:
         self.more = asyncio.Event()
+        self.waiting = asyncio.Event()  # set while it waits for `more`
         self.closed = False
 
     async def run(self):
         try:
             yield 0
             for item in range(1, 1000):
+                self.waiting.set()
                 await self.more.wait()
+                self.waiting.clear()
                 self.more.clear()
                 yield item
         finally:
@@ -80,7 +84,7 @@ async def test_a_stream_waiting_for_its_next_item_ends_at_once() -> None:
     writing.set()
     task = asyncio.create_task(serve(drain, source, writing, written))
     await first_item_written(task, written)
-    await asyncio.sleep(0.01)  # now waiting for `more`, inside the source
+    await asyncio.wait_for(source.waiting.wait(), HANG_GUARD_S)  # now inside the source
     assert drain.cancel_streams(REASON) == 1
     error = await asyncio.wait_for(task, 5)
     assert isinstance(error, Unavailable) and REASON in str(error)
@@ -92,7 +96,7 @@ async def test_a_client_that_goes_away_stays_a_cancellation() -> None:
     writing.set()
     task = asyncio.create_task(serve(drain, source, writing, written))
     await first_item_written(task, written)
-    await asyncio.sleep(0.01)
+    await asyncio.wait_for(source.waiting.wait(), HANG_GUARD_S)
     task.cancel()  # gRPC cancels the call: no reason, so no UNAVAILABLE
     with pytest.raises(asyncio.CancelledError):
         await task

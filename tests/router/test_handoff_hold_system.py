@@ -1,11 +1,11 @@
-"""The hand-off hold across real daemons (issue #18): router, gpu_service and cpu_service as
+"""The hand-off hold across real daemons: router, gpu_service and cpu_service as
 subprocesses on 127.0.0.1. Under dualpace the router asks the GPU engine to hold a request it
 will hand to the CPU engine (NewEngineRequest.hold_after_first_token), and the move takes it from
 the hold; under gated it does not ask, and the move pauses the request at a step boundary. Either
 way every output equals its solo greedy run.
 
 The observable is the GPU engine's migrate-out debug line, which says "(held after its first
-token)" exactly when the move took the request from the hold (dualpace.engine.migration._move).
+token)" exactly when the move took the request from the hold (dualpace.engine.transfer.migration._move).
 No timing is asserted; every wait is a hang guard.
 """
 
@@ -28,11 +28,6 @@ GPU_KV_BLOCKS = 8
 MAX_TOKENS = 40
 NUM_REQUESTS = 4
 HELD = "(held after its first token)"
-
-
-@pytest.fixture(scope="module")
-def model_folder(synth_checkpoint):
-    return str(synth_checkpoint("tiny-llama"))
 
 
 def hold_prompts() -> dict[str, list[int]]:

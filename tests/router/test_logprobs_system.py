@@ -37,11 +37,6 @@ PENALIZED = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True, logit_bias=BI
 
 
 @pytest.fixture(scope="module")
-def model_folder(synth_checkpoint):
-    return str(synth_checkpoint("tiny-llama"))
-
-
-@pytest.fixture(scope="module")
 def expected_penalized(hf_model):  # noqa: F811
     return reference_greedy(hf_model, PROMPT, PENALIZED, set())
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import grpc
 import pytest
 
-from dualpace.engine.kv_shm_import import SharedKvPool
+from dualpace.engine.transfer.kv_shm_import import SharedKvPool
 from dualpace.sampling import SamplingParams
 from dualpace.serve.engine_servicer import EngineServicer
 from dualpace.serve.kv_shm_transport import SameHostKv
@@ -79,7 +79,7 @@ class Pair:
         await stop(self.source, self.target)
 
 
-@pytest.mark.parametrize("transport", ["auto", "grpc"])
+@pytest.mark.parametrize("transport", ["auto", "tcp"])
 async def test_migrations_and_a_prefix_copy_share_one_connection(tiny, transport):
     pair = await Pair().start(tiny, transport)
     for request_id in ("a", "b", "c"):

@@ -10,14 +10,10 @@ import pytest
 from dualpace.engine.core import EngineConfig, EngineCore
 from dualpace.engine.loop import EngineLoop
 from dualpace.errors import FailedPrecondition
-from dualpace.model.loader import load_model
+from dualpace.kv.events import ALL_CLEARED, STORED
 from dualpace.sampling import SamplingParams
 from dualpace.serve.kv_events_stream import watch_kv_events
-
-
-@pytest.fixture(scope="module")
-def tiny(synth_checkpoint):
-    return load_model(str(synth_checkpoint("tiny-llama")), dtype="fp32")
+from tests.helpers import until
 
 
 async def test_stream_reports_stored_blocks_and_ends_with_the_engine(tiny):
@@ -25,14 +21,18 @@ async def test_stream_reports_stored_blocks_and_ends_with_the_engine(tiny):
     task = asyncio.create_task(loop.run())
     stream = watch_kv_events(loop, poll_s=0.01)
     first = await anext(stream)
-    assert [e.WhichOneof("kind") for e in first.events] == ["all_cleared"]
+    assert [e.kind for e in first] == [ALL_CLEARED]
     channel = await loop.add_request("a", list(range(3, 12)), SamplingParams(max_tokens=2, ignore_eos=True))
     async for _ in channel.follow():
         pass
     batch = await anext(stream)
-    assert batch.events[0].stored.token_ids == list(range(3, 11))  # the prompt's two full blocks
+    assert batch[0].kind == STORED and list(batch[0].token_ids) == list(range(3, 11))  # the prompt's two full blocks
+    # A read pending inside the generator's polling (it has asked the log again) when the loop stops.
+    log = loop.core.scheduler.prefix_cache.events
+    asked, since = [], log.since
+    log.since = lambda last_id: asked.append(last_id) or since(last_id)
     pending = asyncio.ensure_future(anext(stream))
-    await asyncio.sleep(0.05)  # the generator is now polling the loop
+    await until(lambda: asked, "the generator polls the log again")
     loop.stop()
     await task
     with pytest.raises(StopAsyncIteration):

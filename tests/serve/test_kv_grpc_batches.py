@@ -13,12 +13,11 @@ import asyncio
 import grpc
 import pytest
 
-from dualpace.engine.migration import migrate_out
+from dualpace.engine.transfer.migration import migrate_out
 from dualpace.errors import Unavailable
 from dualpace.faults import FaultConfig
 from dualpace.generation import OfflineGenerator
 from dualpace.sampling import FinishReason, SamplingParams
-from dualpace.serve import kv_transport
 from dualpace.serve.engine_servicer import EngineServicer
 from dualpace.serve.kv_transport import GrpcKvSender
 from dualpace.serve.server import channel_options, start_server
@@ -115,18 +114,6 @@ async def test_a_fault_among_batched_chunks_leaves_the_request_on_the_source(tin
         await asyncio.sleep(0.01)
     assert served.target[0].load().kv_blocks_used == 0 and not served.target[0].core.scheduler.requests
     await served.close()
-
-
-async def test_a_target_that_refuses_batches_gets_single_chunks_afterwards(monkeypatch):
-    monkeypatch.setattr(kv_transport, "_TARGETS_WITHOUT_BATCHES", set())
-    sender = GrpcKvSender("10.0.0.9:1")
-    sender.sent_batches = True
-    sender._note_refused_batches(Unavailable("KV import ended before 'prepared': INVALID_ARGUMENT: "
-                                             "kind: empty ImportKv message"))
-    assert "10.0.0.9:1" in kv_transport._TARGETS_WITHOUT_BATCHES
-    other = GrpcKvSender("10.0.0.8:1")
-    other._note_refused_batches(Unavailable("KV import ended: INVALID_ARGUMENT: chunk.crc32: checksum mismatch"))
-    assert "10.0.0.8:1" not in kv_transport._TARGETS_WITHOUT_BATCHES
 
 
 async def test_kept_channels_are_reused_and_a_failed_transfer_drops_its_own(tiny):

@@ -1,5 +1,5 @@
 """Same-host imports whose messages go over the pool's watch connection, not gRPC
-(dualpace.engine.shm_control): after a first transfer has mapped the target's pool, the next
+(dualpace.engine.transfer.shm_control): after a first transfer has mapped the target's pool, the next
 ones open no gRPC stream; the two-phase rules hold when either side's end of the connection
 closes at each phase (the sender's death, the target's), and when the sender abandons the
 stream (a cancelled MigrateOut): the request keeps running on the source, greedy-identical, and
@@ -11,21 +11,19 @@ from __future__ import annotations
 import asyncio
 import os
 import socket
-import threading
 
 import pytest
 
-from dualpace.engine import kv_shm_send
-from dualpace.engine.kv_shm_import import ShmImport
-from dualpace.engine.migration import migrate_out
-from dualpace.engine.same_host import boot_id
+from dualpace.engine.transfer.kv_shm_import import ShmImport
+from dualpace.engine.transfer.migration import migrate_out
+from dualpace.engine.transfer.same_host import boot_id
 from dualpace.errors import Unavailable
 from dualpace.faults import FaultConfig
 from dualpace.sampling import FinishReason
 from dualpace.serve import kv_shm_transport
 from dualpace.serve.kv_shm_transport import SameHostKvSender
 from tests.engine.test_migration import wait_tokens
-from tests.serve.test_kv_shm_import_stream import PARAMS, PROMPT, Served, expected, pipelined
+from tests.serve.test_kv_shm_import_stream import PARAMS, PROMPT, Served, expected
 
 pytestmark = pytest.mark.skipif(boot_id() is None or not hasattr(os, "memfd_create"), reason="Linux shared memory")
 
@@ -190,57 +188,6 @@ async def test_a_cancelled_sender_abandons_the_stream(tiny, monkeypatch, phase):
     sender, tokens = await migrated(served, "after")
     assert sender.used_watch_control and tokens == expected(tiny)
     await served.close()
-
-
-async def test_a_sender_cancelled_between_reported_ranges_leaves_no_block(tiny, monkeypatch):
-    """MigrateOut cancelled once the target took the first range's report (and checks it) while the
-    sender's workers still copy the next: the move ends at the next range's safe point, unreported,
-    the final message is never sent, the target drops the import once the lease ended; the request
-    finishes on the source and no block stays used on either side."""
-    served = await Served().start(tiny)
-    release = threading.Event()
-    try:
-        await first_transfer(served, tiny)
-        events = pipelined(monkeypatch)
-        reported = asyncio.Event()
-        progress, copy = ShmImport.progress, kv_shm_send.copy_in_place
-
-        def first_reported(self, report):
-            progress(self, report)
-            reported.set()
-
-        def later_ranges_wait(*args):
-            if args[-1].start > 0:
-                release.wait(10)  # until the caller has cancelled
-            return copy(*args)
-        reporter = kv_shm_transport._reporter
-
-        def sent_reports(call):
-            report = reporter(call)
-
-            async def sent(written):
-                events.append(("sent", written.first_layer))
-                await report(written)
-            return sent
-        monkeypatch.setattr(ShmImport, "progress", first_reported)
-        monkeypatch.setattr(kv_shm_send, "copy_in_place", later_ranges_wait)
-        monkeypatch.setattr(kv_shm_transport, "_reporter", sent_reports)
-        channel = await served.source[0].add_request("y", PROMPT, PARAMS)
-        await wait_tokens(channel, 4)
-        task = asyncio.create_task(migrate_out(served.source[0], "y", served.sender()))
-        await asyncio.wait_for(reported.wait(), 10)
-        task.cancel()
-        with pytest.raises(asyncio.CancelledError):
-            await task
-        release.set()
-        await finishes_on_source(served, channel, tiny)  # the target's blocks: freed once the lease ended
-        reports = [event for event in events if event[0] in ("sent", "reported")]
-        assert reports == [("sent", 0), ("reported", range(0, 1))]
-        assert ("written",) not in events and len([event for event in events if event[0] == "copied"]) > 1
-    finally:
-        release.set()
-        monkeypatch.undo()
-        await served.close()
 
 
 async def test_concurrent_transfers_share_the_watch(tiny):

@@ -17,11 +17,11 @@ import os
 
 import pytest
 
-from dualpace.engine import kv_shm_send
-from dualpace.engine.kv_shm_import import ShmImport
-from dualpace.engine.kv_shm_send import MappedPools
-from dualpace.engine.migration import migrate_out
-from dualpace.engine.same_host import boot_id
+from dualpace.engine.transfer import kv_shm_import, kv_shm_send
+from dualpace.engine.transfer.kv_shm_import import ShmImport
+from dualpace.engine.transfer.kv_shm_send import MappedPools
+from dualpace.engine.transfer.migration import migrate_out
+from dualpace.engine.transfer.same_host import boot_id
 from dualpace.errors import Unavailable
 from dualpace.faults import FaultConfig
 from dualpace.generation import OfflineGenerator
@@ -148,77 +148,13 @@ def _without_merge(answer):
     return dataclasses.replace(answer, accepts_written_with_commit=False)
 
 
-def pipelined(monkeypatch) -> list[tuple]:
-    """Every transfer through the sender's workers with progress reports in up to 6 ranges (the tiny
-    model's KV is far below INLINE_MAX_BYTES): ("copied", layers) when a range's copy returned in its worker,
-    ("reported", layers) when the target took its report, ("written",) when the final message came."""
-    events: list[tuple] = []
-    copy_in_place, progress, written = kv_shm_send.copy_in_place, ShmImport.progress, ShmImport.written
-
-    def copied(*args):
-        crcs = copy_in_place(*args)
-        events.append(("copied", args[-1]))
-        return crcs
-
-    def reported(self, report):
-        events.append(("reported", range(report.first_layer, report.first_layer + len(report.layer_crc32s))))
-        return progress(self, report)
-
-    async def final(self, message):
-        events.append(("written",))
-        return await written(self, message)
+async def test_a_changed_byte_is_caught_in_a_copy_split_between_the_workers(tiny, monkeypatch):
+    """A copy large enough for the workers (each copies and checksums its share of the layers; the
+    target reads its share back in its own): a changed byte is refused, the request stays on the
+    source, no block is left on the target."""
     monkeypatch.setattr(kv_shm_send, "INLINE_MAX_BYTES", 0)
-    monkeypatch.setattr(kv_shm_send, "PROGRESS_GROUPS", 6)  # off by default (two cores: no gain)
-    monkeypatch.setattr(kv_shm_send, "copy_in_place", copied)
-    monkeypatch.setattr(ShmImport, "progress", reported)
-    monkeypatch.setattr(ShmImport, "written", final)
-    return events
-
-
-async def test_the_pipelined_copy_reports_each_range_once_written_and_imports_exactly(tiny, monkeypatch):
-    """Each layer range is reported (and verified by the target) only after its copy returned, every
-    layer exactly once, all before the final message; the request continues greedy-identical."""
+    monkeypatch.setattr(kv_shm_import, "INLINE_MAX_BYTES", 0)
     served = await Served().start(tiny)
-    try:
-        events = pipelined(monkeypatch)
-        channel = await served.source[0].add_request("p", PROMPT, PARAMS)
-        await wait_tokens(channel, 4)
-        sender = served.sender()
-        await migrate_out(served.source[0], "p", sender, migrated_to="dst")
-        rest = [t async for update in served.target[0].channel("p").follow(len(channel.output_token_ids))
-                for t in update.new_token_ids]
-        assert sender.used_shm and channel.output_token_ids + rest == expected(tiny)
-        reports = [event[1] for event in events if event[0] == "reported"]
-        assert sorted(layer for layers in reports for layer in layers) == list(range(tiny.config.num_layers))
-        assert len(reports) > 1 and events[-1] == ("written",)
-        for layers in reports:
-            assert events.index(("copied", layers)) < events.index(("reported", layers))
-        assert served.source[0].load().kv_blocks_used == 0
-    finally:
-        await served.close()
-
-
-@pytest.mark.parametrize("when", ["during_the_copy", "after_the_copy"])
-async def test_a_changed_byte_is_caught_in_a_layer_verified_during_or_after_the_copy(tiny, monkeypatch, when):
-    """during_the_copy: the changed layer's check has ended before the final message is looked at;
-    after_the_copy: its range was never reported, so it is read only after the lease ended. Either
-    way the transfer is refused and the request stays on the source, no block left on the target."""
-    served = await Served().start(tiny)
-    pipelined(monkeypatch)
-    progress, written = ShmImport.progress, ShmImport.written
-
-    def unreported_layer_0(self, report):
-        if report.first_layer != 0:
-            progress(self, report)
-
-    async def checks_ended_first(self, message):
-        for _, check in self._checks:
-            await asyncio.wait_for(asyncio.shield(check), 10)
-        assert self._reported and (0 in self._reported) == (when == "during_the_copy")
-        return await written(self, message)
-    if when == "after_the_copy":
-        monkeypatch.setattr(ShmImport, "progress", unreported_layer_0)
-    monkeypatch.setattr(ShmImport, "written", checks_ended_first)
     try:
         channel = await served.source[0].add_request("c", PROMPT, PARAMS)
         await wait_tokens(channel, 4)

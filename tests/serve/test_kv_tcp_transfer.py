@@ -20,10 +20,11 @@ import time
 import grpc
 import pytest
 
-from dualpace.engine import kv_tcp_data, kv_tcp_import
-from dualpace.engine.kv_shm_import import SharedKvPool
-from dualpace.engine.kv_tcp_import import TcpDataServer, TcpWritten
-from dualpace.engine.migration import KvImporter, migrate_out
+from dualpace.engine.transfer import kv_tcp_data, kv_tcp_import
+from dualpace.engine.transfer.kv_shm_import import SharedKvPool
+from dualpace.engine.transfer.kv_tcp_import import TcpDataServer, TcpWritten
+from dualpace.engine.transfer.migration import KvImporter, migrate_out
+from dualpace.engine.transfer.prefix_copy import send_cached_prefix
 from dualpace.errors import Unavailable
 from dualpace.faults import FaultConfig
 from dualpace.generation import OfflineGenerator
@@ -243,5 +244,47 @@ async def test_under_tls_the_data_socket_speaks_tls_and_refuses_strangers(tiny, 
                                                  stranger)
             with connection:
                 connection.recv(1)
+    finally:
+        await served.close()
+
+
+async def test_a_cache_only_copy_goes_over_the_data_socket_without_what_the_target_holds(tiny):
+    """The host tier's copies (send_cached_prefix, as CopyPrefix and the offers run it): the KV after
+    the tokens the target caches already goes over the data socket, into the target's own blocks (of
+    another block size); a copy of what it holds sends nothing; the target then continues a request
+    from the copied blocks exactly."""
+    served = await Served().start(tiny)
+    try:
+        params = SamplingParams(max_tokens=4, ignore_eos=True)
+        history = PROMPT + [11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21]  # 32 tokens: 4 source blocks of 8
+        async for _ in (await served.source[0].add_request("h", history, params)).follow():
+            pass  # finished: its full blocks stay cached on the source
+        copies = []
+        for pin_id, token_ids in (("pin-1", history[:16]), ("pin-2", history), ("pin-3", history)):
+            sender = served.sender()
+            copy = await send_cached_prefix(served.source[0], sender.send_cache, tuple(token_ids), pin_id)
+            copies.append((copy.num_tokens, copy.num_sent_tokens, sender.used_tcp))
+        assert copies == [(16, 16, True), (32, 16, True), (32, 0, False)]  # the held tokens are never sent
+        prompt = history + [5]
+        channel = await served.target[0].add_request("continued", prompt, params)
+        tokens = [t async for update in channel.follow() for t in update.new_token_ids]
+        assert channel.num_cached_tokens == 32
+        assert tokens == OfflineGenerator(tiny).generate([prompt], [params])[0].output_token_ids
+        assert served.source[0].load().kv_blocks_used == 0 and served.target[0].load().kv_blocks_used == 0
+    finally:
+        await served.close()
+
+
+async def test_a_corrupt_cache_only_copy_is_refused_and_leaves_nothing(tiny):
+    served = await Served().start(tiny)
+    try:
+        async for _ in (await served.source[0].add_request("h", PROMPT, SamplingParams(max_tokens=4))).follow():
+            pass
+        with pytest.raises(Unavailable, match="checksum mismatch"):
+            await send_cached_prefix(served.source[0], served.sender(FaultConfig(kv_corrupt_chunk=1)).send_cache,
+                                     tuple(PROMPT), "pin")
+        target = served.target[0].load()
+        assert target.kv_blocks_used == 0 and target.kv_blocks_cached == 0
+        assert served.source[0].load().kv_blocks_used == 0  # the pin was dropped
     finally:
         await served.close()

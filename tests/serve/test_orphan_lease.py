@@ -1,4 +1,4 @@
-"""OrphanLeases (issue #20, item 1) over a stand-in engine loop: which stream events start, keep or
+"""OrphanLeases over a stand-in engine loop: which stream events start, keep or
 cancel a lease, and what an expired lease does. Waits are hang guards only."""
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from dualpace.engine.kv_transfer import KvLayout, KvTransferHeader
+from dualpace.engine.transfer.kv_transfer import KvLayout, KvTransferHeader
 from dualpace.errors import Unavailable
 from dualpace.sampling import SamplingParams
 from dualpace.serve.kv_transport import GrpcKvSender

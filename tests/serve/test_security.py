@@ -18,7 +18,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from cpu_service.assist_client import AssistClient, AssistUnavailable
-from dualpace.engine.kv_transfer import KvLayout, KvTransferHeader
+from dualpace.engine.transfer.kv_transfer import KvLayout, KvTransferHeader
 from dualpace.errors import InvalidArgument, Unavailable
 from dualpace.sampling import SamplingParams
 from dualpace.serve.auth import aio_token_interceptors, read_token_file, token_metadata

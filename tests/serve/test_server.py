@@ -86,9 +86,10 @@ async def test_ipv6_loopback() -> None:
         await running.stop(grace_s=None)
 
 
-def test_print_listening(capsys: pytest.CaptureFixture[str]) -> None:
+def test_print_listening_once_on_stdout(capsys: pytest.CaptureFixture[str], caplog: pytest.LogCaptureFixture) -> None:
     print_listening("gpu_service", "127.0.0.1:4242")
     assert capsys.readouterr().out == "gpu_service listening on 127.0.0.1:4242\n"
+    assert not caplog.records  # not logged too: a launcher relaying both streams would show it twice
 
 
 async def test_grpcurl_lists_services(served: Served) -> None:

@@ -2,7 +2,7 @@
 
 import pytest
 
-from dualpace.engine.assist_types import (
+from dualpace.engine.assist.assist_types import (
     AssistBegin,
     AssistJoinInfo,
     AssistResult,

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dualpace.engine.kv_bytes import tensor_buffer, tensor_from_bytes
-from dualpace.engine.kv_transfer import KvChunk
+from dualpace.engine.transfer.kv_bytes import tensor_buffer, tensor_from_bytes
+from dualpace.engine.transfer.kv_transfer import KvChunk
 from dualpace.wire.engine_messages import kv_chunk_from_pb, kv_chunk_to_pb
 from dualpace.wire.kv_chunk_wire import IMPORT_KV_METHOD, encode_kv_chunk_message, serialize_import_message
 from dualpace.wire.v1 import engine_pb2

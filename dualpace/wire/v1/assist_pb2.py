@@ -25,33 +25,29 @@ _sym_db = _symbol_database.Default()
 from dualpace.wire.v1 import common_pb2 as dualpace_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18\x64ualpace/v1/assist.proto\x12\x0b\x64ualpace.v1\x1a\x18\x64ualpace/v1/common.proto\"\xaf\x01\n\x08\x41ssistUp\x12)\n\x05\x62\x65gin\x18\x01 \x01(\x0b\x32\x18.dualpace.v1.AssistBeginH\x00\x12>\n\x10\x61ttention_output\x18\x02 \x01(\x0b\x32\".dualpace.v1.AssistAttentionOutputH\x00\x12\x30\n\tshm_offer\x18< \x01(\x0b\x32\x1b.dualpace.v1.AssistShmOfferH\x00\x42\x06\n\x04kind\"_\n\x0e\x41ssistShmOffer\x12\x0f\n\x07\x62oot_id\x18\x01 \x01(\t\x12\x0c\n\x04path\x18\x02 \x01(\t\x12\x12\n\nsize_bytes\x18\x03 \x01(\x04\x12\r\n\x05token\x18\x04 \x01(\x0c\x12\x0b\n\x03tcp\x18\x05 \x01(\x08\"\xa8\x01\n\x0f\x41ssistShmAnswer\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x08\x12\r\n\x05token\x18\x02 \x01(\x0c\x12\x0e\n\x06reason\x18\x03 \x01(\t\x12\x16\n\x0emax_batch_rows\x18\x04 \x01(\r\x12\x15\n\x0c\x61\x63\x63\x65pts_join\x18\xaa\x01 \x01(\x08\x12\x10\n\x08tcp_port\x18\x05 \x01(\r\x12\x12\n\ntcp_ticket\x18\x06 \x01(\x0c\x12\x0f\n\x07tcp_tls\x18\x07 \x01(\x08\"\xa5\x02\n\x0b\x41ssistBegin\x12\x14\n\x0citeration_id\x18\x01 \x01(\x04\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x11\n\tpositions\x18\x03 \x03(\r\x12\x15\n\rreturn_logits\x18\x04 \x01(\x08\x12-\n\x08sampling\x18\x05 \x03(\x0b\x32\x1b.dualpace.v1.SamplingParams\x12!\n\x19wait_for_engine_iteration\x18\x06 \x01(\x08\x12\x1a\n\x12max_device_wait_ms\x18\x07 \x01(\r\x12\x1e\n\x15join_engine_iteration\x18\xaa\x01 \x01(\x08\x12\x19\n\x10max_join_wait_us\x18\xab\x01 \x01(\r\x12\x1a\n\x11\x65xpected_layer_us\x18\xac\x01 \x01(\r\"k\n\x15\x41ssistAttentionOutput\x12\x14\n\x0citeration_id\x18\x01 \x01(\x04\x12\r\n\x05layer\x18\x02 \x01(\r\x12-\n\x10\x61ttention_output\x18\x03 \x01(\x0b\x32\x13.dualpace.v1.Tensor\"\x9c\x01\n\nAssistDown\x12%\n\x03qkv\x18\x01 \x01(\x0b\x32\x16.dualpace.v1.AssistQkvH\x00\x12+\n\x06result\x18\x02 \x01(\x0b\x32\x19.dualpace.v1.AssistResultH\x00\x12\x32\n\nshm_answer\x18< \x01(\x0b\x32\x1c.dualpace.v1.AssistShmAnswerH\x00\x42\x06\n\x04kind\"\x90\x01\n\tAssistQkv\x12\x14\n\x0citeration_id\x18\x01 \x01(\x04\x12\r\n\x05layer\x18\x02 \x01(\r\x12\x1e\n\x01q\x18\x03 \x01(\x0b\x32\x13.dualpace.v1.Tensor\x12\x1e\n\x01k\x18\x04 \x01(\x0b\x32\x13.dualpace.v1.Tensor\x12\x1e\n\x01v\x18\x05 \x01(\x0b\x32\x13.dualpace.v1.Tensor\"\xb0\x01\n\x0c\x41ssistResult\x12\x14\n\x0citeration_id\x18\x01 \x01(\x04\x12(\n\x07sampled\x18\x02 \x01(\x0b\x32\x15.dualpace.v1.TokenIdsH\x00\x12%\n\x06logits\x18\x03 \x01(\x0b\x32\x13.dualpace.v1.TensorH\x00\x12/\n\tjoin_info\x18\xaa\x01 \x01(\x0b\x32\x1b.dualpace.v1.AssistJoinInfoB\x08\n\x06output\"\x8c\x01\n\x0e\x41ssistJoinInfo\x12\x16\n\x0e\x65ngine_step_id\x18\x01 \x01(\x04\x12!\n\x03how\x18\x02 \x01(\x0e\x32\x14.dualpace.v1.JoinHow\x12\x13\n\x0bgpu_wait_us\x18\x03 \x01(\x04\x12\x15\n\rstep_start_ns\x18\x04 \x01(\x04\x12\x13\n\x0bstep_end_ns\x18\x05 \x01(\x04*a\n\x07JoinHow\x12\x18\n\x14JOIN_HOW_UNSPECIFIED\x10\x00\x12\x13\n\x0fJOIN_HOW_JOINED\x10\x01\x12\x12\n\x0eJOIN_HOW_SPLIT\x10\x02\x12\x13\n\x0fJOIN_HOW_STAGED\x10\x03\x32K\n\x0b\x44\x65nseAssist\x12<\n\x06\x41ssist\x12\x15.dualpace.v1.AssistUp\x1a\x17.dualpace.v1.AssistDown(\x01\x30\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18\x64ualpace/v1/assist.proto\x12\x0b\x64ualpace.v1\x1a\x18\x64ualpace/v1/common.proto\"u\n\x08\x41ssistUp\x12)\n\x05\x62\x65gin\x18\x01 \x01(\x0b\x32\x18.dualpace.v1.AssistBeginH\x00\x12\x30\n\tshm_offer\x18< \x01(\x0b\x32\x1b.dualpace.v1.AssistShmOfferH\x00\x42\x06\n\x04kindJ\x04\x08\x02\x10\x03\"_\n\x0e\x41ssistShmOffer\x12\x0f\n\x07\x62oot_id\x18\x01 \x01(\t\x12\x0c\n\x04path\x18\x02 \x01(\t\x12\x12\n\nsize_bytes\x18\x03 \x01(\x04\x12\r\n\x05token\x18\x04 \x01(\x0c\x12\x0b\n\x03tcp\x18\x05 \x01(\x08\"\xa8\x01\n\x0f\x41ssistShmAnswer\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x08\x12\r\n\x05token\x18\x02 \x01(\x0c\x12\x0e\n\x06reason\x18\x03 \x01(\t\x12\x16\n\x0emax_batch_rows\x18\x04 \x01(\r\x12\x15\n\x0c\x61\x63\x63\x65pts_join\x18\xaa\x01 \x01(\x08\x12\x10\n\x08tcp_port\x18\x05 \x01(\r\x12\x12\n\ntcp_ticket\x18\x06 \x01(\x0c\x12\x0f\n\x07tcp_tls\x18\x07 \x01(\x08\"\xa5\x02\n\x0b\x41ssistBegin\x12\x14\n\x0citeration_id\x18\x01 \x01(\x04\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x11\n\tpositions\x18\x03 \x03(\r\x12\x15\n\rreturn_logits\x18\x04 \x01(\x08\x12-\n\x08sampling\x18\x05 \x03(\x0b\x32\x1b.dualpace.v1.SamplingParams\x12!\n\x19wait_for_engine_iteration\x18\x06 \x01(\x08\x12\x1a\n\x12max_device_wait_ms\x18\x07 \x01(\r\x12\x1e\n\x15join_engine_iteration\x18\xaa\x01 \x01(\x08\x12\x19\n\x10max_join_wait_us\x18\xab\x01 \x01(\r\x12\x1a\n\x11\x65xpected_layer_us\x18\xac\x01 \x01(\r\"{\n\nAssistDown\x12+\n\x06result\x18\x02 \x01(\x0b\x32\x19.dualpace.v1.AssistResultH\x00\x12\x32\n\nshm_answer\x18< \x01(\x0b\x32\x1c.dualpace.v1.AssistShmAnswerH\x00\x42\x06\n\x04kindJ\x04\x08\x01\x10\x02\"\xb0\x01\n\x0c\x41ssistResult\x12\x14\n\x0citeration_id\x18\x01 \x01(\x04\x12(\n\x07sampled\x18\x02 \x01(\x0b\x32\x15.dualpace.v1.TokenIdsH\x00\x12%\n\x06logits\x18\x03 \x01(\x0b\x32\x13.dualpace.v1.TensorH\x00\x12/\n\tjoin_info\x18\xaa\x01 \x01(\x0b\x32\x1b.dualpace.v1.AssistJoinInfoB\x08\n\x06output\"\x8c\x01\n\x0e\x41ssistJoinInfo\x12\x16\n\x0e\x65ngine_step_id\x18\x01 \x01(\x04\x12!\n\x03how\x18\x02 \x01(\x0e\x32\x14.dualpace.v1.JoinHow\x12\x13\n\x0bgpu_wait_us\x18\x03 \x01(\x04\x12\x15\n\rstep_start_ns\x18\x04 \x01(\x04\x12\x13\n\x0bstep_end_ns\x18\x05 \x01(\x04*a\n\x07JoinHow\x12\x18\n\x14JOIN_HOW_UNSPECIFIED\x10\x00\x12\x13\n\x0fJOIN_HOW_JOINED\x10\x01\x12\x12\n\x0eJOIN_HOW_SPLIT\x10\x02\x12\x13\n\x0fJOIN_HOW_STAGED\x10\x03\x32K\n\x0b\x44\x65nseAssist\x12<\n\x06\x41ssist\x12\x15.dualpace.v1.AssistUp\x1a\x17.dualpace.v1.AssistDown(\x01\x30\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'dualpace.wire.v1.assist_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_JOINHOW']._serialized_start=1546
-  _globals['_JOINHOW']._serialized_end=1643
-  _globals['_ASSISTUP']._serialized_start=68
-  _globals['_ASSISTUP']._serialized_end=243
-  _globals['_ASSISTSHMOFFER']._serialized_start=245
-  _globals['_ASSISTSHMOFFER']._serialized_end=340
-  _globals['_ASSISTSHMANSWER']._serialized_start=343
-  _globals['_ASSISTSHMANSWER']._serialized_end=511
-  _globals['_ASSISTBEGIN']._serialized_start=514
-  _globals['_ASSISTBEGIN']._serialized_end=807
-  _globals['_ASSISTATTENTIONOUTPUT']._serialized_start=809
-  _globals['_ASSISTATTENTIONOUTPUT']._serialized_end=916
-  _globals['_ASSISTDOWN']._serialized_start=919
-  _globals['_ASSISTDOWN']._serialized_end=1075
-  _globals['_ASSISTQKV']._serialized_start=1078
-  _globals['_ASSISTQKV']._serialized_end=1222
-  _globals['_ASSISTRESULT']._serialized_start=1225
-  _globals['_ASSISTRESULT']._serialized_end=1401
-  _globals['_ASSISTJOININFO']._serialized_start=1404
-  _globals['_ASSISTJOININFO']._serialized_end=1544
-  _globals['_DENSEASSIST']._serialized_start=1645
-  _globals['_DENSEASSIST']._serialized_end=1720
+  _globals['_JOINHOW']._serialized_start=1197
+  _globals['_JOINHOW']._serialized_end=1294
+  _globals['_ASSISTUP']._serialized_start=67
+  _globals['_ASSISTUP']._serialized_end=184
+  _globals['_ASSISTSHMOFFER']._serialized_start=186
+  _globals['_ASSISTSHMOFFER']._serialized_end=281
+  _globals['_ASSISTSHMANSWER']._serialized_start=284
+  _globals['_ASSISTSHMANSWER']._serialized_end=452
+  _globals['_ASSISTBEGIN']._serialized_start=455
+  _globals['_ASSISTBEGIN']._serialized_end=748
+  _globals['_ASSISTDOWN']._serialized_start=750
+  _globals['_ASSISTDOWN']._serialized_end=873
+  _globals['_ASSISTRESULT']._serialized_start=876
+  _globals['_ASSISTRESULT']._serialized_end=1052
+  _globals['_ASSISTJOININFO']._serialized_start=1055
+  _globals['_ASSISTJOININFO']._serialized_end=1195
+  _globals['_DENSEASSIST']._serialized_start=1296
+  _globals['_DENSEASSIST']._serialized_end=1371
 # @@protoc_insertion_point(module_scope)

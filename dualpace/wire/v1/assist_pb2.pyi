@@ -20,14 +20,12 @@ JOIN_HOW_SPLIT: JoinHow
 JOIN_HOW_STAGED: JoinHow
 
 class AssistUp(_message.Message):
-    __slots__ = ("begin", "attention_output", "shm_offer")
+    __slots__ = ("begin", "shm_offer")
     BEGIN_FIELD_NUMBER: _ClassVar[int]
-    ATTENTION_OUTPUT_FIELD_NUMBER: _ClassVar[int]
     SHM_OFFER_FIELD_NUMBER: _ClassVar[int]
     begin: AssistBegin
-    attention_output: AssistAttentionOutput
     shm_offer: AssistShmOffer
-    def __init__(self, begin: _Optional[_Union[AssistBegin, _Mapping]] = ..., attention_output: _Optional[_Union[AssistAttentionOutput, _Mapping]] = ..., shm_offer: _Optional[_Union[AssistShmOffer, _Mapping]] = ...) -> None: ...
+    def __init__(self, begin: _Optional[_Union[AssistBegin, _Mapping]] = ..., shm_offer: _Optional[_Union[AssistShmOffer, _Mapping]] = ...) -> None: ...
 
 class AssistShmOffer(_message.Message):
     __slots__ = ("boot_id", "path", "size_bytes", "token", "tcp")
@@ -87,39 +85,13 @@ class AssistBegin(_message.Message):
     expected_layer_us: int
     def __init__(self, iteration_id: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., positions: _Optional[_Iterable[int]] = ..., return_logits: _Optional[bool] = ..., sampling: _Optional[_Iterable[_Union[_common_pb2.SamplingParams, _Mapping]]] = ..., wait_for_engine_iteration: _Optional[bool] = ..., max_device_wait_ms: _Optional[int] = ..., join_engine_iteration: _Optional[bool] = ..., max_join_wait_us: _Optional[int] = ..., expected_layer_us: _Optional[int] = ...) -> None: ...
 
-class AssistAttentionOutput(_message.Message):
-    __slots__ = ("iteration_id", "layer", "attention_output")
-    ITERATION_ID_FIELD_NUMBER: _ClassVar[int]
-    LAYER_FIELD_NUMBER: _ClassVar[int]
-    ATTENTION_OUTPUT_FIELD_NUMBER: _ClassVar[int]
-    iteration_id: int
-    layer: int
-    attention_output: _common_pb2.Tensor
-    def __init__(self, iteration_id: _Optional[int] = ..., layer: _Optional[int] = ..., attention_output: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ...) -> None: ...
-
 class AssistDown(_message.Message):
-    __slots__ = ("qkv", "result", "shm_answer")
-    QKV_FIELD_NUMBER: _ClassVar[int]
+    __slots__ = ("result", "shm_answer")
     RESULT_FIELD_NUMBER: _ClassVar[int]
     SHM_ANSWER_FIELD_NUMBER: _ClassVar[int]
-    qkv: AssistQkv
     result: AssistResult
     shm_answer: AssistShmAnswer
-    def __init__(self, qkv: _Optional[_Union[AssistQkv, _Mapping]] = ..., result: _Optional[_Union[AssistResult, _Mapping]] = ..., shm_answer: _Optional[_Union[AssistShmAnswer, _Mapping]] = ...) -> None: ...
-
-class AssistQkv(_message.Message):
-    __slots__ = ("iteration_id", "layer", "q", "k", "v")
-    ITERATION_ID_FIELD_NUMBER: _ClassVar[int]
-    LAYER_FIELD_NUMBER: _ClassVar[int]
-    Q_FIELD_NUMBER: _ClassVar[int]
-    K_FIELD_NUMBER: _ClassVar[int]
-    V_FIELD_NUMBER: _ClassVar[int]
-    iteration_id: int
-    layer: int
-    q: _common_pb2.Tensor
-    k: _common_pb2.Tensor
-    v: _common_pb2.Tensor
-    def __init__(self, iteration_id: _Optional[int] = ..., layer: _Optional[int] = ..., q: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., k: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., v: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ...) -> None: ...
+    def __init__(self, result: _Optional[_Union[AssistResult, _Mapping]] = ..., shm_answer: _Optional[_Union[AssistShmAnswer, _Mapping]] = ...) -> None: ...
 
 class AssistResult(_message.Message):
     __slots__ = ("iteration_id", "sampled", "logits", "join_info")

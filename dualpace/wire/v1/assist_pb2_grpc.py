@@ -48,16 +48,20 @@ class DenseAssistServicer:
 
     def Assist(self, request_iterator, context):
         """One bidirectional stream, opened by the CPU engine and reused across
-        iterations (one iteration at a time). Per iteration over a batch:
+        iterations (one iteration at a time). It opens with shm_offer; the answer
+        grants a shared-memory segment (same host) or the TCP data socket (any
+        host). Per iteration over a batch, through the segment's rings or the
+        socket's frames:
         up:   begin (token ids and positions of the batch)
-        down: qkv for layer 0 (q, k, v with RoPE applied)
-        up:   attention_output for layer 0 (computed on the CPU, which has
+        down: q, k, v of layer 0 (RoPE applied)
+        up:   the attention output of layer 0 (computed on the CPU, which has
         appended k and v to its host KV)
         ...   one down/up round trip per layer ...
         down: result (sampled token ids, or logits) after the last layer.
-        The residual stream stays on the GPU for the whole iteration. An error
-        ends the stream with a status code; the CPU engine then runs the
-        iteration locally and may reopen the stream later.
+        The stream itself carries the offer and its answer, a result too large
+        for a slot, and the end. The residual stream stays on the GPU for the
+        whole iteration. An error ends the stream with a status code; the CPU
+        engine then runs the iteration locally and may reopen the stream later.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -180,7 +180,7 @@ class KvShmOffer(_message.Message):
     def __init__(self, boot_id: _Optional[str] = ..., lease_ticket: _Optional[bytes] = ...) -> None: ...
 
 class KvShmReserved(_message.Message):
-    __slots__ = ("socket_name", "segment_token", "import_token", "slot_ids", "accepts_written_with_commit", "lease_on_watch", "control_on_watch", "asks_lease_ahead", "takes_progress")
+    __slots__ = ("socket_name", "segment_token", "import_token", "slot_ids", "accepts_written_with_commit", "lease_on_watch", "control_on_watch", "asks_lease_ahead")
     SOCKET_NAME_FIELD_NUMBER: _ClassVar[int]
     SEGMENT_TOKEN_FIELD_NUMBER: _ClassVar[int]
     IMPORT_TOKEN_FIELD_NUMBER: _ClassVar[int]
@@ -189,7 +189,6 @@ class KvShmReserved(_message.Message):
     LEASE_ON_WATCH_FIELD_NUMBER: _ClassVar[int]
     CONTROL_ON_WATCH_FIELD_NUMBER: _ClassVar[int]
     ASKS_LEASE_AHEAD_FIELD_NUMBER: _ClassVar[int]
-    TAKES_PROGRESS_FIELD_NUMBER: _ClassVar[int]
     socket_name: str
     segment_token: bytes
     import_token: bytes
@@ -198,8 +197,7 @@ class KvShmReserved(_message.Message):
     lease_on_watch: bool
     control_on_watch: bool
     asks_lease_ahead: bool
-    takes_progress: bool
-    def __init__(self, socket_name: _Optional[str] = ..., segment_token: _Optional[bytes] = ..., import_token: _Optional[bytes] = ..., slot_ids: _Optional[_Iterable[int]] = ..., accepts_written_with_commit: _Optional[bool] = ..., lease_on_watch: _Optional[bool] = ..., control_on_watch: _Optional[bool] = ..., asks_lease_ahead: _Optional[bool] = ..., takes_progress: _Optional[bool] = ...) -> None: ...
+    def __init__(self, socket_name: _Optional[str] = ..., segment_token: _Optional[bytes] = ..., import_token: _Optional[bytes] = ..., slot_ids: _Optional[_Iterable[int]] = ..., accepts_written_with_commit: _Optional[bool] = ..., lease_on_watch: _Optional[bool] = ..., control_on_watch: _Optional[bool] = ..., asks_lease_ahead: _Optional[bool] = ...) -> None: ...
 
 class KvShmDeclined(_message.Message):
     __slots__ = ("reason",)
@@ -208,16 +206,12 @@ class KvShmDeclined(_message.Message):
     def __init__(self, reason: _Optional[str] = ...) -> None: ...
 
 class KvShmWritten(_message.Message):
-    __slots__ = ("layer_crc32", "commit", "progress", "first_layer")
+    __slots__ = ("layer_crc32", "commit")
     LAYER_CRC32_FIELD_NUMBER: _ClassVar[int]
     COMMIT_FIELD_NUMBER: _ClassVar[int]
-    PROGRESS_FIELD_NUMBER: _ClassVar[int]
-    FIRST_LAYER_FIELD_NUMBER: _ClassVar[int]
     layer_crc32: _containers.RepeatedScalarFieldContainer[int]
     commit: bool
-    progress: bool
-    first_layer: int
-    def __init__(self, layer_crc32: _Optional[_Iterable[int]] = ..., commit: _Optional[bool] = ..., progress: _Optional[bool] = ..., first_layer: _Optional[int] = ...) -> None: ...
+    def __init__(self, layer_crc32: _Optional[_Iterable[int]] = ..., commit: _Optional[bool] = ...) -> None: ...
 
 class KvTcpOffer(_message.Message):
     __slots__ = ()

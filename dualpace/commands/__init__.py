@@ -1,1 +1,0 @@
-"""Subcommands of the `dualpace` CLI; each module has register(subparsers) and run(args)."""

@@ -1,0 +1,43 @@
+"""The messages of a same-host KV transfer, beside the chunks of kv_transfer.py (torch-free).
+
+Over the import stream: the header carries an offer (the sender's boot id; over a watch, also
+a lease ticket of the sender's, whose lease it asks for ahead: dualpace.engine.transfer.same_host); the target
+answers with a reservation (where its pool is, which slots to write, the tickets) or a
+refusal with its reason (then chunks follow as usual); after writing, the sender says so
+with the layer checksums. Where the target's reservation allows it, prepare and commit ride
+on that same message (`ShmWritten.commit`): the target verifies, prepares and commits in one
+go and answers with committed alone; otherwise prepare and commit follow as on the gRPC path.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ShmOffer:
+    boot_id: str
+    lease_ticket: bytes | None = None  # the sender's own lease ticket, asked for ahead (same_host.KIND_ASK)
+
+
+@dataclass(frozen=True)
+class ShmReservation:
+    socket_name: str  # abstract Unix socket of the target's dualpace.engine.transfer.same_host.TicketServer
+    segment_token: bytes  # ticket for the pool's memfd; also the token in its header
+    import_token: bytes  # ticket for this import's write lease
+    slot_ids: tuple[int, ...]  # target slots of tokens 0 .. num_computed_tokens - 1
+    accepts_written_with_commit: bool = False  # the target takes ShmWritten(commit=True)
+    lease_on_watch: bool = False  # the target grants the write lease over the sender's watch connection
+    control_on_watch: bool = False  # later transfers may run their messages over that watch (shm_control)
+    asks_lease_ahead: bool = False  # later transfers over that watch may ask for their lease ahead (ShmOffer)
+
+
+@dataclass(frozen=True)
+class ShmDeclined:
+    reason: str
+
+
+@dataclass(frozen=True)
+class ShmWritten:
+    layer_crc32s: tuple[int, ...]  # dualpace.engine.transfer.shm_kv_copy.layer_checksums
+    commit: bool = False  # prepare and commit in this same message (one round trip instead of two)

@@ -1,0 +1,111 @@
+"""The sender's half of a same-host KV transfer: check the target's mapped pool, copy under a lease.
+
+The mapping itself comes from MappedPools (dualpace.engine.transfer.shm_mapped_pools): one per target
+pool per process, held by each copy for as long as it runs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import logging
+import threading
+import time
+
+from dualpace.engine.transfer.kv_shm_protocol import ShmReservation, ShmWritten
+from dualpace.engine.transfer.kv_source import OutgoingKv
+from dualpace.engine.transfer.kv_transfer import KvLayout
+from dualpace.engine.transfer.same_host import held_lease
+from dualpace.engine.transfer.shm_kv_copy import INLINE_MAX_BYTES, copy_in_place, layer_ranges, transfer_bytes
+from dualpace.engine.transfer.shm_mapped_pools import MappedPools  # noqa: F401  (its callers' one import)
+from dualpace.engine.transfer.shm_segment import MappedKvSegment
+from dualpace.engine.transfer.worker_pools import KV_TRANSFER_WORKERS, pool
+from dualpace.errors import InvalidArgument, Unavailable
+from dualpace.faults import FaultConfig
+
+log = logging.getLogger(__name__)
+
+__all__ = ["MappedPools", "check_geometry", "write_in_place"]
+
+
+def check_geometry(segment: MappedKvSegment, layout: KvLayout, reservation: ShmReservation,
+                   num_tokens: int) -> None:
+    """The target's pool holds this model's KV in this dtype, and the slots named are inside it."""
+    geometry = segment.geometry
+    ours = (layout.num_layers, layout.num_kv_heads, layout.head_dim, layout.dtype)
+    theirs = (geometry.num_layers, geometry.num_kv_heads, geometry.head_dim, geometry.dtype)
+    if ours != theirs:
+        raise InvalidArgument("shm_reserved", f"target pool holds {theirs}, this transfer is {ours}")
+    num_slots = geometry.num_blocks * geometry.block_size
+    if len(reservation.slot_ids) != num_tokens or any(not 0 <= s < num_slots for s in reservation.slot_ids):
+        raise InvalidArgument("shm_reserved.slot_ids", f"expected {num_tokens} slots below {num_slots}")
+
+
+def _inject_fault(faults: FaultConfig, segment: MappedKvSegment, dst_slot_ids: list[int]) -> None:
+    """Test-only faults of dualpace.faults, with "chunk N" read as "layer N" on this path."""
+    flat = segment.k.view(segment.geometry.num_layers, -1, segment.geometry.num_kv_heads, segment.geometry.head_dim)
+    layers = range(segment.geometry.num_layers)
+    if faults.kv_corrupt_chunk in layers:
+        flat[faults.kv_corrupt_chunk, dst_slot_ids[0]].view(-1)[0] += 1  # one value changed in transit
+    if faults.kv_drop_chunk in layers:
+        flat[faults.kv_drop_chunk, dst_slot_ids[0]].fill_(-1.0)  # the layer's first token never arrived
+
+
+async def _copy_in_workers(storage, src_slot_ids: list[int], segment: MappedKvSegment, dst_slot_ids: list[int],
+                           stop: threading.Event) -> list[int]:
+    """The copy in the kv-export workers: a host pool's layers split between them (numpy's copy and
+    the CRC drop the GIL), a device pool in one job. Once cancelled or failed, waits for the jobs to stop."""
+    parts = layer_ranges(storage.num_layers, KV_TRANSFER_WORKERS) if storage.k.device.type == "cpu" else [None]
+    executor = pool("kv-export", KV_TRANSFER_WORKERS)
+    jobs = [executor.submit(copy_in_place, storage.k, storage.v, src_slot_ids, segment.k, segment.v, dst_slot_ids,
+                            stop, layers) for layers in parts]
+    checksums = [0] * storage.num_layers
+    try:
+        for layers, job in zip(parts, jobs):
+            crcs = await asyncio.wrap_future(job)
+            first_layer = layers.start if layers is not None else 0
+            checksums[first_layer:first_layer + len(crcs)] = crcs
+    except BaseException:
+        stop.set()
+        concurrent.futures.wait(jobs)  # brief: each copy stops at its next layer
+        raise
+    finally:
+        jobs = segment = None  # nothing keeps the mapping alive in a traceback (see shm_mapped_pools)
+    return checksums
+
+
+async def write_in_place(segment: MappedKvSegment, reservation: ShmReservation, source: OutgoingKv,
+                         faults: FaultConfig, lease: contextlib.AbstractAsyncContextManager | None = None,
+                         marks: list[tuple[str, float]] | None = None) -> ShmWritten:
+    """Copy the request's KV into the target's reserved slots, holding the import's write lease:
+    `lease` (MappedPools.lease: over the mapping's watch connection, where the target offers it) or
+    a connection of its own. The lease ends only after the copy has stopped (also when this call
+    is cancelled); the caller holds the mapping (MappedPools.using) for the whole call. `marks`: where
+    the moments the lease was held, the copy ended and the lease ended are appended (timelines)."""
+    marks = [] if marks is None else marks
+    storage = source.storage
+    dst_slot_ids = list(reservation.slot_ids)
+    stop = threading.Event()
+    if lease is None:
+        lease = held_lease(reservation.socket_name, reservation.import_token)
+    try:
+        async with lease:
+            marks.append(("lease_held", time.perf_counter()))
+            if transfer_bytes(storage, len(dst_slot_ids)) <= INLINE_MAX_BYTES:
+                layer_crc32s = copy_in_place(storage.k, storage.v, source.slot_ids, segment.k, segment.v,
+                                             dst_slot_ids)
+            else:
+                layer_crc32s = await _copy_in_workers(storage, source.slot_ids, segment, dst_slot_ids, stop)
+            if faults.any:
+                _inject_fault(faults, segment, dst_slot_ids)
+                if faults.kv_cut_after is not None:
+                    raise Unavailable(f"fault injected: shared-memory KV transfer cut after "
+                                      f"{faults.kv_cut_after} layers")
+                if faults.kv_shm_hold_ms:
+                    await asyncio.sleep(faults.kv_shm_hold_ms / 1e3)  # the window the kill tests aim at
+            marks.append(("copied", time.perf_counter()))
+        marks.append(("lease_ended", time.perf_counter()))
+    finally:
+        segment = None  # no reference to the mapping kept alive by a traceback (see shm_mapped_pools)
+    return ShmWritten(tuple(layer_crc32s))

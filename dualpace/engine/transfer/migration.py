@@ -1,0 +1,320 @@
+"""Two-phase KV migration between engines, independent of the transport.
+
+Source (`migrate_out`): pause the request at a step boundary, stream its KV to
+the target, and only after the target commits end the request's stream here with
+a `migrated_to` event (at once, without waiting for a step boundary, so the client
+resumes on the target without delay) and free its blocks (at the next boundary,
+before returning). Any failure before the commit resumes the request on the
+source; nothing is lost. Cancelling migrate_out's caller never strands the request: before
+the last chunk is sent the move is abandoned and the request resumes here, after it the
+move completes (see migrate_out).
+
+Target (`KvImporter`): reserve blocks when the header arrives, verify and write
+each chunk, check completeness on prepare, and make the request live on commit.
+Any failure or a stream that ends before commit frees the reserved blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, replace
+
+from dualpace.engine.channel import RequestChannel
+from dualpace.engine.transfer.kv_source import OutgoingKv
+from dualpace.engine.transfer.kv_bytes import DTYPE_NAMES, tensor_buffer, tensor_from_bytes
+from dualpace.engine.transfer.kv_transfer import (
+    DEFAULT_CHUNK_BYTES,
+    ImportProgress,
+    KvChunk,
+    KvLayout,
+    KvTransferHeader,
+    checksum,
+    plan_chunks,
+)
+from dualpace.engine.loop import EngineLoop
+from dualpace.engine.request import EngineRequest, RequestEvent, RequestState
+from dualpace.engine.transfer.worker_pools import run_in_pool
+from dualpace.errors import InvalidArgument, Unavailable
+from dualpace.validation import validate_request
+
+log = logging.getLogger(__name__)
+
+# send(header, chunks) streams a transfer to the target and returns the target engine's
+# name once it has committed; it raises if anything fails before that.
+SendTransfer = Callable[[KvTransferHeader, AsyncIterator[KvChunk]], Awaitable[str]]
+
+
+@dataclass(frozen=True)
+class MigrationStats:
+    target_engine: str
+    num_chunks: int
+    total_bytes: int
+    duration_ms: float
+    transport: str = "grpc"  # "shm" when the sender copied the KV straight into the target's blocks (set by
+    # the caller, which knows its transport)
+
+
+def engine_kv_layout(loop: EngineLoop) -> KvLayout:
+    kv = loop.core.runner.kv
+    return KvLayout(kv.num_layers, kv.num_kv_heads, kv.head_dim, kv.block_size, DTYPE_NAMES[kv.dtype])
+
+
+class MigrationAbandoned(Unavailable):
+    """The caller of migrate_out went away (its RPC was cancelled) before the last chunk was sent."""
+
+
+async def migrate_out(
+    loop: EngineLoop, request_id: str, send: SendTransfer, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    migrated_to: str | None = None,
+) -> MigrationStats:
+    """Move the request; its stream here ends with `migrated_to` (default: the target engine's name),
+    which over gRPC is the target's address, where the client resumes.
+
+    The move runs as a task of its own, so cancelling the caller (the MigrateOut RPC: a router
+    restart, a deadline) never strands the request paused with its blocks. It stops at the next
+    safe point instead: until the last chunk is sent, the transfer is abandoned (the sender ends
+    the import, the target frees what it reserved) and the request resumes here; after that the
+    move completes (the target's commit decides) and the release frees the blocks here."""
+    abandon = asyncio.Event()
+    move = asyncio.ensure_future(_move(loop, request_id, send, chunk_bytes, migrated_to, abandon))
+    try:
+        return await asyncio.shield(move)
+    except asyncio.CancelledError:
+        abandon.set()
+        _ABANDONED_MOVES.add(move)  # a strong reference until it ends (the event loop keeps weak ones)
+        move.add_done_callback(_log_abandoned_move)
+        raise
+
+
+_ABANDONED_MOVES: set[asyncio.Future] = set()
+
+
+def _log_abandoned_move(move: asyncio.Future) -> None:
+    _ABANDONED_MOVES.discard(move)
+    if move.cancelled():
+        return
+    if (error := move.exception()) is not None:
+        log.info("migrate out: cancelled by its caller; %s", error)
+    else:
+        log.info("migrate out: cancelled by its caller after the last chunk; committed on %s",
+                 move.result().target_engine)
+
+
+async def _move(
+    loop: EngineLoop, request_id: str, send: SendTransfer, chunk_bytes: int, migrated_to: str | None,
+    abandon: asyncio.Event,
+) -> MigrationStats:
+    start = time.perf_counter()
+    core = loop.core
+    layout = engine_kv_layout(loop)
+
+    def pause() -> tuple[EngineRequest, list[int]]:
+        request = core.scheduler.pause(request_id)
+        if request.num_computed_tokens == 0:  # queued or preempted: moves without KV
+            return request, []
+        return request, core.kv_slot_ids(request_id, request.num_computed_tokens)
+
+    # Held after its first token for this hand-off: taken now, not at the boundary after the step in flight.
+    held = loop.holds.take(request_id)
+    request, slot_ids = held if held is not None else await loop.call(pause)
+    paused = time.perf_counter()
+    chunk_plan = plan_chunks(request.num_computed_tokens, layout, chunk_bytes)
+    total_bytes = 2 * layout.num_layers * request.num_computed_tokens * layout.bytes_per_token_per_layer
+    header = KvTransferHeader(
+        request_id=request.request_id,
+        prompt_token_ids=tuple(request.prompt_token_ids),
+        output_token_ids=tuple(request.output_token_ids),
+        params=replace(request.params, seed=request.seed),
+        num_computed_tokens=request.num_computed_tokens,
+        layout=layout,
+        total_chunks=len(chunk_plan),
+        total_bytes=total_bytes,
+        source_engine=core.config.name,
+        num_cached_tokens=request.num_cached_tokens or 0,
+        num_prior_output_tokens=request.num_prior_output_tokens,
+    )
+
+    def read_chunk(seq: int, layer: int, token_start: int, token_end: int) -> KvChunk:
+        # In a worker thread, off the event loop (which keeps this engine's steps going), and
+        # without the step lock: the request is paused, so no step writes its slots.
+        # K and V stay buffers over the gathered tensors (no bytes copy); the transport copies them once.
+        k, v = core.runner.read_kv(slot_ids[token_start:token_end], layer)
+        k_buffer, v_buffer = tensor_buffer(k), tensor_buffer(v)
+        return KvChunk(seq, layer, token_start, token_end, k_buffer, v_buffer, checksum(k_buffer, v_buffer))
+
+    def check_abandoned() -> None:
+        if abandon.is_set():
+            raise MigrationAbandoned(f"migrate out of {request_id!r} cancelled by its caller before the commit")
+
+    async def read_chunk_in_pool(seq: int, layer: int, token_start: int, token_end: int) -> KvChunk:
+        return await run_in_pool("kv-export", read_chunk, seq, layer, token_start, token_end)
+
+    try:
+        check_abandoned()  # cancelled while the pause waited for a step boundary
+        # Read chunk by chunk on the gRPC path, with a safe point before each and after the last
+        # (the sender commits next); a same-host transport copies the blocks in place instead.
+        outgoing = OutgoingKv(core.runner.kv, slot_ids, chunk_plan, read_chunk_in_pool, safe_point=check_abandoned)
+        target_engine = await send(header, outgoing)
+    except BaseException:
+        # Shielded: a cancelled command is skipped, and the request would stay paused for good.
+        await asyncio.shield(_resume_if_paused(loop, request_id))
+        raise
+    sent = time.perf_counter()
+    destination = migrated_to or target_engine
+    # Committed: the request lives on the target from now on. End its stream here at once, so the
+    # client resumes there without waiting for this engine's step in flight (a long prefill step
+    # would hold the next boundary, and the tokens the target makes meanwhile, for a whole step).
+    # The request stays PAUSED here (no step touches it) until the release below frees its blocks
+    # at the next step boundary; MigrateOut returns after that, as before.
+    await loop.dispatch([RequestEvent(request_id, migrated_to=destination)])
+
+    def release() -> None:
+        if request_id in core.scheduler.requests:  # not aborted in between
+            core.scheduler.release(request_id, migrated_to=destination)  # its event: already sent above
+
+    try:
+        await asyncio.shield(loop.call(release))
+    except Unavailable:  # this engine stopped meanwhile: its blocks go with it; the move itself succeeded
+        log.info("migrate out: %s committed on %s; this engine stopped before freeing its blocks",
+                 request_id, destination)
+    released = time.perf_counter()
+    log.debug("migrate out phases: request %s%s, pause wait %.1f ms, send %.1f ms, release wait %.1f ms",
+              request_id, " (held after its first token)" if held is not None else "", (paused - start) * 1e3, (sent - paused) * 1e3, (released - sent) * 1e3)
+    return MigrationStats(target_engine, len(chunk_plan), total_bytes, (time.perf_counter() - start) * 1e3)
+
+
+async def _resume_if_paused(loop: EngineLoop, request_id: str) -> None:
+    def resume() -> None:
+        request = loop.core.scheduler.requests.get(request_id)
+        if request is not None and request.state == RequestState.PAUSED:
+            loop.core.scheduler.resume(request_id)
+
+    await loop.call(resume)
+
+
+class KvImporter:
+    """One incoming transfer on the target engine."""
+
+    def __init__(self, loop: EngineLoop):
+        self.loop = loop
+        self.progress: ImportProgress | None = None
+        self._slot_ids: list[int] = []
+        self._reserved = False
+        self._committed = False
+        self.marks: list[tuple[str, float]] = []  # (event, perf_counter s) for the import's debug log
+
+    async def begin(self, header: KvTransferHeader) -> None:
+        core = self.loop.core
+        own = engine_kv_layout(self.loop)
+        layout = header.layout
+        if (layout.num_layers, layout.num_kv_heads, layout.head_dim) != (own.num_layers, own.num_kv_heads, own.head_dim):
+            raise InvalidArgument("header.layout", f"KV shape {layout} does not match this engine's model {own}")
+        if layout.dtype not in ("float32", "bfloat16", "float16"):
+            raise InvalidArgument("header.layout.dtype", f"unknown dtype {layout.dtype!r}")
+        num_tokens = len(header.prompt_token_ids) + len(header.output_token_ids)
+        kv_complete = bool(header.output_token_ids) and header.num_computed_tokens == num_tokens - 1
+        if header.num_computed_tokens != 0 and not kv_complete:
+            raise InvalidArgument("header.num_computed_tokens",
+                                  "must cover every token but the last sampled one, or be 0 (recompute here)")
+        remaining = header.params.max_tokens - len(header.output_token_ids)
+        if remaining < 1:
+            raise InvalidArgument("header.output_token_ids", "the request has already produced max_tokens tokens")
+        # The continuation is valid exactly when the original request was: same total length.
+        min_tokens_left = max(0, header.params.min_tokens - len(header.output_token_ids))
+        validate_request(list(header.prompt_token_ids) + list(header.output_token_ids),
+                         replace(header.params, max_tokens=remaining, min_tokens=min_tokens_left),
+                         core.loaded.config.vocab_size, core.loaded.max_context_tokens,
+                         prompt_field="header.prompt_token_ids")
+
+        def reserve() -> list[int]:
+            self.loop.check_accepting()  # a draining engine takes no imports; the source keeps the request
+            core.scheduler.reserve_import(header.request_id, header.num_computed_tokens)
+            # Recorded in the command itself: a caller cancelled while awaiting it must still free the blocks.
+            self._reserved = True
+            self.progress = ImportProgress(header)
+            return core.kv_slot_ids(header.request_id, header.num_computed_tokens)
+
+        self._slot_ids = await self.loop.call(reserve)
+
+    @property
+    def slot_ids(self) -> list[int]:
+        """The reserved slots of tokens 0 .. num_computed_tokens - 1, in order."""
+        return self._slot_ids
+
+    async def chunk(self, chunk: KvChunk) -> None:
+        progress = self._require_header()
+        progress.check_order(chunk)
+        # One hop to a worker thread per chunk, off the event loop (which runs this engine's
+        # steps and streams): the CRC, bytes -> tensor and one vectorised scatter per K and V
+        # into blocks reserved for this request, which no step reads or writes until the commit.
+        await run_in_pool("kv-import", self._verify_and_write, progress, chunk)
+        progress.accept(chunk)
+
+    async def chunks(self, chunks) -> None:
+        """Consecutive chunks (a KvChunkBatch), each checked, verified and written as chunk() does,
+        in one hop to a worker thread for all of them."""
+        progress = self._require_header()
+
+        def verify_and_write_all() -> None:
+            for chunk in chunks:
+                progress.check_order(chunk)
+                self._verify_and_write(progress, chunk)
+                progress.accept(chunk)
+
+        await run_in_pool("kv-import", verify_and_write_all)
+
+    def _verify_and_write(self, progress: ImportProgress, chunk: KvChunk) -> None:
+        layout = progress.header.layout
+        shape = (chunk.token_end - chunk.token_start, layout.num_kv_heads, layout.head_dim)
+        progress.check_checksum(chunk)
+        k = tensor_from_bytes(chunk.k, layout.dtype, shape)
+        v = tensor_from_bytes(chunk.v, layout.dtype, shape)
+        self.loop.core.runner.write_kv(self._slot_ids[chunk.token_start:chunk.token_end], chunk.layer, k, v)
+
+    async def prepare(self) -> ImportProgress:
+        progress = self._require_header()
+        progress.check_complete()
+        return progress
+
+    async def commit(self, wake_loop: bool = True) -> str:
+        """Make the request live here; returns this engine's name. wake_loop=False: an idle engine
+        starts its first step only once the caller calls loop.wake() (EngineLoop.call)."""
+        progress = await self.prepare()
+        header = progress.header
+        request = EngineRequest(
+            request_id=header.request_id,
+            prompt_token_ids=list(header.prompt_token_ids),
+            params=header.params,
+            seed=header.params.seed,
+            output_token_ids=list(header.output_token_ids),
+            num_prior_output_tokens=header.num_prior_output_tokens,  # the penalties' counts: rebuilt from the tokens
+            # Without KV the request is prefilled here, and looks up this engine's cache then.
+            num_cached_tokens=header.num_cached_tokens if header.num_computed_tokens else None,
+        )
+        channel = RequestChannel(header.request_id, len(header.prompt_token_ids), list(header.output_token_ids))
+        channel.num_cached_tokens = request.num_cached_tokens or 0
+
+        def commit() -> None:
+            self.loop.core.scheduler.commit_import(request)
+            self.loop.add_channel(channel)
+            self._committed = True  # in the command: a caller cancelled meanwhile must not cancel a live import
+
+        await self.loop.call(commit, wake=wake_loop)
+        return self.loop.core.config.name
+
+    async def cancel(self) -> None:
+        """Free the reserved blocks unless the request was committed. Shielded: when the
+        import's RPC is cancelled (the source went away) this runs in its cleanup, and a
+        cancelled command would be skipped, leaking the blocks."""
+        if self._reserved and not self._committed and self.progress is not None:
+            request_id = self.progress.header.request_id
+            self._reserved = False
+            await asyncio.shield(self.loop.call(lambda: self.loop.core.scheduler.cancel_import(request_id)))
+
+    def _require_header(self) -> ImportProgress:
+        if self.progress is None:
+            raise InvalidArgument("header", "the first message of an import must be its header")
+        return self.progress
