@@ -107,8 +107,15 @@ class Answer:
     def opening(self) -> list[dict]:
         if not self.parsed.chat:
             return []
-        return [self._chat_chunk(index, {"role": "assistant", "content": ""}, None)
-                for index in range(self.fan_out.num_choices)]
+        return self._counted([self._chat_chunk(index, {"role": "assistant", "content": ""}, None)
+                              for index in range(self.fan_out.num_choices)])
+
+    def _counted(self, chunks: list[dict]) -> list[dict]:
+        """With continuous usage: each chunk carries the usage so far (completion tokens up to it)."""
+        if self.parsed.continuous_usage:
+            for chunk in chunks:
+                chunk["usage"] = self._usage()
+        return chunks
 
     def _chat_chunk(self, index: int, delta: dict, reason: str | None) -> dict:
         chunk = schema.chat_chunk(self.request_id, self.created, self.model, delta, reason, self.parsed.include_usage)
@@ -129,7 +136,7 @@ class Answer:
                                             self.parsed.include_usage)
             chunk["choices"][0]["index"] = index
             chunk["choices"][0]["logprobs"] = logprobs
-            return [chunk]
+            return self._counted([chunk])
         tools = state.tools
         text = update.text if tools is None else tools.feed(update.text)
         out = []
@@ -144,7 +151,7 @@ class Answer:
                 out.append(self._chat_chunk(index, {"tool_calls": calls}, None))
                 reason = TOOL_CALLS
             out.append(self._chat_chunk(index, {}, reason))
-        return out
+        return self._counted(out)
 
     def usage_chunk(self) -> dict:
         return schema.usage_chunk(self.parsed.chat, self.request_id, self.created, self.model, self._usage())

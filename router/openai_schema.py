@@ -120,6 +120,7 @@ class ParsedRequest:
     tokens_as_ids: bool = False  # vLLM's return_tokens_as_token_ids (router/openai_logprobs.py)
     best_of: int | None = None  # completions: > n runs this many candidates per prompt, answers the n best
     hides_logprobs: bool = False  # best_of > n without logprobs: asked of the engine for ranking only
+    continuous_usage: bool = False  # stream_options.continuous_usage_stats (vLLM's): usage so far on every chunk
 
     @property
     def candidates(self) -> int:
@@ -196,6 +197,17 @@ def _stop(body: _Body) -> tuple[str, ...]:
     return tuple(value)
 
 
+def _stop_token_ids(body: _Body) -> tuple[int, ...]:
+    """vLLM's stop_token_ids: these ids end the output too (also with ignore_eos)."""
+    value = body.raw("stop_token_ids")
+    if value is None:
+        return ()
+    if not isinstance(value, list) or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0
+                                              for t in value):
+        raise invalid("stop_token_ids", "must be a list of token ids")
+    return tuple(value)
+
+
 def _unsupported_fields(body: _Body, chat: bool) -> None:
     """OpenAI fields that would change the answer in ways DualPace cannot produce: a clear 400."""
     if chat:
@@ -222,24 +234,31 @@ def _sampling(body: _Body, max_tokens: int, chat: bool = False) -> SamplingParam
         min_p=body.number("min_p", 0.0),
         seed=seed,
         stop=_stop(body),
+        stop_token_ids=_stop_token_ids(body),
         ignore_eos=body.boolean("ignore_eos", False),
         **extra,
     )
 
 
-def _stream(body: _Body) -> tuple[bool, bool]:
+def _stream(body: _Body) -> tuple[bool, bool, bool]:
+    """(stream, include_usage, continuous usage): vLLM's continuous_usage_stats counts only
+    with include_usage, as there."""
     stream = body.boolean("stream", False)
     options = body.raw("stream_options")
     if options is None:
-        return stream, False
+        return stream, False, False
     if not stream:
         raise invalid("stream_options", "is only allowed when stream is true")
     if not isinstance(options, dict):
         raise invalid("stream_options", "must be an object")
-    include_usage = options.get("include_usage", False)
-    if not isinstance(include_usage, bool):
-        raise invalid("stream_options.include_usage", "must be true or false")
-    return stream, include_usage
+    flags = []
+    for name in ("include_usage", "continuous_usage_stats"):
+        value = options.get(name, False)
+        if not isinstance(value, bool):
+            raise invalid(f"stream_options.{name}", "must be true or false")
+        flags.append(value)
+    include_usage, continuous = flags
+    return stream, include_usage, include_usage and continuous
 
 
 def _max_tokens(body: _Body, names: tuple[str, ...], default: int | None) -> tuple[int | None, str]:
@@ -285,7 +304,7 @@ def parse_completion(raw: Any) -> ParsedRequest:
     else:
         raise invalid("prompt", "must be a string or a list of token ids")
     _unsupported_fields(body, chat=False)
-    stream, include_usage = _stream(body)
+    stream, include_usage, continuous_usage = _stream(body)
     max_tokens, _ = _max_tokens(body, ("max_tokens",), COMPLETION_DEFAULT_MAX_TOKENS)
     renamed = {"text": "prompt", "prompt_token_ids": "prompt", **openai_logprobs.RENAMED_COMPLETION}
     params = with_guided(body.raw, _sampling(body, max_tokens), renamed)
@@ -298,7 +317,8 @@ def parse_completion(raw: Any) -> ParsedRequest:
     return ParsedRequest(False, model, client, stream, include_usage, False, renamed, n=n,
                          echo=body.boolean("echo", False),
                          tokens_as_ids=body.boolean("return_tokens_as_token_ids", False),
-                         best_of=best_of if best_of != n else None, hides_logprobs=hides_logprobs)
+                         best_of=best_of if best_of != n else None, hides_logprobs=hides_logprobs,
+                         continuous_usage=continuous_usage)
 
 
 def parse_chat(raw: Any) -> ParsedRequest:
@@ -307,7 +327,7 @@ def parse_chat(raw: Any) -> ParsedRequest:
     model = body.string("model")
     messages = chat_messages(body.raw("messages"))
     _unsupported_fields(body, chat=True)
-    stream, include_usage = _stream(body)
+    stream, include_usage, continuous_usage = _stream(body)
     max_tokens, name = _max_tokens(body, ("max_completion_tokens", "max_tokens"), None)
     tools = parse_tools(body.raw("tools"), body.raw("tool_choice"))
     renamed = {"max_tokens": name, **openai_logprobs.RENAMED_CHAT}
@@ -319,7 +339,8 @@ def parse_chat(raw: Any) -> ParsedRequest:
     client = ClientRequest(request_id=request_id, text=None, prompt_token_ids=None, messages=messages, params=params,
                            tools=tools.tools if tools is not None else None)
     return ParsedRequest(True, model, client, stream, include_usage, max_tokens is None, renamed, n=n, tools=tools,
-                         tokens_as_ids=body.boolean("return_tokens_as_token_ids", False))
+                         tokens_as_ids=body.boolean("return_tokens_as_token_ids", False),
+                         continuous_usage=continuous_usage)
 
 
 # ---------------------------------------------------------------------- responses

@@ -113,6 +113,8 @@ class FusedDecode:
         if FusedDecode.missing_features(cfg):
             return False
         head_dims = fused_head_dims(model.dtype, None if kernels is None else kernels.variant)
+        if cfg.moe is not None:  # the fused layers hold one dense MLP each; a MoE layer runs per stage
+            return False
         if not (model.device.type == "cpu" and kv.device.type == "cpu" and model.dtype == kv.dtype
                 and model.dtype in (torch.float32, torch.bfloat16) and cfg.head_dim in head_dims
                 and cfg.num_heads // cfg.num_kv_heads <= 16):

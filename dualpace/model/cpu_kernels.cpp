@@ -522,7 +522,7 @@ int64_t dp_amx_min_rows(int64_t rows) {
 #endif
 }
 
-// quant_gemv.h's activation arithmetic for block formats (0 fp32, 1 int16, 2 int8, 3 int16-split;
+// quant_gemv.h's activation arithmetic for block formats (0 fp32, 1 int16, 2 int8;
 // another value leaves it); returns the mode in force, -1 in a build without quant_gemv.h.
 int32_t dp_quant_set_activations(int32_t mode) {
 #if DP_HAS_QUANT
