@@ -41,7 +41,8 @@ FAMILIES: dict[str, Family] = {
     family.name: family
     for family in (
         Family("llama", "LlamaForCausalLM", gguf_permuted_qk=True),
-        Family("mistral", "MistralForCausalLM", gguf_permuted_qk=True, has_sliding_window=True),
+        # written to GGUF as llama, as llama.cpp does (its window kept in the file's sliding_window key)
+        Family("mistral", "MistralForCausalLM", gguf_permuted_qk=True, has_sliding_window=True, gguf_arch="llama"),
         Family("qwen2", "Qwen2ForCausalLM", qkv_bias=True),
         Family("qwen3", "Qwen3ForCausalLM", qk_norm=True),
         Family("phi3", "Phi3ForCausalLM", fused_hf_projections=True, has_sliding_window=True),

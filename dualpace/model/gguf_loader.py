@@ -155,7 +155,9 @@ def read_gguf_config(reader) -> ModelConfig:
     # rotate whole heads (rope.dimension_count is head_dim), Phi-3's may rotate part of each
     default_head_dim = hidden // num_heads if arch == "phi3" else rotary_dim
     head_dim = int(_field(reader, f"{arch}.attention.key_length", default_head_dim))
-    window = int(_field(reader, f"{arch}.attention.sliding_window", 0)) if family.has_sliding_window else 0
+    window = int(_field(reader, f"{arch}.attention.sliding_window", 0))  # where a file has one, any family
+    if family.name == "llama" and window:  # Mistral, written as llama (as llama.cpp does) with its window kept
+        family = FAMILIES["mistral"]
     max_positions = int(_field(reader, f"{arch}.context_length"))
     rope_freqs = tensors.get("rope_freqs.weight")
     longrope = {}
