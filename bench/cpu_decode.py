@@ -16,7 +16,8 @@ Per (batch, context) row:
   DynamicCache pre-filled with random K/V of the context length, so every generated token is
   a decode step.
 - limits: weights limit = batch * copy bandwidth / weight bytes per step (bf16, tied
-  embedding counted once); weights+KV limit also counts the KV bytes read at that context.
+  embedding counted once; for a mixture-of-experts model the expected bytes of the experts a
+  batch selects, MoeWeightBytes.step_bytes); weights+KV limit also counts the KV bytes read at that context.
   Copy bandwidth (read + written bytes of a 512 MiB copy, toolkit/memory_bandwidth.py) is
   re-measured right before each row, and the row's ratios use that measurement. Also the
   fastest single iteration ("fastest step"), which is how the copy bandwidth itself is taken
@@ -59,7 +60,7 @@ from dualpace.kv.block_table import KVBlockManager
 from dualpace.kv.storage import KVStorage
 from dualpace.model import cpu_kernels
 from dualpace.model.attention import decode_attention
-from dualpace.model.loader import LoadedModel, load_model, weights_num_bytes
+from dualpace.model.loader import LoadedModel, load_model, moe_weight_bytes, weights_num_bytes
 from dualpace.model.paged_forward import PagedForward, SequenceWork, build_step_tensors
 from dualpace.model.quant_kernels import add_quant_activations_argument, use_config_activations
 from dualpace.sampling import SamplingParams, sample_next_tokens
@@ -276,6 +277,10 @@ def main(argv: list[str] | None = None) -> int:
     use_config_activations(args.quant_activations)
     cfg = loaded.config
     weight_bytes = weights_num_bytes(loaded.model.weights)
+    moe = moe_weight_bytes(loaded.model.weights, cfg)  # a MoE step reads the experts its rows select
+
+    def step_weight_bytes(batch: int) -> float:
+        return weight_bytes if moe is None else moe.step_bytes(batch)
     kv_bytes_per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * loaded.model.dtype.itemsize
     peer = None
     if args.peer == "llamacpp":
@@ -305,8 +310,8 @@ def main(argv: list[str] | None = None) -> int:
                 for _ in range(args.repeats))
             copy_bw = max(copy_bw, bandwidth())  # best of before and after: the limit is not understated
             mean_context = context + args.new_tokens / 2
-            weights_limit = batch * copy_bw / weight_bytes
-            weights_kv_limit = batch * copy_bw / (weight_bytes + batch * mean_context * kv_bytes_per_token)
+            weights_limit = batch * copy_bw / step_weight_bytes(batch)
+            weights_kv_limit = batch * copy_bw / (step_weight_bytes(batch) + batch * mean_context * kv_bytes_per_token)
             row = {
                 "batch": batch,
                 "context_tokens": context,

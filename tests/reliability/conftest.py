@@ -25,6 +25,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from tests.reliability.near_tie import near_tie_finder
+from tests.reliability.system_specs import SystemSpec
 from toolkit.engine_client import EngineClient
 from dualpace.generation import OfflineGenerator
 from dualpace.model.loader import load_model
@@ -139,33 +140,9 @@ def near_tie_position() -> Callable[..., int | None]:
 # ---------------------------------------------------------------------- systems
 
 
-@dataclass(frozen=True)
-class EngineSpec:
-    """One engine of a system: `kind` gpu or cpu, its flags (after ENGINE_FLAGS), a test-only
-    delay of every step, and whether the router sends it requests."""
-
-    name: str
-    kind: str
-    flags: tuple[str, ...]
-    step_delay_ms: int = 0
-    behind_router: bool = True
-
-
-@dataclass(frozen=True)
-class SystemSpec:
-    """What a test runs: engines (at most one gpu and one cpu behind the router) and the
-    router's flags (None: no router). A module names its own in SYSTEM; a test another with
-    indirect parametrization of `system` or `fresh_system`. shared: one running copy for the
-    whole session, for modules that leave it idle."""
-
-    engines: tuple[EngineSpec, ...]
-    router_flags: tuple[str, ...] | None = ("--no-migrate",)
-    shared: bool = False
-
-
 @dataclass
 class System:
-    """A running SystemSpec: its daemons, a probe of each engine, a channel and stub to the router."""
+    """A running SystemSpec (tests/reliability/system_specs.py): its daemons, a probe of each engine, a channel and stub to the router."""
 
     folder: str
     engines: dict[str, Daemon]
@@ -242,23 +219,6 @@ def fresh_system(request, tiny_folder) -> Iterator[System]:
     """A system of its own for one test (one that drains, kills or stops its daemons)."""
     with running(tiny_folder, _spec(request)) as started:
         yield started
-
-
-SLOW_STEP_DELAY_MS = 30
-# One gpu_service whose every step lasts at least SLOW_STEP_DELAY_MS (a test-only fault, so
-# requests are measurably mid-stream), behind a gpu-only router without load-driven migration.
-SLOW_GPU = SystemSpec(
-    engines=(EngineSpec("gpu", "gpu", ("--name", "gpu-slow", "--kv-blocks", "256", "--block-size", "8"),
-                        step_delay_ms=SLOW_STEP_DELAY_MS),),
-    router_flags=("--policy", "gpu-only", "--no-migrate"), shared=True)
-
-
-def lone_gpu(name: str, step_delay_ms: int) -> SystemSpec:
-    """The only engine, behind a gpu-only router: for tests that kill it and expect the router
-    to refuse what nothing can take."""
-    return SystemSpec(engines=(EngineSpec("gpu", "gpu", ("--name", name, "--kv-blocks", "64", "--block-size", "8"),
-                                          step_delay_ms=step_delay_ms),),
-                      router_flags=("--policy", "gpu-only", "--no-migrate"))
 
 
 # ---------------------------------------------------------------------- probes

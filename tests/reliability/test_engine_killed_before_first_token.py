@@ -15,12 +15,10 @@ import pytest
 from dualpace.sampling import FinishReason
 from tests.reliability.conftest import (
     EngineProbe,
-    EngineSpec,
     RouterStream,
-    SystemSpec,
-    lone_gpu,
     prompt_for,
 )
+from tests.reliability.system_specs import EngineSpec, SystemSpec, lone_gpu
 from tests.helpers import wait_for
 
 STEP_DELAY_MS = 3000  # the prefill step alone takes 3 s on the GPU engine

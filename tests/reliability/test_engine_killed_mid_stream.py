@@ -16,12 +16,10 @@ from dualpace.sampling import FinishReason
 from dualpace.wire.v1 import router_pb2
 from tests.reliability.conftest import (
     EngineProbe,
-    EngineSpec,
     RouterStream,
-    SystemSpec,
-    lone_gpu,
     prompt_for,
 )
+from tests.reliability.system_specs import EngineSpec, SystemSpec, lone_gpu
 
 STEP_DELAY_MS = 10
 NUM_REQUESTS = 6

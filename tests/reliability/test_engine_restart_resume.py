@@ -28,14 +28,13 @@ from dualpace.wire.v1 import router_pb2
 from tests.helpers import wait_for
 from tests.reliability.conftest import (
     EngineProbe,
-    EngineSpec,
     RouterStream,
-    SystemSpec,
     assert_exact,
     cancelled_if_unfinished,
     prompt_for,
     router_stub,
 )
+from tests.reliability.system_specs import EngineSpec, SystemSpec
 from tests.reliability.test_up_supervision import HANG_GUARD_S, running_up
 
 NUM_REQUESTS = 4

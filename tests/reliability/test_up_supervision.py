@@ -36,7 +36,7 @@ from tests.reliability.conftest import (
     router_stub,
 )
 from tests.helpers import wait_for
-from tests.router.test_cli import _alive
+from tests.router.conftest import alive
 
 READY = re.compile(r"dualpace up: ready; router on (\S+)")
 CHILD = re.compile(r"dualpace up: (\S+) on (\S+) \(pid (\d+)\)")
@@ -172,5 +172,5 @@ def test_sigterm_still_stops_all_three(up):
     assert "dualpace up: stopped" in up.log()
     assert not os.path.exists(folder)
     for pid in pids.values():
-        assert not _alive(pid), f"child {pid} outlived dualpace up"
+        assert not alive(pid), f"child {pid} outlived dualpace up"
 

@@ -25,7 +25,8 @@ from dualpace.model.tokenizer import Tokenizer
 from dualpace.wire.router_messages import placements_to_dict
 from dualpace.wire.v1 import common_pb2, router_pb2
 from tests.helpers import wait_for
-from tests.reliability.conftest import EngineSpec, SystemSpec, running
+from tests.reliability.conftest import running
+from tests.reliability.system_specs import EngineSpec, SystemSpec
 
 HANG_GUARD_S = 120.0
 GPU_POOL_TOKENS = 8 * 8
