@@ -3,9 +3,9 @@
 A real ImportKv target (an in-process EngineServicer on loopback with a TcpDataServer on
 127.0.0.1, no shared memory) and a real source engine: the KV lands in the target's reserved
 blocks, straight or through its staging buffer, and the request continues token-identical there;
-a wrong or replayed ticket is refused; a corrupt layer, a connection cut part-way and a cancel
-mid-stream leave the request running on the source and no block held on either side; a data
-socket that cannot be reached falls back to chunks over gRPC for that transfer.
+a wrong or replayed ticket is refused; a corrupt layer, a connection cut part-way, a cancel
+mid-stream and a data socket that cannot be reached leave the request running on the source and
+no block held on either side.
 """
 
 from __future__ import annotations
@@ -207,7 +207,7 @@ async def test_a_cancel_mid_stream_leaves_the_request_on_the_source(tiny, monkey
         await served.close()
 
 
-async def test_an_unreachable_data_socket_falls_back_to_grpc_chunks(tiny, monkeypatch):
+async def test_an_unreachable_data_socket_fails_the_transfer_and_leaves_the_request_on_the_source(tiny, monkeypatch):
     def refused(*args):
         raise ConnectionRefusedError("refused (test)")
 
@@ -217,14 +217,14 @@ async def test_an_unreachable_data_socket_falls_back_to_grpc_chunks(tiny, monkey
         channel = await served.source[0].add_request("u", PROMPT, PARAMS)
         await wait_tokens(channel, 4)
         sender = served.sender()
-        await migrate_out(served.source[0], "u", sender)
-        assert not sender.used_tcp and sender.num_messages >= 1
-        await assert_continues_on_target(served, channel, "u", expected(tiny))
+        with pytest.raises(Unavailable, match="cannot reach its data socket"):
+            await migrate_out(served.source[0], "u", sender)
+        assert not sender.used_tcp and sender.num_messages == 0  # no chunk went over gRPC instead
+        await assert_stays_on_source(tiny, served, channel)
     finally:
         await served.close()
 
 
-@pytest.mark.skipif(shutil.which("openssl") is None, reason="openssl is not installed")
 async def test_under_tls_the_data_socket_speaks_tls_and_refuses_strangers(tiny, tmp_path):
     cert, key = _self_signed(tmp_path, "engine")  # both engines' certificate, and their CA (mutual TLS)
     served = await Served().start(tiny, load_tls(str(cert), str(key), str(cert)))
