@@ -3,8 +3,8 @@
 - **orphans**: a second router on the same engines takes a few long requests and is SIGKILLed,
   not restarted; the engines must drop them within their orphan lease (`--orphan-timeout-s`),
   checked by ListRequests at the end;
-- **a stalled assist client**: a Dense Assist session to gpu_service that stops sending after
-  its first reply; it must end DEADLINE_EXCEEDED (`--assist-idle-timeout-s`) while the load goes
+- **a stalled assist client**: a Dense Assist session to gpu_service whose first layer's attention
+  never returns; the server must end it on `--assist-idle-timeout-s` while the load goes
   on (ungated: a gated session would hold the device for that long by design, which
   tests/gpu_service/test_assist_stall.py covers);
 - **a 10 MB prompt** through the soak's router while a probe stream runs: refused with
@@ -30,12 +30,12 @@ import threading
 import time
 
 import grpc
+import torch
 
 from router.prompt_work import DEFAULT_MAX_PROMPT_CHARS
 from toolkit.processes import Daemon, start_daemon
-from dualpace.engine.assist.assist_types import AssistBegin
-from dualpace.wire import assist_messages
-from dualpace.wire.v1 import assist_pb2_grpc, common_pb2, engine_pb2, engine_pb2_grpc, router_pb2, router_pb2_grpc
+from cpu_service.assist_client import AssistClient, AssistUnavailable
+from dualpace.wire.v1 import common_pb2, engine_pb2, engine_pb2_grpc, router_pb2, router_pb2_grpc
 
 NUM_ORPHANS = 3
 ORPHAN_MAX_TOKENS = 280  # with a 10 ms step floor: about 3 s, beyond the soak's short lease
@@ -44,6 +44,7 @@ LONG_PROMPT_CHARS = DEFAULT_MAX_PROMPT_CHARS + 1  # within that bound, one chara
 PROBE_MAX_TOKENS = 120
 PROBE_TOKENS_BEFORE = 40  # the probe's tokens before the prompt is sent
 HANG_GUARD_S = 60.0
+ASSIST_SESSION_ENDED = "dense assist session ended"  # gpu_service's log line when it ends a session
 MAX_FD_GROWTH = 16  # slack for lazily opened files (metrics, sockets of reconnecting channels)
 MAX_THREAD_GROWTH = 8  # slack for worker pools that grow to their bound on first use
 
@@ -147,24 +148,48 @@ class Chaos:
                         "killed_at_s": round(self.soak.clock(), 1)}
 
     def stall_an_assist_session(self) -> None:
-        upstream: queue.Queue = queue.Queue()
-        with grpc.insecure_channel(self.soak.slots["gpu"].daemon.address) as channel:
-            call = assist_pb2_grpc.DenseAssistStub(channel).Assist(iter(upstream.get, None), timeout=HANG_GUARD_S)
-            upstream.put(assist_messages.assist_up_to_pb(AssistBegin(
-                1, [1, 2], [0, 0], None)))
-            started = time.monotonic()
-            code, replies = None, 0
-            try:
-                for _ in call:  # the first reply (layer 0's q, k, v), then nothing is sent back
-                    replies += 1
-            except grpc.RpcError as exc:
-                code = exc.code()
-            finally:
-                upstream.put(None)
-        self.assist_stall = {"replies": replies, "code": None if code is None else code.name,
+        """An ungated assist session whose first layer's attention never returns: the server hears
+        nothing more through its rings and must end the session on its idle timeout."""
+        gpu = self.soak.slots["gpu"].daemon
+        num_ended = gpu.log().count(ASSIST_SESSION_ENDED)
+        in_attend, release = threading.Event(), threading.Event()
+        outcome: dict = {}
+
+        def stalled_attend(layer, q, k, v):
+            in_attend.set()
+            release.wait(HANG_GUARD_S)
+            return torch.zeros(q.shape[0], q[0].numel())
+
+        def run() -> None:
+            with AssistClient(gpu.address, iteration_timeout_s=HANG_GUARD_S) as client:
+                try:
+                    client.run_iteration([1, 2], [0, 0], stalled_attend)
+                    outcome["error"] = None
+                except AssistUnavailable as exc:
+                    outcome["error"] = str(exc)
+
+        started = time.monotonic()
+        worker = threading.Thread(target=run, daemon=True)
+        worker.start()
+        reached = in_attend.wait(HANG_GUARD_S)
+        deadline = time.monotonic() + HANG_GUARD_S
+        ended_line = None
+        while reached and ended_line is None and time.monotonic() < deadline:
+            lines = [line for line in gpu.log().splitlines() if ASSIST_SESSION_ENDED in line]
+            if len(lines) > num_ended:
+                ended_line = lines[-1]
+            else:
+                time.sleep(0.1)  # polling the daemon's log, bounded by the deadline
+        release.set()
+        worker.join(HANG_GUARD_S)
+        by_idle_timeout = ended_line is not None and "--assist-idle-timeout-s" in ended_line
+        self.assist_stall = {"reached_attention": reached, "ended_by_idle_timeout": by_idle_timeout,
+                             "client_error": outcome.get("error"),
                              "ended_after_s": round(time.monotonic() - started, 1)}
-        if code != grpc.StatusCode.DEADLINE_EXCEEDED:
-            self.problems.append(f"the stalled assist session ended with {code}, not DEADLINE_EXCEEDED")
+        if not by_idle_timeout:
+            self.problems.append(f"the stalled assist session did not end on the idle timeout: {ended_line!r}")
+        if outcome.get("error") is None:
+            self.problems.append("the stalled assist session's iteration did not fail after the server ended it")
 
     def send_oversized_prompts(self) -> None:
         """A 10 MB prompt, then one of --max-prompt-chars + 1 characters, each beside a probe stream."""

@@ -83,13 +83,14 @@ def test_daemons_exit_cleanly(soak_result):
 
 def test_extra_chaos_outcomes(soak_result):
     """bench/soak_chaos.py: orphans of a SIGKILLed second router gone from the engines, a stalled
-    assist session ended DEADLINE_EXCEEDED, a 10 MB prompt refused by gRPC's receive bound and one
+    assist session ended on the server's idle timeout, a 10 MB prompt refused by gRPC's receive bound and one
     over --max-prompt-chars by the router naming the limit while probe streams completed, and no
     daemon's threads or descriptors grew past the slack."""
     chaos = soak_result["chaos"]
     assert chaos["orphans"]["streaming_when_killed"] > 0, chaos["orphans"]
     assert chaos["orphans"]["left_on_engines"] == [], chaos["orphans"]
-    assert chaos["assist_stall"]["code"] == "DEADLINE_EXCEEDED", chaos["assist_stall"]
+    assert chaos["assist_stall"]["ended_by_idle_timeout"], chaos["assist_stall"]
+    assert chaos["assist_stall"]["client_error"] is not None, chaos["assist_stall"]
     assert chaos["huge_prompt"]["code"] == "RESOURCE_EXHAUSTED", chaos["huge_prompt"]  # gRPC's receive bound
     assert chaos["long_prompt"]["code"] == "INVALID_ARGUMENT", chaos["long_prompt"]  # --max-prompt-chars
     assert chaos["huge_prompt"]["probe_tokens"] == chaos["long_prompt"]["probe_tokens"] == 120, chaos
