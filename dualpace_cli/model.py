@@ -33,9 +33,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     export.add_argument("--tokenizer-only", action="store_true",
                         help="no weights: tokenizer.json, tokenizer_config.json (chat template), config.json — "
                              "the folder Dynamo's frontend tokenizes from (docs/scale-out.md)")
-    export.add_argument("--gguf", choices=["q8_0", "f32", "f16"],
+    export.add_argument("--gguf", choices=["q8_0", "f32", "f16", "bf16"],
                         help="write a .gguf file (--out) with every matrix in this format (re-quantized from a "
-                             ".gguf, or converted from a Hugging Face folder; dense f32/f16 e.g. for "
+                             ".gguf, or converted from a Hugging Face folder; dense f32/f16/bf16 e.g. for "
                              "llama.cpp's llama-quantize) instead")
 
 

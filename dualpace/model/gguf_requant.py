@@ -1,4 +1,4 @@
-"""Write a GGUF's weights again in another format (Q8_0, or dense F32 / F16), or a Hugging Face
+"""Write a GGUF's weights again in another format (Q8_0, or dense F32 / F16 / BF16), or a Hugging Face
 folder as a GGUF (dualpace.model.gguf_write). A GGUF keeps its metadata,
 tokenizer and tensor names; 2-D tensors of another type are dequantized and quantized (Q8_0, with
 the `gguf` package) or stored dense, norms and other 1-D tensors copied. Q/K rows stay in the
@@ -18,7 +18,7 @@ from dualpace.errors import InvalidArgument
 from dualpace.model.gguf_loader import open_gguf
 from dualpace.model.registry import resolve_model_path
 
-TARGETS = ("q8_0", "f32", "f16")
+TARGETS = ("q8_0", "f32", "f16", "bf16")
 
 
 def requantize_gguf(model: str, out_path: Path, target: str = "q8_0") -> Path:
@@ -40,6 +40,7 @@ def requantize_gguf(model: str, out_path: Path, target: str = "q8_0") -> Path:
         "q8_0": (gguf.GGMLQuantizationType.Q8_0, gguf.LlamaFileType.MOSTLY_Q8_0),
         "f32": (gguf.GGMLQuantizationType.F32, gguf.LlamaFileType.ALL_F32),
         "f16": (gguf.GGMLQuantizationType.F16, gguf.LlamaFileType.MOSTLY_F16),
+        "bf16": (gguf.GGMLQuantizationType.BF16, gguf.LlamaFileType.MOSTLY_BF16),
     }[target]
     dense_types = (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16)
     reader = open_gguf(path)

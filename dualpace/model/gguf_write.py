@@ -5,7 +5,7 @@ llama.cpp permutes are interleaved as its converter does, llama3 RoPE scaling be
 rope_freqs tensor, and the tokenizer (byte-level BPE: vocabulary, merges, special tokens, chat
 template) goes into `tokenizer.ggml.*`. A mixture-of-experts layer's experts are stacked into
 ffn_{gate,up,down}_exps [num_experts, rows, K] (a dense layer of Qwen2-MoE's mlp_only_layers keeps
-ffn_{gate,up,down}, which llama.cpp's converter refuses). Matrices are stored as F32, F16 or Q8_0;
+ffn_{gate,up,down}, which llama.cpp's converter refuses). Matrices are stored as F32, F16, BF16 or Q8_0;
 norms, biases and the routers (ffn_gate_inp, ffn_gate_inp_shexp) as F32.
 `dualpace model export --gguf FORMAT --model FOLDER` runs it.
 """
@@ -122,7 +122,7 @@ def _add_tokenizer(writer, folder: Path, config: ModelConfig) -> None:
 
 def write_gguf_from_hf(folder: Path, out_path: Path, target: str) -> Path:
     """Write the Hugging Face folder `folder` as a GGUF at `out_path`, matrices in `target`
-    ("f32", "f16" or "q8_0")."""
+    ("f32", "f16", "bf16" or "q8_0")."""
     import gguf
     from gguf.quants import quantize
 
@@ -130,7 +130,7 @@ def write_gguf_from_hf(folder: Path, out_path: Path, target: str) -> Path:
     writer = gguf.GGUFWriter(str(out_path), config.family.gguf_name)
     writer.add_name(folder.name)
     writer.add_file_type({"f32": gguf.LlamaFileType.ALL_F32, "f16": gguf.LlamaFileType.MOSTLY_F16,
-                          "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0}[target])
+                          "bf16": gguf.LlamaFileType.MOSTLY_BF16, "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0}[target])
     for add, value in ((writer.add_vocab_size, config.vocab_size),
                        (writer.add_context_length, config.max_position_embeddings),
                        (writer.add_embedding_length, config.hidden_size), (writer.add_block_count, config.num_layers),
@@ -176,6 +176,9 @@ def write_gguf_from_hf(folder: Path, out_path: Path, target: str) -> Path:
         matrix = values.ndim >= 2 and not name.endswith(_ROUTING_GGUF_NAMES)
         if matrix and target == "f16":
             writer.add_tensor(name, values.astype(np.float16))
+        elif matrix and target == "bf16":
+            writer.add_tensor(name, quantize(values, gguf.GGMLQuantizationType.BF16),
+                              raw_dtype=gguf.GGMLQuantizationType.BF16)
         elif matrix and target == "q8_0" and values.shape[-1] % 32 == 0:
             writer.add_tensor(name, quantize(values, gguf.GGMLQuantizationType.Q8_0),
                               raw_dtype=gguf.GGMLQuantizationType.Q8_0)

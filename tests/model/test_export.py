@@ -51,3 +51,15 @@ def test_tokenizer_only_folder_tokenizes_and_renders_chat_like_dualpace(tmp_path
     assert rendered == ours.apply_chat_template(messages)
     assert hf.encode(rendered, add_special_tokens=False) == ours.encode_chat(messages)
     assert hf.encode("The capital of France", add_special_tokens=True) == ours.encode("The capital of France")
+
+
+def test_hf_folder_exports_bf16_matrices(tmp_path, synth_checkpoint):
+    """`--gguf bf16` from a Hugging Face folder: the matrices are the folder's rounded to bf16, norms F32."""
+    folder = synth_checkpoint("tiny-llama")
+    out = tmp_path / "tiny-bf16.gguf"
+    assert main(["model", "export", "--model", str(folder), "--gguf", "bf16", "--out", str(out)]) == 0
+    hf, gguf = load_model(str(folder), dtype="fp32"), load_model(str(out), dtype="fp32", weights="fp32")
+    for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"):
+        theirs = getattr(hf.model.weights.layers[1], name)
+        assert torch.equal(getattr(gguf.model.weights.layers[1], name), theirs.to(torch.bfloat16).float()), name
+    assert torch.equal(gguf.model.weights.layers[1].input_norm, hf.model.weights.layers[1].input_norm)
