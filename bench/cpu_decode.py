@@ -62,7 +62,7 @@ from dualpace.model import cpu_kernels
 from dualpace.model.attention import decode_attention
 from dualpace.model.loader import LoadedModel, load_model, moe_weight_bytes, weights_num_bytes
 from dualpace.model.paged_forward import PagedForward, SequenceWork, build_step_tensors
-from dualpace.model.quant_kernels import add_quant_activations_argument, use_config_activations
+from dualpace.model.quant_activations import add_quant_activations_argument, use_config_activations
 from dualpace.sampling import SamplingParams, sample_next_tokens
 
 BLOCK_SIZE = 16

@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 
 from dualpace.kv.storage import KVStorage
-from dualpace.model import quant_kernels
+from dualpace.model import quant_activations
 from dualpace.model.loader import LoadedModel, load_model
 from dualpace.model.paged_forward import PagedForward, SequenceWork
 
@@ -71,12 +71,12 @@ def ours_kl(model: str, tokens: list[int] | None, text: str, window: int, chunk:
     for w in windows:
         ref = window_log_probs(ref_model, w, window)[window // 2:]
         for mode in modes:
-            quant_kernels.use_config_activations(mode)
+            quant_activations.use_config_activations(mode)
             kl, flips = compare(ref, window_log_probs(native, w, chunk)[window // 2:])
             sums[mode][0] += kl
             sums[mode][1] += flips
             sums[mode][2] += ref.shape[0]
-    quant_kernels.use_config_activations("exact")
+    quant_activations.use_config_activations("exact")
     return {mode: {"mean_kl": s[0] / s[2], "top_token_differs": s[1] / s[2], "positions": s[2]}
             for mode, s in sums.items()} | {"tokens": len(windows) * window}
 
@@ -97,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     text = Path(args.text).read_text()
     modes = args.modes.split(",")
     for mode in modes:
-        if mode not in quant_kernels.CONFIG_ACTIVATIONS:
+        if mode not in quant_activations.CONFIG_ACTIVATIONS:
             raise SystemExit(f"--modes: unknown {mode!r}")
     result = {"model": os.path.basename(args.model), "text": os.path.basename(args.text),
               "text_sha256": hashlib.sha256(text.encode()).hexdigest(), "window": args.window, "chunk": args.chunk,

@@ -9,7 +9,7 @@ import random
 import sys
 
 from dualpace.errors import InvalidArgument
-from dualpace.model.quant_kernels import add_quant_activations_argument, use_config_activations
+from dualpace.model.quant_activations import add_quant_activations_argument, use_config_activations
 from dualpace.model.registry import DEFAULT_MODEL_NAME
 from dualpace.sampling import SamplingParams
 

@@ -26,7 +26,7 @@ import sys
 import threading
 import time
 
-from dualpace.model.quant_kernels import add_quant_activations_argument
+from dualpace.model.quant_activations import add_quant_activations_argument
 from dualpace.policy.policies import POLICY_NAMES, Policy, policy_help, traits
 from dualpace_cli.restart_budget import DEFAULT_MAX_RESTARTS, DEFAULT_WINDOW_S, RestartBudget
 from dualpace_cli.supervise import Child, supervise_once

@@ -39,7 +39,7 @@ import torch
 import torch.nn.functional as F
 
 from dualpace.errors import ModelLoadError
-from dualpace.model import quant_kernels
+from dualpace.model import quant_activations, quant_kernels
 
 # Rows of x from which linear() dequantizes the matrix for torch's GEMM (prefill-sized calls).
 DENSE_MIN_ROWS = 128
@@ -54,7 +54,7 @@ def dense_min_rows() -> int:
     VNNI: 1.2-1.7x the dequantized matrix through torch's GEMM at 128 and 512 rows of 1B-sized
     Q8_0 and Q4_K matrices on an Intel Xeon, one thread)."""
     lib = quant_kernels.get()
-    int8 = lib is not None and quant_kernels.activation_mode_id() == quant_kernels.ACTIVATION_MODES["int8"]
+    int8 = lib is not None and quant_activations.activation_mode_id() == quant_activations.ACTIVATION_MODES["int8"]
     return sys.maxsize if int8 and lib.dp_quant_int8_min_rows() > 0 else DENSE_MIN_ROWS
 
 

@@ -9,7 +9,7 @@ cached under `$XDG_CACHE_HOME/dualpace/kernels/` keyed by the sources, the flags
 and the CPU flags; the .so shares torch's OpenMP runtime (one pool, torch.set_num_threads).
 `DUALPACE_CPU_KERNELS=0` turns these off too, leaving the torch fallback of QuantizedWeight.
 
-Activation arithmetic (quant_gemv.h): `int16` (the exact mode) until `set_activations()` chooses
+Activation arithmetic (quant_gemv.h): `int16` (the exact mode) until `quant_activations.set_activations()` chooses
 `int8` (from a few rows, on CPUs with AVX-512 VNNI) or `fp32` (the tests' reference); the engines
 set it from --quant-activations (dualpace.serve.config: flag, DUALPACE_QUANT_ACTIVATIONS or TOML).
 """
@@ -25,6 +25,7 @@ import sys
 from pathlib import Path
 
 from dualpace.model import cpu_kernels_build as kbuild
+from dualpace.model import quant_activations
 from dualpace.model.native_build import build_atomically, compiler_version, kernel_cache_dir
 
 log = logging.getLogger(__name__)
@@ -108,7 +109,7 @@ def _load(variant: str) -> ctypes.CDLL | None:
         fn.restype = restype
     if "-mavx2" in flags and not lib.dp_quant_has_avx2():
         return None
-    lib.dp_quant_set_activations(activation_mode_id())
+    quant_activations.register(lib)
     return lib
 
 
@@ -136,54 +137,6 @@ def get() -> ctypes.CDLL | None:
     if "lib" not in _state:
         _state["lib"] = load_variant(chosen_variant())
     return _state["lib"]  # type: ignore[return-value]
-
-
-ACTIVATION_MODES = {"fp32": 0, "int16": 1, "int8": 2}  # quant_gemv.h's ActivationMode
-# --quant-activations: exact (greedy output of the dequantized fp32 model) or int8 (faster batches).
-CONFIG_ACTIVATIONS = {"exact": "int16", "int8": "int8"}
-# exact by default: int8 rounding of the default model's chat prompt (its special tokens' outlier
-# activations) turns "The capital of France is Paris." into other text, in the kernels and in a
-# torch emulation of the rounding alike, although its KL divergence over plain text is below
-# llama.cpp's (docs/perf.md).
-DEFAULT_CONFIG_ACTIVATIONS = "exact"
-QUANT_ACTIVATIONS_HELP = (
-    "exact (default): block-quantized weights multiply activations rounded to int16 per 16 elements "
-    "(greedy output of the fp32-dequantized model); int8: from 5 rows (batched decode, prompt chunks) on CPUs "
-    "with AVX-512 VNNI, activations rounded to int8 per 16 elements: 1.3-2.9x faster products, KL divergence "
-    "of the dequantized model below llama.cpp's on plain text, but some prompts change answer (docs/perf.md); "
-    "elsewhere as exact")
-
-
-def add_quant_activations_argument(parser) -> None:
-    """--quant-activations (flag, DUALPACE_QUANT_ACTIVATIONS or TOML through dualpace.serve.config)."""
-    parser.add_argument("--quant-activations", default=DEFAULT_CONFIG_ACTIVATIONS, choices=sorted(CONFIG_ACTIVATIONS),
-                        help=QUANT_ACTIVATIONS_HELP)
-
-
-def activation_mode_id() -> int:
-    """The mode set_activations chose last (int16 until then), as quant_gemv.h numbers it: every
-    library loaded later starts in it."""
-    return ACTIVATION_MODES[_state.get("activations", "int16")]  # type: ignore[index]
-
-
-def set_activations(mode: str) -> None:
-    """Use `mode` (fp32, int16, int8) for the activations of block-quantized weights from now on,
-    in these kernels and in every cpu_kernels variant, those loaded later included. Not while a
-    linear call runs."""
-    if mode not in ACTIVATION_MODES:
-        raise ValueError(f"activation mode {mode!r}: expected one of {', '.join(ACTIVATION_MODES)}")
-    _state["activations"] = mode
-    from dualpace.model import cpu_kernels
-
-    libs = [get(), *_state.get("variants", {}).values(), *(k.lib for k in cpu_kernels.loaded_kernels())]
-    for lib in libs:
-        if lib is not None:
-            lib.dp_quant_set_activations(ACTIVATION_MODES[mode])
-
-
-def use_config_activations(name: str) -> None:
-    """Apply --quant-activations (a CONFIG_ACTIVATIONS name) to every loaded kernel library."""
-    set_activations(CONFIG_ACTIVATIONS[name])
 
 
 def main() -> int:

@@ -41,7 +41,7 @@ from dualpace.faults import FaultConfig, add_fault_arguments
 from dualpace.model import attention_backend
 from dualpace.model.attention_backend import ATTENTION_BACKENDS, FUSED_KERNELS, KernelChoices
 from dualpace.model.loader import LoadedModel
-from dualpace.model.quant_kernels import add_quant_activations_argument, use_config_activations
+from dualpace.model.quant_activations import add_quant_activations_argument, use_config_activations
 from dualpace.model.registry import DEFAULT_MODEL_NAME
 from dualpace.sampling import SamplingParams
 from dualpace.serve.config import add_config_argument, effective_config

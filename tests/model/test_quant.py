@@ -15,7 +15,7 @@ import torch
 from gguf.quants import dequantize, quantize
 
 from dualpace.errors import ModelLoadError
-from dualpace.model import cpu_kernels, quant, quant_kernels
+from dualpace.model import cpu_kernels, quant, quant_activations, quant_kernels
 from dualpace.model.quant import FORMAT_BY_NAME, QuantizedWeight, cat_rows, quantize_q8_0
 from tests.model.test_cpu_kernels import VARIANTS  # every variant, those this CPU lacks skipped by name
 
@@ -139,9 +139,9 @@ def fp32_from_rows() -> int:
 @pytest.fixture(params=["int16", "fp32", "int8"])
 def activations(request, variant):
     """Each activation mode of the kernels for one test, the default (int16) restored after."""
-    quant_kernels.set_activations(request.param)
+    quant_activations.set_activations(request.param)
     yield request.param
-    quant_kernels.set_activations("int16")
+    quant_activations.set_activations("int16")
 
 
 @needs_kernels
@@ -294,7 +294,7 @@ def test_integer_modes_are_the_rounded_activations_times_the_weights(name, mode,
     builds of the standalone library compute int16 from fp32_from_rows() rows of x on with the fp32
     activations (exact)."""
     kernels = cpu_kernels.get()
-    quant_kernels.set_activations(mode)
+    quant_activations.set_activations(mode)
     from_rows = fp32_from_rows()
     try:
         for m, n, k in [(1, 37, 256), (4, 9, 256), (5, 19, 512), (7, 11, 256), (8, 13, 256), (9, 6, 256),
@@ -310,7 +310,7 @@ def test_integer_modes_are_the_rounded_activations_times_the_weights(name, mode,
                 # invariance: dp_quant::prepare's fp32_switch is for bf16 compute only)
                 assert_close(kernels.linear(x, qw).double(), rounded, rel=1e-6)
     finally:
-        quant_kernels.set_activations("int16")
+        quant_activations.set_activations("int16")
 
 
 @needs_kernels
@@ -329,7 +329,7 @@ def test_int8_mode_at_the_extremes(variant):
     qw = QuantizedWeight.from_blocks(blocks, FORMAT_BY_NAME["Q8_0"], k)
     w = reference(blocks, "Q8_0", k)
     kernels = cpu_kernels.get()
-    quant_kernels.set_activations("int8")
+    quant_activations.set_activations("int8")
     try:
         for m in (5, 17):
             x = torch.randn(m, k)
@@ -340,7 +340,7 @@ def test_int8_mode_at_the_extremes(variant):
             if kernels is not None and kernels.supports_format(FORMAT_BY_NAME["Q8_0"].ggml_type):
                 assert_close(kernels.linear(x, qw).double(), ref, rel=1e-6)
     finally:
-        quant_kernels.set_activations("int16")
+        quant_activations.set_activations("int16")
 
 
 @needs_kernels

@@ -9,7 +9,7 @@ import torch
 
 from dualpace.errors import InvalidArgument
 from dualpace.generation import OfflineGenerator
-from dualpace.model import quant_kernels
+from dualpace.model import quant_activations, quant_kernels
 from dualpace.model.loader import describe_weights, load_model, weights_num_bytes
 from dualpace.model.quant import QuantizedWeight, quantize_q8_0
 from dualpace.model.registry import DEFAULT_MODEL_NAME
@@ -51,14 +51,14 @@ def test_native_weights_stay_in_their_blocks(native_fp32, default_model_fp32):
 
 @pytest.mark.parametrize("activations", ["int16", "fp32", "int8"])
 def test_prompt_logits_match_dequantized_fp32(native_fp32, default_model_fp32, activations):
-    quant_kernels.set_activations(activations)
+    quant_activations.set_activations(activations)
     try:
         diff = 0.0
         for prompt in PROMPTS:
             ids = native_fp32.tokenizer.encode(prompt, add_special_tokens=True)
             diff = max(diff, (prompt_logits(native_fp32, ids) - prompt_logits(default_model_fp32, ids)).abs().max().item())
     finally:
-        quant_kernels.set_activations("int16")
+        quant_activations.set_activations("int16")
     assert diff < LOGIT_TOLERANCE[activations], diff
 
 
