@@ -16,7 +16,8 @@ Per (batch, context) row:
   DynamicCache pre-filled with random K/V of the context length, so every generated token is
   a decode step.
 - limits: weights limit = batch * copy bandwidth / weight bytes per step (bf16, tied
-  embedding counted once); weights+KV limit also counts the KV bytes read at that context.
+  embedding counted once; for a mixture-of-experts model the expected bytes of the experts a
+  batch selects, MoeWeightBytes.step_bytes); weights+KV limit also counts the KV bytes read at that context.
   Copy bandwidth (read + written bytes of a 512 MiB copy, toolkit/memory_bandwidth.py) is
   re-measured right before each row, and the row's ratios use that measurement. Also the
   fastest single iteration ("fastest step"), which is how the copy bandwidth itself is taken
@@ -50,6 +51,7 @@ from pathlib import Path
 import torch
 
 from bench.cpu_decode_peer import cpu_model, prefill_row, print_peer_table
+from bench.cpu_peak import peaks
 from toolkit.memory_bandwidth import (
     copy_bandwidth_bytes_per_s,
     read_bandwidth_bytes_per_s,
@@ -58,8 +60,9 @@ from dualpace.kv.block_table import KVBlockManager
 from dualpace.kv.storage import KVStorage
 from dualpace.model import cpu_kernels
 from dualpace.model.attention import decode_attention
-from dualpace.model.loader import LoadedModel, load_model, weights_num_bytes
+from dualpace.model.loader import LoadedModel, load_model, moe_weight_bytes, weights_num_bytes
 from dualpace.model.paged_forward import PagedForward, SequenceWork, build_step_tensors
+from dualpace.model.quant_kernels import add_quant_activations_argument, use_config_activations
 from dualpace.sampling import SamplingParams, sample_next_tokens
 
 BLOCK_SIZE = 16
@@ -257,6 +260,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp32"], help="compute dtype")
     parser.add_argument("--peer", choices=["llamacpp"], help="run llama.cpp beside ours on the same GGUF")
     parser.add_argument("--prefill-tokens", type=int, default=512, help="prompt of the prefill comparison")
+    add_quant_activations_argument(parser)
+    parser.add_argument("--no-build-times", action="store_true",
+                        help="skip timing a fresh build of the CPU kernels (a minute of compiling)")
     parser.add_argument("--out", help="write the results as JSON here")
     args = parser.parse_args(argv)
     load_at_start = list(os.getloadavg())  # other tenants of a shared machine (1, 5, 15 min)
@@ -266,10 +272,15 @@ def main(argv: list[str] | None = None) -> int:
     batches = [int(b) for b in args.batches.split(",")]
     contexts = [int(c) for c in args.contexts.split(",")]
 
-    kernels = None if args.no_kernels else kernel_build_times()
+    kernels = None if args.no_kernels or args.no_build_times else kernel_build_times()
     loaded = load_model(args.model, dtype=args.dtype, weights=args.weights)
+    use_config_activations(args.quant_activations)
     cfg = loaded.config
     weight_bytes = weights_num_bytes(loaded.model.weights)
+    moe = moe_weight_bytes(loaded.model.weights, cfg)  # a MoE step reads the experts its rows select
+
+    def step_weight_bytes(batch: int) -> float:
+        return weight_bytes if moe is None else moe.step_bytes(batch)
     kv_bytes_per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * loaded.model.dtype.itemsize
     peer = None
     if args.peer == "llamacpp":
@@ -299,8 +310,8 @@ def main(argv: list[str] | None = None) -> int:
                 for _ in range(args.repeats))
             copy_bw = max(copy_bw, bandwidth())  # best of before and after: the limit is not understated
             mean_context = context + args.new_tokens / 2
-            weights_limit = batch * copy_bw / weight_bytes
-            weights_kv_limit = batch * copy_bw / (weight_bytes + batch * mean_context * kv_bytes_per_token)
+            weights_limit = batch * copy_bw / step_weight_bytes(batch)
+            weights_kv_limit = batch * copy_bw / (step_weight_bytes(batch) + batch * mean_context * kv_bytes_per_token)
             row = {
                 "batch": batch,
                 "context_tokens": context,
@@ -338,7 +349,8 @@ def main(argv: list[str] | None = None) -> int:
         "model": args.model,
         "weights": args.weights,
         "dtype": str(loaded.model.dtype).removeprefix("torch."),
-        "quant_activations": os.environ.get("DUALPACE_QUANT_ACTIVATIONS", "int16"),
+        "quant_activations": args.quant_activations,
+        "cpu_peak_macs_per_s": peaks([args.threads]),
         "peer": args.peer,
         "peer_flags": peer.peer_flags() if args.peer == "llamacpp" else [],
         "prefill": prefill,

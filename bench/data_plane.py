@@ -7,7 +7,9 @@ loopback, GrpcKvSender for gRPC chunks) from header to commit,
 so the target reserves, verifies and commits each transfer as a migration would (the imported
 request then decodes one token there and ends). Sizes are token counts; each transport's rate
 and fixed cost come from a least-squares fit of ms = fixed + bytes / rate over them, and the
-time at `--context-tokens` (1024) is reported as measured. Two copy references, both at that size:
+time at `--context-tokens` (1024) is reported as measured. The shm path's fixed cost is also measured:
+the median of `--fixed-repeats` (15) transfers of `--fixed-tokens` (16), kv_shm_fixed_ms_measured.
+Two copy references, both at the context size:
 - memcpy_gbps: torch's copy of a private buffer of the transfer's size into another, back to back
   (warm: what the caches hold is the buffer just copied), before and after the transfers.
 - memcpy_cold_gbps: a plain one-thread copy (ctypes.memmove, one call per layer for K and one for
@@ -21,12 +23,14 @@ read + written bytes; kv_*_gbps = K + V bytes of the transfer / its time, header
 
     python -m bench.data_plane --out bench/results/data_plane.json
 
-The last output line is one JSON object (memcpy_gbps, memcpy_cold_gbps, kv_shm_gbps, kv_grpc_gbps,
-kv_tcp_gbps, kv_tcp_fixed_ms, kv_tcp_fraction_of_memcpy, kv_fixed_ms, kv_shm_fraction_of_cold_memcpy,
+The second-to-last line says the primary figures in words; the last is one JSON object, the primary
+figures first (kv_shm_fraction_of_cold_memcpy, kv_shm_fraction_of_memcpy, kv_shm_fixed_ms_measured),
+then memcpy_gbps, memcpy_cold_gbps, kv_shm_gbps, kv_grpc_gbps, kv_tcp_gbps, kv_tcp_fixed_ms,
+kv_tcp_fraction_of_memcpy, kv_fixed_ms (the fit's),
 kv_shm_fit_fraction_of_memcpy (the fitted rate over the warm memcpy; _cold_ beside it),
-assist_rtt_us_p50_shm, assist_rtt_us_p50_grpc, ...).
-The Dense Assist round trips per layer come from bench.assist_rtt.measure (shm, gRPC and the TCP data
-socket, batch 1/8/32; assist_rtt_us_p50_tcp beside the others).
+assist_rtt_us_p50_shm, assist_rtt_us_p50_tcp, ...).
+The Dense Assist round trips per layer come from bench.assist_rtt.measure (shm and the TCP data
+socket, batch 1/8/32).
 """
 
 from __future__ import annotations
@@ -173,11 +177,11 @@ def transfer(storage: KVStorage, info, num_tokens: int) -> tuple[KvTransferHeade
     return header, OutgoingKv(storage, slot_ids, chunk_plan, read_chunk)
 
 
-async def time_transfers(make_sender, storage, info, sizes, repeats: int, settle_s: float):
+async def time_transfers(sender, storage, info, sizes, repeats: int, settle_s: float):
     """{num_tokens: [ms, ...]} for header-to-commit transfers, after one untimed warm-up per size."""
-    sender = make_sender()
     results = {}
-    sender.phases_by_tokens = {}  # SameHostKvSender: {num_tokens: [phase_ms, ...]}
+    if not hasattr(sender, "phases_by_tokens"):
+        sender.phases_by_tokens = {}  # SameHostKvSender: {num_tokens: [phase_ms, ...]}
     for num_tokens in sizes:
         times = []
         for i in range(repeats + 1):
@@ -194,19 +198,22 @@ async def time_transfers(make_sender, storage, info, sizes, repeats: int, settle
     return results, sender
 
 
-async def time_shm_transfers(address: str, storage, info, sizes, repeats: int, settle_s: float):
-    """time_transfers through SameHostKvSender, its channel kept open across them as an engine keeps it;
-    exits when a transfer fell back to gRPC (nothing to report for shm)."""
+async def time_shm_transfers(address: str, storage, info, sizes, repeats: int, settle_s: float,
+                             fixed_tokens: int, fixed_repeats: int):
+    """time_transfers through one SameHostKvSender, its channel kept open across them as an engine keeps
+    it: `sizes` `repeats` times each, then `fixed_tokens` `fixed_repeats` times (the fixed cost, as
+    measured). Exits when a transfer fell back to gRPC (nothing to report for shm)."""
     channels = PeerChannels()
     try:
-        times, sender = await time_transfers(lambda: SameHostKvSender(address, MappedPools(), {}, channels),
-                                             storage, info, sizes, repeats, settle_s)
+        sender = SameHostKvSender(address, MappedPools(), {}, channels)
+        times, _ = await time_transfers(sender, storage, info, sizes, repeats, settle_s)
+        fixed, _ = await time_transfers(sender, storage, info, [fixed_tokens], fixed_repeats, settle_s)
         if not sender.used_shm:
             raise SystemExit("the shm transfers fell back to gRPC (see the log): nothing to report for shm")
         sender.pools.close()
     finally:
         await channels.close()
-    return times, sender
+    return times, fixed[fixed_tokens], sender
 
 
 def phase_medians(sender) -> dict:
@@ -244,12 +251,12 @@ def shm_breakdown(storage: KVStorage, num_tokens: int, repeats: int) -> dict:
 
 def assist_round_trips(model: str, num_iterations: int) -> dict:
     """Dense Assist round trip per layer (bench.assist_rtt: real client, real servicer answering at
-    once) over shm, over the TCP data socket (as across hosts) and over gRPC at batch 1, 8, 32; the
+    once) over shm and over the TCP data socket (as across hosts) at batch 1, 8, 32; the
     summary keys are batch 8's p50."""
     from bench.assist_rtt import measure
 
     by_transport = {transport: measure(transport, batch_sizes=(1, 8, 32), model=model, num_iterations=num_iterations)
-                    for transport in ("shm", "grpc", "tcp")}
+                    for transport in ("shm", "tcp")}
     summary = {f"assist_rtt_us_p50_{t}": r["batch"]["8"]["p50_us"] for t, r in by_transport.items()}
     summary.update({f"assist_rtt_us_p99_{t}": r["batch"]["8"]["p99_us"] for t, r in by_transport.items()})
     return {**summary, "assist_rtt": {t: r["batch"] for t, r in by_transport.items()}}
@@ -262,12 +269,14 @@ def main() -> None:
     parser.add_argument("--context-tokens", type=int, default=1024)
     parser.add_argument("--sizes", default="64,256,1024,2048", help="token counts of the transfers timed")
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--fixed-tokens", type=int, default=16, help="the small transfer whose time is the fixed cost")
+    parser.add_argument("--fixed-repeats", type=int, default=15, help="its timed repeats (the median is reported)")
     parser.add_argument("--settle-s", type=float, default=0.3)
     parser.add_argument("--assist-iterations", type=int, default=30, help="assisted iterations timed per batch size")
     parser.add_argument("--out", default=None, help="write the result JSON here too")
     args = parser.parse_args()
     sizes = sorted({int(s) for s in args.sizes.split(",")} | {args.context_tokens})
-    max_tokens = max(sizes)
+    max_tokens = max(*sizes, args.fixed_tokens)
     target_blocks = 4 * (max_tokens // 16 + 2)
     target = start_daemon("cpu_service", "--model", args.model, "--dtype", args.dtype, "--threads", "1",
                           "--name", "data-plane-target", "--kv-blocks", str(target_blocks),
@@ -281,17 +290,17 @@ def main() -> None:
         memcpy = memcpy_gbps(context_bytes, max(5, args.repeats))
 
         async def run():
-            shm, shm_sender = await time_shm_transfers(target.address, storage, info, sizes, args.repeats,
-                                                       args.settle_s)
+            shm, shm_fixed, shm_sender = await time_shm_transfers(target.address, storage, info, sizes, args.repeats,
+                                                                  args.settle_s, args.fixed_tokens, args.fixed_repeats)
             cold = memcpy_cold(storage, target_blocks, args.context_tokens, max(5, args.repeats), args.settle_s)
             # The data socket and gRPC alternated (tcp, grpc, tcp): both rounds of tcp pooled.
             channels = PeerChannels()  # kept open across transfers, as an engine keeps its peers'
             try:
-                tcp_times, tcp_sender = await time_transfers(lambda: TcpKvSender(target.address, channels=channels),
+                tcp_times, tcp_sender = await time_transfers(TcpKvSender(target.address, channels=channels),
                                                              storage, info, sizes, args.repeats, args.settle_s)
-                grpc_times, _ = await time_transfers(lambda: GrpcKvSender(target.address), storage, info, sizes,
+                grpc_times, _ = await time_transfers(GrpcKvSender(target.address), storage, info, sizes,
                                                      args.repeats, args.settle_s)
-                tcp_again, _ = await time_transfers(lambda: TcpKvSender(target.address, channels=channels),
+                tcp_again, _ = await time_transfers(TcpKvSender(target.address, channels=channels),
                                                     storage, info, sizes, args.repeats, args.settle_s)
             finally:
                 await channels.close()
@@ -299,23 +308,29 @@ def main() -> None:
                 raise SystemExit("the tcp transfers fell back to gRPC (see the log): nothing to report for tcp")
             tcp = {n: tcp_times[n] + tcp_again[n] for n in sizes}
             control = "watch" if getattr(shm_sender, "used_watch_control", False) else "grpc"
-            return shm, cold, grpc_times, phase_medians(shm_sender), control, tcp, phase_medians(tcp_sender)
+            return shm, shm_fixed, cold, grpc_times, phase_medians(shm_sender), control, tcp, phase_medians(tcp_sender)
 
-        shm, cold, grpc_times, shm_phases, shm_control, tcp_times, tcp_phases = asyncio.run(run())
+        shm, shm_fixed, cold, grpc_times, shm_phases, shm_control, tcp_times, tcp_phases = asyncio.run(run())
         memcpy_after = memcpy_gbps(context_bytes, max(5, args.repeats))
     finally:
         target.stop()
     shm_summary = summarize(shm, bytes_per_token, args.context_tokens)
     grpc_summary = summarize(grpc_times, bytes_per_token, args.context_tokens)
     tcp_summary = summarize(tcp_times, bytes_per_token, args.context_tokens)
+    warm_gbps = statistics.mean([memcpy, memcpy_after])
+    primary = {  # the issue's figures: the transfer against the cold copy of the same bytes, then the rest
+        "kv_shm_fraction_of_cold_memcpy": round(shm_summary["gbps_at_context"] / cold["gbps"], 3),
+        "kv_shm_fraction_of_memcpy": round(shm_summary["gbps_at_context"] / warm_gbps, 3),
+        "kv_shm_fixed_ms_measured": round(statistics.median(shm_fixed), 3),
+        "kv_shm_fixed_tokens": args.fixed_tokens, "kv_shm_fixed_ms_all": [round(t, 3) for t in shm_fixed],
+    }
     result = {
+        **primary,
         "memcpy_gbps": round(statistics.mean([memcpy, memcpy_after]), 3),
         "memcpy_gbps_before_after": [round(memcpy, 3), round(memcpy_after, 3)],
         "memcpy_cold_gbps": round(cold["gbps"], 3),  # same source runs, shm target, after the settle gap
         "memcpy_cold": cold,
         "kv_shm_gbps": round(shm_summary["gbps_at_context"], 3),
-        "kv_shm_fraction_of_cold_memcpy": round(shm_summary["gbps_at_context"] / cold["gbps"], 3),
-        "kv_shm_fraction_of_memcpy": round(shm_summary["gbps_at_context"] / statistics.mean([memcpy, memcpy_after]), 3),
         "kv_grpc_gbps": round(grpc_summary["gbps_at_context"], 3),
         "kv_fixed_ms": round(shm_summary["fixed_ms"], 3),
         "kv_grpc_fixed_ms": round(grpc_summary["fixed_ms"], 3),
@@ -343,6 +358,11 @@ def main() -> None:
     if args.out:
         with open(args.out, "w", encoding="utf-8") as out:
             out.write(json.dumps(result, indent=2) + "\n")
+    print(f"shm, {args.context_tokens} tokens: {result['kv_shm_gbps']} GB/s = "
+          f"{100 * primary['kv_shm_fraction_of_cold_memcpy']:.0f}% of the cold one-thread copy "
+          f"({result['memcpy_cold_gbps']} GB/s), {100 * primary['kv_shm_fraction_of_memcpy']:.0f}% of the warm memcpy "
+          f"({result['memcpy_gbps']} GB/s); fixed cost at {args.fixed_tokens} tokens: "
+          f"{primary['kv_shm_fixed_ms_measured']} ms (median of {args.fixed_repeats})")
     print(text)
 
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import tarfile
@@ -33,6 +34,7 @@ from pathlib import Path
 VERSION = "0.3.36"
 BINARY = "llama-batched-bench"
 QUANTIZE_BINARY = "llama-quantize"
+PERPLEXITY_BINARY = "llama-perplexity"
 
 
 def cache_dir() -> Path:
@@ -127,6 +129,25 @@ def decode_tokens_per_s(gguf: Path, threads: int, batch: int, context: int, new_
 
 def prefill_tokens_per_s(gguf: Path, threads: int, prompt_tokens: int) -> float:
     return batched_bench(gguf, threads, prompt_tokens, 1, 1)["speed_pp"]
+
+
+def kl_divergence(base_gguf: Path, gguf: Path, text: Path, window: int, threads: int, folder: Path,
+                  timeout_s: float = 3600.0) -> dict:
+    """llama-perplexity's KL divergence of `gguf` from `base_gguf` over `text` (chunks of `window`
+    tokens, the second half of each scored): {"mean_kl", "top_token_differs", "log"} (built if needed)."""
+    binary = str(build(PERPLEXITY_BINARY))
+    logits = folder / "base.kld"
+    common = ["-f", str(text), "-c", str(window), "-t", str(threads), "--kl-divergence-base", str(logits), *peer_flags()]
+    for cmd in ([binary, "-m", str(base_gguf), *common], [binary, "-m", str(gguf), *common, "--kl-divergence"]):
+        result = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
+        if result.returncode != 0:
+            raise RuntimeError(f"llama-perplexity failed (exit {result.returncode}): {result.stderr[-2000:]}")
+    out = result.stdout + result.stderr
+    mean = re.search(r"Mean\s+KLD:\s+([0-9.eE+-]+)", out)
+    same = re.search(r"Same top p:\s+([0-9.]+)", out)
+    if mean is None or same is None:
+        raise RuntimeError(f"llama-perplexity printed no KL divergence: {out[-2000:]}")
+    return {"mean_kl": float(mean.group(1)), "top_token_differs": 1 - float(same.group(1)) / 100}
 
 
 def main(argv: list[str] | None = None) -> int:

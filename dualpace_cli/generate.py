@@ -9,6 +9,7 @@ import random
 import sys
 
 from dualpace.errors import InvalidArgument
+from dualpace.model.quant_kernels import add_quant_activations_argument, use_config_activations
 from dualpace.model.registry import DEFAULT_MODEL_NAME
 from dualpace.sampling import SamplingParams
 
@@ -30,6 +31,7 @@ def register(subparsers) -> None:
     p.add_argument("--ignore-eos", action="store_true")
     p.add_argument("--dtype", default="auto", choices=["auto", "fp32", "bf16"])
     p.add_argument("--weights", default="native", choices=["native", "bf16", "fp32", "int8"], help="native: a GGUF's quantized matrices stay in their block format (default); bf16/fp32: dequantized at load; int8: quantized at load to Q8_0 (per group of 32)")
+    add_quant_activations_argument(p)
     p.add_argument("--device", default="cpu", help="cpu, cuda or auto")
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's choice)")
     p.add_argument("--block-size", type=int, default=16, help="KV block size in tokens")
@@ -95,6 +97,7 @@ def run(args: argparse.Namespace) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     loaded = load_model(args.model, dtype=args.dtype, device=args.device, weights=args.weights)
+    use_config_activations(args.quant_activations)
     tokenizer = loaded.tokenizer
     extra_eos: tuple[int, ...] = ()
     if args.prompt_ids is not None:

@@ -26,6 +26,7 @@ import sys
 import threading
 import time
 
+from dualpace.model.quant_kernels import add_quant_activations_argument
 from dualpace.policy.policies import POLICY_NAMES, Policy, policy_help, traits
 from dualpace_cli.restart_budget import DEFAULT_MAX_RESTARTS, DEFAULT_WINDOW_S, RestartBudget
 from dualpace_cli.supervise import Child, supervise_once
@@ -61,6 +62,7 @@ def register(subparsers) -> None:
     p.add_argument("--weights", default="native", choices=["native", "bf16", "fp32", "int8"],
                    help="native: a GGUF's quantized matrices stay in their block format (default); bf16/fp32: "
                         "dequantized at load; int8: quantized at load to Q8_0 (per group of 32)")
+    add_quant_activations_argument(p)
     p.add_argument("--profile", default=None,
                    help="hardware profile JSON (`dualpace profile`) for cpu_service's mode choice and the router")
     p.add_argument("--itl-target-ms", type=float, default=None,
@@ -183,6 +185,7 @@ class Up:
         """gpu_service, then cpu_service (it needs gpu_service's address), then the router; its address."""
         args = self.args
         engine_flags = ["--model", args.model, "--dtype", args.dtype, "--weights", args.weights,
+                        "--quant-activations", args.quant_activations,
                         "--grace-s", str(DRAIN_GRACE_S),
                         "--prefix-caching", args.prefix_caching]
         if args.threads_per_engine is not None:

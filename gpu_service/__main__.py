@@ -72,12 +72,13 @@ def start_host_tier(args: argparse.Namespace, parts: EngineDaemonParts) -> None:
     """Offer finished requests' cached blocks to --host-tier (dualpace.engine.transfer.host_tier), in the background."""
     from dualpace.engine.transfer.host_tier import HostTierOffers
     from dualpace.serve import metrics
-    from dualpace.serve.kv_transport import GrpcKvSender
+    from dualpace.serve.kv_tcp_transport import TcpKvSender
     from dualpace.serve.security import read_token_file
 
-    # as the daemon's migrations: over TLS when it serves TLS, on the channel it keeps to that peer
-    sender = GrpcKvSender(args.host_tier, auth_token=read_token_file(args.auth_token_file), tls=parts.peer_tls,
-                          channels=parts.channels)
+    # as the daemon's migrations: the KV over the target's data socket (TLS when this daemon serves
+    # TLS), the control messages on the channel it keeps to that peer
+    sender = TcpKvSender(args.host_tier, auth_token=read_token_file(args.auth_token_file), tls=parts.peer_tls,
+                         channels=parts.channels)
     offers = HostTierOffers(parts.loop, sender.send_cache)
     _background.add(asyncio.get_running_loop().create_task(offers.run()))
     counts, name = offers.counts, parts.loop.core.config.name

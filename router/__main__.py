@@ -68,6 +68,11 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ttft-target-ms", type=float, default=None,
                         help="how long a request may wait for room (default 30 s)")
     parser.add_argument("--no-migrate", action="store_true", help="no load-driven migrations (hand-offs still run)")
+    parser.add_argument("--resume-wait-s", type=float, default=RouterConfig.resume_wait_s,
+                        help="when an engine dies holding a request no other engine can ever hold (its pool is too "
+                             "small, or it refuses the continuation), how long the request waits, paused, for that "
+                             "engine to come back on its address and continues there; then UNAVAILABLE. The "
+                             "default covers `dualpace up`'s and the systemd units' restart back-off")
     parser.add_argument("--kv-transport", default="auto", choices=KV_TRANSPORT_SETTINGS,
                         help="the engines' --kv-transport, for pricing moves with --profile: auto prices them at "
                              "the profile's shared-memory figures when both engines are on this host (Unix socket "
@@ -124,6 +129,9 @@ def router_config(args: argparse.Namespace, kv_bytes_per_token: int, profile=Non
         value = getattr(args, name)
         if value is not None and value <= 0:
             raise InvalidArgument(f"--{name.replace('_', '-')}", f"must be positive, got {value}")
+    resume_wait_s = getattr(args, "resume_wait_s", RouterConfig.resume_wait_s)
+    if not resume_wait_s >= 0:
+        raise InvalidArgument("--resume-wait-s", f"must be >= 0, got {resume_wait_s}")
     predictor = None
     if profile is not None:
         from dualpace.profile.cost_model import CostModel
@@ -145,6 +153,7 @@ def router_config(args: argparse.Namespace, kv_bytes_per_token: int, profile=Non
                                   cpu_itl_target_ms=args.itl_target_ms if predictor is not None else None),
         queue_timeout_s=args.ttft_target_ms / 1e3 if args.ttft_target_ms else 30.0,
         migrate_enabled=not args.no_migrate,
+        resume_wait_s=resume_wait_s,
         host_tier=_host_tier_rule(args),
     )
 

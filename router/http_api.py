@@ -36,6 +36,7 @@ from dualpace.errors import DualPaceError, InvalidArgument
 from dualpace.sampling_params import FinishReason
 from dualpace.serve import metrics
 from dualpace.serve.address import parse_listen
+from router import openai_responses as responses
 from router import openai_schema as schema
 from router.openai_schema import ApiError, ParsedRequest
 from router.fan_out import Choice, FanOut, choice_request_id
@@ -137,12 +138,12 @@ class HttpFront:
     # ------------------------------------------------------------------ small endpoints
 
     async def list_models(self, request: web.Request) -> web.Response:
-        card = schema.model_card(self.model_id, self.created, self.core.max_context_tokens)
+        card = responses.model_card(self.model_id, self.created, self.core.max_context_tokens)
         return _json_response({"object": "list", "data": [card]})
 
     async def get_model(self, request: web.Request) -> web.Response:
         self._check_model(request.match_info["model_id"])
-        return _json_response(schema.model_card(self.model_id, self.created, self.core.max_context_tokens))
+        return _json_response(responses.model_card(self.model_id, self.created, self.core.max_context_tokens))
 
     async def health(self, request: web.Request) -> web.Response:
         engines = {h.name: "healthy" if h.healthy else "unhealthy" for h in self.core.pool.handles}

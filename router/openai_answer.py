@@ -10,6 +10,7 @@ import time
 from dataclasses import dataclass, field
 
 from dualpace.sampling_params import FinishReason
+from router import openai_responses as responses
 from router import openai_schema as schema
 from router.fan_out import Choice, FanOut
 from router.openai_choices import best_indices
@@ -49,7 +50,7 @@ class Answer:
         """Prompt tokens once per prompt (as OpenAI counts them), completion tokens of every choice."""
         relays = [c.relay for c in self.fan_out.choices if c is not None]
         firsts = [c.relay for c in self.fan_out.choices if c is not None and c.index % self.fan_out.n == 0]
-        return schema.usage(sum(len(r.prompt_token_ids) for r in firsts),
+        return responses.usage(sum(len(r.prompt_token_ids) for r in firsts),
                             sum(len(r.output_token_ids) for r in relays),
                             sum(r.num_cached_tokens for r in firsts))
 
@@ -75,13 +76,13 @@ class Answer:
         return all(c.reason is not None for c in self._choices)
 
     def whole(self) -> dict:
-        shape = schema.chat_completion if self.parsed.chat else schema.completion
+        shape = responses.chat_completion if self.parsed.chat else responses.completion
         body = None
         shown = range(len(self._choices))
         if self.parsed.best_of is not None:  # best_of > n: the n best candidates of each prompt
             shown = best_indices([c.cumulative_logprob for c in self._choices], self.parsed.n, self.parsed.best_of)
         for index, state in enumerate(self._choices[k] for k in shown):
-            text, reason = "".join(state.texts), schema.finish_reason_text(state.reason)
+            text, reason = "".join(state.texts), responses.finish_reason_text(state.reason)
             if state.logprobs is not None:
                 text = state.logprobs.echo_prefix() + text
             calls = []
@@ -107,29 +108,36 @@ class Answer:
     def opening(self) -> list[dict]:
         if not self.parsed.chat:
             return []
-        return [self._chat_chunk(index, {"role": "assistant", "content": ""}, None)
-                for index in range(self.fan_out.num_choices)]
+        return self._counted([self._chat_chunk(index, {"role": "assistant", "content": ""}, None)
+                              for index in range(self.fan_out.num_choices)])
+
+    def _counted(self, chunks: list[dict]) -> list[dict]:
+        """With continuous usage: each chunk carries the usage so far (completion tokens up to it)."""
+        if self.parsed.continuous_usage:
+            for chunk in chunks:
+                chunk["usage"] = self._usage()
+        return chunks
 
     def _chat_chunk(self, index: int, delta: dict, reason: str | None) -> dict:
-        chunk = schema.chat_chunk(self.request_id, self.created, self.model, delta, reason, self.parsed.include_usage)
+        chunk = responses.chat_chunk(self.request_id, self.created, self.model, delta, reason, self.parsed.include_usage)
         chunk["choices"][0]["index"] = index
         return chunk
 
     def chunks(self, choice: Choice, update: RelayUpdate) -> list[dict]:
         """The chunks of one update, after add() took it."""
         index = choice.index
-        reason = schema.finish_reason_text(update.finish_reason)
+        reason = responses.finish_reason_text(update.finish_reason)
         state = self._choices[index]
         logprobs = state.delta_logprobs if state.logprobs is not None else None
         if not self.parsed.chat:
             text = (state.logprobs.echo_prefix() if state.logprobs is not None else "") + update.text
             if not text and reason is None and logprobs is None:
                 return []
-            chunk = schema.completion_chunk(self.request_id, self.created, self.model, text, reason,
+            chunk = responses.completion_chunk(self.request_id, self.created, self.model, text, reason,
                                             self.parsed.include_usage)
             chunk["choices"][0]["index"] = index
             chunk["choices"][0]["logprobs"] = logprobs
-            return [chunk]
+            return self._counted([chunk])
         tools = state.tools
         text = update.text if tools is None else tools.feed(update.text)
         out = []
@@ -144,7 +152,7 @@ class Answer:
                 out.append(self._chat_chunk(index, {"tool_calls": calls}, None))
                 reason = TOOL_CALLS
             out.append(self._chat_chunk(index, {}, reason))
-        return out
+        return self._counted(out)
 
     def usage_chunk(self) -> dict:
-        return schema.usage_chunk(self.parsed.chat, self.request_id, self.created, self.model, self._usage())
+        return responses.usage_chunk(self.parsed.chat, self.request_id, self.created, self.model, self._usage())

@@ -1,7 +1,6 @@
-"""OpenAI-compatible request parsing and response shapes for the router's HTTP front.
+"""OpenAI-compatible request parsing for the router's HTTP front (response shapes: openai_responses).
 
-Pure: JSON-ready dicts in, a ClientRequest (the same one the gRPC Router API builds) and
-response dicts out; no aiohttp, no sockets. Validation the router already does
+Pure: JSON-ready dicts in, a ClientRequest (the same one the gRPC Router API builds) out; no aiohttp, no sockets. Validation the router already does
 (dualpace.validation via router.prompts.prepare_prompt) is not repeated here; this module
 checks what only the HTTP shape has: JSON types, OpenAI fields DualPace does not support
 (suffix, the deprecated functions, ...) and fields nobody defined. Errors are `ApiError`, which
@@ -19,7 +18,7 @@ import grpc
 
 from dualpace.client_request import ClientRequest
 from dualpace.errors import DualPaceError, InvalidArgument, Overloaded, Unavailable
-from dualpace.sampling_params import FinishReason, SamplingParams
+from dualpace.sampling_params import SamplingParams
 from dualpace.serve.status import status_for
 from router import openai_logprobs
 from router.openai_choices import num_choices, ranked_params, split_prompts
@@ -120,6 +119,7 @@ class ParsedRequest:
     tokens_as_ids: bool = False  # vLLM's return_tokens_as_token_ids (router/openai_logprobs.py)
     best_of: int | None = None  # completions: > n runs this many candidates per prompt, answers the n best
     hides_logprobs: bool = False  # best_of > n without logprobs: asked of the engine for ranking only
+    continuous_usage: bool = False  # stream_options.continuous_usage_stats (vLLM's): usage so far on every chunk
 
     @property
     def candidates(self) -> int:
@@ -196,6 +196,17 @@ def _stop(body: _Body) -> tuple[str, ...]:
     return tuple(value)
 
 
+def _stop_token_ids(body: _Body) -> tuple[int, ...]:
+    """vLLM's stop_token_ids: these ids end the output too (also with ignore_eos)."""
+    value = body.raw("stop_token_ids")
+    if value is None:
+        return ()
+    if not isinstance(value, list) or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0
+                                              for t in value):
+        raise invalid("stop_token_ids", "must be a list of token ids")
+    return tuple(value)
+
+
 def _unsupported_fields(body: _Body, chat: bool) -> None:
     """OpenAI fields that would change the answer in ways DualPace cannot produce: a clear 400."""
     if chat:
@@ -222,24 +233,31 @@ def _sampling(body: _Body, max_tokens: int, chat: bool = False) -> SamplingParam
         min_p=body.number("min_p", 0.0),
         seed=seed,
         stop=_stop(body),
+        stop_token_ids=_stop_token_ids(body),
         ignore_eos=body.boolean("ignore_eos", False),
         **extra,
     )
 
 
-def _stream(body: _Body) -> tuple[bool, bool]:
+def _stream(body: _Body) -> tuple[bool, bool, bool]:
+    """(stream, include_usage, continuous usage): vLLM's continuous_usage_stats counts only
+    with include_usage, as there."""
     stream = body.boolean("stream", False)
     options = body.raw("stream_options")
     if options is None:
-        return stream, False
+        return stream, False, False
     if not stream:
         raise invalid("stream_options", "is only allowed when stream is true")
     if not isinstance(options, dict):
         raise invalid("stream_options", "must be an object")
-    include_usage = options.get("include_usage", False)
-    if not isinstance(include_usage, bool):
-        raise invalid("stream_options.include_usage", "must be true or false")
-    return stream, include_usage
+    flags = []
+    for name in ("include_usage", "continuous_usage_stats"):
+        value = options.get(name, False)
+        if not isinstance(value, bool):
+            raise invalid(f"stream_options.{name}", "must be true or false")
+        flags.append(value)
+    include_usage, continuous = flags
+    return stream, include_usage, include_usage and continuous
 
 
 def _max_tokens(body: _Body, names: tuple[str, ...], default: int | None) -> tuple[int | None, str]:
@@ -285,7 +303,7 @@ def parse_completion(raw: Any) -> ParsedRequest:
     else:
         raise invalid("prompt", "must be a string or a list of token ids")
     _unsupported_fields(body, chat=False)
-    stream, include_usage = _stream(body)
+    stream, include_usage, continuous_usage = _stream(body)
     max_tokens, _ = _max_tokens(body, ("max_tokens",), COMPLETION_DEFAULT_MAX_TOKENS)
     renamed = {"text": "prompt", "prompt_token_ids": "prompt", **openai_logprobs.RENAMED_COMPLETION}
     params = with_guided(body.raw, _sampling(body, max_tokens), renamed)
@@ -298,7 +316,8 @@ def parse_completion(raw: Any) -> ParsedRequest:
     return ParsedRequest(False, model, client, stream, include_usage, False, renamed, n=n,
                          echo=body.boolean("echo", False),
                          tokens_as_ids=body.boolean("return_tokens_as_token_ids", False),
-                         best_of=best_of if best_of != n else None, hides_logprobs=hides_logprobs)
+                         best_of=best_of if best_of != n else None, hides_logprobs=hides_logprobs,
+                         continuous_usage=continuous_usage)
 
 
 def parse_chat(raw: Any) -> ParsedRequest:
@@ -307,7 +326,7 @@ def parse_chat(raw: Any) -> ParsedRequest:
     model = body.string("model")
     messages = chat_messages(body.raw("messages"))
     _unsupported_fields(body, chat=True)
-    stream, include_usage = _stream(body)
+    stream, include_usage, continuous_usage = _stream(body)
     max_tokens, name = _max_tokens(body, ("max_completion_tokens", "max_tokens"), None)
     tools = parse_tools(body.raw("tools"), body.raw("tool_choice"))
     renamed = {"max_tokens": name, **openai_logprobs.RENAMED_CHAT}
@@ -319,63 +338,5 @@ def parse_chat(raw: Any) -> ParsedRequest:
     client = ClientRequest(request_id=request_id, text=None, prompt_token_ids=None, messages=messages, params=params,
                            tools=tools.tools if tools is not None else None)
     return ParsedRequest(True, model, client, stream, include_usage, max_tokens is None, renamed, n=n, tools=tools,
-                         tokens_as_ids=body.boolean("return_tokens_as_token_ids", False))
-
-
-# ---------------------------------------------------------------------- responses
-
-
-def finish_reason_text(reason: FinishReason | None) -> str | None:
-    """OpenAI's names: stop, length; an operator abort shows as "abort"."""
-    return None if reason is None else reason.value
-
-
-def usage(num_prompt_tokens: int, num_completion_tokens: int, num_cached_tokens: int = 0) -> dict:
-    """OpenAI's usage; cached_tokens: prompt tokens whose KV came from the prefix cache."""
-    return {"prompt_tokens": num_prompt_tokens, "completion_tokens": num_completion_tokens,
-            "total_tokens": num_prompt_tokens + num_completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": num_cached_tokens}}
-
-
-def completion(response_id: str, created: int, model: str, text: str, finish_reason: str | None,
-               usage_: dict) -> dict:
-    return {"id": response_id, "object": "text_completion", "created": created, "model": model,
-            "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}],
-            "usage": usage_}
-
-
-def completion_chunk(response_id: str, created: int, model: str, text: str, finish_reason: str | None,
-                     with_usage: bool) -> dict:
-    chunk = {"id": response_id, "object": "text_completion", "created": created, "model": model,
-             "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}]}
-    if with_usage:
-        chunk["usage"] = None
-    return chunk
-
-
-def chat_completion(response_id: str, created: int, model: str, text: str, finish_reason: str | None,
-                    usage_: dict) -> dict:
-    return {"id": response_id, "object": "chat.completion", "created": created, "model": model,
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                         "finish_reason": finish_reason}],
-            "usage": usage_}
-
-
-def chat_chunk(response_id: str, created: int, model: str, delta: dict, finish_reason: str | None,
-               with_usage: bool) -> dict:
-    chunk = {"id": response_id, "object": "chat.completion.chunk", "created": created, "model": model,
-             "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}]}
-    if with_usage:
-        chunk["usage"] = None
-    return chunk
-
-
-def usage_chunk(chat: bool, response_id: str, created: int, model: str, usage_: dict) -> dict:
-    """The last chunk with stream_options.include_usage: no choices, the request's usage."""
-    return {"id": response_id, "object": "chat.completion.chunk" if chat else "text_completion",
-            "created": created, "model": model, "choices": [], "usage": usage_}
-
-
-def model_card(model_id: str, created: int, max_model_len: int) -> dict:
-    return {"id": model_id, "object": "model", "created": created, "owned_by": "dualpace",
-            "max_model_len": max_model_len}
+                         tokens_as_ids=body.boolean("return_tokens_as_token_ids", False),
+                         continuous_usage=continuous_usage)

@@ -41,8 +41,9 @@ def prepare_prompt(client: ClientRequest, tokenizer: Tokenizer, config: ModelCon
         check_messages(client.messages)
         template_kwargs = {"tools": client.tools} if client.tools else {}
         prompt_ids, field = tokenizer.encode_chat(client.messages, **template_kwargs), "messages"
-        # A chat turn ends at the template's end-of-turn token.
-        params = replace(params, stop_token_ids=tuple(dict.fromkeys(params.stop_token_ids + tokenizer.chat_stop_token_ids)))
+        if not params.ignore_eos:  # a chat turn ends at the template's end-of-turn token
+            params = replace(params, stop_token_ids=tuple(dict.fromkeys(params.stop_token_ids
+                                                                        + tokenizer.chat_stop_token_ids)))
     else:
         raise InvalidArgument("prompt", "set one of text, prompt_token_ids or messages")
     validate_request(prompt_ids, params, config.vocab_size, config.max_position_embeddings, prompt_field=field)

@@ -3,8 +3,9 @@
 Admits it (GPU, CPU via a hand-off after the GPU prefill, wait, or reject),
 follows it across migrations (resuming the stream on the target from the next
 token index), and recovers it when its engine dies (re-submitting prompt +
-generated tokens, with the same seed, to a survivor), so the client sees one
-unbroken stream: no token missing, none repeated. Text is detokenized
+generated tokens, with the same seed, to a survivor, or, when no survivor can
+ever hold it, to the same engine once it is back on its address), so the client
+sees one unbroken stream: no token missing, none repeated. Text is detokenized
 incrementally and stop strings end the request (router/text_stream.py).
 `open_request` is the start both front doors (gRPC, HTTP) share.
 """
@@ -80,6 +81,7 @@ class Relay:
         # An engine known to hold this prompt's KV now (a sibling choice of the same prompt was just
         # prefilled there): admission prefers it, so the full blocks are shared through its prefix cache.
         self.prompt_cached_on: str | None = None
+        self.refused_by: set[str] = set()  # engines that refused to continue it after a failure
 
     # ----------------------------------------------------------------- public
 
@@ -93,6 +95,7 @@ class Relay:
             engine_metrics(engine.name).prompt_tokens.inc(len(self.prompt_token_ids))
             call = self._submit(engine, hold_after_first_token=self._holds(handoff_to))
             recovered = False
+            lost: EngineHandle | None = None  # the engine that last failed under this request
             while True:
                 try:
                     async for item in self._follow(engine, call, handoff_to):
@@ -111,13 +114,22 @@ class Relay:
                     if exc.code() not in ENGINE_FAILURE_CODES:
                         if exc.code() == grpc.StatusCode.DATA_LOSS:  # this request alone failed: say so
                             raise
-                        if recovered:  # the survivor refused the continuation (e.g. its pool is too small)
+                        if not recovered:
+                            raise
+                        # The engine refused the continuation (e.g. its pool is too small): another
+                        # one, or the engine that failed once it is back, continues it.
+                        if lost is None or engine is lost:
                             raise Unavailable(f"request {self.request_id} cannot continue on {engine.name}: "
                                               f"{exc.code().name}: {exc.details()}") from None
-                        raise
+                        log.info("%s refused the continuation (%s: %s)", engine.name, exc.code().name,
+                                 exc.details())
+                        self.refused_by.add(engine.name)
+                        engine, call = await self._recover(lost)
+                        continue
                     log.warning("engine %s failed under %s (%s); recovering", engine.name, self.request_id,
                                 exc.code().name)
                     await engine.mark_unhealthy()
+                    lost = engine
                     remaining = self.params.max_tokens - len(self.output_token_ids)
                     if remaining <= 0:
                         update = self._final(engine, FinishReason.LENGTH)
@@ -288,26 +300,58 @@ class Relay:
     # ----------------------------------------------------------------- recovery
 
     async def _recover(self, failed: EngineHandle):
-        """Continue on a surviving engine: resume there if it already holds the request
-        (a migration committed just before the failure), else re-submit prompt + outputs."""
+        """Continue on another engine that could hold the request: resume there if it already holds
+        it (a migration committed just before the failure), else re-submit prompt + outputs. When no
+        other engine could ever hold it (its pool is too small, or it refused the continuation), the
+        request waits, paused, for `failed` to come back on its address (restarted by `dualpace up`
+        or systemd), at most --resume-wait-s, and continues there."""
         core = self.core
-        deadline = self._bounded(time.monotonic() + core.config.recovery_timeout_s)
+        started = time.monotonic()
         while True:
-            survivors = [h for h in core.pool.handles if h is not failed and h.healthy]
-            for engine in survivors:
-                try:
-                    held = await engine.list_requests(timeout_s=5)
-                except grpc.aio.AioRpcError:
-                    continue
-                self.tracked.engine = engine
-                if any(info.request_id == self.request_id for info in held):
-                    # Same lineage, same outputs: only the stream moves.
-                    return engine, self._resume(engine)
-                return engine, self._submit(engine, continuation_params(self.params, len(self.output_token_ids)))
+            others = [h for h in core.pool.handles
+                      if h is not failed and h.name not in self.refused_by and self._could_hold(h)]
+            waiting = not others
+            if waiting and self.tracked.waiting_for is None:
+                log.warning("no other engine can hold %s: waiting for %s at %s to come back", self.request_id,
+                            failed.name, failed.address)
+            self.tracked.waiting_for = failed.name if waiting else None
+            for engine in [*others, failed]:  # the others first: `failed` once it is back
+                call = await self._continue_on(engine) if engine.healthy else None
+                if call is not None:
+                    if waiting:
+                        log.info("%s is back: continuing %s there", engine.name, self.request_id)
+                    self.tracked.waiting_for = None
+                    return engine, call
+            bound_s = core.config.resume_wait_s if waiting else core.config.recovery_timeout_s
+            deadline = self._bounded(started + bound_s)
             remaining_s = deadline - time.monotonic()
             if remaining_s <= 0:
+                if waiting:
+                    ended_by = ("before the client's deadline" if deadline < started + bound_s
+                                else f"within {bound_s:g} s (--resume-wait-s)")
+                    raise Unavailable(f"request {self.request_id} waited for engine {failed.name} at "
+                                      f"{failed.address} to come back (no other engine can hold it); it did not "
+                                      f"come back {ended_by}")
                 raise Unavailable(f"no surviving engine could take request {self.request_id}")
             await core.wait_for_change(min(remaining_s, 0.5))
+
+    def _could_hold(self, engine: EngineHandle) -> bool:
+        """Whether the engine's whole pool (as last seen) fits the request at its final size."""
+        final_tokens = len(self.prompt_token_ids) + self.params.max_tokens - 1
+        return engine.view is not None and engine.view.could_ever_hold(final_tokens)
+
+    async def _continue_on(self, engine: EngineHandle) -> EngineStream | None:
+        """The request's stream on `engine`: resumed when it holds the request already, else
+        re-submitted with prompt + outputs; None when the engine does not answer."""
+        try:
+            held = await engine.list_requests(timeout_s=5)
+        except grpc.aio.AioRpcError:
+            return None
+        self.tracked.engine = engine
+        if any(info.request_id == self.request_id for info in held):
+            # Same lineage, same outputs: only the stream moves.
+            return self._resume(engine)
+        return self._submit(engine, continuation_params(self.params, len(self.output_token_ids)))
 
     def _bounded(self, deadline: float) -> float:
         """`deadline`, or earlier when the client's own deadline comes first (less a margin)."""

@@ -53,9 +53,11 @@ class Tracked:
     num_generated_tokens: int = 0
     migrating: bool = False
     num_migrations: int = 0  # committed moves, the hand-off included
+    # Its engine failed and no other can hold it: the name of the engine it waits for (paused).
+    waiting_for: str | None = None
 
     def routed(self) -> RoutedRequest | None:
-        if self.engine is None:
+        if self.engine is None or self.waiting_for is not None:
             return None
         return RoutedRequest(self.request_id, self.engine.name, self.num_prompt_tokens, self.num_generated_tokens,
                              self.max_tokens, self.migrating, self.num_migrations)
@@ -73,6 +75,10 @@ class RouterConfig:
     migration: MigrationConfig = field(default_factory=MigrationConfig)
     queue_timeout_s: float = 30.0  # how long a request may wait for room before RESOURCE_EXHAUSTED
     recovery_timeout_s: float = 30.0  # how long a request may wait for a surviving engine
+    # How long a request no surviving engine can hold waits for its failed engine to come back
+    # (--resume-wait-s): `dualpace up`'s restart back-off (0.5 s doubling to 8 s) and the systemd
+    # units' RestartSec=2, plus an engine's start.
+    resume_wait_s: float = 60.0
     migrate_enabled: bool = True
     prompt_limits: PromptLimits = field(default_factory=PromptLimits)  # --max-prompt-chars, --prompt-workers
     host_tier: HostTierRule = field(default_factory=HostTierRule)  # continue on the CPU engine from its cached prefix

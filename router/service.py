@@ -50,5 +50,10 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                                                                pool.prefix_index.num_blocks(handle.name)))
             for info in listing or ():
                 requests.append(messages.request_placement_to_pb(handle.name, info))
+        for tracked in list(self.core.tracked.values()):
+            if tracked.waiting_for is not None:
+                requests.append(messages.waiting_placement_to_pb(tracked.request_id, tracked.waiting_for,
+                                                                 tracked.num_prompt_tokens,
+                                                                 tracked.num_generated_tokens))
         return router_pb2.Placements(engines=engines, requests=requests,
                                      migrations=[messages.migration_to_pb(m) for m in self.core.migrations])

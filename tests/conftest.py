@@ -8,6 +8,7 @@ import logging
 import pytest
 import torch
 
+from dualpace.model import quant_kernels
 from dualpace.model.loader import load_model
 from dualpace.model.registry import DEFAULT_MODEL_NAME, resolve_model_path
 from dualpace.serve.logging_setup import reset_logging
@@ -27,6 +28,17 @@ def restore_logging():
     if reset_logging():
         root.setLevel(levels[0])
         ours.setLevel(levels[1])
+
+
+@pytest.fixture(autouse=True)
+def restore_quant_activations():
+    """A command run in-process (`dualpace generate`) applies --quant-activations (int8 by default) to
+    the kernels of the whole process: the mode before the test is restored after it."""
+    before = quant_kernels.activation_mode_id()
+    yield
+    if quant_kernels.activation_mode_id() != before:
+        names = {v: k for k, v in quant_kernels.ACTIVATION_MODES.items()}
+        quant_kernels.set_activations(names[before])
 
 
 @pytest.fixture(scope="session")

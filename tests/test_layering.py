@@ -1,4 +1,5 @@
-"""The house has three floors and imports only run downwards:
+"""The house has three floors and imports only run downwards (docs/architecture.md, "Layout and
+floors"):
 
     floor 3  tools    profiles/, bench/, toolkit/ (what the tools share), dualpace_cli/
     floor 2  daemons  gpu_service/, cpu_service/, router/   (never import one another)

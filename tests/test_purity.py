@@ -1,5 +1,5 @@
-"""The scheduling and decision code stays pure: no torch, grpc, asyncio,
-clock, randomness or numpy, so it can be unit-tested and simulated. One list for the whole
+"""The scheduling and decision code stays pure (docs/architecture.md, "Layout and floors"): no
+torch, grpc, asyncio, clock, randomness or numpy, so it can be unit-tested and simulated. One list for the whole
 project: the engine's scheduler, cpu_service's mode choice, the GPU step's cooperative layout, the
 serving policies' traits, the router's views, admission and migration planner, and the profiles' schema and cost model (the router and the simulator use them)."""
 

@@ -22,7 +22,7 @@ from toolkit.workload import LengthSpec, RequestSpec, _stream, arrival_times, pa
 from dualpace.errors import InvalidArgument
 
 WORKLOADS = ("random", "shared-prefix", "multi-turn")
-_SYSTEM, _QUESTIONS, _OUTPUTS = 11, 12, 13  # seed streams, apart from bench.load.lengths' ones
+_SYSTEM, _QUESTIONS, _OUTPUTS = 11, 12, 13  # seed streams, apart from toolkit.workload's ones
 
 
 def add_workload_arguments(parser: argparse.ArgumentParser) -> None:

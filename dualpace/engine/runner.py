@@ -148,6 +148,10 @@ class ModelRunner:
         """Capture the decode steps' CUDA graphs (at start-up); nothing to do off CUDA or without buffers."""
         if self.decode_graphs is None or self.kv.device.type != "cuda":
             return
+        if self.forward.model.config.moe is not None:  # the experts a step runs depend on its rows
+            log.info("mixture-of-experts model: decode steps run eagerly, without CUDA graphs")
+            self.decode_graphs = None
+            return
         try:
             self.decode_graphs.capture()
         except RuntimeError as exc:  # e.g. an op that cannot be captured: serve eagerly rather than not at all

@@ -13,6 +13,7 @@ import math
 from dataclasses import dataclass, field
 
 from dualpace.errors import ModelLoadError
+from dualpace.model.moe_spec import MoeSpec
 
 
 @dataclass(frozen=True)
@@ -40,16 +41,24 @@ FAMILIES: dict[str, Family] = {
     family.name: family
     for family in (
         Family("llama", "LlamaForCausalLM", gguf_permuted_qk=True),
-        Family("mistral", "MistralForCausalLM", gguf_permuted_qk=True, has_sliding_window=True),
+        # written to GGUF as llama, as llama.cpp does (its window kept in the file's sliding_window key)
+        Family("mistral", "MistralForCausalLM", gguf_permuted_qk=True, has_sliding_window=True, gguf_arch="llama"),
         Family("qwen2", "Qwen2ForCausalLM", qkv_bias=True),
         Family("qwen3", "Qwen3ForCausalLM", qk_norm=True),
         Family("phi3", "Phi3ForCausalLM", fused_hf_projections=True, has_sliding_window=True),
         Family("gemma3_text", "Gemma3ForCausalLM", qk_norm=True, has_sliding_window=True, gemma=True,
                gguf_arch="gemma3"),
+        # mixtures of experts (ModelConfig.moe): llama.cpp writes Mixtral as "llama" with an expert count
+        Family("mixtral", "MixtralForCausalLM", gguf_permuted_qk=True, has_sliding_window=True, gguf_arch="llama"),
+        Family("qwen2_moe", "Qwen2MoeForCausalLM", qkv_bias=True, gguf_arch="qwen2moe"),
+        Family("qwen3_moe", "Qwen3MoeForCausalLM", qk_norm=True, gguf_arch="qwen3moe"),
     )
 }
 SUPPORTED_ARCHITECTURES = tuple(FAMILIES)
-FAMILY_BY_GGUF_ARCH = {family.gguf_name: family for family in FAMILIES.values()}
+# the first family of each GGUF architecture: "llama" is Llama (a Mixtral file says so by its expert count)
+FAMILY_BY_GGUF_ARCH: dict[str, Family] = {}
+for _family in FAMILIES.values():
+    FAMILY_BY_GGUF_ARCH.setdefault(_family.gguf_name, _family)
 
 
 def unsupported(what: str) -> ModelLoadError:
@@ -99,6 +108,7 @@ class ModelConfig:
     query_pre_attn_scalar: float | None = None  # attention scale is its -1/2 power (Gemma); None: head_dim
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    moe: MoeSpec | None = None  # mixture-of-experts MLPs (dualpace.model.moe_spec); None: dense
 
     def __post_init__(self):
         if self.architecture not in FAMILIES:
@@ -185,6 +195,7 @@ class ModelConfig:
                 eos_token_ids=eos_ids,
                 **rope,
                 **_windows_from_hf(hf, family, max_positions),
+                moe=MoeSpec.from_hf_dict(hf),
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise ModelLoadError(f"config.json is missing or has a bad value: {exc}") from exc
@@ -227,6 +238,8 @@ class ModelConfig:
             hf["rope_local_base_freq"] = self.local_rope_theta or self.rope_theta
             hf["layer_types"] = ["sliding_attention" if self.layer_window(i) else "full_attention"
                                  for i in range(self.num_layers)]
+        if self.moe is not None:
+            hf.update(self.moe.hf_fields(self.architecture))
         if self.rope_scaling is not None:
             hf["rope_scaling"] = {
                 "rope_type": "llama3",
@@ -248,8 +261,8 @@ def _refuse_unsupported_hf_features(hf: dict, family: Family) -> None:
     for feature in ("attn_logit_softcapping", "final_logit_softcapping", "use_bidirectional_attention"):
         if hf.get(feature):
             raise unsupported(f"feature of {name}: {feature}")
-    if name == "qwen3" and hf.get("use_sliding_window"):
-        raise unsupported("feature of qwen3: use_sliding_window")
+    if name in ("qwen3", "qwen2_moe", "qwen3_moe") and hf.get("use_sliding_window"):
+        raise unsupported(f"feature of {name}: use_sliding_window")
 
 
 def _rope_type(params: dict) -> str | None:

@@ -5,8 +5,9 @@ matrix is a dense tensor of the compute dtype, which oneDNN takes beyond that: L
 AMX_MAX_ROWS for bf16 where the kernels run AMX tiles; MIXED_MAX_ROWS when
 every matrix is block-quantized or of another dtype than the activations, where the per-stage
 path would run the same GEMV kernels, only with ~10 calls and parallel regions per layer): per layer
-RMSNorm, QKV (+bias), q/k RMSNorm (Qwen3), RoPE, KV write, paged attention, O + residual, RMSNorm,
-gate/up, SiLU*up, down + residual, with no Python and no tensor allocation between them. The four matrices of a
+RMSNorm, QKV (+bias), q/k RMSNorm (Qwen3), RoPE (whole or partial heads), KV write, paged attention,
+O + residual, RMSNorm, gate/up, SiLU*up, down + residual, with no Python and no tensor allocation
+between them. The four matrices of a
 layer may be in any weight format the loaded kernels support (bf16 / fp32 tensors, or quantized
 weight objects, see KERNELS.md); norms, bias, activations and KV are in the model's dtype.
 
@@ -33,7 +34,7 @@ class _LayerArgs(ctypes.Structure):
                 ("intermediate", _i64), ("eps", _f32), ("scale", _f32), ("input_norm", _ptr), ("qkv_b", _ptr),
                 ("post_norm", _ptr), ("qkv_w", WeightDescC), ("o_w", WeightDescC), ("gate_up_w", WeightDescC),
                 ("down_w", WeightDescC), ("k_cache", _ptr), ("v_cache", _ptr), ("num_blocks", _i64),
-                ("block_size", _i64), ("q_norm", _ptr), ("k_norm", _ptr)]
+                ("block_size", _i64), ("q_norm", _ptr), ("k_norm", _ptr), ("rotary_dim", _i64)]
 
 
 class _HeadArgs(ctypes.Structure):
@@ -78,7 +79,7 @@ class FusedDecode:
                 cfg.rms_norm_eps, cfg.head_dim**-0.5, layer.input_norm.data_ptr(),
                 None if layer.qkv_bias is None else layer.qkv_bias.data_ptr(), layer.post_attention_norm.data_ptr(),
                 qkv, o, gate_up, down, kv.k[i].data_ptr(), kv.v[i].data_ptr(), kv.num_blocks, kv.block_size,
-                *(None if t is None else t.data_ptr() for t in (layer.q_norm, layer.k_norm)))
+                *(None if t is None else t.data_ptr() for t in (layer.q_norm, layer.k_norm)), cfg.rotary_dim or 0)
         self.scratch_per_row = (cfg.hidden_size + (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
                                 + cfg.num_heads * cfg.head_dim + 3 * cfg.intermediate_size)
         self._fn = kernels.lib.dp_decode_layers_bf16 if self.dtype == torch.bfloat16 else kernels.lib.dp_decode_layers_f32
@@ -101,8 +102,7 @@ class FusedDecode:
     @staticmethod
     def missing_features(config) -> list[str]:
         """The model's features the fused call does not compute (the per-stage path runs such a model)."""
-        return [name for name, present in (("partial rotary", config.rotary_dim is not None),
-                                           ("sliding-window attention", config.sliding_window is not None),
+        return [name for name, present in (("sliding-window attention", config.sliding_window is not None),
                                            ("Gemma's sandwich norms and GELU-tanh gate", config.family.gemma))
                 if present]
 
@@ -113,6 +113,8 @@ class FusedDecode:
         if FusedDecode.missing_features(cfg):
             return False
         head_dims = fused_head_dims(model.dtype, None if kernels is None else kernels.variant)
+        if cfg.moe is not None:  # the fused layers hold one dense MLP each; a MoE layer runs per stage
+            return False
         if not (model.device.type == "cpu" and kv.device.type == "cpu" and model.dtype == kv.dtype
                 and model.dtype in (torch.float32, torch.bfloat16) and cfg.head_dim in head_dims
                 and cfg.num_heads // cfg.num_kv_heads <= 16):

@@ -423,10 +423,11 @@ void rms_norm(const T* x, int64_t M, int64_t H, int64_t ldx, const T* weight, fl
 }
 
 // qkv rows [M, ld]; the first num_rot_heads heads of head_dim D are rotated in place with
-// cos/sin [M, D/2] (float32).
+// cos/sin [M, rot/2] (float32): the first rot dims of each head (rot 0: all D; partial rotary).
 template <typename T>
-void rotary(T* qkv, int64_t M, int64_t ld, int64_t num_rot_heads, int64_t D, const float* cos, const float* sin) {
-  const int64_t half = D / 2;
+void rotary(T* qkv, int64_t M, int64_t ld, int64_t num_rot_heads, int64_t D, const float* cos, const float* sin,
+            int64_t rot = 0) {
+  const int64_t half = (rot > 0 ? rot : D) / 2;
 #pragma omp parallel for schedule(static) if (M >= 16)
   for (int64_t m = 0; m < M; ++m) {
     const float* c = cos + m * half;
@@ -522,7 +523,7 @@ int64_t dp_amx_min_rows(int64_t rows) {
 #endif
 }
 
-// quant_gemv.h's activation arithmetic for block formats (0 fp32, 1 int16, 2 int8, 3 int16-split;
+// quant_gemv.h's activation arithmetic for block formats (0 fp32, 1 int16, 2 int8;
 // another value leaves it); returns the mode in force, -1 in a build without quant_gemv.h.
 int32_t dp_quant_set_activations(int32_t mode) {
 #if DP_HAS_QUANT
@@ -639,12 +640,13 @@ struct LayerArgs {
   void *k_cache, *v_cache;  // [num_blocks, block_size, kv_heads, head_dim]
   int64_t num_blocks, block_size;
   const void *q_norm, *k_norm;  // [head_dim] RMSNorm weights of every q / k head (Qwen3), or null
+  int64_t rotary_dim;           // dims of each head RoPE rotates (partial rotary, Phi-3); 0: head_dim
 };
 
 // Per step, shared by all layers.
 struct StepArgs {
   int64_t M;
-  const float *cos, *sin;  // [M, head_dim / 2]
+  const float *cos, *sin;  // [M, rotary dims / 2]
   const int64_t* slots;    // [M]
   const int64_t* tables;   // [M, ld_tables]
   int64_t ld_tables;
@@ -692,7 +694,7 @@ void rope_and_write_kv(const LayerArgs& a, const StepArgs& st, const LayerBuffer
     T* row = b.qkv + m * b.qkv_size;
     qk_norm(a, row, a.num_heads, row + b.q_size, a.num_kv_heads);
   }
-  rotary(b.qkv, b.M, b.qkv_size, a.num_heads + a.num_kv_heads, b.D, st.cos, st.sin);
+  rotary(b.qkv, b.M, b.qkv_size, a.num_heads + a.num_kv_heads, b.D, st.cos, st.sin, a.rotary_dim);
   T* k_cache = static_cast<T*>(a.k_cache);
   T* v_cache = static_cast<T*>(a.v_cache);
   for (int64_t m = 0; m < b.M; ++m) {
@@ -803,8 +805,8 @@ int rope_kv_attend_head(const LayerArgs& a, const StepArgs& st, const LayerBuffe
   T* q = b.qkv + h * G * D;
   T* k = b.qkv + b.q_size + h * D;
   qk_norm(a, q, G, k, 1);
-  rotary(q, 1, b.qkv_size, G, D, st.cos, st.sin);
-  rotary(k, 1, b.qkv_size, 1, D, st.cos, st.sin);
+  rotary(q, 1, b.qkv_size, G, D, st.cos, st.sin, a.rotary_dim);
+  rotary(k, 1, b.qkv_size, 1, D, st.cos, st.sin, a.rotary_dim);
   T* k_cache = static_cast<T*>(a.k_cache) + h * D;
   T* v_cache = static_cast<T*>(a.v_cache) + h * D;
   std::memcpy(k_cache + st.slots[0] * b.kv_size, k, D * sizeof(T));

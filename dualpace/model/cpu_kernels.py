@@ -31,6 +31,7 @@ from pathlib import Path
 
 import torch
 
+from dualpace.model import quant_kernels
 from dualpace.model import cpu_kernels_build as kbuild
 from dualpace.model.cpu_kernels_abi import SIGNATURES as _SIGNATURES
 from dualpace.model.cpu_kernels_abi import WeightDescC
@@ -97,6 +98,7 @@ def load_variant(name: str) -> Kernels | None:
             fn.restype = restype
         if lib.dp_variant_supported():
             kernels = Kernels(lib, name)
+            lib.dp_quant_set_activations(quant_kernels.activation_mode_id())
             _log_amx(kernels)
         else:
             log.warning("CPU kernels (%s) do not run on this CPU", name)

@@ -18,10 +18,18 @@ import numpy as np
 import torch
 
 from dualpace.errors import ModelLoadError
-from dualpace.model.config import FAMILY_BY_GGUF_ARCH, Family, ModelConfig, unsupported
+from dualpace.model.config import FAMILIES, FAMILY_BY_GGUF_ARCH, Family, ModelConfig, unsupported
+from dualpace.model.hf_layout import moe_tensor_names
+from dualpace.model.moe_spec import MOE_HF_MODEL_TYPES, MoeSpec
 from dualpace.model.quant import FORMAT_BY_NAME, FORMATS, Q5_0_GGML_TYPE, QuantizedWeight, repack_q5_0_as_q8_0
 from dualpace.model.transformer import ModelWeights
 from dualpace.model.weights import TensorSource, weights_from_hf_names
+
+# what llama.cpp's graph of each mixture-of-experts family does with the top-k weights
+MOE_NORMALISED_TOP_K = {"mixtral": True, "qwen2_moe": False, "qwen3_moe": True}
+# llama.cpp's stacked expert tensors [num_experts, rows, K] -> the MoeTensorNames field of one expert
+_EXPERT_TENSORS = {"ffn_gate_exps.weight": "expert_gate", "ffn_up_exps.weight": "expert_up",
+                   "ffn_down_exps.weight": "expert_down"}
 
 _LAYER_NAMES = {
     "attn_norm.weight": "input_layernorm.weight",
@@ -81,19 +89,63 @@ def gguf_hf_name(gguf_name: str, family: Family) -> str | None:
         return _GLOBAL_NAMES[gguf_name]
     names = _GEMMA_LAYER_NAMES if family.gemma else _LAYER_NAMES
     parts = gguf_name.split(".", 2)
-    if len(parts) == 3 and parts[0] == "blk" and parts[2] in names:
+    if len(parts) != 3 or parts[0] != "blk":
+        return None
+    if parts[2] in names:
         name = names[parts[2]]
         if family.fused_hf_projections and name == "mlp.up_proj.weight":
             name = "mlp.gate_up_proj.weight"
         return f"model.layers.{parts[1]}.{name}"
-    return None
+    moe = moe_tensor_names(family.name)
+    moe_names = {"ffn_gate_inp.weight": moe.router, "ffn_gate_shexp.weight": moe.shared_gate_proj,
+                 "ffn_up_shexp.weight": moe.shared_up_proj, "ffn_down_shexp.weight": moe.shared_down_proj,
+                 "ffn_gate_inp_shexp.weight": moe.shared_gate}
+    return f"model.layers.{parts[1]}.{moe_names[parts[2]]}" if parts[2] in moe_names else None
+
+
+def gguf_expert_tensor(gguf_name: str, family: Family, num_experts: int) -> dict[str, int]:
+    """For a stacked expert tensor (blk.N.ffn_{gate,up,down}_exps.weight): the Hugging Face name of
+    each expert's matrix -> its index in the stack; {} for any other tensor."""
+    parts = gguf_name.split(".", 2)
+    if len(parts) != 3 or parts[0] != "blk" or parts[2] not in _EXPERT_TENSORS:
+        return {}
+    pattern = getattr(moe_tensor_names(family.name), _EXPERT_TENSORS[parts[2]])
+    return {f"model.layers.{parts[1]}." + pattern.format(e=e): e for e in range(num_experts)}
+
+
+def _gguf_family(reader, arch: str) -> Family:
+    """The family of a GGUF: its architecture's, Mixtral for a "llama" file with experts."""
+    if arch not in FAMILY_BY_GGUF_ARCH:
+        raise unsupported(f"architecture {arch!r} in the GGUF")
+    family = FAMILY_BY_GGUF_ARCH[arch]
+    num_experts = int(_field(reader, f"{arch}.expert_count", 0))
+    if num_experts and family.name == "llama":
+        return FAMILIES["mixtral"]
+    if bool(num_experts) != (family.name in MOE_HF_MODEL_TYPES):
+        raise unsupported(f"feature of {arch}: {'an' if num_experts else 'no'} expert count in the GGUF")
+    return family
+
+
+def _gguf_moe(reader, arch: str, family: Family, num_layers: int, feed_forward: int,
+              tensor_names) -> MoeSpec | None:
+    """The MoeSpec of a mixture-of-experts GGUF; a layer without a router (ffn_gate_inp) keeps a dense MLP."""
+    if family.name not in MOE_HF_MODEL_TYPES:
+        return None
+    shared = int(_field(reader, f"{arch}.expert_shared_feed_forward_length", 0))
+    return MoeSpec(
+        num_experts=int(_field(reader, f"{arch}.expert_count")),
+        num_experts_per_tok=int(_field(reader, f"{arch}.expert_used_count")),
+        expert_intermediate_size=int(_field(reader, f"{arch}.expert_feed_forward_length", feed_forward)),
+        norm_topk_prob=bool(_field(reader, f"{arch}.expert_weights_norm", MOE_NORMALISED_TOP_K[family.name])),
+        shared_expert_intermediate_size=shared,
+        shared_expert_gated=any(name.endswith("ffn_gate_inp_shexp.weight") for name in tensor_names),
+        mlp_only_layers=tuple(i for i in range(num_layers) if f"blk.{i}.ffn_gate_inp.weight" not in tensor_names),
+    )
 
 
 def read_gguf_config(reader) -> ModelConfig:
     arch = _field(reader, "general.architecture")
-    if arch not in FAMILY_BY_GGUF_ARCH:
-        raise unsupported(f"architecture {arch!r} in the GGUF")
-    family = FAMILY_BY_GGUF_ARCH[arch]
+    family = _gguf_family(reader, arch)
     tensors = {t.name: t for t in reader.tensors}
     token_count = len(reader.fields["tokenizer.ggml.tokens"].data) if "tokenizer.ggml.tokens" in reader.fields else 0
     num_heads = int(_field(reader, f"{arch}.attention.head_count"))
@@ -103,7 +155,9 @@ def read_gguf_config(reader) -> ModelConfig:
     # rotate whole heads (rope.dimension_count is head_dim), Phi-3's may rotate part of each
     default_head_dim = hidden // num_heads if arch == "phi3" else rotary_dim
     head_dim = int(_field(reader, f"{arch}.attention.key_length", default_head_dim))
-    window = int(_field(reader, f"{arch}.attention.sliding_window", 0)) if family.has_sliding_window else 0
+    window = int(_field(reader, f"{arch}.attention.sliding_window", 0))  # where a file has one, any family
+    if family.name == "llama" and window:  # Mistral, written as llama (as llama.cpp does) with its window kept
+        family = FAMILIES["mistral"]
     max_positions = int(_field(reader, f"{arch}.context_length"))
     rope_freqs = tensors.get("rope_freqs.weight")
     longrope = {}
@@ -117,11 +171,12 @@ def read_gguf_config(reader) -> ModelConfig:
     if _field(reader, f"{arch}.rope.scaling.type", "none") not in ("none", ""):
         raise unsupported(f"feature of {arch}: rope scaling {_field(reader, f'{arch}.rope.scaling.type')!r} in the GGUF")
     num_layers = int(_field(reader, f"{arch}.block_count"))
+    feed_forward = int(_field(reader, f"{arch}.feed_forward_length"))
     return ModelConfig(
         architecture=family.name,
         vocab_size=int(_field(reader, f"{arch}.vocab_size", token_count or -1)),
         hidden_size=hidden,
-        intermediate_size=int(_field(reader, f"{arch}.feed_forward_length")),
+        intermediate_size=feed_forward,
         num_layers=num_layers,
         num_heads=num_heads,
         num_kv_heads=int(_field(reader, f"{arch}.attention.head_count_kv", num_heads)),
@@ -140,6 +195,7 @@ def read_gguf_config(reader) -> ModelConfig:
         **longrope,
         bos_token_id=int(bos) if bos >= 0 else None,
         eos_token_ids=(int(eos),) if eos >= 0 else (),
+        moe=_gguf_moe(reader, arch, family, num_layers, feed_forward, tensors),
     )
 
 
@@ -171,11 +227,14 @@ def gguf_tensor_source(reader, config: ModelConfig, keep_quantized: bool = False
     or with `keep_quantized` a QuantizedWeight for 2-D tensors in a supported block format."""
     from gguf.quants import dequantize
 
-    by_hf_name = {}
+    by_hf_name = {}  # HF name -> (GGUF tensor, expert index in a stacked tensor or None)
+    num_experts = config.moe.num_experts if config.moe is not None else 0
     for tensor in reader.tensors:
         hf_name = gguf_hf_name(tensor.name, config.family)
         if hf_name is not None:
-            by_hf_name[hf_name] = tensor
+            by_hf_name[hf_name] = (tensor, None)
+        by_hf_name.update({name: (tensor, e) for name, e in gguf_expert_tensor(
+            tensor.name, config.family, num_experts).items()})
     permute = config.family.gguf_permuted_qk
 
     def unpermute(name: str, values: np.ndarray) -> np.ndarray:
@@ -186,23 +245,29 @@ def gguf_tensor_source(reader, config: ModelConfig, keep_quantized: bool = False
         return values
 
     def get_tensor(name: str) -> torch.Tensor | QuantizedWeight | None:
-        tensor = by_hf_name.get(name)
+        tensor, expert = by_hf_name.get(name, (None, None))
         if tensor is None:
             return None
         fmt = FORMATS.get(int(tensor.tensor_type))
-        if keep_quantized and len(tensor.shape) == 2 and int(tensor.tensor_type) == Q5_0_GGML_TYPE:
+        # a matrix: the tensor, or one expert's slice of a stacked [num_experts, rows, K] tensor
+        shape = [int(d) for d in reversed(tensor.shape.tolist())]
+        data = tensor.data
+        if expert is not None:
+            shape = shape[1:]
+            data = np.asarray(data).reshape(num_experts, shape[0], -1)[expert]
+        is_matrix = len(shape) == 2
+        if keep_quantized and is_matrix and int(tensor.tensor_type) == Q5_0_GGML_TYPE:
             fmt = FORMAT_BY_NAME["Q8_0"]  # held as Q8_0, value for value (repack_q5_0_as_q8_0)
-            blocks = repack_q5_0_as_q8_0(np.asarray(tensor.data).reshape(int(tensor.shape[1]), -1))
-            return QuantizedWeight.from_blocks(unpermute(name, blocks), fmt, int(tensor.shape[0]))
-        if keep_quantized and fmt is not None and len(tensor.shape) == 2:
-            k = int(tensor.shape[0])
-            blocks = np.asarray(tensor.data).reshape(int(tensor.shape[1]), -1)
-            return QuantizedWeight.from_blocks(unpermute(name, blocks), fmt, k)
+            blocks = repack_q5_0_as_q8_0(np.asarray(data).reshape(shape[0], -1))
+            return QuantizedWeight.from_blocks(unpermute(name, blocks), fmt, shape[1])
+        if keep_quantized and fmt is not None and is_matrix:
+            blocks = np.asarray(data).reshape(shape[0], -1)
+            return QuantizedWeight.from_blocks(unpermute(name, blocks), fmt, shape[1])
         try:
-            values = dequantize(tensor.data, tensor.tensor_type)
+            values = dequantize(data, tensor.tensor_type)
         except (ValueError, NotImplementedError) as exc:
             raise ModelLoadError(f"cannot dequantize {tensor.name} ({tensor.tensor_type.name}): {exc}") from exc
-        values = np.asarray(values, dtype=np.float32).reshape([int(d) for d in reversed(tensor.shape.tolist())])
+        values = np.asarray(values, dtype=np.float32).reshape(shape)
         values = unpermute(name, values)
         if config.family.gemma and name.endswith("norm.weight"):  # llama.cpp stores Gemma's w; HF w - 1
             values = values - 1.0

@@ -3,8 +3,11 @@
 Tensors get llama.cpp's names (the inverse of gguf_loader's table), Q/K rows of the families
 llama.cpp permutes are interleaved as its converter does, llama3 RoPE scaling becomes the
 rope_freqs tensor, and the tokenizer (byte-level BPE: vocabulary, merges, special tokens, chat
-template) goes into `tokenizer.ggml.*`. Matrices are stored as F32, F16 or Q8_0; norms and biases
-as F32. `dualpace model export --gguf FORMAT --model FOLDER` runs it.
+template) goes into `tokenizer.ggml.*`. A mixture-of-experts layer's experts are stacked into
+ffn_{gate,up,down}_exps [num_experts, rows, K] (a dense layer of Qwen2-MoE's mlp_only_layers keeps
+ffn_{gate,up,down}, which llama.cpp's converter refuses). Matrices are stored as F32, F16 or Q8_0;
+norms, biases and the routers (ffn_gate_inp, ffn_gate_inp_shexp) as F32.
+`dualpace model export --gguf FORMAT --model FOLDER` runs it.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ import torch
 
 from dualpace.errors import InvalidArgument
 from dualpace.model.config import ModelConfig
-from dualpace.model.gguf_loader import gguf_hf_name
+from dualpace.model.gguf_loader import MOE_NORMALISED_TOP_K, gguf_expert_tensor, gguf_hf_name
 from dualpace.model.hf_layout import tensor_specs
 from dualpace.model.hf_loader import read_hf_config
 from dualpace.model.rope import inverse_frequencies
@@ -28,6 +31,10 @@ _LAYER_GGUF_NAMES = ("attn_norm.weight", "attn_q.weight", "attn_k.weight", "attn
                      "attn_k.bias", "attn_v.bias", "attn_qkv.weight", "attn_q_norm.weight", "attn_k_norm.weight",
                      "attn_output.weight", "ffn_norm.weight", "ffn_gate.weight", "ffn_up.weight", "ffn_down.weight",
                      "post_attention_norm.weight", "post_ffw_norm.weight")
+# a mixture-of-experts layer's: router, experts stacked [num_experts, rows, K], shared expert and its gate
+_MOE_GGUF_NAMES = ("ffn_gate_inp.weight", "ffn_gate_exps.weight", "ffn_up_exps.weight", "ffn_down_exps.weight",
+                   "ffn_gate_shexp.weight", "ffn_up_shexp.weight", "ffn_down_shexp.weight", "ffn_gate_inp_shexp.weight")
+_ROUTING_GGUF_NAMES = ("ffn_gate_inp.weight", "ffn_gate_inp_shexp.weight")  # kept F32, as llama-quantize does
 # tokenizer.ggml.pre for the split rules gguf_tokenizer knows, by the rule's pattern
 _PRE_BY_PATTERN = {
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+":
@@ -38,11 +45,31 @@ _PRE_BY_PATTERN = {
 
 
 def gguf_names(config: ModelConfig) -> dict[str, str]:
-    """Hugging Face tensor name -> GGUF tensor name, for every tensor of `config`."""
+    """Hugging Face tensor name -> GGUF tensor name, for every tensor of `config` (each expert's
+    matrix -> the stacked tensor of its layer)."""
     candidates = list(_GLOBAL_GGUF_NAMES) + [f"blk.{i}.{n}" for i in range(config.num_layers)
-                                             for n in _LAYER_GGUF_NAMES]
-    by_hf = {gguf_hf_name(name, config.family): name for name in candidates}
+                                             for n in _LAYER_GGUF_NAMES + _MOE_GGUF_NAMES]
+    num_experts = config.moe.num_experts if config.moe is not None else 0
+    by_hf = {}
+    for name in candidates:
+        by_hf[gguf_hf_name(name, config.family)] = name
+        by_hf.update(dict.fromkeys(gguf_expert_tensor(name, config.family, num_experts), name))
     return {spec.name: by_hf[spec.name] for spec in tensor_specs(config)}
+
+
+def _add_moe_metadata(writer, config: ModelConfig) -> None:
+    """What llama.cpp's converter writes for the family's experts (Mixtral's width is the model's
+    feed_forward_length); expert_weights_norm only where the top-k weights differ from what
+    llama.cpp's graph of the family does."""
+    moe = config.moe
+    writer.add_expert_count(moe.num_experts)
+    writer.add_expert_used_count(moe.num_experts_per_tok)
+    if config.architecture != "mixtral":
+        writer.add_expert_feed_forward_length(moe.expert_intermediate_size)
+    if moe.shared_expert_intermediate_size:
+        writer.add_expert_shared_feed_forward_length(moe.shared_expert_intermediate_size)
+    if moe.norm_topk_prob != MOE_NORMALISED_TOP_K[config.architecture]:
+        writer.add_expert_weights_norm(moe.norm_topk_prob)
 
 
 def _permute_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:
@@ -120,6 +147,8 @@ def write_gguf_from_hf(folder: Path, out_path: Path, target: str) -> Path:
         writer.add_sliding_window_pattern([config.layer_window(i) is not None for i in range(config.num_layers)])
         writer.add_rope_freq_base_swa(config.local_rope_theta or config.rope_theta)
         writer.add_attention_scale(config.attention_scale)
+    if config.moe is not None:
+        _add_moe_metadata(writer, config)
     _add_tokenizer(writer, folder, config)
     if config.rope_attention_factor != 1.0 or config.rope_freq_factors is not None:  # LongRoPE, as llama.cpp has it
         long_factor = json.loads((folder / "config.json").read_text())
@@ -132,8 +161,11 @@ def write_gguf_from_hf(folder: Path, out_path: Path, target: str) -> Path:
         plain = inverse_frequencies(dataclasses.replace(config, rope_scaling=None))
         writer.add_tensor("rope_freqs.weight", (plain / inverse_frequencies(config)).numpy().astype(np.float32))
     get = _hf_tensors(folder)
+    hf_names_of: dict[str, list[str]] = {}  # GGUF name -> its HF tensors (a layer's experts, in order)
     for hf_name, name in gguf_names(config).items():
-        values = get(hf_name)
+        hf_names_of.setdefault(name, []).append(hf_name)
+    for name, hf_names in hf_names_of.items():
+        values = np.stack([get(n) for n in hf_names]) if name.endswith("_exps.weight") else get(hf_names[0])
         if config.family.gguf_permuted_qk and name.endswith(("attn_q.weight", "attn_q.bias")):
             values = _permute_rows(values, config.num_heads)
         elif config.family.gguf_permuted_qk and name.endswith(("attn_k.weight", "attn_k.bias")):
@@ -141,9 +173,10 @@ def write_gguf_from_hf(folder: Path, out_path: Path, target: str) -> Path:
         if config.family.gemma and name.endswith("norm.weight"):  # llama.cpp's form: w, not HF's w - 1
             values = values + 1.0
         values = np.ascontiguousarray(values, dtype=np.float32)
-        if values.ndim == 2 and target == "f16":
+        matrix = values.ndim >= 2 and not name.endswith(_ROUTING_GGUF_NAMES)
+        if matrix and target == "f16":
             writer.add_tensor(name, values.astype(np.float16))
-        elif values.ndim == 2 and target == "q8_0" and values.shape[1] % 32 == 0:
+        elif matrix and target == "q8_0" and values.shape[-1] % 32 == 0:
             writer.add_tensor(name, quantize(values, gguf.GGMLQuantizationType.Q8_0),
                               raw_dtype=gguf.GGMLQuantizationType.Q8_0)
         else:

@@ -1,4 +1,5 @@
-"""The tensor layout of a Hugging Face checkpoint of any supported family: names and shapes."""
+"""The tensor layout of a Hugging Face checkpoint of any supported family (mixture-of-experts MLPs
+included): names and shapes."""
 
 from __future__ import annotations
 
@@ -19,6 +20,50 @@ class TensorSpec:
     @property
     def num_elements(self) -> int:
         return math.prod(self.shape)
+
+
+@dataclass(frozen=True)
+class MoeTensorNames:
+    """Names, under a layer's prefix, of a mixture-of-experts MLP's tensors in a family's checkpoints."""
+
+    router: str
+    expert_gate: str  # with {e}, the expert's index
+    expert_up: str
+    expert_down: str
+    shared_gate_proj: str = "mlp.shared_expert.gate_proj.weight"
+    shared_up_proj: str = "mlp.shared_expert.up_proj.weight"
+    shared_down_proj: str = "mlp.shared_expert.down_proj.weight"
+    shared_gate: str = "mlp.shared_expert_gate.weight"
+
+
+_QWEN_MOE_NAMES = MoeTensorNames("mlp.gate.weight", "mlp.experts.{e}.gate_proj.weight", "mlp.experts.{e}.up_proj.weight",
+                                 "mlp.experts.{e}.down_proj.weight")
+_MIXTRAL_NAMES = MoeTensorNames("block_sparse_moe.gate.weight", "block_sparse_moe.experts.{e}.w1.weight",
+                                "block_sparse_moe.experts.{e}.w3.weight", "block_sparse_moe.experts.{e}.w2.weight")
+
+
+def moe_tensor_names(architecture: str) -> MoeTensorNames:
+    return _MIXTRAL_NAMES if architecture == "mixtral" else _QWEN_MOE_NAMES
+
+
+def moe_layer_specs(config: ModelConfig, prefix: str) -> list[TensorSpec]:
+    """The tensors of one sparse layer's MLP (prefix: "model.layers.{i}.")."""
+    moe, hidden = config.moe, config.hidden_size
+    names = moe_tensor_names(config.architecture)
+    ffn = moe.expert_intermediate_size
+    specs = [TensorSpec(prefix + names.router, (moe.num_experts, hidden), "linear")]
+    for e in range(moe.num_experts):
+        specs.append(TensorSpec(prefix + names.expert_gate.format(e=e), (ffn, hidden), "linear"))
+        specs.append(TensorSpec(prefix + names.expert_up.format(e=e), (ffn, hidden), "linear"))
+        specs.append(TensorSpec(prefix + names.expert_down.format(e=e), (hidden, ffn), "linear"))
+    shared = moe.shared_expert_intermediate_size
+    if shared:
+        specs.append(TensorSpec(prefix + names.shared_gate_proj, (shared, hidden), "linear"))
+        specs.append(TensorSpec(prefix + names.shared_up_proj, (shared, hidden), "linear"))
+        specs.append(TensorSpec(prefix + names.shared_down_proj, (hidden, shared), "linear"))
+        if moe.shared_expert_gated:
+            specs.append(TensorSpec(prefix + names.shared_gate, (1, hidden), "linear"))
+    return specs
 
 
 def tensor_specs(config: ModelConfig) -> list[TensorSpec]:
@@ -44,6 +89,9 @@ def tensor_specs(config: ModelConfig) -> list[TensorSpec]:
         if config.family.gemma:
             for name in ("pre_feedforward_layernorm", "post_feedforward_layernorm"):
                 specs.append(TensorSpec(f"{prefix}.{name}.weight", (hidden,), "norm"))
+        if config.moe is not None and config.moe.is_sparse_layer(layer):
+            specs.extend(moe_layer_specs(config, prefix + "."))
+            continue
         if config.family.fused_hf_projections:
             specs.append(TensorSpec(f"{prefix}.mlp.gate_up_proj.weight", (2 * config.intermediate_size, hidden),
                                     "linear"))

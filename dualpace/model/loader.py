@@ -10,6 +10,7 @@ import torch
 
 from dualpace.errors import InvalidArgument
 from dualpace.model.config import ModelConfig
+from dualpace.model.moe_spec import MoeWeightBytes
 from dualpace.model.registry import resolve_model_path
 from dualpace.model.tokenizer import Tokenizer
 from dualpace.model.transformer import ModelWeights, Transformer
@@ -114,7 +115,7 @@ def load_model(model: str, dtype: str | torch.dtype = "auto", device: str = "cpu
     if weights == "int8":
         model_weights = quantize_weights_q8_0(model_weights)
     model_weights = model_weights.to(torch_device, torch_dtype, matrix_dtype)
-    log.info("weights: %s", describe_weights(model_weights, torch_device, torch_dtype))
+    log.info("weights: %s", describe_weights(model_weights, torch_device, torch_dtype, config))
     return LoadedModel(name=model, path=path, config=config, model=Transformer(config, model_weights),
                        tokenizer=tokenizer, weights_format=f"{weights}:{','.join(weight_formats(model_weights))}")
 
@@ -131,21 +132,34 @@ def _quant_kernels_available() -> bool:
 def _matrices(weights: ModelWeights) -> list:
     mats = [weights.embed_tokens] + ([] if weights.lm_head is weights.embed_tokens else [weights.lm_head])
     for layer in weights.layers:
-        mats.extend([layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj])
+        mats.extend(m for m in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj) if m is not None)
+        if layer.moe is not None:
+            mats.extend(layer.moe.matrices())
     return mats
+
+
+def _num_bytes(t) -> int:
+    return t.numel() * t.element_size() if isinstance(t, torch.Tensor) else t.num_bytes()
 
 
 def weights_num_bytes(weights: ModelWeights) -> int:
     """Host (or device) bytes held by all weights, block-quantized or dense."""
-    from dualpace.model.quant import QuantizedWeight
+    return weights.num_bytes()
 
-    total = 0
-    for t in _matrices(weights) + [weights.final_norm] + [t for layer in weights.layers for t in
-                                                          (layer.input_norm, layer.post_attention_norm,
-                                                           layer.qkv_bias, layer.q_norm, layer.k_norm)
-                                                          if t is not None]:
-        total += t.num_bytes() if isinstance(t, QuantizedWeight) else t.numel() * t.element_size()
-    return total
+
+def moe_weight_bytes(weights: ModelWeights, config: ModelConfig) -> MoeWeightBytes | None:
+    """What a decode step of a mixture-of-experts model reads, in the formats held (None for a
+    dense model): the routed experts apart (one expert of one layer, on average) from the rest,
+    which every step reads (the embedding table apart, of which a step reads a row per token)."""
+    if config.moe is None:
+        return None
+    sparse = [layer.moe for layer in weights.layers if layer.moe is not None]
+    routed_bytes = sum(_num_bytes(m) for moe in sparse for m in (*moe.expert_gate_up, *moe.expert_down))
+    embedding_bytes = 0 if weights.lm_head is weights.embed_tokens else _num_bytes(weights.embed_tokens)
+    return MoeWeightBytes(
+        num_experts=config.moe.num_experts, num_experts_per_tok=config.moe.num_experts_per_tok,
+        dense_bytes=weights_num_bytes(weights) - routed_bytes - embedding_bytes,
+        expert_bytes=round(routed_bytes / (len(sparse) * config.moe.num_experts)), num_sparse_layers=len(sparse))
 
 
 def weight_formats(weights: ModelWeights) -> list[str]:
@@ -158,8 +172,10 @@ def weight_formats(weights: ModelWeights) -> list[str]:
     return sorted(names)
 
 
-def describe_weights(weights: ModelWeights, device: torch.device, dtype: torch.dtype) -> str:
-    """One line for the start-up log: bytes held, storage formats, compute dtype."""
+def describe_weights(weights: ModelWeights, device: torch.device, dtype: torch.dtype,
+                     config: ModelConfig | None = None) -> str:
+    """One line for the start-up log: bytes held, storage formats, compute dtype; for a
+    mixture-of-experts model, the bytes a token reads per step (its k routed experts per layer)."""
     from dualpace.model.quant import QuantizedWeight
 
     counts: dict[str, int] = {}
@@ -168,8 +184,10 @@ def describe_weights(weights: ModelWeights, device: torch.device, dtype: torch.d
         for name in names:
             counts[name] = counts.get(name, 0) + 1
     formats = ", ".join(f"{n} x{c}" for n, c in sorted(counts.items()))
-    return (f"{weights_num_bytes(weights) / 1e6:.1f} MB in {device.type} memory (matrices: {formats}; "
+    line = (f"{weights_num_bytes(weights) / 1e6:.1f} MB in {device.type} memory (matrices: {formats}; "
             f"compute {str(dtype).removeprefix('torch.')})")
+    moe = None if config is None else moe_weight_bytes(weights, config)
+    return line if moe is None else f"{line}; {moe.summary()}"
 
 
 def quantize_weights_q8_0(weights: ModelWeights) -> ModelWeights:
@@ -184,7 +202,9 @@ def quantize_weights_q8_0(weights: ModelWeights) -> ModelWeights:
     for layer in weights.layers:
         fields = dict(vars(layer))
         for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"):
-            fields[name] = q(fields[name])
+            fields[name] = None if fields[name] is None else q(fields[name])
+        if layer.moe is not None:  # the experts; the router and shared-expert gate stay dense (they route)
+            fields["moe"] = layer.moe.map_matrices(q, routing_fn=lambda m: m)
         layers.append(type(layer)(**fields))
     lm_head = embed if weights.lm_head is weights.embed_tokens else q(weights.lm_head)
     return ModelWeights(embed_tokens=embed, layers=layers, final_norm=weights.final_norm, lm_head=lm_head)

@@ -3,28 +3,27 @@
 // rows) is the one dualpace/model/KERNELS.md describes; cpu_kernels.cpp includes this header
 // once per ISA variant, and quant_kernels.cpp wraps it in extern "C" functions of its own.
 //
-// Three arithmetic modes with AVX2 (every x86 variant), chosen by the environment variable
-// DUALPACE_QUANT_ACTIVATIONS (read once per process; dp_quant_set_activations changes it, for
-// tests and benchmarks):
-// - `int16` (default): activations rounded to int16 per 16 elements and integer dot products with
-//   the weights widened to int16 (quant_gemv_i16.h). The rounding is 1.5e-5 of each 16's max,
-//   finer than bf16 activations: greedy output matches the dequantized fp32 model. In AVX-512
-//   builds a call with >= 8 rows of x computes as `fp32` instead (quant_gemv_avx512.h: faster there).
-// - `int16-split`: int16, except that Q8_0 weights take activations rounded to 6.2e-5 of each
-//   16's max and split in two bytes, for int8 x int8 products on 32 lanes (quant_gemv_q8_split.h).
-//   Opt-in: on an AVX2 Zen 3 it measured no faster at batch 1 and slower from batch 2 (two
-//   maddubs + two madd per 32 weights and row, where int16 needs two madd once the weights are
-//   widened).
+// The arithmetic of the activations, per process (dp_quant_set_activations; the engines set it
+// from --quant-activations: exact = int16, the default, or int8):
+// - `int16` (the exact mode, and the default until set): activations rounded to int16 per 16
+//   elements and integer dot products with the weights widened to int16 (quant_gemv_i16.h). The
+//   rounding is 1.5e-5 of each 16's max, finer than bf16 activations: greedy output matches the
+//   dequantized fp32 model. In AVX-512 builds the standalone library's calls with >= 8 rows of x
+//   compute as `fp32` instead (quant_gemv_avx512.h: faster there).
+// - `int8`: from VNNI_MIN_ROWS rows of x in builds with AVX-512 VNNI, activations quantized per
+//   row per 16 elements to int8 (one float scale per 16: half llama.cpp's q8_0 block) and
+//   multiplied with vpdpbusd (quant_gemv_vnni.h); fewer rows, or a build without VNNI, compute as
+//   int16. The activation rounding (4e-3 of each 16's max) moves logits by ~1e-2 relative: close
+//   to the dequantized model by KL divergence (docs/perf.md), not greedy-identical to it.
 // - `fp32`: each 8-weight chunk is unpacked and dequantized in registers to fp32
 //   (scale x q + min) and FMA'd with the fp32 activations. The result equals the dequantized fp32
-//   model up to summation order.
-// - `int8`: activations are quantized once per call to int8 in blocks of 32 (one float scale per
-//   block, as llama.cpp's q8_0) and each block's dot product is an integer one (maddubs + madd),
-//   scaled in float by weight scale x activation scale; for Q4 formats the affine "min" term is
-//   min x (sum of the activation block). Fewer instructions per weight, but the activation
-//   rounding moves logits by ~1e-2 relative, which flips some greedy choices.
-// In fp32 and int8, a tile of several activation rows x 2 or 4 weight rows reuses every unpacked
-// weight vector for all the tile's rows; int16 reuses them over tiles of 4 rows.
+//   model up to summation order (the tests' reference).
+// Measured and removed (docs/perf.md): int8 on AVX2 with maddubs on tiles of 4 rows x 2 weight
+// rows (0.76-0.94x of int16 for Q8_0 at batch 1-32 on an Intel Xeon forced to the avx2 build,
+// 1.02-1.12x for Q4_K), and `int16-split`, Q8_0's activations split in two bytes for maddubs
+// (0.85-0.93x there; no faster on an AVX2 Zen 3).
+// In fp32 a tile of several activation rows x 2 or 4 weight rows reuses every unpacked weight
+// vector for all the tile's rows; int16 reuses them over tiles of 4 rows.
 // The prepared activations start with a 64-byte header naming the mode they were made in, so a
 // mode change between two calls never mixes layouts.
 //
@@ -180,18 +179,10 @@ template <int32_t F>
 inline void dequantize_row_t(const uint8_t* row, int64_t K, float* out);  // below, per ISA
 
 // The arithmetic for activations (see the top of this file).
-enum ActivationMode : int32_t { ACT_FP32 = 0, ACT_INT16 = 1, ACT_INT8 = 2, ACT_INT16_SPLIT = 3 };
-
-inline int32_t activation_mode_from_env() {
-  const char* v = std::getenv("DUALPACE_QUANT_ACTIVATIONS");
-  if (v != nullptr && std::strcmp(v, "fp32") == 0) return ACT_FP32;
-  if (v != nullptr && std::strcmp(v, "int8") == 0) return ACT_INT8;
-  if (v != nullptr && std::strcmp(v, "int16-split") == 0) return ACT_INT16_SPLIT;
-  return ACT_INT16;
-}
+enum ActivationMode : int32_t { ACT_FP32 = 0, ACT_INT16 = 1, ACT_INT8 = 2 };
 
 inline std::atomic<int32_t>& activation_mode_slot() {
-  static std::atomic<int32_t> mode{activation_mode_from_env()};
+  static std::atomic<int32_t> mode{ACT_INT16};
   return mode;
 }
 
@@ -199,7 +190,7 @@ inline int32_t activation_mode() { return activation_mode_slot().load(std::memor
 
 // Sets the mode for later calls (an unknown value is ignored); returns the mode now in force.
 inline int32_t set_activation_mode(int32_t mode) {
-  if (mode >= ACT_FP32 && mode <= ACT_INT16_SPLIT) activation_mode_slot().store(mode);
+  if (mode >= ACT_FP32 && mode <= ACT_INT8) activation_mode_slot().store(mode);
   return activation_mode();
 }
 
@@ -224,13 +215,6 @@ template <> inline void group_scales16<DP_W_Q6_K>(const uint8_t* g, float* dw16,
 
 #if defined(__AVX2__)
 
-// An activation block: 32 int8 values with scale d (x ~ d q) and s = d * sum(q).
-struct ActBlock {
-  float d;
-  float s;
-  int8_t q[32];
-};
-
 inline float hsum8(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -238,40 +222,8 @@ inline float hsum8(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
-inline void quantize_row(const float* x, int64_t K, ActBlock* out) {
-  const __m256 sign_bit = _mm256_set1_ps(-0.0f);
-  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
-  for (int64_t b = 0; b < K / 32; ++b) {
-    __m256 v[4];
-    __m256 amax = _mm256_setzero_ps();
-    for (int i = 0; i < 4; ++i) {
-      v[i] = _mm256_loadu_ps(x + 32 * b + 8 * i);
-      amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign_bit, v[i]));
-    }
-    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
-    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
-    m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
-    const float maxv = _mm_cvtss_f32(m4);
-    const float d = maxv / 127.0f;
-    const __m256 inv = _mm256_set1_ps(maxv != 0.0f ? 127.0f / maxv : 0.0f);
-    __m256i q[4];
-    for (int i = 0; i < 4; ++i)
-      q[i] = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(v[i], inv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-    const __m256i sum32 = _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3]));
-    __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sum32), _mm256_extracti128_si256(sum32, 1));
-    s4 = _mm_hadd_epi32(s4, s4);
-    s4 = _mm_hadd_epi32(s4, s4);
-    // pack 32-bit -> 16-bit -> 8-bit (packs work per 128-bit lane; the permute restores order)
-    const __m256i p01 = _mm256_packs_epi32(q[0], q[1]), p23 = _mm256_packs_epi32(q[2], q[3]);
-    const __m256i p = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(p01, p23), order);
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out[b].q), p);
-    out[b].d = d;
-    out[b].s = d * static_cast<float>(_mm_cvtsi128_si32(s4));
-  }
-}
-
 // The 32 values of sub-block j of a group, as bytes: unsigned (0..15) for Q4 formats, signed for
-// Q8_0 and Q6_K (Q6_K: q - 32, its integer scales are applied by int_scales).
+// Q8_0 and Q6_K (Q6_K: q - 32, without its per-16 integer scales).
 template <int32_t F>
 inline __m256i values(const uint8_t* g, int j);
 
@@ -300,81 +252,7 @@ template <> inline __m256i values<DP_W_Q6_K>(const uint8_t* g, int j) {
   return _mm256_sub_epi8(_mm256_or_si256(l4, _mm256_slli_epi16(h2, 4)), _mm256_set1_epi8(32));
 }
 
-// The int16 multipliers madd applies to the 16 pair sums of a sub-block: 1 except Q6_K, whose
-// sub-block j has scale 2j for its first 16 elements and 2j + 1 for the rest.
-template <int32_t F>
-inline __m256i int_scales(const uint8_t*, int) { return _mm256_set1_epi16(1); }
-template <> inline __m256i int_scales<DP_W_Q6_K>(const uint8_t* g, int j) {
-  const int8_t* s = reinterpret_cast<const int8_t*>(g + 192);
-  return _mm256_set_m128i(_mm_set1_epi16(s[2 * j + 1]), _mm_set1_epi16(s[2 * j]));
-}
-
-// acc[m][r] (+ mins[m][r]) over all blocks for MR activation rows and NR weight rows.
-template <int32_t F, int MR, int NR>
-inline void tile(const uint8_t* const* wrows, const ActBlock* const* arows, int64_t K, float (*out)[NR]) {
-  using Spec = Fmt<F>;
-  __m256 acc[MR][NR];
-  float mins[MR][NR];
-  for (int m = 0; m < MR; ++m)
-    for (int r = 0; r < NR; ++r) {
-      acc[m][r] = _mm256_setzero_ps();
-      mins[m][r] = 0.0f;
-    }
-  const int64_t num_groups = K / (32 * Spec::G);
-  for (int64_t grp = 0; grp < num_groups; ++grp) {
-    float dw[NR][8], mw[NR][8];
-    for (int r = 0; r < NR; ++r) {
-      const uint8_t* g = wrows[r] + grp * Spec::BYTES;
-      _mm_prefetch(reinterpret_cast<const char*>(g) + 1024, _MM_HINT_T0);
-      group_scales<F>(g, dw[r], mw[r]);
-    }
-    for (int j = 0; j < Spec::G; ++j) {
-      const int64_t b = grp * Spec::G + j;
-      __m256i wv[NR], wa[NR], ws[NR];
-      __m256 dv[NR];
-      for (int r = 0; r < NR; ++r) {
-        const uint8_t* g = wrows[r] + grp * Spec::BYTES;
-        wv[r] = values<F>(g, j);
-        if (Spec::SIGNED) wa[r] = _mm256_sign_epi8(wv[r], wv[r]);
-        ws[r] = int_scales<F>(g, j);
-        dv[r] = _mm256_set1_ps(dw[r][j]);
-      }
-      for (int m = 0; m < MR; ++m) {
-        const ActBlock& a = arows[m][b];
-        const __m256i av = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.q));
-        const __m256 da = _mm256_set1_ps(a.d);
-        for (int r = 0; r < NR; ++r) {
-          const __m256i p16 = Spec::SIGNED ? _mm256_maddubs_epi16(wa[r], _mm256_sign_epi8(av, wv[r]))
-                                           : _mm256_maddubs_epi16(wv[r], av);
-          const __m256 p = _mm256_cvtepi32_ps(_mm256_madd_epi16(p16, ws[r]));
-          acc[m][r] = _mm256_fmadd_ps(p, _mm256_mul_ps(dv[r], da), acc[m][r]);
-          if (!Spec::SIGNED) mins[m][r] += mw[r][j] * a.s;
-        }
-      }
-    }
-  }
-  for (int m = 0; m < MR; ++m)
-    for (int r = 0; r < NR; ++r) out[m][r] = hsum8(acc[m][r]) + mins[m][r];
-}
-
-template <int32_t F, int MR, int NR>
-inline void rows_tile(const WeightDesc& w, const ActBlock* act, int64_t m0, int64_t n0, int64_t n1, float* y,
-                      int64_t ldy) {
-  const int64_t nb = w.K / 32;
-  const ActBlock* arows[MR];
-  for (int m = 0; m < MR; ++m) arows[m] = act + (m0 + m) * nb;
-  for (int64_t n = n0; n < n1; n += NR) {
-    const uint8_t* wrows[NR];
-    for (int r = 0; r < NR; ++r)
-      wrows[r] = static_cast<const uint8_t*>(w.data) + std::min(n + r, n1 - 1) * w.row_bytes;
-    float out[MR][NR];
-    tile<F, MR, NR>(wrows, arows, w.K, out);
-    for (int m = 0; m < MR; ++m)
-      for (int r = 0; r < NR && n + r < n1; ++r) y[(m0 + m) * ldy + (n - n0 + r)] = out[m][r];
-  }
-}
-
-// Activation rows per pass over a chunk of weight rows: the pass's int8 rows stay in L2.
+// Activation rows per pass over a chunk of weight rows: the pass's fp32 rows stay in L2.
 constexpr int64_t ROWS_PER_PASS = 64;
 
 template <int M> using Rows = std::integral_constant<int, M>;
@@ -398,14 +276,6 @@ inline void for_row_tiles(int64_t M, Run run) {
       default: break;
     }
   }
-}
-
-template <int32_t F>
-inline void rows_t(const WeightDesc& w, const ActBlock* act, int64_t M, int64_t n0, int64_t n1, float* y,
-                   int64_t ldy) {
-  for_row_tiles(M, [&](auto mr, auto nr, int64_t m0) {
-    rows_tile<F, decltype(mr)::value, decltype(nr)::value>(w, act, m0, n0, n1, y, ldy);
-  });
 }
 
 // ---- fp32 activations: weights dequantized in registers, 8 at a time ----
@@ -487,12 +357,15 @@ inline void rows_f32_t(const WeightDesc& w, const float* x, int64_t M, int64_t l
 
 }  // namespace dp_quant
 #include "quant_gemv_i16.h"  // the int16 mode (uses the pieces above)
-#include "quant_gemv_q8_split.h"  // its Q8_0 kernel
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define DP_QUANT_VNNI 1
+#include "quant_gemv_vnni.h"  // the int8 mode's rows
+#endif
 namespace dp_quant {
 
-// The layouts a prepared header names: an ActivationMode's own, or Q8_0's split bytes.
-constexpr int32_t PREPARED_Q8_SPLIT = 16;
-
+// The layouts a prepared header names: ACT_FP32 (none), ACT_INT16, or the int8 mode's layout for
+// vpdpbusd (quant_gemv_vnni.h: activation rows in the vector lanes).
+constexpr int32_t PREPARED_VNNI = 17;
 
 // Rows of x from which the int16 mode computes in fp32 instead (quant_gemv_avx512.h); never on AVX2.
 inline int64_t fp32_min_rows() {
@@ -506,38 +379,40 @@ inline int64_t fp32_min_rows() {
 // The prepared activations: a header (the mode, padded to 64 bytes) and the mode's rows.
 constexpr int64_t PREPARED_HEADER_BYTES = 64;
 
-// Enough for either integer layout (int16 rows are the larger), whatever the mode, so that a mode
+// Enough for either integer layout, whatever the mode, so that a mode
 // change between prepare_bytes and prepare cannot overrun the buffer.
 inline int64_t prepare_bytes(const WeightDesc& w, int64_t M) {
-  static_assert(sizeof(ActBlock) * 4 <= 4 * 32 * 2 + I16_QUAD_FLOATS * 4, "int16 quads hold int8 blocks' bytes");
-  return PREPARED_HEADER_BYTES + M * std::max(i16_row_bytes(w.K), split_row_bytes(w.K));
+  const int64_t rows = M * i16_row_bytes(w.K);
+#if defined(DP_QUANT_VNNI)
+  return PREPARED_HEADER_BYTES + std::max(rows, vnni_bytes(w.K, M));
+#else
+  return PREPARED_HEADER_BYTES + rows;
+#endif
 }
 
-// Quantizes x as the mode in force asks and writes that mode into the header for rows().
+// Quantizes x as the mode in force asks and writes the layout it made into the header for rows().
 // fp32_switch: whether the int16 mode may compute in fp32 from fp32_min_rows() rows. The engine
 // (cpu_kernels.cpp) passes false: the switch changes the activations' arithmetic at a batch size, so
 // a row's output would depend on how many rows share its call (tests/model/test_batch_invariance.py).
 // (With it on, bf16 compute once changed the default model's chat answer: not a fault of these
 // tiles but a near tie of the model's first answer token, margin 0.08 logits.)
+// The int8 mode has no such invariance: below VNNI_MIN_ROWS rows (and without VNNI) it is int16.
 inline void prepare(const WeightDesc& w, const float* x, int64_t M, int64_t ldx, void* prepared,
                     bool fp32_switch = true) {
   uint8_t* out = static_cast<uint8_t*>(prepared);
   int32_t mode = activation_mode();
   uint8_t* body = out + PREPARED_HEADER_BYTES;
-  if (mode == ACT_INT16_SPLIT && w.format == DP_W_Q8_0) {
-    mode = PREPARED_Q8_SPLIT;
-    for (int64_t m = 0; m < M; ++m) quantize_row_split(x + m * ldx, w.K, body + m * split_row_bytes(w.K));
-  } else if ((mode == ACT_INT16 || mode == ACT_INT16_SPLIT) && fp32_switch && M >= fp32_min_rows()) {
+#if defined(DP_QUANT_VNNI)
+  if (mode == ACT_INT8 && M >= VNNI_MIN_ROWS) {
+    mode = PREPARED_VNNI;
+    prepare_vnni(x, M, ldx, w.K, body);
+  } else
+#endif
+  if (mode == ACT_FP32 || (fp32_switch && M >= fp32_min_rows())) {
     mode = ACT_FP32;  // AVX-512: the fp32 tiles beat the int16 ones on compute-bound batches
-  } else if (mode == ACT_INT16 || mode == ACT_INT16_SPLIT) {
+  } else {
     mode = ACT_INT16;
     for (int64_t m = 0; m < M; ++m) quantize_row_i16(x + m * ldx, w.K, body + m * i16_row_bytes(w.K));
-  } else if (mode == ACT_INT8) {
-    ActBlock* blocks = reinterpret_cast<ActBlock*>(body);
-    const int64_t nb = w.K / 32;
-    for (int64_t m = 0; m < M; ++m) quantize_row(x + m * ldx, w.K, blocks + m * nb);
-  } else {
-    mode = ACT_FP32;
   }
   std::memcpy(out, &mode, sizeof(mode));
 }
@@ -547,22 +422,21 @@ inline void rows(const WeightDesc& w, const float* x, int64_t M, int64_t ldx, co
   int32_t mode;
   std::memcpy(&mode, prepared, sizeof(mode));
   const uint8_t* body = static_cast<const uint8_t*>(prepared) + PREPARED_HEADER_BYTES;
-  const ActBlock* act = reinterpret_cast<const ActBlock*>(body);
-  if (mode == PREPARED_Q8_SPLIT && w.format == DP_W_Q8_0) {
-    rows_q8_split(w, body, M, n0, n1, y, ldy);
-    return;
-  }
+#if defined(DP_QUANT_VNNI)
+#define DP_QUANT_VNNI_ROWS(F) (mode == PREPARED_VNNI && (rows_vnni<F>(w, body, M, n0, n1, y, ldy), true))
+#else
+#define DP_QUANT_VNNI_ROWS(F) false
+#endif
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 #define DP_QUANT_ROWS_F32(F) rows_f32_512_t<F>(w, x, M, ldx, n0, n1, y, ldy)
 #else
 #define DP_QUANT_ROWS_F32(F) rows_f32_t<F>(w, x, M, ldx, n0, n1, y, ldy)
 #endif
   switch (w.format) {
-#define DP_QUANT_CASE(F)                                           \
-  case F:                                                          \
+#define DP_QUANT_CASE(F)                                            \
+  case F:                                                           \
     if (mode == ACT_INT16) rows_i16<F>(w, body, M, n0, n1, y, ldy); \
-    else if (mode == ACT_INT8) rows_t<F>(w, act, M, n0, n1, y, ldy); \
-    else DP_QUANT_ROWS_F32(F);                                     \
+    else if (!DP_QUANT_VNNI_ROWS(F)) DP_QUANT_ROWS_F32(F);          \
     break;
     DP_QUANT_CASE(DP_W_Q8_0)
     DP_QUANT_CASE(DP_W_Q4_0)
@@ -571,6 +445,7 @@ inline void rows(const WeightDesc& w, const float* x, int64_t M, int64_t ldx, co
     DP_QUANT_CASE(DP_W_Q6_K)
 #undef DP_QUANT_CASE
 #undef DP_QUANT_ROWS_F32
+#undef DP_QUANT_VNNI_ROWS
     default: break;
   }
 }
@@ -595,7 +470,8 @@ inline void dequantize_row_t(const uint8_t* row, int64_t K, float* out) {
 #else  // no AVX2: dequantize each group to float and dot it with the fp32 activations
 
 inline int64_t prepare_bytes(const WeightDesc&, int64_t) { return 0; }
-inline void prepare(const WeightDesc&, const float*, int64_t, int64_t, void*) {}
+inline void prepare(const WeightDesc&, const float*, int64_t, int64_t, void*, bool = true) {}
+inline int64_t fp32_min_rows() { return INT64_MAX; }
 
 template <int32_t F>
 inline void dequantize_row_t(const uint8_t* row, int64_t K, float* out) {

@@ -43,9 +43,18 @@ int64_t dp_quant_fp32_min_rows() {
   return rows == INT64_MAX ? 0 : rows;
 }
 
+// Rows of x from which the int8 mode computes in int8 (builds with AVX-512 VNNI); 0: never.
+int64_t dp_quant_int8_min_rows() {
+#if defined(DP_QUANT_VNNI)
+  return dp_quant::VNNI_MIN_ROWS;
+#else
+  return 0;
+#endif
+}
+
 int dp_quant_format_supported(int32_t format) { return dp_quant::supported(format) ? 1 : 0; }
 
-// The activation arithmetic of later calls (quant_gemv.h: 0 fp32, 1 int16, 2 int8, 3 int16-split;
+// The activation arithmetic of later calls (quant_gemv.h: 0 fp32, 1 int16, 2 int8;
 // another value leaves it as it is); returns the mode in force. Not to be called while a linear call runs.
 int32_t dp_quant_set_activations(int32_t mode) { return dp_quant::set_activation_mode(mode); }
 

@@ -9,8 +9,9 @@ cached under `$XDG_CACHE_HOME/dualpace/kernels/` keyed by the sources, the flags
 and the CPU flags; the .so shares torch's OpenMP runtime (one pool, torch.set_num_threads).
 `DUALPACE_CPU_KERNELS=0` turns these off too, leaving the torch fallback of QuantizedWeight.
 
-Activation arithmetic (quant_gemv.h): `int16` by default, `fp32`, `int8` or `int16-split` with
-DUALPACE_QUANT_ACTIVATIONS, or `set_activations()` in-process (tests and benchmarks).
+Activation arithmetic (quant_gemv.h): `int16` (the exact mode) until `set_activations()` chooses
+`int8` (from a few rows, on CPUs with AVX-512 VNNI) or `fp32` (the tests' reference); the engines
+set it from --quant-activations (dualpace.serve.config: flag, DUALPACE_QUANT_ACTIVATIONS or TOML).
 """
 
 from __future__ import annotations
@@ -30,7 +31,8 @@ log = logging.getLogger(__name__)
 
 _HERE = Path(__file__).parent
 SOURCES = [_HERE / "quant_kernels.cpp", _HERE / "quant_gemv.h", _HERE / "quant_gemv_i16.h",
-           _HERE / "quant_gemv_avx512.h", _HERE / "quant_gemv_q8_split.h", _HERE / "kernel_weights.h"]
+           _HERE / "quant_gemv_avx512.h", _HERE / "quant_gemv_vnni.h",
+           _HERE / "kernel_weights.h"]
 _BASE_FLAGS = ["-O3", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
 
 
@@ -46,6 +48,7 @@ _SIGNATURES = {
     "dp_quant_has_avx2": ([], ctypes.c_int),
     "dp_quant_vector_bits": ([], ctypes.c_int),
     "dp_quant_fp32_min_rows": ([], ctypes.c_int64),
+    "dp_quant_int8_min_rows": ([], ctypes.c_int64),
     "dp_quant_format_supported": ([ctypes.c_int32], ctypes.c_int),
     "dp_quant_set_activations": ([ctypes.c_int32], ctypes.c_int32),
     "dp_quant_linear": ([ctypes.POINTER(WeightDescC), _ptr, _i64, _i64, _ptr, _i64], ctypes.c_int),
@@ -105,6 +108,7 @@ def _load(variant: str) -> ctypes.CDLL | None:
         fn.restype = restype
     if "-mavx2" in flags and not lib.dp_quant_has_avx2():
         return None
+    lib.dp_quant_set_activations(activation_mode_id())
     return lib
 
 
@@ -134,20 +138,52 @@ def get() -> ctypes.CDLL | None:
     return _state["lib"]  # type: ignore[return-value]
 
 
-ACTIVATION_MODES = {"fp32": 0, "int16": 1, "int8": 2, "int16-split": 3}  # quant_gemv.h's ActivationMode
+ACTIVATION_MODES = {"fp32": 0, "int16": 1, "int8": 2}  # quant_gemv.h's ActivationMode
+# --quant-activations: exact (greedy output of the dequantized fp32 model) or int8 (faster batches).
+CONFIG_ACTIVATIONS = {"exact": "int16", "int8": "int8"}
+# exact by default: int8 rounding of the default model's chat prompt (its special tokens' outlier
+# activations) turns "The capital of France is Paris." into other text, in the kernels and in a
+# torch emulation of the rounding alike, although its KL divergence over plain text is below
+# llama.cpp's (docs/perf.md).
+DEFAULT_CONFIG_ACTIVATIONS = "exact"
+QUANT_ACTIVATIONS_HELP = (
+    "exact (default): block-quantized weights multiply activations rounded to int16 per 16 elements "
+    "(greedy output of the fp32-dequantized model); int8: from 5 rows (batched decode, prompt chunks) on CPUs "
+    "with AVX-512 VNNI, activations rounded to int8 per 16 elements: 1.3-2.9x faster products, KL divergence "
+    "of the dequantized model below llama.cpp's on plain text, but some prompts change answer (docs/perf.md); "
+    "elsewhere as exact")
+
+
+def add_quant_activations_argument(parser) -> None:
+    """--quant-activations (flag, DUALPACE_QUANT_ACTIVATIONS or TOML through dualpace.serve.config)."""
+    parser.add_argument("--quant-activations", default=DEFAULT_CONFIG_ACTIVATIONS, choices=sorted(CONFIG_ACTIVATIONS),
+                        help=QUANT_ACTIVATIONS_HELP)
+
+
+def activation_mode_id() -> int:
+    """The mode set_activations chose last (int16 until then), as quant_gemv.h numbers it: every
+    library loaded later starts in it."""
+    return ACTIVATION_MODES[_state.get("activations", "int16")]  # type: ignore[index]
 
 
 def set_activations(mode: str) -> None:
-    """Use `mode` (fp32, int16, int8, int16-split) for the activations of block-quantized weights from now on,
-    in these kernels and in every loaded cpu_kernels variant. Not while a linear call runs."""
+    """Use `mode` (fp32, int16, int8) for the activations of block-quantized weights from now on,
+    in these kernels and in every cpu_kernels variant, those loaded later included. Not while a
+    linear call runs."""
     if mode not in ACTIVATION_MODES:
         raise ValueError(f"activation mode {mode!r}: expected one of {', '.join(ACTIVATION_MODES)}")
+    _state["activations"] = mode
     from dualpace.model import cpu_kernels
 
     libs = [get(), *_state.get("variants", {}).values(), *(k.lib for k in cpu_kernels.loaded_kernels())]
     for lib in libs:
         if lib is not None:
             lib.dp_quant_set_activations(ACTIVATION_MODES[mode])
+
+
+def use_config_activations(name: str) -> None:
+    """Apply --quant-activations (a CONFIG_ACTIVATIONS name) to every loaded kernel library."""
+    set_activations(CONFIG_ACTIVATIONS[name])
 
 
 def main() -> int:

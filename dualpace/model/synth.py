@@ -28,6 +28,7 @@ from dualpace.errors import InvalidArgument
 from dualpace.model import synth_tokenizer as stok
 from dualpace.model.config import ModelConfig, RopeScaling
 from dualpace.model.hf_layout import TensorSpec, count_parameters, tensor_specs  # noqa: F401 (re-exported)
+from dualpace.model.moe_spec import MoeSpec
 
 DEFAULT_MAX_SHARD_BYTES = 1 << 30
 _RANDOM_CHUNK_NUM_ELEMENTS = 1 << 22
@@ -111,6 +112,35 @@ PRESETS: dict[str, Preset] = {
             **{**_TINY_LLAMA, "head_dim": 32, "num_layers": 4, "architecture": "gemma3_text"}, rms_norm_eps=1e-6,
             rope_theta=1e6, local_rope_theta=1e4, sliding_window=12, window_layers=(True, True, False, True),
             query_pre_attn_scalar=24.0, qk_norm=True, tie_word_embeddings=True,
+        ),
+        _tiny(
+            "tiny-mixtral", "mixtral, 8 experts top-2, GQA 4q/2kv, untied",
+            architecture="mixtral", vocab_size=512, hidden_size=64, intermediate_size=96, num_layers=2,
+            num_heads=4, num_kv_heads=2, head_dim=16, max_position_embeddings=1024,
+            moe=MoeSpec(num_experts=8, num_experts_per_tok=2, expert_intermediate_size=96, norm_topk_prob=True),
+        ),
+        _tiny(
+            "tiny-qwen2-moe", "qwen2_moe, 8 experts top-2 unnormalised, gated shared expert, layer 0 dense, tied",
+            architecture="qwen2_moe", vocab_size=600, hidden_size=64, intermediate_size=128, num_layers=3,
+            num_heads=4, num_kv_heads=2, head_dim=16, rms_norm_eps=1e-6, rope_theta=1e6,
+            max_position_embeddings=1024, tie_word_embeddings=True, qkv_bias=True,
+            moe=MoeSpec(num_experts=8, num_experts_per_tok=2, expert_intermediate_size=48, norm_topk_prob=False,
+                        shared_expert_intermediate_size=80, shared_expert_gated=True, mlp_only_layers=(0,)),
+        ),
+        _tiny(
+            "tiny-qwen3-moe", "qwen3_moe, q/k RMSNorm, 8 experts top-2 normalised, every 2nd layer sparse, tied",
+            **{**_TINY_LLAMA, "head_dim": 32, "num_layers": 4, "architecture": "qwen3_moe"}, rms_norm_eps=1e-6,
+            rope_theta=1e6, tie_word_embeddings=True, qk_norm=True,
+            moe=MoeSpec(num_experts=8, num_experts_per_tok=2, expert_intermediate_size=64, norm_topk_prob=True,
+                        decoder_sparse_step=2),
+        ),
+        _large(
+            "qwen3-30b-a3b-4l", "Qwen3-30B-A3B layer shapes (128 experts top-8, expert FFN 768, hidden 2048, "
+            "32q/4kv heads of 128), 4 of its 48 layers (random weights, speed only)",
+            architecture="qwen3_moe", vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_layers=4,
+            num_heads=32, num_kv_heads=4, head_dim=128, rms_norm_eps=1e-6, rope_theta=1e6,
+            max_position_embeddings=40960, tie_word_embeddings=False, qk_norm=True,
+            moe=MoeSpec(num_experts=128, num_experts_per_tok=8, expert_intermediate_size=768, norm_topk_prob=True),
         ),
         _large(
             "qwen2.5-0.5b", "Qwen2.5-0.5B shapes (random weights, speed only)",

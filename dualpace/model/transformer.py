@@ -36,10 +36,15 @@ import torch.nn.functional as F
 from dualpace.model import cpu_kernels, triton_fused
 from dualpace.model.attention_backend import uses_fused_triton
 from dualpace.model.config import ModelConfig
+from dualpace.model.moe import MoeWeights, moe_mlp, swiglu
 from dualpace.model.rope import HalfAngles, RotaryEmbedding, apply_rotary
 
 # x @ w^T (+ bias) with torch ops for a tensor of any dtype or a quantized-weight object
 linear = cpu_kernels.torch_linear
+
+
+def _torch_matmul(x: torch.Tensor, weight, kernel_rows: torch.Tensor | None) -> torch.Tensor:
+    return linear(x, weight)
 
 
 @dataclass
@@ -51,13 +56,19 @@ class LayerWeights:
     qkv_bias: torch.Tensor | None  # [(num_heads + 2 * num_kv_heads) * head_dim] (Qwen2)
     o_proj: torch.Tensor  # [hidden, num_heads * head_dim]
     post_attention_norm: torch.Tensor  # [hidden]
-    gate_up_proj: torch.Tensor  # [2 * intermediate, hidden]
-    down_proj: torch.Tensor  # [hidden, intermediate]
+    gate_up_proj: torch.Tensor | None  # [2 * intermediate, hidden]; None in a mixture-of-experts layer
+    down_proj: torch.Tensor | None  # [hidden, intermediate]; None in a mixture-of-experts layer
     q_norm: torch.Tensor | None = None  # [head_dim], RMSNorm weight of every q head (Qwen3, Gemma 3)
     k_norm: torch.Tensor | None = None  # [head_dim], of every k head
     # Gemma's sandwich norms: over the attention output and over the MLP output, before each residual add
     attention_out_norm: torch.Tensor | None = None  # [hidden]
     mlp_out_norm: torch.Tensor | None = None  # [hidden]
+    moe: MoeWeights | None = None  # the routed experts of a sparse layer (dualpace.model.moe)
+
+    def weight_tensors(self) -> list:
+        """Every tensor or weight object the layer holds."""
+        held = [t for k, t in vars(self).items() if k != "moe" and t is not None]
+        return held + ([] if self.moe is None else self.moe.matrices())
 
 
 @dataclass
@@ -82,9 +93,15 @@ class ModelWeights:
         matrix_dtype = matrix_dtype or dtype
         embed = move(self.embed_tokens, matrix_dtype)
         tied = self.lm_head is self.embed_tokens
+        def move_moe(moe: MoeWeights | None) -> MoeWeights | None:
+            # the router and the shared expert's gate decide the routing: kept in the compute dtype
+            return None if moe is None else moe.map_matrices(lambda m: move(m, matrix_dtype),
+                                                             routing_fn=lambda m: move(m, dtype))
+
         return ModelWeights(
             embed_tokens=embed,
-            layers=[LayerWeights(**{k: move(v, matrix_dtype if k in MATRIX_FIELDS else dtype)
+            layers=[LayerWeights(**{k: move_moe(v) if k == "moe" else move(v, matrix_dtype if k in MATRIX_FIELDS
+                                                                           else dtype)
                                     for k, v in vars(layer).items()}) for layer in self.layers],
             final_norm=move(self.final_norm, dtype),
             lm_head=embed if tied else move(self.lm_head, matrix_dtype),
@@ -95,7 +112,7 @@ class ModelWeights:
         if self.lm_head is not self.embed_tokens:
             weights.append(self.lm_head)
         for layer in self.layers:
-            weights.extend(t for t in vars(layer).values() if t is not None)
+            weights.extend(layer.weight_tensors())
         return sum(t.numel() * t.element_size() if isinstance(t, torch.Tensor) else t.num_bytes() for t in weights)
 
 
@@ -204,7 +221,8 @@ class Transformer:
 
     def post_attention(self, layer_index: int, hidden: torch.Tensor, attention_out: torch.Tensor,
                        kernel_rows: torch.Tensor | None = None) -> torch.Tensor:
-        """O projection + residual, then norm, SwiGLU MLP + residual. attention_out: [T, num_heads * head_dim]."""
+        """O projection + residual, then norm, SwiGLU MLP (or the layer's mixture of experts) +
+        residual. attention_out: [T, num_heads * head_dim]."""
         layer = self.weights.layers[layer_index]
         kernels = self._kernels()
         if self.config.family.gemma:
@@ -212,16 +230,24 @@ class Transformer:
         if kernels is not None:
             hidden = kernels.linear(attention_out, layer.o_proj, residual=hidden, kernel_rows=kernel_rows)
             x = kernels.rms_norm(hidden, layer.post_attention_norm, self.config.rms_norm_eps)
+            if layer.moe is not None:
+                def kernel_matmul(rows, weight, rows_for_kernels):
+                    return kernels.linear(rows, weight, kernel_rows=rows_for_kernels)
+
+                return hidden + moe_mlp(x, layer.moe, self.config.moe, kernel_matmul, kernel_rows, kernels.silu_mul)
             gated = kernels.silu_mul(kernels.linear(x, layer.gate_up_proj, kernel_rows=kernel_rows))
             return kernels.linear(gated, layer.down_proj, residual=hidden, kernel_rows=kernel_rows)
+        silu_mul = None
         if self._fused_triton:  # the residual add and the norm in one launch, then SiLU * up in one
             hidden, x = triton_fused.add_rms_norm(hidden, linear(attention_out, layer.o_proj),
                                                   layer.post_attention_norm, self.config.rms_norm_eps)
-            return hidden + linear(triton_fused.silu_mul(linear(x, layer.gate_up_proj)), layer.down_proj)
-        hidden = hidden + linear(attention_out, layer.o_proj)
-        x = rms_norm(hidden, layer.post_attention_norm, self.config.rms_norm_eps)
-        gate, up = linear(x, layer.gate_up_proj).chunk(2, dim=-1)
-        return hidden + linear(F.silu(gate) * up, layer.down_proj)
+            silu_mul = triton_fused.silu_mul
+        else:
+            hidden = hidden + linear(attention_out, layer.o_proj)
+            x = rms_norm(hidden, layer.post_attention_norm, self.config.rms_norm_eps)
+        if layer.moe is not None:
+            return hidden + moe_mlp(x, layer.moe, self.config.moe, _torch_matmul, silu_mul=silu_mul)
+        return hidden + swiglu(x, layer.gate_up_proj, layer.down_proj, _torch_matmul, None, silu_mul)
 
     def _gemma_post_attention(self, layer: LayerWeights, hidden: torch.Tensor, attention_out: torch.Tensor,
                               kernels: cpu_kernels.Kernels | None, kernel_rows: torch.Tensor | None) -> torch.Tensor:

@@ -1,5 +1,5 @@
 """Migration planning: which requests move between the GPU and CPU engines this tick
-(ARCHITECTURE §4). Pure: views in, a list of planned moves out; the service runs them.
+(docs/architecture.md, "Router"). Pure: views in, a list of planned moves out; the service runs them.
 
 With a profile (`MigrationConfig.predictor`, a cost model), the CPU->GPU payoff uses the
 predicted ITLs (the CPU engine's current batch, the GPU engine's batch with the request

@@ -1,7 +1,7 @@
 """What the router's pure decision code sees: engine load views and the requests it relays.
 
-Plain frozen dataclasses and arithmetic only — no torch, grpc, asyncio or clock reads
-(ARCHITECTURE §5), so the simulator can run the same admission and migration code.
+Plain frozen dataclasses and arithmetic only — no torch, grpc, asyncio or clock reads,
+so the simulator can run the same admission and migration code.
 """
 
 from __future__ import annotations

@@ -11,6 +11,7 @@ from dataclasses import asdict, fields
 from pathlib import Path
 from typing import Any
 
+from dualpace.model.moe_spec import MoeWeightBytes
 from dualpace.profile.schema import (
     DATA_PATHS,
     OPTIONAL_HARDWARE_FIELDS,
@@ -142,12 +143,26 @@ def _optional_str(raw: Mapping[str, Any], key: str, where: str) -> str | None:
     return value
 
 
+def _optional_moe(raw: Any) -> MoeWeightBytes | None:
+    if raw is None:
+        return None
+    if not isinstance(raw, Mapping):
+        raise ProfileError("model.moe: expected an object or null")
+    values = {f.name: _int(_require(raw, f.name, "model.moe"), f"model.moe.{f.name}") for f in fields(MoeWeightBytes)}
+    if not 0 < values["num_experts_per_tok"] <= values["num_experts"]:
+        raise ProfileError("model.moe: num_experts_per_tok must be in 1..num_experts")
+    return MoeWeightBytes(**values)
+
+
 def _parse_model(raw: Any) -> ModelFingerprint:
     where = "model"
     values: dict[str, Any] = {}
     for f in fields(ModelFingerprint):
         if f.name == "config_hash":
             values[f.name] = _optional_str(raw, f.name, where)
+            continue
+        if f.name == "moe":
+            values[f.name] = _optional_moe(raw.get("moe"))
             continue
         value = _require(raw, f.name, where)
         if f.name in ("architecture", "dtype"):
@@ -233,7 +248,7 @@ def profile_to_dict(profile: Profile) -> dict[str, Any]:
     out = {
         "version": profile.version,
         "hardware": _without_nulls(asdict(profile.hardware), OPTIONAL_HARDWARE_FIELDS),
-        "model": _without_nulls(asdict(profile.model), ("config_hash",)),
+        "model": _without_nulls(asdict(profile.model), ("config_hash", "moe")),
         "tables": tables,
         "kv_transfer": asdict(profile.kv_transfer),
         "capacities": asdict(profile.capacities),

@@ -12,7 +12,9 @@ Layout (version 1)::
                    "cpu_threads": int | null, "torch_version": str | null, "device": str | null},
       "model": {"architecture": str, "num_layers": int, "hidden_size": int, "num_heads": int,
                 "num_kv_heads": int, "head_dim": int, "vocab_size": int, "dtype": str,
-                "block_size": int, "config_hash": str | null},
+                "block_size": int, "config_hash": str | null,
+                "moe": {"num_experts": int, "num_experts_per_tok": int, "dense_bytes": int,
+                        "expert_bytes": int, "num_sparse_layers": int} | null},
       "tables": {
         "gpu_prefill_ms":      {"tokens": [...], "ms": [...]},
         "gpu_decode_ms":       {"batch": [...], "context_tokens": [...], "ms": [[...], ...]},
@@ -80,6 +82,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from dualpace.errors import DualPaceError
+from dualpace.model.moe_spec import MoeWeightBytes
 
 PROFILE_VERSION = 1
 
@@ -142,6 +145,9 @@ class ModelFingerprint:
     dtype: str
     block_size: int
     config_hash: str | None = None
+    # a mixture-of-experts model's bytes read per step, dense part and one expert apart (in the
+    # formats the profiled engine held); derived, so not compared (config_hash covers the routing)
+    moe: MoeWeightBytes | None = None
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -226,7 +232,7 @@ def fingerprint_mismatches(profile: Profile, hardware: HardwareFingerprint | Non
             if f"model.{f.name}" in ignore:
                 continue
             ours, theirs = getattr(profile.model, f.name), getattr(model, f.name)
-            if f.name == "config_hash" and (ours is None or theirs is None):
+            if f.name == "moe" or (f.name == "config_hash" and (ours is None or theirs is None)):
                 continue
             if ours != theirs:
                 problems.append(f"model.{f.name}: profile has {ours!r}, this deployment has {theirs!r}")

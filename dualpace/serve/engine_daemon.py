@@ -41,6 +41,7 @@ from dualpace.faults import FaultConfig, add_fault_arguments
 from dualpace.model import attention_backend
 from dualpace.model.attention_backend import ATTENTION_BACKENDS, FUSED_KERNELS, KernelChoices
 from dualpace.model.loader import LoadedModel
+from dualpace.model.quant_kernels import add_quant_activations_argument, use_config_activations
 from dualpace.model.registry import DEFAULT_MODEL_NAME
 from dualpace.sampling import SamplingParams
 from dualpace.serve.config import add_config_argument, effective_config
@@ -78,6 +79,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser, default_name: str, def
     parser.add_argument("--name", default=default_name, help="engine name shown to the router and in logs")
     parser.add_argument("--dtype", default="auto", choices=["auto", "fp32", "bf16"])
     parser.add_argument("--weights", default="native", choices=["native", "bf16", "fp32", "int8"], help="native: a GGUF's quantized matrices stay in their block format (default); bf16/fp32: dequantized at load; int8: quantized at load to Q8_0 (per group of 32)")
+    add_quant_activations_argument(parser)
     kv = parser.add_mutually_exclusive_group()
     kv.add_argument("--kv-blocks", type=int, help=f"KV pool size in blocks (default {default_kv_blocks})")
     kv.add_argument("--kv-gb", type=float, help="KV pool size in GB (instead of --kv-blocks)")
@@ -170,6 +172,7 @@ def build_engine(
         torch.set_num_threads(args.threads)
     attention_backend.configure(KernelChoices(args.attention_backend, args.fused_kernels))
     loaded = load_model(args.model, dtype=args.dtype, device=device, weights=args.weights)
+    use_config_activations(args.quant_activations)
     config = EngineConfig(
         name=args.name,
         kind=kind,

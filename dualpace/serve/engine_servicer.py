@@ -136,17 +136,21 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
         self.peers.check(request.target_address)  # before anything is paused or sent
         log.info("migrate out", target=request.target_address)
         # The stream's migrated_to is the target's address: where the client resumes the request.
-        if self.same_host is not None:
-            sender = self.same_host.sender(request.target_address, self.faults, self.auth_token, self.tls)
-        else:
-            sender = GrpcKvSender(request.target_address, self.faults, auth_token=self.auth_token, tls=self.tls,
-                                  channels=self.channels)
+        sender = self._sender(request.target_address)
         stats = await migrate_out(self.loop, request.request_id, sender, migrated_to=request.target_address)
         if isinstance(sender, SameHostKvSender) and sender.used_shm:
             stats = dataclasses.replace(stats, transport="shm")
         elif isinstance(sender, TcpKvSender) and sender.used_tcp:
             stats = dataclasses.replace(stats, transport="tcp")
         return messages.migrate_out_response_to_pb(stats)
+
+    def _sender(self, target_address: str) -> GrpcKvSender:
+        """This engine's KV sender to another: shared memory or the data socket (gRPC alone: in-process
+        servicers without a same-host side)."""
+        if self.same_host is not None:
+            return self.same_host.sender(target_address, self.faults, self.auth_token, self.tls)
+        return GrpcKvSender(target_address, self.faults, auth_token=self.auth_token, tls=self.tls,
+                            channels=self.channels)
 
     async def ImportKv(self, request_iterator, context):
         importer = KvImporter(self.loop)
@@ -164,7 +168,7 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
                     if importer.progress is not None:
                         raise InvalidArgument("header", "sent twice")
                     header = messages.kv_header_from_pb(message.header)
-                    if header.cache_only:  # host-tier blocks for this engine's prefix cache, over gRPC
+                    if header.cache_only:  # host-tier blocks for this engine's prefix cache
                         importer = HostTierImporter(self.loop)
                         if shm is not None:
                             await shm.close()
@@ -250,8 +254,6 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
                 await stream.end(code.value[0], message)
 
     def _tcp_side(self, importer: KvImporter) -> TcpImport:
-        if importer.progress.header.cache_only:
-            return TcpImport(None, importer, "a cache-only import goes over gRPC")
         if self.same_host is None:
             return TcpImport(None, importer)
         return self.same_host.tcp_side(importer)
@@ -267,7 +269,7 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
         token_ids, target = messages.copy_prefix_request_from_pb(request)
         self.peers.check(target)  # before anything is pinned or sent
         started = time.perf_counter()
-        sender = GrpcKvSender(target, self.faults, auth_token=self.auth_token, tls=self.tls, channels=self.channels)
+        sender = self._sender(target)
         self._next_copy += 1
         pin_id = f"{COPY_PIN_PREFIX}{self._next_copy}"
         copy = await send_cached_prefix(self.loop, sender.send_cache, token_ids, pin_id)

@@ -5,9 +5,10 @@ over the pool's watch connection instead of a gRPC stream (dualpace.engine.trans
 
 The header offers shared memory; the target answers with a reservation (it proved nothing
 yet: the sender then maps the pool it names and checks the token in its header) or with the
-reason it declines. Whatever fails before the copy (no reservation, the pool cannot be mapped,
-other geometry) falls back to chunks on the same stream, as the plain gRPC transport sends
-them; a target that declined (another host, a private pool) is not asked again for a minute.
+reason it declines; the same header offers the target's TCP data socket, which it answers with
+instead where shared memory is not for it (another host, a private pool). Where the pool cannot be
+used after all (it cannot be mapped, other geometry) the transfer fails with the two-phase rules
+intact, and that target is offered only the data socket for a minute.
 """
 
 from __future__ import annotations
@@ -107,32 +108,25 @@ class SameHostKvSender(TcpKvSender):
             lap("header_ms")
             answer = await self._expect_answer(call)
             lap("reservation_ms")
-            written = None
             if isinstance(answer, (TcpReservation, TcpDeclined)):  # another host: shared memory declined
                 self.declined_until[self.target_address] = time.monotonic() + DECLINE_MEMORY_S
                 return await self.send_answered(call, answer, header, chunks)
-            if isinstance(answer, ShmDeclined):
-                log.info("KV to %s over gRPC: %s", self.target_address, answer.reason)
+            if isinstance(answer, ShmDeclined):  # and no data socket offered: nothing to send the KV over
                 self.declined_until[self.target_address] = time.monotonic() + DECLINE_MEMORY_S
-            else:
-                written = await self._write_in_place(call, answer, header, chunks)
-                lap("lease_and_copy_ms")
-            if written is None:
-                await self._send_chunks(call, chunks)
-                lap("written_ms")
-                engine = await self._prepare_and_commit(call)
-            else:
-                with_commit = answer.accepts_written_with_commit
-                if with_commit:
-                    chunks.safe_point()  # the last chance to back out (a cancelled MigrateOut): commit follows
-                    written = dataclasses.replace(written, commit=True)
-                await self._write(call, shm_written_to_pb(written), "shm_written")
-                self.used_shm = True
-                lap("written_ms")
-                # with commit: the target verified, prepared and committed on that one message
-                engine = ((await self._expect(call, "committed")).engine if with_commit
-                          else await self._prepare_and_commit(call))
-                self.pools.remember_control(self.target_address, answer)
+                raise Unavailable(f"KV to {self.target_address}: the target declined shared memory: {answer.reason}")
+            written = await self._write_in_place(call, answer, header, chunks)
+            lap("lease_and_copy_ms")
+            with_commit = answer.accepts_written_with_commit
+            if with_commit:
+                chunks.safe_point()  # the last chance to back out (a cancelled MigrateOut): commit follows
+                written = dataclasses.replace(written, commit=True)
+            await self._write(call, shm_written_to_pb(written), "shm_written")
+            self.used_shm = True
+            lap("written_ms")
+            # with commit: the target verified, prepared and committed on that one message
+            engine = ((await self._expect(call, "committed")).engine if with_commit
+                      else await self._prepare_and_commit(call))
+            self.pools.remember_control(self.target_address, answer)
             lap("verify_prepare_commit_ms")
             log.debug("KV to %s: %s", self.target_address, {k: round(v, 3) for k, v in self.phase_ms.items()})
             return engine
@@ -144,15 +138,16 @@ class SameHostKvSender(TcpKvSender):
                 asked.withdraw(offer.lease_ticket)
 
     async def _write_in_place(self, call, answer: ShmReservation, header: KvTransferHeader,
-                              chunks: OutgoingKv) -> ShmWritten | None:
-        """Copy into the target's reserved blocks; None: its pool cannot be used (send chunks instead)."""
+                              chunks: OutgoingKv) -> ShmWritten:
+        """Copy into the target's reserved blocks. Where its pool cannot be used, raises Unavailable
+        (the transfer fails; the next ones to that target go over its data socket)."""
         async with contextlib.AsyncExitStack() as held:
             try:
                 segment = await held.enter_async_context(self.pools.using(answer))  # held until the copy ends
                 check_geometry(segment, header.layout, answer, header.num_computed_tokens)
             except (SameHostRefused, InvalidArgument) as exc:
-                log.warning("KV to %s over gRPC: cannot use its shared pool: %s", self.target_address, exc)
-                return None
+                self.declined_until[self.target_address] = time.monotonic() + DECLINE_MEMORY_S
+                raise Unavailable(f"KV to {self.target_address}: cannot use its shared pool: {exc}") from exc
             try:
                 lease = self.pools.lease(answer) if answer.lease_on_watch else None  # else a connection of its own
                 self.marks.append(("mapped", time.perf_counter()))

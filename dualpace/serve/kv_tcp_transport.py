@@ -3,11 +3,10 @@ commit; the KV bytes go over the target's TCP data socket (dualpace.engine.trans
 
 Python gRPC moves bulk bytes at about 1 GB/s here whatever the messages, a few percent of memcpy; a
 socket fed with views of the pool moved the same KV about twice as fast. The header offers the data
-socket; the target answers with a port and a one-time ticket, or with the reason it declines (then
-chunks follow on the gRPC stream, as GrpcKvSender sends them). A connection that cannot be made
-falls back to chunks for that transfer; a failure after it (a corrupt layer, a dropped connection, a
-cancel) fails the transfer with the two-phase rules intact: the request runs on the source, the
-target frees its blocks. Where the target serves TLS (KvTcpReserved.tls) the connection is TLS with
+socket; the target answers with a port and a one-time ticket, or with the reason it declines. A
+declined offer, a connection that cannot be made, or a failure after it (a corrupt layer, a dropped
+connection, a cancel) fails the transfer with the two-phase rules intact: the request runs on the
+source, the target frees its blocks. Where the target serves TLS (KvTcpReserved.tls) the connection is TLS with
 this daemon's credentials, as its gRPC calls are.
 """
 
@@ -15,7 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import logging
+import dataclasses
 import ssl
 import threading
 import time
@@ -27,6 +26,7 @@ from dualpace.engine.transfer import kv_tcp_data
 from dualpace.engine.transfer.kv_source import OutgoingKv
 from dualpace.engine.transfer.kv_tcp_import import TcpDeclined, TcpReservation, TcpWritten
 from dualpace.engine.transfer.kv_transfer import KvChunk, KvTransferHeader
+from dualpace.engine.transfer.prefix_copy import SourceFrom
 from dualpace.errors import Unavailable
 from dualpace.engine.transfer.worker_pools import run_in_pool
 from dualpace.serve.address import UNIX_PREFIX, data_socket_peer_host
@@ -34,10 +34,6 @@ from dualpace.serve.kv_transport import GrpcKvSender, _ended
 from dualpace.wire.engine_messages import kv_header_to_pb
 from dualpace.wire.kv_tcp_messages import add_tcp_offer, tcp_answer_from_pb, tcp_written_to_pb
 
-log = logging.getLogger(__name__)
-
-DECLINE_MEMORY_S = 60.0  # a target that declined is offered the data socket again after this
-_DECLINED_UNTIL: dict[str, float] = {}  # target address -> monotonic time
 
 
 class TcpKvSender(GrpcKvSender):
@@ -49,13 +45,12 @@ class TcpKvSender(GrpcKvSender):
         self.phase_ms: dict[str, float] = {}  # the last transfer's phases (bench.data_plane reports them)
 
     def offers_tcp(self, header: KvTransferHeader, chunks) -> bool:
-        """Only a migration's KV (not a cache copy, not a request without KV)."""
-        return (isinstance(chunks, OutgoingKv) and header.num_computed_tokens > 0
-                and time.monotonic() >= _DECLINED_UNTIL.get(self.target_address, 0.0))
+        """Wherever there is KV to send (a request moved without KV needs no data path)."""
+        return isinstance(chunks, OutgoingKv) and header.num_computed_tokens > 0
 
     def _tls_for(self, answer: TcpReservation) -> ssl.SSLContext | None:
         """The TLS of the connection to the data socket (as on this daemon's gRPC calls to the target);
-        raises OSError where the two sides' settings do not meet (then chunks go over gRPC)."""
+        raises OSError where the two sides' settings do not meet (then the transfer fails)."""
         if not answer.tls:
             return None
         if self.tls is None or self.target_address.startswith(UNIX_PREFIX):
@@ -79,22 +74,37 @@ class TcpKvSender(GrpcKvSender):
                 call.cancel()  # the target drops the partial import (once its receive stopped)
                 raise
 
+    async def send_cache(self, header: KvTransferHeader, source_from: SourceFrom) -> tuple[str, int]:
+        """A cache-only import with skip_cached (dualpace.engine.transfer.prefix_copy.SendCache) over the
+        data socket: the target answers the header with the leading tokens it holds, then with its
+        socket; only the KV after those tokens is streamed. Returns (the target engine, held tokens)."""
+        header = dataclasses.replace(header, skip_cached=True)
+        async with self._channel() as channel:
+            call = self._open_import(channel)
+            try:
+                await self._write(call, add_tcp_offer(kv_header_to_pb(header)), "the header")
+                num_held = (await self._expect(call, "cache_held")).num_held_tokens
+                answer = await self.expect_answer(call)
+                if num_held >= header.num_computed_tokens:  # the target holds it all: nothing to send
+                    return await self._prepare_and_commit(call), num_held
+                return await self.send_answered(call, answer, header, source_from(num_held)), num_held
+            except BaseException:
+                call.cancel()  # the target drops the partial import and its hold on the shared blocks
+                raise
+
     async def send_answered(self, call, answer: TcpReservation | TcpDeclined, header: KvTransferHeader,
                             chunks: OutgoingKv) -> str:
-        """After the target's answer to the offer: the KV over the data socket, or chunks on `call`."""
+        """After the target's answer to the offer: the KV over the data socket, then the commit."""
         if isinstance(answer, TcpDeclined):
-            log.info("KV to %s over gRPC: %s", self.target_address, answer.reason)
-            _DECLINED_UNTIL[self.target_address] = time.monotonic() + DECLINE_MEMORY_S
-            return await self._chunks_then_commit(call, chunks)
+            raise Unavailable(f"KV to {self.target_address}: the target declined its data socket: {answer.reason}")
         started = time.perf_counter()
         try:
             connection = await run_in_pool(
                 kv_tcp_data.POOL, kv_tcp_data.connect, data_socket_peer_host(self.target_address), answer.port,
                 answer.ticket, self.timeout_s, self._tls_for(answer), max_workers=kv_tcp_data.POOL_WORKERS)
         except OSError as exc:
-            log.warning("KV to %s over gRPC: cannot reach its data socket (port %d): %s",
-                        self.target_address, answer.port, exc)
-            return await self._chunks_then_commit(call, chunks)
+            raise Unavailable(f"KV to {self.target_address}: cannot reach its data socket (port {answer.port}): "
+                              f"{exc}") from exc
         try:
             checksums = await self._stream(connection, chunks)
         finally:
@@ -106,10 +116,6 @@ class TcpKvSender(GrpcKvSender):
         self.used_tcp = True
         self.phase_ms["verify_commit_ms"] = (time.perf_counter() - started) * 1e3 - self.phase_ms["stream_ms"]
         return committed.engine
-
-    async def _chunks_then_commit(self, call, chunks: OutgoingKv) -> str:
-        await self._send_chunks(call, chunks)
-        return await self._prepare_and_commit(call)
 
     async def _stream(self, connection, chunks: OutgoingKv) -> list[int]:
         """Every layer over the connection, in a thread; once cancelled, waits until the thread stopped

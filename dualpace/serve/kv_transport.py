@@ -11,7 +11,7 @@ import grpc
 
 from dualpace.engine.transfer.kv_source import OutgoingKv
 from dualpace.engine.transfer.kv_transfer import KvChunk, KvTransferHeader
-from dualpace.engine.transfer.prefix_copy import ChunksFrom
+from dualpace.engine.transfer.prefix_copy import SourceFrom
 from dualpace.errors import Unavailable
 from dualpace.faults import FaultConfig
 from dualpace.serve.auth import token_metadata
@@ -102,7 +102,7 @@ class GrpcKvSender:
                 call.cancel()  # the target drops the partial import
                 raise
 
-    async def send_cache(self, header: KvTransferHeader, chunks_from: ChunksFrom) -> tuple[str, int]:
+    async def send_cache(self, header: KvTransferHeader, source_from: SourceFrom) -> tuple[str, int]:
         """A cache-only import with skip_cached (dualpace.engine.transfer.prefix_copy.SendCache): the target
         answers the header with the leading tokens it holds, and only the chunks after them are sent.
         Returns (the target engine's name, those held tokens)."""
@@ -112,7 +112,7 @@ class GrpcKvSender:
             try:
                 await self._write(call, kv_header_to_pb(header), "the header")
                 held = await self._expect(call, "cache_held")
-                await self._send_chunks(call, chunks_from(held.num_held_tokens))
+                await self._send_chunks(call, source_from(held.num_held_tokens))
                 return await self._prepare_and_commit(call), held.num_held_tokens
             except BaseException:
                 call.cancel()  # the target drops the partial import and its hold on the shared blocks

@@ -64,6 +64,14 @@ def request_placement_to_pb(engine: str, info: RequestSummary) -> router_pb2.Req
                                        kv_blocks=info.kv_blocks)
 
 
+def waiting_placement_to_pb(request_id: str, engine: str, prompt_tokens: int,
+                            generated_tokens: int) -> router_pb2.RequestPlacement:
+    """A request the router holds paused until `engine`, which failed under it, is back."""
+    return router_pb2.RequestPlacement(request_id=request_id, engine=engine,
+                                       state=common_pb2.REQUEST_STATE_WAITING_FOR_ENGINE,
+                                       prompt_tokens=prompt_tokens, generated_tokens=generated_tokens)
+
+
 _OUTCOMES = {
     "in_progress": router_pb2.MIGRATION_OUTCOME_IN_PROGRESS,
     "committed": router_pb2.MIGRATION_OUTCOME_COMMITTED,
@@ -125,7 +133,8 @@ def _enum_label(enum_type, value: int, prefix: str) -> str:
 
 def placements_to_dict(message: router_pb2.Placements) -> dict:
     """ListPlacements' answer as plain JSON-ready data: engines (kind "gpu" | "cpu"), requests
-    (state lower-case: waiting, running, paused, migrating, finished) and migrations (outcome
+    (state lower-case: waiting, running, paused, migrating, finished, or waiting_for_engine: paused in
+    the router until the engine that failed under it is back) and migrations (outcome
     lower-case: in_progress, committed, failed)."""
     return {
         "engines": [

@@ -12,7 +12,7 @@ import math
 import os
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from dualpace.errors import InvalidArgument
@@ -139,7 +139,7 @@ def run_profile(request: ProfileRequest) -> tuple[Path, Profile, bool]:
     """(path, profile, reused)."""
     import torch
 
-    from dualpace.model.loader import load_model, load_tokenizer_and_config, resolve_device, resolve_dtype
+    from dualpace.model.loader import load_model, load_tokenizer_and_config, moe_weight_bytes, resolve_device, resolve_dtype
     from dualpace.profile.fingerprint import meminfo_bytes, model_fingerprint
     from profiles.profiler import measure as m
     from profiles.profiler.hardware import hardware_fingerprint
@@ -180,9 +180,10 @@ def run_profile(request: ProfileRequest) -> tuple[Path, Profile, bool]:
     # A quick indicator, not a STREAM run: a smaller copy and fewer repeats than the benchmarks'.
     bandwidth = copy_bandwidth_bytes_per_s(num_bytes=256 * 2**20, repeats=3)
     hardware = hardware_fingerprint(request.threads, device, bandwidth)
-    request.log(f"profiling {request.model} ({model_fp.dtype}) on {hardware.cpu_model}, {hardware.cpu_cores} cores, "
-                f"{request.threads} threads, GPU engine on {device}")
     loaded = load_model(request.model, dtype=torch_dtype, device="cpu")
+    model_fp = replace(model_fp, moe=moe_weight_bytes(loaded.model.weights, loaded.config))  # MoE: bytes a step reads
+    request.log(f"profiling {request.model} ({model_fp.dtype}) on {hardware.cpu_model}, {hardware.cpu_cores} cores, "
+                f"{request.threads} threads, GPU engine on {device}{'; MoE ' + model_fp.moe.summary() if model_fp.moe else ''}")
     max_context = max(grids.context_tokens)
     cpu_blocks = max(max(grids.batch) * m.blocks_needed(max_context, request.block_size),
                      m.blocks_needed(max(max(grids.prefill_tokens), max(grids.kv_transfer_tokens)), request.block_size))

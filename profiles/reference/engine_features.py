@@ -60,8 +60,8 @@ def features(*, kv_transfer_bytes_per_s: float, assumed_round_trip_ms: float, av
         {"feature": "cuda_graphs",
          "assumed": "decode iterations replay CUDA graphs: no per-op launch cost on the host",
          "status": "not built",
-         "code_today": f"eager PyTorch ops, about {m.eager_ops_per_layer} per layer (docs/perf.md, torch profiler "
-                       f"of PagedForward.forward), each launched from the host; CPU-side launch is 5-20 us per "
+         "code_today": f"eager PyTorch ops, about {m.eager_ops_per_layer} per layer (torch profiler of "
+                       f"PagedForward.forward), each launched from the host; CPU-side launch is 5-20 us per "
                        f"kernel (Holistic Trace Analysis docs, 'CUDA kernel launch stats')",
          "measured_variant": f"a layer cannot finish before the host has issued it: {m.eager_ops_per_layer} ops x "
                              f"{m.launch_us_per_op:g} us = {m.launch_ms_per_layer:g} ms per layer is a floor of "
@@ -77,7 +77,7 @@ def features(*, kv_transfer_bytes_per_s: float, assumed_round_trip_ms: float, av
          "assumed": "paged attention reading the KV blocks in place at 80% of the GPU's memory bandwidth",
          "status": "built, never run on a GPU",
          "code_today": "the Triton paged kernel (dualpace/model/triton_attention.py), tested under Triton's "
-                       "interpreter on CPU tensors; its speed on a GPU is unmeasured (docs/results.md, GPU device check)",
+                       "interpreter on CPU tensors; its speed on a GPU is unmeasured (docs/perf.md, GPU engine)",
          "measured_variant": "same KV term (no measurement exists)"},
         {"feature": "kv_transfer",
          "assumed": f"KV moved by PCIe DMA at {kv_transfer_bytes_per_s / 1e9:g} GB/s + 1 ms per transfer",

@@ -1,5 +1,5 @@
 """Discrete-event simulator: the real schedulers, admission and migration planner, with a
-profile's cost model as the clock (ARCHITECTURE §5). Nothing here re-implements a policy;
+profile's cost model as the clock. Nothing here re-implements a policy;
 what it adds is only the passage of time.
 
 - config.py     SimConfig (what to simulate), SimResult (what it reports), engine names

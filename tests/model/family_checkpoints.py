@@ -1,12 +1,13 @@
 """Tiny checkpoints of each supported family, made with transformers' own model classes.
 
-Random weights as ARCHITECTURE.md section 9 asks (linear std 0.2, embeddings 0.6, norms 1 +
-N(0, 0.1)) so greedy top-1 margins are clear; the synthetic tokenizer of dualpace.model.synth.
+Random weights of the tiny presets' scales (linear std 0.2, embeddings 0.6, norms 1 + N(0, 0.1)),
+so greedy top-1 margins are clear; the synthetic tokenizer of dualpace.model.synth.
 Each family sets the features it exercises: llama3 RoPE scaling (and rope_freqs in its GGUF),
 Qwen3's q/k norms, Phi-3's fused projections with partial rotation (and Phi-4-mini's LongRoPE, whose
 short factors and cos/sin factor hold within its original 64-token context), Mistral's sliding window
 shorter than the test's context, Gemma 3's interleaved windowed/global layers with their two
-thetas, sandwich norms, GELU-tanh, scaled embeddings and query scale.
+thetas, sandwich norms, GELU-tanh, scaled embeddings and query scale; the mixtures of experts their
+routing variants (renormalised top-k or not, a shared expert, dense layers).
 """
 
 from __future__ import annotations
@@ -42,6 +43,18 @@ FAMILY_CHECKPOINTS = {
                          "sliding_attention": dict(rope_type="default", rope_theta=1e4)})),
     "mistral-swa": ("MistralConfig", dict(head_dim=16, sliding_window=12,
                                           rope_parameters=dict(rope_type="default", rope_theta=1e4))),
+    # mixtures of experts, 8 experts top-2: Mixtral (top-k weights renormalised); Qwen2-MoE (not
+    # renormalised, a gated shared expert, layer 1 dense); Qwen3-MoE (q/k norms, every 2nd layer sparse)
+    "mixtral": ("MixtralConfig", dict(head_dim=16, num_local_experts=8, num_experts_per_tok=2,
+                                      rope_parameters=dict(rope_type="default", rope_theta=1e6))),
+    "qwen2_moe": ("Qwen2MoeConfig", dict(
+        head_dim=16, num_hidden_layers=3, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64,
+        shared_expert_intermediate_size=96, norm_topk_prob=False, mlp_only_layers=[1], tie_word_embeddings=False,
+        rope_parameters=dict(rope_type="default", rope_theta=1e6))),
+    "qwen3_moe": ("Qwen3MoeConfig", dict(
+        head_dim=32, num_hidden_layers=4, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64,
+        norm_topk_prob=True, decoder_sparse_step=2, tie_word_embeddings=True, rms_norm_eps=1e-6,
+        rope_parameters=dict(rope_type="default", rope_theta=1e6))),
 }
 
 

@@ -236,7 +236,7 @@ def _decode_logits(loaded, fused: bool, kernels_on: bool) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("dtype,weights", [("fp32", "fp32"), ("bf16", "bf16"), ("fp32", "bf16")])
-@pytest.mark.parametrize("preset", ["tiny-llama", "tiny-qwen2", "tiny-mistral", "tiny-qwen3"])
+@pytest.mark.parametrize("preset", ["tiny-llama", "tiny-qwen2", "tiny-mistral", "tiny-qwen3", "tiny-phi3"])
 def test_fused_decode_step_matches_stages_and_torch(kernels, preset, dtype, weights, synth_checkpoint, monkeypatch):
     """Also fp32 compute over bf16 matrices (what --dtype auto picks on a CPU without native bf16).
     The fused step runs as one parallel region (these short contexts) and, with

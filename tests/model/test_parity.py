@@ -24,7 +24,7 @@ NUM_NEW_TOKENS = 32
 LOGIT_TOLERANCE = 1e-3
 
 TINY_PRESETS = ["tiny-llama", "tiny-llama-untied", "tiny-qwen2", "tiny-mistral", "tiny-llama3-rope", "tiny-qwen3",
-                "tiny-phi3", "tiny-mistral-swa", "tiny-gemma3"]
+                "tiny-phi3", "tiny-mistral-swa", "tiny-gemma3", "tiny-mixtral", "tiny-qwen2-moe", "tiny-qwen3-moe"]
 
 
 def prompt_logits(loaded, prompt_ids: list[int], block_size: int = 4) -> torch.Tensor:

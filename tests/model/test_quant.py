@@ -1,17 +1,13 @@
 """Block-quantized weights (dualpace.model.quant, quant_gemv.h): every format against the `gguf`
 package's dequantization, odd N, K a multiple of the block, 1..70 rows of x, through the
 standalone kernels, the torch fallback, the cpu_kernels seam, in each activation mode: int16 (the
-default: within the bound its rounding allows), fp32 (exact up to summation order), int8 and
-int16-split (Q8_0 split into two bytes per activation), and in every ISA variant this CPU runs
+exact mode: within the bound its rounding allows), fp32 (exact up to summation order) and int8
+(from a few rows on AVX-512 VNNI: x rounded to int8 per 16 elements, the products exact), and in
+every ISA variant this CPU runs
 (avx512_bf16, avx512, avx2, generic; the others skipped by name): the AVX-512 builds have rows of
 their own (quant_gemv_avx512.h)."""
 
 from __future__ import annotations
-
-import os
-import subprocess
-import sys
-import textwrap
 
 import numpy as np
 import pytest
@@ -61,15 +57,11 @@ def assert_close(y: torch.Tensor, ref: torch.Tensor, rel: float = 1e-5) -> None:
     assert (y - ref).abs().max().item() <= rel * scale, (y - ref).abs().max().item() / scale
 
 
-# How the int16 mode rounds x for a format: the two sets of 16 elements of each block of 32 that
-# share a scale, and the largest integer. quant_gemv_i16.h: elements 0-7 + 16-23 and 8-15 + 24-31,
-# to +-32767; Q8_0's split kernel (quant_gemv_q8_split.h): 0-15 and 16-31, to +-8127.
+# How a mode rounds x: int16 (quant_gemv_i16.h) per two sets of 16 elements of each block of 32
+# (elements 0-7 + 16-23 and 8-15 + 24-31) to +-32767; int8 (quant_gemv_vnni.h) per 16 consecutive
+# elements to +-127.
 INT16_SCHEME = (True, 32767)
-SPLIT_SCHEME = (False, 8127)
-
-
-def scheme(name: str, mode: str = "int16") -> tuple[bool, int]:
-    return SPLIT_SCHEME if name == "Q8_0" and mode == "int16-split" else INT16_SCHEME
+INT8_SCHEME = (False, 127)
 
 
 def int16_halves(x: torch.Tensor, interleaved: bool = True) -> torch.Tensor:
@@ -90,7 +82,7 @@ def from_int16_halves(h: torch.Tensor, interleaved: bool = True) -> torch.Tensor
 
 
 def int16_rounded(x: torch.Tensor, rounding: tuple[bool, int] = INT16_SCHEME) -> torch.Tensor:
-    """x rounded as the int16 mode does (fp32 arithmetic: q = round(x * (qmax / max)), x = q max / qmax)."""
+    """x rounded as the int16 (or int8) mode does (fp32 arithmetic: q = round(x * (qmax / max)), x = q max / qmax)."""
     interleaved, qmax = rounding
     h = int16_halves(x, interleaved)
     amax = h.abs().amax(-1, keepdim=True)
@@ -98,10 +90,20 @@ def int16_rounded(x: torch.Tensor, rounding: tuple[bool, int] = INT16_SCHEME) ->
     return from_int16_halves(torch.round(h * inv).double() * (amax.double() / qmax), interleaved)
 
 
+def int8_min_rows() -> int:
+    """Rows of x from which the loaded standalone library's int8 mode runs int8 (0: never, no VNNI)."""
+    return quant_kernels.get().dp_quant_int8_min_rows()
+
+
+def rounding_of(mode: str, m: int) -> tuple[bool, int]:
+    """How `mode` rounds m rows of x (fp32: as int16 here; the callers compare it exactly)."""
+    return INT8_SCHEME if mode == "int8" and int8_min_rows() and m >= int8_min_rows() else INT16_SCHEME
+
+
 def assert_linear_close(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor, rel: float = 1e-5,
                         rounding: tuple[bool, int] = INT16_SCHEME) -> None:
-    """y = x @ w.T, except for the int16 mode's rounding of x per 16 elements (|error| <= half a
-    step, max|x_half| / qmax / 2, per element: its bound through |w| is allowed on top of rel)."""
+    """y = x @ w.T, except for the mode's rounding of x per 16 elements (|error| <= half a step,
+    max|x_half| / qmax / 2, per element: its bound through |w| is allowed on top of rel)."""
     interleaved, qmax = rounding
     ref = x.double() @ w.double().T
     h = int16_halves(x.double(), interleaved)
@@ -134,7 +136,7 @@ def fp32_from_rows() -> int:
     return quant_kernels.get().dp_quant_fp32_min_rows()
 
 
-@pytest.fixture(params=["int16", "fp32", "int16-split"])
+@pytest.fixture(params=["int16", "fp32", "int8"])
 def activations(request, variant):
     """Each activation mode of the kernels for one test, the default (int16) restored after."""
     quant_kernels.set_activations(request.param)
@@ -153,9 +155,9 @@ def test_linear_matches_dequantized_reference(name, m, n, k, activations):
     if activations == "fp32":
         assert_close(qw.linear(x), x @ w.T)
     else:
-        assert_linear_close(qw.linear(x), x, w, rounding=scheme(name, activations))
+        assert_linear_close(qw.linear(x), x, w, rounding=rounding_of(activations, m))
     bias = torch.randn(n)
-    assert_linear_close(qw.linear(x, bias) - bias, x, w, rounding=scheme(name, activations))
+    assert_linear_close(qw.linear(x, bias) - bias, x, w, rounding=rounding_of(activations, m))
 
 
 @needs_kernels
@@ -255,7 +257,7 @@ def test_the_cpu_kernels_seam_uses_the_header(name, activations):
         if activations == "fp32":
             assert_close(y, x @ w.T + residual)
         else:
-            assert_linear_close(y - residual, x, w, rounding=scheme(name, activations))
+            assert_linear_close(y - residual, x, w, rounding=rounding_of(activations, m))
 
 
 @needs_kernels
@@ -279,99 +281,79 @@ def test_batch_1_chunks_read_in_two_streams(name, threads, activations):
     if activations == "fp32":
         assert_close(y, x @ w.T)
     else:
-        assert_linear_close(y, x, w, rounding=scheme(name, activations))
+        assert_linear_close(y, x, w, rounding=rounding_of(activations, 1))
 
 
 @needs_kernels
-@pytest.mark.parametrize("mode", ["int16", "int16-split"])
+@pytest.mark.parametrize("mode", ["int16", "int8"])
 @pytest.mark.parametrize("name", FORMATS)
-def test_int16_mode_is_the_rounded_activations_times_the_weights(name, mode, variant):
-    """The default mode equals x rounded per 16 elements (Q8_0 in int16-split: to 8127, for the split
-    kernel) times the dequantized weights, up to fp32 summation order: the min terms use the
-    rounded sums, nothing else is approximated. AVX-512 builds compute from fp32_from_rows() rows
-    of x on with the fp32 activations (exact), except int16-split's Q8_0 kernel."""
+def test_integer_modes_are_the_rounded_activations_times_the_weights(name, mode, variant):
+    """int16 (the exact mode) equals x rounded per 16 elements times the dequantized weights, int8
+    from int8_min_rows() rows x rounded to int8 per 16, up to fp32 summation order: the min terms
+    use the rounded sums, nothing else is approximated (the integer products are exact). AVX-512
+    builds of the standalone library compute int16 from fp32_from_rows() rows of x on with the fp32
+    activations (exact)."""
     kernels = cpu_kernels.get()
     quant_kernels.set_activations(mode)
     from_rows = fp32_from_rows()
     try:
-        for m, n, k in [(1, 37, 256), (6, 19, 512), (7, 11, 256), (8, 13, 256), (33, 8, 768), (127, 5, 256)]:
+        for m, n, k in [(1, 37, 256), (4, 9, 256), (5, 19, 512), (7, 11, 256), (8, 13, 256), (9, 6, 256),
+                        (16, 7, 256), (33, 8, 768), (127, 5, 256)]:
             qw, w = weight(name, n, k)
             x = torch.randn(m, k) * torch.rand(m, k) * 4
-            split = name == "Q8_0" and mode == "int16-split"
-            exact = from_rows and m >= from_rows and not split
-            ref = (x.double() if exact else int16_rounded(x, scheme(name, mode))) @ w.double().T
-            assert_close(qw.linear(x).double(), ref, rel=1e-6)
+            rounding = rounding_of(mode, m)
+            rounded = int16_rounded(x, rounding) @ w.double().T
+            exact = from_rows and m >= from_rows and rounding == INT16_SCHEME
+            assert_close(qw.linear(x).double(), x.double() @ w.double().T if exact else rounded, rel=1e-6)
             if kernels is not None and kernels.supports_format(FORMAT_BY_NAME[name].ggml_type):
-                # the engine's kernels keep the int16 arithmetic at every batch for fp32 x (batch
+                # the engine's kernels keep the integer arithmetic at every batch for fp32 x (batch
                 # invariance: dp_quant::prepare's fp32_switch is for bf16 compute only)
-                kernel_ref = int16_rounded(x, scheme(name, mode)) @ w.double().T if exact else ref
-                assert_close(kernels.linear(x, qw).double(), kernel_ref, rel=1e-6)
+                assert_close(kernels.linear(x, qw).double(), rounded, rel=1e-6)
     finally:
         quant_kernels.set_activations("int16")
 
 
 @needs_kernels
-def test_q8_0_split_kernel_at_the_extremes(variant):
-    """int16-split on Q8_0: every int8 weight (-128 and 127 included) against activations whose split digits reach the
-    ends of -64..63 (a half all at +max or -max: q = +-8127; q = 128 k - 64: lo = -64): the
-    maddubs pair sums must not saturate, so the result stays the rounded x times the weights."""
+def test_int8_mode_at_the_extremes(variant):
+    """int8 on Q8_0: every int8 weight (-128 and 127 included; rows all 127 and all -128) against
+    activation blocks at +max and -max (q = +-127), all-zero blocks (scale 0) and rows past the
+    last full lane group: the integer sums neither overflow nor lose the -128 sum(w) correction."""
     rng = np.random.default_rng(5)
     n, k = 24, 1024
     raw = np.zeros((n, k // 32, 34), dtype=np.uint8)
     raw[:, :, 0:2] = (rng.random((n, k // 32)) * 0.02 + 0.001).astype(np.float16).view(np.uint8).reshape(n, -1, 2)
     q = rng.integers(-128, 128, (n, k // 32, 32)).astype(np.int8)
-    q[:4] = np.array([127, -128], dtype=np.int8)[np.arange(4) % 2][:, None, None]  # rows all 127 / all -128
+    q[:4] = np.array([127, -128], dtype=np.int8)[np.arange(4) % 2][:, None, None]
     raw[:, :, 2:] = q.view(np.uint8)
     blocks = raw.reshape(n, -1)
     qw = QuantizedWeight.from_blocks(blocks, FORMAT_BY_NAME["Q8_0"], k)
     w = reference(blocks, "Q8_0", k)
-    x = torch.randn(6, k)
-    x[0, :512], x[1, :512] = 3.0, -3.0
-    x[2, :16] = torch.tensor([8127.0] + [128.0 * j - 64 for j in range(-31, 32, 4)][:15])  # lo = -64 digits
-    x[3, 32:48] = 0.0  # an all-zero half: scale 0
-    ref = int16_rounded(x, SPLIT_SCHEME) @ w.double().T
     kernels = cpu_kernels.get()
-    quant_kernels.set_activations("int16-split")
+    quant_kernels.set_activations("int8")
     try:
-        assert_close(qw.linear(x).double(), ref, rel=1e-6)
-        if kernels is not None and kernels.supports_format(FORMAT_BY_NAME["Q8_0"].ggml_type):
-            assert_close(kernels.linear(x, qw).double(), ref, rel=1e-6)
+        for m in (5, 17):
+            x = torch.randn(m, k)
+            x[0, :512], x[1, :512] = 3.0, -3.0
+            x[2, 32:64] = 0.0
+            ref = int16_rounded(x, rounding_of("int8", m)) @ w.double().T
+            assert_close(qw.linear(x).double(), ref, rel=1e-6)
+            if kernels is not None and kernels.supports_format(FORMAT_BY_NAME["Q8_0"].ggml_type):
+                assert_close(kernels.linear(x, qw).double(), ref, rel=1e-6)
     finally:
         quant_kernels.set_activations("int16")
 
 
 @needs_kernels
-@pytest.mark.parametrize("isa", VARIANTS)
-def test_int8_activation_mode_matches_quantized_activations(isa):
-    """DUALPACE_QUANT_ACTIVATIONS=int8 (read once per process, hence a subprocess): equal to the
-    dequantized weights times x rounded to int8 per block of 32 (scale max|x| / 127)."""
-    script = textwrap.dedent("""
-        import torch
-        from tests.model.test_quant import FORMATS, weight, assert_close
-        torch.manual_seed(0)
-        for name in FORMATS:
-            for m, n, k in [(1, 37, 256), (6, 19, 512)]:
-                qw, w = weight(name, n, k)
-                x = torch.randn(m, k)
-                blocks = x.view(m, -1, 32)
-                d = blocks.abs().amax(-1, keepdim=True) / 127
-                xq = (torch.round(blocks / d) * d).view(m, k)
-                # 2e-3: a value on a rounding tie may land one int8 step apart (the kernel's scale is
-                # rounded to fp16 as llama.cpp's is); a wrong kernel is off by far more.
-                assert_close(qw.linear(x), xq @ w.T, rel=2e-3)
-        print("ok")
-    """)
-    env = {**os.environ, "DUALPACE_QUANT_ACTIVATIONS": "int8", "DUALPACE_CPU_KERNELS": isa, "PYTHONPATH": os.getcwd()}
-    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
-    assert result.returncode == 0 and "ok" in result.stdout, result.stderr[-3000:]
-
-
-@needs_kernels
 def test_each_variant_builds_the_rows_it_names(variant):
     """AVX-512 builds (avx512, avx512_bf16, and generic where -march=native has AVX-512) run the
-    512-bit rows and switch the int16 mode to fp32 from 8 rows; AVX2 builds never switch."""
+    512-bit rows and switch the int16 mode to fp32 from 8 rows; AVX2 builds never switch. The int8
+    rows exist in builds with AVX-512 VNNI (avx512_bf16)."""
     lib = quant_kernels.get()
     bits, from_rows = lib.dp_quant_vector_bits(), lib.dp_quant_fp32_min_rows()
+    if variant == "avx512_bf16":
+        assert lib.dp_quant_int8_min_rows() == 5
+    elif variant in ("avx512", "avx2"):
+        assert lib.dp_quant_int8_min_rows() == 0
     if variant.startswith("avx512"):
         assert (bits, from_rows) == (512, 8)
     elif variant == "avx2":

@@ -22,9 +22,12 @@ PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, i
 # Max |logit difference| over the prompt positions of the 8 prompts, native vs dequantized fp32
 # (logits reach 36 in magnitude). With the kernels' default int16 activations (rounded to 1.5e-5
 # of each 16 elements' max) measured 0.0115 (0.004-0.006 on most prompts); with fp32 activations
-# only the order of the fp32 sums differs, measured 1.5e-4. The opt-in int16-split mode (the Q8_0
-# LM head's activations rounded to 6.2e-5 of each 16's max) measured 0.0117.
-LOGIT_TOLERANCE = {"int16": 0.03, "fp32": 2e-3, "int16-split": 0.03}
+# only the order of the fp32 sums differs, measured 1.5e-4. The int8 mode (activations rounded to
+# int8 per block of 32 from 5 rows: every prompt here; 4e-3 of a block's max, and this model's
+# hidden states have single large elements in some blocks) measured 0.88-1.35 per prompt: its
+# contract is the KL divergence (bench/quant_kl.py, docs/perf.md), its kernels' exactness is
+# tests/model/test_quant.py's.
+LOGIT_TOLERANCE = {"int16": 0.03, "fp32": 2e-3, "int8": 2.5}
 
 pytestmark = pytest.mark.skipif(quant_kernels.get() is None, reason="quantized-weight kernels not built here")
 
@@ -46,7 +49,7 @@ def test_native_weights_stay_in_their_blocks(native_fp32, default_model_fp32):
         assert torch.equal(weights.layers[i].down_proj.dequantize(), dense.down_proj)
 
 
-@pytest.mark.parametrize("activations", ["int16", "fp32", "int16-split"])
+@pytest.mark.parametrize("activations", ["int16", "fp32", "int8"])
 def test_prompt_logits_match_dequantized_fp32(native_fp32, default_model_fp32, activations):
     quant_kernels.set_activations(activations)
     try:

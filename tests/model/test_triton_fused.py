@@ -133,7 +133,8 @@ def _logits_and_greedy(folder: str, fused: str, monkeypatch):
     return logits, [r.output_token_ids for r in OfflineGenerator(loaded).generate(prompts, params)]
 
 
-@pytest.mark.parametrize("preset", ["tiny-llama", "tiny-qwen2", "tiny-mistral", "tiny-qwen3", "tiny-phi3", "tiny-gemma3"])
+@pytest.mark.parametrize("preset", ["tiny-llama", "tiny-qwen2", "tiny-mistral", "tiny-qwen3", "tiny-phi3", "tiny-gemma3",
+                                    "tiny-mixtral", "tiny-qwen2-moe", "tiny-qwen3-moe"])
 def test_whole_model_with_fused_kernels_is_token_identical_to_torch(preset, synth_checkpoint, monkeypatch):
     use_kernels(monkeypatch, attention_backend="gather")
     enabled = cpu_kernels._state.get("enabled", True)

@@ -63,3 +63,47 @@ def test_kv_transfer(model):
     assert model.kv_bytes_per_token == 32
     assert model.kv_transfer_ms(0) == 2.0
     assert model.kv_transfer_ms(1000) == pytest.approx(2.0 + 1000.0)  # 32 kB at 32 kB/s
+
+
+def _moe_profile(batch_grid, ms, num_experts=128, top_k=8):
+    data = tiny_profile_dict()
+    data["model"]["moe"] = {"num_experts": num_experts, "num_experts_per_tok": top_k, "dense_bytes": 1000,
+                            "expert_bytes": 100, "num_sparse_layers": 2}
+    data["tables"]["cpu_dense_ms"] = {"batch": batch_grid, "ms": ms}
+    return parse_profile(data)
+
+
+def test_moe_cpu_dense_cost_follows_the_experts_a_batch_selects():
+    """Between grid points the CPU dense cost follows the expected bytes read (distinct experts of
+    B rows at top-8 of 128), not the batch: concave, so above the straight line of the batch."""
+    profile = _moe_profile([1, 32], [10.0, 41.0])
+    moe = profile.model.moe
+    model = CostModel(profile)
+    assert model.cpu_dense_ms(1) == pytest.approx(10.0) and model.cpu_dense_ms(32) == pytest.approx(41.0)
+    share = (moe.step_bytes(8) - moe.step_bytes(1)) / (moe.step_bytes(32) - moe.step_bytes(1))
+    assert model.cpu_dense_ms(8) == pytest.approx(10.0 + share * 31.0)
+    assert model.cpu_dense_ms(8) > 10.0 + (8 - 1) / 31 * 31.0  # the straight line in the batch
+    assert moe.active_bytes_per_token() == 1000 + 2 * 8 * 100
+    assert moe.step_bytes(1) == pytest.approx(moe.active_bytes_per_token())
+    assert model.cpu_dense_ms(64) == pytest.approx(41.0 + 32.0)  # off the grid: along the batch
+
+
+def test_moe_cost_where_every_expert_is_selected_falls_back_to_the_batch():
+    """Once a batch selects every expert the bytes stop growing; the cost still follows compute."""
+    model = CostModel(_moe_profile([128, 256], [100.0, 180.0], num_experts=4, top_k=2))
+    assert model.cpu_dense_ms(192) == pytest.approx(140.0)
+
+
+def test_moe_fingerprint_round_trips_and_is_not_compared():
+    from dataclasses import replace
+
+    from dualpace.profile.files import profile_to_dict
+    from dualpace.profile.schema import ProfileError, fingerprint_mismatches
+
+    profile = _moe_profile([1, 32], [10.0, 41.0])
+    assert parse_profile(profile_to_dict(profile)) == profile
+    assert fingerprint_mismatches(profile, model=replace(profile.model, moe=None)) == []
+    bad = profile_to_dict(profile)
+    bad["model"]["moe"]["num_experts_per_tok"] = 200
+    with pytest.raises(ProfileError, match="num_experts_per_tok"):
+        parse_profile(bad)

@@ -66,3 +66,21 @@ def test_bad_grid_is_a_one_line_error():
     result = subprocess.run([sys.executable, "-m", "dualpace", "profile", "--batch", "4,2"],
                             check=False, capture_output=True, text=True, timeout=60)
     assert result.returncode == 2 and "--batch" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_a_moe_profile_states_the_bytes_a_step_reads(synth_checkpoint, tmp_path):
+    """A mixture-of-experts model's profile carries its weights' MoE bytes (what the cost model reads
+    the CPU dense table along) and the run prints the active bytes per token."""
+    from dualpace.model.loader import load_model, moe_weight_bytes
+
+    model = synth_checkpoint("tiny-mixtral")
+    out = tmp_path / "moe.json"
+    run = subprocess.run([sys.executable, "-m", "dualpace", "profile", "--model", str(model), "--quick", "--threads",
+                          "1", "--out", str(out), "--no-progress"], check=False, capture_output=True, text=True,
+                         timeout=120)
+    assert run.returncode == 0, run.stdout + run.stderr
+    profile = load_profile(out)
+    loaded = load_model(str(model), dtype=profile.model.dtype)
+    assert profile.model.moe == moe_weight_bytes(loaded.model.weights, loaded.config)
+    assert f"MoE {profile.model.moe.summary()}" in run.stdout
+    assert CostModel(profile).cpu_local_ms(DecodeBatch(2, 40.0)) > 0

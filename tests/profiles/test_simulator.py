@@ -344,3 +344,19 @@ def test_a_staged_iteration_whose_stage_waits_past_its_device_budget_is_redone_l
     assert sim.chooser.backoff_until <= sim.chooser.num_iterations
     assert sim.chooser.latency_ms[(ExecutionMode.ASSISTED, 1)] == pytest.approx(end_ms - sim.config.engine_overhead_ms)
     assert sim.device.engine_run.end_ms == 3001.0  # the stage that ran stays in the GPU's step
+
+
+def test_a_moe_profile_simulates_with_the_cpu_cost_of_the_experts_selected():
+    """The simulator runs a mixture-of-experts profile: its CPU engine's Local steps are priced
+    along the bytes a batch reads (more than the batch's straight line between grid points)."""
+    data = tiny_profile_dict()
+    data["capacities"]["gpu_kv_blocks"] = 16
+    data["tables"]["assist_ms"]["ms"] = [500.0, 500.0]  # assist never pays: the CPU runs Local
+    dense = CostModel(parse_profile(data))
+    data["model"]["moe"] = {"num_experts": 64, "num_experts_per_tok": 4, "dense_bytes": 1000, "expert_bytes": 100,
+                            "num_sparse_layers": 2}
+    moe = CostModel(parse_profile(data))
+    assert moe.cpu_dense_ms(4) > dense.cpu_dense_ms(4)
+    result = simulate(moe, SimConfig(policy=Policy.DUALPACE), _specs(), 50.0)
+    assert result.requests_completed == result.num_requests == 20 and result.requests_touching_cpu > 0
+    assert result != simulate(dense, SimConfig(policy=Policy.DUALPACE), _specs(), 50.0)

@@ -25,6 +25,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from tests.reliability.near_tie import near_tie_finder
+from tests.reliability.system_specs import SystemSpec
 from toolkit.engine_client import EngineClient
 from dualpace.generation import OfflineGenerator
 from dualpace.model.loader import load_model
@@ -139,33 +140,9 @@ def near_tie_position() -> Callable[..., int | None]:
 # ---------------------------------------------------------------------- systems
 
 
-@dataclass(frozen=True)
-class EngineSpec:
-    """One engine of a system: `kind` gpu or cpu, its flags (after ENGINE_FLAGS), a test-only
-    delay of every step, and whether the router sends it requests."""
-
-    name: str
-    kind: str
-    flags: tuple[str, ...]
-    step_delay_ms: int = 0
-    behind_router: bool = True
-
-
-@dataclass(frozen=True)
-class SystemSpec:
-    """What a test runs: engines (at most one gpu and one cpu behind the router) and the
-    router's flags (None: no router). A module names its own in SYSTEM; a test another with
-    indirect parametrization of `system` or `fresh_system`. shared: one running copy for the
-    whole session, for modules that leave it idle."""
-
-    engines: tuple[EngineSpec, ...]
-    router_flags: tuple[str, ...] | None = ("--no-migrate",)
-    shared: bool = False
-
-
 @dataclass
 class System:
-    """A running SystemSpec: its daemons, a probe of each engine, a channel and stub to the router."""
+    """A running SystemSpec (tests/reliability/system_specs.py): its daemons, a probe of each engine, a channel and stub to the router."""
 
     folder: str
     engines: dict[str, Daemon]
@@ -242,23 +219,6 @@ def fresh_system(request, tiny_folder) -> Iterator[System]:
     """A system of its own for one test (one that drains, kills or stops its daemons)."""
     with running(tiny_folder, _spec(request)) as started:
         yield started
-
-
-SLOW_STEP_DELAY_MS = 30
-# One gpu_service whose every step lasts at least SLOW_STEP_DELAY_MS (a test-only fault, so
-# requests are measurably mid-stream), behind a gpu-only router without load-driven migration.
-SLOW_GPU = SystemSpec(
-    engines=(EngineSpec("gpu", "gpu", ("--name", "gpu-slow", "--kv-blocks", "256", "--block-size", "8"),
-                        step_delay_ms=SLOW_STEP_DELAY_MS),),
-    router_flags=("--policy", "gpu-only", "--no-migrate"), shared=True)
-
-
-def lone_gpu(name: str, step_delay_ms: int) -> SystemSpec:
-    """The only engine, behind a gpu-only router: for tests that kill it and expect the router
-    to refuse what nothing can take."""
-    return SystemSpec(engines=(EngineSpec("gpu", "gpu", ("--name", name, "--kv-blocks", "64", "--block-size", "8"),
-                                          step_delay_ms=step_delay_ms),),
-                      router_flags=("--policy", "gpu-only", "--no-migrate"))
 
 
 # ---------------------------------------------------------------------- probes
@@ -387,6 +347,26 @@ class RouterStream(Stream):
         return cls(request_id)._start(call, check_index=False)
 
 
+@contextmanager
+def cancelled_if_unfinished(streams: Iterable[Stream]) -> Iterator[None]:
+    """Whatever happens inside, no stream is left running afterwards (a failed test cancels them)."""
+    try:
+        yield
+    finally:
+        for stream in streams:
+            if not stream.done.is_set():
+                stream.cancel()
+
+
+def assert_exact(streams: dict[str, Stream], prompts: dict[str, list[int]], max_tokens: int,
+                 reference: Callable[..., list[int]], context: str = "") -> None:
+    """Every stream finished LENGTH without an error, its tokens the solo greedy run's."""
+    for rid, stream in streams.items():
+        assert stream.error is None, (rid, stream.error, context)
+        assert stream.finish_reason == FinishReason.LENGTH, rid
+        assert stream.tokens == reference(prompts[rid], max_tokens), rid
+
+
 def router_stub(channel: grpc.Channel) -> router_pb2_grpc.RouterStub:
     return router_pb2_grpc.RouterStub(channel)
 
@@ -394,72 +374,3 @@ def router_stub(channel: grpc.Channel) -> router_pb2_grpc.RouterStub:
 def prompt_for(index: int, length: int = 6) -> list[int]:
     """A distinct small prompt (ids within the tiny models' vocabularies)."""
     return [(index * 13 + j * 7) % 500 + 1 for j in range(length)]
-
-
-# ---------------------------------------------------------------------- hand-made KV transfers
-
-
-def kv_header(request_id: str, prompt: list[int], outputs: list[int], max_tokens: int, info: engine_pb2.EngineInfo,
-              dtype: str = "float32") -> engine_pb2.ImportKvMessage:
-    """The header of a transfer carrying the KV of every token but the last sampled one,
-    one chunk per layer (what a source would send), for the engine described by `info`."""
-    num_computed = len(prompt) + len(outputs) - 1
-    chunk_bytes = 2 * num_computed * info.num_kv_heads * info.head_dim * DTYPE_SIZES[dtype]
-    return engine_pb2.ImportKvMessage(header=engine_pb2.ImportKvHeader(
-        request_id=request_id, prompt_token_ids=prompt, output_token_ids=outputs,
-        sampling=common_pb2.SamplingParams(max_tokens=max_tokens, ignore_eos=True, seed=7),
-        num_computed_tokens=num_computed, num_tokens_emitted=len(outputs),
-        layout=engine_pb2.KvLayout(num_layers=info.num_layers, num_kv_heads=info.num_kv_heads,
-                                   head_dim=info.head_dim, block_size=info.block_size, dtype=dtype),
-        total_chunks=info.num_layers, total_bytes=chunk_bytes * info.num_layers, source_engine="test"))
-
-
-DTYPE_SIZES = {"float32": 4, "bfloat16": 2, "float16": 2}
-
-
-def kv_chunk(seq: int, layer: int, token_start: int, token_end: int, info: engine_pb2.EngineInfo,
-             dtype: str = "float32", fill: int = 0) -> engine_pb2.ImportKvMessage:
-    """A well-formed chunk (right size, right crc32) of arbitrary KV values."""
-    from dualpace.engine.transfer.kv_checksum import kv_checksum
-
-    size = (token_end - token_start) * info.num_kv_heads * info.head_dim * DTYPE_SIZES[dtype]
-    k = bytes((fill + i) % 7 for i in range(size))  # small values in any dtype's bytes
-    v = bytes((fill + 3 * i) % 5 for i in range(size))
-    return engine_pb2.ImportKvMessage(chunk=engine_pb2.KvChunk(
-        seq=seq, layer=layer, token_start=token_start, token_end=token_end, k=k, v=v,
-        crc32=kv_checksum(k, v)))
-
-
-class ImportCall:
-    """An ImportKv stream fed message by message from the test (a hand-made source)."""
-
-    def __init__(self, stub: engine_pb2_grpc.EngineStub, timeout_s: float = 60.0):
-        import queue
-
-        self._queue: queue.Queue = queue.Queue()
-        self.call = stub.ImportKv(iter(self._queue.get, None), timeout=timeout_s)
-        self.replies: list[engine_pb2.ImportKvReply] = []
-        self.error: grpc.RpcError | None = None
-        self.done = threading.Event()
-        threading.Thread(target=self._read, daemon=True).start()
-
-    def _read(self) -> None:
-        try:
-            for reply in self.call:
-                self.replies.append(reply)
-        except grpc.RpcError as exc:
-            self.error = exc
-        finally:
-            self.done.set()
-
-    def send(self, *messages: engine_pb2.ImportKvMessage) -> None:
-        for message in messages:
-            self._queue.put(message)
-
-    def close(self) -> None:
-        """End the client side (the source finished sending)."""
-        self._queue.put(None)
-
-    def cancel(self) -> None:
-        self.call.cancel()
-        self._queue.put(None)

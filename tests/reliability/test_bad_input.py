@@ -18,11 +18,10 @@ from dualpace.sampling import FinishReason
 from dualpace.wire.v1 import common_pb2, engine_pb2, router_pb2
 from tests.reliability.conftest import (
     EngineProbe,
-    EngineSpec,
     EngineStream,
     RouterStream,
-    SystemSpec,
 )
+from tests.reliability.system_specs import EngineSpec, SystemSpec
 
 VOCAB = 512  # the tiny model's
 CONTEXT = 512

@@ -27,11 +27,10 @@ from dualpace.wire.v1 import common_pb2, router_pb2
 from router.http_api import MAX_BODY_BYTES
 from router.prompt_work import PromptLimits
 from tests.reliability.conftest import (
-    EngineSpec,
     RouterStream,
-    SystemSpec,
     prompt_for,
 )
+from tests.reliability.system_specs import EngineSpec, SystemSpec
 
 HANG_GUARD_S = 60.0
 MAX_PROMPT_CHARS = 100_000

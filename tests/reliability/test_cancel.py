@@ -16,11 +16,11 @@ import pytest
 
 from dualpace.sampling import FinishReason
 from tests.reliability.conftest import (
-    SLOW_GPU,
     EngineStream,
     RouterStream,
     prompt_for,
 )
+from tests.reliability.system_specs import SLOW_GPU
 from tests.helpers import wait_for
 
 NUM_OTHERS = 20

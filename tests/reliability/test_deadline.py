@@ -14,11 +14,11 @@ import grpc
 import pytest
 
 from tests.reliability.conftest import (
-    SLOW_GPU,
     EngineStream,
     RouterStream,
     prompt_for,
 )
+from tests.reliability.system_specs import SLOW_GPU
 from tests.helpers import wait_for
 
 MAX_TOKENS = 400  # about 12 s of steps: far past the deadline

@@ -17,13 +17,12 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from dualpace.sampling import FinishReason
 from tests.reliability.conftest import (
     EngineProbe,
-    EngineSpec,
     EngineStream,
     RouterStream,
-    SystemSpec,
     prompt_for,
     router_stub,
 )
+from tests.reliability.system_specs import EngineSpec, SystemSpec
 from tests.helpers import wait_for
 
 STEP_DELAY_MS = 30

@@ -15,12 +15,10 @@ import pytest
 from dualpace.sampling import FinishReason
 from tests.reliability.conftest import (
     EngineProbe,
-    EngineSpec,
     RouterStream,
-    SystemSpec,
-    lone_gpu,
     prompt_for,
 )
+from tests.reliability.system_specs import EngineSpec, SystemSpec, lone_gpu
 from tests.helpers import wait_for
 
 STEP_DELAY_MS = 3000  # the prefill step alone takes 3 s on the GPU engine
@@ -71,7 +69,7 @@ def test_no_survivor_before_the_first_token_is_unavailable_at_once(fresh_system)
     gpu.kill()
     assert stream.wait(30)
     # Re-admitted as a new request and refused by admission itself (no engine is up), not by a
-    # recovery that waited for one to come back ("no surviving engine could take ...").
+    # recovery that waits for its engine to come back ("request ... waited for engine ...").
     assert stream.code == grpc.StatusCode.UNAVAILABLE, stream.error
     assert stream.error.details() == "no engine is available", stream.error.details()
     assert not stream.tokens

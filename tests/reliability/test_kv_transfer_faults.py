@@ -22,15 +22,13 @@ from dualpace.wire.v1 import engine_pb2
 from tests.reliability.conftest import (
     EngineProbe,
     EngineStream,
-    ImportCall,
     assert_clean_exit,
-    kv_chunk,
-    kv_header,
     prompt_for,
     start_all,
     start_gpu,
 )
 from tests.helpers import wait_for
+from tests.reliability.kv_transfers import ImportCall, kv_chunk, kv_header
 
 NUM_LAYERS = 2
 FAULTS = {

@@ -18,11 +18,10 @@ import grpc
 
 from dualpace.wire.v1 import router_pb2
 from tests.reliability.conftest import (
-    EngineSpec,
     RouterStream,
-    SystemSpec,
     prompt_for,
 )
+from tests.reliability.system_specs import EngineSpec, SystemSpec
 from tests.helpers import wait_for
 
 HANG_GUARD_S = 120.0

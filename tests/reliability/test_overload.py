@@ -21,12 +21,11 @@ import grpc
 from dualpace.sampling import FinishReason
 from dualpace.wire.v1 import router_pb2
 from tests.reliability.conftest import (
-    EngineSpec,
     EngineStream,
     RouterStream,
-    SystemSpec,
     prompt_for,
 )
+from tests.reliability.system_specs import EngineSpec, SystemSpec
 from tests.helpers import wait_for
 
 STEP_DELAY_MS = 30

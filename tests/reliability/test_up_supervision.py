@@ -20,15 +20,23 @@ import stat
 import subprocess
 import sys
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import grpc
 import pytest
 
-from dualpace.sampling import FinishReason
 from dualpace.wire.v1 import router_pb2
-from tests.reliability.conftest import EngineProbe, RouterStream, prompt_for, router_stub
+from tests.reliability.conftest import (
+    EngineProbe,
+    RouterStream,
+    assert_exact,
+    cancelled_if_unfinished,
+    prompt_for,
+    router_stub,
+)
 from tests.helpers import wait_for
-from tests.router.test_cli import _alive
+from tests.router.conftest import alive
 
 READY = re.compile(r"dualpace up: ready; router on (\S+)")
 CHILD = re.compile(r"dualpace up: (\S+) on (\S+) \(pid (\d+)\)")
@@ -78,12 +86,13 @@ class RunningUp:
         return "".join(line for line in self.lines if line.startswith("dualpace up:"))
 
 
-@pytest.fixture(scope="module")
-def up(tiny_folder):
+@contextmanager
+def running_up(tiny_folder: str, *flags: str) -> Iterator[RunningUp]:
+    """`dualpace up` on the tiny model (steps slowed, no Dense Assist) with `flags`, once ready;
+    stopped with SIGTERM afterwards."""
     env = {**os.environ, "DUALPACE_FAULT_STEP_DELAY_MS": "10"}
     running = RunningUp([sys.executable, "-m", "dualpace", "up", "--model", tiny_folder, "--dtype", "fp32",
-                         "--threads-per-engine", "1", "--gpu-kv-blocks", "40", "--cpu-kv-blocks", "1024",
-                         "--assist", "never", "--max-restarts", "3"], env)
+                         "--threads-per-engine", "1", "--assist", "never", *flags], env)
     try:
         if not running.wait_until(lambda: bool(running.router)):
             pytest.fail(f"dualpace up never became ready:\n{running.log()}")
@@ -95,6 +104,12 @@ def up(tiny_folder):
                 running.process.wait(60)
             except subprocess.TimeoutExpired:
                 running.process.kill()
+
+
+@pytest.fixture(scope="module")
+def up(tiny_folder):
+    with running_up(tiny_folder, "--gpu-kv-blocks", "40", "--cpu-kv-blocks", "1024", "--max-restarts", "3") as running:
+        yield running
 
 
 def placements(stub) -> router_pb2.ListPlacementsResponse:
@@ -110,7 +125,7 @@ def test_killed_engine_is_restarted_and_requests_complete_exactly(up, victim, re
     prompts = {f"up-{victim}-{i}": prompt_for(i, 3 + i % 5) for i in range(NUM_REQUESTS)}
     streams = {rid: RouterStream.run(stub, rid, prompt, MAX_TOKENS, timeout_s=HANG_GUARD_S)
                for rid, prompt in prompts.items()}
-    try:
+    with cancelled_if_unfinished(streams.values()):
         for rid, stream in streams.items():
             assert stream.wait_tokens(TOKENS_BEFORE_KILL, HANG_GUARD_S), (rid, stream.error)
         name = "cpu" if victim == "cpu_service" else "gpu"
@@ -120,14 +135,7 @@ def test_killed_engine_is_restarted_and_requests_complete_exactly(up, victim, re
         os.kill(old_pid, signal.SIGKILL)
         for rid, stream in streams.items():
             assert stream.wait(HANG_GUARD_S), rid
-    finally:
-        for stream in streams.values():
-            if not stream.done.is_set():
-                stream.cancel()
-    for rid, stream in streams.items():
-        assert stream.error is None, (rid, stream.error, up.log())
-        assert stream.finish_reason == FinishReason.LENGTH, rid
-        assert stream.tokens == reference(prompts[rid], MAX_TOKENS), rid
+    assert_exact(streams, prompts, MAX_TOKENS, reference, up.log())
 
     assert up.wait_until(lambda: up.pids[victim] != old_pid), f"{victim} was not restarted:\n{up.log()}"
     log = up.up_lines()
@@ -164,5 +172,5 @@ def test_sigterm_still_stops_all_three(up):
     assert "dualpace up: stopped" in up.log()
     assert not os.path.exists(folder)
     for pid in pids.values():
-        assert not _alive(pid), f"child {pid} outlived dualpace up"
+        assert not alive(pid), f"child {pid} outlived dualpace up"
 

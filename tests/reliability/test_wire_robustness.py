@@ -26,15 +26,12 @@ from hypothesis import strategies as st
 from dualpace.serve.server import DEFAULT_MAX_MESSAGE_BYTES
 from dualpace.wire.v1 import common_pb2, engine_pb2, engine_pb2_grpc
 from tests.reliability.conftest import (
-    DTYPE_SIZES,
     EngineProbe,
-    ImportCall,
     assert_clean_exit,
-    kv_chunk,
-    kv_header,
     start_gpu,
 )
 from tests.helpers import wait_for
+from tests.reliability.kv_transfers import DTYPE_SIZES, ImportCall, kv_chunk, kv_header
 
 PROMPT = [(5 * i + 2) % 500 + 1 for i in range(10)]
 OUTPUTS = [7, 8, 9]

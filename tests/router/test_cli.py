@@ -1,4 +1,5 @@
-"""The user-facing commands end to end: `dualpace up` (three real daemons on the tiny model),
+"""The user-facing commands end to end: `dualpace up` (three real daemons on the tiny model: the
+package's, tests/router/conftest.py, which checks at its end that SIGTERM stops them all),
 `dualpace client`, `dualpace-router placement` and grpcurl against the router."""
 
 from __future__ import annotations
@@ -6,13 +7,9 @@ from __future__ import annotations
 import json
 import os
 import re
-import signal
 import socket
 import subprocess
 import sys
-import threading
-import time
-from dataclasses import dataclass, field
 
 import pytest
 
@@ -22,57 +19,10 @@ from dualpace.sampling import SamplingParams
 from dualpace.serve import grpcurl_path
 from dualpace.wire.router_messages import placements_to_dict
 from dualpace.wire.v1 import common_pb2, router_pb2
+from tests.router.conftest import GPU_KV_BLOCKS
 
-READY = re.compile(r"dualpace up: ready; router on (\S+)")
-CHILD = re.compile(r"dualpace up: (\S+) on \S+ \(pid (\d+)\)")
-START_TIMEOUT_S = 60.0
 CLI_TIMEOUT_S = 30.0
 PROMPT = [3, 14, 15, 92, 65, 35]
-
-
-@dataclass
-class Up:
-    process: subprocess.Popen
-    router: str = ""
-    child_pids: dict[str, int] = field(default_factory=dict)
-    lines: list[str] = field(default_factory=list)
-    pump: threading.Thread | None = None
-
-    def log(self) -> str:
-        return "".join(self.lines)
-
-
-@pytest.fixture(scope="module")
-def up(model_folder):
-    process = subprocess.Popen(
-        [sys.executable, "-m", "dualpace", "up", "--model", model_folder, "--dtype", "fp32",
-         "--threads-per-engine", "1", "--gpu-kv-blocks", "16"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    running = Up(process)
-    ready = threading.Event()
-
-    def pump() -> None:
-        for line in process.stdout:
-            running.lines.append(line)
-            if match := CHILD.search(line):
-                running.child_pids[match.group(1)] = int(match.group(2))
-            if match := READY.search(line):
-                running.router = match.group(1)
-                ready.set()
-        ready.set()
-
-    running.pump = threading.Thread(target=pump, daemon=True)
-    running.pump.start()
-    if not ready.wait(START_TIMEOUT_S) or not running.router:
-        process.kill()
-        pytest.fail(f"dualpace up never became ready:\n{running.log()}")
-    yield running
-    if process.poll() is None:  # test_up_stops_cleanly_on_sigterm did not run
-        process.send_signal(signal.SIGTERM)
-        try:
-            process.wait(30)
-        except subprocess.TimeoutExpired:
-            process.kill()
 
 
 def cli(*argv: str, columns: int = 120) -> subprocess.CompletedProcess:
@@ -123,7 +73,7 @@ def test_placement_json(up):
         assert {"name", "kind", "kv_blocks_total", "kv_blocks_used", "kv_blocks_cached", "running", "waiting",
                 "healthy", "itl_p50_ms", "itl_p99_ms"} <= set(engine)
         assert engine["healthy"]
-    assert {e["name"]: e["kv_blocks_total"] for e in placements["engines"]}["gpu"] == 16
+    assert {e["name"]: e["kv_blocks_total"] for e in placements["engines"]}["gpu"] == GPU_KV_BLOCKS
 
 
 def test_placement_table_names_the_engines(up):
@@ -199,25 +149,3 @@ def test_grpcurl_generate_with_reflection(up):
 
     assert sum(len(get(m, "token_ids") or []) for m in messages) == 6
     assert get(messages[-1], "finish_reason") == "FINISH_REASON_LENGTH"
-
-
-def test_up_stops_cleanly_on_sigterm(up):
-    """Last in this module: stops the shared `dualpace up`."""
-    assert set(up.child_pids) == {"gpu_service", "cpu_service", "router"}
-    up.process.send_signal(signal.SIGTERM)
-    assert up.process.wait(30) == 0, up.log()
-    up.pump.join(5)
-    deadline = time.monotonic() + 5
-    for pid in up.child_pids.values():
-        while _alive(pid) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert not _alive(pid), f"child {pid} outlived dualpace up"
-    assert "dualpace up: stopped" in up.log()
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True

@@ -1,4 +1,5 @@
-"""`dualpace-router serve --gpu-admission`: which GPU admission rule the router's config carries."""
+"""`dualpace-router serve --gpu-admission`: which GPU admission rule the router's config carries;
+and its --resume-wait-s."""
 
 from __future__ import annotations
 
@@ -41,3 +42,9 @@ def test_a_namespace_with_a_bad_value_is_a_clear_error():
     args.gpu_admission = "greedy"  # e.g. from a config file that bypassed argparse's choices
     with pytest.raises(InvalidArgument, match="--gpu-admission"):
         router_config(args, kv_bytes_per_token=1024)
+
+
+def test_resume_wait_default_and_a_bad_value():
+    assert config_for().resume_wait_s == 60.0 and config_for("--resume-wait-s", "0").resume_wait_s == 0.0
+    with pytest.raises(InvalidArgument, match="--resume-wait-s"):
+        config_for("--resume-wait-s", "-1")

@@ -4,12 +4,6 @@
 from __future__ import annotations
 
 import json
-import os
-import re
-import signal
-import subprocess
-import sys
-import threading
 import time
 import urllib.error
 import urllib.request
@@ -19,58 +13,21 @@ import pytest
 
 from dualpace.wire.router_messages import placements_to_dict
 from dualpace.wire.v1 import router_pb2, router_pb2_grpc
+from tests.helpers import wait_for
 
 openai = pytest.importorskip("openai")
 
-READY = re.compile(r"dualpace up: ready; router on (\S+)")
-HTTP = re.compile(r"dualpace up: OpenAI-compatible HTTP API on (\S+)")
-START_TIMEOUT_S = 180.0  # generous: the daemons start slowly on a loaded machine
-STEP_DELAY_MS = 10  # slows every engine step, so a long stream outlives the client that drops it
-LONG_MAX_TOKENS = 400  # with the delay: at least 4 s of generation
-
-
-@pytest.fixture(scope="module")
-def up(model_folder):
-    process = subprocess.Popen(
-        [sys.executable, "-m", "dualpace", "up", "--model", model_folder, "--dtype", "fp32",
-         "--threads-per-engine", "1"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        env={**os.environ, "DUALPACE_FAULT_STEP_DELAY_MS": str(STEP_DELAY_MS)})
-    found: dict[str, str] = {}
-    lines: list[str] = []
-    ready = threading.Event()
-
-    def pump() -> None:
-        for line in process.stdout:
-            lines.append(line)
-            if match := HTTP.search(line):
-                found["http"] = match.group(1)
-            if match := READY.search(line):
-                found["router"] = match.group(1)
-                ready.set()
-        ready.set()
-
-    threading.Thread(target=pump, daemon=True).start()
-    if not ready.wait(START_TIMEOUT_S) or "router" not in found or "http" not in found:
-        process.kill()
-        pytest.fail("dualpace up never became ready with an HTTP API:\n" + "".join(lines))
-    yield found
-    process.send_signal(signal.SIGTERM)
-    try:
-        assert process.wait(30) == 0, "".join(lines)
-    except subprocess.TimeoutExpired:
-        process.kill()
-        raise
+LONG_MAX_TOKENS = 400  # with the steps slowed (tests/router/conftest.py): at least 4 s of generation
 
 
 @pytest.fixture(scope="module")
 def client(up):
-    return openai.OpenAI(base_url=up["http"], api_key="any", max_retries=0, timeout=30)
+    return openai.OpenAI(base_url=up.http, api_key="any", max_retries=0, timeout=30)
 
 
 def raw(up, method: str, path: str, body: dict | None = None) -> tuple[int, dict | str]:
     """(status, decoded JSON or text) for a request without the openai client."""
-    base = up["http"].removesuffix("/v1")
+    base = up.http.removesuffix("/v1")
     data = json.dumps(body).encode() if body is not None else None
     request = urllib.request.Request(base + path, data=data, method=method,
                                      headers={"Content-Type": "application/json"})
@@ -86,7 +43,7 @@ def raw(up, method: str, path: str, body: dict | None = None) -> tuple[int, dict
 
 
 def placements(up) -> dict:
-    with grpc.insecure_channel(up["router"]) as channel:
+    with grpc.insecure_channel(up.router) as channel:
         reply = router_pb2_grpc.RouterStub(channel).ListPlacements(router_pb2.ListPlacementsRequest(), timeout=5)
     return placements_to_dict(reply)
 
@@ -98,9 +55,16 @@ def test_models_health_and_metrics(up, client, model_folder):
     assert set(body["engines"]) == {"gpu", "cpu"}
     status, text = raw(up, "GET", "/metrics")
     assert status == 200 and "dualpace_http_requests_total" in text
-    # The names llm-d's endpoint picker scrapes, beside the dualpace_ ones (idle node: nothing running).
-    values = {line.split()[0]: float(line.split()[1]) for line in text.splitlines() if line.startswith("vllm:")}
-    assert values["vllm:num_requests_running"] == 0 and values["vllm:num_requests_waiting"] == 0
+
+    # The names llm-d's endpoint picker scrapes, beside the dualpace_ ones. Once the requests of the
+    # modules before (the same `dualpace up`) have left the engines' load reports: nothing running.
+    def scraped() -> dict[str, float]:
+        text = raw(up, "GET", "/metrics")[1]
+        return {line.split()[0]: float(line.split()[1]) for line in text.splitlines() if line.startswith("vllm:")}
+
+    values = wait_for(scraped, lambda v: v["vllm:num_requests_running"] == v["vllm:num_requests_waiting"] == 0, 30.0,
+                      interval_s=0.1)
+    assert values["vllm:num_requests_running"] == 0 and values["vllm:num_requests_waiting"] == 0, values
     assert 0.0 <= values["vllm:kv_cache_usage_perc"] <= 1.0
 
 

@@ -12,7 +12,8 @@ import time
 
 import pytest
 
-from tests.router.test_http_api import client, placements, raw, up  # noqa: F401 (fixtures)
+from tests.router.conftest import running_up
+from tests.router.test_http_api import client, placements, raw  # noqa: F401 (fixtures)
 
 openai = pytest.importorskip("openai")
 jsonschema = pytest.importorskip("jsonschema")
@@ -66,6 +67,13 @@ def model_folder(synth_checkpoint, tmp_path_factory):
     shutil.copytree(synth_checkpoint("tiny-llama"), folder)
     (folder / "chat_template.jinja").write_text(TOOL_TEMPLATE, encoding="utf-8")
     return str(folder)
+
+
+@pytest.fixture(scope="module")
+def up(model_folder):
+    """This module's own `dualpace up`: its model folder has the tool-calling chat template."""
+    with running_up(model_folder) as found:
+        yield found
 
 
 def test_n_choices_are_distinct_repeatable_and_index_zero_is_the_single_answer(client, model_folder):

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from dualpace.model.tokenizer import Tokenizer
-from tests.router.test_http_api import client, raw, up  # noqa: F401 (fixtures)
+from tests.router.test_http_api import client, raw  # noqa: F401 (fixtures)
 
 openai = pytest.importorskip("openai")
 transformers = pytest.importorskip("transformers")

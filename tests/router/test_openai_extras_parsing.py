@@ -114,3 +114,20 @@ def test_calls_are_split_from_the_content_whole_and_streamed():
     assert stream.finish() == "" and stream.calls[0]["function"]["name"] == "lookup"
     plain = ToolCallStream()
     assert plain.feed("a <") == "a " and plain.feed("b") == "<b" and plain.finish() == ""
+
+
+def test_stream_options_continuous_usage_and_stop_token_ids():
+    guidellm = _chat(stream=True, stream_options={"include_usage": True, "continuous_usage_stats": True},
+                     stop=None, ignore_eos=True, max_completion_tokens=8, stop_token_ids=[3, 4])
+    assert guidellm.include_usage and guidellm.continuous_usage
+    assert guidellm.client.params.stop == () and guidellm.client.params.stop_token_ids == (3, 4)
+    assert guidellm.client.params.ignore_eos and guidellm.client.params.max_tokens == 8
+    # As vLLM: continuous usage needs include_usage.
+    assert not _chat(stream=True, stream_options={"continuous_usage_stats": True}).continuous_usage
+    for fields, param in (({"stream": True, "stream_options": {"continuous_usage_stats": 1}},
+                           "stream_options.continuous_usage_stats"),
+                          ({"stop_token_ids": [1, -2]}, "stop_token_ids"),
+                          ({"stop_token_ids": 5}, "stop_token_ids")):
+        with pytest.raises(schema.ApiError) as caught:
+            _chat(**fields)
+        assert caught.value.param == param

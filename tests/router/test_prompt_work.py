@@ -108,3 +108,17 @@ def test_the_receive_bound_leaves_room_for_any_prompt_within_the_limit():
     assert len(longest.encode()) == 4000 and limits.receive_bytes == 4000 + REQUEST_SLACK_BYTES
     assert PromptLimits(max_prompt_chars=1000, max_request_bytes=5000).receive_bytes == 5000
     assert PromptLimits(max_prompt_chars=1 << 30).receive_bytes == (1 << 31) - 1  # gRPC's largest
+
+
+def test_a_chat_turn_ends_at_its_end_of_turn_unless_ignore_eos(tiny):
+    """The chat template's end-of-turn ids join the client's stop ids; with ignore_eos they do not,
+    and the client's own stop_token_ids stay."""
+    from router.prompts import prepare_prompt
+
+    tokenizer, config = tiny
+    messages = [{"role": "user", "content": "hi"}]
+    for ignore_eos, expected in ((False, {7, *tokenizer.chat_stop_token_ids}), (True, {7})):
+        params = SamplingParams(max_tokens=4, stop_token_ids=(7,), ignore_eos=ignore_eos)
+        _, prepared = prepare_prompt(ClientRequest(request_id=None, text=None, prompt_token_ids=None,
+                                                   messages=messages, params=params), tokenizer, config)
+        assert set(prepared.stop_token_ids) == expected, ignore_eos

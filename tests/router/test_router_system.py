@@ -113,7 +113,7 @@ def test_both_engines_used_with_migrations_and_exact_outputs(model_folder, refer
     gpu, cpu, router = start_system(model_folder, gpu_kv_blocks=24, kv_transport=kv_transport)
     try:
         streams = Streams(router.address)
-        requests = prompts(48)
+        requests = prompts(16)
         kinds_seen: set[str] = set()
         for request_id, prompt in requests.items():
             streams.start(request_id, prompt, 120)

@@ -14,6 +14,7 @@ import grpc
 import pytest
 
 from dualpace.engine.transfer.kv_shm_import import SharedKvPool
+from dualpace.engine.transfer.kv_tcp_import import TcpDataServer
 from dualpace.sampling import SamplingParams
 from dualpace.serve.engine_servicer import EngineServicer
 from dualpace.serve.kv_shm_transport import SameHostKv
@@ -32,8 +33,8 @@ ENGINE = ["dualpace.v1.Engine"]
 class RecordingTarget(EngineServicer):
     """An ImportKv target that notes the client address (ip:port) of every import stream."""
 
-    def __init__(self, loop):
-        super().__init__(loop)
+    def __init__(self, loop, same_host: SameHostKv):
+        super().__init__(loop, same_host=same_host)
         self.peers: list[str] = []
 
     async def ImportKv(self, request_iterator, context):
@@ -47,7 +48,8 @@ class Pair:
 
     async def start(self, tiny, transport: str) -> Pair:
         self.source, self.target = await started(tiny, "src"), await started(tiny, "dst")
-        self.recording = RecordingTarget(self.target[0])
+        self.data = await TcpDataServer.start("127.0.0.1")  # the target's KV data socket
+        self.recording = RecordingTarget(self.target[0], SameHostKv("tcp", SharedKvPool(None), tcp=self.data))
         self.target_server = await self.serve_target("127.0.0.1:0")
         self.target_address = self.target_server.address
         self.channels = PeerChannels()
@@ -76,6 +78,7 @@ class Pair:
         await self.source_server.stop(0)
         await self.target_server.stop(0)
         await self.channels.close()
+        await self.data.close()
         await stop(self.source, self.target)
 
 

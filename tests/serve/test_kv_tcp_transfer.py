@@ -3,9 +3,9 @@
 A real ImportKv target (an in-process EngineServicer on loopback with a TcpDataServer on
 127.0.0.1, no shared memory) and a real source engine: the KV lands in the target's reserved
 blocks, straight or through its staging buffer, and the request continues token-identical there;
-a wrong or replayed ticket is refused; a corrupt layer, a connection cut part-way and a cancel
-mid-stream leave the request running on the source and no block held on either side; a data
-socket that cannot be reached falls back to chunks over gRPC for that transfer.
+a wrong or replayed ticket is refused; a corrupt layer, a connection cut part-way, a cancel
+mid-stream and a data socket that cannot be reached leave the request running on the source and
+no block held on either side.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from dualpace.engine.transfer import kv_tcp_data, kv_tcp_import
 from dualpace.engine.transfer.kv_shm_import import SharedKvPool
 from dualpace.engine.transfer.kv_tcp_import import TcpDataServer, TcpWritten
 from dualpace.engine.transfer.migration import KvImporter, migrate_out
+from dualpace.engine.transfer.prefix_copy import send_cached_prefix
 from dualpace.errors import Unavailable
 from dualpace.faults import FaultConfig
 from dualpace.generation import OfflineGenerator
@@ -206,7 +207,7 @@ async def test_a_cancel_mid_stream_leaves_the_request_on_the_source(tiny, monkey
         await served.close()
 
 
-async def test_an_unreachable_data_socket_falls_back_to_grpc_chunks(tiny, monkeypatch):
+async def test_an_unreachable_data_socket_fails_the_transfer_and_leaves_the_request_on_the_source(tiny, monkeypatch):
     def refused(*args):
         raise ConnectionRefusedError("refused (test)")
 
@@ -216,14 +217,14 @@ async def test_an_unreachable_data_socket_falls_back_to_grpc_chunks(tiny, monkey
         channel = await served.source[0].add_request("u", PROMPT, PARAMS)
         await wait_tokens(channel, 4)
         sender = served.sender()
-        await migrate_out(served.source[0], "u", sender)
-        assert not sender.used_tcp and sender.num_messages >= 1
-        await assert_continues_on_target(served, channel, "u", expected(tiny))
+        with pytest.raises(Unavailable, match="cannot reach its data socket"):
+            await migrate_out(served.source[0], "u", sender)
+        assert not sender.used_tcp and sender.num_messages == 0  # no chunk went over gRPC instead
+        await assert_stays_on_source(tiny, served, channel)
     finally:
         await served.close()
 
 
-@pytest.mark.skipif(shutil.which("openssl") is None, reason="openssl is not installed")
 async def test_under_tls_the_data_socket_speaks_tls_and_refuses_strangers(tiny, tmp_path):
     cert, key = _self_signed(tmp_path, "engine")  # both engines' certificate, and their CA (mutual TLS)
     served = await Served().start(tiny, load_tls(str(cert), str(key), str(cert)))
@@ -243,5 +244,47 @@ async def test_under_tls_the_data_socket_speaks_tls_and_refuses_strangers(tiny, 
                                                  stranger)
             with connection:
                 connection.recv(1)
+    finally:
+        await served.close()
+
+
+async def test_a_cache_only_copy_goes_over_the_data_socket_without_what_the_target_holds(tiny):
+    """The host tier's copies (send_cached_prefix, as CopyPrefix and the offers run it): the KV after
+    the tokens the target caches already goes over the data socket, into the target's own blocks (of
+    another block size); a copy of what it holds sends nothing; the target then continues a request
+    from the copied blocks exactly."""
+    served = await Served().start(tiny)
+    try:
+        params = SamplingParams(max_tokens=4, ignore_eos=True)
+        history = PROMPT + [11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21]  # 32 tokens: 4 source blocks of 8
+        async for _ in (await served.source[0].add_request("h", history, params)).follow():
+            pass  # finished: its full blocks stay cached on the source
+        copies = []
+        for pin_id, token_ids in (("pin-1", history[:16]), ("pin-2", history), ("pin-3", history)):
+            sender = served.sender()
+            copy = await send_cached_prefix(served.source[0], sender.send_cache, tuple(token_ids), pin_id)
+            copies.append((copy.num_tokens, copy.num_sent_tokens, sender.used_tcp))
+        assert copies == [(16, 16, True), (32, 16, True), (32, 0, False)]  # the held tokens are never sent
+        prompt = history + [5]
+        channel = await served.target[0].add_request("continued", prompt, params)
+        tokens = [t async for update in channel.follow() for t in update.new_token_ids]
+        assert channel.num_cached_tokens == 32
+        assert tokens == OfflineGenerator(tiny).generate([prompt], [params])[0].output_token_ids
+        assert served.source[0].load().kv_blocks_used == 0 and served.target[0].load().kv_blocks_used == 0
+    finally:
+        await served.close()
+
+
+async def test_a_corrupt_cache_only_copy_is_refused_and_leaves_nothing(tiny):
+    served = await Served().start(tiny)
+    try:
+        async for _ in (await served.source[0].add_request("h", PROMPT, SamplingParams(max_tokens=4))).follow():
+            pass
+        with pytest.raises(Unavailable, match="checksum mismatch"):
+            await send_cached_prefix(served.source[0], served.sender(FaultConfig(kv_corrupt_chunk=1)).send_cache,
+                                     tuple(PROMPT), "pin")
+        target = served.target[0].load()
+        assert target.kv_blocks_used == 0 and target.kv_blocks_cached == 0
+        assert served.source[0].load().kv_blocks_used == 0  # the pin was dropped
     finally:
         await served.close()

@@ -3,4 +3,4 @@
 (same_host, shm_*, kv_shm_*, kv_copy_native), the network path over a TCP data socket (kv_tcp_*),
 and the host tier built on them (host_tier, host_tier_import, prefix_copy). The gRPC control
 plane of each is in dualpace.serve (kv_transport, kv_shm_transport, kv_tcp_transport), which
-also still carries chunks where no data path is offered (a host tier's cache-only copies)."""
+still sends chunks over gRPC where a data path is declined or cannot be reached."""

@@ -6,8 +6,9 @@ conversation's history, the router can continue that conversation on the CPU eng
 then prefills only the new tokens (router: dualpace.policy.host_tier).
 
 When: a request that finished normally (stop or length) is offered after its step, from
-this engine's loop, with the existing KV transfer (dualpace.engine.transfer.kv_transfer's header and
-chunks over the gRPC sender a migration uses) marked ``cache_only``. That is a write-through at
+this engine's loop, with the existing KV transfer (dualpace.engine.transfer.kv_transfer's header,
+the KV over the target's TCP data socket, as a migration to another host sends it) marked
+``cache_only``. That is a write-through at
 finish rather than a copy at eviction: an eviction happens inside the allocation of the step
 that needs the block, whose forward pass overwrites it at once, so copying then would put a
 device-to-host copy on the critical path of exactly the step that is short of KV. An offer

@@ -15,9 +15,10 @@ leading tokens it caches already (whole blocks of its own) and only the KV after
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Awaitable, Callable, Container
+from collections.abc import Awaitable, Callable, Container
 
 from dualpace.engine.transfer.kv_bytes import tensor_bytes
+from dualpace.engine.transfer.kv_source import OutgoingKv
 from dualpace.engine.transfer.kv_transfer import (
     DEFAULT_CHUNK_BYTES,
     KvChunk,
@@ -32,9 +33,9 @@ from dualpace.engine.transfer.worker_pools import run_in_pool
 from dualpace.errors import FailedPrecondition
 from dualpace.sampling_params import SamplingParams
 
-ChunksFrom = Callable[[int], AsyncIterator[KvChunk]]  # the chunks of the tokens from this one on
-# send(header, chunks_from) -> (target engine, leading tokens it held): one cache-only import
-SendCache = Callable[[KvTransferHeader, ChunksFrom], Awaitable[tuple[str, int]]]
+SourceFrom = Callable[[int], OutgoingKv]  # the KV of the tokens from this one on (their slots, or their chunks)
+# send(header, source_from) -> (target engine, leading tokens it held): one cache-only import
+SendCache = Callable[[KvTransferHeader, SourceFrom], Awaitable[tuple[str, int]]]
 
 
 async def send_cached_prefix(loop: EngineLoop, send: SendCache, token_ids: tuple[int, ...], pin_id: str,
@@ -50,7 +51,7 @@ async def send_cached_prefix(loop: EngineLoop, send: SendCache, token_ids: tuple
     num_tokens, last_hash, slot_ids = pinned
     try:
         engine, num_held = await send(_header(loop, pin_id, token_ids[:num_tokens], chunk_bytes),
-                                      lambda first_token: _chunks(loop, num_tokens, slot_ids, chunk_bytes, first_token))
+                                      lambda first_token: _source(loop, num_tokens, slot_ids, chunk_bytes, first_token))
     finally:
         await _unpin(loop, pin_id)
     return PrefixCopy(num_tokens, num_tokens - min(num_held, num_tokens), engine, last_hash)
@@ -90,16 +91,18 @@ def _header(loop: EngineLoop, pin_id: str, token_ids: tuple[int, ...], chunk_byt
         skip_cached=True)
 
 
-async def _chunks(loop: EngineLoop, num_tokens: int, slot_ids: list[int], chunk_bytes: int,
-                  first_token: int) -> AsyncIterator[KvChunk]:
+def _source(loop: EngineLoop, num_tokens: int, slot_ids: list[int], chunk_bytes: int, first_token: int) -> OutgoingKv:
+    """The pinned blocks' KV from `first_token` on: their slots (the data socket reads them in place)
+    or, read on demand, their chunks."""
     runner = loop.core.runner
-    layout = engine_kv_layout(loop)
 
-    def read(seq: int, layer: int, start: int, end: int) -> KvChunk:
-        # Pinned blocks: no step writes or evicts them while this reads.
-        k, v = runner.read_kv(slot_ids[start:end], layer)
-        k_bytes, v_bytes = tensor_bytes(k), tensor_bytes(v)
-        return KvChunk(seq, layer, start, end, k_bytes, v_bytes, checksum(k_bytes, v_bytes))
+    async def read_chunk(seq: int, layer: int, start: int, end: int) -> KvChunk:
+        def read() -> KvChunk:
+            # Pinned blocks: no step writes or evicts them while this reads.
+            k, v = runner.read_kv(slot_ids[start:end], layer)
+            k_bytes, v_bytes = tensor_bytes(k), tensor_bytes(v)
+            return KvChunk(seq, layer, start, end, k_bytes, v_bytes, checksum(k_bytes, v_bytes))
+        return await run_in_pool("kv-export", read)
 
-    for seq, (layer, start, end) in enumerate(plan_chunks(num_tokens, layout, chunk_bytes, first_token)):
-        yield await run_in_pool("kv-export", read, seq, layer, start, end)
+    return OutgoingKv(runner.kv, slot_ids[first_token:],
+                      plan_chunks(num_tokens, engine_kv_layout(loop), chunk_bytes, first_token), read_chunk)

@@ -36,6 +36,7 @@ class RequestState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     REQUEST_STATE_PAUSED: _ClassVar[RequestState]
     REQUEST_STATE_MIGRATING: _ClassVar[RequestState]
     REQUEST_STATE_FINISHED: _ClassVar[RequestState]
+    REQUEST_STATE_WAITING_FOR_ENGINE: _ClassVar[RequestState]
 GUIDED_KIND_UNSPECIFIED: GuidedKind
 GUIDED_KIND_JSON_SCHEMA: GuidedKind
 GUIDED_KIND_REGEX: GuidedKind
@@ -54,6 +55,7 @@ REQUEST_STATE_RUNNING: RequestState
 REQUEST_STATE_PAUSED: RequestState
 REQUEST_STATE_MIGRATING: RequestState
 REQUEST_STATE_FINISHED: RequestState
+REQUEST_STATE_WAITING_FOR_ENGINE: RequestState
 
 class SamplingParams(_message.Message):
     __slots__ = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids", "ignore_eos", "guided", "logprobs", "prompt_logprobs", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "min_tokens")

@@ -1,0 +1,279 @@
+// The int8 mode's rows for VNNI_MIN_ROWS or more rows of x in builds with AVX-512 VNNI (the avx512_bf16
+// variant): int8 x int8 dot products with vpdpbusd, the activation rows in the vector lanes and
+// each weight's 4-byte group broadcast from memory. Included by quant_gemv.h inside its AVX2
+// section (namespace dp_quant, after Fmt, group_scales, values and quant_gemv_i16.h's hmax8 and
+// hsum8_epi32).
+//
+// Why this layout: with the weights in the lanes (one block per vector) every 32 weights x 1
+// row cost a vpdpbusd and three float operations (convert, scale product, FMA): the float work
+// bounds it. With the activation rows in the lanes (8 or 16 rows per vector, "a lane group"),
+// a block of 32 weights of one W row costs 8 vpdpbusd per lane group (each multiplies 4 weight
+// bytes, broadcast, with 4 bytes of each of 16 rows) and the same three float operations for all
+// 16 rows, so the integer units do most of the work. The weights need no transposition (they are
+// broadcast); the activations are transposed once per call by prepare.
+//
+// Arithmetic: activations quantized per row per 16 elements (x ~ dx q, q in [-127, 127], one
+// scale per 16: llama.cpp's q8_0 has one per 32; per 16 halves the rounding error for one more
+// convert and FMA per block, and brings the KL divergence below llama.cpp's, docs/perf.md).
+// vpdpbusd multiplies unsigned by signed bytes, so the activations are stored as q + 128
+// (unsigned) and the weights as signed values: Q8_0's own, Q4_0's q - 8, Q6_K's q - 32, and the
+// nibbles 0..15 of Q4_1 / Q4_K. Each lane's sum is then dot(q, w) + 128 sum(w); the accumulator
+// starts at -128 sum(w) (per 16 weights, from vpsadbw), so the integer result is dot(q, w)
+// exactly. Per 16 the float scale is dw dx, and Q4_1 / Q4_K add their min term mw (dx sum(q)).
+// Exactness: the products of the rounded activations and the weights are exact integers; the
+// result differs from the dequantized fp32 model by the activation rounding (<= dx / 2 per
+// element), as llama.cpp's batched products do.
+
+#pragma once
+
+// (not standalone: quant_gemv.h includes it after the pieces it uses)
+namespace dp_quant {
+
+// Vector types of a lane group: 16 activation rows (zmm) or 8 (ymm).
+struct Lanes16 {
+  static constexpr int L = 16;
+  using I = __m512i;
+  using F = __m512;
+  static I load(const void* p) { return _mm512_loadu_si512(p); }
+  static F loadf(const float* p) { return _mm512_loadu_ps(p); }
+  static I set1(int32_t v) { return _mm512_set1_epi32(v); }
+  static I dot(I acc, I a, const uint8_t* w4) {
+    int32_t v;
+    std::memcpy(&v, w4, 4);
+    return _mm512_dpbusd_epi32(acc, a, _mm512_set1_epi32(v));
+  }
+  static F cvt(I v) { return _mm512_cvtepi32_ps(v); }
+  static F zero() { return _mm512_setzero_ps(); }
+  static F fma(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
+  static F mul(F a, float b) { return _mm512_mul_ps(a, _mm512_set1_ps(b)); }
+  static F fma_s(F a, float b, F c) { return _mm512_fmadd_ps(a, _mm512_set1_ps(b), c); }
+  static void store(float* p, F v) { _mm512_storeu_ps(p, v); }
+};
+struct Lanes8 {
+  static constexpr int L = 8;
+  using I = __m256i;
+  using F = __m256;
+  static I load(const void* p) { return _mm256_loadu_si256(static_cast<const __m256i*>(p)); }
+  static F loadf(const float* p) { return _mm256_loadu_ps(p); }
+  static I set1(int32_t v) { return _mm256_set1_epi32(v); }
+  static I dot(I acc, I a, const uint8_t* w4) {
+    int32_t v;
+    std::memcpy(&v, w4, 4);
+    return _mm256_dpbusd_epi32(acc, a, _mm256_set1_epi32(v));
+  }
+  static F cvt(I v) { return _mm256_cvtepi32_ps(v); }
+  static F zero() { return _mm256_setzero_ps(); }
+  static F fma(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
+  static F mul(F a, float b) { return _mm256_mul_ps(a, _mm256_set1_ps(b)); }
+  static F fma_s(F a, float b, F c) { return _mm256_fmadd_ps(a, _mm256_set1_ps(b), c); }
+  static void store(float* p, F v) { _mm256_storeu_ps(p, v); }
+};
+
+// Lanes per group for M rows of x: 8 up to 8 rows, else 16.
+inline int vnni_lanes(int64_t M) { return M <= 8 ? 8 : 16; }
+inline int64_t vnni_groups(int64_t M) { return (M + vnni_lanes(M) - 1) / vnni_lanes(M); }
+
+// Prepared layout, per lane group, per block b of 32: 8 x L dwords (dword j of every lane's
+// block: its bytes 4j..4j+3 as q + 128), then L floats dx of elements 0-15, L floats dx of 16-31,
+// and L floats sum(dx q) of the block (the min term).
+inline int64_t vnni_block_bytes(int L) { return 8 * 4 * L + 3 * 4 * L; }
+inline int64_t vnni_group_bytes(int64_t K, int L) { return (K / 32) * vnni_block_bytes(L); }
+inline int64_t vnni_bytes(int64_t K, int64_t M) {
+  const int L = vnni_lanes(M);
+  return vnni_groups(M) * vnni_group_bytes(K, L);
+}
+
+// 16 floats of x as q = round(x * 127 / max|x|) (+ 128, as bytes) into dwords `q`, L lanes apart;
+// returns the scale dx = max / 127 and adds dx sum(q) to *sum.
+inline float quantize16(const float* x, uint8_t* q, int L, float* sum) {
+  const __m256 sign_bit = _mm256_set1_ps(-0.0f);
+  const __m256 v0 = _mm256_loadu_ps(x), v1 = _mm256_loadu_ps(x + 8);
+  const float amax = hmax8(_mm256_max_ps(_mm256_andnot_ps(sign_bit, v0), _mm256_andnot_ps(sign_bit, v1)));
+  const __m256 inv = _mm256_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
+  constexpr int ROUND = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+  const __m256i r0 = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(v0, inv), ROUND));
+  const __m256i r1 = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(v1, inv), ROUND));
+  // int32 -> int8 + 128 in element order: packs work per 128-bit lane, the permute restores order
+  const __m256i p16 = _mm256_permute4x64_epi64(_mm256_packs_epi32(r0, r1), 0xD8);
+  const __m128i p8 = _mm_packs_epi16(_mm256_castsi256_si128(p16), _mm256_extracti128_si256(p16, 1));
+  alignas(16) uint32_t d[4];
+  _mm_store_si128(reinterpret_cast<__m128i*>(d), _mm_xor_si128(p8, _mm_set1_epi8(static_cast<char>(0x80))));
+  for (int j = 0; j < 4; ++j) std::memcpy(q + 4 * j * L, &d[j], 4);
+  const float dx = amax / 127.0f;
+  *sum += dx * static_cast<float>(hsum8_epi32(_mm256_add_epi32(r0, r1)));
+  return dx;
+}
+
+// The M rows of x into the layout above (lanes past M: q = 0, dx = 0).
+inline void prepare_vnni(const float* x, int64_t M, int64_t ldx, int64_t K, uint8_t* out) {
+  const int64_t nb = K / 32;
+  const int L = vnni_lanes(M);
+  for (int64_t g = 0; g < vnni_groups(M); ++g) {
+    uint8_t* gout = out + g * vnni_group_bytes(K, L);
+    for (int lane = 0; lane < L; ++lane) {
+      const int64_t m = g * L + lane;
+      for (int64_t b = 0; b < nb; ++b) {
+        uint8_t* q = gout + b * vnni_block_bytes(L);
+        float* dx = reinterpret_cast<float*>(q + 8 * 4 * L);
+        if (m >= M) {
+          for (int j = 0; j < 8; ++j) std::memset(q + 4 * (j * L + lane), 0x80, 4);
+          dx[lane] = dx[L + lane] = dx[2 * L + lane] = 0.0f;
+          continue;
+        }
+        float sum = 0.0f;
+        dx[lane] = quantize16(x + m * ldx + 32 * b, q + 4 * lane, L, &sum);
+        dx[L + lane] = quantize16(x + m * ldx + 32 * b + 16, q + 4 * (4 * L + lane), L, &sum);
+        dx[2 * L + lane] = sum;
+      }
+    }
+  }
+}
+
+// One weight block of 32 as signed bytes (written to `buf` unless the row's own bytes serve),
+// the scale of each half of 16 (Q6_K: its own per-16 scales), the min, and -128 x the sum of
+// each half's values.
+struct Staged {
+  const uint8_t* bytes;
+  float dw[2];
+  float mw;
+  int32_t corr[2];
+};
+
+// -128 x the sum of the signed bytes of each half (16) of v, into corr[0], corr[1].
+inline void neg128_sums(__m256i v, int32_t* corr) {
+  const __m256i u = _mm256_xor_si256(v, _mm256_set1_epi8(static_cast<char>(0x80)));  // w + 128
+  const __m256i s = _mm256_sad_epu8(u, _mm256_setzero_si256());  // sums of 8 bytes: [a0 a1 | b0 b1]
+  const __m128i lo = _mm256_castsi256_si128(s), hi = _mm256_extracti128_si256(s, 1);
+  const __m128i t = _mm_add_epi64(_mm_unpacklo_epi64(lo, hi), _mm_unpackhi_epi64(lo, hi));  // [a, b]
+  corr[0] = -128 * (_mm_cvtsi128_si32(t) - 128 * 16);
+  corr[1] = -128 * (_mm_extract_epi32(t, 2) - 128 * 16);
+}
+
+// Sub-block j of group g (a GGML block) staged: values as signed bytes.
+template <int32_t F>
+inline void stage(const uint8_t* g, int j, const float* dw, const float* mw, uint8_t* buf, Staged* s) {
+  __m256i v;
+  if constexpr (F == DP_W_Q8_0) {
+    v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(g + 2));
+    s->bytes = g + 2;
+  } else {
+    v = values<F>(g, j);  // Q4: nibbles 0..15; Q6_K: q - 32
+    if constexpr (F == DP_W_Q4_0) v = _mm256_sub_epi8(v, _mm256_set1_epi8(8));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(buf), v);
+    s->bytes = buf;
+  }
+  neg128_sums(v, s->corr);
+  if constexpr (F == DP_W_Q6_K) {
+    const int8_t* sc = reinterpret_cast<const int8_t*>(g + 192);
+    s->dw[0] = dw[j] * static_cast<float>(sc[2 * j]);
+    s->dw[1] = dw[j] * static_cast<float>(sc[2 * j + 1]);
+  } else {
+    s->dw[0] = s->dw[1] = dw[j];
+  }
+  s->mw = (F == DP_W_Q4_1 || F == DP_W_Q4_K) ? mw[j] : 0.0f;
+}
+
+// NR W rows x MV lane groups, over all of K. out[r][mv * L + lane] = y of lane's row, W row r.
+template <int32_t F, class V, int NR, int MV>
+inline void tile_vnni(const uint8_t* const* wrows, const uint8_t* act, int64_t K, float (*out)[4 * 16]) {
+  using Spec = Fmt<F>;
+  constexpr int L = V::L;
+  constexpr bool MIN = F == DP_W_Q4_1 || F == DP_W_Q4_K;
+  const int64_t group_bytes = vnni_group_bytes(K, L), block_bytes = vnni_block_bytes(L);
+  typename V::F acc[NR][MV];
+  for (int r = 0; r < NR; ++r)
+    for (int mv = 0; mv < MV; ++mv) acc[r][mv] = V::zero();
+  alignas(32) uint8_t buf[NR][32];
+  const int64_t num_groups = K / (32 * Spec::G);
+  for (int64_t grp = 0; grp < num_groups; ++grp) {
+    float dw[NR][8], mw[NR][8];
+    for (int r = 0; r < NR; ++r) {
+      const uint8_t* g = wrows[r] + grp * Spec::BYTES;
+      _mm_prefetch(reinterpret_cast<const char*>(g) + 1024, _MM_HINT_T0);
+      group_scales<F>(g, dw[r], mw[r]);
+    }
+    for (int j = 0; j < Spec::G; ++j) {
+      const int64_t b = grp * Spec::G + j;
+      Staged st[NR];
+      for (int r = 0; r < NR; ++r) stage<F>(wrows[r] + grp * Spec::BYTES, j, dw[r], mw[r], buf[r], &st[r]);
+      for (int mv = 0; mv < MV; ++mv) {
+        const uint8_t* a = act + mv * group_bytes + b * block_bytes;
+        typename V::I xa[8];
+        for (int i = 0; i < 8; ++i) xa[i] = V::load(a + i * 4 * L);
+        const float* dxp = reinterpret_cast<const float*>(a + 8 * 4 * L);
+        const typename V::F dx[2] = {V::loadf(dxp), V::loadf(dxp + L)};
+        for (int r = 0; r < NR; ++r) {
+          for (int p = 0; p < 2; ++p) {
+            typename V::I s = V::set1(st[r].corr[p]);
+            for (int i = 4 * p; i < 4 * p + 4; ++i) s = V::dot(s, xa[i], st[r].bytes + 4 * i);
+            acc[r][mv] = V::fma(V::cvt(s), V::mul(dx[p], st[r].dw[p]), acc[r][mv]);
+          }
+          if constexpr (MIN) acc[r][mv] = V::fma_s(V::loadf(dxp + 2 * L), st[r].mw, acc[r][mv]);
+        }
+      }
+    }
+  }
+  for (int r = 0; r < NR; ++r)
+    for (int mv = 0; mv < MV; ++mv) V::store(out[r] + mv * L, acc[r][mv]);
+}
+
+// Lane groups per pass: up to 64 rows of x share a pass over a tile of W rows (more rows run the
+// tile again, from cache: W is read from memory once per call).
+constexpr int VNNI_MAX_GROUPS = 4;
+// W rows per tile: 8 (MV <= 2 groups: 8 x MV accumulators + 8 activation vectors fit the 32
+// vector registers), 4 beyond.
+constexpr int VNNI_TILE_ROWS = 8;
+
+template <int32_t F, class V, int MV>
+inline void tile_vnni_store(const uint8_t* const* wrows, const uint8_t* act, int64_t K, int64_t g0, int64_t M,
+                            int64_t col, int64_t cols, float* y, int64_t ldy) {
+  constexpr int NR = MV <= 2 ? 8 : 4;
+  constexpr int L = V::L;
+  for (int r0 = 0; r0 < VNNI_TILE_ROWS && r0 < cols; r0 += NR) {
+    alignas(64) float out[NR][4 * 16];
+    tile_vnni<F, V, NR, MV>(wrows + r0, act + g0 * vnni_group_bytes(K, L), K, out);
+    for (int r = 0; r < NR && r0 + r < cols; ++r)
+      for (int64_t i = 0; i < MV * L && g0 * L + i < M; ++i) y[(g0 * L + i) * ldy + col + r0 + r] = out[r][i];
+  }
+}
+
+// W rows per block of the loop over passes: a pass's activations (up to 64 rows, 1.25 bytes per
+// element and row) and the block's W rows both stay in L2 while the other is swept.
+constexpr int64_t VNNI_BLOCK_ROWS = 64;
+
+template <int32_t F, class V>
+inline void rows_vnni_lanes(const WeightDesc& w, const uint8_t* act, int64_t M, int64_t n0, int64_t n1, float* y,
+                            int64_t ldy) {
+  const int64_t groups = vnni_groups(M);
+  for (int64_t b0 = n0; b0 < n1; b0 += VNNI_BLOCK_ROWS) {
+    const int64_t b1 = std::min(n1, b0 + VNNI_BLOCK_ROWS);
+    for (int64_t g0 = 0; g0 < groups; g0 += VNNI_MAX_GROUPS) {
+      for (int64_t n = b0; n < b1; n += VNNI_TILE_ROWS) {
+        const uint8_t* wrows[VNNI_TILE_ROWS];
+        for (int r = 0; r < VNNI_TILE_ROWS; ++r)
+          wrows[r] = static_cast<const uint8_t*>(w.data) + std::min(n + r, n1 - 1) * w.row_bytes;
+        const int64_t col = n - n0, cols = std::min<int64_t>(VNNI_TILE_ROWS, n1 - n);
+        switch (std::min<int64_t>(VNNI_MAX_GROUPS, groups - g0)) {
+          case 1: tile_vnni_store<F, V, 1>(wrows, act, w.K, g0, M, col, cols, y, ldy); break;
+          case 2: tile_vnni_store<F, V, 2>(wrows, act, w.K, g0, M, col, cols, y, ldy); break;
+          case 3: tile_vnni_store<F, V, 3>(wrows, act, w.K, g0, M, col, cols, y, ldy); break;
+          default: tile_vnni_store<F, V, 4>(wrows, act, w.K, g0, M, col, cols, y, ldy); break;
+        }
+      }
+    }
+  }
+}
+
+// Rows of x from which the int8 mode runs these kernels (int16 below: the per-block work on each
+// weight block, shared by the rows, is not paid back by fewer rows; measured on an Intel Xeon,
+// AVX-512 VNNI: 0.94x of int16 at 4 rows of Q8_0, 1.28x at 5; Q4_K 0.68x at 4, 1.08x at 5).
+constexpr int64_t VNNI_MIN_ROWS = 5;
+
+template <int32_t F>
+inline void rows_vnni(const WeightDesc& w, const uint8_t* act, int64_t M, int64_t n0, int64_t n1, float* y,
+                      int64_t ldy) {
+  if (vnni_lanes(M) == 8) rows_vnni_lanes<F, Lanes8>(w, act, M, n0, n1, y, ldy);
+  else rows_vnni_lanes<F, Lanes16>(w, act, M, n0, n1, y, ldy);
+}
+
+}  // namespace dp_quant
