@@ -48,7 +48,7 @@ demo: venv
 
 # Wheels for the lent GPU machine (it reaches no registry) and the one command to run there.
 device-check: venv
-	$(BIN)/python -m bench.device_wheels --dest .whl
+	$(BIN)/python -m toolkit.device_wheels --dest .whl
 
 proto: venv
 	$(BIN)/python -m dualpace.wire.generate

@@ -51,7 +51,7 @@ from pathlib import Path
 import torch
 
 from bench.cpu_decode_peer import cpu_model, prefill_row, print_peer_table
-from bench.cpu_peak import peaks
+from toolkit.cpu_peak import peaks
 from toolkit.memory_bandwidth import (
     copy_bandwidth_bytes_per_s,
     read_bandwidth_bytes_per_s,

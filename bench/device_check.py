@@ -15,7 +15,7 @@
    in each configuration (so with and without CUDA graphs, and with and without the fused kernels).
 
 On the GPU machine (it reaches no registry) the wheels it lacks travel with the check:
-`make device-check` prepares them and prints the command (bench/device_wheels.py).
+`make device-check` prepares them and prints the command (toolkit/device_wheels.py).
 
     python -m bench.device_check --out bench/results/device_check.json
 

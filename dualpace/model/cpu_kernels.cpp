@@ -21,6 +21,7 @@
 #include <omp.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
@@ -772,10 +773,14 @@ bool staged_format(const WeightDesc& w) {
 // as many sequences as threads (a sequence is one attention task there) or every sequence's
 // attention small enough that decode_attention would run it on one thread anyway (fewer, longer
 // sequences keep decode_attention's own split of a sequence across threads).
-// DUALPACE_DECODE_ONE_REGION=0 turns it off.
+// dp_set_decode_one_region(0) turns it off (tests compare both paths).
+std::atomic<int>& one_region_flag() {
+  static std::atomic<int> enabled{1};
+  return enabled;
+}
+
 bool staged_applies(const LayerArgs* layers, int64_t num_layers, const StepArgs& st) {
-  const char* env = std::getenv("DUALPACE_DECODE_ONE_REGION");
-  if (env != nullptr && env[0] == '0') return false;
+  if (one_region_flag().load(std::memory_order_relaxed) == 0) return false;
   for (int64_t i = 0; i < num_layers; ++i) {
     const LayerArgs& a = layers[i];
     if (!staged_format(a.qkv_w) || !staged_format(a.o_w) || !staged_format(a.gate_up_w) || !staged_format(a.down_w))
@@ -816,27 +821,6 @@ int rope_kv_attend_head(const LayerArgs& a, const StepArgs& st, const LayerBuffe
                                  shape, a.scale, b.attn + h * G * D, b.q_size);
 }
 
-// Whether a lone sequence's norms and SiLU x up are folded into the matrix stages they feed
-// (decode_layers_staged); DUALPACE_DECODE_FOLD=0 keeps them as single-task stages.
-bool fold_inputs() {
-  const char* env = std::getenv("DUALPACE_DECODE_FOLD");
-  return env == nullptr || env[0] != '0';
-}
-
-// One thread's input of a folded matrix stage, on its own cache lines.
-template <typename T>
-struct alignas(64) FoldedInput {
-  std::vector<T> x;
-  std::vector<float> xf;
-  std::vector<char> prepared;
-  int64_t stage = -1;
-  void resize(int64_t elems, int64_t prepared_bytes) {
-    x.resize(static_cast<size_t>(elems));
-    xf.resize(static_cast<size_t>(elems));
-    prepared.resize(static_cast<size_t>(prepared_bytes));
-  }
-};
-
 // decode_layer's stages for every layer, in one parallel region: per layer 0 norm, 1 qkv, 2 rope +
 // KV write, 3 attention (a task per sequence), 4 the o matrix's activations prepared (block
 // formats; nothing for a dense one), 5 o + residual, 6 norm, 7 gate/up, 8 silu*up, 9 down +
@@ -846,11 +830,6 @@ struct alignas(64) FoldedInput {
 // With `head`, two more stages after the last layer: the final norm (preparing the LM head's
 // activations), then the LM head in row chunks into `logits`: the head's weights (a fifth of the
 // default model's bf16 bytes) stream inside the same region instead of in a call of their own.
-// A lone sequence on several threads folds the single-task stages 0, 6, 8 and the final norm into
-// the matrix stage they feed (fold_inputs): each thread computes the norm (or SiLU x up) of the one
-// row itself, into its own buffers, before its first chunk of that matrix, so the other thread no
-// longer idles at 91 stage boundaries per step of the default model. The same functions on the same row: the
-// same bits. DUALPACE_DECODE_FOLD=0 keeps the single-task stages.
 template <typename T>
 int decode_layers_staged(T* hidden, const LayerArgs* layers, int64_t num_layers, const StepArgs& st,
                          const HeadArgs* head, float* logits) {
@@ -860,8 +839,6 @@ int decode_layers_staged(T* hidden, const LayerArgs* layers, int64_t num_layers,
   std::vector<int64_t> begin(1, 0), rows_per_chunk(head_stage + 2, 0);
   // A lone sequence's RoPE, KV write and attention as one task per kv head (rope_kv_attend_head).
   const bool per_head = M == 1 && threads > 1;
-  const bool fold = per_head && fold_inputs();
-  std::vector<char> folded(head_stage + 2, 0);  // matrix stages whose input each thread computes itself
   int64_t widest = 0, prepared_bytes = 0;
   bool any_amx = false;
   for (int64_t i = 0; i < num_layers; ++i) {
@@ -874,8 +851,6 @@ int decode_layers_staged(T* hidden, const LayerArgs* layers, int64_t num_layers,
     for (const WeightDesc* w : {&a.qkv_w, &a.o_w, &a.gate_up_w, &a.down_w})
       if (!is_dense(*w)) prepared_bytes = std::max(prepared_bytes, dp_quant::prepare_bytes(*w, M));
 #endif
-    for (int64_t s : {1, 7, 9})  // not o (5): its input is the attention's, written per kv head
-      folded[i * STAGES + s] = fold && !use_amx<T>(*mats[s], M);
     for (int64_t s = 0; s < STAGES; ++s) {
       int64_t tasks = s == 3 ? M : 1;  // attention: one task per sequence
       if (per_head && s == 2) tasks = 0;  // RoPE and the KV write are done per kv head, in stage 3
@@ -888,8 +863,6 @@ int decode_layers_staged(T* hidden, const LayerArgs* layers, int64_t num_layers,
         tasks = (mats[s]->N + rows_per_chunk[i * STAGES + s] - 1) / rows_per_chunk[i * STAGES + s];
         widest = std::max(widest, mats[s]->K);
       }
-      if (s == 0 || s == 6 || s == 8)
-        if (folded[i * STAGES + s + 1]) tasks = 0;
       begin.push_back(begin.back() + tasks);
     }
   }
@@ -902,8 +875,7 @@ int decode_layers_staged(T* hidden, const LayerArgs* layers, int64_t num_layers,
     any_amx = any_amx || amx;
     rows_per_chunk[head_stage + 1] = amx ? amx_chunk_rows(M, w.N, threads) : chunk_rows(M, w.N, threads);
     widest = std::max(widest, w.K);
-    folded[head_stage + 1] = fold && !amx;
-    begin.push_back(begin.back() + (folded[head_stage + 1] ? 0 : 1));
+    begin.push_back(begin.back() + 1);
     begin.push_back(begin.back() + (w.N + rows_per_chunk[head_stage + 1] - 1) / rows_per_chunk[head_stage + 1]);
   }
   std::vector<float> xf_buf(sizeof(T) == 2 ? M * widest : 0);  // the fp32 rows of the next matrix's x
@@ -919,10 +891,6 @@ int decode_layers_staged(T* hidden, const LayerArgs* layers, int64_t num_layers,
 #else
   (void)any_amx;
 #endif
-  // Each thread's own input of a folded matrix stage (its x, fp32 x, prepared activations) and the
-  // stage they were computed for.
-  std::vector<FoldedInput<T>> own(fold ? threads : 0);
-  for (FoldedInput<T>& f : own) f.resize(M * widest, prepared_bytes);
   std::atomic<int> failed{0};
   run_stages(begin, [&](int64_t stage, int64_t task) {
     const LayerArgs& a = layers[std::min(stage / STAGES, num_layers - 1)];
@@ -931,35 +899,17 @@ int decode_layers_staged(T* hidden, const LayerArgs* layers, int64_t num_layers,
     T *x = b.x, *qkv = b.qkv, *attn = b.attn, *gate_up = b.gate_up, *act = b.act;
     const T* none = nullptr;
     const int64_t rows = rows_per_chunk[stage];
-    // the fp32 x and prepared activations the stage reads: the shared ones, or this thread's own
-    FoldedInput<T>* mine = folded[stage] ? &own[omp_get_thread_num()] : nullptr;
-    float* const xf_in = mine != nullptr ? mine->xf.data() : xf;
-    char* const prepared_in = mine != nullptr ? mine->prepared.data() : prepared;
-    auto fp32_in = [&](const T* in) { return sizeof(T) == 2 ? xf_in : reinterpret_cast<const float*>(in); };
+    auto fp32_in = [&](const T* in) { return sizeof(T) == 2 ? xf : reinterpret_cast<const float*>(in); };
     auto prepare = [&](const T* in, int64_t ld_in, const WeightDesc& w) {
 #if defined(DP_AMX_BUILT)
       if constexpr (std::is_same_v<T, bf16>)
         if (use_amx<T>(w, M)) amx_pack(in, M, ld_in, w.K, amx_pack_out);
 #endif
 #if DP_HAS_QUANT
-      if (!is_dense(w)) dp_quant::prepare(w, fp32_in(in), M, sizeof(T) == 2 ? w.K : ld_in, prepared_in, false);
+      if (!is_dense(w)) dp_quant::prepare(w, fp32_in(in), M, sizeof(T) == 2 ? w.K : ld_in, prepared, false);
 #endif
     };
-    // A folded stage's input, computed by this thread before its first chunk of the stage; the
-    // single-task stage's code on this thread's buffers.
-    auto fold_input = [&](const T* src, const T* norm, float eps, int64_t K, const WeightDesc& w) {
-      if (mine->stage == stage) return;
-      T* const out = mine->x.data();
-      if (norm != nullptr)
-        rms_norm(src, M, K, K, norm, eps, out);
-      else
-        silu_mul(src, M, K, out);
-      widen_rows(out, M, K, K, mine->xf.data());
-      prepare(out, K, w);
-      mine->stage = stage;
-    };
     auto chunk = [&](const T* in, int64_t ld_in, const WeightDesc& w, const Epilogue<T>& ep) {
-      if (mine != nullptr) in = mine->x.data();
       const int64_t ldf = sizeof(T) == 2 ? w.K : ld_in, n0 = task * rows, n1 = std::min(w.N, (task + 1) * rows);
 #if defined(DP_AMX_BUILT)
       if constexpr (std::is_same_v<T, bf16>)
@@ -973,7 +923,7 @@ int decode_layers_staged(T* hidden, const LayerArgs* layers, int64_t num_layers,
         return;
       }
 #if DP_HAS_QUANT
-      quant_rows(w, fp32_in(in), M, ldf, prepared_in, n0, n1, ep);
+      quant_rows(w, fp32_in(in), M, ldf, prepared, n0, n1, ep);
 #endif
     };
     if (stage >= head_stage) {  // the final norm, then the LM head's row chunks
@@ -983,7 +933,6 @@ int decode_layers_staged(T* hidden, const LayerArgs* layers, int64_t num_layers,
         widen_rows(x, M, H, H, xf);
         prepare(x, H, w);
       } else {
-        if (mine != nullptr) fold_input(hidden, static_cast<const T*>(head->final_norm), head->eps, H, w);
         chunk(x, H, w, Epilogue<T>{none, none, 0, logits, w.N, 1});
       }
       return;
@@ -995,7 +944,6 @@ int decode_layers_staged(T* hidden, const LayerArgs* layers, int64_t num_layers,
         prepare(x, H, a.qkv_w);
         break;
       case 1:
-        if (mine != nullptr) fold_input(hidden, static_cast<const T*>(a.input_norm), a.eps, H, a.qkv_w);
         chunk(x, H, a.qkv_w, Epilogue<T>{static_cast<const T*>(a.qkv_b), none, 0, qkv, qkv_size, 0});
         break;
       case 2:
@@ -1023,7 +971,6 @@ int decode_layers_staged(T* hidden, const LayerArgs* layers, int64_t num_layers,
         prepare(x, H, a.gate_up_w);
         break;
       case 7:
-        if (mine != nullptr) fold_input(hidden, static_cast<const T*>(a.post_norm), a.eps, H, a.gate_up_w);
         chunk(x, H, a.gate_up_w, Epilogue<T>{none, none, 0, gate_up, 2 * I, 0});
         break;
       case 8:
@@ -1032,7 +979,6 @@ int decode_layers_staged(T* hidden, const LayerArgs* layers, int64_t num_layers,
         prepare(act, I, a.down_w);
         break;
       default:
-        if (mine != nullptr) fold_input(gate_up, nullptr, 0.0f, I, a.down_w);
         chunk(act, I, a.down_w, Epilogue<T>{none, hidden, H, hidden, H, 0});
     }
   });
@@ -1072,6 +1018,15 @@ int decode_layers(T* hidden, const LayerArgs* layers, int64_t num_layers, const 
 }  // namespace
 
 extern "C" {
+
+// Whether a decode step that allows it runs as one parallel region (1, the default) or as one
+// region per operation (0): set to `enable` when it is 0 or 1; returns the value in force before
+// the call. For tests, which prove both paths give the same results; not while a step runs.
+int dp_set_decode_one_region(int enable) {
+  const int before = one_region_flag().load();
+  if (enable == 0 || enable == 1) one_region_flag().store(enable);
+  return before;
+}
 
 // All layers of a decode step; hidden [M, H] is updated in place. Returns 0; -1 for an
 // unsupported head_dim or weight format (nothing done); -2 for a slot, context length or block

@@ -226,6 +226,11 @@ class Kernels:
         self.amx = bool(self.lib.dp_amx_set_enabled(1 if enabled else 0))
         return self.amx
 
+    def set_one_region(self, enabled: bool) -> bool:
+        """A decode step that allows it as one parallel region (the default), or one region per
+        operation (tests prove both give the same results); returns the setting before the call."""
+        return bool(self.lib.dp_set_decode_one_region(1 if enabled else 0))
+
     def supports_format(self, fmt: int) -> bool:
         if fmt not in self._formats:
             self._formats[fmt] = bool(self.lib.dp_weight_format_supported(fmt))

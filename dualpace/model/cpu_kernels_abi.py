@@ -27,6 +27,7 @@ SIGNATURES = {
     "dp_amx_min_rows": ([_i64], _i64),
     "dp_linear_bf16": ([_ptr, _i64, _i64, _desc_p, _ptr, _ptr, _i64, _ptr, _i64, ctypes.c_int], ctypes.c_int),
     "dp_linear_f32": ([_ptr, _i64, _i64, _desc_p, _ptr, _ptr, _i64, _ptr, _i64, ctypes.c_int], ctypes.c_int),
+    "dp_set_decode_one_region": ([ctypes.c_int], ctypes.c_int),
     "dp_decode_layers_bf16": ([_ptr, _ptr, _i64, _ptr], ctypes.c_int),
     "dp_decode_layers_f32": ([_ptr, _ptr, _i64, _ptr], ctypes.c_int),
     "dp_decode_step_bf16": ([_ptr, _ptr, _i64, _ptr, _ptr, _ptr], ctypes.c_int),

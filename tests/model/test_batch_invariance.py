@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from dualpace.model import cpu_kernels
-from tests.model.test_cpu_kernels import kernels  # noqa: F401  (the per-variant fixture)
+from tests.model.test_cpu_kernels import kernels, one_region  # noqa: F401  (kernels: the per-variant fixture)
 from tests.model.test_quant import weight
 
 
@@ -99,25 +99,21 @@ def test_decode_rows_beside_a_prefill_get_what_they_get_alone(kernels, dtype):
     assert torch.equal(mixed[others], plain[others])
 
 
-@pytest.mark.parametrize("fold", ["1", "0"])
 @pytest.mark.parametrize("dtype,weights", [("fp32", "fp32"), ("bf16", "bf16"), ("fp32", "bf16")])
 @pytest.mark.parametrize("preset", ["tiny-qwen2", "tiny-mistral"])
-def test_lone_sequence_step_in_one_region_equals_per_operation(kernels, preset, dtype, weights, fold, synth_checkpoint,
-                                                                monkeypatch):
+def test_lone_sequence_step_in_one_region_equals_per_operation(kernels, preset, dtype, weights, synth_checkpoint):
     """A lone sequence's step in one region runs RoPE, the KV write and attention as one task per
-    kv head (cpu_kernels.cpp rope_kv_attend_head), and (fold "1", the default) every thread computes
-    the norms and SiLU x up feeding its matrix chunks itself; per operation they run over all heads
-    at once, norms and SiLU once. Logits and the cache rows written are bitwise the same."""
+    kv head (cpu_kernels.cpp rope_kv_attend_head); per operation they run over all heads at once.
+    Logits and the cache rows written are bitwise the same."""
     from dualpace.model.loader import load_model
 
-    monkeypatch.setenv("DUALPACE_DECODE_FOLD", fold)
     loaded = load_model(str(synth_checkpoint(preset)), dtype=dtype, weights=weights)
     model, cfg = loaded.model, loaded.config
     results = []
     before = torch.get_num_threads()
     torch.set_num_threads(2)  # the per-head tasks need more than one thread (tests run on one)
     try:
-        _lone_steps(model, cfg, results, monkeypatch)
+        _lone_steps(kernels, model, cfg, results)
     finally:
         torch.set_num_threads(before)
     (logits_1, k_1, v_1), (logits_0, k_0, v_0) = results
@@ -125,12 +121,11 @@ def test_lone_sequence_step_in_one_region_equals_per_operation(kernels, preset, 
     assert torch.equal(k_1, k_0) and torch.equal(v_1, v_0)
 
 
-def _lone_steps(model, cfg, results, monkeypatch):
+def _lone_steps(kernels, model, cfg, results):
     from dualpace.kv.storage import KVStorage
     from dualpace.model.paged_forward import PagedForward, SequenceWork, build_step_tensors
 
-    for one_region in ("1", "0"):
-        monkeypatch.setenv("DUALPACE_DECODE_ONE_REGION", one_region)
+    for in_one_region in (True, False):
         torch.manual_seed(3)
         kv = KVStorage(cfg.num_layers, 16, 4, cfg.num_kv_heads, cfg.head_dim, model.dtype)
         kv.k.normal_()
@@ -139,5 +134,6 @@ def _lone_steps(model, cfg, results, monkeypatch):
         step = build_step_tensors([SequenceWork([7], 29, list(range(2, 10)))], kv.block_size, kv.device)
         if forward._fused_decode(step) is None:
             pytest.skip("head_dim not covered by the fused kernels")
-        logits = forward.forward_tensors(step)
+        with one_region(kernels, in_one_region):
+            logits = forward.forward_tensors(step)
         results.append((logits, kv.k.clone(), kv.v.clone()))

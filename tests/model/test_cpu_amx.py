@@ -8,7 +8,7 @@ import torch
 
 from dualpace.model import cpu_kernels
 from dualpace.model import cpu_kernels_build as kbuild
-from tests.model.test_cpu_kernels import _SUPPORTED, _close
+from tests.model.test_cpu_kernels import _SUPPORTED, _close, one_region
 
 # -- AMX-BF16 tiles (avx512_bf16 variant, CPUs with amx_bf16; skipped by name elsewhere) ---------
 
@@ -97,9 +97,9 @@ def test_amx_routing_rows(amx_kernels):
 
 
 @amx_only
-@pytest.mark.parametrize("one_region", ["1", "0"])
+@pytest.mark.parametrize("in_one_region", [True, False])
 @pytest.mark.parametrize("batch", [3, 12, 32])
-def test_amx_fused_decode_step_matches_gemv_and_torch(amx_kernels, batch, one_region, synth_checkpoint, monkeypatch):
+def test_amx_fused_decode_step_matches_gemv_and_torch(amx_kernels, batch, in_one_region, synth_checkpoint):
     """The fused bf16 decode step with its matrices and LM head on AMX tiles (from 1 row here)
     against the same step without AMX (the GEMV; above LINEAR_MAX_ROWS the per-operation path on
     oneDNN) and against torch, batches up to AMX_MAX_ROWS."""
@@ -107,7 +107,6 @@ def test_amx_fused_decode_step_matches_gemv_and_torch(amx_kernels, batch, one_re
     from dualpace.model.loader import load_model
     from dualpace.model.paged_forward import PagedForward, SequenceWork, build_step_tensors
 
-    monkeypatch.setenv("DUALPACE_DECODE_ONE_REGION", one_region)
     loaded = load_model(str(synth_checkpoint("tiny-mistral")), dtype="bf16", weights="bf16")  # head_dim 32
     model, cfg = loaded.model, loaded.config
     torch.manual_seed(batch)
@@ -124,7 +123,8 @@ def test_amx_fused_decode_step_matches_gemv_and_torch(amx_kernels, batch, one_re
             fused = forward._fused_decode(build_step_tensors(work, kv.block_size, kv.device))
             # without AMX, bf16 steps above LINEAR_MAX_ROWS run per operation (oneDNN's GEMMs)
             assert (fused is not None) == (kernels_on and (amx or batch <= cpu_kernels.LINEAR_MAX_ROWS))
-            return forward.forward(work)
+            with one_region(amx_kernels, in_one_region):
+                return forward.forward(work)
         finally:
             cpu_kernels.set_enabled(True)
 

@@ -3,6 +3,7 @@ instruction-set variant this CPU runs (the others are skipped by name)."""
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 
 import pytest
@@ -20,6 +21,17 @@ _SUPPORTED = kbuild.supported_variants()
 VARIANTS = [pytest.param(name, id=name, marks=pytest.mark.skipif(name not in _SUPPORTED,
                                                                  reason=f"this CPU lacks the features of {name}"))
             for name in kbuild.VARIANTS]
+
+
+@contextlib.contextmanager
+def one_region(kernels, enabled: bool):
+    """Decode steps of `kernels` as one parallel region where it applies (True, the default) or as
+    one region per operation (False) inside the block."""
+    before = kernels.set_one_region(enabled)
+    try:
+        yield
+    finally:
+        kernels.set_one_region(before)
 
 
 @pytest.fixture(params=VARIANTS)
@@ -237,10 +249,10 @@ def _decode_logits(loaded, fused: bool, kernels_on: bool) -> torch.Tensor:
 
 @pytest.mark.parametrize("dtype,weights", [("fp32", "fp32"), ("bf16", "bf16"), ("fp32", "bf16")])
 @pytest.mark.parametrize("preset", ["tiny-llama", "tiny-qwen2", "tiny-mistral", "tiny-qwen3", "tiny-phi3"])
-def test_fused_decode_step_matches_stages_and_torch(kernels, preset, dtype, weights, synth_checkpoint, monkeypatch):
+def test_fused_decode_step_matches_stages_and_torch(kernels, preset, dtype, weights, synth_checkpoint):
     """Also fp32 compute over bf16 matrices (what --dtype auto picks on a CPU without native bf16).
-    The fused step runs as one parallel region (these short contexts) and, with
-    DUALPACE_DECODE_ONE_REGION=0, as one region per operation: both equal the torch reference."""
+    The fused step runs as one parallel region (these short contexts) and as one region per
+    operation: both equal the torch reference."""
     from dualpace.model.loader import load_model
 
     loaded = load_model(str(synth_checkpoint(preset)), dtype=dtype, weights=weights)
@@ -248,9 +260,8 @@ def test_fused_decode_step_matches_stages_and_torch(kernels, preset, dtype, weig
                                                                "dtype": loaded.model.dtype})(), kernels):
         pytest.skip("head_dim not covered by the fused kernels")
     fused = _decode_logits(loaded, fused=True, kernels_on=True)
-    monkeypatch.setenv("DUALPACE_DECODE_ONE_REGION", "0")
-    fused_per_op = _decode_logits(loaded, fused=True, kernels_on=True)
-    monkeypatch.delenv("DUALPACE_DECODE_ONE_REGION")
+    with one_region(kernels, False):
+        fused_per_op = _decode_logits(loaded, fused=True, kernels_on=True)
     stages = _decode_logits(loaded, fused=False, kernels_on=True)
     reference = _decode_logits(loaded, fused=False, kernels_on=False)
     rel = 1e-5 if dtype == "fp32" else 3e-2
@@ -261,35 +272,42 @@ def test_fused_decode_step_matches_stages_and_torch(kernels, preset, dtype, weig
         assert torch.equal(fused.argmax(-1), reference.argmax(-1))
 
 
-@pytest.mark.parametrize("one_region", ["1", "0"])
+def test_one_region_setting_defaults_on_and_reports_the_previous(kernels):
+    """dp_set_decode_one_region: on by default, each call returns the setting before it."""
+    assert kernels.set_one_region(False) is True
+    assert kernels.set_one_region(True) is False
+    assert kernels.set_one_region(True) is True
+
+
+@pytest.mark.parametrize("in_one_region", [True, False])
 @pytest.mark.parametrize("dtype,weights", [("fp32", "fp32"), ("bf16", "bf16"), ("fp32", "bf16")])
-def test_fused_step_logits_equal_separate_lm_head(kernels, dtype, weights, one_region, synth_checkpoint, monkeypatch):
+def test_fused_step_logits_equal_separate_lm_head(kernels, dtype, weights, in_one_region, synth_checkpoint):
     """The final norm and LM head folded into the step's call (dp_decode_step_*) give exactly the
     logits of the layers' call followed by Transformer.logits, in one region and per operation."""
     from dualpace.kv.storage import KVStorage
     from dualpace.model.loader import load_model
     from dualpace.model.paged_forward import PagedForward, SequenceWork, build_step_tensors
 
-    monkeypatch.setenv("DUALPACE_DECODE_ONE_REGION", one_region)
-    loaded = load_model(str(synth_checkpoint("tiny-llama")), dtype=dtype, weights=weights)
-    model, cfg = loaded.model, loaded.config
-    kv = KVStorage(cfg.num_layers, 24, 4, cfg.num_kv_heads, cfg.head_dim, model.dtype)
-    kv.k.normal_()
-    kv.v.normal_()
-    work = [SequenceWork([5 + i], 6 + 7 * i, list(range(8 * i, 8 * i + 8))) for i in range(3)]
-    step = build_step_tensors(work, kv.block_size, kv.device)
-    fused = PagedForward(model, kv)._fused_decode(step)
-    if fused is None:
-        pytest.skip("head_dim not covered by the fused kernels")
-    with torch.inference_mode():
-        rope = model.rope_angles(step.positions)
-        args = (rope.cos, rope.sin, step.slot_ids, step.decode_block_tables, step.decode_context_lens)
-        hidden = model.embed(step.token_ids)
-        assert fused.head_applies(hidden)
-        separate_hidden = hidden.clone()
-        folded = fused.run(hidden, *args, with_logits=True)
-        assert fused.run(separate_hidden, *args) is None
-        separate = model.logits(separate_hidden)
+    with one_region(kernels, in_one_region):
+        loaded = load_model(str(synth_checkpoint("tiny-llama")), dtype=dtype, weights=weights)
+        model, cfg = loaded.model, loaded.config
+        kv = KVStorage(cfg.num_layers, 24, 4, cfg.num_kv_heads, cfg.head_dim, model.dtype)
+        kv.k.normal_()
+        kv.v.normal_()
+        work = [SequenceWork([5 + i], 6 + 7 * i, list(range(8 * i, 8 * i + 8))) for i in range(3)]
+        step = build_step_tensors(work, kv.block_size, kv.device)
+        fused = PagedForward(model, kv)._fused_decode(step)
+        if fused is None:
+            pytest.skip("head_dim not covered by the fused kernels")
+        with torch.inference_mode():
+            rope = model.rope_angles(step.positions)
+            args = (rope.cos, rope.sin, step.slot_ids, step.decode_block_tables, step.decode_context_lens)
+            hidden = model.embed(step.token_ids)
+            assert fused.head_applies(hidden)
+            separate_hidden = hidden.clone()
+            folded = fused.run(hidden, *args, with_logits=True)
+            assert fused.run(separate_hidden, *args) is None
+            separate = model.logits(separate_hidden)
     assert folded.dtype == torch.float32 and folded.shape == (3, cfg.vocab_size)
     assert torch.equal(hidden, separate_hidden)
     assert torch.equal(folded, separate)

@@ -9,11 +9,12 @@ import torch
 
 from dualpace.errors import InvalidArgument
 from dualpace.generation import OfflineGenerator
-from dualpace.model import quant_activations, quant_kernels
+from dualpace.model import cpu_kernels, quant_activations, quant_kernels
 from dualpace.model.loader import describe_weights, load_model, weights_num_bytes
 from dualpace.model.quant import QuantizedWeight, quantize_q8_0
 from dualpace.model.registry import DEFAULT_MODEL_NAME
 from dualpace.sampling import SamplingParams
+from tests.model.test_cpu_kernels import one_region
 from tests.model.test_parity import prompt_logits
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,",
@@ -132,10 +133,10 @@ def test_weights_flag_reaches_generate_and_the_engines(synth_checkpoint, capsys)
     assert parser.parse_args([]).weights == "native" and parser.parse_args(["--weights", "int8"]).weights == "int8"
 
 
-def test_fused_decode_takes_32_rows_of_block_weights(native_fp32, monkeypatch):
+def test_fused_decode_takes_32_rows_of_block_weights(native_fp32):
     """With block-quantized matrices the one-call decode step runs up to 32 sequences (dense
     matrices of the compute dtype: 8) and gives the per-stage path's logits, both as one parallel
-    region (these short contexts) and, with DUALPACE_DECODE_ONE_REGION=0, one region per operation."""
+    region (these short contexts) and as one region per operation."""
     from dualpace.kv.storage import KVStorage
     from dualpace.model.paged_forward import PagedForward, SequenceWork, build_step_tensors
 
@@ -153,12 +154,12 @@ def test_fused_decode_takes_32_rows_of_block_weights(native_fp32, monkeypatch):
     stages_path._fused_decode = lambda step: None
     a, b = fused_path.forward(work), stages_path.forward(work)
     assert (a - b).abs().max().item() < 1e-3 and torch.equal(a.argmax(-1), b.argmax(-1))
-    monkeypatch.setenv("DUALPACE_DECODE_ONE_REGION", "0")
-    per_op = PagedForward(native_fp32.model, kv).forward(work)
+    with one_region(cpu_kernels.get(), False):
+        per_op = PagedForward(native_fp32.model, kv).forward(work)
     assert (a - per_op).abs().max().item() < 1e-4 and torch.equal(a.argmax(-1), per_op.argmax(-1))
 
 
-def test_one_region_step_with_long_contexts_matches_per_op(native_fp32, monkeypatch):
+def test_one_region_step_with_long_contexts_matches_per_op(native_fp32):
     """At least as many sequences as threads with contexts past decode_attention's own split: the
     one-region step (a sequence per attention task) gives the per-operation path's logits."""
     from dualpace.kv.storage import KVStorage
@@ -170,8 +171,8 @@ def test_one_region_step_with_long_contexts_matches_per_op(native_fp32, monkeypa
     kv.k.normal_()
     kv.v.normal_()
     work = [SequenceWork([7 + i], 480 + 9 * i, list(range(130 * i, 130 * i + 123))) for i in range(2)]
-    one_region = PagedForward(native_fp32.model, kv).forward(work)
-    monkeypatch.setenv("DUALPACE_DECODE_ONE_REGION", "0")
-    per_op = PagedForward(native_fp32.model, kv).forward(work)
-    assert (one_region - per_op).abs().max().item() < 1e-4
-    assert torch.equal(one_region.argmax(-1), per_op.argmax(-1))
+    in_one_region = PagedForward(native_fp32.model, kv).forward(work)
+    with one_region(cpu_kernels.get(), False):
+        per_op = PagedForward(native_fp32.model, kv).forward(work)
+    assert (in_one_region - per_op).abs().max().item() < 1e-4
+    assert torch.equal(in_one_region.argmax(-1), per_op.argmax(-1))

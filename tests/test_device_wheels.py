@@ -6,9 +6,9 @@ import re
 import tomllib
 from pathlib import Path
 
-from bench import device_wheels
+from toolkit import device_wheels
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def _dependency_names() -> set[str]:
@@ -18,7 +18,7 @@ def _dependency_names() -> set[str]:
 
 def test_every_runtime_dependency_is_on_the_device_or_carried():
     uncovered = _dependency_names() - device_wheels.ON_DEVICE - set(device_wheels.CARRIED)
-    assert not uncovered, f"add to bench/device_wheels.py CARRIED or ON_DEVICE: {sorted(uncovered)}"
+    assert not uncovered, f"add to toolkit/device_wheels.py CARRIED or ON_DEVICE: {sorted(uncovered)}"
 
 
 def test_carried_wheels_are_pinned_to_this_venv_for_cpython_312_manylinux(tmp_path):

@@ -4,7 +4,7 @@ FMA, 512 bits) and vdpbf16ps (bf16 pairs into fp32, 512 bits), 12 accumulators e
 latency x throughput), timed per thread count; the best of --repeats runs. Results are multiply-
 adds per second (a MAC is two of the "ops" vendors count).
 
-    python -m bench.cpu_peak --threads 1,2
+    python -m toolkit.cpu_peak --threads 1,2
 
 Instructions the CPU or the compiler lacks are skipped (reported as null). Used beside
 bench.cpu_decode to state the share of peak a batched step reaches.

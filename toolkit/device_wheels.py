@@ -5,10 +5,10 @@ numpy, tokenizers, jinja2, safetensors, aiohttp, uvloop, rich, prometheus-client
 hypothesis. What the project needs beyond that, or at another version (the generated gRPC stubs
 need this venv's protobuf and grpcio), travels as wheels for CPython 3.12 manylinux x86-64:
 
-    python -m bench.device_wheels --dest .whl      # what `make device-check` runs
+    python -m toolkit.device_wheels --dest .whl      # what `make device-check` runs
 
 prints the one command to run there. Every runtime dependency in pyproject.toml is either on the
-machine already (ON_DEVICE) or carried (CARRIED); tests/bench/test_device_wheels.py checks that.
+machine already (ON_DEVICE) or carried (CARRIED); tests/test_device_wheels.py checks that.
 """
 
 from __future__ import annotations
