@@ -35,8 +35,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from dualpace.engine.transfer.kv_transfer import KvChunk
-from dualpace.errors import Unavailable
 
 _FLAG_PREFIX = "fault_"
 
@@ -98,16 +96,6 @@ class FaultConfig:
     @property
     def step_delay_s(self) -> float:
         return (self.step_delay_ms or 0) / 1e3
-
-    def outgoing_chunk(self, chunk: KvChunk) -> KvChunk | None:
-        """The chunk to send (possibly corrupted), None to skip it; raises to cut the transfer."""
-        if self.kv_cut_after is not None and chunk.seq >= self.kv_cut_after:
-            raise Unavailable(f"fault injected: KV transfer cut after {self.kv_cut_after} chunks")
-        if chunk.seq == self.kv_drop_chunk:
-            return None
-        if chunk.seq == self.kv_corrupt_chunk:
-            return dataclasses.replace(chunk, k=bytes([chunk.k[0] ^ 0x01]) + chunk.k[1:])
-        return chunk
 
     def check_forward(self, num_forward_steps: int) -> None:
         """Called before the `num_forward_steps`-th forward pass (1-based); raises InjectedFault on the chosen one."""

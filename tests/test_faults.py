@@ -7,8 +7,6 @@ import argparse
 import pytest
 
 from dualpace.engine.core import EngineConfig, EngineCore
-from dualpace.engine.transfer.kv_transfer import KvChunk
-from dualpace.errors import Unavailable
 from dualpace.faults import FaultConfig, InjectedFault, add_fault_arguments, flag_name
 from dualpace.generation import OfflineGenerator
 from dualpace.sampling import FinishReason, SamplingParams
@@ -79,13 +77,6 @@ def test_forward_raises_only_at_the_chosen_step():
     faults.check_forward(4)
 
 
-def test_outgoing_chunk_faults():
-    chunk = KvChunk(seq=1, layer=0, token_start=0, token_end=1, k=b"\x00\x01", v=b"\x02", crc32=0)
-    assert FaultConfig().outgoing_chunk(chunk) is chunk
-    assert FaultConfig(kv_drop_chunk=1).outgoing_chunk(chunk) is None
-    assert FaultConfig(kv_corrupt_chunk=1).outgoing_chunk(chunk).k == b"\x01\x01"
-    with pytest.raises(Unavailable, match="cut after 1"):
-        FaultConfig(kv_cut_after=1).outgoing_chunk(chunk)
 
 
 # ---------------------------------------------------------------------- the runner honours them

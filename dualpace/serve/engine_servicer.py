@@ -28,7 +28,6 @@ from dualpace.serve.kv_events_stream import watch_kv_events
 from dualpace.engine.transfer.kv_tcp_import import TcpImport
 from dualpace.serve.kv_shm_transport import SameHostKv, SameHostKvSender
 from dualpace.serve.kv_tcp_transport import TcpKvSender
-from dualpace.serve.kv_transport import GrpcKvSender
 from dualpace.serve.logging_setup import (
     bind_request_id,
     get_logger,
@@ -59,7 +58,7 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
                  peers: PeerList | None = None, tls: TlsConfig | None = None,
                  channels: PeerChannels | None = None):
         self.loop = loop
-        self.same_host = same_host  # KV through shared memory with daemons on this host (None: gRPC only)
+        self.same_host = same_host  # KV through shared memory with daemons on this host (None: no shared memory)
         self.peers = peers or PeerList()  # MigrateOut targets allowed (--peer); none by default
         self.leases = OrphanLeases(loop, orphan_timeout_s)  # keep-running requests nobody reads
         self.faults = faults or FaultConfig()
@@ -144,13 +143,13 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
             stats = dataclasses.replace(stats, transport="tcp")
         return messages.migrate_out_response_to_pb(stats)
 
-    def _sender(self, target_address: str) -> GrpcKvSender:
-        """This engine's KV sender to another: shared memory or the data socket (gRPC alone: in-process
-        servicers without a same-host side)."""
+    def _sender(self, target_address: str) -> TcpKvSender:
+        """This engine's KV sender to another: shared memory or the data socket (the data socket alone:
+        in-process servicers without a same-host side)."""
         if self.same_host is not None:
             return self.same_host.sender(target_address, self.faults, self.auth_token, self.tls)
-        return GrpcKvSender(target_address, self.faults, auth_token=self.auth_token, tls=self.tls,
-                            channels=self.channels)
+        return TcpKvSender(target_address, faults=self.faults, auth_token=self.auth_token, tls=self.tls,
+                           channels=self.channels)
 
     async def ImportKv(self, request_iterator, context):
         importer = KvImporter(self.loop)
@@ -159,7 +158,6 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
         started = time.perf_counter()
         marks = importer.marks  # (event, perf_counter s): this process's clock, the sender's too on one host
         marks.append(("stream_start", started))
-        chunk_ms = 0.0
         try:
             async for message in request_iterator:
                 kind = message.WhichOneof("kind")
@@ -180,7 +178,7 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
                     offer = shm_messages.shm_offer_from_pb(message.header)
                     answer = None
                     if offer is not None:
-                        answer = shm.answer(offer) if shm is not None else ShmDeclined("the target takes gRPC only")
+                        answer = shm.answer(offer) if shm is not None else ShmDeclined("the target has no shared KV pool")
                     if tcp_messages.has_tcp_offer(message.header) and not isinstance(answer, ShmReservation):
                         tcp = self._tcp_side(importer)  # shared memory declined (another host) or not offered
                         yield tcp_messages.tcp_answer_to_pb(tcp.answer())
@@ -196,34 +194,25 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
                     marks.append(("verified", time.perf_counter()))
                     if written.commit:
                         yield await self._commit_import(importer)
-                        _log_import(importer, started, chunk_ms)
+                        _log_import(importer, started)
                         return
                 elif kind == "shm_written":
                     if shm is None:
-                        raise InvalidArgument("shm_written", "this engine takes KV over gRPC only")
+                        raise InvalidArgument("shm_written", "this engine has no shared KV pool")
                     written = shm_messages.shm_written_from_pb(message.shm_written)
                     await shm.written(written)
                     marks.append(("verified", time.perf_counter()))
                     if written.commit:  # prepare and commit in the same message (commit prepares first)
                         yield await self._commit_import(importer)
-                        _log_import(importer, started, chunk_ms)  # once the reply is on its way
+                        _log_import(importer, started)  # once the reply is on its way
                         return
-                elif kind in ("chunk", "chunk_batch"):
-                    if tcp is not None:  # the sender could not reach the data socket: chunks instead
-                        tcp.before_chunks()
-                    chunk_start = time.perf_counter()
-                    if kind == "chunk":
-                        await importer.chunk(messages.kv_chunk_from_pb(message.chunk))
-                    else:  # several in one message: one hop to the import pool for all of them
-                        await importer.chunks(messages.kv_chunk_batch_from_pb(message.chunk_batch))
-                    chunk_ms += (time.perf_counter() - chunk_start) * 1e3
                 elif kind == "prepare":
                     progress = await importer.prepare()
                     num_kv_blocks = len(self.loop.core.scheduler.blocks.block_ids(progress.header.request_id))
                     yield messages.import_prepared_to_pb(progress, num_kv_blocks)
                 elif kind == "commit":
                     yield await self._commit_import(importer)
-                    _log_import(importer, started, chunk_ms)
+                    _log_import(importer, started)
                     return
                 else:
                     raise InvalidArgument("kind", "empty ImportKv message")
@@ -305,7 +294,7 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
             yield kv_event_batch_to_pb(events, name)
 
 
-def _log_import(importer: KvImporter, started: float, chunk_ms: float) -> None:
+def _log_import(importer: KvImporter, started: float) -> None:
     """The import's debug line (its marks: where the time went), written after the committed reply
     left (at DEBUG it took ~0.1-0.3 ms before the reply, on the transfer's path)."""
     marks = importer.marks
@@ -314,7 +303,6 @@ def _log_import(importer: KvImporter, started: float, chunk_ms: float) -> None:
     log.debug("kv import", request_id=importer.progress.header.request_id,
               marks_s=[(name, round(t, 6)) for name, t in marks],
               chunks=importer.progress.next_seq, bytes=importer.progress.num_bytes,
-              chunk_handling_ms=round(chunk_ms, 2),
               commit_ms=round((committed_at - commit_from) * 1e3, 2),
               total_ms=round((committed_at - started) * 1e3, 2))
 

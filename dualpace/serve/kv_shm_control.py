@@ -17,7 +17,6 @@ import grpc
 
 from dualpace.engine.transfer.same_host import SameHostRefused
 from dualpace.engine.transfer.shm_control import OutgoingStream
-from dualpace.wire.kv_chunk_wire import serialize_import_message
 
 _CODES = {code.value[0]: code for code in grpc.StatusCode}
 
@@ -29,7 +28,7 @@ class WatchImportCall:
 
     async def write(self, message) -> None:
         try:
-            self.stream.write(serialize_import_message(message))
+            self.stream.write(message.SerializeToString())
         except (ConnectionError, SameHostRefused) as exc:
             raise asyncio.InvalidStateError(str(exc)) from None
 

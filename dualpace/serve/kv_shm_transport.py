@@ -33,7 +33,7 @@ from dualpace.errors import InvalidArgument, Unavailable
 from dualpace.faults import FaultConfig
 from dualpace.serve.kv_shm_control import WatchImportCall
 from dualpace.serve.kv_tcp_transport import TcpKvSender
-from dualpace.serve.kv_transport import GrpcKvSender
+from dualpace.serve.kv_transport import KvControlSender
 from dualpace.serve.peer_channels import PeerChannels
 from dualpace.serve.security import TlsConfig
 from dualpace.wire.kv_shm_messages import kv_header_with_offer_to_pb, shm_answer_from_pb, shm_written_to_pb
@@ -50,7 +50,7 @@ DECLINE_MEMORY_S = 60.0  # a target that declined is offered shared memory again
 
 class SameHostKvSender(TcpKvSender):
     """send(header, chunks) for migrate_out: shared memory when the target proves it is on this host;
-    else its TCP data socket (offered in the same header), else chunks over gRPC."""
+    else its TCP data socket (offered in the same header); neither fails the transfer."""
 
     def __init__(self, target_address: str, pools: MappedPools, declined_until: dict[str, float],
                  channels: PeerChannels | None = None, **kwargs):
@@ -188,7 +188,7 @@ class SameHostKv:
     tcp: TcpDataServer | None = None  # this engine's KV data socket (None: in-process tests only)
 
     def sender(self, target_address: str, faults: FaultConfig, auth_token: str | None,
-               tls: TlsConfig | None = None) -> GrpcKvSender:
+               tls: TlsConfig | None = None) -> KvControlSender:
         if self.transport == "tcp":
             return TcpKvSender(target_address, faults=faults, auth_token=auth_token, tls=tls, channels=self.channels)
         return SameHostKvSender(target_address, self.mapped, self.declined_until, self.channels, faults=faults,

@@ -30,13 +30,13 @@ from dualpace.engine.transfer.prefix_copy import SourceFrom
 from dualpace.errors import Unavailable
 from dualpace.engine.transfer.worker_pools import run_in_pool
 from dualpace.serve.address import UNIX_PREFIX, data_socket_peer_host
-from dualpace.serve.kv_transport import GrpcKvSender, _ended
+from dualpace.serve.kv_transport import KvControlSender, _ended
 from dualpace.wire.engine_messages import kv_header_to_pb
 from dualpace.wire.kv_tcp_messages import add_tcp_offer, tcp_answer_from_pb, tcp_written_to_pb
 
 
 
-class TcpKvSender(GrpcKvSender):
+class TcpKvSender(KvControlSender):
     """send(header, chunks) for migrate_out: the KV over the target's data socket where it takes it."""
 
     def __init__(self, target_address: str, **kwargs):

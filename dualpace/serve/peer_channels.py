@@ -17,7 +17,7 @@ import grpc
 from dualpace.serve.security import TlsConfig, peer_channel
 from dualpace.serve.server import channel_options
 
-# The deadline of one KV transfer's call (GrpcKvSender's default), so the grace the calls still on
+# The deadline of one KV transfer's call (KvControlSender's default), so the grace the calls still on
 # a dropped channel get. Here, not in kv_transport, which imports this module.
 TRANSFER_TIMEOUT_S = 120.0
 # A channel of its own connections: by default gRPC shares connections (subchannels) across the

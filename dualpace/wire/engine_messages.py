@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 from dualpace import __version__
 from dualpace.engine.channel import ChannelUpdate
-from dualpace.engine.transfer.kv_transfer import KvChunk, KvLayout, KvTransferHeader, PrefixCopy
+from dualpace.engine.transfer.kv_transfer import KvLayout, KvTransferHeader, PrefixCopy
 from dualpace.errors import InvalidArgument
 from dualpace.engine.load import EngineLoad, RequestSummary
 from dualpace.engine.request import EngineRequest, RequestState
@@ -241,23 +241,6 @@ def copy_prefix_request_from_pb(message: engine_pb2.CopyPrefixRequest) -> tuple[
 def copy_prefix_response_to_pb(copy: PrefixCopy, duration_ms: float) -> engine_pb2.CopyPrefixResponse:
     return engine_pb2.CopyPrefixResponse(num_tokens=copy.num_tokens, num_sent_tokens=copy.num_sent_tokens,
                                          duration_ms=duration_ms, target_engine=copy.target_engine)
-
-
-def kv_chunk_to_pb(chunk: KvChunk) -> engine_pb2.ImportKvMessage:
-    return engine_pb2.ImportKvMessage(chunk=engine_pb2.KvChunk(
-        seq=chunk.seq, layer=chunk.layer, token_start=chunk.token_start, token_end=chunk.token_end,
-        k=bytes(chunk.k), v=bytes(chunk.v), crc32=chunk.crc32,  # bytes(): k, v may be buffers (a copy if so)
-    ))
-
-
-def kv_chunk_from_pb(message: engine_pb2.KvChunk) -> KvChunk:
-    return KvChunk(seq=message.seq, layer=message.layer, token_start=message.token_start,
-                   token_end=message.token_end, k=message.k, v=message.v, crc32=message.crc32)
-
-
-def kv_chunk_batch_from_pb(message: engine_pb2.KvChunkBatch) -> list[KvChunk]:
-    """The consecutive chunks of one ImportKvMessage.chunk_batch, in order."""
-    return [kv_chunk_from_pb(chunk) for chunk in message.chunks]
 
 
 def engine_info_to_pb(core) -> engine_pb2.EngineInfo:

@@ -1,5 +1,5 @@
-"""Hand-made KV transfers: the header and chunks a source would send, and an ImportKv call fed
-message by message from the test."""
+"""Hand-made KV transfers: the header a source would send, and an ImportKv call fed message by
+message from the test."""
 
 from __future__ import annotations
 
@@ -12,10 +12,11 @@ from dualpace.wire.v1 import common_pb2, engine_pb2, engine_pb2_grpc
 
 
 def kv_header(request_id: str, prompt: list[int], outputs: list[int], max_tokens: int, info: engine_pb2.EngineInfo,
-              dtype: str = "float32") -> engine_pb2.ImportKvMessage:
-    """The header of a transfer carrying the KV of every token but the last sampled one,
-    one chunk per layer (what a source would send), for the engine described by `info`."""
-    num_computed = len(prompt) + len(outputs) - 1
+              dtype: str = "float32", with_kv: bool = True) -> engine_pb2.ImportKvMessage:
+    """The header of a transfer carrying the KV of every token but the last sampled one, one
+    chunk per layer (what a source would send), for the engine described by `info`; with_kv=False:
+    a request moved without KV (the target recomputes it)."""
+    num_computed = len(prompt) + len(outputs) - 1 if with_kv else 0
     chunk_bytes = 2 * num_computed * info.num_kv_heads * info.head_dim * DTYPE_SIZES[dtype]
     return engine_pb2.ImportKvMessage(header=engine_pb2.ImportKvHeader(
         request_id=request_id, prompt_token_ids=prompt, output_token_ids=outputs,
@@ -23,23 +24,11 @@ def kv_header(request_id: str, prompt: list[int], outputs: list[int], max_tokens
         num_computed_tokens=num_computed, num_tokens_emitted=len(outputs),
         layout=engine_pb2.KvLayout(num_layers=info.num_layers, num_kv_heads=info.num_kv_heads,
                                    head_dim=info.head_dim, block_size=info.block_size, dtype=dtype),
-        total_chunks=info.num_layers, total_bytes=chunk_bytes * info.num_layers, source_engine="test"))
+        total_chunks=info.num_layers if with_kv else 0, total_bytes=chunk_bytes * info.num_layers,
+        source_engine="test"))
 
 
 DTYPE_SIZES = {"float32": 4, "bfloat16": 2, "float16": 2}
-
-
-def kv_chunk(seq: int, layer: int, token_start: int, token_end: int, info: engine_pb2.EngineInfo,
-             dtype: str = "float32", fill: int = 0) -> engine_pb2.ImportKvMessage:
-    """A well-formed chunk (right size, right crc32) of arbitrary KV values."""
-    from dualpace.engine.transfer.kv_checksum import kv_checksum
-
-    size = (token_end - token_start) * info.num_kv_heads * info.head_dim * DTYPE_SIZES[dtype]
-    k = bytes((fill + i) % 7 for i in range(size))  # small values in any dtype's bytes
-    v = bytes((fill + 3 * i) % 5 for i in range(size))
-    return engine_pb2.ImportKvMessage(chunk=engine_pb2.KvChunk(
-        seq=seq, layer=layer, token_start=token_start, token_end=token_end, k=k, v=v,
-        crc32=kv_checksum(k, v)))
 
 
 class ImportCall:

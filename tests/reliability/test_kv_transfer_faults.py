@@ -8,8 +8,8 @@ was due) and they all migrate to one target.
 Criteria: MigrateOut fails (UNAVAILABLE), the target frees whatever it reserved for the
 partial import and does not hold the request, the source keeps the request and it completes
 exactly as its solo run; afterwards both engines hold zero KV blocks. A hand-made source
-also shows the target's reserved blocks while the import is half done, and their release
-when the stream dies or a chunk is rejected.
+also shows the target's reserved blocks once the header is accepted, and their release when
+the stream dies or a message out of turn is rejected.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from tests.reliability.conftest import (
     start_gpu,
 )
 from tests.helpers import wait_for
-from tests.reliability.kv_transfers import ImportCall, kv_chunk, kv_header
+from tests.reliability.kv_transfers import ImportCall, kv_header
 
 NUM_LAYERS = 2
 FAULTS = {
@@ -100,36 +100,35 @@ def test_failed_transfer_keeps_the_request_on_the_source(engines, reference, qwe
         assert probe.requests() == {}
 
 
-@pytest.mark.parametrize("how", ["stream cut at 50%", "sequence gap", "corrupt chunk"])
+@pytest.mark.parametrize("how", ["stream cut after the header", "prepare before the KV", "written without a data socket"])
 def test_partial_import_blocks_are_freed_on_the_target(engines, how):
     _, probes = engines
     target = probes["target"]
     info = target.info()
     outputs = [7, 8, 9]
     num_computed = len(PROMPT) + len(outputs) - 1
-    request_id = f"partial-{how.replace(' ', '-').replace('%', '')}"
+    request_id = f"partial-{how.replace(' ', '-')}"
     call = ImportCall(target.stub)
     try:
-        call.send(kv_header(request_id, PROMPT, outputs, 64, info), kv_chunk(0, 0, 0, num_computed, info))
+        call.send(kv_header(request_id, PROMPT, outputs, 64, info))
         # Reserved for the whole transfer as soon as the header was accepted.
         expected_blocks = -(-num_computed // info.block_size)
         assert wait_for(target.blocks_used, lambda used: used > 0, timeout_s=5) == expected_blocks
-        if how == "stream cut at 50%":
+        if how == "stream cut after the header":
             call.cancel()
-        elif how == "sequence gap":
-            call.send(kv_chunk(2, 1, 0, num_computed, info))
-        else:
-            bad = kv_chunk(1, 1, 0, num_computed, info)
-            bad.chunk.crc32 ^= 1
-            call.send(bad)
+        elif how == "prepare before the KV":
+            call.send(engine_pb2.ImportKvMessage(prepare=engine_pb2.ImportKvPrepare()))
+        else:  # the header offered no data socket, so no KV can have been written through one
+            written = engine_pb2.KvTcpWritten(layer_crc32=[0] * info.num_layers, commit=True)
+            call.send(engine_pb2.ImportKvMessage(tcp_written=written))
         assert call.done.wait(30)
     finally:
         call.cancel()
-    if how == "stream cut at 50%":
+    if how == "stream cut after the header":
         assert call.error.code() == grpc.StatusCode.CANCELLED
     else:
         assert call.error.code() == grpc.StatusCode.INVALID_ARGUMENT, call.error
-        assert ("chunk.seq" if how == "sequence gap" else "chunk.crc32") in call.error.details()
+        assert ("prepare" if how == "prepare before the KV" else "tcp_written") in call.error.details()
     assert not call.replies
     assert wait_for(target.blocks_used, lambda used: used == 0, timeout_s=5) == 0
     assert request_id not in target.requests()

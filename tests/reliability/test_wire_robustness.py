@@ -7,9 +7,9 @@ daemon says SERVING, serves a valid request, and holds no KV block.
 - garbage bytes on the port, over a raw socket;
 - messages over the server's maximum receive size (64 MiB) on Generate and ImportKv:
   RESOURCE_EXHAUSTED;
-- malformed KV chunks on ImportKv, generated with hypothesis from a valid transfer with one
-  defect each (bad sizes, sequence numbers, layers, token ranges, dtype or shape, crc32):
-  INVALID_ARGUMENT naming the field, and the blocks reserved by the header freed again.
+- malformed KV headers on ImportKv, generated with hypothesis from a valid transfer with one
+  defect each (dtype or shape), and KV said written through a data socket the header never
+  offered: INVALID_ARGUMENT naming the field, and any blocks reserved by the header freed again.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from tests.reliability.conftest import (
     start_gpu,
 )
 from tests.helpers import wait_for
-from tests.reliability.kv_transfers import DTYPE_SIZES, ImportCall, kv_chunk, kv_header
+from tests.reliability.kv_transfers import DTYPE_SIZES, ImportCall, kv_header
 
 PROMPT = [(5 * i + 2) % 500 + 1 for i in range(10)]
 OUTPUTS = [7, 8, 9]
@@ -110,9 +110,9 @@ def test_oversized_messages_are_refused(engine):
         info = probe.info()
         call = ImportCall(stub)
         try:
-            huge = kv_chunk(0, 0, 0, NUM_COMPUTED, info)
-            huge.chunk.k = b"\0" * too_big
-            call.send(kv_header("huge-import", PROMPT, OUTPUTS, 64, info), huge)
+            huge = kv_header("huge-import", PROMPT, OUTPUTS, 64, info)
+            huge.header.source_engine = "x" * too_big
+            call.send(huge)
             call.close()
             assert call.done.wait(60)
         finally:
@@ -122,82 +122,36 @@ def test_oversized_messages_are_refused(engine):
     assert_still_serving(daemon, probe)
 
 
-# ---------------------------------------------------------------------- malformed KV chunks
+# ---------------------------------------------------------------------- malformed KV headers
 
 
 def mutations(info: engine_pb2.EngineInfo):
-    """(name, mutate(header, chunk) -> None, field the error must name) with one defect each."""
-    per_token = info.num_kv_heads * info.head_dim * 4
-    right = NUM_COMPUTED * per_token
-
-    def sizes(wrong_size):
-        return st.integers(0, 3 * right).filter(lambda n: n != right).map(wrong_size)
-
-    def resized(which: str, size: int):
-        def mutate(header, chunk):
-            data = bytes(i % 251 for i in range(size))
-            setattr(chunk.chunk, which, data)
-            chunk.chunk.crc32 = crc(chunk.chunk.k, chunk.chunk.v)
-        return mutate
+    """(name, mutate(header) -> None, field the error must name) with one defect each."""
 
     def setter(path: str, value):
-        def mutate(header, chunk):
-            target_message, attribute = (header.header, path[7:]) if path.startswith("header.") else \
-                (chunk.chunk, path)
-            *parents, leaf = attribute.split(".")
+        def mutate(header):
+            target_message = header.header
+            *parents, leaf = path.split(".")
             for parent in parents:
                 target_message = getattr(target_message, parent)
             setattr(target_message, leaf, value)
         return mutate
 
-    def as_dtype(dtype: str):
-        def mutate(header, chunk):  # the header says one dtype, the chunk holds another's bytes
-            header.header.layout.dtype = dtype
-            chunk_bytes_per_tensor = NUM_COMPUTED * info.num_kv_heads * info.head_dim * DTYPE_SIZES[dtype]
-            header.header.total_bytes = 2 * chunk_bytes_per_tensor * info.num_layers
-        return mutate
-
-    def bad_crc(delta: int):
-        def mutate(header, chunk):
-            chunk.chunk.crc32 = (chunk.chunk.crc32 + delta) % 2**32
-        return mutate
-
-    def flipped(index: int):
-        def mutate(header, chunk):  # a bit flipped in transit: the crc32 no longer matches
-            k = bytearray(chunk.chunk.k)
-            k[index % len(k)] ^= 0x10
-            chunk.chunk.k = bytes(k)
-        return mutate
-
     return st.one_of(
-        sizes(lambda n: ("k size", resized("k", n), "chunk")),
-        sizes(lambda n: ("v size", resized("v", n), "chunk")),
-        st.integers(1, U32).map(lambda n: ("seq", setter("seq", n), "chunk.seq")),
-        st.integers(info.num_layers, U32).map(lambda n: ("layer", setter("layer", n), "chunk.layer")),
-        st.integers(1, U32).map(lambda n: ("token_start", setter("token_start", n), "chunk.token_start")),
-        st.one_of(st.just(0), st.integers(NUM_COMPUTED + 1, U32)).map(
-            lambda n: ("token_end", setter("token_end", n), "chunk.token_start")),
-        st.sampled_from(["bfloat16", "float16"]).map(lambda d: (f"dtype {d}", as_dtype(d), "chunk")),
         st.text(min_size=0, max_size=12).filter(lambda d: d not in DTYPE_SIZES).map(
-            lambda d: (f"unknown dtype {d!r}", setter("header.layout.dtype", d), "header.layout.dtype")),
+            lambda d: (f"unknown dtype {d!r}", setter("layout.dtype", d), "header.layout.dtype")),
         st.integers(0, U32).filter(lambda n: n != info.num_kv_heads).map(
-            lambda n: ("num_kv_heads", setter("header.layout.num_kv_heads", n), "header.layout")),
+            lambda n: ("num_kv_heads", setter("layout.num_kv_heads", n), "header.layout")),
         st.integers(0, U32).filter(lambda n: n != info.head_dim).map(
-            lambda n: ("head_dim", setter("header.layout.head_dim", n), "header.layout")),
+            lambda n: ("head_dim", setter("layout.head_dim", n), "header.layout")),
         st.integers(0, U32).filter(lambda n: n != info.num_layers).map(
-            lambda n: ("num_layers", setter("header.layout.num_layers", n), "header.layout")),
-        st.integers(1, U32 - 1).map(lambda n: ("crc32", bad_crc(n), "chunk.crc32")),
-        st.integers(0, right - 1).map(lambda i: ("flipped bit", flipped(i), "chunk.crc32")),
+            lambda n: ("num_layers", setter("layout.num_layers", n), "header.layout")),
+        st.integers(1, U32).filter(lambda n: n != NUM_COMPUTED).map(
+            lambda n: ("num_computed_tokens", setter("num_computed_tokens", n), "header.num_computed_tokens")),
     )
 
 
-def crc(k: bytes, v: bytes) -> int:
-    from dualpace.engine.transfer.kv_checksum import kv_checksum
-
-    return kv_checksum(k, v)
-
-
-def test_malformed_kv_chunks_get_clean_errors(engine):
+def test_malformed_kv_headers_get_clean_errors(engine):
     daemon, probe = engine
     info = probe.info()
 
@@ -207,11 +161,10 @@ def test_malformed_kv_chunks_get_clean_errors(engine):
         name, mutate, field = mutation
         request_id = f"import-{next(_ids)}"
         header = kv_header(request_id, PROMPT, OUTPUTS, 64, info)
-        chunk = kv_chunk(0, 0, 0, NUM_COMPUTED, info)
-        mutate(header, chunk)
+        mutate(header)
         call = ImportCall(probe.stub, timeout_s=30)
         try:
-            call.send(header, chunk, engine_pb2.ImportKvMessage(prepare=engine_pb2.ImportKvPrepare()))
+            call.send(header, engine_pb2.ImportKvMessage(prepare=engine_pb2.ImportKvPrepare()))
             call.close()
             assert call.done.wait(30), name
         finally:
@@ -227,14 +180,36 @@ def test_malformed_kv_chunks_get_clean_errors(engine):
     assert_still_serving(daemon, probe)
 
 
+def test_kv_said_written_without_a_data_socket_is_refused(engine):
+    """The header offered neither shared memory nor the data socket: no KV can have been written."""
+    daemon, probe = engine
+    info = probe.info()
+    call = ImportCall(probe.stub, timeout_s=30)
+    try:
+        written = engine_pb2.KvTcpWritten(layer_crc32=[0] * info.num_layers, commit=True)
+        shm_written = engine_pb2.KvShmWritten(layer_crc32=[0] * info.num_layers, commit=True)
+        call.send(kv_header("unoffered", PROMPT, OUTPUTS, 64, info), engine_pb2.ImportKvMessage(tcp_written=written),
+                  engine_pb2.ImportKvMessage(shm_written=shm_written))
+        call.close()
+        assert call.done.wait(30)
+    finally:
+        call.cancel()
+    assert call.error is not None and call.error.code() == grpc.StatusCode.INVALID_ARGUMENT, call.error
+    assert "tcp_written" in call.error.details()
+    assert not call.replies
+    assert wait_for(probe.blocks_used, lambda used: used == 0, timeout_s=5) == 0
+    assert "unoffered" not in probe.requests()
+    assert_still_serving(daemon, probe)
+
+
 def test_a_valid_hand_made_transfer_still_imports(engine):
-    """The control for the test above: the same transfer without a defect commits."""
+    """The control for the tests above: a well-formed transfer commits (one without KV: the target
+    recomputes it; a hand-made source has no pool to send KV from)."""
     daemon, probe = engine
     info = probe.info()
     call = ImportCall(probe.stub)
     try:
-        call.send(kv_header("control", PROMPT, OUTPUTS, 6, info),
-                  *(kv_chunk(layer, layer, 0, NUM_COMPUTED, info) for layer in range(info.num_layers)),
+        call.send(kv_header("control", PROMPT, OUTPUTS, 6, info, with_kv=False),
                   engine_pb2.ImportKvMessage(prepare=engine_pb2.ImportKvPrepare()),
                   engine_pb2.ImportKvMessage(commit=engine_pb2.ImportKvCommit()))
         call.close()

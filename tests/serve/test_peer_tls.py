@@ -12,14 +12,14 @@ import pytest
 from dualpace.engine.transfer.kv_transfer import KvLayout, KvTransferHeader
 from dualpace.errors import Unavailable
 from dualpace.sampling import SamplingParams
-from dualpace.serve.kv_transport import GrpcKvSender
+from dualpace.serve.kv_transport import KvControlSender
 from dualpace.serve.peer_channels import PeerChannels
 from dualpace.serve.security import ServerSecurity, load_tls
 from dualpace.serve.server import start_server
 from tests.serve.fake_services import ENGINE_SERVICE, FailingEngine, register_all
 from tests.serve.test_security import TOKEN, _self_signed
 
-HEADER = KvTransferHeader("ok", (1, 2), (3,), SamplingParams(seed=1), 2, KvLayout(1, 1, 4, 8, "float32"),
+HEADER = KvTransferHeader("ok", (1, 2), (3,), SamplingParams(seed=1), 0, KvLayout(1, 1, 4, 8, "float32"),
                           0, 0, "source")
 
 
@@ -39,18 +39,18 @@ async def test_migration_channel_uses_the_daemons_tls_and_token(tmp_path: Path, 
     try:
         # Past TLS and the token, the fake target answers 'prepared' where 'committed' is due.
         with pytest.raises(Unavailable, match="expected 'committed'"):
-            await GrpcKvSender(target.address, auth_token=TOKEN, tls=tls, channels=channels)(HEADER, no_chunks())
+            await KvControlSender(target.address, auth_token=TOKEN, tls=tls, channels=channels)(HEADER, no_chunks())
         with pytest.raises(Unavailable) as plaintext:
-            await GrpcKvSender(target.address, auth_token=TOKEN, timeout_s=10, channels=channels)(HEADER, no_chunks())
+            await KvControlSender(target.address, auth_token=TOKEN, timeout_s=10, channels=channels)(HEADER, no_chunks())
         assert "expected 'committed'" not in str(plaintext.value)
         other_cert, other_key = _self_signed(tmp_path, "stranger")  # a certificate the target does not trust
         stranger = load_tls(str(other_cert), str(other_key), str(cert))
         with pytest.raises(Unavailable) as untrusted:
-            await GrpcKvSender(target.address, auth_token=TOKEN, tls=stranger, timeout_s=10,
-                               channels=channels)(HEADER, no_chunks())
+            await KvControlSender(target.address, auth_token=TOKEN, tls=stranger, timeout_s=10,
+                                  channels=channels)(HEADER, no_chunks())
         assert "expected 'committed'" not in str(untrusted.value)
         with pytest.raises(Unavailable, match="expected 'committed'"):  # after those failures, TLS again
-            await GrpcKvSender(target.address, auth_token=TOKEN, tls=tls, channels=channels)(HEADER, no_chunks())
+            await KvControlSender(target.address, auth_token=TOKEN, tls=tls, channels=channels)(HEADER, no_chunks())
     finally:
         if channels is not None:
             await channels.close()

@@ -22,7 +22,7 @@ from dualpace.engine.transfer.kv_transfer import KvLayout, KvTransferHeader
 from dualpace.errors import InvalidArgument, Unavailable
 from dualpace.sampling import SamplingParams
 from dualpace.serve.auth import aio_token_interceptors, read_token_file, token_metadata
-from dualpace.serve.kv_transport import GrpcKvSender
+from dualpace.serve.kv_transport import KvControlSender
 from dualpace.serve.security import ServerSecurity, check_listen_security, load_tls
 from dualpace.serve.server import start_server
 from dualpace.wire.engine_messages import new_request_to_pb
@@ -157,7 +157,7 @@ async def test_kv_sender_sends_the_token(guarded, kept: bool) -> None:
     from dualpace.serve.peer_channels import PeerChannels
 
     channels = PeerChannels() if kept else None  # kept: the token goes on each call, not the channel
-    header = KvTransferHeader("ok", (1, 2), (3,), SamplingParams(seed=1), 2, KvLayout(1, 1, 4, 8, "float32"),
+    header = KvTransferHeader("ok", (1, 2), (3,), SamplingParams(seed=1), 0, KvLayout(1, 1, 4, 8, "float32"),
                               0, 0, "source")
 
     async def no_chunks():
@@ -168,9 +168,9 @@ async def test_kv_sender_sends_the_token(guarded, kept: bool) -> None:
     # a reply that is not 'committed'; without it, the import ends at once (UNAUTHENTICATED, or
     # INTERNAL when the sender's next write races the server's early end of the stream).
     with pytest.raises(Unavailable, match="UNAUTHENTICATED|INTERNAL"):
-        await GrpcKvSender(guarded.address, channels=channels)(header, no_chunks())
+        await KvControlSender(guarded.address, channels=channels)(header, no_chunks())
     with pytest.raises(Unavailable, match="expected 'committed'"):
-        await GrpcKvSender(guarded.address, auth_token=TOKEN, channels=channels)(header, no_chunks())
+        await KvControlSender(guarded.address, auth_token=TOKEN, channels=channels)(header, no_chunks())
     if channels is not None:
         await channels.close()
 

@@ -56,8 +56,8 @@ async def test_reflection_lists_services(served: Served) -> None:
 async def test_large_messages_fit(served: Served) -> None:
     """A 16 MiB message (over gRPC's 4 MiB default) passes both ways."""
     call = engine_pb2_grpc.EngineStub(served.channel).ImportKv()
-    payload = b"\x01" * (16 * 1024 * 1024)
-    await call.write(engine_pb2.ImportKvMessage(chunk=engine_pb2.KvChunk(seq=0, k=payload)))
+    payload = "x" * (16 * 1024 * 1024)
+    await call.write(engine_pb2.ImportKvMessage(header=engine_pb2.ImportKvHeader(request_id="ok", source_engine=payload)))
     assert (await call.read()).prepared.num_chunks == 1
     await call.done_writing()
 

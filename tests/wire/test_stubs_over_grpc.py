@@ -13,7 +13,7 @@ from dualpace.wire.v1 import engine_pb2, engine_pb2_grpc
 
 
 class _EchoEngine(engine_pb2_grpc.EngineServicer):
-    """Streams the prompt back one token per message; imports KV by counting chunks."""
+    """Streams the prompt back one token per message; imports KV by counting the layers said written."""
 
     async def Generate(
         self, request: engine_pb2.EngineGenerateRequest, context: grpc.aio.ServicerContext
@@ -33,16 +33,16 @@ class _EchoEngine(engine_pb2_grpc.EngineServicer):
     async def ImportKv(
         self, request_iterator: AsyncIterator[engine_pb2.ImportKvMessage], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[engine_pb2.ImportKvReply]:
-        num_chunks = 0
+        num_layers = 0
         request_id = ""
         async for message in request_iterator:
             kind = message.WhichOneof("kind")
             if kind == "header":
                 request_id = message.header.request_id
-            elif kind == "chunk":
-                num_chunks += 1
+            elif kind == "tcp_written":
+                num_layers += len(message.tcp_written.layer_crc32)
             elif kind == "prepare":
-                yield engine_pb2.ImportKvReply(prepared=engine_pb2.ImportKvPrepared(num_chunks=num_chunks))
+                yield engine_pb2.ImportKvReply(prepared=engine_pb2.ImportKvPrepared(num_chunks=num_layers))
             elif kind == "commit":
                 yield engine_pb2.ImportKvReply(committed=engine_pb2.ImportKvCommitted(request_id=request_id))
 
@@ -74,8 +74,7 @@ async def test_generate_streams_tokens(engine_stub: engine_pb2_grpc.EngineStub) 
 async def test_import_kv_two_phase(engine_stub: engine_pb2_grpc.EngineStub) -> None:
     call = engine_stub.ImportKv()
     await call.write(engine_pb2.ImportKvMessage(header=engine_pb2.ImportKvHeader(request_id="r2", total_chunks=2)))
-    for seq in range(2):
-        await call.write(engine_pb2.ImportKvMessage(chunk=engine_pb2.KvChunk(seq=seq, k=b"k", v=b"v")))
+    await call.write(engine_pb2.ImportKvMessage(tcp_written=engine_pb2.KvTcpWritten(layer_crc32=[7, 9])))
     await call.write(engine_pb2.ImportKvMessage(prepare=engine_pb2.ImportKvPrepare()))
     prepared = await call.read()
     assert prepared.WhichOneof("kind") == "prepared" and prepared.prepared.num_chunks == 2

@@ -3,10 +3,10 @@
 Over the import stream: the header carries an offer (the sender's boot id; over a watch, also
 a lease ticket of the sender's, whose lease it asks for ahead: dualpace.engine.transfer.same_host); the target
 answers with a reservation (where its pool is, which slots to write, the tickets) or a
-refusal with its reason (then chunks follow as usual); after writing, the sender says so
+refusal with its reason (then the data socket, where the header offered it too); after writing, the sender says so
 with the layer checksums. Where the target's reservation allows it, prepare and commit ride
 on that same message (`ShmWritten.commit`): the target verifies, prepares and commits in one
-go and answers with committed alone; otherwise prepare and commit follow as on the gRPC path.
+go and answers with committed alone; otherwise prepare and commit follow as separate messages.
 """
 
 from __future__ import annotations

@@ -196,14 +196,6 @@ class TcpImport:
                                                 tensor_from_bytes(k, header.layout.dtype, shape),
                                                 tensor_from_bytes(v, header.layout.dtype, shape))
 
-    def before_chunks(self) -> None:
-        """Chunks came over gRPC instead (the sender could not connect): no connection may start now."""
-        self._closing = True
-        if self._ticket is not None:
-            self.server.revoke(self._ticket)
-        if self._connection is not None:
-            raise InvalidArgument("chunk", "this import's KV is coming over the data socket")
-
     async def written(self, written: TcpWritten) -> None:
         """Wait for the whole KV, verify what landed; then the import is complete (commit may follow).
         The connection may still be on its way (the sender's bytes sit in socket buffers): its ticket

@@ -53,8 +53,9 @@ class MigrationStats:
     num_chunks: int
     total_bytes: int
     duration_ms: float
-    transport: str = "grpc"  # "shm" when the sender copied the KV straight into the target's blocks (set by
-    # the caller, which knows its transport)
+    # "shm" or "tcp" when the sender moved the KV through shared memory or the data socket, "grpc" when no data
+    # path was used (a request without KV, or an in-process import); set by the caller, which knows its sender
+    transport: str = "grpc"
 
 
 def engine_kv_layout(loop: EngineLoop) -> KvLayout:
@@ -252,19 +253,6 @@ class KvImporter:
         # into blocks reserved for this request, which no step reads or writes until the commit.
         await run_in_pool("kv-import", self._verify_and_write, progress, chunk)
         progress.accept(chunk)
-
-    async def chunks(self, chunks) -> None:
-        """Consecutive chunks (a KvChunkBatch), each checked, verified and written as chunk() does,
-        in one hop to a worker thread for all of them."""
-        progress = self._require_header()
-
-        def verify_and_write_all() -> None:
-            for chunk in chunks:
-                progress.check_order(chunk)
-                self._verify_and_write(progress, chunk)
-                progress.accept(chunk)
-
-        await run_in_pool("kv-import", verify_and_write_all)
 
     def _verify_and_write(self, progress: ImportProgress, chunk: KvChunk) -> None:
         layout = progress.header.layout

@@ -5,8 +5,8 @@ Both pools are [num_layers, num_blocks, block_size, num_kv_heads, head_dim] for 
 slots and target slots are cut into runs that are contiguous on both sides.
 
 The checksum of a layer is the CRC32C (dualpace.engine.transfer.kv_checksum's, in hardware) of its K
-bytes in token order followed by its V bytes in token order: the checksum a gRPC chunk covering
-the whole layer would carry. Each side computes it over its own memory, once:
+bytes in token order followed by its V bytes in token order (the data socket's layer checksum
+too). Each side computes it over its own memory, once:
 - the sender copies each layer and CRCs its source in the same pass: in C where
   kv_copy_native is built (each 8-byte word loaded once, stored, and CRC'd from the register),
   else in pieces of CHUNK_BYTES, each CRC'd right after it was copied while still in cache; its

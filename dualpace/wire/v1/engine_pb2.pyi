@@ -96,28 +96,18 @@ class MigrateOutResponse(_message.Message):
     def __init__(self, target_engine: _Optional[str] = ..., num_chunks: _Optional[int] = ..., total_bytes: _Optional[int] = ..., duration_ms: _Optional[float] = ..., transport: _Optional[str] = ...) -> None: ...
 
 class ImportKvMessage(_message.Message):
-    __slots__ = ("header", "chunk", "prepare", "commit", "shm_written", "tcp_written", "chunk_batch")
+    __slots__ = ("header", "prepare", "commit", "shm_written", "tcp_written")
     HEADER_FIELD_NUMBER: _ClassVar[int]
-    CHUNK_FIELD_NUMBER: _ClassVar[int]
     PREPARE_FIELD_NUMBER: _ClassVar[int]
     COMMIT_FIELD_NUMBER: _ClassVar[int]
     SHM_WRITTEN_FIELD_NUMBER: _ClassVar[int]
     TCP_WRITTEN_FIELD_NUMBER: _ClassVar[int]
-    CHUNK_BATCH_FIELD_NUMBER: _ClassVar[int]
     header: ImportKvHeader
-    chunk: KvChunk
     prepare: ImportKvPrepare
     commit: ImportKvCommit
     shm_written: KvShmWritten
     tcp_written: KvTcpWritten
-    chunk_batch: KvChunkBatch
-    def __init__(self, header: _Optional[_Union[ImportKvHeader, _Mapping]] = ..., chunk: _Optional[_Union[KvChunk, _Mapping]] = ..., prepare: _Optional[_Union[ImportKvPrepare, _Mapping]] = ..., commit: _Optional[_Union[ImportKvCommit, _Mapping]] = ..., shm_written: _Optional[_Union[KvShmWritten, _Mapping]] = ..., tcp_written: _Optional[_Union[KvTcpWritten, _Mapping]] = ..., chunk_batch: _Optional[_Union[KvChunkBatch, _Mapping]] = ...) -> None: ...
-
-class KvChunkBatch(_message.Message):
-    __slots__ = ("chunks",)
-    CHUNKS_FIELD_NUMBER: _ClassVar[int]
-    chunks: _containers.RepeatedCompositeFieldContainer[KvChunk]
-    def __init__(self, chunks: _Optional[_Iterable[_Union[KvChunk, _Mapping]]] = ...) -> None: ...
+    def __init__(self, header: _Optional[_Union[ImportKvHeader, _Mapping]] = ..., prepare: _Optional[_Union[ImportKvPrepare, _Mapping]] = ..., commit: _Optional[_Union[ImportKvCommit, _Mapping]] = ..., shm_written: _Optional[_Union[KvShmWritten, _Mapping]] = ..., tcp_written: _Optional[_Union[KvTcpWritten, _Mapping]] = ...) -> None: ...
 
 class KvLayout(_message.Message):
     __slots__ = ("num_layers", "num_kv_heads", "head_dim", "block_size", "dtype")
@@ -240,24 +230,6 @@ class KvTcpWritten(_message.Message):
     layer_crc32: _containers.RepeatedScalarFieldContainer[int]
     commit: bool
     def __init__(self, layer_crc32: _Optional[_Iterable[int]] = ..., commit: _Optional[bool] = ...) -> None: ...
-
-class KvChunk(_message.Message):
-    __slots__ = ("seq", "layer", "token_start", "token_end", "k", "v", "crc32")
-    SEQ_FIELD_NUMBER: _ClassVar[int]
-    LAYER_FIELD_NUMBER: _ClassVar[int]
-    TOKEN_START_FIELD_NUMBER: _ClassVar[int]
-    TOKEN_END_FIELD_NUMBER: _ClassVar[int]
-    K_FIELD_NUMBER: _ClassVar[int]
-    V_FIELD_NUMBER: _ClassVar[int]
-    CRC32_FIELD_NUMBER: _ClassVar[int]
-    seq: int
-    layer: int
-    token_start: int
-    token_end: int
-    k: bytes
-    v: bytes
-    crc32: int
-    def __init__(self, seq: _Optional[int] = ..., layer: _Optional[int] = ..., token_start: _Optional[int] = ..., token_end: _Optional[int] = ..., k: _Optional[bytes] = ..., v: _Optional[bytes] = ..., crc32: _Optional[int] = ...) -> None: ...
 
 class ImportKvPrepare(_message.Message):
     __slots__ = ()

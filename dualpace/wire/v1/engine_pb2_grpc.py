@@ -122,7 +122,7 @@ class EngineServicer:
         request's Generate stream with migrated_to. Returns after the commit.
         Any failure before the commit: the target drops the partial import, the
         source resumes the request and this call fails with the cause's status.
-        Cancelling this call strands nothing: before the last chunk is sent the
+        Cancelling this call strands nothing: before the last layer is sent the
         move is abandoned (the request resumes on the source), after it the move
         completes. PERMISSION_DENIED, before anything is paused or sent, when
         target_address is not one of the engine's --peer addresses.
@@ -133,14 +133,16 @@ class EngineServicer:
 
     def ImportKv(self, request_iterator, context):
         """Receives a migrated request, two-phase. The client (the source engine)
-        sends one header, then every chunk, then prepare; the target verifies
-        that all chunks arrived with correct checksums and replies prepared. The
+        sends one header offering shared memory or the TCP data socket, writes the
+        KV there, then says so with every layer's checksum (or, a request without
+        KV, sends prepare); the target verifies that the whole KV arrived with
+        correct checksums and replies prepared. The
         client then sends commit; the target makes the request live (it decodes
         at once and keeps its output until a Generate resume attaches) and
         replies committed. If the stream ends or fails before commit the target drops
         everything it allocated. Errors: INVALID_ARGUMENT naming the field (header
-        or layout mismatch, id already live, a chunk out of sequence or range, a
-        bad crc32, an incomplete transfer at prepare, messages out of order),
+        or layout mismatch, id already live, a bad layer checksum, an incomplete
+        transfer at prepare, messages out of order),
         RESOURCE_EXHAUSTED (no KV blocks).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
