@@ -1,9 +1,9 @@
-"""Data plane: KV transfer over shared memory, a TCP data socket and gRPC, beside memcpy in the same run.
+"""Data plane: KV transfer over shared memory and the TCP data socket, beside memcpy in the same run.
 
 A real cpu_service with the model (default: the default model) is the target. This process
 plays the source: a KV pool of that model's shape filled with random values, sent through the
 engines' own senders (SameHostKvSender for shm, TcpKvSender for the cross-host data socket over
-loopback, GrpcKvSender for gRPC chunks) from header to commit,
+loopback) from header to commit,
 so the target reserves, verifies and commits each transfer as a migration would (the imported
 request then decodes one token there and ends). Sizes are token counts; each transport's rate
 and fixed cost come from a least-squares fit of ms = fixed + bytes / rate over them, and the
@@ -25,7 +25,7 @@ read + written bytes; kv_*_gbps = K + V bytes of the transfer / its time, header
 
 The second-to-last line says the primary figures in words; the last is one JSON object, the primary
 figures first (kv_shm_fraction_of_cold_memcpy, kv_shm_fraction_of_memcpy, kv_shm_fixed_ms_measured),
-then memcpy_gbps, memcpy_cold_gbps, kv_shm_gbps, kv_grpc_gbps, kv_tcp_gbps, kv_tcp_fixed_ms,
+then memcpy_gbps, memcpy_cold_gbps, kv_shm_gbps, kv_tcp_gbps, kv_tcp_fixed_ms,
 kv_tcp_fraction_of_memcpy, kv_fixed_ms (the fit's),
 kv_shm_fit_fraction_of_memcpy (the fitted rate over the warm memcpy; _cold_ beside it),
 assist_rtt_us_p50_shm, assist_rtt_us_p50_tcp, ...).
@@ -60,7 +60,6 @@ from dualpace.model.registry import DEFAULT_MODEL_NAME
 from dualpace.sampling import SamplingParams
 from dualpace.serve.kv_shm_transport import SameHostKvSender
 from dualpace.serve.kv_tcp_transport import TcpKvSender
-from dualpace.serve.kv_transport import GrpcKvSender
 from dualpace.serve.peer_channels import PeerChannels
 from dualpace.wire.engine_messages import info_request_to_pb
 from profiles.profiler.measure import fit_transfer
@@ -293,29 +292,21 @@ def main() -> None:
             shm, shm_fixed, shm_sender = await time_shm_transfers(target.address, storage, info, sizes, args.repeats,
                                                                   args.settle_s, args.fixed_tokens, args.fixed_repeats)
             cold = memcpy_cold(storage, target_blocks, args.context_tokens, max(5, args.repeats), args.settle_s)
-            # The data socket and gRPC alternated (tcp, grpc, tcp): both rounds of tcp pooled.
+            # Twice the repeats of the other paths: the socket's times vary more on a busy host.
             channels = PeerChannels()  # kept open across transfers, as an engine keeps its peers'
             try:
-                tcp_times, tcp_sender = await time_transfers(TcpKvSender(target.address, channels=channels),
-                                                             storage, info, sizes, args.repeats, args.settle_s)
-                grpc_times, _ = await time_transfers(GrpcKvSender(target.address), storage, info, sizes,
-                                                     args.repeats, args.settle_s)
-                tcp_again, _ = await time_transfers(TcpKvSender(target.address, channels=channels),
-                                                    storage, info, sizes, args.repeats, args.settle_s)
+                tcp, tcp_sender = await time_transfers(TcpKvSender(target.address, channels=channels),
+                                                       storage, info, sizes, 2 * args.repeats, args.settle_s)
             finally:
                 await channels.close()
-            if not tcp_sender.used_tcp:
-                raise SystemExit("the tcp transfers fell back to gRPC (see the log): nothing to report for tcp")
-            tcp = {n: tcp_times[n] + tcp_again[n] for n in sizes}
             control = "watch" if getattr(shm_sender, "used_watch_control", False) else "grpc"
-            return shm, shm_fixed, cold, grpc_times, phase_medians(shm_sender), control, tcp, phase_medians(tcp_sender)
+            return shm, shm_fixed, cold, phase_medians(shm_sender), control, tcp, phase_medians(tcp_sender)
 
-        shm, shm_fixed, cold, grpc_times, shm_phases, shm_control, tcp_times, tcp_phases = asyncio.run(run())
+        shm, shm_fixed, cold, shm_phases, shm_control, tcp_times, tcp_phases = asyncio.run(run())
         memcpy_after = memcpy_gbps(context_bytes, max(5, args.repeats))
     finally:
         target.stop()
     shm_summary = summarize(shm, bytes_per_token, args.context_tokens)
-    grpc_summary = summarize(grpc_times, bytes_per_token, args.context_tokens)
     tcp_summary = summarize(tcp_times, bytes_per_token, args.context_tokens)
     warm_gbps = statistics.mean([memcpy, memcpy_after])
     primary = {  # the issue's figures: the transfer against the cold copy of the same bytes, then the rest
@@ -331,21 +322,18 @@ def main() -> None:
         "memcpy_cold_gbps": round(cold["gbps"], 3),  # same source runs, shm target, after the settle gap
         "memcpy_cold": cold,
         "kv_shm_gbps": round(shm_summary["gbps_at_context"], 3),
-        "kv_grpc_gbps": round(grpc_summary["gbps_at_context"], 3),
         "kv_fixed_ms": round(shm_summary["fixed_ms"], 3),
-        "kv_grpc_fixed_ms": round(grpc_summary["fixed_ms"], 3),
         "kv_shm_fit_gbps": round(shm_summary["fit_gbps"], 3),
         # The fitted (marginal) rate against both copy references: the bandwidth criterion, the
         # fixed cost (kv_fixed_ms) being counted apart.
         "kv_shm_fit_fraction_of_memcpy": round(shm_summary["fit_gbps"] / statistics.mean([memcpy, memcpy_after]), 3),
         "kv_shm_fit_fraction_of_cold_memcpy": round(shm_summary["fit_gbps"] / cold["gbps"], 3),
-        "kv_grpc_fit_gbps": round(grpc_summary["fit_gbps"], 3),
         "kv_tcp_gbps": round(tcp_summary["gbps_at_context"], 3),  # the cross-host data socket, over loopback
         "kv_tcp_fixed_ms": round(tcp_summary["fixed_ms"], 3),
         "kv_tcp_fit_gbps": round(tcp_summary["fit_gbps"], 3),
         "kv_tcp_fraction_of_memcpy": round(tcp_summary["gbps_at_context"] / statistics.mean([memcpy, memcpy_after]), 3),
         "kv_tcp_phase_ms_median": tcp_phases,
-        "kv_shm": shm_summary, "kv_grpc": grpc_summary, "kv_tcp": tcp_summary,
+        "kv_shm": shm_summary, "kv_tcp": tcp_summary,
         "kv_shm_breakdown_at_context": shm_breakdown(storage, args.context_tokens, args.repeats),
         "kv_shm_phase_ms_median": shm_phases,
         "kv_shm_control": shm_control,  # where the timed shm transfers' messages went (after the first: the watch)

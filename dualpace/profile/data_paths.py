@@ -1,8 +1,8 @@
 """Which data path a KV transfer or a Dense Assist iteration takes, and the profile's figures for it.
 
 Pure (no torch, grpc, asyncio or clock). Two daemons on one host move KV and assist tensors through
-shared memory; anything else goes over a TCP data socket or gRPC, at very different costs (same-host
-shared memory runs several times the TCP socket's rate, gRPC a fraction of it). A profile may hold
+shared memory; anything else goes over a TCP data socket (same-host shared memory runs several times
+its rate). A profile may hold
 each path's figures (dualpace.profile.schema); the cost model, the mode chooser and the migration
 planner read `profile.kv_transfer` and the `assist_ms` table, so `for_paths` returns the profile
 with those set to the figures of the paths in force.
@@ -11,7 +11,9 @@ The rules:
 
 - KV: shared memory iff the sender's `--kv-transport` is auto, both engines are on this host,
   and the target's pool is in host memory (a CUDA pool is not shared); else the target's TCP data
-  socket (priced at the gRPC figures where the profile has none for it).
+  socket. A profile without figures for the data socket prices it at the slowest KV figures it
+  holds (its plain ones, or a path's such as the gRPC chunks older profiles measured): those never
+  overstate what a move over the socket gives.
 - Assist: shared memory iff cpu_service's `--assist-transport` is auto and gpu_service is on
   this host; else gpu_service's TCP data socket (priced at the profile's plain assist figures
   where it has none for the data socket).
@@ -30,7 +32,8 @@ import ipaddress
 
 from dualpace.profile.schema import DATA_PATHS, Profile, ProfileError
 
-SHM, GRPC, TCP = DATA_PATHS
+SHM, _, TCP = DATA_PATHS  # "grpc" is a figure older profiles recorded; no transfer takes that path
+KV_PATHS = (SHM, TCP)  # the KV transfer's: the target's blocks in shared memory, or its data socket
 ASSIST_PATHS = (SHM, TCP)  # Dense Assist's: the per-session rings, or gpu_service's data socket
 TRANSPORT_SETTINGS = ("auto", "tcp")  # the daemons' --assist-transport values
 KV_TRANSPORT_SETTINGS = ("auto", "tcp")  # the engines' --kv-transport values
@@ -67,16 +70,22 @@ def assist_path(assist_transport: str, same_host: bool) -> str:
     return SHM if assist_transport == "auto" and same_host else TCP
 
 
+def _slowest_kv_transfer(profile: Profile):
+    """The KV figures of the lowest rate the profile holds (its plain ones or any path's)."""
+    held = [profile.kv_transfer, *profile.kv_transfer_paths.values()]
+    return min(held, key=lambda transfer: (transfer.bytes_per_s, -transfer.fixed_ms))
+
+
 def for_paths(profile: Profile, kv: str | None = None, assist: str | None = None) -> Profile:
     """`profile` with `kv_transfer` and the `assist_ms` table of the given paths, where it has them
     (an older profile, or one measured over one path only, keeps its plain figures)."""
-    for path, paths in ((kv, DATA_PATHS), (assist, ASSIST_PATHS)):
+    for path, paths in ((kv, KV_PATHS), (assist, ASSIST_PATHS)):
         if path is not None and path not in paths:
             raise ProfileError(f"data path: expected one of {', '.join(paths)}, got {path!r}")
     changes = {}
     if kv == TCP and TCP not in profile.kv_transfer_paths:
-        kv = GRPC  # a profile without the data socket's figures: the slower gRPC ones never overstate a move
-    if kv is not None and kv in profile.kv_transfer_paths:
+        changes["kv_transfer"] = _slowest_kv_transfer(profile)
+    elif kv is not None and kv in profile.kv_transfer_paths:
         changes["kv_transfer"] = profile.kv_transfer_paths[kv]
     if assist is not None and f"assist_ms_{assist}" in profile.tables:
         changes["tables"] = {**profile.tables, "assist_ms": profile.tables[f"assist_ms_{assist}"]}

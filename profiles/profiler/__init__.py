@@ -4,7 +4,7 @@ schema and cost model stay in dualpace.profile.schema and dualpace.profile.cost_
 
     fingerprint.py  hardware and model fingerprints (also used by the daemons' profile checks)
     timing.py       warm-up + repeats, robust statistics
-    measure.py      one function per table, over the real runners and the real gRPC paths
+    measure.py      one function per table, over the real runners and the real daemons' paths
     plots.py        PNG plots of a profile
     run.py          grids, the progress bar, assembling and storing the profile, reuse
 """

@@ -1,4 +1,4 @@
-"""One measurement per table, on the real runners and the real gRPC paths.
+"""One measurement per table, on the real runners and the real daemons' paths.
 
 - whole iterations: `ModelRunner.execute` on a StepPlan (what both engines' step loops run);
 - CPU attention: `paged_forward.attend` + the KV write for every layer (what a Local or an
@@ -7,9 +7,9 @@
 - GPU dense: the dense stages of every layer + LM head + sampling on the GPU engine's device;
 - Dense Assist: `AssistClient.run_iteration` against a real gpu_service over gRPC, with an
   attention callback that returns at once (so the time is the assist part only);
-- KV transfer: `GrpcKvSender` (the migration transport) streaming a request's KV, read from
-  the profiler's KV storage chunk by chunk as `migrate_out` does, to that gpu_service's
-  ImportKv, through commit.
+- KV transfer: the migration's senders (shared memory, or the TCP data socket) moving a request's
+  KV from the profiler's KV storage into that gpu_service, gRPC ImportKv as the control plane,
+  through commit.
 """
 
 from __future__ import annotations
@@ -198,7 +198,7 @@ async def _send_once(sender, runner: ModelRunner, num_tokens: int, vocab_size: i
         k_bytes, v_bytes = tensor_bytes(k), tensor_bytes(v)
         return KvChunk(seq, layer, start, end, k_bytes, v_bytes, checksum(k_bytes, v_bytes))
 
-    # As migrate_out hands it to a sender: the gRPC path reads the chunks, the shm path copies the slots.
+    # As migrate_out hands it to a sender: the slots to copy, and how to read them chunk by chunk.
     outgoing = OutgoingKv(runner.kv, slot_ids, chunk_plan, read_chunk)
     start = time.perf_counter()
     await sender(header, outgoing)
@@ -206,33 +206,35 @@ async def _send_once(sender, runner: ModelRunner, num_tokens: int, vocab_size: i
 
 
 def kv_transfer(address: str, runner: ModelRunner, vocab_size: int, num_tokens: int, warmup: int,
-                repeats: int, settle_s: float = 0.2, path: str = "grpc") -> Sample | None:
+                repeats: int, settle_s: float = 0.2, path: str = "tcp") -> Sample | None:
     """Time KV migrations of num_tokens tokens into the gpu_service at `address`, header to commit,
-    over `path` ("grpc": chunks; "tcp": the target's TCP data socket; "shm": straight into the target's
-    blocks, which needs its pool in host memory on this host; None when the target declined either). Each imported request decodes one
-    token there and finishes; settle_s (untimed) lets it."""
+    over `path` ("tcp": the target's TCP data socket; "shm": straight into the target's blocks, which
+    needs its pool in host memory on this host). None when the target declined that path (the
+    transfer fails then). Each imported request decodes one token there and finishes; settle_s
+    (untimed) lets it."""
     from dualpace.engine.transfer.kv_shm_send import MappedPools
     from dualpace.serve.kv_shm_transport import SameHostKvSender
     from dualpace.serve.kv_tcp_transport import TcpKvSender
-    from dualpace.serve.kv_transport import GrpcKvSender
+    from dualpace.errors import Unavailable
 
     if num_tokens > runner.kv.num_blocks * runner.kv.block_size:
         raise ValueError(f"{num_tokens} tokens do not fit the bench's KV pool")
-    if path not in ("grpc", "shm", "tcp"):
+    if path not in ("shm", "tcp"):
         raise ValueError(f"unknown KV transfer path {path!r}")
     pools = MappedPools()
-    senders = {"grpc": lambda: GrpcKvSender(address), "shm": lambda: SameHostKvSender(address, pools, {}),
-               "tcp": lambda: TcpKvSender(address)}
+    senders = {"shm": lambda: SameHostKvSender(address, pools, {}), "tcp": lambda: TcpKvSender(address)}
     sender = senders[path]()
 
     async def run() -> list[float] | None:
         times = []
         try:
             for i in range(warmup + max(1, repeats)):
-                sender.used_shm = False
-                elapsed = await _send_once(sender, runner, num_tokens, vocab_size)
-                if (path == "shm" and not sender.used_shm) or (path == "tcp" and not sender.used_tcp):
-                    return None  # it went over gRPC: not a shared-memory (or data-socket) figure
+                try:
+                    elapsed = await _send_once(sender, runner, num_tokens, vocab_size)
+                except Unavailable:
+                    return None  # the target declined the path (or its data socket could not be reached)
+                if path == "shm" and not sender.used_shm:
+                    return None  # shared memory declined, so it went over the data socket: not a shm figure
                 await asyncio.sleep(settle_s)
                 if i >= warmup:
                     times.append(elapsed)

@@ -255,8 +255,8 @@ def run_profile(request: ProfileRequest) -> tuple[Path, Profile, bool]:
         assisted_whole = [point("cpu_assisted_iteration", f"{b}x{check_context}",
                                 assisted(cpu_bench.decode_plan(b, check_context)),
                                 f"CPU assisted decode {b}x{check_context}") for b in grids.batch]
-        transfers: dict[str, list[tuple[int, float]]] = {"shm": [], "grpc": [], "tcp": []}
-        for path_name, table in (("grpc", "kv_transfer"), ("shm", "kv_transfer_shm"), ("tcp", "kv_transfer_tcp")):
+        transfers: dict[str, list[tuple[int, float]]] = {"shm": [], "tcp": []}
+        for path_name, table in (("shm", "kv_transfer_shm"), ("tcp", "kv_transfer_tcp")):
             for t in grids.kv_transfer_tokens:
                 sample = m.kv_transfer(service.address, cpu_bench.runner, cfg.vocab_size, t, grids.warmup,
                                        KV_TRANSFER_REPEAT_FACTOR * grids.repeats, path=path_name)
@@ -281,7 +281,10 @@ def run_profile(request: ProfileRequest) -> tuple[Path, Profile, bool]:
     fits = {name: KVTransfer(*(round(v, 4) for v in m.fit_transfer(points)))
             for name, points in transfers.items() if len(points) == len(grids.kv_transfer_tokens)}
     # The plain figures are the paths the daemons take by default on this host (older readers use them).
-    kv_default = fits.get("shm", fits["grpc"])
+    kv_path = "shm" if "shm" in fits else "tcp"
+    if kv_path not in fits:
+        raise RuntimeError("KV transfer: the profiler's gpu_service declined both shared memory and its data socket")
+    kv_default = fits[kv_path]
     bytes_per_block = model_fp.kv_bytes_per_token * model_fp.block_size
     weight_bytes = loaded.model.weights.num_bytes()
     if request.gpu_kv_blocks is not None:
@@ -336,10 +339,10 @@ def run_profile(request: ProfileRequest) -> tuple[Path, Profile, bool]:
                       if device == "cpu" else f"on {device}",
         "capacities": {"gpu_kv_blocks": gpu_rule, "cpu_kv_blocks": cpu_rule, "weight_bytes": weight_bytes},
         "memory_bandwidth": "copy of 256 MiB, read + write bytes counted, best of 3",
-        "kv_transfer_fit_points": [[b, round(ms, 4)] for b, ms in transfers["shm" if "shm" in fits else "grpc"]],
+        "kv_transfer_fit_points": [[b, round(ms, 4)] for b, ms in transfers[kv_path]],
         "kv_transfer_fit_points_by_path": {name: [[b, round(ms, 4)] for b, ms in points]
                                            for name, points in transfers.items()},
-        "data_paths": f"assist_ms is over {assist_path}; kv_transfer over {'shm' if 'shm' in fits else 'grpc'}",
+        "data_paths": f"assist_ms is over {assist_path}; kv_transfer over {kv_path}",
         "samples": samples,
     }
     profile = Profile(PROFILE_VERSION, hardware, model_fp, tables, kv_default,

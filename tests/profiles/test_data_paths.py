@@ -1,5 +1,5 @@
-"""The data path in force (shared memory, the TCP data socket, or gRPC chunks for KV) and the
-profile figures the planners then use."""
+"""The data path in force (shared memory or the TCP data socket) and the profile figures the
+planners then use."""
 
 import glob
 
@@ -17,7 +17,7 @@ from tests.profiles.tiny import tiny_profile_dict
 def two_path_profile_dict() -> dict:
     data = tiny_profile_dict()
     data["kv_transfer_paths"] = {"shm": {"bytes_per_s": 320000.0, "fixed_ms": 0.5},
-                                 "grpc": {"bytes_per_s": 32000.0, "fixed_ms": 2.0}}
+                                 "tcp": {"bytes_per_s": 32000.0, "fixed_ms": 2.0}}
     data["tables"]["assist_ms_shm"] = {"batch": [1, 11], "ms": [3.0, 4.0]}
     data["tables"]["assist_ms"] = {"batch": [1, 11], "ms": [25.0, 25.0]}  # the plain figures
     return data
@@ -58,7 +58,7 @@ def test_assist_path_rule():
 
 def test_both_paths_round_trip_through_the_file():
     profile = parse_profile(two_path_profile_dict())
-    assert profile.kv_transfer_paths == {"shm": KVTransfer(320000.0, 0.5), "grpc": KVTransfer(32000.0, 2.0)}
+    assert profile.kv_transfer_paths == {"shm": KVTransfer(320000.0, 0.5), "tcp": KVTransfer(32000.0, 2.0)}
     assert parse_profile(profile_to_dict(profile)) == profile
     assert profile_to_dict(parse_profile(tiny_profile_dict())) == tiny_profile_dict()  # no paths: as before
 
@@ -76,13 +76,13 @@ def test_bad_path_entries_are_named():
 
 def test_planner_and_cost_model_use_the_path_in_force():
     profile = parse_profile(two_path_profile_dict())
-    shm, grpc = for_paths(profile, kv="shm", assist="shm"), for_paths(profile, kv="grpc")
-    # 1000 tokens x 32 bytes: shm 0.5 ms + 100 ms, gRPC 2 ms + 1000 ms
+    shm, tcp = for_paths(profile, kv="shm", assist="shm"), for_paths(profile, kv="tcp")
+    # 1000 tokens x 32 bytes: shm 0.5 ms + 100 ms, the data socket 2 ms + 1000 ms
     assert CostModel(shm).kv_transfer_ms(1000) == pytest.approx(100.5)
-    assert CostModel(grpc).kv_transfer_ms(1000) == pytest.approx(1002.0)
+    assert CostModel(tcp).kv_transfer_ms(1000) == pytest.approx(1002.0)
     assert transfer_ms(1000, MigrationConfig(predictor=CostModel(shm))) < transfer_ms(
-        1000, MigrationConfig(predictor=CostModel(grpc)))
-    assert CostModel(shm).assist_ms(1) == pytest.approx(3.0) and CostModel(grpc).assist_ms(1) == pytest.approx(25.0)
+        1000, MigrationConfig(predictor=CostModel(tcp)))
+    assert CostModel(shm).assist_ms(1) == pytest.approx(3.0) and CostModel(tcp).assist_ms(1) == pytest.approx(25.0)
 
 
 def test_an_older_profile_keeps_its_plain_figures():
@@ -97,10 +97,17 @@ def test_an_older_profile_keeps_its_plain_figures():
         for_paths(profile, assist="grpc")
 
 
-def test_the_data_socket_is_priced_at_its_figures_else_at_grpcs():
-    data = two_path_profile_dict()
+def test_the_data_socket_is_priced_at_its_figures_else_at_the_slowest_held():
+    data = two_path_profile_dict()  # an older profile: shm and gRPC-chunk figures, plain ones at shm's
+    data["kv_transfer_paths"]["grpc"] = data["kv_transfer_paths"].pop("tcp")
+    data["kv_transfer"] = {"bytes_per_s": 320000.0, "fixed_ms": 0.5}
     without = parse_profile(data)
-    assert for_paths(without, kv="tcp").kv_transfer == KVTransfer(32000.0, 2.0)  # the gRPC figures
+    assert for_paths(without, kv="tcp").kv_transfer == KVTransfer(32000.0, 2.0)  # an older profile's gRPC figures
+    assert for_paths(without, kv="shm").kv_transfer == KVTransfer(320000.0, 0.5)
+    with pytest.raises(ProfileError, match="data path"):  # read from older profiles, never a path in force
+        for_paths(without, kv="grpc")
+    plain = parse_profile(tiny_profile_dict())  # no per-path figures: the plain ones
+    assert for_paths(plain, kv="tcp").kv_transfer == plain.kv_transfer
     data["kv_transfer_paths"]["tcp"] = {"bytes_per_s": 96000.0, "fixed_ms": 1.0}
     with_tcp = parse_profile(data)
     assert for_paths(with_tcp, kv="tcp").kv_transfer == KVTransfer(96000.0, 1.0)
