@@ -84,3 +84,27 @@ def test_a_cached_prefix_serves_through_the_window_after_its_early_blocks_are_go
     assert blocks.match_prefix(prompt_hashes) == [] and len(blocks.match_prefix(prompt_hashes[2:3])) == 1
     assert run(core, "again", prompt)[0] == expected
     assert core.scheduler.num_prefix_hit_tokens == 5 * BLOCK_SIZE
+
+
+def test_a_table_with_released_entries_gives_the_same_logits(mistral_swa):
+    """What every path's step tensors do with FREED_BLOCK_ID (the GPU engine, CPU local, and the
+    CPU side of Dense Assist all build them with build_step_tensors): a decode and a prefill chunk
+    whose leading blocks were released compute what the full table computes."""
+    from dualpace.kv.block_table import FREED_BLOCK_ID
+    from dualpace.kv.storage import KVStorage
+    from dualpace.model.paged_forward import PagedForward, SequenceWork
+
+    loaded, prompt, _ = mistral_swa
+    cfg = loaded.config
+    forward = PagedForward(loaded.model, KVStorage(cfg.num_layers, 16, BLOCK_SIZE, cfg.num_kv_heads, cfg.head_dim,
+                                                   loaded.model.dtype))
+    table = list(range(7))  # 28 slots
+    forward.forward([SequenceWork(prompt[:16], 0, table)])
+    released = [FREED_BLOCK_ID] * 2 + table[2:]  # positions 0..7: before 20 - 12 + 1 = 9
+    for work in ([SequenceWork(prompt[16:20], 16, table)], [SequenceWork(prompt[19:20], 19, table)]):
+        full = forward.forward(work)
+        again = forward.forward([SequenceWork(work[0].token_ids, work[0].start_pos, released)])
+        # masked keys add exact zeros, but the fused prefill kernel's blocking may round differently
+        assert torch.allclose(full, again, rtol=0, atol=1e-5) and torch.equal(full.argmax(-1), again.argmax(-1))
+    with pytest.raises(ValueError, match="returned to the pool"):
+        forward.forward([SequenceWork(prompt[4:6], 4, released)])
