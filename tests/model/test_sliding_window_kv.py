@@ -108,3 +108,25 @@ def test_a_table_with_released_entries_gives_the_same_logits(mistral_swa):
         assert torch.allclose(full, again, rtol=0, atol=1e-5) and torch.equal(full.argmax(-1), again.argmax(-1))
     with pytest.raises(ValueError, match="returned to the pool"):
         forward.forward([SequenceWork(prompt[4:6], 4, released)])
+
+
+async def test_a_request_with_released_blocks_migrates_and_continues_exactly(mistral_swa):
+    """The source has released blocks when it pauses (block size 4); the transfer carries their
+    positions as filler, and the target (block size 8) releases its own from the commit on."""
+    from dualpace.engine.transfer.migration import migrate_out
+    from tests.engine.test_migration import direct_send, started, stop, wait_tokens
+
+    loaded, prompt, expected = mistral_swa
+    source, target = await started(loaded, "src", block_size=BLOCK_SIZE), await started(loaded, "dst", block_size=8)
+    channel = await source[0].add_request("m", prompt, SamplingParams(max_tokens=NUM_NEW_TOKENS, ignore_eos=True))
+    await wait_tokens(channel, 10)
+    released_at_source = source[0].core.scheduler.num_window_released_blocks
+    await migrate_out(source[0], "m", direct_send(target[0]), chunk_bytes=700)
+    assert channel.migrated_to == "dst"
+    released_on_target = target[0].core.scheduler.num_window_released_blocks
+    emitted = len(channel.output_token_ids)
+    rest = [t async for update in target[0].channel("m").follow(emitted) for t in update.new_token_ids]
+    await stop(source, target)
+    assert released_at_source >= (PROMPT_LENGTH + 10 - 1 - WINDOW + 1) // BLOCK_SIZE
+    assert released_on_target >= (PROMPT_LENGTH + 10 - 1 - WINDOW + 1) // 8  # from the commit on
+    assert channel.output_token_ids + rest == expected
