@@ -73,8 +73,10 @@ def _fault(parse: Callable[[str], Any], metavar: str, help: str) -> Any:
 
 @dataclass(frozen=True)
 class FaultConfig:
-    kv_corrupt_chunk: int | None = _fault(_int_at_least(0), "N", "flip a bit in outgoing KV chunk N")
-    kv_drop_chunk: int | None = _fault(_int_at_least(0), "N", "skip outgoing KV chunk N (a sequence gap)")
+    kv_corrupt_chunk: int | None = _fault(_int_at_least(0), "N", "flip a bit in outgoing KV chunk N "
+                                           "(shared memory: tear layer N, say written for the layers before it)")
+    kv_drop_chunk: int | None = _fault(_int_at_least(0), "N", "skip outgoing KV chunk N (a sequence gap; "
+                                        "shared memory: layer N left unwritten and out of the written record)")
     kv_cut_after: int | None = _fault(_int_at_least(0), "N", "abandon an outgoing KV transfer after N chunks")
     kv_shm_hold_ms: int | None = _fault(_int_at_least(0), "MS", "shared-memory KV path: hold the write lease "
                                         "this long after the copy")

@@ -42,14 +42,24 @@ def check_geometry(segment: MappedKvSegment, layout: KvLayout, reservation: ShmR
         raise InvalidArgument("shm_reserved.slot_ids", f"expected {num_tokens} slots below {num_slots}")
 
 
-def _inject_fault(faults: FaultConfig, segment: MappedKvSegment, dst_slot_ids: list[int]) -> None:
-    """Test-only faults of dualpace.faults, with "chunk N" read as "layer N" on this path."""
+def _inject_fault(faults: FaultConfig, segment: MappedKvSegment, dst_slot_ids: list[int],
+                  layer_crc32s: list[int]) -> list[int]:
+    """Test-only faults of dualpace.faults, with "chunk N" read as "layer N" on this path, as the
+    failures one host can have: nothing is in transit to corrupt, so a corrupt or dropped layer is
+    a sender that says written over a copy it did not finish. Returns the checksums it reports.
+    - kv_corrupt_chunk N: a torn write: layer N's first token is left half written and the record
+      covers the layers before it only;
+    - kv_drop_chunk N: layer N's first token never written, and that layer left out of the record."""
     flat = segment.k.view(segment.geometry.num_layers, -1, segment.geometry.num_kv_heads, segment.geometry.head_dim)
     layers = range(segment.geometry.num_layers)
     if faults.kv_corrupt_chunk in layers:
-        flat[faults.kv_corrupt_chunk, dst_slot_ids[0]].view(-1)[0] += 1  # one value changed in transit
+        token = flat[faults.kv_corrupt_chunk, dst_slot_ids[0]].view(-1)
+        token[:len(token) // 2].fill_(-1.0)
+        layer_crc32s = layer_crc32s[:faults.kv_corrupt_chunk]
     if faults.kv_drop_chunk in layers:
-        flat[faults.kv_drop_chunk, dst_slot_ids[0]].fill_(-1.0)  # the layer's first token never arrived
+        flat[faults.kv_drop_chunk, dst_slot_ids[0]].fill_(-1.0)
+        layer_crc32s = layer_crc32s[:faults.kv_drop_chunk] + layer_crc32s[faults.kv_drop_chunk + 1:]
+    return layer_crc32s
 
 
 async def _copy_in_workers(storage, src_slot_ids: list[int], segment: MappedKvSegment, dst_slot_ids: list[int],
@@ -98,7 +108,7 @@ async def write_in_place(segment: MappedKvSegment, reservation: ShmReservation, 
             else:
                 layer_crc32s = await _copy_in_workers(storage, source.slot_ids, segment, dst_slot_ids, stop)
             if faults.any:
-                _inject_fault(faults, segment, dst_slot_ids)
+                layer_crc32s = _inject_fault(faults, segment, dst_slot_ids, layer_crc32s)
                 if faults.kv_cut_after is not None:
                     raise Unavailable(f"fault injected: shared-memory KV transfer cut after "
                                       f"{faults.kv_cut_after} layers")
