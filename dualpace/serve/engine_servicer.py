@@ -276,7 +276,7 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
         scheduler = self.loop.core.scheduler
         blocks = scheduler.blocks
         infos = [
-            messages.request_info_to_pb(r, len(blocks.block_ids(r.request_id)) if blocks.has(r.request_id) else 0)
+            messages.request_info_to_pb(r, blocks.num_held_blocks(r.request_id) if blocks.has(r.request_id) else 0)
             for r in list(scheduler.requests.values())
         ]
         return engine_pb2.ListRequestsResponse(requests=infos)
