@@ -79,7 +79,7 @@ def test_migrated_stream_equals_solo_run(daemons, solo, num_layers, mode, transp
             assert read_stream(call, request_id, tokens=seen).finish_reason == FinishReason.LENGTH
     assert response is not None, f"every request finished before MigrateOut ({MAX_ATTEMPTS} tries)"
     assert response.target_engine == "gpu-peer"
-    assert response.num_chunks == num_layers and response.total_bytes > 0
+    assert response.total_bytes > 0
     assert response.transport == transport
 
     before = read_stream(call, request_id, tokens=seen)

@@ -127,14 +127,15 @@ async def test_a_request_with_released_blocks_migrates_and_continues_exactly(mis
     """The source has released blocks when it pauses (block size 4); the transfer carries their
     positions as filler, and the target (block size 8) releases its own from the commit on."""
     from dualpace.engine.transfer.migration import migrate_out
-    from tests.engine.test_migration import direct_send, started, stop, wait_tokens
+    from tests.engine.test_migration import started, stop, wait_tokens
+    from tests.helpers import data_socket_send
 
     loaded, prompt, expected = mistral_swa
     source, target = await started(loaded, "src", block_size=BLOCK_SIZE), await started(loaded, "dst", block_size=8)
     channel = await source[0].add_request("m", prompt, SamplingParams(max_tokens=NUM_NEW_TOKENS, ignore_eos=True))
     await wait_tokens(channel, 10)
     released_at_source = source[0].core.scheduler.num_window_released_blocks
-    await migrate_out(source[0], "m", direct_send(target[0]), chunk_bytes=700)
+    await migrate_out(source[0], "m", data_socket_send(target[0]))
     assert channel.migrated_to == "dst"
     released_on_target = target[0].core.scheduler.num_window_released_blocks
     emitted = len(channel.output_token_ids)
