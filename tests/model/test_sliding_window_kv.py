@@ -13,6 +13,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from dualpace.engine.core import EngineConfig, EngineCore
+from dualpace.engine.scheduler import SchedulerConfig
 from dualpace.model import cpu_kernels
 from dualpace.model.loader import load_model
 from dualpace.sampling import SamplingParams
@@ -66,6 +67,18 @@ def test_a_prompt_longer_than_the_window_decodes_exactly_and_frees_blocks(mistra
     # held at most: the window's blocks (3, or 4 when it straddles), the block being filled, one appended
     assert most_used <= WINDOW // BLOCK_SIZE + 2 < -(-(PROMPT_LENGTH + NUM_NEW_TOKENS) // BLOCK_SIZE)
     assert core.scheduler.blocks.num_used_blocks == 0 and core.scheduler.blocks.num_free_blocks == 64
+
+
+def test_a_request_longer_than_the_pool_is_served_in_chunks_under_the_window(mistral_swa):
+    """7 blocks of 4 tokens, 8 tokens a step: the request's 55 tokens would need 14 blocks, but
+    admission reserves its first chunk only and the window releases behind each chunk."""
+    loaded, prompt, expected = mistral_swa
+    core = EngineCore(loaded, EngineConfig(num_kv_blocks=7, block_size=BLOCK_SIZE, prefix_caching=False,
+                                           scheduler=SchedulerConfig(max_batch_tokens=8)))
+    tokens, most_used = run(core, "long", prompt)
+    assert tokens == expected
+    assert most_used <= -(-(WINDOW - 1 + 8) // BLOCK_SIZE) + 1 == 6
+    assert core.scheduler.num_preemptions == 0
 
 
 def test_a_cached_prefix_serves_through_the_window_after_its_early_blocks_are_gone(mistral_swa):
