@@ -164,7 +164,7 @@ async def test_an_import_ended_before_its_commit_leaves_the_held_blocks_cached_a
 
             try:
                 return await import_over_data_socket(importer, header, outgoing_after_held,
-                                                     FaultConfig(kv_cut_after=1), check_reserved), 0
+                                                     FaultConfig(kv_cut_after_layers=1), check_reserved), 0
             finally:
                 assert sent_from == [28]  # only the tokens after the held ones were sent
 

@@ -85,9 +85,9 @@ async def test_source_stopping_after_the_commit_still_reports_the_move(tiny):
 
 
 @pytest.mark.parametrize("faults, error, match", [
-    (FaultConfig(kv_corrupt_chunk=1), InvalidArgument, "checksum mismatch in layer 1"),  # one byte changed
-    (FaultConfig(kv_drop_chunk=1), InvalidArgument, "data socket failed"),  # a layer never sent: cut short
-    (FaultConfig(kv_cut_after=1), Unavailable, "cut after 1 layers"),  # the sender gives up mid-stream
+    (FaultConfig(kv_corrupt_layer=1), InvalidArgument, "checksum mismatch in layer 1"),  # one byte changed
+    (FaultConfig(kv_drop_layer=1), InvalidArgument, "data socket failed"),  # a layer never sent: cut short
+    (FaultConfig(kv_cut_after_layers=1), Unavailable, "cut after 1 layers"),  # the sender gives up mid-stream
 ])
 async def test_failed_transfer_leaves_request_on_source(tiny, faults, error, match):
     source, target = await started(tiny, "src"), await started(tiny, "dst")

@@ -45,7 +45,7 @@ async def send_over_data_socket(host: str, reservation: TcpReservation, outgoing
     storage = outgoing.storage
     job = asyncio.ensure_future(run_in_pool(
         kv_tcp_data.POOL, kv_tcp_data.send_layers, connection, storage.k, storage.v, list(outgoing.slot_ids),
-        safe_point, faults.kv_corrupt_chunk, faults.kv_cut_after, faults.kv_drop_chunk,
+        safe_point, faults.kv_corrupt_layer, faults.kv_cut_after_layers, faults.kv_drop_layer,
         max_workers=kv_tcp_data.POOL_WORKERS))
     try:
         return await asyncio.shield(job)
