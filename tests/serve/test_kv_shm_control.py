@@ -78,8 +78,8 @@ async def test_a_target_error_over_the_watch_is_its_status(tiny):
     await first_transfer(served, tiny)
     channel = await served.source[0].add_request("c", PROMPT, PARAMS)
     await wait_tokens(channel, 4)
-    sender = served.sender(FaultConfig(kv_corrupt_chunk=1))
-    with pytest.raises(Unavailable, match="INVALID_ARGUMENT.*checksum mismatch"):
+    sender = served.sender(FaultConfig(kv_corrupt_layer=1))
+    with pytest.raises(Unavailable, match="INVALID_ARGUMENT.*checksums for"):
         await migrate_out(served.source[0], "c", sender)
     assert sender.used_watch_control
     await finishes_on_source(served, channel, tiny)

@@ -124,7 +124,7 @@ async def test_a_wrong_or_replayed_ticket_is_refused_and_writes_nothing(tiny):
         channel = await served.source[0].add_request("w", PROMPT, PARAMS)
         await wait_tokens(channel, 4)
 
-        async def send(header, chunks) -> str:
+        async def send(header, outgoing) -> str:
             async with grpc.aio.insecure_channel(served.server.address, options=channel_options()) as grpc_channel:
                 call = engine_pb2_grpc.EngineStub(grpc_channel).ImportKv()
                 await call.write(add_tcp_offer(kv_header_to_pb(header)))
@@ -133,8 +133,8 @@ async def test_a_wrong_or_replayed_ticket_is_refused_and_writes_nothing(tiny):
                 assert await asyncio.to_thread(_refused, answer.port, wrong)
                 connection = await asyncio.to_thread(kv_tcp_data.connect, "127.0.0.1", answer.port, answer.ticket, 30)
                 with connection:
-                    checksums = await asyncio.to_thread(kv_tcp_data.send_layers, connection, chunks.storage.k,
-                                                        chunks.storage.v, chunks.slot_ids)
+                    checksums = await asyncio.to_thread(kv_tcp_data.send_layers, connection, outgoing.storage.k,
+                                                        outgoing.storage.v, outgoing.slot_ids)
                 replay = kv_tcp_data.MAGIC + answer.ticket
                 assert await asyncio.to_thread(_refused, answer.port, replay)
                 await call.write(tcp_written_to_pb(TcpWritten(tuple(checksums), commit=True)))
@@ -149,7 +149,7 @@ async def test_a_wrong_or_replayed_ticket_is_refused_and_writes_nothing(tiny):
         await served.close()
 
 
-@pytest.mark.parametrize("faults", [FaultConfig(kv_corrupt_chunk=1), FaultConfig(kv_cut_after=1)],
+@pytest.mark.parametrize("faults", [FaultConfig(kv_corrupt_layer=1), FaultConfig(kv_cut_after_layers=1)],
                          ids=["corrupt_layer", "connection_cut"])
 async def test_a_fault_on_the_data_socket_leaves_the_request_on_the_source(tiny, faults):
     served = await Served().start(tiny)
@@ -294,7 +294,7 @@ async def test_a_corrupt_cache_only_copy_is_refused_and_leaves_nothing(tiny):
         async for _ in (await served.source[0].add_request("h", PROMPT, SamplingParams(max_tokens=4))).follow():
             pass
         with pytest.raises(Unavailable, match="checksum mismatch"):
-            await send_cached_prefix(served.source[0], served.sender(FaultConfig(kv_corrupt_chunk=1)).send_cache,
+            await send_cached_prefix(served.source[0], served.sender(FaultConfig(kv_corrupt_layer=1)).send_cache,
                                      tuple(PROMPT), "pin")
         target = served.target[0].load()
         assert target.kv_blocks_used == 0 and target.kv_blocks_cached == 0
