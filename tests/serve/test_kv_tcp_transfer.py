@@ -15,14 +15,14 @@ import collections
 import shutil
 import socket
 import ssl
-import time
+import threading
 
 import grpc
 import pytest
 
 from dualpace.engine.transfer import kv_tcp_data, kv_tcp_import
 from dualpace.engine.transfer.kv_shm_import import SharedKvPool
-from dualpace.engine.transfer.kv_tcp_import import TcpDataServer, TcpWritten
+from dualpace.engine.transfer.kv_tcp_import import TcpDataServer, TcpImport, TcpWritten
 from dualpace.engine.transfer.migration import KvImporter, migrate_out
 from dualpace.engine.transfer.prefix_copy import send_cached_prefix
 from dualpace.errors import Unavailable
@@ -42,6 +42,7 @@ from tests.serve.test_security import _self_signed
 
 PROMPT = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8, 9, 7, 9, 3, 2, 3, 8, 4, 6]
 PARAMS = SamplingParams(max_tokens=24, ignore_eos=True)
+HANG_GUARD_S = 30.0
 
 
 class Served:
@@ -163,32 +164,44 @@ async def test_a_fault_on_the_data_socket_leaves_the_request_on_the_source(tiny,
 
 
 async def test_a_cancel_mid_stream_leaves_the_request_on_the_source(tiny, monkeypatch):
-    streaming = asyncio.Event()
+    streaming, cancelled = asyncio.Event(), threading.Event()
     loop = asyncio.get_running_loop()
     send_all = kv_tcp_data.send_all
 
-    def slow_send_all(connection, buffers):
+    def held_send_all(connection, buffers):
         loop.call_soon_threadsafe(streaming.set)
-        time.sleep(0.05)  # the stream lasts a while: the cancel lands in the middle of it
+        assert cancelled.wait(HANG_GUARD_S)  # the stream is open: the cancel lands in the middle of it
         send_all(connection, buffers)
 
-    monkeypatch.setattr(kv_tcp_data, "send_all", slow_send_all)
-    receiving, freed_while_receiving = [0], []
-    receive_layers, cancel = kv_tcp_data.receive_layers, KvImporter.cancel
+    monkeypatch.setattr(kv_tcp_data, "send_all", held_send_all)
+    receiving, freed_while_receiving, ending, problems = [0], [], threading.Event(), []
+    receive_layers, cancel, end_receive = kv_tcp_data.receive_layers, KvImporter.cancel, TcpImport.close
 
     def watched_receive(*args):
         receiving[0] += 1
         try:
             return receive_layers(*args)
         finally:
-            time.sleep(0.1)  # a receive slow to notice the shutdown: the blocks must wait for it
+            # A receive slow to notice the shutdown: it ends only once the target ends the import,
+            # and after the event loop's next turn, so a target that freed the blocks without
+            # awaiting the receive would free them while it still runs.
+            if not ending.wait(HANG_GUARD_S):
+                problems.append("the target never ended the import")
+            turned = threading.Event()
+            loop.call_soon_threadsafe(turned.set)
+            turned.wait(HANG_GUARD_S)
             receiving[0] -= 1
+
+    async def watched_end_receive(self):
+        ending.set()
+        await end_receive(self)
 
     async def watched_cancel(self):
         freed_while_receiving.append(receiving[0])
         await cancel(self)
 
     monkeypatch.setattr(kv_tcp_data, "receive_layers", watched_receive)
+    monkeypatch.setattr(TcpImport, "close", watched_end_receive)
     monkeypatch.setattr(KvImporter, "cancel", watched_cancel)
     served = await Served().start(tiny)
     try:
@@ -197,10 +210,12 @@ async def test_a_cancel_mid_stream_leaves_the_request_on_the_source(tiny, monkey
         move = asyncio.ensure_future(migrate_out(served.source[0], "c", served.sender()))
         await streaming.wait()
         move.cancel()
+        cancelled.set()
         with pytest.raises(asyncio.CancelledError):
             await move
         await assert_stays_on_source(tiny, served, channel)
         assert freed_while_receiving and not any(freed_while_receiving)  # the receive stopped before the free
+        assert not problems, problems
     finally:
         await served.close()
 
