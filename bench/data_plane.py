@@ -55,10 +55,10 @@ from dualpace.engine.transfer import kv_copy_native
 from dualpace.engine.transfer.kv_bytes import DTYPES_BY_NAME, tensor_bytes
 from dualpace.engine.transfer.kv_shm_send import MappedPools
 from dualpace.engine.transfer.kv_source import OutgoingKv
-from dualpace.engine.transfer.kv_transfer import KvChunk, KvLayout, KvTransferHeader, checksum, plan_chunks
+from dualpace.engine.transfer.kv_transfer import KvLayout, KvTransferHeader
 from dualpace.engine.transfer.shm_kv_copy import INLINE_MAX_BYTES, copy_in_place, layer_ranges, transfer_bytes
-from dualpace.engine.transfer.worker_pools import KV_TRANSFER_WORKERS, pool
 from dualpace.engine.transfer.shm_populate import populate
+from dualpace.engine.transfer.worker_pools import KV_TRANSFER_WORKERS, pool
 from dualpace.kv.storage import KVStorage
 from dualpace.model.registry import DEFAULT_MODEL_NAME
 from dualpace.sampling import SamplingParams
@@ -159,25 +159,13 @@ def source_pool(info, num_tokens: int) -> KVStorage:
 def transfer(storage: KVStorage, info, num_tokens: int) -> tuple[KvTransferHeader, OutgoingKv]:
     layout = KvLayout(storage.num_layers, storage.num_kv_heads, storage.head_dim, storage.block_size,
                       info.dtype.removeprefix("torch."))
-    chunk_plan = plan_chunks(num_tokens, layout)
-    slot_ids = list(range(num_tokens))
     header = KvTransferHeader(
         request_id=f"data-plane-{num_tokens}-{next(_ids)}",
         prompt_token_ids=tuple(1 + i % (info.vocab_size - 1) for i in range(num_tokens)),
         output_token_ids=(1,), params=SamplingParams(max_tokens=2, seed=0, ignore_eos=True),
-        num_computed_tokens=num_tokens, layout=layout, total_chunks=len(chunk_plan),
+        num_computed_tokens=num_tokens, layout=layout,
         total_bytes=2 * layout.num_layers * num_tokens * layout.bytes_per_token_per_layer, source_engine="bench")
-    flat = (-1, storage.num_kv_heads, storage.head_dim)
-
-    def read(seq: int, layer: int, start: int, end: int) -> KvChunk:  # as migrate_out reads a chunk
-        k = tensor_bytes(storage.k[layer].reshape(flat)[start:end])
-        v = tensor_bytes(storage.v[layer].reshape(flat)[start:end])
-        return KvChunk(seq, layer, start, end, k, v, checksum(k, v))
-
-    async def read_chunk(seq: int, layer: int, start: int, end: int) -> KvChunk:
-        return await asyncio.to_thread(read, seq, layer, start, end)
-
-    return header, OutgoingKv(storage, slot_ids, chunk_plan, read_chunk)
+    return header, OutgoingKv(storage, list(range(num_tokens)))
 
 
 async def time_transfers(sender, storage, info, sizes, repeats: int, settle_s: float):
@@ -188,9 +176,9 @@ async def time_transfers(sender, storage, info, sizes, repeats: int, settle_s: f
     for num_tokens in sizes:
         times = []
         for i in range(repeats + 1):
-            header, chunks = transfer(storage, info, num_tokens)
+            header, outgoing = transfer(storage, info, num_tokens)
             start = time.perf_counter()
-            await sender(header, chunks)
+            await sender(header, outgoing)
             elapsed_ms = (time.perf_counter() - start) * 1e3
             if i > 0:
                 times.append(elapsed_ms)

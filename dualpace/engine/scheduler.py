@@ -13,8 +13,10 @@ count as available: they are evicted before any running request is preempted.
 
 Sliding window (built with `sliding_window_tokens`: every layer of the model slides): once a request's
 next query at position p sees only p - window + 1 .. p, its blocks wholly before that are returned to
-the pool (KVBlockManager.release_leading_blocks), after each step, on admission and on import. Only a
-model whose layers all slide frees this way: a global layer (Gemma 3) needs the whole context.
+the pool (KVBlockManager.release_leading_blocks), after each step, on admission and on import; it is
+admitted on its first chunk's blocks and appends the rest chunk by chunk, so a request longer than the
+pool runs. Only a model whose layers all slide frees this way: a global layer (Gemma 3) needs the whole
+context.
 Prefix reuse under a window: a cached prefix of k blocks serves when the blocks the next query's window
 reaches (those from position k * block_size - window + 1 on) are all still in the pool, held or cached;
 the blocks before them need not be (evicted ones included): the new table starts released there.
@@ -227,10 +229,11 @@ class Scheduler:
         while self.waiting and budget > 0 and not preempted and len(sequences) < self.config.max_running:
             request = self.waiting[0]
             cached_block_ids = self._match_prefix(request)
-            if not self._can_admit(request, cached_block_ids):
+            num_reserved_tokens = self._num_tokens_to_reserve(request, cached_block_ids, budget)
+            if not self._can_admit(num_reserved_tokens, cached_block_ids):
                 break
             self.waiting.pop(0)
-            self.blocks.allocate(request.request_id, request.num_tokens, cached_block_ids)
+            self.blocks.allocate(request.request_id, num_reserved_tokens, cached_block_ids)
             self._start_after_cached_prefix(request, len(cached_block_ids) * self.blocks.block_size)
             self._release_outside_window(request)
             request.state = RequestState.RUNNING
@@ -315,8 +318,13 @@ class Scheduler:
             raise InvalidArgument("request_id", f"a request {request_id!r} already exists in this engine")
 
     def _check_fits(self, request: EngineRequest) -> None:
-        """A request must fit the pool alone at its longest (prompt + max_tokens, less the last token)."""
+        """A request must fit the pool alone at its longest (prompt + max_tokens, less the last token);
+        under a window of every layer, at most a window and a step's tokens of it are held at once
+        (plus a block each way for alignment)."""
         needed = self.blocks.num_blocks_for(len(request.prompt_token_ids) - 1 + request.params.max_tokens)
+        if self.sliding_window_tokens is not None:
+            held_at_most = self.sliding_window_tokens - 1 + self.config.max_batch_tokens
+            needed = min(needed, self.blocks.num_blocks_for(held_at_most) + 1)
         if needed > self.blocks.num_total_blocks:
             raise InvalidArgument("max_tokens", f"prompt + max_tokens needs {needed} KV blocks; "
                                                 f"this engine has {self.blocks.num_total_blocks}")
@@ -331,10 +339,17 @@ class Scheduler:
             index -= 1
         self.running.insert(index, request)
 
-    def _can_admit(self, request: EngineRequest, cached_block_ids: list[int]) -> bool:
+    def _num_tokens_to_reserve(self, request: EngineRequest, cached_block_ids: list[int], budget: int) -> int:
+        """Token slots a request takes on admission: all of its tokens; under a window of every layer
+        only up to its first chunk's end (later chunks append, as decodes do, while the window releases)."""
+        if self.sliding_window_tokens is None:
+            return request.num_tokens
+        return min(request.num_tokens, len(cached_block_ids) * self.blocks.block_size + budget)
+
+    def _can_admit(self, num_reserved_tokens: int, cached_block_ids: list[int]) -> bool:
         """Admit while KV suffices, keeping a small reserve for the running decodes'
         next blocks (no reserve when nothing runs, so a request that fits alone runs)."""
-        needed = self.blocks.num_blocks_to_take(request.num_tokens, cached_block_ids)
+        needed = self.blocks.num_blocks_to_take(num_reserved_tokens, cached_block_ids)
         reserve = min(len(self.running), max(1, self.blocks.num_total_blocks // 100)) if self.running else 0
         return self.blocks.num_available_blocks >= needed + reserve
 

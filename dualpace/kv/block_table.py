@@ -131,6 +131,10 @@ class KVBlockManager:
         """A copy of the sequence's block table."""
         return list(self._get(seq_id).block_ids)
 
+    def num_held_blocks(self, seq_id: SeqId) -> int:
+        """Blocks the sequence's table holds (its released entries not counted)."""
+        return len(self._get(seq_id).held_block_ids())
+
     def num_tokens(self, seq_id: SeqId) -> int:
         """Token slots the sequence has reserved (prompt + appended)."""
         return self._get(seq_id).num_tokens

@@ -19,7 +19,7 @@ def test_released_blocks_return_to_the_pool_and_keep_the_table_indexed():
     assert blocks.release_leading_blocks("a", 3) == 3
     assert blocks.num_used_blocks == 3 and blocks.num_free_blocks == 5
     assert blocks.block_ids("a") == [FREED_BLOCK_ID] * 3 + table[3:]
-    assert blocks.num_released_tokens("a") == 12
+    assert blocks.num_released_tokens("a") == 12 and blocks.num_held_blocks("a") == 3
     assert blocks.release_leading_blocks("a", 2) == 0  # already released
     assert blocks.release_leading_blocks("a", 99) == 2  # never the last block
     assert blocks.block_ids("a")[-1] == table[-1] and blocks.num_used_blocks == 1

@@ -13,6 +13,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from dualpace.engine.core import EngineConfig, EngineCore
+from dualpace.engine.scheduler import SchedulerConfig
 from dualpace.model import cpu_kernels
 from dualpace.model.loader import load_model
 from dualpace.sampling import SamplingParams
@@ -68,6 +69,18 @@ def test_a_prompt_longer_than_the_window_decodes_exactly_and_frees_blocks(mistra
     assert core.scheduler.blocks.num_used_blocks == 0 and core.scheduler.blocks.num_free_blocks == 64
 
 
+def test_a_request_longer_than_the_pool_is_served_in_chunks_under_the_window(mistral_swa):
+    """7 blocks of 4 tokens, 8 tokens a step: the request's 55 tokens would need 14 blocks, but
+    admission reserves its first chunk only and the window releases behind each chunk."""
+    loaded, prompt, expected = mistral_swa
+    core = EngineCore(loaded, EngineConfig(num_kv_blocks=7, block_size=BLOCK_SIZE, prefix_caching=False,
+                                           scheduler=SchedulerConfig(max_batch_tokens=8)))
+    tokens, most_used = run(core, "long", prompt)
+    assert tokens == expected
+    assert most_used <= -(-(WINDOW - 1 + 8) // BLOCK_SIZE) + 1 == 6
+    assert core.scheduler.num_preemptions == 0
+
+
 def test_a_cached_prefix_serves_through_the_window_after_its_early_blocks_are_gone(mistral_swa):
     """The rule: a cached prefix of k blocks is reused when the blocks the next query's window reaches
     are still in the pool; the earlier ones need not be. Here the first request's two leading blocks
@@ -108,3 +121,26 @@ def test_a_table_with_released_entries_gives_the_same_logits(mistral_swa):
         assert torch.allclose(full, again, rtol=0, atol=1e-5) and torch.equal(full.argmax(-1), again.argmax(-1))
     with pytest.raises(ValueError, match="returned to the pool"):
         forward.forward([SequenceWork(prompt[4:6], 4, released)])
+
+
+async def test_a_request_with_released_blocks_migrates_and_continues_exactly(mistral_swa):
+    """The source has released blocks when it pauses (block size 4); the transfer carries their
+    positions as filler, and the target (block size 8) releases its own from the commit on."""
+    from dualpace.engine.transfer.migration import migrate_out
+    from tests.engine.test_migration import started, stop, wait_tokens
+    from tests.helpers import data_socket_send
+
+    loaded, prompt, expected = mistral_swa
+    source, target = await started(loaded, "src", block_size=BLOCK_SIZE), await started(loaded, "dst", block_size=8)
+    channel = await source[0].add_request("m", prompt, SamplingParams(max_tokens=NUM_NEW_TOKENS, ignore_eos=True))
+    await wait_tokens(channel, 10)
+    released_at_source = source[0].core.scheduler.num_window_released_blocks
+    await migrate_out(source[0], "m", data_socket_send(target[0]))
+    assert channel.migrated_to == "dst"
+    released_on_target = target[0].core.scheduler.num_window_released_blocks
+    emitted = len(channel.output_token_ids)
+    rest = [t async for update in target[0].channel("m").follow(emitted) for t in update.new_token_ids]
+    await stop(source, target)
+    assert released_at_source >= (PROMPT_LENGTH + 10 - 1 - WINDOW + 1) // BLOCK_SIZE
+    assert released_on_target >= (PROMPT_LENGTH + 10 - 1 - WINDOW + 1) // 8  # from the commit on
+    assert channel.output_token_ids + rest == expected

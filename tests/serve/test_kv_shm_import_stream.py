@@ -108,7 +108,7 @@ async def test_a_failure_inside_the_merged_phases_keeps_the_request_on_the_sourc
             raise Unavailable("commit refused after the written record (test)")
         scheduler.commit_import = refuse
     else:
-        faults = FaultConfig(kv_corrupt_chunk=1)
+        faults = FaultConfig(kv_corrupt_layer=1)
     channel = await served.source[0].add_request("f", PROMPT, PARAMS)
     await wait_tokens(channel, 4)
     sender = served.sender(faults)
@@ -159,7 +159,7 @@ async def test_a_torn_layer_is_refused_in_a_copy_split_between_the_workers(tiny,
         channel = await served.source[0].add_request("c", PROMPT, PARAMS)
         await wait_tokens(channel, 4)
         with pytest.raises(Unavailable, match="INVALID_ARGUMENT: shm_written.layer_crc32: 0 checksums for"):
-            await migrate_out(served.source[0], "c", served.sender(FaultConfig(kv_corrupt_chunk=0)))
+            await migrate_out(served.source[0], "c", served.sender(FaultConfig(kv_corrupt_layer=0)))
         assert [t async for update in channel.follow() for t in update.new_token_ids] == expected(tiny)
         assert channel.migrated_to is None and served.source[0].load().kv_blocks_used == 0
         assert served.target[0].load().kv_blocks_used == 0 and "c" not in served.target[0].core.scheduler.requests
