@@ -5,6 +5,7 @@ background from its start (kernel_builds.py)."""
 from __future__ import annotations
 
 import logging
+import os
 
 import pytest
 import torch
@@ -18,6 +19,12 @@ from tests.kernel_builds import VARIANT_MODULES, start_background_kernel_builds
 # Two cores are shared by everything on these machines; one intra-op thread keeps
 # tests predictable when daemons run beside them.
 torch.set_num_threads(1)
+
+# The daemons the tests start multiply block-quantized weights in the exact mode (the config module
+# reads DUALPACE_QUANT_ACTIVATIONS): the identity tests compare their greedy output with the
+# dequantized fp32 model's. In-process kernels start exact too; the default mode (int8) is tested
+# where named (tests/test_cli_generate.py's chat demo, tests/model/test_quant*.py).
+os.environ.setdefault("DUALPACE_QUANT_ACTIVATIONS", "exact")
 
 
 def pytest_collection_finish(session):

@@ -104,26 +104,91 @@ inline float quantize16(const float* x, uint8_t* q, int L, float* sum) {
   return dx;
 }
 
-// The M rows of x into the layout above (lanes past M: q = 0, dx = 0).
+// Outlier rows: a row whose max |x| exceeds VNNI_OUTLIER_RATIO x its rms (a few channels far above
+// the rest, as the special tokens of a chat prompt carry) is rounded twice: its int8 rounding
+// x1 = dx q plus that rounding's residual x - x1, itself rounded to int8 per 16 elements (about
+// int16's precision: error <= max / (254 x 254) per 16), each as a lane of its own whose products
+// are added. Plain int8 of such rows flipped the default model's chat answer; so did a bound of
+// 25 (in a torch emulation of the rounding), 20 held it with the exact mode's margin. Rows of
+// plain text above 20: ~7% on the default model (bench/quant_kl.py's text), random weights ~0%.
+constexpr float VNNI_OUTLIER_RATIO = 20.0f;
+
+inline bool is_outlier_row(const float* x, int64_t K) {
+  const __m256 sign_bit = _mm256_set1_ps(-0.0f);
+  __m256 amax = _mm256_setzero_ps(), sq = _mm256_setzero_ps();
+  for (int64_t k = 0; k < K; k += 8) {
+    const __m256 v = _mm256_loadu_ps(x + k);
+    amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign_bit, v));
+    sq = _mm256_fmadd_ps(v, v, sq);
+  }
+  const float m = hmax8(amax);
+  return m * m * static_cast<float>(K) > VNNI_OUTLIER_RATIO * VNNI_OUTLIER_RATIO * hsum8(sq);
+}
+
+// The residual of 16 floats of x after quantize16's rounding: x - dx q (one rounding: fma), into r.
+inline void residual16(const float* x, float* r) {
+  const __m256 sign_bit = _mm256_set1_ps(-0.0f);
+  const __m256 v0 = _mm256_loadu_ps(x), v1 = _mm256_loadu_ps(x + 8);
+  const float amax = hmax8(_mm256_max_ps(_mm256_andnot_ps(sign_bit, v0), _mm256_andnot_ps(sign_bit, v1)));
+  const __m256 inv = _mm256_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f), dx = _mm256_set1_ps(amax / 127.0f);
+  constexpr int ROUND = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+  _mm256_storeu_ps(r, _mm256_fnmadd_ps(_mm256_round_ps(_mm256_mul_ps(v0, inv), ROUND), dx, v0));
+  _mm256_storeu_ps(r + 8, _mm256_fnmadd_ps(_mm256_round_ps(_mm256_mul_ps(v1, inv), ROUND), dx, v1));
+}
+
+// Header of the int8 mode's prepared activations: the lanes in use (the M rows of x, then one
+// residual lane per outlier row) and, per residual lane, the row of x it adds to.
+struct VnniHeader {
+  int32_t num_lanes;
+  int32_t num_rows;
+};
+inline int64_t vnni_header_bytes(int64_t M) { return (static_cast<int64_t>(sizeof(VnniHeader)) + 4 * M + 63) / 64 * 64; }
+// Room for every row of x being an outlier (2M lanes).
+inline int64_t vnni_prepared_bytes(int64_t K, int64_t M) { return vnni_header_bytes(M) + vnni_bytes(K, 2 * M); }
+
+// Lane `lane` of block b of a lane group: row `src` of x quantized (residual: its residual's).
+inline void quantize_lane(const float* src, bool residual, int64_t b, int L, int lane, uint8_t* q) {
+  float* dx = reinterpret_cast<float*>(q + 8 * 4 * L);
+  alignas(32) float r[32];
+  const float* v = src + 32 * b;
+  if (residual) {
+    residual16(v, r);
+    residual16(v + 16, r + 16);
+    v = r;
+  }
+  float sum = 0.0f;
+  dx[lane] = quantize16(v, q + 4 * lane, L, &sum);
+  dx[L + lane] = quantize16(v + 16, q + 4 * (4 * L + lane), L, &sum);
+  dx[2 * L + lane] = sum;
+}
+
+// The M rows of x into the layout above, outlier rows' residual lanes after them (lanes past the
+// last: q = 0, dx = 0).
 inline void prepare_vnni(const float* x, int64_t M, int64_t ldx, int64_t K, uint8_t* out) {
+  auto* head = reinterpret_cast<VnniHeader*>(out);
+  int32_t* targets = reinterpret_cast<int32_t*>(out + sizeof(VnniHeader));
+  int64_t lanes = M;
+  for (int64_t m = 0; m < M; ++m)
+    if (is_outlier_row(x + m * ldx, K)) targets[lanes++ - M] = static_cast<int32_t>(m);
+  head->num_lanes = static_cast<int32_t>(lanes);
+  head->num_rows = static_cast<int32_t>(M);
+  uint8_t* body = out + vnni_header_bytes(M);
   const int64_t nb = K / 32;
-  const int L = vnni_lanes(M);
-  for (int64_t g = 0; g < vnni_groups(M); ++g) {
-    uint8_t* gout = out + g * vnni_group_bytes(K, L);
+  const int L = vnni_lanes(lanes);
+  for (int64_t g = 0; g < vnni_groups(lanes); ++g) {
+    uint8_t* gout = body + g * vnni_group_bytes(K, L);
     for (int lane = 0; lane < L; ++lane) {
-      const int64_t m = g * L + lane;
+      const int64_t v = g * L + lane;
       for (int64_t b = 0; b < nb; ++b) {
         uint8_t* q = gout + b * vnni_block_bytes(L);
-        float* dx = reinterpret_cast<float*>(q + 8 * 4 * L);
-        if (m >= M) {
+        if (v >= lanes) {
+          float* dx = reinterpret_cast<float*>(q + 8 * 4 * L);
           for (int j = 0; j < 8; ++j) std::memset(q + 4 * (j * L + lane), 0x80, 4);
           dx[lane] = dx[L + lane] = dx[2 * L + lane] = 0.0f;
           continue;
         }
-        float sum = 0.0f;
-        dx[lane] = quantize16(x + m * ldx + 32 * b, q + 4 * lane, L, &sum);
-        dx[L + lane] = quantize16(x + m * ldx + 32 * b + 16, q + 4 * (4 * L + lane), L, &sum);
-        dx[2 * L + lane] = sum;
+        const int64_t row = v < M ? v : targets[v - M];
+        quantize_lane(x + row * ldx, v >= M, b, L, lane, q);
       }
     }
   }
@@ -224,16 +289,23 @@ constexpr int VNNI_MAX_GROUPS = 4;
 // vector registers), 4 beyond.
 constexpr int VNNI_TILE_ROWS = 8;
 
+// Lanes below M store their row of y; residual lanes (all after them, in this pass or a later one
+// over the same W rows) add to their row's.
 template <int32_t F, class V, int MV>
-inline void tile_vnni_store(const uint8_t* const* wrows, const uint8_t* act, int64_t K, int64_t g0, int64_t M,
-                            int64_t col, int64_t cols, float* y, int64_t ldy) {
+inline void tile_vnni_store(const uint8_t* const* wrows, const uint8_t* act, int64_t K, int64_t g0,
+                            const VnniHeader& head, const int32_t* targets, int64_t col, int64_t cols, float* y,
+                            int64_t ldy) {
   constexpr int NR = MV <= 2 ? 8 : 4;
   constexpr int L = V::L;
   for (int r0 = 0; r0 < VNNI_TILE_ROWS && r0 < cols; r0 += NR) {
     alignas(64) float out[NR][4 * 16];
     tile_vnni<F, V, NR, MV>(wrows + r0, act + g0 * vnni_group_bytes(K, L), K, out);
     for (int r = 0; r < NR && r0 + r < cols; ++r)
-      for (int64_t i = 0; i < MV * L && g0 * L + i < M; ++i) y[(g0 * L + i) * ldy + col + r0 + r] = out[r][i];
+      for (int64_t i = 0; i < MV * L && g0 * L + i < head.num_lanes; ++i) {
+        const int64_t v = g0 * L + i;
+        if (v < head.num_rows) y[v * ldy + col + r0 + r] = out[r][i];
+        else y[targets[v - head.num_rows] * ldy + col + r0 + r] += out[r][i];
+      }
   }
 }
 
@@ -242,9 +314,12 @@ inline void tile_vnni_store(const uint8_t* const* wrows, const uint8_t* act, int
 constexpr int64_t VNNI_BLOCK_ROWS = 64;
 
 template <int32_t F, class V>
-inline void rows_vnni_lanes(const WeightDesc& w, const uint8_t* act, int64_t M, int64_t n0, int64_t n1, float* y,
+inline void rows_vnni_lanes(const WeightDesc& w, const uint8_t* prepared, int64_t n0, int64_t n1, float* y,
                             int64_t ldy) {
-  const int64_t groups = vnni_groups(M);
+  const auto& head = *reinterpret_cast<const VnniHeader*>(prepared);
+  const int32_t* targets = reinterpret_cast<const int32_t*>(prepared + sizeof(VnniHeader));
+  const uint8_t* act = prepared + vnni_header_bytes(head.num_rows);
+  const int64_t groups = vnni_groups(head.num_lanes);
   for (int64_t b0 = n0; b0 < n1; b0 += VNNI_BLOCK_ROWS) {
     const int64_t b1 = std::min(n1, b0 + VNNI_BLOCK_ROWS);
     for (int64_t g0 = 0; g0 < groups; g0 += VNNI_MAX_GROUPS) {
@@ -254,10 +329,10 @@ inline void rows_vnni_lanes(const WeightDesc& w, const uint8_t* act, int64_t M, 
           wrows[r] = static_cast<const uint8_t*>(w.data) + std::min(n + r, n1 - 1) * w.row_bytes;
         const int64_t col = n - n0, cols = std::min<int64_t>(VNNI_TILE_ROWS, n1 - n);
         switch (std::min<int64_t>(VNNI_MAX_GROUPS, groups - g0)) {
-          case 1: tile_vnni_store<F, V, 1>(wrows, act, w.K, g0, M, col, cols, y, ldy); break;
-          case 2: tile_vnni_store<F, V, 2>(wrows, act, w.K, g0, M, col, cols, y, ldy); break;
-          case 3: tile_vnni_store<F, V, 3>(wrows, act, w.K, g0, M, col, cols, y, ldy); break;
-          default: tile_vnni_store<F, V, 4>(wrows, act, w.K, g0, M, col, cols, y, ldy); break;
+          case 1: tile_vnni_store<F, V, 1>(wrows, act, w.K, g0, head, targets, col, cols, y, ldy); break;
+          case 2: tile_vnni_store<F, V, 2>(wrows, act, w.K, g0, head, targets, col, cols, y, ldy); break;
+          case 3: tile_vnni_store<F, V, 3>(wrows, act, w.K, g0, head, targets, col, cols, y, ldy); break;
+          default: tile_vnni_store<F, V, 4>(wrows, act, w.K, g0, head, targets, col, cols, y, ldy); break;
         }
       }
     }
@@ -270,10 +345,11 @@ inline void rows_vnni_lanes(const WeightDesc& w, const uint8_t* act, int64_t M, 
 constexpr int64_t VNNI_MIN_ROWS = 5;
 
 template <int32_t F>
-inline void rows_vnni(const WeightDesc& w, const uint8_t* act, int64_t M, int64_t n0, int64_t n1, float* y,
-                      int64_t ldy) {
-  if (vnni_lanes(M) == 8) rows_vnni_lanes<F, Lanes8>(w, act, M, n0, n1, y, ldy);
-  else rows_vnni_lanes<F, Lanes16>(w, act, M, n0, n1, y, ldy);
+inline void rows_vnni(const WeightDesc& w, const uint8_t* prepared, int64_t n0, int64_t n1, float* y, int64_t ldy) {
+  if (vnni_lanes(reinterpret_cast<const VnniHeader*>(prepared)->num_lanes) == 8)
+    rows_vnni_lanes<F, Lanes8>(w, prepared, n0, n1, y, ldy);
+  else
+    rows_vnni_lanes<F, Lanes16>(w, prepared, n0, n1, y, ldy);
 }
 
 }  // namespace dp_quant

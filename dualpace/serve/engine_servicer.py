@@ -137,7 +137,7 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
         # The stream's migrated_to is the target's address: where the client resumes the request.
         sender = self._sender(request.target_address)
         stats = await migrate_out(self.loop, request.request_id, sender, migrated_to=request.target_address)
-        return messages.migrate_out_response_to_pb(stats, _data_path(sender))
+        return messages.migrate_out_response_to_pb(stats, data_path(sender))
 
     def _sender(self, target_address: str) -> TcpKvSender:
         """This engine's KV sender to another: shared memory or the data socket (the data socket alone:
@@ -303,7 +303,7 @@ def _log_import(importer: KvImporter, started: float) -> None:
               total_ms=round((committed_at - started) * 1e3, 2))
 
 
-def _data_path(sender: TcpKvSender) -> str:
+def data_path(sender: TcpKvSender) -> str:
     """The path the last transfer's KV took: "shm", "tcp", or "none" (a request moved without KV)."""
     if isinstance(sender, SameHostKvSender) and sender.used_shm:
         return "shm"

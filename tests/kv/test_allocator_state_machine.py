@@ -117,14 +117,14 @@ class KVBlockManagerMachine(RuleBasedStateMachine):
         assert self.manager.num_used_blocks == used_before
         self.registered_token_lists.append(list(tokens))
 
-    @precondition(lambda self: self.registered_token_lists)
-    @rule(index=st.integers(0, 100), num_prefix_blocks=st.integers(0, 5), num_new_tokens=st.integers(0, 9))
-    def allocate_on_prefix(self, index: int, num_prefix_blocks: int, num_new_tokens: int) -> None:
+    def _donor_prefix(self, index: int, num_prefix_blocks: int) -> list[int]:
         donor = self.registered_token_lists[index % len(self.registered_token_lists)]
         size = self.manager.block_size
-        prefix = donor[: min(num_prefix_blocks, len(donor) // size) * size]
-        cached_block_ids = self.manager.match_prefix(self.hasher.chain(prefix))
-        num_cached_tokens = len(cached_block_ids) * size
+        return donor[: min(num_prefix_blocks, len(donor) // size) * size]
+
+    def _allocate_on(self, prefix: list[int], cached_block_ids: list[int], num_new_tokens: int) -> None:
+        """A new table on the matched blocks plus new tokens; all or nothing."""
+        num_cached_tokens = len(cached_block_ids) * self.manager.block_size
         num_tokens = num_cached_tokens + num_new_tokens
         seq_id = next(self.next_seq_id)
         fits = self.manager.can_allocate(num_tokens, cached_block_ids)
@@ -142,29 +142,24 @@ class KVBlockManagerMachine(RuleBasedStateMachine):
         self._write_tokens(seq_id, num_cached_tokens, num_tokens)
 
     @precondition(lambda self: self.registered_token_lists)
-    @rule(index=st.integers(0, 100), num_prefix_blocks=st.integers(0, 5), window_tokens=st.integers(1, 12))
-    def allocate_on_prefix_in_window(self, index: int, num_prefix_blocks: int, window_tokens: int) -> None:
+    @rule(index=st.integers(0, 100), num_prefix_blocks=st.integers(0, 5), num_new_tokens=st.integers(0, 9))
+    def allocate_on_prefix(self, index: int, num_prefix_blocks: int, num_new_tokens: int) -> None:
+        prefix = self._donor_prefix(index, num_prefix_blocks)
+        self._allocate_on(prefix, self.manager.match_prefix(self.hasher.chain(prefix)), num_new_tokens)
+
+    @precondition(lambda self: self.registered_token_lists)
+    @rule(index=st.integers(0, 100), num_prefix_blocks=st.integers(0, 5), window_tokens=st.integers(1, 12),
+          num_new_tokens=st.integers(0, 9))
+    def allocate_on_prefix_in_window(self, index: int, num_prefix_blocks: int, window_tokens: int,
+                                     num_new_tokens: int) -> None:
         """A sliding window's match: leading entries may be released, the window's blocks are cached."""
-        donor = self.registered_token_lists[index % len(self.registered_token_lists)]
-        size = self.manager.block_size
-        prefix = donor[: min(num_prefix_blocks, len(donor) // size) * size]
+        prefix = self._donor_prefix(index, num_prefix_blocks)
         cached_block_ids = self.manager.match_prefix_in_window(self.hasher.chain(prefix), window_tokens)
-        num_cached_tokens = len(cached_block_ids) * size
-        first_needed_pos = max(0, num_cached_tokens - window_tokens + 1)
-        assert all(b == FREED_BLOCK_ID for b in cached_block_ids[: first_needed_pos // size])
-        assert FREED_BLOCK_ID not in cached_block_ids[first_needed_pos // size:]
-        seq_id = next(self.next_seq_id)
-        fits = self.manager.can_allocate(num_cached_tokens + 1, cached_block_ids)
-        before = self._snapshot()
-        try:
-            self.manager.allocate(seq_id, num_cached_tokens + 1, cached_block_ids)
-        except OutOfBlocks:
-            assert not fits
-            assert self._snapshot() == before
-            return
-        assert fits
-        self.expected_tokens[seq_id] = list(prefix[:num_cached_tokens])
-        self._write_tokens(seq_id, num_cached_tokens, num_cached_tokens + 1)
+        first_needed_block = max(0, len(cached_block_ids) * self.manager.block_size - window_tokens + 1) \
+            // self.manager.block_size
+        assert all(b == FREED_BLOCK_ID for b in cached_block_ids[:first_needed_block])
+        assert FREED_BLOCK_ID not in cached_block_ids[first_needed_block:]
+        self._allocate_on(prefix, cached_block_ids, num_new_tokens)
 
     @precondition(lambda self: self.manager.seq_ids())
     @rule(index=st.integers(0, 100), num_blocks=st.integers(0, 6))

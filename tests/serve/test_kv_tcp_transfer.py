@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import dataclasses
 import shutil
 import socket
 import ssl
@@ -23,15 +24,18 @@ import pytest
 from dualpace.engine.transfer import kv_tcp_data, kv_tcp_import
 from dualpace.engine.transfer.kv_shm_import import SharedKvPool
 from dualpace.engine.transfer.kv_tcp_import import TcpDataServer, TcpImport, TcpWritten
-from dualpace.engine.transfer.migration import KvImporter, migrate_out
+from dualpace.engine.transfer.kv_source import OutgoingKv
+from dualpace.engine.transfer.kv_transfer import KvTransferHeader
+from dualpace.engine.transfer.migration import KvImporter, engine_kv_layout, migrate_out
 from dualpace.engine.transfer.prefix_copy import send_cached_prefix
 from dualpace.errors import Unavailable
 from dualpace.faults import FaultConfig
 from dualpace.generation import OfflineGenerator
 from dualpace.sampling import FinishReason, SamplingParams
-from dualpace.serve.engine_servicer import EngineServicer
+from dualpace.serve.engine_servicer import EngineServicer, data_path
 from dualpace.serve.kv_shm_transport import SameHostKv
 from dualpace.serve.kv_tcp_transport import TcpKvSender
+from dualpace.serve.peers import PeerList
 from dualpace.serve.security import ServerSecurity, load_tls
 from dualpace.serve.server import channel_options, start_server
 from dualpace.wire.engine_messages import kv_header_to_pb
@@ -300,4 +304,28 @@ async def test_a_corrupt_cache_only_copy_is_refused_and_leaves_nothing(tiny):
         assert target.kv_blocks_used == 0 and target.kv_blocks_cached == 0
         assert served.source[0].load().kv_blocks_used == 0  # the pin was dropped
     finally:
+        await served.close()
+
+
+async def test_migrate_out_reports_the_data_path_the_kv_took(tiny):
+    """MigrateOutResponse.transport: "tcp" for KV over the data socket (a MigrateOut through the
+    source's servicer), "none" for a move without KV (the target recomputes the request)."""
+    served = await Served().start(tiny)
+    source = EngineServicer(served.source[0], same_host=SameHostKv("tcp", SharedKvPool(None)),
+                            peers=PeerList([served.server.address]))
+    try:
+        channel = await served.source[0].add_request("kv", PROMPT, PARAMS)
+        await wait_tokens(channel, 4)
+        moved = await source.MigrateOut(engine_pb2.MigrateOutRequest(request_id="kv",
+                                                                     target_address=served.server.address), None)
+        assert (moved.transport, moved.target_engine) == ("tcp", "dst") and moved.total_bytes > 0
+        await assert_continues_on_target(served, channel, "kv", expected(tiny))
+
+        sender = served.sender()
+        layout = engine_kv_layout(served.source[0])
+        header = KvTransferHeader("no-kv", tuple(PROMPT), (), dataclasses.replace(PARAMS, seed=3), 0, layout, 0, "src")
+        assert await sender(header, OutgoingKv(served.source[0].core.runner.kv, [])) == "dst"
+        assert data_path(sender) == "none"
+    finally:
+        await source.same_host.close()
         await served.close()
