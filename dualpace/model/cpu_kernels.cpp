@@ -1050,3 +1050,4 @@ int dp_decode_step_f32(float* hidden, const LayerArgs* layers, int64_t num_layer
 }
 
 }  // extern "C"
+#include "cpu_moe.h"  // the routed experts of a MoE layer in one call
