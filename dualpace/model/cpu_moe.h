@@ -159,8 +159,8 @@ int moe_experts(const T* x, int64_t M, int64_t ldx, const int64_t* expert_ids, c
     }
 #if DP_HAS_QUANT
     if (!is_dense(w))
-      dp_quant::prepare(w, WIDEN ? xf + first[e] * widest : reinterpret_cast<const float*>(in), rows,
-                        WIDEN ? widest : w.K, prep + prep_at[s], false);  // int16 at every batch, as linear_any
+      prepare_activations(w, WIDEN ? xf + first[e] * widest : reinterpret_cast<const float*>(in), rows,
+                          WIDEN ? widest : w.K, prep + prep_at[s]);
 #endif
   };
   run_stages(begin, [&](int64_t stage, int64_t task) {
