@@ -4,7 +4,7 @@ A real cpu_service with the model (default: the default model) is the target. Th
 plays the source: a KV pool of that model's shape filled with random values, sent through the
 engines' own senders (SameHostKvSender for shm, TcpKvSender for the cross-host data socket over
 loopback) from header to commit,
-so the target reserves, verifies and commits each transfer as a migration would (the imported
+so the target reserves, checks and commits each transfer as a migration would (the imported
 request then decodes one token there and ends). Sizes are token counts; each transport's rate
 and fixed cost come from a least-squares fit of ms = fixed + bytes / rate over them, and the
 time at `--context-tokens` (1024) is reported as measured. The shm path's fixed cost is also measured:
@@ -18,6 +18,9 @@ Two copy references, both at the context size:
   `--settle-s` of sleep the transfers see, right after the shm transfers (same run, same minute).
   The transfer's source is as cold as this one's; kv_shm_fraction_of_cold_memcpy =
   kv_shm_gbps / memcpy_cold_gbps is the like-for-like ratio, kv_shm_gbps / memcpy_gbps is not.
+A shm transfer over shm_kv_copy.INLINE_MAX_BYTES is copied by both kv-export workers, its layers
+split between them: kv_shm_copy_threads_at_context says how many copied the context-size transfer,
+and kv_shm_breakdown_at_context times that copy alone (in this process) in one thread and split.
 All rates count bytes the same way: payload bytes, once (memcpy = bytes copied / copy time, not
 read + written bytes; kv_*_gbps = K + V bytes of the transfer / its time, header to commit).
 
@@ -52,9 +55,10 @@ from dualpace.engine.transfer import kv_copy_native
 from dualpace.engine.transfer.kv_bytes import DTYPES_BY_NAME, tensor_bytes
 from dualpace.engine.transfer.kv_shm_send import MappedPools
 from dualpace.engine.transfer.kv_source import OutgoingKv
-from dualpace.engine.transfer.kv_transfer import KvChunk, KvLayout, KvTransferHeader, checksum, plan_chunks
-from dualpace.engine.transfer.shm_kv_copy import copy_in_place, layer_checksums
+from dualpace.engine.transfer.kv_transfer import KvLayout, KvTransferHeader
+from dualpace.engine.transfer.shm_kv_copy import INLINE_MAX_BYTES, copy_in_place, layer_ranges, transfer_bytes
 from dualpace.engine.transfer.shm_populate import populate
+from dualpace.engine.transfer.worker_pools import KV_TRANSFER_WORKERS, pool
 from dualpace.kv.storage import KVStorage
 from dualpace.model.registry import DEFAULT_MODEL_NAME
 from dualpace.sampling import SamplingParams
@@ -155,25 +159,13 @@ def source_pool(info, num_tokens: int) -> KVStorage:
 def transfer(storage: KVStorage, info, num_tokens: int) -> tuple[KvTransferHeader, OutgoingKv]:
     layout = KvLayout(storage.num_layers, storage.num_kv_heads, storage.head_dim, storage.block_size,
                       info.dtype.removeprefix("torch."))
-    chunk_plan = plan_chunks(num_tokens, layout)
-    slot_ids = list(range(num_tokens))
     header = KvTransferHeader(
         request_id=f"data-plane-{num_tokens}-{next(_ids)}",
         prompt_token_ids=tuple(1 + i % (info.vocab_size - 1) for i in range(num_tokens)),
         output_token_ids=(1,), params=SamplingParams(max_tokens=2, seed=0, ignore_eos=True),
-        num_computed_tokens=num_tokens, layout=layout, total_chunks=len(chunk_plan),
+        num_computed_tokens=num_tokens, layout=layout,
         total_bytes=2 * layout.num_layers * num_tokens * layout.bytes_per_token_per_layer, source_engine="bench")
-    flat = (-1, storage.num_kv_heads, storage.head_dim)
-
-    def read(seq: int, layer: int, start: int, end: int) -> KvChunk:  # as migrate_out reads a chunk
-        k = tensor_bytes(storage.k[layer].reshape(flat)[start:end])
-        v = tensor_bytes(storage.v[layer].reshape(flat)[start:end])
-        return KvChunk(seq, layer, start, end, k, v, checksum(k, v))
-
-    async def read_chunk(seq: int, layer: int, start: int, end: int) -> KvChunk:
-        return await asyncio.to_thread(read, seq, layer, start, end)
-
-    return header, OutgoingKv(storage, slot_ids, chunk_plan, read_chunk)
+    return header, OutgoingKv(storage, list(range(num_tokens)))
 
 
 async def time_transfers(sender, storage, info, sizes, repeats: int, settle_s: float):
@@ -184,9 +176,9 @@ async def time_transfers(sender, storage, info, sizes, repeats: int, settle_s: f
     for num_tokens in sizes:
         times = []
         for i in range(repeats + 1):
-            header, chunks = transfer(storage, info, num_tokens)
+            header, outgoing = transfer(storage, info, num_tokens)
             start = time.perf_counter()
-            await sender(header, chunks)
+            await sender(header, outgoing)
             elapsed_ms = (time.perf_counter() - start) * 1e3
             if i > 0:
                 times.append(elapsed_ms)
@@ -231,21 +223,34 @@ def summarize(results: dict[int, list[float]], bytes_per_token: int, context_tok
 
 
 def shm_breakdown(storage: KVStorage, num_tokens: int, repeats: int) -> dict:
-    """The shm path's two passes on their own, in this process: the sender's copy (each piece CRC'd
-    right after it is copied) and the target's verification (one read pass over its blocks)."""
+    """The shm path's one pass over the bytes on its own, in this process, into a private pool: the
+    sender's copy (each word CRC'd as it is stored) in one thread, and split by layer between the
+    kv-export workers as a transfer of this size runs it (one thread up to INLINE_MAX_BYTES); the
+    two alternate which goes first. `copy_threads`: how many threads copy this transfer."""
     target = KVStorage(storage.num_layers, storage.num_blocks, storage.block_size, storage.num_kv_heads,
                        storage.head_dim, storage.dtype)
     slots = list(range(num_tokens))
-    copy_ms, verify_ms = [], []
-    for _ in range(repeats):
-        start = time.perf_counter()
+    parts = (layer_ranges(storage.num_layers, KV_TRANSFER_WORKERS)
+             if transfer_bytes(storage, num_tokens) > INLINE_MAX_BYTES else [None])
+    executor = pool("kv-export", KV_TRANSFER_WORKERS)
+
+    def one_thread() -> None:
         copy_in_place(storage.k, storage.v, slots, target.k, target.v, slots)
-        middle = time.perf_counter()
-        layer_checksums(target.k, target.v, slots)  # what the target does to verify (here in one thread)
-        verify_ms.append((time.perf_counter() - middle) * 1e3)
-        copy_ms.append((middle - start) * 1e3)
-    return {"sender_copy_and_checksum_ms": statistics.median(copy_ms),
-            "target_verify_ms": statistics.median(verify_ms)}
+
+    def split() -> None:
+        jobs = [executor.submit(copy_in_place, storage.k, storage.v, slots, target.k, target.v, slots, None, layers)
+                for layers in parts]
+        for job in jobs:
+            job.result()
+
+    times = {one_thread: [], split: []}
+    for i in range(repeats):
+        for copy in ((one_thread, split) if i % 2 == 0 else (split, one_thread)):
+            start = time.perf_counter()
+            copy()
+            times[copy].append((time.perf_counter() - start) * 1e3)
+    return {"sender_copy_and_checksum_one_thread_ms": statistics.median(times[one_thread]),
+            "sender_copy_and_checksum_ms": statistics.median(times[split]), "copy_threads": len(parts)}
 
 
 def assist_round_trips(model: str, num_iterations: int) -> dict:
@@ -315,6 +320,7 @@ def main() -> None:
         "kv_shm_fixed_ms_measured": round(statistics.median(shm_fixed), 3),
         "kv_shm_fixed_tokens": args.fixed_tokens, "kv_shm_fixed_ms_all": [round(t, 3) for t in shm_fixed],
     }
+    breakdown = shm_breakdown(storage, args.context_tokens, args.repeats)
     result = {
         **primary,
         "memcpy_gbps": round(statistics.mean([memcpy, memcpy_after]), 3),
@@ -334,10 +340,11 @@ def main() -> None:
         "kv_tcp_fraction_of_memcpy": round(tcp_summary["gbps_at_context"] / statistics.mean([memcpy, memcpy_after]), 3),
         "kv_tcp_phase_ms_median": tcp_phases,
         "kv_shm": shm_summary, "kv_tcp": tcp_summary,
-        "kv_shm_breakdown_at_context": shm_breakdown(storage, args.context_tokens, args.repeats),
+        "kv_shm_breakdown_at_context": breakdown,
+        "kv_shm_copy_threads_at_context": breakdown["copy_threads"],  # the copy split by layer between them
         "kv_shm_phase_ms_median": shm_phases,
         "kv_shm_control": shm_control,  # where the timed shm transfers' messages went (after the first: the watch)
-        "kv_crc_path": kv_copy_native.crc_path(),  # the CRC loop of the fused copy and the verify (this process)
+        "kv_crc_path": kv_copy_native.crc_path(),  # the CRC loop of the fused copy (this process)
         "context_tokens": args.context_tokens, "context_bytes": context_bytes,
         "model": args.model, "dtype": info.dtype, "cpu_kind": cpu_kind(), "load_average": os.getloadavg(),
         **assist_round_trips(args.model, args.assist_iterations),
@@ -350,7 +357,8 @@ def main() -> None:
           f"{100 * primary['kv_shm_fraction_of_cold_memcpy']:.0f}% of the cold one-thread copy "
           f"({result['memcpy_cold_gbps']} GB/s), {100 * primary['kv_shm_fraction_of_memcpy']:.0f}% of the warm memcpy "
           f"({result['memcpy_gbps']} GB/s); fixed cost at {args.fixed_tokens} tokens: "
-          f"{primary['kv_shm_fixed_ms_measured']} ms (median of {args.fixed_repeats})")
+          f"{primary['kv_shm_fixed_ms_measured']} ms (median of {args.fixed_repeats}); the copy in "
+          f"{breakdown['copy_threads']} thread(s)")
     print(text)
 
 

@@ -42,7 +42,8 @@ from profiles.sim import SimConfig, simulate
 from toolkit.workload import build_requests, parse_length_spec
 
 DEFAULT_SLO_MS, TTFT_BOUND_MS = 100.0, 2000.0
-PAPER = {"vs NEO": (6.9, 43.2), "vs vLLM": (11.5, 90.6)}  # throughput gain ranges, percent
+# The throughput gain ranges the DualPace paper reports at the same P99 ITL, percent
+DUALPACE_PAPER_GAINS = {"vs NEO": (6.9, 43.2), "vs vLLM": (11.5, 90.6)}
 NEO_WORKLOAD = ("800:1200", "50:400")  # NEO's: prompts ~1000 tokens, outputs 50-400
 LONG_WORKLOAD = ("lognormal:8192:0.5", "50:400")
 
@@ -167,7 +168,7 @@ def _f(value, digits: int = 1, suffix: str = "") -> str:
 
 
 def _verdict(g: float | None, key: str) -> str:
-    low, high = PAPER[key]
+    low, high = DUALPACE_PAPER_GAINS[key]
     if g is None:
         return "n/a"
     if g < low:
@@ -189,8 +190,8 @@ def markdown(report: dict) -> str:
              f"(x2 on the H100 NEO-workload case), seed "
              f"{report['seed']}, Poisson. Throughput gains are at P99 ITL = SLO (interpolated along the sweep); "
              f"rate gains at the highest rate with P99 ITL <= SLO and P50 TTFT <= {TTFT_BOUND_MS / 1000:g} s. "
-             f"Paper: +{PAPER['vs NEO'][0]}-{PAPER['vs NEO'][1]}% over NEO, "
-             f"+{PAPER['vs vLLM'][0]}-{PAPER['vs vLLM'][1]}% over vLLM.", "",
+             f"The DualPace paper: +{DUALPACE_PAPER_GAINS['vs NEO'][0]}-{DUALPACE_PAPER_GAINS['vs NEO'][1]}% over "
+             f"NEO, +{DUALPACE_PAPER_GAINS['vs vLLM'][0]}-{DUALPACE_PAPER_GAINS['vs vLLM'][1]}% over vLLM.", "",
              "| case | profile variant | SLO P99 ITL | tok/s at SLO: dualpace / NEO (gated as built) / gpu-only | "
              "max rate req/s: dualpace / NEO / gpu-only | dualpace vs NEO: tok/s, rate | dualpace vs vLLM (gpu-only): "
              "tok/s, rate | dualpace (staged): tok/s, vs NEO, vs vLLM |",

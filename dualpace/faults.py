@@ -5,9 +5,16 @@ other daemon setting (dualpace.serve.config): a flag, its DUALPACE_<FLAG> enviro
 (DUALPACE_FAULT_STEP_DELAY_MS=N), or a --config key. The daemon builds a FaultConfig from its
 arguments at start (`FaultConfig.from_args`) and passes it to the parts that honour it.
 
-    --fault-kv-corrupt-chunk N          flip a bit in outgoing KV chunk N (N >= 0)
-    --fault-kv-drop-chunk N             skip outgoing KV chunk N (a sequence gap)
-    --fault-kv-cut-after N              abandon an outgoing transfer after N chunks
+    --fault-kv-corrupt-layer N          outgoing KV: layer N (N >= 0) arrives damaged. Over the
+                                        data socket one byte of it is changed after its checksum
+                                        was taken; over shared memory its first token is left half
+                                        written and `written` reports only the layers before it
+    --fault-kv-drop-layer N             outgoing KV: layer N is never sent. Over the data socket
+                                        the stream ends short; over shared memory its first token
+                                        is left unwritten and its checksum out of `written`
+    --fault-kv-cut-after-layers N       outgoing KV: the sender gives up. Over the data socket
+                                        before sending layer N; over shared memory after the copy,
+                                        before saying written (N is not used there)
     --fault-kv-shm-hold-ms N            on the shared-memory path, hold the write lease N ms
                                         after the copy, before saying written (kill tests)
     --fault-step-delay-ms N             sleep N ms inside every engine step (a stalled step loop)
@@ -73,9 +80,14 @@ def _fault(parse: Callable[[str], Any], metavar: str, help: str) -> Any:
 
 @dataclass(frozen=True)
 class FaultConfig:
-    kv_corrupt_chunk: int | None = _fault(_int_at_least(0), "N", "flip a bit in outgoing KV chunk N")
-    kv_drop_chunk: int | None = _fault(_int_at_least(0), "N", "skip outgoing KV chunk N (a sequence gap)")
-    kv_cut_after: int | None = _fault(_int_at_least(0), "N", "abandon an outgoing KV transfer after N chunks")
+    kv_corrupt_layer: int | None = _fault(_int_at_least(0), "N", "outgoing KV layer N arrives damaged (data "
+                                          "socket: one byte changed after its checksum; shared memory: torn, "
+                                          "written reports the layers before it only)")
+    kv_drop_layer: int | None = _fault(_int_at_least(0), "N", "outgoing KV layer N is never sent (data socket: "
+                                       "the stream ends short; shared memory: left unwritten and out of written)")
+    kv_cut_after_layers: int | None = _fault(_int_at_least(0), "N", "the sender gives up an outgoing KV transfer "
+                                             "(data socket: before layer N; shared memory: after the copy, "
+                                             "before saying written)")
     kv_shm_hold_ms: int | None = _fault(_int_at_least(0), "MS", "shared-memory KV path: hold the write lease "
                                         "this long after the copy")
     step_delay_ms: int | None = _fault(_int_at_least(0), "MS", "sleep this long inside every engine step")

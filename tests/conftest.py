@@ -1,9 +1,11 @@
 """Shared fixtures: synthetic checkpoints (made once per session), the tiny synthetic model and
-the default model."""
+the default model. A session that runs the tests of every kernel variant builds the variants in the
+background from its start (kernel_builds.py)."""
 
 from __future__ import annotations
 
 import logging
+import os
 
 import pytest
 import torch
@@ -12,10 +14,22 @@ from dualpace.model import quant_activations
 from dualpace.model.loader import load_model
 from dualpace.model.registry import DEFAULT_MODEL_NAME, resolve_model_path
 from dualpace.serve.logging_setup import reset_logging
+from tests.kernel_builds import VARIANT_MODULES, start_background_kernel_builds
 
 # Two cores are shared by everything on these machines; one intra-op thread keeps
 # tests predictable when daemons run beside them.
 torch.set_num_threads(1)
+
+# The daemons the tests start multiply block-quantized weights in the exact mode (the config module
+# reads DUALPACE_QUANT_ACTIVATIONS): the identity tests compare their greedy output with the
+# dequantized fp32 model's. In-process kernels start exact too; the default mode (int8) is tested
+# where named (tests/test_cli_generate.py's chat demo, tests/model/test_quant*.py).
+os.environ.setdefault("DUALPACE_QUANT_ACTIVATIONS", "exact")
+
+
+def pytest_collection_finish(session):
+    if any(item.nodeid.startswith(VARIANT_MODULES) for item in session.items):
+        start_background_kernel_builds()
 
 
 @pytest.fixture(autouse=True)

@@ -28,14 +28,14 @@ def test_nothing_set_means_no_faults():
 
 def test_every_variable_is_read_with_its_type_through_the_config_module():
     faults = _parse([], {
-        "DUALPACE_FAULT_KV_CORRUPT_CHUNK": "0",
-        "DUALPACE_FAULT_KV_DROP_CHUNK": "2",
-        "DUALPACE_FAULT_KV_CUT_AFTER": "3",
+        "DUALPACE_FAULT_KV_CORRUPT_LAYER": "0",
+        "DUALPACE_FAULT_KV_DROP_LAYER": "2",
+        "DUALPACE_FAULT_KV_CUT_AFTER_LAYERS": "3",
         "DUALPACE_FAULT_STEP_DELAY_MS": "25",
         "DUALPACE_FAULT_FORWARD_RAISE_AT_STEP": "7",
         "DUALPACE_FAULT_NAN_LOGITS_REQUEST": "victim-1",
     })
-    assert faults == FaultConfig(kv_corrupt_chunk=0, kv_drop_chunk=2, kv_cut_after=3, step_delay_ms=25,
+    assert faults == FaultConfig(kv_corrupt_layer=0, kv_drop_layer=2, kv_cut_after_layers=3, step_delay_ms=25,
                                  forward_raise_at_step=7, nan_logits_request="victim-1")
     assert faults.any
     assert faults.step_delay_s == pytest.approx(0.025)
@@ -50,7 +50,7 @@ def test_a_request_id_is_kept_as_text():
 @pytest.mark.parametrize("name, text, problem", [
     ("DUALPACE_FAULT_STEP_DELAY_MS", "fast", "expected an integer >= 0, got 'fast'"),
     ("DUALPACE_FAULT_STEP_DELAY_MS", "-5", "expected an integer >= 0, got -5"),
-    ("DUALPACE_FAULT_KV_CUT_AFTER", "", "expected an integer >= 0, got ''"),
+    ("DUALPACE_FAULT_KV_CUT_AFTER_LAYERS", "", "expected an integer >= 0, got ''"),
     ("DUALPACE_FAULT_FORWARD_RAISE_AT_STEP", "0", "expected an integer >= 1, got 0"),
     ("DUALPACE_FAULT_FORWARD_RAISE_AT_STEP", "1.5", "expected an integer >= 1, got '1.5'"),
     ("DUALPACE_FAULT_NAN_LOGITS_REQUEST", "", "expected a request id, got an empty value"),

@@ -47,7 +47,7 @@ class EngineCore:
         events = KvEventLog(config.kind, config.block_size) if config.prefix_caching else None
         self.scheduler = Scheduler(
             config.scheduler, config.num_kv_blocks, config.block_size, loaded.max_context_tokens, eos_ids, hasher,
-            events,
+            events, sliding_window_tokens=loaded.config.window_of_every_layer,
         )
         # The CPU engine passes a runner that can also run iterations with Dense Assist.
         self.runner = runner or ModelRunner(loaded, config.num_kv_blocks, config.block_size)
@@ -89,5 +89,13 @@ class EngineCore:
         return plan, self.scheduler.apply(plan, result)
 
     def kv_slot_ids(self, request_id: str, num_tokens: int) -> list[int]:
-        """Flat slots of the request's first `num_tokens` tokens."""
-        return self.scheduler.blocks.slot_ids(request_id, 0, num_tokens)
+        """Flat slots of the request's first `num_tokens` tokens. Positions a sliding window returned
+        to the pool give the slots of the first held block instead: a transfer carries them as filler
+        that the target's window masks, and the target returns those blocks at its commit."""
+        blocks = self.scheduler.blocks
+        num_released = min(blocks.num_released_tokens(request_id), num_tokens)
+        held = blocks.slot_ids(request_id, num_released, num_tokens)
+        if not num_released:
+            return held
+        first_held_slot = blocks.block_ids(request_id)[num_released // blocks.block_size] * blocks.block_size
+        return [first_held_slot + pos % blocks.block_size for pos in range(num_released)] + held

@@ -17,12 +17,14 @@ from dualpace.logprobs import wants_prompt_logprobs
 
 
 class PrefixCache:
-    def __init__(self, blocks: KVBlockManager, hasher: BlockHasher, events: KvEventLog | None = None):
+    def __init__(self, blocks: KVBlockManager, hasher: BlockHasher, events: KvEventLog | None = None,
+                 sliding_window_tokens: int | None = None):
         if hasher.block_size != blocks.block_size:
             raise ValueError(f"block hasher's block size {hasher.block_size} != {blocks.block_size}")
         self.blocks = blocks
         self.hasher = hasher
         self.events = events  # stored / removed events, for WatchKvEvents
+        self.sliding_window_tokens = sliding_window_tokens  # every layer slides: match only what the window needs
         if events is not None:
             blocks.set_forget_listener(events.removed)
         self.num_query_tokens = 0  # tokens of admitted requests looked up
@@ -30,12 +32,16 @@ class PrefixCache:
 
     def match(self, request: EngineRequest) -> list[int]:
         """Cached blocks holding the request's leading tokens, all but its last token at most
-        (so the first sampled token's logits are computed, and no shared block is written). None for
+        (so the first sampled token's logits are computed, and no shared block is written); under a
+        sliding window of every layer, leading blocks no window reaches are FREED_BLOCK_ID entries and
+        need not be cached (KVBlockManager.match_prefix_in_window). None for
         a request that still needs its prompt's log-probabilities: every prompt token is computed."""
         self.hasher.extend(request.block_hashes, request.token_ids(0, request.num_tokens))
         if wants_prompt_logprobs(request.params, request.output_token_ids):
             return []
         num_matchable = (request.num_tokens - 1) // self.blocks.block_size
+        if self.sliding_window_tokens is not None:
+            return self.blocks.match_prefix_in_window(request.block_hashes[:num_matchable], self.sliding_window_tokens)
         return self.blocks.match_prefix(request.block_hashes[:num_matchable])
 
     def count_lookup(self, request: EngineRequest, num_hit_tokens: int) -> None:

@@ -11,6 +11,16 @@ first sampled token's logits are computed), and its prefill starts at the end of
 block a request fills is registered in the cache as soon as its KV is computed. Cached blocks
 count as available: they are evicted before any running request is preempted.
 
+Sliding window (built with `sliding_window_tokens`: every layer of the model slides): once a request's
+next query at position p sees only p - window + 1 .. p, its blocks wholly before that are returned to
+the pool (KVBlockManager.release_leading_blocks), after each step, on admission and on import; it is
+admitted on its first chunk's blocks and appends the rest chunk by chunk, so a request longer than the
+pool runs. Only a model whose layers all slide frees this way: a global layer (Gemma 3) needs the whole
+context.
+Prefix reuse under a window: a cached prefix of k blocks serves when the blocks the next query's window
+reaches (those from position k * block_size - window + 1 on) are all still in the pool, held or cached;
+the blocks before them need not be (evicted ones included): the new table starts released there.
+
 Hand-off hold: a request marked `hold_after_first_token` is paused in the apply of the step that
 samples its first token (its event says `held`), so the next step never runs it and its move
 (`pause` takes it as it is) need not wait for that step; `release_hold` lets it decode here.
@@ -50,8 +60,13 @@ class Scheduler:
         eos_token_ids: frozenset[int] = frozenset(),
         block_hasher: BlockHasher | None = None,
         kv_events: KvEventLog | None = None,
+        sliding_window_tokens: int | None = None,
     ):
+        if sliding_window_tokens is not None and sliding_window_tokens < 1:
+            raise ValueError(f"sliding_window_tokens must be >= 1, got {sliding_window_tokens}")
         self.config = config
+        self.sliding_window_tokens = sliding_window_tokens  # None: attention sees the whole context
+        self.num_window_released_blocks = 0  # blocks returned to the pool by the sliding window
         self.blocks = KVBlockManager(num_blocks, block_size)
         self.max_context_tokens = max_context_tokens
         self.eos_token_ids = eos_token_ids
@@ -62,7 +77,8 @@ class Scheduler:
         self._next_arrival_index = 0
         self.num_preemptions = 0
         # None: prefix caching off.
-        self.prefix_cache = None if block_hasher is None else PrefixCache(self.blocks, block_hasher, kv_events)
+        self.prefix_cache = None if block_hasher is None else PrefixCache(self.blocks, block_hasher, kv_events,
+                                                                          sliding_window_tokens)
         # Told of each finishing request before its blocks are freed (the host tier's offers).
         self.finished_listener: Callable[[EngineRequest, FinishReason], None] | None = None
 
@@ -176,6 +192,7 @@ class Scheduler:
         request.state = RequestState.RUNNING
         request.num_computed_tokens = num_kv_tokens
         self._cache_full_blocks(request)
+        self._release_outside_window(request)
         self._insert_running(request)
 
     def commit_cache_import(self, request_id: str, token_ids: list[int]) -> int:
@@ -212,11 +229,13 @@ class Scheduler:
         while self.waiting and budget > 0 and not preempted and len(sequences) < self.config.max_running:
             request = self.waiting[0]
             cached_block_ids = self._match_prefix(request)
-            if not self._can_admit(request, cached_block_ids):
+            num_reserved_tokens = self._num_tokens_to_reserve(request, cached_block_ids, budget)
+            if not self._can_admit(num_reserved_tokens, cached_block_ids):
                 break
             self.waiting.pop(0)
-            self.blocks.allocate(request.request_id, request.num_tokens, cached_block_ids)
+            self.blocks.allocate(request.request_id, num_reserved_tokens, cached_block_ids)
             self._start_after_cached_prefix(request, len(cached_block_ids) * self.blocks.block_size)
+            self._release_outside_window(request)
             request.state = RequestState.RUNNING
             self._insert_running(request)
             num_new = min(request.num_pending_tokens, budget)
@@ -232,6 +251,7 @@ class Scheduler:
                 continue
             request.num_computed_tokens = seq.start_pos + len(seq.token_ids)
             self._cache_full_blocks(request)
+            self._release_outside_window(request)
             if seq.request_id in result.prompt_logprobs:
                 merge_prompt_logprobs(request.prompt_logprobs, result.prompt_logprobs[seq.request_id])
             if not seq.sample:
@@ -298,8 +318,13 @@ class Scheduler:
             raise InvalidArgument("request_id", f"a request {request_id!r} already exists in this engine")
 
     def _check_fits(self, request: EngineRequest) -> None:
-        """A request must fit the pool alone at its longest (prompt + max_tokens, less the last token)."""
+        """A request must fit the pool alone at its longest (prompt + max_tokens, less the last token);
+        under a window of every layer, at most a window and a step's tokens of it are held at once
+        (plus a block each way for alignment)."""
         needed = self.blocks.num_blocks_for(len(request.prompt_token_ids) - 1 + request.params.max_tokens)
+        if self.sliding_window_tokens is not None:
+            held_at_most = self.sliding_window_tokens - 1 + self.config.max_batch_tokens
+            needed = min(needed, self.blocks.num_blocks_for(held_at_most) + 1)
         if needed > self.blocks.num_total_blocks:
             raise InvalidArgument("max_tokens", f"prompt + max_tokens needs {needed} KV blocks; "
                                                 f"this engine has {self.blocks.num_total_blocks}")
@@ -314,10 +339,17 @@ class Scheduler:
             index -= 1
         self.running.insert(index, request)
 
-    def _can_admit(self, request: EngineRequest, cached_block_ids: list[int]) -> bool:
+    def _num_tokens_to_reserve(self, request: EngineRequest, cached_block_ids: list[int], budget: int) -> int:
+        """Token slots a request takes on admission: all of its tokens; under a window of every layer
+        only up to its first chunk's end (later chunks append, as decodes do, while the window releases)."""
+        if self.sliding_window_tokens is None:
+            return request.num_tokens
+        return min(request.num_tokens, len(cached_block_ids) * self.blocks.block_size + budget)
+
+    def _can_admit(self, num_reserved_tokens: int, cached_block_ids: list[int]) -> bool:
         """Admit while KV suffices, keeping a small reserve for the running decodes'
         next blocks (no reserve when nothing runs, so a request that fits alone runs)."""
-        needed = self.blocks.num_blocks_to_take(request.num_tokens, cached_block_ids)
+        needed = self.blocks.num_blocks_to_take(num_reserved_tokens, cached_block_ids)
         reserve = min(len(self.running), max(1, self.blocks.num_total_blocks // 100)) if self.running else 0
         return self.blocks.num_available_blocks >= needed + reserve
 
@@ -334,6 +366,15 @@ class Scheduler:
     def _cache_full_blocks(self, request: EngineRequest) -> None:
         if self.prefix_cache is not None:
             self.prefix_cache.cache_full_blocks(request)
+
+    def _release_outside_window(self, request: EngineRequest) -> None:
+        """Every layer slides: return the blocks wholly before the next query's window to the pool."""
+        if self.sliding_window_tokens is None:
+            return
+        first_visible_pos = request.num_computed_tokens - self.sliding_window_tokens + 1
+        if first_visible_pos >= self.blocks.block_size:
+            self.num_window_released_blocks += self.blocks.release_leading_blocks(
+                request.request_id, first_visible_pos // self.blocks.block_size)
 
     def _reserve_kv(self, request: EngineRequest, num_new: int, preempted: list[str]) -> bool:
         """Make room for the request's next `num_new` tokens, preempting the newest

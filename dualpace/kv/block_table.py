@@ -17,6 +17,11 @@ blocks for a chain of hashes, and ``allocate(..., cached_block_ids)`` starts a n
 with them, shared (refcounted). Cached blocks are always full, so they are never written
 again; a freed one stays cached until an allocation evicts it.
 
+Sliding window: ``release_leading_blocks`` returns a table's leading blocks to the pool while the
+sequence runs (every layer's window has passed them). The table keeps its logical indexing: a released
+entry reads ``FREED_BLOCK_ID``, which holds no KV and is never written; ``readable_block_ids`` gives
+attention a table with each such entry replaced by a held block, whose positions the window masks.
+
 Every mutating method checks everything (ids, sizes, free blocks) before it
 changes anything: a raised error leaves the manager untouched.
 """
@@ -27,6 +32,7 @@ from dataclasses import dataclass, field
 from dualpace.kv.allocator import BlockAllocator, BlockHash, OutOfBlocks
 
 SeqId = Hashable
+FREED_BLOCK_ID = -1  # a table entry whose block a sliding window returned to the pool
 
 
 @dataclass(frozen=True)
@@ -50,6 +56,10 @@ class _SeqBlocks:
     block_ids: list[int] = field(default_factory=list)
     num_tokens: int = 0
     num_hashed_blocks: int = 0  # leading blocks already offered to the prefix cache
+    num_released_blocks: int = 0  # leading entries returned to the pool (FREED_BLOCK_ID)
+
+    def held_block_ids(self) -> list[int]:
+        return self.block_ids[self.num_released_blocks:]
 
 
 class KVBlockManager:
@@ -121,6 +131,10 @@ class KVBlockManager:
         """A copy of the sequence's block table."""
         return list(self._get(seq_id).block_ids)
 
+    def num_held_blocks(self, seq_id: SeqId) -> int:
+        """Blocks the sequence's table holds (its released entries not counted)."""
+        return len(self._get(seq_id).held_block_ids())
+
     def num_tokens(self, seq_id: SeqId) -> int:
         """Token slots the sequence has reserved (prompt + appended)."""
         return self._get(seq_id).num_tokens
@@ -134,7 +148,14 @@ class KVBlockManager:
                 f"with {seq.num_tokens} tokens"
             )
         size = self.block_size
+        if start_pos < end_pos and start_pos < seq.num_released_blocks * size:
+            raise ValueError(f"positions [{start_pos}, {seq.num_released_blocks * size}) of sequence {seq_id!r} "
+                             f"were returned to the pool (outside the sliding window)")
         return [seq.block_ids[p // size] * size + p % size for p in range(start_pos, end_pos)]
+
+    def num_released_tokens(self, seq_id: SeqId) -> int:
+        """Leading positions whose blocks ``release_leading_blocks`` returned to the pool."""
+        return self._get(seq_id).num_released_blocks * self.block_size
 
     def match_prefix(self, block_hashes: list[BlockHash]) -> list[int]:
         """Blocks holding the longest cached run of ``block_hashes`` from the first."""
@@ -146,11 +167,30 @@ class KVBlockManager:
             block_ids.append(block_id)
         return block_ids
 
+    def match_prefix_in_window(self, block_hashes: list[BlockHash], window_tokens: int) -> list[int]:
+        """For a model whose every layer slides over ``window_tokens``: the longest cached run of
+        ``block_hashes`` whose blocks the next query's window reaches are all cached, those before
+        it given as FREED_BLOCK_ID (never held again; a new table starts released there)."""
+        num_hit_blocks = first_needed = 0
+        run_start = 0  # first index of the current unbroken run of cached blocks
+        block_ids: list[int] = []
+        for index, block_hash in enumerate(block_hashes):
+            block_id = self._allocator.lookup(block_hash)
+            block_ids.append(FREED_BLOCK_ID if block_id is None else block_id)
+            if block_id is None:
+                run_start = index + 1
+                continue
+            needed_from = max(0, (index + 1) * self.block_size - window_tokens + 1) // self.block_size
+            if run_start <= needed_from:
+                num_hit_blocks, first_needed = index + 1, needed_from
+        return [FREED_BLOCK_ID] * first_needed + block_ids[first_needed:num_hit_blocks]
+
     def num_blocks_to_take(self, num_tokens: int, cached_block_ids: list[int] = ()) -> int:
         """Available blocks ``allocate(_, num_tokens, cached_block_ids)`` consumes: the new
         blocks plus the cached blocks it takes back from the evictable pool."""
         num_new = self.num_blocks_for(num_tokens) - len(cached_block_ids)
-        return max(num_new, 0) + sum(self._allocator.refcount(b) == 0 for b in cached_block_ids)
+        return max(num_new, 0) + sum(b != FREED_BLOCK_ID and self._allocator.refcount(b) == 0
+                                     for b in cached_block_ids)
 
     def can_allocate(self, num_tokens: int, cached_block_ids: list[int] = ()) -> bool:
         """Whether a new sequence of ``num_tokens`` tokens fits now."""
@@ -166,17 +206,19 @@ class KVBlockManager:
         if seq_id in self._seqs:
             raise ValueError(f"sequence {seq_id!r} already has KV blocks")
         cached_block_ids = list(cached_block_ids)
+        num_released = _num_leading(cached_block_ids, FREED_BLOCK_ID)
+        shared_block_ids = cached_block_ids[num_released:]
         if len(cached_block_ids) * self.block_size > num_tokens:
             raise ValueError(f"{len(cached_block_ids)} cached blocks hold more than {num_tokens} tokens")
-        if any(self._allocator.block_hash(b) is None for b in cached_block_ids):
+        if any(b == FREED_BLOCK_ID or self._allocator.block_hash(b) is None for b in shared_block_ids):
             raise ValueError("a block passed as cached holds no cached content")
         needed = self.num_blocks_to_take(num_tokens, cached_block_ids)
         if needed > self.num_available_blocks:
             raise OutOfBlocks(needed, self.num_available_blocks, self.num_total_blocks)
-        self._allocator.share(cached_block_ids)
+        self._allocator.share(shared_block_ids)
         new_block_ids = self._allocator.allocate(self.num_blocks_for(num_tokens) - len(cached_block_ids))
         block_ids = cached_block_ids + new_block_ids
-        self._seqs[seq_id] = _SeqBlocks(block_ids, num_tokens, len(cached_block_ids))
+        self._seqs[seq_id] = _SeqBlocks(block_ids, num_tokens, len(cached_block_ids), num_released)
         return list(block_ids)
 
     def register_full_blocks(self, seq_id: SeqId, block_hashes: list[BlockHash], num_full_blocks: int) -> list[int]:
@@ -190,7 +232,7 @@ class KVBlockManager:
             raise ValueError(f"{num_full_blocks} full blocks ({len(block_hashes)} hashes) "
                              f"in a sequence of {seq.num_tokens} tokens")
         registered = []
-        for index in range(seq.num_hashed_blocks, num_full_blocks):
+        for index in range(max(seq.num_hashed_blocks, seq.num_released_blocks), num_full_blocks):
             block_id = seq.block_ids[index]
             if self._allocator.block_hash(block_id) is None and self._allocator.register(block_id, block_hashes[index]):
                 registered.append(index)
@@ -234,14 +276,30 @@ class KVBlockManager:
         parent = self._get(parent_id)
         if child_id in self._seqs:
             raise ValueError(f"cannot fork into sequence {child_id!r}: it already has KV blocks")
-        self._allocator.incref(parent.block_ids)
-        self._seqs[child_id] = _SeqBlocks(list(parent.block_ids), parent.num_tokens, parent.num_hashed_blocks)
+        self._allocator.incref(parent.held_block_ids())
+        self._seqs[child_id] = _SeqBlocks(list(parent.block_ids), parent.num_tokens, parent.num_hashed_blocks,
+                                          parent.num_released_blocks)
 
     def free(self, seq_id: SeqId) -> None:
         """Drop the sequence's table; blocks no other table holds become free (or cached)."""
         seq = self._get(seq_id)
-        self._allocator.free(seq.block_ids)
+        self._allocator.free(seq.held_block_ids())
         del self._seqs[seq_id]
+
+    def release_leading_blocks(self, seq_id: SeqId, num_blocks: int) -> int:
+        """Return the table's blocks before index ``num_blocks`` (its last block always kept) to the
+        pool: no window reaches them any more. Their entries become FREED_BLOCK_ID; a block other
+        tables share stays theirs, one with cached content stays cached. How many were released now."""
+        seq = self._get(seq_id)
+        _check_count("num_blocks", num_blocks)
+        end = min(num_blocks, len(seq.block_ids) - 1)
+        if end <= seq.num_released_blocks:
+            return 0
+        released = seq.block_ids[seq.num_released_blocks:end]
+        self._allocator.free(released[::-1])  # cached ones evicted from the first: a window reuses the last
+        seq.block_ids[seq.num_released_blocks:end] = [FREED_BLOCK_ID] * len(released)
+        seq.num_released_blocks = end
+        return len(released)
 
     # -- helpers -------------------------------------------------------------
 
@@ -265,9 +323,24 @@ class KVBlockManager:
         return num_growth_blocks + int(self._needs_copy_on_write(seq, num_new_tokens))
 
 
+def readable_block_ids(block_ids: list[int]) -> list[int]:
+    """``block_ids`` with each FREED_BLOCK_ID replaced by the table's last (always held) block: attention
+    gathers whole tables, and the window masks every position of a released entry."""
+    if FREED_BLOCK_ID not in block_ids:
+        return block_ids
+    return [block_ids[-1] if block_id == FREED_BLOCK_ID else block_id for block_id in block_ids]
+
+
+def _num_leading(values: list[int], value: int) -> int:
+    count = 0
+    while count < len(values) and values[count] == value:
+        count += 1
+    return count
+
+
 def _check_count(name: str, value: int) -> None:
     if value < 0:
         raise ValueError(f"{name} must be >= 0, got {value}")
 
 
-__all__ = ["AppendResult", "KVBlockManager", "OutOfBlocks", "SeqId"]
+__all__ = ["FREED_BLOCK_ID", "AppendResult", "KVBlockManager", "OutOfBlocks", "SeqId", "readable_block_ids"]

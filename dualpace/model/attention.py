@@ -86,7 +86,7 @@ def prefill_attention(
     else:
         keys = k_cache.index_select(0, block_ids).view(-1, num_kv_heads, head_dim)[:context]
         values = v_cache.index_select(0, block_ids).view(-1, num_kv_heads, head_dim)[:context]
-    if q.device.type == "cpu" and q.dtype == torch.float32:
+    if q.device.type == "cpu" and q.dtype in (torch.float32, torch.bfloat16):
         return _prefill_sdpa(q, keys, values, start_pos, scale, window)
     queries = q.view(num_new, num_kv_heads, group, head_dim).permute(1, 2, 0, 3)  # [kv, group, n, d]
     scores = torch.matmul(queries, keys.permute(1, 2, 0)[:, None]).float() * scale  # [kv, group, n, context]
@@ -104,8 +104,9 @@ def prefill_attention(
 def _prefill_sdpa(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start_pos: int,
                   scale: float, window: int | None) -> torch.Tensor:
     """The same causal attention through torch's fused CPU kernel (blocked, no [n, context]
-    score tensor per head; fp32 on the CPU, where it measured faster than matmul -> softmax ->
-    matmul for prefill chunks). keys/values [context, kv_heads, head_dim]."""
+    score tensor per head): faster than matmul -> softmax -> matmul for prefill chunks in fp32, and
+    in bf16 (a 512-token prompt of the Llama-3.2-1B shape, 2 threads of an Intel Xeon with AMX:
+    14.8 ms a layer against 118.5). keys/values [context, kv_heads, head_dim]."""
     num_new, num_heads, head_dim = q.shape
     context = keys.shape[0]
     mask = None

@@ -154,6 +154,11 @@ class ModelConfig:
             return None
         return self.sliding_window
 
+    @property
+    def window_of_every_layer(self) -> int | None:
+        """The sliding window when every layer has it (Mistral, Phi-3); else None (some layer is global)."""
+        return self.sliding_window if self.window_layers is None else None
+
     def layer_rope_theta(self, layer_index: int) -> float:
         if self.local_rope_theta is not None and self.layer_window(layer_index) is not None:
             return self.local_rope_theta

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
+from dualpace.kv.block_table import FREED_BLOCK_ID, readable_block_ids
 from dualpace.kv.storage import KVStorage
 from dualpace.model import cpu_kernels
 from dualpace.model.cpu_fused_decode import FusedDecode
@@ -77,16 +78,20 @@ def build_step_tensors(work: list[SequenceWork], block_size: int, device: torch.
         if len(seq.block_ids) * block_size < end_pos:
             raise ValueError(f"block table of {len(seq.block_ids)} blocks cannot hold {end_pos} tokens")
         token_ids.extend(seq.token_ids)
-        seq_tables.append(seq.block_ids[: (end_pos + block_size - 1) // block_size])
+        table = readable_block_ids(seq.block_ids[: (end_pos + block_size - 1) // block_size])
+        seq_tables.append(table)
         for pos in range(seq.start_pos, end_pos):
             positions.append(pos)
-            slot_ids.append(seq.block_ids[pos // block_size] * block_size + pos % block_size)
+            block_id = seq.block_ids[pos // block_size]
+            if block_id == FREED_BLOCK_ID:
+                raise ValueError(f"position {pos} falls in a block the sliding window returned to the pool")
+            slot_ids.append(block_id * block_size + pos % block_size)
         if num_new == 1:
             decode_index.append(first)
-            decode_tables.append(seq.block_ids[: (end_pos + block_size - 1) // block_size])
+            decode_tables.append(table)
             decode_lens.append(end_pos)
         else:
-            prefills.append((first, num_new, seq.start_pos, seq.block_ids[: (end_pos + block_size - 1) // block_size]))
+            prefills.append((first, num_new, seq.start_pos, table))
         if seq.all_logits:
             logit_index.extend(range(first, first + num_new))
         else:

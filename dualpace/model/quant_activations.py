@@ -13,17 +13,18 @@ _libraries: list = []
 ACTIVATION_MODES = {"fp32": 0, "int16": 1, "int8": 2}  # quant_gemv.h's ActivationMode
 # --quant-activations: exact (greedy output of the dequantized fp32 model) or int8 (faster batches).
 CONFIG_ACTIVATIONS = {"exact": "int16", "int8": "int8"}
-# exact by default: int8 rounding of the default model's chat prompt (its special tokens' outlier
-# activations) turns "The capital of France is Paris." into other text, in the kernels and in a
-# torch emulation of the rounding alike, although its KL divergence over plain text is below
-# llama.cpp's (docs/perf.md).
-DEFAULT_CONFIG_ACTIVATIONS = "exact"
+# int8 by default: it only changes the products of 5 or more rows (batched decode, prompt chunks) on
+# CPUs with AVX-512 VNNI, where they run 1.3-2.9x faster; rows whose few large channels int8 would
+# not hold (a chat prompt's special tokens) are rounded twice (quant_gemv_vnni.h), which keeps the
+# default model's chat answer and a KL divergence below llama.cpp's on the same file (docs/perf.md).
+# A process that loads the kernels without choosing (a library user, the tests) computes exact.
+DEFAULT_CONFIG_ACTIVATIONS = "int8"
 QUANT_ACTIVATIONS_HELP = (
-    "exact (default): block-quantized weights multiply activations rounded to int16 per 16 elements "
-    "(greedy output of the fp32-dequantized model); int8: from 5 rows (batched decode, prompt chunks) on CPUs "
-    "with AVX-512 VNNI, activations rounded to int8 per 16 elements: 1.3-2.9x faster products, KL divergence "
-    "of the dequantized model below llama.cpp's on plain text, but some prompts change answer (docs/perf.md); "
-    "elsewhere as exact")
+    "int8 (default): from 5 rows (batched decode, prompt chunks) on CPUs with AVX-512 VNNI, activations rounded "
+    "to int8 per 16 elements (rows with outlier channels twice): 1.3-2.9x faster products, next-token "
+    "distributions as close to the dequantized model as llama.cpp's (docs/perf.md); fewer rows or other CPUs "
+    "compute as exact. exact: activations rounded to int16 per 16 elements: greedy output of the "
+    "fp32-dequantized model, the same whatever else shares the batch")
 
 
 def add_quant_activations_argument(parser) -> None:

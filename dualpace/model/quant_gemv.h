@@ -4,16 +4,16 @@
 // once per ISA variant, and quant_kernels.cpp wraps it in extern "C" functions of its own.
 //
 // The arithmetic of the activations, per process (dp_quant_set_activations; the engines set it
-// from --quant-activations: exact = int16, the default, or int8):
-// - `int16` (the exact mode, and the default until set): activations rounded to int16 per 16
+// from --quant-activations: int8, their default, or exact = int16):
+// - `int16` (the exact mode, and the library's mode until set): activations rounded to int16 per 16
 //   elements and integer dot products with the weights widened to int16 (quant_gemv_i16.h). The
 //   rounding is 1.5e-5 of each 16's max, finer than bf16 activations: greedy output matches the
 //   dequantized fp32 model. In AVX-512 builds the standalone library's calls with >= 8 rows of x
 //   compute as `fp32` instead (quant_gemv_avx512.h: faster there).
 // - `int8`: from VNNI_MIN_ROWS rows of x in builds with AVX-512 VNNI, activations quantized per
 //   row per 16 elements to int8 (one float scale per 16: half llama.cpp's q8_0 block) and
-//   multiplied with vpdpbusd (quant_gemv_vnni.h); fewer rows, or a build without VNNI, compute as
-//   int16. The activation rounding (4e-3 of each 16's max) moves logits by ~1e-2 relative: close
+//   multiplied with vpdpbusd (quant_gemv_vnni.h; rows with outlier channels rounded twice, the
+//   residual in a lane of its own); fewer rows, or a build without VNNI, compute as int16. The activation rounding (4e-3 of each 16's max) moves logits by ~1e-2 relative: close
 //   to the dequantized model by KL divergence (docs/perf.md), not greedy-identical to it.
 // - `fp32`: each 8-weight chunk is unpacked and dequantized in registers to fp32
 //   (scale x q + min) and FMA'd with the fp32 activations. The result equals the dequantized fp32
@@ -384,7 +384,7 @@ constexpr int64_t PREPARED_HEADER_BYTES = 64;
 inline int64_t prepare_bytes(const WeightDesc& w, int64_t M) {
   const int64_t rows = M * i16_row_bytes(w.K);
 #if defined(DP_QUANT_VNNI)
-  return PREPARED_HEADER_BYTES + std::max(rows, vnni_bytes(w.K, M));
+  return PREPARED_HEADER_BYTES + std::max(rows, vnni_prepared_bytes(w.K, M));
 #else
   return PREPARED_HEADER_BYTES + rows;
 #endif
@@ -405,7 +405,7 @@ inline void prepare(const WeightDesc& w, const float* x, int64_t M, int64_t ldx,
 #if defined(DP_QUANT_VNNI)
   if (mode == ACT_INT8 && M >= VNNI_MIN_ROWS) {
     mode = PREPARED_VNNI;
-    prepare_vnni(x, M, ldx, w.K, body);
+    prepare_vnni(x, M, ldx, w.K, w.format, body);
   } else
 #endif
   if (mode == ACT_FP32 || (fp32_switch && M >= fp32_min_rows())) {
@@ -423,7 +423,7 @@ inline void rows(const WeightDesc& w, const float* x, int64_t M, int64_t ldx, co
   std::memcpy(&mode, prepared, sizeof(mode));
   const uint8_t* body = static_cast<const uint8_t*>(prepared) + PREPARED_HEADER_BYTES;
 #if defined(DP_QUANT_VNNI)
-#define DP_QUANT_VNNI_ROWS(F) (mode == PREPARED_VNNI && (rows_vnni<F>(w, body, M, n0, n1, y, ldy), true))
+#define DP_QUANT_VNNI_ROWS(F) (mode == PREPARED_VNNI && (rows_vnni<F>(w, body, n0, n1, y, ldy), true))
 #else
 #define DP_QUANT_VNNI_ROWS(F) false
 #endif

@@ -15,11 +15,14 @@
 // Arithmetic: activations quantized per row per 16 elements (x ~ dx q, q in [-127, 127], one
 // scale per 16: llama.cpp's q8_0 has one per 32; per 16 halves the rounding error for one more
 // convert and FMA per block, and brings the KL divergence below llama.cpp's, docs/perf.md).
-// vpdpbusd multiplies unsigned by signed bytes, so the activations are stored as q + 128
-// (unsigned) and the weights as signed values: Q8_0's own, Q4_0's q - 8, Q6_K's q - 32, and the
-// nibbles 0..15 of Q4_1 / Q4_K. Each lane's sum is then dot(q, w) + 128 sum(w); the accumulator
-// starts at -128 sum(w) (per 16 weights, from vpsadbw), so the integer result is dot(q, w)
-// exactly. Per 16 the float scale is dw dx, and Q4_1 / Q4_K add their min term mw (dx sum(q)).
+// vpdpbusd multiplies unsigned by signed bytes. The nibbles 0..15 of Q4_0 / Q4_1 / Q4_K are its
+// unsigned operand (broadcast) and the activations, stored as q, its signed one: the sum is
+// dot(q, w) as it is. For the signed formats (Q8_0's own values, Q6_K's q - 32) the activations
+// are stored as q + 128 (unsigned); each lane's sum is then dot(q, w) + 128 sum(w), and the
+// accumulator starts at -128 sum(w) (per 16 weights, from vpsadbw), so the integer result is
+// dot(q, w) exactly. Per 16 the float scale is dw dx, and the Q4 formats add their min term
+// mw (dx sum(q)) (Q4_0: mw = -8 dw). (The q + 128 form for the Q4 formats too, with Q4_0 as
+// q - 8, ran 0.77-0.91x of this at 8-64 rows of Q4_K, one thread of an Intel Xeon.)
 // Exactness: the products of the rounded activations and the weights are exact integers; the
 // result differs from the dequantized fp32 model by the activation rounding (<= dx / 2 per
 // element), as llama.cpp's batched products do.
@@ -28,6 +31,14 @@
 
 // (not standalone: quant_gemv.h includes it after the pieces it uses)
 namespace dp_quant {
+
+// Formats whose values are unsigned nibbles (Q4_0, Q4_1, Q4_K): they are vpdpbusd's unsigned
+// operand and the activations its signed one (stored as q), so the integer sum is dot(q, w) as it
+// is; Q4_0's -8 joins its min term (-8 dw sum(dx q)). Signed formats (Q8_0, Q6_K) take the
+// activations as q + 128 and start each sum at -128 sum(w).
+constexpr bool unsigned_weights(int32_t format) {
+  return format == DP_W_Q4_0 || format == DP_W_Q4_1 || format == DP_W_Q4_K;
+}
 
 // Vector types of a lane group: 16 activation rows (zmm) or 8 (ymm).
 struct Lanes16 {
@@ -41,6 +52,11 @@ struct Lanes16 {
     int32_t v;
     std::memcpy(&v, w4, 4);
     return _mm512_dpbusd_epi32(acc, a, _mm512_set1_epi32(v));
+  }
+  static I dot_wu(I acc, I a, const uint8_t* w4) {  // unsigned weights, signed activations
+    int32_t v;
+    std::memcpy(&v, w4, 4);
+    return _mm512_dpbusd_epi32(acc, _mm512_set1_epi32(v), a);
   }
   static F cvt(I v) { return _mm512_cvtepi32_ps(v); }
   static F zero() { return _mm512_setzero_ps(); }
@@ -60,6 +76,11 @@ struct Lanes8 {
     int32_t v;
     std::memcpy(&v, w4, 4);
     return _mm256_dpbusd_epi32(acc, a, _mm256_set1_epi32(v));
+  }
+  static I dot_wu(I acc, I a, const uint8_t* w4) {
+    int32_t v;
+    std::memcpy(&v, w4, 4);
+    return _mm256_dpbusd_epi32(acc, _mm256_set1_epi32(v), a);
   }
   static F cvt(I v) { return _mm256_cvtepi32_ps(v); }
   static F zero() { return _mm256_setzero_ps(); }
@@ -85,7 +106,7 @@ inline int64_t vnni_bytes(int64_t K, int64_t M) {
 
 // 16 floats of x as q = round(x * 127 / max|x|) (+ 128, as bytes) into dwords `q`, L lanes apart;
 // returns the scale dx = max / 127 and adds dx sum(q) to *sum.
-inline float quantize16(const float* x, uint8_t* q, int L, float* sum) {
+inline float quantize16(const float* x, uint8_t* q, int L, float* sum, bool offset) {
   const __m256 sign_bit = _mm256_set1_ps(-0.0f);
   const __m256 v0 = _mm256_loadu_ps(x), v1 = _mm256_loadu_ps(x + 8);
   const float amax = hmax8(_mm256_max_ps(_mm256_andnot_ps(sign_bit, v0), _mm256_andnot_ps(sign_bit, v1)));
@@ -97,33 +118,99 @@ inline float quantize16(const float* x, uint8_t* q, int L, float* sum) {
   const __m256i p16 = _mm256_permute4x64_epi64(_mm256_packs_epi32(r0, r1), 0xD8);
   const __m128i p8 = _mm_packs_epi16(_mm256_castsi256_si128(p16), _mm256_extracti128_si256(p16, 1));
   alignas(16) uint32_t d[4];
-  _mm_store_si128(reinterpret_cast<__m128i*>(d), _mm_xor_si128(p8, _mm_set1_epi8(static_cast<char>(0x80))));
+  _mm_store_si128(reinterpret_cast<__m128i*>(d), offset ? _mm_xor_si128(p8, _mm_set1_epi8(static_cast<char>(0x80))) : p8);
   for (int j = 0; j < 4; ++j) std::memcpy(q + 4 * j * L, &d[j], 4);
   const float dx = amax / 127.0f;
   *sum += dx * static_cast<float>(hsum8_epi32(_mm256_add_epi32(r0, r1)));
   return dx;
 }
 
-// The M rows of x into the layout above (lanes past M: q = 0, dx = 0).
-inline void prepare_vnni(const float* x, int64_t M, int64_t ldx, int64_t K, uint8_t* out) {
+// Outlier rows: a row whose max |x| exceeds VNNI_OUTLIER_RATIO x its rms (a few channels far above
+// the rest, as the special tokens of a chat prompt carry) is rounded twice: its int8 rounding
+// x1 = dx q plus that rounding's residual x - x1, itself rounded to int8 per 16 elements (about
+// int16's precision: error <= max / (254 x 254) per 16), each as a lane of its own whose products
+// are added. Plain int8 of such rows flipped the default model's chat answer; so did a bound of
+// 25 (in a torch emulation of the rounding), 20 held it with the exact mode's margin. Rows of
+// plain text above 20: ~7% on the default model (bench/quant_kl.py's text), random weights ~0%.
+constexpr float VNNI_OUTLIER_RATIO = 20.0f;
+
+inline bool is_outlier_row(const float* x, int64_t K) {
+  const __m256 sign_bit = _mm256_set1_ps(-0.0f);
+  __m256 amax = _mm256_setzero_ps(), sq = _mm256_setzero_ps();
+  for (int64_t k = 0; k < K; k += 8) {
+    const __m256 v = _mm256_loadu_ps(x + k);
+    amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign_bit, v));
+    sq = _mm256_fmadd_ps(v, v, sq);
+  }
+  const float m = hmax8(amax);
+  return m * m * static_cast<float>(K) > VNNI_OUTLIER_RATIO * VNNI_OUTLIER_RATIO * hsum8(sq);
+}
+
+// The residual of 16 floats of x after quantize16's rounding: x - dx q (one rounding: fma), into r.
+inline void residual16(const float* x, float* r) {
+  const __m256 sign_bit = _mm256_set1_ps(-0.0f);
+  const __m256 v0 = _mm256_loadu_ps(x), v1 = _mm256_loadu_ps(x + 8);
+  const float amax = hmax8(_mm256_max_ps(_mm256_andnot_ps(sign_bit, v0), _mm256_andnot_ps(sign_bit, v1)));
+  const __m256 inv = _mm256_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f), dx = _mm256_set1_ps(amax / 127.0f);
+  constexpr int ROUND = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+  _mm256_storeu_ps(r, _mm256_fnmadd_ps(_mm256_round_ps(_mm256_mul_ps(v0, inv), ROUND), dx, v0));
+  _mm256_storeu_ps(r + 8, _mm256_fnmadd_ps(_mm256_round_ps(_mm256_mul_ps(v1, inv), ROUND), dx, v1));
+}
+
+// Header of the int8 mode's prepared activations: the lanes in use (the M rows of x, then one
+// residual lane per outlier row) and, per residual lane, the row of x it adds to.
+struct VnniHeader {
+  int32_t num_lanes;
+  int32_t num_rows;
+};
+inline int64_t vnni_header_bytes(int64_t M) { return (static_cast<int64_t>(sizeof(VnniHeader)) + 4 * M + 63) / 64 * 64; }
+// Room for every row of x being an outlier (2M lanes).
+inline int64_t vnni_prepared_bytes(int64_t K, int64_t M) { return vnni_header_bytes(M) + vnni_bytes(K, 2 * M); }
+
+// Lane `lane` of block b of a lane group: row `src` of x quantized (residual: its residual's).
+inline void quantize_lane(const float* src, bool residual, int64_t b, int L, int lane, bool offset, uint8_t* q) {
+  float* dx = reinterpret_cast<float*>(q + 8 * 4 * L);
+  alignas(32) float r[32];
+  const float* v = src + 32 * b;
+  if (residual) {
+    residual16(v, r);
+    residual16(v + 16, r + 16);
+    v = r;
+  }
+  float sum = 0.0f;
+  dx[lane] = quantize16(v, q + 4 * lane, L, &sum, offset);
+  dx[L + lane] = quantize16(v + 16, q + 4 * (4 * L + lane), L, &sum, offset);
+  dx[2 * L + lane] = sum;
+}
+
+// The M rows of x into the layout above, outlier rows' residual lanes after them (lanes past the
+// last: q = 0, dx = 0).
+inline void prepare_vnni(const float* x, int64_t M, int64_t ldx, int64_t K, int32_t format, uint8_t* out) {
+  const bool offset = !unsigned_weights(format);
+  auto* head = reinterpret_cast<VnniHeader*>(out);
+  int32_t* targets = reinterpret_cast<int32_t*>(out + sizeof(VnniHeader));
+  int64_t lanes = M;
+  for (int64_t m = 0; m < M; ++m)
+    if (is_outlier_row(x + m * ldx, K)) targets[lanes++ - M] = static_cast<int32_t>(m);
+  head->num_lanes = static_cast<int32_t>(lanes);
+  head->num_rows = static_cast<int32_t>(M);
+  uint8_t* body = out + vnni_header_bytes(M);
   const int64_t nb = K / 32;
-  const int L = vnni_lanes(M);
-  for (int64_t g = 0; g < vnni_groups(M); ++g) {
-    uint8_t* gout = out + g * vnni_group_bytes(K, L);
+  const int L = vnni_lanes(lanes);
+  for (int64_t g = 0; g < vnni_groups(lanes); ++g) {
+    uint8_t* gout = body + g * vnni_group_bytes(K, L);
     for (int lane = 0; lane < L; ++lane) {
-      const int64_t m = g * L + lane;
+      const int64_t v = g * L + lane;
       for (int64_t b = 0; b < nb; ++b) {
         uint8_t* q = gout + b * vnni_block_bytes(L);
-        float* dx = reinterpret_cast<float*>(q + 8 * 4 * L);
-        if (m >= M) {
-          for (int j = 0; j < 8; ++j) std::memset(q + 4 * (j * L + lane), 0x80, 4);
+        if (v >= lanes) {
+          float* dx = reinterpret_cast<float*>(q + 8 * 4 * L);
+          for (int j = 0; j < 8; ++j) std::memset(q + 4 * (j * L + lane), offset ? 0x80 : 0, 4);
           dx[lane] = dx[L + lane] = dx[2 * L + lane] = 0.0f;
           continue;
         }
-        float sum = 0.0f;
-        dx[lane] = quantize16(x + m * ldx + 32 * b, q + 4 * lane, L, &sum);
-        dx[L + lane] = quantize16(x + m * ldx + 32 * b + 16, q + 4 * (4 * L + lane), L, &sum);
-        dx[2 * L + lane] = sum;
+        const int64_t row = v < M ? v : targets[v - M];
+        quantize_lane(x + row * ldx, v >= M, b, L, lane, offset, q);
       }
     }
   }
@@ -158,11 +245,10 @@ inline void stage(const uint8_t* g, int j, const float* dw, const float* mw, uin
     s->bytes = g + 2;
   } else {
     v = values<F>(g, j);  // Q4: nibbles 0..15; Q6_K: q - 32
-    if constexpr (F == DP_W_Q4_0) v = _mm256_sub_epi8(v, _mm256_set1_epi8(8));
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(buf), v);
     s->bytes = buf;
   }
-  neg128_sums(v, s->corr);
+  if constexpr (!unsigned_weights(F)) neg128_sums(v, s->corr);
   if constexpr (F == DP_W_Q6_K) {
     const int8_t* sc = reinterpret_cast<const int8_t*>(g + 192);
     s->dw[0] = dw[j] * static_cast<float>(sc[2 * j]);
@@ -170,7 +256,7 @@ inline void stage(const uint8_t* g, int j, const float* dw, const float* mw, uin
   } else {
     s->dw[0] = s->dw[1] = dw[j];
   }
-  s->mw = (F == DP_W_Q4_1 || F == DP_W_Q4_K) ? mw[j] : 0.0f;
+  s->mw = unsigned_weights(F) ? mw[j] : 0.0f;
 }
 
 // NR W rows x MV lane groups, over all of K. out[r][mv * L + lane] = y of lane's row, W row r.
@@ -178,7 +264,7 @@ template <int32_t F, class V, int NR, int MV>
 inline void tile_vnni(const uint8_t* const* wrows, const uint8_t* act, int64_t K, float (*out)[4 * 16]) {
   using Spec = Fmt<F>;
   constexpr int L = V::L;
-  constexpr bool MIN = F == DP_W_Q4_1 || F == DP_W_Q4_K;
+  constexpr bool MIN = unsigned_weights(F);  // Q4_0's -8 dw included
   const int64_t group_bytes = vnni_group_bytes(K, L), block_bytes = vnni_block_bytes(L);
   typename V::F acc[NR][MV];
   for (int r = 0; r < NR; ++r)
@@ -204,8 +290,14 @@ inline void tile_vnni(const uint8_t* const* wrows, const uint8_t* act, int64_t K
         const typename V::F dx[2] = {V::loadf(dxp), V::loadf(dxp + L)};
         for (int r = 0; r < NR; ++r) {
           for (int p = 0; p < 2; ++p) {
-            typename V::I s = V::set1(st[r].corr[p]);
-            for (int i = 4 * p; i < 4 * p + 4; ++i) s = V::dot(s, xa[i], st[r].bytes + 4 * i);
+            typename V::I s;
+            if constexpr (unsigned_weights(F)) {
+              s = V::set1(0);
+              for (int i = 4 * p; i < 4 * p + 4; ++i) s = V::dot_wu(s, xa[i], st[r].bytes + 4 * i);
+            } else {
+              s = V::set1(st[r].corr[p]);
+              for (int i = 4 * p; i < 4 * p + 4; ++i) s = V::dot(s, xa[i], st[r].bytes + 4 * i);
+            }
             acc[r][mv] = V::fma(V::cvt(s), V::mul(dx[p], st[r].dw[p]), acc[r][mv]);
           }
           if constexpr (MIN) acc[r][mv] = V::fma_s(V::loadf(dxp + 2 * L), st[r].mw, acc[r][mv]);
@@ -224,16 +316,23 @@ constexpr int VNNI_MAX_GROUPS = 4;
 // vector registers), 4 beyond.
 constexpr int VNNI_TILE_ROWS = 8;
 
+// Lanes below M store their row of y; residual lanes (all after them, in this pass or a later one
+// over the same W rows) add to their row's.
 template <int32_t F, class V, int MV>
-inline void tile_vnni_store(const uint8_t* const* wrows, const uint8_t* act, int64_t K, int64_t g0, int64_t M,
-                            int64_t col, int64_t cols, float* y, int64_t ldy) {
+inline void tile_vnni_store(const uint8_t* const* wrows, const uint8_t* act, int64_t K, int64_t g0,
+                            const VnniHeader& head, const int32_t* targets, int64_t col, int64_t cols, float* y,
+                            int64_t ldy) {
   constexpr int NR = MV <= 2 ? 8 : 4;
   constexpr int L = V::L;
   for (int r0 = 0; r0 < VNNI_TILE_ROWS && r0 < cols; r0 += NR) {
     alignas(64) float out[NR][4 * 16];
     tile_vnni<F, V, NR, MV>(wrows + r0, act + g0 * vnni_group_bytes(K, L), K, out);
     for (int r = 0; r < NR && r0 + r < cols; ++r)
-      for (int64_t i = 0; i < MV * L && g0 * L + i < M; ++i) y[(g0 * L + i) * ldy + col + r0 + r] = out[r][i];
+      for (int64_t i = 0; i < MV * L && g0 * L + i < head.num_lanes; ++i) {
+        const int64_t v = g0 * L + i;
+        if (v < head.num_rows) y[v * ldy + col + r0 + r] = out[r][i];
+        else y[targets[v - head.num_rows] * ldy + col + r0 + r] += out[r][i];
+      }
   }
 }
 
@@ -242,9 +341,12 @@ inline void tile_vnni_store(const uint8_t* const* wrows, const uint8_t* act, int
 constexpr int64_t VNNI_BLOCK_ROWS = 64;
 
 template <int32_t F, class V>
-inline void rows_vnni_lanes(const WeightDesc& w, const uint8_t* act, int64_t M, int64_t n0, int64_t n1, float* y,
+inline void rows_vnni_lanes(const WeightDesc& w, const uint8_t* prepared, int64_t n0, int64_t n1, float* y,
                             int64_t ldy) {
-  const int64_t groups = vnni_groups(M);
+  const auto& head = *reinterpret_cast<const VnniHeader*>(prepared);
+  const int32_t* targets = reinterpret_cast<const int32_t*>(prepared + sizeof(VnniHeader));
+  const uint8_t* act = prepared + vnni_header_bytes(head.num_rows);
+  const int64_t groups = vnni_groups(head.num_lanes);
   for (int64_t b0 = n0; b0 < n1; b0 += VNNI_BLOCK_ROWS) {
     const int64_t b1 = std::min(n1, b0 + VNNI_BLOCK_ROWS);
     for (int64_t g0 = 0; g0 < groups; g0 += VNNI_MAX_GROUPS) {
@@ -254,10 +356,10 @@ inline void rows_vnni_lanes(const WeightDesc& w, const uint8_t* act, int64_t M, 
           wrows[r] = static_cast<const uint8_t*>(w.data) + std::min(n + r, n1 - 1) * w.row_bytes;
         const int64_t col = n - n0, cols = std::min<int64_t>(VNNI_TILE_ROWS, n1 - n);
         switch (std::min<int64_t>(VNNI_MAX_GROUPS, groups - g0)) {
-          case 1: tile_vnni_store<F, V, 1>(wrows, act, w.K, g0, M, col, cols, y, ldy); break;
-          case 2: tile_vnni_store<F, V, 2>(wrows, act, w.K, g0, M, col, cols, y, ldy); break;
-          case 3: tile_vnni_store<F, V, 3>(wrows, act, w.K, g0, M, col, cols, y, ldy); break;
-          default: tile_vnni_store<F, V, 4>(wrows, act, w.K, g0, M, col, cols, y, ldy); break;
+          case 1: tile_vnni_store<F, V, 1>(wrows, act, w.K, g0, head, targets, col, cols, y, ldy); break;
+          case 2: tile_vnni_store<F, V, 2>(wrows, act, w.K, g0, head, targets, col, cols, y, ldy); break;
+          case 3: tile_vnni_store<F, V, 3>(wrows, act, w.K, g0, head, targets, col, cols, y, ldy); break;
+          default: tile_vnni_store<F, V, 4>(wrows, act, w.K, g0, head, targets, col, cols, y, ldy); break;
         }
       }
     }
@@ -270,10 +372,11 @@ inline void rows_vnni_lanes(const WeightDesc& w, const uint8_t* act, int64_t M, 
 constexpr int64_t VNNI_MIN_ROWS = 5;
 
 template <int32_t F>
-inline void rows_vnni(const WeightDesc& w, const uint8_t* act, int64_t M, int64_t n0, int64_t n1, float* y,
-                      int64_t ldy) {
-  if (vnni_lanes(M) == 8) rows_vnni_lanes<F, Lanes8>(w, act, M, n0, n1, y, ldy);
-  else rows_vnni_lanes<F, Lanes16>(w, act, M, n0, n1, y, ldy);
+inline void rows_vnni(const WeightDesc& w, const uint8_t* prepared, int64_t n0, int64_t n1, float* y, int64_t ldy) {
+  if (vnni_lanes(reinterpret_cast<const VnniHeader*>(prepared)->num_lanes) == 8)
+    rows_vnni_lanes<F, Lanes8>(w, prepared, n0, n1, y, ldy);
+  else
+    rows_vnni_lanes<F, Lanes16>(w, prepared, n0, n1, y, ldy);
 }
 
 }  // namespace dp_quant

@@ -52,6 +52,15 @@ int64_t dp_quant_int8_min_rows() {
 #endif
 }
 
+// max |x| / rms(x) above which an int8 row also gets its residual's lane (quant_gemv_vnni.h); 0: no int8 rows.
+float dp_quant_int8_outlier_ratio() {
+#if defined(DP_QUANT_VNNI)
+  return dp_quant::VNNI_OUTLIER_RATIO;
+#else
+  return 0.0f;
+#endif
+}
+
 int dp_quant_format_supported(int32_t format) { return dp_quant::supported(format) ? 1 : 0; }
 
 // The activation arithmetic of later calls (quant_gemv.h: 0 fp32, 1 int16, 2 int8;

@@ -137,11 +137,7 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
         # The stream's migrated_to is the target's address: where the client resumes the request.
         sender = self._sender(request.target_address)
         stats = await migrate_out(self.loop, request.request_id, sender, migrated_to=request.target_address)
-        if isinstance(sender, SameHostKvSender) and sender.used_shm:
-            stats = dataclasses.replace(stats, transport="shm")
-        elif isinstance(sender, TcpKvSender) and sender.used_tcp:
-            stats = dataclasses.replace(stats, transport="tcp")
-        return messages.migrate_out_response_to_pb(stats)
+        return messages.migrate_out_response_to_pb(stats, data_path(sender))
 
     def _sender(self, target_address: str) -> TcpKvSender:
         """This engine's KV sender to another: shared memory or the data socket (the data socket alone:
@@ -280,7 +276,7 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
         scheduler = self.loop.core.scheduler
         blocks = scheduler.blocks
         infos = [
-            messages.request_info_to_pb(r, len(blocks.block_ids(r.request_id)) if blocks.has(r.request_id) else 0)
+            messages.request_info_to_pb(r, blocks.num_held_blocks(r.request_id) if blocks.has(r.request_id) else 0)
             for r in list(scheduler.requests.values())
         ]
         return engine_pb2.ListRequestsResponse(requests=infos)
@@ -302,9 +298,16 @@ def _log_import(importer: KvImporter, started: float) -> None:
     commit_from = next((t for name, t in reversed(marks) if name in ("verified", "commit_read")), committed_at)
     log.debug("kv import", request_id=importer.progress.header.request_id,
               marks_s=[(name, round(t, 6)) for name, t in marks],
-              chunks=importer.progress.next_seq, bytes=importer.progress.num_bytes,
+              bytes=importer.progress.num_bytes,
               commit_ms=round((committed_at - commit_from) * 1e3, 2),
               total_ms=round((committed_at - started) * 1e3, 2))
+
+
+def data_path(sender: TcpKvSender) -> str:
+    """The path the last transfer's KV took: "shm", "tcp", or "none" (a request moved without KV)."""
+    if isinstance(sender, SameHostKvSender) and sender.used_shm:
+        return "shm"
+    return "tcp" if sender.used_tcp else "none"
 
 
 async def _end_import(shm: ShmImport | None, importer: KvImporter, tcp: TcpImport | None = None) -> None:

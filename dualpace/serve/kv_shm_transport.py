@@ -17,7 +17,6 @@ import contextlib
 import dataclasses
 import logging
 import time
-from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 
@@ -26,7 +25,7 @@ from dualpace.engine.transfer.kv_shm_protocol import ShmDeclined, ShmOffer, ShmR
 from dualpace.engine.transfer.kv_shm_send import MappedPools, check_geometry, write_in_place
 from dualpace.engine.transfer.kv_source import OutgoingKv
 from dualpace.engine.transfer.kv_tcp_import import TcpDataServer, TcpDeclined, TcpImport, TcpReservation
-from dualpace.engine.transfer.kv_transfer import KvChunk, KvTransferHeader
+from dualpace.engine.transfer.kv_transfer import KvTransferHeader
 from dualpace.engine.transfer.migration import KvImporter
 from dualpace.engine.transfer.same_host import SameHostRefused, boot_id, new_ticket
 from dualpace.errors import InvalidArgument, Unavailable
@@ -62,16 +61,16 @@ class SameHostKvSender(TcpKvSender):
         self.phase_ms: dict[str, float] = {}  # the last transfer's phases, in order
         self.marks: list[tuple[str, float]] = []  # the last transfer's events (name, perf_counter s)
 
-    def _offer(self, header: KvTransferHeader, chunks) -> ShmOffer | None:
+    def _offer(self, header: KvTransferHeader) -> ShmOffer | None:
         host = boot_id()
-        if host is None or not isinstance(chunks, OutgoingKv) or header.num_computed_tokens == 0:
+        if host is None or header.num_computed_tokens == 0:
             return None  # nothing to copy (a request moved without KV goes as before)
         if time.monotonic() < self.declined_until.get(self.target_address, 0.0):
             return None
         return ShmOffer(host)
 
-    async def __call__(self, header: KvTransferHeader, chunks: AsyncIterator[KvChunk]) -> str:
-        offer = self._offer(header, chunks)
+    async def __call__(self, header: KvTransferHeader, chunks: OutgoingKv) -> str:
+        offer = self._offer(header)
         if offer is None:
             return await super().__call__(header, chunks)
         laps = self.phase_ms = {}  # where the time of this transfer went (bench.data_plane reports it)
@@ -103,7 +102,7 @@ class SameHostKvSender(TcpKvSender):
             if offer.lease_ticket is not None:  # the ask leaves with the header, in one send
                 asked = self.pools.ask_lease_ahead(self.target_address, offer.lease_ticket)
             message = kv_header_with_offer_to_pb(header, offer)
-            await self._write(call, add_tcp_offer(message) if self.offers_tcp(header, chunks) else message,
+            await self._write(call, add_tcp_offer(message) if self.offers_tcp(header) else message,
                               "the header")
             lap("header_ms")
             answer = await self._expect_answer(call)

@@ -12,23 +12,18 @@ this daemon's credentials, as its gRPC calls are.
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import dataclasses
 import ssl
-import threading
 import time
-from collections.abc import AsyncIterator
 
 import grpc
 
-from dualpace.engine.transfer import kv_tcp_data
 from dualpace.engine.transfer.kv_source import OutgoingKv
 from dualpace.engine.transfer.kv_tcp_import import TcpDeclined, TcpReservation, TcpWritten
-from dualpace.engine.transfer.kv_transfer import KvChunk, KvTransferHeader
+from dualpace.engine.transfer.kv_tcp_send import send_over_data_socket
+from dualpace.engine.transfer.kv_transfer import KvTransferHeader
 from dualpace.engine.transfer.prefix_copy import SourceFrom
 from dualpace.errors import Unavailable
-from dualpace.engine.transfer.worker_pools import run_in_pool
 from dualpace.serve.address import UNIX_PREFIX, data_socket_peer_host
 from dualpace.serve.kv_transport import KvControlSender, _ended
 from dualpace.wire.engine_messages import kv_header_to_pb
@@ -37,16 +32,17 @@ from dualpace.wire.kv_tcp_messages import add_tcp_offer, tcp_answer_from_pb, tcp
 
 
 class TcpKvSender(KvControlSender):
-    """send(header, chunks) for migrate_out: the KV over the target's data socket where it takes it."""
+    """send(header, outgoing) for migrate_out: the KV over the target's data socket where it takes it."""
 
     def __init__(self, target_address: str, **kwargs):
         super().__init__(target_address, **kwargs)
         self.used_tcp = False  # the last transfer's KV went over the data socket
         self.phase_ms: dict[str, float] = {}  # the last transfer's phases (bench.data_plane reports them)
 
-    def offers_tcp(self, header: KvTransferHeader, chunks) -> bool:
+    @staticmethod
+    def offers_tcp(header: KvTransferHeader) -> bool:
         """Wherever there is KV to send (a request moved without KV needs no data path)."""
-        return isinstance(chunks, OutgoingKv) and header.num_computed_tokens > 0
+        return header.num_computed_tokens > 0
 
     def _tls_for(self, answer: TcpReservation) -> ssl.SSLContext | None:
         """The TLS of the connection to the data socket (as on this daemon's gRPC calls to the target);
@@ -57,10 +53,10 @@ class TcpKvSender(KvControlSender):
             raise OSError("the data socket speaks TLS; this sender has no TLS to a TCP address of the target")
         return self.tls.data_client_context()
 
-    async def __call__(self, header: KvTransferHeader, chunks: AsyncIterator[KvChunk]) -> str:
+    async def __call__(self, header: KvTransferHeader, outgoing: OutgoingKv) -> str:
         self.used_tcp = False
-        if not self.offers_tcp(header, chunks):
-            return await super().__call__(header, chunks)
+        if not self.offers_tcp(header):
+            return await super().__call__(header, outgoing)
         self.phase_ms = {}
         started = time.perf_counter()
         async with self._channel() as channel:
@@ -69,7 +65,7 @@ class TcpKvSender(KvControlSender):
                 await self._write(call, add_tcp_offer(kv_header_to_pb(header)), "the header")
                 answer = await self.expect_answer(call)
                 self.phase_ms["reservation_ms"] = (time.perf_counter() - started) * 1e3
-                return await self.send_answered(call, answer, header, chunks)
+                return await self.send_answered(call, answer, header, outgoing)
             except BaseException:
                 call.cancel()  # the target drops the partial import (once its receive stopped)
                 raise
@@ -93,55 +89,25 @@ class TcpKvSender(KvControlSender):
                 raise
 
     async def send_answered(self, call, answer: TcpReservation | TcpDeclined, header: KvTransferHeader,
-                            chunks: OutgoingKv) -> str:
+                            outgoing: OutgoingKv) -> str:
         """After the target's answer to the offer: the KV over the data socket, then the commit."""
         if isinstance(answer, TcpDeclined):
             raise Unavailable(f"KV to {self.target_address}: the target declined its data socket: {answer.reason}")
         started = time.perf_counter()
         try:
-            connection = await run_in_pool(
-                kv_tcp_data.POOL, kv_tcp_data.connect, data_socket_peer_host(self.target_address), answer.port,
-                answer.ticket, self.timeout_s, self._tls_for(answer), max_workers=kv_tcp_data.POOL_WORKERS)
+            tls = self._tls_for(answer)
         except OSError as exc:
             raise Unavailable(f"KV to {self.target_address}: cannot reach its data socket (port {answer.port}): "
                               f"{exc}") from exc
-        try:
-            checksums = await self._stream(connection, chunks)
-        finally:
-            connection.close()
+        checksums = await send_over_data_socket(data_socket_peer_host(self.target_address), answer, outgoing,
+                                                self.timeout_s, tls, self.faults, peer=self.target_address)
         self.phase_ms["stream_ms"] = (time.perf_counter() - started) * 1e3
-        chunks.safe_point()  # the last chance to back out (a cancelled MigrateOut): the commit follows
+        outgoing.safe_point()  # the last chance to back out (a cancelled MigrateOut): the commit follows
         await self._write(call, tcp_written_to_pb(TcpWritten(tuple(checksums), commit=True)), "tcp_written")
         committed = await self._expect(call, "committed")
         self.used_tcp = True
         self.phase_ms["verify_commit_ms"] = (time.perf_counter() - started) * 1e3 - self.phase_ms["stream_ms"]
         return committed.engine
-
-    async def _stream(self, connection, chunks: OutgoingKv) -> list[int]:
-        """Every layer over the connection, in a thread; once cancelled, waits until the thread stopped
-        (the connection shut down: a blocked send returns at once)."""
-        stop = threading.Event()
-
-        def safe_point() -> None:
-            if stop.is_set():
-                raise InterruptedError("KV stream stopped")
-            chunks.safe_point()  # raises once the move is abandoned (an Event read: safe from a thread)
-
-        storage = chunks.storage
-        job = asyncio.ensure_future(run_in_pool(
-            kv_tcp_data.POOL, kv_tcp_data.send_layers, connection, storage.k, storage.v, list(chunks.slot_ids),
-            safe_point, self.faults.kv_corrupt_chunk, self.faults.kv_cut_after, self.faults.kv_drop_chunk,
-            max_workers=kv_tcp_data.POOL_WORKERS))
-        try:
-            return await asyncio.shield(job)
-        except asyncio.CancelledError:
-            stop.set()
-            with contextlib.suppress(OSError):
-                connection.shutdown(2)  # SHUT_RDWR
-            await asyncio.gather(job, return_exceptions=True)
-            raise
-        except OSError as exc:
-            raise Unavailable(f"KV data socket to {self.target_address} failed: {exc}") from exc
 
     @staticmethod
     async def expect_answer(call, parse=tcp_answer_from_pb):

@@ -8,11 +8,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator
-
 import grpc
 
-from dualpace.engine.transfer.kv_transfer import KvChunk, KvTransferHeader
+from dualpace.engine.transfer.kv_source import OutgoingKv
+from dualpace.engine.transfer.kv_transfer import KvTransferHeader
 from dualpace.errors import Unavailable
 from dualpace.faults import FaultConfig
 from dualpace.serve.auth import token_metadata
@@ -24,7 +23,7 @@ from dualpace.wire.v1 import engine_pb2, engine_pb2_grpc
 
 
 class KvControlSender:
-    """send(header, chunks) for dualpace.engine.transfer.migration.migrate_out, over one ImportKv stream.
+    """send(header, outgoing) for dualpace.engine.transfer.migration.migrate_out, over one ImportKv stream.
 
     Whatever ends the import before the commit (the target rejects the KV, the link
     drops) raises Unavailable with the target's status in its message, so MigrateOut
@@ -55,7 +54,7 @@ class KvControlSender:
             self.channels.drop(self.target_address, self.tls, channel)  # the next transfer connects afresh
             raise
 
-    async def __call__(self, header: KvTransferHeader, chunks: AsyncIterator[KvChunk]) -> str:
+    async def __call__(self, header: KvTransferHeader, outgoing: OutgoingKv) -> str:
         """A move without KV (the target recomputes the request): the header, prepare, commit."""
         if header.num_computed_tokens > 0:
             raise Unavailable(f"KV to {self.target_address}: {header.num_computed_tokens} tokens of KV need "

@@ -23,7 +23,8 @@ from dualpace.serve.security import ServerSecurity, TlsConfig, check_listen_secu
 from dualpace.serve.unix_socket import bind_private, prepare_path
 
 
-# KV chunks and Dense Assist payloads are large; 64 MiB leaves room for both.
+# A long request's messages are large (its token ids, prompt logprobs, a transfer's slot ids);
+# 64 MiB leaves room for them.
 DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 
 

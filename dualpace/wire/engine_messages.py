@@ -187,7 +187,6 @@ def kv_header_to_pb(header: KvTransferHeader) -> engine_pb2.ImportKvMessage:
         num_computed_tokens=header.num_computed_tokens,
         num_tokens_emitted=len(header.output_token_ids),
         layout=kv_layout_to_pb(header.layout),
-        total_chunks=header.total_chunks,
         total_bytes=header.total_bytes,
         source_engine=header.source_engine,
         num_cached_tokens=header.num_cached_tokens,
@@ -209,7 +208,6 @@ def kv_header_from_pb(message: engine_pb2.ImportKvHeader) -> KvTransferHeader:
         params=sampling_params_from_pb(message.sampling),
         num_computed_tokens=message.num_computed_tokens,
         layout=KvLayout(layout.num_layers, layout.num_kv_heads, layout.head_dim, layout.block_size, layout.dtype),
-        total_chunks=message.total_chunks,
         total_bytes=message.total_bytes,
         source_engine=message.source_engine,
         num_cached_tokens=message.num_cached_tokens,
@@ -271,17 +269,17 @@ def migrate_out_request_to_pb(request_id: str, target_address: str) -> engine_pb
     return engine_pb2.MigrateOutRequest(request_id=request_id, target_address=target_address)
 
 
-def migrate_out_response_to_pb(stats) -> engine_pb2.MigrateOutResponse:
-    """From dualpace.engine.transfer.migration.MigrationStats."""
-    return engine_pb2.MigrateOutResponse(target_engine=stats.target_engine, num_chunks=stats.num_chunks,
-                                         total_bytes=stats.total_bytes, duration_ms=stats.duration_ms,
-                                         transport=stats.transport)
+def migrate_out_response_to_pb(stats, transport: str) -> engine_pb2.MigrateOutResponse:
+    """From dualpace.engine.transfer.migration.MigrationStats and the data path the KV took
+    ("shm", "tcp", or "none" for a request moved without KV)."""
+    return engine_pb2.MigrateOutResponse(target_engine=stats.target_engine, total_bytes=stats.total_bytes,
+                                         duration_ms=stats.duration_ms, transport=transport)
 
 
 def import_prepared_to_pb(progress, num_kv_blocks: int) -> engine_pb2.ImportKvReply:
-    """From dualpace.engine.transfer.kv_transfer.ImportProgress, once every chunk is verified."""
+    """From dualpace.engine.transfer.kv_transfer.ImportProgress, once the KV is verified."""
     return engine_pb2.ImportKvReply(prepared=engine_pb2.ImportKvPrepared(
-        num_chunks=progress.next_seq, total_bytes=progress.num_bytes, kv_blocks=num_kv_blocks))
+        total_bytes=progress.num_bytes, kv_blocks=num_kv_blocks))
 
 
 def import_committed_to_pb(request_id: str, engine_name: str) -> engine_pb2.ImportKvReply:

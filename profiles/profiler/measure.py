@@ -23,15 +23,9 @@ from collections.abc import Callable
 
 import torch
 
-from dualpace.engine.transfer.kv_bytes import DTYPE_NAMES, tensor_bytes
+from dualpace.engine.transfer.kv_bytes import DTYPE_NAMES
 from dualpace.engine.transfer.kv_source import OutgoingKv
-from dualpace.engine.transfer.kv_transfer import (
-    KvChunk,
-    KvLayout,
-    KvTransferHeader,
-    checksum,
-    plan_chunks,
-)
+from dualpace.engine.transfer.kv_transfer import KvLayout, KvTransferHeader
 from dualpace.engine.runner import ModelRunner
 from dualpace.engine.scheduler import ScheduledSequence, StepPlan
 from dualpace.model.loader import LoadedModel
@@ -171,35 +165,24 @@ def assist_iteration(client, batch: int, num_heads: int, head_dim: int, dtype: t
 _transfer_ids = itertools.count()
 
 
-def _transfer_header(runner: ModelRunner, num_tokens: int, vocab_size: int) -> tuple[KvTransferHeader, list]:
+def _transfer_header(runner: ModelRunner, num_tokens: int, vocab_size: int) -> KvTransferHeader:
     kv = runner.kv
     layout = KvLayout(kv.num_layers, kv.num_kv_heads, kv.head_dim, kv.block_size, DTYPE_NAMES[kv.dtype])
-    chunk_plan = plan_chunks(num_tokens, layout)
-    header = KvTransferHeader(
+    return KvTransferHeader(
         request_id=f"profiler-kv-{num_tokens}-{next(_transfer_ids)}",
         prompt_token_ids=tuple(1 + i % (vocab_size - 1) for i in range(num_tokens)),
         output_token_ids=(1,),
         params=SamplingParams(max_tokens=2, seed=0, ignore_eos=True),  # one more token there, then done
         num_computed_tokens=num_tokens,
         layout=layout,
-        total_chunks=len(chunk_plan),
         total_bytes=2 * layout.num_layers * num_tokens * layout.bytes_per_token_per_layer,
         source_engine="profiler",
     )
-    return header, chunk_plan
 
 
 async def _send_once(sender, runner: ModelRunner, num_tokens: int, vocab_size: int) -> float:
-    header, chunk_plan = _transfer_header(runner, num_tokens, vocab_size)
-    slot_ids = list(range(num_tokens))
-
-    async def read_chunk(seq: int, layer: int, start: int, end: int) -> KvChunk:
-        k, v = await asyncio.to_thread(runner.read_kv, slot_ids[start:end], layer)
-        k_bytes, v_bytes = tensor_bytes(k), tensor_bytes(v)
-        return KvChunk(seq, layer, start, end, k_bytes, v_bytes, checksum(k_bytes, v_bytes))
-
-    # As migrate_out hands it to a sender: the slots to copy, and how to read them chunk by chunk.
-    outgoing = OutgoingKv(runner.kv, slot_ids, chunk_plan, read_chunk)
+    header = _transfer_header(runner, num_tokens, vocab_size)
+    outgoing = OutgoingKv(runner.kv, list(range(num_tokens)))  # as migrate_out hands it to a sender
     start = time.perf_counter()
     await sender(header, outgoing)
     return (time.perf_counter() - start) * 1e3

@@ -121,7 +121,8 @@ def test_ignore_eos_is_refused_with_a_constraint(tiny):
 async def test_a_migrated_request_keeps_its_constraint(tiny):
     """Moved mid-generation (KV and parameters over the migration protocol, the spec in the
     proto): the target rebuilds the matcher from the tokens and continues exactly."""
-    from tests.engine.test_migration import direct_send, started, stop, wait_tokens
+    from tests.engine.test_migration import started, stop, wait_tokens
+    from tests.helpers import data_socket_send
     from dualpace.engine.transfer.migration import migrate_out
 
     guided = GuidedSpec(GuidedKind.JSON_SCHEMA, json.dumps(SCHEMA))
@@ -134,7 +135,7 @@ async def test_a_migrated_request_keeps_its_constraint(tiny):
     source, target = await started(tiny, "src"), await started(tiny, "dst", block_size=4)
     channel = await source[0].add_request("m", prompt, params)
     await wait_tokens(channel, 5)
-    await migrate_out(source[0], "m", direct_send(target[0]), chunk_bytes=700)
+    await migrate_out(source[0], "m", data_socket_send(target[0]))
     assert channel.migrated_to == "dst"
     emitted = len(channel.output_token_ids)
     assert emitted < len(expected)  # it moved mid-document

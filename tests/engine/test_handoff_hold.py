@@ -22,7 +22,8 @@ from dualpace.engine.step_plan import StepResult
 from dualpace.errors import InvalidArgument, Unavailable
 from dualpace.generation import OfflineGenerator
 from dualpace.sampling import FinishReason, SamplingParams
-from tests.engine.test_migration import direct_send, started, stop, wait_tokens
+from tests.engine.test_migration import started, stop, wait_tokens
+from tests.helpers import data_socket_send
 
 PROMPT = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5]
 GREEDY = SamplingParams(max_tokens=24, ignore_eos=True, temperature=0.0)
@@ -98,7 +99,7 @@ async def test_move_of_a_held_request_does_not_wait_for_the_next_step(tiny):
     await asyncio.to_thread(lock.acquire)  # from now on no source step can finish: no boundary comes
     try:
         # The whole move, commit included, while the source is stuck (10 s: a failure bound only).
-        sent = asyncio.create_task(migrate_out(source_loop, "m", direct_send(target[0])))
+        sent = asyncio.create_task(migrate_out(source_loop, "m", data_socket_send(target[0])))
         await asyncio.wait_for(until_moved(channel), timeout=10)
         assert channel.output_token_ids == expected_tokens(tiny)[:1]  # the next step did not run it
     finally:
@@ -124,7 +125,7 @@ async def test_failed_hand_off_resumes_the_held_request_on_the_source(tiny):
     channel = await source[0].add_request("m", PROMPT, GREEDY, hold_after_first_token=True)
     await wait_tokens(channel, 1)
 
-    async def failing_send(header, chunks) -> str:
+    async def failing_send(header, outgoing) -> str:
         raise Unavailable("the CPU engine is down")
 
     try:

@@ -17,30 +17,27 @@ from dualpace.engine.transfer.host_tier import HostTierOffers
 from dualpace.engine.transfer.host_tier_import import HostTierImporter
 from dualpace.engine.loop import EngineLoop
 from dualpace.errors import FailedPrecondition
+from dualpace.faults import FaultConfig
 from dualpace.generation import OfflineGenerator
 from dualpace.kv.events import STORED
 from dualpace.policy.mode_choice import AssistSetting, ModeChooser
 from dualpace.sampling import SamplingParams
 from tests.engine.test_migration import stop
+from tests.helpers import import_over_data_socket
 
 BLOCK_SIZE = 4
 HISTORY = [7, 3, 11, 5, 2, 19, 23, 4, 9, 31, 8, 6, 14, 27, 1, 12, 40, 41, 13, 17, 29]  # 21 tokens
 
 
 def cache_only_send(target: EngineLoop, salt: str | None = None):
-    """The transport of an offer, calling the target's host-tier importer directly (as ImportKv does)."""
+    """The transport of an offer, into the target's host-tier importer (as ImportKv makes it) over its
+    data socket; salt: the header claims that prefix-cache salt instead of the source's."""
 
-    async def send(header, chunks_from) -> tuple[str, int]:
+    async def send(header, outgoing_from) -> tuple[str, int]:
         if salt is not None:
             header = replace(header, cache_salt=salt)
         importer = HostTierImporter(target)
-        try:
-            await importer.begin(header)
-            async for chunk in chunks_from(importer.num_held_tokens):
-                await importer.chunk(chunk)
-            return await importer.commit(), importer.num_held_tokens
-        finally:
-            await importer.cancel()
+        return await import_over_data_socket(importer, header, outgoing_from), importer.num_held_tokens
 
     return send
 
@@ -152,22 +149,28 @@ async def test_an_import_ended_before_its_commit_leaves_the_held_blocks_cached_a
         await generate(gpu[0], "turn-2", turn2, params)
         offers._pending.clear()
 
-        async def cut_after_first_chunk(header, chunks_from):
+        async def cut_after_first_layer(header, outgoing_from):
             importer = HostTierImporter(cpu[0])
-            try:
-                await importer.begin(header)
-                assert importer.num_held_tokens == 28  # the 7 held blocks, taken into the import's table
-                assert cpu[0].load().kv_blocks_used == 11
-                async for chunk in chunks_from(importer.num_held_tokens):
-                    assert chunk.token_start == 28
-                    await importer.chunk(chunk)
-                    raise ConnectionError("the link dropped")
-            finally:
-                await importer.cancel()
+            sent_from = []
 
-        offers.send = cut_after_first_chunk
+            async def check_reserved(phase: str) -> None:
+                if phase == "reserved":
+                    assert importer.num_held_tokens == 28  # the 7 held blocks, taken into the import's table
+                    assert cpu[0].load().kv_blocks_used == 11
+
+            def outgoing_after_held(first_token: int):
+                sent_from.append(first_token)
+                return outgoing_from(first_token)
+
+            try:
+                return await import_over_data_socket(importer, header, outgoing_after_held,
+                                                     FaultConfig(kv_cut_after_layers=1), check_reserved), 0
+            finally:
+                assert sent_from == [28]  # only the tokens after the held ones were sent
+
+        offers.send = cut_after_first_layer
         assert await offers.offer(tuple(turn2[:44])) == 0
-        assert offers.counts.num_failed == 1 and "link dropped" in offers.counts.last_error
+        assert offers.counts.num_failed == 1 and "cut after 1 layers" in offers.counts.last_error
         assert cpu[0].load().kv_blocks_used == 0 and cpu[0].load().kv_blocks_cached == 7
         assert gpu[0].load().kv_blocks_used == 0
     finally:

@@ -17,7 +17,8 @@ from dualpace.engine.loop import EngineLoop
 from dualpace.engine.transfer.migration import migrate_out
 from dualpace.engine.scheduler import SchedulerConfig
 from dualpace.sampling import SamplingParams
-from tests.engine.test_migration import direct_send, stop, wait_tokens
+from tests.engine.test_migration import stop, wait_tokens
+from tests.helpers import data_socket_send
 
 transformers = pytest.importorskip("transformers")
 transformers.utils.logging.set_verbosity_error()
@@ -106,7 +107,7 @@ async def test_logprobs_across_a_migration_mid_generation(tiny, hf_model):
     params = SamplingParams(max_tokens=16, ignore_eos=True, temperature=0.7, seed=3, logprobs=4)
     channel = await source[0].add_request("m", PROMPT, params)
     await wait_tokens(channel, 5)
-    await migrate_out(source[0], "m", direct_send(target[0]), chunk_bytes=700)
+    await migrate_out(source[0], "m", data_socket_send(target[0]))
     emitted = len(channel.output_token_ids)
     updates = [u async for u in target[0].channel("m").follow(emitted)]
     output = channel.output_token_ids + [t for u in updates for t in u.new_token_ids]
@@ -196,7 +197,7 @@ async def test_penalties_continue_exactly_across_a_migration(tiny, hf_model):
     source, target = await started(tiny, "src"), await started(tiny, "dst", block_size=4)
     channel = await source[0].add_request("m", PROMPT, params)
     await wait_tokens(channel, 8)
-    await migrate_out(source[0], "m", direct_send(target[0]), chunk_bytes=700)
+    await migrate_out(source[0], "m", data_socket_send(target[0]))
     emitted = len(channel.output_token_ids)
     rest = [t async for u in target[0].channel("m").follow(emitted) for t in u.new_token_ids]
     assert channel.output_token_ids + rest == expected

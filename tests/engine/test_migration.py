@@ -1,39 +1,22 @@
-"""Two-phase KV migration between two in-process engines, with faults in the transfer."""
+"""Two-phase KV migration between two in-process engines over the KV data socket, with faults in
+the transfer."""
 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 
 import pytest
 
 from dualpace.engine.core import EngineConfig, EngineCore
 from dualpace.engine.loop import EngineLoop
-from dualpace.engine.transfer.migration import KvImporter, migrate_out
-from dualpace.errors import InvalidArgument
+from dualpace.engine.transfer.migration import migrate_out
+from dualpace.errors import InvalidArgument, Unavailable
+from dualpace.faults import FaultConfig
 from dualpace.generation import OfflineGenerator
 from dualpace.sampling import FinishReason, SamplingParams
+from tests.helpers import data_socket_send
 
 NUM_BLOCKS = 64
-
-
-def direct_send(target: EngineLoop, fault=None):
-    """A transport that calls the target's importer directly; `fault(chunk)` may alter or drop chunks."""
-
-    async def send(header, chunks) -> str:
-        importer = KvImporter(target)
-        try:
-            await importer.begin(header)
-            async for chunk in chunks:
-                chunk = fault(chunk) if fault else chunk
-                if chunk is not None:
-                    await importer.chunk(chunk)
-            await importer.prepare()
-            return await importer.commit()
-        finally:
-            await importer.cancel()
-
-    return send
 
 
 async def started(tiny, name: str, block_size: int = 8, step_lock=None) -> tuple[EngineLoop, asyncio.Task]:
@@ -63,8 +46,11 @@ async def test_migrated_request_continues_exactly(tiny, temperature):
     params = SamplingParams(max_tokens=30, ignore_eos=True, temperature=temperature, seed=42)
     channel = await source[0].add_request("m", prompt, params)
     await wait_tokens(channel, 5)
-    stats = await migrate_out(source[0], "m", direct_send(target[0]), chunk_bytes=700)
-    assert stats.target_engine == "dst" and stats.num_chunks > tiny.config.num_layers
+    stats = await migrate_out(source[0], "m", data_socket_send(target[0]))
+    kv = source[0].core.runner.kv
+    num_tokens = len(prompt) + len(channel.output_token_ids) - 1  # the KV of all but the last token
+    assert stats.target_engine == "dst"
+    assert stats.total_bytes == 2 * kv.num_layers * num_tokens * kv.num_kv_heads * kv.head_dim * kv.k.element_size()
     assert channel.migrated_to == "dst"
     emitted = len(channel.output_token_ids)
     rest = [t async for update in target[0].channel("m").follow(emitted) for t in update.new_token_ids]
@@ -83,14 +69,14 @@ async def test_source_stopping_after_the_commit_still_reports_the_move(tiny):
     params = SamplingParams(max_tokens=20, ignore_eos=True)
     channel = await source[0].add_request("s", prompt, params)
     await wait_tokens(channel, 3)
-    send = direct_send(target[0])
+    send = data_socket_send(target[0])
 
-    async def send_then_source_stops(header, chunks) -> str:
-        name = await send(header, chunks)
+    async def send_then_source_stops(header, outgoing) -> str:
+        name = await send(header, outgoing)
         source[0].stop()  # as on SIGTERM past its grace, between the commit and the release
         return name
 
-    stats = await migrate_out(source[0], "s", send_then_source_stops, chunk_bytes=700)
+    stats = await migrate_out(source[0], "s", send_then_source_stops)
     assert stats.target_engine == "dst" and channel.migrated_to == "dst"
     emitted = len(channel.output_token_ids)
     rest = [t async for update in target[0].channel("s").follow(emitted) for t in update.new_token_ids]
@@ -98,30 +84,19 @@ async def test_source_stopping_after_the_commit_still_reports_the_move(tiny):
     await stop(source, target)
 
 
-def corrupt(chunk):
-    return dataclasses.replace(chunk, k=bytes([chunk.k[0] ^ 1]) + chunk.k[1:]) if chunk.seq == 3 else chunk
-
-
-def skip(chunk):
-    return None if chunk.seq == 2 else chunk
-
-
-def interrupt(chunk):
-    if chunk.seq >= 5:
-        raise ConnectionError("transfer interrupted")
-    return chunk
-
-
-@pytest.mark.parametrize("fault, error", [(corrupt, InvalidArgument), (skip, InvalidArgument),
-                                          (interrupt, ConnectionError)])
-async def test_failed_transfer_leaves_request_on_source(tiny, fault, error):
+@pytest.mark.parametrize("faults, error, match", [
+    (FaultConfig(kv_corrupt_layer=1), InvalidArgument, "checksum mismatch in layer 1"),  # one byte changed
+    (FaultConfig(kv_drop_layer=1), InvalidArgument, "data socket failed"),  # a layer never sent: cut short
+    (FaultConfig(kv_cut_after_layers=1), Unavailable, "cut after 1 layers"),  # the sender gives up mid-stream
+])
+async def test_failed_transfer_leaves_request_on_source(tiny, faults, error, match):
     source, target = await started(tiny, "src"), await started(tiny, "dst")
     prompt = [7, 7, 1, 2]
     params = SamplingParams(max_tokens=25, ignore_eos=True)
     channel = await source[0].add_request("f", prompt, params)
     await wait_tokens(channel, 3)
-    with pytest.raises(error):
-        await migrate_out(source[0], "f", direct_send(target[0], fault), chunk_bytes=700)
+    with pytest.raises(error, match=match):
+        await migrate_out(source[0], "f", data_socket_send(target[0], faults))
     assert target[0].load().kv_blocks_used == 0
     tokens = [t async for update in channel.follow() for t in update.new_token_ids]
     assert tokens == OfflineGenerator(tiny).generate([prompt], [params])[0].output_token_ids
@@ -139,8 +114,8 @@ async def test_waiting_request_moves_without_kv_and_is_recomputed(tiny):
     blocker = await source.add_request("blocker", [1] * 8, params)  # fills the 4-block pool
     queued_prompt = [4, 5, 6, 7, 8, 9, 10, 11, 12, 13]
     queued = await source.add_request("queued", queued_prompt, params)
-    stats = await migrate_out(source, "queued", direct_send(target[0]))
-    assert stats.num_chunks == 0 and queued.migrated_to == "dst"
+    stats = await migrate_out(source, "queued", data_socket_send(target[0]))
+    assert stats.total_bytes == 0 and queued.migrated_to == "dst"
     tokens = [t async for update in target[0].channel("queued").follow() for t in update.new_token_ids]
     assert tokens == OfflineGenerator(tiny).generate([queued_prompt], [params])[0].output_token_ids
     await wait_tokens(blocker, 20)

@@ -2,7 +2,7 @@
 
 Whatever the phase, no request is stranded: the source's blocks return to its free pool,
 the target keeps none for a move it did not commit, and the client's stream either runs
-on to the end on the source (cancelled before the last chunk was sent) or ends with
+on to the end on the source (cancelled before the KV was all sent) or ends with
 migrated_to and resumes on the target (cancelled later), greedy-identical to an
 uninterrupted run. Phases are held by a transport wrapper (and the step lock for the
 pause), never by sleeping; every wait is for a state, with a generous guard.
@@ -17,10 +17,10 @@ import pytest
 
 from dualpace.engine.core import EngineConfig, EngineCore
 from dualpace.engine.loop import EngineLoop
-from dualpace.engine.transfer.migration import KvImporter, migrate_out
+from dualpace.engine.transfer.migration import migrate_out
 from dualpace.generation import OfflineGenerator
 from dualpace.sampling import FinishReason, SamplingParams
-from tests.helpers import until
+from tests.helpers import data_socket_send, until
 
 NUM_BLOCKS = 64
 GUARD_S = 60.0  # a hang guard, not a timing assertion
@@ -29,33 +29,21 @@ PARAMS = SamplingParams(max_tokens=30, ignore_eos=True)
 
 
 class PhaseHold:
-    """A transport to an in-process target that stops at one phase until released."""
+    """A transport to an in-process target (over its data socket) that stops at one phase until released."""
 
     def __init__(self, target: EngineLoop, phase: str):
-        self.target = target
         self.phase = phase
         self.reached = asyncio.Event()
         self.release = asyncio.Event()
+        self._send = data_socket_send(target, hold=self._hold)
 
     async def _hold(self, phase: str) -> None:
         if phase == self.phase:
             self.reached.set()
             await self.release.wait()
 
-    async def __call__(self, header, chunks) -> str:
-        importer = KvImporter(self.target)
-        try:
-            await self._hold("after_pause")
-            await importer.begin(header)
-            async for chunk in chunks:
-                await importer.chunk(chunk)
-            await importer.prepare()
-            await self._hold("after_prepare")
-            name = await importer.commit()
-            await self._hold("after_commit")
-            return name
-        finally:
-            await importer.cancel()
+    async def __call__(self, header, outgoing) -> str:
+        return await self._send(header, outgoing)
 
 
 async def started(tiny, name: str, step_lock: threading.Lock | None = None) -> tuple[EngineLoop, asyncio.Task]:
@@ -76,8 +64,9 @@ async def cancel_and_wait(task: asyncio.Task) -> None:
         await task
 
 
+# Phases of import_over_data_socket (tests/helpers.py); before_pause: the pause never reached a boundary.
 @pytest.mark.parametrize("phase, lands_on_target", [
-    ("before_pause", False), ("after_pause", False), ("after_prepare", True), ("after_commit", True)])
+    ("before_pause", False), ("before_begin", False), ("verified", True), ("committed", True)])
 async def test_cancelled_migrate_out_strands_nothing(tiny, phase, lands_on_target):
     step_lock = threading.Lock()
     (source, source_task), (target, target_task) = await started(tiny, "src", step_lock), await started(tiny, "dst")
@@ -87,13 +76,13 @@ async def test_cancelled_migrate_out_strands_nothing(tiny, phase, lands_on_targe
     if phase == "before_pause":
         step_lock.acquire()  # no step boundary: the pause command stays queued
         try:
-            migration = asyncio.create_task(migrate_out(source, "m", send, chunk_bytes=700))
+            migration = asyncio.create_task(migrate_out(source, "m", send))
             await until(lambda: source._commands, "the pause is queued", GUARD_S)
             await cancel_and_wait(migration)
         finally:
             step_lock.release()
     else:
-        migration = asyncio.create_task(migrate_out(source, "m", send, chunk_bytes=700))
+        migration = asyncio.create_task(migrate_out(source, "m", send))
         await asyncio.wait_for(send.reached.wait(), GUARD_S)
         await cancel_and_wait(migration)
         send.release.set()

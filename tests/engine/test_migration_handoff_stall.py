@@ -4,8 +4,8 @@
   even while the source cannot reach a step boundary (its step lock held), so the client
   resumes on the target without waiting for the source's step in flight; the source still
   frees the request's blocks at its next boundary, before migrate_out returns.
-- Target: the CRC, bytes -> tensor conversion and the KV write of each chunk run in a worker
-  thread, never on the event loop thread that drives the engine's steps and streams.
+- Target: the receive of the KV into its blocks and the checksums over what landed run in a
+  worker thread, never on the event loop thread that drives the engine's steps and streams.
 """
 
 from __future__ import annotations
@@ -13,16 +13,12 @@ from __future__ import annotations
 import asyncio
 import threading
 
-from dualpace.engine.transfer.kv_transfer import ImportProgress
+from dualpace.engine.transfer import kv_tcp_data
 from dualpace.engine.transfer.migration import migrate_out
 from dualpace.generation import OfflineGenerator
 from dualpace.sampling import SamplingParams
-from tests.engine.test_migration import (
-    direct_send,
-    started,
-    stop,
-    wait_tokens,
-)
+from tests.engine.test_migration import started, stop, wait_tokens
+from tests.helpers import data_socket_send
 
 PROMPT = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5]
 
@@ -43,11 +39,11 @@ async def test_stream_ends_at_commit_without_waiting_for_a_source_step(tiny):
     params = SamplingParams(max_tokens=30, ignore_eos=True, temperature=0.0)
     channel = await source_loop.add_request("m", PROMPT, params)
     await wait_tokens(channel, 4)
-    inner = direct_send(target[0])
+    inner = data_socket_send(target[0])
     holding = asyncio.Event()
 
-    async def send(header, chunks) -> str:
-        engine = await inner(header, chunks)  # committed on the target
+    async def send(header, outgoing) -> str:
+        engine = await inner(header, outgoing)  # committed on the target
         await asyncio.to_thread(lock.acquire)  # from now on no source step can finish
         holding.set()
         return engine
@@ -79,24 +75,16 @@ async def test_import_work_runs_off_the_event_loop(tiny, monkeypatch):
     source, target = await started(tiny, "src"), await started(tiny, "dst", block_size=4)
     loop_thread = threading.current_thread()
     threads: list[tuple[str, threading.Thread]] = []
-    runner = target[0].core.runner
-    write_kv = runner.write_kv
-    check_checksum = ImportProgress.check_checksum
+    receive_layers = kv_tcp_data.receive_layers
 
-    def recording_write_kv(*args, **kwargs):
-        threads.append(("write_kv", threading.current_thread()))
-        return write_kv(*args, **kwargs)
+    def recording_receive_layers(*args, **kwargs):
+        threads.append(("receive", threading.current_thread()))
+        return receive_layers(*args, **kwargs)
 
-    def recording_check_checksum(chunk):
-        threads.append(("crc", threading.current_thread()))
-        return check_checksum(chunk)
-
-    monkeypatch.setattr(runner, "write_kv", recording_write_kv)
-    monkeypatch.setattr(ImportProgress, "check_checksum", staticmethod(recording_check_checksum))
+    monkeypatch.setattr(kv_tcp_data, "receive_layers", recording_receive_layers)
     channel = await source[0].add_request("m", PROMPT, SamplingParams(max_tokens=20, ignore_eos=True))
     await wait_tokens(channel, 3)
-    stats = await migrate_out(source[0], "m", direct_send(target[0]), chunk_bytes=700)
-    assert {kind for kind, _ in threads} == {"write_kv", "crc"}
-    assert len(threads) == 2 * stats.num_chunks
+    stats = await migrate_out(source[0], "m", data_socket_send(target[0]))
+    assert stats.total_bytes > 0 and [kind for kind, _ in threads] == ["receive"]
     assert all(thread is not loop_thread for _, thread in threads)
     await stop(source, target)

@@ -67,14 +67,6 @@ def shm_send(target: EngineLoop, pool: SharedKvPool, mapped: MappedPools, faults
     return send
 
 
-def never_read(chunks):
-    """Fails the test if the transport reads a chunk (the shm path copies blocks instead)."""
-    async def read_chunk(*args):
-        raise AssertionError("a chunk was read on the shared-memory path")
-    chunks.read_chunk = read_chunk
-    return chunks
-
-
 @pytest.mark.parametrize("temperature", [0.0, 0.9])
 async def test_migrated_request_continues_exactly(tiny, temperature):
     source = await started(tiny, "src")
@@ -85,7 +77,7 @@ async def test_migrated_request_continues_exactly(tiny, temperature):
     channel = await source[0].add_request("m", prompt, params)
     await wait_tokens(channel, 5)
     send = shm_send(target[0], pool, mapped)
-    stats = await migrate_out(source[0], "m", lambda header, chunks: send(header, never_read(chunks)))
+    stats = await migrate_out(source[0], "m", send)
     assert stats.target_engine == "dst" and channel.migrated_to == "dst"
     emitted = len(channel.output_token_ids)
     rest = [t async for update in target[0].channel("m").follow(emitted) for t in update.new_token_ids]
@@ -97,8 +89,8 @@ async def test_migrated_request_continues_exactly(tiny, temperature):
     await stop(source, target)
 
 
-@pytest.mark.parametrize("fault", [FaultConfig(kv_corrupt_chunk=1), FaultConfig(kv_drop_chunk=0),
-                                   FaultConfig(kv_cut_after=1)], ids=["corrupt", "drop", "cut"])
+@pytest.mark.parametrize("fault", [FaultConfig(kv_corrupt_layer=1), FaultConfig(kv_drop_layer=0),
+                                   FaultConfig(kv_cut_after_layers=1)], ids=["corrupt", "drop", "cut"])
 async def test_failed_transfer_leaves_request_on_source(tiny, fault):
     source = await started(tiny, "src")
     target, pool = await shared_target(tiny, "dst")
@@ -107,7 +99,7 @@ async def test_failed_transfer_leaves_request_on_source(tiny, fault):
     params = SamplingParams(max_tokens=25, ignore_eos=True)
     channel = await source[0].add_request("f", prompt, params)
     await wait_tokens(channel, 3)
-    with pytest.raises(InvalidArgument if fault.kv_cut_after is None else Unavailable):
+    with pytest.raises(InvalidArgument if fault.kv_cut_after_layers is None else Unavailable):
         await migrate_out(source[0], "f", shm_send(target[0], pool, mapped, fault))
     assert target[0].load().kv_blocks_used == 0
     tokens = [t async for update in channel.follow() for t in update.new_token_ids]
@@ -195,8 +187,9 @@ def test_runs_are_contiguous_on_both_sides():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_layer_checksum_is_the_crc_of_a_whole_layer_chunk(dtype):
-    """The shm path's layer checksum equals the CRC32C the gRPC path's chunk of that layer carries."""
+def test_layer_checksum_is_the_crc_of_a_whole_layer(dtype):
+    """The shm path's layer checksum is kv_checksum of the layer's K bytes then V bytes, in token
+    order (what the data socket's sender and target compute)."""
     generator = torch.Generator().manual_seed(0)
     k = torch.randn(2, 4, 4, 2, 8, generator=generator).to(dtype)
     v = torch.randn(2, 4, 4, 2, 8, generator=generator).to(dtype)

@@ -22,7 +22,8 @@ from dualpace.engine.scheduler import SchedulerConfig
 from dualpace.generation import OfflineGenerator
 from dualpace.sampling import SamplingParams
 from tests.engine.test_engine_core import run_to_completion
-from tests.engine.test_migration import direct_send, stop, wait_tokens
+from tests.engine.test_migration import stop, wait_tokens
+from tests.helpers import data_socket_send
 
 BLOCK_SIZE = 8
 
@@ -102,7 +103,7 @@ async def test_migrated_mid_generation_from_shared_blocks_and_cached_on_the_targ
         await wait_tokens(first, first_params.max_tokens)
         moved = await source.add_request(moved_id, moved_prompt, moved_params)  # hits the first's blocks
         await wait_tokens(moved, 5)
-        await migrate_out(source, moved_id, direct_send(target))
+        await migrate_out(source, moved_id, data_socket_send(target))
         emitted = len(moved.output_token_ids)
         rest = [t async for update in target.channel(moved_id).follow(emitted) for t in update.new_token_ids]
         assert moved.output_token_ids + rest == expected[moved_id]

@@ -26,6 +26,7 @@ from dualpace.engine.transfer.shm_segment import SharedKvMemory
 pytestmark = pytest.mark.skipif(boot_id() is None or not hasattr(os, "memfd_create"), reason="Linux shared memory")
 
 SHAPE = (2, 4, 4, 2, 8)  # layers, blocks, block size, kv heads, head dim
+HANG_GUARD_S = 30.0
 
 
 async def served_pool() -> tuple[SharedKvPool, ShmReservation, torch.Tensor]:
@@ -37,17 +38,19 @@ async def served_pool() -> tuple[SharedKvPool, ShmReservation, torch.Tensor]:
 
 
 class CountingFetch:
-    """fetch_fd, counted, and slow enough that every waiting transfer is inside the race window."""
+    """fetch_fd, counted, held before the handshake until `release` is set (under a hang guard):
+    the test decides what happens while a fetch is in flight."""
 
     def __init__(self):
         self.num_calls = 0
         self.num_done = 0
+        self.release = threading.Event()
         self._lock = threading.Lock()
 
     def __call__(self, name: str, ticket: bytes):
         with self._lock:
             self.num_calls += 1
-        threading.Event().wait(0.05)
+        assert self.release.wait(HANG_GUARD_S), "the test never released the fetch"
         fetched = fetch_fd(name, ticket)
         with self._lock:
             self.num_done += 1
@@ -79,8 +82,10 @@ async def test_concurrent_transfers_map_a_pool_once():
     mapped = MappedPools(fetch)
     entered = asyncio.Event()
     segments = []
+    num_started = [0]
 
     async def transfer(index: int) -> None:
+        num_started[0] += 1
         async with mapped.using(reservation) as segment:
             segments.append(segment)
             if len(segments) == 8:
@@ -88,7 +93,11 @@ async def test_concurrent_transfers_map_a_pool_once():
             await entered.wait()  # all eight hold it at once
             segment.k[0, index % 4].fill_(float(index % 4))
 
-    await asyncio.gather(*(transfer(i) for i in range(8)))
+    transfers = asyncio.gather(*(transfer(i) for i in range(8)))
+    # All eight wait for the mapping while the one fetch is in flight, then it completes.
+    assert await wait_until(lambda: num_started[0] == 8 and fetch.num_calls == 1)
+    fetch.release.set()
+    await transfers
     assert fetch.num_calls == 1 and mapped.num_mapped == 1 and mapped.num_in_use == 0
     assert all(segment is segments[0] for segment in segments)
     assert [owner_k[0, i, 0, 0, 0].item() for i in range(4)] == [0.0, 1.0, 2.0, 3.0]  # the owner sees the writes
@@ -142,10 +151,11 @@ async def test_a_transfer_cancelled_while_mapping_leaves_no_descriptor():
     mapped = MappedPools(fetch)
     before = pool_descriptors()
     task = asyncio.create_task(mapped.using(reservation).__aenter__())
-    await asyncio.sleep(0.01)  # inside the (slowed) fd handshake
+    assert await wait_until(lambda: fetch.num_calls == 1)  # inside the fd handshake, held there
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
+    fetch.release.set()
     assert await wait_until(lambda: fetch.num_done == 1)  # the handshake's thread handed an fd over
     assert await wait_until(lambda: pool_descriptors() == before)
     assert mapped.num_mapped == 0 and mapped.num_in_use == 0

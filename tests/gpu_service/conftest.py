@@ -29,26 +29,26 @@ from tests.helpers import wait_for
 from toolkit.processes import Daemon, start_daemon
 
 COMMON_FLAGS = ("--dtype", "fp32", "--threads", "1", "--kv-transport", "auto")  # -tcp kinds override it
-# The tiny model has 3 layers and its KV for a whole context fits one chunk per
-# layer, so every transfer has exactly 3 chunks (seq 0, 1, 2): each fault below
-# hits a chunk that exists. (A cut "after 3" chunks would never trigger.)
-FAULT_CHUNK = 2
+# The tiny model has 3 layers (0, 1, 2): each fault below hits a layer the transfer has.
+# (A cut "after 3" layers would never trigger on the data socket.)
+FAULT_LAYER = 2
 DAEMON_SPECS: dict[str, tuple[tuple[str, ...], dict[str, str]]] = {
     # Most tests, and the source of the successful migrations.
     "main": (("--name", "gpu-main", "--kv-blocks", "256", "--block-size", "8"), {}),
-    # Migration target; a different block size (chunks carry token ranges, not blocks).
+    # Migration target; a different block size (the KV goes in token order, not by block).
     "peer": (("--name", "gpu-peer", "--kv-blocks", "128", "--block-size", "16"), {}),
     # A KV pool too small for all requests at once: queueing and preemption.
     "small": (("--name", "gpu-small", "--kv-blocks", "12", "--block-size", "8", "--max-batch-tokens", "32"), {}),
     # One running and one waiting request at most: the next gets RESOURCE_EXHAUSTED.
     "queue": (("--name", "gpu-queue", "--max-running", "1", "--max-waiting", "1"), {}),
     # Migration sources whose outgoing KV transfers fail. Without CUDA the pools are in host
-    # memory, so a source with --kv-transport auto sends through shared memory (a fault on
-    # "chunk N" then hits layer N); the -tcp kinds stream the layers over the target's TCP data
-    # socket (the fault on layer N).
-    "corrupt": (("--name", "gpu-corrupt", "--block-size", "8"), {"DUALPACE_FAULT_KV_CORRUPT_CHUNK": str(FAULT_CHUNK)}),
-    "drop": (("--name", "gpu-drop", "--block-size", "8"), {"DUALPACE_FAULT_KV_DROP_CHUNK": str(FAULT_CHUNK)}),
-    "cut": (("--name", "gpu-cut", "--block-size", "8"), {"DUALPACE_FAULT_KV_CUT_AFTER": str(FAULT_CHUNK)}),
+    # memory, so a source with --kv-transport auto sends through shared memory; the -tcp kinds
+    # stream the layers over the target's TCP data socket (dualpace.faults: what each fault does on each).
+    "corrupt": (("--name", "gpu-corrupt", "--block-size", "8"),
+                {"DUALPACE_FAULT_KV_CORRUPT_LAYER": str(FAULT_LAYER)}),
+    "drop": (("--name", "gpu-drop", "--block-size", "8"), {"DUALPACE_FAULT_KV_DROP_LAYER": str(FAULT_LAYER)}),
+    "cut": (("--name", "gpu-cut", "--block-size", "8"),
+            {"DUALPACE_FAULT_KV_CUT_AFTER_LAYERS": str(FAULT_LAYER)}),
     # Migrates only to the peers it lists, none of which is a daemon here: every MigrateOut is refused.
     "guarded": (("--name", "gpu-guarded", "--block-size", "8", "--peer", "localhost:1",
                  "--peer", "unix:/nonexistent/dualpace-peer.sock"), {}),

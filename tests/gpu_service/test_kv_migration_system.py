@@ -18,7 +18,7 @@ import pytest
 from dualpace.sampling import FinishReason, SamplingParams
 from dualpace.wire.v1 import engine_pb2
 from tests.gpu_service.conftest import (
-    FAULT_CHUNK,
+    FAULT_LAYER,
     KV_TRANSPORTS,
     RPC_TIMEOUT_S,
     listed_ids,
@@ -79,7 +79,7 @@ def test_migrated_stream_equals_solo_run(daemons, solo, num_layers, mode, transp
             assert read_stream(call, request_id, tokens=seen).finish_reason == FinishReason.LENGTH
     assert response is not None, f"every request finished before MigrateOut ({MAX_ATTEMPTS} tries)"
     assert response.target_engine == "gpu-peer"
-    assert response.num_chunks == num_layers and response.total_bytes > 0
+    assert response.total_bytes > 0
     assert response.transport == transport
 
     before = read_stream(call, request_id, tokens=seen)
@@ -104,7 +104,7 @@ def test_migrated_stream_equals_solo_run(daemons, solo, num_layers, mode, transp
 @pytest.mark.parametrize("fault", FAULT_SOURCES)
 @pytest.mark.parametrize("mode", sorted(PARAMS))
 def test_failed_transfer_keeps_request_on_source(daemons, solo, num_layers, fault, mode, transport):
-    assert FAULT_CHUNK < num_layers, "the fault must hit a chunk the transfer has (one per layer)"
+    assert FAULT_LAYER < num_layers, "the fault must hit a layer the transfer has"
     params = PARAMS[mode]
     source_kind = fault + KV_TRANSPORTS[transport]
     source, target = daemons.stub(source_kind), daemons.stub("peer")

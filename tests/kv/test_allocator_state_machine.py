@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from dualpace.kv.allocator import OutOfBlocks
-from dualpace.kv.block_table import KVBlockManager
+from dualpace.kv.block_table import FREED_BLOCK_ID, KVBlockManager
 from dualpace.kv.prefix_hash import BlockHasher
 
 
@@ -117,14 +117,14 @@ class KVBlockManagerMachine(RuleBasedStateMachine):
         assert self.manager.num_used_blocks == used_before
         self.registered_token_lists.append(list(tokens))
 
-    @precondition(lambda self: self.registered_token_lists)
-    @rule(index=st.integers(0, 100), num_prefix_blocks=st.integers(0, 5), num_new_tokens=st.integers(0, 9))
-    def allocate_on_prefix(self, index: int, num_prefix_blocks: int, num_new_tokens: int) -> None:
+    def _donor_prefix(self, index: int, num_prefix_blocks: int) -> list[int]:
         donor = self.registered_token_lists[index % len(self.registered_token_lists)]
         size = self.manager.block_size
-        prefix = donor[: min(num_prefix_blocks, len(donor) // size) * size]
-        cached_block_ids = self.manager.match_prefix(self.hasher.chain(prefix))
-        num_cached_tokens = len(cached_block_ids) * size
+        return donor[: min(num_prefix_blocks, len(donor) // size) * size]
+
+    def _allocate_on(self, prefix: list[int], cached_block_ids: list[int], num_new_tokens: int) -> None:
+        """A new table on the matched blocks plus new tokens; all or nothing."""
+        num_cached_tokens = len(cached_block_ids) * self.manager.block_size
         num_tokens = num_cached_tokens + num_new_tokens
         seq_id = next(self.next_seq_id)
         fits = self.manager.can_allocate(num_tokens, cached_block_ids)
@@ -140,6 +140,36 @@ class KVBlockManagerMachine(RuleBasedStateMachine):
         # The matched blocks must already hold the donor's tokens: nothing overwrote them.
         self.expected_tokens[seq_id] = list(prefix[:num_cached_tokens])
         self._write_tokens(seq_id, num_cached_tokens, num_tokens)
+
+    @precondition(lambda self: self.registered_token_lists)
+    @rule(index=st.integers(0, 100), num_prefix_blocks=st.integers(0, 5), num_new_tokens=st.integers(0, 9))
+    def allocate_on_prefix(self, index: int, num_prefix_blocks: int, num_new_tokens: int) -> None:
+        prefix = self._donor_prefix(index, num_prefix_blocks)
+        self._allocate_on(prefix, self.manager.match_prefix(self.hasher.chain(prefix)), num_new_tokens)
+
+    @precondition(lambda self: self.registered_token_lists)
+    @rule(index=st.integers(0, 100), num_prefix_blocks=st.integers(0, 5), window_tokens=st.integers(1, 12),
+          num_new_tokens=st.integers(0, 9))
+    def allocate_on_prefix_in_window(self, index: int, num_prefix_blocks: int, window_tokens: int,
+                                     num_new_tokens: int) -> None:
+        """A sliding window's match: leading entries may be released, the window's blocks are cached."""
+        prefix = self._donor_prefix(index, num_prefix_blocks)
+        cached_block_ids = self.manager.match_prefix_in_window(self.hasher.chain(prefix), window_tokens)
+        first_needed_block = max(0, len(cached_block_ids) * self.manager.block_size - window_tokens + 1) \
+            // self.manager.block_size
+        assert all(b == FREED_BLOCK_ID for b in cached_block_ids[:first_needed_block])
+        assert FREED_BLOCK_ID not in cached_block_ids[first_needed_block:]
+        self._allocate_on(prefix, cached_block_ids, num_new_tokens)
+
+    @precondition(lambda self: self.manager.seq_ids())
+    @rule(index=st.integers(0, 100), num_blocks=st.integers(0, 6))
+    def release_leading(self, index: int, num_blocks: int) -> None:
+        seq_id = self._pick(index)
+        held_before, used_before = self.manager.num_held_blocks(seq_id), self.manager.num_used_blocks
+        num_released = self.manager.release_leading_blocks(seq_id, num_blocks)
+        assert self.manager.num_held_blocks(seq_id) == held_before - num_released
+        assert self.manager.num_used_blocks <= used_before
+        assert held_before == 0 or self.manager.num_held_blocks(seq_id) >= 1  # the last block is kept
 
     @precondition(lambda self: self.manager.seq_ids())
     @rule(index=st.integers(0, 100))
@@ -167,9 +197,12 @@ class KVBlockManagerMachine(RuleBasedStateMachine):
         manager = self.manager
         num_holders = [0] * manager.num_total_blocks
         for seq_id in manager.seq_ids():
-            block_ids = manager.block_ids(seq_id)
+            table = manager.block_ids(seq_id)
+            num_released = manager.num_released_tokens(seq_id) // manager.block_size
+            block_ids = table[num_released:]
+            assert table[:num_released] == [FREED_BLOCK_ID] * num_released  # released entries lead
             assert len(block_ids) == len(set(block_ids)), "a block appears twice in one table"
-            assert len(block_ids) == manager.num_blocks_for(manager.num_tokens(seq_id))
+            assert len(table) == manager.num_blocks_for(manager.num_tokens(seq_id))
             for block_id in block_ids:
                 num_holders[block_id] += 1
         for block_id, count in enumerate(num_holders):
@@ -181,8 +214,9 @@ class KVBlockManagerMachine(RuleBasedStateMachine):
         assert sorted(manager.seq_ids()) == sorted(self.expected_tokens)
         for seq_id, tokens in self.expected_tokens.items():
             assert manager.num_tokens(seq_id) == len(tokens)
-            slot_ids = manager.slot_ids(seq_id, 0, len(tokens))
-            assert [self.slot_values[s] for s in slot_ids] == tokens
+            first_held = min(manager.num_released_tokens(seq_id), len(tokens))
+            slot_ids = manager.slot_ids(seq_id, first_held, len(tokens))
+            assert [self.slot_values[s] for s in slot_ids] == tokens[first_held:]
 
 
 KVBlockManagerMachine.TestCase.settings = settings(

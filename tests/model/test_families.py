@@ -18,8 +18,8 @@ from dualpace.model import cpu_kernels
 from dualpace.model.loader import load_model
 from dualpace.sampling import SamplingParams
 from dualpace_cli.main import main
-from tests.engine.test_migration import direct_send, started, stop, wait_tokens
-from tests.helpers import reference_tokens
+from tests.engine.test_migration import started, stop, wait_tokens
+from tests.helpers import data_socket_send, reference_tokens
 from tests.model.family_checkpoints import FAMILY_CHECKPOINTS, write_family_checkpoint
 from tests.model.hf_reference import hf_greedy
 from tests.model.test_split_forward import make_seqs, run_split
@@ -121,7 +121,7 @@ async def test_family_migrated_mid_generation_continues_exactly(family, family_f
     params = SamplingParams(max_tokens=NUM_NEW_TOKENS, ignore_eos=True)
     channel = await source[0].add_request("m", prompt, params)
     await wait_tokens(channel, 10)
-    await migrate_out(source[0], "m", direct_send(target[0]), chunk_bytes=700)
+    await migrate_out(source[0], "m", data_socket_send(target[0]))
     assert channel.migrated_to == "dst"
     emitted = len(channel.output_token_ids)
     rest = [t async for update in target[0].channel("m").follow(emitted) for t in update.new_token_ids]

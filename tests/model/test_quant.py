@@ -90,6 +90,32 @@ def int16_rounded(x: torch.Tensor, rounding: tuple[bool, int] = INT16_SCHEME) ->
     return from_int16_halves(torch.round(h * inv).double() * (amax.double() / qmax), interleaved)
 
 
+def int8_outliers(x: torch.Tensor) -> torch.Tensor:
+    """The rows the int8 mode rounds twice (quant_gemv_vnni.h): max |x| above the library's ratio x rms."""
+    ratio = quant_kernels.get().dp_quant_int8_outlier_ratio()
+    xf = x.float()
+    return xf.abs().amax(-1) ** 2 * x.shape[1] > ratio ** 2 * (xf * xf).sum(-1)
+
+
+def int8_rounded(x: torch.Tensor) -> torch.Tensor:
+    """x as the int8 mode rounds it: per 16 elements to int8, and for outlier rows that rounding
+    plus its residual (x - dx q in one fp32 rounding, as the kernel's fma) rounded the same way."""
+    out = int16_rounded(x, INT8_SCHEME)
+    rows = int8_outliers(x)
+    if rows.any():
+        h = x[rows].float().reshape(-1, 16)
+        amax = h.abs().amax(-1, keepdim=True)
+        inv = torch.where(amax > 0, torch.full_like(amax, 127.0) / amax, torch.zeros_like(amax))
+        q = torch.round(h * inv)
+        residual = (h.double() - q.double() * (amax / 127.0).double()).float().reshape(-1, x.shape[1])
+        out[rows] += int16_rounded(residual, INT8_SCHEME)
+    return out
+
+
+def mode_rounded(x: torch.Tensor, rounding: tuple[bool, int]) -> torch.Tensor:
+    return int8_rounded(x) if rounding == INT8_SCHEME else int16_rounded(x, rounding)
+
+
 def int8_min_rows() -> int:
     """Rows of x from which the loaded standalone library's int8 mode runs int8 (0: never, no VNNI)."""
     return quant_kernels.get().dp_quant_int8_min_rows()
@@ -301,8 +327,10 @@ def test_integer_modes_are_the_rounded_activations_times_the_weights(name, mode,
                         (16, 7, 256), (33, 8, 768), (127, 5, 256)]:
             qw, w = weight(name, n, k)
             x = torch.randn(m, k) * torch.rand(m, k) * 4
+            x[m // 2] *= 0.01
+            x[m // 2, k // 3] = 50.0  # an outlier row from K = 512 (int8: rounded twice)
             rounding = rounding_of(mode, m)
-            rounded = int16_rounded(x, rounding) @ w.double().T
+            rounded = mode_rounded(x, rounding) @ w.double().T
             exact = from_rows and m >= from_rows and rounding == INT16_SCHEME
             assert_close(qw.linear(x).double(), x.double() @ w.double().T if exact else rounded, rel=1e-6)
             if kernels is not None and kernels.supports_format(FORMAT_BY_NAME[name].ggml_type):
@@ -311,6 +339,35 @@ def test_integer_modes_are_the_rounded_activations_times_the_weights(name, mode,
                 assert_close(kernels.linear(x, qw).double(), rounded, rel=1e-6)
     finally:
         quant_activations.set_activations("int16")
+
+
+@needs_kernels
+@pytest.mark.parametrize("name", ["Q8_0", "Q4_K"])
+def test_int8_outlier_rows_keep_their_small_channels(name, variant):
+    """A row whose few channels stand far above the rest (a chat prompt's special tokens) loses
+    its small channels to int8 rounding per 16; the int8 mode rounds it twice, so its error stays
+    within max / 254^2 per element (about int16's), while ordinary rows of the same call keep int8."""
+    if not int8_min_rows():
+        pytest.skip(f"{variant} runs no int8 rows (no AVX-512 VNNI build)")
+    torch.manual_seed(7)
+    n, k, m = 24, 2048, 12
+    qw, w = weight(name, n, k)
+    x = torch.randn(m, k)
+    x[3, ::97] *= 400.0  # 22 channels far above the rest
+    assert int8_outliers(x).tolist() == [i == 3 for i in range(m)]
+    quant_activations.set_activations("int8")
+    try:
+        y = qw.linear(x).double()
+    finally:
+        quant_activations.set_activations("int16")
+    ref = x.double() @ w.double().T
+    blocks = x.double().reshape(m, -1, 16).abs().amax(-1, keepdim=True).expand(m, k // 16, 16).reshape(m, k)
+    two_level = (blocks / 254 ** 2 * (1 + 1e-3)) @ w.double().abs().T
+    one_level = (blocks / 254 * (1 + 1e-3)) @ w.double().abs().T
+    assert ((y - ref).abs()[3] <= two_level[3] + 1e-5 * ref.abs().max()).all()
+    assert ((y - ref).abs() <= one_level + 1e-5 * ref.abs().max()).all()
+    rounded_once = int16_rounded(x[3:4], INT8_SCHEME) @ w.double().T
+    assert (y[3] - ref[3]).abs().max() < 0.05 * (rounded_once - ref[3]).abs().max()
 
 
 @needs_kernels
@@ -338,7 +395,7 @@ def test_int8_mode_at_the_extremes(variant):
             x = torch.randn(m, k)
             x[0, :512], x[1, :512] = 3.0, -3.0
             x[2, 32:64] = 0.0
-            ref = int16_rounded(x, rounding_of("int8", m)) @ w.double().T
+            ref = mode_rounded(x, rounding_of("int8", m)) @ w.double().T
             assert_close(qw.linear(x).double(), ref, rel=1e-6)
             if kernels is not None and kernels.supports_format(FORMAT_BY_NAME["Q8_0"].ggml_type):
                 assert_close(kernels.linear(x, qw).double(), ref, rel=1e-6)

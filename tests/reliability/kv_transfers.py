@@ -13,18 +13,18 @@ from dualpace.wire.v1 import common_pb2, engine_pb2, engine_pb2_grpc
 
 def kv_header(request_id: str, prompt: list[int], outputs: list[int], max_tokens: int, info: engine_pb2.EngineInfo,
               dtype: str = "float32", with_kv: bool = True) -> engine_pb2.ImportKvMessage:
-    """The header of a transfer carrying the KV of every token but the last sampled one, one
-    chunk per layer (what a source would send), for the engine described by `info`; with_kv=False:
-    a request moved without KV (the target recomputes it)."""
+    """The header of a transfer carrying the KV of every token but the last sampled one (what a
+    source would send), for the engine described by `info`; with_kv=False: a request moved without
+    KV (the target recomputes it)."""
     num_computed = len(prompt) + len(outputs) - 1 if with_kv else 0
-    chunk_bytes = 2 * num_computed * info.num_kv_heads * info.head_dim * DTYPE_SIZES[dtype]
+    layer_bytes = 2 * num_computed * info.num_kv_heads * info.head_dim * DTYPE_SIZES[dtype]
     return engine_pb2.ImportKvMessage(header=engine_pb2.ImportKvHeader(
         request_id=request_id, prompt_token_ids=prompt, output_token_ids=outputs,
         sampling=common_pb2.SamplingParams(max_tokens=max_tokens, ignore_eos=True, seed=7),
         num_computed_tokens=num_computed, num_tokens_emitted=len(outputs),
         layout=engine_pb2.KvLayout(num_layers=info.num_layers, num_kv_heads=info.num_kv_heads,
                                    head_dim=info.head_dim, block_size=info.block_size, dtype=dtype),
-        total_chunks=info.num_layers if with_kv else 0, total_bytes=chunk_bytes * info.num_layers,
+        total_bytes=layer_bytes * info.num_layers,
         source_engine="test"))
 
 

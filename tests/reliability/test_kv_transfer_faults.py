@@ -1,9 +1,9 @@
-"""KV transfers interrupted at 50%, with a corrupt chunk, with a sequence gap.
+"""KV transfers interrupted at 50%, with a corrupt layer, with a layer missing.
 
-The model here is tiny-qwen2: two layers, so a transfer is two chunks (one per layer) and
-"cut after 1 chunk" is exactly half of it. Each fault has its own source gpu_service
-(DUALPACE_FAULT_KV_CUT_AFTER=1, _CORRUPT_CHUNK=1, _DROP_CHUNK=0: chunk 1 arrives where 0
-was due) and they all migrate to one target.
+The model here is tiny-qwen2: two layers, so "cut after 1 layer" is exactly half of a transfer.
+Each fault has its own source gpu_service (DUALPACE_FAULT_KV_CUT_AFTER_LAYERS=1,
+_CORRUPT_LAYER=1, _DROP_LAYER=0; dualpace.faults says what each does on each data path) and they
+all migrate to one target, through shared memory (the pools are in host memory on one host).
 
 Criteria: MigrateOut fails (UNAVAILABLE), the target frees whatever it reserved for the
 partial import and does not hold the request, the source keeps the request and it completes
@@ -32,9 +32,9 @@ from tests.reliability.kv_transfers import ImportCall, kv_header
 
 NUM_LAYERS = 2
 FAULTS = {
-    "cut-at-50%": {"DUALPACE_FAULT_KV_CUT_AFTER": "1"},
-    "corrupt-chunk": {"DUALPACE_FAULT_KV_CORRUPT_CHUNK": "1"},
-    "sequence-gap": {"DUALPACE_FAULT_KV_DROP_CHUNK": "0"},
+    "cut-at-50%": {"DUALPACE_FAULT_KV_CUT_AFTER_LAYERS": "1"},
+    "corrupt-layer": {"DUALPACE_FAULT_KV_CORRUPT_LAYER": "1"},
+    "layer-missing": {"DUALPACE_FAULT_KV_DROP_LAYER": "0"},
 }
 STEP_DELAY_MS = 5  # the request is still decoding when MigrateOut reaches it
 PROMPT = prompt_for(3, 30)

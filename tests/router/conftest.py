@@ -18,7 +18,7 @@ from tests.helpers import wait_for
 
 READY = re.compile(r"dualpace up: ready; router on (\S+)")
 HTTP = re.compile(r"dualpace up: OpenAI-compatible HTTP API on (\S+)")
-CHILD = re.compile(r"dualpace up: (\S+) on \S+ \(pid (\d+)\)")
+CHILD = re.compile(r"dualpace up: (\S+) on (\S+) \(pid (\d+)\)")
 START_TIMEOUT_S = 180.0  # generous: the daemons start slowly on a loaded machine
 STEP_DELAY_MS = 10  # slows every engine step, so a long stream outlives the client that drops it
 GPU_KV_BLOCKS = 240
@@ -27,12 +27,13 @@ GPU_KV_BLOCKS = 240
 @dataclass
 class RunningUp:
     """A running `dualpace up`: its router's gRPC address and OpenAI base URL, each child's pid
-    and every line it printed."""
+    and address (by module: gpu_service, cpu_service, router) and every line it printed."""
 
     process: subprocess.Popen
     router: str = ""
     http: str = ""
     child_pids: dict[str, int] = field(default_factory=dict)
+    child_addresses: dict[str, str] = field(default_factory=dict)
     lines: list[str] = field(default_factory=list)
 
     def log(self) -> str:
@@ -56,7 +57,8 @@ def running_up(model_folder: str) -> Iterator[RunningUp]:
         for line in process.stdout:
             running.lines.append(line)
             if match := CHILD.search(line):
-                running.child_pids[match.group(1)] = int(match.group(2))
+                running.child_addresses[match.group(1)] = match.group(2)
+                running.child_pids[match.group(1)] = int(match.group(3))
             if match := HTTP.search(line):
                 running.http = match.group(1)
             if match := READY.search(line):

@@ -71,7 +71,7 @@ class FailingEngine(engine_pb2_grpc.EngineServicer):
         async for message in request_iterator:
             if message.WhichOneof("kind") == "header":
                 raise_for(message.header.request_id)
-            yield engine_pb2.ImportKvReply(prepared=engine_pb2.ImportKvPrepared(num_chunks=1))
+            yield engine_pb2.ImportKvReply(prepared=engine_pb2.ImportKvPrepared(total_bytes=1))
 
 
 async def _collect(request_iterator: AsyncIterator[bytes], context: grpc.aio.ServicerContext) -> bytes:

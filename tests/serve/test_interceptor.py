@@ -77,7 +77,7 @@ async def test_writer_style_stream_fails_after_first_message(served: Served, cap
 async def test_stream_stream(served: Served) -> None:
     call = engine_pb2_grpc.EngineStub(served.channel).ImportKv()
     await call.write(engine_pb2.ImportKvMessage(prepare=engine_pb2.ImportKvPrepare()))
-    assert (await call.read()).prepared.num_chunks == 1
+    assert (await call.read()).prepared.total_bytes == 1
     await call.write(engine_pb2.ImportKvMessage(header=engine_pb2.ImportKvHeader(request_id="invalid")))
     with pytest.raises(grpc.aio.AioRpcError) as info:
         await call.read()

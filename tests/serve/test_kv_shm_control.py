@@ -23,7 +23,10 @@ from dualpace.sampling import FinishReason
 from dualpace.serve import kv_shm_transport
 from dualpace.serve.kv_shm_transport import SameHostKvSender
 from tests.engine.test_migration import wait_tokens
+from tests.helpers import until
 from tests.serve.test_kv_shm_import_stream import PARAMS, PROMPT, Served, expected
+
+HANG_GUARD_S = 30.0
 
 pytestmark = pytest.mark.skipif(boot_id() is None or not hasattr(os, "memfd_create"), reason="Linux shared memory")
 
@@ -75,8 +78,8 @@ async def test_a_target_error_over_the_watch_is_its_status(tiny):
     await first_transfer(served, tiny)
     channel = await served.source[0].add_request("c", PROMPT, PARAMS)
     await wait_tokens(channel, 4)
-    sender = served.sender(FaultConfig(kv_corrupt_chunk=1))
-    with pytest.raises(Unavailable, match="INVALID_ARGUMENT.*checksum mismatch"):
+    sender = served.sender(FaultConfig(kv_corrupt_layer=1))
+    with pytest.raises(Unavailable, match="INVALID_ARGUMENT.*checksums for"):
         await migrate_out(served.source[0], "c", sender)
     assert sender.used_watch_control
     await finishes_on_source(served, channel, tiny)
@@ -87,11 +90,9 @@ async def finishes_on_source(served: Served, channel, tiny) -> None:
     tokens = [t async for update in channel.follow() for t in update.new_token_ids]
     assert tokens == expected(tiny)
     assert channel.finish_reason == FinishReason.LENGTH and channel.migrated_to is None
-    for _ in range(100):  # the target drops the import once the lease has ended (its cleanup task)
-        if served.target[0].load().kv_blocks_used == 0:
-            break
-        await asyncio.sleep(0.01)
-    assert served.target[0].load().kv_blocks_used == 0 and not served.target[0].core.scheduler.requests
+    # The target drops the import once the lease has ended (its cleanup task).
+    await until(lambda: served.target[0].load().kv_blocks_used == 0, "the target's blocks freed", HANG_GUARD_S)
+    assert not served.target[0].core.scheduler.requests
     assert served.source[0].load().kv_blocks_used == 0
 
 
@@ -103,12 +104,25 @@ async def test_the_connection_closing_at_each_phase_keeps_the_request_on_the_sou
     the target but before it verified it: the import is dropped, the source resumes."""
     served = await Served().start(tiny)
     await first_transfer(served, tiny)
+    ending, problems = asyncio.Event(), []
+    end_import = ShmImport.close
+
+    async def watched_end_import(self):
+        ending.set()
+        await end_import(self)
+    monkeypatch.setattr(ShmImport, "close", watched_end_import)
 
     def close() -> None:
         if side == "sender":
             sender_watch(served).shutdown(socket.SHUT_RDWR)  # both ends see the connection end
         else:
             close_target_side(served)
+
+    async def until_the_target_ends_the_import() -> None:
+        try:
+            await asyncio.wait_for(ending.wait(), HANG_GUARD_S)
+        except TimeoutError:
+            problems.append("the target never ended the import")
 
     if phase == "header":
         expect_answer = SameHostKvSender._expect_answer
@@ -123,7 +137,7 @@ async def test_the_connection_closing_at_each_phase_keeps_the_request_on_the_sou
         async def closed_while_copying(*args, **kwargs):
             written = await write_in_place(*args, **kwargs)
             close()
-            await asyncio.sleep(0.05)  # the lease is still held here: the target must wait for its end
+            await until_the_target_ends_the_import()  # still holding the lease: the target must wait for its end
             return written
         monkeypatch.setattr(kv_shm_transport, "write_in_place", closed_while_copying)
     else:
@@ -131,7 +145,10 @@ async def test_the_connection_closing_at_each_phase_keeps_the_request_on_the_sou
 
         async def closed_before_verified(self, written):
             close()
-            await asyncio.sleep(0.05)
+            try:  # the connection's end cancels this handler: the target drops the import
+                await asyncio.wait_for(asyncio.Event().wait(), HANG_GUARD_S)
+            except TimeoutError:
+                problems.append("the connection's end never cancelled the import")
             return await verify(self, written)
         monkeypatch.setattr(ShmImport, "written", closed_before_verified)
     channel = await served.source[0].add_request("k", PROMPT, PARAMS)
@@ -141,6 +158,7 @@ async def test_the_connection_closing_at_each_phase_keeps_the_request_on_the_sou
         await migrate_out(served.source[0], "k", sender)
     assert sender.used_watch_control
     await finishes_on_source(served, channel, tiny)
+    assert not problems, problems
     monkeypatch.undo()
     sender, tokens = await migrated(served, "after")  # over gRPC again: the mapping went with its watch
     assert sender.used_shm and not sender.used_watch_control and tokens == expected(tiny)

@@ -3,21 +3,22 @@
 Here the sender's written message carries prepare and commit (`KvShmWritten.commit`), answered
 by committed alone, and the write lease goes over the watch connection the sender keeps to the
 target's pool (no connection of its own per transfer). The two-phase rules must hold across
-the merge: a failure after the verification passed but before the commit is made (the phases
-the one message now spans) leaves the request running on the source and no block used on the
-target, as a corrupt transfer does; a target that does not take the merged message gets
-prepare and commit apart.
+the merge: a failure after the written record was accepted but before the commit is made (the
+phases the one message now spans) leaves the request running on the source and no block used on
+the target, as a refused written record does (a torn layer, a write without the lease); a target
+that does not take the merged message gets prepare and commit apart.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import os
 
 import pytest
 
-from dualpace.engine.transfer import kv_shm_import, kv_shm_send
+from dualpace.engine.transfer import kv_shm_send
 from dualpace.engine.transfer.kv_shm_import import ShmImport
 from dualpace.engine.transfer.kv_shm_send import MappedPools
 from dualpace.engine.transfer.migration import migrate_out
@@ -97,17 +98,17 @@ async def test_written_with_commit_is_one_round_trip_and_leases_go_over_the_watc
 
 @pytest.mark.parametrize("failure", ["commit_refused", "corrupt"])
 async def test_a_failure_inside_the_merged_phases_keeps_the_request_on_the_source(tiny, failure):
-    """commit_refused: the checksums verified, then the commit failed (the phase between the two
-    replies the merge removed); corrupt: the verification itself refused the transfer."""
+    """commit_refused: the written record accepted, then the commit failed (the phase between the two
+    replies the merge removed); corrupt: the written record itself refused (a torn layer 1)."""
     served = await Served().start(tiny)
     faults = FaultConfig()
     scheduler = served.target[0].core.scheduler
     if failure == "commit_refused":
         def refuse(request):
-            raise Unavailable("commit refused after the verification (test)")
+            raise Unavailable("commit refused after the written record (test)")
         scheduler.commit_import = refuse
     else:
-        faults = FaultConfig(kv_corrupt_chunk=1)
+        faults = FaultConfig(kv_corrupt_layer=1)
     channel = await served.source[0].add_request("f", PROMPT, PARAMS)
     await wait_tokens(channel, 4)
     sender = served.sender(faults)
@@ -148,20 +149,41 @@ def _without_merge(answer):
     return dataclasses.replace(answer, accepts_written_with_commit=False)
 
 
-async def test_a_changed_byte_is_caught_in_a_copy_split_between_the_workers(tiny, monkeypatch):
-    """A copy large enough for the workers (each copies and checksums its share of the layers; the
-    target reads its share back in its own): a changed byte is refused, the request stays on the
-    source, no block is left on the target."""
+async def test_a_torn_layer_is_refused_in_a_copy_split_between_the_workers(tiny, monkeypatch):
+    """A copy large enough for the workers (each copies and checksums its share of the layers): a
+    sender that tears layer 0 and says written for the layers before it is refused, the request
+    stays on the source, no block is left on the target."""
     monkeypatch.setattr(kv_shm_send, "INLINE_MAX_BYTES", 0)
-    monkeypatch.setattr(kv_shm_import, "INLINE_MAX_BYTES", 0)
     served = await Served().start(tiny)
     try:
         channel = await served.source[0].add_request("c", PROMPT, PARAMS)
         await wait_tokens(channel, 4)
-        with pytest.raises(Unavailable, match="checksum mismatch in layer 0"):
-            await migrate_out(served.source[0], "c", served.sender(FaultConfig(kv_corrupt_chunk=0)))
+        with pytest.raises(Unavailable, match="INVALID_ARGUMENT: shm_written.layer_crc32: 0 checksums for"):
+            await migrate_out(served.source[0], "c", served.sender(FaultConfig(kv_corrupt_layer=0)))
         assert [t async for update in channel.follow() for t in update.new_token_ids] == expected(tiny)
         assert channel.migrated_to is None and served.source[0].load().kv_blocks_used == 0
         assert served.target[0].load().kv_blocks_used == 0 and "c" not in served.target[0].core.scheduler.requests
+    finally:
+        await served.close()
+
+
+async def test_written_from_a_sender_that_never_held_the_lease_is_refused(tiny, monkeypatch):
+    """A sender that says written without having taken the import's write lease (so it never wrote
+    under the rules) is refused; the request stays on the source, no block is left on the target."""
+    served = await Served().start(tiny)
+
+    @contextlib.asynccontextmanager
+    async def no_lease(self, reservation):
+        yield
+
+    monkeypatch.setattr(MappedPools, "lease", no_lease)
+    try:
+        channel = await served.source[0].add_request("n", PROMPT, PARAMS)
+        await wait_tokens(channel, 4)
+        with pytest.raises(Unavailable, match="INVALID_ARGUMENT: shm_written: the sender never held"):
+            await migrate_out(served.source[0], "n", served.sender())
+        assert [t async for update in channel.follow() for t in update.new_token_ids] == expected(tiny)
+        assert channel.migrated_to is None and served.source[0].load().kv_blocks_used == 0
+        assert served.target[0].load().kv_blocks_used == 0 and "n" not in served.target[0].core.scheduler.requests
     finally:
         await served.close()

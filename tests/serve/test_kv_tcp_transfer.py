@@ -12,26 +12,30 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import dataclasses
 import shutil
 import socket
 import ssl
-import time
+import threading
 
 import grpc
 import pytest
 
 from dualpace.engine.transfer import kv_tcp_data, kv_tcp_import
 from dualpace.engine.transfer.kv_shm_import import SharedKvPool
-from dualpace.engine.transfer.kv_tcp_import import TcpDataServer, TcpWritten
-from dualpace.engine.transfer.migration import KvImporter, migrate_out
+from dualpace.engine.transfer.kv_tcp_import import TcpDataServer, TcpImport, TcpWritten
+from dualpace.engine.transfer.kv_source import OutgoingKv
+from dualpace.engine.transfer.kv_transfer import KvTransferHeader
+from dualpace.engine.transfer.migration import KvImporter, engine_kv_layout, migrate_out
 from dualpace.engine.transfer.prefix_copy import send_cached_prefix
 from dualpace.errors import Unavailable
 from dualpace.faults import FaultConfig
 from dualpace.generation import OfflineGenerator
 from dualpace.sampling import FinishReason, SamplingParams
-from dualpace.serve.engine_servicer import EngineServicer
+from dualpace.serve.engine_servicer import EngineServicer, data_path
 from dualpace.serve.kv_shm_transport import SameHostKv
 from dualpace.serve.kv_tcp_transport import TcpKvSender
+from dualpace.serve.peers import PeerList
 from dualpace.serve.security import ServerSecurity, load_tls
 from dualpace.serve.server import channel_options, start_server
 from dualpace.wire.engine_messages import kv_header_to_pb
@@ -42,6 +46,7 @@ from tests.serve.test_security import _self_signed
 
 PROMPT = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8, 9, 7, 9, 3, 2, 3, 8, 4, 6]
 PARAMS = SamplingParams(max_tokens=24, ignore_eos=True)
+HANG_GUARD_S = 30.0
 
 
 class Served:
@@ -123,7 +128,7 @@ async def test_a_wrong_or_replayed_ticket_is_refused_and_writes_nothing(tiny):
         channel = await served.source[0].add_request("w", PROMPT, PARAMS)
         await wait_tokens(channel, 4)
 
-        async def send(header, chunks) -> str:
+        async def send(header, outgoing) -> str:
             async with grpc.aio.insecure_channel(served.server.address, options=channel_options()) as grpc_channel:
                 call = engine_pb2_grpc.EngineStub(grpc_channel).ImportKv()
                 await call.write(add_tcp_offer(kv_header_to_pb(header)))
@@ -132,8 +137,8 @@ async def test_a_wrong_or_replayed_ticket_is_refused_and_writes_nothing(tiny):
                 assert await asyncio.to_thread(_refused, answer.port, wrong)
                 connection = await asyncio.to_thread(kv_tcp_data.connect, "127.0.0.1", answer.port, answer.ticket, 30)
                 with connection:
-                    checksums = await asyncio.to_thread(kv_tcp_data.send_layers, connection, chunks.storage.k,
-                                                        chunks.storage.v, chunks.slot_ids)
+                    checksums = await asyncio.to_thread(kv_tcp_data.send_layers, connection, outgoing.storage.k,
+                                                        outgoing.storage.v, outgoing.slot_ids)
                 replay = kv_tcp_data.MAGIC + answer.ticket
                 assert await asyncio.to_thread(_refused, answer.port, replay)
                 await call.write(tcp_written_to_pb(TcpWritten(tuple(checksums), commit=True)))
@@ -148,7 +153,7 @@ async def test_a_wrong_or_replayed_ticket_is_refused_and_writes_nothing(tiny):
         await served.close()
 
 
-@pytest.mark.parametrize("faults", [FaultConfig(kv_corrupt_chunk=1), FaultConfig(kv_cut_after=1)],
+@pytest.mark.parametrize("faults", [FaultConfig(kv_corrupt_layer=1), FaultConfig(kv_cut_after_layers=1)],
                          ids=["corrupt_layer", "connection_cut"])
 async def test_a_fault_on_the_data_socket_leaves_the_request_on_the_source(tiny, faults):
     served = await Served().start(tiny)
@@ -163,32 +168,44 @@ async def test_a_fault_on_the_data_socket_leaves_the_request_on_the_source(tiny,
 
 
 async def test_a_cancel_mid_stream_leaves_the_request_on_the_source(tiny, monkeypatch):
-    streaming = asyncio.Event()
+    streaming, cancelled = asyncio.Event(), threading.Event()
     loop = asyncio.get_running_loop()
     send_all = kv_tcp_data.send_all
 
-    def slow_send_all(connection, buffers):
+    def held_send_all(connection, buffers):
         loop.call_soon_threadsafe(streaming.set)
-        time.sleep(0.05)  # the stream lasts a while: the cancel lands in the middle of it
+        assert cancelled.wait(HANG_GUARD_S)  # the stream is open: the cancel lands in the middle of it
         send_all(connection, buffers)
 
-    monkeypatch.setattr(kv_tcp_data, "send_all", slow_send_all)
-    receiving, freed_while_receiving = [0], []
-    receive_layers, cancel = kv_tcp_data.receive_layers, KvImporter.cancel
+    monkeypatch.setattr(kv_tcp_data, "send_all", held_send_all)
+    receiving, freed_while_receiving, ending, problems = [0], [], threading.Event(), []
+    receive_layers, cancel, end_receive = kv_tcp_data.receive_layers, KvImporter.cancel, TcpImport.close
 
     def watched_receive(*args):
         receiving[0] += 1
         try:
             return receive_layers(*args)
         finally:
-            time.sleep(0.1)  # a receive slow to notice the shutdown: the blocks must wait for it
+            # A receive slow to notice the shutdown: it ends only once the target ends the import,
+            # and after the event loop's next turn, so a target that freed the blocks without
+            # awaiting the receive would free them while it still runs.
+            if not ending.wait(HANG_GUARD_S):
+                problems.append("the target never ended the import")
+            turned = threading.Event()
+            loop.call_soon_threadsafe(turned.set)
+            turned.wait(HANG_GUARD_S)
             receiving[0] -= 1
+
+    async def watched_end_receive(self):
+        ending.set()
+        await end_receive(self)
 
     async def watched_cancel(self):
         freed_while_receiving.append(receiving[0])
         await cancel(self)
 
     monkeypatch.setattr(kv_tcp_data, "receive_layers", watched_receive)
+    monkeypatch.setattr(TcpImport, "close", watched_end_receive)
     monkeypatch.setattr(KvImporter, "cancel", watched_cancel)
     served = await Served().start(tiny)
     try:
@@ -197,10 +214,12 @@ async def test_a_cancel_mid_stream_leaves_the_request_on_the_source(tiny, monkey
         move = asyncio.ensure_future(migrate_out(served.source[0], "c", served.sender()))
         await streaming.wait()
         move.cancel()
+        cancelled.set()
         with pytest.raises(asyncio.CancelledError):
             await move
         await assert_stays_on_source(tiny, served, channel)
         assert freed_while_receiving and not any(freed_while_receiving)  # the receive stopped before the free
+        assert not problems, problems
     finally:
         await served.close()
 
@@ -279,10 +298,34 @@ async def test_a_corrupt_cache_only_copy_is_refused_and_leaves_nothing(tiny):
         async for _ in (await served.source[0].add_request("h", PROMPT, SamplingParams(max_tokens=4))).follow():
             pass
         with pytest.raises(Unavailable, match="checksum mismatch"):
-            await send_cached_prefix(served.source[0], served.sender(FaultConfig(kv_corrupt_chunk=1)).send_cache,
+            await send_cached_prefix(served.source[0], served.sender(FaultConfig(kv_corrupt_layer=1)).send_cache,
                                      tuple(PROMPT), "pin")
         target = served.target[0].load()
         assert target.kv_blocks_used == 0 and target.kv_blocks_cached == 0
         assert served.source[0].load().kv_blocks_used == 0  # the pin was dropped
     finally:
+        await served.close()
+
+
+async def test_migrate_out_reports_the_data_path_the_kv_took(tiny):
+    """MigrateOutResponse.transport: "tcp" for KV over the data socket (a MigrateOut through the
+    source's servicer), "none" for a move without KV (the target recomputes the request)."""
+    served = await Served().start(tiny)
+    source = EngineServicer(served.source[0], same_host=SameHostKv("tcp", SharedKvPool(None)),
+                            peers=PeerList([served.server.address]))
+    try:
+        channel = await served.source[0].add_request("kv", PROMPT, PARAMS)
+        await wait_tokens(channel, 4)
+        moved = await source.MigrateOut(engine_pb2.MigrateOutRequest(request_id="kv",
+                                                                     target_address=served.server.address), None)
+        assert (moved.transport, moved.target_engine) == ("tcp", "dst") and moved.total_bytes > 0
+        await assert_continues_on_target(served, channel, "kv", expected(tiny))
+
+        sender = served.sender()
+        layout = engine_kv_layout(served.source[0])
+        header = KvTransferHeader("no-kv", tuple(PROMPT), (), dataclasses.replace(PARAMS, seed=3), 0, layout, 0, "src")
+        assert await sender(header, OutgoingKv(served.source[0].core.runner.kv, [])) == "dst"
+        assert data_path(sender) == "none"
+    finally:
+        await source.same_host.close()
         await served.close()

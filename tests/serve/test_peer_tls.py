@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from dualpace.engine.transfer.kv_source import OutgoingKv
 from dualpace.engine.transfer.kv_transfer import KvLayout, KvTransferHeader
 from dualpace.errors import Unavailable
 from dualpace.sampling import SamplingParams
@@ -20,12 +21,8 @@ from tests.serve.fake_services import ENGINE_SERVICE, FailingEngine, register_al
 from tests.serve.test_security import TOKEN, _self_signed
 
 HEADER = KvTransferHeader("ok", (1, 2), (3,), SamplingParams(seed=1), 0, KvLayout(1, 1, 4, 8, "float32"),
-                          0, 0, "source")
-
-
-async def no_chunks():
-    return
-    yield
+                          0, "source")
+NO_KV = OutgoingKv(storage=None, slot_ids=[])  # a move without KV: no pool is read
 
 
 @pytest.mark.skipif(shutil.which("openssl") is None, reason="openssl is not installed")
@@ -39,18 +36,18 @@ async def test_migration_channel_uses_the_daemons_tls_and_token(tmp_path: Path, 
     try:
         # Past TLS and the token, the fake target answers 'prepared' where 'committed' is due.
         with pytest.raises(Unavailable, match="expected 'committed'"):
-            await KvControlSender(target.address, auth_token=TOKEN, tls=tls, channels=channels)(HEADER, no_chunks())
+            await KvControlSender(target.address, auth_token=TOKEN, tls=tls, channels=channels)(HEADER, NO_KV)
         with pytest.raises(Unavailable) as plaintext:
-            await KvControlSender(target.address, auth_token=TOKEN, timeout_s=10, channels=channels)(HEADER, no_chunks())
+            await KvControlSender(target.address, auth_token=TOKEN, timeout_s=10, channels=channels)(HEADER, NO_KV)
         assert "expected 'committed'" not in str(plaintext.value)
         other_cert, other_key = _self_signed(tmp_path, "stranger")  # a certificate the target does not trust
         stranger = load_tls(str(other_cert), str(other_key), str(cert))
         with pytest.raises(Unavailable) as untrusted:
             await KvControlSender(target.address, auth_token=TOKEN, tls=stranger, timeout_s=10,
-                                  channels=channels)(HEADER, no_chunks())
+                                  channels=channels)(HEADER, NO_KV)
         assert "expected 'committed'" not in str(untrusted.value)
         with pytest.raises(Unavailable, match="expected 'committed'"):  # after those failures, TLS again
-            await KvControlSender(target.address, auth_token=TOKEN, tls=tls, channels=channels)(HEADER, no_chunks())
+            await KvControlSender(target.address, auth_token=TOKEN, tls=tls, channels=channels)(HEADER, NO_KV)
     finally:
         if channels is not None:
             await channels.close()

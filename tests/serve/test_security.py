@@ -18,6 +18,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from cpu_service.assist_client import AssistClient, AssistUnavailable
+from dualpace.engine.transfer.kv_source import OutgoingKv
 from dualpace.engine.transfer.kv_transfer import KvLayout, KvTransferHeader
 from dualpace.errors import InvalidArgument, Unavailable
 from dualpace.sampling import SamplingParams
@@ -145,7 +146,7 @@ async def test_client_interceptors_add_the_token_to_every_kind(guarded) -> None:
         call = stub.ImportKv()  # stream-stream, driven with write/read as the KV sender does
         await call.write(engine_pb2.ImportKvMessage(header=engine_pb2.ImportKvHeader(request_id="ok")))
         reply = await call.read()
-        assert reply.prepared.num_chunks == 1
+        assert reply.prepared.total_bytes == 1
         await call.done_writing()
         assert await call.code() == grpc.StatusCode.OK
         collect = channel.stream_unary(f"/{PROBE_SERVICE}/Collect")  # stream-unary
@@ -158,19 +159,17 @@ async def test_kv_sender_sends_the_token(guarded, kept: bool) -> None:
 
     channels = PeerChannels() if kept else None  # kept: the token goes on each call, not the channel
     header = KvTransferHeader("ok", (1, 2), (3,), SamplingParams(seed=1), 0, KvLayout(1, 1, 4, 8, "float32"),
-                              0, 0, "source")
+                              0, "source")
 
-    async def no_chunks():
-        return
-        yield
+    no_kv = OutgoingKv(storage=None, slot_ids=[])  # a move without KV: no pool is read
 
     # The fake target answers 'prepared' to every message: past the token, the sender trips over
     # a reply that is not 'committed'; without it, the import ends at once (UNAUTHENTICATED, or
     # INTERNAL when the sender's next write races the server's early end of the stream).
     with pytest.raises(Unavailable, match="UNAUTHENTICATED|INTERNAL"):
-        await KvControlSender(guarded.address, channels=channels)(header, no_chunks())
+        await KvControlSender(guarded.address, channels=channels)(header, no_kv)
     with pytest.raises(Unavailable, match="expected 'committed'"):
-        await KvControlSender(guarded.address, auth_token=TOKEN, channels=channels)(header, no_chunks())
+        await KvControlSender(guarded.address, auth_token=TOKEN, channels=channels)(header, no_kv)
     if channels is not None:
         await channels.close()
 

@@ -58,7 +58,7 @@ async def test_large_messages_fit(served: Served) -> None:
     call = engine_pb2_grpc.EngineStub(served.channel).ImportKv()
     payload = "x" * (16 * 1024 * 1024)
     await call.write(engine_pb2.ImportKvMessage(header=engine_pb2.ImportKvHeader(request_id="ok", source_engine=payload)))
-    assert (await call.read()).prepared.num_chunks == 1
+    assert (await call.read()).prepared.total_bytes == 1
     await call.done_writing()
 
 

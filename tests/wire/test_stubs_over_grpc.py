@@ -33,16 +33,17 @@ class _EchoEngine(engine_pb2_grpc.EngineServicer):
     async def ImportKv(
         self, request_iterator: AsyncIterator[engine_pb2.ImportKvMessage], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[engine_pb2.ImportKvReply]:
-        num_layers = 0
+        total_bytes = 0
         request_id = ""
         async for message in request_iterator:
             kind = message.WhichOneof("kind")
             if kind == "header":
                 request_id = message.header.request_id
-            elif kind == "tcp_written":
-                num_layers += len(message.tcp_written.layer_crc32)
+                total_bytes = message.header.total_bytes
+            elif kind == "tcp_written" and len(message.tcp_written.layer_crc32) != 2:
+                total_bytes = 0  # the echo takes two layers
             elif kind == "prepare":
-                yield engine_pb2.ImportKvReply(prepared=engine_pb2.ImportKvPrepared(num_chunks=num_layers))
+                yield engine_pb2.ImportKvReply(prepared=engine_pb2.ImportKvPrepared(total_bytes=total_bytes))
             elif kind == "commit":
                 yield engine_pb2.ImportKvReply(committed=engine_pb2.ImportKvCommitted(request_id=request_id))
 
@@ -73,11 +74,11 @@ async def test_generate_streams_tokens(engine_stub: engine_pb2_grpc.EngineStub) 
 
 async def test_import_kv_two_phase(engine_stub: engine_pb2_grpc.EngineStub) -> None:
     call = engine_stub.ImportKv()
-    await call.write(engine_pb2.ImportKvMessage(header=engine_pb2.ImportKvHeader(request_id="r2", total_chunks=2)))
+    await call.write(engine_pb2.ImportKvMessage(header=engine_pb2.ImportKvHeader(request_id="r2", total_bytes=64)))
     await call.write(engine_pb2.ImportKvMessage(tcp_written=engine_pb2.KvTcpWritten(layer_crc32=[7, 9])))
     await call.write(engine_pb2.ImportKvMessage(prepare=engine_pb2.ImportKvPrepare()))
     prepared = await call.read()
-    assert prepared.WhichOneof("kind") == "prepared" and prepared.prepared.num_chunks == 2
+    assert prepared.WhichOneof("kind") == "prepared" and prepared.prepared.total_bytes == 64
     await call.write(engine_pb2.ImportKvMessage(commit=engine_pb2.ImportKvCommit()))
     committed = await call.read()
     assert committed.committed.request_id == "r2"

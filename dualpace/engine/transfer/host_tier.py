@@ -31,7 +31,6 @@ import logging
 from collections import OrderedDict, deque
 from dataclasses import dataclass
 
-from dualpace.engine.transfer.kv_transfer import DEFAULT_CHUNK_BYTES
 from dualpace.engine.loop import EngineLoop
 from dualpace.engine.transfer.prefix_copy import SendCache, send_cached_prefix
 from dualpace.engine.request import EngineRequest
@@ -60,7 +59,7 @@ class HostTierOffers:
     """Offers finished requests' cached blocks to the host tier, one offer at a time."""
 
     def __init__(self, loop: EngineLoop, send: SendCache, max_pending: int = DEFAULT_MAX_PENDING_OFFERS,
-                 max_remembered_chains: int = DEFAULT_MAX_REMEMBERED_CHAINS, chunk_bytes: int = DEFAULT_CHUNK_BYTES):
+                 max_remembered_chains: int = DEFAULT_MAX_REMEMBERED_CHAINS):
         scheduler = loop.core.scheduler
         if scheduler.prefix_cache is None:
             raise FailedPrecondition("the host tier needs prefix caching on (--prefix-caching on)")
@@ -68,7 +67,6 @@ class HostTierOffers:
         self.send = send
         self.max_pending = max_pending
         self.max_remembered_chains = max_remembered_chains
-        self.chunk_bytes = chunk_bytes
         self.counts = HostTierCounts()
         self._pending: deque[tuple[int, ...]] = deque()  # token ids of finished requests' full blocks
         self._sent_chains: OrderedDict[bytes, None] = OrderedDict()  # last block hash of chains sent
@@ -112,8 +110,7 @@ class HostTierOffers:
         self._next_offer += 1
         pin_id = f"{PIN_PREFIX}{self.loop.core.config.name}:{self._next_offer}"
         try:
-            copy = await send_cached_prefix(self.loop, self.send, token_ids, pin_id, self.chunk_bytes,
-                                            skip_chains=self._sent_chains)
+            copy = await send_cached_prefix(self.loop, self.send, token_ids, pin_id, skip_chains=self._sent_chains)
         except Exception as exc:  # best-effort: the request it came from has finished already
             self._failed(exc)
             return 0

@@ -1,12 +1,12 @@
 """Host tier, target side: a cache-only KV import (dualpace.engine.transfer.host_tier) lands in this
 engine's prefix cache instead of becoming a live request.
 
-The transfer is verified chunk by chunk exactly as a migration's (KvImporter's checks and
-writes); on commit the blocks are registered in this engine's cache under this engine's own
-hashes (so the block size may differ from the source's: only full blocks here are kept) and
-left unreferenced, so they are evicted LRU like any cached block and never cost a request
-its room. The KV events of this engine then announce them (medium cpu), which is how the
-router learns that a prefix lives in the host tier.
+The KV lands and is verified exactly as a migration's (KvImporter's reservation, the data
+socket's receive and layer checksums); on commit the blocks are registered in this engine's
+cache under this engine's own hashes (so the block size may differ from the source's: only full
+blocks here are kept) and left unreferenced, so they are evicted LRU like any cached block and
+never cost a request its room. The KV events of this engine then announce them (medium cpu),
+which is how the router learns that a prefix lives in the host tier.
 
 Only KV computed under this engine's prefix-cache salt is taken (model, weights as held,
 compute dtype): blocks made with other weights or another dtype would not give the outputs
@@ -30,7 +30,7 @@ log = logging.getLogger(__name__)
 
 
 class HostTierImporter(KvImporter):
-    """One incoming cache-only transfer; the chunk and prepare steps are KvImporter's."""
+    """One incoming cache-only transfer; the prepare step is KvImporter's."""
 
     num_new_blocks = 0  # blocks this import added to the cache (not those it held already)
 

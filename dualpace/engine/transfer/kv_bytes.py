@@ -23,22 +23,13 @@ def tensor_bytes(tensor: torch.Tensor) -> bytes:
     return tensor.numpy().tobytes()
 
 
-def tensor_buffer(tensor: torch.Tensor) -> memoryview:
-    """The raw bytes of a CPU tensor as a buffer, without copying a contiguous one (the export's
-    index_select result): the chunk encoder copies it once, into the message gRPC sends."""
-    tensor = tensor.contiguous().cpu()
-    if tensor.dtype in (torch.bfloat16, torch.float16):
-        tensor = tensor.view(torch.int16)
-    return memoryview(tensor.numpy()).cast("B")
-
-
 def tensor_from_bytes(data: bytes, dtype_name: str, shape: tuple[int, ...]) -> torch.Tensor:
     dtype = DTYPES_BY_NAME[dtype_name]
     expected = dtype.itemsize
     for dim in shape:
         expected *= dim
     if len(data) != expected:
-        raise InvalidArgument("chunk", f"holds {len(data)} bytes, expected {expected} for shape {list(shape)}")
+        raise InvalidArgument("kv", f"holds {len(data)} bytes, expected {expected} for shape {list(shape)}")
     raw_dtype = torch.int16 if dtype in (torch.bfloat16, torch.float16) else dtype
     if not data:
         return torch.empty(shape, dtype=dtype)

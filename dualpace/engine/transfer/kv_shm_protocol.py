@@ -1,4 +1,4 @@
-"""The messages of a same-host KV transfer, beside the chunks of kv_transfer.py (torch-free).
+"""The messages of a same-host KV transfer, beside the header of kv_transfer.py (torch-free).
 
 Over the import stream: the header carries an offer (the sender's boot id; over a watch, also
 a lease ticket of the sender's, whose lease it asks for ahead: dualpace.engine.transfer.same_host); the target

@@ -42,14 +42,23 @@ def check_geometry(segment: MappedKvSegment, layout: KvLayout, reservation: ShmR
         raise InvalidArgument("shm_reserved.slot_ids", f"expected {num_tokens} slots below {num_slots}")
 
 
-def _inject_fault(faults: FaultConfig, segment: MappedKvSegment, dst_slot_ids: list[int]) -> None:
-    """Test-only faults of dualpace.faults, with "chunk N" read as "layer N" on this path."""
+def _inject_fault(faults: FaultConfig, segment: MappedKvSegment, dst_slot_ids: list[int],
+                  layer_crc32s: list[int]) -> list[int]:
+    """Test-only faults of dualpace.faults, as the failures one host can have: nothing is in transit to corrupt, so a corrupt or dropped layer is
+    a sender that says written over a copy it did not finish. Returns the checksums it reports.
+    - kv_corrupt_layer N: a torn write: layer N's first token is left half written and the record
+      covers the layers before it only;
+    - kv_drop_layer N: layer N's first token never written, and that layer left out of the record."""
     flat = segment.k.view(segment.geometry.num_layers, -1, segment.geometry.num_kv_heads, segment.geometry.head_dim)
     layers = range(segment.geometry.num_layers)
-    if faults.kv_corrupt_chunk in layers:
-        flat[faults.kv_corrupt_chunk, dst_slot_ids[0]].view(-1)[0] += 1  # one value changed in transit
-    if faults.kv_drop_chunk in layers:
-        flat[faults.kv_drop_chunk, dst_slot_ids[0]].fill_(-1.0)  # the layer's first token never arrived
+    if faults.kv_corrupt_layer in layers:
+        token = flat[faults.kv_corrupt_layer, dst_slot_ids[0]].view(-1)
+        token[:len(token) // 2].fill_(-1.0)
+        layer_crc32s = layer_crc32s[:faults.kv_corrupt_layer]
+    if faults.kv_drop_layer in layers:
+        flat[faults.kv_drop_layer, dst_slot_ids[0]].fill_(-1.0)
+        layer_crc32s = layer_crc32s[:faults.kv_drop_layer] + layer_crc32s[faults.kv_drop_layer + 1:]
+    return layer_crc32s
 
 
 async def _copy_in_workers(storage, src_slot_ids: list[int], segment: MappedKvSegment, dst_slot_ids: list[int],
@@ -98,10 +107,10 @@ async def write_in_place(segment: MappedKvSegment, reservation: ShmReservation, 
             else:
                 layer_crc32s = await _copy_in_workers(storage, source.slot_ids, segment, dst_slot_ids, stop)
             if faults.any:
-                _inject_fault(faults, segment, dst_slot_ids)
-                if faults.kv_cut_after is not None:
+                layer_crc32s = _inject_fault(faults, segment, dst_slot_ids, layer_crc32s)
+                if faults.kv_cut_after_layers is not None:
                     raise Unavailable(f"fault injected: shared-memory KV transfer cut after "
-                                      f"{faults.kv_cut_after} layers")
+                                      f"{faults.kv_cut_after_layers} layers")
                 if faults.kv_shm_hold_ms:
                     await asyncio.sleep(faults.kv_shm_hold_ms / 1e3)  # the window the kill tests aim at
             marks.append(("copied", time.perf_counter()))

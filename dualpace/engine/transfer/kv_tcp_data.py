@@ -26,6 +26,7 @@ from collections.abc import Callable
 import crc32c
 import torch
 
+from dualpace.engine.transfer.kv_checksum import kv_checksum
 from dualpace.engine.transfer.same_host import TICKET_BYTES
 from dualpace.engine.transfer.shm_kv_copy import layer_checksummer, slot_runs
 from dualpace.errors import Unavailable
@@ -141,7 +142,7 @@ def send_layers(connection: socket.socket, k_pool: torch.Tensor, v_pool: torch.T
         else:  # a device pool: the layer gathered to the host first
             parts = [pool[layer].view(-1, *pool.shape[3:]).index_select(0, index).cpu() for pool in (k_pool, v_pool)]
             buffers = [memoryview(_flat_bytes(part.view(1, 1, *part.shape))[0, 0]).cast("B") for part in parts]
-            crc = crc32c.crc32c(buffers[1], crc32c.crc32c(buffers[0]))
+            crc = kv_checksum(*buffers)
         if layer == corrupt_layer:
             first = bytearray(buffers[0])
             first[0] ^= 0x01

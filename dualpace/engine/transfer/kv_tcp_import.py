@@ -167,7 +167,7 @@ class TcpImport:
         try:
             connection = await waiting
         except asyncio.CancelledError:
-            return None  # revoked (the import ended, or chunks came instead): never connected
+            return None  # revoked (the import ended): never connected
         if self._closing:  # handed over just as the import ended: nothing is received
             connection.close()
             return None

@@ -6,12 +6,13 @@ a `migrated_to` event (at once, without waiting for a step boundary, so the clie
 resumes on the target without delay) and free its blocks (at the next boundary,
 before returning). Any failure before the commit resumes the request on the
 source; nothing is lost. Cancelling migrate_out's caller never strands the request: before
-the last chunk is sent the move is abandoned and the request resumes here, after it the
-move completes (see migrate_out).
+the KV is all sent the move is abandoned and the request resumes here, after it the move
+completes (see migrate_out).
 
-Target (`KvImporter`): reserve blocks when the header arrives, verify and write
-each chunk, check completeness on prepare, and make the request live on commit.
-Any failure or a stream that ends before commit frees the reserved blocks.
+Target (`KvImporter`): reserve blocks when the header arrives; the transport's import side
+(kv_shm_import, kv_tcp_import) lands the KV in them and verifies it; prepare checks that it
+did, and commit makes the request live. Any failure or a stream that ends before commit frees
+the reserved blocks.
 """
 
 from __future__ import annotations
@@ -19,43 +20,30 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, replace
 
 from dualpace.engine.channel import RequestChannel
 from dualpace.engine.transfer.kv_source import OutgoingKv
-from dualpace.engine.transfer.kv_bytes import DTYPE_NAMES, tensor_buffer, tensor_from_bytes
-from dualpace.engine.transfer.kv_transfer import (
-    DEFAULT_CHUNK_BYTES,
-    ImportProgress,
-    KvChunk,
-    KvLayout,
-    KvTransferHeader,
-    checksum,
-    plan_chunks,
-)
+from dualpace.engine.transfer.kv_bytes import DTYPE_NAMES
+from dualpace.engine.transfer.kv_transfer import ImportProgress, KvLayout, KvTransferHeader
 from dualpace.engine.loop import EngineLoop
 from dualpace.engine.request import EngineRequest, RequestEvent, RequestState
-from dualpace.engine.transfer.worker_pools import run_in_pool
 from dualpace.errors import InvalidArgument, Unavailable
 from dualpace.validation import validate_request
 
 log = logging.getLogger(__name__)
 
-# send(header, chunks) streams a transfer to the target and returns the target engine's
+# send(header, outgoing) moves a transfer to the target and returns the target engine's
 # name once it has committed; it raises if anything fails before that.
-SendTransfer = Callable[[KvTransferHeader, AsyncIterator[KvChunk]], Awaitable[str]]
+SendTransfer = Callable[[KvTransferHeader, OutgoingKv], Awaitable[str]]
 
 
 @dataclass(frozen=True)
 class MigrationStats:
     target_engine: str
-    num_chunks: int
     total_bytes: int
     duration_ms: float
-    # "shm" or "tcp" when the sender moved the KV through shared memory or the data socket, "grpc" when no data
-    # path was used (a request without KV, or an in-process import); set by the caller, which knows its sender
-    transport: str = "grpc"
 
 
 def engine_kv_layout(loop: EngineLoop) -> KvLayout:
@@ -64,23 +52,22 @@ def engine_kv_layout(loop: EngineLoop) -> KvLayout:
 
 
 class MigrationAbandoned(Unavailable):
-    """The caller of migrate_out went away (its RPC was cancelled) before the last chunk was sent."""
+    """The caller of migrate_out went away (its RPC was cancelled) before the KV was all sent."""
 
 
 async def migrate_out(
-    loop: EngineLoop, request_id: str, send: SendTransfer, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-    migrated_to: str | None = None,
+    loop: EngineLoop, request_id: str, send: SendTransfer, migrated_to: str | None = None,
 ) -> MigrationStats:
     """Move the request; its stream here ends with `migrated_to` (default: the target engine's name),
     which over gRPC is the target's address, where the client resumes.
 
     The move runs as a task of its own, so cancelling the caller (the MigrateOut RPC: a router
     restart, a deadline) never strands the request paused with its blocks. It stops at the next
-    safe point instead: until the last chunk is sent, the transfer is abandoned (the sender ends
+    safe point instead: until the KV is all sent, the transfer is abandoned (the sender ends
     the import, the target frees what it reserved) and the request resumes here; after that the
     move completes (the target's commit decides) and the release frees the blocks here."""
     abandon = asyncio.Event()
-    move = asyncio.ensure_future(_move(loop, request_id, send, chunk_bytes, migrated_to, abandon))
+    move = asyncio.ensure_future(_move(loop, request_id, send, migrated_to, abandon))
     try:
         return await asyncio.shield(move)
     except asyncio.CancelledError:
@@ -100,13 +87,12 @@ def _log_abandoned_move(move: asyncio.Future) -> None:
     if (error := move.exception()) is not None:
         log.info("migrate out: cancelled by its caller; %s", error)
     else:
-        log.info("migrate out: cancelled by its caller after the last chunk; committed on %s",
+        log.info("migrate out: cancelled by its caller after the KV was sent; committed on %s",
                  move.result().target_engine)
 
 
 async def _move(
-    loop: EngineLoop, request_id: str, send: SendTransfer, chunk_bytes: int, migrated_to: str | None,
-    abandon: asyncio.Event,
+    loop: EngineLoop, request_id: str, send: SendTransfer, migrated_to: str | None, abandon: asyncio.Event,
 ) -> MigrationStats:
     start = time.perf_counter()
     core = loop.core
@@ -122,7 +108,6 @@ async def _move(
     held = loop.holds.take(request_id)
     request, slot_ids = held if held is not None else await loop.call(pause)
     paused = time.perf_counter()
-    chunk_plan = plan_chunks(request.num_computed_tokens, layout, chunk_bytes)
     total_bytes = 2 * layout.num_layers * request.num_computed_tokens * layout.bytes_per_token_per_layer
     header = KvTransferHeader(
         request_id=request.request_id,
@@ -131,33 +116,21 @@ async def _move(
         params=replace(request.params, seed=request.seed),
         num_computed_tokens=request.num_computed_tokens,
         layout=layout,
-        total_chunks=len(chunk_plan),
         total_bytes=total_bytes,
         source_engine=core.config.name,
         num_cached_tokens=request.num_cached_tokens or 0,
         num_prior_output_tokens=request.num_prior_output_tokens,
     )
 
-    def read_chunk(seq: int, layer: int, token_start: int, token_end: int) -> KvChunk:
-        # In a worker thread, off the event loop (which keeps this engine's steps going), and
-        # without the step lock: the request is paused, so no step writes its slots.
-        # K and V stay buffers over the gathered tensors (no bytes copy); the transport copies them once.
-        k, v = core.runner.read_kv(slot_ids[token_start:token_end], layer)
-        k_buffer, v_buffer = tensor_buffer(k), tensor_buffer(v)
-        return KvChunk(seq, layer, token_start, token_end, k_buffer, v_buffer, checksum(k_buffer, v_buffer))
-
     def check_abandoned() -> None:
         if abandon.is_set():
             raise MigrationAbandoned(f"migrate out of {request_id!r} cancelled by its caller before the commit")
 
-    async def read_chunk_in_pool(seq: int, layer: int, token_start: int, token_end: int) -> KvChunk:
-        return await run_in_pool("kv-export", read_chunk, seq, layer, token_start, token_end)
-
     try:
         check_abandoned()  # cancelled while the pause waited for a step boundary
-        # Read chunk by chunk on the gRPC path, with a safe point before each and after the last
-        # (the sender commits next); a same-host transport copies the blocks in place instead.
-        outgoing = OutgoingKv(core.runner.kv, slot_ids, chunk_plan, read_chunk_in_pool, safe_point=check_abandoned)
+        # The transport reads the slots in its own threads, without the step lock: the request is
+        # paused, so no step writes them.
+        outgoing = OutgoingKv(core.runner.kv, slot_ids, safe_point=check_abandoned)
         target_engine = await send(header, outgoing)
     except BaseException:
         # Shielded: a cancelled command is skipped, and the request would stay paused for good.
@@ -184,7 +157,7 @@ async def _move(
     released = time.perf_counter()
     log.debug("migrate out phases: request %s%s, pause wait %.1f ms, send %.1f ms, release wait %.1f ms",
               request_id, " (held after its first token)" if held is not None else "", (paused - start) * 1e3, (sent - paused) * 1e3, (released - sent) * 1e3)
-    return MigrationStats(target_engine, len(chunk_plan), total_bytes, (time.perf_counter() - start) * 1e3)
+    return MigrationStats(target_engine, total_bytes, (time.perf_counter() - start) * 1e3)
 
 
 async def _resume_if_paused(loop: EngineLoop, request_id: str) -> None:
@@ -244,23 +217,6 @@ class KvImporter:
     def slot_ids(self) -> list[int]:
         """The reserved slots of tokens 0 .. num_computed_tokens - 1, in order."""
         return self._slot_ids
-
-    async def chunk(self, chunk: KvChunk) -> None:
-        progress = self._require_header()
-        progress.check_order(chunk)
-        # One hop to a worker thread per chunk, off the event loop (which runs this engine's
-        # steps and streams): the CRC, bytes -> tensor and one vectorised scatter per K and V
-        # into blocks reserved for this request, which no step reads or writes until the commit.
-        await run_in_pool("kv-import", self._verify_and_write, progress, chunk)
-        progress.accept(chunk)
-
-    def _verify_and_write(self, progress: ImportProgress, chunk: KvChunk) -> None:
-        layout = progress.header.layout
-        shape = (chunk.token_end - chunk.token_start, layout.num_kv_heads, layout.head_dim)
-        progress.check_checksum(chunk)
-        k = tensor_from_bytes(chunk.k, layout.dtype, shape)
-        v = tensor_from_bytes(chunk.v, layout.dtype, shape)
-        self.loop.core.runner.write_kv(self._slot_ids[chunk.token_start:chunk.token_end], chunk.layer, k, v)
 
     async def prepare(self) -> ImportProgress:
         progress = self._require_header()

@@ -6,10 +6,10 @@ host-resident prefix back to the GPU engine (the CopyPrefix RPC, when the router
 prefers that to decoding on the CPU engine; dualpace.policy.host_tier).
 
 Between steps the leading run of full blocks this engine still caches is found by hash and
-pinned (a table of its own), so no step evicts or overwrites them while they are read; the
-read happens in the KV export pool, off the step loop; the pin is dropped however the
-transfer ends. The header is cache-only with skip_cached: the target first says how many
-leading tokens it caches already (whole blocks of its own) and only the KV after them is sent.
+pinned (a table of its own), so no step evicts or overwrites them while the transport reads them
+(in its own threads, off the step loop); the pin is dropped however the transfer ends. The
+header is cache-only with skip_cached: the target first says how many leading tokens it caches
+already (whole blocks of its own) and only the KV after them is sent.
 """
 
 from __future__ import annotations
@@ -17,29 +17,19 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Awaitable, Callable, Container
 
-from dualpace.engine.transfer.kv_bytes import tensor_bytes
 from dualpace.engine.transfer.kv_source import OutgoingKv
-from dualpace.engine.transfer.kv_transfer import (
-    DEFAULT_CHUNK_BYTES,
-    KvChunk,
-    KvTransferHeader,
-    PrefixCopy,
-    checksum,
-    plan_chunks,
-)
+from dualpace.engine.transfer.kv_transfer import KvTransferHeader, PrefixCopy
 from dualpace.engine.loop import EngineLoop
 from dualpace.engine.transfer.migration import engine_kv_layout
-from dualpace.engine.transfer.worker_pools import run_in_pool
 from dualpace.errors import FailedPrecondition
 from dualpace.sampling_params import SamplingParams
 
-SourceFrom = Callable[[int], OutgoingKv]  # the KV of the tokens from this one on (their slots, or their chunks)
+SourceFrom = Callable[[int], OutgoingKv]  # the KV of the tokens from this one on (their slots)
 # send(header, source_from) -> (target engine, leading tokens it held): one cache-only import
 SendCache = Callable[[KvTransferHeader, SourceFrom], Awaitable[tuple[str, int]]]
 
 
 async def send_cached_prefix(loop: EngineLoop, send: SendCache, token_ids: tuple[int, ...], pin_id: str,
-                             chunk_bytes: int = DEFAULT_CHUNK_BYTES,
                              skip_chains: Container[bytes] = ()) -> PrefixCopy | None:
     """Send the leading full blocks of `token_ids` this engine caches; None when it caches none of
     them (or their last block's hash is in `skip_chains`: sent before). Raises what `send` raises."""
@@ -50,8 +40,9 @@ async def send_cached_prefix(loop: EngineLoop, send: SendCache, token_ids: tuple
         return None
     num_tokens, last_hash, slot_ids = pinned
     try:
-        engine, num_held = await send(_header(loop, pin_id, token_ids[:num_tokens], chunk_bytes),
-                                      lambda first_token: _source(loop, num_tokens, slot_ids, chunk_bytes, first_token))
+        # The pinned blocks' KV from the first token the target does not hold on.
+        engine, num_held = await send(_header(loop, pin_id, token_ids[:num_tokens]),
+                                      lambda first_token: OutgoingKv(loop.core.runner.kv, slot_ids[first_token:]))
     finally:
         await _unpin(loop, pin_id)
     return PrefixCopy(num_tokens, num_tokens - min(num_held, num_tokens), engine, last_hash)
@@ -78,31 +69,14 @@ async def _unpin(loop: EngineLoop, pin_id: str) -> None:
         pass
 
 
-def _header(loop: EngineLoop, pin_id: str, token_ids: tuple[int, ...], chunk_bytes: int) -> KvTransferHeader:
+def _header(loop: EngineLoop, pin_id: str, token_ids: tuple[int, ...]) -> KvTransferHeader:
     layout = engine_kv_layout(loop)
     num_tokens = len(token_ids)
     core = loop.core
     return KvTransferHeader(
         request_id=pin_id, prompt_token_ids=token_ids, output_token_ids=(),
         params=SamplingParams(max_tokens=1, seed=0), num_computed_tokens=num_tokens, layout=layout,
-        total_chunks=len(plan_chunks(num_tokens, layout, chunk_bytes)),
         total_bytes=2 * layout.num_layers * num_tokens * layout.bytes_per_token_per_layer,
         source_engine=core.config.name, cache_only=True, cache_salt=core.scheduler.prefix_cache.hasher.salt,
         skip_cached=True)
 
-
-def _source(loop: EngineLoop, num_tokens: int, slot_ids: list[int], chunk_bytes: int, first_token: int) -> OutgoingKv:
-    """The pinned blocks' KV from `first_token` on: their slots (the data socket reads them in place)
-    or, read on demand, their chunks."""
-    runner = loop.core.runner
-
-    async def read_chunk(seq: int, layer: int, start: int, end: int) -> KvChunk:
-        def read() -> KvChunk:
-            # Pinned blocks: no step writes or evicts them while this reads.
-            k, v = runner.read_kv(slot_ids[start:end], layer)
-            k_bytes, v_bytes = tensor_bytes(k), tensor_bytes(v)
-            return KvChunk(seq, layer, start, end, k_bytes, v_bytes, checksum(k_bytes, v_bytes))
-        return await run_in_pool("kv-export", read)
-
-    return OutgoingKv(runner.kv, slot_ids[first_token:],
-                      plan_chunks(num_tokens, engine_kv_layout(loop), chunk_bytes, first_token), read_chunk)

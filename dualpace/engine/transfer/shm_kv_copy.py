@@ -6,15 +6,11 @@ slots and target slots are cut into runs that are contiguous on both sides.
 
 The checksum of a layer is the CRC32C (dualpace.engine.transfer.kv_checksum's, in hardware) of its K
 bytes in token order followed by its V bytes in token order (the data socket's layer checksum
-too). Each side computes it over its own memory, once:
-- the sender copies each layer and CRCs its source in the same pass: in C where
-  kv_copy_native is built (each 8-byte word loaded once, stored, and CRC'd from the register),
-  else in pieces of CHUNK_BYTES, each CRC'd right after it was copied while still in cache; its
-  pool is read from memory once either way (copy and checksum cost about one copy);
-- the target computes the checksums again over its own blocks, after the sender's lease ended
-  (layers split over the import workers; the same C loop without the store), and refuses the transfer if any differs. So the target
-  checks what actually landed in its blocks, not what the sender says it wrote: a piece the
-  sender corrupted or never wrote after checksumming its source does not pass.
+too). It is computed once, by the sender, in the same pass as the copy: in C where kv_copy_native
+is built (each 8-byte word loaded once, stored, and CRC'd from the register), else in pieces of
+CHUNK_BYTES, each CRC'd right after it was copied while still in cache; the source is read from
+memory once either way (copy and checksum cost about one copy). The target does not read its
+blocks back (dualpace.engine.transfer.kv_shm_import says why that is safe on one host).
 """
 
 from __future__ import annotations
@@ -29,19 +25,17 @@ import torch
 
 from dualpace.engine.transfer import kv_copy_native
 
-# A transfer this small is copied (and verified) on the event loop itself: the hop to a worker
-# thread costs a wake-up (tens of microseconds idle, milliseconds on a loaded machine), more than
-# copying (and checksumming while in cache) 4 MiB, about 1 ms here, and on the target one read
-# pass over it, about 0.5 ms. Larger ones go to the worker pools, so that the loop keeps serving
-# streams meanwhile.
+# A transfer this small is copied on the event loop itself: the hop to a worker thread costs a
+# wake-up (tens of microseconds idle, milliseconds on a loaded machine), more than copying (and
+# checksumming while in cache) 4 MiB, about 1 ms here. Larger ones go to the worker pools, so that
+# the loop keeps serving streams meanwhile.
 INLINE_MAX_BYTES = 4 * 2**20
 
 # A transfer at least this large is copied with non-temporal stores (kv_copy_native, where its zmm
 # folding loop runs): larger than the two cores' L2 caches, its target blocks are not in cache when
 # written, and an ordinary store first reads the line it writes. Measured on a 2-core host
-# (medians over six alternated pairs): the sender's copy of 1024 tokens (23.6 MB) 4.8 ms against 5.7,
-# the target's verify after it 4.0 against 3.5, the transfer 11.9 against 12.4. Smaller ones keep
-# ordinary stores: their lines are still in cache for the verify.
+# (medians over six alternated pairs): the sender's copy of 1024 tokens (23.6 MB) 4.8 ms against 5.7.
+# Smaller ones keep ordinary stores: their lines stay in cache for the target's next step.
 STREAM_MIN_BYTES = 8 * 2**20
 
 # The piece copied and then CRC'd at once on the sender: small enough to be still in the core's

@@ -1,8 +1,9 @@
-"""Bounded worker pools for the blocking work a daemon does beside its step loop, one pool per
-kind of work, so that one kind cannot starve another: KV exports and imports (CRC, byte
-conversion, KV reads and writes) here; gpu_service's Dense Assist stages have their own
-(gpu_service/assist_limits.py). asyncio's default pool is shared by everything in the process
-(and by asyncio.to_thread), so a burst of one kind of call waiting there would delay the rest.
+"""Bounded worker pools for the blocking work a daemon does beside its step loop, one pool per kind
+of work, so that one kind cannot starve another: the same-host KV copy (kv_shm_send) and the
+data socket's connects, sends and receives (kv_tcp_data's pools) here; gpu_service's Dense
+Assist stages have their own (gpu_service/assist_limits.py). asyncio's default pool is shared by
+everything in the process (and by asyncio.to_thread), so a burst of one kind of call waiting
+there would delay the rest.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from typing import TypeVar
 
 T = TypeVar("T")
 
-KV_TRANSFER_WORKERS = 2  # per direction: chunks are handled one at a time per transfer anyway
+KV_TRANSFER_WORKERS = 2  # the same-host copy's threads: a transfer's layers are split between them
 
 _pools: dict[str, ThreadPoolExecutor] = {}
 _pools_lock = threading.Lock()
@@ -30,6 +31,6 @@ def pool(name: str, max_workers: int) -> ThreadPoolExecutor:
         return executor
 
 
-async def run_in_pool(name: str, function: Callable[..., T], *args, max_workers: int = KV_TRANSFER_WORKERS) -> T:
-    """`function(*args)` in the pool `name`, awaited from the event loop."""
+async def run_in_pool(name: str, function: Callable[..., T], *args, max_workers: int) -> T:
+    """`function(*args)` in the pool `name` (of max_workers threads), awaited from the event loop."""
     return await asyncio.get_running_loop().run_in_executor(pool(name, max_workers), function, *args)

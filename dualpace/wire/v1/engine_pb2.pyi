@@ -82,18 +82,16 @@ class MigrateOutRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., target_address: _Optional[str] = ...) -> None: ...
 
 class MigrateOutResponse(_message.Message):
-    __slots__ = ("target_engine", "num_chunks", "total_bytes", "duration_ms", "transport")
+    __slots__ = ("target_engine", "total_bytes", "duration_ms", "transport")
     TARGET_ENGINE_FIELD_NUMBER: _ClassVar[int]
-    NUM_CHUNKS_FIELD_NUMBER: _ClassVar[int]
     TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
     DURATION_MS_FIELD_NUMBER: _ClassVar[int]
     TRANSPORT_FIELD_NUMBER: _ClassVar[int]
     target_engine: str
-    num_chunks: int
     total_bytes: int
     duration_ms: float
     transport: str
-    def __init__(self, target_engine: _Optional[str] = ..., num_chunks: _Optional[int] = ..., total_bytes: _Optional[int] = ..., duration_ms: _Optional[float] = ..., transport: _Optional[str] = ...) -> None: ...
+    def __init__(self, target_engine: _Optional[str] = ..., total_bytes: _Optional[int] = ..., duration_ms: _Optional[float] = ..., transport: _Optional[str] = ...) -> None: ...
 
 class ImportKvMessage(_message.Message):
     __slots__ = ("header", "prepare", "commit", "shm_written", "tcp_written")
@@ -124,7 +122,7 @@ class KvLayout(_message.Message):
     def __init__(self, num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., block_size: _Optional[int] = ..., dtype: _Optional[str] = ...) -> None: ...
 
 class ImportKvHeader(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "output_token_ids", "sampling", "num_computed_tokens", "num_tokens_emitted", "layout", "total_chunks", "total_bytes", "source_engine", "num_cached_tokens", "shm_offer", "tcp_offer", "cache_only", "cache_salt", "skip_cached", "num_prior_output_tokens")
+    __slots__ = ("request_id", "prompt_token_ids", "output_token_ids", "sampling", "num_computed_tokens", "num_tokens_emitted", "layout", "total_bytes", "source_engine", "num_cached_tokens", "shm_offer", "tcp_offer", "cache_only", "cache_salt", "skip_cached", "num_prior_output_tokens")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -132,7 +130,6 @@ class ImportKvHeader(_message.Message):
     NUM_COMPUTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_EMITTED_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
-    TOTAL_CHUNKS_FIELD_NUMBER: _ClassVar[int]
     TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
     SOURCE_ENGINE_FIELD_NUMBER: _ClassVar[int]
     NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -149,7 +146,6 @@ class ImportKvHeader(_message.Message):
     num_computed_tokens: int
     num_tokens_emitted: int
     layout: KvLayout
-    total_chunks: int
     total_bytes: int
     source_engine: str
     num_cached_tokens: int
@@ -159,7 +155,7 @@ class ImportKvHeader(_message.Message):
     cache_salt: str
     skip_cached: bool
     num_prior_output_tokens: int
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., output_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., num_computed_tokens: _Optional[int] = ..., num_tokens_emitted: _Optional[int] = ..., layout: _Optional[_Union[KvLayout, _Mapping]] = ..., total_chunks: _Optional[int] = ..., total_bytes: _Optional[int] = ..., source_engine: _Optional[str] = ..., num_cached_tokens: _Optional[int] = ..., shm_offer: _Optional[_Union[KvShmOffer, _Mapping]] = ..., tcp_offer: _Optional[_Union[KvTcpOffer, _Mapping]] = ..., cache_only: _Optional[bool] = ..., cache_salt: _Optional[str] = ..., skip_cached: _Optional[bool] = ..., num_prior_output_tokens: _Optional[int] = ...) -> None: ...
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., output_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., num_computed_tokens: _Optional[int] = ..., num_tokens_emitted: _Optional[int] = ..., layout: _Optional[_Union[KvLayout, _Mapping]] = ..., total_bytes: _Optional[int] = ..., source_engine: _Optional[str] = ..., num_cached_tokens: _Optional[int] = ..., shm_offer: _Optional[_Union[KvShmOffer, _Mapping]] = ..., tcp_offer: _Optional[_Union[KvTcpOffer, _Mapping]] = ..., cache_only: _Optional[bool] = ..., cache_salt: _Optional[str] = ..., skip_cached: _Optional[bool] = ..., num_prior_output_tokens: _Optional[int] = ...) -> None: ...
 
 class KvShmOffer(_message.Message):
     __slots__ = ("boot_id", "lease_ticket")
@@ -284,14 +280,12 @@ class CopyPrefixResponse(_message.Message):
     def __init__(self, num_tokens: _Optional[int] = ..., num_sent_tokens: _Optional[int] = ..., duration_ms: _Optional[float] = ..., target_engine: _Optional[str] = ...) -> None: ...
 
 class ImportKvPrepared(_message.Message):
-    __slots__ = ("num_chunks", "total_bytes", "kv_blocks")
-    NUM_CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    __slots__ = ("total_bytes", "kv_blocks")
     TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
     KV_BLOCKS_FIELD_NUMBER: _ClassVar[int]
-    num_chunks: int
     total_bytes: int
     kv_blocks: int
-    def __init__(self, num_chunks: _Optional[int] = ..., total_bytes: _Optional[int] = ..., kv_blocks: _Optional[int] = ...) -> None: ...
+    def __init__(self, total_bytes: _Optional[int] = ..., kv_blocks: _Optional[int] = ...) -> None: ...
 
 class ImportKvCommitted(_message.Message):
     __slots__ = ("request_id", "engine")
