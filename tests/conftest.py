@@ -28,7 +28,8 @@ os.environ.setdefault("DUALPACE_QUANT_ACTIVATIONS", "exact")
 
 
 def pytest_collection_finish(session):
-    if any(item.nodeid.startswith(VARIANT_MODULES) for item in session.items):
+    if not session.config.option.collectonly and any(item.nodeid.startswith(VARIANT_MODULES)
+                                                      for item in session.items):
         start_background_kernel_builds()
 
 
