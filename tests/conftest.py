@@ -1,5 +1,6 @@
 """Shared fixtures: synthetic checkpoints (made once per session), the tiny synthetic model and
-the default model."""
+the default model. A session that runs the tests of every kernel variant builds the variants in the
+background from its start (kernel_builds.py)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from dualpace.model import quant_activations
 from dualpace.model.loader import load_model
 from dualpace.model.registry import DEFAULT_MODEL_NAME, resolve_model_path
 from dualpace.serve.logging_setup import reset_logging
+from tests.kernel_builds import VARIANT_MODULES, start_background_kernel_builds
 
 # Two cores are shared by everything on these machines; one intra-op thread keeps
 # tests predictable when daemons run beside them.
@@ -23,6 +25,12 @@ torch.set_num_threads(1)
 # dequantized fp32 model's. In-process kernels start exact too; the default mode (int8) is tested
 # where named (tests/test_cli_generate.py's chat demo, tests/model/test_quant*.py).
 os.environ.setdefault("DUALPACE_QUANT_ACTIVATIONS", "exact")
+
+
+def pytest_collection_finish(session):
+    if not session.config.option.collectonly and any(item.nodeid.startswith(VARIANT_MODULES)
+                                                      for item in session.items):
+        start_background_kernel_builds()
 
 
 @pytest.fixture(autouse=True)
@@ -73,8 +81,8 @@ def tiny_folder(synth_checkpoint) -> str:
 
 @pytest.fixture(scope="module")
 def model_folder(tiny_folder) -> str:
-    """The folder a module's daemons serve: the tiny model, unless the module overrides this
-    fixture (tests/router/test_http_choices_guided_tools.py adds a chat template to a copy)."""
+    """The folder a module's daemons serve: the tiny model, unless overridden (tests/router/conftest.py
+    serves a copy with a tool-calling chat template)."""
     return tiny_folder
 
 
@@ -93,3 +101,14 @@ def default_model_fp32():
 @pytest.fixture(scope="session")
 def default_model_path():
     return resolve_model_path(DEFAULT_MODEL_NAME)
+
+
+@pytest.fixture(scope="session")
+def default_tokenizer(default_model_path):
+    """The default model's tokenizer, read from its GGUF once per session (seconds: the whole
+    vocabulary is parsed)."""
+    import gguf
+
+    from dualpace.model.tokenizer import Tokenizer
+
+    return Tokenizer.from_gguf(gguf.GGUFReader(default_model_path))

@@ -4,6 +4,7 @@ flags and cache key (cpu_kernels_build, quant_kernels, dualpace.engine.transfer.
 
 from __future__ import annotations
 
+import fcntl
 import os
 import subprocess
 import tempfile
@@ -27,12 +28,19 @@ def kernel_cache_dir() -> Path:
 
 def build_atomically(path: Path, command_for: Callable[[Path], list[str]]) -> None:
     """Run the compile command `command_for(temporary output)` and move its output to `path`, so
-    concurrent builders each install a complete file. Raises CalledProcessError / OSError."""
+    that a reader never sees a partial file. Builders of one path take turns (a lock file beside
+    it): one that waited finds the library installed and does not compile it again, as when two
+    daemons starting at once (or the tests' background builds and a test) want the same library.
+    Raises CalledProcessError / OSError."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.NamedTemporaryFile(dir=path.parent, suffix=".so", delete=False) as tmp:
-        tmp_path = Path(tmp.name)
-    try:
-        subprocess.run(command_for(tmp_path), check=True, capture_output=True, text=True)
-        os.replace(tmp_path, path)
-    finally:
-        tmp_path.unlink(missing_ok=True)
+    with open(path.with_name(path.name + ".lock"), "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, and by the kernel if this process dies
+        if path.exists():
+            return
+        with tempfile.NamedTemporaryFile(dir=path.parent, suffix=".so", delete=False) as tmp:
+            tmp_path = Path(tmp.name)
+        try:
+            subprocess.run(command_for(tmp_path), check=True, capture_output=True, text=True)
+            os.replace(tmp_path, path)
+        finally:
+            tmp_path.unlink(missing_ok=True)

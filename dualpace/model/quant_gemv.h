@@ -405,7 +405,7 @@ inline void prepare(const WeightDesc& w, const float* x, int64_t M, int64_t ldx,
 #if defined(DP_QUANT_VNNI)
   if (mode == ACT_INT8 && M >= VNNI_MIN_ROWS) {
     mode = PREPARED_VNNI;
-    prepare_vnni(x, M, ldx, w.K, body);
+    prepare_vnni(x, M, ldx, w.K, w.format, body);
   } else
 #endif
   if (mode == ACT_FP32 || (fp32_switch && M >= fp32_min_rows())) {

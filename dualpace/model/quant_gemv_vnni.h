@@ -15,11 +15,14 @@
 // Arithmetic: activations quantized per row per 16 elements (x ~ dx q, q in [-127, 127], one
 // scale per 16: llama.cpp's q8_0 has one per 32; per 16 halves the rounding error for one more
 // convert and FMA per block, and brings the KL divergence below llama.cpp's, docs/perf.md).
-// vpdpbusd multiplies unsigned by signed bytes, so the activations are stored as q + 128
-// (unsigned) and the weights as signed values: Q8_0's own, Q4_0's q - 8, Q6_K's q - 32, and the
-// nibbles 0..15 of Q4_1 / Q4_K. Each lane's sum is then dot(q, w) + 128 sum(w); the accumulator
-// starts at -128 sum(w) (per 16 weights, from vpsadbw), so the integer result is dot(q, w)
-// exactly. Per 16 the float scale is dw dx, and Q4_1 / Q4_K add their min term mw (dx sum(q)).
+// vpdpbusd multiplies unsigned by signed bytes. The nibbles 0..15 of Q4_0 / Q4_1 / Q4_K are its
+// unsigned operand (broadcast) and the activations, stored as q, its signed one: the sum is
+// dot(q, w) as it is. For the signed formats (Q8_0's own values, Q6_K's q - 32) the activations
+// are stored as q + 128 (unsigned); each lane's sum is then dot(q, w) + 128 sum(w), and the
+// accumulator starts at -128 sum(w) (per 16 weights, from vpsadbw), so the integer result is
+// dot(q, w) exactly. Per 16 the float scale is dw dx, and the Q4 formats add their min term
+// mw (dx sum(q)) (Q4_0: mw = -8 dw). (The q + 128 form for the Q4 formats too, with Q4_0 as
+// q - 8, ran 0.77-0.91x of this at 8-64 rows of Q4_K, one thread of an Intel Xeon.)
 // Exactness: the products of the rounded activations and the weights are exact integers; the
 // result differs from the dequantized fp32 model by the activation rounding (<= dx / 2 per
 // element), as llama.cpp's batched products do.
@@ -28,6 +31,14 @@
 
 // (not standalone: quant_gemv.h includes it after the pieces it uses)
 namespace dp_quant {
+
+// Formats whose values are unsigned nibbles (Q4_0, Q4_1, Q4_K): they are vpdpbusd's unsigned
+// operand and the activations its signed one (stored as q), so the integer sum is dot(q, w) as it
+// is; Q4_0's -8 joins its min term (-8 dw sum(dx q)). Signed formats (Q8_0, Q6_K) take the
+// activations as q + 128 and start each sum at -128 sum(w).
+constexpr bool unsigned_weights(int32_t format) {
+  return format == DP_W_Q4_0 || format == DP_W_Q4_1 || format == DP_W_Q4_K;
+}
 
 // Vector types of a lane group: 16 activation rows (zmm) or 8 (ymm).
 struct Lanes16 {
@@ -41,6 +52,11 @@ struct Lanes16 {
     int32_t v;
     std::memcpy(&v, w4, 4);
     return _mm512_dpbusd_epi32(acc, a, _mm512_set1_epi32(v));
+  }
+  static I dot_wu(I acc, I a, const uint8_t* w4) {  // unsigned weights, signed activations
+    int32_t v;
+    std::memcpy(&v, w4, 4);
+    return _mm512_dpbusd_epi32(acc, _mm512_set1_epi32(v), a);
   }
   static F cvt(I v) { return _mm512_cvtepi32_ps(v); }
   static F zero() { return _mm512_setzero_ps(); }
@@ -60,6 +76,11 @@ struct Lanes8 {
     int32_t v;
     std::memcpy(&v, w4, 4);
     return _mm256_dpbusd_epi32(acc, a, _mm256_set1_epi32(v));
+  }
+  static I dot_wu(I acc, I a, const uint8_t* w4) {
+    int32_t v;
+    std::memcpy(&v, w4, 4);
+    return _mm256_dpbusd_epi32(acc, _mm256_set1_epi32(v), a);
   }
   static F cvt(I v) { return _mm256_cvtepi32_ps(v); }
   static F zero() { return _mm256_setzero_ps(); }
@@ -85,7 +106,7 @@ inline int64_t vnni_bytes(int64_t K, int64_t M) {
 
 // 16 floats of x as q = round(x * 127 / max|x|) (+ 128, as bytes) into dwords `q`, L lanes apart;
 // returns the scale dx = max / 127 and adds dx sum(q) to *sum.
-inline float quantize16(const float* x, uint8_t* q, int L, float* sum) {
+inline float quantize16(const float* x, uint8_t* q, int L, float* sum, bool offset) {
   const __m256 sign_bit = _mm256_set1_ps(-0.0f);
   const __m256 v0 = _mm256_loadu_ps(x), v1 = _mm256_loadu_ps(x + 8);
   const float amax = hmax8(_mm256_max_ps(_mm256_andnot_ps(sign_bit, v0), _mm256_andnot_ps(sign_bit, v1)));
@@ -97,7 +118,7 @@ inline float quantize16(const float* x, uint8_t* q, int L, float* sum) {
   const __m256i p16 = _mm256_permute4x64_epi64(_mm256_packs_epi32(r0, r1), 0xD8);
   const __m128i p8 = _mm_packs_epi16(_mm256_castsi256_si128(p16), _mm256_extracti128_si256(p16, 1));
   alignas(16) uint32_t d[4];
-  _mm_store_si128(reinterpret_cast<__m128i*>(d), _mm_xor_si128(p8, _mm_set1_epi8(static_cast<char>(0x80))));
+  _mm_store_si128(reinterpret_cast<__m128i*>(d), offset ? _mm_xor_si128(p8, _mm_set1_epi8(static_cast<char>(0x80))) : p8);
   for (int j = 0; j < 4; ++j) std::memcpy(q + 4 * j * L, &d[j], 4);
   const float dx = amax / 127.0f;
   *sum += dx * static_cast<float>(hsum8_epi32(_mm256_add_epi32(r0, r1)));
@@ -147,7 +168,7 @@ inline int64_t vnni_header_bytes(int64_t M) { return (static_cast<int64_t>(sizeo
 inline int64_t vnni_prepared_bytes(int64_t K, int64_t M) { return vnni_header_bytes(M) + vnni_bytes(K, 2 * M); }
 
 // Lane `lane` of block b of a lane group: row `src` of x quantized (residual: its residual's).
-inline void quantize_lane(const float* src, bool residual, int64_t b, int L, int lane, uint8_t* q) {
+inline void quantize_lane(const float* src, bool residual, int64_t b, int L, int lane, bool offset, uint8_t* q) {
   float* dx = reinterpret_cast<float*>(q + 8 * 4 * L);
   alignas(32) float r[32];
   const float* v = src + 32 * b;
@@ -157,14 +178,15 @@ inline void quantize_lane(const float* src, bool residual, int64_t b, int L, int
     v = r;
   }
   float sum = 0.0f;
-  dx[lane] = quantize16(v, q + 4 * lane, L, &sum);
-  dx[L + lane] = quantize16(v + 16, q + 4 * (4 * L + lane), L, &sum);
+  dx[lane] = quantize16(v, q + 4 * lane, L, &sum, offset);
+  dx[L + lane] = quantize16(v + 16, q + 4 * (4 * L + lane), L, &sum, offset);
   dx[2 * L + lane] = sum;
 }
 
 // The M rows of x into the layout above, outlier rows' residual lanes after them (lanes past the
 // last: q = 0, dx = 0).
-inline void prepare_vnni(const float* x, int64_t M, int64_t ldx, int64_t K, uint8_t* out) {
+inline void prepare_vnni(const float* x, int64_t M, int64_t ldx, int64_t K, int32_t format, uint8_t* out) {
+  const bool offset = !unsigned_weights(format);
   auto* head = reinterpret_cast<VnniHeader*>(out);
   int32_t* targets = reinterpret_cast<int32_t*>(out + sizeof(VnniHeader));
   int64_t lanes = M;
@@ -183,12 +205,12 @@ inline void prepare_vnni(const float* x, int64_t M, int64_t ldx, int64_t K, uint
         uint8_t* q = gout + b * vnni_block_bytes(L);
         if (v >= lanes) {
           float* dx = reinterpret_cast<float*>(q + 8 * 4 * L);
-          for (int j = 0; j < 8; ++j) std::memset(q + 4 * (j * L + lane), 0x80, 4);
+          for (int j = 0; j < 8; ++j) std::memset(q + 4 * (j * L + lane), offset ? 0x80 : 0, 4);
           dx[lane] = dx[L + lane] = dx[2 * L + lane] = 0.0f;
           continue;
         }
         const int64_t row = v < M ? v : targets[v - M];
-        quantize_lane(x + row * ldx, v >= M, b, L, lane, q);
+        quantize_lane(x + row * ldx, v >= M, b, L, lane, offset, q);
       }
     }
   }
@@ -223,11 +245,10 @@ inline void stage(const uint8_t* g, int j, const float* dw, const float* mw, uin
     s->bytes = g + 2;
   } else {
     v = values<F>(g, j);  // Q4: nibbles 0..15; Q6_K: q - 32
-    if constexpr (F == DP_W_Q4_0) v = _mm256_sub_epi8(v, _mm256_set1_epi8(8));
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(buf), v);
     s->bytes = buf;
   }
-  neg128_sums(v, s->corr);
+  if constexpr (!unsigned_weights(F)) neg128_sums(v, s->corr);
   if constexpr (F == DP_W_Q6_K) {
     const int8_t* sc = reinterpret_cast<const int8_t*>(g + 192);
     s->dw[0] = dw[j] * static_cast<float>(sc[2 * j]);
@@ -235,7 +256,7 @@ inline void stage(const uint8_t* g, int j, const float* dw, const float* mw, uin
   } else {
     s->dw[0] = s->dw[1] = dw[j];
   }
-  s->mw = (F == DP_W_Q4_1 || F == DP_W_Q4_K) ? mw[j] : 0.0f;
+  s->mw = unsigned_weights(F) ? mw[j] : 0.0f;
 }
 
 // NR W rows x MV lane groups, over all of K. out[r][mv * L + lane] = y of lane's row, W row r.
@@ -243,7 +264,7 @@ template <int32_t F, class V, int NR, int MV>
 inline void tile_vnni(const uint8_t* const* wrows, const uint8_t* act, int64_t K, float (*out)[4 * 16]) {
   using Spec = Fmt<F>;
   constexpr int L = V::L;
-  constexpr bool MIN = F == DP_W_Q4_1 || F == DP_W_Q4_K;
+  constexpr bool MIN = unsigned_weights(F);  // Q4_0's -8 dw included
   const int64_t group_bytes = vnni_group_bytes(K, L), block_bytes = vnni_block_bytes(L);
   typename V::F acc[NR][MV];
   for (int r = 0; r < NR; ++r)
@@ -269,8 +290,14 @@ inline void tile_vnni(const uint8_t* const* wrows, const uint8_t* act, int64_t K
         const typename V::F dx[2] = {V::loadf(dxp), V::loadf(dxp + L)};
         for (int r = 0; r < NR; ++r) {
           for (int p = 0; p < 2; ++p) {
-            typename V::I s = V::set1(st[r].corr[p]);
-            for (int i = 4 * p; i < 4 * p + 4; ++i) s = V::dot(s, xa[i], st[r].bytes + 4 * i);
+            typename V::I s;
+            if constexpr (unsigned_weights(F)) {
+              s = V::set1(0);
+              for (int i = 4 * p; i < 4 * p + 4; ++i) s = V::dot_wu(s, xa[i], st[r].bytes + 4 * i);
+            } else {
+              s = V::set1(st[r].corr[p]);
+              for (int i = 4 * p; i < 4 * p + 4; ++i) s = V::dot(s, xa[i], st[r].bytes + 4 * i);
+            }
             acc[r][mv] = V::fma(V::cvt(s), V::mul(dx[p], st[r].dw[p]), acc[r][mv]);
           }
           if constexpr (MIN) acc[r][mv] = V::fma_s(V::loadf(dxp + 2 * L), st[r].mw, acc[r][mv]);

@@ -34,6 +34,7 @@ except ImportError as exc:
 import openai
 
 from dualpace_cli.cluster import _free_port
+from dualpace_cli.main import main
 
 READY = re.compile(r"dualpace cluster: ready; \d+ nodes behind (\S+)/v1 \(model (\S+);")
 NODE = re.compile(r"dualpace cluster: node (\d+): router (\S+) \(http (\S+)\), worker metrics (\S+), pids (.*)")
@@ -121,13 +122,8 @@ class Cluster:
 
 
 @pytest.fixture(scope="module")
-def tiny_folder(synth_checkpoint):
-    return synth_checkpoint("tiny-llama")
-
-
-@pytest.fixture(scope="module")
 def cluster(tiny_folder):
-    running = Cluster(str(tiny_folder))
+    running = Cluster(tiny_folder)
     yield running
     running.stop()
 
@@ -137,11 +133,12 @@ def client(cluster):
     return openai.OpenAI(base_url=f"{cluster.url}/v1", api_key="unused", timeout=REQUEST_TIMEOUT_S, max_retries=0)
 
 
-def dualpace_generate(model: str, prompt: str, max_tokens: int) -> dict:
-    result = subprocess.run([sys.executable, "-m", "dualpace", "generate", "--model", model, "--prompt", prompt,
-                             "--max-tokens", str(max_tokens), "--threads", "1", "--json"],
-                            capture_output=True, text=True, timeout=300, check=True)
-    return json.loads(result.stdout.splitlines()[0])
+def dualpace_generate(capsys, model: str, prompt: str, max_tokens: int) -> dict:
+    """`dualpace generate --json`, run in this process (a process of its own per prompt cost seconds)."""
+    capsys.readouterr()
+    assert main(["generate", "--model", model, "--prompt", prompt, "--max-tokens", str(max_tokens), "--threads", "1",
+                 "--json"]) == 0
+    return json.loads(capsys.readouterr().out.splitlines()[0])
 
 
 def test_the_model_is_registered_by_both_workers(cluster, client):
@@ -149,11 +146,11 @@ def test_the_model_is_registered_by_both_workers(cluster, client):
     assert sorted(cluster.nodes) == [0, 1]
 
 
-def test_greedy_outputs_through_the_frontend_equal_dualpace_generate(cluster, client, tiny_folder):
+def test_greedy_outputs_through_the_frontend_equal_dualpace_generate(cluster, client, tiny_folder, capsys):
     before = [cluster.requests_served(i) for i in (0, 1)]
     for prompt in PROMPTS:
         answer = client.completions.create(model=cluster.model, prompt=prompt, max_tokens=12, temperature=0)
-        expected = dualpace_generate(str(tiny_folder), prompt, 12)
+        expected = dualpace_generate(capsys, tiny_folder, prompt, 12)
         assert answer.choices[0].text == expected["text"], prompt
         assert answer.usage.prompt_tokens == len(expected["prompt_token_ids"])
         assert answer.usage.completion_tokens == len(expected["token_ids"])

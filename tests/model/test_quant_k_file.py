@@ -35,35 +35,38 @@ pytestmark = [
 
 
 @pytest.fixture(scope="module")
-def q4_k_m_path(tmp_path_factory):
+def f32_path(tmp_path_factory):
+    """`dualpace model export --gguf f32` of the default model, made once for the module (each
+    export takes seconds): the file the first test checks and llama-quantize reads."""
     from dualpace_cli.main import main
 
-    folder = tmp_path_factory.mktemp("q4_k_m")
-    f32 = folder / "smollm2-135m-f32.gguf"
-    assert main(["model", "export", "--gguf", "f32", "--out", str(f32)]) == 0
-    out = folder / "smollm2-135m-q4_k_m.gguf"
-    log = llamacpp_peer.quantize(f32, out, "Q4_K_M")
-    assert "falling back to" in log  # the 576-wide rows, as the module docstring says
-    f32.unlink()
+    out = tmp_path_factory.mktemp("f32") / "smollm2-135m-f32.gguf"
+    assert main(["model", "export", "--gguf", "f32", "--out", str(out)]) == 0
     return out
 
 
-def test_f32_export_holds_the_dequantized_tensors(tmp_path):
+@pytest.fixture(scope="module")
+def q4_k_m_path(tmp_path_factory, f32_path):
+    out = tmp_path_factory.mktemp("q4_k_m") / "smollm2-135m-q4_k_m.gguf"
+    log = llamacpp_peer.quantize(f32_path, out, "Q4_K_M")
+    assert "falling back to" in log  # the 576-wide rows, as the module docstring says
+    return out
+
+
+def test_f32_export_holds_the_dequantized_tensors(f32_path):
     from gguf.quants import dequantize
 
     from dualpace_cli.main import main
 
-    out = tmp_path / "f32.gguf"
-    assert main(["model", "export", "--gguf", "f32", "--out", str(out)]) == 0
     source = {t.name: t for t in open_gguf(resolve_model_path(DEFAULT_MODEL_NAME)).tensors}
-    written = open_gguf(out)
+    written = open_gguf(f32_path)
     assert set(gguf_tensor_types(written)) == {"F32"}
     for tensor in written.tensors:
         if tensor.name in ("token_embd.weight", "blk.0.attn_q.weight", "blk.29.ffn_down.weight"):
             original = source[tensor.name]
             expected = np.asarray(dequantize(original.data, original.tensor_type), dtype=np.float32)
             assert np.array_equal(np.asarray(tensor.data).reshape(expected.shape), expected)
-    assert main(["model", "export", "--gguf", "f32", "--out", str(out)]) == 2  # exists: refused
+    assert main(["model", "export", "--gguf", "f32", "--out", str(f32_path)]) == 2  # exists: refused
 
 
 @pytest.fixture(scope="module")
