@@ -81,8 +81,8 @@ def tiny_folder(synth_checkpoint) -> str:
 
 @pytest.fixture(scope="module")
 def model_folder(tiny_folder) -> str:
-    """The folder a module's daemons serve: the tiny model, unless the module overrides this
-    fixture (tests/router/test_http_choices_guided_tools.py adds a chat template to a copy)."""
+    """The folder a module's daemons serve: the tiny model, unless overridden (tests/router/conftest.py
+    serves a copy with a tool-calling chat template)."""
     return tiny_folder
 
 
