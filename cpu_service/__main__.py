@@ -123,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
             from dualpace.profile.data_paths import assist_path, for_paths, on_this_host
 
             # The assist figures of the path this engine's iterations take (shm on one host, else
-            # the data socket's, else gRPC's: dualpace.profile.data_paths).
+            # the data socket's, else the plain ones: dualpace.profile.data_paths).
             path = assist_path(args.assist_transport, args.gpu_service is not None and on_this_host(args.gpu_service))
             predicted = seed_chooser(chooser, for_paths(profile, assist=path), client is not None,
                                      config.scheduler.max_running,

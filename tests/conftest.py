@@ -28,7 +28,8 @@ os.environ.setdefault("DUALPACE_QUANT_ACTIVATIONS", "exact")
 
 
 def pytest_collection_finish(session):
-    if any(item.nodeid.startswith(VARIANT_MODULES) for item in session.items):
+    if not session.config.option.collectonly and any(item.nodeid.startswith(VARIANT_MODULES)
+                                                      for item in session.items):
         start_background_kernel_builds()
 
 
@@ -80,8 +81,8 @@ def tiny_folder(synth_checkpoint) -> str:
 
 @pytest.fixture(scope="module")
 def model_folder(tiny_folder) -> str:
-    """The folder a module's daemons serve: the tiny model, unless the module overrides this
-    fixture (tests/router/test_http_choices_guided_tools.py adds a chat template to a copy)."""
+    """The folder a module's daemons serve: the tiny model, unless overridden (tests/router/conftest.py
+    serves a copy with a tool-calling chat template)."""
     return tiny_folder
 
 
@@ -100,3 +101,14 @@ def default_model_fp32():
 @pytest.fixture(scope="session")
 def default_model_path():
     return resolve_model_path(DEFAULT_MODEL_NAME)
+
+
+@pytest.fixture(scope="session")
+def default_tokenizer(default_model_path):
+    """The default model's tokenizer, read from its GGUF once per session (seconds: the whole
+    vocabulary is parsed)."""
+    import gguf
+
+    from dualpace.model.tokenizer import Tokenizer
+
+    return Tokenizer.from_gguf(gguf.GGUFReader(default_model_path))

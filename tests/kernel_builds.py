@@ -18,7 +18,7 @@ from dualpace.model import quant_kernels
 log = logging.getLogger(__name__)
 
 # The modules that load every variant (in this order of the suite).
-VARIANT_MODULES = ("tests/model/test_cpu_kernels.py", "tests/model/test_quant.py")
+VARIANT_MODULES = ("tests/model/test_cpu_kernels.py", "tests/model/test_cpu_moe.py", "tests/model/test_quant.py")
 
 
 def missing_builds() -> list[Callable[[], object]]:

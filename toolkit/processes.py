@@ -9,6 +9,8 @@ import subprocess
 import sys
 import threading
 from collections import deque
+from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from dualpace.serve.readiness import LISTENING, wait_serving
@@ -84,6 +86,40 @@ def start_daemon(module: str, *args: str, env: dict[str, str] | None = None, cpu
     daemon = Daemon(process, address[0], output)
     wait_serving(daemon.address, credentials=credentials)
     return daemon
+
+
+def start_all(**starters: Callable[[], Daemon]) -> dict[str, Daemon]:
+    """Start daemons in parallel (a start mostly waits on its process: imports, model load,
+    warm-up): name -> daemon. If one fails the others are stopped, and every failure is raised."""
+    with ThreadPoolExecutor(len(starters)) as pool:
+        futures = {name: pool.submit(start) for name, start in starters.items()}
+    started, errors = {}, []
+    for name, future in futures.items():
+        try:
+            started[name] = future.result()
+        except Exception as exc:  # noqa: BLE001 - report every failed start at once
+            errors.append(f"{name}: {exc}")
+    if errors:
+        stop_all(started.values())
+        raise RuntimeError("daemons did not start:\n" + "\n".join(errors))
+    return started
+
+
+def stop_all(daemons: Iterable[Daemon], timeout_s: float = 30.0) -> dict[int, int | None]:
+    """SIGTERM every live daemon at once, then wait for each (SIGKILL past timeout_s);
+    pid -> exit status."""
+    daemons = list(daemons)
+    for daemon in daemons:
+        if daemon.process.poll() is None:
+            daemon.process.send_signal(signal.SIGTERM)
+    codes = {}
+    for daemon in daemons:
+        try:
+            daemon.process.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            daemon.kill()
+        codes[daemon.process.pid] = daemon.process.returncode
+    return codes
 
 
 UP_READY = re.compile(r"dualpace up: ready; router on (\S+)")

@@ -11,15 +11,7 @@ first sampled token's logits are computed), and its prefill starts at the end of
 block a request fills is registered in the cache as soon as its KV is computed. Cached blocks
 count as available: they are evicted before any running request is preempted.
 
-Sliding window (built with `sliding_window_tokens`: every layer of the model slides): once a request's
-next query at position p sees only p - window + 1 .. p, its blocks wholly before that are returned to
-the pool (KVBlockManager.release_leading_blocks), after each step, on admission and on import; it is
-admitted on its first chunk's blocks and appends the rest chunk by chunk, so a request longer than the
-pool runs. Only a model whose layers all slide frees this way: a global layer (Gemma 3) needs the whole
-context.
-Prefix reuse under a window: a cached prefix of k blocks serves when the blocks the next query's window
-reaches (those from position k * block_size - window + 1 on) are all still in the pool, held or cached;
-the blocks before them need not be (evicted ones included): the new table starts released there.
+Sliding window (built with `sliding_window_tokens`, every layer sliding): see SlidingWindowBlocks.
 
 Hand-off hold: a request marked `hold_after_first_token` is paused in the apply of the step that
 samples its first token (its event says `held`), so the next step never runs it and its move
@@ -33,6 +25,8 @@ from dataclasses import dataclass
 
 from dualpace.engine.prefix_cache import PrefixCache
 from dualpace.engine.request import EngineRequest, RequestEvent, RequestState
+from dualpace.engine.scheduler_moves import MoveCommands
+from dualpace.engine.sliding_window import SlidingWindowBlocks
 from dualpace.errors import InvalidArgument, Overloaded, RequestNotFound
 from dualpace.kv.block_table import KVBlockManager
 from dualpace.kv.events import KvEventLog
@@ -50,7 +44,7 @@ class SchedulerConfig:
     max_waiting: int = 256  # queued requests before add() raises Overloaded
 
 
-class Scheduler:
+class Scheduler(MoveCommands):
     def __init__(
         self,
         config: SchedulerConfig,
@@ -62,12 +56,10 @@ class Scheduler:
         kv_events: KvEventLog | None = None,
         sliding_window_tokens: int | None = None,
     ):
-        if sliding_window_tokens is not None and sliding_window_tokens < 1:
-            raise ValueError(f"sliding_window_tokens must be >= 1, got {sliding_window_tokens}")
         self.config = config
-        self.sliding_window_tokens = sliding_window_tokens  # None: attention sees the whole context
-        self.num_window_released_blocks = 0  # blocks returned to the pool by the sliding window
         self.blocks = KVBlockManager(num_blocks, block_size)
+        # None: attention sees the whole context.
+        self.window = None if sliding_window_tokens is None else SlidingWindowBlocks(sliding_window_tokens, self.blocks)
         self.max_context_tokens = max_context_tokens
         self.eos_token_ids = eos_token_ids
         self.requests: dict[str, EngineRequest] = {}
@@ -104,59 +96,6 @@ class Scheduler:
         request = self._get(request_id)
         self._finish(request, FinishReason.ABORT)
         return RequestEvent(request_id, finish_reason=FinishReason.ABORT)
-
-    def pause(self, request_id: str) -> EngineRequest:
-        """Hold a request at this step boundary for export, keeping its blocks. A decoding
-        request's cache then holds every token but the last sampled one; a waiting request
-        (queued or preempted) holds no KV and moves without any (the target recomputes it).
-        A request held after its first token (`apply`) is already paused: the move takes it."""
-        request = self._get(request_id)
-        if request.state == RequestState.PAUSED and request.hold_after_first_token:
-            request.hold_after_first_token = False  # taken by this move: no longer waiting for one
-            return request
-        if request.state == RequestState.WAITING:
-            self.waiting.remove(request)
-        elif request.state == RequestState.RUNNING and request.num_pending_tokens == 1 and request.output_token_ids:
-            self.running.remove(request)
-        elif request.state == RequestState.PAUSED:
-            raise InvalidArgument("request_id", f"request {request_id!r} is already paused for another move")
-        else:
-            raise InvalidArgument("request_id", f"request {request_id!r} is still prefilling (state {request.state.value})")
-        request.state = RequestState.PAUSED
-        return request
-
-    def resume(self, request_id: str) -> None:
-        """Put a paused request back where it was (e.g. after a failed export)."""
-        request = self._get(request_id)
-        if request.state != RequestState.PAUSED:
-            raise InvalidArgument("request_id", f"request {request_id!r} is not paused")
-        request.hold_after_first_token = False
-        if request.num_computed_tokens == 0:
-            request.state = RequestState.WAITING
-            self._insert_waiting(request)
-        else:
-            request.state = RequestState.RUNNING
-            self._insert_running(request)
-
-    def release_hold(self, request_id: str) -> bool:
-        """A request held after its first token that no move took: it decodes here after all.
-        False when there is no such request (taken by a move, aborted or finished meanwhile)."""
-        request = self.requests.get(request_id)
-        if request is None or request.state != RequestState.PAUSED or not request.hold_after_first_token:
-            return False
-        self.resume(request_id)
-        return True
-
-    def release(self, request_id: str, migrated_to: str) -> RequestEvent:
-        """A paused request now lives elsewhere: free its blocks and forget it."""
-        request = self._get(request_id)
-        if request.state != RequestState.PAUSED:
-            raise InvalidArgument("request_id", f"request {request_id!r} is not paused")
-        if self.blocks.has(request_id):
-            self.blocks.free(request_id)
-        request.state = RequestState.FINISHED
-        del self.requests[request_id]
-        return RequestEvent(request_id, migrated_to=migrated_to)
 
     def reserve_import(self, request_id: str, num_kv_tokens: int, held_block_ids: Sequence[int] = ()) -> list[int]:
         """Phase one of an import: allocate blocks for `num_kv_tokens` of incoming KV. A cache-only
@@ -300,6 +239,11 @@ class Scheduler:
         """Of those, tokens whose KV the cache held."""
         return 0 if self.prefix_cache is None else self.prefix_cache.num_hit_tokens
 
+    @property
+    def num_window_released_blocks(self) -> int:
+        """Blocks the sliding window returned to the pool (0 without a window)."""
+        return 0 if self.window is None else self.window.num_released_blocks
+
     def get(self, request_id: str) -> EngineRequest:
         return self._get(request_id)
 
@@ -322,9 +266,8 @@ class Scheduler:
         under a window of every layer, at most a window and a step's tokens of it are held at once
         (plus a block each way for alignment)."""
         needed = self.blocks.num_blocks_for(len(request.prompt_token_ids) - 1 + request.params.max_tokens)
-        if self.sliding_window_tokens is not None:
-            held_at_most = self.sliding_window_tokens - 1 + self.config.max_batch_tokens
-            needed = min(needed, self.blocks.num_blocks_for(held_at_most) + 1)
+        if self.window is not None:
+            needed = min(needed, self.window.num_blocks_held_at_most(self.config.max_batch_tokens))
         if needed > self.blocks.num_total_blocks:
             raise InvalidArgument("max_tokens", f"prompt + max_tokens needs {needed} KV blocks; "
                                                 f"this engine has {self.blocks.num_total_blocks}")
@@ -340,11 +283,9 @@ class Scheduler:
         self.running.insert(index, request)
 
     def _num_tokens_to_reserve(self, request: EngineRequest, cached_block_ids: list[int], budget: int) -> int:
-        """Token slots a request takes on admission: all of its tokens; under a window of every layer
-        only up to its first chunk's end (later chunks append, as decodes do, while the window releases)."""
-        if self.sliding_window_tokens is None:
+        if self.window is None:
             return request.num_tokens
-        return min(request.num_tokens, len(cached_block_ids) * self.blocks.block_size + budget)
+        return self.window.num_tokens_to_reserve(request, len(cached_block_ids), budget)
 
     def _can_admit(self, num_reserved_tokens: int, cached_block_ids: list[int]) -> bool:
         """Admit while KV suffices, keeping a small reserve for the running decodes'
@@ -368,13 +309,8 @@ class Scheduler:
             self.prefix_cache.cache_full_blocks(request)
 
     def _release_outside_window(self, request: EngineRequest) -> None:
-        """Every layer slides: return the blocks wholly before the next query's window to the pool."""
-        if self.sliding_window_tokens is None:
-            return
-        first_visible_pos = request.num_computed_tokens - self.sliding_window_tokens + 1
-        if first_visible_pos >= self.blocks.block_size:
-            self.num_window_released_blocks += self.blocks.release_leading_blocks(
-                request.request_id, first_visible_pos // self.blocks.block_size)
+        if self.window is not None:
+            self.window.release_outside(request)
 
     def _reserve_kv(self, request: EngineRequest, num_new: int, preempted: list[str]) -> bool:
         """Make room for the request's next `num_new` tokens, preempting the newest

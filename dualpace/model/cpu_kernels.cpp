@@ -340,6 +340,15 @@ void dense_rows(const T* x, int64_t ldx, const float* xf, int64_t ldf, int64_t M
 }
 
 #if DP_HAS_QUANT
+// x's activations for a block-format matrix (dp_quant::prepare, int16 at every batch: see there),
+// by one out-of-line instance for every caller: inlined per call site, the compiler may contract
+// the multiply-adds of the block sums differently, and the same rows would then get products that
+// differ in the last bit between linear_any, the one-region step and the grouped MoE call.
+__attribute__((noinline)) void prepare_activations(const WeightDesc& w, const float* x, int64_t M, int64_t ldx,
+                                                   void* prepared) {
+  dp_quant::prepare(w, x, M, ldx, prepared, false);
+}
+
 // W rows [n0, n1) of a block-format matrix against M rows of x (fp32 rows xf, ldf apart, and
 // their `prepared` activations), through the epilogue.
 template <typename T>
@@ -392,7 +401,7 @@ int linear_any(const T* x, int64_t M, int64_t ldx, const WeightDesc& w, const Ep
   }
 #if DP_HAS_QUANT
   std::vector<char> prepared(static_cast<size_t>(dp_quant::prepare_bytes(w, M)));
-  dp_quant::prepare(w, xf, M, ldf, prepared.data(), false);  // int16 at every batch: see dp_quant::prepare
+  prepare_activations(w, xf, M, ldf, prepared.data());
   for_row_chunks(M, N, K, [&](int64_t n0, int64_t n1) { quant_rows(w, xf, M, ldf, prepared.data(), n0, n1, ep); });
   return 0;
 #else
@@ -906,7 +915,7 @@ int decode_layers_staged(T* hidden, const LayerArgs* layers, int64_t num_layers,
         if (use_amx<T>(w, M)) amx_pack(in, M, ld_in, w.K, amx_pack_out);
 #endif
 #if DP_HAS_QUANT
-      if (!is_dense(w)) dp_quant::prepare(w, fp32_in(in), M, sizeof(T) == 2 ? w.K : ld_in, prepared, false);
+      if (!is_dense(w)) prepare_activations(w, fp32_in(in), M, sizeof(T) == 2 ? w.K : ld_in, prepared);
 #endif
     };
     auto chunk = [&](const T* in, int64_t ld_in, const WeightDesc& w, const Epilogue<T>& ep) {
@@ -1050,3 +1059,4 @@ int dp_decode_step_f32(float* hidden, const LayerArgs* layers, int64_t num_layer
 }
 
 }  // extern "C"
+#include "cpu_moe.h"  // the routed experts of a MoE layer in one call

@@ -44,4 +44,6 @@ SIGNATURES = {
                                   _ptr, _i64], ctypes.c_int),
     "dp_decode_attention_f32": ([_ptr, _i64, _ptr, _ptr, _i64, _ptr, _i64, _ptr, _i64, _i64, _i64, _i64, _i64, _f32,
                                  _ptr, _i64], ctypes.c_int),
+    "dp_moe_experts_bf16": ([_ptr, _i64, _i64, _ptr, _ptr, _i64, _ptr, _ptr], ctypes.c_int),
+    "dp_moe_experts_f32": ([_ptr, _i64, _i64, _ptr, _ptr, _i64, _ptr, _ptr], ctypes.c_int),
 }

@@ -81,8 +81,17 @@ def moe_mlp(x: torch.Tensor, weights: MoeWeights, spec: MoeSpec, matmul: Matmul,
             silu_mul: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
     """The MoE MLP over x [T, hidden] (already normed) -> [T, hidden], without the residual.
     kernel_rows: rows of x handed on to matmul, translated to each expert's own rows."""
-    num_rows, k = x.shape[0], spec.num_experts_per_tok
     top_weights, top_ids = route(x, weights.router, spec, matmul, kernel_rows)
+    out = routed_experts(x, weights, spec, top_weights, top_ids, matmul, kernel_rows, silu_mul)
+    return add_shared_expert(out, x, weights, matmul, kernel_rows, silu_mul)
+
+
+def routed_experts(x: torch.Tensor, weights: MoeWeights, spec: MoeSpec, top_weights: torch.Tensor,
+                   top_ids: torch.Tensor, matmul: Matmul, kernel_rows: torch.Tensor | None = None,
+                   silu_mul: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
+    """The weighted sum of each row's routed experts (route's weights and ids), each selected
+    expert run once over its rows."""
+    num_rows, k = x.shape[0], spec.num_experts_per_tok
     flat_ids = top_ids.reshape(-1)
     order = torch.argsort(flat_ids, stable=True)  # (row, choice) pairs grouped by expert
     counts = torch.bincount(flat_ids, minlength=spec.num_experts).tolist()
@@ -102,9 +111,16 @@ def moe_mlp(x: torch.Tensor, weights: MoeWeights, spec: MoeSpec, matmul: Matmul,
         expert_rows = None if is_kernel_row is None else is_kernel_row[rows].nonzero().view(-1)
         y = swiglu(x[rows], weights.expert_gate_up[expert], weights.expert_down[expert], matmul, expert_rows, silu_mul)
         out.index_add_(0, rows, y * flat_weights[pairs, None])
-    if weights.shared_gate_up is not None:
-        shared = swiglu(x, weights.shared_gate_up, weights.shared_down, matmul, kernel_rows, silu_mul)
-        if weights.shared_gate is not None:
-            shared = torch.sigmoid(matmul(x, weights.shared_gate, kernel_rows)) * shared
-        out = out + shared
     return out
+
+
+def add_shared_expert(out: torch.Tensor, x: torch.Tensor, weights: MoeWeights, matmul: Matmul,
+                      kernel_rows: torch.Tensor | None = None,
+                      silu_mul: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
+    """out plus the shared expert's output over x (its sigmoid gate applied), where the layer has one."""
+    if weights.shared_gate_up is None:
+        return out
+    shared = swiglu(x, weights.shared_gate_up, weights.shared_down, matmul, kernel_rows, silu_mul)
+    if weights.shared_gate is not None:
+        shared = torch.sigmoid(matmul(x, weights.shared_gate, kernel_rows)) * shared
+    return out + shared

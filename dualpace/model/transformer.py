@@ -36,6 +36,7 @@ import torch.nn.functional as F
 from dualpace.model import cpu_kernels, triton_fused
 from dualpace.model.attention_backend import uses_fused_triton
 from dualpace.model.config import ModelConfig
+from dualpace.model.cpu_moe import GroupedExperts, moe_mlp_on_kernels
 from dualpace.model.moe import MoeWeights, moe_mlp, swiglu
 from dualpace.model.rope import HalfAngles, RotaryEmbedding, apply_rotary
 
@@ -152,6 +153,8 @@ class Transformer:
         self._fused_triton = uses_fused_triton(self.device) and triton_fused.supported(weights.final_norm)
         self._kernel_capable = (self.device.type == "cpu" and self.dtype in (torch.bfloat16, torch.float32)
                                 and not self._fused_triton)
+        # (MoE layer, kernel variant) -> its experts for the grouped kernel call (None: not runnable there)
+        self._grouped: dict[tuple[int, str], GroupedExperts | None] = {}
 
     @property
     def kernel_capable(self) -> bool:
@@ -160,6 +163,13 @@ class Transformer:
 
     def _kernels(self) -> cpu_kernels.Kernels | None:
         return cpu_kernels.get() if self._kernel_capable else None
+
+    def _grouped_experts(self, layer_index: int, kernels: cpu_kernels.Kernels) -> GroupedExperts | None:
+        """The layer's experts for the grouped kernel call, built on first use (per kernel variant)."""
+        key = (layer_index, kernels.variant)
+        if key not in self._grouped:
+            self._grouped[key] = GroupedExperts.build(kernels, self.weights.layers[layer_index].moe)
+        return self._grouped[key]
 
     def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
         """Token ids [num_tokens] -> hidden states [num_tokens, hidden]."""
@@ -231,10 +241,8 @@ class Transformer:
             hidden = kernels.linear(attention_out, layer.o_proj, residual=hidden, kernel_rows=kernel_rows)
             x = kernels.rms_norm(hidden, layer.post_attention_norm, self.config.rms_norm_eps)
             if layer.moe is not None:
-                def kernel_matmul(rows, weight, rows_for_kernels):
-                    return kernels.linear(rows, weight, kernel_rows=rows_for_kernels)
-
-                return hidden + moe_mlp(x, layer.moe, self.config.moe, kernel_matmul, kernel_rows, kernels.silu_mul)
+                return hidden + moe_mlp_on_kernels(x, layer.moe, self.config.moe, kernels,
+                                                   self._grouped_experts(layer_index, kernels), kernel_rows)
             gated = kernels.silu_mul(kernels.linear(x, layer.gate_up_proj, kernel_rows=kernel_rows))
             return kernels.linear(gated, layer.down_proj, residual=hidden, kernel_rows=kernel_rows)
         silu_mul = None

@@ -11,9 +11,10 @@ The rules:
 
 - KV: shared memory iff the sender's `--kv-transport` is auto, both engines are on this host,
   and the target's pool is in host memory (a CUDA pool is not shared); else the target's TCP data
-  socket. A profile without figures for the data socket prices it at the slowest KV figures it
-  holds (its plain ones, or a path's such as the gRPC chunks older profiles measured): those never
-  overstate what a move over the socket gives.
+  socket. A profile without `tcp` figures measured nothing over the data socket: it is priced at
+  the slowest of the profile's own KV figures and the migration planner's no-profile default
+  (dualpace.policy.migration_planner.MEASURED_KV_TRANSFER_*), so a move over it is never
+  overstated.
 - Assist: shared memory iff cpu_service's `--assist-transport` is auto and gpu_service is on
   this host; else gpu_service's TCP data socket (priced at the profile's plain assist figures
   where it has none for the data socket).
@@ -30,9 +31,10 @@ from __future__ import annotations
 import dataclasses
 import ipaddress
 
-from dualpace.profile.schema import DATA_PATHS, Profile, ProfileError
+from dualpace.policy.migration_planner import MEASURED_KV_TRANSFER_BYTES_PER_S, MEASURED_KV_TRANSFER_FIXED_MS
+from dualpace.profile.schema import DATA_PATHS, KVTransfer, Profile, ProfileError
 
-SHM, _, TCP = DATA_PATHS  # "grpc" is a figure older profiles recorded; no transfer takes that path
+SHM, TCP = DATA_PATHS
 KV_PATHS = (SHM, TCP)  # the KV transfer's: the target's blocks in shared memory, or its data socket
 ASSIST_PATHS = (SHM, TCP)  # Dense Assist's: the per-session rings, or gpu_service's data socket
 TRANSPORT_SETTINGS = ("auto", "tcp")  # the daemons' --assist-transport values
@@ -70,9 +72,11 @@ def assist_path(assist_transport: str, same_host: bool) -> str:
     return SHM if assist_transport == "auto" and same_host else TCP
 
 
-def _slowest_kv_transfer(profile: Profile):
-    """The KV figures of the lowest rate the profile holds (its plain ones or any path's)."""
-    held = [profile.kv_transfer, *profile.kv_transfer_paths.values()]
+def _unmeasured_data_socket(profile: Profile) -> KVTransfer:
+    """The data socket's KV figures for a profile that has none: the lowest rate among its own
+    figures (plain and any path's) and the no-profile default."""
+    default = KVTransfer(MEASURED_KV_TRANSFER_BYTES_PER_S, MEASURED_KV_TRANSFER_FIXED_MS)
+    held = [default, profile.kv_transfer, *profile.kv_transfer_paths.values()]
     return min(held, key=lambda transfer: (transfer.bytes_per_s, -transfer.fixed_ms))
 
 
@@ -84,7 +88,7 @@ def for_paths(profile: Profile, kv: str | None = None, assist: str | None = None
             raise ProfileError(f"data path: expected one of {', '.join(paths)}, got {path!r}")
     changes = {}
     if kv == TCP and TCP not in profile.kv_transfer_paths:
-        changes["kv_transfer"] = _slowest_kv_transfer(profile)
+        changes["kv_transfer"] = _unmeasured_data_socket(profile)
     elif kv is not None and kv in profile.kv_transfer_paths:
         changes["kv_transfer"] = profile.kv_transfer_paths[kv]
     if assist is not None and f"assist_ms_{assist}" in profile.tables:

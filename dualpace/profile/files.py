@@ -5,6 +5,7 @@ check. The format itself is described in schema.py."""
 from __future__ import annotations
 
 import json
+import logging
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, fields
@@ -17,6 +18,7 @@ from dualpace.profile.schema import (
     OPTIONAL_HARDWARE_FIELDS,
     OPTIONAL_TABLES_1D,
     PROFILE_VERSION,
+    RETIRED_DATA_PATH,
     TABLES_1D,
     TABLES_2D,
     Capacities,
@@ -30,6 +32,8 @@ from dualpace.profile.schema import (
     check_fingerprints,
     dtype_bytes,
 )
+
+log = logging.getLogger(__name__)
 
 
 def _require(obj: Mapping[str, Any], key: str, where: str) -> Any:
@@ -176,8 +180,9 @@ def _parse_model(raw: Any) -> ModelFingerprint:
     return model
 
 
-def parse_profile(data: Any) -> Profile:
-    """A Profile from decoded JSON; ProfileError naming the first problem."""
+def parse_profile(data: Any, source: str = "profile") -> Profile:
+    """A Profile from decoded JSON; ProfileError naming the first problem. `source` names the
+    profile in the log line about skipped entries (see _log_retired_entries)."""
     if not isinstance(data, Mapping):
         raise ProfileError("profile: expected a JSON object")
     version = _require(data, "version", "profile")
@@ -196,6 +201,7 @@ def parse_profile(data: Any) -> Profile:
             tables[name] = _parse_table1d(name, axis, raw_tables[name])
     kv_transfer = _parse_transfer(_require(data, "kv_transfer", "profile"), "kv_transfer")
     kv_transfer_paths = _parse_transfer_paths(data.get("kv_transfer_paths"))
+    _log_retired_entries(data.get("kv_transfer_paths"), raw_tables, source)
     raw_caps = _require(data, "capacities", "profile")
     capacities = Capacities(
         gpu_kv_blocks=_int(_require(raw_caps, "gpu_kv_blocks", "capacities"), "capacities.gpu_kv_blocks", positive=False),
@@ -230,10 +236,22 @@ def _parse_transfer_paths(raw: Any) -> dict[str, KVTransfer]:
         return {}
     if not isinstance(raw, Mapping):
         raise ProfileError("kv_transfer_paths: expected an object")
-    unknown = sorted(set(raw) - set(DATA_PATHS))
+    unknown = sorted(set(raw) - {*DATA_PATHS, RETIRED_DATA_PATH})
     if unknown:
         raise ProfileError(f"kv_transfer_paths: unknown path {unknown[0]!r} (known: {', '.join(DATA_PATHS)})")
-    return {path: _parse_transfer(value, f"kv_transfer_paths.{path}") for path, value in raw.items()}
+    return {path: _parse_transfer(value, f"kv_transfer_paths.{path}") for path, value in raw.items()
+            if path != RETIRED_DATA_PATH}
+
+
+def _log_retired_entries(raw_paths: Mapping[str, Any] | None, raw_tables: Mapping[str, Any], source: str) -> None:
+    """One log line when an older profile holds figures of the retired gRPC data path (skipped)."""
+    retired_table = f"assist_ms_{RETIRED_DATA_PATH}"
+    retired = [f"kv_transfer_paths.{RETIRED_DATA_PATH}"] if raw_paths and RETIRED_DATA_PATH in raw_paths else []
+    if retired_table in raw_tables:
+        retired.append(f"tables.{retired_table}")
+    if retired:
+        log.warning("%s: skipping %s: figures of a gRPC data path no transfer takes (KV and Dense Assist move "
+                    "over %s; `dualpace profile` measures both)", source, ", ".join(retired), " or ".join(DATA_PATHS))
 
 
 def profile_to_dict(profile: Profile) -> dict[str, Any]:
@@ -280,7 +298,7 @@ def load_profile(path: str | Path, hardware: HardwareFingerprint | None = None,
     except json.JSONDecodeError as exc:
         raise ProfileError(f"profile {path}: not valid JSON: {exc}") from None
     try:
-        profile = parse_profile(data)
+        profile = parse_profile(data, source=f"profile {path}")
     except ProfileError as exc:
         raise ProfileError(f"profile {path}: {exc}") from None
     check_fingerprints(profile, hardware, model, allow_mismatch)

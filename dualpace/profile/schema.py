@@ -28,7 +28,7 @@ Layout (version 1)::
                   "assist_ms_tcp": {"batch": [...], "ms": [...]}
       },
       "kv_transfer": {"bytes_per_s": float, "fixed_ms": float},
-      "kv_transfer_paths": {"shm": {"bytes_per_s", "fixed_ms"}, "tcp": {...}} (optional; older: "grpc"),
+      "kv_transfer_paths": {"shm": {"bytes_per_s", "fixed_ms"}, "tcp": {...}} (optional),
       "capacities": {"gpu_kv_blocks": int, "cpu_kv_blocks": int, "bytes_per_block": int},
       "notes": str (optional),
       "profiler": {...} (optional: how the profile was measured — grids, repeats, spread,
@@ -65,11 +65,12 @@ Optional tables (informative; the cost model does not need them):
 
 Data paths: KV transfer and Dense Assist run through shared memory between daemons on one host
 and over a TCP data socket otherwise, at very different costs. A profile may carry each:
-`kv_transfer_paths` ("shm", "tcp") and the tables assist_ms_shm / assist_ms_tcp (the "grpc"
-KV figures and assist_ms_grpc table of an older profile are read and never priced as a path of
-their own). The plain `kv_transfer` and `assist_ms` stay (older profiles have only them) and hold
-the path the profiler's daemons used by default; dualpace.profile.data_paths picks the figures of
-the path in force, falling back as its module doc says.
+`kv_transfer_paths` ("shm", "tcp") and the tables assist_ms_shm / assist_ms_tcp. An older profile
+may also hold figures of a gRPC data path (kv_transfer_paths "grpc", table assist_ms_grpc); no
+transfer takes that path any more, so reading skips them with one log line. The plain
+`kv_transfer` and `assist_ms` stay (older profiles have only them) and hold the path the
+profiler's daemons used by default; dualpace.profile.data_paths picks the figures of the path in
+force, falling back as its module doc says.
 
 A 2-D table's "ms" is indexed [batch index][context index]. Grids must be strictly
 increasing; values finite and >= 0.
@@ -100,12 +101,13 @@ OPTIONAL_TABLES_1D = {
     "gpu_dense_ms": "batch",
     "assist_round_trip_ms": "batch",
     "assist_ms_shm": "batch",
-    "assist_ms_grpc": "batch",
     "assist_ms_tcp": "batch",
 }
-# shared memory on one host; gRPC chunks (older profiles' figures: read, no transfer takes it); the TCP
-# data socket (KV and assist across hosts, gRPC as its control plane)
-DATA_PATHS = ("shm", "grpc", "tcp")
+# shared memory on one host; the TCP data socket (KV and assist across hosts, gRPC as its control plane)
+DATA_PATHS = ("shm", "tcp")
+# A data path older profiles measured (gRPC chunks) that no transfer takes: its entries
+# (kv_transfer_paths.grpc, tables.assist_ms_grpc) are skipped on reading, never priced.
+RETIRED_DATA_PATH = "grpc"
 
 # Relative tolerance when comparing memory sizes of two fingerprints: the OS reports
 # slightly different totals on the same machine (kernel reservations, firmware).

@@ -66,7 +66,7 @@ def plot_profile(profile: Profile, path: Path, dpi: int = 80) -> Path | None:
     rate, fixed = profile.kv_transfer.bytes_per_s, profile.kv_transfer.fixed_ms
     ax.plot([x / 1e6 for x in xs], [fixed + 1000 * x / rate for x in xs], "-",
             label=f"fit: {fixed:.1f} ms + bytes / {rate / 1e9:.2f} GB/s")
-    ax.set(title="KV transfer (gRPC ImportKv)", xlabel="MB", ylabel="ms")
+    ax.set(title="KV transfer (default path)", xlabel="MB", ylabel="ms")
     ax.legend(fontsize=7)
 
     for row in axes:

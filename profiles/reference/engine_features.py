@@ -21,8 +21,8 @@ REQUIRED_FEATURES = ("cuda_graphs", "gpu_engine_loop", "flash_attention", "kv_tr
 class MeasuredOverheads:
     """The code's measured overheads (sources in each feature's code_today)."""
 
-    # gRPC ImportKv (--kv-transport grpc), the slowest path: the default, auto, takes shared
-    # memory on one host and the TCP data socket between hosts (or into a CUDA pool)
+    # The router's no-profile KV price, slower than every path measured (shared memory on one host,
+    # the TCP data socket between hosts or into a CUDA pool): a conservative bound
     kv_transfer_bytes_per_s: float = MEASURED_KV_TRANSFER_BYTES_PER_S
     kv_transfer_fixed_ms: float = MEASURED_KV_TRANSFER_FIXED_MS
     assist_round_trip_ms: float = 0.166  # shared-memory ring (the default on one host), p50 at batch 8
@@ -82,9 +82,9 @@ def features(*, kv_transfer_bytes_per_s: float, assumed_round_trip_ms: float, av
         {"feature": "kv_transfer",
          "assumed": f"KV moved by PCIe DMA at {kv_transfer_bytes_per_s / 1e9:g} GB/s + 1 ms per transfer",
          "status": "not built",
-         "code_today": f"gRPC ImportKv chunks (--kv-transport grpc): {m.kv_transfer_bytes_per_s / 1e9:g} GB/s + "
-                       f"{m.kv_transfer_fixed_ms:g} ms, the slowest fit of the stored local profiles "
-                       f"(MEASURED_KV_TRANSFER_* in dualpace/policy/migration_planner.py); the default (auto) takes "
+         "code_today": f"priced at the router's no-profile bound, {m.kv_transfer_bytes_per_s / 1e9:g} GB/s + "
+                       f"{m.kv_transfer_fixed_ms:g} ms, slower than every transfer measured "
+                       f"(MEASURED_KV_TRANSFER_* in dualpace/policy/migration_planner.py); the transfer takes "
                        f"shared memory on one host (2.21 GB/s at 1024 tokens on a quiet 2-core Xeon, docs/perf.md; "
                        f"from a CUDA pool, unmeasured) and the TCP data socket between hosts "
                        f"or into a CUDA pool (1.13 GB/s over loopback, same run)",

@@ -17,7 +17,7 @@ from tests.cpu_service.test_cpu_service_system import handoff
 from tests.model.hf_reference import hf_greedy
 from tests.model.family_checkpoints import write_family_checkpoint
 from toolkit.engine_client import EngineClient, read_until
-from toolkit.processes import start_daemon
+from toolkit.processes import start_all, start_daemon
 
 NUM_NEW_TOKENS = 32
 SLOW_STEPS = {"DUALPACE_FAULT_STEP_DELAY_MS": "5"}  # a test-only fault: still decoding when moved
@@ -26,9 +26,12 @@ SLOW_STEPS = {"DUALPACE_FAULT_STEP_DELAY_MS": "5"}  # a test-only fault: still d
 @pytest.fixture(scope="module", params=["mixtral", "qwen2_moe", "qwen3_moe"])
 def family(request, tmp_path_factory):
     folder = write_family_checkpoint(request.param, tmp_path_factory.mktemp(request.param))
-    gpu = start_daemon("gpu_service", "--model", str(folder), *ENGINE_FLAGS, "--kv-blocks", "64", env=SLOW_STEPS)
-    local = start_daemon("cpu_service", "--model", str(folder), *ENGINE_FLAGS, "--kv-blocks", "256",
-                         "--assist", "never", env=SLOW_STEPS)
+    started = start_all(
+        gpu=lambda: start_daemon("gpu_service", "--model", str(folder), *ENGINE_FLAGS, "--kv-blocks", "64",
+                                 env=SLOW_STEPS),
+        local=lambda: start_daemon("cpu_service", "--model", str(folder), *ENGINE_FLAGS, "--kv-blocks", "256",
+                                   "--assist", "never", env=SLOW_STEPS))
+    gpu, local = started["gpu"], started["local"]
     assisted = start_daemon("cpu_service", "--model", str(folder), *ENGINE_FLAGS, "--kv-blocks", "256",
                             "--assist", "always", "--gpu-service", gpu.address)
     reference = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()

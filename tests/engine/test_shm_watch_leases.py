@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import socket
 
 import pytest
 
@@ -14,9 +13,7 @@ from dualpace.engine.transfer.kv_shm_import import ShmImport
 from dualpace.engine.transfer.kv_shm_protocol import ShmOffer
 from dualpace.engine.transfer.kv_shm_send import MappedPools
 from dualpace.engine.transfer.migration import KvImporter, migrate_out
-from dualpace.engine.transfer.same_host import GRANTED, KIND_END, KIND_LEASE, REQUEST_BYTES, SameHostRefused, boot_id, new_ticket
-from dualpace.engine.transfer.shm_control import message_record
-from dualpace.engine.transfer.shm_watch_leases import WatchLeases
+from dualpace.engine.transfer.same_host import SameHostRefused, boot_id
 from dualpace.errors import Unavailable
 from dualpace.sampling import SamplingParams
 from tests.engine.test_migration import started, stop, wait_tokens
@@ -123,54 +120,3 @@ async def test_a_dropped_mapping_keeps_its_watch_until_the_copy_ends(tiny):
     await pool.close()
     await stop(target)
 
-
-
-class _SendLog:
-    """A socket whose sends are recorded (WatchLeases uses send, recv and fileno)."""
-
-    def __init__(self, sock):
-        self.sock, self.sends = sock, []
-
-    def send(self, data: bytes) -> int:
-        self.sends.append(bytes(data))
-        return self.sock.send(data)
-
-    def recv(self, size: int) -> bytes:
-        return self.sock.recv(size)
-
-    def fileno(self) -> int:
-        return self.sock.fileno()
-
-
-HANG_GUARD_S = 10.0
-
-
-async def test_a_lease_end_goes_with_the_written_record_in_one_send():
-    """The owner wakes once for the lease's end and the import's next record, not once for each."""
-    sender_end, owner_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-    sender_end.setblocking(False)
-    owner_end.setblocking(False)
-    watch = _SendLog(sender_end)
-    leases = WatchLeases(watch)
-    loop = asyncio.get_running_loop()
-    loop.add_reader(sender_end.fileno(), leases.readable)
-    ticket = new_ticket()
-    try:
-        stream = leases.open_stream()
-        held = asyncio.create_task(_hold_then_write(leases, ticket, stream))
-        asked = await asyncio.wait_for(loop.sock_recv(owner_end, REQUEST_BYTES), HANG_GUARD_S)
-        assert asked == KIND_LEASE + ticket
-        await loop.sock_sendall(owner_end, GRANTED + ticket)
-        await asyncio.wait_for(held, HANG_GUARD_S)
-        assert watch.sends[-1] == KIND_END + ticket + message_record(stream.stream_id, b"written")
-    finally:
-        loop.remove_reader(sender_end.fileno())
-        sender_end.close()
-        owner_end.close()
-
-
-async def _hold_then_write(leases: WatchLeases, ticket: bytes, stream) -> None:
-    """As a sender does: the copy under the lease, then at once the written record."""
-    async with leases.held(ticket):
-        pass
-    stream.write(b"written")

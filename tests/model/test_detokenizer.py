@@ -4,13 +4,11 @@ from __future__ import annotations
 
 import random
 
-import gguf
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dualpace.model.detokenizer import IncrementalDetokenizer
-from dualpace.model.registry import resolve_model_path
 from dualpace.model.tokenizer import Tokenizer
 
 pytestmark = pytest.mark.slow
@@ -19,8 +17,8 @@ MULTI_BYTE_TEXT = "Emoji 😀🎉👍🏽 and 👨‍👩‍👧, CJK 中文字�
 
 
 @pytest.fixture(scope="module")
-def tokenizer() -> Tokenizer:
-    return Tokenizer.from_gguf(gguf.GGUFReader(resolve_model_path("smollm2-135m")))
+def tokenizer(default_tokenizer) -> Tokenizer:
+    return default_tokenizer
 
 
 def _stream(tokenizer: Tokenizer, token_ids: list[int], sizes: list[int], prompt_ids=()) -> list[str]:

@@ -1,7 +1,7 @@
 """Tokenizer parity with Hugging Face transformers on the same files.
 
-The default model's GGUF is read once per module (transformers' own GGUF
-tokenizer build takes a few seconds).
+The default model's GGUF is read once per module for transformers (its own GGUF tokenizer build
+takes a few seconds) and once per session for ours (tests/conftest.py's default_tokenizer).
 """
 
 from __future__ import annotations
@@ -16,7 +16,6 @@ import numpy as np
 import pytest
 
 from dualpace.errors import InvalidArgument, ModelLoadError
-from dualpace.model.registry import resolve_model_path
 from dualpace.model.tokenizer import GIL_FREE_ENCODE_CHARS, Tokenizer
 
 transformers = pytest.importorskip("transformers")
@@ -49,18 +48,14 @@ THREE_MESSAGES = [
 
 
 @pytest.fixture(scope="module")
-def gguf_path() -> Path:
-    return resolve_model_path("smollm2-135m")
+def ours(default_tokenizer) -> Tokenizer:
+    return default_tokenizer
 
 
 @pytest.fixture(scope="module")
-def ours(gguf_path: Path) -> Tokenizer:
-    return Tokenizer.from_gguf(gguf.GGUFReader(gguf_path))
-
-
-@pytest.fixture(scope="module")
-def reference(gguf_path: Path):
-    return transformers.AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+def reference(default_model_path: Path):
+    return transformers.AutoTokenizer.from_pretrained(str(default_model_path.parent),
+                                                      gguf_file=default_model_path.name)
 
 
 def test_gguf_metadata(ours: Tokenizer) -> None:

@@ -2,10 +2,16 @@
 planners then use."""
 
 import glob
+import logging
 
 import pytest
 
-from dualpace.policy.migration_planner import MigrationConfig, transfer_ms
+from dualpace.policy.migration_planner import (
+    MEASURED_KV_TRANSFER_BYTES_PER_S,
+    MEASURED_KV_TRANSFER_FIXED_MS,
+    MigrationConfig,
+    transfer_ms,
+)
 from dualpace.policy.mode_choice import ExecutionMode
 from dualpace.profile.cost_model import CostModel, predicted_mode_latencies
 from dualpace.profile.data_paths import TRANSPORT_SETTINGS, assist_path, for_paths, kv_path, on_this_host
@@ -97,21 +103,59 @@ def test_an_older_profile_keeps_its_plain_figures():
         for_paths(profile, assist="grpc")
 
 
-def test_the_data_socket_is_priced_at_its_figures_else_at_the_slowest_held():
-    data = two_path_profile_dict()  # an older profile: shm and gRPC-chunk figures, plain ones at shm's
-    data["kv_transfer_paths"]["grpc"] = data["kv_transfer_paths"].pop("tcp")
-    data["kv_transfer"] = {"bytes_per_s": 320000.0, "fixed_ms": 0.5}
-    without = parse_profile(data)
-    assert for_paths(without, kv="tcp").kv_transfer == KVTransfer(32000.0, 2.0)  # an older profile's gRPC figures
-    assert for_paths(without, kv="shm").kv_transfer == KVTransfer(320000.0, 0.5)
-    with pytest.raises(ProfileError, match="data path"):  # read from older profiles, never a path in force
-        for_paths(without, kv="grpc")
-    plain = parse_profile(tiny_profile_dict())  # no per-path figures: the plain ones
+def test_the_data_socket_is_priced_at_its_figures_else_never_faster_than_the_no_profile_default():
+    data = two_path_profile_dict()
+    data["kv_transfer_paths"].pop("tcp")  # shm measured only, at fast figures
+    data["kv_transfer"] = data["kv_transfer_paths"]["shm"] = {"bytes_per_s": 8e9, "fixed_ms": 0.5}
+    shm_only = parse_profile(data)
+    default = KVTransfer(MEASURED_KV_TRANSFER_BYTES_PER_S, MEASURED_KV_TRANSFER_FIXED_MS)
+    assert for_paths(shm_only, kv="tcp").kv_transfer == default  # not shared memory's figures
+    assert for_paths(shm_only, kv="shm").kv_transfer == KVTransfer(8e9, 0.5)
+    plain = parse_profile(tiny_profile_dict())  # no per-path figures, slower than the default: its own
+    assert plain.kv_transfer.bytes_per_s < MEASURED_KV_TRANSFER_BYTES_PER_S
     assert for_paths(plain, kv="tcp").kv_transfer == plain.kv_transfer
     data["kv_transfer_paths"]["tcp"] = {"bytes_per_s": 96000.0, "fixed_ms": 1.0}
     with_tcp = parse_profile(data)
     assert for_paths(with_tcp, kv="tcp").kv_transfer == KVTransfer(96000.0, 1.0)
     assert parse_profile(profile_to_dict(with_tcp)) == with_tcp
+
+
+def test_an_older_profiles_grpc_figures_are_skipped_with_one_log_line(caplog):
+    current = parse_profile(two_path_profile_dict())
+    data = two_path_profile_dict()  # the same, plus an older profile's gRPC data path figures
+    data["kv_transfer_paths"]["grpc"] = {"bytes_per_s": 1000.0, "fixed_ms": 50.0}
+    data["tables"]["assist_ms_grpc"] = {"batch": [1, 11], "ms": [70.0, 90.0]}
+    with caplog.at_level(logging.INFO, logger="dualpace.profile.files"):
+        older = parse_profile(data, source="profile old.json")
+    assert older == current  # everything else read as before, nothing of the gRPC path kept
+    assert [r.getMessage() for r in caplog.records] == [
+        "profile old.json: skipping kv_transfer_paths.grpc, tables.assist_ms_grpc: figures of a gRPC data path no "
+        "transfer takes (KV and Dense Assist move over shm or tcp; `dualpace profile` measures both)"]
+    assert for_paths(older, kv="tcp").kv_transfer == KVTransfer(32000.0, 2.0)  # its tcp figures, not gRPC's
+    with pytest.raises(ProfileError, match="data path"):  # never a path in force
+        for_paths(older, kv="grpc")
+    data["kv_transfer_paths"].pop("tcp")
+    data["kv_transfer"] = data["kv_transfer_paths"]["shm"] = {"bytes_per_s": 8e9, "fixed_ms": 0.5}
+    without_tcp = parse_profile(data)  # the gRPC figures (slower still) do not price the data socket
+    assert for_paths(without_tcp, kv="tcp").kv_transfer == KVTransfer(MEASURED_KV_TRANSFER_BYTES_PER_S,
+                                                                      MEASURED_KV_TRANSFER_FIXED_MS)
+    data["kv_transfer_paths"]["grpc"] = {"bytes_per_s": "fast"}  # skipped whole, never read
+    assert parse_profile(data) == without_tcp
+    caplog.clear()
+    parse_profile(two_path_profile_dict())
+    assert not caplog.records  # a current profile: no line
+
+
+def test_the_kept_validation_profiles_price_the_data_socket_from_their_own_tcp_figures_or_the_default(caplog):
+    paths = sorted(glob.glob("profiles/local/validation/profile_*.json"))
+    assert paths
+    for path in paths:
+        with caplog.at_level(logging.INFO, logger="dualpace.profile.files"):
+            profile = load_profile(path)
+        default = KVTransfer(MEASURED_KV_TRANSFER_BYTES_PER_S, MEASURED_KV_TRANSFER_FIXED_MS)
+        expected = profile.kv_transfer_paths.get("tcp", default)
+        assert for_paths(profile, kv="tcp").kv_transfer == expected, path
+    assert not caplog.records  # no figures of a retired path left in them
 
 
 def test_assist_over_the_data_socket_seeds_the_chooser_at_its_figures_else_at_the_plain_ones():

@@ -12,15 +12,17 @@ from dualpace.profile.cost_model import CostModel, DecodeBatch
 from dualpace.profile.files import load_profile
 from dualpace.profile.fingerprint import model_config_hash
 from dualpace.profile.schema import HardwareFingerprint
+from dualpace_cli.main import main
 from profiles.profiler.run import QUICK_GRIDS, reuse_problems
 
 
-def test_quick_profile_is_written_loaded_and_reused(synth_checkpoint, tmp_path):
+def test_quick_profile_is_written_loaded_and_reused(synth_checkpoint, tmp_path, capsys):
     model = synth_checkpoint("tiny-llama")
     out = tmp_path / "tiny.json"
-    command = [sys.executable, "-m", "dualpace", "profile", "--model", str(model), "--quick", "--threads", "1",
-               "--out", str(out), "--no-progress", "--notes", "test"]
-    first = subprocess.run(command, check=False, capture_output=True, text=True, timeout=120)
+    args = ["profile", "--model", str(model), "--quick", "--threads", "1", "--out", str(out), "--no-progress",
+            "--notes", "test"]
+    first = subprocess.run([sys.executable, "-m", "dualpace", *args], check=False, capture_output=True, text=True,
+                           timeout=120)
     assert first.returncode == 0, first.stdout + first.stderr
     assert f"wrote {out}" in first.stdout
 
@@ -42,15 +44,16 @@ def test_quick_profile_is_written_loaded_and_reused(synth_checkpoint, tmp_path):
     assert cost.kv_transfer_ms(64) > 0 and profile.capacities.cpu_kv_blocks > 0
     # Both data paths measured (the GPU engine runs on the CPU device here, so its pool is shared).
     assert set(profile.kv_transfer_paths) == {"shm", "tcp"} and profile.kv_transfer == profile.kv_transfer_paths["shm"]
-    assert profile.table1d("assist_ms_tcp").grid == (1.0, 4.0) and "assist_ms_grpc" not in profile.tables
+    assert profile.table1d("assist_ms_tcp").grid == (1.0, 4.0)
+    assert {name for name in profile.tables if name.startswith("assist_ms_")} == {"assist_ms_shm", "assist_ms_tcp"}
     assert profile.profiler["samples"]["assist_tcp"]
     assert profile.table1d("assist_ms_shm").ms == profile.table1d("assist_ms").ms
     assert set(profile.profiler["kv_transfer_fit_points_by_path"]) == {"shm", "tcp"}
 
     written = out.stat().st_mtime_ns
-    second = subprocess.run(command, check=False, capture_output=True, text=True, timeout=60)
-    assert second.returncode == 0, second.stdout + second.stderr
-    assert "reusing the stored profile" in second.stdout
+    capsys.readouterr()
+    assert main(args) == 0  # the second run in this process: it only reads the stored profile
+    assert "reusing the stored profile" in capsys.readouterr().out
     assert out.stat().st_mtime_ns == written
 
     # Other grids, threads or model: measured again (checked without running the measurement).
@@ -62,22 +65,25 @@ def test_quick_profile_is_written_loaded_and_reused(synth_checkpoint, tmp_path):
     assert isinstance(hardware, HardwareFingerprint)
 
 
-def test_bad_grid_is_a_one_line_error():
-    result = subprocess.run([sys.executable, "-m", "dualpace", "profile", "--batch", "4,2"],
-                            check=False, capture_output=True, text=True, timeout=60)
-    assert result.returncode == 2 and "--batch" in result.stderr and "Traceback" not in result.stderr
+def test_bad_grid_is_a_one_line_error(capsys):
+    assert main(["profile", "--batch", "4,2"]) == 2
+    err = capsys.readouterr().err
+    assert "--batch" in err and len(err.strip().splitlines()) == 1
 
 
 def test_a_moe_profile_states_the_bytes_a_step_reads(synth_checkpoint, tmp_path):
     """A mixture-of-experts model's profile carries its weights' MoE bytes (what the cost model reads
-    the CPU dense table along) and the run prints the active bytes per token."""
+    the CPU dense table along) and the run prints the active bytes per token. (On the smallest
+    grids: what is checked here does not depend on them; the quick grids are checked above.)"""
     from dualpace.model.loader import load_model, moe_weight_bytes
 
     model = synth_checkpoint("tiny-mixtral")
     out = tmp_path / "moe.json"
-    run = subprocess.run([sys.executable, "-m", "dualpace", "profile", "--model", str(model), "--quick", "--threads",
-                          "1", "--out", str(out), "--no-progress"], check=False, capture_output=True, text=True,
-                         timeout=120)
+    grids = ["--prefill-tokens", "16,32", "--batch", "1,2", "--context-tokens", "16,32", "--kv-transfer-tokens", "16,32",
+             "--warmup", "0", "--repeats", "1"]
+    run = subprocess.run([sys.executable, "-m", "dualpace", "profile", "--model", str(model), "--quick", *grids,
+                          "--threads", "1", "--out", str(out), "--no-progress"], check=False, capture_output=True,
+                         text=True, timeout=120)
     assert run.returncode == 0, run.stdout + run.stderr
     profile = load_profile(out)
     loaded = load_model(str(model), dtype=profile.model.dtype)

@@ -10,12 +10,9 @@ wait is bounded.
 from __future__ import annotations
 
 import re
-import signal
-import subprocess
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -40,7 +37,7 @@ from dualpace.wire.v1 import (
     router_pb2_grpc,
 )
 from tests.helpers import wait_for
-from toolkit.processes import Daemon, start_daemon
+from toolkit.processes import Daemon, start_all, start_daemon, stop_all
 
 ENGINE_FLAGS = ("--dtype", "fp32", "--threads", "1")
 RPC_TIMEOUT_S = 120.0
@@ -67,39 +64,6 @@ def start_cpu(folder: str, *flags: str, step_delay_ms: int = 0, env: dict[str, s
 def start_router(folder: str, gpu: Daemon | None, cpu: Daemon | None, *flags: str) -> Daemon:
     engines = [*(("--gpu", gpu.address) if gpu else ()), *(("--cpu", cpu.address) if cpu else ())]
     return start_daemon("router", "serve", *engines, "--model", folder, *flags)
-
-
-def start_all(**starters: Callable[[], Daemon]) -> dict[str, Daemon]:
-    """Start daemons in parallel: name -> daemon. If one fails the others are stopped."""
-    with ThreadPoolExecutor(len(starters)) as pool:
-        futures = {name: pool.submit(start) for name, start in starters.items()}
-    started, errors = {}, []
-    for name, future in futures.items():
-        try:
-            started[name] = future.result()
-        except Exception as exc:  # noqa: BLE001 - report every failed start at once
-            errors.append(f"{name}: {exc}")
-    if errors:
-        stop_all(started.values())
-        raise RuntimeError("daemons did not start:\n" + "\n".join(errors))
-    return started
-
-
-def stop_all(daemons: Iterable[Daemon]) -> dict[int, int | None]:
-    """SIGTERM every live daemon at once, then wait for each (SIGKILL past STOP_TIMEOUT_S);
-    pid -> exit status."""
-    daemons = list(daemons)
-    for daemon in daemons:
-        if daemon.process.poll() is None:
-            daemon.process.send_signal(signal.SIGTERM)
-    codes = {}
-    for daemon in daemons:
-        try:
-            daemon.process.wait(STOP_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            daemon.kill()
-        codes[daemon.process.pid] = daemon.process.returncode
-    return codes
 
 
 def assert_clean_exit(daemons: Iterable[Daemon]) -> None:

@@ -21,7 +21,7 @@ import tempfile
 import grpc
 import pytest
 
-from toolkit.processes import start_daemon
+from toolkit.processes import start_all, start_daemon
 from tests.reliability.conftest import (
     ENGINE_FLAGS,
     EngineProbe,
@@ -49,15 +49,17 @@ def socket_mode(path: str) -> int:
 
 def test_three_daemons_on_unix_sockets(tiny_folder, folder, reference):
     paths = {name: os.path.join(folder, f"{name}.sock") for name in ("gpu", "cpu", "router")}
-    gpu = start_daemon("gpu_service", "--model", tiny_folder, *ENGINE_FLAGS, "--name", "gpu-unix",
-                       "--kv-blocks", "64", "--block-size", "8", "--peer", f"unix:{paths['cpu']}",
-                       listen=f"unix:{paths['gpu']}")
-    daemons = [gpu]
+    engines = start_all(  # both addresses are known before either starts
+        gpu=lambda: start_daemon("gpu_service", "--model", tiny_folder, *ENGINE_FLAGS, "--name", "gpu-unix",
+                                 "--kv-blocks", "64", "--block-size", "8", "--peer", f"unix:{paths['cpu']}",
+                                 listen=f"unix:{paths['gpu']}"),
+        cpu=lambda: start_daemon("cpu_service", "--model", tiny_folder, *ENGINE_FLAGS, "--name", "cpu-unix",
+                                 "--kv-blocks", "256", "--block-size", "8", "--assist", "never",
+                                 "--gpu-service", f"unix:{paths['gpu']}", "--peer", f"unix:{paths['gpu']}",
+                                 listen=f"unix:{paths['cpu']}"))
+    gpu, cpu = engines["gpu"], engines["cpu"]
+    daemons = [gpu, cpu]
     try:
-        cpu = start_daemon("cpu_service", "--model", tiny_folder, *ENGINE_FLAGS, "--name", "cpu-unix",
-                           "--kv-blocks", "256", "--block-size", "8", "--assist", "never",
-                           "--gpu-service", gpu.address, "--peer", gpu.address, listen=f"unix:{paths['cpu']}")
-        daemons.append(cpu)
         router = start_daemon("router", "serve", "--gpu", gpu.address, "--cpu", cpu.address,
                               "--model", tiny_folder, "--no-migrate", listen=f"unix:{paths['router']}")
         daemons.append(router)

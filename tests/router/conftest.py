@@ -1,9 +1,11 @@
-"""What the router's end-to-end modules share: one `dualpace up` on the tiny model."""
+"""What the router's end-to-end modules share: one `dualpace up` on the tiny model, with a
+tool-calling chat template."""
 
 from __future__ import annotations
 
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -22,6 +24,34 @@ CHILD = re.compile(r"dualpace up: (\S+) on (\S+) \(pid (\d+)\)")
 START_TIMEOUT_S = 180.0  # generous: the daemons start slowly on a loaded machine
 STEP_DELAY_MS = 10  # slows every engine step, so a long stream outlives the client that drops it
 GPU_KV_BLOCKS = 240
+# The tiny checkpoint's chat template with tools (ChatML, Hermes-style <tool_call> blocks).
+TOOL_TEMPLATE = """\
+{%- if tools %}<|im_start|>system
+{% if messages[0].role == 'system' %}{{ messages[0].content }}
+
+{% endif %}You may call functions. For each call, write <tool_call>{"name": ..., "arguments": ...}</tool_call>.
+<tools>
+{% for tool in tools %}{{ tool | tojson }}
+{% endfor %}</tools><|im_end|>
+{% elif messages[0].role == 'system' %}<|im_start|>system
+{{ messages[0].content }}<|im_end|>
+{% endif %}
+{%- for message in messages %}
+{%- if message.role == 'system' %}
+{%- elif message.role == 'tool' %}<|im_start|>user
+<tool_response>
+{{ message.content }}
+</tool_response><|im_end|>
+{% elif message.tool_calls %}<|im_start|>assistant
+{% for call in message.tool_calls %}<tool_call>
+{{ {"name": call.function.name, "arguments": call.function.arguments} | tojson }}
+</tool_call>{% endfor %}<|im_end|>
+{% else %}<|im_start|>{{ message.role }}
+{{ message.content }}<|im_end|>
+{% endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}<|im_start|>assistant
+{% endif %}"""
 
 
 @dataclass
@@ -93,8 +123,18 @@ def alive(pid: int) -> bool:
 
 
 @pytest.fixture(scope="package")
-def up(tiny_folder):
-    """One `dualpace up` for the modules that serve the tiny model as it is (a module that needs
-    another `dualpace up` defines its own `up`)."""
-    with running_up(tiny_folder) as running:
+def model_folder(synth_checkpoint, tmp_path_factory) -> str:
+    """The tiny model with TOOL_TEMPLATE as its chat template: what this package's daemons serve
+    (one `dualpace up` for the plain and the tool-calling HTTP tests)."""
+    folder = tmp_path_factory.mktemp("tiny-llama-tools") / "model"
+    shutil.copytree(synth_checkpoint("tiny-llama"), folder)
+    (folder / "chat_template.jinja").write_text(TOOL_TEMPLATE, encoding="utf-8")
+    return str(folder)
+
+
+@pytest.fixture(scope="package")
+def up(model_folder):
+    """One `dualpace up` for the package's modules (a module that needs another `dualpace up`
+    defines its own `up`)."""
+    with running_up(model_folder) as running:
         yield running

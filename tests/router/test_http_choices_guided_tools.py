@@ -1,50 +1,20 @@
 """n / best_of / several prompts, structured outputs and tool calls through the router's HTTP
-front, with the official `openai` client against `dualpace up` on the tiny model. The model's
-chat template is replaced by a tool-aware one (ChatML with Hermes-style <tool_call> blocks),
-written here: the tiny checkpoint's own template has no tool support."""
+front, with the official `openai` client against `dualpace up` on the tiny model, whose chat
+template tests/router/conftest.py replaces by a tool-aware one (ChatML with Hermes-style
+<tool_call> blocks): the tiny checkpoint's own template has no tool support."""
 
 from __future__ import annotations
 
 import json
 import math
-import shutil
 import time
 
 import pytest
 
-from tests.router.conftest import running_up
 from tests.router.test_http_api import client, placements, raw  # noqa: F401 (fixtures)
 
 openai = pytest.importorskip("openai")
 jsonschema = pytest.importorskip("jsonschema")
-
-TOOL_TEMPLATE = """\
-{%- if tools %}<|im_start|>system
-{% if messages[0].role == 'system' %}{{ messages[0].content }}
-
-{% endif %}You may call functions. For each call, write <tool_call>{"name": ..., "arguments": ...}</tool_call>.
-<tools>
-{% for tool in tools %}{{ tool | tojson }}
-{% endfor %}</tools><|im_end|>
-{% elif messages[0].role == 'system' %}<|im_start|>system
-{{ messages[0].content }}<|im_end|>
-{% endif %}
-{%- for message in messages %}
-{%- if message.role == 'system' %}
-{%- elif message.role == 'tool' %}<|im_start|>user
-<tool_response>
-{{ message.content }}
-</tool_response><|im_end|>
-{% elif message.tool_calls %}<|im_start|>assistant
-{% for call in message.tool_calls %}<tool_call>
-{{ {"name": call.function.name, "arguments": call.function.arguments} | tojson }}
-</tool_call>{% endfor %}<|im_end|>
-{% else %}<|im_start|>{{ message.role }}
-{{ message.content }}<|im_end|>
-{% endif %}
-{%- endfor %}
-{%- if add_generation_prompt %}<|im_start|>assistant
-{% endif %}"""
 
 # Bounded everywhere, so every document the grammar allows closes within max_tokens.
 PERSON = {
@@ -59,21 +29,6 @@ WEATHER_TOOL = {"type": "function", "function": {
     "parameters": {"type": "object", "properties": {"city": {"type": "string", "minLength": 1, "maxLength": 10}},
                    "required": ["city"], "additionalProperties": False}}}
 LONG_PROMPT = "The committee met on a grey morning to discuss the budget for the coming year. " * 4
-
-
-@pytest.fixture(scope="module")
-def model_folder(synth_checkpoint, tmp_path_factory):
-    folder = tmp_path_factory.mktemp("tiny-llama-tools") / "model"
-    shutil.copytree(synth_checkpoint("tiny-llama"), folder)
-    (folder / "chat_template.jinja").write_text(TOOL_TEMPLATE, encoding="utf-8")
-    return str(folder)
-
-
-@pytest.fixture(scope="module")
-def up(model_folder):
-    """This module's own `dualpace up`: its model folder has the tool-calling chat template."""
-    with running_up(model_folder) as found:
-        yield found
 
 
 def test_n_choices_are_distinct_repeatable_and_index_zero_is_the_single_answer(client, model_folder):

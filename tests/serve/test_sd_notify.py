@@ -21,6 +21,7 @@ import pytest
 
 from dualpace.engine import loop as engine_loop
 from dualpace.engine.loop import EngineLoop
+from dualpace.engine.step_timeline import read_timeline
 from dualpace.sampling import SamplingParams
 from dualpace.serve.sd_notify import Notifier, socket_address, watchdog_interval_s
 from dualpace.wire.engine_messages import new_request_to_pb
@@ -189,11 +190,12 @@ async def test_step_loop_pings_while_idle(monkeypatch) -> None:
 # ---------------------------------------------------------------------- gpu_service under "systemd"
 
 
-def test_gpu_service_notifies(manager: FakeManager, synth_checkpoint) -> None:
+def test_gpu_service_notifies(manager: FakeManager, synth_checkpoint, tmp_path: Path) -> None:
     folder = str(synth_checkpoint("tiny-llama"))
+    timeline = tmp_path / "steps.jsonl"
     daemon = start_daemon(
         "gpu_service", "--model", folder, "--dtype", "fp32", "--threads", "1", "--kv-blocks", "64",
-        "--block-size", "8",
+        "--block-size", "8", step_timeline=str(timeline),
         env={"NOTIFY_SOCKET": manager.path, "WATCHDOG_USEC": str(WATCHDOG_USEC),
              "DUALPACE_FAULT_STEP_DELAY_MS": str(STEP_DELAY_MS)})
     try:
@@ -207,19 +209,23 @@ def test_gpu_service_notifies(manager: FakeManager, synth_checkpoint) -> None:
         # Idle: it keeps pinging.
         assert manager.wait_for("WATCHDOG=1", count=3), manager.snapshot()
 
-        # A request of two steps, each stalled for STEP_DELAY_MS (six watchdog intervals): no ping
-        # while a step runs, so at most one per step and one on each side of them (idle pings).
+        # A request of two steps, each stalled for STEP_DELAY_MS (six watchdog intervals) before it runs.
         with grpc.insecure_channel(daemon.address) as channel:
             stub = engine_pb2_grpc.EngineStub(channel)
-            started = time.monotonic()
+            started_ns = time.monotonic_ns()
             responses = list(stub.Generate(new_request_to_pb(
                 "slow", [5, 9, 2, 11], SamplingParams(max_tokens=2, ignore_eos=True)), timeout=30))
-            ended = time.monotonic()
         assert sum(len(r.token_ids) for r in responses) == 2
-        assert len(manager.watchdog_times(started, ended)) <= 2 + 2, manager.snapshot()
     finally:
         status = daemon.stop()
     assert status == 0, daemon.log()
+    # No ping while a step runs: from the first stall's start to the second step's end (the
+    # timeline's CLOCK_MONOTONIC, the manager's too) only the ping between the two steps, and at
+    # most one idle ping from before sent in time but read after (pinging through the steps: ~12).
+    steps = [r for r in read_timeline(timeline) if r.start_ns > started_ns and r.num_own_rows]
+    assert len(steps) == 2, steps
+    span = ((steps[0].start_ns - STEP_DELAY_MS * 1_000_000) / 1e9, steps[1].end_ns / 1e9)
+    assert len(manager.watchdog_times(*span)) <= 2, (span, manager.snapshot())
     lines = manager.lines()
     assert "STOPPING=1" in lines
     assert lines.index("STOPPING=1") > lines.index("READY=1")

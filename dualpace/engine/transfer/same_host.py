@@ -132,8 +132,8 @@ class TicketServer:
         # Runs one control stream over a watch connection (dualpace.engine.transfer.shm_control); None: none taken.
         self.stream_handler: Callable[[IncomingStream], Awaitable[None]] | None = None
         self._finished_streams: set[bytes] = set()  # random ids: a late message starts nothing
-        # Leases asked for ahead (KIND_ASK) of their job: ticket -> (that watch's granted leases, its send_soon).
-        self._asked: dict[bytes, tuple[dict[bytes, Lease], Callable[[bytes], None]]] = {}
+        # Leases asked for ahead (KIND_ASK) of their job: ticket -> (that watch's granted leases, its send).
+        self._asked: dict[bytes, tuple[dict[bytes, Lease], Callable[[bytes], Awaitable[None]]]] = {}
         self._revoked: set[bytes] = set()  # an ask ahead for one of these is refused (bounded)
         self._grants: set[asyncio.Task] = set()  # verdicts of asks ahead being sent
 
@@ -167,10 +167,12 @@ class TicketServer:
         lease = self._leases[ticket] = Lease()
         asked = self._asked.pop(ticket, None)
         if asked is not None:
-            granted, send_soon = asked
+            granted, send = asked
             lease.granted = True  # no await since the job was opened: a revoke cannot slip in between
             granted[ticket] = lease  # ends with that connection, as any lease granted over it
-            send_soon(GRANTED + ticket)  # with the job's reservation, sent next on that connection
+            task = asyncio.get_running_loop().create_task(send(GRANTED + ticket))
+            self._grants.add(task)
+            task.add_done_callback(self._grant_sent)
         return ticket, lease
 
     def _grant_sent(self, task: asyncio.Task) -> None:
@@ -207,24 +209,10 @@ class TicketServer:
         asked: set[bytes] = set()  # this connection's asks ahead (KIND_ASK) that may still wait for a job
         streams: dict[bytes, IncomingStream] = {}
         sending = asyncio.Lock()  # replies of several streams and lease verdicts never interleave
-        soon = bytearray()  # verdicts that go with the next record sent here (or at the loop's next turn)
 
         async def send(data: bytes) -> None:
             async with sending:
-                if soon:
-                    data = bytes(soon) + data
-                    soon.clear()
-                if data:
-                    await loop.sock_sendall(connection, data)
-
-        def send_soon(record: bytes) -> None:
-            """An asked-ahead lease's verdict: one send (one wake-up of the caller) with the
-            reservation its import answers right after, or on its own at the loop's next turn."""
-            if not soon:
-                task = loop.create_task(send(b""))
-                self._grants.add(task)
-                task.add_done_callback(self._grant_sent)
-            soon.extend(record)
+                await loop.sock_sendall(connection, data)
 
         received = b""
         fixed = {KIND_LEASE: REQUEST_BYTES, KIND_END: REQUEST_BYTES, KIND_ABANDON: REQUEST_BYTES,
@@ -245,7 +233,7 @@ class TicketServer:
                         if ticket in self._asked:  # asked twice: refused (the first ask still waits)
                             await send(REFUSED + ticket)
                         else:  # no job yet: open_lease(ticket) grants it
-                            self._asked[ticket] = (granted, send_soon)
+                            self._asked[ticket] = (granted, send)
                             asked.add(ticket)
                     elif kind in (KIND_LEASE, KIND_ASK):
                         lease = self._grant(ticket)

@@ -18,7 +18,6 @@ and then held with `held(ticket)`, which awaits that answer instead of asking ag
 that is never held is ended with `withdraw`. The ask leaves with the next record sent (an import's
 header, right after it), in one send, or at the event loop's next turn: one wake-up of the owner
 for both (sent apart, the owner woke on the first and the sender's next send waited behind it).
-A lease's end goes the same way, with the import's written record that follows it.
 
 The same connection carries control streams too (dualpace.engine.transfer.shm_control: a transfer's
 import messages without gRPC). Everything here runs on the event loop's thread. Lease messages
@@ -59,7 +58,7 @@ class WatchLeases:
         self._writer_added = False
         self._streams: dict[bytes, OutgoingStream] = {}  # control streams under way, by stream id
         self._asked: dict[bytes, asyncio.Future] = {}  # asked ahead (ask), not held yet: ticket -> answer
-        self._ahead = b""  # asks and ends not sent yet: they go with the next record (or at the loop's next turn)
+        self._ahead = b""  # asks not sent yet: they go with the next record (or at the loop's next turn)
         self.closed = False
 
     def readable(self) -> bool:
@@ -117,14 +116,11 @@ class WatchLeases:
             raise SameHostRefused("the watch connection was closed")
         if ticket in self._answers:
             raise SameHostRefused("a lease for that job is already asked for")
-        self._answers[ticket] = self._asked[ticket] = asyncio.get_running_loop().create_future()
-        self._defer(KIND_ASK + ticket)
-
-    def _defer(self, record: bytes) -> None:
-        """Send `record` with the next record sent, or at the event loop's next turn if none is."""
+        loop = asyncio.get_running_loop()
+        self._answers[ticket] = self._asked[ticket] = loop.create_future()
         if not self._ahead:
-            asyncio.get_running_loop().call_soon(self._send_ahead)
-        self._ahead += record
+            loop.call_soon(self._send_ahead)
+        self._ahead += KIND_ASK + ticket
 
     def _send_ahead(self) -> None:
         if self._ahead and not self.closed:
@@ -181,12 +177,10 @@ class WatchLeases:
             self._writer_added = False
 
     def _end(self, ticket: bytes) -> None:
-        """Sent with the next record (the import's written record, right after) or at the loop's
-        next turn; the owner frees nothing before it, so a later end is only later, never unsafe.
-        A broken connection: the owner sees its end, which ends the lease."""
         if self.closed:
             return  # the connection's end (the caller closes it once no copy uses it) ends the lease
-        self._defer(KIND_END + ticket)
+        with contextlib.suppress(SameHostRefused):  # broken: the owner sees the end, which ends it
+            self._send(KIND_END + ticket)
 
     def _refuse_waiting(self, why: str) -> None:
         waiting, self._answers = self._answers, {}
