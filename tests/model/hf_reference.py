@@ -6,14 +6,16 @@ import torch
 
 
 def hf_greedy(hf_model, prompt_ids: list[int], num_new_tokens: int) -> list[int]:
-    """Greedy tokens from transformers with a full forward each step: no EOS handling,
-    no generation config, nothing but argmax over the reference logits."""
-    ids = list(prompt_ids)
+    """Greedy tokens from transformers, stepping with its own KV cache: no EOS handling, no
+    generation config, nothing but argmax over the reference logits."""
+    new_ids: list[int] = []
     with torch.no_grad():
-        for _ in range(num_new_tokens):
-            logits = hf_model(torch.tensor([ids])).logits[0, -1]
-            ids.append(int(logits.argmax()))
-    return ids[len(prompt_ids):]
+        out = hf_model(torch.tensor([prompt_ids]), use_cache=True)
+        while True:
+            new_ids.append(int(out.logits[0, -1].argmax()))
+            if len(new_ids) == num_new_tokens:
+                return new_ids
+            out = hf_model(torch.tensor([new_ids[-1:]]), cache=out.cache, use_cache=True)
 
 
 def hf_prompt_logits(hf_model, prompt_ids: list[int]) -> torch.Tensor:
