@@ -280,6 +280,9 @@ class Kernels:
         desc = self._kernel_desc(x, weight) if eligible else None
         if desc is not None:
             return self._run_kernel(x, desc, bias, residual, out_dtype)
+        segments = self._segment_descs(x, weight) if eligible else None
+        if segments is not None:
+            return self._run_segments(x, segments, bias, residual, out_dtype)
         y = self._torch_linear(x, weight, bias, residual, out_dtype)
         if eligible and kernel_rows is not None and kernel_rows.numel() > 0:
             sub = x.index_select(0, kernel_rows)
@@ -303,18 +306,54 @@ class Kernels:
                 y = y + residual
         return y.to(out_dtype)
 
+    def _segment_descs(self, x: torch.Tensor, weight) -> list[tuple[int, WeightDescC]] | None:
+        """(first row, descriptor) of each run of rows of a quantized weight whose rows mix formats
+        (a Q4_K_M file's qkv: Q4_K q and k rows, Q6_K v rows), when the kernels have every format and
+        would take these rows; else None. (Through the torch fallback, each run went to the
+        standalone library, whose OpenMP threads wait beside these kernels' on the same cores: a
+        Q4_K_M qkv of the 1B shape took 21 ms at one row.)"""
+        runs = getattr(weight, "segments", None)
+        if not runs or len(runs) < 2 or x.shape[0] >= getattr(weight, "dense_min_rows", x.shape[0] + 1):
+            return None
+        descs = []
+        for run in runs:
+            if run.format is None:
+                return None
+            fmt, ptr, n, k, row_bytes = run.kernel_desc(weight.k)
+            desc = WeightDescC(fmt, 0, ptr, n, k, row_bytes)
+            if not self.supports_format(desc.format):
+                return None
+            descs.append((run.row0, desc))
+        return descs
+
+    def _run_segments(self, x: torch.Tensor, segments: list[tuple[int, WeightDescC]], bias: torch.Tensor | None,
+                      residual: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
+        """Each run of rows in the kernels, into its columns of one output."""
+        n = sum(desc.N for _, desc in segments)
+        out = torch.empty((x.shape[0], n), dtype=out_dtype)
+        for row0, desc in segments:
+            self._run_kernel(x, desc, None if bias is None else bias[row0:row0 + desc.N],
+                             None if residual is None else residual[:, row0:row0 + desc.N], out_dtype,
+                             out=out[:, row0:row0 + desc.N])
+        return out
+
     def _run_kernel(self, x: torch.Tensor, desc: WeightDescC, bias: torch.Tensor | None,
-                    residual: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
+                    residual: torch.Tensor | None, out_dtype: torch.dtype,
+                    out: torch.Tensor | None = None) -> torch.Tensor:
+        """x @ W^T (+ bias) (+ residual) in the kernels, into `out` (rows with unit inner stride) or a new tensor."""
         if x.stride(-1) != 1:
             x = x.contiguous()
         if residual is not None and residual.stride(-1) != 1:
             residual = residual.contiguous()
+        if bias is not None:
+            bias = bias.contiguous()
         rows, n = x.shape[0], desc.N
-        out = torch.empty((rows, n), dtype=out_dtype)
+        if out is None:
+            out = torch.empty((rows, n), dtype=out_dtype)
         fn = self.lib.dp_linear_bf16 if x.dtype == torch.bfloat16 else self.lib.dp_linear_f32
         status = fn(x.data_ptr(), rows, x.stride(0), ctypes.byref(desc), None if bias is None else bias.data_ptr(),
                     None if residual is None else residual.data_ptr(), 0 if residual is None else residual.stride(0),
-                    out.data_ptr(), n, 1 if out_dtype == torch.float32 else 0)
+                    out.data_ptr(), out.stride(0), 1 if out_dtype == torch.float32 else 0)
         if status != 0:
             raise ValueError(f"linear: weight format {desc.format} has no kernel in variant {self.variant}")
         return out

@@ -221,6 +221,26 @@ def test_mixed_formats_fuse_into_segments():
 
 
 @needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_mixed_formats_run_in_the_kernels_run_by_run(dtype, variant):
+    """A Q4_K_M file's qkv (Q4_K rows, then Q6_K rows): Kernels.linear runs each run of rows in
+    the kernels, into its columns of one output, bias and residual sliced to them: as each run's
+    own kernel product. A dense run leaves the whole product to torch."""
+    kernels = cpu_kernels.get()
+    if kernels is None or not kernels.supports_format(FORMAT_BY_NAME["Q6_K"].ggml_type):
+        pytest.skip("no CPU kernels for the block formats")
+    (a, _), (c, _) = weight("Q4_K", 9, 512, 1), weight("Q6_K", 7, 512, 3)
+    fused = cat_rows([a, c])
+    assert kernels._segment_descs(torch.randn(2, 512), fused) is not None
+    assert kernels._segment_descs(torch.randn(2, 512), cat_rows([a, torch.randn(3, 512)])) is None
+    x, bias, residual = torch.randn(5, 512, dtype=dtype), torch.randn(16, dtype=dtype), torch.randn(5, 16, dtype=dtype)
+    y = kernels.linear(x, fused, bias, residual=residual, out_dtype=torch.float32)
+    parts = [kernels.linear(x, a, bias[:9], residual=residual[:, :9], out_dtype=torch.float32),
+             kernels.linear(x, c, bias[9:], residual=residual[:, 9:], out_dtype=torch.float32)]
+    assert torch.equal(y, torch.cat(parts, 1))
+
+
+@needs_kernels
 def test_prefill_sized_linear_goes_through_the_scratch_in_pieces(monkeypatch):
     """From DENSE_MIN_ROWS rows: each piece of W dequantized into the reused scratch (7 rows a
     piece here, so segments end mid-piece), bias and residual added by the GEMM, mixed segments."""
