@@ -44,8 +44,9 @@ def check_geometry(segment: MappedKvSegment, layout: KvLayout, reservation: ShmR
 
 def _inject_fault(faults: FaultConfig, segment: MappedKvSegment, dst_slot_ids: list[int],
                   layer_crc32s: list[int]) -> list[int]:
-    """Test-only faults of dualpace.faults, as the failures one host can have: nothing is in transit to corrupt, so a corrupt or dropped layer is
-    a sender that says written over a copy it did not finish. Returns the checksums it reports.
+    """Test-only faults of dualpace.faults, as the failures one host can have: nothing is in transit
+    to corrupt, so a corrupt or dropped layer is a sender that says written over a copy it did not
+    finish. Returns the checksums it reports.
     - kv_corrupt_layer N: a torn write: layer N's first token is left half written and the record
       covers the layers before it only;
     - kv_drop_layer N: layer N's first token never written, and that layer left out of the record."""
