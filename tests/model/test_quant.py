@@ -17,6 +17,16 @@ from gguf.quants import dequantize, quantize
 from dualpace.errors import ModelLoadError
 from dualpace.model import cpu_kernels, quant, quant_activations, quant_kernels
 from dualpace.model.quant import FORMAT_BY_NAME, QuantizedWeight, cat_rows, quantize_q8_0
+from tests.model.activation_rounding import (  # how each activation mode rounds x
+    INT16_SCHEME,
+    INT8_SCHEME,
+    int16_rounded,
+    int8_outliers,
+    mode_rounded,
+    int8_min_rows,
+    rounding_of,
+    assert_linear_close,
+)
 from tests.model.test_cpu_kernels import VARIANTS  # every variant, those this CPU lacks skipped by name
 
 FORMATS = ["Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K"]
@@ -55,90 +65,6 @@ def weight(name: str, n: int, k: int, seed: int = 0) -> tuple[QuantizedWeight, t
 def assert_close(y: torch.Tensor, ref: torch.Tensor, rel: float = 1e-5) -> None:
     scale = ref.abs().max().item() + 1e-12
     assert (y - ref).abs().max().item() <= rel * scale, (y - ref).abs().max().item() / scale
-
-
-# How a mode rounds x: int16 (quant_gemv_i16.h) per two sets of 16 elements of each block of 32
-# (elements 0-7 + 16-23 and 8-15 + 24-31) to +-32767; int8 (quant_gemv_vnni.h) per 16 consecutive
-# elements to +-127.
-INT16_SCHEME = (True, 32767)
-INT8_SCHEME = (False, 127)
-
-
-def int16_halves(x: torch.Tensor, interleaved: bool = True) -> torch.Tensor:
-    """x [M, K] as [M, K / 32, 2, 16]: the two sets of 16 elements of each block that share a scale."""
-    if not interleaved:
-        return x.reshape(x.shape[0], -1, 2, 16)
-    parts = x.reshape(x.shape[0], -1, 4, 8)
-    return torch.stack([parts[:, :, 0::2].flatten(2), parts[:, :, 1::2].flatten(2)], 2)
-
-
-def from_int16_halves(h: torch.Tensor, interleaved: bool = True) -> torch.Tensor:
-    m, nb = h.shape[:2]
-    if not interleaved:
-        return h.reshape(m, nb * 32)
-    parts = torch.empty(m, nb, 4, 8, dtype=h.dtype)
-    parts[:, :, 0::2], parts[:, :, 1::2] = h[:, :, 0].reshape(m, nb, 2, 8), h[:, :, 1].reshape(m, nb, 2, 8)
-    return parts.reshape(m, nb * 32)
-
-
-def int16_rounded(x: torch.Tensor, rounding: tuple[bool, int] = INT16_SCHEME) -> torch.Tensor:
-    """x rounded as the int16 (or int8) mode does (fp32 arithmetic: q = round(x * (qmax / max)), x = q max / qmax)."""
-    interleaved, qmax = rounding
-    h = int16_halves(x, interleaved)
-    amax = h.abs().amax(-1, keepdim=True)
-    inv = torch.where(amax > 0, torch.full_like(amax, float(qmax)) / amax, torch.zeros_like(amax))  # IEEE division
-    return from_int16_halves(torch.round(h * inv).double() * (amax.double() / qmax), interleaved)
-
-
-def int8_outliers(x: torch.Tensor) -> torch.Tensor:
-    """The rows the int8 mode rounds twice (quant_gemv_vnni.h): max |x| above the library's ratio x rms."""
-    ratio = quant_kernels.get().dp_quant_int8_outlier_ratio()
-    xf = x.float()
-    return xf.abs().amax(-1) ** 2 * x.shape[1] > ratio ** 2 * (xf * xf).sum(-1)
-
-
-def int8_rounded(x: torch.Tensor) -> torch.Tensor:
-    """x as the int8 mode rounds it: per 16 elements to int8, and for outlier rows that rounding
-    plus its residual (x - dx q in one fp32 rounding, as the kernel's fma) rounded the same way."""
-    out = int16_rounded(x, INT8_SCHEME)
-    rows = int8_outliers(x)
-    if rows.any():
-        h = x[rows].float().reshape(-1, 16)
-        amax = h.abs().amax(-1, keepdim=True)
-        inv = torch.where(amax > 0, torch.full_like(amax, 127.0) / amax, torch.zeros_like(amax))
-        q = torch.round(h * inv)
-        residual = (h.double() - q.double() * (amax / 127.0).double()).float().reshape(-1, x.shape[1])
-        out[rows] += int16_rounded(residual, INT8_SCHEME)
-    return out
-
-
-def mode_rounded(x: torch.Tensor, rounding: tuple[bool, int]) -> torch.Tensor:
-    return int8_rounded(x) if rounding == INT8_SCHEME else int16_rounded(x, rounding)
-
-
-def int8_min_rows() -> int:
-    """Rows of x from which the loaded standalone library's int8 mode runs int8 (0: never, no VNNI)."""
-    return quant_kernels.get().dp_quant_int8_min_rows()
-
-
-def rounding_of(mode: str, m: int) -> tuple[bool, int]:
-    """How `mode` rounds m rows of x (fp32: as int16 here; the callers compare it exactly)."""
-    return INT8_SCHEME if mode == "int8" and int8_min_rows() and m >= int8_min_rows() else INT16_SCHEME
-
-
-def assert_linear_close(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor, rel: float = 1e-5,
-                        rounding: tuple[bool, int] = INT16_SCHEME) -> None:
-    """y = x @ w.T, except for the mode's rounding of x per 16 elements (|error| <= half a step,
-    max|x_half| / qmax / 2, per element: its bound through |w| is allowed on top of rel)."""
-    interleaved, qmax = rounding
-    ref = x.double() @ w.double().T
-    h = int16_halves(x.double(), interleaved)
-    half_step = from_int16_halves((h.abs().amax(-1, keepdim=True) / qmax * 0.5 * (1 + 1e-3)).expand_as(h),
-                                  interleaved)
-    bound = half_step @ w.double().abs().T
-    excess = ((y.double() - ref).abs() - bound).max().item()
-    scale = ref.abs().max().item() + 1e-12
-    assert excess <= rel * scale, excess / scale
 
 
 @pytest.fixture(params=VARIANTS)
