@@ -9,7 +9,9 @@ RMSNorm, QKV (+bias), q/k RMSNorm (Qwen3), RoPE (whole or partial heads), KV wri
 O + residual, RMSNorm, gate/up, SiLU*up, down + residual, with no Python and no tensor allocation
 between them. The four matrices of a
 layer may be in any weight format the loaded kernels support (bf16 / fp32 tensors, or quantized
-weight objects, see KERNELS.md); norms, bias, activations and KV are in the model's dtype.
+weight objects, see KERNELS.md), the qkv matrix also as two runs of rows in two block formats
+(`split_desc`: a Q4_K_M file's Q4_K q and k rows and Q6_K v rows, each run its own row chunks);
+norms, bias, activations and KV are in the model's dtype.
 
 With `with_logits`, the same call also runs the final norm and the LM head (dp_decode_step_*), as the
 last stages of the same parallel region, when the head would run in the kernels anyway
@@ -34,7 +36,8 @@ class _LayerArgs(ctypes.Structure):
                 ("intermediate", _i64), ("eps", _f32), ("scale", _f32), ("input_norm", _ptr), ("qkv_b", _ptr),
                 ("post_norm", _ptr), ("qkv_w", WeightDescC), ("o_w", WeightDescC), ("gate_up_w", WeightDescC),
                 ("down_w", WeightDescC), ("k_cache", _ptr), ("v_cache", _ptr), ("num_blocks", _i64),
-                ("block_size", _i64), ("q_norm", _ptr), ("k_norm", _ptr), ("rotary_dim", _i64)]
+                ("block_size", _i64), ("q_norm", _ptr), ("k_norm", _ptr), ("rotary_dim", _i64),
+                ("qkv_tail_w", WeightDescC)]
 
 
 class _HeadArgs(ctypes.Structure):
@@ -59,6 +62,21 @@ BF16_PAIRS_HEAD_DIMS = (32, 64, 128)
 def fused_head_dims(dtype: torch.dtype, variant: str | None) -> tuple[int, ...]:
     return BF16_PAIRS_HEAD_DIMS if dtype == torch.bfloat16 and variant in (None, "avx512_bf16") else HEAD_DIMS
 _MATRICES = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+
+
+def split_desc(weight) -> tuple[WeightDescC, WeightDescC] | None:
+    """A matrix as the fused call takes it: (its descriptor, an empty one) when it has one layout;
+    (first run, second run) when its rows are two runs of block formats (a Q4_K_M file's qkv:
+    Q4_K q and k rows, then Q6_K v rows); else None."""
+    desc = weight_desc(weight)
+    if desc is not None:
+        return desc, WeightDescC()
+    runs = getattr(weight, "segments", None)
+    if runs is None or len(runs) != 2 or any(run.format is None for run in runs):
+        return None
+    head, tail = (WeightDescC(fmt, 0, ptr, n, k, row_bytes)
+                  for fmt, ptr, n, k, row_bytes in (run.kernel_desc(weight.k) for run in runs))
+    return head, tail
 _VECTORS = ("input_norm", "post_attention_norm", "qkv_bias", "q_norm", "k_norm")
 
 
@@ -73,13 +91,15 @@ class FusedDecode:
         self.num_layers = cfg.num_layers
         self.layers = (_LayerArgs * cfg.num_layers)()
         for i, layer in enumerate(model.weights.layers):
-            qkv, o, gate_up, down = (weight_desc(getattr(layer, name)) for name in _MATRICES)
+            (qkv, qkv_tail), o, gate_up, down = (split_desc(layer.qkv_proj),
+                                                 *(weight_desc(getattr(layer, name)) for name in _MATRICES[1:]))
             self.layers[i] = _LayerArgs(
                 cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size,
                 cfg.rms_norm_eps, cfg.head_dim**-0.5, layer.input_norm.data_ptr(),
                 None if layer.qkv_bias is None else layer.qkv_bias.data_ptr(), layer.post_attention_norm.data_ptr(),
                 qkv, o, gate_up, down, kv.k[i].data_ptr(), kv.v[i].data_ptr(), kv.num_blocks, kv.block_size,
-                *(None if t is None else t.data_ptr() for t in (layer.q_norm, layer.k_norm)), cfg.rotary_dim or 0)
+                *(None if t is None else t.data_ptr() for t in (layer.q_norm, layer.k_norm)), cfg.rotary_dim or 0,
+                qkv_tail)
         self.scratch_per_row = (cfg.hidden_size + (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
                                 + cfg.num_heads * cfg.head_dim + 3 * cfg.intermediate_size)
         self._fn = kernels.lib.dp_decode_layers_bf16 if self.dtype == torch.bfloat16 else kernels.lib.dp_decode_layers_f32
@@ -126,10 +146,10 @@ class FusedDecode:
                 t = getattr(layer, name)
                 if t is not None and (t.dtype != model.dtype or not t.is_contiguous()):
                     return False
-            for name in _MATRICES:
-                desc = weight_desc(getattr(layer, name))
-                if desc is None or not kernels.supports_format(desc.format):
-                    return False
+            qkv = split_desc(layer.qkv_proj)
+            descs = [*qkv, *(weight_desc(getattr(layer, name)) for name in _MATRICES[1:])] if qkv else [None]
+            if any(d is None or (d.N and not kernels.supports_format(d.format)) for d in descs):
+                return False
         return True
 
     def run(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slot_ids: torch.Tensor,

@@ -651,7 +651,19 @@ struct LayerArgs {
   int64_t num_blocks, block_size;
   const void *q_norm, *k_norm;  // [head_dim] RMSNorm weights of every q / k head (Qwen3), or null
   int64_t rotary_dim;           // dims of each head RoPE rotates (partial rotary, Phi-3); 0: head_dim
+  // Rows [qkv_w.N, qkv_w.N + N) of the qkv matrix where they are in another block format than
+  // qkv_w's (a Q4_K_M file: Q4_K q and k rows, Q6_K v rows); N = 0: qkv_w holds them all.
+  WeightDesc qkv_tail_w;
 };
+
+bool has_tail(const LayerArgs& a) { return a.qkv_tail_w.N > 0; }
+
+// The qkv epilogue of the rows from n0 on: bias and output moved to that row.
+template <typename T>
+Epilogue<T> qkv_epilogue(const LayerArgs& a, T* qkv, int64_t qkv_size, int64_t n0) {
+  const T* bias = static_cast<const T*>(a.qkv_b);
+  return Epilogue<T>{bias == nullptr ? nullptr : bias + n0, nullptr, 0, qkv + n0, qkv_size, 0};
+}
 
 // Per step, shared by all layers.
 struct StepArgs {
@@ -736,7 +748,8 @@ int decode_layer(T* hidden, const LayerArgs& a, const StepArgs& st) {
   int status = 0;
 
   rms_norm(hidden, M, H, H, static_cast<const T*>(a.input_norm), a.eps, x);
-  status |= linear_any(x, M, H, a.qkv_w, Epilogue<T>{static_cast<const T*>(a.qkv_b), none, 0, qkv, qkv_size, 0});
+  status |= linear_any(x, M, H, a.qkv_w, qkv_epilogue(a, qkv, qkv_size, 0));
+  if (has_tail(a)) status |= linear_any(x, M, H, a.qkv_tail_w, qkv_epilogue(a, qkv, qkv_size, a.qkv_w.N));
   if (status != 0) return -1;
   rope_and_write_kv(a, st, b);
   status = attend_layer(a, st, b, 0, M);
@@ -794,6 +807,8 @@ bool staged_applies(const LayerArgs* layers, int64_t num_layers, const StepArgs&
     const LayerArgs& a = layers[i];
     if (!staged_format(a.qkv_w) || !staged_format(a.o_w) || !staged_format(a.gate_up_w) || !staged_format(a.down_w))
       return false;
+    // a split qkv: two block-format runs (each with its own prepared activations, no AMX packing)
+    if (has_tail(a) && (is_dense(a.qkv_w) || is_dense(a.qkv_tail_w) || !staged_format(a.qkv_tail_w))) return false;
     const int64_t tokens = checked_longest_context(st, a.block_size, a.num_blocks);
     if (tokens < 0) return false;
     if (st.M < omp_get_max_threads() && tokens * a.num_heads * a.head_dim >= PARALLEL_MIN_MACS) return false;
@@ -846,9 +861,10 @@ int decode_layers_staged(T* hidden, const LayerArgs* layers, int64_t num_layers,
   const int64_t M = st.M, head_stage = num_layers * STAGES;
   const int threads = omp_get_max_threads();
   std::vector<int64_t> begin(1, 0), rows_per_chunk(head_stage + 2, 0);
+  std::vector<int64_t> tail_rows_per_chunk(num_layers, 1), head_chunks(num_layers, 0);  // a split qkv's
   // A lone sequence's RoPE, KV write and attention as one task per kv head (rope_kv_attend_head).
   const bool per_head = M == 1 && threads > 1;
-  int64_t widest = 0, prepared_bytes = 0;
+  int64_t widest = 0, prepared_bytes = 0, tail_prepared_bytes = 0;
   bool any_amx = false;
   for (int64_t i = 0; i < num_layers; ++i) {
     const LayerArgs& a = layers[i];
@@ -859,6 +875,7 @@ int decode_layers_staged(T* hidden, const LayerArgs* layers, int64_t num_layers,
 #if DP_HAS_QUANT
     for (const WeightDesc* w : {&a.qkv_w, &a.o_w, &a.gate_up_w, &a.down_w})
       if (!is_dense(*w)) prepared_bytes = std::max(prepared_bytes, dp_quant::prepare_bytes(*w, M));
+    if (has_tail(a)) tail_prepared_bytes = std::max(tail_prepared_bytes, dp_quant::prepare_bytes(a.qkv_tail_w, M));
 #endif
     for (int64_t s = 0; s < STAGES; ++s) {
       int64_t tasks = s == 3 ? M : 1;  // attention: one task per sequence
@@ -871,6 +888,11 @@ int decode_layers_staged(T* hidden, const LayerArgs* layers, int64_t num_layers,
         rows_per_chunk[i * STAGES + s] = amx ? amx_chunk_rows(M, mats[s]->N, threads) : chunk_rows(M, mats[s]->N, threads);
         tasks = (mats[s]->N + rows_per_chunk[i * STAGES + s] - 1) / rows_per_chunk[i * STAGES + s];
         widest = std::max(widest, mats[s]->K);
+        if (s == 1 && has_tail(a)) {  // the tail's row chunks follow the head's in the same stage
+          head_chunks[i] = tasks;
+          tail_rows_per_chunk[i] = chunk_rows(M, a.qkv_tail_w.N, threads);
+          tasks += (a.qkv_tail_w.N + tail_rows_per_chunk[i] - 1) / tail_rows_per_chunk[i];
+        }
       }
       begin.push_back(begin.back() + tasks);
     }
@@ -893,6 +915,8 @@ int decode_layers_staged(T* hidden, const LayerArgs* layers, int64_t num_layers,
   // once every task of the earlier ones is done.
   std::vector<char> prepared_buf(static_cast<size_t>(prepared_bytes));
   char* const prepared = prepared_buf.data();
+  std::vector<char> tail_prepared_buf(static_cast<size_t>(tail_prepared_bytes));  // a split qkv's tail
+  char* const tail_prepared = tail_prepared_buf.data();
   // The next AMX matrix's x packed for B tiles (amx_pack), by the same single-task stages.
 #if defined(DP_AMX_BUILT)
   std::vector<bf16> amx_buf(any_amx ? static_cast<size_t>(amx_pack_elems(M, widest)) : 0);
@@ -909,17 +933,22 @@ int decode_layers_staged(T* hidden, const LayerArgs* layers, int64_t num_layers,
     const T* none = nullptr;
     const int64_t rows = rows_per_chunk[stage];
     auto fp32_in = [&](const T* in) { return sizeof(T) == 2 ? xf : reinterpret_cast<const float*>(in); };
-    auto prepare = [&](const T* in, int64_t ld_in, const WeightDesc& w) {
+    auto prepare = [&](const T* in, int64_t ld_in, const WeightDesc& w, char* prep = nullptr) {
 #if defined(DP_AMX_BUILT)
       if constexpr (std::is_same_v<T, bf16>)
         if (use_amx<T>(w, M)) amx_pack(in, M, ld_in, w.K, amx_pack_out);
 #endif
 #if DP_HAS_QUANT
-      if (!is_dense(w)) prepare_activations(w, fp32_in(in), M, sizeof(T) == 2 ? w.K : ld_in, prepared);
+      if (!is_dense(w)) prepare_activations(w, fp32_in(in), M, sizeof(T) == 2 ? w.K : ld_in, prep ? prep : prepared);
+#else
+      (void)prep;
 #endif
     };
-    auto chunk = [&](const T* in, int64_t ld_in, const WeightDesc& w, const Epilogue<T>& ep) {
-      const int64_t ldf = sizeof(T) == 2 ? w.K : ld_in, n0 = task * rows, n1 = std::min(w.N, (task + 1) * rows);
+    // Row chunk t of `w` (chunks of r rows; prep: its prepared activations, null: `prepared`).
+    auto chunk = [&](const T* in, int64_t ld_in, const WeightDesc& w, const Epilogue<T>& ep, int64_t t = -1,
+                     int64_t r = 0, const char* prep = nullptr) {
+      if (t < 0) t = task, r = rows;
+      const int64_t ldf = sizeof(T) == 2 ? w.K : ld_in, n0 = t * r, n1 = std::min(w.N, (t + 1) * r);
 #if defined(DP_AMX_BUILT)
       if constexpr (std::is_same_v<T, bf16>)
         if (use_amx<T>(w, M)) {
@@ -932,7 +961,9 @@ int decode_layers_staged(T* hidden, const LayerArgs* layers, int64_t num_layers,
         return;
       }
 #if DP_HAS_QUANT
-      quant_rows(w, fp32_in(in), M, ldf, prepared, n0, n1, ep);
+      quant_rows(w, fp32_in(in), M, ldf, prep ? prep : prepared, n0, n1, ep);
+#else
+      (void)prep;
 #endif
     };
     if (stage >= head_stage) {  // the final norm, then the LM head's row chunks
@@ -951,10 +982,17 @@ int decode_layers_staged(T* hidden, const LayerArgs* layers, int64_t num_layers,
         rms_norm(hidden, M, H, H, static_cast<const T*>(a.input_norm), a.eps, x);
         widen_rows(x, M, H, H, xf);
         prepare(x, H, a.qkv_w);
+        if (has_tail(a)) prepare(x, H, a.qkv_tail_w, tail_prepared);
         break;
-      case 1:
-        chunk(x, H, a.qkv_w, Epilogue<T>{static_cast<const T*>(a.qkv_b), none, 0, qkv, qkv_size, 0});
+      case 1: {
+        const int64_t i = stage / STAGES;
+        if (!has_tail(a) || task < head_chunks[i])
+          chunk(x, H, a.qkv_w, qkv_epilogue(a, qkv, qkv_size, 0));
+        else
+          chunk(x, H, a.qkv_tail_w, qkv_epilogue(a, qkv, qkv_size, a.qkv_w.N), task - head_chunks[i],
+                tail_rows_per_chunk[i], tail_prepared);
         break;
+      }
       case 2:
         rope_and_write_kv(a, st, b);
         break;
@@ -1002,6 +1040,7 @@ int decode_layers(T* hidden, const LayerArgs* layers, int64_t num_layers, const 
   for (int64_t i = 0; i < num_layers; ++i) {
     const LayerArgs& a = layers[i];
     if (!format_supported(a.qkv_w.format) || !format_supported(a.o_w.format) ||
+        (has_tail(a) && !format_supported(a.qkv_tail_w.format)) ||
         !format_supported(a.gate_up_w.format) || !format_supported(a.down_w.format) ||
         with_head_dim<T>(a.head_dim, [](auto, auto) { return 0; }) != 0)
       return -1;

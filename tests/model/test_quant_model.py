@@ -183,3 +183,40 @@ def test_one_region_step_with_long_contexts_matches_per_op(native_fp32):
         per_op = PagedForward(native_fp32.model, kv).forward(work)
     assert (in_one_region - per_op).abs().max().item() < 1e-4
     assert torch.equal(in_one_region.argmax(-1), per_op.argmax(-1))
+
+
+def test_one_region_step_takes_a_qkv_of_two_formats():
+    """A Q4_K_M file's qkv holds two formats (Q4_K q and k rows, Q6_K v rows): here the default
+    model's v rows requantized to Q8_0. The fused step takes such a matrix (each run of rows its own
+    chunks), and its one-region logits equal the per-operation C path's bit for bit and the
+    per-stage path's (Kernels.linear run by run) to rounding."""
+    from dualpace.kv.storage import KVStorage
+    from dualpace.model.cpu_fused_decode import FusedDecode
+    from dualpace.model.paged_forward import PagedForward, SequenceWork, build_step_tensors
+    from dualpace.model.quant import Segment
+
+    loaded = load_model(DEFAULT_MODEL_NAME, dtype="fp32", weights="native")
+    cfg = loaded.config
+    num_qk_rows = (cfg.num_heads + cfg.num_kv_heads) * cfg.head_dim
+    for layer in loaded.model.weights.layers:
+        (run,), k = layer.qkv_proj.segments, layer.qkv_proj.k
+        head = QuantizedWeight([Segment(0, run.blocks[:num_qk_rows], run.format)], k)
+        layer.qkv_proj = QuantizedWeight.cat_rows([head, quantize_q8_0(run.dequantize(k, num_qk_rows))])
+    assert len(loaded.model.weights.layers[0].qkv_proj.formats) == 2
+    torch.manual_seed(4)
+    kv = KVStorage(cfg.num_layers, 64, 4, cfg.num_kv_heads, cfg.head_dim, torch.float32)
+    kv.k.normal_()
+    kv.v.normal_()
+    assert FusedDecode.applies(loaded.model, kv, cpu_kernels.get())
+    work = [SequenceWork([5 + i], 2 + i % 7, [(3 * i + j) % 64 for j in range(3)]) for i in range(8)]
+    fused_path = PagedForward(loaded.model, kv)
+    assert fused_path._fused_decode(build_step_tensors(work, kv.block_size, kv.device)) is not None
+    in_one_region = fused_path.forward(work)
+    with one_region(cpu_kernels.get(), False):
+        per_op = PagedForward(loaded.model, kv).forward(work)
+    assert torch.equal(in_one_region, per_op)
+    stages_path = PagedForward(loaded.model, kv)
+    stages_path._fused_decode = lambda step: None
+    per_stage = stages_path.forward(work)
+    assert (in_one_region - per_stage).abs().max().item() < 1e-4
+    assert torch.equal(in_one_region.argmax(-1), per_stage.argmax(-1))
