@@ -165,6 +165,23 @@ async def test_the_connection_closing_at_each_phase_keeps_the_request_on_the_sou
     await served.close()
 
 
+class LeaseEndingOn:
+    """A write lease whose end first sets `reached`, then waits for `proceed` (or the cancel)."""
+
+    def __init__(self, lease, reached: asyncio.Event, proceed: asyncio.Event):
+        self.lease, self.reached, self.proceed = lease, reached, proceed
+
+    async def __aenter__(self):
+        return await self.lease.__aenter__()
+
+    async def __aexit__(self, *exc_info):
+        self.reached.set()
+        try:
+            await self.proceed.wait()
+        finally:
+            await self.lease.__aexit__(*exc_info)
+
+
 @pytest.mark.parametrize("phase", ["header", "copy"])
 async def test_a_cancelled_sender_abandons_the_stream(tiny, monkeypatch, phase):
     """MigrateOut cancelled while its transfer waits for the reservation, or during the copy: the
@@ -185,13 +202,15 @@ async def test_a_cancelled_sender_abandons_the_stream(tiny, monkeypatch, phase):
         monkeypatch.setattr(SameHostKvSender, "_expect_answer", held_answer)
         faults = FaultConfig()
     else:
+        # The copy is done and the lease still held (its end waits for `proceed`) when the cancel lands.
         write_in_place = kv_shm_transport.write_in_place
 
-        async def copying(*args, **kwargs):
-            reached.set()
-            return await write_in_place(*args, **kwargs)
+        async def copying(segment, answer, chunks, faults, lease, marks):
+            assert lease is not None, "the lease was expected on the watch"
+            return await write_in_place(segment, answer, chunks, faults, LeaseEndingOn(lease, reached, proceed),
+                                        marks)
         monkeypatch.setattr(kv_shm_transport, "write_in_place", copying)
-        faults = FaultConfig(kv_shm_hold_ms=200)  # the lease is held this long after the copy
+        faults = FaultConfig()
     channel = await served.source[0].add_request("x", PROMPT, PARAMS)
     await wait_tokens(channel, 4)
     sender = served.sender(faults)
