@@ -24,7 +24,7 @@ import ctypes
 
 import torch
 
-from dualpace.model.cpu_kernels import MIXED_MAX_ROWS, Kernels, WeightDescC, weight_desc
+from dualpace.model.cpu_kernels import MIXED_MAX_ROWS, Kernels, WeightDescC, run_descs, weight_desc
 
 _i64, _f32, _ptr = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
 
@@ -61,23 +61,23 @@ BF16_PAIRS_HEAD_DIMS = (32, 64, 128)
 
 def fused_head_dims(dtype: torch.dtype, variant: str | None) -> tuple[int, ...]:
     return BF16_PAIRS_HEAD_DIMS if dtype == torch.bfloat16 and variant in (None, "avx512_bf16") else HEAD_DIMS
+
+
 _MATRICES = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+_VECTORS = ("input_norm", "post_attention_norm", "qkv_bias", "q_norm", "k_norm")
 
 
 def split_desc(weight) -> tuple[WeightDescC, WeightDescC] | None:
     """A matrix as the fused call takes it: (its descriptor, an empty one) when it has one layout;
-    (first run, second run) when its rows are two runs of block formats (a Q4_K_M file's qkv:
-    Q4_K q and k rows, then Q6_K v rows); else None."""
+    (first run, second run) when its rows are two runs of block formats (run_descs); else None."""
     desc = weight_desc(weight)
     if desc is not None:
         return desc, WeightDescC()
-    runs = getattr(weight, "segments", None)
-    if runs is None or len(runs) != 2 or any(run.format is None for run in runs):
+    runs = run_descs(weight)
+    if runs is None or len(runs) != 2:
         return None
-    head, tail = (WeightDescC(fmt, 0, ptr, n, k, row_bytes)
-                  for fmt, ptr, n, k, row_bytes in (run.kernel_desc(weight.k) for run in runs))
+    (_, head), (_, tail) = runs
     return head, tail
-_VECTORS = ("input_norm", "post_attention_norm", "qkv_bias", "q_norm", "k_norm")
 
 
 class FusedDecode:

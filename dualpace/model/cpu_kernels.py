@@ -198,6 +198,17 @@ def weight_desc(weight) -> WeightDescC | None:
     return WeightDescC(fmt, 0, ptr, n, k, row_bytes)
 
 
+def run_descs(weight) -> list[tuple[int, WeightDescC]] | None:
+    """(first row, descriptor) of each run of rows of a quantized weight whose rows mix block formats
+    (a Q4_K_M file's qkv: Q4_K q and k rows, Q6_K v rows); None for one layout, or a run without a
+    block format (an F32 run)."""
+    runs = getattr(weight, "segments", None)
+    if not runs or len(runs) < 2 or any(run.format is None for run in runs):
+        return None
+    return [(run.row0, WeightDescC(fmt, 0, ptr, n, k, row_bytes))
+            for run, (fmt, ptr, n, k, row_bytes) in ((run, run.kernel_desc(weight.k)) for run in runs)]
+
+
 def torch_linear(x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x @ weight^T (+ bias) with torch ops, for a tensor of any dtype or a quantized-weight
     object (which dequantizes on the fly through its own F.linear)."""
@@ -308,24 +319,16 @@ class Kernels(ElementwiseAndAttentionOps):
         return y.to(out_dtype)
 
     def _segment_descs(self, x: torch.Tensor, weight) -> list[tuple[int, WeightDescC]] | None:
-        """(first row, descriptor) of each run of rows of a quantized weight whose rows mix formats
-        (a Q4_K_M file's qkv: Q4_K q and k rows, Q6_K v rows), when the kernels have every format and
-        would take these rows; else None. (Through the torch fallback, each run went to the
-        standalone library, whose OpenMP threads wait beside these kernels' on the same cores: a
-        Q4_K_M qkv of the 1B shape took 21 ms at one row.)"""
-        runs = getattr(weight, "segments", None)
-        if not runs or len(runs) < 2 or x.shape[0] >= getattr(weight, "dense_min_rows", x.shape[0] + 1):
+        """run_descs(weight) when the kernels have every run's format and would take these rows;
+        else None. (Through the torch fallback, each run went to the standalone library, whose
+        OpenMP threads wait beside these kernels' on the same cores: a Q4_K_M qkv of the 1B shape
+        took 21 ms at one row.)"""
+        if x.shape[0] >= getattr(weight, "dense_min_rows", x.shape[0] + 1):
             return None
-        descs = []
-        for run in runs:
-            if run.format is None:
-                return None
-            fmt, ptr, n, k, row_bytes = run.kernel_desc(weight.k)
-            desc = WeightDescC(fmt, 0, ptr, n, k, row_bytes)
-            if not self.supports_format(desc.format):
-                return None
-            descs.append((run.row0, desc))
-        return descs
+        runs = run_descs(weight)
+        if runs is None or not all(self.supports_format(desc.format) for _, desc in runs):
+            return None
+        return runs
 
     def _run_segments(self, x: torch.Tensor, segments: list[tuple[int, WeightDescC]], bias: torch.Tensor | None,
                       residual: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
