@@ -360,12 +360,15 @@ inline void rows_f32_t(const WeightDesc& w, const float* x, int64_t M, int64_t l
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #define DP_QUANT_VNNI 1
 #include "quant_gemv_vnni.h"  // the int8 mode's rows
+#include "quant_gemv_q8k.h"   // the int8 mode's K-quant rows below VNNI_MIN_ROWS
 #endif
 namespace dp_quant {
 
-// The layouts a prepared header names: ACT_FP32 (none), ACT_INT16, or the int8 mode's layout for
-// vpdpbusd (quant_gemv_vnni.h: activation rows in the vector lanes).
+// The layouts a prepared header names: ACT_FP32 (none), ACT_INT16, or the int8 mode's layouts:
+// for vpdpbusd (quant_gemv_vnni.h: activation rows in the vector lanes) and, for the K-quant
+// formats below VNNI_MIN_ROWS rows, rows rounded per super-block (quant_gemv_q8k.h).
 constexpr int32_t PREPARED_VNNI = 17;
+constexpr int32_t PREPARED_Q8K = 18;
 
 // Rows of x from which the int16 mode computes in fp32 instead (quant_gemv_avx512.h); never on AVX2.
 inline int64_t fp32_min_rows() {
@@ -384,7 +387,7 @@ constexpr int64_t PREPARED_HEADER_BYTES = 64;
 inline int64_t prepare_bytes(const WeightDesc& w, int64_t M) {
   const int64_t rows = M * i16_row_bytes(w.K);
 #if defined(DP_QUANT_VNNI)
-  return PREPARED_HEADER_BYTES + std::max(rows, vnni_prepared_bytes(w.K, M));
+  return PREPARED_HEADER_BYTES + std::max({rows, vnni_prepared_bytes(w.K, M), M * q8k_row_bytes(w.K)});
 #else
   return PREPARED_HEADER_BYTES + rows;
 #endif
@@ -396,7 +399,8 @@ inline int64_t prepare_bytes(const WeightDesc& w, int64_t M) {
 // a row's output would depend on how many rows share its call (tests/model/test_batch_invariance.py).
 // (With it on, bf16 compute once changed the default model's chat answer: not a fault of these
 // tiles but a near tie of the model's first answer token, margin 0.08 logits.)
-// The int8 mode has no such invariance: below VNNI_MIN_ROWS rows (and without VNNI) it is int16.
+// The int8 mode has no such invariance: below VNNI_MIN_ROWS rows it rounds K-quant calls per
+// super-block (without an outlier row) and computes other formats in int16; without VNNI, int16.
 inline void prepare(const WeightDesc& w, const float* x, int64_t M, int64_t ldx, void* prepared,
                     bool fp32_switch = true) {
   uint8_t* out = static_cast<uint8_t*>(prepared);
@@ -406,6 +410,9 @@ inline void prepare(const WeightDesc& w, const float* x, int64_t M, int64_t ldx,
   if (mode == ACT_INT8 && M >= VNNI_MIN_ROWS) {
     mode = PREPARED_VNNI;
     prepare_vnni(x, M, ldx, w.K, w.format, body);
+  } else if (mode == ACT_INT8 && q8k_applies(w, x, M, ldx)) {
+    mode = PREPARED_Q8K;
+    prepare_q8k(x, M, ldx, w.K, body);
   } else
 #endif
   if (mode == ACT_FP32 || (fp32_switch && M >= fp32_min_rows())) {
@@ -423,7 +430,9 @@ inline void rows(const WeightDesc& w, const float* x, int64_t M, int64_t ldx, co
   std::memcpy(&mode, prepared, sizeof(mode));
   const uint8_t* body = static_cast<const uint8_t*>(prepared) + PREPARED_HEADER_BYTES;
 #if defined(DP_QUANT_VNNI)
-#define DP_QUANT_VNNI_ROWS(F) (mode == PREPARED_VNNI && (rows_vnni<F>(w, body, n0, n1, y, ldy), true))
+#define DP_QUANT_VNNI_ROWS(F)                                                    \
+  ((mode == PREPARED_VNNI && (rows_vnni<F>(w, body, n0, n1, y, ldy), true)) || \
+   (mode == PREPARED_Q8K && rows_q8k<F>(w, body, M, n0, n1, y, ldy)))
 #else
 #define DP_QUANT_VNNI_ROWS(F) false
 #endif

@@ -317,12 +317,13 @@ inline void rows_two_streams(const WeightDesc& w, const uint8_t* const* arows, i
 }
 
 // y[m, n - n0] for rows [n0, n1) of W, the prepared activation rows `stride` bytes apart, by
-// Tile::run<MR> (MR = 1..4 activation rows x one weight row).
+// Tile::run<MR> (MR = 1..4 activation rows x one weight row); at batch 1 as two streams where
+// Tile::TWO_STREAMS.
 template <class Tile>
 inline void rows_tiled(const WeightDesc& w, const uint8_t* act, int64_t stride, int64_t M, int64_t n0, int64_t n1,
                        float* y, int64_t ldy) {
   const uint8_t* base = static_cast<const uint8_t*>(w.data);
-  if (M == 1 && n1 - n0 >= I16_TWO_STREAM_MIN_ROWS) {
+  if (Tile::TWO_STREAMS && M == 1 && n1 - n0 >= I16_TWO_STREAM_MIN_ROWS) {
     const uint8_t* const arows[4] = {act, act, act, act};
     rows_two_streams<Tile, 1>(w, arows, n0, n1, y, ldy);
     return;
@@ -358,6 +359,7 @@ namespace dp_quant {
 
 template <int32_t F>
 struct I16Tile {
+  static constexpr bool TWO_STREAMS = true;
   template <int MR>
   static void run(const uint8_t* row, const uint8_t* const* arows, int64_t K, float* out) {
     tile_i16<F, MR>(row, arows, K, out);

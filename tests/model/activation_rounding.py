@@ -13,6 +13,10 @@ from dualpace.model import quant_kernels
 # elements to +-127.
 INT16_SCHEME = (True, 32767)
 INT8_SCHEME = (False, 127)
+# int8 below int8_min_rows() rows on the K-quant formats (quant_gemv_q8k.h): per super-block of 256
+# consecutive elements to +-127; a call holding an outlier row computes in int16.
+INT8_K_SCHEME = ("super-block", 127)
+K_QUANT_FORMATS = ("Q4_K", "Q6_K")
 
 
 def int16_halves(x: torch.Tensor, interleaved: bool = True) -> torch.Tensor:
@@ -63,7 +67,17 @@ def int8_rounded(x: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def mode_rounded(x: torch.Tensor, rounding: tuple[bool, int]) -> torch.Tensor:
+def super_block_rounded(x: torch.Tensor) -> torch.Tensor:
+    """x rounded per 256 consecutive elements to int8, as INT8_K_SCHEME (fp32 q, double scale)."""
+    g = x.reshape(x.shape[0], -1, 256)
+    amax = g.abs().amax(-1, keepdim=True)
+    inv = torch.where(amax > 0, torch.full_like(amax, 127.0) / amax, torch.zeros_like(amax))
+    return (torch.round(g * inv).double() * (amax.double() / 127)).reshape(x.shape)
+
+
+def mode_rounded(x: torch.Tensor, rounding) -> torch.Tensor:
+    if rounding == INT8_K_SCHEME:
+        return int16_rounded(x) if int8_outliers(x).any() else super_block_rounded(x)
     return int8_rounded(x) if rounding == INT8_SCHEME else int16_rounded(x, rounding)
 
 
@@ -72,20 +86,31 @@ def int8_min_rows() -> int:
     return quant_kernels.get().dp_quant_int8_min_rows()
 
 
-def rounding_of(mode: str, m: int) -> tuple[bool, int]:
-    """How `mode` rounds m rows of x (fp32: as int16 here; the callers compare it exactly)."""
-    return INT8_SCHEME if mode == "int8" and int8_min_rows() and m >= int8_min_rows() else INT16_SCHEME
+def rounding_of(mode: str, m: int, name: str) -> tuple:
+    """How `mode` rounds m rows of x for a matrix of format `name` (fp32: as int16 here; the callers
+    compare it exactly)."""
+    if mode != "int8" or not int8_min_rows():
+        return INT16_SCHEME
+    if m >= int8_min_rows():
+        return INT8_SCHEME
+    return INT8_K_SCHEME if name in K_QUANT_FORMATS else INT16_SCHEME
 
 
 def assert_linear_close(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor, rel: float = 1e-5,
-                        rounding: tuple[bool, int] = INT16_SCHEME) -> None:
-    """y = x @ w.T, except for the mode's rounding of x per 16 elements (|error| <= half a step,
-    max|x_half| / qmax / 2, per element: its bound through |w| is allowed on top of rel)."""
-    interleaved, qmax = rounding
+                        rounding=INT16_SCHEME) -> None:
+    """y = x @ w.T, except for the mode's rounding of x per 16 (or 256) elements (|error| <= half a
+    step, max|x_group| / qmax / 2, per element: its bound through |w| is allowed on top of rel)."""
+    if rounding == INT8_K_SCHEME and int8_outliers(x).any():
+        rounding = INT16_SCHEME
     ref = x.double() @ w.double().T
-    h = int16_halves(x.double(), interleaved)
-    half_step = from_int16_halves((h.abs().amax(-1, keepdim=True) / qmax * 0.5 * (1 + 1e-3)).expand_as(h),
-                                  interleaved)
+    if rounding == INT8_K_SCHEME:
+        g = x.double().reshape(x.shape[0], -1, 256)
+        half_step = (g.abs().amax(-1, keepdim=True) / 127 * 0.5 * (1 + 1e-3)).expand_as(g).reshape(x.shape)
+    else:
+        interleaved, qmax = rounding
+        h = int16_halves(x.double(), interleaved)
+        half_step = from_int16_halves((h.abs().amax(-1, keepdim=True) / qmax * 0.5 * (1 + 1e-3)).expand_as(h),
+                                      interleaved)
     bound = half_step @ w.double().abs().T
     excess = ((y.double() - ref).abs() - bound).max().item()
     scale = ref.abs().max().item() + 1e-12

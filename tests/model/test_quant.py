@@ -2,7 +2,8 @@
 package's dequantization, odd N, K a multiple of the block, 1..70 rows of x, through the
 standalone kernels, the torch fallback, the cpu_kernels seam, in each activation mode: int16 (the
 exact mode: within the bound its rounding allows), fp32 (exact up to summation order) and int8
-(from a few rows on AVX-512 VNNI: x rounded to int8 per 16 elements, the products exact), and in
+(from a few rows on AVX-512 VNNI: x rounded to int8 per 16 elements, the products exact; below
+that on the K-quant formats per 256 elements), and in
 every ISA variant this CPU runs
 (avx512_bf16, avx512, avx2, generic; the others skipped by name): the AVX-512 builds have rows of
 their own (quant_gemv_avx512.h)."""
@@ -20,12 +21,14 @@ from dualpace.model.quant import FORMAT_BY_NAME, QuantizedWeight, cat_rows, quan
 from tests.model.activation_rounding import (  # how each activation mode rounds x
     INT16_SCHEME,
     INT8_SCHEME,
+    K_QUANT_FORMATS,
     int16_rounded,
     int8_outliers,
     mode_rounded,
     int8_min_rows,
     rounding_of,
     assert_linear_close,
+    super_block_rounded,
 )
 from tests.model.test_cpu_kernels import VARIANTS  # every variant, those this CPU lacks skipped by name
 
@@ -107,9 +110,9 @@ def test_linear_matches_dequantized_reference(name, m, n, k, activations):
     if activations == "fp32":
         assert_close(qw.linear(x), x @ w.T)
     else:
-        assert_linear_close(qw.linear(x), x, w, rounding=rounding_of(activations, m))
+        assert_linear_close(qw.linear(x), x, w, rounding=rounding_of(activations, m, name))
     bias = torch.randn(n)
-    assert_linear_close(qw.linear(x, bias) - bias, x, w, rounding=rounding_of(activations, m))
+    assert_linear_close(qw.linear(x, bias) - bias, x, w, rounding=rounding_of(activations, m, name))
 
 
 @needs_kernels
@@ -229,7 +232,7 @@ def test_the_cpu_kernels_seam_uses_the_header(name, activations):
         if activations == "fp32":
             assert_close(y, x @ w.T + residual)
         else:
-            assert_linear_close(y - residual, x, w, rounding=rounding_of(activations, m))
+            assert_linear_close(y - residual, x, w, rounding=rounding_of(activations, m, name))
 
 
 @needs_kernels
@@ -253,7 +256,7 @@ def test_batch_1_chunks_read_in_two_streams(name, threads, activations):
     if activations == "fp32":
         assert_close(y, x @ w.T)
     else:
-        assert_linear_close(y, x, w, rounding=rounding_of(activations, 1))
+        assert_linear_close(y, x, w, rounding=rounding_of(activations, 1, name))
 
 
 @needs_kernels
@@ -275,7 +278,7 @@ def test_integer_modes_are_the_rounded_activations_times_the_weights(name, mode,
             x = torch.randn(m, k) * torch.rand(m, k) * 4
             x[m // 2] *= 0.01
             x[m // 2, k // 3] = 50.0  # an outlier row from K = 512 (int8: rounded twice)
-            rounding = rounding_of(mode, m)
+            rounding = rounding_of(mode, m, name)
             rounded = mode_rounded(x, rounding) @ w.double().T
             exact = from_rows and m >= from_rows and rounding == INT16_SCHEME
             assert_close(qw.linear(x).double(), x.double() @ w.double().T if exact else rounded, rel=1e-6)
@@ -317,6 +320,31 @@ def test_int8_outlier_rows_keep_their_small_channels(name, variant):
 
 
 @needs_kernels
+@pytest.mark.parametrize("name", K_QUANT_FORMATS)
+def test_int8_k_quant_rows_round_per_super_block_unless_a_row_is_an_outlier(name, variant):
+    """Below int8_min_rows() rows the int8 mode rounds a K-quant call's rows per 256 elements
+    (quant_gemv_q8k.h); a call holding an outlier row, whose small channels that would flatten,
+    computes in int16 instead, every row of it."""
+    if not int8_min_rows():
+        pytest.skip(f"{variant} runs no int8 rows (no AVX-512 VNNI build)")
+    torch.manual_seed(3)
+    qw, w = weight(name, 29, 512)
+    x = torch.randn(3, 512)
+    spiked = x.clone()
+    spiked[1, 100] = 400.0  # one channel far above the rest
+    assert int8_outliers(spiked).tolist() == [False, True, False]
+    quant_activations.set_activations("int8")
+    try:
+        plain, with_outlier = qw.linear(x).double(), qw.linear(spiked).double()
+    finally:
+        quant_activations.set_activations("int16")
+    per_super_block, per_16 = super_block_rounded(x) @ w.double().T, int16_rounded(x) @ w.double().T
+    assert_close(plain, per_super_block, rel=1e-6)
+    assert (per_super_block - per_16).abs().max() > 1e-4 * per_16.abs().max()  # the two roundings differ here
+    assert_close(with_outlier, int16_rounded(spiked) @ w.double().T, rel=1e-6)
+
+
+@needs_kernels
 def test_int8_mode_at_the_extremes(variant):
     """int8 on Q8_0: every int8 weight (-128 and 127 included; rows all 127 and all -128) against
     activation blocks at +max and -max (q = +-127), all-zero blocks (scale 0) and rows past the
@@ -341,7 +369,7 @@ def test_int8_mode_at_the_extremes(variant):
             x = torch.randn(m, k)
             x[0, :512], x[1, :512] = 3.0, -3.0
             x[2, 32:64] = 0.0
-            ref = mode_rounded(x, rounding_of("int8", m)) @ w.double().T
+            ref = mode_rounded(x, rounding_of("int8", m, "Q8_0")) @ w.double().T
             assert_close(qw.linear(x).double(), ref, rel=1e-6)
             if kernels is not None and kernels.supports_format(FORMAT_BY_NAME["Q8_0"].ggml_type):
                 assert_close(kernels.linear(x, qw).double(), ref, rel=1e-6)
