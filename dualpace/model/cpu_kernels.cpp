@@ -792,9 +792,10 @@ bool staged_format(const WeightDesc& w) {
 }
 
 // Whether the step runs as one region: every matrix dense or block-quantized, and either at least
-// as many sequences as threads (a sequence is one attention task there) or every sequence's
-// attention small enough that decode_attention would run it on one thread anyway (fewer, longer
-// sequences keep decode_attention's own split of a sequence across threads).
+// as many sequences as threads (a sequence is one attention task there), or a lone sequence of a
+// model with at least as many kv heads as threads (a kv head is one task: rope_kv_attend_head), or
+// every sequence's attention small enough that decode_attention would run it on one thread anyway
+// (other few, long sequences keep decode_attention's own split of a sequence across threads).
 // dp_set_decode_one_region(0) turns it off (tests compare both paths).
 std::atomic<int>& one_region_flag() {
   static std::atomic<int> enabled{1};
@@ -811,7 +812,9 @@ bool staged_applies(const LayerArgs* layers, int64_t num_layers, const StepArgs&
     if (has_tail(a) && (is_dense(a.qkv_w) || is_dense(a.qkv_tail_w) || !staged_format(a.qkv_tail_w))) return false;
     const int64_t tokens = checked_longest_context(st, a.block_size, a.num_blocks);
     if (tokens < 0) return false;
-    if (st.M < omp_get_max_threads() && tokens * a.num_heads * a.head_dim >= PARALLEL_MIN_MACS) return false;
+    const bool per_head = st.M == 1 && a.num_kv_heads >= omp_get_max_threads();
+    if (st.M < omp_get_max_threads() && !per_head && tokens * a.num_heads * a.head_dim >= PARALLEL_MIN_MACS)
+      return false;
   }
   return true;
 }
