@@ -13,8 +13,11 @@
 // - `int8`: from VNNI_MIN_ROWS rows of x in builds with AVX-512 VNNI, activations quantized per
 //   row per 16 elements to int8 (one float scale per 16: half llama.cpp's q8_0 block) and
 //   multiplied with vpdpbusd (quant_gemv_vnni.h; rows with outlier channels rounded twice, the
-//   residual in a lane of its own); fewer rows, or a build without VNNI, compute as int16. The activation rounding (4e-3 of each 16's max) moves logits by ~1e-2 relative: close
-//   to the dequantized model by KL divergence (docs/perf.md), not greedy-identical to it.
+//   residual in a lane of its own). Fewer rows of the K-quant formats (Q4_K, Q6_K) are rounded
+//   per super-block of 256 and summed in integers (quant_gemv_q8k.h; int16 where a row is an
+//   outlier); fewer rows of the other formats, or a build without VNNI, compute as int16. The
+//   activation rounding (4e-3 of each 16's max) moves logits by ~1e-2 relative: close to the
+//   dequantized model by KL divergence (docs/perf.md), not greedy-identical to it.
 // - `fp32`: each 8-weight chunk is unpacked and dequantized in registers to fp32
 //   (scale x q + min) and FMA'd with the fp32 activations. The result equals the dequantized fp32
 //   model up to summation order (the tests' reference).
