@@ -13,9 +13,10 @@
 // - `int8`: from VNNI_MIN_ROWS rows of x in builds with AVX-512 VNNI, activations quantized per
 //   row per 16 elements to int8 (one float scale per 16: half llama.cpp's q8_0 block) and
 //   multiplied with vpdpbusd (quant_gemv_vnni.h; rows with outlier channels rounded twice, the
-//   residual in a lane of its own). Fewer rows of the K-quant formats (Q4_K, Q6_K) are rounded
-//   per super-block of 256 and summed in integers (quant_gemv_q8k.h; int16 where a row is an
-//   outlier); fewer rows of the other formats, or a build without VNNI, compute as int16. The
+//   residual in a lane of its own); the K-quant formats (Q4_K, Q6_K) from Q8K_MAX_ROWS + 1. Fewer
+//   rows of those are rounded per super-block of 256 and summed in integers (quant_gemv_q8k.h;
+//   int16 where a row is an outlier); fewer rows of the other formats, or a build without VNNI,
+//   compute as int16. The
 //   activation rounding (4e-3 of each 16's max) moves logits by ~1e-2 relative: close to the
 //   dequantized model by KL divergence (docs/perf.md), not greedy-identical to it.
 // - `fp32`: each 8-weight chunk is unpacked and dequantized in registers to fp32
@@ -373,6 +374,11 @@ namespace dp_quant {
 constexpr int32_t PREPARED_VNNI = 17;
 constexpr int32_t PREPARED_Q8K = 18;
 
+#if defined(DP_QUANT_VNNI)
+// Rows of x from which the int8 mode runs quant_gemv_vnni.h's lane groups for this format.
+inline int64_t int8_lanes_min_rows(int32_t format) { return q8k_format(format) ? Q8K_MAX_ROWS + 1 : VNNI_MIN_ROWS; }
+#endif
+
 // Rows of x from which the int16 mode computes in fp32 instead (quant_gemv_avx512.h); never on AVX2.
 inline int64_t fp32_min_rows() {
 #if defined(__AVX512F__) && defined(__AVX512BW__)
@@ -402,7 +408,7 @@ inline int64_t prepare_bytes(const WeightDesc& w, int64_t M) {
 // a row's output would depend on how many rows share its call (tests/model/test_batch_invariance.py).
 // (With it on, bf16 compute once changed the default model's chat answer: not a fault of these
 // tiles but a near tie of the model's first answer token, margin 0.08 logits.)
-// The int8 mode has no such invariance: below VNNI_MIN_ROWS rows it rounds K-quant calls per
+// The int8 mode has no such invariance: below int8_lanes_min_rows it rounds K-quant calls per
 // super-block (without an outlier row) and computes other formats in int16; without VNNI, int16.
 inline void prepare(const WeightDesc& w, const float* x, int64_t M, int64_t ldx, void* prepared,
                     bool fp32_switch = true) {
@@ -410,7 +416,7 @@ inline void prepare(const WeightDesc& w, const float* x, int64_t M, int64_t ldx,
   int32_t mode = activation_mode();
   uint8_t* body = out + PREPARED_HEADER_BYTES;
 #if defined(DP_QUANT_VNNI)
-  if (mode == ACT_INT8 && M >= VNNI_MIN_ROWS) {
+  if (mode == ACT_INT8 && M >= int8_lanes_min_rows(w.format)) {
     mode = PREPARED_VNNI;
     prepare_vnni(x, M, ldx, w.K, w.format, body);
   } else if (mode == ACT_INT8 && q8k_applies(w, x, M, ldx)) {

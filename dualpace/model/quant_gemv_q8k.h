@@ -1,5 +1,5 @@
-// The int8 mode's rows for the K-quant formats (Q4_K, Q6_K) below VNNI_MIN_ROWS rows of x, in
-// builds with AVX-512 VNNI: the decode batches 1-4, where the lane-group layout of
+// The int8 mode's rows for the K-quant formats (Q4_K, Q6_K) up to Q8K_MAX_ROWS rows of x, in
+// builds with AVX-512 VNNI: the decode batches 1-8, where the lane-group layout of
 // quant_gemv_vnni.h has too few rows to fill its lanes. Included by quant_gemv.h after
 // quant_gemv_vnni.h (namespace dp_quant; uses hmax8, hsum8_epi32, is_outlier_row, rows_tiled).
 //
@@ -36,6 +36,11 @@ struct alignas(64) Q8KBlock {
 static_assert(sizeof(Q8KBlock) == 320, "a prepared super-block is 5 cache lines");
 
 inline bool q8k_format(int32_t format) { return format == DP_W_Q4_K || format == DP_W_Q6_K; }
+
+// Rows of x up to which the int8 mode takes this path on the K-quant formats (quant_gemv_vnni.h's
+// lanes from one more). One thread of an AMD EPYC Zen 4, against the lane groups (8 lanes up to 8
+// rows, then 16): Q4_K 2.1x / 1.4x / 1.0x / 0.76x at 5 / 8 / 12 / 16 rows, Q6_K 3.4x / 1.6x / 1.2x / 0.87x.
+constexpr int64_t Q8K_MAX_ROWS = 8;
 inline int64_t q8k_row_bytes(int64_t K) { return (K / 256) * static_cast<int64_t>(sizeof(Q8KBlock)); }
 
 // One row of x (K floats, a multiple of 256) rounded per super-block.

@@ -50,6 +50,7 @@ _SIGNATURES = {
     "dp_quant_vector_bits": ([], ctypes.c_int),
     "dp_quant_fp32_min_rows": ([], ctypes.c_int64),
     "dp_quant_int8_min_rows": ([], ctypes.c_int64),
+    "dp_quant_int8_k_max_rows": ([], ctypes.c_int64),
     "dp_quant_int8_outlier_ratio": ([], ctypes.c_float),
     "dp_quant_format_supported": ([ctypes.c_int32], ctypes.c_int),
     "dp_quant_set_activations": ([ctypes.c_int32], ctypes.c_int32),

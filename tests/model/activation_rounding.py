@@ -13,7 +13,7 @@ from dualpace.model import quant_kernels
 # elements to +-127.
 INT16_SCHEME = (True, 32767)
 INT8_SCHEME = (False, 127)
-# int8 below int8_min_rows() rows on the K-quant formats (quant_gemv_q8k.h): per super-block of 256
+# int8 up to int8_k_max_rows() rows on the K-quant formats (quant_gemv_q8k.h): per super-block of 256
 # consecutive elements to +-127; a call holding an outlier row computes in int16.
 INT8_K_SCHEME = ("super-block", 127)
 K_QUANT_FORMATS = ("Q4_K", "Q6_K")
@@ -86,14 +86,19 @@ def int8_min_rows() -> int:
     return quant_kernels.get().dp_quant_int8_min_rows()
 
 
+def int8_k_max_rows() -> int:
+    """Rows of x up to which the loaded standalone library's int8 mode rounds K-quant calls per super-block."""
+    return quant_kernels.get().dp_quant_int8_k_max_rows()
+
+
 def rounding_of(mode: str, m: int, name: str) -> tuple:
     """How `mode` rounds m rows of x for a matrix of format `name` (fp32: as int16 here; the callers
     compare it exactly)."""
     if mode != "int8" or not int8_min_rows():
         return INT16_SCHEME
-    if m >= int8_min_rows():
-        return INT8_SCHEME
-    return INT8_K_SCHEME if name in K_QUANT_FORMATS else INT16_SCHEME
+    if name in K_QUANT_FORMATS and m <= int8_k_max_rows():
+        return INT8_K_SCHEME
+    return INT8_SCHEME if m >= int8_min_rows() else INT16_SCHEME
 
 
 def assert_linear_close(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor, rel: float = 1e-5,
