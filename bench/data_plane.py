@@ -50,6 +50,7 @@ import time
 
 import torch
 
+from bench.kv_timeline import format_timeline
 from dualpace.engine.transfer import kv_copy_native
 from dualpace.engine.transfer.kv_bytes import DTYPES_BY_NAME, tensor_bytes
 from dualpace.engine.transfer.kv_shm_send import MappedPools
@@ -171,6 +172,7 @@ async def time_transfers(sender, storage, info, sizes, repeats: int, settle_s: f
     results = {}
     if not hasattr(sender, "phases_by_tokens"):
         sender.phases_by_tokens = {}  # SameHostKvSender: {num_tokens: [phase_ms, ...]}
+        sender.last_marks_by_tokens = {}  # {num_tokens: the last timed transfer's marks} (--timeline)
     for num_tokens in sizes:
         times = []
         for i in range(repeats + 1):
@@ -182,6 +184,7 @@ async def time_transfers(sender, storage, info, sizes, repeats: int, settle_s: f
                 times.append(elapsed_ms)
                 if getattr(sender, "phase_ms", None):
                     sender.phases_by_tokens.setdefault(num_tokens, []).append(dict(sender.phase_ms))
+                    sender.last_marks_by_tokens[num_tokens] = list(getattr(sender, "marks", ()))
             await asyncio.sleep(settle_s)  # the imported request decodes its one token and ends
         results[num_tokens] = times
     return results, sender
@@ -259,6 +262,8 @@ def main() -> None:
     parser.add_argument("--settle-s", type=float, default=0.3)
     parser.add_argument("--assist-iterations", type=int, default=30, help="assisted iterations timed per batch size")
     parser.add_argument("--out", default=None, help="write the result JSON here too")
+    parser.add_argument("--timeline", action="store_true",
+                        help="print where the time of one shm transfer went, at the context and fixed sizes")
     args = parser.parse_args()
     sizes = sorted({int(s) for s in args.sizes.split(",")} | {args.context_tokens})
     max_tokens = max(*sizes, args.fixed_tokens)
@@ -286,6 +291,10 @@ def main() -> None:
             finally:
                 await channels.close()
             control = "watch" if getattr(shm_sender, "used_watch_control", False) else "grpc"
+            if args.timeline:
+                for num_tokens in (args.context_tokens, args.fixed_tokens):
+                    print(format_timeline(f"shm transfer of {num_tokens} tokens (the last timed one):",
+                                          shm_sender.last_marks_by_tokens[num_tokens]))
             return shm, shm_fixed, cold, phase_medians(shm_sender), control, tcp, phase_medians(tcp_sender)
 
         shm, shm_fixed, cold, shm_phases, shm_control, tcp_times, tcp_phases = asyncio.run(run())
