@@ -18,9 +18,8 @@ Two copy references, both at the context size:
   `--settle-s` of sleep the transfers see, right after the shm transfers (same run, same minute).
   The transfer's source is as cold as this one's; kv_shm_fraction_of_cold_memcpy =
   kv_shm_gbps / memcpy_cold_gbps is the like-for-like ratio, kv_shm_gbps / memcpy_gbps is not.
-A shm transfer over shm_kv_copy.INLINE_MAX_BYTES is copied by both kv-export workers, its layers
-split between them: kv_shm_copy_threads_at_context says how many copied the context-size transfer,
-and kv_shm_breakdown_at_context times that copy alone (in this process) in one thread and split.
+A shm transfer is copied by one thread (on the event loop up to shm_kv_copy.INLINE_MAX_BYTES, else
+in a kv-export worker); kv_shm_breakdown_at_context times that copy alone, in this process.
 All rates count bytes the same way: payload bytes, once (memcpy = bytes copied / copy time, not
 read + written bytes; kv_*_gbps = K + V bytes of the transfer / its time, header to commit).
 
@@ -51,14 +50,14 @@ import time
 
 import torch
 
+from bench.kv_timeline import format_timeline
 from dualpace.engine.transfer import kv_copy_native
 from dualpace.engine.transfer.kv_bytes import DTYPES_BY_NAME, tensor_bytes
 from dualpace.engine.transfer.kv_shm_send import MappedPools
 from dualpace.engine.transfer.kv_source import OutgoingKv
 from dualpace.engine.transfer.kv_transfer import KvLayout, KvTransferHeader
-from dualpace.engine.transfer.shm_kv_copy import INLINE_MAX_BYTES, copy_in_place, layer_ranges, transfer_bytes
+from dualpace.engine.transfer.shm_kv_copy import copy_in_place
 from dualpace.engine.transfer.shm_populate import populate
-from dualpace.engine.transfer.worker_pools import KV_TRANSFER_WORKERS, pool
 from dualpace.kv.storage import KVStorage
 from dualpace.model.registry import DEFAULT_MODEL_NAME
 from dualpace.sampling import SamplingParams
@@ -173,6 +172,7 @@ async def time_transfers(sender, storage, info, sizes, repeats: int, settle_s: f
     results = {}
     if not hasattr(sender, "phases_by_tokens"):
         sender.phases_by_tokens = {}  # SameHostKvSender: {num_tokens: [phase_ms, ...]}
+        sender.last_marks_by_tokens = {}  # {num_tokens: the last timed transfer's marks} (--timeline)
     for num_tokens in sizes:
         times = []
         for i in range(repeats + 1):
@@ -184,6 +184,7 @@ async def time_transfers(sender, storage, info, sizes, repeats: int, settle_s: f
                 times.append(elapsed_ms)
                 if getattr(sender, "phase_ms", None):
                     sender.phases_by_tokens.setdefault(num_tokens, []).append(dict(sender.phase_ms))
+                    sender.last_marks_by_tokens[num_tokens] = list(getattr(sender, "marks", ()))
             await asyncio.sleep(settle_s)  # the imported request decodes its one token and ends
         results[num_tokens] = times
     return results, sender
@@ -224,33 +225,16 @@ def summarize(results: dict[int, list[float]], bytes_per_token: int, context_tok
 
 def shm_breakdown(storage: KVStorage, num_tokens: int, repeats: int) -> dict:
     """The shm path's one pass over the bytes on its own, in this process, into a private pool: the
-    sender's copy (each word CRC'd as it is stored) in one thread, and split by layer between the
-    kv-export workers as a transfer of this size runs it (one thread up to INLINE_MAX_BYTES); the
-    two alternate which goes first. `copy_threads`: how many threads copy this transfer."""
+    sender's copy (each word CRC'd as it is stored), in one thread as a transfer runs it."""
     target = KVStorage(storage.num_layers, storage.num_blocks, storage.block_size, storage.num_kv_heads,
                        storage.head_dim, storage.dtype)
     slots = list(range(num_tokens))
-    parts = (layer_ranges(storage.num_layers, KV_TRANSFER_WORKERS)
-             if transfer_bytes(storage, num_tokens) > INLINE_MAX_BYTES else [None])
-    executor = pool("kv-export", KV_TRANSFER_WORKERS)
-
-    def one_thread() -> None:
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
         copy_in_place(storage.k, storage.v, slots, target.k, target.v, slots)
-
-    def split() -> None:
-        jobs = [executor.submit(copy_in_place, storage.k, storage.v, slots, target.k, target.v, slots, None, layers)
-                for layers in parts]
-        for job in jobs:
-            job.result()
-
-    times = {one_thread: [], split: []}
-    for i in range(repeats):
-        for copy in ((one_thread, split) if i % 2 == 0 else (split, one_thread)):
-            start = time.perf_counter()
-            copy()
-            times[copy].append((time.perf_counter() - start) * 1e3)
-    return {"sender_copy_and_checksum_one_thread_ms": statistics.median(times[one_thread]),
-            "sender_copy_and_checksum_ms": statistics.median(times[split]), "copy_threads": len(parts)}
+        times.append((time.perf_counter() - start) * 1e3)
+    return {"sender_copy_and_checksum_ms": statistics.median(times)}
 
 
 def assist_round_trips(model: str, num_iterations: int) -> dict:
@@ -278,6 +262,8 @@ def main() -> None:
     parser.add_argument("--settle-s", type=float, default=0.3)
     parser.add_argument("--assist-iterations", type=int, default=30, help="assisted iterations timed per batch size")
     parser.add_argument("--out", default=None, help="write the result JSON here too")
+    parser.add_argument("--timeline", action="store_true",
+                        help="print where the time of one shm transfer went, at the context and fixed sizes")
     args = parser.parse_args()
     sizes = sorted({int(s) for s in args.sizes.split(",")} | {args.context_tokens})
     max_tokens = max(*sizes, args.fixed_tokens)
@@ -305,6 +291,10 @@ def main() -> None:
             finally:
                 await channels.close()
             control = "watch" if getattr(shm_sender, "used_watch_control", False) else "grpc"
+            if args.timeline:
+                for num_tokens in (args.context_tokens, args.fixed_tokens):
+                    print(format_timeline(f"shm transfer of {num_tokens} tokens (the last timed one):",
+                                          shm_sender.last_marks_by_tokens[num_tokens]))
             return shm, shm_fixed, cold, phase_medians(shm_sender), control, tcp, phase_medians(tcp_sender)
 
         shm, shm_fixed, cold, shm_phases, shm_control, tcp_times, tcp_phases = asyncio.run(run())
@@ -341,7 +331,6 @@ def main() -> None:
         "kv_tcp_phase_ms_median": tcp_phases,
         "kv_shm": shm_summary, "kv_tcp": tcp_summary,
         "kv_shm_breakdown_at_context": breakdown,
-        "kv_shm_copy_threads_at_context": breakdown["copy_threads"],  # the copy split by layer between them
         "kv_shm_phase_ms_median": shm_phases,
         "kv_shm_control": shm_control,  # where the timed shm transfers' messages went (after the first: the watch)
         "kv_crc_path": kv_copy_native.crc_path(),  # the CRC loop of the fused copy (this process)
@@ -357,8 +346,7 @@ def main() -> None:
           f"{100 * primary['kv_shm_fraction_of_cold_memcpy']:.0f}% of the cold one-thread copy "
           f"({result['memcpy_cold_gbps']} GB/s), {100 * primary['kv_shm_fraction_of_memcpy']:.0f}% of the warm memcpy "
           f"({result['memcpy_gbps']} GB/s); fixed cost at {args.fixed_tokens} tokens: "
-          f"{primary['kv_shm_fixed_ms_measured']} ms (median of {args.fixed_repeats}); the copy in "
-          f"{breakdown['copy_threads']} thread(s)")
+          f"{primary['kv_shm_fixed_ms_measured']} ms (median of {args.fixed_repeats})")
     print(text)
 
 

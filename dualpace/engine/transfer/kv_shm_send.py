@@ -17,7 +17,7 @@ from dualpace.engine.transfer.kv_shm_protocol import ShmReservation, ShmWritten
 from dualpace.engine.transfer.kv_source import OutgoingKv
 from dualpace.engine.transfer.kv_transfer import KvLayout
 from dualpace.engine.transfer.same_host import held_lease
-from dualpace.engine.transfer.shm_kv_copy import INLINE_MAX_BYTES, copy_in_place, layer_ranges, transfer_bytes
+from dualpace.engine.transfer.shm_kv_copy import INLINE_MAX_BYTES, copy_in_place, transfer_bytes
 from dualpace.engine.transfer.shm_mapped_pools import MappedPools  # noqa: F401  (its callers' one import)
 from dualpace.engine.transfer.shm_segment import MappedKvSegment
 from dualpace.engine.transfer.worker_pools import KV_TRANSFER_WORKERS, pool
@@ -62,27 +62,20 @@ def _inject_fault(faults: FaultConfig, segment: MappedKvSegment, dst_slot_ids: l
     return layer_crc32s
 
 
-async def _copy_in_workers(storage, src_slot_ids: list[int], segment: MappedKvSegment, dst_slot_ids: list[int],
-                           stop: threading.Event) -> list[int]:
-    """The copy in the kv-export workers: a host pool's layers split between them (numpy's copy and
-    the CRC drop the GIL), a device pool in one job. Once cancelled or failed, waits for the jobs to stop."""
-    parts = layer_ranges(storage.num_layers, KV_TRANSFER_WORKERS) if storage.k.device.type == "cpu" else [None]
-    executor = pool("kv-export", KV_TRANSFER_WORKERS)
-    jobs = [executor.submit(copy_in_place, storage.k, storage.v, src_slot_ids, segment.k, segment.v, dst_slot_ids,
-                            stop, layers) for layers in parts]
-    checksums = [0] * storage.num_layers
+async def _copy_in_worker(storage, src_slot_ids: list[int], segment: MappedKvSegment, dst_slot_ids: list[int],
+                          stop: threading.Event) -> list[int]:
+    """The copy in one kv-export worker (one thread: the two cores are shared with the engines, and
+    a copy split by layer between two threads lost to one). Once cancelled, waits for it to stop."""
+    job = pool("kv-export", KV_TRANSFER_WORKERS).submit(copy_in_place, storage.k, storage.v, src_slot_ids,
+                                                          segment.k, segment.v, dst_slot_ids, stop)
     try:
-        for layers, job in zip(parts, jobs):
-            crcs = await asyncio.wrap_future(job)
-            first_layer = layers.start if layers is not None else 0
-            checksums[first_layer:first_layer + len(crcs)] = crcs
+        return await asyncio.wrap_future(job)
     except BaseException:
         stop.set()
-        concurrent.futures.wait(jobs)  # brief: each copy stops at its next layer
+        concurrent.futures.wait([job])  # brief: the copy stops at its next layer
         raise
     finally:
-        jobs = segment = None  # nothing keeps the mapping alive in a traceback (see shm_mapped_pools)
-    return checksums
+        job = segment = None  # nothing keeps the mapping alive in a traceback (see shm_mapped_pools)
 
 
 async def write_in_place(segment: MappedKvSegment, reservation: ShmReservation, source: OutgoingKv,
@@ -106,7 +99,7 @@ async def write_in_place(segment: MappedKvSegment, reservation: ShmReservation, 
                 layer_crc32s = copy_in_place(storage.k, storage.v, source.slot_ids, segment.k, segment.v,
                                              dst_slot_ids)
             else:
-                layer_crc32s = await _copy_in_workers(storage, source.slot_ids, segment, dst_slot_ids, stop)
+                layer_crc32s = await _copy_in_worker(storage, source.slot_ids, segment, dst_slot_ids, stop)
             if faults.any:
                 layer_crc32s = _inject_fault(faults, segment, dst_slot_ids, layer_crc32s)
                 if faults.kv_cut_after_layers is not None:

@@ -172,29 +172,19 @@ def layer_checksummer(k_pool: torch.Tensor, v_pool: torch.Tensor, slot_ids: list
     return checksum
 
 
-def layer_ranges(num_layers: int, num_parts: int) -> list[range]:
-    """`num_layers` cut into at most `num_parts` consecutive ranges of near-equal size."""
-    num_parts = max(1, min(num_parts, num_layers))
-    bounds = [num_layers * i // num_parts for i in range(num_parts + 1)]
-    return [range(a, b) for a, b in zip(bounds, bounds[1:])]
-
-
 def copy_in_place(src_k: torch.Tensor, src_v: torch.Tensor, src_slot_ids: list[int],
                   dst_k: torch.Tensor, dst_v: torch.Tensor, dst_slot_ids: list[int],
-                  stop: threading.Event | None = None, layers: range | None = None) -> list[int]:
-    """Copy K and V of the source slots into the target slots; returns the layer checksums of
-    what was sent (of `layers` only, when given: a host source's layers may be copied by several
-    threads at once, each its share). A host source is copied by kv_copy_native's fused loop (each
+                  stop: threading.Event | None = None) -> list[int]:
+    """Copy K and V of the source slots into the target slots, in one thread; returns the layer
+    checksums of what was sent. A host source is copied by kv_copy_native's fused loop (each
     word loaded once, stored and CRC'd from the register) where it is built; else in pieces of about
     CHUNK_BYTES, each CRC'd right after it was copied, while it is still in cache: either way the
     source is read from memory once. A device source is copied first and checksummed over what was
     written. Stops between layers once `stop` is set (then raises InterruptedError)."""
     runs = slot_runs(src_slot_ids, dst_slot_ids)
     if src_k.device.type != "cpu":
-        if layers is not None:
-            raise ValueError("a device source is copied over all layers at once")
         return _copy_from_device(src_k, src_v, dst_k, dst_v, dst_slot_ids, runs, stop)
-    layers = layers if layers is not None else range(src_k.shape[0])
+    layers = range(src_k.shape[0])
     whole_transfer_bytes = 2 * src_k.shape[0] * len(src_slot_ids) * src_k[0, 0, 0].numel() * src_k.element_size()
     native = _native_layers(src_k, src_v, dst_k, dst_v, runs, layers, stop, whole_transfer_bytes >= STREAM_MIN_BYTES)
     if native is not None:

@@ -16,7 +16,7 @@ from typing import TypeVar
 
 T = TypeVar("T")
 
-KV_TRANSFER_WORKERS = 2  # the same-host copy's threads: a transfer's layers are split between them
+KV_TRANSFER_WORKERS = 2  # the same-host copy's threads: each transfer is copied by one of them
 
 _pools: dict[str, ThreadPoolExecutor] = {}
 _pools_lock = threading.Lock()
