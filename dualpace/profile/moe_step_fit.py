@@ -6,9 +6,10 @@ computes a product per row and expert choice. Its time is fitted as
 
     ms(B) = const + per_byte * step_bytes(B) + per_row * B
 
-by least squares over the grid's measured points. The bytes alone overpredict batched steps (the
-rows of a batch share experts and each expert's rows share its reads), the rows alone miss the
-steep growth of small batches; together they fit both ends. Columns that the grid cannot tell
+by least squares over the grid's measured points, each point's error relative to its time (a
+weighted fit). The bytes alone overpredict batched steps (the rows of a batch share experts and
+each expert's rows share its reads), the rows alone miss the steep growth of small batches;
+together they fit both ends. Columns that the grid cannot tell
 apart are left out in that order of preference: two grid points fit the line along the bytes, and
 a grid where every expert is selected anyway (the bytes stop growing) fits the line along the rows.
 """
@@ -32,8 +33,12 @@ class MoeStepFit:
 
     @classmethod
     def fit(cls, moe: MoeWeightBytes, batch_grid: Sequence[float], ms: Sequence[float]) -> MoeStepFit:
-        columns = [[1.0] * len(batch_grid), [moe.step_bytes(b) for b in batch_grid], [float(b) for b in batch_grid]]
-        const, per_byte, per_row = least_squares(columns, list(ms))
+        # each point weighted by 1 / its time: the fit minimises the relative error, so batch 1's
+        # few milliseconds count as much as the largest batch's hundreds
+        scale = [1.0 / t if t > 0 else 1.0 for t in ms]
+        columns = [scale, [moe.step_bytes(b) * w for b, w in zip(batch_grid, scale)],
+                   [b * w for b, w in zip(batch_grid, scale)]]
+        const, per_byte, per_row = least_squares(columns, [t * w for t, w in zip(ms, scale)])
         return cls(moe, const, per_byte, per_row)
 
     def ms(self, batch: float) -> float:
