@@ -12,6 +12,7 @@ each expert's rows share its reads), the rows alone miss the steep growth of sma
 together they fit both ends. Columns that the grid cannot tell
 apart are left out in that order of preference: two grid points fit the line along the bytes, and
 a grid where every expert is selected anyway (the bytes stop growing) fits the line along the rows.
+A negative cost per byte or per row (times measured under load) drops that column.
 """
 
 from __future__ import annotations
@@ -38,8 +39,12 @@ class MoeStepFit:
         scale = [1.0 / t if t > 0 else 1.0 for t in ms]
         columns = [scale, [moe.step_bytes(b) * w for b, w in zip(batch_grid, scale)],
                    [b * w for b, w in zip(batch_grid, scale)]]
-        const, per_byte, per_row = least_squares(columns, [t * w for t, w in zip(ms, scale)])
-        return cls(moe, const, per_byte, per_row)
+        y = [t * w for t, w in zip(ms, scale)]
+        const, per_byte, per_row = least_squares(columns, y)
+        if per_byte < 0 or per_row < 0:  # noisy times: neither reading bytes nor a row makes a step faster
+            columns[1 if per_byte < per_row else 2] = [0.0] * len(y)
+            const, per_byte, per_row = least_squares(columns, y)
+        return cls(moe, const, max(0.0, per_byte), max(0.0, per_row))
 
     def ms(self, batch: float) -> float:
         """The fitted step time of `batch` rows, clamped at 0."""

@@ -108,6 +108,16 @@ def test_moe_cpu_dense_cost_is_the_least_squares_fit_of_bytes_and_rows():
     assert law(8) < fitted < noisy[3]
 
 
+def test_moe_fit_never_makes_reading_more_bytes_or_rows_cheaper():
+    """Times that fall as the bytes grow (noise) drop the bytes from the fit: the cost per row
+    stays, and a larger batch never costs less."""
+    grid = [1, 2, 4, 8, 16, 32, 64]
+    fit = CostModel(_moe_profile(grid, [20.0, 19.0, 18.0, 30.0, 50.0, 90.0, 170.0])).moe_step_fit
+    assert fit.ms_per_byte == 0.0 and fit.ms_per_row > 0.0
+    costs = [fit.ms(b) for b in range(1, 129)]
+    assert costs == sorted(costs)
+
+
 def test_moe_cost_where_every_expert_is_selected_falls_back_to_the_batch():
     """Once a batch selects every expert the bytes stop growing; the cost still follows compute."""
     model = CostModel(_moe_profile([128, 256], [100.0, 180.0], num_experts=4, top_k=2))
