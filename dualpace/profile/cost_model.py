@@ -16,8 +16,9 @@ Composition of an iteration (documented approximations):
   on top, gpu_decode_ms(B, C) - gpu_decode_ms(B, C0), where C0 is the first context point.
   The attention of a prefill chunk over earlier context is not modelled.
 - CPU Local decode iteration: cpu_dense_ms(B) + cpu_attention_ms(B, C) + lm_head_sampling_ms(B).
-  For a mixture-of-experts model cpu_dense_ms is interpolated along the expected bytes a step of
-  B rows reads (dense weights once, each selected expert once: model.moe in the profile).
+  For a mixture-of-experts model cpu_dense_ms is the least-squares fit over the grid of
+  const + a * bytes read + b * rows (the expected bytes of B rows: dense weights once, each
+  selected expert once, model.moe in the profile; dualpace.profile.moe_step_fit).
 - CPU Assisted decode iteration: assist_ms(B) + cpu_attention_ms(B, C) (the attention runs
   between the per-layer round trips, so the two add up).
 - CPU iteration with prefill tokens (a recompute after preemption): Local only,
@@ -33,6 +34,7 @@ from dataclasses import dataclass
 
 from dualpace.policy.cooperative_plan import LayerCosts, LayerTimes
 from dualpace.policy.mode_choice import ExecutionMode, predicted_latencies
+from dualpace.profile.moe_step_fit import MoeStepFit
 from dualpace.profile.schema import Profile, Table1D, Table2D
 
 
@@ -106,6 +108,8 @@ class CostModel:
         self.profile = profile
         self.assist_available = assist_available
         self.kv_bytes_per_token = profile.capacities.bytes_per_block / profile.model.block_size
+        moe, table = profile.model.moe, profile.tables.get("cpu_dense_ms")
+        self.moe_step_fit = None if moe is None or table is None else MoeStepFit.fit(moe, table.grid, table.ms)
 
     # -------------------------------------------------------------- raw tables
 
@@ -131,21 +135,14 @@ class CostModel:
 
     def cpu_dense_ms(self, batch: int) -> float:
         """The dense stages of a CPU step over `batch` tokens. For a mixture-of-experts model the
-        table is read along the bytes a step reads, not the batch: the step's cost follows the
-        experts its rows select (expected distinct experts of a batch, MoeWeightBytes.step_bytes),
-        which grows steeply over small batches and flattens once most experts are selected."""
+        grid's times are fitted as const + a * bytes read + b * rows (MoeStepFit): the step reads
+        each expert its rows select once (expected distinct experts of a batch), which grows
+        steeply over small batches and flattens once most experts are selected."""
         if batch <= 0:
             return 0.0
-        moe = self.profile.model.moe
-        table = self.profile.table1d("cpu_dense_ms")
-        if moe is None or len(table.grid) == 1:
-            return interp1d(table.grid, table.ms, batch)
-        i, t = _segment(table.grid, batch)
-        low, high = moe.step_bytes(table.grid[i]), moe.step_bytes(table.grid[i + 1])
-        if 0.0 <= t <= 1.0 and high - low > 1e-9 * high:  # inside the grid: along the bytes read
-            t = (moe.step_bytes(batch) - low) / (high - low)
-        # off the grid, or where every expert is selected anyway: along the batch (compute)
-        return max(0.0, table.ms[i] + t * (table.ms[i + 1] - table.ms[i]))
+        if self.moe_step_fit is not None:
+            return self.moe_step_fit.ms(batch)
+        return self._t1("cpu_dense_ms", batch)
 
     def cpu_attention_ms(self, batch: int, mean_context_tokens: float) -> float:
         return self._t2("cpu_attention_ms", batch, mean_context_tokens) if batch > 0 else 0.0

@@ -74,7 +74,7 @@ def _moe_profile(batch_grid, ms, num_experts=128, top_k=8):
 
 
 def test_moe_cpu_dense_cost_follows_the_experts_a_batch_selects():
-    """Between grid points the CPU dense cost follows the expected bytes read (distinct experts of
+    """With two grid points the fit is the line along the expected bytes read (distinct experts of
     B rows at top-8 of 128), not the batch: concave, so above the straight line of the batch."""
     profile = _moe_profile([1, 32], [10.0, 41.0])
     moe = profile.model.moe
@@ -85,7 +85,37 @@ def test_moe_cpu_dense_cost_follows_the_experts_a_batch_selects():
     assert model.cpu_dense_ms(8) > 10.0 + (8 - 1) / 31 * 31.0  # the straight line in the batch
     assert moe.active_bytes_per_token() == 1000 + 2 * 8 * 100
     assert moe.step_bytes(1) == pytest.approx(moe.active_bytes_per_token())
-    assert model.cpu_dense_ms(64) == pytest.approx(41.0 + 32.0)  # off the grid: along the batch
+    share = (moe.step_bytes(64) - moe.step_bytes(1)) / (moe.step_bytes(32) - moe.step_bytes(1))
+    assert model.cpu_dense_ms(64) == pytest.approx(10.0 + share * 31.0)  # off the grid: the same line
+
+
+def test_moe_cpu_dense_cost_is_the_least_squares_fit_of_bytes_and_rows():
+    """Over a grid of more points the CPU dense cost is const + a * bytes read + b * rows fitted by
+    least squares: times made by such a law are recovered between and off the grid points, and a
+    point off the law moves the fit towards it without passing through it."""
+    grid = [1, 2, 4, 8, 16, 32, 64]
+    moe = _moe_profile([1, 32], [10.0, 41.0]).model.moe
+
+    def law(b):
+        return 3.0 + 0.002 * moe.step_bytes(b) + 0.25 * b
+
+    model = CostModel(_moe_profile(grid, [law(b) for b in grid]))
+    for b in (3, 6, 12, 24, 48, 128):
+        assert model.cpu_dense_ms(b) == pytest.approx(law(b))
+    noisy = [law(b) for b in grid]
+    noisy[3] += 5.0
+    fitted = CostModel(_moe_profile(grid, noisy)).cpu_dense_ms(8)
+    assert law(8) < fitted < noisy[3]
+
+
+def test_moe_fit_never_makes_reading_more_bytes_or_rows_cheaper():
+    """Times that fall as the bytes grow (noise) drop the bytes from the fit: the cost per row
+    stays, and a larger batch never costs less."""
+    grid = [1, 2, 4, 8, 16, 32, 64]
+    fit = CostModel(_moe_profile(grid, [20.0, 19.0, 18.0, 30.0, 50.0, 90.0, 170.0])).moe_step_fit
+    assert fit.ms_per_byte == 0.0 and fit.ms_per_row > 0.0
+    costs = [fit.ms(b) for b in range(1, 129)]
+    assert costs == sorted(costs)
 
 
 def test_moe_cost_where_every_expert_is_selected_falls_back_to_the_batch():
