@@ -38,10 +38,13 @@ inline void tile_vnni_store(const uint8_t* const* wrows, const uint8_t* act, int
 }
 
 // W rows per block of the loop over passes: a pass's activations (up to 64 rows, 1.25 bytes per
-// element and row) and the block's W rows both stay in L2 while the other is swept. Staged: 16
-// rows (64 bytes per block of 32 weights: 256 KiB at K = 8192).
+// element and row) and the block's W rows both stay in L2 while the other is swept. Staged (64
+// bytes per block of 32 weights): as many rows, in tiles, as 256 KiB hold (64 at K = 2048).
 constexpr int64_t VNNI_BLOCK_ROWS = 64;
-constexpr int64_t VNNI_STAGED_BLOCK_ROWS = 16;
+inline int64_t vnni_staged_block_rows(int64_t K) {
+  const int64_t rows = (256 * 1024) / (K / 32 * static_cast<int64_t>(sizeof(StagedBlock)));
+  return std::max<int64_t>(VNNI_TILE_ROWS, std::min(VNNI_BLOCK_ROWS, rows / VNNI_TILE_ROWS * VNNI_TILE_ROWS));
+}
 
 // W rows r0..r1 staged into out, (r1 - r0) x K / 32 blocks.
 template <int32_t F>
@@ -66,7 +69,7 @@ inline void rows_vnni_lanes(const WeightDesc& w, const uint8_t* prepared, int64_
   const int32_t* targets = reinterpret_cast<const int32_t*>(prepared + sizeof(VnniHeader));
   const uint8_t* act = prepared + vnni_header_bytes(head.num_rows);
   const int64_t groups = vnni_groups(head.num_lanes), blocks_per_row = w.K / 32;
-  const int64_t block_rows = STAGED ? VNNI_STAGED_BLOCK_ROWS : VNNI_BLOCK_ROWS;
+  const int64_t block_rows = STAGED ? vnni_staged_block_rows(w.K) : VNNI_BLOCK_ROWS;
   thread_local std::vector<StagedBlock> staged;  // kept between calls: no allocation per call
   if (STAGED && staged.size() < static_cast<size_t>(block_rows * blocks_per_row))
     staged.resize(block_rows * blocks_per_row);
