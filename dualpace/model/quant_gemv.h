@@ -363,8 +363,9 @@ inline void rows_f32_t(const WeightDesc& w, const float* x, int64_t M, int64_t l
 #include "quant_gemv_i16.h"  // the int16 mode (uses the pieces above)
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #define DP_QUANT_VNNI 1
-#include "quant_gemv_vnni.h"  // the int8 mode's rows
-#include "quant_gemv_q8k.h"   // the int8 mode's K-quant rows below VNNI_MIN_ROWS
+#include "quant_gemv_vnni.h"       // the int8 mode's tiles
+#include "quant_gemv_vnni_rows.h"  // and its loop over them
+#include "quant_gemv_q8k.h"        // the int8 mode's K-quant rows up to Q8K_MAX_ROWS
 #endif
 namespace dp_quant {
 

@@ -259,8 +259,16 @@ inline void stage(const uint8_t* g, int j, const float* dw, const float* mw, uin
   s->mw = unsigned_weights(F) ? mw[j] : 0.0f;
 }
 
+// A block of 32 weights staged ahead of the tile (quant_gemv_vnni_rows.h): its Staged, whose
+// bytes point at its own copy (Q8_0: at the row).
+struct alignas(64) StagedBlock {
+  Staged s;
+  alignas(32) uint8_t bytes[32];
+};
+
 // NR W rows x MV lane groups, over all of K. out[r][mv * L + lane] = y of lane's row, W row r.
-template <int32_t F, class V, int NR, int MV>
+// STAGED: wrows point at rows of StagedBlock (one per block of 32) instead of the weights.
+template <int32_t F, class V, int NR, int MV, bool STAGED>
 inline void tile_vnni(const uint8_t* const* wrows, const uint8_t* act, int64_t K, float (*out)[4 * 16]) {
   using Spec = Fmt<F>;
   constexpr int L = V::L;
@@ -273,7 +281,7 @@ inline void tile_vnni(const uint8_t* const* wrows, const uint8_t* act, int64_t K
   const int64_t num_groups = K / (32 * Spec::G);
   for (int64_t grp = 0; grp < num_groups; ++grp) {
     float dw[NR][8], mw[NR][8];
-    for (int r = 0; r < NR; ++r) {
+    for (int r = 0; r < NR && !STAGED; ++r) {
       const uint8_t* g = wrows[r] + grp * Spec::BYTES;
       _mm_prefetch(reinterpret_cast<const char*>(g) + 1024, _MM_HINT_T0);
       group_scales<F>(g, dw[r], mw[r]);
@@ -281,7 +289,9 @@ inline void tile_vnni(const uint8_t* const* wrows, const uint8_t* act, int64_t K
     for (int j = 0; j < Spec::G; ++j) {
       const int64_t b = grp * Spec::G + j;
       Staged st[NR];
-      for (int r = 0; r < NR; ++r) stage<F>(wrows[r] + grp * Spec::BYTES, j, dw[r], mw[r], buf[r], &st[r]);
+      for (int r = 0; r < NR; ++r)
+        if constexpr (STAGED) st[r] = reinterpret_cast<const StagedBlock*>(wrows[r])[b].s;
+        else stage<F>(wrows[r] + grp * Spec::BYTES, j, dw[r], mw[r], buf[r], &st[r]);
       for (int mv = 0; mv < MV; ++mv) {
         const uint8_t* a = act + mv * group_bytes + b * block_bytes;
         typename V::I xa[8];
@@ -307,76 +317,6 @@ inline void tile_vnni(const uint8_t* const* wrows, const uint8_t* act, int64_t K
   }
   for (int r = 0; r < NR; ++r)
     for (int mv = 0; mv < MV; ++mv) V::store(out[r] + mv * L, acc[r][mv]);
-}
-
-// Lane groups per pass: up to 64 rows of x share a pass over a tile of W rows (more rows run the
-// tile again, from cache: W is read from memory once per call).
-constexpr int VNNI_MAX_GROUPS = 4;
-// W rows per tile: 8 (MV <= 2 groups: 8 x MV accumulators + 8 activation vectors fit the 32
-// vector registers), 4 beyond.
-constexpr int VNNI_TILE_ROWS = 8;
-
-// Lanes below M store their row of y; residual lanes (all after them, in this pass or a later one
-// over the same W rows) add to their row's.
-template <int32_t F, class V, int MV>
-inline void tile_vnni_store(const uint8_t* const* wrows, const uint8_t* act, int64_t K, int64_t g0,
-                            const VnniHeader& head, const int32_t* targets, int64_t col, int64_t cols, float* y,
-                            int64_t ldy) {
-  constexpr int NR = MV <= 2 ? 8 : 4;
-  constexpr int L = V::L;
-  for (int r0 = 0; r0 < VNNI_TILE_ROWS && r0 < cols; r0 += NR) {
-    alignas(64) float out[NR][4 * 16];
-    tile_vnni<F, V, NR, MV>(wrows + r0, act + g0 * vnni_group_bytes(K, L), K, out);
-    for (int r = 0; r < NR && r0 + r < cols; ++r)
-      for (int64_t i = 0; i < MV * L && g0 * L + i < head.num_lanes; ++i) {
-        const int64_t v = g0 * L + i;
-        if (v < head.num_rows) y[v * ldy + col + r0 + r] = out[r][i];
-        else y[targets[v - head.num_rows] * ldy + col + r0 + r] += out[r][i];
-      }
-  }
-}
-
-// W rows per block of the loop over passes: a pass's activations (up to 64 rows, 1.25 bytes per
-// element and row) and the block's W rows both stay in L2 while the other is swept.
-constexpr int64_t VNNI_BLOCK_ROWS = 64;
-
-template <int32_t F, class V>
-inline void rows_vnni_lanes(const WeightDesc& w, const uint8_t* prepared, int64_t n0, int64_t n1, float* y,
-                            int64_t ldy) {
-  const auto& head = *reinterpret_cast<const VnniHeader*>(prepared);
-  const int32_t* targets = reinterpret_cast<const int32_t*>(prepared + sizeof(VnniHeader));
-  const uint8_t* act = prepared + vnni_header_bytes(head.num_rows);
-  const int64_t groups = vnni_groups(head.num_lanes);
-  for (int64_t b0 = n0; b0 < n1; b0 += VNNI_BLOCK_ROWS) {
-    const int64_t b1 = std::min(n1, b0 + VNNI_BLOCK_ROWS);
-    for (int64_t g0 = 0; g0 < groups; g0 += VNNI_MAX_GROUPS) {
-      for (int64_t n = b0; n < b1; n += VNNI_TILE_ROWS) {
-        const uint8_t* wrows[VNNI_TILE_ROWS];
-        for (int r = 0; r < VNNI_TILE_ROWS; ++r)
-          wrows[r] = static_cast<const uint8_t*>(w.data) + std::min(n + r, n1 - 1) * w.row_bytes;
-        const int64_t col = n - n0, cols = std::min<int64_t>(VNNI_TILE_ROWS, n1 - n);
-        switch (std::min<int64_t>(VNNI_MAX_GROUPS, groups - g0)) {
-          case 1: tile_vnni_store<F, V, 1>(wrows, act, w.K, g0, head, targets, col, cols, y, ldy); break;
-          case 2: tile_vnni_store<F, V, 2>(wrows, act, w.K, g0, head, targets, col, cols, y, ldy); break;
-          case 3: tile_vnni_store<F, V, 3>(wrows, act, w.K, g0, head, targets, col, cols, y, ldy); break;
-          default: tile_vnni_store<F, V, 4>(wrows, act, w.K, g0, head, targets, col, cols, y, ldy); break;
-        }
-      }
-    }
-  }
-}
-
-// Rows of x from which the int8 mode runs these kernels (int16 below: the per-block work on each
-// weight block, shared by the rows, is not paid back by fewer rows; measured on an Intel Xeon,
-// AVX-512 VNNI: 0.94x of int16 at 4 rows of Q8_0, 1.28x at 5; Q4_K 0.68x at 4, 1.08x at 5).
-constexpr int64_t VNNI_MIN_ROWS = 5;
-
-template <int32_t F>
-inline void rows_vnni(const WeightDesc& w, const uint8_t* prepared, int64_t n0, int64_t n1, float* y, int64_t ldy) {
-  if (vnni_lanes(reinterpret_cast<const VnniHeader*>(prepared)->num_lanes) == 8)
-    rows_vnni_lanes<F, Lanes8>(w, prepared, n0, n1, y, ldy);
-  else
-    rows_vnni_lanes<F, Lanes16>(w, prepared, n0, n1, y, ldy);
 }
 
 }  // namespace dp_quant

@@ -32,7 +32,8 @@ log = logging.getLogger(__name__)
 
 _HERE = Path(__file__).parent
 SOURCES = [_HERE / "quant_kernels.cpp", _HERE / "quant_gemv.h", _HERE / "quant_gemv_i16.h",
-           _HERE / "quant_gemv_avx512.h", _HERE / "quant_gemv_vnni.h", _HERE / "quant_gemv_q8k.h",
+           _HERE / "quant_gemv_avx512.h", _HERE / "quant_gemv_vnni.h", _HERE / "quant_gemv_vnni_rows.h",
+           _HERE / "quant_gemv_q8k.h",
            _HERE / "kernel_weights.h"]
 _BASE_FLAGS = ["-O3", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
 
