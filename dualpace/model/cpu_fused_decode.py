@@ -1,8 +1,9 @@
 """The whole decode step of a CPU model in one kernel call (dp_decode_layers_* in cpu_kernels.cpp).
 
 All decoder layers of a decode-only step of at most `max_rows` sequences (Kernels.dense_max_rows when a
-matrix is a dense tensor of the compute dtype, which oneDNN takes beyond that: LINEAR_MAX_ROWS, or
-AMX_MAX_ROWS for bf16 where the kernels run AMX tiles; MIXED_MAX_ROWS when
+matrix is a dense tensor of the compute dtype, which oneDNN takes beyond that: LINEAR_MAX_ROWS,
+BF16_DOT_MAX_ROWS for bf16 on the vdpbf16ps GEMV, or AMX_MAX_ROWS for bf16 where the kernels run AMX
+tiles; MIXED_MAX_ROWS when
 every matrix is block-quantized or of another dtype than the activations, where the per-stage
 path would run the same GEMV kernels, only with ~10 calls and parallel regions per layer): per layer
 RMSNorm, QKV (+bias), q/k RMSNorm (Qwen3), RoPE (whole or partial heads), KV write, paged attention,

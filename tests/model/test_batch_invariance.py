@@ -2,7 +2,7 @@
 inside any batch the kernels take, for every variant this CPU runs. Greedy decoding of a request
 then does not depend on which other requests share its steps (a migrated request, a solo run and
 a batched run agree token for token), except where a product leaves the kernels for oneDNN
-(above LINEAR_MAX_ROWS rows of a same-dtype dense matrix)."""
+(above Kernels.dense_max_rows rows of a same-dtype dense matrix)."""
 
 from __future__ import annotations
 
@@ -43,7 +43,7 @@ def test_dense_rows_alone_equal_rows_in_a_batch(kernels, n, k, dtype):
         assert_rows_invariant(kernels, x, w, amx_from - 1)
         assert_rows_invariant(kernels, x, w, cpu_kernels.AMX_MAX_ROWS, first_rows=amx_from)
         return
-    max_rows = cpu_kernels.LINEAR_MAX_ROWS if x_dtype == w_dtype else cpu_kernels.MIXED_MAX_ROWS
+    max_rows = kernels.dense_max_rows(x_dtype) if x_dtype == w_dtype else cpu_kernels.MIXED_MAX_ROWS
     assert_rows_invariant(kernels, x, w, max_rows)
 
 

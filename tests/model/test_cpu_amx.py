@@ -85,15 +85,16 @@ def test_amx_fp32_activations_never_use_tiles(amx_kernels, rows):
 
 @amx_only
 def test_amx_routing_rows(amx_kernels):
-    """bf16 x bf16: the kernels up to AMX_MAX_ROWS rows with AMX on, LINEAR_MAX_ROWS without."""
+    """bf16 x bf16: the kernels up to AMX_MAX_ROWS rows with AMX on, BF16_DOT_MAX_ROWS (the vdpbf16ps
+    GEMV) without."""
     x_dtype = torch.bfloat16
     w = torch.randn(48, 64).bfloat16()
     assert amx_kernels.dense_max_rows(x_dtype) == cpu_kernels.AMX_MAX_ROWS
     assert amx_kernels.linear_desc(torch.zeros(cpu_kernels.AMX_MAX_ROWS, 64, dtype=x_dtype), w) is not None
     assert amx_kernels.linear_desc(torch.zeros(cpu_kernels.AMX_MAX_ROWS + 1, 64, dtype=x_dtype), w) is None
     amx_kernels.set_amx(False)
-    assert amx_kernels.dense_max_rows(x_dtype) == cpu_kernels.LINEAR_MAX_ROWS
-    assert amx_kernels.linear_desc(torch.zeros(cpu_kernels.LINEAR_MAX_ROWS + 1, 64, dtype=x_dtype), w) is None
+    assert amx_kernels.dense_max_rows(x_dtype) == cpu_kernels.BF16_DOT_MAX_ROWS
+    assert amx_kernels.linear_desc(torch.zeros(cpu_kernels.BF16_DOT_MAX_ROWS + 1, 64, dtype=x_dtype), w) is None
 
 
 @amx_only
@@ -101,7 +102,7 @@ def test_amx_routing_rows(amx_kernels):
 @pytest.mark.parametrize("batch", [3, 12, 32])
 def test_amx_fused_decode_step_matches_gemv_and_torch(amx_kernels, batch, in_one_region, synth_checkpoint):
     """The fused bf16 decode step with its matrices and LM head on AMX tiles (from 1 row here)
-    against the same step without AMX (the GEMV; above LINEAR_MAX_ROWS the per-operation path on
+    against the same step without AMX (the GEMV; above BF16_DOT_MAX_ROWS the per-operation path on
     oneDNN) and against torch, batches up to AMX_MAX_ROWS."""
     from dualpace.kv.storage import KVStorage
     from dualpace.model.loader import load_model
@@ -121,8 +122,8 @@ def test_amx_fused_decode_step_matches_gemv_and_torch(amx_kernels, batch, in_one
         try:
             forward = PagedForward(model, kv)
             fused = forward._fused_decode(build_step_tensors(work, kv.block_size, kv.device))
-            # without AMX, bf16 steps above LINEAR_MAX_ROWS run per operation (oneDNN's GEMMs)
-            assert (fused is not None) == (kernels_on and (amx or batch <= cpu_kernels.LINEAR_MAX_ROWS))
+            # without AMX, bf16 steps above BF16_DOT_MAX_ROWS run per operation (oneDNN's GEMMs)
+            assert (fused is not None) == (kernels_on and (amx or batch <= cpu_kernels.BF16_DOT_MAX_ROWS))
             with one_region(amx_kernels, in_one_region):
                 return forward.forward(work)
         finally:

@@ -63,8 +63,8 @@ def test_linear_bf16_matches_fp32_math(kernels, rows, k):
     bias = torch.randn(37).bfloat16()
     residual = torch.randn(rows, 37).bfloat16()
     expected = x.float() @ w.float().t() + bias.float() + residual.float()
-    # rows above LINEAR_MAX_ROWS go to oneDNN, whose output is bf16
-    fp32_rel = 1e-5 if rows <= cpu_kernels.LINEAR_MAX_ROWS else 1e-2
+    # rows above dense_max_rows go to oneDNN, whose output is bf16
+    fp32_rel = 1e-5 if rows <= kernels.dense_max_rows(torch.bfloat16) else 1e-2
     _close(kernels.linear(x, w, bias, residual, out_dtype=torch.float32), expected, fp32_rel)
     _close(kernels.linear(x, w, bias, residual), expected, 1e-2)
     _close(kernels.linear(x, w), x.float() @ w.float().t(), 1e-2)
