@@ -16,9 +16,9 @@
 //   residual in a lane of its own); the K-quant formats (Q4_K, Q6_K) from Q8K_MAX_ROWS + 1. Fewer
 //   rows of those are rounded per super-block of 256 and summed in integers (quant_gemv_q8k.h;
 //   int16 where a row is an outlier); fewer rows of the other formats, or a build without VNNI,
-//   compute as int16. The
-//   activation rounding (4e-3 of each 16's max) moves logits by ~1e-2 relative: close to the
-//   dequantized model by KL divergence (docs/perf.md), not greedy-identical to it.
+//   compute as int16. The activation rounding (4e-3 of each 16's max) moves logits by ~1e-2
+//   relative: close to the dequantized model by KL divergence (docs/perf.md), not greedy-identical
+//   to it.
 // - `fp32`: each 8-weight chunk is unpacked and dequantized in registers to fp32
 //   (scale x q + min) and FMA'd with the fp32 activations. The result equals the dequantized fp32
 //   model up to summation order (the tests' reference).
@@ -371,7 +371,7 @@ namespace dp_quant {
 
 // The layouts a prepared header names: ACT_FP32 (none), ACT_INT16, or the int8 mode's layouts:
 // for vpdpbusd (quant_gemv_vnni.h: activation rows in the vector lanes) and, for the K-quant
-// formats below VNNI_MIN_ROWS rows, rows rounded per super-block (quant_gemv_q8k.h).
+// formats up to Q8K_MAX_ROWS rows, rows rounded per super-block (quant_gemv_q8k.h).
 constexpr int32_t PREPARED_VNNI = 17;
 constexpr int32_t PREPARED_Q8K = 18;
 
