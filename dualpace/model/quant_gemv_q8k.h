@@ -1,7 +1,7 @@
 // The int8 mode's rows for the K-quant formats (Q4_K, Q6_K) up to Q8K_MAX_ROWS rows of x, in
 // builds with AVX-512 VNNI: the decode batches 1-8, where the lane-group layout of
 // quant_gemv_vnni.h has too few rows to fill its lanes. Included by quant_gemv.h after
-// quant_gemv_vnni.h (namespace dp_quant; uses hmax8, hsum8_epi32, is_outlier_row, rows_tiled).
+// quant_gemv_vnni.h (namespace dp_quant; uses hmax8, hsum8, hsum8_epi32, is_outlier_row, rows_tiled).
 //
 // Why: at batch 1 the int16 tile (quant_gemv_i16.h) is compute-bound on these formats: one
 // thread of an AMD EPYC Zen 4 read Q4_K at 8-9 GB/s and Q6_K at ~10 GB/s (Q8_0 at 26), about
@@ -82,12 +82,6 @@ inline void prepare_q8k(const float* x, int64_t M, int64_t ldx, int64_t K, uint8
 // The int16 lanes all holding v.
 inline __m256i broadcast16(int v) { return _mm256_set1_epi16(static_cast<int16_t>(v)); }
 
-inline float hsum8_ps(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
-}
-
 // Unsigned weights u (32 bytes) times 32 int8 activations, pairs scaled by the int16 lanes of sc
 // and added to acc.
 inline __m256i dot_scaled(__m256i acc, __m256i u, const int8_t* q, __m256i sc) {
@@ -133,7 +127,7 @@ inline void tile_q8k_q4k(const uint8_t* row, const uint8_t* const* arows, int64_
                                 macc[m]);
     }
   }
-  for (int m = 0; m < MR; ++m) out[m] = hsum8_ps(acc[m]) - hsum8_ps(macc[m]);
+  for (int m = 0; m < MR; ++m) out[m] = hsum8(acc[m]) - hsum8(macc[m]);
 }
 
 // Sub-block j of a Q6_K super-block as unsigned bytes 0..63 (values<DP_W_Q6_K> before its - 32).
@@ -173,7 +167,7 @@ inline void tile_q8k_q6k(const uint8_t* row, const uint8_t* const* arows, int64_
       acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sumi), _mm256_set1_ps(d * xb.dx), acc[m]);
     }
   }
-  for (int m = 0; m < MR; ++m) out[m] = hsum8_ps(acc[m]);
+  for (int m = 0; m < MR; ++m) out[m] = hsum8(acc[m]);
 }
 
 // Read as one stream at batch 1: alternating two halves of a chunk (rows_two_streams) made the
