@@ -11,7 +11,11 @@ first sampled token's logits are computed), and its prefill starts at the end of
 block a request fills is registered in the cache as soon as its KV is computed. Cached blocks
 count as available: they are evicted before any running request is preempted.
 
-Sliding window (built with `sliding_window_tokens`, every layer sliding): see SlidingWindowBlocks.
+Sliding window (built with `sliding_window_tokens`): see SlidingWindowBlocks. With every layer sliding
+(Mistral, Phi-3) the one pool slides; a model whose global layers need the whole context (Gemma 3) is
+built with `num_window_blocks` too: its sliding layers then have a pool of their own, which slides,
+while the first pool serves the global layers and keeps every block. A request holds a table in each
+pool, both advanced together; the plan carries the sliding layers' table as `window_block_ids`.
 
 Hand-off hold: a request marked `hold_after_first_token` is paused in the apply of the step that
 samples its first token (its event says `held`), so the next step never runs it and its move
@@ -26,6 +30,7 @@ from dataclasses import dataclass
 from dualpace.engine.prefix_cache import PrefixCache
 from dualpace.engine.request import EngineRequest, RequestEvent, RequestState
 from dualpace.engine.scheduler_moves import MoveCommands
+from dualpace.engine.scheduler_pools import PoolReservations
 from dualpace.engine.sliding_window import SlidingWindowBlocks
 from dualpace.errors import InvalidArgument, Overloaded, RequestNotFound
 from dualpace.kv.block_table import KVBlockManager
@@ -44,7 +49,7 @@ class SchedulerConfig:
     max_waiting: int = 256  # queued requests before add() raises Overloaded
 
 
-class Scheduler(MoveCommands):
+class Scheduler(MoveCommands, PoolReservations):
     def __init__(
         self,
         config: SchedulerConfig,
@@ -55,11 +60,23 @@ class Scheduler(MoveCommands):
         block_hasher: BlockHasher | None = None,
         kv_events: KvEventLog | None = None,
         sliding_window_tokens: int | None = None,
+        num_window_blocks: int = 0,
     ):
         self.config = config
-        self.blocks = KVBlockManager(num_blocks, block_size)
-        # None: attention sees the whole context.
-        self.window = None if sliding_window_tokens is None else SlidingWindowBlocks(sliding_window_tokens, self.blocks)
+        self.blocks = KVBlockManager(num_blocks, block_size)  # the global layers' pool, or every layer's
+        # The sliding layers' own pool (num_window_blocks > 0, a model with global layers too); None: they use blocks.
+        self.window_blocks = None
+        if num_window_blocks:
+            if sliding_window_tokens is None:
+                raise ValueError("a pool of the sliding layers' own needs sliding_window_tokens")
+            if block_hasher is not None:
+                raise ValueError("prefix caching is not supported with a pool of the sliding layers' own")
+            self.window_blocks = KVBlockManager(num_window_blocks, block_size)
+        self.pools = [self.blocks] if self.window_blocks is None else [self.blocks, self.window_blocks]
+        # Over the pool that slides (the last one); None: attention sees the whole context.
+        self.window = None
+        if sliding_window_tokens is not None:
+            self.window = SlidingWindowBlocks(sliding_window_tokens, self.pools[-1])
         self.max_context_tokens = max_context_tokens
         self.eos_token_ids = eos_token_ids
         self.requests: dict[str, EngineRequest] = {}
@@ -102,12 +119,15 @@ class Scheduler(MoveCommands):
         import names the cached leading blocks it shares (held_block_ids: referenced, so kept)."""
         self._check_new_id(request_id)
         held = list(held_block_ids)
-        if not self.blocks.can_allocate(num_kv_tokens + 1, held):
-            raise Overloaded(
-                f"not enough free KV blocks to import {num_kv_tokens} tokens "
-                f"({self.blocks.num_available_blocks} of {self.blocks.num_total_blocks} free or cached)"
-            )
+        for pool in self.pools:
+            if not pool.can_allocate(num_kv_tokens + 1, held if pool is self.blocks else []):
+                raise Overloaded(
+                    f"not enough free KV blocks to import {num_kv_tokens} tokens "
+                    f"({pool.num_available_blocks} of {pool.num_total_blocks} free or cached)"
+                )
         self._importing.add(request_id)
+        for pool in self.pools[1:]:
+            pool.allocate(request_id, num_kv_tokens)
         return self.blocks.allocate(request_id, num_kv_tokens, held)
 
     def commit_import(self, request: EngineRequest) -> None:
@@ -123,7 +143,7 @@ class Scheduler(MoveCommands):
         request.arrival_index = self._take_arrival_index()
         self.requests[request.request_id] = request
         if num_kv_tokens == 0:
-            self.blocks.free(request.request_id)
+            self._free_blocks(request.request_id)
             request.state = RequestState.WAITING
             request.num_computed_tokens = 0
             self._insert_waiting(request)
@@ -147,7 +167,7 @@ class Scheduler(MoveCommands):
     def cancel_import(self, request_id: str) -> None:
         if request_id in self._importing:
             self._importing.discard(request_id)
-            self.blocks.free(request_id)
+            self._free_blocks(request_id)
 
     # ----------------------------------------------------------------- stepping
 
@@ -168,11 +188,12 @@ class Scheduler(MoveCommands):
         while self.waiting and budget > 0 and not preempted and len(sequences) < self.config.max_running:
             request = self.waiting[0]
             cached_block_ids = self._match_prefix(request)
-            num_reserved_tokens = self._num_tokens_to_reserve(request, cached_block_ids, budget)
-            if not self._can_admit(num_reserved_tokens, cached_block_ids):
+            reservations = self._admission_reservations(request, cached_block_ids, budget)
+            if not all(self._can_admit(*reservation) for reservation in reservations):
                 break
             self.waiting.pop(0)
-            self.blocks.allocate(request.request_id, num_reserved_tokens, cached_block_ids)
+            for pool, num_reserved_tokens, cached in reservations:
+                pool.allocate(request.request_id, num_reserved_tokens, cached)
             self._start_after_cached_prefix(request, len(cached_block_ids) * self.blocks.block_size)
             self._release_outside_window(request)
             request.state = RequestState.RUNNING
@@ -261,17 +282,6 @@ class Scheduler(MoveCommands):
         if request_id in self.requests or request_id in self._importing:
             raise InvalidArgument("request_id", f"a request {request_id!r} already exists in this engine")
 
-    def _check_fits(self, request: EngineRequest) -> None:
-        """A request must fit the pool alone at its longest (prompt + max_tokens, less the last token);
-        under a window of every layer, at most a window and a step's tokens of it are held at once
-        (plus a block each way for alignment)."""
-        needed = self.blocks.num_blocks_for(len(request.prompt_token_ids) - 1 + request.params.max_tokens)
-        if self.window is not None:
-            needed = min(needed, self.window.num_blocks_held_at_most(self.config.max_batch_tokens))
-        if needed > self.blocks.num_total_blocks:
-            raise InvalidArgument("max_tokens", f"prompt + max_tokens needs {needed} KV blocks; "
-                                                f"this engine has {self.blocks.num_total_blocks}")
-
     def _take_arrival_index(self) -> int:
         self._next_arrival_index += 1
         return self._next_arrival_index
@@ -281,18 +291,6 @@ class Scheduler(MoveCommands):
         while index > 0 and self.running[index - 1].arrival_index > request.arrival_index:
             index -= 1
         self.running.insert(index, request)
-
-    def _num_tokens_to_reserve(self, request: EngineRequest, cached_block_ids: list[int], budget: int) -> int:
-        if self.window is None:
-            return request.num_tokens
-        return self.window.num_tokens_to_reserve(request, len(cached_block_ids), budget)
-
-    def _can_admit(self, num_reserved_tokens: int, cached_block_ids: list[int]) -> bool:
-        """Admit while KV suffices, keeping a small reserve for the running decodes'
-        next blocks (no reserve when nothing runs, so a request that fits alone runs)."""
-        needed = self.blocks.num_blocks_to_take(num_reserved_tokens, cached_block_ids)
-        reserve = min(len(self.running), max(1, self.blocks.num_total_blocks // 100)) if self.running else 0
-        return self.blocks.num_available_blocks >= needed + reserve
 
     def _match_prefix(self, request: EngineRequest) -> list[int]:
         return [] if self.prefix_cache is None else self.prefix_cache.match(request)
@@ -308,29 +306,10 @@ class Scheduler(MoveCommands):
         if self.prefix_cache is not None:
             self.prefix_cache.cache_full_blocks(request)
 
-    def _release_outside_window(self, request: EngineRequest) -> None:
-        if self.window is not None:
-            self.window.release_outside(request)
-
-    def _reserve_kv(self, request: EngineRequest, num_new: int, preempted: list[str]) -> bool:
-        """Make room for the request's next `num_new` tokens, preempting the newest
-        running requests if needed. False when the request itself was preempted."""
-        needed = request.num_computed_tokens + num_new - self.blocks.num_tokens(request.request_id)
-        if needed <= 0:
-            return True
-        while not self.blocks.can_append(request.request_id, needed):
-            victim = self.running[-1]
-            self._preempt(victim)
-            preempted.append(victim.request_id)
-            if victim is request:
-                return False
-        self.blocks.append(request.request_id, needed)
-        return True
-
     def _preempt(self, request: EngineRequest) -> None:
         """Free the request's KV and queue it to recompute prompt + generated tokens."""
         self.running.remove(request)
-        self.blocks.free(request.request_id)
+        self._free_blocks(request.request_id)
         request.state = RequestState.WAITING
         request.num_computed_tokens = 0
         request.num_preemptions += 1
@@ -352,6 +331,8 @@ class Scheduler(MoveCommands):
             token_ids=tuple(request.token_ids(start, start + num_new)),
             start_pos=start,
             block_ids=tuple(self.blocks.block_ids(request.request_id)),
+            window_block_ids=None if self.window_blocks is None else tuple(
+                self.window_blocks.block_ids(request.request_id)),
             sample=sample,
             params=request.params,
             seed=request.seed,
@@ -366,8 +347,7 @@ class Scheduler(MoveCommands):
             self.running.remove(request)
         if self.finished_listener is not None:
             self.finished_listener(request, reason)
-        if self.blocks.has(request.request_id):
-            self.blocks.free(request.request_id)
+        self._free_blocks(request.request_id)
         request.state = RequestState.FINISHED
         request.finish_reason = reason
         self.requests.pop(request.request_id, None)

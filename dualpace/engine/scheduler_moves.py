@@ -9,7 +9,7 @@ from dualpace.errors import InvalidArgument
 
 
 class MoveCommands:
-    """Reads the Scheduler's requests, waiting and running lists and block manager."""
+    """Reads the Scheduler's requests, waiting and running lists and block pools."""
 
     def pause(self, request_id: str) -> EngineRequest:
         """Hold a request at this step boundary for export, keeping its blocks. A decoding
@@ -58,8 +58,7 @@ class MoveCommands:
         request = self._get(request_id)
         if request.state != RequestState.PAUSED:
             raise InvalidArgument("request_id", f"request {request_id!r} is not paused")
-        if self.blocks.has(request_id):
-            self.blocks.free(request_id)
+        self._free_blocks(request_id)
         request.state = RequestState.FINISHED
         del self.requests[request_id]
         return RequestEvent(request_id, migrated_to=migrated_to)

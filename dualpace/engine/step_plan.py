@@ -26,6 +26,9 @@ class ScheduledSequence:
     # one to draw (dualpace/guided_decoding.py rebuilds the grammar's state from them).
     guided_token_ids: tuple[int, ...] = ()
     context: SamplingContext | None = None  # penalties' tokens and prompt logprobs, when the request uses them
+    # The sliding layers' block table where they have a pool of their own (a model mixing sliding and
+    # global layers, Gemma 3); None: every layer reads block_ids.
+    window_block_ids: tuple[int, ...] | None = None
 
     @property
     def sample_position(self) -> int:
