@@ -23,7 +23,7 @@ from cpu_service.assist_shm import TRANSPORTS, slot_bytes_for
 from dualpace.policy.mode_choice import AssistSetting, ModeChooser
 from dualpace.policy.policies import CPU_SERVICE_POLICY_NAMES, Policy, policy_help, traits
 from cpu_service.runner import CpuRunner
-from dualpace.engine.core import EngineConfig
+from dualpace.engine.core import EngineConfig, kv_pool_sizes
 from dualpace.errors import InvalidArgument
 from dualpace.model.loader import LoadedModel
 from dualpace.serve.auth import read_token_file
@@ -131,8 +131,9 @@ def main(argv: list[str] | None = None) -> int:
             log.info("mode choice seeded from profile %s: %s", args.profile,
                      ", ".join(f"{mode.value}@{bucket}={ms:.1f}ms" for (mode, bucket), ms in sorted(
                          predicted.items(), key=lambda kv: (kv[0][1], kv[0][0].value))))
-        return CpuRunner(loaded, config.num_kv_blocks, config.block_size, chooser, client, gated=gated,
-                         engine_name=config.name, kv_memory=kv_memory)
+        num_blocks, num_window_blocks = kv_pool_sizes(loaded.config, config)
+        return CpuRunner(loaded, num_blocks, config.block_size, chooser, client, gated=gated,
+                         engine_name=config.name, kv_memory=kv_memory, num_window_blocks=num_window_blocks)
 
     def build() -> EngineDaemonParts:
         nonlocal profile

@@ -41,15 +41,18 @@ class AssistedForward:
         """Run a decode-only plan (one token per sequence, each sampled). Raises
         AssistUnavailable if gpu_service fails; the caller then redoes the step locally
         (the K/V rows written so far sit in the same slots the redo rewrites)."""
-        work = [SequenceWork(list(s.token_ids), s.start_pos, list(s.block_ids)) for s in plan.sequences]
+        work = [SequenceWork(list(s.token_ids), s.start_pos, list(s.block_ids),
+                             window_block_ids=None if s.window_block_ids is None else list(s.window_block_ids))
+                for s in plan.sequences]
         step = build_step_tensors(work, self.kv.block_size, self.kv.device)
         attend_ns = [0, 0]  # total time in attend_here, number of layers
 
         def attend_here(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             started_ns = time.perf_counter_ns()
-            self.kv.write(layer, step.slot_ids, k, v)
-            output = attend(q.to(self.kv.dtype), layer, step, self.kv, self.scale,
-                            window=self.config.layer_window(layer)).to(q.dtype)
+            window = self.config.layer_window(layer)
+            layer_step = step.for_layer(window)
+            self.kv.write(layer, layer_step.slot_ids, k, v)
+            output = attend(q.to(self.kv.dtype), layer, layer_step, self.kv, self.scale, window=window).to(q.dtype)
             attend_ns[0] += time.perf_counter_ns() - started_ns
             attend_ns[1] += 1
             return output

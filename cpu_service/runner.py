@@ -37,8 +37,8 @@ DEVICE_MODES = (ExecutionMode.ASSISTED, ExecutionMode.COOPERATIVE)
 class CpuRunner(ModelRunner):
     def __init__(self, loaded: LoadedModel, num_blocks: int, block_size: int, chooser: ModeChooser,
                  client: AssistClient | None = None, gated: bool = False, engine_name: str = "cpu",
-                 kv_memory=None):
-        super().__init__(loaded, num_blocks, block_size, kv_memory)
+                 kv_memory=None, num_window_blocks: int = 0):
+        super().__init__(loaded, num_blocks, block_size, kv_memory, num_window_blocks=num_window_blocks)
         self.chooser = chooser
         self.client = client
         self.gated = gated  # gated as NEO: every iteration joins the GPU's step

@@ -20,6 +20,7 @@ import grpc
 from dualpace.engine.gate import DeviceHandoff
 from dualpace.engine.assist.join_desk import JoinDesk
 from dualpace.engine.assist.joined_step import JoinSettings
+from dualpace.engine.core import kv_pool_sizes
 from dualpace.engine.runner import ModelRunner
 from dualpace.errors import InvalidArgument
 from dualpace.model.loader import resolve_device
@@ -133,8 +134,9 @@ def main(argv: list[str] | None = None) -> int:
         graph_batch = decode_graph_batch(args, device)
 
         def make_runner(loaded, config, kv_memory) -> ModelRunner:
-            return ModelRunner(loaded, config.num_kv_blocks, config.block_size, kv_memory=kv_memory,
-                               decode_graph_batch=graph_batch)
+            num_blocks, num_window_blocks = kv_pool_sizes(loaded.config, config)
+            return ModelRunner(loaded, num_blocks, config.block_size, kv_memory=kv_memory,
+                               decode_graph_batch=graph_batch, num_window_blocks=num_window_blocks)
 
         parts = build_engine(args, kind="gpu", device=device, default_kv_blocks=DEFAULT_KV_BLOCKS,
                              make_runner=make_runner)

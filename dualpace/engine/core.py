@@ -6,19 +6,23 @@ worker thread and applies commands between steps; tests can drive it directly.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 
 from dualpace.engine.request import EngineRequest, RequestEvent
 from dualpace.engine.runner import ModelRunner
 from dualpace.engine.scheduler import Scheduler, SchedulerConfig, StepPlan
+from dualpace.engine.sliding_window import split_kv_blocks
 from dualpace.errors import InvalidArgument
 from dualpace.kv.events import KvEventLog
 from dualpace.kv.prefix_hash import BlockHasher
+from dualpace.model.config import ModelConfig
 from dualpace.model.loader import LoadedModel
 from dualpace.sampling import SamplingParams
 from dualpace.sampling_params import pick_seed
 from dualpace.validation import validate_request
 
+log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class EngineConfig:
@@ -38,19 +42,43 @@ def prefix_cache_salt(loaded: LoadedModel) -> str:
             f"|{loaded.weights_format}")
 
 
+def kv_pool_sizes(model: ModelConfig, config: EngineConfig) -> tuple[int, int]:
+    """(blocks of the first pool, blocks of the sliding layers' own pool, 0 for none) from the
+    budget of config.num_kv_blocks blocks of every layer. A model mixing sliding and global layers
+    (Gemma 3) gives its sliding layers a pool of their own, which frees what the window has passed
+    (dualpace.engine.sliding_window.split_kv_blocks); any other model has one pool."""
+    if model.sliding_window is None or model.window_layers is None:
+        return config.num_kv_blocks, 0
+    return split_kv_blocks(config.num_kv_blocks, model.num_layers, sum(model.window_layers), model.sliding_window,
+                           config.block_size, config.scheduler.max_running, config.scheduler.max_batch_tokens)
+
+
 class EngineCore:
     def __init__(self, loaded: LoadedModel, config: EngineConfig, runner: ModelRunner | None = None):
+        """`runner`: one whose KV storage has the pools kv_pool_sizes gives (ModelRunner's num_blocks
+        and num_window_blocks); by default one is made."""
         self.loaded = loaded
         self.config = config
-        eos_ids = frozenset(loaded.config.eos_token_ids) | frozenset(loaded.tokenizer.eos_token_ids)
-        hasher = BlockHasher(config.block_size, prefix_cache_salt(loaded)) if config.prefix_caching else None
-        events = KvEventLog(config.kind, config.block_size) if config.prefix_caching else None
-        self.scheduler = Scheduler(
-            config.scheduler, config.num_kv_blocks, config.block_size, loaded.max_context_tokens, eos_ids, hasher,
-            events, sliding_window_tokens=loaded.config.window_of_every_layer,
-        )
+        num_blocks, num_window_blocks = kv_pool_sizes(loaded.config, config)
         # The CPU engine passes a runner that can also run iterations with Dense Assist.
-        self.runner = runner or ModelRunner(loaded, config.num_kv_blocks, config.block_size)
+        self.runner = runner or ModelRunner(loaded, num_blocks, config.block_size, num_window_blocks=num_window_blocks)
+        if self.runner.kv.num_window_blocks != num_window_blocks or self.runner.kv.num_blocks < num_blocks:
+            raise ValueError(f"the runner's KV pools ({self.runner.kv.num_blocks}, {self.runner.kv.num_window_blocks}"
+                             f" blocks) are not the engine's ({num_blocks}, {num_window_blocks}): see kv_pool_sizes")
+        eos_ids = frozenset(loaded.config.eos_token_ids) | frozenset(loaded.tokenizer.eos_token_ids)
+        prefix_caching = config.prefix_caching
+        if prefix_caching and num_window_blocks:
+            # A cached prefix would have to be found in both pools, with the sliding one's blocks
+            # released behind each window: not built; such a model recomputes every prompt.
+            log.info("prefix caching is off: the sliding layers hold a KV pool of their own")
+            prefix_caching = False
+        hasher = BlockHasher(config.block_size, prefix_cache_salt(loaded)) if prefix_caching else None
+        events = KvEventLog(config.kind, config.block_size) if prefix_caching else None
+        self.scheduler = Scheduler(
+            config.scheduler, num_blocks, config.block_size, loaded.max_context_tokens, eos_ids, hasher, events,
+            sliding_window_tokens=loaded.config.sliding_window if num_window_blocks else loaded.config.window_of_every_layer,
+            num_window_blocks=num_window_blocks,
+        )
         self.num_steps = 0
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
@@ -87,6 +115,13 @@ class EngineCore:
         result = self.runner.execute(plan)
         self.num_steps += 1
         return plan, self.scheduler.apply(plan, result)
+
+    @property
+    def moves_kv(self) -> bool:
+        """Whether a request moves to another engine with its KV. Not when the sliding layers hold a
+        pool of their own: a transfer carries one slot list for every layer, so such a request moves
+        without KV and the target recomputes it (both pools rebuilt by its prefill)."""
+        return not self.runner.kv.has_window_pool
 
     def kv_slot_ids(self, request_id: str, num_tokens: int) -> list[int]:
         """Flat slots of the request's first `num_tokens` tokens. Positions a sliding window returned

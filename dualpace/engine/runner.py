@@ -35,15 +35,21 @@ class ModelRunner:
     """Owns the device KV storage and runs the model over it."""
 
     def __init__(self, loaded: LoadedModel, num_blocks: int, block_size: int, kv_memory=None,
-                 decode_graph_batch: int = 0):
+                 decode_graph_batch: int = 0, num_window_blocks: int = 0):
         """decode_graph_batch > 0: decode-only steps of up to that many sequences run through static
         buffers (dualpace.model.static_decode), replayed as CUDA graphs once capture_decode_graphs ran;
-        the pool then has one block more than `num_blocks`, a scratch block no sequence is given."""
+        the pool then has one block more than `num_blocks`, a scratch block no sequence is given.
+        num_window_blocks > 0: the sliding layers of a model that also has global layers hold a pool of
+        their own of that many blocks (dualpace.engine.core.kv_pool_sizes); such a pool is not shared
+        memory, and its decode steps run without static buffers (their tables are the global pool's)."""
         cfg = loaded.config
         model = loaded.model
         self.loaded = loaded
+        if num_window_blocks:
+            kv_memory, decode_graph_batch = None, 0
         self.kv = KVStorage(cfg.num_layers, num_blocks + (1 if decode_graph_batch else 0), block_size,
-                            cfg.num_kv_heads, cfg.head_dim, model.dtype, model.device, memory=kv_memory)
+                            cfg.num_kv_heads, cfg.head_dim, model.dtype, model.device, memory=kv_memory,
+                            window_layers=cfg.window_layers, num_window_blocks=num_window_blocks)
         self.forward = PagedForward(model, self.kv)
         self.host_copies = HostCopies(model.device)  # KV export/import: pinned, async on CUDA
         self.decode_graphs = None

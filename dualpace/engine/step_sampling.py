@@ -21,7 +21,8 @@ def needs_all_logits(sequence: ScheduledSequence) -> bool:
 
 
 def step_work(plan: StepPlan) -> list[SequenceWork]:
-    return [SequenceWork(list(s.token_ids), s.start_pos, list(s.block_ids), all_logits=needs_all_logits(s))
+    return [SequenceWork(list(s.token_ids), s.start_pos, list(s.block_ids), all_logits=needs_all_logits(s),
+                         window_block_ids=None if s.window_block_ids is None else list(s.window_block_ids))
             for s in plan.sequences]
 
 

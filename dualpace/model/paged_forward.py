@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -42,6 +42,8 @@ class SequenceWork:
     start_pos: int
     block_ids: list[int]  # the sequence's block table, covering start_pos + len(token_ids)
     all_logits: bool = False  # return logits for every new token, not just the last
+    # The sliding layers' block table where they have a pool of their own (KVStorage.has_window_pool)
+    window_block_ids: list[int] | None = None
 
 
 @dataclass
@@ -57,9 +59,28 @@ class StepTensors:
     prefills: list[tuple[int, int, int, torch.Tensor]]  # (first token index, num tokens, start_pos, block_ids)
     logit_token_index: torch.Tensor  # [N] rows of hidden whose logits are returned
     varlen: VarlenBatch | None = None  # every sequence at once, for the paged Triton kernel
+    window_pool: StepTensors | None = None  # the same step over the sliding layers' own pool, if they have one
+
+    def for_layer(self, window: int | None) -> StepTensors:
+        """What a layer writes and reads (window: ModelConfig.layer_window): a sliding layer with a
+        pool of its own gets the sliding pool's slots and tables, any other layer these."""
+        return self.window_pool if window is not None and self.window_pool is not None else self
 
 
 def build_step_tensors(work: list[SequenceWork], block_size: int, device: torch.device) -> StepTensors:
+    """The step's tensors; with the sliding layers' tables (window_block_ids) given, the same again
+    over those tables as `window_pool`."""
+    with_window_pool = [seq.window_block_ids is not None for seq in work]
+    if any(with_window_pool) and not all(with_window_pool):
+        raise ValueError("either every sequence of a step names its sliding layers' table or none does")
+    step = _step_tensors(work, block_size, device)
+    if any(with_window_pool):
+        step.window_pool = _step_tensors([replace(seq, block_ids=seq.window_block_ids, window_block_ids=None)
+                                          for seq in work], block_size, device)
+    return step
+
+
+def _step_tensors(work: list[SequenceWork], block_size: int, device: torch.device) -> StepTensors:
     token_ids: list[int] = []
     positions: list[int] = []
     slot_ids: list[int] = []
@@ -215,8 +236,9 @@ class PagedForward:
             if layer_index > 0 and between_layers is not None:
                 between_layers()
             q, k, v = model.pre_attention(layer_index, hidden, rope, kernel_rows=decode_rows)
-            self.kv.write(layer_index, step.slot_ids, k, v)
-            attention_out = attend(q, layer_index, step, self.kv, self.scale, (k, v),
-                                   model.config.layer_window(layer_index))
+            window = model.config.layer_window(layer_index)
+            layer_step = step.for_layer(window)
+            self.kv.write(layer_index, layer_step.slot_ids, k, v)
+            attention_out = attend(q, layer_index, layer_step, self.kv, self.scale, (k, v), window)
             hidden = model.post_attention(layer_index, hidden, attention_out, kernel_rows=decode_rows)
         return model.logits(hidden[step.logit_token_index], invariant=True)

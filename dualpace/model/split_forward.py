@@ -132,8 +132,9 @@ class SplitForward:
                 hidden0 = hidden0 if s0 is None else self._full_layer(layer, s0, hidden0, rope0, kv)
                 continue
             q1, k1, v1 = model.pre_attention(layer, hidden1, rope1)
+            window = model.config.layer_window(layer)
             if num_own:
-                kv.write(layer, s1_own.slot_ids, k1[:num_own], v1[:num_own])
+                kv.write(layer, s1_own.for_layer(window).slot_ids, k1[:num_own], v1[:num_own])
             row = num_own
             for join in live:
                 end = row + join.num_rows
@@ -144,8 +145,8 @@ class SplitForward:
                 hidden0 = self._full_layer(layer, s0, hidden0, rope0, kv)
             attention1 = q1.new_empty((q1.shape[0], q1.shape[1] * q1.shape[2]))
             if num_own:
-                attention1[:num_own] = attend(q1[:num_own], layer, s1_own, kv, self.scale,
-                                              (k1[:num_own], v1[:num_own]), model.config.layer_window(layer))
+                attention1[:num_own] = attend(q1[:num_own], layer, s1_own.for_layer(window), kv, self.scale,
+                                              (k1[:num_own], v1[:num_own]), window)
             self.last_cover_s += self.clock() - cover_start
             keep = self._receive(layer, live, attention1, num_own)
             if keep is not None:  # some join was dropped: its rows leave S1 for good
@@ -159,9 +160,10 @@ class SplitForward:
         """S0's whole layer: pre, K/V written, attention, post."""
         model = self.model
         q0, k0, v0 = model.pre_attention(layer, hidden0, rope0)
-        kv.write(layer, s0.slot_ids, k0, v0)
-        return model.post_attention(layer, hidden0, attend(q0, layer, s0, kv, self.scale, (k0, v0),
-                                                           model.config.layer_window(layer)))
+        window = model.config.layer_window(layer)
+        layer_step = s0.for_layer(window)
+        kv.write(layer, layer_step.slot_ids, k0, v0)
+        return model.post_attention(layer, hidden0, attend(q0, layer, layer_step, kv, self.scale, (k0, v0), window))
 
     def _receive(self, layer: int, live: list[RemoteRows], attention1: torch.Tensor,
                  num_own: int) -> torch.Tensor | None:

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import grpc
 
-from dualpace.engine.core import EngineConfig, EngineCore
+from dualpace.engine.core import EngineConfig, EngineCore, kv_pool_sizes
 from dualpace.engine.loop import EngineLoop
 from dualpace.engine.transfer.kv_shm_import import SharedKvPool
 from dualpace.engine.transfer.kv_tcp_import import TcpDataServer
@@ -189,7 +189,9 @@ def build_engine(
     if make_runner is not None:
         runner = make_runner(loaded, config, kv_memory)
     else:
-        runner = ModelRunner(loaded, config.num_kv_blocks, config.block_size, kv_memory=kv_memory)
+        num_blocks, num_window_blocks = kv_pool_sizes(loaded.config, config)
+        runner = ModelRunner(loaded, num_blocks, config.block_size, kv_memory=kv_memory,
+                             num_window_blocks=num_window_blocks)
     loop = EngineLoop(EngineCore(loaded, config, runner), step_lock=device_lock,
                       metrics=PrometheusLoopMetrics(config.name))
     return EngineDaemonParts(loaded, loop, device_lock, kv_memory)

@@ -39,9 +39,10 @@ class AttendingChannel:
         self.finished = None
 
     def send_qkv(self, layer, q, k, v):
-        self.kv.write(layer, self.step.slot_ids, k, v)
-        self.outputs[layer] = attend(q.clone(), layer, self.step, self.kv, self.scale,
-                                     window=self.layer_window(layer))
+        window = self.layer_window(layer)
+        step = self.step.for_layer(window)
+        self.kv.write(layer, step.slot_ids, k, v)
+        self.outputs[layer] = attend(q.clone(), layer, step, self.kv, self.scale, window=window)
 
     def receive_attention(self, layer, deadline_s):
         if layer == self.stall_at_layer:
@@ -64,11 +65,13 @@ class Seq:
     in_s1: bool = False  # own decodes moved into S1 (D1)
     prefill_in_step: bool = False  # its prompt runs in the first split step (S0), not before
     tokens: list[int] = field(default_factory=list)
+    window_block_ids: list[int] | None = None  # the sliding layers' table, where they have a pool of their own
 
     def work(self) -> SequenceWork:
         if not self.tokens:
-            return SequenceWork(self.prompt, 0, self.block_ids)
-        return SequenceWork([self.tokens[-1]], len(self.prompt) + len(self.tokens) - 1, self.block_ids)
+            return SequenceWork(self.prompt, 0, self.block_ids, window_block_ids=self.window_block_ids)
+        return SequenceWork([self.tokens[-1]], len(self.prompt) + len(self.tokens) - 1, self.block_ids,
+                            window_block_ids=self.window_block_ids)
 
 
 def make_seqs(vocab_size: int, layout: str) -> list[Seq]:
@@ -86,8 +89,20 @@ def make_seqs(vocab_size: int, layout: str) -> list[Seq]:
 
 
 def new_kv(loaded, num_blocks: int = 128) -> KVStorage:
+    """A model mixing sliding and global layers (Gemma 3) gets a pool of its sliding layers' own, as
+    its engines do (dualpace.engine.core.kv_pool_sizes)."""
     cfg = loaded.config
-    return KVStorage(cfg.num_layers, num_blocks, BLOCK_SIZE, cfg.num_kv_heads, cfg.head_dim, loaded.model.dtype)
+    num_window_blocks = num_blocks if cfg.window_layers is not None and cfg.sliding_window is not None else 0
+    return KVStorage(cfg.num_layers, num_blocks, BLOCK_SIZE, cfg.num_kv_heads, cfg.head_dim, loaded.model.dtype,
+                     window_layers=cfg.window_layers, num_window_blocks=num_window_blocks)
+
+
+def give_window_tables(kv: KVStorage, seqs: list[Seq]) -> None:
+    """With a sliding pool: tables there that differ from the global ones (the ids mirrored), so a
+    layer that wrote through one pool's slots and read through the other's would read wrong KV."""
+    if kv.has_window_pool:
+        for s in seqs:
+            s.window_block_ids = [kv.num_window_blocks - 1 - b for b in s.block_ids]
 
 
 def greedy(logits: torch.Tensor) -> int:
@@ -96,7 +111,9 @@ def greedy(logits: torch.Tensor) -> int:
 
 def run_plain(loaded, seqs: list[Seq]) -> list[dict[str, torch.Tensor]]:
     """Every sequence through one plain PagedForward per step; the logits of each step by name."""
-    forward = PagedForward(loaded.model, new_kv(loaded))
+    kv = new_kv(loaded)
+    give_window_tables(kv, seqs)
+    forward = PagedForward(loaded.model, kv)
     first = [s for s in seqs if not s.prefill_in_step]
     per_step = [dict(zip([s.name for s in first], forward.forward([s.work() for s in first])))]
     for s in first:
@@ -133,6 +150,7 @@ def split_step(split: SplitForward, gpu_kv: KVStorage, seqs: list[Seq], channels
 
 def run_split(loaded, seqs: list[Seq], stall: dict[str, int] | None = None):
     gpu_kv, cpu_kv = new_kv(loaded), new_kv(loaded)
+    give_window_tables(gpu_kv, seqs)
     plain_gpu, plain_cpu = PagedForward(loaded.model, gpu_kv), PagedForward(loaded.model, cpu_kv)
     split = SplitForward(loaded.model)
     channels = {s.name: AttendingChannel(cpu_kv, split.scale, (stall or {}).get(s.name), loaded.config.layer_window)
@@ -163,9 +181,12 @@ def tiny(synth_checkpoint):
     return load_model(str(folder), dtype="fp32"), AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
 
 
+@pytest.mark.parametrize("preset", ["tiny-llama", "tiny-gemma3"])  # gemma3: its sliding layers' own pool
 @pytest.mark.parametrize("layout", ["joined", "split"])
-def test_remote_rows_match_transformers_and_a_plain_step(tiny, layout):
-    loaded, hf_model = tiny
+def test_remote_rows_match_transformers_and_a_plain_step(synth_checkpoint, preset, layout):
+    folder = synth_checkpoint(preset)
+    loaded = load_model(str(folder), dtype="fp32")
+    hf_model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     plain_seqs, seqs = make_seqs(loaded.config.vocab_size, layout), make_seqs(loaded.config.vocab_size, layout)
     plain = run_plain(loaded, plain_seqs)
     split, outputs, channels = run_split(loaded, seqs)

@@ -47,8 +47,9 @@ class HandoffHolds:
             if not event.held:
                 continue
             request = self._core.scheduler.get(event.request_id)
-            self._held[event.request_id] = (request, self._core.kv_slot_ids(event.request_id,
-                                                                             request.num_computed_tokens))
+            slot_ids = self._core.kv_slot_ids(event.request_id, request.num_computed_tokens) \
+                if self._core.moves_kv else []  # else it moves without KV (EngineCore.moves_kv)
+            self._held[event.request_id] = (request, slot_ids)
             asyncio.get_running_loop().call_later(self.timeout_s, self._expire, event.request_id)
 
     def take(self, request_id: str) -> tuple[EngineRequest, list[int]] | None:

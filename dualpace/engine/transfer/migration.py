@@ -100,7 +100,7 @@ async def _move(
 
     def pause() -> tuple[EngineRequest, list[int]]:
         request = core.scheduler.pause(request_id)
-        if request.num_computed_tokens == 0:  # queued or preempted: moves without KV
+        if request.num_computed_tokens == 0 or not core.moves_kv:  # queued or preempted: moves without KV
             return request, []
         return request, core.kv_slot_ids(request_id, request.num_computed_tokens)
 
@@ -108,13 +108,14 @@ async def _move(
     held = loop.holds.take(request_id)
     request, slot_ids = held if held is not None else await loop.call(pause)
     paused = time.perf_counter()
-    total_bytes = 2 * layout.num_layers * request.num_computed_tokens * layout.bytes_per_token_per_layer
+    num_sent_tokens = request.num_computed_tokens if core.moves_kv else 0  # else: the target recomputes
+    total_bytes = 2 * layout.num_layers * num_sent_tokens * layout.bytes_per_token_per_layer
     header = KvTransferHeader(
         request_id=request.request_id,
         prompt_token_ids=tuple(request.prompt_token_ids),
         output_token_ids=tuple(request.output_token_ids),
         params=replace(request.params, seed=request.seed),
-        num_computed_tokens=request.num_computed_tokens,
+        num_computed_tokens=num_sent_tokens,
         layout=layout,
         total_bytes=total_bytes,
         source_engine=core.config.name,
@@ -193,6 +194,9 @@ class KvImporter:
         if header.num_computed_tokens != 0 and not kv_complete:
             raise InvalidArgument("header.num_computed_tokens",
                                   "must cover every token but the last sampled one, or be 0 (recompute here)")
+        if header.num_computed_tokens != 0 and not core.moves_kv:
+            raise InvalidArgument("header.num_computed_tokens", "this engine's sliding layers hold a KV pool of "
+                                                                "their own: it takes requests without KV (0) only")
         remaining = header.params.max_tokens - len(header.output_token_ids)
         if remaining < 1:
             raise InvalidArgument("header.output_token_ids", "the request has already produced max_tokens tokens")
