@@ -24,6 +24,7 @@ from dualpace.validation import validate_request
 
 log = logging.getLogger(__name__)
 
+
 @dataclass(frozen=True)
 class EngineConfig:
     name: str = "engine"
@@ -74,10 +75,11 @@ class EngineCore:
             prefix_caching = False
         hasher = BlockHasher(config.block_size, prefix_cache_salt(loaded)) if prefix_caching else None
         events = KvEventLog(config.kind, config.block_size) if prefix_caching else None
+        # The window slides over the sliding layers' own pool, or over the one pool when every layer slides.
+        window = loaded.config.sliding_window if num_window_blocks else loaded.config.window_of_every_layer
         self.scheduler = Scheduler(
             config.scheduler, num_blocks, config.block_size, loaded.max_context_tokens, eos_ids, hasher, events,
-            sliding_window_tokens=loaded.config.sliding_window if num_window_blocks else loaded.config.window_of_every_layer,
-            num_window_blocks=num_window_blocks,
+            sliding_window_tokens=window, num_window_blocks=num_window_blocks,
         )
         self.num_steps = 0
 

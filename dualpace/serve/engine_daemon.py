@@ -222,8 +222,9 @@ def warm_up(core: EngineCore) -> None:
         core.step()
     if core.has_work or core.scheduler.requests:
         raise ModelLoadError("warm-up request did not finish")
-    if blocks.num_used_blocks != 0:
-        raise ModelLoadError(f"warm-up left {blocks.num_used_blocks} KV blocks allocated")
+    for pool in core.scheduler.pools:  # a model mixing sliding and global layers has two
+        if pool.num_used_blocks != 0:
+            raise ModelLoadError(f"warm-up left {pool.num_used_blocks} KV blocks allocated")
     blocks.clear_cache()
     if core.scheduler.prefix_cache is not None:
         core.scheduler.prefix_cache.reset_counts()

@@ -100,7 +100,8 @@ async def _move(
 
     def pause() -> tuple[EngineRequest, list[int]]:
         request = core.scheduler.pause(request_id)
-        if request.num_computed_tokens == 0 or not core.moves_kv:  # queued or preempted: moves without KV
+        # Queued or preempted, or its sliding layers' KV in a pool of their own: moves without KV.
+        if request.num_computed_tokens == 0 or not core.moves_kv:
             return request, []
         return request, core.kv_slot_ids(request_id, request.num_computed_tokens)
 
