@@ -31,7 +31,8 @@ def mistral_swa(tmp_path_factory):
     folder = write_family_checkpoint("mistral-swa", tmp_path_factory.mktemp("mistral-swa"))
     loaded = load_model(str(folder), dtype="fp32")
     assert loaded.config.window_of_every_layer == WINDOW
-    prompt = [random.Random("swa").randrange(5, loaded.config.vocab_size) for _ in range(PROMPT_LENGTH)]
+    rng = random.Random("swa")
+    prompt = [rng.randrange(5, loaded.config.vocab_size) for _ in range(PROMPT_LENGTH)]
     hf_model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     return loaded, prompt, hf_greedy(hf_model, prompt, NUM_NEW_TOKENS)
 
@@ -113,10 +114,11 @@ def test_a_table_with_released_entries_gives_the_same_logits(mistral_swa):
                                                    loaded.model.dtype))
     table = list(range(7))  # 28 slots
     forward.forward([SequenceWork(prompt[:16], 0, table)])
-    released = [FREED_BLOCK_ID] * 2 + table[2:]  # positions 0..7: before 20 - 12 + 1 = 9
-    for work in ([SequenceWork(prompt[16:20], 16, table)], [SequenceWork(prompt[19:20], 19, table)]):
-        full = forward.forward(work)
-        again = forward.forward([SequenceWork(work[0].token_ids, work[0].start_pos, released)])
+    # a chunk from 16 first sees 16 - 12 + 1 = 5: block 0 may be gone; a decode at 19 sees 8..: blocks 0 and 1
+    for start, end, num_released in ((16, 20, 1), (19, 20, 2)):
+        released = [FREED_BLOCK_ID] * num_released + table[num_released:]
+        full = forward.forward([SequenceWork(prompt[start:end], start, table)])
+        again = forward.forward([SequenceWork(prompt[start:end], start, released)])
         # masked keys add exact zeros, but the fused prefill kernel's blocking may round differently
         assert torch.allclose(full, again, rtol=0, atol=1e-5) and torch.equal(full.argmax(-1), again.argmax(-1))
     with pytest.raises(ValueError, match="returned to the pool"):
