@@ -63,9 +63,11 @@ class EngineCore:
         num_blocks, num_window_blocks = kv_pool_sizes(loaded.config, config)
         # The CPU engine passes a runner that can also run iterations with Dense Assist.
         self.runner = runner or ModelRunner(loaded, num_blocks, config.block_size, num_window_blocks=num_window_blocks)
-        if self.runner.kv.num_window_blocks != num_window_blocks or self.runner.kv.num_blocks < num_blocks:
-            raise ValueError(f"the runner's KV pools ({self.runner.kv.num_blocks}, {self.runner.kv.num_window_blocks}"
-                             f" blocks) are not the engine's ({num_blocks}, {num_window_blocks}): see kv_pool_sizes")
+        kv = self.runner.kv
+        if (kv.has_window_pool != bool(num_window_blocks) or kv.num_window_blocks < num_window_blocks
+                or kv.num_blocks < num_blocks):
+            raise ValueError(f"the runner's KV pools ({kv.num_blocks}, {kv.num_window_blocks} blocks) are not the "
+                             f"engine's ({num_blocks}, {num_window_blocks}): see kv_pool_sizes")
         eos_ids = frozenset(loaded.config.eos_token_ids) | frozenset(loaded.tokenizer.eos_token_ids)
         prefix_caching = config.prefix_caching
         if prefix_caching and num_window_blocks:

@@ -40,22 +40,24 @@ class ModelRunner:
         buffers (dualpace.model.static_decode), replayed as CUDA graphs once capture_decode_graphs ran;
         the pool then has one block more than `num_blocks`, a scratch block no sequence is given.
         num_window_blocks > 0: the sliding layers of a model that also has global layers hold a pool of
-        their own of that many blocks (dualpace.engine.core.kv_pool_sizes); such a pool is not shared
-        memory, and its decode steps run without static buffers (their tables are the global pool's)."""
+        their own of that many blocks (dualpace.engine.core.kv_pool_sizes; with static buffers, one
+        more, its scratch block); such a pool is not shared memory."""
         cfg = loaded.config
         model = loaded.model
         self.loaded = loaded
         if num_window_blocks:
-            kv_memory, decode_graph_batch = None, 0
-        self.kv = KVStorage(cfg.num_layers, num_blocks + (1 if decode_graph_batch else 0), block_size,
-                            cfg.num_kv_heads, cfg.head_dim, model.dtype, model.device, memory=kv_memory,
-                            window_layers=cfg.window_layers, num_window_blocks=num_window_blocks)
+            kv_memory = None
+        num_scratch = 1 if decode_graph_batch else 0
+        self.kv = KVStorage(cfg.num_layers, num_blocks + num_scratch, block_size, cfg.num_kv_heads, cfg.head_dim,
+                            model.dtype, model.device, memory=kv_memory, window_layers=cfg.window_layers,
+                            num_window_blocks=num_window_blocks + num_scratch if num_window_blocks else 0)
         self.forward = PagedForward(model, self.kv)
         self.host_copies = HostCopies(model.device)  # KV export/import: pinned, async on CUDA
         self.decode_graphs = None
         if decode_graph_batch:
             width = table_width_blocks(loaded.max_context_tokens, block_size, num_blocks)
-            self.decode_graphs = DecodeGraphs(self.forward, decode_graph_batch, width, scratch_block=num_blocks)
+            self.decode_graphs = DecodeGraphs(self.forward, decode_graph_batch, width, scratch_block=num_blocks,
+                                              window_scratch_block=num_window_blocks or None)
         self.finish_device_work = work_finisher(model.device)  # steps end when their work has run
         self.faults = FaultConfig()  # test-only faults (dualpace.faults); the daemon sets them after warm-up
         self.num_forward_steps = 0  # non-empty plans executed since the faults were set

@@ -92,6 +92,23 @@ def test_sliding_layers_free_their_blocks_and_decode_exactly(gemma3, kernels_on)
         assert pool.num_used_blocks == 0 and pool.num_free_blocks == pool.num_total_blocks
 
 
+def test_decode_steps_through_static_buffers_read_both_pools(gemma3):
+    """The GPU engine's decode steps replay CUDA graphs over static buffers, which carry the sliding
+    pool's slots and tables beside the global ones (each pool with its scratch block); run eagerly
+    on those buffers here, they decode exactly as the plain steps do."""
+    from dualpace.engine.runner import ModelRunner
+
+    loaded, prompt, expected = gemma3
+    config = EngineConfig(num_kv_blocks=64, block_size=BLOCK_SIZE, scheduler=CHUNKED)
+    num_blocks, num_window_blocks = kv_pool_sizes(loaded.config, config)
+    runner = ModelRunner(loaded, num_blocks, BLOCK_SIZE, decode_graph_batch=4, num_window_blocks=num_window_blocks)
+    assert (runner.kv.num_blocks, runner.kv.num_window_blocks) == (num_blocks + 1, num_window_blocks + 1)
+    core = EngineCore(loaded, config, runner)
+    output, _, _ = run(core, "static", prompt)
+    assert_exact(output, expected)
+    assert runner.decode_graphs.num_static_steps == NUM_NEW_TOKENS - 1
+
+
 def test_the_pools_split_the_budget_by_bytes(gemma3):
     """8 blocks of all 4 layers: the sliding pool gets what one running sequence needs under the window
     (3 blocks + 1) plus a step of 8 tokens (2), and the global layer the bytes the other 3 layers leave."""
