@@ -6,7 +6,6 @@ worker thread and applies commands between steps; tests can drive it directly.
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass, field
 
 from dualpace.engine.request import EngineRequest, RequestEvent
@@ -21,8 +20,6 @@ from dualpace.model.loader import LoadedModel
 from dualpace.sampling import SamplingParams
 from dualpace.sampling_params import pick_seed
 from dualpace.validation import validate_request
-
-log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -69,14 +66,8 @@ class EngineCore:
             raise ValueError(f"the runner's KV pools ({kv.num_blocks}, {kv.num_window_blocks} blocks) are not the "
                              f"engine's ({num_blocks}, {num_window_blocks}): see kv_pool_sizes")
         eos_ids = frozenset(loaded.config.eos_token_ids) | frozenset(loaded.tokenizer.eos_token_ids)
-        prefix_caching = config.prefix_caching
-        if prefix_caching and num_window_blocks:
-            # A cached prefix would have to be found in both pools, with the sliding one's blocks
-            # released behind each window: not built; such a model recomputes every prompt.
-            log.info("prefix caching is off: the sliding layers hold a KV pool of their own")
-            prefix_caching = False
-        hasher = BlockHasher(config.block_size, prefix_cache_salt(loaded)) if prefix_caching else None
-        events = KvEventLog(config.kind, config.block_size) if prefix_caching else None
+        hasher = BlockHasher(config.block_size, prefix_cache_salt(loaded)) if config.prefix_caching else None
+        events = KvEventLog(config.kind, config.block_size) if config.prefix_caching else None
         # The window slides over the sliding layers' own pool, or over the one pool when every layer slides.
         window = loaded.config.sliding_window if num_window_blocks else loaded.config.window_of_every_layer
         self.scheduler = Scheduler(

@@ -69,8 +69,6 @@ class Scheduler(MoveCommands, PoolReservations):
         if num_window_blocks:
             if sliding_window_tokens is None:
                 raise ValueError("a pool of the sliding layers' own needs sliding_window_tokens")
-            if block_hasher is not None:
-                raise ValueError("prefix caching is not supported with a pool of the sliding layers' own")
             self.window_blocks = KVBlockManager(num_window_blocks, block_size)
         self.pools = [self.blocks] if self.window_blocks is None else [self.blocks, self.window_blocks]
         # Over the pool that slides (the last one); None: attention sees the whole context.
@@ -86,7 +84,7 @@ class Scheduler(MoveCommands, PoolReservations):
         self._next_arrival_index = 0
         self.num_preemptions = 0
         # None: prefix caching off.
-        self.prefix_cache = None if block_hasher is None else PrefixCache(self.blocks, block_hasher, kv_events,
+        self.prefix_cache = None if block_hasher is None else PrefixCache(self.pools, block_hasher, kv_events,
                                                                           sliding_window_tokens)
         # Told of each finishing request before its blocks are freed (the host tier's offers).
         self.finished_listener: Callable[[EngineRequest, FinishReason], None] | None = None
@@ -187,14 +185,14 @@ class Scheduler(MoveCommands, PoolReservations):
             budget -= num_new
         while self.waiting and budget > 0 and not preempted and len(sequences) < self.config.max_running:
             request = self.waiting[0]
-            cached_block_ids = self._match_prefix(request)
+            cached_block_ids = self._match_prefix(request)  # per pool
             reservations = self._admission_reservations(request, cached_block_ids, budget)
             if not all(self._can_admit(*reservation) for reservation in reservations):
                 break
             self.waiting.pop(0)
             for pool, num_reserved_tokens, cached in reservations:
                 pool.allocate(request.request_id, num_reserved_tokens, cached)
-            self._start_after_cached_prefix(request, len(cached_block_ids) * self.blocks.block_size)
+            self._start_after_cached_prefix(request, len(cached_block_ids[0]) * self.blocks.block_size)
             self._release_outside_window(request)
             request.state = RequestState.RUNNING
             self._insert_running(request)
@@ -292,8 +290,9 @@ class Scheduler(MoveCommands, PoolReservations):
             index -= 1
         self.running.insert(index, request)
 
-    def _match_prefix(self, request: EngineRequest) -> list[int]:
-        return [] if self.prefix_cache is None else self.prefix_cache.match(request)
+    def _match_prefix(self, request: EngineRequest) -> list[list[int]]:
+        """Per pool, the cached blocks the request's table starts with."""
+        return [[] for _ in self.pools] if self.prefix_cache is None else self.prefix_cache.match(request)
 
     def _start_after_cached_prefix(self, request: EngineRequest, num_hit_tokens: int) -> None:
         request.num_computed_tokens = num_hit_tokens

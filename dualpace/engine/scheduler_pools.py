@@ -18,14 +18,12 @@ from dualpace.kv.block_table import KVBlockManager
 class PoolReservations:
     """Reads the Scheduler's pools, blocks, window, running list and config."""
 
-    def _admission_reservations(self, request: EngineRequest, cached_block_ids: list[int],
+    def _admission_reservations(self, request: EngineRequest, cached_block_ids: list[list[int]],
                                 budget: int) -> list[tuple[KVBlockManager, int, list[int]]]:
-        """(pool, tokens to reserve, its cached leading blocks) for admitting `request`, in every pool."""
-        reservations = []
-        for pool in self.pools:
-            cached = cached_block_ids if pool is self.blocks else []
-            reservations.append((pool, self._num_tokens_to_reserve(pool, request, cached, budget), cached))
-        return reservations
+        """(pool, tokens to reserve, its cached leading blocks) for admitting `request`, in every pool
+        (cached_block_ids: per pool, PrefixCache.match)."""
+        return [(pool, self._num_tokens_to_reserve(pool, request, cached, budget), cached)
+                for pool, cached in zip(self.pools, cached_block_ids)]
 
     def _check_fits(self, request: EngineRequest) -> None:
         """A request must fit each pool alone at its longest (prompt + max_tokens, less the last token);

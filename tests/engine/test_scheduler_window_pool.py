@@ -1,17 +1,21 @@
 """The pure scheduler with a pool of the sliding layers' own (a model mixing sliding and global layers,
 Gemma 3): each request holds a table in both pools, the plan carries the sliding one beside the global
-one, only the sliding pool releases what the window has passed, and either pool running out preempts.
+one, only the sliding pool releases what the window has passed, either pool running out preempts, and a
+cached prefix serves when both pools can supply it.
 Driven by the checking fake model of tests/engine/scheduler_driver.py. No torch, no weights."""
 
 from __future__ import annotations
 
 import pytest
 
+from dualpace.engine.request import EngineRequest
 from dualpace.engine.scheduler import Scheduler, SchedulerConfig
+from dualpace.engine.step_plan import StepResult
 from dualpace.engine.sliding_window import split_kv_blocks
 from dualpace.errors import InvalidArgument
 from dualpace.kv.block_table import FREED_BLOCK_ID
 from dualpace.kv.prefix_hash import BlockHasher
+from dualpace.sampling import SamplingParams
 from tests.engine.scheduler_driver import EOS, Driver, assert_all_free, make_request
 
 WINDOW = 8
@@ -98,10 +102,35 @@ def test_an_import_reserves_in_both_pools_and_a_cancel_frees_both():
     assert s.blocks.num_used_blocks == s.window_blocks.num_used_blocks == 0
 
 
-def test_prefix_caching_needs_one_pool():
-    with pytest.raises(ValueError, match="prefix caching"):
-        Scheduler(SchedulerConfig(), 16, BLOCK_SIZE, 4096, block_hasher=BlockHasher(BLOCK_SIZE, "salt"),
-                  sliding_window_tokens=WINDOW, num_window_blocks=16)
+def run_alone(s: Scheduler, request: EngineRequest) -> list:
+    """Run `request` to its end (the fake model samples token 5); the plans."""
+    s.add(request)
+    plans = []
+    while s.has_work:
+        plans.append(s.schedule())
+        s.apply(plans[-1], StepResult({seq.request_id: 5 for seq in plans[-1].sequences if seq.sample}))
+    return plans
+
+
+@pytest.mark.parametrize("num_evicted, num_hit_blocks", [(5, 7), (6, 0)])
+def test_a_cached_prefix_serves_when_both_pools_supply_it(num_evicted, num_hit_blocks):
+    """A first request of 30 tokens leaves 7 full blocks cached in both pools, the sliding pool's first
+    5 released on the way (so evicted first). A second request of the same 30 tokens and 2 more: the
+    window of its next query (at 28) reaches blocks 5 and 6 only, so evicting the 5 released ones
+    from the sliding pool still serves all 7; evicting one more serves none, in either pool."""
+    s = Scheduler(SchedulerConfig(max_batch_tokens=64, max_running=8), 32, BLOCK_SIZE, 4096,
+                  block_hasher=BlockHasher(BLOCK_SIZE, "salt"), sliding_window_tokens=WINDOW, num_window_blocks=32)
+    prompt = list(range(10, 40))
+    run_alone(s, EngineRequest("a", prompt, SamplingParams(max_tokens=1), seed=7))
+    assert s.blocks.num_cached_blocks == s.window_blocks.num_cached_blocks == 7
+    s.window_blocks.allocate("squeeze", (s.window_blocks.num_free_blocks + num_evicted) * BLOCK_SIZE)
+    s.window_blocks.free("squeeze")
+    plans = run_alone(s, EngineRequest("b", prompt + [50, 51], SamplingParams(max_tokens=2), seed=7))
+    first = plans[0].sequences[0]
+    assert first.start_pos == num_hit_blocks * BLOCK_SIZE == s.num_prefix_hit_tokens
+    if num_hit_blocks:
+        assert first.window_block_ids[:5] == (FREED_BLOCK_ID,) * 5 and FREED_BLOCK_ID not in first.block_ids
+    assert s.blocks.num_used_blocks == s.window_blocks.num_used_blocks == 0
 
 
 def test_the_budget_splits_by_bytes():

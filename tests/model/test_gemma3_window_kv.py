@@ -45,10 +45,11 @@ def gemma3(synth_checkpoint):
     return loaded, prompt, (expected, hf_logprobs(hf_model, prompt + expected))
 
 
-def run(core: EngineCore, request_id: str, prompt: list[int]) -> tuple[tuple[list, list], int, int]:
+def run(core: EngineCore, request_id: str, prompt: list[int], params: SamplingParams = PARAMS,
+        ) -> tuple[tuple[list, list], int, int]:
     """The request's (tokens, prompt and output logprobs) and the most blocks each pool (global,
     sliding) had in use after any step."""
-    core.add_request(request_id, prompt, PARAMS)
+    core.add_request(request_id, prompt, params)
     tokens, logprobs, most_global, most_sliding = [], [], 0, 0
     for _ in range(4 * NUM_NEW_TOKENS):
         if not core.has_work:
@@ -81,7 +82,6 @@ def test_sliding_layers_free_their_blocks_and_decode_exactly(gemma3, kernels_on)
         cpu_kernels.set_enabled(enabled)
     assert_exact(output, expected)
     scheduler = core.scheduler
-    assert scheduler.prefix_cache is None  # off: a prefix would have to be found in both pools
     # the last step computed every token but the last sampled one; its next query sees from there - 11
     num_computed = PROMPT_LENGTH + NUM_NEW_TOKENS - 1
     assert scheduler.num_window_released_blocks == (num_computed - WINDOW + 1) // BLOCK_SIZE == 15
@@ -89,7 +89,28 @@ def test_sliding_layers_free_their_blocks_and_decode_exactly(gemma3, kernels_on)
     # the global pool every block of the request, none released
     assert most_sliding <= -(-(WINDOW - 1 + 8) // BLOCK_SIZE) + 1 == 6 < NUM_BLOCKS_OF_REQUEST == most_global
     for pool in (scheduler.blocks, scheduler.window_blocks):
-        assert pool.num_used_blocks == 0 and pool.num_free_blocks == pool.num_total_blocks
+        assert pool.num_used_blocks == 0 and pool.num_available_blocks == pool.num_total_blocks
+
+
+def test_a_cached_prefix_serves_from_both_pools(gemma3):
+    """The prompt's 9 full blocks stay cached in both pools after a first request (the sliding pool's
+    released ones too, until evicted); the next request of the same prompt starts after them. The
+    window of its next query (at 36) reaches blocks 6..8 only: with the sliding pool's first 6
+    blocks evicted, the same prefix still serves, and output stays exact."""
+    loaded, prompt, (expected_tokens, expected_logprobs) = gemma3
+    core = EngineCore(loaded, EngineConfig(num_kv_blocks=64, block_size=BLOCK_SIZE, scheduler=CHUNKED))
+    params = SamplingParams(max_tokens=NUM_NEW_TOKENS, ignore_eos=True, logprobs=5)  # prompt logprobs: no reuse
+    scheduler = core.scheduler
+    for attempt in ("first", "again", "after-eviction"):
+        if attempt == "after-eviction":
+            sliding = scheduler.window_blocks
+            sliding.allocate("squeeze", (sliding.num_free_blocks + 6) * BLOCK_SIZE)
+            sliding.free("squeeze")
+            assert len(sliding.match_prefix(scheduler.prefix_cache.hasher.chain(prompt))) == 0
+        hits_before = scheduler.num_prefix_hit_tokens
+        output, _, _ = run(core, attempt, prompt, params)
+        assert_exact(output, (expected_tokens, expected_logprobs[PROMPT_LENGTH - 1:]))
+        assert scheduler.num_prefix_hit_tokens - hits_before == (0 if attempt == "first" else 9 * BLOCK_SIZE)
 
 
 def test_decode_steps_through_static_buffers_read_both_pools(gemma3):

@@ -63,6 +63,9 @@ class HostTierOffers:
         scheduler = loop.core.scheduler
         if scheduler.prefix_cache is None:
             raise FailedPrecondition("the host tier needs prefix caching on (--prefix-caching on)")
+        if not loop.core.moves_kv:
+            raise FailedPrecondition("the host tier moves KV between engines, and this model's sliding layers hold "
+                                     "a KV pool of their own, which no transfer carries (EngineCore.moves_kv)")
         self.loop = loop
         self.send = send
         self.max_pending = max_pending

@@ -39,6 +39,9 @@ class HostTierImporter(KvImporter):
         prefix_cache = core.scheduler.prefix_cache
         if prefix_cache is None:
             raise FailedPrecondition("this engine runs with --prefix-caching off: it keeps no host tier")
+        if not core.moves_kv:
+            raise FailedPrecondition("this model's sliding layers hold a KV pool of their own, which no transfer "
+                                     "carries: this engine keeps no host tier")
         if header.cache_salt != prefix_cache.hasher.salt:
             raise FailedPrecondition(f"host-tier blocks made under {header.cache_salt!r}; this engine's prefix "
                                      f"cache is {prefix_cache.hasher.salt!r} (same model, weights and dtype needed)")
