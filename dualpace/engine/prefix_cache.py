@@ -33,7 +33,8 @@ class PrefixCache:
         self.blocks = blocks
         self.hasher = hasher
         self.events = events  # stored / removed events, for WatchKvEvents
-        self.sliding_window_tokens = sliding_window_tokens  # every layer slides: match only what the window needs
+        # the last pool's layers slide: match there only what the window needs
+        self.sliding_window_tokens = sliding_window_tokens
         if events is not None:
             blocks.set_forget_listener(events.removed)
         self.num_query_tokens = 0  # tokens of admitted requests looked up

@@ -18,9 +18,10 @@ with them, shared (refcounted). Cached blocks are always full, so they are never
 again; a freed one stays cached until an allocation evicts it.
 
 Sliding window: ``release_leading_blocks`` returns a table's leading blocks to the pool while the
-sequence runs (every layer's window has passed them). The table keeps its logical indexing: a released
-entry reads ``FREED_BLOCK_ID``, which holds no KV and is never written; ``readable_block_ids`` gives
-attention a table with each such entry replaced by a held block, whose positions the window masks.
+sequence runs (the window of every layer the pool serves has passed them). The table keeps its
+logical indexing: a released entry reads ``FREED_BLOCK_ID``, which holds no KV and is never written;
+``readable_block_ids`` gives attention a table with each such entry replaced by a held block, whose
+positions the window masks.
 
 Every mutating method checks everything (ids, sizes, free blocks) before it
 changes anything: a raised error leaves the manager untouched.
@@ -168,7 +169,7 @@ class KVBlockManager:
         return block_ids
 
     def match_prefix_in_window(self, block_hashes: list[BlockHash], window_tokens: int) -> list[int]:
-        """For a model whose every layer slides over ``window_tokens``: the longest cached run of
+        """For a pool whose every layer slides over ``window_tokens``: the longest cached run of
         ``block_hashes`` whose blocks the next query's window reaches are all cached, those before
         it given as FREED_BLOCK_ID (never held again; a new table starts released there)."""
         num_hit_blocks = first_needed = 0
