@@ -194,6 +194,8 @@ class PagedForward:
         num_tokens = step.token_ids.shape[0]
         if step.prefills or num_tokens > cpu_kernels.MIXED_MAX_ROWS or num_tokens == 0:
             return None
+        if step.window_pool is not None:  # the fused call reads one pool's slots and tables for every layer
+            return None
         if self.between_layers is not None:  # the fused call has no point between layers to yield at
             return None
         kernels = cpu_kernels.get()
