@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import logging
 import sys
 
 import grpc
@@ -34,6 +35,8 @@ from dualpace.serve.engine_daemon import (
 from gpu_service.assist_limits import AssistLimits, add_assist_limit_arguments, limits_from_args
 from gpu_service.assist_servicer import add_dense_assist_servicer
 from gpu_service.dense_assist import DenseAssistExecutor
+
+log = logging.getLogger(__name__)
 
 DEFAULT_KV_BLOCKS = 256  # a small pool: GPU memory is the scarce resource this system works around
 DENSE_ASSIST_SERVICE = "dualpace.v1.DenseAssist"
@@ -106,7 +109,11 @@ def assist_services(args: argparse.Namespace, limits: AssistLimits):
         raise InvalidArgument("--host-tier", "needs --prefix-caching on")
 
     def add_assist(parts: EngineDaemonParts, server: grpc.aio.Server) -> list[str]:
-        if args.host_tier is not None:
+        if args.host_tier is not None and not parts.loop.core.moves_kv:
+            # `dualpace up` passes --host-tier by default: the engine serves, without offers
+            log.warning("--host-tier off: this model's sliding layers hold a KV pool of their own, which no KV "
+                        "transfer carries (EngineCore.moves_kv)")
+        elif args.host_tier is not None:
             start_host_tier(args, parts)
         runner = parts.loop.core.runner
         handoff = DeviceHandoff(parts.device_lock, runner.finish_device_work)

@@ -45,7 +45,7 @@ def kv_pool_sizes(model: ModelConfig, config: EngineConfig) -> tuple[int, int]:
     budget of config.num_kv_blocks blocks of every layer. A model mixing sliding and global layers
     (Gemma 3) gives its sliding layers a pool of their own, which frees what the window has passed
     (dualpace.engine.sliding_window.split_kv_blocks); any other model has one pool."""
-    if model.sliding_window is None or model.window_layers is None:
+    if not model.mixes_window_and_global_layers:
         return config.num_kv_blocks, 0
     return split_kv_blocks(config.num_kv_blocks, model.num_layers, sum(model.window_layers), model.sliding_window,
                            config.block_size, config.scheduler.max_running, config.scheduler.max_batch_tokens)

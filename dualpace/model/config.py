@@ -159,6 +159,12 @@ class ModelConfig:
         """The sliding window when every layer has it (Mistral, Phi-3); else None (some layer is global)."""
         return self.sliding_window if self.window_layers is None else None
 
+    @property
+    def mixes_window_and_global_layers(self) -> bool:
+        """Whether some layers slide and others see the whole context (Gemma 3): the engines then give
+        the sliding layers a KV pool of their own (dualpace.engine.core.kv_pool_sizes)."""
+        return self.sliding_window is not None and self.window_layers is not None
+
     def layer_rope_theta(self, layer_index: int) -> float:
         if self.local_rope_theta is not None and self.layer_window(layer_index) is not None:
             return self.local_rope_theta

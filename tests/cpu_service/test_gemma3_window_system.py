@@ -123,3 +123,21 @@ def test_migrations_both_ways_match_transformers(daemons):
     assert stream.read(gpu_client.resume("both-ways", len(stream.tokens))).finish_reason == FinishReason.LENGTH
     stream.check()
     assert gpu_client.wait_idle().kv_blocks_used == 0 and cpu_client.wait_idle().kv_blocks_used == 0
+
+
+def test_gpu_service_given_a_host_tier_serves_without_it(tmp_path):
+    """`dualpace up` passes --host-tier by default: for a model whose sliding layers hold a KV pool of
+    their own (which no transfer carries) gpu_service serves without the host tier and says why, rather
+    than exiting. The address is never dialled."""
+    write_synthetic_checkpoint("tiny-gemma3", tmp_path, seed=0)
+    gpu = start_daemon("gpu_service", "--model", str(tmp_path), *ENGINE_FLAGS, "--prefix-caching", "on",
+                       "--host-tier", "127.0.0.1:9")
+    try:
+        client = EngineClient(gpu.address)
+        updates = [generate_update_from_pb(r) for r in client.stream("a", _prompt("host-tier"), _params(4))]
+        assert updates[-1].finish_reason == FinishReason.LENGTH
+        assert sum(len(u.new_token_ids) for u in updates) == 4
+        client.close()
+    finally:
+        assert gpu.stop() == 0, gpu.log()
+    assert "--host-tier off: this model's sliding layers hold a KV pool of their own" in gpu.log()
