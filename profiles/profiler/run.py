@@ -182,6 +182,7 @@ def run_profile(request: ProfileRequest) -> tuple[Path, Profile, bool]:
     hardware = hardware_fingerprint(request.threads, device, bandwidth)
     loaded = load_model(request.model, dtype=torch_dtype, device="cpu")
     model_fp = replace(model_fp, moe=moe_weight_bytes(loaded.model.weights, loaded.config))  # MoE: bytes a step reads
+    moves_kv = not loaded.config.mixes_window_and_global_layers  # else a move recomputes (EngineCore.moves_kv)
     request.log(f"profiling {request.model} ({model_fp.dtype}) on {hardware.cpu_model}, {hardware.cpu_cores} cores, "
                 f"{request.threads} threads, GPU engine on {device}{'; MoE ' + model_fp.moe.summary() if model_fp.moe else ''}")
     max_context = max(grids.context_tokens)
@@ -256,7 +257,7 @@ def run_profile(request: ProfileRequest) -> tuple[Path, Profile, bool]:
                                 assisted(cpu_bench.decode_plan(b, check_context)),
                                 f"CPU assisted decode {b}x{check_context}") for b in grids.batch]
         transfers: dict[str, list[tuple[int, float]]] = {"shm": [], "tcp": []}
-        for path_name, table in (("shm", "kv_transfer_shm"), ("tcp", "kv_transfer_tcp")):
+        for path_name, table in (("shm", "kv_transfer_shm"), ("tcp", "kv_transfer_tcp")) if moves_kv else ():
             for t in grids.kv_transfer_tokens:
                 sample = m.kv_transfer(service.address, cpu_bench.runner, cfg.vocab_size, t, grids.warmup,
                                        KV_TRANSFER_REPEAT_FACTOR * grids.repeats, path=path_name)
@@ -281,10 +282,15 @@ def run_profile(request: ProfileRequest) -> tuple[Path, Profile, bool]:
     fits = {name: KVTransfer(*(round(v, 4) for v in m.fit_transfer(points)))
             for name, points in transfers.items() if len(points) == len(grids.kv_transfer_tokens)}
     # The plain figures are the paths the daemons take by default on this host (older readers use them).
-    kv_path = "shm" if "shm" in fits else "tcp"
-    if kv_path not in fits:
-        raise RuntimeError("KV transfer: the profiler's gpu_service declined both shared memory and its data socket")
-    kv_default = fits[kv_path]
+    if moves_kv:
+        kv_path = "shm" if "shm" in fits else "tcp"
+        if kv_path not in fits:
+            raise RuntimeError("KV transfer: the profiler's gpu_service declined both shared memory and its data socket")
+        kv_default = fits[kv_path]
+    else:  # its requests move without KV (EngineCore.moves_kv): a move costs the target's prefill
+        kv_path = "recompute"
+        transfers[kv_path] = [(t * model_fp.kv_bytes_per_token, ms) for t, ms in zip(grids.prefill_tokens, prefill)]
+        kv_default = KVTransfer(*(round(v, 4) for v in m.fit_transfer(transfers[kv_path])))
     bytes_per_block = model_fp.kv_bytes_per_token * model_fp.block_size
     weight_bytes = loaded.model.weights.num_bytes()
     if request.gpu_kv_blocks is not None:
@@ -342,7 +348,9 @@ def run_profile(request: ProfileRequest) -> tuple[Path, Profile, bool]:
         "kv_transfer_fit_points": [[b, round(ms, 4)] for b, ms in transfers[kv_path]],
         "kv_transfer_fit_points_by_path": {name: [[b, round(ms, 4)] for b, ms in points]
                                            for name, points in transfers.items()},
-        "data_paths": f"assist_ms is over {assist_path}; kv_transfer over {kv_path}",
+        "data_paths": f"assist_ms is over {assist_path}; kv_transfer over {kv_path}" if moves_kv else
+                      f"assist_ms is over {assist_path}; kv_transfer is a recompute (gpu_prefill_ms): this model's "
+                      "sliding layers hold a KV pool of their own, so its requests move without KV",
         "samples": samples,
     }
     profile = Profile(PROFILE_VERSION, hardware, model_fp, tables, kv_default,

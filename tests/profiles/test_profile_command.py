@@ -73,6 +73,17 @@ def test_bad_grid_is_a_one_line_error(capsys):
     assert "--batch" in err and len(err.strip().splitlines()) == 1
 
 
+def profile_on_smallest_grids(model, out) -> subprocess.CompletedProcess:
+    """`dualpace profile` on the smallest grids, one thread; asserts it succeeded."""
+    grids = ["--prefill-tokens", "16,32", "--batch", "1,2", "--context-tokens", "16,32", "--kv-transfer-tokens", "16,32",
+             "--warmup", "0", "--repeats", "1"]
+    run = subprocess.run([sys.executable, "-m", "dualpace", "profile", "--model", str(model), "--quick", *grids,
+                          "--threads", "1", "--out", str(out), "--no-progress"], check=False, capture_output=True,
+                         text=True, timeout=120)
+    assert run.returncode == 0, run.stdout + run.stderr
+    return run
+
+
 def test_a_moe_profile_states_the_bytes_a_step_reads(synth_checkpoint, tmp_path):
     """A mixture-of-experts model's profile carries its weights' MoE bytes (what the cost model reads
     the CPU dense table along) and the run prints the active bytes per token. (On the smallest
@@ -81,14 +92,26 @@ def test_a_moe_profile_states_the_bytes_a_step_reads(synth_checkpoint, tmp_path)
 
     model = synth_checkpoint("tiny-mixtral")
     out = tmp_path / "moe.json"
-    grids = ["--prefill-tokens", "16,32", "--batch", "1,2", "--context-tokens", "16,32", "--kv-transfer-tokens", "16,32",
-             "--warmup", "0", "--repeats", "1"]
-    run = subprocess.run([sys.executable, "-m", "dualpace", "profile", "--model", str(model), "--quick", *grids,
-                          "--threads", "1", "--out", str(out), "--no-progress"], check=False, capture_output=True,
-                         text=True, timeout=120)
-    assert run.returncode == 0, run.stdout + run.stderr
+    run = profile_on_smallest_grids(model, out)
     profile = load_profile(out)
     loaded = load_model(str(model), dtype=profile.model.dtype)
     assert profile.model.moe == moe_weight_bytes(loaded.model.weights, loaded.config)
     assert f"MoE {profile.model.moe.summary()}" in run.stdout
     assert CostModel(profile).cpu_local_ms(DecodeBatch(2, 40.0)) > 0
+
+
+def test_a_model_that_moves_without_kv_costs_a_move_as_a_prefill(synth_checkpoint, tmp_path):
+    """Gemma 3's sliding layers hold a KV pool of their own, which no transfer carries: its requests
+    move without KV and the target recomputes them. Its profile measures no transfer (the engines
+    decline one) and costs a move as the prefill of the same tokens, and says so."""
+    model = synth_checkpoint("tiny-gemma3")
+    out = tmp_path / "gemma3.json"
+    profile_on_smallest_grids(model, out)
+    profile = load_profile(out)
+    assert "kv_transfer is a recompute (gpu_prefill_ms)" in profile.profiler["data_paths"]
+    prefill = profile.table1d("gpu_prefill_ms")
+    bytes_per_token = profile.model.kv_bytes_per_token
+    assert [b for b, _ in profile.profiler["kv_transfer_fit_points"]] == [t * bytes_per_token for t in prefill.grid]
+    assert [ms for _, ms in profile.profiler["kv_transfer_fit_points"]] == list(prefill.ms)
+    assert not {"kv_transfer_shm", "kv_transfer_tcp"} & set(profile.profiler["samples"])
+    assert not profile.kv_transfer_paths  # no transport measured
