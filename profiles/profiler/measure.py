@@ -30,6 +30,7 @@ from dualpace.engine.runner import ModelRunner
 from dualpace.engine.scheduler import ScheduledSequence, StepPlan
 from dualpace.model.loader import LoadedModel
 from dualpace.model.paged_forward import SequenceWork, attend, build_step_tensors
+from dualpace.profile.schema import KVTransfer
 from dualpace.sampling import SamplingParams, sample_next_tokens
 from profiles.profiler.timing import Sample, summarize
 
@@ -241,6 +242,27 @@ def fit_transfer(points: list[tuple[int, float]]) -> tuple[float, float]:
         big = max(points)
         return 1000.0 * big[0] / max(big[1], 1e-6), max(0.0, min(ys))
     return 1000.0 / slope, max(0.0, mean_y - slope * mean_x)
+
+
+def default_kv_transfer(fits: dict[str, KVTransfer], transfers: dict[str, list[tuple[int, float]]],
+                        recompute: list[tuple[int, float]] | None) -> tuple[str, KVTransfer]:
+    """(path, figures) of the profile's plain kv_transfer: the path the daemons take by default on this
+    host, shm when measured, else tcp. `recompute` ((KV bytes, prefill ms) points, added to `transfers`):
+    a model whose requests move without KV (EngineCore.moves_kv), where a move costs the target's prefill."""
+    if recompute is not None:
+        transfers["recompute"] = recompute
+        return "recompute", KVTransfer(*(round(v, 4) for v in fit_transfer(recompute)))
+    path = "shm" if "shm" in fits else "tcp"
+    if path not in fits:
+        raise RuntimeError("KV transfer: the profiler's gpu_service declined both shared memory and its data socket")
+    return path, fits[path]
+
+
+def kv_path_note(path: str) -> str:
+    if path == "recompute":
+        return ("kv_transfer is a recompute (gpu_prefill_ms): this model's sliding layers hold a KV pool of their "
+                "own, so its requests move without KV")
+    return f"kv_transfer over {path}"
 
 
 def slug(text: str) -> str:

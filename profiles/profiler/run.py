@@ -282,15 +282,8 @@ def run_profile(request: ProfileRequest) -> tuple[Path, Profile, bool]:
     fits = {name: KVTransfer(*(round(v, 4) for v in m.fit_transfer(points)))
             for name, points in transfers.items() if len(points) == len(grids.kv_transfer_tokens)}
     # The plain figures are the paths the daemons take by default on this host (older readers use them).
-    if moves_kv:
-        kv_path = "shm" if "shm" in fits else "tcp"
-        if kv_path not in fits:
-            raise RuntimeError("KV transfer: the profiler's gpu_service declined both shared memory and its data socket")
-        kv_default = fits[kv_path]
-    else:  # its requests move without KV (EngineCore.moves_kv): a move costs the target's prefill
-        kv_path = "recompute"
-        transfers[kv_path] = [(t * model_fp.kv_bytes_per_token, ms) for t, ms in zip(grids.prefill_tokens, prefill)]
-        kv_default = KVTransfer(*(round(v, 4) for v in m.fit_transfer(transfers[kv_path])))
+    recompute = None if moves_kv else [(t * model_fp.kv_bytes_per_token, ms) for t, ms in zip(grids.prefill_tokens, prefill)]
+    kv_path, kv_default = m.default_kv_transfer(fits, transfers, recompute)
     bytes_per_block = model_fp.kv_bytes_per_token * model_fp.block_size
     weight_bytes = loaded.model.weights.num_bytes()
     if request.gpu_kv_blocks is not None:
@@ -348,9 +341,7 @@ def run_profile(request: ProfileRequest) -> tuple[Path, Profile, bool]:
         "kv_transfer_fit_points": [[b, round(ms, 4)] for b, ms in transfers[kv_path]],
         "kv_transfer_fit_points_by_path": {name: [[b, round(ms, 4)] for b, ms in points]
                                            for name, points in transfers.items()},
-        "data_paths": f"assist_ms is over {assist_path}; kv_transfer over {kv_path}" if moves_kv else
-                      f"assist_ms is over {assist_path}; kv_transfer is a recompute (gpu_prefill_ms): this model's "
-                      "sliding layers hold a KV pool of their own, so its requests move without KV",
+        "data_paths": f"assist_ms is over {assist_path}; {m.kv_path_note(kv_path)}",
         "samples": samples,
     }
     profile = Profile(PROFILE_VERSION, hardware, model_fp, tables, kv_default,
