@@ -17,10 +17,10 @@ from cpu_service.assist_client import AssistClient
 from cpu_service.assist_join import MAX_JOIN_WAIT_US, NO_JOIN, JoinAsk
 from dualpace.engine.run_delay import runqueue_wait_ns
 from dualpace.engine.scheduler import StepPlan, StepResult
-from dualpace.engine.step_sampling import needs_logits_here, sample_step
+from dualpace.engine.step_sampling import needs_logits_here, sample_step, step_work
 from dualpace.kv.storage import KVStorage
 from dualpace.model.config import ModelConfig
-from dualpace.model.paged_forward import SequenceWork, attend, build_step_tensors
+from dualpace.model.paged_forward import attend, build_step_tensors
 
 LAYER_TIME_EMA_WEIGHT = 0.2  # weight of a new iteration's mean attention time per layer
 
@@ -41,10 +41,7 @@ class AssistedForward:
         """Run a decode-only plan (one token per sequence, each sampled). Raises
         AssistUnavailable if gpu_service fails; the caller then redoes the step locally
         (the K/V rows written so far sit in the same slots the redo rewrites)."""
-        work = [SequenceWork(list(s.token_ids), s.start_pos, list(s.block_ids),
-                             window_block_ids=None if s.window_block_ids is None else list(s.window_block_ids))
-                for s in plan.sequences]
-        step = build_step_tensors(work, self.kv.block_size, self.kv.device)
+        step = build_step_tensors(step_work(plan), self.kv.block_size, self.kv.device)
         attend_ns = [0, 0]  # total time in attend_here, number of layers
 
         def attend_here(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
