@@ -13,10 +13,11 @@
 // - `int8`: from VNNI_MIN_ROWS rows of x in builds with AVX-512 VNNI, activations quantized per
 //   row per 16 elements to int8 (one float scale per 16: half llama.cpp's q8_0 block) and
 //   multiplied with vpdpbusd (quant_gemv_vnni.h; rows with outlier channels rounded twice, the
-//   residual in a lane of its own); the K-quant formats (Q4_K, Q6_K) from Q8K_MAX_ROWS + 1. Fewer
-//   rows of those are rounded per super-block of 256 and summed in integers (quant_gemv_q8k.h;
-//   int16 where a row is an outlier); fewer rows of the other formats, or a build without VNNI,
-//   compute as int16. The activation rounding (4e-3 of each 16's max) moves logits by ~1e-2
+//   residual in a lane of its own); the K-quant formats (Q4_K, Q6_K) from Q8K_MAX_ROWS + 1 and
+//   Q8_0 / Q4_0 from PAIRS_MAX_ROWS + 1. Fewer rows of the K-quants are rounded per super-block
+//   of 256 and summed in integers (quant_gemv_q8k.h), fewer of Q8_0 / Q4_0 per 16, two blocks to
+//   a pair of vectors (quant_gemv_block_pairs.h), both in int16 where a row is an outlier; fewer
+//   rows of Q4_1, or a build without VNNI, compute as int16. The activation rounding (4e-3 of each 16's max) moves logits by ~1e-2
 //   relative: close to the dequantized model by KL divergence (docs/perf.md), not greedy-identical
 //   to it.
 // - `fp32`: each 8-weight chunk is unpacked and dequantized in registers to fp32
@@ -366,18 +367,23 @@ inline void rows_f32_t(const WeightDesc& w, const float* x, int64_t M, int64_t l
 #include "quant_gemv_vnni.h"       // the int8 mode's tiles
 #include "quant_gemv_vnni_rows.h"  // and its loop over them
 #include "quant_gemv_q8k.h"        // the int8 mode's K-quant rows up to Q8K_MAX_ROWS
+#include "quant_gemv_block_pairs.h"  // and its Q8_0 / Q4_0 rows up to PAIRS_MAX_ROWS
 #endif
 namespace dp_quant {
 
 // The layouts a prepared header names: ACT_FP32 (none), ACT_INT16, or the int8 mode's layouts:
 // for vpdpbusd (quant_gemv_vnni.h: activation rows in the vector lanes) and, for the K-quant
-// formats up to Q8K_MAX_ROWS rows, rows rounded per super-block (quant_gemv_q8k.h).
+// formats up to Q8K_MAX_ROWS rows, rows rounded per super-block (quant_gemv_q8k.h), for Q8_0 /
+// Q4_0 up to PAIRS_MAX_ROWS rows, rows rounded per 16 in pair order (quant_gemv_block_pairs.h).
 constexpr int32_t PREPARED_VNNI = 17;
 constexpr int32_t PREPARED_Q8K = 18;
+constexpr int32_t PREPARED_PAIRS = 19;
 
 #if defined(DP_QUANT_VNNI)
 // Rows of x from which the int8 mode runs quant_gemv_vnni.h's lane groups for this format.
-inline int64_t int8_lanes_min_rows(int32_t format) { return q8k_format(format) ? Q8K_MAX_ROWS + 1 : VNNI_MIN_ROWS; }
+inline int64_t int8_lanes_min_rows(int32_t format) {
+  return q8k_format(format) ? Q8K_MAX_ROWS + 1 : pairs_format(format) ? PAIRS_MAX_ROWS + 1 : VNNI_MIN_ROWS;
+}
 #endif
 
 // Rows of x from which the int16 mode computes in fp32 instead (quant_gemv_avx512.h); never on AVX2.
@@ -397,7 +403,8 @@ constexpr int64_t PREPARED_HEADER_BYTES = 64;
 inline int64_t prepare_bytes(const WeightDesc& w, int64_t M) {
   const int64_t rows = M * i16_row_bytes(w.K);
 #if defined(DP_QUANT_VNNI)
-  return PREPARED_HEADER_BYTES + std::max({rows, vnni_prepared_bytes(w.K, M), M * q8k_row_bytes(w.K)});
+  return PREPARED_HEADER_BYTES + std::max({rows, vnni_prepared_bytes(w.K, M), M * q8k_row_bytes(w.K),
+                                              M * pairs_row_bytes(w.K)});
 #else
   return PREPARED_HEADER_BYTES + rows;
 #endif
@@ -410,7 +417,8 @@ inline int64_t prepare_bytes(const WeightDesc& w, int64_t M) {
 // (With it on, bf16 compute once changed the default model's chat answer: not a fault of these
 // tiles but a near tie of the model's first answer token, margin 0.08 logits.)
 // The int8 mode has no such invariance: below int8_lanes_min_rows it rounds K-quant calls per
-// super-block (without an outlier row) and computes other formats in int16; without VNNI, int16.
+// super-block and Q8_0 / Q4_0 calls per 16 (without an outlier row) and computes the others in
+// int16; without VNNI, int16.
 inline void prepare(const WeightDesc& w, const float* x, int64_t M, int64_t ldx, void* prepared,
                     bool fp32_switch = true) {
   uint8_t* out = static_cast<uint8_t*>(prepared);
@@ -423,6 +431,9 @@ inline void prepare(const WeightDesc& w, const float* x, int64_t M, int64_t ldx,
   } else if (mode == ACT_INT8 && q8k_applies(w, x, M, ldx)) {
     mode = PREPARED_Q8K;
     prepare_q8k(x, M, ldx, w.K, body);
+  } else if (mode == ACT_INT8 && pairs_apply(w, x, M, ldx)) {
+    mode = PREPARED_PAIRS;
+    prepare_pairs(w, x, M, ldx, body);
   } else
 #endif
   if (mode == ACT_FP32 || (fp32_switch && M >= fp32_min_rows())) {
@@ -442,7 +453,8 @@ inline void rows(const WeightDesc& w, const float* x, int64_t M, int64_t ldx, co
 #if defined(DP_QUANT_VNNI)
 #define DP_QUANT_VNNI_ROWS(F)                                                    \
   ((mode == PREPARED_VNNI && (rows_vnni<F>(w, body, n0, n1, y, ldy), true)) || \
-   (mode == PREPARED_Q8K && rows_q8k<F>(w, body, M, n0, n1, y, ldy)))
+   (mode == PREPARED_Q8K && rows_q8k<F>(w, body, M, n0, n1, y, ldy)) ||          \
+   (mode == PREPARED_PAIRS && rows_pairs<F>(w, body, M, n0, n1, y, ldy)))
 #else
 #define DP_QUANT_VNNI_ROWS(F) false
 #endif

@@ -61,6 +61,15 @@ int64_t dp_quant_int8_k_max_rows() {
 #endif
 }
 
+// Rows of x up to which the int8 mode rounds Q8_0 / Q4_0 calls per block of 32 (quant_gemv_block_pairs.h); 0: never.
+int64_t dp_quant_int8_pairs_max_rows() {
+#if defined(DP_QUANT_VNNI)
+  return dp_quant::PAIRS_MAX_ROWS;
+#else
+  return 0;
+#endif
+}
+
 // max |x| / rms(x) above which an int8 row also gets its residual's lane (quant_gemv_vnni.h); 0: no int8 rows.
 float dp_quant_int8_outlier_ratio() {
 #if defined(DP_QUANT_VNNI)

@@ -33,7 +33,7 @@ log = logging.getLogger(__name__)
 _HERE = Path(__file__).parent
 SOURCES = [_HERE / "quant_kernels.cpp", _HERE / "quant_gemv.h", _HERE / "quant_gemv_i16.h",
            _HERE / "quant_gemv_avx512.h", _HERE / "quant_gemv_vnni.h", _HERE / "quant_gemv_vnni_rows.h",
-           _HERE / "quant_gemv_q8k.h",
+           _HERE / "quant_gemv_q8k.h", _HERE / "quant_gemv_block_pairs.h",
            _HERE / "kernel_weights.h"]
 _BASE_FLAGS = ["-O3", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
 
@@ -52,6 +52,7 @@ _SIGNATURES = {
     "dp_quant_fp32_min_rows": ([], ctypes.c_int64),
     "dp_quant_int8_min_rows": ([], ctypes.c_int64),
     "dp_quant_int8_k_max_rows": ([], ctypes.c_int64),
+    "dp_quant_int8_pairs_max_rows": ([], ctypes.c_int64),
     "dp_quant_int8_outlier_ratio": ([], ctypes.c_float),
     "dp_quant_format_supported": ([ctypes.c_int32], ctypes.c_int),
     "dp_quant_set_activations": ([ctypes.c_int32], ctypes.c_int32),

@@ -17,6 +17,13 @@ INT8_SCHEME = (False, 127)
 # consecutive elements to +-127; a call holding an outlier row computes in int16.
 INT8_K_SCHEME = ("super-block", 127)
 K_QUANT_FORMATS = ("Q4_K", "Q6_K")
+# int8 up to int8_pairs_max_rows() rows on Q8_0 and Q4_0 (quant_gemv_block_pairs.h): per 16
+# consecutive elements to +-127 (INT8_SCHEME without its outlier rows' second rounding); a call
+# holding an outlier row computes in int16.
+INT8_BLOCK_SCHEME = ("pairs", 127)
+PAIR_FORMATS = ("Q8_0", "Q4_0")
+# Elements per scale of the schemes that round consecutive runs (an outlier row: int16 instead).
+RUN_ELEMS = {INT8_K_SCHEME: 256, INT8_BLOCK_SCHEME: 16}
 
 
 def int16_halves(x: torch.Tensor, interleaved: bool = True) -> torch.Tensor:
@@ -67,17 +74,18 @@ def int8_rounded(x: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def super_block_rounded(x: torch.Tensor) -> torch.Tensor:
-    """x rounded per 256 consecutive elements to int8, as INT8_K_SCHEME (fp32 q, double scale)."""
-    g = x.reshape(x.shape[0], -1, 256)
+def super_block_rounded(x: torch.Tensor, elems: int = 256) -> torch.Tensor:
+    """x rounded per `elems` consecutive elements to int8, as INT8_K_SCHEME (256) or INT8_BLOCK_SCHEME
+    (16) (fp32 q, double scale)."""
+    g = x.reshape(x.shape[0], -1, elems)
     amax = g.abs().amax(-1, keepdim=True)
     inv = torch.where(amax > 0, torch.full_like(amax, 127.0) / amax, torch.zeros_like(amax))
     return (torch.round(g * inv).double() * (amax.double() / 127)).reshape(x.shape)
 
 
 def mode_rounded(x: torch.Tensor, rounding) -> torch.Tensor:
-    if rounding == INT8_K_SCHEME:
-        return int16_rounded(x) if int8_outliers(x).any() else super_block_rounded(x)
+    if rounding in RUN_ELEMS:
+        return int16_rounded(x) if int8_outliers(x).any() else super_block_rounded(x, RUN_ELEMS[rounding])
     return int8_rounded(x) if rounding == INT8_SCHEME else int16_rounded(x, rounding)
 
 
@@ -91,6 +99,11 @@ def int8_k_max_rows() -> int:
     return quant_kernels.get().dp_quant_int8_k_max_rows()
 
 
+def int8_pairs_max_rows() -> int:
+    """Rows of x up to which the loaded standalone library's int8 mode rounds Q8_0 / Q4_0 calls per block."""
+    return quant_kernels.get().dp_quant_int8_pairs_max_rows()
+
+
 def rounding_of(mode: str, m: int, name: str) -> tuple:
     """How `mode` rounds m rows of x for a matrix of format `name` (fp32: as int16 here; the callers
     compare it exactly)."""
@@ -98,6 +111,8 @@ def rounding_of(mode: str, m: int, name: str) -> tuple:
         return INT16_SCHEME
     if name in K_QUANT_FORMATS and m <= int8_k_max_rows():
         return INT8_K_SCHEME
+    if name in PAIR_FORMATS and m <= int8_pairs_max_rows():
+        return INT8_BLOCK_SCHEME
     return INT8_SCHEME if m >= int8_min_rows() else INT16_SCHEME
 
 
@@ -105,11 +120,11 @@ def assert_linear_close(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor, rel: 
                         rounding=INT16_SCHEME) -> None:
     """y = x @ w.T, except for the mode's rounding of x per 16 (or 256) elements (|error| <= half a
     step, max|x_group| / qmax / 2, per element: its bound through |w| is allowed on top of rel)."""
-    if rounding == INT8_K_SCHEME and int8_outliers(x).any():
+    if rounding in RUN_ELEMS and int8_outliers(x).any():
         rounding = INT16_SCHEME
     ref = x.double() @ w.double().T
-    if rounding == INT8_K_SCHEME:
-        g = x.double().reshape(x.shape[0], -1, 256)
+    if rounding in RUN_ELEMS:
+        g = x.double().reshape(x.shape[0], -1, RUN_ELEMS[rounding])
         half_step = (g.abs().amax(-1, keepdim=True) / 127 * 0.5 * (1 + 1e-3)).expand_as(g).reshape(x.shape)
     else:
         interleaved, qmax = rounding

@@ -22,6 +22,8 @@ from tests.model.activation_rounding import (  # how each activation mode rounds
     INT16_SCHEME,
     INT8_SCHEME,
     K_QUANT_FORMATS,
+    PAIR_FORMATS,
+    RUN_ELEMS,
     int16_rounded,
     int8_outliers,
     mode_rounded,
@@ -320,28 +322,34 @@ def test_int8_outlier_rows_keep_their_small_channels(name, variant):
 
 
 @needs_kernels
-@pytest.mark.parametrize("name", K_QUANT_FORMATS)
-def test_int8_k_quant_rows_round_per_super_block_unless_a_row_is_an_outlier(name, variant):
-    """Below int8_min_rows() rows the int8 mode rounds a K-quant call's rows per 256 elements
-    (quant_gemv_q8k.h); a call holding an outlier row, whose small channels that would flatten,
-    computes in int16 instead, every row of it."""
+@pytest.mark.parametrize("name,m,k", [(n, 3, 512) for n in K_QUANT_FORMATS] + [(n, m, k) for n in PAIR_FORMATS
+                                                                            for m, k in ((1, 544), (3, 512), (8, 608))])
+def test_int8_few_rows_round_per_run_unless_a_row_is_an_outlier(name, m, k, variant):
+    """Up to a few rows the int8 mode rounds a K-quant call's rows per 256 elements
+    (quant_gemv_q8k.h) and a Q8_0 / Q4_0 call's per 16 (quant_gemv_block_pairs.h: K = 544 and 608
+    leave a last block without its pair); a call holding an outlier row, whose small channels
+    that rounding would flatten, computes in int16 instead, every row of it (fp32 from the
+    standalone library's fp32_from_rows())."""
     if not int8_min_rows():
         pytest.skip(f"{variant} runs no int8 rows (no AVX-512 VNNI build)")
     torch.manual_seed(3)
-    qw, w = weight(name, 29, 512)
-    x = torch.randn(3, 512)
+    qw, w = weight(name, 29, k)
+    x = torch.randn(m, k)
     spiked = x.clone()
-    spiked[1, 100] = 400.0  # one channel far above the rest
-    assert int8_outliers(spiked).tolist() == [False, True, False]
+    spiked[m // 2, 40] = 400.0  # one channel far above the rest
+    assert int8_outliers(spiked).tolist() == [i == m // 2 for i in range(m)]
     quant_activations.set_activations("int8")
     try:
         plain, with_outlier = qw.linear(x).double(), qw.linear(spiked).double()
     finally:
         quant_activations.set_activations("int16")
-    per_super_block, per_16 = super_block_rounded(x) @ w.double().T, int16_rounded(x) @ w.double().T
-    assert_close(plain, per_super_block, rel=1e-6)
-    assert (per_super_block - per_16).abs().max() > 1e-4 * per_16.abs().max()  # the two roundings differ here
-    assert_close(with_outlier, int16_rounded(spiked) @ w.double().T, rel=1e-6)
+    rounding = rounding_of("int8", m, name)
+    assert rounding in RUN_ELEMS
+    per_run, per_16 = super_block_rounded(x, RUN_ELEMS[rounding]) @ w.double().T, int16_rounded(x) @ w.double().T
+    assert_close(plain, per_run, rel=1e-6)
+    assert (per_run - per_16).abs().max() > 1e-4 * per_16.abs().max()  # the two roundings differ here
+    exact = spiked if 0 < fp32_from_rows() <= m else int16_rounded(spiked)
+    assert_close(with_outlier, exact.double() @ w.double().T, rel=1e-6)
 
 
 @needs_kernels

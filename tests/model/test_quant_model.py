@@ -24,7 +24,7 @@ PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, i
 # (logits reach 36 in magnitude). With the kernels' default int16 activations (rounded to 1.5e-5
 # of each 16 elements' max) measured 0.0115 (0.004-0.006 on most prompts); with fp32 activations
 # only the order of the fp32 sums differs, measured 1.5e-4. The int8 mode (activations rounded to
-# int8 per block of 32 from 5 rows: every prompt here; 4e-3 of a block's max, and this model's
+# int8 per 16 elements from 5 rows: every prompt here; 4e-3 of a run's max, and this model's
 # hidden states have single large elements in some blocks) measured 0.88-1.35 per prompt: its
 # contract is the KL divergence (bench/quant_kl.py, docs/perf.md), its kernels' exactness is
 # tests/model/test_quant.py's.

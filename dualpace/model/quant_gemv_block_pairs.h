@@ -1,0 +1,191 @@
+// The int8 mode's rows for Q8_0 and Q4_0 up to PAIRS_MAX_ROWS rows of x, in builds with AVX-512
+// VNNI: the decode batches 1-8, where the lane groups of quant_gemv_vnni.h have too few rows to
+// fill their lanes. Included by quant_gemv.h after quant_gemv_vnni.h (namespace dp_quant; uses
+// hmax8, hsum8, is_outlier_row).
+//
+// Why: these formats carry a float scale per block of 32 weights, so a product that keeps the
+// weights in the vector lanes pays float work (convert, scale, FMA) per block and row; with one
+// block per 8-lane vector that float work bounded the rows (quant_gemv_vnni.h). Here two 8-lane
+// vectors hold two blocks, A and B, each lane summing 8 products of one half (16 weights) of one
+// block: lanes [A0 A0 A1 A1 B0 B0 B1 B1] (A0: A's first 16). The first vector holds weights 0-7
+// of each half, the second 8-15, so two vpdpbusd and one convert, scale product and FMA cover the
+// 64 weights of a pair and a row, and each weight vector, built once per W row, serves every row
+// of x in the call.
+//
+// Arithmetic: each row of x is rounded to int8 per 16 elements (q = round(x 127 / max), one scale
+// dx per 16, as the lane groups of quant_gemv_vnni.h round: llama.cpp's q8_0 activations have one
+// per 32; per 32 here flipped the default model's chat answer, a near tie, where per 16 kept it),
+// stored as q + 128 (vpdpbusd's unsigned operand) in the weight vectors' order. The weights are
+// its signed operand (Q8_0's bytes; Q4_0's nibbles - 8), so a lane sums dot(q, w) + 128 sum(w);
+// each weight vector's lanes start at -128 sum(w) (a vpdpbusd of 128s with the weights, once per W
+// row and pair), so the integer sums are dot(q, w) exactly, and per pair and row
+// acc += (dw dx) cvt(sum) lane-wise. The result is the dequantized weights times the rounded x up
+// to fp32 summation order (tests/model/activation_rounding.py models the rounding). A call whose
+// rows include an outlier row (is_outlier_row) computes in int16 instead.
+
+#pragma once
+
+// (not standalone: quant_gemv.h includes it after the pieces it uses)
+namespace dp_quant {
+
+// One pair of blocks (A, B) of a prepared row: q + 128 in the weight vectors' order (A 0-7,
+// A 16-23, B 0-7, B 16-23, then A 8-15, A 24-31, B 8-15, B 24-31) and the scales dx of A0, A1,
+// B0, B1 (the halves of 16).
+struct PairBlock {
+  uint8_t q[64];
+  float dx[4];
+};
+static_assert(sizeof(PairBlock) == 80, "a prepared pair is 80 bytes");
+
+inline bool pairs_format(int32_t format) { return format == DP_W_Q8_0 || format == DP_W_Q4_0; }
+
+// Rows of x up to which the int8 mode takes this path on Q8_0 and Q4_0 (quant_gemv_vnni.h's lanes
+// from one more).
+constexpr int64_t PAIRS_MAX_ROWS = 8;
+inline int64_t pairs_row_bytes(int64_t K) { return (K / 32 + 1) / 2 * static_cast<int64_t>(sizeof(PairBlock)); }
+
+// 16 floats of x rounded to int8, + 128: bytes 0-7 to lo, 8-15 to hi; returns dx.
+inline float quantize_half16(const float* v, uint8_t* lo, uint8_t* hi) {
+  const __m256 sign_bit = _mm256_set1_ps(-0.0f);
+  constexpr int ROUND = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+  const __m256 v0 = _mm256_loadu_ps(v), v1 = _mm256_loadu_ps(v + 8);
+  const float amax = hmax8(_mm256_max_ps(_mm256_andnot_ps(sign_bit, v0), _mm256_andnot_ps(sign_bit, v1)));
+  const __m256 inv = _mm256_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
+  const __m256i r0 = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(v0, inv), ROUND));
+  const __m256i r1 = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(v1, inv), ROUND));
+  // int32 -> int8 in element order: packs work per 128-bit lane, the permute restores order
+  const __m256i p16 = _mm256_permute4x64_epi64(_mm256_packs_epi32(r0, r1), 0xD8);
+  const __m128i p8 = _mm_xor_si128(_mm_packs_epi16(_mm256_castsi256_si128(p16), _mm256_extracti128_si256(p16, 1)),
+                                   _mm_set1_epi8(static_cast<char>(0x80)));
+  _mm_storel_epi64(reinterpret_cast<__m128i*>(lo), p8);
+  _mm_storel_epi64(reinterpret_cast<__m128i*>(hi), _mm_unpackhi_epi64(p8, p8));
+  return amax / 127.0f;
+}
+
+// One row of x (K floats, a multiple of 32) into pairs; an odd last block pairs with q = 0.
+inline void quantize_row_pairs(const float* x, int64_t K, PairBlock* out) {
+  const int64_t blocks = K / 32;
+  for (int64_t p = 0; p < (blocks + 1) / 2; ++p) {
+    PairBlock& pb = out[p];
+    for (int blk = 0; blk < 2; ++blk)
+      for (int half = 0; half < 2; ++half) {
+        const int unit = 2 * blk + half;  // A0, A1, B0, B1
+        uint8_t* lo = pb.q + 8 * unit;
+        if (2 * p + blk < blocks) {
+          pb.dx[unit] = quantize_half16(x + 32 * (2 * p + blk) + 16 * half, lo, lo + 32);
+        } else {
+          pb.dx[unit] = 0.0f;
+          std::memset(lo, 0x80, 8);
+          std::memset(lo + 32, 0x80, 8);
+        }
+      }
+  }
+}
+
+// Whether the int8 mode takes this path for a call: Q8_0 or Q4_0 and no outlier row in x.
+inline bool pairs_apply(const WeightDesc& w, const float* x, int64_t M, int64_t ldx) {
+  if (!pairs_format(w.format)) return false;
+  for (int64_t m = 0; m < M; ++m)
+    if (is_outlier_row(x + m * ldx, w.K)) return false;
+  return true;
+}
+
+inline void prepare_pairs(const WeightDesc& w, const float* x, int64_t M, int64_t ldx, uint8_t* out) {
+  for (int64_t m = 0; m < M; ++m)
+    quantize_row_pairs(x + m * ldx, w.K, reinterpret_cast<PairBlock*>(out + m * pairs_row_bytes(w.K)));
+}
+
+// The weight vectors of blocks a and b (b null: zeros) of one W row as signed bytes: lo holds
+// weights 0-7 of each half of 16 (A 0-7, A 16-23, B 0-7, B 16-23), hi weights 8-15; start,
+// -128 sum(w) per lane; dw the blocks' scales, A's in lanes 0-3, B's in 4-7.
+template <int32_t F>
+inline void pair_weights(const uint8_t* a, const uint8_t* b, __m256i* lo, __m256i* hi, __m256i* start, __m256* dw) {
+  const uint16_t hb = b ? load_u16(b) : 0;
+  const __m128 d = _mm_cvtph_ps(_mm_cvtsi32_si128(static_cast<int>(load_u16(a) | (static_cast<uint32_t>(hb) << 16))));
+  *dw = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(d), _mm256_set_epi32(1, 1, 1, 1, 0, 0, 0, 0));
+  const auto pair16 = [&](int off) {  // 16 bytes of A in the low 128 bits, of B in the high
+    const __m128i va = _mm_loadu_si128(reinterpret_cast<const __m128i*>(a + off));
+    return b ? _mm256_inserti128_si256(_mm256_castsi128_si256(va),
+                                       _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + off)), 1)
+             : _mm256_zextsi128_si256(va);
+  };
+  __m256i first, second;  // elements 0-15 and 16-31 of each block
+  if constexpr (F == DP_W_Q8_0) {
+    first = pair16(2);
+    second = pair16(18);
+  } else {  // Q4_0: byte i holds element i (low nibble) and i + 16 (high), each value - 8
+    const __m256i v = pair16(2), m4 = _mm256_set1_epi8(15), eight = _mm256_set1_epi8(8);
+    first = _mm256_sub_epi8(_mm256_and_si256(v, m4), eight);
+    second = _mm256_sub_epi8(_mm256_and_si256(_mm256_srli_epi16(v, 4), m4), eight);
+    if (!b) {  // B's weights are zeros: its q (+ 128) would meet - 8
+      first = _mm256_zextsi128_si256(_mm256_castsi256_si128(first));
+      second = _mm256_zextsi128_si256(_mm256_castsi256_si128(second));
+    }
+  }
+  *lo = _mm256_unpacklo_epi64(first, second);
+  *hi = _mm256_unpackhi_epi64(first, second);
+  const __m256i k128 = _mm256_set1_epi8(static_cast<char>(0x80));
+  *start = _mm256_sub_epi32(_mm256_setzero_si256(),
+                            _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(_mm256_setzero_si256(), k128, *lo), k128, *hi));
+}
+
+// out[m] = sum_k x[m, k] W[row, k] for MR prepared rows of x and one Q8_0 / Q4_0 row of W. (Two
+// rows of W per pass, each prepared pair serving both, ran 1.1x as fast at 8 rows of x and 0.4x
+// at 1, one thread of an AMD EPYC Zen 4: two weight streams at once read slowly there.)
+template <int32_t F, int MR>
+inline void tile_pairs(const uint8_t* row, const uint8_t* const* arows, int64_t K, float* out) {
+  __m256 acc[MR];
+  for (int m = 0; m < MR; ++m) acc[m] = _mm256_setzero_ps();
+  const int64_t blocks = K / 32;
+  const __m256i spread = _mm256_set_epi32(3, 3, 2, 2, 1, 1, 0, 0);  // dx of A0, A1, B0, B1 to their lanes
+  for (int64_t p = 0; p < (blocks + 1) / 2; ++p) {
+    const uint8_t* a = row + 2 * p * Fmt<F>::BYTES;
+    _mm_prefetch(reinterpret_cast<const char*>(a) + I16_PREFETCH_BYTES, _MM_HINT_T0);
+    __m256i lo, hi, start;
+    __m256 dw;
+    pair_weights<F>(a, 2 * p + 1 < blocks ? a + Fmt<F>::BYTES : nullptr, &lo, &hi, &start, &dw);
+    for (int m = 0; m < MR; ++m) {
+      const PairBlock& xb = reinterpret_cast<const PairBlock*>(arows[m])[p];
+      const __m256 dx = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(_mm_loadu_ps(xb.dx)), spread);
+      const __m256i qlo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xb.q));
+      const __m256i qhi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xb.q + 32));
+      const __m256i s = _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(start, qlo, lo), qhi, hi);
+      acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(dw, dx), acc[m]);
+    }
+  }
+  for (int m = 0; m < MR; ++m) out[m] = hsum8(acc[m]);
+}
+
+// Rows [n0, n1) of W for the M prepared rows (up to PAIRS_MAX_ROWS): each W row read once.
+template <int32_t F>
+inline bool rows_pairs(const WeightDesc& w, const uint8_t* prepared, int64_t M, int64_t n0, int64_t n1, float* y,
+                       int64_t ldy) {
+  if constexpr (F == DP_W_Q8_0 || F == DP_W_Q4_0) {
+    const int64_t stride = pairs_row_bytes(w.K);
+    const uint8_t* arows[PAIRS_MAX_ROWS];
+    for (int m = 0; m < PAIRS_MAX_ROWS; ++m) arows[m] = prepared + std::min<int64_t>(m, M - 1) * stride;
+    const auto run = [&](auto mr) {
+      constexpr int MR = decltype(mr)::value;
+      float out[MR];
+      for (int64_t n = n0; n < n1; ++n) {
+        tile_pairs<F, MR>(static_cast<const uint8_t*>(w.data) + n * w.row_bytes, arows, w.K, out);
+        for (int m = 0; m < MR; ++m) y[m * ldy + (n - n0)] = out[m];
+      }
+    };
+    switch (M) {
+      case 1: run(Rows<1>{}); break;
+      case 2: run(Rows<2>{}); break;
+      case 3: run(Rows<3>{}); break;
+      case 4: run(Rows<4>{}); break;
+      case 5: run(Rows<5>{}); break;
+      case 6: run(Rows<6>{}); break;
+      case 7: run(Rows<7>{}); break;
+      default: run(Rows<8>{}); break;
+    }
+    return true;
+  } else {
+    return false;
+  }
+}
+
+}  // namespace dp_quant
