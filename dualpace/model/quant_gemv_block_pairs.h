@@ -129,34 +129,42 @@ inline void pair_weights(const uint8_t* a, const uint8_t* b, __m256i* lo, __m256
                             _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(_mm256_setzero_si256(), k128, *lo), k128, *hi));
 }
 
-// out[m] = sum_k x[m, k] W[row, k] for MR prepared rows of x and one Q8_0 / Q4_0 row of W. (Two
-// rows of W per pass, each prepared pair serving both, ran 1.1x as fast at 8 rows of x and 0.4x
-// at 1, one thread of an AMD EPYC Zen 4: two weight streams at once read slowly there.)
-template <int32_t F, int MR>
-inline void tile_pairs(const uint8_t* row, const uint8_t* const* arows, int64_t K, float* out) {
-  __m256 acc[MR];
-  for (int m = 0; m < MR; ++m) acc[m] = _mm256_setzero_ps();
+// out[m][r] = sum_k x[m, k] W[row r, k] for MR prepared rows of x and NR Q8_0 / Q4_0 rows of W:
+// each prepared pair, loaded once, serves the NR rows of W.
+template <int32_t F, int MR, int NR>
+inline void tile_pairs(const uint8_t* const* wrows, const uint8_t* const* arows, int64_t K, float (*out)[NR]) {
+  __m256 acc[MR][NR];
+  for (int m = 0; m < MR; ++m)
+    for (int r = 0; r < NR; ++r) acc[m][r] = _mm256_setzero_ps();
   const int64_t blocks = K / 32;
   const __m256i spread = _mm256_set_epi32(3, 3, 2, 2, 1, 1, 0, 0);  // dx of A0, A1, B0, B1 to their lanes
   for (int64_t p = 0; p < (blocks + 1) / 2; ++p) {
-    const uint8_t* a = row + 2 * p * Fmt<F>::BYTES;
-    _mm_prefetch(reinterpret_cast<const char*>(a) + I16_PREFETCH_BYTES, _MM_HINT_T0);
-    __m256i lo, hi, start;
-    __m256 dw;
-    pair_weights<F>(a, 2 * p + 1 < blocks ? a + Fmt<F>::BYTES : nullptr, &lo, &hi, &start, &dw);
+    __m256i lo[NR], hi[NR], start[NR];
+    __m256 dw[NR];
+    for (int r = 0; r < NR; ++r) {
+      const uint8_t* a = wrows[r] + 2 * p * Fmt<F>::BYTES;
+      _mm_prefetch(reinterpret_cast<const char*>(a) + I16_PREFETCH_BYTES, _MM_HINT_T0);
+      pair_weights<F>(a, 2 * p + 1 < blocks ? a + Fmt<F>::BYTES : nullptr, &lo[r], &hi[r], &start[r], &dw[r]);
+    }
     for (int m = 0; m < MR; ++m) {
       const PairBlock& xb = reinterpret_cast<const PairBlock*>(arows[m])[p];
       const __m256 dx = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(_mm_loadu_ps(xb.dx)), spread);
       const __m256i qlo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xb.q));
       const __m256i qhi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xb.q + 32));
-      const __m256i s = _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(start, qlo, lo), qhi, hi);
-      acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(dw, dx), acc[m]);
+      for (int r = 0; r < NR; ++r) {
+        const __m256i s = _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(start[r], qlo, lo[r]), qhi, hi[r]);
+        acc[m][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(dw[r], dx), acc[m][r]);
+      }
     }
   }
-  for (int m = 0; m < MR; ++m) out[m] = hsum8(acc[m]);
+  for (int m = 0; m < MR; ++m)
+    for (int r = 0; r < NR; ++r) out[m][r] = hsum8(acc[m][r]);
 }
 
-// Rows [n0, n1) of W for the M prepared rows (up to PAIRS_MAX_ROWS): each W row read once.
+// Rows [n0, n1) of W for the M prepared rows (up to PAIRS_MAX_ROWS): each W row read once. From 5
+// rows of x a tile takes two W rows. One thread of an AMD EPYC Zen 4, 1B gate/up and down
+// matrices, two W rows against one: 1.08-1.16x at 8 rows of x, 1.0x at 4, 0.75-0.8x at 2 (two
+// weight streams at once read slowly there, as the int16 tile's did at batch 1).
 template <int32_t F>
 inline bool rows_pairs(const WeightDesc& w, const uint8_t* prepared, int64_t M, int64_t n0, int64_t n1, float* y,
                        int64_t ldy) {
@@ -164,23 +172,27 @@ inline bool rows_pairs(const WeightDesc& w, const uint8_t* prepared, int64_t M, 
     const int64_t stride = pairs_row_bytes(w.K);
     const uint8_t* arows[PAIRS_MAX_ROWS];
     for (int m = 0; m < PAIRS_MAX_ROWS; ++m) arows[m] = prepared + std::min<int64_t>(m, M - 1) * stride;
-    const auto run = [&](auto mr) {
-      constexpr int MR = decltype(mr)::value;
-      float out[MR];
-      for (int64_t n = n0; n < n1; ++n) {
-        tile_pairs<F, MR>(static_cast<const uint8_t*>(w.data) + n * w.row_bytes, arows, w.K, out);
-        for (int m = 0; m < MR; ++m) y[m * ldy + (n - n0)] = out[m];
+    const auto run = [&](auto mr, auto nr) {
+      constexpr int MR = decltype(mr)::value, NR = decltype(nr)::value;
+      float out[MR][NR];
+      for (int64_t n = n0; n < n1; n += NR) {
+        const uint8_t* wrows[NR];
+        for (int r = 0; r < NR; ++r)  // past the last: any row (outputs dropped)
+          wrows[r] = static_cast<const uint8_t*>(w.data) + std::min(n + r, n1 - 1) * w.row_bytes;
+        tile_pairs<F, MR, NR>(wrows, arows, w.K, out);
+        for (int m = 0; m < MR; ++m)
+          for (int r = 0; r < NR && n + r < n1; ++r) y[m * ldy + (n - n0 + r)] = out[m][r];
       }
     };
     switch (M) {
-      case 1: run(Rows<1>{}); break;
-      case 2: run(Rows<2>{}); break;
-      case 3: run(Rows<3>{}); break;
-      case 4: run(Rows<4>{}); break;
-      case 5: run(Rows<5>{}); break;
-      case 6: run(Rows<6>{}); break;
-      case 7: run(Rows<7>{}); break;
-      default: run(Rows<8>{}); break;
+      case 1: run(Rows<1>{}, Rows<1>{}); break;
+      case 2: run(Rows<2>{}, Rows<1>{}); break;
+      case 3: run(Rows<3>{}, Rows<1>{}); break;
+      case 4: run(Rows<4>{}, Rows<1>{}); break;
+      case 5: run(Rows<5>{}, Rows<2>{}); break;
+      case 6: run(Rows<6>{}, Rows<2>{}); break;
+      case 7: run(Rows<7>{}, Rows<2>{}); break;
+      default: run(Rows<8>{}, Rows<2>{}); break;
     }
     return true;
   } else {
