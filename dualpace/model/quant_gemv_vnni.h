@@ -1,8 +1,8 @@
-// The int8 mode's rows for VNNI_MIN_ROWS or more rows of x in builds with AVX-512 VNNI (the avx512_bf16
-// variant): int8 x int8 dot products with vpdpbusd, the activation rows in the vector lanes and
-// each weight's 4-byte group broadcast from memory. Included by quant_gemv.h inside its AVX2
-// section (namespace dp_quant, after Fmt, group_scales, values and quant_gemv_i16.h's hmax8 and
-// hsum8_epi32).
+// The int8 mode's rows for int8_lanes_min_rows() or more rows of x (quant_gemv.h) in builds with
+// AVX-512 VNNI (the avx512_bf16 variant): int8 x int8 dot products with vpdpbusd, the activation
+// rows in the vector lanes and each weight's 4-byte group broadcast from memory. Included by
+// quant_gemv.h inside its AVX2 section (namespace dp_quant, after Fmt, group_scales, values and
+// quant_gemv_i16.h's hmax8 and hsum8_epi32).
 //
 // Why this layout: with the weights in the lanes (one block per vector) every 32 weights x 1
 // row cost a vpdpbusd and three float operations (convert, scale product, FMA): the float work
