@@ -203,8 +203,9 @@ def kv_header_from_pb(message: engine_pb2.ImportKvHeader) -> KvTransferHeader:
     layout = message.layout
     return KvTransferHeader(
         request_id=message.request_id,
-        prompt_token_ids=tuple(token_ids_to_list(message.prompt_token_ids, field="header.prompt_token_ids")),
-        output_token_ids=tuple(token_ids_to_list(message.output_token_ids, field="header.output_token_ids")),
+        # uint32 fields hold valid ids already (the importer checks them against its vocabulary)
+        prompt_token_ids=tuple(message.prompt_token_ids),
+        output_token_ids=tuple(message.output_token_ids),
         params=sampling_params_from_pb(message.sampling),
         num_computed_tokens=message.num_computed_tokens,
         layout=KvLayout(layout.num_layers, layout.num_kv_heads, layout.head_dim, layout.block_size, layout.dtype),

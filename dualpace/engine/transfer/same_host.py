@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import os
 import secrets
@@ -86,8 +87,11 @@ async def accept_forever(listener: socket.socket, serve: Callable[[socket.socket
         task.add_done_callback(tasks.discard)
 
 
+@functools.cache
 def boot_id() -> str | None:
-    """This kernel's boot id, or None where it cannot be read (then nothing is shared)."""
+    """This kernel's boot id, or None where it cannot be read (then nothing is shared). Read once per
+    process (a process's kernel does not change): every same-host transfer offers it, and reading
+    /proc cost 0.1 ms of a 16-token transfer's fixed cost."""
     try:
         with open(BOOT_ID_PATH, encoding="ascii") as file:
             return file.read().strip() or None
