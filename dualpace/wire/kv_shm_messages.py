@@ -28,7 +28,8 @@ def shm_answer_to_pb(answer: ShmReservation | ShmDeclined) -> engine_pb2.ImportK
         return engine_pb2.ImportKvReply(shm_declined=engine_pb2.KvShmDeclined(reason=answer.reason))
     return engine_pb2.ImportKvReply(shm_reserved=engine_pb2.KvShmReserved(
         socket_name=answer.socket_name, segment_token=answer.segment_token, import_token=answer.import_token,
-        slot_ids=answer.slot_ids, accepts_written_with_commit=answer.accepts_written_with_commit,
+        slot_run_starts=[start for start, _ in answer.slot_runs],
+        slot_run_lengths=[length for _, length in answer.slot_runs], accepts_written_with_commit=answer.accepts_written_with_commit,
         lease_on_watch=answer.lease_on_watch, control_on_watch=answer.control_on_watch,
         asks_lease_ahead=answer.asks_lease_ahead))
 
@@ -41,7 +42,8 @@ def shm_answer_from_pb(reply: engine_pb2.ImportKvReply) -> ShmReservation | ShmD
     if kind == "shm_reserved":
         reserved = reply.shm_reserved
         return ShmReservation(reserved.socket_name, bytes(reserved.segment_token), bytes(reserved.import_token),
-                              tuple(reserved.slot_ids), reserved.accepts_written_with_commit,
+                              tuple(zip(reserved.slot_run_starts, reserved.slot_run_lengths)),
+                              reserved.accepts_written_with_commit,
                               reserved.lease_on_watch, reserved.control_on_watch, reserved.asks_lease_ahead)
     return None
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -23,7 +24,8 @@ from dualpace.engine.transfer.migration import KvImporter, migrate_out
 from dualpace.engine.runner import ModelRunner
 from dualpace.engine.transfer.same_host import SameHostRefused, boot_id, fetch_fd, held_lease
 from dualpace.engine.transfer.kv_checksum import kv_checksum
-from dualpace.engine.transfer.shm_kv_copy import layer_checksums, slot_runs
+from dualpace.engine.transfer.kv_transfer import KvLayout
+from dualpace.engine.transfer.shm_kv_copy import consecutive_runs, layer_checksums, run_slot_ids, slot_runs
 from dualpace.engine.transfer.shm_segment import MappedKvSegment, SharedKvMemory
 from dualpace.errors import InvalidArgument, Unavailable
 from dualpace.faults import FaultConfig
@@ -184,6 +186,24 @@ def test_runs_are_contiguous_on_both_sides():
     assert slot_runs([], []) == []
     with pytest.raises(ValueError):
         slot_runs([1], [])
+
+
+@pytest.mark.parametrize("slot_ids", [[], [5], [32, 33, 34, 0, 1, 100], [5, 5], [3, 2, 1]])
+def test_a_reservation_names_its_slots_as_runs(slot_ids):
+    runs = consecutive_runs(slot_ids)
+    assert all(length >= 1 for _, length in runs)
+    assert run_slot_ids(runs).tolist() == slot_ids
+    assert consecutive_runs(list(range(16, 48))) == ((16, 32),)
+
+
+def test_a_reservation_with_slots_outside_the_pool_or_too_few_is_refused():
+    geometry = SimpleNamespace(num_layers=2, num_kv_heads=1, head_dim=4, dtype="float32", num_blocks=4, block_size=4)
+    layout = KvLayout(2, 1, 4, 4, "float32")
+    segment = SimpleNamespace(geometry=geometry)
+    check_geometry(segment, layout, ShmReservation("s", b"", b"", ((12, 4),)), 4)
+    for runs in [((13, 4),), ((0, 3),), ((0, 5), (0, -1)), ((-1, 4),)]:
+        with pytest.raises(InvalidArgument):
+            check_geometry(segment, layout, ShmReservation("s", b"", b"", runs), 4)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

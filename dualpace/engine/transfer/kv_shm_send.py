@@ -12,12 +12,13 @@ import contextlib
 import logging
 import threading
 import time
+from collections.abc import Sequence
 
 from dualpace.engine.transfer.kv_shm_protocol import ShmReservation, ShmWritten
 from dualpace.engine.transfer.kv_source import OutgoingKv
 from dualpace.engine.transfer.kv_transfer import KvLayout
 from dualpace.engine.transfer.same_host import held_lease
-from dualpace.engine.transfer.shm_kv_copy import INLINE_MAX_BYTES, copy_in_place, transfer_bytes
+from dualpace.engine.transfer.shm_kv_copy import INLINE_MAX_BYTES, copy_in_place, run_slot_ids, transfer_bytes
 from dualpace.engine.transfer.shm_mapped_pools import MappedPools  # noqa: F401  (its callers' one import)
 from dualpace.engine.transfer.shm_segment import MappedKvSegment
 from dualpace.engine.transfer.worker_pools import KV_TRANSFER_WORKERS, pool
@@ -38,11 +39,13 @@ def check_geometry(segment: MappedKvSegment, layout: KvLayout, reservation: ShmR
     if ours != theirs:
         raise InvalidArgument("shm_reserved", f"target pool holds {theirs}, this transfer is {ours}")
     num_slots = geometry.num_blocks * geometry.block_size
-    if len(reservation.slot_ids) != num_tokens or any(not 0 <= s < num_slots for s in reservation.slot_ids):
-        raise InvalidArgument("shm_reserved.slot_ids", f"expected {num_tokens} slots below {num_slots}")
+    runs = reservation.slot_runs
+    if (sum(length for _, length in runs) != num_tokens
+            or any(length < 1 or start < 0 or start + length > num_slots for start, length in runs)):
+        raise InvalidArgument("shm_reserved.slot_runs", f"expected {num_tokens} slots below {num_slots}")
 
 
-def _inject_fault(faults: FaultConfig, segment: MappedKvSegment, dst_slot_ids: list[int],
+def _inject_fault(faults: FaultConfig, segment: MappedKvSegment, dst_slot_ids: Sequence[int],
                   layer_crc32s: list[int]) -> list[int]:
     """Test-only faults of dualpace.faults, as the failures one host can have: nothing is in transit
     to corrupt, so a corrupt or dropped layer is a sender that says written over a copy it did not
@@ -53,16 +56,16 @@ def _inject_fault(faults: FaultConfig, segment: MappedKvSegment, dst_slot_ids: l
     flat = segment.k.view(segment.geometry.num_layers, -1, segment.geometry.num_kv_heads, segment.geometry.head_dim)
     layers = range(segment.geometry.num_layers)
     if faults.kv_corrupt_layer in layers:
-        token = flat[faults.kv_corrupt_layer, dst_slot_ids[0]].view(-1)
+        token = flat[faults.kv_corrupt_layer, int(dst_slot_ids[0])].view(-1)
         token[:len(token) // 2].fill_(-1.0)
         layer_crc32s = layer_crc32s[:faults.kv_corrupt_layer]
     if faults.kv_drop_layer in layers:
-        flat[faults.kv_drop_layer, dst_slot_ids[0]].fill_(-1.0)
+        flat[faults.kv_drop_layer, int(dst_slot_ids[0])].fill_(-1.0)
         layer_crc32s = layer_crc32s[:faults.kv_drop_layer] + layer_crc32s[faults.kv_drop_layer + 1:]
     return layer_crc32s
 
 
-async def _copy_in_worker(storage, src_slot_ids: list[int], segment: MappedKvSegment, dst_slot_ids: list[int],
+async def _copy_in_worker(storage, src_slot_ids: list[int], segment: MappedKvSegment, dst_slot_ids: Sequence[int],
                           stop: threading.Event) -> list[int]:
     """The copy in one kv-export worker (one thread: the two cores are shared with the engines, and
     a copy split by layer between two threads lost to one). Once cancelled, waits for it to stop."""
@@ -88,7 +91,7 @@ async def write_in_place(segment: MappedKvSegment, reservation: ShmReservation, 
     the moments the lease was held, the copy ended and the lease ended are appended (timelines)."""
     marks = [] if marks is None else marks
     storage = source.storage
-    dst_slot_ids = list(reservation.slot_ids)
+    dst_slot_ids = run_slot_ids(reservation.slot_runs)
     stop = threading.Event()
     if lease is None:
         lease = held_lease(reservation.socket_name, reservation.import_token)

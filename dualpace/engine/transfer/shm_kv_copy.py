@@ -16,7 +16,7 @@ blocks back (dualpace.engine.transfer.kv_shm_import says why that is safe on one
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
 import crc32c
@@ -55,11 +55,11 @@ def transfer_bytes(storage: _Pool, num_tokens: int) -> int:
     return 2 * storage.num_layers * num_tokens * storage.num_kv_heads * storage.head_dim * storage.k.element_size()
 
 
-def slot_runs(src_slot_ids: list[int], dst_slot_ids: list[int]) -> list[tuple[int, int, int]]:
-    """(src_start, dst_start, length) runs, contiguous in both slot lists, in token order."""
+def slot_runs(src_slot_ids: Sequence[int], dst_slot_ids: Sequence[int]) -> list[tuple[int, int, int]]:
+    """(src_start, dst_start, length) runs, contiguous in both slot lists (or arrays), in token order."""
     if len(src_slot_ids) != len(dst_slot_ids):
         raise ValueError(f"{len(src_slot_ids)} source slots for {len(dst_slot_ids)} target slots")
-    if not src_slot_ids:
+    if not len(src_slot_ids):
         return []
     src = np.asarray(src_slot_ids, dtype=np.int64)
     dst = np.asarray(dst_slot_ids, dtype=np.int64)
@@ -67,6 +67,28 @@ def slot_runs(src_slot_ids: list[int], dst_slot_ids: list[int]) -> list[tuple[in
     starts = np.concatenate(([0], breaks))
     ends = np.concatenate((breaks, [len(src)]))
     return [(int(src[s]), int(dst[s]), int(e - s)) for s, e in zip(starts, ends)]
+
+
+def consecutive_runs(slot_ids: Sequence[int]) -> tuple[tuple[int, int], ...]:
+    """(first slot, number of slots) runs of consecutive slots, in order: how a reservation names its
+    slots (a few runs, one per stretch of consecutive blocks). A plain loop: on a target woken from
+    idle, numpy's calls cost more than it (cold: 0.38 ms against 0.16 for 1024 slots)."""
+    starts: list[int] = []
+    lengths: list[int] = []
+    for slot in slot_ids:
+        if starts and slot == starts[-1] + lengths[-1]:
+            lengths[-1] += 1
+        else:
+            starts.append(slot)
+            lengths.append(1)
+    return tuple(zip(starts, lengths))
+
+
+def run_slot_ids(runs: Sequence[tuple[int, int]]) -> np.ndarray:
+    """The slots that consecutive_runs' runs name, in order (int64)."""
+    if not runs:
+        return np.zeros(0, dtype=np.int64)
+    return np.concatenate([np.arange(start, start + length, dtype=np.int64) for start, length in runs])
 
 
 def _flat(pool: torch.Tensor) -> torch.Tensor:

@@ -166,11 +166,12 @@ class KvShmOffer(_message.Message):
     def __init__(self, boot_id: _Optional[str] = ..., lease_ticket: _Optional[bytes] = ...) -> None: ...
 
 class KvShmReserved(_message.Message):
-    __slots__ = ("socket_name", "segment_token", "import_token", "slot_ids", "accepts_written_with_commit", "lease_on_watch", "control_on_watch", "asks_lease_ahead")
+    __slots__ = ("socket_name", "segment_token", "import_token", "slot_run_starts", "slot_run_lengths", "accepts_written_with_commit", "lease_on_watch", "control_on_watch", "asks_lease_ahead")
     SOCKET_NAME_FIELD_NUMBER: _ClassVar[int]
     SEGMENT_TOKEN_FIELD_NUMBER: _ClassVar[int]
     IMPORT_TOKEN_FIELD_NUMBER: _ClassVar[int]
-    SLOT_IDS_FIELD_NUMBER: _ClassVar[int]
+    SLOT_RUN_STARTS_FIELD_NUMBER: _ClassVar[int]
+    SLOT_RUN_LENGTHS_FIELD_NUMBER: _ClassVar[int]
     ACCEPTS_WRITTEN_WITH_COMMIT_FIELD_NUMBER: _ClassVar[int]
     LEASE_ON_WATCH_FIELD_NUMBER: _ClassVar[int]
     CONTROL_ON_WATCH_FIELD_NUMBER: _ClassVar[int]
@@ -178,12 +179,13 @@ class KvShmReserved(_message.Message):
     socket_name: str
     segment_token: bytes
     import_token: bytes
-    slot_ids: _containers.RepeatedScalarFieldContainer[int]
+    slot_run_starts: _containers.RepeatedScalarFieldContainer[int]
+    slot_run_lengths: _containers.RepeatedScalarFieldContainer[int]
     accepts_written_with_commit: bool
     lease_on_watch: bool
     control_on_watch: bool
     asks_lease_ahead: bool
-    def __init__(self, socket_name: _Optional[str] = ..., segment_token: _Optional[bytes] = ..., import_token: _Optional[bytes] = ..., slot_ids: _Optional[_Iterable[int]] = ..., accepts_written_with_commit: _Optional[bool] = ..., lease_on_watch: _Optional[bool] = ..., control_on_watch: _Optional[bool] = ..., asks_lease_ahead: _Optional[bool] = ...) -> None: ...
+    def __init__(self, socket_name: _Optional[str] = ..., segment_token: _Optional[bytes] = ..., import_token: _Optional[bytes] = ..., slot_run_starts: _Optional[_Iterable[int]] = ..., slot_run_lengths: _Optional[_Iterable[int]] = ..., accepts_written_with_commit: _Optional[bool] = ..., lease_on_watch: _Optional[bool] = ..., control_on_watch: _Optional[bool] = ..., asks_lease_ahead: _Optional[bool] = ...) -> None: ...
 
 class KvShmDeclined(_message.Message):
     __slots__ = ("reason",)
