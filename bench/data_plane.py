@@ -56,7 +56,7 @@ from dualpace.engine.transfer.kv_bytes import DTYPES_BY_NAME, tensor_bytes
 from dualpace.engine.transfer.kv_shm_send import MappedPools
 from dualpace.engine.transfer.kv_source import OutgoingKv
 from dualpace.engine.transfer.kv_transfer import KvLayout, KvTransferHeader
-from dualpace.engine.transfer.shm_kv_copy import copy_in_place
+from dualpace.engine.transfer.shm_kv_copy import copy_in_place, slot_runs
 from dualpace.engine.transfer.shm_populate import populate
 from dualpace.kv.storage import KVStorage
 from dualpace.model.registry import DEFAULT_MODEL_NAME
@@ -232,7 +232,7 @@ def shm_breakdown(storage: KVStorage, num_tokens: int, repeats: int) -> dict:
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
-        copy_in_place(storage.k, storage.v, slots, target.k, target.v, slots)
+        copy_in_place(storage.k, storage.v, target.k, target.v, slot_runs(slots, slots))
         times.append((time.perf_counter() - start) * 1e3)
     return {"sender_copy_and_checksum_ms": statistics.median(times)}
 

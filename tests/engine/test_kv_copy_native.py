@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from dualpace.engine.transfer import kv_copy_native, shm_kv_copy
-from dualpace.engine.transfer.shm_kv_copy import copy_in_place, layer_checksums
+from dualpace.engine.transfer.shm_kv_copy import copy_in_place, layer_checksums, slot_runs
 
 lib = kv_copy_native.get()
 needs_native = pytest.mark.skipif(lib is None, reason="fused KV copy not built here (no gcc or no SSE4.2)")
@@ -103,7 +103,7 @@ def test_copy_in_place_checksums_and_bytes_are_the_same_with_and_without_the_fus
         if not native:  # (copy_in_place without a stop event: all layers in one C call)
             monkeypatch.setattr(kv_copy_native, "get", lambda: None)
         dst_k, dst_v = _pools(dtype, 1)
-        sent = copy_in_place(src_k, src_v, src_slot_ids, dst_k, dst_v, dst_slot_ids)
+        sent = copy_in_place(src_k, src_v, dst_k, dst_v, slot_runs(src_slot_ids, dst_slot_ids))
         results.append((sent, dst_k, dst_v, layer_checksums(dst_k, dst_v, dst_slot_ids)))
     (sent, k, v, landed), (sent_np, k_np, v_np, landed_np) = results
     assert sent == sent_np == landed == landed_np
@@ -117,8 +117,9 @@ def test_one_call_over_all_layers_equals_one_call_per_layer(crc_path):
     slot_ids = [*range(5, 21), *range(100, 103)]  # 16 + 3 tokens: the small lanes and the tail
     per_layer_k, per_layer_v = _pools(torch.float32, 1)
     all_k, all_v = _pools(torch.float32, 1)
-    per_layer = copy_in_place(src_k, src_v, slot_ids, per_layer_k, per_layer_v, slot_ids, stop=threading.Event())
-    at_once = copy_in_place(src_k, src_v, slot_ids, all_k, all_v, slot_ids)
+    per_layer = copy_in_place(src_k, src_v, per_layer_k, per_layer_v, slot_runs(slot_ids, slot_ids),
+                              stop=threading.Event())
+    at_once = copy_in_place(src_k, src_v, all_k, all_v, slot_runs(slot_ids, slot_ids))
     assert per_layer == at_once == layer_checksums(all_k, all_v, slot_ids)
     assert at_once[1:] == layer_checksums(all_k, all_v, slot_ids, layers=range(1, 3))
     assert torch.equal(per_layer_k, all_k) and torch.equal(per_layer_v, all_v)
@@ -130,7 +131,7 @@ def test_slots_or_layers_outside_the_pool_are_refused_before_any_write():
     dst_k, dst_v = _pools(torch.float32, 1, num_blocks=2)
     before = dst_k.clone()
     with pytest.raises(IndexError):
-        copy_in_place(src_k, src_v, [0, 1], dst_k, dst_v, [31, 32])
+        copy_in_place(src_k, src_v, dst_k, dst_v, slot_runs([0, 1], [31, 32]))
     with pytest.raises(IndexError):
         layer_checksums(src_k, src_v, [0, 1], layers=range(2, 4))
     assert torch.equal(dst_k, before)
@@ -140,6 +141,6 @@ def test_without_the_library_the_numpy_path_still_copies(monkeypatch):
     monkeypatch.setattr(kv_copy_native, "get", lambda: None)
     src_k, src_v = _pools(torch.float32, 0, num_blocks=2)
     dst_k, dst_v = _pools(torch.float32, 1, num_blocks=2)
-    sent = copy_in_place(src_k, src_v, [0, 1, 2], dst_k, dst_v, [5, 6, 7])
+    sent = copy_in_place(src_k, src_v, dst_k, dst_v, slot_runs([0, 1, 2], [5, 6, 7]))
     assert sent == shm_kv_copy.layer_checksums(dst_k, dst_v, [5, 6, 7])
     assert torch.equal(dst_k.view(3, 32, 2, 64)[:, 5:8], src_k.view(3, 32, 2, 64)[:, 0:3])

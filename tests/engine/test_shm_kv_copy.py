@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from dualpace.engine.transfer import shm_kv_copy
-from dualpace.engine.transfer.shm_kv_copy import copy_in_place, layer_checksums
+from dualpace.engine.transfer.shm_kv_copy import copy_in_place, layer_checksums, slot_runs
 
 
 def _pools(dtype, seed):
@@ -26,7 +26,7 @@ def test_copy_writes_the_slots_and_returns_the_checksums_the_target_computes(mon
     before_k, before_v = dst_k.clone(), dst_v.clone()
     src_slot_ids = [3, 4, 5, 6, 7, 8, 12, 0, 1]  # runs broken on both sides
     dst_slot_ids = [10, 11, 12, 13, 2, 3, 4, 5, 19]
-    sent = copy_in_place(src_k, src_v, src_slot_ids, dst_k, dst_v, dst_slot_ids)
+    sent = copy_in_place(src_k, src_v, dst_k, dst_v, slot_runs(src_slot_ids, dst_slot_ids))
     flat = (3, 20, 2, 8)
     for dst, src, before in ((dst_k, src_k, before_k), (dst_v, src_v, before_v)):
         assert torch.equal(dst.view(flat)[:, dst_slot_ids], src.view(flat)[:, src_slot_ids])
@@ -39,7 +39,7 @@ def test_a_corrupted_slot_changes_only_its_layer_checksum():
     src_k, src_v = _pools(torch.float32, 0)
     dst_k, dst_v = _pools(torch.float32, 1)
     slot_ids = [4, 5, 6, 7]
-    sent = copy_in_place(src_k, src_v, slot_ids, dst_k, dst_v, slot_ids)
+    sent = copy_in_place(src_k, src_v, dst_k, dst_v, slot_runs(slot_ids, slot_ids))
     dst_v.view(3, 20, 2, 8)[1, 6, 0, 0] += 1
     landed = layer_checksums(dst_k, dst_v, slot_ids)
     assert [a == b for a, b in zip(sent, landed)] == [True, False, True]
@@ -57,4 +57,4 @@ def test_a_stopped_copy_raises():
     stop = threading.Event()
     stop.set()
     with pytest.raises(InterruptedError):
-        copy_in_place(src_k, src_v, [0], src_k.clone(), src_v.clone(), [1], stop)
+        copy_in_place(src_k, src_v, src_k.clone(), src_v.clone(), slot_runs([0], [1]), stop)

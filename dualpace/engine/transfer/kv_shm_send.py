@@ -12,13 +12,12 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import Sequence
 
 from dualpace.engine.transfer.kv_shm_protocol import ShmReservation, ShmWritten
 from dualpace.engine.transfer.kv_source import OutgoingKv
 from dualpace.engine.transfer.kv_transfer import KvLayout
 from dualpace.engine.transfer.same_host import held_lease
-from dualpace.engine.transfer.shm_kv_copy import INLINE_MAX_BYTES, copy_in_place, run_slot_ids, transfer_bytes
+from dualpace.engine.transfer.shm_kv_copy import INLINE_MAX_BYTES, copy_in_place, runs_into, transfer_bytes
 from dualpace.engine.transfer.shm_mapped_pools import MappedPools  # noqa: F401  (its callers' one import)
 from dualpace.engine.transfer.shm_segment import MappedKvSegment
 from dualpace.engine.transfer.worker_pools import KV_TRANSFER_WORKERS, pool
@@ -45,7 +44,7 @@ def check_geometry(segment: MappedKvSegment, layout: KvLayout, reservation: ShmR
         raise InvalidArgument("shm_reserved.slot_runs", f"expected {num_tokens} slots below {num_slots}")
 
 
-def _inject_fault(faults: FaultConfig, segment: MappedKvSegment, dst_slot_ids: Sequence[int],
+def _inject_fault(faults: FaultConfig, segment: MappedKvSegment, first_dst_slot: int,
                   layer_crc32s: list[int]) -> list[int]:
     """Test-only faults of dualpace.faults, as the failures one host can have: nothing is in transit
     to corrupt, so a corrupt or dropped layer is a sender that says written over a copy it did not
@@ -56,21 +55,21 @@ def _inject_fault(faults: FaultConfig, segment: MappedKvSegment, dst_slot_ids: S
     flat = segment.k.view(segment.geometry.num_layers, -1, segment.geometry.num_kv_heads, segment.geometry.head_dim)
     layers = range(segment.geometry.num_layers)
     if faults.kv_corrupt_layer in layers:
-        token = flat[faults.kv_corrupt_layer, int(dst_slot_ids[0])].view(-1)
+        token = flat[faults.kv_corrupt_layer, first_dst_slot].view(-1)
         token[:len(token) // 2].fill_(-1.0)
         layer_crc32s = layer_crc32s[:faults.kv_corrupt_layer]
     if faults.kv_drop_layer in layers:
-        flat[faults.kv_drop_layer, int(dst_slot_ids[0])].fill_(-1.0)
+        flat[faults.kv_drop_layer, first_dst_slot].fill_(-1.0)
         layer_crc32s = layer_crc32s[:faults.kv_drop_layer] + layer_crc32s[faults.kv_drop_layer + 1:]
     return layer_crc32s
 
 
-async def _copy_in_worker(storage, src_slot_ids: list[int], segment: MappedKvSegment, dst_slot_ids: Sequence[int],
-                          stop: threading.Event) -> list[int]:
+async def _copy_in_worker(storage, segment: MappedKvSegment, runs: list[tuple[int, int, int]]) -> list[int]:
     """The copy in one kv-export worker (one thread: the two cores are shared with the engines, and
     a copy split by layer between two threads lost to one). Once cancelled, waits for it to stop."""
-    job = pool("kv-export", KV_TRANSFER_WORKERS).submit(copy_in_place, storage.k, storage.v, src_slot_ids,
-                                                          segment.k, segment.v, dst_slot_ids, stop)
+    stop = threading.Event()
+    job = pool("kv-export", KV_TRANSFER_WORKERS).submit(copy_in_place, storage.k, storage.v, segment.k, segment.v,
+                                                          runs, stop)
     try:
         return await asyncio.wrap_future(job)
     except BaseException:
@@ -91,20 +90,18 @@ async def write_in_place(segment: MappedKvSegment, reservation: ShmReservation, 
     the moments the lease was held, the copy ended and the lease ended are appended (timelines)."""
     marks = [] if marks is None else marks
     storage = source.storage
-    dst_slot_ids = run_slot_ids(reservation.slot_runs)
-    stop = threading.Event()
+    runs = runs_into(source.slot_ids, reservation.slot_runs)
     if lease is None:
         lease = held_lease(reservation.socket_name, reservation.import_token)
     try:
         async with lease:
             marks.append(("lease_held", time.perf_counter()))
-            if transfer_bytes(storage, len(dst_slot_ids)) <= INLINE_MAX_BYTES:
-                layer_crc32s = copy_in_place(storage.k, storage.v, source.slot_ids, segment.k, segment.v,
-                                             dst_slot_ids)
+            if transfer_bytes(storage, len(source.slot_ids)) <= INLINE_MAX_BYTES:
+                layer_crc32s = copy_in_place(storage.k, storage.v, segment.k, segment.v, runs)
             else:
-                layer_crc32s = await _copy_in_worker(storage, source.slot_ids, segment, dst_slot_ids, stop)
+                layer_crc32s = await _copy_in_worker(storage, segment, runs)
             if faults.any:
-                layer_crc32s = _inject_fault(faults, segment, dst_slot_ids, layer_crc32s)
+                layer_crc32s = _inject_fault(faults, segment, runs[0][1], layer_crc32s)
                 if faults.kv_cut_after_layers is not None:
                     raise Unavailable(f"fault injected: shared-memory KV transfer cut after "
                                       f"{faults.kv_cut_after_layers} layers")
