@@ -49,6 +49,7 @@ from dualpace.engine.transfer.shm_control import (
     KIND_MESSAGE,
     BadRecord,
     IncomingStream,
+    WatchSender,
     ended_record,
     split_record,
 )
@@ -136,10 +137,9 @@ class TicketServer:
         # Runs one control stream over a watch connection (dualpace.engine.transfer.shm_control); None: none taken.
         self.stream_handler: Callable[[IncomingStream], Awaitable[None]] | None = None
         self._finished_streams: set[bytes] = set()  # random ids: a late message starts nothing
-        # Leases asked for ahead (KIND_ASK) of their job: ticket -> (that watch's granted leases, its send).
-        self._asked: dict[bytes, tuple[dict[bytes, Lease], Callable[[bytes], Awaitable[None]]]] = {}
+        # Leases asked for ahead (KIND_ASK) of their job: ticket -> (that watch's granted leases, its sender).
+        self._asked: dict[bytes, tuple[dict[bytes, Lease], WatchSender]] = {}
         self._revoked: set[bytes] = set()  # an ask ahead for one of these is refused (bounded)
-        self._grants: set[asyncio.Task] = set()  # verdicts of asks ahead being sent
 
     async def start(self) -> None:
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -171,18 +171,11 @@ class TicketServer:
         lease = self._leases[ticket] = Lease()
         asked = self._asked.pop(ticket, None)
         if asked is not None:
-            granted, send = asked
+            granted, sender = asked
             lease.granted = True  # no await since the job was opened: a revoke cannot slip in between
             granted[ticket] = lease  # ends with that connection, as any lease granted over it
-            task = asyncio.get_running_loop().create_task(send(GRANTED + ticket))
-            self._grants.add(task)
-            task.add_done_callback(self._grant_sent)
+            sender.send_soon(GRANTED + ticket)  # with the reservation's reply, in one send
         return ticket, lease
-
-    def _grant_sent(self, task: asyncio.Task) -> None:
-        self._grants.discard(task)
-        if not task.cancelled() and task.exception() is not None:  # the connection broke: its end ends the lease
-            log.debug("an asked-ahead lease's verdict was not sent: %s", task.exception())
 
     def revoke(self, ticket: bytes) -> Lease | None:
         """No new lease for this job from now on; returns it (wait_ended() before freeing its memory)."""
@@ -212,11 +205,8 @@ class TicketServer:
         granted: dict[bytes, Lease] = {}
         asked: set[bytes] = set()  # this connection's asks ahead (KIND_ASK) that may still wait for a job
         streams: dict[bytes, IncomingStream] = {}
-        sending = asyncio.Lock()  # replies of several streams and lease verdicts never interleave
-
-        async def send(data: bytes) -> None:
-            async with sending:
-                await loop.sock_sendall(connection, data)
+        sender = WatchSender(loop, connection)
+        send = sender.send
 
         received = b""
         fixed = {KIND_LEASE: REQUEST_BYTES, KIND_END: REQUEST_BYTES, KIND_ABANDON: REQUEST_BYTES,
@@ -237,7 +227,7 @@ class TicketServer:
                         if ticket in self._asked:  # asked twice: refused (the first ask still waits)
                             await send(REFUSED + ticket)
                         else:  # no job yet: open_lease(ticket) grants it
-                            self._asked[ticket] = (granted, send)
+                            self._asked[ticket] = (granted, sender)
                             asked.add(ticket)
                     elif kind in (KIND_LEASE, KIND_ASK):
                         lease = self._grant(ticket)

@@ -27,6 +27,7 @@ UNAVAILABLE before `committed`, and resumes the request. Everything runs on the 
 from __future__ import annotations
 
 import asyncio
+import logging
 import struct
 from collections.abc import AsyncIterator, Awaitable, Callable
 
@@ -39,6 +40,8 @@ MAX_RECORD_BYTES = 256 * 2**20  # a longer record ends the connection (a chunk o
 _LENGTH = struct.Struct("<I")
 _CODE_LENGTH = struct.Struct("<II")
 CODE_UNAVAILABLE = 14  # grpc.StatusCode.UNAVAILABLE's value (this module is grpc-free)
+
+log = logging.getLogger(__name__)
 
 
 class BadRecord(Exception):
@@ -90,6 +93,42 @@ def split_record(data: bytes, kind_bytes: int, fixed: dict[bytes, int]) -> tuple
     if len(data) < start + length:
         return None, 0
     return (kind, data[kind_bytes:head], code, data[start:start + length]), start + length
+
+
+class WatchSender:
+    """The owner's sends on one watch connection, in order (replies of several streams and lease
+    verdicts never interleave). A record given to `send_soon` (the verdict of a lease asked for ahead,
+    granted as its job opens) leaves with the next send (that job's reservation reply, right after
+    it) or at the event loop's next turn: one wake-up of the sender for both, where a send of its own
+    woke the sender a second time (0.07-0.14 ms before its lease was held, in a 16-token transfer)."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, connection):
+        self._loop = loop
+        self._connection = connection
+        self._lock = asyncio.Lock()
+        self._soon = b""
+        self._flushes: set[asyncio.Task] = set()
+
+    async def send(self, data: bytes) -> None:
+        async with self._lock:
+            data, self._soon = self._soon + data, b""
+            await self._loop.sock_sendall(self._connection, data)
+
+    def send_soon(self, record: bytes) -> None:
+        if not self._soon:
+            self._loop.call_soon(self._flush)
+        self._soon += record
+
+    def _flush(self) -> None:
+        if self._soon:  # no send took it along
+            task = self._loop.create_task(self.send(b""))
+            self._flushes.add(task)
+            task.add_done_callback(self._flushed)
+
+    def _flushed(self, task: asyncio.Task) -> None:
+        self._flushes.discard(task)
+        if not task.cancelled() and task.exception() is not None:  # broken: its end ends the leases
+            log.debug("a lease verdict was not sent: %s", task.exception())
 
 
 class IncomingStream:
