@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import logging
 import os
 import time
 
@@ -298,7 +299,11 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
 
 def _log_import(importer: KvImporter, started: float) -> None:
     """The import's debug line (its marks: where the time went), written after the committed reply
-    left (at DEBUG it took ~0.1-0.3 ms before the reply, on the transfer's path)."""
+    left (at DEBUG it took ~0.1-0.3 ms before the reply, on the transfer's path). Nothing below DEBUG:
+    building its arguments for a line dropped later cost 0.16 ms cold, while the source waits (it
+    runs before the CPU is yielded to it)."""
+    if not log.isEnabledFor(logging.DEBUG):
+        return
     marks = importer.marks
     committed_at = next((t for name, t in reversed(marks) if name == "committed"), time.perf_counter())
     commit_from = next((t for name, t in reversed(marks) if name in ("verified", "commit_read")), committed_at)
