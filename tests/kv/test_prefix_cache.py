@@ -15,6 +15,7 @@ def test_hash_chain_depends_on_the_whole_prefix_and_the_salt():
     assert hasher.chain([9, 2, 3, 4])[1] != chain[1]  # same block tokens, different parent
     assert hasher.chain([3, 4])[0] != chain[1]
     assert BlockHasher(2, "model-a/fp32").chain([1, 2]) != hasher.chain([1, 2])
+    assert chain[0] == hasher.hash_block(None, [1, 2])  # extend packs whole runs: hash_block's values
     assert chain[1] == hasher.hash_block(chain[0], [3, 4])
     extended = chain[:1]
     hasher.extend(extended, [1, 2, 3, 4, 5, 6])
