@@ -65,8 +65,10 @@ def _inject_fault(faults: FaultConfig, segment: MappedKvSegment, first_dst_slot:
 
 
 async def _copy_in_worker(storage, segment: MappedKvSegment, runs: list[tuple[int, int, int]]) -> list[int]:
-    """The copy in one kv-export worker (one thread: the two cores are shared with the engines, and
-    a copy split by layer between two threads lost to one). Once cancelled, waits for it to stop."""
+    """The copy in one kv-export worker (one thread: the cores are shared with the engines, and a copy
+    split by layer over two threads lost on a 2-vCPU guest: unpinned, both ran on one vCPU; pinned one
+    per vCPU, it lost whenever another process ran on the second; docs/perf.md). Once cancelled,
+    waits for it to stop."""
     stop = threading.Event()
     job = pool("kv-export", KV_TRANSFER_WORKERS).submit(copy_in_place, storage.k, storage.v, segment.k, segment.v,
                                                           runs, stop)
