@@ -1,7 +1,7 @@
 // The int8 mode's rows for Q8_0 and Q4_0 up to PAIRS_MAX_ROWS rows of x, in builds with AVX-512
 // VNNI: the decode batches 1-8, where the lane groups of quant_gemv_vnni.h have too few rows to
 // fill their lanes. Included by quant_gemv.h after quant_gemv_vnni.h (namespace dp_quant; uses
-// hmax8, hsum8, is_outlier_row).
+// hsum8, round16_i8, any_outlier_row).
 //
 // Why: these formats carry a float scale per block of 32 weights, so a product that keeps the
 // weights in the vector lanes pays float work (convert, scale, FMA) per block and row; with one
@@ -46,20 +46,13 @@ inline int64_t pairs_row_bytes(int64_t K) { return (K / 32 + 1) / 2 * static_cas
 
 // 16 floats of x rounded to int8, + 128: bytes 0-7 to lo, 8-15 to hi; returns dx.
 inline float quantize_half16(const float* v, uint8_t* lo, uint8_t* hi) {
-  const __m256 sign_bit = _mm256_set1_ps(-0.0f);
-  constexpr int ROUND = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
-  const __m256 v0 = _mm256_loadu_ps(v), v1 = _mm256_loadu_ps(v + 8);
-  const float amax = hmax8(_mm256_max_ps(_mm256_andnot_ps(sign_bit, v0), _mm256_andnot_ps(sign_bit, v1)));
-  const __m256 inv = _mm256_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
-  const __m256i r0 = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(v0, inv), ROUND));
-  const __m256i r1 = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(v1, inv), ROUND));
-  // int32 -> int8 in element order: packs work per 128-bit lane, the permute restores order
-  const __m256i p16 = _mm256_permute4x64_epi64(_mm256_packs_epi32(r0, r1), 0xD8);
-  const __m128i p8 = _mm_xor_si128(_mm_packs_epi16(_mm256_castsi256_si128(p16), _mm256_extracti128_si256(p16, 1)),
-                                   _mm_set1_epi8(static_cast<char>(0x80)));
+  __m128i q8;
+  int32_t sum_q;
+  const float dx = round16_i8(v, &q8, &sum_q);
+  const __m128i p8 = _mm_xor_si128(q8, _mm_set1_epi8(static_cast<char>(0x80)));
   _mm_storel_epi64(reinterpret_cast<__m128i*>(lo), p8);
   _mm_storel_epi64(reinterpret_cast<__m128i*>(hi), _mm_unpackhi_epi64(p8, p8));
-  return amax / 127.0f;
+  return dx;
 }
 
 // One row of x (K floats, a multiple of 32) into pairs; an odd last block pairs with q = 0.
@@ -84,10 +77,7 @@ inline void quantize_row_pairs(const float* x, int64_t K, PairBlock* out) {
 
 // Whether the int8 mode takes this path for a call: Q8_0 or Q4_0 and no outlier row in x.
 inline bool pairs_apply(const WeightDesc& w, const float* x, int64_t M, int64_t ldx) {
-  if (!pairs_format(w.format)) return false;
-  for (int64_t m = 0; m < M; ++m)
-    if (is_outlier_row(x + m * ldx, w.K)) return false;
-  return true;
+  return pairs_format(w.format) && !any_outlier_row(x, M, ldx, w.K);
 }
 
 inline void prepare_pairs(const WeightDesc& w, const float* x, int64_t M, int64_t ldx, uint8_t* out) {

@@ -1,7 +1,8 @@
 // The int8 mode's rows for the K-quant formats (Q4_K, Q6_K) up to Q8K_MAX_ROWS rows of x, in
 // builds with AVX-512 VNNI: the decode batches 1-8, where the lane-group layout of
 // quant_gemv_vnni.h has too few rows to fill its lanes. Included by quant_gemv.h after
-// quant_gemv_vnni.h (namespace dp_quant; uses hmax8, hsum8, hsum8_epi32, is_outlier_row, rows_tiled).
+// quant_gemv_vnni.h (namespace dp_quant; uses hmax8, hsum8, hsum8_epi32, pack_i32_to_i8, any_outlier_row,
+// rows_tiled).
 //
 // Why: at batch 1 the int16 tile (quant_gemv_i16.h) is compute-bound on these formats: one
 // thread of an AMD EPYC Zen 4 read Q4_K at 8-9 GB/s and Q6_K at ~10 GB/s (Q8_0 at 26), about
@@ -56,10 +57,7 @@ inline void quantize_row_q8k(const float* x, int64_t K, Q8KBlock* out) {
     for (int i = 0; i < 256; i += 16) {
       const __m256i r0 = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(_mm256_loadu_ps(v + i), inv), ROUND));
       const __m256i r1 = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(_mm256_loadu_ps(v + i + 8), inv), ROUND));
-      // int32 -> int8 in element order: packs work per 128-bit lane, the permute restores order
-      const __m256i p16 = _mm256_permute4x64_epi64(_mm256_packs_epi32(r0, r1), 0xD8);
-      const __m128i p8 = _mm_packs_epi16(_mm256_castsi256_si128(p16), _mm256_extracti128_si256(p16, 1));
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(out[s].q + i), p8);
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(out[s].q + i), pack_i32_to_i8(r0, r1));
       out[s].sums16[i / 16] = static_cast<int16_t>(hsum8_epi32(_mm256_add_epi32(r0, r1)));
     }
     out[s].dx = amax / 127.0f;
@@ -68,10 +66,7 @@ inline void quantize_row_q8k(const float* x, int64_t K, Q8KBlock* out) {
 
 // Whether the int8 mode takes this path for a call: a K-quant matrix and no outlier row in x.
 inline bool q8k_applies(const WeightDesc& w, const float* x, int64_t M, int64_t ldx) {
-  if (!q8k_format(w.format)) return false;
-  for (int64_t m = 0; m < M; ++m)
-    if (is_outlier_row(x + m * ldx, w.K)) return false;
-  return true;
+  return q8k_format(w.format) && !any_outlier_row(x, M, ldx, w.K);
 }
 
 inline void prepare_q8k(const float* x, int64_t M, int64_t ldx, int64_t K, uint8_t* out) {

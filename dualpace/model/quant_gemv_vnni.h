@@ -104,9 +104,16 @@ inline int64_t vnni_bytes(int64_t K, int64_t M) {
   return vnni_groups(M) * vnni_group_bytes(K, L);
 }
 
-// 16 floats of x as q = round(x * 127 / max|x|) (+ 128, as bytes) into dwords `q`, L lanes apart;
-// returns the scale dx = max / 127 and adds dx sum(q) to *sum.
-inline float quantize16(const float* x, uint8_t* q, int L, float* sum, bool offset) {
+// Two vectors of 8 int32 (each within int8) as 16 int8 in element order: packs work per 128-bit
+// lane, the permute restores the order.
+inline __m128i pack_i32_to_i8(__m256i r0, __m256i r1) {
+  const __m256i p16 = _mm256_permute4x64_epi64(_mm256_packs_epi32(r0, r1), 0xD8);
+  return _mm_packs_epi16(_mm256_castsi256_si128(p16), _mm256_extracti128_si256(p16, 1));
+}
+
+// 16 floats of x as q = round(x * 127 / max|x|), int8 in element order, into *q8; returns the
+// scale dx = max / 127 and sets *sum_q to sum(q).
+inline float round16_i8(const float* x, __m128i* q8, int32_t* sum_q) {
   const __m256 sign_bit = _mm256_set1_ps(-0.0f);
   const __m256 v0 = _mm256_loadu_ps(x), v1 = _mm256_loadu_ps(x + 8);
   const float amax = hmax8(_mm256_max_ps(_mm256_andnot_ps(sign_bit, v0), _mm256_andnot_ps(sign_bit, v1)));
@@ -114,14 +121,21 @@ inline float quantize16(const float* x, uint8_t* q, int L, float* sum, bool offs
   constexpr int ROUND = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
   const __m256i r0 = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(v0, inv), ROUND));
   const __m256i r1 = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(v1, inv), ROUND));
-  // int32 -> int8 + 128 in element order: packs work per 128-bit lane, the permute restores order
-  const __m256i p16 = _mm256_permute4x64_epi64(_mm256_packs_epi32(r0, r1), 0xD8);
-  const __m128i p8 = _mm_packs_epi16(_mm256_castsi256_si128(p16), _mm256_extracti128_si256(p16, 1));
+  *q8 = pack_i32_to_i8(r0, r1);
+  *sum_q = hsum8_epi32(_mm256_add_epi32(r0, r1));
+  return amax / 127.0f;
+}
+
+// 16 floats of x as q = round(x * 127 / max|x|) (+ 128, as bytes) into dwords `q`, L lanes apart;
+// returns the scale dx = max / 127 and adds dx sum(q) to *sum.
+inline float quantize16(const float* x, uint8_t* q, int L, float* sum, bool offset) {
+  __m128i p8;
+  int32_t sum_q;
+  const float dx = round16_i8(x, &p8, &sum_q);
   alignas(16) uint32_t d[4];
   _mm_store_si128(reinterpret_cast<__m128i*>(d), offset ? _mm_xor_si128(p8, _mm_set1_epi8(static_cast<char>(0x80))) : p8);
   for (int j = 0; j < 4; ++j) std::memcpy(q + 4 * j * L, &d[j], 4);
-  const float dx = amax / 127.0f;
-  *sum += dx * static_cast<float>(hsum8_epi32(_mm256_add_epi32(r0, r1)));
+  *sum += dx * static_cast<float>(sum_q);
   return dx;
 }
 
@@ -144,6 +158,13 @@ inline bool is_outlier_row(const float* x, int64_t K) {
   }
   const float m = hmax8(amax);
   return m * m * static_cast<float>(K) > VNNI_OUTLIER_RATIO * VNNI_OUTLIER_RATIO * hsum8(sq);
+}
+
+// Whether any of the M rows of x (row stride ldx) is an outlier row.
+inline bool any_outlier_row(const float* x, int64_t M, int64_t ldx, int64_t K) {
+  for (int64_t m = 0; m < M; ++m)
+    if (is_outlier_row(x + m * ldx, K)) return true;
+  return false;
 }
 
 // The residual of 16 floats of x after quantize16's rounding: x - dx q (one rounding: fma), into r.
