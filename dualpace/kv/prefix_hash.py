@@ -32,13 +32,12 @@ class BlockHasher:
         """Hash of one full block whose predecessor hashes to ``parent_hash`` (None: the first block)."""
         if len(token_ids) != self.block_size:
             raise ValueError(f"a full block has {self.block_size} tokens, got {len(token_ids)}")
-        digest = hashlib.sha256(self.root_hash if parent_hash is None else parent_hash)
-        digest.update(struct.pack(f"<{len(token_ids)}I", *token_ids))
-        return digest.digest()
+        return _chained(self.root_hash if parent_hash is None else parent_hash,
+                        struct.pack(f"<{len(token_ids)}I", *token_ids))
 
     def extend(self, block_hashes: list[BlockHash], token_ids: Sequence[int]) -> None:
         """Append to ``block_hashes`` (the chain of ``token_ids``' first blocks) every further
-        full block of ``token_ids`` (hash_block's hashes; the tokens packed once for all the blocks:
+        full block of ``token_ids`` (hash_block's hashes, the tokens packed once for all the blocks:
         an imported 1024-token request's 64 blocks took 129 -> 71 us hot, 215 -> 127 us cold)."""
         size = self.block_size
         first, end = len(block_hashes), len(token_ids) // size
@@ -48,9 +47,7 @@ class BlockHasher:
         parent = block_hashes[-1] if block_hashes else self.root_hash
         block_bytes = 4 * size
         for offset in range(0, len(packed), block_bytes):
-            digest = hashlib.sha256(parent)
-            digest.update(packed[offset:offset + block_bytes])
-            parent = digest.digest()
+            parent = _chained(parent, packed[offset:offset + block_bytes])
             block_hashes.append(parent)
 
     def chain(self, token_ids: Sequence[int]) -> list[BlockHash]:
@@ -58,3 +55,10 @@ class BlockHasher:
         block_hashes: list[BlockHash] = []
         self.extend(block_hashes, token_ids)
         return block_hashes
+
+
+def _chained(parent_hash: BlockHash, packed_tokens: bytes) -> BlockHash:
+    """SHA-256 over a parent block's hash and one block's token ids packed as little-endian uint32."""
+    digest = hashlib.sha256(parent_hash)
+    digest.update(packed_tokens)
+    return digest.digest()
