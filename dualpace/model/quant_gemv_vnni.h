@@ -58,9 +58,15 @@ struct Lanes16 {
     std::memcpy(&v, w4, 4);
     return _mm512_dpbusd_epi32(acc, _mm512_set1_epi32(v), a);
   }
+  // dot with the weight dword as vpdpbusd's embedded-broadcast memory operand (see tile_vnni)
+  static I dot_mem(I acc, I a, const uint8_t* w4) {
+    asm("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(a), "m"(*reinterpret_cast<const int32_t(*)[1]>(w4)));
+    return acc;
+  }
   static F cvt(I v) { return _mm512_cvtepi32_ps(v); }
   static F zero() { return _mm512_setzero_ps(); }
   static F fma(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
+  static F mulv(F a, F b) { return _mm512_mul_ps(a, b); }
   static F mul(F a, float b) { return _mm512_mul_ps(a, _mm512_set1_ps(b)); }
   static F fma_s(F a, float b, F c) { return _mm512_fmadd_ps(a, _mm512_set1_ps(b), c); }
   static void store(float* p, F v) { _mm512_storeu_ps(p, v); }
@@ -82,9 +88,14 @@ struct Lanes8 {
     std::memcpy(&v, w4, 4);
     return _mm256_dpbusd_epi32(acc, _mm256_set1_epi32(v), a);
   }
+  static I dot_mem(I acc, I a, const uint8_t* w4) {
+    asm("vpdpbusd %2%{1to8%}, %1, %0" : "+v"(acc) : "v"(a), "m"(*reinterpret_cast<const int32_t(*)[1]>(w4)));
+    return acc;
+  }
   static F cvt(I v) { return _mm256_cvtepi32_ps(v); }
   static F zero() { return _mm256_setzero_ps(); }
   static F fma(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
+  static F mulv(F a, F b) { return _mm256_mul_ps(a, b); }
   static F mul(F a, float b) { return _mm256_mul_ps(a, _mm256_set1_ps(b)); }
   static F fma_s(F a, float b, F c) { return _mm256_fmadd_ps(a, _mm256_set1_ps(b), c); }
   static void store(float* p, F v) { _mm256_storeu_ps(p, v); }
@@ -287,6 +298,31 @@ struct alignas(64) StagedBlock {
   alignas(32) uint8_t bytes[32];
 };
 
+// One Q8_0 block of NR W rows against lane group mv (activations xa, scales dx): acc[r][mv] +=
+// dw (dx0 s0 + dx1 s1), s the integer sums of the two halves. Two forms matter on an AMD Zen 4
+// (vpdpbusd and the float multiplies share two pipes; convert runs beside them):
+// - the weight dword stays vpdpbusd's embedded-broadcast memory operand (dot_mem, inline asm);
+//   as _mm512_set1_epi32 the compiler hoisted each broadcast out of the lane-group loop, into 64
+//   registers at 8 W rows, spilled and reloaded per block;
+// - dw is applied once per block (1 multiply, 2 FMAs instead of 2 and 2).
+// One thread, 1B gate/up and down, 32 / 64 rows: 1.04-1.08x / 1.35-1.4x (with 4 W rows per tile
+// at 2 lane groups, tile_vnni_store). The sum differs from the other formats' order by fp32 rounding.
+template <class V, int NR, int MV>
+inline void q8_0_rows(const typename V::I* xa, const typename V::F* dx, const Staged* st, typename V::F (*acc)[MV],
+                      int mv) {
+#pragma GCC unroll 8
+  for (int r = 0; r < NR; ++r) {
+    typename V::I s0 = V::set1(st[r].corr[0]), s1 = V::set1(st[r].corr[1]);
+#pragma GCC unroll 4
+    for (int i = 0; i < 4; ++i) {
+      s0 = V::dot_mem(s0, xa[i], st[r].bytes + 4 * i);
+      s1 = V::dot_mem(s1, xa[i + 4], st[r].bytes + 16 + 4 * i);
+    }
+    const typename V::F t = V::fma(V::cvt(s1), dx[1], V::mulv(V::cvt(s0), dx[0]));
+    acc[r][mv] = V::fma_s(t, st[r].dw[0], acc[r][mv]);
+  }
+}
+
 // NR W rows x MV lane groups, over all of K. out[r][mv * L + lane] = y of lane's row, W row r.
 // STAGED: wrows point at rows of StagedBlock (one per block of 32) instead of the weights.
 template <int32_t F, class V, int NR, int MV, bool STAGED>
@@ -319,6 +355,10 @@ inline void tile_vnni(const uint8_t* const* wrows, const uint8_t* act, int64_t K
         for (int i = 0; i < 8; ++i) xa[i] = V::load(a + i * 4 * L);
         const float* dxp = reinterpret_cast<const float*>(a + 8 * 4 * L);
         const typename V::F dx[2] = {V::loadf(dxp), V::loadf(dxp + L)};
+        if constexpr (F == DP_W_Q8_0) {
+          q8_0_rows<V, NR>(xa, dx, st, acc, mv);
+          continue;
+        }
         for (int r = 0; r < NR; ++r) {
           for (int p = 0; p < 2; ++p) {
             typename V::I s;

@@ -14,7 +14,7 @@ namespace dp_quant {
 // tile again, from cache: W is read from memory once per call).
 constexpr int VNNI_MAX_GROUPS = 4;
 // W rows per tile: 8 (MV <= 2 groups: 8 x MV accumulators + 8 activation vectors fit the 32
-// vector registers), 4 beyond.
+// vector registers; Q8_0 at 2 groups spilled them), 4 beyond.
 constexpr int VNNI_TILE_ROWS = 8;
 
 // Lanes below M store their row of y; residual lanes (all after them, in this pass or a later one
@@ -23,7 +23,7 @@ template <int32_t F, class V, int MV, bool STAGED>
 inline void tile_vnni_store(const uint8_t* const* wrows, const uint8_t* act, int64_t K, int64_t g0,
                             const VnniHeader& head, const int32_t* targets, int64_t col, int64_t cols, float* y,
                             int64_t ldy) {
-  constexpr int NR = MV <= 2 ? 8 : 4;
+  constexpr int NR = MV <= (F == DP_W_Q8_0 ? 1 : 2) ? 8 : 4;  // Q8_0 at 2 groups: 4 (q8_0_rows)
   constexpr int L = V::L;
   for (int r0 = 0; r0 < VNNI_TILE_ROWS && r0 < cols; r0 += NR) {
     alignas(64) float out[NR][4 * 16];
