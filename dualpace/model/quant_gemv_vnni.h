@@ -40,6 +40,18 @@ constexpr bool unsigned_weights(int32_t format) {
   return format == DP_W_Q4_0 || format == DP_W_Q4_1 || format == DP_W_Q4_K;
 }
 
+// acc + the dot products of the weight dword at w4 (unsigned: the nibble formats), broadcast, with
+// each lane's 4 activation bytes (signed). The broadcast is in the same asm statement as its
+// vpdpbusd so that the compiler cannot hoist it (one_scale_rows says why).
+template <class I>
+inline I dot_unsigned_weights(I acc, I a, const uint8_t* w4) {
+  I w;
+  asm("vpbroadcastd %3, %1\n\tvpdpbusd %2, %1, %0"
+      : "+v"(acc), "=&v"(w)
+      : "v"(a), "m"(*reinterpret_cast<const int32_t(*)[1]>(w4)));
+  return acc;
+}
+
 // Vector types of a lane group: 16 activation rows (zmm) or 8 (ymm).
 struct Lanes16 {
   static constexpr int L = 16;
@@ -48,21 +60,13 @@ struct Lanes16 {
   static I load(const void* p) { return _mm512_loadu_si512(p); }
   static F loadf(const float* p) { return _mm512_loadu_ps(p); }
   static I set1(int32_t v) { return _mm512_set1_epi32(v); }
+  // Signed weights (Q8_0, Q6_K): the dword is vpdpbusd's embedded-broadcast memory operand
+  // (one_scale_rows says why); unsigned: dot_unsigned_weights.
   static I dot(I acc, I a, const uint8_t* w4) {
-    int32_t v;
-    std::memcpy(&v, w4, 4);
-    return _mm512_dpbusd_epi32(acc, a, _mm512_set1_epi32(v));
-  }
-  static I dot_wu(I acc, I a, const uint8_t* w4) {  // unsigned weights, signed activations
-    int32_t v;
-    std::memcpy(&v, w4, 4);
-    return _mm512_dpbusd_epi32(acc, _mm512_set1_epi32(v), a);
-  }
-  // dot with the weight dword as vpdpbusd's embedded-broadcast memory operand (see tile_vnni)
-  static I dot_mem(I acc, I a, const uint8_t* w4) {
     asm("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(a), "m"(*reinterpret_cast<const int32_t(*)[1]>(w4)));
     return acc;
   }
+  static I dot_wu(I acc, I a, const uint8_t* w4) { return dot_unsigned_weights(acc, a, w4); }
   static F cvt(I v) { return _mm512_cvtepi32_ps(v); }
   static F zero() { return _mm512_setzero_ps(); }
   static F fma(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
@@ -79,19 +83,10 @@ struct Lanes8 {
   static F loadf(const float* p) { return _mm256_loadu_ps(p); }
   static I set1(int32_t v) { return _mm256_set1_epi32(v); }
   static I dot(I acc, I a, const uint8_t* w4) {
-    int32_t v;
-    std::memcpy(&v, w4, 4);
-    return _mm256_dpbusd_epi32(acc, a, _mm256_set1_epi32(v));
-  }
-  static I dot_wu(I acc, I a, const uint8_t* w4) {
-    int32_t v;
-    std::memcpy(&v, w4, 4);
-    return _mm256_dpbusd_epi32(acc, _mm256_set1_epi32(v), a);
-  }
-  static I dot_mem(I acc, I a, const uint8_t* w4) {
     asm("vpdpbusd %2%{1to8%}, %1, %0" : "+v"(acc) : "v"(a), "m"(*reinterpret_cast<const int32_t(*)[1]>(w4)));
     return acc;
   }
+  static I dot_wu(I acc, I a, const uint8_t* w4) { return dot_unsigned_weights(acc, a, w4); }
   static F cvt(I v) { return _mm256_cvtepi32_ps(v); }
   static F zero() { return _mm256_setzero_ps(); }
   static F fma(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
@@ -298,28 +293,42 @@ struct alignas(64) StagedBlock {
   alignas(32) uint8_t bytes[32];
 };
 
-// One Q8_0 block of NR W rows against lane group mv (activations xa, scales dx): acc[r][mv] +=
-// dw (dx0 s0 + dx1 s1), s the integer sums of the two halves. Two forms matter on an AMD Zen 4
-// (vpdpbusd and the float multiplies share two pipes; convert runs beside them):
-// - the weight dword stays vpdpbusd's embedded-broadcast memory operand (dot_mem, inline asm);
+// One block of NR W rows of a format with one weight scale per block (all but Q6_K) against
+// lane group mv (activations xa, scales dx, per-lane sum(dx q) at dxsum): acc[r][mv] +=
+// dw (dx0 s0 + dx1 s1) [+ mw dxsum], s the integer sums of the two halves. Two forms matter on an
+// AMD Zen 4 (vpdpbusd and the float multiplies share two pipes; convert runs beside them):
+// - each weight dword is loaded by the vpdpbusd that uses it (Lanes16::dot / dot_wu, inline asm);
 //   as _mm512_set1_epi32 the compiler hoisted each broadcast out of the lane-group loop, into 64
 //   registers at 8 W rows, spilled and reloaded per block;
-// - dw is applied once per block (1 multiply, 2 FMAs instead of 2 and 2).
-// One thread, 1B gate/up and down, 32 / 64 rows: 1.04-1.08x / 1.35-1.4x (with 4 W rows per tile
-// at 2 lane groups, tile_vnni_store). The sum differs from the other formats' order by fp32 rounding.
-template <class V, int NR, int MV>
-inline void q8_0_rows(const typename V::I* xa, const typename V::F* dx, const Staged* st, typename V::F (*acc)[MV],
-                      int mv) {
+// - dw is applied once per block (1 multiply and 2 FMAs, not 2 and 2).
+// One thread, 1B gate/up and down, old / new: Q8_0 at 9-32 rows 1.0-1.18x, 64: 1.32-1.35x,
+// 128: 1.57-1.85x (Q8_0 with 4 W rows per tile at 2 lane groups, tile_vnni_store). The sum
+// differs from Q6_K's order by fp32 rounding.
+template <int32_t F, class V, int NR, int MV>
+inline void one_scale_rows(const typename V::I* xa, const typename V::F* dx, const typename V::F& dxsum,
+                           const Staged* st, typename V::F (*acc)[MV], int mv) {
 #pragma GCC unroll 8
   for (int r = 0; r < NR; ++r) {
-    typename V::I s0 = V::set1(st[r].corr[0]), s1 = V::set1(st[r].corr[1]);
+    typename V::I s0, s1;
+    if constexpr (unsigned_weights(F)) {
+      s0 = s1 = V::set1(0);
+    } else {
+      s0 = V::set1(st[r].corr[0]);
+      s1 = V::set1(st[r].corr[1]);
+    }
 #pragma GCC unroll 4
     for (int i = 0; i < 4; ++i) {
-      s0 = V::dot_mem(s0, xa[i], st[r].bytes + 4 * i);
-      s1 = V::dot_mem(s1, xa[i + 4], st[r].bytes + 16 + 4 * i);
+      if constexpr (unsigned_weights(F)) {
+        s0 = V::dot_wu(s0, xa[i], st[r].bytes + 4 * i);
+        s1 = V::dot_wu(s1, xa[i + 4], st[r].bytes + 16 + 4 * i);
+      } else {
+        s0 = V::dot(s0, xa[i], st[r].bytes + 4 * i);
+        s1 = V::dot(s1, xa[i + 4], st[r].bytes + 16 + 4 * i);
+      }
     }
     const typename V::F t = V::fma(V::cvt(s1), dx[1], V::mulv(V::cvt(s0), dx[0]));
     acc[r][mv] = V::fma_s(t, st[r].dw[0], acc[r][mv]);
+    if constexpr (unsigned_weights(F)) acc[r][mv] = V::fma_s(dxsum, st[r].mw, acc[r][mv]);
   }
 }
 
@@ -355,8 +364,8 @@ inline void tile_vnni(const uint8_t* const* wrows, const uint8_t* act, int64_t K
         for (int i = 0; i < 8; ++i) xa[i] = V::load(a + i * 4 * L);
         const float* dxp = reinterpret_cast<const float*>(a + 8 * 4 * L);
         const typename V::F dx[2] = {V::loadf(dxp), V::loadf(dxp + L)};
-        if constexpr (F == DP_W_Q8_0) {
-          q8_0_rows<V, NR>(xa, dx, st, acc, mv);
+        if constexpr (F != DP_W_Q6_K) {
+          one_scale_rows<F, V, NR>(xa, dx, V::loadf(dxp + 2 * L), st, acc, mv);
           continue;
         }
         for (int r = 0; r < NR; ++r) {
