@@ -293,7 +293,7 @@ struct alignas(64) StagedBlock {
   alignas(32) uint8_t bytes[32];
 };
 
-// One block of NR W rows of a format with one weight scale per block (all but Q6_K) against
+// One block of NR W rows of a format with one weight scale per block (Q8_0, Q4_0, Q4_K) against
 // lane group mv (activations xa, scales dx, per-lane sum(dx q) at dxsum): acc[r][mv] +=
 // dw (dx0 s0 + dx1 s1) [+ mw dxsum], s the integer sums of the two halves. Two forms matter on an
 // AMD Zen 4 (vpdpbusd and the float multiplies share two pipes; convert runs beside them):
@@ -303,7 +303,9 @@ struct alignas(64) StagedBlock {
 // - dw is applied once per block (1 multiply and 2 FMAs, not 2 and 2).
 // One thread, 1B gate/up and down, old / new: Q8_0 at 9-32 rows 1.0-1.18x, 64: 1.32-1.35x,
 // 128: 1.57-1.85x (Q8_0 with 4 W rows per tile at 2 lane groups, tile_vnni_store). The sum
-// differs from Q6_K's order by fp32 rounding.
+// differs from the per-half order (tile_vnni's loop) by fp32 rounding. Q4_1 keeps that order: with
+// dw once per block the default model's chat answer (a Q4_1 prompt in int8; a near tie, which a
+// changed rounding of one activation in one layer can flip) stopped naming Paris.
 template <int32_t F, class V, int NR, int MV>
 inline void one_scale_rows(const typename V::I* xa, const typename V::F* dx, const typename V::F& dxsum,
                            const Staged* st, typename V::F (*acc)[MV], int mv) {
@@ -364,7 +366,7 @@ inline void tile_vnni(const uint8_t* const* wrows, const uint8_t* act, int64_t K
         for (int i = 0; i < 8; ++i) xa[i] = V::load(a + i * 4 * L);
         const float* dxp = reinterpret_cast<const float*>(a + 8 * 4 * L);
         const typename V::F dx[2] = {V::loadf(dxp), V::loadf(dxp + L)};
-        if constexpr (F != DP_W_Q6_K) {
+        if constexpr (F == DP_W_Q8_0 || F == DP_W_Q4_0 || F == DP_W_Q4_K) {
           one_scale_rows<F, V, NR>(xa, dx, V::loadf(dxp + 2 * L), st, acc, mv);
           continue;
         }
