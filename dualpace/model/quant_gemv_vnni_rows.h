@@ -23,7 +23,7 @@ template <int32_t F, class V, int MV, bool STAGED>
 inline void tile_vnni_store(const uint8_t* const* wrows, const uint8_t* act, int64_t K, int64_t g0,
                             const VnniHeader& head, const int32_t* targets, int64_t col, int64_t cols, float* y,
                             int64_t ldy) {
-  constexpr int NR = MV <= (F == DP_W_Q8_0 ? 1 : 2) ? 8 : 4;  // Q8_0 at 2 groups: 4 (q8_0_rows)
+  constexpr int NR = MV <= (F == DP_W_Q8_0 ? 1 : 2) ? 8 : 4;  // Q8_0 at 2 groups: 4 (one_scale_rows)
   constexpr int L = V::L;
   for (int r0 = 0; r0 < VNNI_TILE_ROWS && r0 < cols; r0 += NR) {
     alignas(64) float out[NR][4 * 16];
