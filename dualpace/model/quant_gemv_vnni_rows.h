@@ -20,14 +20,14 @@ constexpr int VNNI_TILE_ROWS = 8;
 // Lanes below M store their row of y; residual lanes (all after them, in this pass or a later one
 // over the same W rows) add to their row's.
 template <int32_t F, class V, int MV, bool STAGED>
-inline void tile_vnni_store(const uint8_t* const* wrows, const uint8_t* act, int64_t K, int64_t g0,
+inline void tile_vnni_store(const uint8_t* const* wrows, const WeightDesc& w, const uint8_t* act, int64_t g0,
                             const VnniHeader& head, const int32_t* targets, int64_t col, int64_t cols, float* y,
                             int64_t ldy) {
   constexpr int NR = MV <= (F == DP_W_Q8_0 ? 1 : 2) ? 8 : 4;  // Q8_0 at 2 groups: 4 (one_scale_rows)
   constexpr int L = V::L;
   for (int r0 = 0; r0 < VNNI_TILE_ROWS && r0 < cols; r0 += NR) {
     alignas(64) float out[NR][4 * 16];
-    tile_vnni<F, V, NR, MV, STAGED>(wrows + r0, act + g0 * vnni_group_bytes(K, L), K, out);
+    tile_vnni<F, V, NR, MV, STAGED>(wrows + r0, act + g0 * vnni_group_bytes(w.K, L), w.K, out, NR * w.row_bytes);
     for (int r = 0; r < NR && r0 + r < cols; ++r)
       for (int64_t i = 0; i < MV * L && g0 * L + i < head.num_lanes; ++i) {
         const int64_t v = g0 * L + i;
@@ -86,10 +86,10 @@ inline void rows_vnni_lanes(const WeightDesc& w, const uint8_t* prepared, int64_
         }
         const int64_t col = n - n0, cols = std::min<int64_t>(VNNI_TILE_ROWS, n1 - n);
         switch (std::min<int64_t>(VNNI_MAX_GROUPS, groups - g0)) {
-          case 1: tile_vnni_store<F, V, 1, STAGED>(wrows, act, w.K, g0, head, targets, col, cols, y, ldy); break;
-          case 2: tile_vnni_store<F, V, 2, STAGED>(wrows, act, w.K, g0, head, targets, col, cols, y, ldy); break;
-          case 3: tile_vnni_store<F, V, 3, STAGED>(wrows, act, w.K, g0, head, targets, col, cols, y, ldy); break;
-          default: tile_vnni_store<F, V, 4, STAGED>(wrows, act, w.K, g0, head, targets, col, cols, y, ldy); break;
+          case 1: tile_vnni_store<F, V, 1, STAGED>(wrows, w, act, g0, head, targets, col, cols, y, ldy); break;
+          case 2: tile_vnni_store<F, V, 2, STAGED>(wrows, w, act, g0, head, targets, col, cols, y, ldy); break;
+          case 3: tile_vnni_store<F, V, 3, STAGED>(wrows, w, act, g0, head, targets, col, cols, y, ldy); break;
+          default: tile_vnni_store<F, V, 4, STAGED>(wrows, w, act, g0, head, targets, col, cols, y, ldy); break;
         }
       }
     }
