@@ -120,9 +120,14 @@ inline void pair_weights(const uint8_t* a, const uint8_t* b, __m256i* lo, __m256
 }
 
 // out[m][r] = sum_k x[m, k] W[row r, k] for MR prepared rows of x and NR Q8_0 / Q4_0 rows of W:
-// each prepared pair, loaded once, serves the NR rows of W.
+// each prepared pair, loaded once, serves the NR rows of W. Both lines a pair may span are
+// prefetched ahead_bytes ahead: the next tile's row for two W rows (a tile ahead, as
+// quant_gemv_vnni.h's tile_vnni: 4096 bytes ahead within the row left the second row of each tile
+// cold; one thread of a Zen 4, 1B Q8_0 gate/up and down at 5-8 rows of x: 1.05-1.09x),
+// I16_PREFETCH_BYTES for one (1.02-1.07x at 1-2 rows from the second line).
 template <int32_t F, int MR, int NR>
-inline void tile_pairs(const uint8_t* const* wrows, const uint8_t* const* arows, int64_t K, float (*out)[NR]) {
+inline void tile_pairs(const uint8_t* const* wrows, const uint8_t* const* arows, int64_t K, float (*out)[NR],
+                       int64_t ahead_bytes) {
   __m256 acc[MR][NR];
   for (int m = 0; m < MR; ++m)
     for (int r = 0; r < NR; ++r) acc[m][r] = _mm256_setzero_ps();
@@ -133,7 +138,8 @@ inline void tile_pairs(const uint8_t* const* wrows, const uint8_t* const* arows,
     __m256 dw[NR];
     for (int r = 0; r < NR; ++r) {
       const uint8_t* a = wrows[r] + 2 * p * Fmt<F>::BYTES;
-      _mm_prefetch(reinterpret_cast<const char*>(a) + I16_PREFETCH_BYTES, _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(a) + ahead_bytes, _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(a) + ahead_bytes + 64, _MM_HINT_T0);
       pair_weights<F>(a, 2 * p + 1 < blocks ? a + Fmt<F>::BYTES : nullptr, &lo[r], &hi[r], &start[r], &dw[r]);
     }
     for (int m = 0; m < MR; ++m) {
@@ -169,7 +175,7 @@ inline bool rows_pairs(const WeightDesc& w, const uint8_t* prepared, int64_t M, 
         const uint8_t* wrows[NR];
         for (int r = 0; r < NR; ++r)  // past the last: any row (outputs dropped)
           wrows[r] = static_cast<const uint8_t*>(w.data) + std::min(n + r, n1 - 1) * w.row_bytes;
-        tile_pairs<F, MR, NR>(wrows, arows, w.K, out);
+        tile_pairs<F, MR, NR>(wrows, arows, w.K, out, NR == 1 ? I16_PREFETCH_BYTES : NR * w.row_bytes);
         for (int m = 0; m < MR; ++m)
           for (int r = 0; r < NR && n + r < n1; ++r) y[m * ldy + (n - n0 + r)] = out[m][r];
       }
