@@ -334,6 +334,27 @@ inline void one_scale_rows(const typename V::I* xa, const typename V::F* dx, con
   }
 }
 
+// The same for Q6_K (a scale per 16 weights) and Q4_1 (kept in this order: one_scale_rows says why):
+// per half of 16, acc[r][mv] += (dx dw) s [+ mw dxsum once per block].
+template <int32_t F, class V, int NR, int MV>
+inline void per_half_rows(const typename V::I* xa, const typename V::F* dx, const typename V::F& dxsum,
+                          const Staged* st, typename V::F (*acc)[MV], int mv) {
+  for (int r = 0; r < NR; ++r) {
+    for (int p = 0; p < 2; ++p) {
+      typename V::I s;
+      if constexpr (unsigned_weights(F)) {
+        s = V::set1(0);
+        for (int i = 4 * p; i < 4 * p + 4; ++i) s = V::dot_wu(s, xa[i], st[r].bytes + 4 * i);
+      } else {
+        s = V::set1(st[r].corr[p]);
+        for (int i = 4 * p; i < 4 * p + 4; ++i) s = V::dot(s, xa[i], st[r].bytes + 4 * i);
+      }
+      acc[r][mv] = V::fma(V::cvt(s), V::mul(dx[p], st[r].dw[p]), acc[r][mv]);
+    }
+    if constexpr (unsigned_weights(F)) acc[r][mv] = V::fma_s(dxsum, st[r].mw, acc[r][mv]);
+  }
+}
+
 // NR W rows x MV lane groups, over all of K. out[r][mv * L + lane] = y of lane's row, W row r.
 // STAGED: wrows point at rows of StagedBlock (one per block of 32) instead of the weights.
 // ahead_bytes: from a W row to the same place NR rows later (the next tile's row), prefetched a
@@ -346,7 +367,6 @@ inline void tile_vnni(const uint8_t* const* wrows, const uint8_t* act, int64_t K
                       int64_t ahead_bytes) {
   using Spec = Fmt<F>;
   constexpr int L = V::L;
-  constexpr bool MIN = unsigned_weights(F);  // Q4_0's -8 dw included
   const int64_t group_bytes = vnni_group_bytes(K, L), block_bytes = vnni_block_bytes(L);
   typename V::F acc[NR][MV];
   for (int r = 0; r < NR; ++r)
@@ -373,24 +393,10 @@ inline void tile_vnni(const uint8_t* const* wrows, const uint8_t* act, int64_t K
         for (int i = 0; i < 8; ++i) xa[i] = V::load(a + i * 4 * L);
         const float* dxp = reinterpret_cast<const float*>(a + 8 * 4 * L);
         const typename V::F dx[2] = {V::loadf(dxp), V::loadf(dxp + L)};
-        if constexpr (F == DP_W_Q8_0 || F == DP_W_Q4_0 || F == DP_W_Q4_K) {
+        if constexpr (F == DP_W_Q8_0 || F == DP_W_Q4_0 || F == DP_W_Q4_K)
           one_scale_rows<F, V, NR>(xa, dx, V::loadf(dxp + 2 * L), st, acc, mv);
-          continue;
-        }
-        for (int r = 0; r < NR; ++r) {
-          for (int p = 0; p < 2; ++p) {
-            typename V::I s;
-            if constexpr (unsigned_weights(F)) {
-              s = V::set1(0);
-              for (int i = 4 * p; i < 4 * p + 4; ++i) s = V::dot_wu(s, xa[i], st[r].bytes + 4 * i);
-            } else {
-              s = V::set1(st[r].corr[p]);
-              for (int i = 4 * p; i < 4 * p + 4; ++i) s = V::dot(s, xa[i], st[r].bytes + 4 * i);
-            }
-            acc[r][mv] = V::fma(V::cvt(s), V::mul(dx[p], st[r].dw[p]), acc[r][mv]);
-          }
-          if constexpr (MIN) acc[r][mv] = V::fma_s(V::loadf(dxp + 2 * L), st[r].mw, acc[r][mv]);
-        }
+        else
+          per_half_rows<F, V, NR>(xa, dx, V::loadf(dxp + 2 * L), st, acc, mv);
       }
     }
   }

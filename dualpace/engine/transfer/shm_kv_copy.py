@@ -177,7 +177,12 @@ def _check_bounds(runs: list[tuple[int, int, int]], src_k: torch.Tensor, dst_k: 
 def layer_checksums(k_pool: torch.Tensor, v_pool: torch.Tensor, slot_ids: list[int],
                     layers: range | None = None) -> list[int]:
     """Per layer of `layers` (default: all): CRC32C of K then V over `slot_ids`, in order (CPU pools)."""
-    runs = slot_runs(slot_ids, slot_ids)
+    return _run_checksums(k_pool, v_pool, slot_runs(slot_ids, slot_ids), layers)
+
+
+def _run_checksums(k_pool: torch.Tensor, v_pool: torch.Tensor, runs: list[tuple[int, int, int]],
+                   layers: range | None = None) -> list[int]:
+    """layer_checksums over the slots that `runs` name by their first member ((start, _, length))."""
     layers = layers if layers is not None else range(k_pool.shape[0])
     native = _native_layers(k_pool, v_pool, None, None, runs, layers, None)
     if native is not None:
@@ -262,4 +267,4 @@ def _copy_from_device(src_k, src_v, dst_k, dst_v, runs, stop) -> list[int]:
         _check_stop(stop)
         dst_k_flat[:, dst_start:dst_start + length].copy_(src_k_flat[:, src_start:src_start + length])
         dst_v_flat[:, dst_start:dst_start + length].copy_(src_v_flat[:, src_start:src_start + length])
-    return layer_checksums(dst_k, dst_v, [dst_start + i for _, dst_start, length in runs for i in range(length)])
+    return _run_checksums(dst_k, dst_v, [(dst_start, dst_start, length) for _, dst_start, length in runs])
