@@ -29,7 +29,8 @@ def shm_answer_to_pb(answer: ShmReservation | ShmDeclined) -> engine_pb2.ImportK
     return engine_pb2.ImportKvReply(shm_reserved=engine_pb2.KvShmReserved(
         socket_name=answer.socket_name, segment_token=answer.segment_token, import_token=answer.import_token,
         slot_run_starts=[start for start, _ in answer.slot_runs],
-        slot_run_lengths=[length for _, length in answer.slot_runs], accepts_written_with_commit=answer.accepts_written_with_commit,
+        slot_run_lengths=[length for _, length in answer.slot_runs],
+        accepts_written_with_commit=answer.accepts_written_with_commit,
         lease_on_watch=answer.lease_on_watch, control_on_watch=answer.control_on_watch,
         asks_lease_ahead=answer.asks_lease_ahead))
 
