@@ -7,8 +7,9 @@ tiles; MIXED_MAX_ROWS when
 every matrix is block-quantized or of another dtype than the activations, where the per-stage
 path would run the same GEMV kernels, only with ~10 calls and parallel regions per layer): per layer
 RMSNorm, QKV (+bias), q/k RMSNorm (Qwen3), RoPE (whole or partial heads), KV write, paged attention,
-O + residual, RMSNorm, gate/up, SiLU*up, down + residual, with no Python and no tensor allocation
-between them. The four matrices of a
+O + residual, RMSNorm, gate/up, SiLU*up, down + residual (a mixture-of-experts layer: the router,
+the routing and the selected experts, cpu_moe.h), with no Python and no tensor allocation between
+them. The four matrices of a
 layer may be in any weight format the loaded kernels support (bf16 / fp32 tensors, or quantized
 weight objects, see KERNELS.md), the qkv matrix also as two runs of rows in two block formats
 (`split_desc`: a Q4_K_M file's Q4_K q and k rows and Q6_K v rows, each run its own row chunks);
@@ -26,6 +27,7 @@ import ctypes
 import torch
 
 from dualpace.model.cpu_kernels import MIXED_MAX_ROWS, Kernels, WeightDescC, run_descs, weight_desc
+from dualpace.model.cpu_moe import MAX_TOP_K
 
 _i64, _f32, _ptr = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
 
@@ -38,7 +40,8 @@ class _LayerArgs(ctypes.Structure):
                 ("post_norm", _ptr), ("qkv_w", WeightDescC), ("o_w", WeightDescC), ("gate_up_w", WeightDescC),
                 ("down_w", WeightDescC), ("k_cache", _ptr), ("v_cache", _ptr), ("num_blocks", _i64),
                 ("block_size", _i64), ("q_norm", _ptr), ("k_norm", _ptr), ("rotary_dim", _i64),
-                ("qkv_tail_w", WeightDescC)]
+                ("qkv_tail_w", WeightDescC), ("router_w", WeightDescC), ("moe", _ptr), ("top_k", _i64),
+                ("norm_topk_prob", _i64)]
 
 
 class _HeadArgs(ctypes.Structure):
@@ -64,8 +67,15 @@ def fused_head_dims(dtype: torch.dtype, variant: str | None) -> tuple[int, ...]:
     return BF16_PAIRS_HEAD_DIMS if dtype == torch.bfloat16 and variant in (None, "avx512_bf16") else HEAD_DIMS
 
 
-_MATRICES = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 _VECTORS = ("input_norm", "post_attention_norm", "qkv_bias", "q_norm", "k_norm")
+
+
+def _layer_matrices(layer) -> list:
+    """The matrices a layer's step reads: a MoE layer's router and experts in place of the dense MLP."""
+    attention = [layer.qkv_proj, layer.o_proj]
+    if layer.moe is None:
+        return attention + [layer.gate_up_proj, layer.down_proj]
+    return attention + [layer.moe.router, *layer.moe.expert_gate_up, *layer.moe.expert_down]
 
 
 def split_desc(weight) -> tuple[WeightDescC, WeightDescC] | None:
@@ -92,20 +102,27 @@ class FusedDecode:
         self.num_layers = cfg.num_layers
         self.layers = (_LayerArgs * cfg.num_layers)()
         for i, layer in enumerate(model.weights.layers):
-            (qkv, qkv_tail), o, gate_up, down = (split_desc(layer.qkv_proj),
-                                                 *(weight_desc(getattr(layer, name)) for name in _MATRICES[1:]))
+            (qkv, qkv_tail), o = split_desc(layer.qkv_proj), weight_desc(layer.o_proj)
+            router, experts, top_k = WeightDescC(), None, 0
+            if layer.moe is None:
+                gate_up, down = weight_desc(layer.gate_up_proj), weight_desc(layer.down_proj)
+            else:  # the routed experts in place of the dense MLP (cpu_moe.h)
+                gate_up, down, router = WeightDescC(), WeightDescC(), weight_desc(layer.moe.router)
+                experts, top_k = model.grouped_experts(i, kernels), cfg.moe.num_experts_per_tok
             self.layers[i] = _LayerArgs(
                 cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size,
                 cfg.rms_norm_eps, cfg.head_dim**-0.5, layer.input_norm.data_ptr(),
                 None if layer.qkv_bias is None else layer.qkv_bias.data_ptr(), layer.post_attention_norm.data_ptr(),
                 qkv, o, gate_up, down, kv.k[i].data_ptr(), kv.v[i].data_ptr(), kv.num_blocks, kv.block_size,
                 *(None if t is None else t.data_ptr() for t in (layer.q_norm, layer.k_norm)), cfg.rotary_dim or 0,
-                qkv_tail)
+                qkv_tail, router, None if experts is None else ctypes.addressof(experts.args), top_k,
+                int(cfg.moe is not None and cfg.moe.norm_topk_prob))
+            self._keep += (experts,)
         self.scratch_per_row = (cfg.hidden_size + (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
                                 + cfg.num_heads * cfg.head_dim + 3 * cfg.intermediate_size)
         self._fn = kernels.lib.dp_decode_layers_bf16 if self.dtype == torch.bfloat16 else kernels.lib.dp_decode_layers_f32
         same_dtype_dense = any(isinstance(m, torch.Tensor) and m.dtype == self.dtype
-                               for layer in model.weights.layers for m in (getattr(layer, n) for n in _MATRICES))
+                               for layer in model.weights.layers for m in _layer_matrices(layer))
         self.max_rows = kernels.dense_max_rows(self.dtype) if same_dtype_dense else MIXED_MAX_ROWS
         self._lm_head = model.weights.lm_head
         final_norm, head = model.weights.final_norm, weight_desc(model.weights.lm_head)
@@ -123,8 +140,12 @@ class FusedDecode:
     @staticmethod
     def missing_features(config) -> list[str]:
         """The model's features the fused call does not compute (the per-stage path runs such a model)."""
+        moe = config.moe
         return [name for name, present in (("sliding-window attention", config.sliding_window is not None),
-                                           ("Gemma's sandwich norms and GELU-tanh gate", config.family.gemma))
+                                           ("Gemma's sandwich norms and GELU-tanh gate", config.family.gemma),
+                                           ("a shared expert", moe is not None and moe.shared_expert_intermediate_size > 0),
+                                           (f"more than {MAX_TOP_K} experts a token",
+                                            moe is not None and moe.num_experts_per_tok > MAX_TOP_K))
                 if present]
 
     @staticmethod
@@ -134,22 +155,22 @@ class FusedDecode:
         if FusedDecode.missing_features(cfg):
             return False
         head_dims = fused_head_dims(model.dtype, None if kernels is None else kernels.variant)
-        if cfg.moe is not None:  # the fused layers hold one dense MLP each; a MoE layer runs per stage
-            return False
         if not (model.device.type == "cpu" and kv.device.type == "cpu" and model.dtype == kv.dtype
                 and model.dtype in (torch.float32, torch.bfloat16) and cfg.head_dim in head_dims
                 and cfg.num_heads // cfg.num_kv_heads <= 16):
             return False
         if kernels is None:
             return True
-        for layer in model.weights.layers:
+        for i, layer in enumerate(model.weights.layers):
             for name in _VECTORS:
                 t = getattr(layer, name)
                 if t is not None and (t.dtype != model.dtype or not t.is_contiguous()):
                     return False
             qkv = split_desc(layer.qkv_proj)
-            descs = [*qkv, *(weight_desc(getattr(layer, name)) for name in _MATRICES[1:])] if qkv else [None]
+            descs = [*qkv, *(weight_desc(m) for m in _layer_matrices(layer)[1:])] if qkv else [None]
             if any(d is None or (d.N and not kernels.supports_format(d.format)) for d in descs):
+                return False
+            if layer.moe is not None and model.grouped_experts(i, kernels) is None:
                 return False
         return True
 

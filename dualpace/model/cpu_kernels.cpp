@@ -633,6 +633,33 @@ int dp_decode_attention_f32(const float* q, int64_t ldq, const float* k, const f
 
 }  // extern "C"
 
+namespace {
+
+bool is_dense(const WeightDesc& w) { return w.format == DP_W_F32 || w.format == DP_W_BF16; }
+
+// A matrix the one-region step can run: dense, or a block format this build has kernels for
+// (its activations are prepared once per matrix, by a single-task stage, then the W row chunks
+// are tasks like a dense matrix's).
+bool staged_format(const WeightDesc& w) {
+#if DP_HAS_QUANT
+  return is_dense(w) || dp_quant::supported(w.format);
+#else
+  return is_dense(w);
+#endif
+}
+
+// rows [M, K] (ld apart) as fp32 rows K apart in dst (bf16), or nothing to do (fp32: used as is).
+template <typename T>
+void widen_rows(const T* src, int64_t M, int64_t K, int64_t ld, float* dst) {
+  if constexpr (sizeof(T) == 2)  // exact: bf16 -> fp32 is a shift (vload), 16 at a time
+    for (int64_t m = 0; m < M; ++m)
+      for (int64_t k = 0; k < K; k += 16) vstore(dst + m * K + k, vload(src + m * ld + k, K - k), K - k);
+}
+
+}  // namespace
+
+#include "cpu_moe.h"  // a MoE layer's routing and experts, run by the decode step's MoE layers
+
 // ---------------------------------------------------------------------------------------------
 // one whole decoder layer for a decode-only step of at most 8 sequences (one call per layer:
 // no Python between the ops, no intermediate tensors allocated)
@@ -654,9 +681,23 @@ struct LayerArgs {
   // Rows [qkv_w.N, qkv_w.N + N) of the qkv matrix where they are in another block format than
   // qkv_w's (a Q4_K_M file: Q4_K q and k rows, Q6_K v rows); N = 0: qkv_w holds them all.
   WeightDesc qkv_tail_w;
+  // A mixture-of-experts layer: its router [E, H] and routed experts (cpu_moe.h) in place of
+  // gate_up_w and down_w, each row's top_k experts weighted as route_rows does (norm_topk_prob:
+  // 0 or 1); moe null: a dense MLP.
+  WeightDesc router_w;
+  const MoeExpertsArgs* moe;
+  int64_t top_k, norm_topk_prob;
 };
 
 bool has_tail(const LayerArgs& a) { return a.qkv_tail_w.N > 0; }
+bool is_moe(const LayerArgs& a) { return a.moe != nullptr; }
+
+// A MoE layer's router and experts have the shapes the layer names, in formats this build runs.
+bool moe_layer_supported(const LayerArgs& a) {
+  const MoeExpertsArgs& e = *a.moe;
+  return staged_format(a.router_w) && a.router_w.N == e.num_experts && a.router_w.K == a.H && e.hidden == a.H &&
+         a.top_k >= 1 && a.top_k <= std::min(e.num_experts, MOE_MAX_TOP_K) && moe_experts_supported(e);
+}
 
 // The qkv epilogue of the rows from n0 on: bias and output moved to that row.
 template <typename T>
@@ -736,6 +777,19 @@ int attend_layer(const LayerArgs& a, const StepArgs& st, const LayerBuffers<T>& 
                                  b.q_size);
 }
 
+// hidden [M, H] += a MoE layer's routed experts over x (its normed rows), per operation: the
+// router, the routing, then the experts' own region (moe_experts).
+template <typename T>
+int moe_layer_mlp(T* hidden, const T* x, const LayerArgs& a, int64_t M) {
+  const int64_t E = a.moe->num_experts, k = a.top_k;
+  std::vector<T> logits(M * E), weights(M * k);
+  std::vector<int64_t> ids(M * k);
+  const T* none = nullptr;
+  if (linear_any(x, M, a.H, a.router_w, Epilogue<T>{none, none, 0, logits.data(), E, 0}) != 0) return -1;
+  route_rows(logits.data(), M, E, k, a.norm_topk_prob != 0, ids.data(), weights.data());
+  return moe_experts(x, M, a.H, ids.data(), weights.data(), k, *a.moe, hidden, hidden) != 0 ? -1 : 0;
+}
+
 template <typename T>
 int decode_layer(T* hidden, const LayerArgs& a, const StepArgs& st) {
   const LayerBuffers<T> b(a, st);
@@ -756,6 +810,7 @@ int decode_layer(T* hidden, const LayerArgs& a, const StepArgs& st) {
   if (status != 0) return status;
   status |= linear_any(attn, M, q_size, a.o_w, Epilogue<T>{none, hidden, H, hidden, H, 0});
   rms_norm(hidden, M, H, H, static_cast<const T*>(a.post_norm), a.eps, x);
+  if (is_moe(a)) return status != 0 ? -1 : moe_layer_mlp(hidden, x, a, M);
   status |= linear_any(x, M, H, a.gate_up_w, Epilogue<T>{none, none, 0, gate_up, 2 * I, 0});
   silu_mul(gate_up, M, I, act);
   status |= linear_any(act, M, I, a.down_w, Epilogue<T>{none, hidden, H, hidden, H, 0});
@@ -763,8 +818,6 @@ int decode_layer(T* hidden, const LayerArgs& a, const StepArgs& st) {
 }
 
 // ---- the same step as one parallel region (cpu_step_stages.h) ----
-
-bool is_dense(const WeightDesc& w) { return w.format == DP_W_F32 || w.format == DP_W_BF16; }
 
 // Tokens of context of the step's longest sequence (whole blocks, as decode_attention counts
 // them), or -1 when a length or block id is out of range.
@@ -778,17 +831,6 @@ int64_t checked_longest_context(const StepArgs& st, int64_t block_size, int64_t 
     longest = std::max(longest, nb * block_size);
   }
   return longest;
-}
-
-// A matrix the one-region step can run: dense, or a block format this build has kernels for
-// (its activations are prepared once per matrix, by a single-task stage, then the W row chunks
-// are tasks like a dense matrix's).
-bool staged_format(const WeightDesc& w) {
-#if DP_HAS_QUANT
-  return is_dense(w) || dp_quant::supported(w.format);
-#else
-  return is_dense(w);
-#endif
 }
 
 // Whether the step runs as one region: every matrix dense or block-quantized, and either at least
@@ -806,7 +848,8 @@ bool staged_applies(const LayerArgs* layers, int64_t num_layers, const StepArgs&
   if (one_region_flag().load(std::memory_order_relaxed) == 0) return false;
   for (int64_t i = 0; i < num_layers; ++i) {
     const LayerArgs& a = layers[i];
-    if (!staged_format(a.qkv_w) || !staged_format(a.o_w) || !staged_format(a.gate_up_w) || !staged_format(a.down_w))
+    if (!staged_format(a.qkv_w) || !staged_format(a.o_w) ||
+        (!is_moe(a) && (!staged_format(a.gate_up_w) || !staged_format(a.down_w))))
       return false;
     // a split qkv: two block-format runs (each with its own prepared activations, no AMX packing)
     if (has_tail(a) && (is_dense(a.qkv_w) || is_dense(a.qkv_tail_w) || !staged_format(a.qkv_tail_w))) return false;
@@ -817,14 +860,6 @@ bool staged_applies(const LayerArgs* layers, int64_t num_layers, const StepArgs&
       return false;
   }
   return true;
-}
-
-// rows [M, K] (ld apart) as fp32 rows K apart in dst (bf16), or nothing to do (fp32: used as is).
-template <typename T>
-void widen_rows(const T* src, int64_t M, int64_t K, int64_t ld, float* dst) {
-  if constexpr (sizeof(T) == 2)  // exact: bf16 -> fp32 is a shift (vload), 16 at a time
-    for (int64_t m = 0; m < M; ++m)
-      for (int64_t k = 0; k < K; k += 16) vstore(dst + m * K + k, vload(src + m * ld + k, K - k), K - k);
 }
 
 // Query heads of kv head h of the step's only sequence: q/k norms and RoPE over them and over k head h, k and v
@@ -852,36 +887,49 @@ int rope_kv_attend_head(const LayerArgs& a, const StepArgs& st, const LayerBuffe
 // KV write, 3 attention (a task per sequence), 4 the o matrix's activations prepared (block
 // formats; nothing for a dense one), 5 o + residual, 6 norm, 7 gate/up, 8 silu*up, 9 down +
 // residual; the matrices in chunks of W rows (chunk_rows), the rest one task each. The single-task
-// stages before the other matrices (0, 6, 8) prepare those matrices' activations themselves. Same
-// arithmetic as decode_layer. Inputs are checked before the region (staged_applies, the slots here).
+// stages before the other matrices (0, 6, 8) prepare those matrices' activations themselves. A MoE
+// layer runs 7 as its router instead, 8 as the routing and grouping of its rows by expert, and 9-13
+// as the stages 0-4 of its routed experts (cpu_moe.h; the last one adds the residual); a dense
+// layer has no tasks in 10-13. Same arithmetic as decode_layer. Inputs are checked before the region (staged_applies, the slots here).
 // With `head`, two more stages after the last layer: the final norm (preparing the LM head's
 // activations), then the LM head in row chunks into `logits`: the head's weights (a fifth of the
 // default model's bf16 bytes) stream inside the same region instead of in a call of their own.
 template <typename T>
 int decode_layers_staged(T* hidden, const LayerArgs* layers, int64_t num_layers, const StepArgs& st,
                          const HeadArgs* head, float* logits) {
-  constexpr int64_t STAGES = 10;
+  constexpr int64_t STAGES = 14;
   const int64_t M = st.M, head_stage = num_layers * STAGES;
   const int threads = omp_get_max_threads();
   std::vector<int64_t> begin(1, 0), rows_per_chunk(head_stage + 2, 0);
   std::vector<int64_t> tail_rows_per_chunk(num_layers, 1), head_chunks(num_layers, 0);  // a split qkv's
   // A lone sequence's RoPE, KV write and attention as one task per kv head (rope_kv_attend_head).
   const bool per_head = M == 1 && threads > 1;
-  int64_t widest = 0, prepared_bytes = 0, tail_prepared_bytes = 0;
+  int64_t widest = 0, prepared_bytes = 0, tail_prepared_bytes = 0, most_experts = 0, most_choices = 0;
   bool any_amx = false;
   for (int64_t i = 0; i < num_layers; ++i) {
     const LayerArgs& a = layers[i];
     for (int64_t m = 0; m < M; ++m)
       if (st.slots[m] < 0 || st.slots[m] >= a.num_blocks * a.block_size) return -2;
-    const WeightDesc* mats[STAGES] = {nullptr, &a.qkv_w, nullptr, nullptr, nullptr, &a.o_w, nullptr, &a.gate_up_w,
-                                      nullptr, &a.down_w};
+    const bool moe = is_moe(a);
+    const WeightDesc* mlp_in = moe ? &a.router_w : &a.gate_up_w;
+    const WeightDesc* mats[STAGES] = {nullptr, &a.qkv_w, nullptr, nullptr, nullptr, &a.o_w, nullptr, mlp_in,
+                                      nullptr, moe ? nullptr : &a.down_w};
+    if (moe) {
+      most_experts = std::max(most_experts, a.moe->num_experts);
+      most_choices = std::max(most_choices, a.top_k);
+    }
 #if DP_HAS_QUANT
-    for (const WeightDesc* w : {&a.qkv_w, &a.o_w, &a.gate_up_w, &a.down_w})
+    for (const WeightDesc* w : {&a.qkv_w, &a.o_w, mlp_in, moe ? mlp_in : &a.down_w})
       if (!is_dense(*w)) prepared_bytes = std::max(prepared_bytes, dp_quant::prepare_bytes(*w, M));
     if (has_tail(a)) tail_prepared_bytes = std::max(tail_prepared_bytes, dp_quant::prepare_bytes(a.qkv_tail_w, M));
 #endif
     for (int64_t s = 0; s < STAGES; ++s) {
-      int64_t tasks = s == 3 ? M : 1;  // attention: one task per sequence
+      int64_t tasks = s == 3 ? M : s < 10 ? 1 : 0;  // attention: one task per sequence; 10-13: MoE only
+      if (moe && s >= 9) {  // the routed experts: as many tasks as the routing may need (cpu_moe.h)
+        const int64_t most = ExpertGroups<T>::max_selected(*a.moe, M, a.top_k);
+        const int64_t chunks = ExpertGroups<T>::max_chunks(s == 10 ? 2 * a.moe->intermediate : a.H, M, threads);
+        tasks = s == 9 || s == 11 ? most : s == 10 || s == 12 ? most * chunks : ExpertGroups<T>::sum_tasks(M);
+      }
       if (per_head && s == 2) tasks = 0;  // RoPE and the KV write are done per kv head, in stage 3
       if (per_head && s == 3) tasks = a.num_kv_heads;
       if (s == 4 && is_dense(a.o_w) && !use_amx<T>(a.o_w, M)) tasks = 0;  // nothing to prepare
@@ -927,6 +975,10 @@ int decode_layers_staged(T* hidden, const LayerArgs* layers, int64_t num_layers,
 #else
   (void)any_amx;
 #endif
+  // A MoE layer's router logits, routing and grouped experts (one set: the layers run in turn).
+  std::vector<T> router_logits(M * most_experts), route_weights(M * most_choices);
+  std::vector<int64_t> route_ids(M * most_choices);
+  ExpertGroups<T> groups;
   std::atomic<int> failed{0};
   run_stages(begin, [&](int64_t stage, int64_t task) {
     const LayerArgs& a = layers[std::min(stage / STAGES, num_layers - 1)];
@@ -1018,18 +1070,42 @@ int decode_layers_staged(T* hidden, const LayerArgs* layers, int64_t num_layers,
       case 6:
         rms_norm(hidden, M, H, H, static_cast<const T*>(a.post_norm), a.eps, x);
         widen_rows(x, M, H, H, xf);
-        prepare(x, H, a.gate_up_w);
+        prepare(x, H, is_moe(a) ? a.router_w : a.gate_up_w);
         break;
       case 7:
-        chunk(x, H, a.gate_up_w, Epilogue<T>{none, none, 0, gate_up, 2 * I, 0});
+        if (is_moe(a))
+          chunk(x, H, a.router_w, Epilogue<T>{none, none, 0, router_logits.data(), a.router_w.N, 0});
+        else
+          chunk(x, H, a.gate_up_w, Epilogue<T>{none, none, 0, gate_up, 2 * I, 0});
         break;
       case 8:
+        if (is_moe(a)) {
+          route_rows(router_logits.data(), M, a.router_w.N, a.top_k, a.norm_topk_prob != 0, route_ids.data(),
+                     route_weights.data());
+          groups.group(*a.moe, route_ids.data(), M, a.top_k, threads);
+          break;
+        }
         silu_mul(gate_up, M, I, act);
         widen_rows(act, M, I, I, xf);
         prepare(act, I, a.down_w);
         break;
+      case 9:
+        if (is_moe(a))
+          groups.gather(task, x, H);
+        else
+          chunk(act, I, a.down_w, Epilogue<T>{none, hidden, H, hidden, H, 0});
+        break;
+      case 10:
+        groups.gate_up(task);
+        break;
+      case 11:
+        groups.activate(task);
+        break;
+      case 12:
+        groups.down(task);
+        break;
       default:
-        chunk(act, I, a.down_w, Epilogue<T>{none, hidden, H, hidden, H, 0});
+        groups.sum_rows(task, route_weights.data(), hidden, hidden, H);
     }
   });
   return failed.load() != 0 ? -1 : 0;
@@ -1044,7 +1120,8 @@ int decode_layers(T* hidden, const LayerArgs* layers, int64_t num_layers, const 
     const LayerArgs& a = layers[i];
     if (!format_supported(a.qkv_w.format) || !format_supported(a.o_w.format) ||
         (has_tail(a) && !format_supported(a.qkv_tail_w.format)) ||
-        !format_supported(a.gate_up_w.format) || !format_supported(a.down_w.format) ||
+        (is_moe(a) ? !moe_layer_supported(a)
+                   : !format_supported(a.gate_up_w.format) || !format_supported(a.down_w.format)) ||
         with_head_dim<T>(a.head_dim, [](auto, auto) { return 0; }) != 0)
       return -1;
   }
@@ -1101,4 +1178,3 @@ int dp_decode_step_f32(float* hidden, const LayerArgs* layers, int64_t num_layer
 }
 
 }  // extern "C"
-#include "cpu_moe.h"  // the routed experts of a MoE layer in one call

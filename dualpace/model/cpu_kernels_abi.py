@@ -46,4 +46,6 @@ SIGNATURES = {
                                  _ptr, _i64], ctypes.c_int),
     "dp_moe_experts_bf16": ([_ptr, _i64, _i64, _ptr, _ptr, _i64, _ptr, _ptr], ctypes.c_int),
     "dp_moe_experts_f32": ([_ptr, _i64, _i64, _ptr, _ptr, _i64, _ptr, _ptr], ctypes.c_int),
+    "dp_moe_route_bf16": ([_ptr, _i64, _i64, _i64, ctypes.c_int, _ptr, _ptr], ctypes.c_int),
+    "dp_moe_route_f32": ([_ptr, _i64, _i64, _i64, ctypes.c_int, _ptr, _ptr], ctypes.c_int),
 }

@@ -1,6 +1,8 @@
-"""A mixture-of-experts layer on the CPU kernels: the routed experts of a step in one call.
+"""A mixture-of-experts layer on the CPU kernels: the routing and the routed experts of a step.
 
-The routing (router product, softmax, top k: dualpace.model.moe.route) stays in torch; the
+The router product runs on the kernels (Kernels.linear), the softmax and top k in native code
+(route_on_kernels: dualpace.model.moe.route's arithmetic, in the same code as the one-call decode
+step's MoE layers, cpu_fused_decode.py, so that a row gets bitwise the same routing either way); the
 selected experts' gate/up, SiLU * up, down and the weighted sum run in one kernel call
 (dp_moe_experts_* in cpu_moe.h): one parallel region over every selected expert's chunks of weight
 rows, so two threads stay busy when each expert has one row. An expert's products are those
@@ -21,6 +23,7 @@ from dualpace.model.moe import MoeWeights, add_shared_expert, route, routed_expe
 from dualpace.model.moe_spec import MoeSpec
 
 _i64, _ptr = ctypes.c_int64, ctypes.c_void_p
+MAX_TOP_K = 64  # choices per row the native routing takes (MOE_MAX_TOP_K in cpu_moe.h)
 
 
 class _MoeExpertsArgs(ctypes.Structure):
@@ -37,7 +40,7 @@ class GroupedExperts:
         self._weights = weights  # the descriptors point into these matrices
         self._gate_up = (WeightDescC * len(gate_up))(*gate_up)
         self._down = (WeightDescC * len(down))(*down)
-        self._args = _MoeExpertsArgs(len(gate_up), gate_up[0].K, down[0].K, ctypes.addressof(self._gate_up),
+        self.args = _MoeExpertsArgs(len(gate_up), gate_up[0].K, down[0].K, ctypes.addressof(self._gate_up),
                                      ctypes.addressof(self._down))
 
     @classmethod
@@ -76,22 +79,47 @@ class GroupedExperts:
         lib = self.kernels.lib
         fn = lib.dp_moe_experts_bf16 if x.dtype == torch.bfloat16 else lib.dp_moe_experts_f32
         status = fn(x.data_ptr(), x.shape[0], x.stride(0), ids.data_ptr(), weights.data_ptr(), ids.shape[1],
-                    ctypes.byref(self._args), out.data_ptr())
+                    ctypes.byref(self.args), out.data_ptr())
         if status == -2:
-            raise IndexError(f"MoE experts: an expert id is outside [0, {self._args.num_experts})")
+            raise IndexError(f"MoE experts: an expert id is outside [0, {self.args.num_experts})")
         if status != 0:
             raise ValueError("MoE experts: shapes or weight formats the grouped kernel does not run")
         return out
+
+
+def _kernel_matmul(kernels: Kernels):
+    """dualpace.model.moe's Matmul on the kernels."""
+    def matmul(rows: torch.Tensor, weight, rows_for_kernels: torch.Tensor | None) -> torch.Tensor:
+        return kernels.linear(rows, weight, kernel_rows=rows_for_kernels)
+
+    return matmul
+
+
+def route_on_kernels(x: torch.Tensor, router, spec: MoeSpec, kernels: Kernels,
+                     kernel_rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """dualpace.model.moe.route with the router product on the kernels and the softmax, top k and
+    normalisation in native code (dp_moe_route_*): (weights [T, k] in x's dtype, expert ids [T, k]).
+    More than MAX_TOP_K choices a row: torch's route."""
+    matmul = _kernel_matmul(kernels)
+    k = spec.num_experts_per_tok
+    if k > MAX_TOP_K:
+        return route(x, router, spec, matmul, kernel_rows)
+    logits = matmul(x, router, kernel_rows).contiguous()
+    ids = torch.empty((x.shape[0], k), dtype=torch.int64)
+    weights = torch.empty((x.shape[0], k), dtype=logits.dtype)
+    fn = kernels.lib.dp_moe_route_bf16 if logits.dtype == torch.bfloat16 else kernels.lib.dp_moe_route_f32
+    if fn(logits.data_ptr(), logits.shape[0], logits.shape[1], k, int(spec.norm_topk_prob), ids.data_ptr(),
+          weights.data_ptr()) != 0:
+        raise ValueError(f"MoE routing: top {k} of {logits.shape[1]} router outputs")
+    return weights, ids
 
 
 def moe_mlp_on_kernels(x: torch.Tensor, weights: MoeWeights, spec: MoeSpec, kernels: Kernels,
                        grouped: GroupedExperts | None, kernel_rows: torch.Tensor | None = None) -> torch.Tensor:
     """dualpace.model.moe.moe_mlp with every product on the kernels (Kernels.linear), the routed
     experts of the decode rows in one grouped call where it applies (the module's docstring)."""
-    def matmul(rows: torch.Tensor, weight, rows_for_kernels: torch.Tensor | None) -> torch.Tensor:
-        return kernels.linear(rows, weight, kernel_rows=rows_for_kernels)
-
-    top_weights, top_ids = route(x, weights.router, spec, matmul, kernel_rows)
+    matmul = _kernel_matmul(kernels)
+    top_weights, top_ids = route_on_kernels(x, weights.router, spec, kernels, kernel_rows)
     every_row = kernel_rows is None or kernel_rows.numel() == x.shape[0]  # kernel_rows: distinct row indices
     if grouped is not None and every_row and grouped.applies(x, top_ids, spec.num_experts):
         out = grouped.run(x, top_ids, top_weights)

@@ -164,7 +164,7 @@ class Transformer:
     def _kernels(self) -> cpu_kernels.Kernels | None:
         return cpu_kernels.get() if self._kernel_capable else None
 
-    def _grouped_experts(self, layer_index: int, kernels: cpu_kernels.Kernels) -> GroupedExperts | None:
+    def grouped_experts(self, layer_index: int, kernels: cpu_kernels.Kernels) -> GroupedExperts | None:
         """The layer's experts for the grouped kernel call, built on first use (per kernel variant)."""
         key = (layer_index, kernels.variant)
         if key not in self._grouped:
@@ -242,7 +242,7 @@ class Transformer:
             x = kernels.rms_norm(hidden, layer.post_attention_norm, self.config.rms_norm_eps)
             if layer.moe is not None:
                 return hidden + moe_mlp_on_kernels(x, layer.moe, self.config.moe, kernels,
-                                                   self._grouped_experts(layer_index, kernels), kernel_rows)
+                                                   self.grouped_experts(layer_index, kernels), kernel_rows)
             gated = kernels.silu_mul(kernels.linear(x, layer.gate_up_proj, kernel_rows=kernel_rows))
             return kernels.linear(gated, layer.down_proj, residual=hidden, kernel_rows=kernel_rows)
         silu_mul = None

@@ -247,12 +247,9 @@ def _decode_logits(loaded, fused: bool, kernels_on: bool) -> torch.Tensor:
         cpu_kernels.set_enabled(enabled)
 
 
-@pytest.mark.parametrize("dtype,weights", [("fp32", "fp32"), ("bf16", "bf16"), ("fp32", "bf16")])
-@pytest.mark.parametrize("preset", ["tiny-llama", "tiny-qwen2", "tiny-mistral", "tiny-qwen3", "tiny-phi3"])
-def test_fused_decode_step_matches_stages_and_torch(kernels, preset, dtype, weights, synth_checkpoint):
-    """Also fp32 compute over bf16 matrices (what --dtype auto picks on a CPU without native bf16).
-    The fused step runs as one parallel region (these short contexts) and as one region per
-    operation: both equal the torch reference."""
+def _four_paths(kernels, preset: str, dtype: str, weights: str, synth_checkpoint):
+    """A decode step's logits: (fused in one region, fused per operation, per stage, torch), and
+    whether the model has q/k norms; skips where the fused call does not take the model."""
     from dualpace.model.loader import load_model
 
     loaded = load_model(str(synth_checkpoint(preset)), dtype=dtype, weights=weights)
@@ -264,10 +261,40 @@ def test_fused_decode_step_matches_stages_and_torch(kernels, preset, dtype, weig
         fused_per_op = _decode_logits(loaded, fused=True, kernels_on=True)
     stages = _decode_logits(loaded, fused=False, kernels_on=True)
     reference = _decode_logits(loaded, fused=False, kernels_on=False)
+    return (fused, fused_per_op, stages, reference), loaded.model.weights.layers[0].q_norm is not None
+
+
+@pytest.mark.parametrize("dtype,weights", [("fp32", "fp32"), ("bf16", "bf16"), ("fp32", "bf16")])
+@pytest.mark.parametrize("preset", ["tiny-llama", "tiny-qwen2", "tiny-mistral", "tiny-qwen3", "tiny-phi3"])
+def test_fused_decode_step_matches_stages_and_torch(kernels, preset, dtype, weights, synth_checkpoint):
+    """Also fp32 compute over bf16 matrices (what --dtype auto picks on a CPU without native bf16).
+    The fused step runs as one parallel region (these short contexts) and as one region per
+    operation: both equal the torch reference."""
+    (fused, fused_per_op, stages, reference), _ = _four_paths(kernels, preset, dtype, weights, synth_checkpoint)
     rel = 1e-5 if dtype == "fp32" else 3e-2
     _close(fused, reference, rel)
     _close(fused_per_op, reference, rel)
     _close(stages, reference, rel)
+    if dtype == "fp32":
+        assert torch.equal(fused.argmax(-1), reference.argmax(-1))
+
+
+@pytest.mark.parametrize("dtype,weights", [("fp32", "fp32"), ("bf16", "bf16"), ("fp32", "bf16")])
+@pytest.mark.parametrize("preset", ["tiny-qwen3-moe", "tiny-mixtral"])
+def test_fused_moe_step_equals_stages(kernels, preset, dtype, weights, synth_checkpoint):
+    """A MoE model's decode step in one call (the router, the routing and the selected experts
+    inside the step, cpu_moe.h) gives bitwise the same logits in one region and per operation, and
+    those of the per-stage path (route_on_kernels, then the grouped experts call) where that path
+    has no torch op of its own (Qwen3's q/k norms are torch's there); the torch reference's within
+    rounding."""
+    (fused, fused_per_op, stages, reference), qk_norms = _four_paths(kernels, preset, dtype, weights,
+                                                                     synth_checkpoint)
+    assert torch.equal(fused_per_op, fused)
+    if not qk_norms:
+        assert torch.equal(fused, stages)
+    rel = 1e-5 if dtype == "fp32" else 3e-2
+    _close(stages, reference, rel)
+    _close(fused, reference, rel)
     if dtype == "fp32":
         assert torch.equal(fused.argmax(-1), reference.argmax(-1))
 

@@ -94,3 +94,34 @@ def test_expert_id_out_of_range_is_refused(kernels):  # noqa: F811
     x = torch.randn(2, 32)
     with pytest.raises(IndexError, match="expert id"):
         grouped.run(x, torch.tensor([[0, NUM_EXPERTS]]).expand(2, 2), torch.ones(2, 2))
+
+
+@pytest.mark.parametrize("norm_topk_prob", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_native_routing_matches_torch_route(kernels, norm_topk_prob, dtype):  # noqa: F811
+    """route_on_kernels (softmax, top k and normalisation in cpu_moe.h) picks torch's route's
+    experts in its order, with weights equal to within fp32 rounding (within bf16's, rounded)."""
+    from dualpace.model.cpu_moe import route_on_kernels
+
+    weights = _experts("fp32", 64, 32, seed=9)
+    router = weights.router.to(dtype)
+    spec = MoeSpec(NUM_EXPERTS, TOP_K, 32, norm_topk_prob=norm_topk_prob)
+    x = torch.randn(40, 64, generator=torch.Generator().manual_seed(4)).to(dtype)
+    ours_weights, ours_ids = route_on_kernels(x, router, spec, kernels)
+    torch_weights, torch_ids = route(x, router, spec, lambda r, w, _: kernels.linear(r, w))
+    assert torch.equal(ours_ids, torch_ids)
+    assert ours_weights.dtype == dtype
+    tolerance = 1e-6 if dtype == torch.float32 else 8e-3
+    torch.testing.assert_close(ours_weights, torch_weights, rtol=tolerance, atol=0)
+
+
+def test_native_routing_breaks_ties_toward_the_lower_expert(kernels):  # noqa: F811
+    """Equal router outputs: the lower expert is chosen first, and normalised weights sum to 1."""
+    from dualpace.model.cpu_moe import route_on_kernels
+
+    spec = MoeSpec(8, 3, 16, norm_topk_prob=True)
+    router = torch.zeros(8, 4)
+    router[6] = 1.0  # expert 6 leads; the other seven tie
+    weights, ids = route_on_kernels(torch.ones(2, 4), router, spec, kernels)
+    assert ids.tolist() == [[6, 0, 1], [6, 0, 1]]
+    torch.testing.assert_close(weights.sum(-1), torch.ones(2))
