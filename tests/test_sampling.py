@@ -291,3 +291,21 @@ def test_stop_reason() -> None:
     assert stop_reason(2, 1, no_eos, eos) is None
     assert stop_reason(7, 1, no_eos, eos) is FinishReason.STOP
     assert stop_reason(2, 5, no_eos, eos) is FinishReason.LENGTH
+
+
+@pytest.mark.parametrize("rows,vocab", [(1, 151936), (3, 49152), (8, 1000), (2, 17)])
+def test_first_max_ids_is_torch_max_index_ties_lowest(rows, vocab):
+    """The CPU kernels' one-pass argmax (where loaded) returns torch.max(dim=1)'s index: the lowest
+    column among ties, also for a strided view and rows of -inf; a row holding a NaN gets torch's."""
+    from dualpace.sampling import first_max_ids
+
+    scores = torch.randn(rows, vocab + 3, generator=torch.Generator().manual_seed(rows))[:, :vocab]
+    top = float(scores.max()) + 1.0
+    scores[:, vocab // 2] = top
+    scores[:, vocab - 1] = top
+    scores[0, 0] = top  # row 0's first column ties too
+    assert torch.equal(first_max_ids(scores), scores.max(dim=1).indices)
+    scores[-1] = float("-inf")
+    assert torch.equal(first_max_ids(scores), scores.max(dim=1).indices)
+    scores[-1, 3] = float("nan")
+    assert torch.equal(first_max_ids(scores), scores.max(dim=1).indices)

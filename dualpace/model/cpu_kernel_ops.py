@@ -35,6 +35,16 @@ class ElementwiseAndAttentionOps:
         fn(gate_up.data_ptr(), rows, width // 2, out.data_ptr())
         return out
 
+    def first_max_ids(self, scores: torch.Tensor) -> torch.Tensor | None:
+        """torch.max(scores, dim=1).indices for float32 scores [rows, vocab] (the lowest column
+        among ties), in one native pass per row; None for a row holding a NaN (torch decides then)."""
+        if scores.stride(-1) != 1:
+            scores = scores.contiguous()
+        ids = torch.empty(scores.shape[0], dtype=torch.int64)
+        self.lib.dp_first_max_rows_f32(scores.data_ptr(), scores.shape[0], scores.shape[1], scores.stride(0),
+                                       ids.data_ptr())
+        return None if bool((ids < 0).any()) else ids
+
     def kv_write(self, k_layer: torch.Tensor, v_layer: torch.Tensor, slot_ids: torch.Tensor, k: torch.Tensor,
                  v: torch.Tensor) -> bool:
         """Scatter k, v [T, kv_heads, head_dim] (rows with contiguous heads) into the layer's slots.

@@ -473,6 +473,37 @@ void silu_mul(const T* gu, int64_t M, int64_t I, T* out) {
   }
 }
 
+// ids[m] = the column of row m's maximum, the lowest among ties (torch.max(dim=1)'s index), for
+// x [M, N] rows ld apart; -1 for a row holding a NaN (the caller falls back), found by the row's
+// sum (NaN also for a row holding both infinities, or overflowing to them: -1 too). The max by
+// vmax in blocks of 16, then the first span of 256 holding it, then its first column there.
+void first_max_rows(const float* x, int64_t M, int64_t N, int64_t ld, int64_t* ids) {
+  constexpr int64_t SPAN = 256;
+#pragma omp parallel for schedule(static) if (M * N >= (1 << 18))
+  for (int64_t m = 0; m < M; ++m) {
+    const float* row = x + m * ld;
+    vf acc = vset1(-INFINITY), sum = vzero();
+    for (int64_t n = 0; n < N; n += 16) {
+      const vf v = vkeep_first(vload(row + n, N - n), N - n, -INFINITY);
+      acc = vmax(acc, v);
+      sum = vadd(sum, v);
+    }
+    if (std::isnan(vsum(sum))) {
+      ids[m] = -1;
+      continue;
+    }
+    const float best = vmaxr(acc);
+    int64_t at = 0;
+    for (; at + SPAN <= N; at += SPAN) {
+      vf span = vset1(-INFINITY);
+      for (int64_t n = at; n < at + SPAN; n += 16) span = vmax(span, vload(row + n));
+      if (vmaxr(span) == best) break;
+    }
+    while (at < N && !(row[at] == best)) ++at;
+    ids[m] = at < N ? at : -1;
+  }
+}
+
 }  // namespace
 
 extern "C" {
@@ -570,6 +601,9 @@ void dp_rotary_f32(float* qkv, int64_t M, int64_t ld, int64_t heads, int64_t D, 
 }
 void dp_silu_mul_bf16(const bf16* gu, int64_t M, int64_t I, bf16* out) { silu_mul(gu, M, I, out); }
 void dp_silu_mul_f32(const float* gu, int64_t M, int64_t I, float* out) { silu_mul(gu, M, I, out); }
+void dp_first_max_rows_f32(const float* x, int64_t M, int64_t N, int64_t ld, int64_t* ids) {
+  first_max_rows(x, M, N, ld, ids);
+}
 
 // dst[i] = src[i] as float32, in parallel: a bf16 matrix widened once per prefill step for oneDNN's
 // fp32 GEMM (bf16 matrices with fp32 compute), about as fast as the memory moves.

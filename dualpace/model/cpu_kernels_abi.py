@@ -38,6 +38,7 @@ SIGNATURES = {
     "dp_rotary_f32": ([_ptr, _i64, _i64, _i64, _i64, _ptr, _ptr], None),
     "dp_silu_mul_bf16": ([_ptr, _i64, _i64, _ptr], None),
     "dp_silu_mul_f32": ([_ptr, _i64, _i64, _ptr], None),
+    "dp_first_max_rows_f32": ([_ptr, _i64, _i64, _i64, _ptr], None),
     "dp_bf16_to_f32": ([_ptr, _i64, _ptr], None),
     "dp_kv_write": ([_ptr, _ptr, _i64, _i64, _ptr, _i64, _ptr, _ptr, _i64], ctypes.c_int),
     "dp_decode_attention_bf16": ([_ptr, _i64, _ptr, _ptr, _i64, _ptr, _i64, _ptr, _i64, _i64, _i64, _i64, _i64, _f32,
