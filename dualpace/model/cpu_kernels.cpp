@@ -961,8 +961,9 @@ int decode_layers_staged(T* hidden, const LayerArgs* layers, int64_t num_layers,
       int64_t tasks = s == 3 ? M : s < 10 ? 1 : 0;  // attention: one task per sequence; 10-13: MoE only
       if (moe && s >= 9) {  // the routed experts: as many tasks as the routing may need (cpu_moe.h)
         const int64_t most = ExpertGroups<T>::max_selected(*a.moe, M, a.top_k);
-        const int64_t chunks = ExpertGroups<T>::max_chunks(s == 10 ? 2 * a.moe->intermediate : a.H, M, threads);
-        tasks = s == 9 || s == 11 ? most : s == 10 || s == 12 ? most * chunks : ExpertGroups<T>::sum_tasks(M);
+        const int64_t chunks =
+            ExpertGroups<T>::max_chunks(*a.moe, s == 10 ? 2 * a.moe->intermediate : a.H, M, a.top_k, threads);
+        tasks = s == 9 || s == 11 ? most : s == 10 || s == 12 ? chunks : ExpertGroups<T>::sum_tasks(M);
       }
       if (per_head && s == 2) tasks = 0;  // RoPE and the KV write are done per kv head, in stage 3
       if (per_head && s == 3) tasks = a.num_kv_heads;
@@ -1130,13 +1131,13 @@ int decode_layers_staged(T* hidden, const LayerArgs* layers, int64_t num_layers,
           chunk(act, I, a.down_w, Epilogue<T>{none, hidden, H, hidden, H, 0});
         break;
       case 10:
-        groups.gate_up(task);
+        groups.gate_up(task, begin[stage + 1] - begin[stage]);
         break;
       case 11:
         groups.activate(task);
         break;
       case 12:
-        groups.down(task);
+        groups.down(task, begin[stage + 1] - begin[stage]);
         break;
       default:
         groups.sum_rows(task, route_weights.data(), hidden, hidden, H);

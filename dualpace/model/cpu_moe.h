@@ -112,15 +112,19 @@ __attribute__((optimize("fp-contract=off"))) void weighted_sum(const T* y, int64
 
 // One MoE layer's step: the (row, choice) pairs grouped by expert (group), then the stages of the
 // header's comment as methods taking the stage's task number; a task past the step's count of its
-// stage does nothing.
+// stage does nothing, and a chunk stage given fewer tasks than chunks runs them strided.
 template <typename T>
 class ExpertGroups {
  public:
-  // The most selected experts, and W row chunks of an N-row expert matrix, a step of M rows can have.
+  // The most selected experts, and W row chunks of their N-row matrices, a step of M rows with k
+  // choices each can have: chunk_rows gives an expert of up to SMALL_M rows `few` chunks and one of
+  // more `many`, and at most M k / (SMALL_M + 1) experts have more.
   static int64_t max_selected(const MoeExpertsArgs& a, int64_t M, int64_t k) { return std::min(a.num_experts, M * k); }
-  static int64_t max_chunks(int64_t N, int64_t M, int threads) {
-    return (N + std::min(chunk_rows(1, N, threads), chunk_rows(M, N, threads)) - 1) /
-           std::min(chunk_rows(1, N, threads), chunk_rows(M, N, threads));
+  static int64_t max_chunks(const MoeExpertsArgs& a, int64_t N, int64_t M, int64_t k, int threads) {
+    const int64_t most = max_selected(a, M, k), busy = std::min(most, M * k / (SMALL_M + 1));
+    const int64_t few = (N + chunk_rows(1, N, threads) - 1) / chunk_rows(1, N, threads);
+    const int64_t many = (N + chunk_rows(M, N, threads) - 1) / chunk_rows(M, N, threads);
+    return most * few + busy * std::max<int64_t>(0, many - few);
   }
 
   // Groups expert_ids [M, k] (checked by the caller) by expert and sizes the stages and buffers.
@@ -175,12 +179,13 @@ class ExpertGroups {
       std::memcpy(xt_.data() + slot * H, x + (pair_of_[slot] / k_) * ldx, H * sizeof(T));
     prepare(s, xt_.data() + first_[e] * H, a_->gate_up[e]);
   }
-  // Stage 1: gate/up chunk task.
-  void gate_up(int64_t task) {
-    if (task >= gate_up_tasks()) return;
-    const int64_t s = expert_of(gu_task0_, task), e = selected_[s], I = a_->intermediate;
-    const int64_t n0 = (task - gu_task0_[s]) * gu_chunk_[s], n1 = std::min(2 * I, n0 + gu_chunk_[s]);
-    chunk(s, xt_.data() + first_[e] * a_->hidden, a_->gate_up[e], n0, n1, gu_.data() + first_[e] * 2 * I, 2 * I);
+  // Stage 1: gate/up chunks task, task + stride, ... (stride: the stage's number of tasks).
+  void gate_up(int64_t task, int64_t stride) {
+    for (; task < gate_up_tasks(); task += stride) {
+      const int64_t s = expert_of(gu_task0_, task), e = selected_[s], I = a_->intermediate;
+      const int64_t n0 = (task - gu_task0_[s]) * gu_chunk_[s], n1 = std::min(2 * I, n0 + gu_chunk_[s]);
+      chunk(s, xt_.data() + first_[e] * a_->hidden, a_->gate_up[e], n0, n1, gu_.data() + first_[e] * 2 * I, 2 * I);
+    }
   }
   // Stage 2: expert s's SiLU(gate) * up, its down activations prepared.
   void activate(int64_t s) {
@@ -189,12 +194,13 @@ class ExpertGroups {
     silu_mul(gu_.data() + first_[e] * 2 * I, rows, I, act_.data() + first_[e] * I);
     prepare(s, act_.data() + first_[e] * I, a_->down[e]);
   }
-  // Stage 3: down chunk task.
-  void down(int64_t task) {
-    if (task >= down_tasks()) return;
-    const int64_t s = expert_of(dn_task0_, task), e = selected_[s], H = a_->hidden;
-    const int64_t n0 = (task - dn_task0_[s]) * dn_chunk_[s], n1 = std::min(H, n0 + dn_chunk_[s]);
-    chunk(s, act_.data() + first_[e] * a_->intermediate, a_->down[e], n0, n1, y_.data() + first_[e] * H, H);
+  // Stage 3: down chunks task, task + stride, ..., likewise.
+  void down(int64_t task, int64_t stride) {
+    for (; task < down_tasks(); task += stride) {
+      const int64_t s = expert_of(dn_task0_, task), e = selected_[s], H = a_->hidden;
+      const int64_t n0 = (task - dn_task0_[s]) * dn_chunk_[s], n1 = std::min(H, n0 + dn_chunk_[s]);
+      chunk(s, act_.data() + first_[e] * a_->intermediate, a_->down[e], n0, n1, y_.data() + first_[e] * H, H);
+    }
   }
   // Stage 4: rows [task * MOE_ROWS_PER_SUM_TASK, ...) of out [M, H] (ldo apart): (residual +) the
   // weighted sum of each row's experts, weights [M, k] in route order.
@@ -277,9 +283,9 @@ int moe_experts(const T* x, int64_t M, int64_t ldx, const int64_t* expert_ids, c
   run_stages(begin, [&](int64_t stage, int64_t task) {
     switch (stage) {
       case 0: groups.gather(task, x, ldx); break;
-      case 1: groups.gate_up(task); break;
+      case 1: groups.gate_up(task, gu); break;
       case 2: groups.activate(task); break;
-      case 3: groups.down(task); break;
+      case 3: groups.down(task, dn); break;
       default: groups.sum_rows(task, weights, residual, out, a.hidden);
     }
   });

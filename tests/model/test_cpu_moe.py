@@ -125,3 +125,39 @@ def test_native_routing_breaks_ties_toward_the_lower_expert(kernels):  # noqa: F
     weights, ids = route_on_kernels(torch.ones(2, 4), router, spec, kernels)
     assert ids.tolist() == [[6, 0, 1], [6, 0, 1]]
     torch.testing.assert_close(weights.sum(-1), torch.ones(2))
+
+
+def test_fused_moe_step_of_32_rows_in_one_region_equals_per_operation(kernels, synth_checkpoint):  # noqa: F811
+    """32 decode rows through tiny-qwen3-moe's one-call step (8 experts, top 2: experts with more
+    than 8 rows, whose matrices split into more chunks than the others', among task counts fixed
+    before the routing) on two threads give bitwise the logits of the same call per operation (the
+    grouped experts as a call of their own, counted after the routing), and the per-stage path's
+    within bf16 rounding (Qwen3's q/k norms are torch's there)."""
+    from dualpace.kv.storage import KVStorage
+    from dualpace.model.loader import load_model
+    from dualpace.model.paged_forward import PagedForward, SequenceWork, build_step_tensors
+    from tests.model.test_cpu_kernels import one_region
+
+    model = load_model(str(synth_checkpoint("tiny-qwen3-moe")), dtype="bf16", weights="bf16").model
+    cfg = model.config
+    work = [SequenceWork([3 + i], 2 + i % 13, [2 * i, 2 * i + 1]) for i in range(32)]
+    results = []
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        for path in ("one region", "per operation", "stages"):
+            torch.manual_seed(5)
+            kv = KVStorage(cfg.num_layers, 64, 8, cfg.num_kv_heads, cfg.head_dim, model.dtype)
+            kv.k.normal_()
+            kv.v.normal_()
+            forward = PagedForward(model, kv)
+            if forward._fused_decode(build_step_tensors(work, kv.block_size, kv.device)) is None:
+                pytest.skip(f"the fused call takes no 32 bf16 rows of head_dim {cfg.head_dim} in {kernels.variant}")
+            if path == "stages":
+                forward._fused_decode = lambda step: None
+            with one_region(kernels, path == "one region"):
+                results.append(forward.forward(work))
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(results[0], results[1])
+    torch.testing.assert_close(results[0], results[2], rtol=3e-2, atol=3e-2)
