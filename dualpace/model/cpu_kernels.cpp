@@ -1013,7 +1013,8 @@ int decode_layers_staged(T* hidden, const LayerArgs* layers, int64_t num_layers,
   // A MoE layer's router logits, routing and grouped experts (one set: the layers run in turn).
   std::vector<T> router_logits(M * most_experts), route_weights(M * most_choices);
   std::vector<int64_t> route_ids(M * most_choices);
-  ExpertGroups<T> groups;
+  thread_local ExpertGroups<T> kept;  // its buffers kept between this thread's steps
+  ExpertGroups<T>& groups = kept;     // the region's threads use this one (not a thread_local of their own)
   std::atomic<int> failed{0};
   run_stages(begin, [&](int64_t stage, int64_t task) {
     const LayerArgs& a = layers[std::min(stage / STAGES, num_layers - 1)];

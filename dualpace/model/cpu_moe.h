@@ -161,10 +161,11 @@ class ExpertGroups {
       prep_at_[s + 1] = prep_at_[s] + (bytes + 63) / 64 * 64;  // one expert's prepared activations, reused by down
     }
     // Per pair slot: x gathered (T, and fp32 for bf16), gate/up out, SiLU * up (T, and fp32), down out.
+    // Grown only: an object kept between calls (thread_local) neither frees nor zero-fills them again.
     widest_ = std::max(H, I);
-    xt_.resize(P * H), gu_.resize(P * 2 * I), act_.resize(P * I), y_.resize(P * H);
-    if (WIDEN) xf_.resize(P * widest_);
-    prep_.resize(std::max<int64_t>(prep_at_[S], 1));
+    grow(xt_, P * H), grow(gu_, P * 2 * I), grow(act_, P * I), grow(y_, P * H);
+    if (WIDEN) grow(xf_, P * widest_);
+    grow(prep_, std::max<int64_t>(prep_at_[S], 1));
   }
 
   int64_t selected() const { return static_cast<int64_t>(selected_.size()); }
@@ -215,6 +216,10 @@ class ExpertGroups {
  private:
   static constexpr bool WIDEN = sizeof(T) == 2;
 
+  template <typename V>
+  static void grow(std::vector<V>& v, int64_t n) {
+    if (static_cast<int64_t>(v.size()) < n) v.resize(n);
+  }
   // The selected expert of a chunk task: the last s with task0[s] <= task.
   int64_t expert_of(const std::vector<int64_t>& task0, int64_t task) const {
     return static_cast<int64_t>(std::upper_bound(task0.begin(), task0.end(), task) - task0.begin()) - 1;
@@ -275,7 +280,8 @@ int moe_experts(const T* x, int64_t M, int64_t ldx, const int64_t* expert_ids, c
   if (!moe_experts_supported(a)) return -1;
   if (const int status = check_expert_ids(a, expert_ids, M, k); status != 0) return status;
   if (M == 0) return 0;
-  ExpertGroups<T> groups;
+  thread_local ExpertGroups<T> kept;  // its buffers kept between this thread's calls
+  ExpertGroups<T>& groups = kept;     // the region's threads use this one (not a thread_local of their own)
   groups.group(a, expert_ids, M, k, omp_get_max_threads());
   const int64_t S = groups.selected(), gu = groups.gate_up_tasks(), dn = groups.down_tasks();
   const std::vector<int64_t> begin = {0, S, S + gu, 2 * S + gu, 2 * S + gu + dn,
