@@ -112,8 +112,12 @@ inline void tile_q8k_q4k(const uint8_t* row, const uint8_t* const* arows, int64_
     for (int j = 0; j < 8; ++j) sc[j] = _mm256_shuffle_epi8(sc16, broadcast16((2 * j) | ((2 * j + 1) << 8)));
     for (int m = 0; m < MR; ++m) {
       const Q8KBlock& xb = reinterpret_cast<const Q8KBlock*>(arows[m])[s];
-      __m256i sumi = _mm256_setzero_si256();
-      for (int j = 0; j < 8; ++j) sumi = dot_scaled(sumi, wv[j], xb.q + 32 * j, sc[j]);
+      __m256i even = _mm256_setzero_si256(), odd = _mm256_setzero_si256();  // two chains (integer: exact)
+      for (int j = 0; j < 8; j += 2) {
+        even = dot_scaled(even, wv[j], xb.q + 32 * j, sc[j]);
+        odd = dot_scaled(odd, wv[j + 1], xb.q + 32 * (j + 1), sc[j + 1]);
+      }
+      const __m256i sumi = _mm256_add_epi32(even, odd);
       // sums of q per sub-block of 32 (pairs of the per-16 sums), times the mins
       const __m256i sums32 = _mm256_madd_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(xb.sums16)),
                                                broadcast16(1));
@@ -154,8 +158,12 @@ inline void tile_q8k_q6k(const uint8_t* row, const uint8_t* const* arows, int64_
     }
     for (int m = 0; m < MR; ++m) {
       const Q8KBlock& xb = reinterpret_cast<const Q8KBlock*>(arows[m])[s];
-      __m256i sumi = _mm256_setzero_si256();
-      for (int j = 0; j < 8; ++j) sumi = dot_scaled(sumi, wv[j], xb.q + 32 * j, sc[j]);
+      __m256i even = _mm256_setzero_si256(), odd = _mm256_setzero_si256();  // two chains (integer: exact)
+      for (int j = 0; j < 8; j += 2) {
+        even = dot_scaled(even, wv[j], xb.q + 32 * j, sc[j]);
+        odd = dot_scaled(odd, wv[j + 1], xb.q + 32 * (j + 1), sc[j + 1]);
+      }
+      __m256i sumi = _mm256_add_epi32(even, odd);
       // - 32 sum_i s_i sum(q_x)_i: the values' offset
       const __m256i offset = _mm256_madd_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(xb.sums16)), scales16);
       sumi = _mm256_sub_epi32(sumi, _mm256_slli_epi32(offset, 5));
