@@ -14,6 +14,7 @@
 //   rms_norm         RMSNorm (rounding like the reference: normalize, round, multiply by weight).
 //   rotary           in-place rotate-half RoPE over the q and k heads of a fused qkv row.
 //   silu_mul         silu(gate) * up over a fused [gate | up] row.
+//   first_max_rows   each row's argmax, the lowest column among ties (greedy sampling).
 //   kv_write         scatter a step's k and v rows into their cache slots.
 //   decode attention cpu_attention.h.
 //   decode_layer     a whole decoder layer of a decode step, all layers in one call.
