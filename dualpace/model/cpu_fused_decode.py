@@ -117,7 +117,8 @@ class FusedDecode:
                 *(None if t is None else t.data_ptr() for t in (layer.q_norm, layer.k_norm)), cfg.rotary_dim or 0,
                 qkv_tail, router, None if experts is None else ctypes.addressof(experts.args), top_k,
                 int(cfg.moe is not None and cfg.moe.norm_topk_prob))
-            self._keep += (experts,)
+            if experts is not None:
+                self._keep += (experts,)  # the layer's descriptors point into it
         self.scratch_per_row = (cfg.hidden_size + (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
                                 + cfg.num_heads * cfg.head_dim + 3 * cfg.intermediate_size)
         self._fn = kernels.lib.dp_decode_layers_bf16 if self.dtype == torch.bfloat16 else kernels.lib.dp_decode_layers_f32

@@ -925,7 +925,8 @@ int rope_kv_attend_head(const LayerArgs& a, const StepArgs& st, const LayerBuffe
 // stages before the other matrices (0, 6, 8) prepare those matrices' activations themselves. A MoE
 // layer runs 7 as its router instead, 8 as the routing and grouping of its rows by expert, and 9-13
 // as the stages 0-4 of its routed experts (cpu_moe.h; the last one adds the residual); a dense
-// layer has no tasks in 10-13. Same arithmetic as decode_layer. Inputs are checked before the region (staged_applies, the slots here).
+// layer has no tasks in 10-13. Same arithmetic as decode_layer. Inputs are checked before the
+// region (staged_applies, the slots here).
 // With `head`, two more stages after the last layer: the final norm (preparing the LM head's
 // activations), then the LM head in row chunks into `logits`: the head's weights (a fifth of the
 // default model's bf16 bytes) stream inside the same region instead of in a call of their own.
@@ -954,8 +955,8 @@ int decode_layers_staged(T* hidden, const LayerArgs* layers, int64_t num_layers,
       most_choices = std::max(most_choices, a.top_k);
     }
 #if DP_HAS_QUANT
-    for (const WeightDesc* w : {&a.qkv_w, &a.o_w, mlp_in, moe ? mlp_in : &a.down_w})
-      if (!is_dense(*w)) prepared_bytes = std::max(prepared_bytes, dp_quant::prepare_bytes(*w, M));
+    for (const WeightDesc* w : mats)
+      if (w != nullptr && !is_dense(*w)) prepared_bytes = std::max(prepared_bytes, dp_quant::prepare_bytes(*w, M));
     if (has_tail(a)) tail_prepared_bytes = std::max(tail_prepared_bytes, dp_quant::prepare_bytes(a.qkv_tail_w, M));
 #endif
     for (int64_t s = 0; s < STAGES; ++s) {
