@@ -20,11 +20,11 @@ def validate_request(
     values, or a prompt (plus max_tokens) that does not fit in the context."""
     if len(prompt_token_ids) == 0:
         raise InvalidArgument(prompt_field, "the prompt is empty")
-    for index, token_id in enumerate(prompt_token_ids):
-        if not 0 <= token_id < vocab_size:
-            raise InvalidArgument(
-                prompt_field, f"token id {token_id} at index {index} is outside the vocabulary [0, {vocab_size})"
-            )
+    if min(prompt_token_ids) < 0 or max(prompt_token_ids) >= vocab_size:  # C loops; the index below only then
+        index, token_id = next((i, t) for i, t in enumerate(prompt_token_ids) if not 0 <= t < vocab_size)
+        raise InvalidArgument(
+            prompt_field, f"token id {token_id} at index {index} is outside the vocabulary [0, {vocab_size})"
+        )
     params.validate(vocab_size)
     if params.guided is not None:
         if params.ignore_eos:  # the grammar's end is an end-of-sequence token: it must stop the output

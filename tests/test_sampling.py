@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from dualpace.errors import InvalidArgument
+from dualpace.validation import validate_request
 from dualpace.sampling import (
     MAX_SEED,
     FinishReason,
@@ -277,6 +278,15 @@ def test_validate_stop_token_ids_against_vocab() -> None:
     with pytest.raises(InvalidArgument) as caught:
         params.validate(vocab_size=10)
     assert caught.value.field == "stop_token_ids"
+
+
+@pytest.mark.parametrize("prompt, bad", [([1, 2, 10, 3], (10, 2)), ([0, -1, 12], (-1, 1)), ([9, 9, 11], (11, 2))])
+def test_validate_request_names_the_first_token_outside_the_vocabulary(prompt, bad) -> None:
+    validate_request([0, 9, 3], SamplingParams(max_tokens=4), vocab_size=10, max_context_tokens=16)
+    with pytest.raises(InvalidArgument) as caught:
+        validate_request(prompt, SamplingParams(max_tokens=4), vocab_size=10, max_context_tokens=16, prompt_field="p")
+    assert caught.value.field == "p"
+    assert f"token id {bad[0]} at index {bad[1]} is outside the vocabulary [0, 10)" in str(caught.value)
 
 
 def test_stop_reason() -> None:

@@ -25,7 +25,7 @@ from dualpace.engine.runner import ModelRunner
 from dualpace.engine.transfer.same_host import SameHostRefused, boot_id, fetch_fd, held_lease
 from dualpace.engine.transfer.kv_checksum import kv_checksum
 from dualpace.engine.transfer.kv_transfer import KvLayout
-from dualpace.engine.transfer.shm_kv_copy import consecutive_runs, layer_checksums, runs_into, slot_runs
+from dualpace.engine.transfer.shm_kv_copy import layer_checksums, runs_into, slot_runs
 from dualpace.engine.transfer.shm_segment import MappedKvSegment, SharedKvMemory
 from dualpace.errors import InvalidArgument, Unavailable
 from dualpace.faults import FaultConfig
@@ -188,12 +188,9 @@ def test_runs_are_contiguous_on_both_sides():
         slot_runs([1], [])
 
 
-@pytest.mark.parametrize("slot_ids", [[], [5], [32, 33, 34, 0, 1, 100], [5, 5], [3, 2, 1]])
-def test_a_reservation_names_its_slots_as_runs(slot_ids):
-    runs = consecutive_runs(slot_ids)
-    assert all(length >= 1 for _, length in runs)
-    assert [start + i for start, length in runs for i in range(length)] == slot_ids
-    assert consecutive_runs(list(range(16, 48))) == ((16, 32),)
+@pytest.mark.parametrize("runs", [(), ((5, 1),), ((32, 3), (0, 2), (100, 1)), ((5, 1), (5, 1)), ((3, 1), (2, 1))])
+def test_the_source_slots_pair_with_the_target_runs(runs):
+    slot_ids = [start + i for start, length in runs for i in range(length)]
     source = [7, 8, 9, 20, 21, 3][:len(slot_ids)]  # runs broken on the source side too
     assert runs_into(source, runs) == slot_runs(source, slot_ids)
     with pytest.raises(ValueError):

@@ -266,6 +266,29 @@ def test_slot_ids_map_positions_to_flat_slots():
         manager.slot_ids("b", -1, 2)
 
 
+def test_slot_runs_are_the_slot_ids_as_maximal_runs_of_consecutive_slots():
+    manager = KVBlockManager(num_blocks=8, block_size=4)
+    manager.allocate("a", 4)  # block 0
+    manager.allocate("gap", 4)  # block 1
+    manager.allocate("b", 8)  # blocks 2, 3: one run of 8 slots
+    manager.free("gap")
+    manager.append("b", 7)  # then the freed block 1 (a new run), then block 4 (another)
+    assert manager.block_ids("b") == [2, 3, 1, 4]
+    assert manager.slot_runs("b", 0, 15) == ((8, 8), (4, 4), (16, 3))
+    for start in range(16):
+        for end in range(start, 16):
+            runs = manager.slot_runs("b", start, end)
+            assert [slot for first, n in runs for slot in range(first, first + n)] == manager.slot_ids("b", start, end)
+            assert all(n >= 1 for _, n in runs)
+            assert all(first + n != next_first for (first, n), (next_first, _) in zip(runs, runs[1:]))
+    with pytest.raises(ValueError, match=r"\[14, 16\) outside sequence 'b' with 15 tokens"):
+        manager.slot_runs("b", 14, 16)
+    manager.release_leading_blocks("b", 1)
+    assert manager.slot_runs("b", 4, 6) == ((12, 2),)
+    with pytest.raises(ValueError, match="returned to the pool"):
+        manager.slot_runs("b", 3, 6)
+
+
 def test_empty_sequence_then_append():
     manager = KVBlockManager(num_blocks=2, block_size=4)
     assert manager.allocate("a", 0) == []

@@ -58,7 +58,7 @@ class HostTierImporter(KvImporter):
             raise InvalidArgument("header.prompt_token_ids", "more tokens than the model's context, or an id "
                                                              "outside its vocabulary")
 
-        def reserve() -> list[int]:
+        def reserve() -> tuple[tuple[int, int], ...]:
             self.loop.check_accepting()
             held: list[int] = []
             if header.skip_cached:  # the leading blocks cached here already: shared (pinned), not sent
@@ -68,9 +68,9 @@ class HostTierImporter(KvImporter):
             self.progress = ImportProgress(header)
             if header.skip_cached:
                 self.progress.skip_held(len(held) * core.scheduler.blocks.block_size)
-            return core.kv_slot_ids(header.request_id, num_tokens)
+            return core.scheduler.blocks.slot_runs(header.request_id, 0, num_tokens)
 
-        self._slot_ids = await self.loop.call(reserve)
+        self._slot_runs = await self.loop.call(reserve)
 
     @property
     def num_held_tokens(self) -> int:

@@ -34,7 +34,6 @@ from dataclasses import dataclass
 from dualpace.engine.transfer.kv_shm_protocol import ShmDeclined, ShmOffer, ShmReservation, ShmWritten
 from dualpace.engine.transfer.migration import KvImporter
 from dualpace.engine.transfer.same_host import Lease, TicketServer, boot_id
-from dualpace.engine.transfer.shm_kv_copy import consecutive_runs
 from dualpace.engine.transfer.shm_segment import SharedKvMemory
 from dualpace.errors import InvalidArgument
 
@@ -93,7 +92,7 @@ class ShmImport:
         # Under the sender's own ticket where it named one: a lease it asked for ahead is granted now.
         self._ticket, self._lease = self.pool.server.open_lease(offer.lease_ticket)
         return ShmReservation(self.pool.server.name, self.pool.segment_ticket, self._ticket,
-                              consecutive_runs(self.importer.slot_ids), accepts_written_with_commit=True,
+                              self.importer.slot_runs, accepts_written_with_commit=True,
                               lease_on_watch=True, control_on_watch=self.pool.server.stream_handler is not None,
                               asks_lease_ahead=True)
 

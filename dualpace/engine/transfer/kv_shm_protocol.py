@@ -26,7 +26,7 @@ class ShmReservation:
     segment_token: bytes  # ticket for the pool's memfd; also the token in its header
     import_token: bytes  # ticket for this import's write lease
     # Target slots of tokens 0 .. num_computed_tokens - 1, as (first slot, number of slots) runs of
-    # consecutive slots in token order (shm_kv_copy.consecutive_runs; runs_into pairs them with the source)
+    # consecutive slots in token order (KVBlockManager.slot_runs; runs_into pairs them with the source)
     slot_runs: tuple[tuple[int, int], ...]
     accepts_written_with_commit: bool = False  # the target takes ShmWritten(commit=True)
     lease_on_watch: bool = False  # the target grants the write lease over the sender's watch connection

@@ -177,7 +177,7 @@ class KvImporter:
     def __init__(self, loop: EngineLoop):
         self.loop = loop
         self.progress: ImportProgress | None = None
-        self._slot_ids: list[int] = []
+        self._slot_runs: tuple[tuple[int, int], ...] = ()
         self._reserved = False
         self._committed = False
         self.marks: list[tuple[str, float]] = []  # (event, perf_counter s) for the import's debug log
@@ -208,20 +208,27 @@ class KvImporter:
                          core.loaded.config.vocab_size, core.loaded.max_context_tokens,
                          prompt_field="header.prompt_token_ids")
 
-        def reserve() -> list[int]:
+        def reserve() -> tuple[tuple[int, int], ...]:
             self.loop.check_accepting()  # a draining engine takes no imports; the source keeps the request
             core.scheduler.reserve_import(header.request_id, header.num_computed_tokens)
             # Recorded in the command itself: a caller cancelled while awaiting it must still free the blocks.
             self._reserved = True
             self.progress = ImportProgress(header)
-            return core.kv_slot_ids(header.request_id, header.num_computed_tokens)
+            # New blocks: none released to a sliding window yet, so the table's slots are the request's.
+            return core.scheduler.blocks.slot_runs(header.request_id, 0, header.num_computed_tokens)
 
-        self._slot_ids = await self.loop.call(reserve)
+        self._slot_runs = await self.loop.call(reserve)
+
+    @property
+    def slot_runs(self) -> tuple[tuple[int, int], ...]:
+        """The reserved slots of tokens 0 .. num_computed_tokens - 1 as (first slot, number of slots) runs
+        of consecutive slots, in order (KVBlockManager.slot_runs)."""
+        return self._slot_runs
 
     @property
     def slot_ids(self) -> list[int]:
         """The reserved slots of tokens 0 .. num_computed_tokens - 1, in order."""
-        return self._slot_ids
+        return [slot for start, length in self._slot_runs for slot in range(start, start + length)]
 
     async def prepare(self) -> ImportProgress:
         progress = self._require_header()
