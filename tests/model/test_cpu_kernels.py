@@ -54,7 +54,7 @@ def _close(actual: torch.Tensor, expected: torch.Tensor, rel: float) -> None:
     assert err <= rel * scale, f"max error {err} vs scale {scale}"
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 9, 12, 16])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 8, 9, 12, 13, 16, 32])  # every tile shape (rows_bf16dot)
 @pytest.mark.parametrize("k", [64, 576, 100, 80, 17])  # 80, 17: the lone-row AVX2 path's half block and tail
 def test_linear_bf16_matches_fp32_math(kernels, rows, k):
     torch.manual_seed(rows * 1000 + k)

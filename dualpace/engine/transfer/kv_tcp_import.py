@@ -178,19 +178,21 @@ class TcpImport:
         layer_bytes = 2 * len(slot_ids) * header.layout.bytes_per_token_per_layer
         direct = (kv_tcp_data.direct_pool(kv.k) and kv_tcp_data.direct_pool(kv.v)
                   and DTYPE_NAMES[kv.dtype] == header.layout.dtype)
+        def write_layer(layer: int, k: memoryview, v: memoryview) -> None:
+            self._write_layer(slot_ids, layer, k, v)
+
         return await run_in_pool(kv_tcp_data.POOL, kv_tcp_data.receive_layers, connection, kv.k, kv.v,
-                                 slot_ids, layer_bytes, None if direct else self._write_layer,
+                                 slot_ids, layer_bytes, None if direct else write_layer,
                                  max_workers=kv_tcp_data.POOL_WORKERS)
 
     def _sent_slot_ids(self) -> list[int]:
         """The slots of the tokens the sender streams: all of them, or (a cache-only import that skips
         what this engine holds already) those after the held ones."""
-        return list(self.importer.slot_ids)[self.importer.progress.first_token:]
+        return self.importer.slot_ids[self.importer.progress.first_token:]
 
-    def _write_layer(self, layer: int, k: memoryview, v: memoryview) -> None:
+    def _write_layer(self, slot_ids: list[int], layer: int, k: memoryview, v: memoryview) -> None:
         """The staging path: one layer's bytes into the reserved blocks (another dtype or a device pool)."""
         header = self.importer.progress.header
-        slot_ids = self._sent_slot_ids()
         shape = (len(slot_ids), header.layout.num_kv_heads, header.layout.head_dim)
         self.importer.loop.core.runner.write_kv(slot_ids, layer,
                                                 tensor_from_bytes(k, header.layout.dtype, shape),
