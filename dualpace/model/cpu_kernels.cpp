@@ -212,18 +212,14 @@ constexpr int BF16_TILE_X_ROWS = 6;
 
 // The same for bf16 x and bf16 W with vdpbf16ps (cpu_bf16dot.h). Every output is one tile
 // accumulator's sum, in the same order whatever the tile's shape: the results do not depend on it.
-// One W row per tile, as rows_f32 walks them, reloaded each x vector for every W row: on a Zen 4,
-// 1B bf16 decode at batch 2 / 4 / 8 ran 24-26 / 36 / 56-59 tok/s; with these tiles 26-29 / 48-54 /
-// 74-77, and 6 x 4 tiles at 16 / 32 rows 1.03-1.06x the 4 x 4 of walk_tiles.
+// Measured on a Zen 4, 1B bf16: with tiles of one W row (as rows_f32 walks them: each x vector
+// reloaded for every W row) decode at batch 2 / 4 / 8 ran 24-26 / 36 / 56-59 tok/s, with these
+// 26-29 / 48-54 / 74-77; 6 x 4 tiles at 16 / 32 rows ran 1.03-1.06x the 4 x 4 of walk_tiles. One row
+// of x with 8 W rows per tile streamed the gate/up and down matrices at 0.92-0.98x of the Q8_0
+// block pairs' rate in the same runs; with 2 W rows at 0.75x, 4 at 0.86x.
 template <class EP>
 void rows_bf16dot(const bf16* x, int64_t M, int64_t ldx, int64_t K, const bf16* w, int64_t ldw, int64_t n_begin,
                   int64_t n_end, const EP& ep) {
-  if (M == 1) {  // as rows_f32: two W rows at a time, each output in linear_tile_dot's order
-    int64_t n = n_begin;
-    for (; n + 2 <= n_end; n += 2) linear_tile_dot<1, 2>(x, ldx, 0, K, w, ldw, n, n_end, ep);
-    if (n < n_end) linear_tile_dot<1, 1>(x, ldx, 0, K, w, ldw, n, n_end, ep);
-    return;
-  }
   if (M <= SMALL_M) {  // rows past n_end in the last tile: clamped by the tile, not stored
     with_rows(M, [&](auto mr) {
       constexpr int MR = decltype(mr)::value, TILE_ROWS = bf16_tile_rows(MR);
