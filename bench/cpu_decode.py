@@ -259,12 +259,15 @@ def main(argv: list[str] | None = None) -> int:
                         help="as `dualpace generate --weights` (native: a GGUF's blocks as they are)")
     parser.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp32"], help="compute dtype")
     parser.add_argument("--peer", choices=["llamacpp"], help="run llama.cpp beside ours on the same GGUF")
-    parser.add_argument("--prefill-tokens", type=int, default=512, help="prompt of the prefill comparison")
+    parser.add_argument("--prefill-tokens", type=int, default=512,
+                        help="prompt of the prefill comparison (0: none, e.g. beside a context-1024 grid)")
     add_quant_activations_argument(parser)
     parser.add_argument("--no-build-times", action="store_true",
                         help="skip timing a fresh build of the CPU kernels (a minute of compiling)")
     parser.add_argument("--out", help="write the results as JSON here")
     args = parser.parse_args(argv)
+    if args.prefill_tokens < 0:
+        parser.error("--prefill-tokens must be 0 (no prefill comparison) or more")
     load_at_start = list(os.getloadavg())  # other tenants of a shared machine (1, 5, 15 min)
     torch.set_num_threads(args.threads)
     if args.no_kernels:
@@ -338,7 +341,7 @@ def main(argv: list[str] | None = None) -> int:
             print(json.dumps(row), file=sys.stderr)
 
     prefill = None
-    if peer is not None:
+    if peer is not None and args.prefill_tokens:
         prefill = prefill_row(loaded, peer, args.threads, args.prefill_tokens, args.repeats)
         print(json.dumps(prefill), file=sys.stderr)
     attention = attention_bench(cfg.num_kv_heads, cfg.num_heads // cfg.num_kv_heads, cfg.head_dim,

@@ -39,14 +39,16 @@ def prefill_row(loaded: LoadedModel, peer, threads: int, prompt_tokens: int, rep
             "llamacpp_tokens_per_s": round(theirs, 1), "ours_over_llamacpp": round(ours / theirs, 2)}
 
 
-def print_peer_table(rows: list[dict], prefill: dict) -> None:
+def print_peer_table(rows: list[dict], prefill: dict | None) -> None:
     print("| batch | context | ours tok/s | llama.cpp tok/s | ours/llama.cpp | copy GB/s |")
     print("|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['batch']} | {r['context_tokens']} | {r['ours_tokens_per_s']} | {r['llamacpp_tokens_per_s']} | "
               f"{r['ours_over_llamacpp']} | {r['copy_bandwidth_gb_per_s']} |")
-    print(f"prefill {prefill['prompt_tokens']} tokens: ours {prefill['ours_tokens_per_s']} tok/s, llama.cpp "
-          f"{prefill['llamacpp_tokens_per_s']} ({prefill['ours_over_llamacpp']}x)\n")
+    if prefill is not None:  # None: --prefill-tokens 0
+        print(f"prefill {prefill['prompt_tokens']} tokens: ours {prefill['ours_tokens_per_s']} tok/s, llama.cpp "
+              f"{prefill['llamacpp_tokens_per_s']} ({prefill['ours_over_llamacpp']}x)")
+    print()
 
 
 def cpu_model() -> str:
