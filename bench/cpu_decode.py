@@ -50,7 +50,7 @@ from pathlib import Path
 
 import torch
 
-from bench.cpu_decode_peer import cpu_model, prefill_row, print_peer_table
+from bench.cpu_decode_peer import add_peer_arguments, cpu_model, prefill_row, print_peer_table
 from toolkit.cpu_peak import peaks
 from toolkit.memory_bandwidth import (
     copy_bandwidth_bytes_per_s,
@@ -258,16 +258,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--weights", default="bf16", choices=["native", "bf16", "fp32", "int8"],
                         help="as `dualpace generate --weights` (native: a GGUF's blocks as they are)")
     parser.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp32"], help="compute dtype")
-    parser.add_argument("--peer", choices=["llamacpp"], help="run llama.cpp beside ours on the same GGUF")
-    parser.add_argument("--prefill-tokens", type=int, default=512,
-                        help="prompt of the prefill comparison (0: none, e.g. beside a context-1024 grid)")
+    add_peer_arguments(parser)
     add_quant_activations_argument(parser)
     parser.add_argument("--no-build-times", action="store_true",
                         help="skip timing a fresh build of the CPU kernels (a minute of compiling)")
     parser.add_argument("--out", help="write the results as JSON here")
     args = parser.parse_args(argv)
-    if args.prefill_tokens < 0:
-        parser.error("--prefill-tokens must be 0 (no prefill comparison) or more")
     load_at_start = list(os.getloadavg())  # other tenants of a shared machine (1, 5, 15 min)
     torch.set_num_threads(args.threads)
     if args.no_kernels:

@@ -1,7 +1,8 @@
-"""The llama.cpp side of bench/cpu_decode.py: the prefill comparison, the peer table, the CPU name."""
+"""The llama.cpp side of bench/cpu_decode.py: its arguments, the prefill comparison, the peer table, the CPU name."""
 
 from __future__ import annotations
 
+import argparse
 import platform
 import random
 import time
@@ -37,6 +38,19 @@ def prefill_row(loaded: LoadedModel, peer, threads: int, prompt_tokens: int, rep
     theirs = max(peer.prefill_tokens_per_s(loaded.path, threads, prompt_tokens) for _ in range(repeats))
     return {"prompt_tokens": prompt_tokens, "ours_tokens_per_s": round(ours, 1),
             "llamacpp_tokens_per_s": round(theirs, 1), "ours_over_llamacpp": round(ours / theirs, 2)}
+
+
+def add_peer_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--peer", choices=["llamacpp"], help="run llama.cpp beside ours on the same GGUF")
+    parser.add_argument("--prefill-tokens", type=_prompt_tokens, default=512,
+                        help="prompt of the prefill comparison (0: none, e.g. beside a context-1024 grid)")
+
+
+def _prompt_tokens(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError("must be 0 (no prefill comparison) or more")
+    return value
 
 
 def print_peer_table(rows: list[dict], prefill: dict | None) -> None:

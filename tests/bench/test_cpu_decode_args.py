@@ -9,7 +9,7 @@ def test_a_negative_prefill_prompt_is_refused(capsys):
     with pytest.raises(SystemExit) as exited:
         cpu_decode.main(["--model", "does-not-matter", "--prefill-tokens", "-1"])
     assert exited.value.code == 2
-    assert "--prefill-tokens must be 0" in capsys.readouterr().err
+    assert "--prefill-tokens: must be 0" in capsys.readouterr().err
 
 
 def test_the_peer_table_without_a_prefill_comparison(capsys):
