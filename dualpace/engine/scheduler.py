@@ -148,8 +148,12 @@ class Scheduler(MoveCommands, PoolReservations):
             return
         request.state = RequestState.RUNNING
         request.num_computed_tokens = num_kv_tokens
-        self._cache_full_blocks(request)
-        self._release_outside_window(request)
+        # Its blocks enter the prefix cache after its first step here (apply), not now: the commit is
+        # on the source's path (hashing a 1024-token import cost ~0.1 ms of its ~0.5 ms commit). Where
+        # blocks leave a sliding window now, they are cached first, as after every step.
+        if self.window is not None:
+            self._cache_full_blocks(request)
+            self._release_outside_window(request)
         self._insert_running(request)
 
     def commit_cache_import(self, request_id: str, token_ids: list[int]) -> int:

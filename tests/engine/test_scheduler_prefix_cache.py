@@ -143,3 +143,24 @@ def test_abort_and_preemption_leave_no_used_blocks():
     model.add("b", list(range(10, 22)), 2)
     model.run()
     assert model.s.num_prefix_hit_tokens == 8  # all but the last token, in whole blocks
+
+
+def test_an_imported_request_enters_the_cache_after_its_first_step_here():
+    # The commit is on the source's path, so it hashes nothing: the imported blocks are cached with
+    # the request's first step here, and then serve a request with the same prefix.
+    model = make(64, True)
+    prompt = list(range(40, 52))  # 12 tokens: their KV arrives with the import, 3 full blocks
+    imported = EngineRequest("imp", prompt, SamplingParams(max_tokens=3, ignore_eos=True), seed=1,
+                             output_token_ids=[7])
+    model.outputs["imp"] = []
+    block_ids = model.s.reserve_import("imp", len(prompt))
+    for position, token in enumerate(prompt):  # what the source wrote into the reserved blocks
+        model.slots[block_ids[position // BLOCK_SIZE] * BLOCK_SIZE + position % BLOCK_SIZE] = token
+    model.s.commit_import(imported)
+    assert imported.block_hashes == []
+    model.step()
+    assert len(imported.block_hashes) == 3
+    model.run()
+    model.add("same-prefix", prompt + [1], 2)
+    model.run()
+    assert model.s.num_prefix_hit_tokens == 12
