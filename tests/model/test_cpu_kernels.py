@@ -55,7 +55,9 @@ def _close(actual: torch.Tensor, expected: torch.Tensor, rel: float) -> None:
 
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 8, 9, 12, 13, 16, 32])  # every tile shape (rows_bf16dot)
-@pytest.mark.parametrize("k", [64, 576, 100, 80, 17])  # 80, 17: the lone-row AVX2 path's half block and tail
+# 80, 17: the lone-row AVX2 path's half block and tail; 1600 and 4100: up to 8 rows of x against tiles of
+# several W rows (bf16_one_w_row_max_k)
+@pytest.mark.parametrize("k", [64, 576, 100, 80, 17, 1600, 4100])
 def test_linear_bf16_matches_fp32_math(kernels, rows, k):
     torch.manual_seed(rows * 1000 + k)
     x = torch.randn(rows, k).bfloat16()
