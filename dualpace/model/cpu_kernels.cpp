@@ -175,25 +175,34 @@ void walk_tiles(int64_t M, int64_t n_begin, int64_t n_end, Tile&& tile) {
   }
 }
 
+// One row of x against W rows of fewer bytes than this: one W row per tile, so that each thread reads
+// its W rows as one sequential stream; longer rows take two (or, on the vdpbf16ps GEMV, 8) W rows per
+// tile. Two threads of a Zen 4 against those tiles, one row of x, W rows 576 / 896 / 2048 / 8192 wide:
+// bf16 W on the avx2 and avx512 variants 1.40-1.67x / 1.40-1.49x / 1.18-1.20x / (kept) 0.97-1.01x,
+// fp32 W 1.25-1.35x / 1.25-1.31x / (kept) 0.97-1.03x, the vdpbf16ps GEMV (rows_bf16dot) -
+// / 1.31-1.38x / 1.03-1.09x / (kept) 0.89-1.00x.
+constexpr int64_t ONE_W_ROW_MAX_ROW_BYTES = 8192;
+
 // W rows [n_begin, n_end) of an F32 / BF16 matrix against all M rows of fp32 x.
 template <typename WT, class EP>
 void rows_f32(const float* x, int64_t M, int64_t ldx, int64_t K, const WT* w, int64_t ldw, int64_t n_begin,
               int64_t n_end, const EP& ep) {
-  if (M == 1) {  // two W rows at a time: two dependency chains, two read streams
+  if (M == 1) {  // long rows two at a time: two dependency chains, two read streams
+    const bool one_w_row = K * static_cast<int64_t>(sizeof(WT)) < ONE_W_ROW_MAX_ROW_BYTES;
 #if defined(DP_ISA_AVX2)
     if constexpr (std::is_same_v<WT, bf16>) {  // bf16 W widened without shuffles (cpu_pairs_avx2.h)
       thread_local std::vector<float> xs;
       if (static_cast<int64_t>(xs.size()) < K + 16) xs.resize(K + 16);
       split_pairs(x, K, xs.data());
       int64_t n = n_begin;  // 4 rows at a time measured slower (four read streams)
-      for (; n + 2 <= n_end; n += 2) row_tile_pairs<2>(xs.data(), K, w, ldw, n, n_end, DP_PREFETCH_BYTES, ep);
-      if (n < n_end) row_tile_pairs<1>(xs.data(), K, w, ldw, n, n_end, DP_PREFETCH_BYTES, ep);
+      for (; !one_w_row && n + 2 <= n_end; n += 2) row_tile_pairs<2>(xs.data(), K, w, ldw, n, n_end, DP_PREFETCH_BYTES, ep);
+      for (; n < n_end; ++n) row_tile_pairs<1>(xs.data(), K, w, ldw, n, n_end, DP_PREFETCH_BYTES, ep);
       return;
     }
 #endif
     int64_t n = n_begin;
-    for (; n + 2 <= n_end; n += 2) tile_f32<1, 2>(x, ldx, 0, K, w, ldw, n, n_end, ep);
-    if (n < n_end) tile_f32<1, 1>(x, ldx, 0, K, w, ldw, n, n_end, ep);
+    for (; !one_w_row && n + 2 <= n_end; n += 2) tile_f32<1, 2>(x, ldx, 0, K, w, ldw, n, n_end, ep);
+    for (; n < n_end; ++n) tile_f32<1, 1>(x, ldx, 0, K, w, ldw, n, n_end, ep);
     return;
   }
   walk_tiles(M, n_begin, n_end, [&](auto mr, auto nr, int64_t m0, int64_t n0) {
@@ -207,14 +216,14 @@ void rows_f32(const float* x, int64_t M, int64_t ldx, int64_t K, const WT* w, in
 // NR W vectors and one x vector within the 32 vector registers, at most 8 (BF16_TILE_MAX_ROWS).
 constexpr int BF16_TILE_MAX_ROWS = 8;
 constexpr int bf16_tile_rows(int MR) { return std::min(BF16_TILE_MAX_ROWS, 31 / (MR + 1)); }
-// Up to 8 rows of x against W rows shorter than this: one W row per tile, so that each thread reads
-// its W rows as one sequential stream. Two threads of a Zen 4, against the tiles of bf16_tile_rows:
+// Up to 8 rows of x against W rows shorter than this: one W row per tile (ONE_W_ROW_MAX_ROW_BYTES
+// says why). Two threads of a Zen 4, against the tiles of bf16_tile_rows:
 // - one row of x: the 0.5B shape's 896-wide matrices (its 152k-row head, gate/up) 1.31-1.38x, the
 //   1B shape's 2048-wide ones 1.03-1.09x (all its matrices in a step's order 1.05-1.24x), 4864- and
 //   8192-wide ones 0.89-1.00x (there the tiles of several W rows stay);
 // - 2 and 4 rows of x (8192 W rows): 896- and 1024-wide 1.18-1.24x, 1536-wide 1.03x, 2048-wide
 //   0.86-0.88x, 3072-wide 0.70-0.91x.
-constexpr int64_t bf16_one_w_row_max_k(int MR) { return MR == 1 ? 4096 : 1536; }
+constexpr int64_t bf16_one_w_row_max_k(int MR) { return MR == 1 ? ONE_W_ROW_MAX_ROW_BYTES / 2 : 1536; }
 // Beyond SMALL_M rows of x: tiles of 6 x rows x 4 W rows (24 accumulators).
 constexpr int BF16_TILE_X_ROWS = 6;
 

@@ -73,7 +73,7 @@ def test_linear_bf16_matches_fp32_math(kernels, rows, k):
 
 
 @pytest.mark.parametrize("rows", [1, 3, 8, 12])
-@pytest.mark.parametrize("k", [100, 576])
+@pytest.mark.parametrize("k", [100, 576, 2100])  # 2100: one row of x against two W rows per tile
 def test_linear_fp32(kernels, rows, k):
     torch.manual_seed(rows + k)
     x, w, bias = torch.randn(rows, k), torch.randn(29, k), torch.randn(29)
@@ -82,11 +82,12 @@ def test_linear_fp32(kernels, rows, k):
 
 
 @pytest.mark.parametrize("rows", [1, 2, 7, 12, 32, 33, 100])
-def test_linear_fp32_activations_bf16_weights(kernels, rows):
+@pytest.mark.parametrize("k", [200, 4100])  # 4100: one row of x against two W rows per tile
+def test_linear_fp32_activations_bf16_weights(kernels, rows, k):
     """bf16 matrices with fp32 compute: the kernel widens the weights (up to MIXED_MAX_ROWS rows),
     more rows widen the matrix once for oneDNN; both are fp32 math on the bf16 values."""
     torch.manual_seed(rows)
-    x, w = torch.randn(rows, 200), torch.randn(45, 200).bfloat16()
+    x, w = torch.randn(rows, k), torch.randn(45, k).bfloat16()
     residual = torch.randn(rows, 45)
     expected = x.double() @ w.double().t() + residual.double()
     out = kernels.linear(x, w, residual=residual)
