@@ -178,7 +178,7 @@ void walk_tiles(int64_t M, int64_t n_begin, int64_t n_end, Tile&& tile) {
 // One row of x against W rows of fewer bytes than this: one W row per tile, so that each thread reads
 // its W rows as one sequential stream; longer rows take two (or, on the vdpbf16ps GEMV, 8) W rows per
 // tile. Two threads of a Zen 4 against those tiles, one row of x, W rows 576 / 896 / 2048 / 8192 wide:
-// bf16 W on the avx2 and avx512 variants 1.40-1.67x / 1.40-1.49x / 1.18-1.20x / (kept) 0.97-1.01x,
+// bf16 W on the avx2 and avx512 variants 1.46-1.67x / 1.40-1.49x / 1.18-1.20x / (kept) 0.97-1.01x,
 // fp32 W 1.25-1.35x / 1.25-1.31x / (kept) 0.97-1.03x, the vdpbf16ps GEMV (rows_bf16dot) -
 // / 1.31-1.38x / 1.03-1.09x / (kept) 0.89-1.00x.
 constexpr int64_t ONE_W_ROW_MAX_ROW_BYTES = 8192;
@@ -229,11 +229,12 @@ constexpr int BF16_TILE_X_ROWS = 6;
 
 // The same for bf16 x and bf16 W with vdpbf16ps (cpu_bf16dot.h). Every output is one tile
 // accumulator's sum, in the same order whatever the tile's shape: the results do not depend on it.
-// Measured on a Zen 4, 1B bf16: with tiles of one W row (as rows_f32 walks them: each x vector
+// Measured on a Zen 4, 1B bf16 (2048- and 8192-wide rows): with tiles of one W row (each x vector
 // reloaded for every W row) decode at batch 2 / 4 / 8 ran 24-26 / 36 / 56-59 tok/s, with these
 // 26-29 / 48-54 / 74-77; 6 x 4 tiles at 16 / 32 rows ran 1.03-1.06x the 4 x 4 of walk_tiles. One row
-// of x with 8 W rows per tile streamed the gate/up and down matrices at 0.92-0.98x of the Q8_0
-// block pairs' rate in the same runs; with 2 W rows at 0.75x, 4 at 0.86x.
+// of x with 8 W rows per tile read the gate/up and down matrices at 0.92-0.98x of the Q8_0 block
+// pairs' rate, with 2 W rows at 0.75x, 4 at 0.86x; with one (bf16_one_w_row_max_k) gate/up 1.03-1.09x
+// the 8.
 template <class EP>
 void rows_bf16dot(const bf16* x, int64_t M, int64_t ldx, int64_t K, const bf16* w, int64_t ldw, int64_t n_begin,
                   int64_t n_end, const EP& ep) {
