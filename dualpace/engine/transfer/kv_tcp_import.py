@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import socket
 import ssl
@@ -178,11 +179,9 @@ class TcpImport:
         layer_bytes = 2 * len(slot_ids) * header.layout.bytes_per_token_per_layer
         direct = (kv_tcp_data.direct_pool(kv.k) and kv_tcp_data.direct_pool(kv.v)
                   and DTYPE_NAMES[kv.dtype] == header.layout.dtype)
-        def write_layer(layer: int, k: memoryview, v: memoryview) -> None:
-            self._write_layer(slot_ids, layer, k, v)
-
+        write_layer = None if direct else functools.partial(self._write_layer, slot_ids)  # the slots built once
         return await run_in_pool(kv_tcp_data.POOL, kv_tcp_data.receive_layers, connection, kv.k, kv.v,
-                                 slot_ids, layer_bytes, None if direct else write_layer,
+                                 slot_ids, layer_bytes, write_layer,
                                  max_workers=kv_tcp_data.POOL_WORKERS)
 
     def _sent_slot_ids(self) -> list[int]:
