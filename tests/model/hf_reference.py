@@ -2,7 +2,26 @@
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import pytest
 import torch
+
+
+@contextmanager
+def gguf_parsed_once() -> Iterator[None]:
+    """transformers loading a GGUF file without its repeated work: it parses the whole file twice
+    (for the config, then for the tensors: ~4 s each for SmolLM2, the vocabulary read field by
+    field) and builds gguf's tensor-name map once per module it walks (~400 times, ~5 s). Both
+    are functions of their arguments alone (the file is only read), so the model is the same."""
+    import gguf
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(gguf, "GGUFReader", functools.cache(gguf.GGUFReader))
+        patch.setattr(gguf, "get_tensor_name_map", functools.cache(gguf.get_tensor_name_map))
+        yield
 
 
 def hf_greedy(hf_model, prompt_ids: list[int], num_new_tokens: int) -> list[int]:

@@ -18,7 +18,7 @@ from dualpace.model.loader import load_model
 from dualpace.model.paged_forward import PagedForward, SequenceWork
 from dualpace.sampling import SamplingParams
 from tests.helpers import reference_tokens
-from tests.model.hf_reference import hf_greedy, hf_prompt_logits
+from tests.model.hf_reference import gguf_parsed_once, hf_greedy, hf_prompt_logits
 
 NUM_NEW_TOKENS = 32
 LOGIT_TOLERANCE = 1e-3
@@ -68,9 +68,10 @@ def test_llama3_rope_scaling_is_exercised(synth_checkpoint):
 
 @pytest.mark.slow
 def test_default_model_matches_transformers(default_model_fp32, default_model_path):
-    hf_model = AutoModelForCausalLM.from_pretrained(
-        default_model_path.parent, gguf_file=default_model_path.name, dtype=torch.float32
-    ).eval()
+    with gguf_parsed_once():
+        hf_model = AutoModelForCausalLM.from_pretrained(
+            default_model_path.parent, gguf_file=default_model_path.name, dtype=torch.float32
+        ).eval()
     tokenizer = default_model_fp32.tokenizer
     prompt_ids = tokenizer.encode_chat([{"role": "user", "content": "Write a short poem about the sea."}])
     diff = (prompt_logits(default_model_fp32, prompt_ids, block_size=16)
