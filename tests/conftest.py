@@ -14,6 +14,7 @@ from dualpace.model import quant_activations
 from dualpace.model.loader import load_model
 from dualpace.model.registry import DEFAULT_MODEL_NAME, resolve_model_path
 from dualpace.serve.logging_setup import reset_logging
+from tests.gguf_cache import once_per_file
 from tests.kernel_builds import VARIANT_MODULES, start_background_kernel_builds
 
 # Two cores are shared by everything on these machines; one intra-op thread keeps
@@ -31,6 +32,17 @@ def pytest_collection_finish(session):
     if not session.config.option.collectonly and any(item.nodeid.startswith(VARIANT_MODULES)
                                                       for item in session.items):
         start_background_kernel_builds()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def gguf_files_parsed_once():
+    """In this process a GGUF file is parsed once (tests/gguf_cache.py): ~30 s of the session were
+    the same few files parsed again and again. The daemons the tests start parse their own."""
+    import gguf
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(gguf, "GGUFReader", once_per_file(gguf.GGUFReader))
+        yield
 
 
 @pytest.fixture(autouse=True)

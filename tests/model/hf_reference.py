@@ -11,15 +11,13 @@ import torch
 
 
 @contextmanager
-def gguf_parsed_once() -> Iterator[None]:
-    """transformers loading a GGUF file without its repeated work: it parses the whole file twice
-    (for the config, then for the tensors: ~4 s each for SmolLM2, the vocabulary read field by
-    field) and builds gguf's tensor-name map once per module it walks (~400 times, ~5 s). Both
-    are functions of their arguments alone (the file is only read), so the model is the same."""
+def tensor_name_map_built_once() -> Iterator[None]:
+    """transformers loading a GGUF file without its repeated work: it builds gguf's tensor-name map
+    once per module it walks (~400 times for SmolLM2, ~5 s). The map is a function of its arguments
+    alone, so the model is the same. (The file itself is parsed once: tests/gguf_cache.py.)"""
     import gguf
 
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(gguf, "GGUFReader", functools.cache(gguf.GGUFReader))
         patch.setattr(gguf, "get_tensor_name_map", functools.cache(gguf.get_tensor_name_map))
         yield
 

@@ -18,7 +18,7 @@ from dualpace.model.loader import load_model
 from dualpace.model.paged_forward import PagedForward, SequenceWork
 from dualpace.sampling import SamplingParams
 from tests.helpers import reference_tokens
-from tests.model.hf_reference import gguf_parsed_once, hf_greedy, hf_prompt_logits
+from tests.model.hf_reference import tensor_name_map_built_once, hf_greedy, hf_prompt_logits
 
 NUM_NEW_TOKENS = 32
 LOGIT_TOLERANCE = 1e-3
@@ -68,7 +68,7 @@ def test_llama3_rope_scaling_is_exercised(synth_checkpoint):
 
 @pytest.mark.slow
 def test_default_model_matches_transformers(default_model_fp32, default_model_path):
-    with gguf_parsed_once():
+    with tensor_name_map_built_once():
         hf_model = AutoModelForCausalLM.from_pretrained(
             default_model_path.parent, gguf_file=default_model_path.name, dtype=torch.float32
         ).eval()
