@@ -32,7 +32,7 @@ from toolkit.processes import start_daemon
 REPO_ROOT = Path(__file__).resolve().parents[2]
 UNIT_DIR = REPO_ROOT / "deploy" / "systemd"
 WATCHDOG_USEC = 400_000  # pings every 0.2 s
-STEP_DELAY_MS = 1200
+STEP_DELAY_MS = 600
 
 
 class FakeManager:
@@ -209,7 +209,7 @@ def test_gpu_service_notifies(manager: FakeManager, synth_checkpoint, tmp_path: 
         # Idle: it keeps pinging.
         assert manager.wait_for("WATCHDOG=1", count=3), manager.snapshot()
 
-        # A request of two steps, each stalled for STEP_DELAY_MS (six watchdog intervals) before it runs.
+        # A request of two steps, each stalled for STEP_DELAY_MS (three watchdog intervals) before it runs.
         with grpc.insecure_channel(daemon.address) as channel:
             stub = engine_pb2_grpc.EngineStub(channel)
             started_ns = time.monotonic_ns()
@@ -221,7 +221,7 @@ def test_gpu_service_notifies(manager: FakeManager, synth_checkpoint, tmp_path: 
     assert status == 0, daemon.log()
     # No ping while a step runs: from the first stall's start to the second step's end (the
     # timeline's CLOCK_MONOTONIC, the manager's too) only the ping between the two steps, and at
-    # most one idle ping from before sent in time but read after (pinging through the steps: ~12).
+    # most one idle ping from before sent in time but read after (pinging through the steps: ~6).
     steps = [r for r in read_timeline(timeline) if r.start_ns > started_ns and r.num_own_rows]
     assert len(steps) == 2, steps
     span = ((steps[0].start_ns - STEP_DELAY_MS * 1_000_000) / 1e9, steps[1].end_ns / 1e9)
