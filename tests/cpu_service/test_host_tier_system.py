@@ -22,7 +22,7 @@ from dualpace.wire.v1 import common_pb2, engine_pb2, engine_pb2_grpc, router_pb2
 from tests.cpu_service.conftest import ENGINE_FLAGS, solo
 from tests.reliability.test_nan_logits import scrape
 from toolkit.engine_client import EngineClient, read_until
-from toolkit.processes import start_daemon
+from toolkit.processes import start_all, start_daemon
 
 HANG_GUARD_S = 120.0  # only against a hang: every wait below ends on a condition, not a duration
 HISTORY = [(i * 37 + 11) % 400 + 1 for i in range(30)]
@@ -65,10 +65,14 @@ def test_a_conversation_resumes_from_the_host_tier(loaded, model_folder, path):
     max_suffix = "64" if path == "continue-on-cpu" else "4"
     sockets = Path(tempfile.mkdtemp(prefix="dualpace-host-tier-"))
     gpu_address, cpu_address = f"unix:{sockets / 'gpu.sock'}", f"unix:{sockets / 'cpu.sock'}"
-    gpu = start_daemon("gpu_service", "--model", model_folder, *ENGINE_FLAGS, "--kv-blocks", "12", "--name", "gpu",
-                       "--host-tier", cpu_address, "--metrics-port", "0", listen=gpu_address)
-    cpu = start_daemon("cpu_service", "--model", model_folder, *ENGINE_FLAGS, "--kv-blocks", "64", "--name", "cpu",
-                       "--assist", "never", "--gpu-service", gpu_address, "--peer", gpu_address, listen=cpu_address)
+    engines = start_all(  # both addresses are known before either starts
+        gpu=lambda: start_daemon("gpu_service", "--model", model_folder, *ENGINE_FLAGS, "--kv-blocks", "12",
+                                 "--name", "gpu", "--host-tier", cpu_address, "--metrics-port", "0",
+                                 listen=gpu_address),
+        cpu=lambda: start_daemon("cpu_service", "--model", model_folder, *ENGINE_FLAGS, "--kv-blocks", "64",
+                                 "--name", "cpu", "--assist", "never", "--gpu-service", gpu_address,
+                                 "--peer", gpu_address, listen=cpu_address))
+    gpu, cpu = engines["gpu"], engines["cpu"]
     router = start_daemon("router", "serve", "--gpu", gpu_address, "--cpu", cpu_address, "--model", model_folder,
                           "--no-migrate", "--host-tier-min-gain-tokens", "8",
                           "--host-tier-max-suffix-tokens", max_suffix)
