@@ -81,6 +81,7 @@ class Scheduler(MoveCommands, PoolReservations):
         self.waiting: list[EngineRequest] = []  # arrival order; preempted requests go back in order
         self.running: list[EngineRequest] = []  # arrival order
         self._importing: set[str] = set()
+        self._reserved_ahead: set[str] = set()  # imports reserved before their request was known
         self._next_arrival_index = 0
         self.num_preemptions = 0
         # None: prefix caching off.
@@ -112,9 +113,11 @@ class Scheduler(MoveCommands, PoolReservations):
         self._finish(request, FinishReason.ABORT)
         return RequestEvent(request_id, finish_reason=FinishReason.ABORT)
 
-    def reserve_import(self, request_id: str, num_kv_tokens: int, held_block_ids: Sequence[int] = ()) -> list[int]:
+    def reserve_import(self, request_id: str, num_kv_tokens: int, held_block_ids: Sequence[int] = (),
+                       ahead: bool = False) -> list[int]:
         """Phase one of an import: allocate blocks for `num_kv_tokens` of incoming KV. A cache-only
-        import names the cached leading blocks it shares (held_block_ids: referenced, so kept)."""
+        import names the cached leading blocks it shares (held_block_ids: referenced, so kept).
+        ahead: reserved for a transfer to come, which adopt_import gives them to."""
         self._check_new_id(request_id)
         held = list(held_block_ids)
         for pool in self.pools:
@@ -124,9 +127,34 @@ class Scheduler(MoveCommands, PoolReservations):
                     f"({pool.num_available_blocks} of {pool.num_total_blocks} free or cached)"
                 )
         self._importing.add(request_id)
+        if ahead:
+            self._reserved_ahead.add(request_id)
         for pool in self.pools[1:]:
             pool.allocate(request_id, num_kv_tokens)
         return self.blocks.allocate(request_id, num_kv_tokens, held)
+
+    @property
+    def num_used_blocks(self) -> int:
+        """Blocks of the KV pool that requests and imports under way hold; those reserved ahead of a
+        transfer are not counted (they stand for the next import, as free blocks would)."""
+        return self.blocks.num_used_blocks - sum(self.blocks.num_held_blocks(i) for i in self._reserved_ahead)
+
+    def adopt_import(self, reserved_id: str, request_id: str, num_kv_tokens: int) -> None:
+        """An import reserved ahead under `reserved_id` (reserve_import, before its request was known)
+        becomes `request_id`'s, cut to `num_kv_tokens` (the rest of its blocks freed); commit_import
+        follows as for any import."""
+        if reserved_id not in self._importing:
+            raise RequestNotFound(reserved_id)
+        self._check_new_id(request_id)
+        for pool in self.pools:
+            if num_kv_tokens > pool.num_tokens(reserved_id):
+                raise InvalidArgument("num_computed_tokens", f"{num_kv_tokens} tokens do not fit the "
+                                      f"{pool.num_tokens(reserved_id)} reserved ahead")
+        for pool in self.pools:
+            pool.hand_over(reserved_id, request_id, num_kv_tokens)
+        self._importing.discard(reserved_id)
+        self._reserved_ahead.discard(reserved_id)
+        self._importing.add(request_id)
 
     def commit_import(self, request: EngineRequest) -> None:
         """Phase two: the KV is written and verified; the request joins the running batch.
@@ -169,6 +197,7 @@ class Scheduler(MoveCommands, PoolReservations):
     def cancel_import(self, request_id: str) -> None:
         if request_id in self._importing:
             self._importing.discard(request_id)
+            self._reserved_ahead.discard(request_id)
             self._free_blocks(request_id)
 
     # ----------------------------------------------------------------- stepping

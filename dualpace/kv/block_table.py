@@ -293,6 +293,24 @@ class KVBlockManager:
         self._seqs[child_id] = _SeqBlocks(list(parent.block_ids), parent.num_tokens, parent.num_hashed_blocks,
                                           parent.num_released_blocks)
 
+    def hand_over(self, seq_id: SeqId, new_id: SeqId, num_tokens: int) -> None:
+        """Give ``seq_id``'s table to ``new_id``, cut to its first ``num_tokens`` tokens (the blocks past
+        them freed): an import reserved ahead, before its request was known. Only for a table that
+        holds its blocks alone (no sharing, none cached or released)."""
+        seq = self._get(seq_id)
+        if new_id in self._seqs:
+            raise ValueError(f"sequence {new_id!r} already has KV blocks")
+        _check_count("num_tokens", num_tokens)
+        if num_tokens > seq.num_tokens:
+            raise ValueError(f"{num_tokens} tokens do not fit sequence {seq_id!r} of {seq.num_tokens}")
+        if seq.num_hashed_blocks or seq.num_released_blocks or any(self._allocator.refcount(b) != 1
+                                                                  for b in seq.block_ids):
+            raise ValueError(f"sequence {seq_id!r} shares, caches or released blocks")
+        keep = self.num_blocks_for(num_tokens)
+        self._allocator.free(seq.block_ids[keep:])
+        del self._seqs[seq_id]
+        self._seqs[new_id] = _SeqBlocks(seq.block_ids[:keep], num_tokens)
+
     def free(self, seq_id: SeqId) -> None:
         """Drop the sequence's table; blocks no other table holds become free (or cached)."""
         seq = self._get(seq_id)

@@ -181,3 +181,36 @@ def test_commit_import_errors_and_cancel():
     d.s.reserve_import("imp", 7)  # the id is free again
     d.s.cancel_import("imp")
     assert_all_free(d.s)
+
+
+def test_an_import_reserved_ahead_is_adopted_by_its_request_and_cut_to_its_tokens():
+    d = Driver(make_scheduler(num_blocks=16, block_size=4))
+    reserved = d.s.reserve_import("ahead", 16, ahead=True)  # 4 blocks, before the request is known
+    assert (d.s.blocks.num_used_blocks, d.s.num_used_blocks) == (4, 0)  # they stand for the next import
+    request = _imported_request()  # 7 tokens of KV: 2 blocks
+    with pytest.raises(RequestNotFound):
+        d.s.adopt_import("nobody", "imp", 7)
+    with pytest.raises(InvalidArgument):
+        d.s.adopt_import("ahead", "imp", 17)  # more than was reserved
+    d.add(make_request("busy", prompt_len=4, max_tokens=2))
+    with pytest.raises(InvalidArgument):
+        d.s.adopt_import("ahead", "busy", 7)  # that id is taken
+    assert d.s.blocks.block_ids("ahead") == reserved  # a refused adoption changed nothing
+    d.s.adopt_import("ahead", "imp", request.num_tokens - 1)
+    assert not d.s.blocks.has("ahead") and d.s.blocks.block_ids("imp") == reserved[:2]
+    assert d.s.blocks.num_used_blocks == d.s.num_used_blocks == 2  # the two past its tokens are free again
+    with pytest.raises(RequestNotFound):
+        d.s.adopt_import("ahead", "other", 4)  # once
+    d.commit_import(request)
+    d.run()
+    assert d.finished["imp"] == FinishReason.LENGTH and len(d.outputs["imp"]) == 6
+    assert_all_free(d.s)
+
+
+def test_an_import_reserved_ahead_and_never_adopted_is_cancelled_like_any_import():
+    d = Driver(make_scheduler(num_blocks=8, block_size=4))
+    d.s.reserve_import("ahead", 12, ahead=True)
+    d.s.cancel_import("ahead")
+    assert_all_free(d.s)
+    d.s.reserve_import("ahead", 12)  # the id is free again; a plain import's blocks count as used
+    assert d.s.num_used_blocks == 3

@@ -300,3 +300,30 @@ def test_empty_sequence_then_append():
 def test_bad_block_size_raises():
     with pytest.raises(ValueError, match="block_size"):
         KVBlockManager(num_blocks=2, block_size=0)
+
+
+def test_hand_over_keeps_the_leading_blocks_under_the_new_id_and_frees_the_rest():
+    manager = KVBlockManager(num_blocks=8, block_size=4)
+    blocks = manager.allocate("ahead", 16)
+    manager.hand_over("ahead", "real", 5)
+    assert not manager.has("ahead") and manager.block_ids("real") == blocks[:2]
+    assert (manager.num_tokens("real"), manager.num_used_blocks) == (5, 2)
+    manager.append("real", 3)  # a table like any other: it grows and frees as usual
+    manager.free("real")
+    assert manager.num_free_blocks == 8
+
+
+def test_hand_over_refuses_without_changing_anything():
+    manager = KVBlockManager(num_blocks=8, block_size=4)
+    blocks = manager.allocate("ahead", 8)
+    manager.allocate("taken", 4)
+    with pytest.raises(ValueError):
+        manager.hand_over("ahead", "taken", 4)  # the new id has a table
+    with pytest.raises(ValueError):
+        manager.hand_over("ahead", "real", 9)  # more tokens than the table holds
+    manager.fork("ahead", "child")
+    with pytest.raises(ValueError):
+        manager.hand_over("ahead", "real", 4)  # its blocks are shared
+    with pytest.raises(KeyError):
+        manager.hand_over("nobody", "real", 4)
+    assert manager.block_ids("ahead") == blocks and manager.num_tokens("ahead") == 8
