@@ -278,7 +278,7 @@ class EngineLoop:
         """Report the engine's state to the metrics (cheap: a few attribute reads)."""
         scheduler = self.core.scheduler
         blocks = scheduler.blocks
-        self.metrics.state(scheduler.num_running, scheduler.num_waiting, blocks.num_used_blocks,
+        self.metrics.state(scheduler.num_running, scheduler.num_waiting, scheduler.num_used_blocks,
                            blocks.num_total_blocks, scheduler.num_preemptions)
         if (prefix_cache := scheduler.prefix_cache) is not None:
             self.metrics.prefix_cache(self.core.config.kind, prefix_cache.num_query_tokens,
@@ -370,7 +370,7 @@ class EngineLoop:
             num_running=core.scheduler.num_running,
             num_waiting=core.scheduler.num_waiting,
             kv_blocks_total=blocks.num_total_blocks,
-            kv_blocks_used=blocks.num_used_blocks,
+            kv_blocks_used=core.scheduler.num_used_blocks,  # not counting blocks reserved ahead of an import
             block_size=blocks.block_size,
             itl_p50_ms=self._step_ms.p50_ms,
             itl_p99_ms=self._step_ms.p99_ms,

@@ -16,7 +16,7 @@ import logging
 import os
 import time
 
-from dualpace.engine.transfer.kv_shm_import import ShmImport
+from dualpace.engine.transfer.kv_shm_import import ShmImport, import_messages
 from dualpace.engine.transfer.kv_shm_protocol import ShmDeclined, ShmReservation
 from dualpace.engine.transfer.shm_control import IncomingStream
 from dualpace.engine.loop import EngineLoop
@@ -157,10 +157,30 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
         marks = importer.marks  # (event, perf_counter s): this process's clock, the sender's too on one host
         marks.append(("stream_start", started))
         try:
-            async for message in request_iterator:
+            async for message in import_messages(request_iterator, importer):
                 kind = message.WhichOneof("kind")
                 marks.append((f"{kind}_read", time.perf_counter()))
-                if kind == "header":
+                if kind == "shm_reserve_ahead":  # blocks for a transfer to come, its header later
+                    if importer.progress is not None or importer.reserved_ahead:
+                        raise InvalidArgument("shm_reserve_ahead", "only as an import's first message")
+                    if shm is None:
+                        raise InvalidArgument("shm_reserve_ahead", "this engine has no shared KV pool")
+                    ahead = shm_messages.shm_reserve_ahead_from_pb(message.shm_reserve_ahead)
+                    await importer.reserve_ahead(ahead.layout, ahead.num_tokens)
+                    answer = shm.answer(ahead.offer)
+                    if isinstance(answer, ShmDeclined):
+                        raise InvalidArgument("shm_reserve_ahead.shm_offer", answer.reason)
+                    yield shm_messages.shm_answer_to_pb(answer)
+                    continue
+                if kind == "header" and importer.reserved_ahead:  # its blocks are reserved: no answer
+                    if importer.progress is not None:
+                        raise InvalidArgument("header", "sent twice")
+                    header = messages.kv_header_from_pb(message.header)
+                    if header.cache_only:
+                        raise InvalidArgument("header.cache_only", "not into blocks reserved ahead")
+                    await importer.begin(header)
+                    marks.append(("reserved", time.perf_counter()))
+                elif kind == "header":
                     if importer.progress is not None:
                         raise InvalidArgument("header", "sent twice")
                     header = messages.kv_header_from_pb(message.header)
@@ -195,8 +215,8 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
                         _log_import(importer, started)
                         return
                 elif kind == "shm_written":
-                    if shm is None:
-                        raise InvalidArgument("shm_written", "this engine has no shared KV pool")
+                    if shm is None or importer.progress is None:
+                        raise InvalidArgument("shm_written", "before a header, or this engine has no shared KV pool")
                     written = shm_messages.shm_written_from_pb(message.shm_written)
                     await shm.written(written)
                     marks.append(("verified", time.perf_counter()))
@@ -302,7 +322,7 @@ def _log_import(importer: KvImporter, started: float) -> None:
     left (at DEBUG it took ~0.1-0.3 ms before the reply, on the transfer's path). Nothing below DEBUG:
     building its arguments for a line dropped later cost 0.16 ms cold, while the source waits (it
     runs before the CPU is yielded to it)."""
-    if not log.isEnabledFor(logging.DEBUG):
+    if not logging.getLogger(__name__).isEnabledFor(logging.DEBUG):  # structlog's own logger may lack it
         return
     marks = importer.marks
     committed_at = next((t for name, t in reversed(marks) if name == "committed"), time.perf_counter())

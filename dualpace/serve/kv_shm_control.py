@@ -26,9 +26,10 @@ class WatchImportCall:
         self.stream = stream
         self._parse_reply = parse_reply  # bytes -> ImportKvReply (the protobuf stays in its modules)
 
-    async def write(self, message) -> None:
+    async def write(self, message, *more) -> None:
+        """One message, or several in one send (a gRPC call's write takes one)."""
         try:
-            self.stream.write(message.SerializeToString())
+            self.stream.write(message.SerializeToString(), *(m.SerializeToString() for m in more))
         except (ConnectionError, SameHostRefused) as exc:
             raise asyncio.InvalidStateError(str(exc)) from None
 

@@ -1,7 +1,9 @@
 """The same-host KV transport: gRPC carries the header, the slots, checksums, prepare and commit;
 the bytes go straight from this engine's pool into the target's reserved blocks. Once a
 transfer has mapped the target's pool, the next ones to that target send those same messages
-over the pool's watch connection instead of a gRPC stream (dualpace.engine.transfer.shm_control).
+over the pool's watch connection instead of a gRPC stream (dualpace.engine.transfer.shm_control),
+and each one reserves the blocks of the next ahead (dualpace.engine.transfer.shm_reserved_ahead): a
+transfer that fits them copies at once and sends its header with written + commit.
 
 The header offers shared memory; the target answers with a reservation (it proved nothing
 yet: the sender then maps the pool it names and checks the token in its header) or with the
@@ -21,13 +23,14 @@ from dataclasses import dataclass, field
 
 
 from dualpace.engine.transfer.kv_shm_import import SharedKvPool, ShmImport
-from dualpace.engine.transfer.kv_shm_protocol import ShmDeclined, ShmOffer, ShmReservation, ShmWritten
+from dualpace.engine.transfer.kv_shm_protocol import ShmDeclined, ShmOffer, ShmReservation, ShmReserveAhead, ShmWritten
 from dualpace.engine.transfer.kv_shm_send import MappedPools, check_geometry, write_in_place
 from dualpace.engine.transfer.kv_source import OutgoingKv
 from dualpace.engine.transfer.kv_tcp_import import TcpDataServer, TcpDeclined, TcpImport, TcpReservation
-from dualpace.engine.transfer.kv_transfer import KvTransferHeader
+from dualpace.engine.transfer.kv_transfer import KvLayout, KvTransferHeader
 from dualpace.engine.transfer.migration import KvImporter
 from dualpace.engine.transfer.same_host import SameHostRefused, boot_id, new_ticket
+from dualpace.engine.transfer.shm_reserved_ahead import ReservedAhead, first_slots
 from dualpace.errors import InvalidArgument, Unavailable
 from dualpace.faults import FaultConfig
 from dualpace.serve.kv_shm_control import WatchImportCall
@@ -35,7 +38,13 @@ from dualpace.serve.kv_tcp_transport import TcpKvSender
 from dualpace.serve.kv_transport import KvControlSender
 from dualpace.serve.peer_channels import PeerChannels
 from dualpace.serve.security import TlsConfig
-from dualpace.wire.kv_shm_messages import kv_header_with_offer_to_pb, shm_answer_from_pb, shm_written_to_pb
+from dualpace.wire.engine_messages import kv_header_to_pb
+from dualpace.wire.kv_shm_messages import (
+    kv_header_with_offer_to_pb,
+    shm_answer_from_pb,
+    shm_reserve_ahead_to_pb,
+    shm_written_to_pb,
+)
 from dualpace.wire.kv_tcp_messages import add_tcp_offer, tcp_answer_from_pb
 from dualpace.wire.v1 import engine_pb2
 
@@ -45,6 +54,10 @@ log = logging.getLogger(__name__)
 # tcp: the data socket even on this host (the KV pool stays private).
 KV_TRANSPORTS = ("auto", "tcp")
 DECLINE_MEMORY_S = 60.0  # a target that declined is offered shared memory again after this
+
+
+class ReservedAheadEnded(Exception):
+    """The target ended a reservation ahead before the transfer's header left: reserve anew."""
 
 
 class SameHostKvSender(TcpKvSender):
@@ -58,6 +71,7 @@ class SameHostKvSender(TcpKvSender):
         self.declined_until = declined_until  # target address -> monotonic time; shared by the engine's senders
         self.used_shm = False  # for the caller's logs and the tests
         self.used_watch_control = False  # the last transfer's messages went over the pool's watch, not gRPC
+        self.used_reserved_ahead = False  # the last transfer went into blocks reserved ahead (shm_reserved_ahead)
         self.phase_ms: dict[str, float] = {}  # the last transfer's phases, in order
         self.marks: list[tuple[str, float]] = []  # the last transfer's events (name, perf_counter s)
 
@@ -76,7 +90,14 @@ class SameHostKvSender(TcpKvSender):
         laps = self.phase_ms = {}  # where the time of this transfer went (bench.data_plane reports it)
         self.marks = [("start", time.perf_counter())]
         lap = _lap_timer(laps, self.marks)
-        self.used_watch_control = False
+        self.used_watch_control = self.used_reserved_ahead = False
+        reserved = self.pools.ahead.take(self.target_address, header)
+        if reserved is not None:
+            try:
+                return await self._transfer_reserved(reserved, header, chunks, lap)
+            except ReservedAheadEnded:  # before its header left: nothing of it committed
+                log.debug("KV to %s: the target ended the blocks reserved ahead; reserving anew", self.target_address)
+                self.used_reserved_ahead = False
         try:
             control = self.pools.control_stream(self.target_address)
         except SameHostRefused:
@@ -127,6 +148,7 @@ class SameHostKvSender(TcpKvSender):
                       else await self._prepare_and_commit(call))
             self.pools.remember_control(self.target_address, answer)
             lap("verify_prepare_commit_ms")
+            self._reserve_next(header, answer)
             if log.isEnabledFor(logging.DEBUG):  # its dict built for nothing: 0.05 ms cold
                 log.debug("KV to %s: %s", self.target_address, {k: round(v, 3) for k, v in self.phase_ms.items()})
             return engine
@@ -136,6 +158,72 @@ class SameHostKvSender(TcpKvSender):
         finally:
             if asked is not None:  # not held (declined, failed before the copy, another ticket): end it
                 asked.withdraw(offer.lease_ticket)
+
+    async def _transfer_reserved(self, reserved: ReservedAhead, header: KvTransferHeader, chunks: OutgoingKv,
+                                 lap) -> str:
+        """Into blocks reserved ahead (shm_reserved_ahead): the copy at once, then the header and
+        written + commit together, answered by committed. Raises ReservedAheadEnded where the target
+        ended the reservation before the header left."""
+        self.used_watch_control = self.used_reserved_ahead = True
+        call = reserved.call
+        answer = dataclasses.replace(reserved.reservation,
+                                     slot_runs=first_slots(reserved.reservation.slot_runs, header.num_computed_tokens))
+        try:
+            try:
+                written = await self._write_in_place(call, answer, header, chunks)
+            except SameHostRefused:  # the lease taken back (the target ended the reservation) or the watch gone
+                raise ReservedAheadEnded() from None
+            lap("lease_and_copy_ms")
+            chunks.safe_point()  # the last chance to back out (a cancelled MigrateOut): commit follows
+            if not reserved.open:  # checked and sent with no await between: the header reaches its import
+                raise ReservedAheadEnded()
+            # One send, with the lease's end: the target checks the header, hands the blocks to the
+            # request, verifies and commits, woken once.
+            await self._write(call, kv_header_to_pb(header), "the header and shm_written",
+                              shm_written_to_pb(dataclasses.replace(written, commit=True)))
+            self.used_shm = True
+            lap("written_ms")
+            engine = (await self._expect(call, "committed")).engine
+            lap("verify_prepare_commit_ms")
+            self._reserve_next(header, reserved.reservation)
+            return engine
+        except BaseException:
+            call.cancel()  # the target drops the import (once our write lease has ended)
+            raise
+        finally:
+            reserved.end_lease()  # asked ahead and not held (a failure before the copy): end it
+
+    def _reserve_next(self, header: KvTransferHeader, answer: ShmReservation) -> None:
+        """After a transfer over the target's watch: blocks for the next one, reserved in the background
+        (the transfer's tokens and a block more)."""
+        block_size = header.layout.block_size
+        num_tokens = -(-header.num_computed_tokens // block_size) * block_size + block_size
+        if answer.reserves_ahead and self.pools.ahead.wants(self.target_address, num_tokens):
+            self.pools.ahead.make(self.target_address, lambda: self._reserve_ahead(header.layout, num_tokens))
+
+    async def _reserve_ahead(self, layout: KvLayout, num_tokens: int) -> ReservedAhead | None:
+        try:
+            control = self.pools.control_stream(self.target_address)
+        except SameHostRefused:
+            return None
+        ticket = new_ticket()
+        leases = self.pools.ask_lease_ahead(self.target_address, ticket) if control is not None else None
+        if leases is None:
+            if control is not None:
+                control.abandon()
+            return None
+        call = WatchImportCall(control, engine_pb2.ImportKvReply.FromString)
+        try:
+            ahead = ShmReserveAhead(layout, num_tokens, ShmOffer(boot_id(), ticket))
+            await self._write(call, shm_reserve_ahead_to_pb(ahead), "the reservation ahead")
+            answer = await self._expect_answer(call)
+            if not isinstance(answer, ShmReservation):
+                raise Unavailable(f"KV to {self.target_address}: no reservation ahead: {answer}")
+        except BaseException:
+            call.cancel()
+            leases.withdraw(ticket)
+            raise
+        return ReservedAhead(call, answer, layout, num_tokens, ticket, leases)
 
     async def _write_in_place(self, call, answer: ShmReservation, header: KvTransferHeader,
                               chunks: OutgoingKv) -> ShmWritten:

@@ -82,9 +82,10 @@ class KvControlSender:
         return committed.engine
 
     @staticmethod
-    async def _write(call, message: engine_pb2.ImportKvMessage, what: str) -> None:
+    async def _write(call, message: engine_pb2.ImportKvMessage, what: str, *more: engine_pb2.ImportKvMessage) -> None:
+        """`more`: messages sent with it in one send (a watch's import call only: kv_shm_control)."""
         try:
-            await call.write(message)
+            await call.write(message, *more)
         except (asyncio.InvalidStateError, grpc.aio.AioRpcError):
             # The target already ended the stream (e.g. it rejected the header): whether
             # the write notices that is a race, so report it like an early end of the replies.

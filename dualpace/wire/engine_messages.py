@@ -178,6 +178,10 @@ def kv_layout_to_pb(layout: KvLayout) -> engine_pb2.KvLayout:
                                head_dim=layout.head_dim, block_size=layout.block_size, dtype=layout.dtype)
 
 
+def kv_layout_from_pb(layout: engine_pb2.KvLayout) -> KvLayout:
+    return KvLayout(layout.num_layers, layout.num_kv_heads, layout.head_dim, layout.block_size, layout.dtype)
+
+
 def kv_header_to_pb(header: KvTransferHeader) -> engine_pb2.ImportKvMessage:
     return engine_pb2.ImportKvMessage(header=engine_pb2.ImportKvHeader(
         request_id=header.request_id,
@@ -200,7 +204,6 @@ def kv_header_to_pb(header: KvTransferHeader) -> engine_pb2.ImportKvMessage:
 def kv_header_from_pb(message: engine_pb2.ImportKvHeader) -> KvTransferHeader:
     if not message.HasField("sampling") or not message.sampling.HasField("seed"):
         raise ValueError("header.sampling: the request's seed must be set")
-    layout = message.layout
     return KvTransferHeader(
         request_id=message.request_id,
         # uint32 fields hold valid ids already (the importer checks them against its vocabulary)
@@ -208,7 +211,7 @@ def kv_header_from_pb(message: engine_pb2.ImportKvHeader) -> KvTransferHeader:
         output_token_ids=tuple(message.output_token_ids),
         params=sampling_params_from_pb(message.sampling),
         num_computed_tokens=message.num_computed_tokens,
-        layout=KvLayout(layout.num_layers, layout.num_kv_heads, layout.head_dim, layout.block_size, layout.dtype),
+        layout=kv_layout_from_pb(message.layout),
         total_bytes=message.total_bytes,
         source_engine=message.source_engine,
         num_cached_tokens=message.num_cached_tokens,

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from dualpace.engine.transfer.kv_shm_protocol import ShmDeclined, ShmOffer, ShmReservation, ShmWritten
+from dualpace.engine.transfer.kv_shm_protocol import ShmDeclined, ShmOffer, ShmReservation, ShmReserveAhead, ShmWritten
 from dualpace.engine.transfer.kv_transfer import KvTransferHeader
-from dualpace.wire.engine_messages import kv_header_to_pb
+from dualpace.wire.engine_messages import kv_header_to_pb, kv_layout_from_pb, kv_layout_to_pb
 from dualpace.wire.v1 import engine_pb2
 
 
@@ -17,10 +17,25 @@ def kv_header_with_offer_to_pb(header: KvTransferHeader, offer: ShmOffer | None)
     return message
 
 
-def shm_offer_from_pb(header: engine_pb2.ImportKvHeader) -> ShmOffer | None:
+def shm_offer_from_pb(header: engine_pb2.ImportKvHeader | engine_pb2.KvShmReserveAhead) -> ShmOffer | None:
     if not header.HasField("shm_offer"):
         return None
     return ShmOffer(header.shm_offer.boot_id, bytes(header.shm_offer.lease_ticket) or None)
+
+
+def shm_reserve_ahead_to_pb(ahead: ShmReserveAhead) -> engine_pb2.ImportKvMessage:
+    message = engine_pb2.ImportKvMessage(shm_reserve_ahead=engine_pb2.KvShmReserveAhead(
+        layout=kv_layout_to_pb(ahead.layout), num_tokens=ahead.num_tokens))
+    offer = message.shm_reserve_ahead.shm_offer
+    offer.boot_id = ahead.offer.boot_id
+    if ahead.offer.lease_ticket is not None:
+        offer.lease_ticket = ahead.offer.lease_ticket
+    return message
+
+
+def shm_reserve_ahead_from_pb(message: engine_pb2.KvShmReserveAhead) -> ShmReserveAhead:
+    return ShmReserveAhead(kv_layout_from_pb(message.layout), message.num_tokens,
+                           shm_offer_from_pb(message) or ShmOffer(""))
 
 
 def shm_answer_to_pb(answer: ShmReservation | ShmDeclined) -> engine_pb2.ImportKvReply:
@@ -32,7 +47,7 @@ def shm_answer_to_pb(answer: ShmReservation | ShmDeclined) -> engine_pb2.ImportK
         slot_run_lengths=[length for _, length in answer.slot_runs],
         accepts_written_with_commit=answer.accepts_written_with_commit,
         lease_on_watch=answer.lease_on_watch, control_on_watch=answer.control_on_watch,
-        asks_lease_ahead=answer.asks_lease_ahead))
+        asks_lease_ahead=answer.asks_lease_ahead, reserves_ahead=answer.reserves_ahead))
 
 
 def shm_answer_from_pb(reply: engine_pb2.ImportKvReply) -> ShmReservation | ShmDeclined | None:
@@ -45,7 +60,8 @@ def shm_answer_from_pb(reply: engine_pb2.ImportKvReply) -> ShmReservation | ShmD
         return ShmReservation(reserved.socket_name, bytes(reserved.segment_token), bytes(reserved.import_token),
                               tuple(zip(reserved.slot_run_starts, reserved.slot_run_lengths)),
                               reserved.accepts_written_with_commit,
-                              reserved.lease_on_watch, reserved.control_on_watch, reserved.asks_lease_ahead)
+                              reserved.lease_on_watch, reserved.control_on_watch, reserved.asks_lease_ahead,
+                              reserved.reserves_ahead)
     return None
 
 

@@ -224,3 +224,43 @@ def test_a_valid_hand_made_transfer_still_imports(engine):
     assert sum(len(r.token_ids) for r in responses) == 6 - len(OUTPUTS)
     assert responses[-1].finish_reason == common_pb2.FINISH_REASON_LENGTH
     assert_still_serving(daemon, probe)
+
+
+def test_malformed_reservations_ahead_get_clean_errors(engine):
+    """Blocks reserved ahead of a header (ImportKvMessage.shm_reserve_ahead): a wrong layout, no tokens,
+    another host's boot id, a second reservation, or written KV before any header is refused with
+    INVALID_ARGUMENT naming the field, and no block stays reserved."""
+    daemon, probe = engine
+    info = probe.info()
+
+    def ahead(num_tokens: int = 32, boot: str | None = None, **layout) -> engine_pb2.ImportKvMessage:
+        shape = dict(num_layers=info.num_layers, num_kv_heads=info.num_kv_heads, head_dim=info.head_dim,
+                     block_size=info.block_size, dtype="float32") | layout
+        with open("/proc/sys/kernel/random/boot_id", encoding="ascii") as file:
+            own_boot = file.read().strip()
+        return engine_pb2.ImportKvMessage(shm_reserve_ahead=engine_pb2.KvShmReserveAhead(
+            layout=engine_pb2.KvLayout(**shape), num_tokens=num_tokens,
+            shm_offer=engine_pb2.KvShmOffer(boot_id=own_boot if boot is None else boot)))
+
+    shm_written = engine_pb2.ImportKvMessage(shm_written=engine_pb2.KvShmWritten(
+        layer_crc32=[0] * info.num_layers, commit=True))
+    cases = [
+        ("another shape", [ahead(num_kv_heads=info.num_kv_heads + 1)], "shm_reserve_ahead.layout", 0),
+        ("no tokens", [ahead(num_tokens=0)], "shm_reserve_ahead.num_tokens", 0),
+        ("another host", [ahead(boot="another-host")], "shm_reserve_ahead.shm_offer", 0),
+        ("twice", [ahead(), ahead()], "shm_reserve_ahead", 1),
+        ("written before a header", [ahead(), shm_written], "shm_written", 1),
+    ]
+    for name, messages, field, num_replies in cases:
+        call = ImportCall(probe.stub, timeout_s=30)
+        try:
+            call.send(*messages)
+            call.close()
+            assert call.done.wait(30), name
+        finally:
+            call.cancel()
+        assert call.error is not None and call.error.code() == grpc.StatusCode.INVALID_ARGUMENT, (name, call.error)
+        assert field in call.error.details(), (name, call.error.details())
+        assert len(call.replies) == num_replies, name  # the reservation's answer, where one was made
+        assert wait_for(probe.blocks_used, lambda used: used == 0, timeout_s=5) == 0, name
+    assert_still_serving(daemon, probe)

@@ -24,7 +24,7 @@ from dualpace.serve import kv_shm_transport
 from dualpace.serve.kv_shm_transport import SameHostKvSender
 from tests.engine.test_migration import wait_tokens
 from tests.helpers import until
-from tests.serve.test_kv_shm_import_stream import PARAMS, PROMPT, Served, expected
+from tests.serve.test_kv_shm_import_stream import PARAMS, PROMPT, Served, expected, fresh_imports_only  # noqa: F401
 
 HANG_GUARD_S = 30.0
 
@@ -73,14 +73,21 @@ async def test_later_transfers_open_no_grpc_stream(tiny, monkeypatch):
     await served.close()
 
 
-async def test_a_target_error_over_the_watch_is_its_status(tiny):
-    served = await Served().start(tiny)
-    await first_transfer(served, tiny)
+async def corrupt_transfer_refused(served: Served):
+    """Request "c" migrated with a torn layer: the target refuses the written record (its status in
+    the error). The sender and the request's channel on the source."""
     channel = await served.source[0].add_request("c", PROMPT, PARAMS)
     await wait_tokens(channel, 4)
     sender = served.sender(FaultConfig(kv_corrupt_layer=1))
     with pytest.raises(Unavailable, match="INVALID_ARGUMENT.*checksums for"):
         await migrate_out(served.source[0], "c", sender)
+    return sender, channel
+
+
+async def test_a_target_error_over_the_watch_is_its_status(tiny):
+    served = await Served().start(tiny)
+    await first_transfer(served, tiny)
+    sender, channel = await corrupt_transfer_refused(served)
     assert sender.used_watch_control
     await finishes_on_source(served, channel, tiny)
     await served.close()

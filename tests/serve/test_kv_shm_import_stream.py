@@ -41,6 +41,13 @@ PROMPT = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5]
 PARAMS = SamplingParams(max_tokens=24, ignore_eos=True)
 
 
+@pytest.fixture(autouse=True)
+def fresh_imports_only(monkeypatch):
+    """These transfers reserve their blocks as they go (a module that imports this fixture too);
+    transfers into blocks reserved ahead have tests of their own (test_kv_shm_reserved_ahead.py)."""
+    monkeypatch.setattr(SameHostKvSender, "_reserve_next", lambda *args: None)
+
+
 class Served:
     """A target engine with a shared pool behind a real gRPC server, and a source engine."""
 

@@ -29,15 +29,37 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from dualpace.engine.transfer.kv_shm_protocol import ShmDeclined, ShmOffer, ShmReservation, ShmWritten
 from dualpace.engine.transfer.migration import KvImporter
 from dualpace.engine.transfer.same_host import Lease, TicketServer, boot_id
 from dualpace.engine.transfer.shm_segment import SharedKvMemory
-from dualpace.errors import InvalidArgument
+from dualpace.errors import InvalidArgument, Unavailable
 
 log = logging.getLogger(__name__)
+
+# How long blocks reserved ahead (KvImporter.reserve_ahead) wait for their transfer's header before the
+# import ends and frees them. Senders give theirs back sooner (shm_reserved_ahead.RESERVE_AHEAD_MAX_AGE_S).
+RESERVED_AHEAD_MAX_WAIT_S = 10.0
+
+
+async def import_messages(requests: AsyncIterator, importer: KvImporter) -> AsyncIterator:
+    """An import stream's messages, in order; while its blocks are reserved ahead and its header has
+    not come, at most RESERVED_AHEAD_MAX_WAIT_S for the next one (then Unavailable: the import ends)."""
+    iterator = aiter(requests)
+    while True:
+        waits_ahead = importer.reserved_ahead and importer.progress is None
+        try:
+            async with asyncio.timeout(RESERVED_AHEAD_MAX_WAIT_S if waits_ahead else None):
+                message = await anext(iterator)
+        except StopAsyncIteration:
+            return
+        except TimeoutError:
+            raise Unavailable(f"no transfer took the blocks reserved ahead within {RESERVED_AHEAD_MAX_WAIT_S:g} s; "
+                              "they are freed") from None
+        yield message
 
 
 @dataclass
@@ -91,10 +113,11 @@ class ShmImport:
             return ShmDeclined(reason)
         # Under the sender's own ticket where it named one: a lease it asked for ahead is granted now.
         self._ticket, self._lease = self.pool.server.open_lease(offer.lease_ticket)
+        on_watch = self.pool.server.stream_handler is not None
         return ShmReservation(self.pool.server.name, self.pool.segment_ticket, self._ticket,
                               self.importer.slot_runs, accepts_written_with_commit=True,
-                              lease_on_watch=True, control_on_watch=self.pool.server.stream_handler is not None,
-                              asks_lease_ahead=True)
+                              lease_on_watch=True, control_on_watch=on_watch, asks_lease_ahead=True,
+                              reserves_ahead=on_watch)
 
     async def written(self, written: ShmWritten) -> None:
         """The sender's commit record: it copied every layer and ended its lease; then the import is

@@ -7,11 +7,17 @@ refusal with its reason (then the data socket, where the header offered it too);
 with the layer checksums. Where the target's reservation allows it, prepare and commit ride
 on that same message (`ShmWritten.commit`): the target verifies, prepares and commits in one
 go and answers with committed alone; otherwise prepare and commit follow as separate messages.
+
+Where the reservation says `reserves_ahead`, a sender may reserve the blocks of its next transfer
+before that transfer exists (`ShmReserveAhead` instead of a header, answered by a reservation);
+the transfer then copies at once, and sends its header and written + commit together.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from dualpace.engine.transfer.kv_transfer import KvLayout
 
 
 @dataclass(frozen=True)
@@ -32,6 +38,16 @@ class ShmReservation:
     lease_on_watch: bool = False  # the target grants the write lease over the sender's watch connection
     control_on_watch: bool = False  # later transfers may run their messages over that watch (shm_control)
     asks_lease_ahead: bool = False  # later transfers over that watch may ask for their lease ahead (ShmOffer)
+    reserves_ahead: bool = False  # later transfers over that watch may reserve their blocks ahead (ShmReserveAhead)
+
+
+@dataclass(frozen=True)
+class ShmReserveAhead:
+    """Reserve `num_tokens` slots now for a transfer to come (of at most that many tokens of KV)."""
+
+    layout: KvLayout
+    num_tokens: int
+    offer: ShmOffer
 
 
 @dataclass(frozen=True)

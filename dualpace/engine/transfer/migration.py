@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import secrets
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, replace
@@ -29,7 +30,7 @@ from dualpace.engine.transfer.kv_bytes import DTYPE_NAMES
 from dualpace.engine.transfer.kv_transfer import ImportProgress, KvLayout, KvTransferHeader
 from dualpace.engine.loop import EngineLoop
 from dualpace.engine.request import EngineRequest, RequestEvent, RequestState
-from dualpace.errors import InvalidArgument, Unavailable
+from dualpace.errors import InvalidArgument, Overloaded, Unavailable
 from dualpace.validation import validate_request
 
 log = logging.getLogger(__name__)
@@ -171,6 +172,16 @@ async def _resume_if_paused(loop: EngineLoop, request_id: str) -> None:
     await loop.call(resume)
 
 
+RESERVED_AHEAD_PREFIX = "reserved-ahead-"  # + random hex: the scheduler's id of blocks reserved ahead
+
+
+def _check_layout(layout: KvLayout, own: KvLayout, field: str) -> None:
+    if (layout.num_layers, layout.num_kv_heads, layout.head_dim) != (own.num_layers, own.num_kv_heads, own.head_dim):
+        raise InvalidArgument(field, f"KV shape {layout} does not match this engine's model {own}")
+    if layout.dtype not in ("float32", "bfloat16", "float16"):
+        raise InvalidArgument(f"{field}.dtype", f"unknown dtype {layout.dtype!r}")
+
+
 class KvImporter:
     """One incoming transfer on the target engine."""
 
@@ -179,17 +190,43 @@ class KvImporter:
         self.progress: ImportProgress | None = None
         self._slot_runs: tuple[tuple[int, int], ...] = ()
         self._reserved = False
+        self._reserved_ahead: str | None = None  # the scheduler's id of blocks reserved before the header
         self._committed = False
         self.marks: list[tuple[str, float]] = []  # (event, perf_counter s) for the import's debug log
 
-    async def begin(self, header: KvTransferHeader) -> None:
+    @property
+    def reserved_ahead(self) -> bool:
+        """Blocks were reserved ahead of this import's header (reserve_ahead), which begin adopts."""
+        return self._reserved_ahead is not None
+
+    async def reserve_ahead(self, layout: KvLayout, num_tokens: int) -> None:
+        """Reserve slots for `num_tokens` tokens of KV of a transfer whose header comes later; begin
+        hands them to its request (cut to its tokens). Refused (Overloaded) where they would leave
+        less than half of this engine's pool available: they are held for a transfer that may not come."""
         core = self.loop.core
-        own = engine_kv_layout(self.loop)
+        _check_layout(layout, engine_kv_layout(self.loop), "shm_reserve_ahead.layout")
+        if not core.moves_kv:
+            raise InvalidArgument("shm_reserve_ahead", "this engine's sliding layers hold a KV pool of their own")
+        if not 0 < num_tokens < core.loaded.max_context_tokens:
+            raise InvalidArgument("shm_reserve_ahead.num_tokens", f"must be 1 to {core.loaded.max_context_tokens - 1}")
+        reserved_id = f"{RESERVED_AHEAD_PREFIX}{secrets.token_hex(8)}"
+
+        def reserve() -> tuple[tuple[int, int], ...]:
+            self.loop.check_accepting()
+            blocks = core.scheduler.blocks
+            if blocks.num_available_blocks - blocks.num_blocks_for(num_tokens + 1) < blocks.num_total_blocks // 2:
+                raise Overloaded(f"{num_tokens} tokens reserved ahead would leave under half of the KV pool free")
+            core.scheduler.reserve_import(reserved_id, num_tokens, ahead=True)
+            self._reserved, self._reserved_ahead = True, reserved_id
+            return blocks.slot_runs(reserved_id, 0, num_tokens)
+
+        self._slot_runs = await self.loop.call(reserve)
+
+    async def begin(self, header: KvTransferHeader) -> None:
+        """Check the header and reserve its blocks (or adopt those reserved ahead)."""
+        core = self.loop.core
         layout = header.layout
-        if (layout.num_layers, layout.num_kv_heads, layout.head_dim) != (own.num_layers, own.num_kv_heads, own.head_dim):
-            raise InvalidArgument("header.layout", f"KV shape {layout} does not match this engine's model {own}")
-        if layout.dtype not in ("float32", "bfloat16", "float16"):
-            raise InvalidArgument("header.layout.dtype", f"unknown dtype {layout.dtype!r}")
+        _check_layout(layout, engine_kv_layout(self.loop), "header.layout")
         num_tokens = len(header.prompt_token_ids) + len(header.output_token_ids)
         kv_complete = bool(header.output_token_ids) and header.num_computed_tokens == num_tokens - 1
         if header.num_computed_tokens != 0 and not kv_complete:
@@ -208,9 +245,14 @@ class KvImporter:
                          core.loaded.config.vocab_size, core.loaded.max_context_tokens,
                          prompt_field="header.prompt_token_ids")
 
+        ahead = self._reserved_ahead
+
         def reserve() -> tuple[tuple[int, int], ...]:
             self.loop.check_accepting()  # a draining engine takes no imports; the source keeps the request
-            core.scheduler.reserve_import(header.request_id, header.num_computed_tokens)
+            if ahead is None:
+                core.scheduler.reserve_import(header.request_id, header.num_computed_tokens)
+            else:
+                core.scheduler.adopt_import(ahead, header.request_id, header.num_computed_tokens)
             # Recorded in the command itself: a caller cancelled while awaiting it must still free the blocks.
             self._reserved = True
             self.progress = ImportProgress(header)
@@ -265,8 +307,8 @@ class KvImporter:
         """Free the reserved blocks unless the request was committed. Shielded: when the
         import's RPC is cancelled (the source went away) this runs in its cleanup, and a
         cancelled command would be skipped, leaking the blocks."""
-        if self._reserved and not self._committed and self.progress is not None:
-            request_id = self.progress.header.request_id
+        if self._reserved and not self._committed:
+            request_id = self.progress.header.request_id if self.progress is not None else self._reserved_ahead
             self._reserved = False
             await asyncio.shield(self.loop.call(lambda: self.loop.core.scheduler.cancel_import(request_id)))
 

@@ -139,6 +139,7 @@ class TicketServer:
         self._finished_streams: set[bytes] = set()  # random ids: a late message starts nothing
         # Leases asked for ahead (KIND_ASK) of their job: ticket -> (that watch's granted leases, its sender).
         self._asked: dict[bytes, tuple[dict[bytes, Lease], WatchSender]] = {}
+        self._granted_ahead: dict[bytes, WatchSender] = {}  # leases granted to an ask ahead, until revoked
         self._revoked: set[bytes] = set()  # an ask ahead for one of these is refused (bounded)
 
     async def start(self) -> None:
@@ -175,16 +176,22 @@ class TicketServer:
             lease.granted = True  # no await since the job was opened: a revoke cannot slip in between
             granted[ticket] = lease  # ends with that connection, as any lease granted over it
             sender.send_soon(GRANTED + ticket)  # with the reservation's reply, in one send
+            self._granted_ahead[ticket] = sender
         return ticket, lease
 
     def revoke(self, ticket: bytes) -> Lease | None:
         """No new lease for this job from now on; returns it (wait_ended() before freeing its memory)."""
         lease = self._leases.pop(ticket, None)
+        sender = self._granted_ahead.pop(ticket, None)
         if lease is not None:
             lease.revoked = True
             if len(self._revoked) >= 4096:
                 self._revoked.clear()
             self._revoked.add(ticket)
+            if sender is not None and not lease.ended.is_set():
+                # Granted ahead and not ended: a sender that has not started its copy (blocks reserved
+                # ahead, waiting for a transfer) ends the lease at once on this, instead of keeping it.
+                sender.send_soon(REFUSED + ticket)
         return lease
 
     def _grant(self, ticket: bytes) -> Lease | None:

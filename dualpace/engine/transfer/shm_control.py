@@ -169,11 +169,13 @@ class OutgoingStream:
         self._replies: asyncio.Queue[bytes | None] = asyncio.Queue()
         self.code: int | None = None  # once ended: 0 after the last reply, else a gRPC status value
         self.details = ""
+        self.on_end: Callable[[], None] | None = None  # called once, when the stream ends (either side)
 
-    def write(self, payload: bytes) -> None:
+    def write(self, payload: bytes, *more: bytes) -> None:
+        """One message, or several in one send (the target reads them in order, woken once)."""
         if self.code is not None:
             raise ConnectionError("the control stream ended")
-        self._send(message_record(self.stream_id, payload))
+        self._send(b"".join(message_record(self.stream_id, p) for p in (payload, *more)))
 
     async def read(self) -> bytes | None:
         """The next reply; None once the stream ended (then `code` and `details` say how)."""
@@ -199,3 +201,5 @@ class OutgoingStream:
             self.code, self.details = code, details
             self._forget(self.stream_id)
             self._replies.put_nowait(None)
+            if self.on_end is not None:
+                self.on_end()

@@ -37,6 +37,7 @@ from dataclasses import dataclass
 from dualpace.engine.transfer.kv_shm_protocol import ShmReservation
 from dualpace.engine.transfer.same_host import SameHostRefused, fetch_fd
 from dualpace.engine.transfer.shm_control import OutgoingStream
+from dualpace.engine.transfer.shm_reserved_ahead import ReservationsAhead
 from dualpace.engine.transfer.shm_segment import MappedKvSegment
 from dualpace.engine.transfer.shm_watch_leases import WatchLeases
 
@@ -75,6 +76,7 @@ class MappedPools:
         self._num_in_use = 0
         # target address -> its pool (socket, token) and whether it takes leases asked for ahead
         self._control: dict[str, tuple[str, bytes, bool]] = {}
+        self.ahead = ReservationsAhead()  # blocks reserved ahead in those pools, for the next transfers
 
     @property
     def num_mapped(self) -> int:
@@ -183,6 +185,7 @@ class MappedPools:
             mapped.let_go()
 
     def close(self) -> None:
+        self.ahead.close()
         for name in list(self._pools):
             self.drop(name)
         self._locks.clear()

@@ -8,7 +8,9 @@ accept, about 0.6 ms of a 64-token transfer on a loaded machine). The rules of a
 those of dualpace.engine.transfer.same_host, unchanged:
 
 - the sender asks for a job's lease (`L` + ticket) and writes only once granted (`OK` + ticket);
-  a job the owner revoked first is refused (`NO` + ticket) and nothing is written;
+  a job the owner revoked first is refused (`NO` + ticket) and nothing is written; a lease granted
+  to an ask ahead that the owner revokes before the sender held it is refused afterwards too, and
+  the sender then ends it at once (blocks reserved ahead that the target takes back);
 - the lease ends when the sender says so (`E` + ticket), after its copy has stopped, or when the
   connection ends (the sender died, or dropped the mapping once no copy used it); the owner
   frees a failed job's memory only after that.
@@ -89,6 +91,8 @@ class WatchLeases:
                 waiting = self._answers.pop(ticket, None)
                 if waiting is not None and not waiting.done():
                     waiting.set_result(kind == GRANTED)
+                elif kind == REFUSED and ticket in self._asked:
+                    self.withdraw(ticket)  # granted ahead, not held yet, and revoked by the owner: ended now
             elif (stream := self._streams.get(ticket)) is not None:
                 if kind == REPLY:
                     stream.deliver(body)

@@ -94,18 +94,20 @@ class MigrateOutResponse(_message.Message):
     def __init__(self, target_engine: _Optional[str] = ..., total_bytes: _Optional[int] = ..., duration_ms: _Optional[float] = ..., transport: _Optional[str] = ...) -> None: ...
 
 class ImportKvMessage(_message.Message):
-    __slots__ = ("header", "prepare", "commit", "shm_written", "tcp_written")
+    __slots__ = ("header", "prepare", "commit", "shm_written", "tcp_written", "shm_reserve_ahead")
     HEADER_FIELD_NUMBER: _ClassVar[int]
     PREPARE_FIELD_NUMBER: _ClassVar[int]
     COMMIT_FIELD_NUMBER: _ClassVar[int]
     SHM_WRITTEN_FIELD_NUMBER: _ClassVar[int]
     TCP_WRITTEN_FIELD_NUMBER: _ClassVar[int]
+    SHM_RESERVE_AHEAD_FIELD_NUMBER: _ClassVar[int]
     header: ImportKvHeader
     prepare: ImportKvPrepare
     commit: ImportKvCommit
     shm_written: KvShmWritten
     tcp_written: KvTcpWritten
-    def __init__(self, header: _Optional[_Union[ImportKvHeader, _Mapping]] = ..., prepare: _Optional[_Union[ImportKvPrepare, _Mapping]] = ..., commit: _Optional[_Union[ImportKvCommit, _Mapping]] = ..., shm_written: _Optional[_Union[KvShmWritten, _Mapping]] = ..., tcp_written: _Optional[_Union[KvTcpWritten, _Mapping]] = ...) -> None: ...
+    shm_reserve_ahead: KvShmReserveAhead
+    def __init__(self, header: _Optional[_Union[ImportKvHeader, _Mapping]] = ..., prepare: _Optional[_Union[ImportKvPrepare, _Mapping]] = ..., commit: _Optional[_Union[ImportKvCommit, _Mapping]] = ..., shm_written: _Optional[_Union[KvShmWritten, _Mapping]] = ..., tcp_written: _Optional[_Union[KvTcpWritten, _Mapping]] = ..., shm_reserve_ahead: _Optional[_Union[KvShmReserveAhead, _Mapping]] = ...) -> None: ...
 
 class KvLayout(_message.Message):
     __slots__ = ("num_layers", "num_kv_heads", "head_dim", "block_size", "dtype")
@@ -165,8 +167,18 @@ class KvShmOffer(_message.Message):
     lease_ticket: bytes
     def __init__(self, boot_id: _Optional[str] = ..., lease_ticket: _Optional[bytes] = ...) -> None: ...
 
+class KvShmReserveAhead(_message.Message):
+    __slots__ = ("layout", "num_tokens", "shm_offer")
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SHM_OFFER_FIELD_NUMBER: _ClassVar[int]
+    layout: KvLayout
+    num_tokens: int
+    shm_offer: KvShmOffer
+    def __init__(self, layout: _Optional[_Union[KvLayout, _Mapping]] = ..., num_tokens: _Optional[int] = ..., shm_offer: _Optional[_Union[KvShmOffer, _Mapping]] = ...) -> None: ...
+
 class KvShmReserved(_message.Message):
-    __slots__ = ("socket_name", "segment_token", "import_token", "slot_run_starts", "slot_run_lengths", "accepts_written_with_commit", "lease_on_watch", "control_on_watch", "asks_lease_ahead")
+    __slots__ = ("socket_name", "segment_token", "import_token", "slot_run_starts", "slot_run_lengths", "accepts_written_with_commit", "lease_on_watch", "control_on_watch", "asks_lease_ahead", "reserves_ahead")
     SOCKET_NAME_FIELD_NUMBER: _ClassVar[int]
     SEGMENT_TOKEN_FIELD_NUMBER: _ClassVar[int]
     IMPORT_TOKEN_FIELD_NUMBER: _ClassVar[int]
@@ -176,6 +188,7 @@ class KvShmReserved(_message.Message):
     LEASE_ON_WATCH_FIELD_NUMBER: _ClassVar[int]
     CONTROL_ON_WATCH_FIELD_NUMBER: _ClassVar[int]
     ASKS_LEASE_AHEAD_FIELD_NUMBER: _ClassVar[int]
+    RESERVES_AHEAD_FIELD_NUMBER: _ClassVar[int]
     socket_name: str
     segment_token: bytes
     import_token: bytes
@@ -185,7 +198,8 @@ class KvShmReserved(_message.Message):
     lease_on_watch: bool
     control_on_watch: bool
     asks_lease_ahead: bool
-    def __init__(self, socket_name: _Optional[str] = ..., segment_token: _Optional[bytes] = ..., import_token: _Optional[bytes] = ..., slot_run_starts: _Optional[_Iterable[int]] = ..., slot_run_lengths: _Optional[_Iterable[int]] = ..., accepts_written_with_commit: _Optional[bool] = ..., lease_on_watch: _Optional[bool] = ..., control_on_watch: _Optional[bool] = ..., asks_lease_ahead: _Optional[bool] = ...) -> None: ...
+    reserves_ahead: bool
+    def __init__(self, socket_name: _Optional[str] = ..., segment_token: _Optional[bytes] = ..., import_token: _Optional[bytes] = ..., slot_run_starts: _Optional[_Iterable[int]] = ..., slot_run_lengths: _Optional[_Iterable[int]] = ..., accepts_written_with_commit: _Optional[bool] = ..., lease_on_watch: _Optional[bool] = ..., control_on_watch: _Optional[bool] = ..., asks_lease_ahead: _Optional[bool] = ..., reserves_ahead: _Optional[bool] = ...) -> None: ...
 
 class KvShmDeclined(_message.Message):
     __slots__ = ("reason",)
