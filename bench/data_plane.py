@@ -182,6 +182,9 @@ async def time_transfers(sender, storage, info, sizes, repeats: int, settle_s: f
             elapsed_ms = (time.perf_counter() - start) * 1e3
             if i > 0:
                 times.append(elapsed_ms)
+                sender.num_timed = getattr(sender, "num_timed", 0) + 1
+                sender.num_reserved_ahead = (getattr(sender, "num_reserved_ahead", 0)
+                                             + bool(getattr(sender, "used_reserved_ahead", False)))
                 if getattr(sender, "phase_ms", None):
                     sender.phases_by_tokens.setdefault(num_tokens, []).append(dict(sender.phase_ms))
                     sender.last_marks_by_tokens[num_tokens] = list(getattr(sender, "marks", ()))
@@ -291,13 +294,15 @@ def main() -> None:
             finally:
                 await channels.close()
             control = "watch" if getattr(shm_sender, "used_watch_control", False) else "grpc"
+            reserved_ahead = f"{getattr(shm_sender, 'num_reserved_ahead', 0)} of {getattr(shm_sender, 'num_timed', 0)}"
             if args.timeline:
                 for num_tokens in (args.context_tokens, args.fixed_tokens):
                     print(format_timeline(f"shm transfer of {num_tokens} tokens (the last timed one):",
                                           shm_sender.last_marks_by_tokens[num_tokens]))
-            return shm, shm_fixed, cold, phase_medians(shm_sender), control, tcp, phase_medians(tcp_sender)
+            return (shm, shm_fixed, cold, phase_medians(shm_sender), control, reserved_ahead, tcp,
+                    phase_medians(tcp_sender))
 
-        shm, shm_fixed, cold, shm_phases, shm_control, tcp_times, tcp_phases = asyncio.run(run())
+        shm, shm_fixed, cold, shm_phases, shm_control, shm_reserved_ahead, tcp_times, tcp_phases = asyncio.run(run())
         memcpy_after = memcpy_gbps(context_bytes, max(5, args.repeats))
     finally:
         target.stop()
@@ -333,6 +338,7 @@ def main() -> None:
         "kv_shm_breakdown_at_context": breakdown,
         "kv_shm_phase_ms_median": shm_phases,
         "kv_shm_control": shm_control,  # where the timed shm transfers' messages went (after the first: the watch)
+        "kv_shm_reserved_ahead": shm_reserved_ahead,  # of the timed shm transfers, those into blocks reserved ahead
         "kv_crc_path": kv_copy_native.crc_path(),  # the CRC loop of the fused copy (this process)
         "context_tokens": args.context_tokens, "context_bytes": context_bytes,
         "model": args.model, "dtype": info.dtype, "cpu_kind": cpu_kind(), "load_average": os.getloadavg(),
