@@ -172,18 +172,16 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
                         raise InvalidArgument("shm_reserve_ahead.shm_offer", answer.reason)
                     yield shm_messages.shm_answer_to_pb(answer)
                     continue
-                if kind == "header" and importer.reserved_ahead:  # its blocks are reserved: no answer
+                if kind == "header":
                     if importer.progress is not None:
                         raise InvalidArgument("header", "sent twice")
                     header = messages.kv_header_from_pb(message.header)
-                    if header.cache_only:
-                        raise InvalidArgument("header.cache_only", "not into blocks reserved ahead")
-                    await importer.begin(header)
-                    marks.append(("reserved", time.perf_counter()))
-                elif kind == "header":
-                    if importer.progress is not None:
-                        raise InvalidArgument("header", "sent twice")
-                    header = messages.kv_header_from_pb(message.header)
+                    if importer.reserved_ahead:  # its blocks adopted, no answer: written + commit follow
+                        if header.cache_only:
+                            raise InvalidArgument("header.cache_only", "not into blocks reserved ahead")
+                        await importer.begin(header)
+                        marks.append(("reserved", time.perf_counter()))
+                        continue
                     if header.cache_only:  # host-tier blocks for this engine's prefix cache
                         importer = HostTierImporter(self.loop)
                         if shm is not None:

@@ -206,11 +206,12 @@ class SameHostKvSender(TcpKvSender):
             control = self.pools.control_stream(self.target_address)
         except SameHostRefused:
             return None
+        if control is None:
+            return None
         ticket = new_ticket()
-        leases = self.pools.ask_lease_ahead(self.target_address, ticket) if control is not None else None
+        leases = self.pools.ask_lease_ahead(self.target_address, ticket)
         if leases is None:
-            if control is not None:
-                control.abandon()
+            control.abandon()
             return None
         call = WatchImportCall(control, engine_pb2.ImportKvReply.FromString)
         try:

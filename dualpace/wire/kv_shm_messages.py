@@ -11,10 +11,14 @@ from dualpace.wire.v1 import engine_pb2
 def kv_header_with_offer_to_pb(header: KvTransferHeader, offer: ShmOffer | None) -> engine_pb2.ImportKvMessage:
     message = kv_header_to_pb(header)
     if offer is not None:
-        message.header.shm_offer.boot_id = offer.boot_id
-        if offer.lease_ticket is not None:
-            message.header.shm_offer.lease_ticket = offer.lease_ticket
+        _set_offer(message.header.shm_offer, offer)
     return message
+
+
+def _set_offer(message: engine_pb2.KvShmOffer, offer: ShmOffer) -> None:
+    message.boot_id = offer.boot_id
+    if offer.lease_ticket is not None:
+        message.lease_ticket = offer.lease_ticket
 
 
 def shm_offer_from_pb(header: engine_pb2.ImportKvHeader | engine_pb2.KvShmReserveAhead) -> ShmOffer | None:
@@ -26,10 +30,7 @@ def shm_offer_from_pb(header: engine_pb2.ImportKvHeader | engine_pb2.KvShmReserv
 def shm_reserve_ahead_to_pb(ahead: ShmReserveAhead) -> engine_pb2.ImportKvMessage:
     message = engine_pb2.ImportKvMessage(shm_reserve_ahead=engine_pb2.KvShmReserveAhead(
         layout=kv_layout_to_pb(ahead.layout), num_tokens=ahead.num_tokens))
-    offer = message.shm_reserve_ahead.shm_offer
-    offer.boot_id = ahead.offer.boot_id
-    if ahead.offer.lease_ticket is not None:
-        offer.lease_ticket = ahead.offer.lease_ticket
+    _set_offer(message.shm_reserve_ahead.shm_offer, ahead.offer)
     return message
 
 

@@ -18,7 +18,7 @@ from dualpace.model.loader import load_model
 from dualpace.model.paged_forward import PagedForward, SequenceWork
 from dualpace.sampling import SamplingParams
 from tests.helpers import reference_tokens
-from tests.model.hf_reference import tensor_name_map_built_once, hf_greedy, hf_prompt_logits
+from tests.model.hf_reference import hf_greedy, hf_prompt_logits, tensor_name_map_built_once
 
 NUM_NEW_TOKENS = 32
 LOGIT_TOLERANCE = 1e-3

@@ -50,9 +50,11 @@ async def import_messages(requests: AsyncIterator, importer: KvImporter) -> Asyn
     not come, at most RESERVED_AHEAD_MAX_WAIT_S for the next one (then Unavailable: the import ends)."""
     iterator = aiter(requests)
     while True:
-        waits_ahead = importer.reserved_ahead and importer.progress is None
         try:
-            async with asyncio.timeout(RESERVED_AHEAD_MAX_WAIT_S if waits_ahead else None):
+            if importer.reserved_ahead and importer.progress is None:
+                async with asyncio.timeout(RESERVED_AHEAD_MAX_WAIT_S):
+                    message = await anext(iterator)
+            else:  # no timer on the other messages' path
                 message = await anext(iterator)
         except StopAsyncIteration:
             return

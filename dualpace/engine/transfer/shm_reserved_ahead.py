@@ -31,6 +31,7 @@ from dataclasses import dataclass
 
 from dualpace.engine.transfer.kv_shm_protocol import ShmReservation
 from dualpace.engine.transfer.kv_transfer import KvLayout, KvTransferHeader
+from dualpace.engine.transfer.shm_watch_leases import WatchLeases
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +48,7 @@ class ReservedAhead:
     layout: KvLayout
     num_tokens: int
     ticket: bytes
-    leases: object  # the WatchLeases the lease was asked over
+    leases: WatchLeases  # where the lease was asked for
     expiry: asyncio.TimerHandle | None = None
 
     @property
