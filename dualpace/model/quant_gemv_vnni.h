@@ -17,12 +17,14 @@
 // convert and FMA per block, and brings the KL divergence below llama.cpp's, docs/perf.md).
 // vpdpbusd multiplies unsigned by signed bytes. The nibbles 0..15 of Q4_0 / Q4_1 / Q4_K are its
 // unsigned operand (broadcast) and the activations, stored as q, its signed one: the sum is
-// dot(q, w) as it is. For the signed formats (Q8_0's own values, Q6_K's q - 32) the activations
-// are stored as q + 128 (unsigned); each lane's sum is then dot(q, w) + 128 sum(w), and the
-// accumulator starts at -128 sum(w) (per 16 weights, from vpsadbw), so the integer result is
-// dot(q, w) exactly. Per 16 the float scale is dw dx, and the Q4 formats add their min term
-// mw (dx sum(q)) (Q4_0: mw = -8 dw). (The q + 128 form for the Q4 formats too, with Q4_0 as
-// q - 8, ran 0.77-0.91x of this at 8-64 rows of Q4_K, one thread of an Intel Xeon.)
+// dot(q, w) as it is. Q8_0's values are too up to two lane groups, as w + 128, each lane's sum
+// starting at -128 sum(q) (offset_form). Beyond, Q8_0's values and Q6_K's q - 32 are the signed
+// operand and the activations are stored as q + 128 (unsigned); each lane's sum is then
+// dot(q, w) + 128 sum(w), and the accumulator starts at -128 sum(w) (per 16 weights, from vpsadbw).
+// Either way the integer result is dot(q, w) exactly. Per 16 the float scale is dw dx, and the Q4
+// formats add their min term mw (dx sum(q)) (Q4_0: mw = -8 dw). (The q + 128 form for the Q4
+// formats too, with Q4_0 as q - 8, ran 0.77-0.91x of this at 8-64 rows of Q4_K, one thread of an
+// Intel Xeon.)
 // Exactness: the products of the rounded activations and the weights are exact integers; the
 // result differs from the dequantized fp32 model by the activation rounding (<= dx / 2 per
 // element), as llama.cpp's batched products do.
@@ -34,11 +36,27 @@ namespace dp_quant {
 
 // Formats whose values are unsigned nibbles (Q4_0, Q4_1, Q4_K): they are vpdpbusd's unsigned
 // operand and the activations its signed one (stored as q), so the integer sum is dot(q, w) as it
-// is; Q4_0's -8 joins its min term (-8 dw sum(dx q)). Signed formats (Q8_0, Q6_K) take the
-// activations as q + 128 and start each sum at -128 sum(w).
+// is; Q4_0's -8 joins its min term (-8 dw sum(dx q)).
 constexpr bool unsigned_weights(int32_t format) {
   return format == DP_W_Q4_0 || format == DP_W_Q4_1 || format == DP_W_Q4_K;
 }
+
+// Up to two lane groups (decode batches of 9-32 rows) Q8_0's values are the unsigned operand too, as
+// w + 128 (staged with their bytes xored with 0x80), against the activations as q: each lane's sum
+// is then dot(q, w) + 128 sum(q), and it starts at -128 sum(q), which prepare_vnni stores per lane
+// and half block beside the scales and each lane group holds in registers for all the tile's W rows.
+// The signed form (activations as q + 128, each sum starting at -128 sum(w) of its W row and half,
+// broadcast from a general register per W row, half and lane group) ran 0.87-0.98x of that at 16
+// rows and about the same at 32 (one thread of a Zen 4, 1B gate/up and down). From three lane
+// groups, and in staged calls, Q8_0 keeps the signed form: the offset form's separate broadcasts of
+// the weights (vpdpbusd's memory operand can only be its signed one) ran 0.65-0.9x there. The
+// integer sums are the same either way, so the results too.
+constexpr int64_t Q8_OFFSET_MAX_LANES = 32;
+inline bool offset_form(int32_t format, int64_t lanes) { return format == DP_W_Q8_0 && lanes <= Q8_OFFSET_MAX_LANES; }
+// The same for a tile of MV lane groups: a call that is not staged holds all its lanes in one pass
+// (VNNI_STAGED_MIN_LANES, quant_gemv_vnni_rows.h), so MV <= 2 there means at most 32 lanes.
+template <int32_t F, int MV, bool STAGED>
+constexpr bool tile_offset_form() { return F == DP_W_Q8_0 && !STAGED && MV * 16 <= Q8_OFFSET_MAX_LANES; }
 
 // acc + the dot products of the weight dword at w4 (unsigned: the nibble formats), broadcast, with
 // each lane's 4 activation bytes (signed). The broadcast is in the same asm statement as its
@@ -101,13 +119,16 @@ inline int vnni_lanes(int64_t M) { return M <= 8 ? 8 : 16; }
 inline int64_t vnni_groups(int64_t M) { return (M + vnni_lanes(M) - 1) / vnni_lanes(M); }
 
 // Prepared layout, per lane group, per block b of 32: 8 x L dwords (dword j of every lane's
-// block: its bytes 4j..4j+3 as q + 128), then L floats dx of elements 0-15, L floats dx of 16-31,
-// and L floats sum(dx q) of the block (the min term).
-inline int64_t vnni_block_bytes(int L) { return 8 * 4 * L + 3 * 4 * L; }
-inline int64_t vnni_group_bytes(int64_t K, int L) { return (K / 32) * vnni_block_bytes(L); }
+// block: its bytes 4j..4j+3 as q, or q + 128 against signed weights), then L floats dx of elements
+// 0-15, L floats dx of 16-31, L floats sum(dx q) of the block (the min term), and in Q8_0's offset
+// form L int32 -128 sum(q) of elements 0-15, then of 16-31 (the starts against its w + 128; the other
+// layouts end before them: the activations are read again for every tile of W rows).
+inline int64_t vnni_block_bytes(int L, bool offset) { return (offset ? 13 : 11) * 4 * L; }
+inline int64_t vnni_group_bytes(int64_t K, int L, bool offset) { return (K / 32) * vnni_block_bytes(L, offset); }
+// The most either layout takes for M lanes.
 inline int64_t vnni_bytes(int64_t K, int64_t M) {
   const int L = vnni_lanes(M);
-  return vnni_groups(M) * vnni_group_bytes(K, L);
+  return vnni_groups(M) * vnni_group_bytes(K, L, true);
 }
 
 // Two vectors of 8 int32 (each within int8) as 16 int8 in element order: packs work per 128-bit
@@ -133,11 +154,12 @@ inline float round16_i8(const float* x, __m128i* q8, int32_t* sum_q) {
 }
 
 // 16 floats of x as q = round(x * 127 / max|x|) (+ 128, as bytes) into dwords `q`, L lanes apart;
-// returns the scale dx = max / 127 and adds dx sum(q) to *sum.
-inline float quantize16(const float* x, uint8_t* q, int L, float* sum, bool offset) {
+// returns the scale dx = max / 127, adds dx sum(q) to *sum and sets *start to -128 sum(q).
+inline float quantize16(const float* x, uint8_t* q, int L, float* sum, int32_t* start, bool offset) {
   __m128i p8;
   int32_t sum_q;
   const float dx = round16_i8(x, &p8, &sum_q);
+  *start = -128 * sum_q;
   alignas(16) uint32_t d[4];
   _mm_store_si128(reinterpret_cast<__m128i*>(d), offset ? _mm_xor_si128(p8, _mm_set1_epi8(static_cast<char>(0x80))) : p8);
   for (int j = 0; j < 4; ++j) std::memcpy(q + 4 * j * L, &d[j], 4);
@@ -195,8 +217,11 @@ inline int64_t vnni_header_bytes(int64_t M) { return (static_cast<int64_t>(sizeo
 inline int64_t vnni_prepared_bytes(int64_t K, int64_t M) { return vnni_header_bytes(M) + vnni_bytes(K, 2 * M); }
 
 // Lane `lane` of block b of a lane group: row `src` of x quantized (residual: its residual's).
-inline void quantize_lane(const float* src, bool residual, int64_t b, int L, int lane, bool offset, uint8_t* q) {
+// signed_weights: the activations as q + 128; starts: the offset form's starts stored.
+inline void quantize_lane(const float* src, bool residual, int64_t b, int L, int lane, bool signed_weights,
+                          bool starts_stored, uint8_t* q) {
   float* dx = reinterpret_cast<float*>(q + 8 * 4 * L);
+  int32_t* start = reinterpret_cast<int32_t*>(dx + 3 * L);
   alignas(32) float r[32];
   const float* v = src + 32 * b;
   if (residual) {
@@ -205,15 +230,16 @@ inline void quantize_lane(const float* src, bool residual, int64_t b, int L, int
     v = r;
   }
   float sum = 0.0f;
-  dx[lane] = quantize16(v, q + 4 * lane, L, &sum, offset);
-  dx[L + lane] = quantize16(v + 16, q + 4 * (4 * L + lane), L, &sum, offset);
+  int32_t starts[2];
+  dx[lane] = quantize16(v, q + 4 * lane, L, &sum, &starts[0], signed_weights);
+  dx[L + lane] = quantize16(v + 16, q + 4 * (4 * L + lane), L, &sum, &starts[1], signed_weights);
   dx[2 * L + lane] = sum;
+  if (starts_stored) start[lane] = starts[0], start[L + lane] = starts[1];
 }
 
 // The M rows of x into the layout above, outlier rows' residual lanes after them (lanes past the
 // last: q = 0, dx = 0).
 inline void prepare_vnni(const float* x, int64_t M, int64_t ldx, int64_t K, int32_t format, uint8_t* out) {
-  const bool offset = !unsigned_weights(format);
   auto* head = reinterpret_cast<VnniHeader*>(out);
   int32_t* targets = reinterpret_cast<int32_t*>(out + sizeof(VnniHeader));
   int64_t lanes = M;
@@ -224,28 +250,31 @@ inline void prepare_vnni(const float* x, int64_t M, int64_t ldx, int64_t K, int3
   uint8_t* body = out + vnni_header_bytes(M);
   const int64_t nb = K / 32;
   const int L = vnni_lanes(lanes);
+  const bool starts = offset_form(format, lanes), offset = !unsigned_weights(format) && !starts;
   for (int64_t g = 0; g < vnni_groups(lanes); ++g) {
-    uint8_t* gout = body + g * vnni_group_bytes(K, L);
+    uint8_t* gout = body + g * vnni_group_bytes(K, L, starts);
     for (int lane = 0; lane < L; ++lane) {
       const int64_t v = g * L + lane;
       for (int64_t b = 0; b < nb; ++b) {
-        uint8_t* q = gout + b * vnni_block_bytes(L);
+        uint8_t* q = gout + b * vnni_block_bytes(L, starts);
         if (v >= lanes) {
           float* dx = reinterpret_cast<float*>(q + 8 * 4 * L);
+          int32_t* start = reinterpret_cast<int32_t*>(dx + 3 * L);
           for (int j = 0; j < 8; ++j) std::memset(q + 4 * (j * L + lane), offset ? 0x80 : 0, 4);
           dx[lane] = dx[L + lane] = dx[2 * L + lane] = 0.0f;
+          if (starts) start[lane] = start[L + lane] = 0;
           continue;
         }
         const int64_t row = v < M ? v : targets[v - M];
-        quantize_lane(x + row * ldx, v >= M, b, L, lane, offset, q);
+        quantize_lane(x + row * ldx, v >= M, b, L, lane, offset, starts, q);
       }
     }
   }
 }
 
-// One weight block of 32 as signed bytes (written to `buf` unless the row's own bytes serve),
-// the scale of each half of 16 (Q6_K: its own per-16 scales), the min, and -128 x the sum of
-// each half's values.
+// One weight block of 32 as vpdpbusd takes it (written to `buf` unless the row's own bytes serve:
+// Q8_0's signed form), the scale of each half of 16 (Q6_K: its own per-16 scales), the min, and
+// for the signed values (Q6_K's q - 32, Q8_0's signed form) -128 x the sum of each half's.
 struct Staged {
   const uint8_t* bytes;
   float dw[2];
@@ -263,11 +292,16 @@ inline void neg128_sums(__m256i v, int32_t* corr) {
   corr[1] = -128 * (_mm_extract_epi32(t, 2) - 128 * 16);
 }
 
-// Sub-block j of group g (a GGML block) staged: values as signed bytes.
-template <int32_t F>
+// Sub-block j of group g (a GGML block) staged (OFFSET: Q8_0's offset form).
+template <int32_t F, bool OFFSET>
 inline void stage(const uint8_t* g, int j, const float* dw, const float* mw, uint8_t* buf, Staged* s) {
   __m256i v;
-  if constexpr (F == DP_W_Q8_0) {
+  if constexpr (F == DP_W_Q8_0 && OFFSET) {  // w + 128
+    v = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(g + 2)),
+                         _mm256_set1_epi8(static_cast<char>(0x80)));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(buf), v);
+    s->bytes = buf;
+  } else if constexpr (F == DP_W_Q8_0) {
     v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(g + 2));
     s->bytes = g + 2;
   } else {
@@ -275,7 +309,7 @@ inline void stage(const uint8_t* g, int j, const float* dw, const float* mw, uin
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(buf), v);
     s->bytes = buf;
   }
-  if constexpr (!unsigned_weights(F)) neg128_sums(v, s->corr);
+  if constexpr (!unsigned_weights(F) && !OFFSET) neg128_sums(v, s->corr);
   if constexpr (F == DP_W_Q6_K) {
     const int8_t* sc = reinterpret_cast<const int8_t*>(g + 192);
     s->dw[0] = dw[j] * static_cast<float>(sc[2 * j]);
@@ -287,7 +321,7 @@ inline void stage(const uint8_t* g, int j, const float* dw, const float* mw, uin
 }
 
 // A block of 32 weights staged ahead of the tile (quant_gemv_vnni_rows.h): its Staged, whose
-// bytes point at its own copy (Q8_0: at the row).
+// bytes point at its own copy.
 struct alignas(64) StagedBlock {
   Staged s;
   alignas(32) uint8_t bytes[32];
@@ -306,13 +340,17 @@ struct alignas(64) StagedBlock {
 // differs from the per-half order (tile_vnni's loop) by fp32 rounding. Q4_1 keeps that order: with
 // dw once per block the default model's chat answer (a Q4_1 prompt in int8; a near tie, which a
 // changed rounding of one activation in one layer can flip) stopped naming Paris.
-template <int32_t F, class V, int NR, int MV>
+// start: the offset form's starts of the two halves (L int32 each: -128 sum(q) per lane).
+template <int32_t F, class V, int NR, int MV, bool OFFSET>
 inline void one_scale_rows(const typename V::I* xa, const typename V::F* dx, const typename V::F& dxsum,
-                           const Staged* st, typename V::F (*acc)[MV], int mv) {
+                           const int32_t* start, const Staged* st, typename V::F (*acc)[MV], int mv) {
 #pragma GCC unroll 8
   for (int r = 0; r < NR; ++r) {
     typename V::I s0, s1;
-    if constexpr (unsigned_weights(F)) {
+    if constexpr (OFFSET) {
+      s0 = V::load(start);
+      s1 = V::load(start + V::L);
+    } else if constexpr (unsigned_weights(F)) {
       s0 = s1 = V::set1(0);
     } else {
       s0 = V::set1(st[r].corr[0]);
@@ -320,7 +358,7 @@ inline void one_scale_rows(const typename V::I* xa, const typename V::F* dx, con
     }
 #pragma GCC unroll 4
     for (int i = 0; i < 4; ++i) {
-      if constexpr (unsigned_weights(F)) {
+      if constexpr (OFFSET || unsigned_weights(F)) {
         s0 = V::dot_wu(s0, xa[i], st[r].bytes + 4 * i);
         s1 = V::dot_wu(s1, xa[i + 4], st[r].bytes + 16 + 4 * i);
       } else {
@@ -367,7 +405,8 @@ inline void tile_vnni(const uint8_t* const* wrows, const uint8_t* act, int64_t K
                       int64_t ahead_bytes) {
   using Spec = Fmt<F>;
   constexpr int L = V::L;
-  const int64_t group_bytes = vnni_group_bytes(K, L), block_bytes = vnni_block_bytes(L);
+  constexpr bool OFFSET = tile_offset_form<F, MV, STAGED>();
+  const int64_t group_bytes = vnni_group_bytes(K, L, OFFSET), block_bytes = vnni_block_bytes(L, OFFSET);
   typename V::F acc[NR][MV];
   for (int r = 0; r < NR; ++r)
     for (int mv = 0; mv < MV; ++mv) acc[r][mv] = V::zero();
@@ -386,7 +425,7 @@ inline void tile_vnni(const uint8_t* const* wrows, const uint8_t* act, int64_t K
       Staged st[NR];
       for (int r = 0; r < NR; ++r)
         if constexpr (STAGED) st[r] = reinterpret_cast<const StagedBlock*>(wrows[r])[b].s;
-        else stage<F>(wrows[r] + grp * Spec::BYTES, j, dw[r], mw[r], buf[r], &st[r]);
+        else stage<F, OFFSET>(wrows[r] + grp * Spec::BYTES, j, dw[r], mw[r], buf[r], &st[r]);
       for (int mv = 0; mv < MV; ++mv) {
         const uint8_t* a = act + mv * group_bytes + b * block_bytes;
         typename V::I xa[8];
@@ -394,7 +433,8 @@ inline void tile_vnni(const uint8_t* const* wrows, const uint8_t* act, int64_t K
         const float* dxp = reinterpret_cast<const float*>(a + 8 * 4 * L);
         const typename V::F dx[2] = {V::loadf(dxp), V::loadf(dxp + L)};
         if constexpr (F == DP_W_Q8_0 || F == DP_W_Q4_0 || F == DP_W_Q4_K)
-          one_scale_rows<F, V, NR>(xa, dx, V::loadf(dxp + 2 * L), st, acc, mv);
+          one_scale_rows<F, V, NR, MV, OFFSET>(xa, dx, V::loadf(dxp + 2 * L),
+                                               reinterpret_cast<const int32_t*>(dxp + 3 * L), st, acc, mv);
         else
           per_half_rows<F, V, NR>(xa, dx, V::loadf(dxp + 2 * L), st, acc, mv);
       }

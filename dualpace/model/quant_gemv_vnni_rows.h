@@ -25,9 +25,10 @@ inline void tile_vnni_store(const uint8_t* const* wrows, const WeightDesc& w, co
                             int64_t ldy) {
   constexpr int NR = MV <= (F == DP_W_Q8_0 ? 1 : 2) ? 8 : 4;  // Q8_0 at 2 groups: 4 (one_scale_rows)
   constexpr int L = V::L;
+  const int64_t group_bytes = vnni_group_bytes(w.K, L, tile_offset_form<F, MV, STAGED>());
   for (int r0 = 0; r0 < VNNI_TILE_ROWS && r0 < cols; r0 += NR) {
     alignas(64) float out[NR][4 * 16];
-    tile_vnni<F, V, NR, MV, STAGED>(wrows + r0, act + g0 * vnni_group_bytes(w.K, L), w.K, out, NR * w.row_bytes);
+    tile_vnni<F, V, NR, MV, STAGED>(wrows + r0, act + g0 * group_bytes, w.K, out, NR * w.row_bytes);
     for (int r = 0; r < NR && r0 + r < cols; ++r)
       for (int64_t i = 0; i < MV * L && g0 * L + i < head.num_lanes; ++i) {
         const int64_t v = g0 * L + i;
@@ -57,7 +58,7 @@ inline void stage_rows(const WeightDesc& w, int64_t r0, int64_t r1, StagedBlock*
       const uint8_t* g = row + grp * Spec::BYTES;
       float dw[8], mw[8];
       group_scales<F>(g, dw, mw);
-      for (int j = 0; j < Spec::G; ++j) stage<F>(g, j, dw, mw, out[j].bytes, &out[j].s);
+      for (int j = 0; j < Spec::G; ++j) stage<F, false>(g, j, dw, mw, out[j].bytes, &out[j].s);
     }
   }
 }

@@ -95,7 +95,8 @@ def test_int8_few_rows_round_per_run_unless_a_row_is_an_outlier(name, m, k, vari
 def test_int8_mode_at_the_extremes(variant):
     """int8 on Q8_0: every int8 weight (-128 and 127 included; rows all 127 and all -128) against
     activation blocks at +max and -max (q = +-127), all-zero blocks (scale 0) and rows past the
-    last full lane group: the integer sums neither overflow nor lose the -128 sum(w) correction."""
+    last full lane group: the integer sums neither overflow nor lose their -128 starts, in the offset
+    form (w + 128 against q, up to 32 lanes) and the signed one (q + 128 against w, from 33)."""
     if not int8_min_rows():
         pytest.skip(f"{variant} runs no int8 rows (no AVX-512 VNNI build): int8 mode is its int16/fp32 path")
     rng = np.random.default_rng(5)
@@ -112,7 +113,7 @@ def test_int8_mode_at_the_extremes(variant):
     kernels = cpu_kernels.get()
     quant_activations.set_activations("int8")
     try:
-        for m in (5, 17):
+        for m in (5, 17, 32, 40):
             x = torch.randn(m, k)
             x[0, :512], x[1, :512] = 3.0, -3.0
             x[2, 32:64] = 0.0
