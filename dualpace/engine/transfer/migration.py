@@ -240,7 +240,7 @@ class KvImporter:
             raise InvalidArgument("header.output_token_ids", "the request has already produced max_tokens tokens")
         # The continuation is valid exactly when the original request was: same total length.
         min_tokens_left = max(0, header.params.min_tokens - len(header.output_token_ids))
-        validate_request(list(header.prompt_token_ids) + list(header.output_token_ids),
+        validate_request(header.prompt_token_ids + header.output_token_ids,
                          replace(header.params, max_tokens=remaining, min_tokens=min_tokens_left),
                          core.loaded.config.vocab_size, core.loaded.max_context_tokens,
                          prompt_field="header.prompt_token_ids")
