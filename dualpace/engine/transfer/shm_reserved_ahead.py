@@ -18,8 +18,10 @@ an import that ends uncommitted only once that lease has ended. A reservation ah
 - the target ends it (no header within kv_shm_import.RESERVED_AHEAD_MAX_WAIT_S, a draining
   engine): the stream's end reaches the sender, which ends the lease;
 - either side dies: the watch connection's end does both.
-The blocks count as used on the target while it stands. A transfer whose reservation ended before
-its header left makes a fresh import instead (nothing of it was committed).
+While it stands the target holds its blocks (no request can take them), but its load and its
+kv_blocks_used gauge do not count them (Scheduler.num_used_blocks): they stand for the next import, as
+free blocks would. A transfer whose reservation ended before its header left makes a fresh import
+instead (nothing of it was committed).
 """
 
 from __future__ import annotations
