@@ -345,7 +345,7 @@ def main(argv: list[str] | None = None) -> int:
     print(json.dumps(attention), file=sys.stderr)
 
     result = {
-        "model": args.model,
+        "model": os.path.basename(args.model),  # a file or folder by its name: no machine paths in results
         "weights": args.weights,
         "dtype": str(loaded.model.dtype).removeprefix("torch."),
         "quant_activations": args.quant_activations,
