@@ -404,7 +404,7 @@ inline int64_t prepare_bytes(const WeightDesc& w, int64_t M) {
   const int64_t rows = M * i16_row_bytes(w.K);
 #if defined(DP_QUANT_VNNI)
   return PREPARED_HEADER_BYTES + std::max({rows, vnni_prepared_bytes(w.K, M), M * q8k_row_bytes(w.K),
-                                              M * pairs_row_bytes(w.K)});
+                                              M * pairs_row_bytes(w.K, w.format)});
 #else
   return PREPARED_HEADER_BYTES + rows;
 #endif
