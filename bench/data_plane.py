@@ -341,7 +341,8 @@ def main() -> None:
         "kv_shm_reserved_ahead": shm_reserved_ahead,  # of the timed shm transfers, those into blocks reserved ahead
         "kv_crc_path": kv_copy_native.crc_path(),  # the CRC loop of the fused copy (this process)
         "context_tokens": args.context_tokens, "context_bytes": context_bytes,
-        "model": os.path.basename(args.model), "dtype": info.dtype, "cpu_kind": cpu_kind(), "load_average": os.getloadavg(),
+        "model": os.path.basename(args.model), "dtype": info.dtype, "cpu_kind": cpu_kind(),
+        "load_average": os.getloadavg(),
         **assist_round_trips(args.model, args.assist_iterations),
     }
     text = json.dumps(result)

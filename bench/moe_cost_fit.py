@@ -81,8 +81,8 @@ def main(argv: list[str] | None = None) -> int:
                      "along_batch_error": round(by_batch / measured[b] - 1, 3),
                      "expected_distinct_experts": expected_distinct_experts(moe.num_experts,
                                                                             moe.num_experts_per_tok, b)})
-    result = {"model": os.path.basename(args.model), "weights": args.weights, "threads": args.threads, "context": args.context,
-              "statistic": args.statistic, "repeats": args.repeats,
+    result = {"model": os.path.basename(args.model), "weights": args.weights, "threads": args.threads,
+              "context": args.context, "statistic": args.statistic, "repeats": args.repeats,
               "active_bytes_per_token": moe.active_bytes_per_token(), "moe": vars(moe), "grid": grid,
               "fit": {"const_ms": cost.moe_step_fit.const_ms, "ms_per_mb": cost.moe_step_fit.ms_per_byte * 1e6,
                       "ms_per_row": cost.moe_step_fit.ms_per_row},
